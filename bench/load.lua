@@ -1,0 +1,58 @@
+-- wrk script for the gateway benchmark: one request shape per run, chosen
+-- by environment variables, and a count of responses by status so that
+-- "unexpected statuses" can be told apart from the expected 501 or 401.
+--
+--   SVC_BENCH_METHOD  GET or POST
+--   SVC_BENCH_TOKEN   bearer token ("" for none)
+--   SVC_BENCH_AGENT   X-SVC-Agent-ID ("" for none)
+
+local method = os.getenv("SVC_BENCH_METHOD") or "POST"
+local token = os.getenv("SVC_BENCH_TOKEN") or ""
+local agent = os.getenv("SVC_BENCH_AGENT") or ""
+
+wrk.method = method
+if method == "POST" then
+  wrk.body = '{"model":"demo","messages":[{"role":"user","content":"hello"}],"stream":false}'
+  wrk.headers["Content-Type"] = "application/json"
+end
+if token ~= "" then
+  wrk.headers["Authorization"] = "Bearer " .. token
+end
+if agent ~= "" then
+  wrk.headers["X-SVC-Agent-ID"] = agent
+end
+
+local threads = {}
+
+function setup(thread)
+  table.insert(threads, thread)
+end
+
+function init(args)
+  statuses = {}
+end
+
+function response(status, headers, body)
+  statuses[status] = (statuses[status] or 0) + 1
+end
+
+function done(summary, latency, requests)
+  local counts = {}
+  for _, thread in ipairs(threads) do
+    local seen = thread:get("statuses")
+    for status, count in pairs(seen) do
+      counts[status] = (counts[status] or 0) + count
+    end
+  end
+  local parts = {}
+  for status, count in pairs(counts) do
+    table.insert(parts, string.format('"%d": %d', status, count))
+  end
+  io.write(string.format(
+    'RESULT {"requests": %d, "duration_us": %d, "p50_us": %d, "p99_us": %d, "p999_us": %d, '
+      .. '"socket_errors": %d, "statuses": {%s}}\n',
+    summary.requests, summary.duration,
+    latency:percentile(50), latency:percentile(99), latency:percentile(99.9),
+    summary.errors.connect + summary.errors.read + summary.errors.write + summary.errors.timeout,
+    table.concat(parts, ", ")))
+end

@@ -1,0 +1,1 @@
+"""svc: a tenant-aware LLM gateway (svc-proxy and svc-auth)."""

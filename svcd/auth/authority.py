@@ -1,0 +1,342 @@
+"""
+The decisions of svc-auth, independent of gRPC: who a bearer is, whether an
+agent may act, and the management of tokens.
+
+Methods block (database, argon2) and run in grpcio's server threads; they
+raise the L{Refusal} subclasses below, which the gRPC layer maps to status
+codes one to one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import uuid
+from collections.abc import Callable
+from typing import TypeVar
+
+import attrs
+from twisted.logger import Logger
+
+from svcd.auth.cache import CachedAgent, CachedToken, ValidationCache
+from svcd.auth.hashing import SecretDigester, hashSecret, verifySecret
+from svcd.auth.store import Store, StoreRejected, StoreUnavailable, TokenRecord
+from svcd.common.ids import parseUUID
+from svcd.common.pat import formatToken, newSecret, parseToken
+from svcd.common.permissions import Permission
+
+AGENT_NOT_ACTIVE = "agent is not active"
+
+_T = TypeVar("_T")
+
+
+def issueToken(
+    store: Store,
+    *,
+    orgID: uuid.UUID,
+    permissions: int,
+    agentID: uuid.UUID | None = None,
+    userID: uuid.UUID | None = None,
+    name: str | None = None,
+    expiresAt: datetime.datetime | None = None,
+    createdBy: uuid.UUID | None = None,
+) -> tuple[str, TokenRecord]:
+    """
+    Make a token and store only the argon2id hash of its secret; the full
+    bearer value is returned once, here, and kept nowhere.
+    """
+    tokenID = uuid.uuid4()
+    secret = newSecret()
+    record = store.createToken(
+        tokenID=tokenID,
+        orgID=orgID,
+        secretHash=hashSecret(secret),
+        permissions=permissions,
+        agentID=agentID,
+        userID=userID,
+        name=name,
+        expiresAt=expiresAt,
+        createdBy=createdBy,
+    )
+    return formatToken(tokenID, secret), record
+
+
+class Refusal(Exception):
+    """
+    A request svc-auth answers with a non-OK status; the message goes to
+    the caller, so it never holds a secret.
+    """
+
+
+class Unauthenticated(Refusal):
+    pass
+
+
+class PermissionDenied(Refusal):
+    pass
+
+
+class InvalidArgument(Refusal):
+    pass
+
+
+class Overloaded(Refusal):
+    """
+    Too many cache misses are already being verified; see L{Authority}.
+    """
+
+
+class Unavailable(Refusal):
+    """
+    The database failed; the caller sees Internal.
+    """
+
+
+@attrs.frozen
+class Caller:
+    """
+    A validated token, as the rest of the service sees it.
+    """
+
+    tokenID: uuid.UUID
+    orgID: uuid.UUID
+    permissions: int
+    agentID: uuid.UUID | None
+    userID: uuid.UUID | None
+    expiresAt: datetime.datetime | None
+
+
+def _caller(record: TokenRecord) -> Caller:
+    return Caller(
+        tokenID=record.tokenID,
+        orgID=record.orgID,
+        permissions=record.permissions,
+        agentID=record.agentID,
+        userID=record.userID,
+        expiresAt=record.expiresAt,
+    )
+
+
+def bearerFromMetadata(value: str | None) -> str:
+    """
+    The token of an C{authorization: Bearer <token>} metadata value.
+    """
+    if not value:
+        raise Unauthenticated("missing authorization metadata")
+    scheme, _, token = value.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise Unauthenticated("authorization metadata is not a bearer token")
+    return token.strip()
+
+
+class Authority:
+    """
+    Token and agent validation with the cache of L{svcd.auth.cache}, and the
+    management operations of decisions D6.
+
+    Cold work (a database read, and argon2 for a secret not seen before) is
+    admitted through a semaphore of C{coldSlots}, waiting at most
+    C{coldWait} seconds; a flood of unknown ids or wrong secrets can then
+    occupy only that many threads, while cached valid tokens never wait.
+
+    @param wallClock: Unix time in seconds, for expiry.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        store: Store,
+        cache: ValidationCache,
+        wallClock: Callable[[], float],
+        digester: SecretDigester | None = None,
+        coldSlots: int = 4,
+        coldWait: float = 0.25,
+    ) -> None:
+        self._store = store
+        self._cache = cache
+        self._wallClock = wallClock
+        self._digester = digester if digester is not None else SecretDigester()
+        self._coldSlots = threading.BoundedSemaphore(coldSlots)
+        self._coldWait = coldWait
+
+    # Validation
+
+    def validateToken(self, bearer: str) -> Caller:
+        """
+        Who presents this bearer? Unauthenticated for a malformed, unknown,
+        wrong, expired or revoked token.
+        """
+        parsed = parseToken(bearer)
+        if parsed is None:
+            raise Unauthenticated("malformed token")
+        digest = self._digester.digest(parsed.secret)
+        cached, fresh = self._cache.token(parsed.tokenID)
+        if cached is not None and fresh:
+            if not self._digester.same(cached.secretDigest, digest):
+                # Right token, wrong secret: the cached digest proves it
+                # without argon2.
+                raise Unauthenticated("invalid token")
+            return self._usable(cached.record)
+        if self._cache.isKnownWrongSecret(parsed.tokenID, digest):
+            raise Unauthenticated("invalid token")
+        if not self._coldSlots.acquire(timeout=self._coldWait):
+            raise Overloaded("too many token validations in progress")
+        try:
+            epoch = self._cache.epoch()
+            readAt = self._cache.now()
+            record = self._read(lambda: self._store.tokenForAuthentication(parsed.tokenID))
+            if record is None:
+                raise Unauthenticated("invalid token")
+            if (
+                cached is not None
+                and cached.record.secretHash == record.secretHash
+                and self._digester.same(cached.secretDigest, digest)
+            ):
+                verified = True  # same secret, same stored hash: no argon2
+            else:
+                verified = verifySecret(record.secretHash, parsed.secret)
+            if not verified:
+                self._cache.rememberWrongSecret(parsed.tokenID, digest)
+                raise Unauthenticated("invalid token")
+            self._cache.rememberToken(CachedToken(record, digest, readAt), epoch)
+        finally:
+            self._coldSlots.release()
+        return self._usable(record)
+
+    def _usable(self, record: TokenRecord) -> Caller:
+        if record.revokedAt is not None:
+            raise Unauthenticated("token revoked")
+        if record.expiresAt is not None and self._wallClock() >= record.expiresAt.timestamp():
+            raise Unauthenticated("token expired")
+        return _caller(record)
+
+    def validateAgent(self, bearer: str, agentIDText: str, orgIDText: str) -> str:
+        """
+        May the holder of C{bearer} act as this agent of this organization?
+        Returns the agent's status (always "active").
+        """
+        caller = self.validateToken(bearer)
+        agentID = parseUUID(agentIDText)
+        if agentID is None:
+            raise InvalidArgument("agent_id is not a UUID")
+        orgID = parseUUID(orgIDText)
+        if orgID is None:
+            raise InvalidArgument("org_id is not a UUID")
+        if orgID != caller.orgID:
+            raise PermissionDenied("agent is not authorized for this token's organization")
+        if caller.agentID is not None and caller.agentID != agentID:
+            raise PermissionDenied("token is bound to another agent")
+        status = self._agentStatus(orgID, agentID)
+        if status is None:
+            raise PermissionDenied("agent is not authorized for this token's organization")
+        if status != "active":
+            raise PermissionDenied(AGENT_NOT_ACTIVE)
+        return status
+
+    def _agentStatus(self, orgID: uuid.UUID, agentID: uuid.UUID) -> str | None:
+        cached = self._cache.agent(orgID, agentID)
+        if cached is not None:
+            return cached.status
+        epoch = self._cache.epoch()
+        readAt = self._cache.now()
+        agent = self._read(lambda: self._store.agentInOrganization(orgID, agentID))
+        status = None if agent is None else agent.status
+        self._cache.rememberAgent(orgID, agentID, CachedAgent(status, readAt), epoch)
+        return status
+
+    # Management (decisions D6)
+
+    def _authorize(self, bearer: str, needed: Permission) -> Caller:
+        caller = self.validateToken(bearer)
+        if not caller.permissions & needed:
+            raise PermissionDenied(f"token lacks the {needed.name} permission")
+        return caller
+
+    def createToken(
+        self,
+        bearer: str,
+        *,
+        name: str,
+        permissions: int,
+        agentIDText: str,
+        expiresInSeconds: int,
+    ) -> tuple[str, TokenRecord]:
+        """
+        Issue a token in the caller's organization, never with a permission
+        bit the caller lacks; a caller bound to an agent can only issue
+        tokens bound to that agent.
+        """
+        caller = self._authorize(bearer, Permission.TokenCreate)
+        if permissions & ~caller.permissions:
+            raise PermissionDenied("cannot grant permissions the caller does not hold")
+        if expiresInSeconds < 0:
+            raise InvalidArgument("expires_in_seconds must not be negative")
+        if len(name) > 200:
+            raise InvalidArgument("name is longer than 200 characters")
+        agentID: uuid.UUID | None = None
+        if agentIDText:
+            agentID = parseUUID(agentIDText)
+            if agentID is None:
+                raise InvalidArgument("agent_id is not a UUID")
+        if caller.agentID is not None:
+            if agentID not in (None, caller.agentID):
+                raise PermissionDenied("token is bound to another agent")
+            agentID = caller.agentID
+        if agentID is not None and self._agentStatus(caller.orgID, agentID) is None:
+            raise PermissionDenied("agent is not authorized for this token's organization")
+        expiresAt = None
+        if expiresInSeconds:
+            expiresAt = datetime.datetime.fromtimestamp(
+                self._wallClock() + expiresInSeconds, datetime.UTC
+            ).replace(microsecond=0)
+        return self._write(
+            lambda: issueToken(
+                self._store,
+                orgID=caller.orgID,
+                permissions=permissions,
+                agentID=agentID,
+                userID=caller.userID,
+                name=name or None,
+                expiresAt=expiresAt,
+                createdBy=caller.tokenID,
+            )
+        )
+
+    def revokeToken(self, bearer: str, tokenIDText: str) -> TokenRecord:
+        """
+        Revoke a token of the caller's organization. A token id of another
+        organization is PermissionDenied, never NotFound, so ids cannot be
+        probed across tenants.
+        """
+        caller = self._authorize(bearer, Permission.TokenRevoke)
+        tokenID = parseUUID(tokenIDText)
+        if tokenID is None:
+            raise InvalidArgument("token_id is not a UUID")
+        record = self._write(lambda: self._store.revokeToken(tokenID, orgID=caller.orgID))
+        if record is None:
+            raise PermissionDenied("token is not in the caller's organization")
+        self._cache.forgetToken(tokenID)
+        return record
+
+    def listTokens(self, bearer: str) -> list[TokenRecord]:
+        caller = self._authorize(bearer, Permission.TokenList)
+        return self._read(lambda: self._store.listTokens(caller.orgID))
+
+    # Database access with failures mapped to refusals
+
+    def _read(self, query: Callable[[], _T]) -> _T:
+        try:
+            return query()
+        except StoreUnavailable as error:
+            self.log.warn("Database unavailable: {problem}", problem=str(error))
+            raise Unavailable("database unavailable") from error
+
+    def _write(self, change: Callable[[], _T]) -> _T:
+        try:
+            return change()
+        except StoreRejected as error:
+            raise InvalidArgument("the request conflicts with stored data") from error
+        except StoreUnavailable as error:
+            self.log.warn("Database unavailable: {problem}", problem=str(error))
+            raise Unavailable("database unavailable") from error

@@ -1,0 +1,114 @@
+"""
+svc-auth's configuration, read once from the environment (spec section 8,
+decisions D1).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Mapping
+from pathlib import Path
+
+import attrs
+import psycopg
+
+from svcd.auth.grpcservice import ServerTLS
+from svcd.common import config
+
+
+@attrs.frozen
+class AuthConfig:
+    postgresDSN: str = attrs.field(repr=False)
+    host: str = "0.0.0.0"
+    port: int = 8081
+    grpcHost: str = "127.0.0.1"
+    grpcPort: int = 9091
+    grpcWorkers: int = 16
+    databasePoolMinimum: int = 2
+    databasePoolMaximum: int = 10
+    statementTimeout: float = 2.0
+    verifyConcurrency: int = 4
+    shutdownTimeout: float = 10.0
+    environment: str = "development"
+    serviceName: str = "svc-auth"
+    errorDocsBase: str | None = None
+    tls: ServerTLS | None = None
+
+    @classmethod
+    def fromEnvironment(cls, environ: Mapping[str, str]) -> "AuthConfig":
+        dsn = config.required(environ, "POSTGRES_DSN")
+        try:
+            psycopg.conninfo.conninfo_to_dict(dsn)
+        except psycopg.ProgrammingError:
+            raise config.ConfigError(
+                "POSTGRES_DSN", "is not a valid PostgreSQL connection string"
+            ) from None
+        environment = config.choice(
+            environ, "SVC_ENV", "development", ("development", "staging", "production")
+        )
+        grpcHost = config.text(environ, "SVC_GRPC_HOST", "127.0.0.1")
+        tls = _serverTLS(environ)
+        if environment == "production" and tls is None and not _isLoopback(grpcHost):
+            raise config.ConfigError(
+                "SVC_GRPC_HOST",
+                f"refusing plaintext gRPC on the non-loopback address {grpcHost} with "
+                "SVC_ENV=production; set SVC_GRPC_TLS_CERT, SVC_GRPC_TLS_KEY and "
+                "SVC_GRPC_TLS_CLIENT_CA",
+            )
+        minimum = config.positiveInteger(environ, "SVC_DB_POOL_MIN", 2)
+        maximum = config.positiveInteger(environ, "SVC_DB_POOL_MAX", 10)
+        if maximum < minimum:
+            raise config.ConfigError("SVC_DB_POOL_MAX", "must not be below SVC_DB_POOL_MIN")
+        return cls(
+            postgresDSN=dsn,
+            host=config.text(environ, "SVC_HOST", "0.0.0.0"),
+            port=config.port(environ, "SVC_PORT", 8081),
+            grpcHost=grpcHost,
+            grpcPort=config.port(environ, "SVC_GRPC_PORT", 9091),
+            grpcWorkers=config.positiveInteger(environ, "SVC_GRPC_WORKERS", 16),
+            databasePoolMinimum=minimum,
+            databasePoolMaximum=maximum,
+            statementTimeout=config.duration(environ, "SVC_DB_STATEMENT_TIMEOUT", 2.0),
+            verifyConcurrency=config.positiveInteger(environ, "SVC_AUTH_VERIFY_CONCURRENCY", 4),
+            shutdownTimeout=config.duration(environ, "SVC_SHUTDOWN_TIMEOUT", 10.0),
+            environment=environment,
+            serviceName=config.text(environ, "SVC_SERVICE_NAME", "svc-auth") or "svc-auth",
+            errorDocsBase=config.text(environ, "SVC_ERROR_DOCS_BASE", "") or None,
+            tls=tls,
+        )
+
+
+def _isLoopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _readPEM(environ: Mapping[str, str], name: str) -> bytes | None:
+    path = config.text(environ, name, "")
+    if not path:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as error:
+        raise config.ConfigError(name, f"cannot read {path}: {error.strerror}") from None
+
+
+def _serverTLS(environ: Mapping[str, str]) -> ServerTLS | None:
+    certificate = _readPEM(environ, "SVC_GRPC_TLS_CERT")
+    key = _readPEM(environ, "SVC_GRPC_TLS_KEY")
+    clientCA = _readPEM(environ, "SVC_GRPC_TLS_CLIENT_CA")
+    if certificate is None and key is None:
+        if clientCA is not None:
+            raise config.ConfigError(
+                "SVC_GRPC_TLS_CLIENT_CA", "needs SVC_GRPC_TLS_CERT and SVC_GRPC_TLS_KEY too"
+            )
+        return None
+    if certificate is None:
+        raise config.ConfigError("SVC_GRPC_TLS_CERT", "is required with SVC_GRPC_TLS_KEY")
+    if key is None:
+        raise config.ConfigError("SVC_GRPC_TLS_KEY", "is required with SVC_GRPC_TLS_CERT")
+    return ServerTLS(certificate=certificate, privateKey=key, clientCA=clientCA)

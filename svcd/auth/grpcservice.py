@@ -1,0 +1,385 @@
+"""
+The gRPC face of svc-auth: the svc.auth.v1.AuthService servicer, plus the
+standard grpc.health.v1.Health service and server reflection, hosted by a
+twistd service so that the gRPC server starts and stops with the reactor
+beside the HTTP side.
+
+grpcio runs servicer methods in its own thread pool, which is where the
+blocking work of L{Authority} (database, argon2) belongs: nothing here runs
+on the reactor thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from typing import Any, TypeVar
+
+import attrs
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from twisted.application.service import Service
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import IReactorThreads
+from twisted.internet.threads import deferToThreadPool
+from twisted.logger import Logger
+
+from svcd.auth.authority import (
+    Authority,
+    InvalidArgument,
+    Overloaded,
+    PermissionDenied,
+    Refusal,
+    Unauthenticated,
+    Unavailable,
+    bearerFromMetadata,
+)
+from svcd.auth.store import TokenRecord
+from svcd.common.errors import rfc3339
+from svcd.common.lifecycle import StartupError
+from svcd.common.metrics import BUCKETS
+from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
+
+SERVICE_NAME = "svc.auth.v1.AuthService"
+
+_STATUS_OF_REFUSAL: dict[type[Refusal], grpc.StatusCode] = {
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Unavailable: grpc.StatusCode.INTERNAL,
+}
+
+_RESULT_OF_REFUSAL: dict[type[Refusal], str] = {
+    Unauthenticated: "unauthenticated",
+    PermissionDenied: "permission_denied",
+    InvalidArgument: "invalid_argument",
+    Overloaded: "overloaded",
+    Unavailable: "error",
+}
+
+Response = TypeVar("Response")
+
+
+class AuthMetrics:
+    """
+    The metrics svc-auth publishes about its gRPC methods.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.validateToken = Histogram(
+            "svc_auth_validate_token_duration_seconds",
+            "Time to answer ValidateToken, by result",
+            ["result"],
+            buckets=BUCKETS,
+            registry=registry,
+        )
+        self.validateAgent = Histogram(
+            "svc_auth_validate_agent_duration_seconds",
+            "Time to answer ValidateAgent, by result",
+            ["result"],
+            buckets=BUCKETS,
+            registry=registry,
+        )
+        self.requests = Counter(
+            "svc_auth_grpc_requests_total",
+            "gRPC requests answered, by method and status code",
+            ["method", "code"],
+            registry=registry,
+        )
+
+
+def _bearer(context: grpc.ServicerContext) -> str | None:
+    for key, value in context.invocation_metadata():
+        if key == "authorization":
+            return str(value)
+    return None
+
+
+def _tokenInfo(record: TokenRecord) -> auth_pb2.TokenInfo:
+    return auth_pb2.TokenInfo(
+        token_id=str(record.tokenID),
+        org_id=str(record.orgID),
+        name=record.name or "",
+        agent_id=str(record.agentID) if record.agentID else "",
+        user_id=str(record.userID) if record.userID else "",
+        permissions=record.permissions,
+        expires_at=rfc3339(record.expiresAt) if record.expiresAt else "",
+        revoked=record.revokedAt is not None,
+        created_at=rfc3339(record.createdAt),
+    )
+
+
+class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
+    """
+    Maps L{Authority}'s answers and refusals to gRPC messages and status
+    codes (spec 4.3, decisions D4 and D6).
+    """
+
+    log = Logger()
+
+    def __init__(self, authority: Authority, metrics: AuthMetrics) -> None:
+        self._authority = authority
+        self._metrics = metrics
+
+    def _answer(
+        self,
+        method: str,
+        context: grpc.ServicerContext,
+        work: Callable[[], Response],
+        duration: Histogram | None = None,
+    ) -> Response:
+        started = time.perf_counter()
+        result, code = "ok", grpc.StatusCode.OK
+        try:
+            return work()
+        except Refusal as refusal:
+            result = _RESULT_OF_REFUSAL[type(refusal)]
+            code = _STATUS_OF_REFUSAL[type(refusal)]
+            context.abort(code, str(refusal))
+            raise AssertionError("context.abort returned") from None
+        except Exception:
+            result, code = "error", grpc.StatusCode.INTERNAL
+            self.log.failure("Unexpected failure in {method}", method=method)
+            context.abort(code, "internal error")
+            raise AssertionError("context.abort returned") from None
+        finally:
+            if duration is not None:
+                duration.labels(result=result).observe(time.perf_counter() - started)
+            self._metrics.requests.labels(method=method, code=code.name).inc()
+
+    def ValidateToken(
+        self, request: auth_pb2.ValidateTokenRequest, context: grpc.ServicerContext
+    ) -> auth_pb2.ValidateTokenResponse:
+        def validate() -> auth_pb2.ValidateTokenResponse:
+            caller = self._authority.validateToken(request.access_token)
+            return auth_pb2.ValidateTokenResponse(
+                org_id=str(caller.orgID),
+                permissions=caller.permissions,
+                agent_id=str(caller.agentID) if caller.agentID else "",
+                user_id=str(caller.userID) if caller.userID else "",
+                token_id=str(caller.tokenID),
+                expires_at=rfc3339(caller.expiresAt) if caller.expiresAt else "",
+            )
+
+        return self._answer("ValidateToken", context, validate, self._metrics.validateToken)
+
+    def ValidateAgent(
+        self, request: auth_pb2.ValidateAgentRequest, context: grpc.ServicerContext
+    ) -> auth_pb2.ValidateAgentResponse:
+        def validate() -> auth_pb2.ValidateAgentResponse:
+            status = self._authority.validateAgent(
+                _requireBearer(context), request.agent_id, request.org_id
+            )
+            return auth_pb2.ValidateAgentResponse(
+                agent_id=request.agent_id, org_id=request.org_id, status=status
+            )
+
+        return self._answer("ValidateAgent", context, validate, self._metrics.validateAgent)
+
+    def CreateToken(
+        self, request: auth_pb2.CreateTokenRequest, context: grpc.ServicerContext
+    ) -> auth_pb2.CreateTokenResponse:
+        def create() -> auth_pb2.CreateTokenResponse:
+            token, record = self._authority.createToken(
+                _requireBearer(context),
+                name=request.name,
+                permissions=request.permissions,
+                agentIDText=request.agent_id,
+                expiresInSeconds=request.expires_in_seconds,
+            )
+            return auth_pb2.CreateTokenResponse(token=token, info=_tokenInfo(record))
+
+        return self._answer("CreateToken", context, create)
+
+    def RevokeToken(
+        self, request: auth_pb2.RevokeTokenRequest, context: grpc.ServicerContext
+    ) -> auth_pb2.RevokeTokenResponse:
+        def revoke() -> auth_pb2.RevokeTokenResponse:
+            record = self._authority.revokeToken(_requireBearer(context), request.token_id)
+            return auth_pb2.RevokeTokenResponse(token_id=str(record.tokenID), revoked=True)
+
+        return self._answer("RevokeToken", context, revoke)
+
+    def ListTokens(
+        self, request: auth_pb2.ListTokensRequest, context: grpc.ServicerContext
+    ) -> auth_pb2.ListTokensResponse:
+        def listing() -> auth_pb2.ListTokensResponse:
+            records = self._authority.listTokens(_requireBearer(context))
+            return auth_pb2.ListTokensResponse(tokens=[_tokenInfo(each) for each in records])
+
+        return self._answer("ListTokens", context, listing)
+
+
+def _requireBearer(context: grpc.ServicerContext) -> str:
+    return bearerFromMetadata(_bearer(context))
+
+
+@attrs.frozen
+class ServerTLS:
+    """
+    Mutual TLS material of the gRPC server (PEM bytes): its certificate and
+    key, and the CA that client certificates must chain to.
+    """
+
+    certificate: bytes
+    privateKey: bytes = attrs.field(repr=False)
+    clientCA: bytes | None
+
+
+class GrpcServerService(Service):
+    """
+    Hosts a grpcio server as a twistd service.
+
+    The port is bound in privilegedStartService, which twistd calls before
+    the reactor runs and after it has daemonised (grpcio must not be
+    started before a fork), so a bind failure stops the start at once.
+    stopService refuses new calls and lets calls in flight finish for up to
+    C{gracePeriod} seconds, without blocking the reactor.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        reactor: IReactorThreads,
+        servicer: AuthServicer,
+        host: str,
+        port: int,
+        workers: int,
+        gracePeriod: float,
+        tls: ServerTLS | None = None,
+        interceptors: Sequence[grpc.ServerInterceptor] = (),
+    ) -> None:
+        self._reactor = reactor
+        self._interceptors = tuple(interceptors)
+        self._servicer = servicer
+        self._host = host
+        self._requestedPort = port
+        self._workers = workers
+        self._gracePeriod = gracePeriod
+        self._tls = tls
+        self._server: grpc.Server | None = None
+        self._health: health.HealthServicer | None = None
+        self.port: int | None = None
+
+    def privilegedStartService(self) -> None:
+        super().privilegedStartService()
+        self._server, self._health, self.port = buildServer(
+            self._servicer,
+            self._host,
+            self._requestedPort,
+            self._workers,
+            self._tls,
+            self._interceptors,
+        )
+
+    def startService(self) -> None:
+        super().startService()
+        assert self._server is not None and self._health is not None
+        self._server.start()
+        for name in ("", SERVICE_NAME):
+            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.log.info(
+            "gRPC AuthService listening on {host}:{port}", host=self._host, port=self.port
+        )
+
+    def stopService(self) -> Deferred[Any]:
+        super().stopService()
+        server, self._server = self._server, None
+        if server is None:
+            return succeed(None)
+        if self._health is not None:
+            self._health.enter_graceful_shutdown()
+        stopped = server.stop(self._gracePeriod)
+        waiting: Deferred[Any] = deferToThreadPool(
+            self._reactor, self._reactor.getThreadPool(), stopped.wait, self._gracePeriod + 1.0
+        )
+
+        def logged(result: object) -> object:
+            self.log.info("gRPC server stopped")
+            return result
+
+        return waiting.addCallback(logged)
+
+
+def buildServer(
+    servicer: AuthServicer,
+    host: str,
+    port: int,
+    workers: int,
+    tls: ServerTLS | None = None,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
+) -> tuple[grpc.Server, health.HealthServicer, int]:
+    """
+    A grpcio server, bound but not started, serving AuthService, the
+    standard health service and server reflection; returns it with its
+    health servicer and the bound port (useful when C{port} is 0).
+
+    @param interceptors: run around every call, such as
+        L{svcd.common.tracing.ServerTracingInterceptor}.
+
+    @raise GrpcBindError: when the address cannot be bound.
+    """
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="svc-auth-grpc"),
+        interceptors=list(interceptors) or None,
+        options=[
+            # Two processes on one port would split calls between an old and
+            # a new svc-auth by accident; refuse instead.
+            ("grpc.so_reuseport", 0),
+            # svc-proxy pings its idle channel every 10 s to notice a dead
+            # peer; grpc's defaults would answer such pings with GOAWAY
+            # (too_many_pings) and make the next call pay for a reconnect.
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+            ("grpc.http2.max_ping_strikes", 0),
+        ],
+    )
+    auth_pb2_grpc.add_AuthServiceServicer_to_server(servicer, server)
+    healthServicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(healthServicer, server)
+    reflection.enable_server_reflection(
+        (
+            SERVICE_NAME,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
+        server,
+    )
+    address = f"{_hostForAddress(host)}:{port}"
+    try:
+        if tls is None:
+            bound = server.add_insecure_port(address)
+        else:
+            credentials = grpc.ssl_server_credentials(
+                [(tls.privateKey, tls.certificate)],
+                root_certificates=tls.clientCA,
+                require_client_auth=tls.clientCA is not None,
+            )
+            bound = server.add_secure_port(address, credentials)
+    except RuntimeError:
+        # grpcio reports a failed bind as RuntimeError (older releases
+        # returned port 0); either way the reason is in grpcio's own log.
+        bound = 0
+    if bound == 0:
+        raise GrpcBindError(
+            f"cannot listen for gRPC on {address} (in use, or not an address of this host)"
+        )
+    return server, healthServicer, bound
+
+
+class GrpcBindError(StartupError):
+    """
+    The gRPC port could not be bound (in use, or an address we do not
+    have).
+    """
+
+
+def _hostForAddress(host: str) -> str:
+    if ":" in host and not host.startswith("["):
+        return f"[{host}]"
+    return host

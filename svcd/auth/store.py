@@ -1,0 +1,366 @@
+"""
+All SQL of svc-auth.
+
+Every method blocks and so runs off the reactor thread: in grpcio's server
+threads, in the HTTP side's dedicated database thread pool, or in svcctl.
+Each call is one transaction that first names its tenant with
+C{set_config('svc.org_id', ..., true)} (transaction-local, so a pooled
+connection never carries one request's tenant into the next); row-level
+security does the rest (sql/0002_row_level_security.sql).
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+import uuid
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, TypeVar
+
+import attrs
+import psycopg
+from prometheus_client import Histogram
+from psycopg.rows import dict_row
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+AGENT_STATUSES = ("active", "paused", "suspended", "archived")
+
+T = TypeVar("T")
+
+ConnectionSource = Callable[[], AbstractContextManager[psycopg.Connection[Any]]]
+
+
+APPLICATION_ROLE = "svc_auth_app"
+
+
+def connectionPool(
+    dsn: str,
+    *,
+    minimum: int,
+    maximum: int,
+    statementTimeout: float,
+    applicationName: str,
+) -> ConnectionPool:
+    """
+    svc-auth's pool of autocommit connections, not yet opened.
+
+    Every connection acts as svc_auth_app, the role row-level security
+    applies to, whatever role the DSN logs in as (decisions D7); and no
+    statement runs longer than C{statementTimeout}, since a caller with a
+    50 ms deadline has long given up by then.
+    """
+    statementTimeoutMs = int(statementTimeout * 1000)
+
+    def configure(connection: psycopg.Connection[Any]) -> None:
+        connection.execute(f"SET ROLE {APPLICATION_ROLE}")
+        connection.execute(f"SET statement_timeout = {statementTimeoutMs}")
+
+    return ConnectionPool(
+        dsn,
+        min_size=minimum,
+        max_size=maximum,
+        kwargs={"autocommit": True, "connect_timeout": 3, "application_name": applicationName},
+        configure=configure,
+        # A caller waits at most this long for a free connection.
+        timeout=2.0,
+        name=applicationName,
+        open=False,
+    )
+
+
+class StoreUnavailable(Exception):
+    """
+    The database could not answer; the message is safe to show operators
+    (it never quotes the DSN).
+    """
+
+
+class StoreRejected(Exception):
+    """
+    The database refused a change (a constraint such as a foreign key);
+    the caller checked what it could, so this is the caller's mistake.
+    """
+
+
+@attrs.frozen
+class TokenRecord:
+    """
+    A stored token, including its argon2id hash: never leaves svc-auth.
+    """
+
+    tokenID: uuid.UUID
+    orgID: uuid.UUID
+    agentID: uuid.UUID | None
+    userID: uuid.UUID | None
+    name: str | None
+    secretHash: str = attrs.field(repr=False)
+    permissions: int
+    expiresAt: datetime.datetime | None
+    revokedAt: datetime.datetime | None
+    createdAt: datetime.datetime
+
+
+@attrs.frozen
+class AgentRecord:
+    agentID: uuid.UUID
+    orgID: uuid.UUID
+    status: str
+    name: str | None
+
+
+_TOKEN_COLUMNS = (
+    "token_id, org_id, agent_id, user_id, name, secret_hash, permissions, "
+    "expires_at, revoked_at, created_at"
+)
+
+
+def _token(row: dict[str, Any]) -> TokenRecord:
+    return TokenRecord(
+        tokenID=row["token_id"],
+        orgID=row["org_id"],
+        agentID=row["agent_id"],
+        userID=row["user_id"],
+        name=row["name"],
+        secretHash=row["secret_hash"],
+        permissions=row["permissions"],
+        expiresAt=row["expires_at"],
+        revokedAt=row["revoked_at"],
+        createdAt=row["created_at"],
+    )
+
+
+_AGENT_COLUMNS = "agent_id, org_id, status, name"
+
+Cursor = psycopg.Cursor[dict[str, Any]]
+R = TypeVar("R")
+
+
+def _optional(convert: Callable[[dict[str, Any]], R], row: dict[str, Any] | None) -> R | None:
+    return None if row is None else convert(row)
+
+
+def _one(row: dict[str, Any] | None) -> dict[str, Any]:
+    if row is None:
+        raise psycopg.DataError("a RETURNING clause returned no row")
+    return row
+
+
+def _agent(row: dict[str, Any]) -> AgentRecord:
+    return AgentRecord(
+        agentID=row["agent_id"], orgID=row["org_id"], status=row["status"], name=row["name"]
+    )
+
+
+class Store:
+    """
+    The tenant-scoped queries of svc-auth over a source of connections.
+
+    @param connections: returns a context manager yielding an autocommit
+        connection; a psycopg_pool pool's C{connection} method for the
+        daemon, one plain connection for svcctl.
+    @param queryDuration: svc_db_query_duration_seconds, labelled by
+        operation, or None.
+    """
+
+    def __init__(
+        self, connections: ConnectionSource, queryDuration: Histogram | None = None
+    ) -> None:
+        self._connections = connections
+        self._queryDuration = queryDuration
+
+    def _run(
+        self,
+        operation: str,
+        body: Callable[[Cursor], T],
+        *,
+        orgID: uuid.UUID | None = None,
+        lookupTokenID: uuid.UUID | None = None,
+    ) -> T:
+        """
+        Run C{body} in one transaction in the given tenant context.
+
+        A pooled connection may have died since its last use (a database
+        restart); that shows on the first statement, before C{body} has
+        done anything, and only then the transaction is tried once more on
+        a fresh connection.
+        """
+        started = time.perf_counter()
+        try:
+            for attempt in (1, 2):
+                bodyStarted = False
+                try:
+                    with self._connections() as connection, connection.transaction():
+                        cursor = connection.cursor(row_factory=dict_row)
+                        cursor.execute(
+                            "SELECT set_config('svc.org_id', %s, true),"
+                            " set_config('svc.token_id', %s, true)",
+                            (
+                                str(orgID) if orgID else "",
+                                str(lookupTokenID) if lookupTokenID else "",
+                            ),
+                        )
+                        bodyStarted = True
+                        return body(cursor)
+                except psycopg.OperationalError:
+                    if bodyStarted or attempt == 2:
+                        raise
+            raise AssertionError("unreachable")
+        except psycopg.IntegrityError as error:
+            raise StoreRejected(
+                f"the database refused {operation}: {type(error).__name__}"
+            ) from error
+        except psycopg.Error as error:
+            raise StoreUnavailable(
+                f"database error during {operation}: {type(error).__name__}"
+            ) from error
+        except PoolTimeout as error:
+            raise StoreUnavailable(f"no database connection for {operation}") from error
+        finally:
+            if self._queryDuration is not None:
+                self._queryDuration.labels(operation=operation).observe(
+                    time.perf_counter() - started
+                )
+
+    def ping(self) -> None:
+        """
+        A trivial round trip through the pool, for readiness.
+        """
+        self._run("ping", lambda cursor: cursor.execute("SELECT 1"))
+
+    def tokenForAuthentication(self, tokenID: uuid.UUID) -> TokenRecord | None:
+        """
+        The one token a bearer names, read before its organization is known
+        (the token_lookup policy allows exactly this row).
+        """
+
+        def query(cursor: Cursor) -> TokenRecord | None:
+            cursor.execute(f"SELECT {_TOKEN_COLUMNS} FROM tokens WHERE token_id = %s", (tokenID,))
+            return _optional(_token, cursor.fetchone())
+
+        return self._run("token_lookup", query, lookupTokenID=tokenID)
+
+    def agentInOrganization(self, orgID: uuid.UUID, agentID: uuid.UUID) -> AgentRecord | None:
+        """
+        An agent as seen from one organization: None when it does not exist
+        or belongs to another organization (row-level security hides it).
+        """
+
+        def query(cursor: Cursor) -> AgentRecord | None:
+            cursor.execute(f"SELECT {_AGENT_COLUMNS} FROM agents WHERE agent_id = %s", (agentID,))
+            return _optional(_agent, cursor.fetchone())
+
+        return self._run("agent_lookup", query, orgID=orgID)
+
+    def organizationExists(self, orgID: uuid.UUID) -> bool:
+        def query(cursor: Cursor) -> bool:
+            cursor.execute("SELECT 1 FROM organizations WHERE org_id = %s", (orgID,))
+            return cursor.fetchone() is not None
+
+        return self._run("org_lookup", query, orgID=orgID)
+
+    def createOrganization(self, name: str) -> uuid.UUID:
+        orgID = uuid.uuid4()
+        self._run(
+            "org_create",
+            lambda cursor: cursor.execute(
+                "INSERT INTO organizations (org_id, name) VALUES (%s, %s)", (orgID, name)
+            ),
+            orgID=orgID,
+        )
+        return orgID
+
+    def createAgent(
+        self, orgID: uuid.UUID, name: str | None, status: str = "active"
+    ) -> AgentRecord:
+        agentID = uuid.uuid4()
+
+        def insert(cursor: Cursor) -> AgentRecord:
+            cursor.execute(
+                "INSERT INTO agents (agent_id, org_id, name, status) VALUES (%s, %s, %s, %s)"
+                f" RETURNING {_AGENT_COLUMNS}",
+                (agentID, orgID, name, status),
+            )
+            return _agent(_one(cursor.fetchone()))
+
+        return self._run("agent_create", insert, orgID=orgID)
+
+    def setAgentStatus(
+        self, agentID: uuid.UUID, status: str, orgID: uuid.UUID | None = None
+    ) -> AgentRecord | None:
+        """
+        Change an agent's status; None when no visible agent has that id.
+        Without C{orgID} only the schema owner (svcctl) sees any agent.
+        """
+
+        def update(cursor: Cursor) -> AgentRecord | None:
+            cursor.execute(
+                "UPDATE agents SET status = %s, updated_at = now() WHERE agent_id = %s"
+                f" RETURNING {_AGENT_COLUMNS}",
+                (status, agentID),
+            )
+            return _optional(_agent, cursor.fetchone())
+
+        return self._run("agent_set_status", update, orgID=orgID)
+
+    def createToken(
+        self,
+        *,
+        tokenID: uuid.UUID,
+        orgID: uuid.UUID,
+        secretHash: str,
+        permissions: int,
+        agentID: uuid.UUID | None = None,
+        userID: uuid.UUID | None = None,
+        name: str | None = None,
+        expiresAt: datetime.datetime | None = None,
+        createdBy: uuid.UUID | None = None,
+    ) -> TokenRecord:
+        def insert(cursor: Cursor) -> TokenRecord:
+            cursor.execute(
+                "INSERT INTO tokens (token_id, org_id, agent_id, user_id, name, secret_hash,"
+                " permissions, expires_at, created_by)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)"
+                f" RETURNING {_TOKEN_COLUMNS}",
+                (
+                    tokenID,
+                    orgID,
+                    agentID,
+                    userID,
+                    name,
+                    secretHash,
+                    permissions,
+                    expiresAt,
+                    createdBy,
+                ),
+            )
+            return _token(_one(cursor.fetchone()))
+
+        return self._run("token_create", insert, orgID=orgID)
+
+    def revokeToken(self, tokenID: uuid.UUID, orgID: uuid.UUID | None = None) -> TokenRecord | None:
+        """
+        Revoke a token (a second revocation keeps the first time); None when
+        no visible token has that id.
+        """
+
+        def update(cursor: Cursor) -> TokenRecord | None:
+            cursor.execute(
+                "UPDATE tokens SET revoked_at = COALESCE(revoked_at, now()), updated_at = now()"
+                f" WHERE token_id = %s RETURNING {_TOKEN_COLUMNS}",
+                (tokenID,),
+            )
+            return _optional(_token, cursor.fetchone())
+
+        return self._run("token_revoke", update, orgID=orgID)
+
+    def listTokens(self, orgID: uuid.UUID) -> list[TokenRecord]:
+        def query(cursor: Cursor) -> list[TokenRecord]:
+            cursor.execute(
+                f"SELECT {_TOKEN_COLUMNS} FROM tokens WHERE org_id = %s"
+                " ORDER BY created_at, token_id",
+                (orgID,),
+            )
+            return [_token(row) for row in cursor.fetchall()]
+
+        return self._run("token_list", query, orgID=orgID)

@@ -1,0 +1,106 @@
+"""
+Reading configuration from the environment.
+
+Every daemon reads its whole configuration once, at start, through these
+helpers; a bad value raises L{ConfigError} naming the variable, which the
+tap turns into one line on stderr and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m)?\s*$")
+
+
+def _isDecimal(raw: str) -> bool:
+    """
+    Only ASCII digits: str.isdigit() also accepts characters such as "²"
+    that int() then refuses.
+    """
+    return raw.isascii() and raw.isdigit()
+
+
+class ConfigError(Exception):
+    """
+    A configuration variable is missing or has a value we cannot use.
+    """
+
+    def __init__(self, variable: str, problem: str) -> None:
+        super().__init__(f"{variable}: {problem}")
+        self.variable = variable
+        self.problem = problem
+
+
+def text(environ: Mapping[str, str], name: str, default: str) -> str:
+    """
+    A string variable; an unset variable takes C{default}.
+    """
+    return environ.get(name, default).strip()
+
+
+def required(environ: Mapping[str, str], name: str) -> str:
+    """
+    A variable that must be set to a non-empty value.
+    """
+    value = environ.get(name, "").strip()
+    if not value:
+        raise ConfigError(name, "is required and not set")
+    return value
+
+
+def port(environ: Mapping[str, str], name: str, default: int) -> int:
+    """
+    A TCP port number (0 asks the kernel for a free port, which tests use).
+    """
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return default
+    if not _isDecimal(raw) or int(raw) > 65535:
+        raise ConfigError(name, f"must be a port number from 0 to 65535, got {raw!r}")
+    return int(raw)
+
+
+def positiveInteger(environ: Mapping[str, str], name: str, default: int) -> int:
+    """
+    An integer of at least 1.
+    """
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return default
+    if not _isDecimal(raw) or int(raw) < 1:
+        raise ConfigError(name, f"must be a positive integer, got {raw!r}")
+    return int(raw)
+
+
+def duration(environ: Mapping[str, str], name: str, default: float) -> float:
+    """
+    A duration in seconds, written C{50ms}, C{1.5s}, C{2m} or a bare
+    number of seconds.
+    """
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return default
+    match = _DURATION.match(raw)
+    if match is None:
+        raise ConfigError(name, f"must be a duration such as 50ms, 2s or 1m, got {raw!r}")
+    number, unit = float(match.group(1)), match.group(2) or "s"
+    seconds = number * {"ms": 0.001, "s": 1.0, "m": 60.0}[unit]
+    if seconds <= 0:
+        raise ConfigError(name, f"must be greater than zero, got {raw!r}")
+    return seconds
+
+
+def choice(environ: Mapping[str, str], name: str, default: str, allowed: tuple[str, ...]) -> str:
+    """
+    One of a fixed set of words, compared without regard to case.
+    """
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return default
+    lowered = raw.lower()
+    for candidate in allowed:
+        if candidate.lower() == lowered:
+            return candidate
+    raise ConfigError(name, f"must be one of {', '.join(allowed)}, got {raw!r}")

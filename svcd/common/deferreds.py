@@ -1,0 +1,53 @@
+"""
+Small helpers for Deferreds.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+from twisted.internet.defer import CancelledError, Deferred, TimeoutError
+from twisted.internet.interfaces import IReactorTime
+from twisted.python.failure import Failure
+
+T = TypeVar("T")
+
+
+def timeoutDeferred(work: Deferred[T], seconds: float, clock: IReactorTime) -> Deferred[T]:
+    """
+    Return a Deferred that fires with C{work}'s result, or fails with
+    L{TimeoutError} once C{seconds} have passed, whatever C{work}'s
+    canceller does.
+
+    C{Deferred.addTimeout} waits for the canceller to errback C{work}; a
+    canceller that does not (a thread that cannot be interrupted, a library
+    that ignores cancellation) would then stall the caller past its budget.
+    Here the timer fires the result itself, and C{work} is cancelled as a
+    courtesy. Cancelling the returned Deferred cancels C{work}.
+    """
+    result: Deferred[T] = Deferred(lambda _: work.cancel())
+
+    def onTimeout() -> None:
+        if not result.called:
+            result.errback(Failure(TimeoutError(f"no result within {seconds}s")))
+        work.cancel()
+
+    timer = clock.callLater(seconds, onTimeout)
+
+    def finished(outcome: T | Failure) -> T | Failure | None:
+        if timer.active():
+            timer.cancel()
+        if not result.called:
+            if isinstance(outcome, Failure):
+                result.errback(outcome)
+            else:
+                result.callback(outcome)
+            return None
+        if isinstance(outcome, Failure):
+            # We timed out first; swallow the late failure of work (usually
+            # our own CancelledError) so it is not logged as unhandled.
+            outcome.trap(CancelledError, Exception)
+        return None
+
+    work.addBoth(finished)
+    return result

@@ -1,0 +1,309 @@
+"""
+Structured logs for both daemons: JSON lines (the default) or readable text,
+filtered by level, written to stdout or to twistd's --logfile.
+
+twistd builds its own text observer unless the Application carries an
+ILogObserver component; L{LoggingRootService} sets that component when
+twistd attaches it to the Application, which is the one moment a plugin
+can reach the Application before logging starts.
+
+Lines logged while a request is handled carry its C{request_id} and
+C{trace_id} even when the code that logs knows neither (the auth client,
+the rate limiter): the proxy puts the request id in L{REQUEST_ID}, a
+context variable, and makes its span OpenTelemetry's current span; both
+live in the request coroutine's contextvars context, which Twisted keeps
+across every await (including results handed over with callFromThread)
+and copies into the coroutines it starts. The observers run synchronously
+in the context of the code that logs, and add what is missing.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import datetime
+import json
+import logging
+import sys
+import threading
+from collections.abc import Mapping
+from typing import IO, Any
+
+from opentelemetry import trace
+from twisted.application.service import MultiService, Service
+from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.internet.error import CannotListenError
+from twisted.logger import (
+    FilteringLogObserver,
+    ILogObserver,
+    Logger,
+    LogLevel,
+    LogLevelFilterPredicate,
+    formatEvent,
+)
+from twisted.python import logfile
+from twisted.python.components import Componentized
+from zope.interface import implementer
+
+from svcd.common import config
+from svcd.common.lifecycle import StartupError
+
+LEVELS = {
+    "DEBUG": LogLevel.debug,
+    "INFO": LogLevel.info,
+    "WARN": LogLevel.warn,
+    "WARNING": LogLevel.warn,
+    "ERROR": LogLevel.error,
+}
+
+# Keys of legacy twisted.python.log events and twisted.logger bookkeeping
+# that are either shown as "message" or are noise in a structured line.
+_HIDDEN_KEYS = frozenset({"format", "message", "isError", "system", "time", "why", "failure"})
+
+
+# The request id of the request being handled, set by the proxy's
+# outermost layer for the duration of the request.
+REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "svc_request_id", default=None
+)
+
+
+def _jsonable(value: object) -> object:
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)
+
+
+def eventFields(event: Mapping[str, Any]) -> dict[str, object]:
+    """
+    The keyword fields an event was logged with, minus bookkeeping keys,
+    plus the C{request_id} and C{trace_id} of the request or call in
+    whose context it was logged, when the event does not name them.
+    """
+    fields = {
+        key: _jsonable(value)
+        for key, value in event.items()
+        if not key.startswith("log_") and key not in _HIDDEN_KEYS
+    }
+    if "request_id" not in fields:
+        requestID = REQUEST_ID.get()
+        if requestID:
+            fields["request_id"] = requestID
+    if "trace_id" not in fields:
+        spanContext = trace.get_current_span().get_span_context()
+        if spanContext.is_valid:
+            fields["trace_id"] = format(spanContext.trace_id, "032x")
+    return fields
+
+
+def _timestamp(event: Mapping[str, Any]) -> str:
+    moment = datetime.datetime.fromtimestamp(event.get("log_time", 0.0), datetime.UTC)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+
+
+@implementer(ILogObserver)
+class JSONLinesObserver:
+    """
+    One JSON object per line: timestamp, level, service (when named),
+    namespace, message, the event's keyword fields, and the traceback of a
+    logged failure.
+
+    Writes are serialised by a lock: grpcio's server threads log too.
+    """
+
+    def __init__(self, outFile: IO[str], service: str | None = None) -> None:
+        self._outFile = outFile
+        self._service = service
+        self._lock = threading.Lock()
+
+    def __call__(self, event: Mapping[str, Any]) -> None:
+        level = event.get("log_level", LogLevel.info)
+        record: dict[str, object] = {
+            "timestamp": _timestamp(event),
+            "level": level.name,
+        }
+        if self._service is not None:
+            record["service"] = self._service
+        record["namespace"] = event.get("log_namespace", "")
+        record["message"] = formatEvent(dict(event))
+        record.update(eventFields(event))
+        failure = event.get("log_failure")
+        if failure is not None:
+            record["exception"] = failure.getTraceback()
+        line = json.dumps(record, separators=(",", ":"), default=str) + "\n"
+        with self._lock:
+            self._outFile.write(line)
+            self._outFile.flush()
+
+
+@implementer(ILogObserver)
+class TextLinesObserver:
+    """
+    Readable lines for a terminal: time, level, namespace, message, then
+    the keyword fields as key=value.
+    """
+
+    def __init__(self, outFile: IO[str]) -> None:
+        self._outFile = outFile
+        self._lock = threading.Lock()
+
+    def __call__(self, event: Mapping[str, Any]) -> None:
+        level = event.get("log_level", LogLevel.info)
+        fields = " ".join(f"{key}={value}" for key, value in eventFields(event).items())
+        line = (
+            f"{_timestamp(event)} {level.name.upper():5} [{event.get('log_namespace', '')}] "
+            f"{formatEvent(dict(event))}"
+        )
+        if fields:
+            line += "  " + fields
+        failure = event.get("log_failure")
+        if failure is not None:
+            line += "\n" + failure.getTraceback()
+        with self._lock:
+            self._outFile.write(line + "\n")
+            self._outFile.flush()
+
+
+def logSettings(environ: Mapping[str, str]) -> tuple[str, LogLevel]:
+    """
+    Read SVC_LOG_FORMAT (json or text) and SVC_LOG_LEVEL (DEBUG, INFO,
+    WARN, ERROR).
+    """
+    logFormat = config.choice(environ, "SVC_LOG_FORMAT", "json", ("json", "text"))
+    levelName = config.choice(
+        environ, "SVC_LOG_LEVEL", "INFO", ("DEBUG", "INFO", "WARN", "WARNING", "ERROR")
+    )
+    return logFormat, LEVELS[levelName]
+
+
+def makeObserver(
+    logFormat: str, level: LogLevel, outFile: IO[str], service: str | None = None
+) -> ILogObserver:
+    """
+    Build the filtered observer for a format, level and output file;
+    JSON lines name C{service} (where logs of several daemons meet).
+    """
+    inner: ILogObserver
+    if logFormat == "json":
+        inner = JSONLinesObserver(outFile, service)
+    else:
+        inner = TextLinesObserver(outFile)
+    return FilteringLogObserver(inner, [LogLevelFilterPredicate(defaultLogLevel=level)])
+
+
+def twistdOutput(twistdOptions: Mapping[str, Any] | None) -> IO[str]:
+    """
+    Where twistd would have written its log: stdout for C{-n} without
+    C{--logfile} (or C{--logfile -}), else the named file with twistd's
+    rotation, C{twistd.log} when daemonised without one.
+    """
+    if twistdOptions is None:
+        return sys.stdout
+    name = twistdOptions.get("logfile") or ""
+    if name == "-" or (not name and twistdOptions.get("nodaemon")):
+        return sys.stdout
+    rotating: IO[str] = logfile.LogFile.fromFullPath(name or "twistd.log")
+    return rotating
+
+
+_STDLIB_LEVELS = (
+    (logging.ERROR, LogLevel.error),
+    (logging.WARNING, LogLevel.warn),
+    (logging.INFO, LogLevel.info),
+)
+
+
+class StdlibLogBridge(logging.Handler):
+    """
+    Sends the records of Python's C{logging} (grpcio, the OpenTelemetry
+    SDK and its exporter use it) to twisted.logger, so they come out as
+    the daemon's JSON or text lines instead of bare text on stderr.
+    """
+
+    def emit(self, record: logging.LogRecord) -> None:
+        level = LogLevel.debug
+        for threshold, twistedLevel in _STDLIB_LEVELS:
+            if record.levelno >= threshold:
+                level = twistedLevel
+                break
+        try:
+            text = record.getMessage()
+        except Exception:  # a bad format string must not kill the caller
+            text = str(record.msg)
+        Logger(namespace=record.name).emit(level, "{text}", text=text)
+
+
+def stdlibLevel(level: LogLevel) -> int:
+    """
+    The C{logging} level matching a twisted.logger level.
+    """
+    return {
+        LogLevel.debug: logging.DEBUG,
+        LogLevel.info: logging.INFO,
+        LogLevel.warn: logging.WARNING,
+        LogLevel.error: logging.ERROR,
+        LogLevel.critical: logging.CRITICAL,
+    }[level]
+
+
+class LoggingRootService(MultiService):
+    """
+    The top service of a daemon: hands its log observer to the twistd
+    Application it is attached to, so twistd logs through it; routes
+    Python C{logging} records into it while running; turns a failure to
+    bind its ports into one clear line and exit status 1; and stops its
+    children one at a time, last added first.
+
+    The sequential stop is what a graceful shutdown needs: the listener
+    stops and requests in flight drain before the connections they use
+    (database pool, Redis, gRPC channel) close, and the spans of those
+    requests are flushed after they end. L{MultiService} would stop them
+    all at once.
+
+    @param level: the configured level. Python C{logging} records pass
+        at WARNING and above (or ERROR, if that is the level): the
+        libraries' own INFO and DEBUG chatter is not the daemon's.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self, observer: ILogObserver, daemonName: str = "svc", level: LogLevel = LogLevel.info
+    ) -> None:
+        super().__init__()
+        self.logObserver = observer
+        self.daemonName = daemonName
+        self._bridge = StdlibLogBridge(max(stdlibLevel(level), logging.WARNING))
+
+    def startService(self) -> None:
+        logging.getLogger().addHandler(self._bridge)
+        super().startService()
+
+    def stopService(self) -> Deferred[None]:
+        return Deferred.fromCoroutine(self._stopInOrder())
+
+    async def _stopInOrder(self) -> None:
+        # Service.stopService only clears C{running}; the children are ours.
+        Service.stopService(self)
+        for child in reversed(list(self)):
+            try:
+                await maybeDeferred(child.stopService)
+            except Exception:
+                self.log.failure("Stopping {child} failed", child=type(child).__name__)
+        logging.getLogger().removeHandler(self._bridge)
+
+    def privilegedStartService(self) -> None:
+        # twistd binds ports here, before the reactor runs; an exception
+        # would end the process with a traceback.
+        try:
+            super().privilegedStartService()
+        except (StartupError, CannotListenError) as error:
+            self.log.critical("Cannot start: {reason}", reason=str(error))
+            # twistd has redirected sys.stderr into the log by now.
+            if sys.__stderr__ is not None:
+                sys.__stderr__.write(f"{self.daemonName}: cannot start: {error}\n")
+            raise SystemExit(1) from None
+
+    def setServiceParent(self, parent: Any) -> None:
+        if isinstance(parent, Componentized) and parent.getComponent(ILogObserver) is None:
+            parent.setComponent(ILogObserver, self.logObserver)
+        super().setServiceParent(parent)

@@ -1,0 +1,46 @@
+"""
+Prometheus conventions shared by both daemons.
+
+Each daemon builds its metrics on its own CollectorRegistry rather than the
+process-global one, so several instances can live in one test process.
+No metric is ever labelled with an org id, agent id or raw URL path.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# Spec 4.2: histogram buckets run from 1 ms to 5 s.
+BUCKETS: tuple[float, ...] = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+def processUpGauge(registry: CollectorRegistry) -> Gauge:
+    """
+    svc_process_up: 1 while the process serves.
+    """
+    gauge = Gauge("svc_process_up", "1 while the process is up and serving", registry=registry)
+    gauge.set(1)
+    return gauge
+
+
+def exposition(registry: CollectorRegistry) -> bytes:
+    """
+    The Prometheus text format of everything in C{registry}.
+    """
+    return generate_latest(registry)

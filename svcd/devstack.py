@@ -1,0 +1,614 @@
+"""
+The whole gateway on one machine, in the foreground: what C{dev/gateway}
+runs.
+
+It starts private PostgreSQL and Redis servers with their data in C{.data/}
+of the checkout (unless POSTGRES_DSN or REDIS_URL name servers to use
+instead), applies the migrations with C{svcctl migrate}, makes a demo
+organization, agent and token once (remembered in C{.data/demo.json}),
+runs C{twistd -n svc-auth} and C{twistd -n svc-proxy} as child processes
+whose output goes straight to this terminal, waits until both report
+ready, and prints a curl command that sends a request through the gateway.
+
+Ctrl-C, SIGTERM or a closed terminal stops the daemons (SIGTERM, then
+SIGKILL after 15 s) and the servers it started, and exits 0. If a daemon
+dies on its own, everything else is stopped and the exit status is 1.
+
+No reactor runs here: this process only starts, watches and stops others,
+so plain subprocesses and polling keep it simple.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import attrs
+import psycopg
+from psycopg import sql
+
+from svcd.testing.servers import PostgresServer, RedisServer, ServerError
+
+# The checkout this module belongs to: dev/gateway runs from there, and
+# twistd finds the svc plugins in its twisted/plugins/ even where the
+# project is not installed.
+CHECKOUT = Path(__file__).resolve().parent.parent
+
+READY_TIMEOUT = 60.0
+STOP_TIMEOUT = 15.0
+DEMO_DATABASE = "svc"
+
+ENVIRONMENT_HELP = """\
+environment variables:
+  POSTGRES_DSN         use this PostgreSQL database instead of a private server
+  REDIS_URL            use this Redis instead of a private server
+  SVC_PROXY_PORT       svc-proxy's HTTP port (default 8080)
+  SVC_AUTH_PORT        svc-auth's HTTP port for /health, /ready, /metrics (default 8081)
+  SVC_AUTH_GRPC_PORT   svc-auth's gRPC port (default 9091)
+  SVC_HOST             the address both daemons listen on (default 127.0.0.1)
+  Every other variable is passed on to both daemons (SVC_LOG_FORMAT=text
+  for readable logs, SVC_LOG_LEVEL=DEBUG, ...).
+"""
+
+
+class DevStackError(Exception):
+    """
+    Something went wrong that the developer must fix; shown as one line,
+    without a traceback.
+    """
+
+
+class ShutdownRequested(BaseException):
+    """
+    SIGINT, SIGTERM or SIGHUP arrived. A BaseException, like
+    KeyboardInterrupt, so that no C{except Exception} on the way swallows
+    it before the stack is stopped.
+    """
+
+
+def _port(environ: Mapping[str, str], name: str, default: int) -> int:
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit() or not 0 < int(raw) < 65536:
+        raise DevStackError(f"{name} must be a port number from 1 to 65535, got {raw!r}")
+    return int(raw)
+
+
+@attrs.frozen
+class Settings:
+    """
+    What the developer asked for, from the environment and the command line.
+    """
+
+    dataDirectory: Path
+    proxyPort: int
+    authPort: int
+    authGrpcPort: int
+    postgresDSN: str | None
+    redisURL: str | None
+
+    @classmethod
+    def fromEnvironment(cls, environ: Mapping[str, str], dataDirectory: Path) -> Settings:
+        return cls(
+            dataDirectory=dataDirectory,
+            proxyPort=_port(environ, "SVC_PROXY_PORT", 8080),
+            authPort=_port(environ, "SVC_AUTH_PORT", 8081),
+            authGrpcPort=_port(environ, "SVC_AUTH_GRPC_PORT", 9091),
+            postgresDSN=environ.get("POSTGRES_DSN", "").strip() or None,
+            redisURL=environ.get("REDIS_URL", "").strip() or None,
+        )
+
+
+@attrs.define
+class Daemon:
+    """
+    A twistd child process and the URL that answers 200 once it is ready.
+    """
+
+    name: str
+    readyURL: str
+    process: subprocess.Popen[bytes]
+
+
+def say(message: str) -> None:
+    """
+    A line of our own, told apart from the daemons' output by its prefix.
+    """
+    print(f"dev/gateway: {message}", file=sys.stderr, flush=True)
+
+
+def writePrivateJSON(path: Path, document: object) -> None:
+    """
+    Write C{document} to C{path}, readable by its owner only (it holds a
+    token), replacing the old file in one step so a crash never leaves half
+    a file.
+    """
+    temporary = path.with_name(path.name + ".tmp")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w") as output:
+        # The file may have existed with looser permissions.
+        os.fchmod(output.fileno(), 0o600)
+        json.dump(document, output, indent=2)
+        output.write("\n")
+    os.replace(temporary, path)
+
+
+def databaseIdentity(dsn: str) -> str:
+    """
+    A name for the database behind C{dsn} that stays the same between runs
+    and changes when the database is a new one, so that demo.json is not
+    believed about a database that never saw its tenant: the cluster's
+    system identifier (new at every initdb), the database's name and oid
+    (new when it is dropped and made again). A role that may not read the
+    system identifier gets host and port in its place.
+    """
+    with psycopg.connect(dsn, connect_timeout=10, autocommit=True) as connection:
+        row = connection.execute(
+            "SELECT current_database(), oid::text FROM pg_database"
+            " WHERE datname = current_database()"
+        ).fetchone()
+        assert row is not None
+        name, oid = row
+        try:
+            system = connection.execute(
+                "SELECT system_identifier::text FROM pg_control_system()"
+            ).fetchone()
+            cluster = str(system[0]) if system else ""
+        except psycopg.Error:
+            cluster = f"{connection.info.host}:{connection.info.port}"
+    return f"{cluster}/{name}/{oid}"
+
+
+def _expired(expiresAt: object) -> bool:
+    if not isinstance(expiresAt, str) or not expiresAt:
+        return False
+    try:
+        moment = datetime.datetime.fromisoformat(expiresAt)
+    except ValueError:
+        return False
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=datetime.UTC)
+    # A minute of margin: a token about to expire is of no use to paste.
+    return moment <= datetime.datetime.now(datetime.UTC) + datetime.timedelta(minutes=1)
+
+
+def _executableBeside(name: str) -> str | None:
+    """
+    The console script C{name} of the virtualenv we run in, else on PATH.
+    """
+    beside = Path(sys.executable).parent / name
+    if os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which(name)
+
+
+def _commandLine(pid: int) -> list[str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+
+
+def stopLeftovers(record: Path, timeout: float = STOP_TIMEOUT) -> None:
+    """
+    Stop the processes that an earlier run recorded in C{record} and left
+    running because it was killed (SIGKILL, a crash): they would hold the
+    ports this run needs. A process counts only if its command line is the
+    one recorded, so a reused process id is never signalled.
+    """
+    try:
+        entries = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return
+    survivors = []
+    for entry in entries if isinstance(entries, list) else []:
+        pid, command = entry.get("pid"), entry.get("command")
+        if isinstance(pid, int) and command and _commandLine(pid) == command:
+            say(f"stopping {entry.get('name', pid)} left running by an earlier run (pid {pid})")
+            os.kill(pid, signal.SIGTERM)
+            survivors.append((pid, command))
+    deadline = time.monotonic() + timeout
+    while survivors and time.monotonic() < deadline:
+        time.sleep(0.1)
+        survivors = [(pid, command) for pid, command in survivors if _commandLine(pid) == command]
+    for pid, _ in survivors:
+        os.kill(pid, signal.SIGKILL)
+    record.unlink(missing_ok=True)
+
+
+class DevStack:
+    """
+    The servers and daemons of one C{dev/gateway} run: L{up} starts them,
+    L{watch} waits, L{down} stops what was started, in reverse order.
+    """
+
+    def __init__(self, settings: Settings, environ: Mapping[str, str]) -> None:
+        self._settings = settings
+        self._environ = dict(environ)
+        self._postgres: PostgresServer | None = None
+        self._redis: RedisServer | None = None
+        self._daemons: list[Daemon] = []
+        self._processRecord = settings.dataDirectory / "processes.json"
+
+    def _recordProcesses(self) -> None:
+        """
+        Note in processes.json which children run now, for L{stopLeftovers}
+        of the next run should this one be killed before it cleans up.
+        """
+        children = [(daemon.name, daemon.process.pid) for daemon in self._daemons]
+        if self._redis is not None and self._redis.pid is not None:
+            children.append(("Redis", self._redis.pid))
+        # The command line as /proc shows it, which is what stopLeftovers
+        # compares: a script's shows its interpreter, Redis's its title.
+        entries = [
+            {"name": name, "pid": pid, "command": _commandLine(pid)} for name, pid in children
+        ]
+        writePrivateJSON(self._processRecord, entries)
+
+    # Starting.
+
+    def up(self) -> None:
+        settings = self._settings
+        # Not 0700: as root, the postgres user must reach .data/postgres.
+        # demo.json, the one secret here, is 0600 itself.
+        settings.dataDirectory.mkdir(parents=True, exist_ok=True)
+        stopLeftovers(self._processRecord)
+        dsn = self._database()
+        redisURL = self._redisURL()
+        self._svcctl("migrate", dsn=dsn, show=True)
+        demo = self._demoTenant(dsn)
+        self._startDaemons(dsn, redisURL)
+        self._waitUntilReady()
+        self._announce(demo)
+
+    def _database(self) -> str:
+        if self._settings.postgresDSN is not None:
+            say("PostgreSQL: using POSTGRES_DSN")
+            return self._settings.postgresDSN
+        directory = self._settings.dataDirectory / "postgres"
+        reused = (directory / "cluster" / "data" / "PG_VERSION").is_file()
+        say(("reusing" if reused else "creating") + f" the PostgreSQL cluster in {directory}")
+        self._postgres = PostgresServer.create(directory)
+        self._postgres.start()
+        with self._postgres.connect() as connection:
+            exists = connection.execute(
+                "SELECT 1 FROM pg_database WHERE datname = %s", (DEMO_DATABASE,)
+            ).fetchone()
+            if exists is None:
+                connection.execute(
+                    sql.SQL("CREATE DATABASE {}").format(sql.Identifier(DEMO_DATABASE))
+                )
+        dsn = self._postgres.superuserDSN(DEMO_DATABASE)
+        say(f"PostgreSQL: {dsn} (log: {self._postgres.logFile})")
+        return dsn
+
+    def _redisURL(self) -> str:
+        if self._settings.redisURL is not None:
+            say("Redis: using REDIS_URL")
+            return self._settings.redisURL
+        self._redis = RedisServer.create(self._settings.dataDirectory / "redis")
+        self._redis.start()
+        self._recordProcesses()
+        say(f"Redis: {self._redis.url} (log: {self._redis.logFile})")
+        return self._redis.url
+
+    def _svcctl(self, *arguments: str, dsn: str, show: bool = False) -> dict[str, Any]:
+        """
+        Run one svcctl command against C{dsn} and return the JSON object it
+        prints. Its stderr goes to the terminal; its stdout is never shown
+        unless C{show}, since it may hold a token.
+        """
+        script = _executableBeside("svcctl")
+        command = [script] if script else [sys.executable, "-m", "svcd.auth.ctl"]
+        what = "svcctl " + " ".join(arguments[:2])
+        try:
+            result = subprocess.run(  # noqa: S603 - our own svcctl, arguments we built
+                [*command, *arguments],
+                env={**self._environ, "POSTGRES_DSN": dsn},
+                cwd=CHECKOUT,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                timeout=300,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            raise DevStackError(f"{what} did not finish within 300 s") from None
+        if result.returncode != 0:
+            raise DevStackError(f"{what} failed with exit status {result.returncode} (see above)")
+        try:
+            document = json.loads(result.stdout)
+        except ValueError:
+            raise DevStackError(f"{what} did not print a JSON document") from None
+        if not isinstance(document, dict):
+            raise DevStackError(f"{what} printed JSON that is not an object")
+        if show:
+            say(f"{what}: {json.dumps(document, sort_keys=True)}")
+        return document
+
+    def _demoTenant(self, dsn: str) -> dict[str, Any]:
+        """
+        The demo organization, agent and token: made once and remembered in
+        demo.json, step by step, so that an interrupted run resumes where it
+        stopped instead of making a second organization.
+        """
+        path = self._settings.dataDirectory / "demo.json"
+        identity = databaseIdentity(dsn)
+        demo: dict[str, Any] = {}
+        if path.exists():
+            try:
+                demo = json.loads(path.read_text())
+            except ValueError:
+                demo = {}
+            if demo.get("database") != identity:
+                say(f"{path} is about another database; making a new demo tenant")
+                demo = {}
+        demo["database"] = identity
+
+        def field(document: Mapping[str, Any], key: str) -> str:
+            value = document.get(key)
+            if not isinstance(value, str) or not value:
+                raise DevStackError(f"svcctl's answer lacks {key!r}")
+            return value
+
+        if "org_id" not in demo:
+            created = self._svcctl("org", "create", "--name", "demo", dsn=dsn)
+            demo["org_id"] = field(created, "org_id")
+            writePrivateJSON(path, demo)
+            say(f"created the demo organization {demo['org_id']}")
+        if "agent_id" not in demo:
+            created = self._svcctl(
+                "agent", "create", "--org", demo["org_id"], "--name", "demo-agent", dsn=dsn
+            )
+            demo["agent_id"] = field(created, "agent_id")
+            writePrivateJSON(path, demo)
+            say(f"created the demo agent {demo['agent_id']}")
+        if "token" not in demo or _expired(demo.get("expires_at")):
+            created = self._svcctl(
+                "token",
+                "create",
+                "--org",
+                demo["org_id"],
+                "--agent",
+                demo["agent_id"],
+                "--name",
+                "demo",
+                "--permissions",
+                "ProxyChatCompletion",
+                dsn=dsn,
+            )
+            demo["token"] = field(created, "token")
+            demo["token_id"] = field(created, "token_id")
+            demo["expires_at"] = created.get("expires_at")
+            writePrivateJSON(path, demo)
+            say(f"created the demo token {demo['token_id']} (saved in {path})")
+        return demo
+
+    def _startDaemons(self, dsn: str, redisURL: str) -> None:
+        settings = self._settings
+        twistd = _executableBeside("twistd")
+        if twistd is None:
+            raise DevStackError("twistd was not found; is .venv complete? (run dev/bootstrap)")
+        # Loopback only unless the developer says otherwise: the demo token
+        # is printed on the terminal, and the services default to 0.0.0.0.
+        base = {**self._environ, "PYTHONUNBUFFERED": "1"}
+        base.setdefault("SVC_HOST", "127.0.0.1")
+        self._startDaemon(
+            twistd,
+            "svc-auth",
+            {
+                **base,
+                "SVC_PORT": str(settings.authPort),
+                "SVC_GRPC_PORT": str(settings.authGrpcPort),
+                "POSTGRES_DSN": dsn,
+            },
+            f"http://127.0.0.1:{settings.authPort}/ready",
+        )
+        if self.proxyAvailable():
+            proxyEnvironment = {
+                **base,
+                "SVC_PORT": str(settings.proxyPort),
+                "SVC_AUTH_GRPC_ADDR": f"127.0.0.1:{settings.authGrpcPort}",
+                "REDIS_URL": redisURL,
+            }
+            proxyEnvironment.pop("SVC_GRPC_PORT", None)
+            proxyEnvironment.pop("POSTGRES_DSN", None)
+            self._startDaemon(
+                twistd,
+                "svc-proxy",
+                proxyEnvironment,
+                f"http://127.0.0.1:{settings.proxyPort}/ready",
+            )
+        else:
+            say("svcd/proxy/tap.py does not exist yet: running svc-auth only")
+
+    @staticmethod
+    def proxyAvailable() -> bool:
+        return (CHECKOUT / "svcd" / "proxy" / "tap.py").is_file()
+
+    def _startDaemon(
+        self, twistd: str, name: str, environment: dict[str, str], readyURL: str
+    ) -> None:
+        say(f"starting {name}")
+        process = subprocess.Popen(  # noqa: S603 - our virtualenv's twistd
+            # --pidfile= (empty): two twistd in one directory would
+            # otherwise both claim ./twistd.pid, and a stale one after a
+            # crash would stop the next start.
+            [twistd, "--nodaemon", "--pidfile=", name],
+            env=environment,
+            cwd=CHECKOUT,
+            stdin=subprocess.DEVNULL,
+            # A session of its own, so that Ctrl-C reaches only us and the
+            # daemons are stopped in order, by down().
+            start_new_session=True,
+        )
+        self._daemons.append(Daemon(name, readyURL, process))
+        self._recordProcesses()
+
+    def _waitUntilReady(self) -> None:
+        # No proxy from the environment (http_proxy) for our own loopback
+        # requests.
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+        def ready(url: str) -> bool:
+            try:
+                with opener.open(url, timeout=2) as response:
+                    return bool(response.status == 200)
+            except (urllib.error.URLError, OSError):
+                return False
+
+        pending = list(self._daemons)
+        deadline = time.monotonic() + READY_TIMEOUT
+        while pending:
+            for daemon in list(pending):
+                status = daemon.process.poll()
+                if status is not None:
+                    raise DevStackError(
+                        f"{daemon.name} exited with status {status} before it was ready "
+                        "(its output is above)"
+                    )
+                if ready(daemon.readyURL):
+                    say(f"{daemon.name} is ready")
+                    pending.remove(daemon)
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(f"{daemon.name} ({daemon.readyURL})" for daemon in pending)
+                raise DevStackError(f"not ready after {READY_TIMEOUT:.0f} s: {names}")
+            if pending:
+                time.sleep(0.25)
+
+    def _announce(self, demo: Mapping[str, Any]) -> None:
+        settings = self._settings
+        proxy = f"http://127.0.0.1:{settings.proxyPort}"
+        lines = [
+            "",
+            "svc gateway is running:",
+            f"  svc-auth   http://127.0.0.1:{settings.authPort}  (gRPC 127.0.0.1:"
+            f"{settings.authGrpcPort})",
+        ]
+        if self.proxyAvailable():
+            lines.append(f"  svc-proxy  {proxy}")
+        lines += [
+            f"  demo organization {demo['org_id']}, agent {demo['agent_id']}",
+            "",
+            "Send a request through the gateway:",
+            "",
+            f"  curl -i {proxy}/v1/chat/completions"
+            f' -H "Authorization: Bearer {demo["token"]}"'
+            f' -H "X-SVC-Agent-ID: {demo["agent_id"]}"'
+            ' -H "Content-Type: application/json"'
+            """ -d '{"model":"demo","messages":[{"role":"user","content":"hello"}]}'""",
+            "",
+            "Ctrl-C stops everything.",
+            "",
+        ]
+        print("\n".join(lines), flush=True)
+
+    # Running and stopping.
+
+    def watch(self, interval: float = 0.5) -> None:
+        """
+        Return only by an exception: L{ShutdownRequested} from a signal, or
+        L{DevStackError} when a daemon or a private server dies.
+        """
+        while True:
+            for daemon in self._daemons:
+                status = daemon.process.poll()
+                if status is not None:
+                    raise DevStackError(f"{daemon.name} exited with status {status}")
+            if self._redis is not None and not self._redis.isRunning:
+                raise DevStackError(f"Redis exited; see {self._redis.logFile}")
+            if self._postgres is not None and not self._postgres.isRunning:
+                raise DevStackError(f"PostgreSQL exited; see {self._postgres.logFile}")
+            time.sleep(interval)
+
+    def down(self) -> None:
+        """
+        Stop the daemons (SIGTERM to each, SIGKILL to those still running
+        after L{STOP_TIMEOUT} seconds), then the servers we started.
+        """
+        for daemon in reversed(self._daemons):
+            if daemon.process.poll() is None:
+                say(f"stopping {daemon.name}")
+                daemon.process.terminate()
+        deadline = time.monotonic() + STOP_TIMEOUT
+        for daemon in reversed(self._daemons):
+            try:
+                daemon.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                say(f"{daemon.name} did not stop within {STOP_TIMEOUT:.0f} s: killing it")
+                daemon.process.kill()
+                daemon.process.wait()
+        self._daemons.clear()
+        if self._redis is not None:
+            say("stopping Redis")
+            self._redis.stop()
+            self._redis = None
+        if self._postgres is not None:
+            say("stopping PostgreSQL")
+            self._postgres.stop()
+            self._postgres = None
+        self._processRecord.unlink(missing_ok=True)
+
+
+def _requestShutdown(signum: int, frame: FrameType | None) -> None:
+    raise ShutdownRequested(signum)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="dev/gateway",
+        description="Run svc-auth and svc-proxy locally with private PostgreSQL and Redis.",
+        epilog=ENVIRONMENT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--data-directory",
+        type=Path,
+        default=CHECKOUT / ".data",
+        help="where the private servers and demo.json live (default: .data of the checkout)",
+    )
+    options = parser.parse_args(argv)
+    try:
+        settings = Settings.fromEnvironment(os.environ, options.data_directory.absolute())
+    except DevStackError as error:
+        say(str(error))
+        return 2
+
+    stack = DevStack(settings, os.environ)
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    for signum in signals:
+        signal.signal(signum, _requestShutdown)
+    status = 0
+    try:
+        stack.up()
+        stack.watch()
+    except ShutdownRequested:
+        say("stopping")
+    except (DevStackError, ServerError) as error:
+        say(str(error))
+        status = 1
+    finally:
+        # The stop is bounded; a second Ctrl-C must not cut it short and
+        # leave servers running.
+        for signum in signals:
+            signal.signal(signum, signal.SIG_IGN)
+        stack.down()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

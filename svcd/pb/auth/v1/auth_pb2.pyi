@@ -1,0 +1,113 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ValidateTokenRequest(_message.Message):
+    __slots__ = ("access_token",)
+    ACCESS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    access_token: str
+    def __init__(self, access_token: _Optional[str] = ...) -> None: ...
+
+class ValidateTokenResponse(_message.Message):
+    __slots__ = ("org_id", "permissions", "agent_id", "user_id", "token_id", "expires_at")
+    ORG_ID_FIELD_NUMBER: _ClassVar[int]
+    PERMISSIONS_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    USER_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    org_id: str
+    permissions: int
+    agent_id: str
+    user_id: str
+    token_id: str
+    expires_at: str
+    def __init__(self, org_id: _Optional[str] = ..., permissions: _Optional[int] = ..., agent_id: _Optional[str] = ..., user_id: _Optional[str] = ..., token_id: _Optional[str] = ..., expires_at: _Optional[str] = ...) -> None: ...
+
+class ValidateAgentRequest(_message.Message):
+    __slots__ = ("agent_id", "org_id")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ORG_ID_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    org_id: str
+    def __init__(self, agent_id: _Optional[str] = ..., org_id: _Optional[str] = ...) -> None: ...
+
+class ValidateAgentResponse(_message.Message):
+    __slots__ = ("agent_id", "org_id", "status")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ORG_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    org_id: str
+    status: str
+    def __init__(self, agent_id: _Optional[str] = ..., org_id: _Optional[str] = ..., status: _Optional[str] = ...) -> None: ...
+
+class CreateTokenRequest(_message.Message):
+    __slots__ = ("name", "permissions", "agent_id", "expires_in_seconds")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PERMISSIONS_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    permissions: int
+    agent_id: str
+    expires_in_seconds: int
+    def __init__(self, name: _Optional[str] = ..., permissions: _Optional[int] = ..., agent_id: _Optional[str] = ..., expires_in_seconds: _Optional[int] = ...) -> None: ...
+
+class CreateTokenResponse(_message.Message):
+    __slots__ = ("token", "info")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    info: TokenInfo
+    def __init__(self, token: _Optional[str] = ..., info: _Optional[_Union[TokenInfo, _Mapping]] = ...) -> None: ...
+
+class RevokeTokenRequest(_message.Message):
+    __slots__ = ("token_id",)
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    token_id: str
+    def __init__(self, token_id: _Optional[str] = ...) -> None: ...
+
+class RevokeTokenResponse(_message.Message):
+    __slots__ = ("token_id", "revoked")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_FIELD_NUMBER: _ClassVar[int]
+    token_id: str
+    revoked: bool
+    def __init__(self, token_id: _Optional[str] = ..., revoked: _Optional[bool] = ...) -> None: ...
+
+class ListTokensRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListTokensResponse(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedCompositeFieldContainer[TokenInfo]
+    def __init__(self, tokens: _Optional[_Iterable[_Union[TokenInfo, _Mapping]]] = ...) -> None: ...
+
+class TokenInfo(_message.Message):
+    __slots__ = ("token_id", "org_id", "name", "agent_id", "user_id", "permissions", "expires_at", "revoked", "created_at")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    ORG_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    USER_ID_FIELD_NUMBER: _ClassVar[int]
+    PERMISSIONS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    token_id: str
+    org_id: str
+    name: str
+    agent_id: str
+    user_id: str
+    permissions: int
+    expires_at: str
+    revoked: bool
+    created_at: str
+    def __init__(self, token_id: _Optional[str] = ..., org_id: _Optional[str] = ..., name: _Optional[str] = ..., agent_id: _Optional[str] = ..., user_id: _Optional[str] = ..., permissions: _Optional[int] = ..., expires_at: _Optional[str] = ..., revoked: _Optional[bool] = ..., created_at: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,166 @@
+"""
+Parsing and validating the body of POST /v1/chat/completions (spec 4.1,
+decisions D4). Every failed rule is collected so the client sees all of
+them in one VALIDATION_ERROR.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import attrs
+
+from svcd.common.errors import (
+    ApiError,
+    ErrorCode,
+    FieldError,
+    FieldErrorCode,
+    validationError,
+)
+
+MAX_MODEL_CHARACTERS = 256
+MAX_MESSAGES = 1000
+MAX_CONTENT_BYTES = 100 * 1024
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+_ROLES_TEXT = "must be one of " + ", ".join(sorted(ROLES))
+
+_REQUIRED = FieldErrorCode.REQUIRED
+_FORMAT = FieldErrorCode.INVALID_FORMAT
+
+
+@attrs.frozen
+class ChatRequest:
+    """
+    The metadata of a valid chat body; the messages themselves are kept
+    for the provider call of a later phase and never logged.
+    """
+
+    model: str
+    messages: list[dict[str, Any]] = attrs.field(repr=False)
+    stream: bool = False
+    temperature: float | None = None
+    maxTokens: int | None = None
+
+
+def _refuseConstant(name: str) -> Any:
+    # NaN, Infinity and -Infinity are not JSON.
+    raise ValueError(f"{name} is not JSON")
+
+
+def _contentTooLong(content: str) -> bool:
+    # Cheap bounds first: a character is 1 to 4 bytes of UTF-8.
+    if len(content) * 4 <= MAX_CONTENT_BYTES:
+        return False
+    if len(content) > MAX_CONTENT_BYTES:
+        return True
+    # surrogatepass: a lone surrogate from a JSON \\ud800 escape counts its
+    # 3 bytes instead of failing.
+    return len(content.encode("utf-8", "surrogatepass")) > MAX_CONTENT_BYTES
+
+
+def _isNumber(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def parseChatBody(body: bytes) -> ChatRequest:
+    """
+    Parse and validate a chat body.
+
+    A JSON C{null} counts as a missing field.
+
+    @raise ApiError: 400 INVALID_JSON when the body is not UTF-8 JSON, 400
+        VALIDATION_ERROR listing every failed rule otherwise.
+    """
+    try:
+        document = json.loads(body.decode("utf-8"), parse_constant=_refuseConstant)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise ApiError(ErrorCode.INVALID_JSON) from None
+    if not isinstance(document, dict):
+        raise validationError([FieldError("body", _FORMAT, "must be a JSON object")])
+
+    errors: list[FieldError] = []
+
+    model = document.get("model")
+    if model is None:
+        errors.append(FieldError("model", _REQUIRED, "is required"))
+    elif not isinstance(model, str):
+        errors.append(FieldError("model", _FORMAT, "must be a string"))
+    elif len(model) > MAX_MODEL_CHARACTERS:
+        errors.append(
+            FieldError(
+                "model",
+                FieldErrorCode.TOO_LONG,
+                f"must be at most {MAX_MODEL_CHARACTERS} characters",
+            )
+        )
+
+    messages = document.get("messages")
+    if messages is None or (isinstance(messages, list) and not messages):
+        errors.append(FieldError("messages", _REQUIRED, "must hold at least one message"))
+    elif not isinstance(messages, list):
+        errors.append(FieldError("messages", _FORMAT, "must be an array"))
+    elif len(messages) > MAX_MESSAGES:
+        # The items are not checked: that could list thousands of errors.
+        errors.append(
+            FieldError(
+                "messages",
+                FieldErrorCode.TOO_MANY,
+                f"must hold at most {MAX_MESSAGES} messages",
+            )
+        )
+    else:
+        for index, message in enumerate(messages):
+            _checkMessage(index, message, errors)
+
+    stream = document.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        errors.append(FieldError("stream", _FORMAT, "must be a boolean"))
+    temperature = document.get("temperature")
+    if temperature is not None and not _isNumber(temperature):
+        errors.append(FieldError("temperature", _FORMAT, "must be a number"))
+    maxTokens = document.get("max_tokens")
+    if maxTokens is not None and (not isinstance(maxTokens, int) or isinstance(maxTokens, bool)):
+        errors.append(FieldError("max_tokens", _FORMAT, "must be an integer"))
+
+    if errors:
+        raise validationError(errors)
+    assert isinstance(model, str) and isinstance(messages, list)
+    return ChatRequest(
+        model=model,
+        messages=messages,
+        stream=bool(stream),
+        temperature=float(temperature) if temperature is not None else None,
+        maxTokens=maxTokens,
+    )
+
+
+def _checkMessage(index: int, message: object, errors: list[FieldError]) -> None:
+    path = f"messages[{index}]"
+    if not isinstance(message, dict):
+        errors.append(FieldError(path, _FORMAT, "must be an object"))
+        return
+    role = message.get("role")
+    if role is None:
+        errors.append(FieldError(path + ".role", _REQUIRED, "is required"))
+    elif not isinstance(role, str) or role not in ROLES:
+        errors.append(
+            FieldError(
+                path + ".role",
+                FieldErrorCode.INVALID_ENUM,
+                _ROLES_TEXT,
+            )
+        )
+    content = message.get("content")
+    if content is None:
+        errors.append(FieldError(path + ".content", _REQUIRED, "is required"))
+    elif not isinstance(content, str):
+        errors.append(FieldError(path + ".content", _FORMAT, "must be a string"))
+    elif _contentTooLong(content):
+        errors.append(
+            FieldError(
+                path + ".content",
+                FieldErrorCode.TOO_LONG,
+                f"must be at most {MAX_CONTENT_BYTES} bytes of UTF-8",
+            )
+        )

@@ -1,0 +1,213 @@
+"""
+The whole configuration of svc-proxy, read once from the environment
+(spec section 8, decisions D1 and D5).
+
+A missing or bad value raises L{ConfigError} naming the variable; the tap
+turns it into one line on stderr and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.parse
+from collections.abc import Mapping
+
+import attrs
+
+from svcd.common import config
+from svcd.common.config import ConfigError
+from svcd.common.ids import parseUUID
+
+# RFC 9110 token characters: what a header name may be made of.
+_HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+
+
+@attrs.frozen
+class RedisTarget:
+    """
+    Where the rate-limit counters live, parsed from REDIS_URL.
+    """
+
+    host: str
+    port: int
+    db: int
+    password: str | None = attrs.field(default=None, repr=False)
+    username: str | None = None
+
+
+@attrs.frozen
+class GrpcTLS:
+    """
+    Client side of mutual TLS on the link to svc-auth (decisions D1): the
+    PEM bytes read at start, so a wrong path stops the daemon at once.
+    """
+
+    rootCertificates: bytes | None
+    certificateChain: bytes | None
+    privateKey: bytes | None = attrs.field(repr=False)
+
+
+@attrs.frozen
+class ProxyConfig:
+    """
+    Everything svc-proxy reads from its environment.
+    """
+
+    authGrpcAddr: str
+    host: str = "0.0.0.0"
+    port: int = 8080
+    authTLS: GrpcTLS | None = None
+    redis: RedisTarget | None = None
+    validateTimeout: float = 0.05
+    authMaxInFlight: int = 64
+    authQueueTimeout: float = 1.0
+    maxRequestBodyBytes: int = 1024 * 1024
+    errorDocsBase: str | None = None
+    requestIDHeader: str = "X-Request-ID"
+    traceIDHeader: str = "X-Trace-ID"
+    defaultRPM: int = 60
+    orgRPM: Mapping[str, int] = attrs.field(factory=dict)
+    shutdownTimeout: float = 10.0
+    serviceName: str = "svc-proxy"
+    environment: str = "development"
+
+    @classmethod
+    def fromEnvironment(cls, environ: Mapping[str, str]) -> ProxyConfig:
+        """
+        Read and check every variable.
+
+        @raise ConfigError: naming the first variable that is missing or
+            has a value we cannot use.
+        """
+        return cls(
+            authGrpcAddr=_grpcAddress(environ, "SVC_AUTH_GRPC_ADDR"),
+            host=config.text(environ, "SVC_HOST", "0.0.0.0") or "0.0.0.0",
+            port=config.port(_asciiDigits(environ, "SVC_PORT"), "SVC_PORT", 8080),
+            authTLS=_grpcTLS(environ),
+            redis=parseRedisURL(config.text(environ, "REDIS_URL", "")),
+            validateTimeout=config.duration(environ, "SVC_AUTH_VALIDATE_TIMEOUT", 0.05),
+            authMaxInFlight=config.positiveInteger(environ, "SVC_AUTH_MAX_IN_FLIGHT", 64),
+            authQueueTimeout=config.duration(environ, "SVC_AUTH_QUEUE_TIMEOUT", 1.0),
+            maxRequestBodyBytes=config.positiveInteger(
+                _asciiDigits(environ, "SVC_MAX_REQUEST_BODY_BYTES"),
+                "SVC_MAX_REQUEST_BODY_BYTES",
+                1024 * 1024,
+            ),
+            errorDocsBase=config.text(environ, "SVC_ERROR_DOCS_BASE", "") or None,
+            requestIDHeader=_headerName(environ, "SVC_REQUEST_ID_HEADER", "X-Request-ID"),
+            traceIDHeader=_headerName(environ, "SVC_TRACE_ID_HEADER", "X-Trace-ID"),
+            defaultRPM=config.positiveInteger(
+                _asciiDigits(environ, "SVC_RATE_LIMIT_DEFAULT_RPM"),
+                "SVC_RATE_LIMIT_DEFAULT_RPM",
+                60,
+            ),
+            orgRPM=parseOrgOverrides(config.text(environ, "SVC_RATE_LIMIT_ORG_OVERRIDES", "")),
+            shutdownTimeout=config.duration(environ, "SVC_SHUTDOWN_TIMEOUT", 10.0),
+            serviceName=config.text(environ, "SVC_SERVICE_NAME", "svc-proxy") or "svc-proxy",
+            environment=config.choice(
+                environ, "SVC_ENV", "development", ("development", "staging", "production")
+            ),
+        )
+
+
+def _asciiDigits(environ: Mapping[str, str], name: str) -> Mapping[str, str]:
+    """
+    C{environ}, after refusing a numeric variable with non-ASCII digits
+    (such as "²"): str.isdigit accepts them and int() does not, which would
+    end the daemon with a traceback instead of one line.
+    """
+    raw = environ.get(name, "").strip()
+    if raw and raw.isdigit() and not raw.isascii():
+        raise ConfigError(name, f"must be written with the digits 0-9, got {raw!r}")
+    return environ
+
+
+def _grpcAddress(environ: Mapping[str, str], name: str) -> str:
+    value = config.required(environ, name)
+    if any(character.isspace() for character in value) or "/" in value.split(":", 1)[0]:
+        raise ConfigError(name, f"must be a host:port address, got {value!r}")
+    return value
+
+
+def _headerName(environ: Mapping[str, str], name: str, default: str) -> str:
+    value = config.text(environ, name, default) or default
+    if not _HEADER_NAME.match(value):
+        raise ConfigError(name, f"must be an HTTP header name, got {value!r}")
+    return value
+
+
+def _readPEM(environ: Mapping[str, str], name: str) -> bytes | None:
+    path = config.text(environ, name, "")
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as pemFile:
+            return pemFile.read()
+    except OSError as error:
+        raise ConfigError(name, f"cannot read {path!r}: {error.strerror}") from None
+
+
+def _grpcTLS(environ: Mapping[str, str]) -> GrpcTLS | None:
+    """
+    SVC_AUTH_GRPC_TLS_CA, _CERT and _KEY: all unset means plaintext; a
+    client certificate needs its key and the other way round.
+    """
+    ca = _readPEM(environ, "SVC_AUTH_GRPC_TLS_CA")
+    cert = _readPEM(environ, "SVC_AUTH_GRPC_TLS_CERT")
+    key = _readPEM(environ, "SVC_AUTH_GRPC_TLS_KEY")
+    if cert is not None and key is None:
+        raise ConfigError("SVC_AUTH_GRPC_TLS_KEY", "is required when SVC_AUTH_GRPC_TLS_CERT is set")
+    if key is not None and cert is None:
+        raise ConfigError("SVC_AUTH_GRPC_TLS_CERT", "is required when SVC_AUTH_GRPC_TLS_KEY is set")
+    if ca is None and cert is None:
+        return None
+    return GrpcTLS(rootCertificates=ca, certificateChain=cert, privateKey=key)
+
+
+def parseRedisURL(url: str, name: str = "REDIS_URL") -> RedisTarget | None:
+    """
+    C{redis://[[user]:password@]host[:port][/db]}; empty means no Redis
+    (rate limiting is then a no-op and /ready reports redis failed).
+    """
+    if not url:
+        return None
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port or 6379
+    except ValueError:
+        raise ConfigError(name, "must be a URL such as redis://host:6379/0") from None
+    if parts.scheme != "redis" or not parts.hostname:
+        raise ConfigError(name, "must be a URL such as redis://host:6379/0")
+    dbText = parts.path.lstrip("/") or "0"
+    if not (dbText.isascii() and dbText.isdigit()):
+        raise ConfigError(name, "the path must be a database number such as /0")
+    return RedisTarget(
+        host=parts.hostname,
+        port=port,
+        db=int(dbText),
+        password=urllib.parse.unquote(parts.password) if parts.password else None,
+        username=urllib.parse.unquote(parts.username) if parts.username else None,
+    )
+
+
+def parseOrgOverrides(text: str, name: str = "SVC_RATE_LIMIT_ORG_OVERRIDES") -> dict[str, int]:
+    """
+    C{<org_uuid>=<rpm>,...}: per-organization requests per minute, keyed by
+    the canonical lowercase org id. Empty entries (a trailing comma) are
+    ignored; anything else that is not such a pair stops the daemon.
+    """
+    overrides: dict[str, int] = {}
+    for entry in text.split(","):
+        entry = entry.strip()
+        if not entry:
+            continue
+        orgText, equals, rpmText = entry.partition("=")
+        orgID = parseUUID(orgText.strip())
+        rpmText = rpmText.strip()
+        validRPM = rpmText.isascii() and rpmText.isdigit() and int(rpmText) >= 1
+        if not equals or orgID is None or not validRPM:
+            raise ConfigError(name, f"entries must be <org_uuid>=<positive rpm>, got {entry!r}")
+        if str(orgID) in overrides:
+            raise ConfigError(name, f"organization {orgID} is listed twice")
+        overrides[str(orgID)] = int(rpmText)
+    return overrides

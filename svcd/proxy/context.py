@@ -1,0 +1,116 @@
+"""
+The request context that travels through the middleware, the answer it
+produces, and the shapes of layers, steps and routes.
+
+A I{layer} wraps everything inside it (C{async def layer(ctx, inner) ->
+Reply}); a I{step} checks one thing and either returns or raises
+L{ApiError} (C{async def step(ctx) -> None}); a route's I{handler} makes
+the answer (C{async def handler(ctx) -> Reply}).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+
+import attrs
+from opentelemetry.trace import INVALID_SPAN, Span
+from twisted.web.server import Request
+
+from svcd.proxy.authclient import AgentInfo, TokenInfo
+
+JSON = b"application/json"
+
+
+@attrs.define(slots=True)
+class Reply:
+    """
+    An HTTP answer not yet written: status, body, content type and the
+    headers particular to it.
+    """
+
+    status: int
+    body: bytes
+    contentType: bytes = JSON
+    headers: list[tuple[bytes, bytes]] = attrs.field(factory=list)
+
+
+@attrs.define(slots=True, repr=False)
+class RequestContext:
+    """
+    Everything known about one request as it goes through the steps.
+
+    The repr is left out on purpose: this holds the bearer token.
+    """
+
+    request: Request
+    route: Route
+    method: str
+    params: Mapping[str, str]
+    started: float = 0.0
+    requestID: str = ""
+    traceID: str = ""
+    # The request's server span; a non-recording one when not sampled.
+    span: Span = INVALID_SPAN
+    pathOrgID: str | None = None
+    accessToken: str | None = None
+    token: TokenInfo | None = None
+    orgID: str | None = None
+    agentID: str | None = None
+    agent: AgentInfo | None = None
+    # Headers every answer to this request carries from here on, such as
+    # X-RateLimit-*.
+    responseHeaders: list[tuple[bytes, bytes]] = attrs.field(factory=list)
+    status: int = 0
+
+
+Step = Callable[[RequestContext], Awaitable[None]]
+Handler = Callable[[RequestContext], Awaitable[Reply]]
+Layer = Callable[[RequestContext, Handler], Awaitable[Reply]]
+
+
+@attrs.frozen
+class Pipeline:
+    """
+    The steps of one method of a route, in order, then its handler.
+    """
+
+    steps: Sequence[Step]
+    handler: Handler
+
+
+# The methods of RFC 9110 and PATCH: the only ones a span is named after,
+# so a client inventing methods cannot inflate the set of span names.
+HTTP_METHODS = frozenset(
+    {"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"}
+)
+
+
+def _spanNames(route: Route) -> Mapping[str, str]:
+    return {method: f"{method} {route.template}" for method in HTTP_METHODS}
+
+
+@attrs.frozen
+class Route:
+    """
+    A path template and what each allowed method runs; C{template} is the
+    C{route} label of metrics, the C{http.route} of spans and the second
+    word of their names (C{spanNames}, made once, by method).
+    """
+
+    template: str
+    methods: Mapping[str, Pipeline]
+    spanNames: Mapping[str, str] = attrs.field(
+        init=False, default=attrs.Factory(_spanNames, takes_self=True), eq=False, repr=False
+    )
+
+
+def newTraceID() -> str:
+    """
+    A fresh 128-bit trace id, never all zeros: the fallback for an answer
+    made before (or without) the request's span.
+    """
+    while True:
+        traceID = os.urandom(16).hex()
+        if traceID != "0" * 32:
+            return traceID

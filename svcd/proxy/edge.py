@@ -1,0 +1,710 @@
+"""
+The HTTP edge of svc-proxy: its routes and middleware (spec 4.1).
+
+Where to read the middleware order: L{ProxyEdge.__init__} lists the global
+layers, outermost first, and then every route with the steps of each of
+its methods in the order they run. A step that raises L{ApiError} stops
+its route's chain there, so the precedence between errors is that order.
+
+Klein does the path matching only: every path template is one Klein route
+accepting any method, and a catch-all branch takes every other path, so
+404 and 405 are answered by our own chain (with the envelope, the headers,
+metrics and the access log) rather than by Klein's HTML pages.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from collections.abc import Awaitable, Mapping, Sequence
+from io import BytesIO
+from typing import IO, Any, cast
+
+import attrs
+from klein import Klein
+from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.iweb import IRequest
+from twisted.web.resource import IResource
+from twisted.web.server import NOT_DONE_YET, Request
+from werkzeug.exceptions import HTTPException
+from zope.interface import implementer
+
+from svcd.common.clocks import Clock, asReactorTime
+from svcd.common.errors import (
+    ApiError,
+    ErrorCode,
+    FieldError,
+    FieldErrorCode,
+    envelope,
+    validationError,
+)
+from svcd.common.ids import parseRequestID, parseUUID, uuid7
+from svcd.common.logs import REQUEST_ID
+from svcd.common.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from svcd.common.metrics import exposition
+from svcd.common.pat import parseToken
+from svcd.common.permissions import Permission
+from svcd.common.readiness import Check, readinessReport
+from svcd.common.tracing import activate, deactivate, parentFromHeaders, untracedProvider
+from svcd.proxy.authclient import AGENT_HEADER, AuthClient, agentHeaderInvalid
+from svcd.proxy.chatbody import parseChatBody
+from svcd.proxy.config import ProxyConfig
+from svcd.proxy.context import (
+    HTTP_METHODS,
+    Handler,
+    Layer,
+    Pipeline,
+    Reply,
+    RequestContext,
+    Route,
+    Step,
+    newTraceID,
+)
+from svcd.proxy.metrics import ProxyMetrics
+from svcd.proxy.ratelimit import RateLimiter
+
+_HEALTH_BODY = b'{"status":"ok","checks":{}}'
+_AGENT_HEADER = AGENT_HEADER.encode("ascii")
+_UNMATCHED = "unmatched"
+# Not an HTTP status: the metrics code of a request whose client went away
+# before the answer (nginx's convention).
+_CLIENT_CLOSED = 499
+_SPAN_ERROR = Status(StatusCode.ERROR)
+
+
+@attrs.frozen
+class _Nested:
+    """
+    A layer bound to what it wraps.
+    """
+
+    layer: Layer
+    inner: Handler
+
+    def __call__(self, ctx: RequestContext) -> Awaitable[Reply]:
+        return self.layer(ctx, self.inner)
+
+
+def compose(layers: Sequence[Layer], innermost: Handler) -> Handler:
+    """
+    Nest C{layers} (outermost first) around C{innermost}, once, at start.
+    """
+    handler = innermost
+    for layer in reversed(layers):
+        handler = _Nested(layer, handler)
+    return handler
+
+
+def _dumps(document: object) -> bytes:
+    return json.dumps(document, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+class ProxyEdge:
+    """
+    The routes of spec 4.1 and 4.2 with their middleware.
+
+    @param clock: the time source of request timings, envelope timestamps
+        and readiness timeouts.
+    @param tracer: makes the server span of each request; by default one
+        that records nothing but still makes (or continues) trace ids.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        config: ProxyConfig,
+        auth: AuthClient,
+        limiter: RateLimiter,
+        metrics: ProxyMetrics,
+        clock: Clock,
+        tracer: Tracer | None = None,
+    ) -> None:
+        self._tracer = tracer if tracer is not None else untracedProvider().get_tracer(__name__)
+        self._auth = auth
+        self._limiter = limiter
+        self._metrics = metrics
+        self._clock = clock
+        self._maxBody = config.maxRequestBodyBytes
+        self._docsBase = config.errorDocsBase
+        self._requestIDHeader = config.requestIDHeader.encode("ascii")
+        self._traceIDHeader = config.traceIDHeader.encode("ascii")
+        self._inFlight = 0
+        self._idle: list[Deferred[None]] = []
+        self._readinessChecks = (
+            Check("auth_grpc", auth.checkReachable),
+            Check("redis", limiter.checkReady),
+        )
+
+        # Spec 4.1: the global order for every route, outermost first; the
+        # router (the route's own steps) is innermost.
+        self.layers: tuple[Layer, ...] = (
+            self.requestContext,
+            self.tracingSpan,
+            self.recordMetrics,
+            self.responseHeaders,
+            self.accessLog,
+        )
+        self._chain = compose(self.layers, self.router)
+
+        # Spec 4.1: each route's steps in order, then its handler.
+        chat = Pipeline(
+            steps=(
+                self.bodySizeLimit,
+                self.contentType,
+                self.tokenAuth(Permission.ProxyChatCompletion),
+                self.agentVerify,
+                self.rateLimit,
+            ),
+            handler=self.chatCompletions,
+        )
+        self.routes: tuple[Route, ...] = (
+            Route("/health", {"GET": Pipeline((), self.health)}),
+            Route("/ready", {"GET": Pipeline((), self.ready)}),
+            Route("/metrics", {"GET": Pipeline((), self.metricsPage)}),
+            Route(
+                "/v1/internal/auth-probe",
+                {
+                    "GET": Pipeline(
+                        (self.tokenAuth(), self.agentVerify, self.rateLimit),
+                        self.authProbe,
+                    )
+                },
+            ),
+            Route(
+                "/v1/orgs/{org_id}/auth-probe",
+                {
+                    "GET": Pipeline(
+                        (
+                            self.pathOrgID,
+                            self.tokenAuth(matchPathOrg=True),
+                            self.agentVerify,
+                            self.rateLimit,
+                        ),
+                        self.authProbe,
+                    )
+                },
+            ),
+            Route("/v1/chat/completions", {"POST": chat}),
+            Route("/proxy/v1/chat/completions", {"POST": chat}),
+        )
+        self.unmatched = Route(_UNMATCHED, {})
+
+        self.app = Klein()
+        for route in self.routes:
+            self._addKleinRoute(route)
+        self._addKleinRoute(self.unmatched)
+
+        edge = self
+
+        def routingFailed(self: Any, request: IRequest, failure: Failure) -> Deferred[bytes]:
+            # Every path matches a route, and routes take every method, so
+            # this is reached only when werkzeug refuses a path before any
+            # route (a redirect to merge slashes, for one): an unknown path.
+            return edge.serve(request, edge.unmatched, {})
+
+        self.app.handle_errors(HTTPException)(routingFailed)
+
+    # Klein wiring
+
+    def resource(self) -> IResource:
+        """
+        The Twisted Web resource serving every route.
+        """
+        return _EdgeResource(self, self.app.resource())
+
+    def renderUnmatched(self, request: IRequest) -> int:
+        """
+        Answer C{request} as an unknown path without Klein (Klein answers a
+        path or host that is not UTF-8 with a plain-text 400 of its own).
+        """
+        # Twisted's Request is untyped; these few calls go through Any.
+        webRequest: Any = request
+        answer = Deferred.fromCoroutine(self._writeUnmatched(webRequest))
+        webRequest.notifyFinish().addErrback(lambda _: answer.cancel())
+        return NOT_DONE_YET
+
+    async def _writeUnmatched(self, webRequest: Any) -> None:
+        try:
+            body = await self.serve(webRequest, self.unmatched, {})
+        except CancelledError:
+            return
+        if not webRequest.finished and not webRequest._disconnected:
+            webRequest.write(body)
+            webRequest.finish()
+
+    def _addKleinRoute(self, route: Route) -> None:
+        def serve(request: IRequest, **params: str) -> Deferred[bytes]:
+            return self.serve(request, route, params)
+
+        if route is self.unmatched:
+            self.app.route("/", branch=True, endpoint=_UNMATCHED)(serve)
+        else:
+            path = route.template.replace("{", "<").replace("}", ">")
+            self.app.route(path, endpoint=route.template)(serve)
+
+    def serve(self, request: IRequest, route: Route, params: Mapping[str, str]) -> Deferred[bytes]:
+        """
+        Answer C{request} for C{route} through every layer and step.
+        """
+        webRequest = cast(Request, request)
+        ctx = RequestContext(webRequest, route, webRequest.method.decode("latin-1"), params)
+        return Deferred.fromCoroutine(self._answer(ctx))
+
+    async def _answer(self, ctx: RequestContext) -> bytes:
+        self._inFlight += 1
+        try:
+            reply = await self._chain(ctx)
+            request = ctx.request
+            request.setResponseCode(reply.status)
+            headers = request.responseHeaders
+            headers.setRawHeaders(b"Content-Type", [reply.contentType])
+            # A known length spares the chunked framing Klein's write would
+            # otherwise use.
+            headers.setRawHeaders(b"Content-Length", [b"%d" % len(reply.body)])
+            # Twisted's "Server: TwistedWeb/<version>" tells attackers too much.
+            headers.removeHeader(b"Server")
+            for name, value in reply.headers:
+                headers.addRawHeader(name, value)
+            return reply.body
+        finally:
+            self._inFlight -= 1
+            if not self._inFlight and self._idle:
+                waiting, self._idle = self._idle, []
+                for idle in waiting:
+                    idle.callback(None)
+
+    def whenIdle(self) -> Deferred[None]:
+        """
+        A Deferred that fires once no request is being answered.
+        """
+        idle: Deferred[None] = Deferred()
+        if not self._inFlight:
+            idle.callback(None)
+        else:
+            self._idle.append(idle)
+        return idle
+
+    # Global layers, outermost first.
+
+    async def requestContext(self, ctx: RequestContext, inner: Handler) -> Reply:
+        """
+        Start time and request id (an inbound v4 or v7 UUID is kept), and
+        the last line of defence: a fault in any inner layer still gets a
+        500 envelope.
+        """
+        ctx.started = self._clock.seconds()
+        inbound = ctx.request.requestHeaders.getRawHeaders(self._requestIDHeader)
+        requestID = None
+        if inbound:
+            requestID = parseRequestID(inbound[0].decode("latin-1"))
+        ctx.requestID = str(requestID) if requestID is not None else str(uuid7())
+        # Every line logged from here on in this request's context carries
+        # its request id (svcd.common.logs).
+        scope = REQUEST_ID.set(ctx.requestID)
+        try:
+            return await inner(ctx)
+        except CancelledError:
+            raise
+        except Exception:
+            self.log.failure(
+                "Fault in the middleware of {route}",
+                route=ctx.route.template,
+                request_id=ctx.requestID,
+                trace_id=ctx.traceID or None,
+            )
+            if not ctx.traceID:
+                ctx.traceID = newTraceID()
+            reply = self.errorReply(ctx, ApiError(ErrorCode.INTERNAL_ERROR))
+            self._addStandardHeaders(ctx, reply)
+            return reply
+        finally:
+            REQUEST_ID.reset(scope)
+
+    async def tracingSpan(self, ctx: RequestContext, inner: Handler) -> Reply:
+        """
+        The request's server span, continuing the trace of a valid inbound
+        W3C C{traceparent}, and its trace id (X-Trace-ID), sampled or not.
+
+        The span is OpenTelemetry's current span while the inner layers
+        run, so the auth client propagates it to svc-auth and log lines
+        carry its trace_id. Named C{<method> <route template>}, never the
+        raw path; status ERROR for an answer of 500 and above. Attributes
+        are built only for a recording (sampled) span.
+        """
+        method = ctx.method
+        route = ctx.route
+        parent = parentFromHeaders(ctx.request.requestHeaders)
+        name = route.spanNames.get(method)
+        if name is None:
+            name = f"HTTP {route.template}"
+        span = self._tracer.start_span(name, parent, kind=SpanKind.SERVER, record_exception=False)
+        ctx.span = span
+        spanContext = span.get_span_context()
+        # An SDK disabled by OTEL_SDK_DISABLED hands out invalid spans.
+        ctx.traceID = format(spanContext.trace_id, "032x") if spanContext.is_valid else newTraceID()
+        recording = span.is_recording()
+        if recording:
+            span.set_attributes(
+                {
+                    "http.request.method": method if method in HTTP_METHODS else "_OTHER",
+                    "svc.request_id": ctx.requestID,
+                }
+            )
+            if route is not self.unmatched:
+                span.set_attribute("http.route", route.template)
+        token = activate(span, parent)
+        try:
+            reply = await inner(ctx)
+        except CancelledError:
+            if recording:
+                span.set_attribute("http.response.status_code", _CLIENT_CLOSED)
+            raise
+        except Exception as error:
+            if recording:
+                span.set_attribute("http.response.status_code", 500)
+                span.set_attribute("error.type", type(error).__name__)
+                span.set_status(_SPAN_ERROR)
+            raise
+        else:
+            if recording:
+                status = reply.status
+                span.set_attribute("http.response.status_code", status)
+                if ctx.orgID is not None:
+                    span.set_attribute("svc.org_id", ctx.orgID)
+                if status >= 500:
+                    span.set_attribute("error.type", str(status))
+                    span.set_status(_SPAN_ERROR)
+            return reply
+        finally:
+            deactivate(token)
+            span.end()
+
+    async def recordMetrics(self, ctx: RequestContext, inner: Handler) -> Reply:
+        """
+        svc_proxy_requests_total and svc_proxy_request_duration_seconds.
+        """
+        try:
+            reply = await inner(ctx)
+        except CancelledError:
+            self._metrics.observeRequest(
+                ctx.route.template, ctx.method, _CLIENT_CLOSED, self._clock.seconds() - ctx.started
+            )
+            raise
+        self._metrics.observeRequest(
+            ctx.route.template, ctx.method, reply.status, self._clock.seconds() - ctx.started
+        )
+        return reply
+
+    async def responseHeaders(self, ctx: RequestContext, inner: Handler) -> Reply:
+        """
+        X-Request-ID, X-Trace-ID and X-Response-Time on every answer, plus
+        what the steps added (X-RateLimit-*).
+        """
+        reply = await inner(ctx)
+        self._addStandardHeaders(ctx, reply)
+        return reply
+
+    def _addStandardHeaders(self, ctx: RequestContext, reply: Reply) -> None:
+        headers = reply.headers
+        headers.extend(ctx.responseHeaders)
+        headers.append((self._requestIDHeader, ctx.requestID.encode("ascii")))
+        if ctx.traceID:
+            headers.append((self._traceIDHeader, ctx.traceID.encode("ascii")))
+        elapsed = (self._clock.seconds() - ctx.started) * 1000
+        headers.append((b"X-Response-Time", b"%.3f" % elapsed))
+
+    async def accessLog(self, ctx: RequestContext, inner: Handler) -> Reply:
+        """
+        One line per request, with its ids; never a header value or body.
+        """
+        try:
+            reply = await inner(ctx)
+        except CancelledError:
+            self.log.info(
+                "{method} {route}: client went away",
+                method=ctx.method,
+                route=ctx.route.template,
+                request_id=ctx.requestID,
+                trace_id=ctx.traceID,
+            )
+            raise
+        self.log.info(
+            "{method} {route} {status}",
+            method=ctx.method,
+            route=ctx.route.template,
+            status=reply.status,
+            duration_ms=round((self._clock.seconds() - ctx.started) * 1000, 3),
+            request_id=ctx.requestID,
+            trace_id=ctx.traceID,
+            org_id=ctx.orgID,
+            agent_id=ctx.agentID,
+        )
+        return reply
+
+    async def router(self, ctx: RequestContext) -> Reply:
+        """
+        The innermost layer: the route's steps in order, then its handler;
+        an L{ApiError} becomes its envelope, anything else a 500.
+        """
+        try:
+            pipeline = ctx.route.methods.get(ctx.method)
+            if pipeline is None:
+                if not ctx.route.methods:
+                    raise ApiError(ErrorCode.NOT_FOUND)
+                raise ApiError(
+                    ErrorCode.METHOD_NOT_ALLOWED,
+                    headers=[("Allow", ", ".join(ctx.route.methods))],
+                )
+            for step in pipeline.steps:
+                await step(ctx)
+            return await pipeline.handler(ctx)
+        except ApiError as error:
+            return self.errorReply(ctx, error)
+        except CancelledError:
+            raise
+        except Exception:
+            self.log.failure(
+                "Unhandled fault answering {method} {route}",
+                method=ctx.method,
+                route=ctx.route.template,
+                request_id=ctx.requestID,
+                trace_id=ctx.traceID,
+            )
+            return self.errorReply(ctx, ApiError(ErrorCode.INTERNAL_ERROR))
+
+    def errorReply(self, ctx: RequestContext, error: ApiError) -> Reply:
+        """
+        The envelope of spec section 7 for C{error}.
+        """
+        now = datetime.datetime.fromtimestamp(self._clock.seconds(), datetime.UTC)
+        document = envelope(error, requestID=ctx.requestID, now=now, docsBase=self._docsBase)
+        reply = Reply(error.status, _dumps(document))
+        for name, value in error.headers:
+            reply.headers.append((name.encode("latin-1"), value.encode("latin-1")))
+        return reply
+
+    # Route steps.
+
+    async def bodySizeLimit(self, ctx: RequestContext) -> None:
+        """
+        413 PAYLOAD_TOO_LARGE past SVC_MAX_REQUEST_BODY_BYTES.
+
+        L{svcd.proxy.site.BodyLimitedRequest} has already refused to
+        buffer such a body and marked the request; the other checks cover
+        a plain L{Request} (as in tests).
+        """
+        request = ctx.request
+        if getattr(request, "bodyTooLarge", False):
+            raise self._tooLarge()
+        declared = request.getHeader(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self._maxBody:
+            raise self._tooLarge()
+        content = _body(request)
+        size = content.seek(0, 2)
+        content.seek(0)
+        if size > self._maxBody:
+            raise self._tooLarge()
+
+    def _tooLarge(self) -> ApiError:
+        return ApiError(ErrorCode.PAYLOAD_TOO_LARGE, detail=f"The limit is {self._maxBody} bytes.")
+
+    async def contentType(self, ctx: RequestContext) -> None:
+        """
+        415 UNSUPPORTED_MEDIA_TYPE unless the body is application/json (a
+        charset or other parameter is allowed).
+        """
+        value = ctx.request.getHeader(b"content-type")
+        if value is None or value.split(b";", 1)[0].strip().lower() != b"application/json":
+            raise ApiError(ErrorCode.UNSUPPORTED_MEDIA_TYPE)
+
+    async def pathOrgID(self, ctx: RequestContext) -> None:
+        """
+        400 VALIDATION_ERROR (field org_id) for a path org id that is not a
+        UUID, before any token check (decisions D4).
+        """
+        orgID = parseUUID(ctx.params.get("org_id", ""))
+        if orgID is None:
+            raise validationError(
+                [FieldError("org_id", FieldErrorCode.INVALID_FORMAT, "must be a UUID")]
+            )
+        ctx.pathOrgID = str(orgID)
+
+    def tokenAuth(self, permission: Permission | None = None, matchPathOrg: bool = False) -> Step:
+        """
+        The token auth step: the bearer token, validated by svc-auth, with
+        the route's permission bit and, for the org-scoped probe, the path
+        org equal to the token's org (403 INSUFFICIENT_PERMISSIONS).
+        """
+
+        async def tokenAuth(ctx: RequestContext) -> None:
+            accessToken = bearerToken(ctx.request)
+            token = await self._auth.validateToken(accessToken)
+            if permission is not None and not token.permissions & permission:
+                raise ApiError(ErrorCode.INSUFFICIENT_PERMISSIONS)
+            if matchPathOrg and ctx.pathOrgID != token.orgID:
+                raise ApiError(ErrorCode.INSUFFICIENT_PERMISSIONS)
+            ctx.accessToken = accessToken
+            ctx.token = token
+            ctx.orgID = token.orgID
+
+        return tokenAuth
+
+    async def agentVerify(self, ctx: RequestContext) -> None:
+        """
+        The X-SVC-Agent-ID header (400 when missing or not a UUID), the
+        token's own agent if it has one (403 AGENT_NOT_AUTHORIZED), then
+        ValidateAgent with the caller's bearer.
+        """
+        values = ctx.request.requestHeaders.getRawHeaders(_AGENT_HEADER)
+        if not values or not values[0]:
+            raise ApiError(ErrorCode.MISSING_AGENT_ID)
+        agentUUID = parseUUID(values[0].decode("latin-1")) if len(values) == 1 else None
+        if agentUUID is None:
+            raise agentHeaderInvalid()
+        agentID = str(agentUUID)
+        token = ctx.token
+        assert token is not None and ctx.accessToken is not None
+        if token.agentID is not None and token.agentID != agentID:
+            raise ApiError(ErrorCode.AGENT_NOT_AUTHORIZED)
+        ctx.agent = await self._auth.validateAgent(ctx.accessToken, agentID, token.orgID)
+        ctx.agentID = agentID
+
+    async def rateLimit(self, ctx: RequestContext) -> None:
+        """
+        The organization's per-minute limit: X-RateLimit-* on the answer
+        whatever it is, 429 RATE_LIMITED with Retry-After past the limit.
+        """
+        assert ctx.orgID is not None
+        decision = await self._limiter.hit(ctx.orgID, ctx.agentID)
+        if decision is None:
+            return
+        ctx.responseHeaders.extend(decision.headers())
+        if not decision.allowed:
+            self._metrics.rateLimited.inc()
+            raise ApiError(
+                ErrorCode.RATE_LIMITED, headers=[("Retry-After", str(decision.retryAfter))]
+            )
+
+    # Handlers.
+
+    async def health(self, ctx: RequestContext) -> Reply:
+        return Reply(200, _HEALTH_BODY)
+
+    async def ready(self, ctx: RequestContext) -> Reply:
+        status, body = await readinessReport(self._readinessChecks, asReactorTime(self._clock))
+        return Reply(status, _dumps(body))
+
+    async def metricsPage(self, ctx: RequestContext) -> Reply:
+        return Reply(
+            200, exposition(self._metrics.registry), contentType=METRICS_CONTENT_TYPE.encode()
+        )
+
+    async def authProbe(self, ctx: RequestContext) -> Reply:
+        """
+        200 with what the validated token and agent say.
+        """
+        assert ctx.token is not None
+        return Reply(
+            200,
+            _dumps(
+                {
+                    "org_id": ctx.orgID,
+                    "permissions": ctx.token.permissions,
+                    "agent_id": ctx.agentID,
+                }
+            ),
+        )
+
+    async def chatCompletions(self, ctx: RequestContext) -> Reply:
+        """
+        Parse and validate the body, log its metadata (never the messages),
+        then answer 501: no provider is wired in Phase 1.
+        """
+        content = _body(ctx.request)
+        content.seek(0)
+        chat = parseChatBody(content.read())
+        span = ctx.span
+        if span.is_recording():
+            # Metadata only, as in the log line: never a message's content.
+            span.set_attributes(
+                {
+                    "gen_ai.request.model": chat.model,
+                    "svc.chat.message_count": len(chat.messages),
+                    "svc.chat.stream": chat.stream,
+                }
+            )
+        self.log.info(
+            "Chat completion request for {model} with {message_count} messages",
+            org_id=ctx.orgID,
+            request_id=ctx.requestID,
+            trace_id=ctx.traceID,
+            model=chat.model,
+            message_count=len(chat.messages),
+            stream=chat.stream,
+        )
+        raise ApiError(ErrorCode.PROVIDER_NOT_CONFIGURED)
+
+
+def _body(request: Request) -> IO[bytes]:
+    content: IO[bytes] | None = request.content
+    if content is None:
+        # Set by the channel before the request is processed; an empty body
+        # is the only sensible reading of its absence.
+        return BytesIO()
+    return content
+
+
+def bearerToken(request: Request) -> str:
+    """
+    The token of an C{Authorization: Bearer <token>} header.
+
+    @raise ApiError: 401 MISSING_TOKEN without the header, 401
+        INVALID_TOKEN when it is not a bearer of our PAT format (checked
+        here, so a malformed token costs no call to svc-auth).
+    """
+    values = request.requestHeaders.getRawHeaders(b"authorization")
+    if values is None:
+        raise ApiError(ErrorCode.MISSING_TOKEN)
+    if len(values) != 1:
+        raise ApiError(ErrorCode.INVALID_TOKEN)
+    scheme, _, credential = values[0].partition(b" ")
+    credential = credential.strip()
+    if scheme.lower() != b"bearer" or not credential:
+        raise ApiError(ErrorCode.INVALID_TOKEN)
+    token = credential.decode("latin-1")
+    if parseToken(token) is None:
+        raise ApiError(ErrorCode.INVALID_TOKEN)
+    return token
+
+
+@implementer(IResource)
+class _EdgeResource:
+    """
+    Klein's resource, except for requests Klein would refuse before any
+    route because their path or host is not UTF-8: those get our 404.
+    """
+
+    isLeaf = True
+
+    def __init__(self, edge: ProxyEdge, klein: IResource) -> None:
+        self._edge = edge
+        self._klein: Any = klein
+
+    def getChildWithDefault(self, name: bytes, request: IRequest) -> IResource:
+        return self
+
+    def putChild(self, path: bytes, child: IResource) -> None:
+        raise NotImplementedError("the proxy's routes are fixed")
+
+    def render(self, request: IRequest) -> Any:
+        webRequest: Any = request
+        try:
+            b"/".join(webRequest.postpath or ()).decode("utf-8")
+            webRequest.getRequestHostname().decode("utf-8")
+        except UnicodeDecodeError:
+            return self._edge.renderUnmatched(request)
+        return self._klein.render(request)

@@ -1,0 +1,142 @@
+"""
+C{twistd -n svc-proxy}: the options and service maker of the proxy.
+
+All configuration comes from the environment (spec section 8, decisions
+D1). A missing or bad variable stops the daemon before anything starts,
+with one line on stderr naming the variable and exit status 1; so does a
+port that cannot be bound (L{LoggingRootService}). A stop by SIGTERM or
+SIGINT that completes its graceful shutdown exits 0.
+
+The only module of svc-proxy that imports the global reactor; everything
+else is handed its reactor or clock.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any, cast
+
+from prometheus_client import CollectorRegistry
+from twisted.internet.endpoints import TCP4ServerEndpoint, TCP6ServerEndpoint
+from twisted.internet.interfaces import IReactorFromThreads, IStreamServerEndpoint
+from twisted.logger import LogLevel
+from twisted.python import usage
+
+from svcd.common.config import ConfigError
+from svcd.common.lifecycle import exitZeroOnStopSignals
+from svcd.common.logs import LoggingRootService, logSettings, makeObserver, twistdOutput
+from svcd.common.tracing import TracingConfig, TracingService, tracerProvider
+from svcd.proxy.authclient import GrpcAuthClient, authChannel
+from svcd.proxy.config import ProxyConfig
+from svcd.proxy.edge import ProxyEdge
+from svcd.proxy.metrics import ProxyMetrics
+from svcd.proxy.ratelimit import makeRateLimiter
+from svcd.proxy.service import ProxyService
+from svcd.proxy.site import ProxySite
+
+
+class Options(usage.Options):
+    """
+    svc-proxy takes no command-line options: see the SVC_* variables.
+    """
+
+    synopsis = "[options]  (configured by SVC_* environment variables)"
+    longdesc = (
+        "The public HTTP edge of the svc gateway. Required: SVC_AUTH_GRPC_ADDR. "
+        "See the README for every variable."
+    )
+
+    config: ProxyConfig
+    tracing: TracingConfig
+    logFormat: str
+    logLevel: LogLevel
+
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        super().__init__()  # type: ignore[no-untyped-call, unused-ignore]
+        self._environ = os.environ if environ is None else environ
+
+    def postOptions(self) -> None:
+        """
+        Read the environment; on a bad value print one line and exit 1
+        (a UsageError would make twistd print its whole help first).
+        """
+        try:
+            self.config = ProxyConfig.fromEnvironment(self._environ)
+            self.tracing = TracingConfig.fromEnvironment(self._environ, "svc-proxy")
+            self.logFormat, self.logLevel = logSettings(self._environ)
+        except ConfigError as error:
+            sys.stderr.write(f"svc-proxy: configuration error: {error}\n")
+            sys.stderr.flush()
+            raise SystemExit(1) from None
+
+
+def listenEndpoint(reactor: Any, host: str, port: int) -> IStreamServerEndpoint:
+    """
+    The TCP endpoint for SVC_HOST and SVC_PORT (IPv6 when the host has a
+    colon).
+    """
+    endpoint: object
+    if ":" in host:
+        endpoint = TCP6ServerEndpoint(reactor, port, interface=host)  # type: ignore[no-untyped-call, unused-ignore]
+    else:
+        endpoint = TCP4ServerEndpoint(reactor, port, interface=host)  # type: ignore[no-untyped-call, unused-ignore]
+    return cast(IStreamServerEndpoint, endpoint)
+
+
+def makeService(options: Options) -> LoggingRootService:
+    """
+    Build the service tree of svc-proxy.
+    """
+    from twisted.internet import reactor
+
+    config = options.config
+    twistdOptions = getattr(options, "parent", None)
+    observer = makeObserver(
+        options.logFormat,
+        options.logLevel,
+        twistdOutput(twistdOptions),
+        service=options.tracing.serviceName,
+    )
+    root = LoggingRootService(observer, daemonName="svc-proxy", level=options.logLevel)
+
+    # The root stops its children last first: the tracing service, added
+    # first, flushes the spans of the requests the proxy service drained.
+    provider = tracerProvider(options.tracing)
+    tracing = TracingService(IReactorFromThreads(reactor), reactor, provider, options.tracing)
+    tracing.setServiceParent(root)  # type: ignore[no-untyped-call, unused-ignore]
+    tracer = provider.get_tracer("svcd.proxy")
+
+    metrics = ProxyMetrics(CollectorRegistry())
+    auth = GrpcAuthClient(
+        functools.partial(authChannel, config),
+        IReactorFromThreads(reactor),
+        reactor,
+        config.validateTimeout,
+        metrics,
+        tracer=tracer,
+        maxInFlight=config.authMaxInFlight,
+        queueTimeout=config.authQueueTimeout,
+    )
+    limiter = makeRateLimiter(
+        reactor,
+        reactor,
+        config.redis,
+        config.defaultRPM,
+        config.orgRPM,
+    )
+    edge = ProxyEdge(config, auth, limiter, metrics, reactor, tracer)
+    site = ProxySite(edge.resource(), config.maxRequestBodyBytes, reactor)
+    ProxyService(
+        listenEndpoint(reactor, config.host, config.port),
+        edge,
+        site,
+        auth,
+        limiter,
+        reactor,
+        config.shutdownTimeout,
+    ).setServiceParent(root)  # type: ignore[no-untyped-call, unused-ignore]
+    exitZeroOnStopSignals(reactor)
+    return root

@@ -1,0 +1,188 @@
+"""
+Test doubles for svc-proxy's dependencies, with the interfaces of the real
+ones: an in-memory auth client and in-memory Redis counters (so tests run
+the real L{RedisRateLimiter} logic without Redis).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import attrs
+from twisted.internet.defer import Deferred, fail, succeed
+
+from svcd.common.errors import ApiError, ErrorCode
+from svcd.common.pat import formatToken, newSecret
+from svcd.common.permissions import Permission
+from svcd.common.readiness import CheckFailed
+from svcd.proxy.authclient import AgentInfo, TokenInfo
+
+
+def newToken() -> str:
+    """
+    A bearer value of the real PAT format (it passes the proxy's format
+    check), known to no auth service.
+    """
+    return formatToken(uuid.uuid4(), newSecret())
+
+
+@attrs.define
+class FakeAuthClient:
+    """
+    An L{svcd.proxy.authclient.AuthClient} answering from dictionaries.
+
+    An unknown token is 401 INVALID_TOKEN; an unknown agent, or one of
+    another organization, 403 AGENT_NOT_AUTHORIZED. An entry may also be an
+    exception to fail with, or a Deferred to return as is (to hold a
+    request in flight).
+    """
+
+    tokens: dict[str, TokenInfo | Exception | Deferred[TokenInfo]] = attrs.field(factory=dict)
+    agents: dict[str, AgentInfo | Exception | Deferred[AgentInfo]] = attrs.field(factory=dict)
+    # None: reachable; an exception to fail with; a Deferred to return.
+    reachable: Exception | Deferred[None] | None = None
+    calls: list[tuple[str, ...]] = attrs.field(factory=list)
+    started: bool = False
+    closed: bool = False
+
+    def addTenant(
+        self,
+        permissions: int = Permission.ProxyChatCompletion,
+        tokenAgent: bool = False,
+        status: str = "active",
+        orgID: str | None = None,
+    ) -> tuple[str, str, str]:
+        """
+        Register a new organization (or C{orgID}) with one agent and one
+        token.
+
+        @param tokenAgent: bind the token to the agent.
+        @return: (token, org id, agent id)
+        """
+        token, agentID = newToken(), str(uuid.uuid4())
+        orgID = orgID or str(uuid.uuid4())
+        self.tokens[token] = TokenInfo(
+            orgID=orgID,
+            permissions=int(permissions),
+            agentID=agentID if tokenAgent else None,
+            tokenID=str(uuid.uuid4()),
+        )
+        if status == "active":
+            self.agents[agentID] = AgentInfo(agentID=agentID, orgID=orgID, status=status)
+        else:
+            self.agents[agentID] = ApiError(ErrorCode.AGENT_SUSPENDED)
+        return token, orgID, agentID
+
+    def validateToken(self, accessToken: str) -> Deferred[TokenInfo]:
+        self.calls.append(("ValidateToken", accessToken))
+        outcome = self.tokens.get(accessToken, ApiError(ErrorCode.INVALID_TOKEN))
+        if isinstance(outcome, Deferred):
+            return outcome
+        if isinstance(outcome, Exception):
+            return fail(outcome)
+        return succeed(outcome)
+
+    def validateAgent(self, accessToken: str, agentID: str, orgID: str) -> Deferred[AgentInfo]:
+        self.calls.append(("ValidateAgent", accessToken, agentID, orgID))
+        outcome = self.agents.get(agentID, ApiError(ErrorCode.AGENT_NOT_AUTHORIZED))
+        if isinstance(outcome, Deferred):
+            return outcome
+        if isinstance(outcome, Exception):
+            return fail(outcome)
+        if outcome.orgID != orgID:
+            return fail(ApiError(ErrorCode.AGENT_NOT_AUTHORIZED))
+        return succeed(outcome)
+
+    def checkReachable(self) -> Deferred[None]:
+        self.calls.append(("checkReachable",))
+        if isinstance(self.reachable, Deferred):
+            return self.reachable
+        if self.reachable is not None:
+            return fail(self.reachable)
+        return succeed(None)
+
+    def start(self) -> None:
+        self.started = True
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@attrs.define
+class MemoryCounters:
+    """
+    L{svcd.proxy.ratelimit.RedisCounters} in a dictionary; C{connected}
+    can be switched off to see the limiter fail open.
+    """
+
+    counts: dict[str, int] = attrs.field(factory=dict)
+    ttls: dict[str, int] = attrs.field(factory=dict)
+    connected: bool = True
+    failure: Exception | None = None
+    # When set, what increment returns (to hold a reply back).
+    reply: Deferred[int] | None = None
+    started: bool = False
+    stopped: bool = False
+
+    def increment(self, key: str, ttl: int) -> Deferred[int]:
+        if self.reply is not None:
+            return self.reply
+        if self.failure is not None:
+            return fail(self.failure)
+        self.counts[key] = self.counts.get(key, 0) + 1
+        self.ttls.setdefault(key, ttl)
+        return succeed(self.counts[key])
+
+    def ping(self) -> Deferred[object]:
+        if not self.connected:
+            return fail(CheckFailed("not connected to Redis"))
+        return succeed("PONG")
+
+    def start(self) -> None:
+        self.started = True
+
+    def stop(self) -> Deferred[None]:
+        self.stopped = True
+        return succeed(None)
+
+
+async def listeningProxy(
+    reactor: Any,
+    auth: FakeAuthClient,
+    counters: MemoryCounters,
+    maxRequestBodyBytes: int,
+    **siteOptions: float | None,
+) -> tuple[Any, int]:
+    """
+    A real svc-proxy service listening on a free loopback port, with the
+    in-memory auth client and counters: for tests that need real sockets
+    (early 413, timeouts, hostile clients) but no other process. Returns
+    the started L{ProxyService} and its port; stop it with stopService.
+    """
+    from twisted.internet.endpoints import TCP4ServerEndpoint
+
+    from svcd.proxy.config import ProxyConfig
+    from svcd.proxy.edge import ProxyEdge
+    from svcd.proxy.metrics import ProxyMetrics
+    from svcd.proxy.ratelimit import RedisRateLimiter
+    from svcd.proxy.service import ProxyService
+    from svcd.proxy.site import ProxySite
+
+    config = ProxyConfig(authGrpcAddr="auth.test:9091", maxRequestBodyBytes=maxRequestBodyBytes)
+    limiter = RedisRateLimiter(counters, reactor, config.defaultRPM)
+    edge = ProxyEdge(config, auth, limiter, ProxyMetrics(), reactor)
+    site = ProxySite(edge.resource(), maxRequestBodyBytes, reactor, **siteOptions)
+    service = ProxyService(
+        TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1"),
+        edge,
+        site,
+        auth,
+        limiter,
+        reactor,
+        shutdownTimeout=2.0,
+    )
+    service.startService()
+    listener: Any = service.listener
+    port = await listener._waitingForPort
+    return service, port.getHost().port

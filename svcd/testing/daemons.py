@@ -1,0 +1,139 @@
+"""
+Running svc-auth and svc-proxy as real processes (C{twistd -n ...}) for
+end-to-end tests and the benchmark.
+"""
+
+# Runs our own daemons with argument lists, and talks HTTP to them on
+# loopback only.
+# ruff: noqa: S603, S310
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from pathlib import Path
+
+from svcd.testing.servers import freePort
+
+
+def twistdCommand(plugin: str) -> list[str]:
+    """
+    C{twistd -n <plugin>} with this interpreter, so the test's virtualenv is
+    the one that runs.
+    """
+    # --pidfile= : no pidfile, so runs never trip over a stale one.
+    return [
+        sys.executable,
+        "-c",
+        "from twisted.scripts.twistd import run; run()",
+        "-n",
+        "--pidfile=",
+        plugin,
+    ]
+
+
+class Daemon:
+    """
+    One twistd process; its combined output goes to C{logFile}.
+    """
+
+    def __init__(self, plugin: str, environment: Mapping[str, str], logFile: Path) -> None:
+        self.plugin = plugin
+        self.environment = dict(environment)
+        self.logFile = logFile
+        self.process: subprocess.Popen[bytes] | None = None
+        self.httpPort = int(self.environment["SVC_PORT"])
+
+    def start(self) -> "Daemon":
+        environment = {**os.environ, **self.environment}
+        with self.logFile.open("ab") as output:
+            self.process = subprocess.Popen(
+                twistdCommand(self.plugin),
+                env=environment,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                cwd=self.logFile.parent,
+            )
+        return self
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.httpPort}{path}"
+
+    def get(self, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
+        """
+        A GET on the daemon's HTTP port: status and body (also for 4xx and
+        5xx answers).
+        """
+        try:
+            with urllib.request.urlopen(self.url(path), timeout=timeout) as answer:
+                return answer.status, answer.read()
+        except urllib.error.HTTPError as error:
+            return error.code, error.read()
+
+    def waitForHealth(self, timeout: float = 20.0) -> None:
+        self.waitForRoute("/health", timeout)
+
+    def waitForReady(self, timeout: float = 20.0) -> None:
+        """
+        Wait until /ready answers 200, as a load balancer would before
+        sending traffic.
+        """
+        self.waitForRoute("/ready", timeout)
+
+    def waitForRoute(self, path: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"{self.plugin} exited with {self.process.returncode}:\n{self.output()}"
+                )
+            try:
+                if self.get(path, timeout=1.0)[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"{self.plugin} did not answer {path} with 200:\n{self.output()}")
+
+    def output(self) -> str:
+        return self.logFile.read_text(errors="replace") if self.logFile.exists() else ""
+
+    def signal(self, signum: signal.Signals) -> None:
+        assert self.process is not None
+        self.process.send_signal(signum)
+
+    def terminate(self, timeout: float = 20.0) -> int:
+        """
+        SIGTERM, then wait; returns the exit status (SIGKILL after
+        C{timeout}, which makes the status negative).
+        """
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def authEnvironment(dsn: str, **overrides: str) -> dict[str, str]:
+    """
+    The environment of an svc-auth on free loopback ports.
+    """
+    return {
+        "POSTGRES_DSN": dsn,
+        "SVC_HOST": "127.0.0.1",
+        "SVC_PORT": str(freePort()),
+        "SVC_GRPC_PORT": str(freePort()),
+        "SVC_SHUTDOWN_TIMEOUT": "5s",
+        **overrides,
+    }

@@ -1,0 +1,257 @@
+"""
+The validation cache of svc-auth (decisions D7): argon2 stays off the hot
+path, yet revocations and agent status changes reach every replica within
+one second, and bad tokens cannot be used to burn CPU.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from authfixtures import makeTenant
+
+import svcd.auth.authority
+from svcd.auth.authority import AGENT_NOT_ACTIVE
+from svcd.auth.store import Store
+from svcd.common.pat import formatToken, newSecret
+from svcd.pb.auth.v1 import auth_pb2
+from svcd.testing.authservice import RunningAuthService
+
+
+class CountingVerifier:
+    """
+    Wraps svcd.auth.authority.verifySecret to count argon2 verifications
+    and how many ran at once.
+    """
+
+    def __init__(self, real: Callable[[str, str], bool], delay: float = 0.0) -> None:
+        self._real = real
+        self._delay = delay
+        self._lock = threading.Lock()
+        self.calls = 0
+        self.running = 0
+        self.mostAtOnce = 0
+
+    def __call__(self, storedHash: str, secret: str) -> bool:
+        with self._lock:
+            self.calls += 1
+            self.running += 1
+            self.mostAtOnce = max(self.mostAtOnce, self.running)
+        try:
+            if self._delay:
+                time.sleep(self._delay)
+            return self._real(storedHash, secret)
+        finally:
+            with self._lock:
+                self.running -= 1
+
+
+@pytest.fixture
+def verifier(monkeypatch: pytest.MonkeyPatch) -> Iterator[CountingVerifier]:
+    counting = CountingVerifier(svcd.auth.authority.verifySecret)
+    monkeypatch.setattr(svcd.auth.authority, "verifySecret", counting)
+    yield counting
+
+
+def validate(service: RunningAuthService, token: str) -> auth_pb2.ValidateTokenResponse:
+    return service.call("ValidateToken", auth_pb2.ValidateTokenRequest(access_token=token))
+
+
+def codeOf(call: Callable[[], object]) -> grpc.StatusCode:
+    try:
+        call()
+    except grpc.RpcError as error:
+        return error.code()  # type: ignore[no-any-return]
+    return grpc.StatusCode.OK
+
+
+def waitUntil(condition: Callable[[], bool], limit: float) -> float:
+    """
+    Poll C{condition} until it holds; return how long that took, or fail
+    after C{limit} seconds.
+    """
+    started = time.monotonic()
+    while not condition():
+        elapsed = time.monotonic() - started
+        assert elapsed < limit, f"condition not met within {limit}s"
+        time.sleep(0.01)
+    return time.monotonic() - started
+
+
+def test_repeatedValidationsRunArgon2Once(
+    authService: RunningAuthService, owner: Store, verifier: CountingVerifier
+) -> None:
+    """
+    A hundred ValidateToken and ValidateAgent calls with the same valid
+    token run one argon2 verification in all.
+    """
+    tenant = makeTenant(owner)
+    for _ in range(50):
+        validate(authService, tenant.token)
+        authService.call(
+            "ValidateAgent",
+            auth_pb2.ValidateAgentRequest(agent_id=str(tenant.agentID), org_id=str(tenant.orgID)),
+            bearer=tenant.token,
+        )
+    assert verifier.calls == 1
+
+
+def test_repeatedWrongSecretRunsArgon2Once(
+    authService: RunningAuthService, owner: Store, verifier: CountingVerifier
+) -> None:
+    """
+    The same wrong secret sent again and again costs one argon2
+    verification; a wrong secret for a token cached as valid costs none.
+    """
+    tenant = makeTenant(owner)
+    wrong = formatToken(tenant.tokenID, newSecret())
+    for _ in range(20):
+        assert codeOf(lambda: validate(authService, wrong)) == grpc.StatusCode.UNAUTHENTICATED
+    assert verifier.calls == 1
+    validate(authService, tenant.token)
+    assert verifier.calls == 2
+    for _ in range(20):
+        other = formatToken(tenant.tokenID, newSecret())
+        assert codeOf(lambda other=other: validate(authService, other)) == (
+            grpc.StatusCode.UNAUTHENTICATED
+        )
+    assert verifier.calls == 2
+
+
+def test_unknownTokenIdsRunNoArgon2(
+    authService: RunningAuthService, verifier: CountingVerifier
+) -> None:
+    """
+    Tokens with unknown ids are refused after one indexed lookup, with no
+    argon2 work.
+    """
+    for _ in range(20):
+        bearer = formatToken(uuid.uuid4(), newSecret())
+        assert codeOf(lambda bearer=bearer: validate(authService, bearer)) == (
+            grpc.StatusCode.UNAUTHENTICATED
+        )
+    assert verifier.calls == 0
+
+
+def test_coldVerificationsAreBounded(
+    migratedDSN: str, owner: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """
+    However many distinct wrong secrets arrive at once, at most coldSlots
+    verifications run together; the excess waits at most coldWait and is
+    then refused (ResourceExhausted), while a cached valid token keeps
+    being answered at once.
+    """
+    slow = CountingVerifier(svcd.auth.authority.verifySecret, delay=0.2)
+    monkeypatch.setattr(svcd.auth.authority, "verifySecret", slow)
+    service = RunningAuthService(migratedDSN, coldSlots=2, coldWait=0.05, workers=24).start()
+    try:
+        tenant = makeTenant(owner, "valid")
+        validate(service, tenant.token)
+        # Wrong secrets for a token this replica never validated: each
+        # needs argon2 to be refused.
+        victim = makeTenant(owner, "victim")
+        wrongs = [formatToken(victim.tokenID, newSecret()) for _ in range(16)]
+        with ThreadPoolExecutor(16) as pool:
+            codes = pool.map(lambda bearer: codeOf(lambda: validate(service, bearer)), wrongs)
+            started = time.monotonic()
+            validate(service, tenant.token)
+            cachedLatency = time.monotonic() - started
+            results = list(codes)
+        assert slow.mostAtOnce <= 2
+        assert set(results) <= {
+            grpc.StatusCode.UNAUTHENTICATED,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+        }
+        assert grpc.StatusCode.RESOURCE_EXHAUSTED in results
+        assert cachedLatency < 0.2
+    finally:
+        service.stop()
+
+
+def test_revocationReachesAnotherReplicaWithinOneSecond(migratedDSN: str, owner: Store) -> None:
+    """
+    Two AuthService instances on one database: a token cached as valid by
+    the first is refused by it within one second of its revocation through
+    the second.
+    """
+    first = RunningAuthService(migratedDSN).start()
+    second = RunningAuthService(migratedDSN).start()
+    try:
+        from svcd.auth.authority import issueToken
+        from svcd.common.permissions import Permission
+
+        admin = makeTenant(owner, permissions=int(Permission.TokenRevoke | 1))
+        token, record = issueToken(owner, orgID=admin.orgID, permissions=1)
+        for _ in range(3):
+            validate(first, token)
+        second.call(
+            "RevokeToken",
+            auth_pb2.RevokeTokenRequest(token_id=str(record.tokenID)),
+            bearer=admin.token,
+        )
+        took = waitUntil(
+            lambda: codeOf(lambda: validate(first, token)) == grpc.StatusCode.UNAUTHENTICATED,
+            limit=1.0,
+        )
+        assert took < 1.0
+    finally:
+        first.stop()
+        second.stop()
+
+
+def test_agentStatusChangeReachesAReplicaWithinOneSecond(
+    authService: RunningAuthService, owner: Store
+) -> None:
+    """
+    An agent cached as active is refused with "agent is not active" within
+    one second of being paused by an operator (svcctl), and accepted again
+    within one second of being reactivated.
+    """
+    tenant = makeTenant(owner)
+    request = auth_pb2.ValidateAgentRequest(agent_id=str(tenant.agentID), org_id=str(tenant.orgID))
+
+    def agentCode() -> grpc.StatusCode:
+        return codeOf(lambda: authService.call("ValidateAgent", request, bearer=tenant.token))
+
+    assert agentCode() == grpc.StatusCode.OK
+    owner.setAgentStatus(tenant.agentID, "paused")
+    waitUntil(lambda: agentCode() == grpc.StatusCode.PERMISSION_DENIED, limit=1.0)
+    try:
+        authService.call("ValidateAgent", request, bearer=tenant.token)
+    except grpc.RpcError as error:
+        assert error.details() == AGENT_NOT_ACTIVE
+    owner.setAgentStatus(tenant.agentID, "active")
+    waitUntil(lambda: agentCode() == grpc.StatusCode.OK, limit=1.0)
+
+
+def test_revocationIsSeenWithinOneSecondWithoutTheListener(
+    migratedDSN: str, owner: Store, verifier: CountingVerifier
+) -> None:
+    """
+    With no change listener (its connection lost), cached validations live
+    at most one second: a revocation still takes effect within a second,
+    and re-reading a cached token costs a query but no argon2.
+    """
+    service = RunningAuthService(migratedDSN, listen=False).start()
+    try:
+        tenant = makeTenant(owner)
+        validate(service, tenant.token)
+        time.sleep(1.1)
+        validate(service, tenant.token)
+        assert verifier.calls == 1
+        owner.revokeToken(tenant.tokenID)
+        waitUntil(
+            lambda: (
+                codeOf(lambda: validate(service, tenant.token)) == grpc.StatusCode.UNAUTHENTICATED
+            ),
+            limit=1.2,
+        )
+    finally:
+        service.stop()

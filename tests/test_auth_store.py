@@ -1,0 +1,160 @@
+"""
+The schema, its migrations and row-level security, checked in PostgreSQL
+itself.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import psycopg
+import pytest
+from authfixtures import makeTenant, secretOf
+
+from svcd.auth.migrations import migrate, migrationFiles
+from svcd.auth.store import APPLICATION_ROLE, Store
+
+TENANT_TABLES = ("organizations", "users", "agents", "tokens")
+
+
+def test_migrateIsIdempotent(databaseDSN: str) -> None:
+    """
+    The first run applies every migration in order; the second applies
+    nothing and changes nothing.
+    """
+    names = [each.name for each in migrationFiles()]
+    assert names == sorted(names) and len(names) >= 3
+    assert migrate(databaseDSN) == names
+    assert migrate(databaseDSN) == []
+    with psycopg.connect(databaseDSN) as connection:
+        recorded = [
+            row[0]
+            for row in connection.execute(
+                "SELECT name FROM svc_schema_migrations ORDER BY name"
+            ).fetchall()
+        ]
+    assert recorded == names
+
+
+def test_rowLevelSecurityIsEnabledAndForced(migratedDSN: str) -> None:
+    """
+    Every tenant table has row-level security enabled and forced, so it
+    binds the tables' owner too.
+    """
+    with psycopg.connect(migratedDSN) as connection:
+        rows = connection.execute(
+            "SELECT relname, relrowsecurity, relforcerowsecurity FROM pg_class"
+            " WHERE relname = ANY(%s)",
+            (list(TENANT_TABLES),),
+        ).fetchall()
+    assert sorted(rows) == sorted((table, True, True) for table in TENANT_TABLES)
+
+
+def asApplication(
+    dsn: str, orgID: uuid.UUID | None = None, tokenID: uuid.UUID | None = None
+) -> psycopg.Connection[tuple[object, ...]]:
+    """
+    A connection that acts exactly as svc-auth's pool does (SET ROLE
+    svc_auth_app) in one organization's context, although the DSN names a
+    superuser.
+    """
+    connection = psycopg.connect(dsn, autocommit=False)
+    superuser = connection.execute("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")
+    assert superuser.fetchone() == (True,)
+    connection.execute(f"SET ROLE {APPLICATION_ROLE}")
+    connection.execute(
+        "SELECT set_config('svc.org_id', %s, true), set_config('svc.token_id', %s, true)",
+        (str(orgID) if orgID else "", str(tokenID) if tokenID else ""),
+    )
+    return connection
+
+
+def test_organizationContextCannotReadAnotherOrganizationsRows(
+    migratedDSN: str, owner: Store
+) -> None:
+    """
+    In org A's context, queries that ask for org B's agents and tokens by
+    id, or for everything, return only A's rows; without a context they
+    return nothing; and A's context cannot write rows into B.
+    """
+    tenantA = makeTenant(owner, "a")
+    tenantB = makeTenant(owner, "b")
+    with asApplication(migratedDSN, orgID=tenantA.orgID) as connection:
+        assert connection.execute(
+            "SELECT count(*) FROM agents WHERE agent_id = %s", (tenantB.agentID,)
+        ).fetchone() == (0,)
+        assert connection.execute(
+            "SELECT count(*) FROM tokens WHERE token_id = %s", (tenantB.tokenID,)
+        ).fetchone() == (0,)
+        assert connection.execute("SELECT DISTINCT org_id FROM agents").fetchall() == [
+            (tenantA.orgID,)
+        ]
+        assert connection.execute("SELECT DISTINCT org_id FROM tokens").fetchall() == [
+            (tenantA.orgID,)
+        ]
+        assert connection.execute("SELECT org_id FROM organizations").fetchall() == [
+            (tenantA.orgID,)
+        ]
+        updated = connection.execute(
+            "UPDATE agents SET status = 'paused' WHERE agent_id = %s", (tenantB.agentID,)
+        )
+        assert updated.rowcount == 0
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            connection.execute(
+                "INSERT INTO agents (agent_id, org_id, status) VALUES (%s, %s, 'active')",
+                (uuid.uuid4(), tenantB.orgID),
+            )
+    with asApplication(migratedDSN) as connection:
+        for table in TENANT_TABLES:
+            assert connection.execute(f"SELECT count(*) FROM {table}").fetchone() == (0,)
+
+
+def test_tokenLookupContextShowsExactlyOneToken(migratedDSN: str, owner: Store) -> None:
+    """
+    The authentication lookup context (svc.token_id) shows the one token
+    it names and nothing else: no other token, no agent, no organization.
+    """
+    tenantA = makeTenant(owner, "a")
+    tenantB = makeTenant(owner, "b")
+    with asApplication(migratedDSN, tokenID=tenantA.tokenID) as connection:
+        assert connection.execute("SELECT token_id FROM tokens").fetchall() == [(tenantA.tokenID,)]
+        assert connection.execute("SELECT count(*) FROM agents").fetchone() == (0,)
+        assert connection.execute("SELECT count(*) FROM organizations").fetchone() == (0,)
+        revoked = connection.execute(
+            "UPDATE tokens SET revoked_at = now() WHERE token_id = %s", (tenantA.tokenID,)
+        )
+        assert revoked.rowcount == 0
+    assert tenantB.tokenID != tenantA.tokenID
+
+
+def test_applicationRoleCannotEscapeRowLevelSecurity(migratedDSN: str) -> None:
+    """
+    The role svc-auth acts as is no superuser, cannot bypass row-level
+    security, and owns none of the tables.
+    """
+    with psycopg.connect(migratedDSN) as connection:
+        role = connection.execute(
+            "SELECT rolsuper, rolbypassrls FROM pg_roles WHERE rolname = %s",
+            (APPLICATION_ROLE,),
+        ).fetchone()
+        owners = connection.execute(
+            "SELECT DISTINCT tableowner FROM pg_tables WHERE tablename = ANY(%s)",
+            (list(TENANT_TABLES),),
+        ).fetchall()
+    assert role == (False, False)
+    assert (APPLICATION_ROLE,) not in owners
+
+
+def test_tokenSecretsAreStoredOnlyAsArgon2idHashes(migratedDSN: str, owner: Store) -> None:
+    """
+    The tokens table holds an argon2id hash, never the secret.
+    """
+    tenant = makeTenant(owner)
+    secret = secretOf(tenant.token)
+    with psycopg.connect(migratedDSN) as connection:
+        stored = connection.execute(
+            "SELECT secret_hash FROM tokens WHERE token_id = %s", (tenant.tokenID,)
+        ).fetchone()
+    assert stored is not None
+    assert str(stored[0]).startswith("$argon2id$")
+    assert secret not in str(stored[0])

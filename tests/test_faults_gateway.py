@@ -1,0 +1,393 @@
+"""
+Faults under load, with real processes: a background loop of chat requests
+runs through a real svc-proxy while Redis is killed and restarted, svc-auth
+is killed, frozen and restarted, and PostgreSQL is stopped and restarted
+under svc-auth.
+
+For each fault the tests check what clients see while it lasts (the
+statuses of the spec: fail-open 501s without rate-limit headers for Redis,
+503 SERVICE_DEGRADED or AUTH_UNAVAILABLE for svc-auth and its database),
+that /ready reports it within its 750 ms budget, that service comes back by
+itself within 5 s of the dependency's return, that no request ever took
+longer than its deadlines allow, and that a revocation and a token made
+before the fault are still in force after it.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import attrs
+import pytest
+from authfixtures import Tenant
+from test_gateway_e2e import Gateway, assertEnvelope, chat, request, unlimitedGateway, waitFor
+
+from svcd.auth.authority import issueToken
+from svcd.testing.servers import PostgresServer
+
+# The deadlines of one chat request through the proxy: ValidateToken and
+# ValidateAgent 50 ms each, the Redis counter 100 ms. A request may take
+# that plus scheduling slack on a busy 2-core machine, never more.
+REQUEST_BUDGET = 0.05 + 0.05 + 0.1
+SLACK = 0.6
+# /ready: 750 ms budget, plus slack.
+READY_BUDGET = 0.75 + 0.5
+# Service must be back within this long of the dependency's return.
+RECOVERY = 5.0
+
+
+@attrs.frozen
+class Sample:
+    """
+    One request of the load loop.
+    """
+
+    started: float
+    took: float
+    status: int
+    code: str | None
+    rateLimited: bool
+
+
+class Load:
+    """
+    A background thread sending chat requests for C{tenant} one after
+    another, each on a new connection, until stopped; bounded by
+    C{limit} seconds in any case.
+    """
+
+    def __init__(self, port: int, tenant: Tenant, pause: float = 0.01, limit: float = 60.0) -> None:
+        self.port = port
+        self.tenant = tenant
+        self.pause = pause
+        self.limit = limit
+        self.samples: list[Sample] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Load:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        began = time.monotonic()
+        while not self._stop.is_set() and time.monotonic() - began < self.limit:
+            started = time.monotonic()
+            try:
+                answer = chat(self.port, self.tenant)
+            except OSError as error:
+                self.samples.append(
+                    Sample(started, time.monotonic() - started, 0, repr(error), False)
+                )
+            else:
+                code = answer.json()["error"]["code"] if answer.status >= 400 else None
+                self.samples.append(
+                    Sample(
+                        started,
+                        time.monotonic() - started,
+                        answer.status,
+                        code,
+                        "x-ratelimit-limit" in answer.headers,
+                    )
+                )
+            self._stop.wait(self.pause)
+
+    def between(self, start: float, end: float = float("inf")) -> list[Sample]:
+        return [sample for sample in self.samples if start <= sample.started < end]
+
+    def assertNoneHung(self) -> None:
+        assert self.samples
+        slowest = max(self.samples, key=lambda sample: sample.took)
+        assert slowest.took < REQUEST_BUDGET + SLACK, slowest
+        assert all(sample.status for sample in self.samples), [
+            s for s in self.samples if not s.status
+        ]
+
+    def summary(self) -> str:
+        took = sorted(sample.took for sample in self.samples)
+        return (
+            f"{len(took)} requests, median {took[len(took) // 2] * 1000:.1f} ms, "
+            f"max {took[-1] * 1000:.1f} ms"
+        )
+
+
+def waitForSamples(load: Load, after: float, count: int = 5, limit: float = 10.0) -> None:
+    waitFor(lambda: len(load.between(after)) >= count, limit)
+
+
+def timedReady(port: int) -> tuple[float, int, dict[str, object]]:
+    started = time.monotonic()
+    answer = request(port, "GET", "/ready")
+    return time.monotonic() - started, answer.status, answer.json()
+
+
+def recoveredAt(load: Load, since: float, status: int = 501, header: bool | None = None) -> float:
+    """
+    The start of the first sample after C{since} with C{status} after which
+    every sample has it too; waits for up to RECOVERY seconds.
+    """
+
+    def stable() -> float | None:
+        after = load.between(since)
+        for index, sample in enumerate(after):
+            if (
+                all(
+                    each.status == status and (header is None or each.rateLimited == header)
+                    for each in after[index:]
+                )
+                and len(after) - index >= 3
+            ):
+                return sample.started
+        return None
+
+    waitFor(lambda: stable() is not None, RECOVERY + 1)
+    found = stable()
+    assert found is not None
+    return found
+
+
+@attrs.define
+class Credentials:
+    """
+    A token revoked and a token created before the fault.
+    """
+
+    revoked: Tenant
+    created: Tenant
+
+
+def credentialsBeforeTheFault(gateway: Gateway) -> Credentials:
+    """
+    Revoke a token that svc-auth has cached (it answered for it), and make
+    one it has never seen; check both took effect.
+    """
+    main = gateway.tenants["main"]
+    revokedToken, revokedRecord = issueToken(gateway.owner, orgID=main.orgID, permissions=1)
+    revoked = attrs.evolve(main, token=revokedToken, tokenID=revokedRecord.tokenID)
+    assert chat(gateway.port, revoked).status == 501
+    gateway.owner.revokeToken(revokedRecord.tokenID)
+    waitFor(lambda: chat(gateway.port, revoked).status == 401, limit=1.5)
+    createdToken, createdRecord = issueToken(gateway.owner, orgID=main.orgID, permissions=1)
+    return Credentials(
+        revoked, attrs.evolve(main, token=createdToken, tokenID=createdRecord.tokenID)
+    )
+
+
+def assertStillInForce(gateway: Gateway, credentials: Credentials) -> None:
+    assertEnvelope(chat(gateway.port, credentials.revoked), 401, "INVALID_TOKEN")
+    assertEnvelope(chat(gateway.port, credentials.created), 501, "PROVIDER_NOT_CONFIGURED")
+
+
+@pytest.fixture
+def faultyGateway(postgresServer: PostgresServer, tmp_path: Path) -> Iterator[Gateway]:
+    """
+    A gateway whose Redis and daemons this test may kill.
+    """
+    with unlimitedGateway(postgresServer, tmp_path) as gateway:
+        yield gateway
+
+
+def test_redisKilledMidLoad(faultyGateway: Gateway) -> None:
+    """
+    Redis killed (SIGKILL) under load: requests go on being served (fail
+    open, 501 without X-RateLimit headers), /ready says redis failed within
+    its budget; Redis restarted: the headers are back within 5 s and
+    /ready is 200, without touching the proxy.
+    """
+    gateway = faultyGateway
+    credentials = credentialsBeforeTheFault(gateway)
+    redis = gateway.redis
+    with Load(gateway.port, gateway.tenants["main"]) as load:
+        waitForSamples(load, 0)
+        pid = redis.pid
+        assert pid is not None
+        killed = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        redis.stop()
+        took, status, body = timedReady(gateway.port)
+        assert status == 503 and took < READY_BUDGET, (took, body)
+        checks = body["checks"]
+        assert isinstance(checks, dict) and checks["redis"]["status"] == "failed"
+        waitForSamples(load, time.monotonic(), count=20)
+        during = load.between(killed + 0.2)
+        assert {sample.status for sample in during} == {501}
+        assert not any(sample.rateLimited for sample in during[-10:])
+
+        redis.start()
+        back = time.monotonic()
+        recovered = recoveredAt(load, back, header=True)
+        waitFor(lambda: request(gateway.port, "GET", "/ready").status == 200, RECOVERY)
+        assert recovered - back < RECOVERY
+    assert {sample.status for sample in load.samples} == {501}
+    load.assertNoneHung()
+    print(f"redis killed: {load.summary()}; headers back {recovered - back:.2f} s after restart")
+    assertStillInForce(gateway, credentials)
+
+
+def test_authKilledFrozenAndRestartedMidLoad(faultyGateway: Gateway) -> None:
+    """
+    svc-auth frozen (SIGSTOP), then killed (SIGKILL) and restarted, under
+    load: while it is away every request fails closed with 503
+    SERVICE_DEGRADED (or AUTH_UNAVAILABLE when it vanished between the two
+    calls) within the deadlines, /ready says auth_grpc failed within its
+    budget; once it is back the proxy recovers by itself within 5 s.
+    """
+    gateway = faultyGateway
+    credentials = credentialsBeforeTheFault(gateway)
+    auth = gateway.auth
+    assert auth.process is not None
+    faultCodes = {"SERVICE_DEGRADED", "AUTH_UNAVAILABLE"}
+    with Load(gateway.port, gateway.tenants["main"]) as load:
+        waitForSamples(load, 0)
+
+        frozen = time.monotonic()
+        auth.signal(signal.SIGSTOP)
+        try:
+            took, status, body = timedReady(gateway.port)
+            assert status == 503 and took < READY_BUDGET, (took, body)
+            checks = body["checks"]
+            assert isinstance(checks, dict) and checks["auth_grpc"]["status"] == "failed"
+            waitForSamples(load, time.monotonic(), count=20)
+        finally:
+            auth.signal(signal.SIGCONT)
+        thawed = time.monotonic()
+        frozenSamples = load.between(frozen + 0.1, thawed)
+        assert frozenSamples and {sample.status for sample in frozenSamples} == {503}
+        assert {sample.code for sample in frozenSamples} <= faultCodes
+        thawRecovery = recoveredAt(load, thawed) - thawed
+
+        killed = time.monotonic()
+        auth.signal(signal.SIGKILL)
+        auth.process.wait(10)
+        took, status, body = timedReady(gateway.port)
+        assert status == 503 and took < READY_BUDGET, (took, body)
+        waitForSamples(load, time.monotonic(), count=20)
+        deadSamples = load.between(killed + 0.1)
+        assert {sample.status for sample in deadSamples} == {503}
+        assert {sample.code for sample in deadSamples} <= faultCodes
+
+        auth.start()
+        auth.waitForReady()
+        back = time.monotonic()
+        restartRecovery = recoveredAt(load, back) - back
+        waitFor(lambda: request(gateway.port, "GET", "/ready").status == 200, RECOVERY)
+    assert thawRecovery < RECOVERY and restartRecovery < RECOVERY
+    load.assertNoneHung()
+    print(
+        f"svc-auth faults: {load.summary()}; back {thawRecovery:.2f} s after SIGCONT, "
+        f"{restartRecovery:.2f} s after the restarted daemon was ready"
+    )
+    assertStillInForce(gateway, credentials)
+
+
+@pytest.fixture
+def gatewayOnPrivatePostgres(privatePostgres: PostgresServer, tmp_path: Path) -> Iterator[Gateway]:
+    with unlimitedGateway(privatePostgres, tmp_path) as gateway:
+        yield gateway
+
+
+def authReady(gateway: Gateway) -> tuple[float, int, dict[str, object]]:
+    started = time.monotonic()
+    status, body = gateway.auth.get("/ready", timeout=5)
+    return time.monotonic() - started, status, json.loads(body)
+
+
+def test_postgresStoppedUnderAuthMidLoad(
+    privatePostgres: PostgresServer, gatewayOnPrivatePostgres: Gateway
+) -> None:
+    """
+    PostgreSQL stopped under svc-auth, under load: svc-auth's cache may
+    answer for the token it knows for at most a second without its change
+    listener, then requests fail closed with 503 (Internal from svc-auth);
+    a token it never saw fails at once. svc-auth's /ready says postgres
+    failed within its budget (the proxy's /ready stays 200: svc-auth itself
+    answers). PostgreSQL restarted: service is back within 5 s, for known
+    and new tokens, and the revocation made before still holds.
+    """
+    gateway = gatewayOnPrivatePostgres
+    credentials = credentialsBeforeTheFault(gateway)
+    with Load(gateway.port, gateway.tenants["main"]) as load:
+        waitForSamples(load, 0)
+        stopping = time.monotonic()
+        privatePostgres.stop()
+        stopped = time.monotonic()
+
+        took, status, body = authReady(gateway)
+        assert status == 503 and took < READY_BUDGET, (took, body)
+        checks = body["checks"]
+        assert isinstance(checks, dict) and checks["postgres"]["status"] == "failed"
+        assert request(gateway.port, "GET", "/ready").status == 200
+
+        unknownToSvcAuth = chat(gateway.port, credentials.created)
+        assert unknownToSvcAuth.status == 503, unknownToSvcAuth.body
+        assert unknownToSvcAuth.code in ("SERVICE_DEGRADED", "AUTH_UNAVAILABLE")
+
+        waitFor(
+            lambda: time.monotonic() - stopped > 2.0 and len(load.between(stopped + 1.5)) >= 10, 10
+        )
+        served = [sample for sample in load.between(stopping) if sample.status == 501]
+        lastServed = max((sample.started for sample in served), default=stopping)
+        # The cache's one second without its listener, plus the listener's
+        # time to notice (it polls every 250 ms) and slack.
+        assert lastServed - stopped < 1.0 + 0.25 + 0.5, lastServed - stopped
+        late = load.between(stopped + 1.75)
+        assert late and {sample.status for sample in late} == {503}
+        assert {sample.code for sample in late} <= {"SERVICE_DEGRADED", "AUTH_UNAVAILABLE"}
+
+        privatePostgres.start()
+        back = time.monotonic()
+        recovery = recoveredAt(load, back) - back
+        waitFor(lambda: gateway.auth.get("/ready")[0] == 200, RECOVERY)
+    assert recovery < RECOVERY
+    load.assertNoneHung()
+    print(
+        f"postgres stopped: {load.summary()}; cached token served until "
+        f"{lastServed - stopped:+.2f} s after the stop; back {recovery:.2f} s after the restart"
+    )
+    assertStillInForce(gateway, credentials)
+
+
+def test_idleConnectionToProxySurvivesFaults(faultyGateway: Gateway) -> None:
+    """
+    A client's keep-alive connection opened before svc-auth is killed and
+    restarted is still served on the same connection afterwards: the
+    faults are answered, not turned into broken connections.
+    """
+    gateway = faultyGateway
+    tenant = gateway.tenants["main"]
+    headers = {
+        "Authorization": f"Bearer {tenant.token}",
+        "X-SVC-Agent-ID": str(tenant.agentID),
+        "Content-Type": "application/json",
+    }
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}]}).encode()
+    connection = http.client.HTTPConnection("127.0.0.1", gateway.port, timeout=5)
+    try:
+
+        def send() -> int:
+            connection.request("POST", "/v1/chat/completions", body=body, headers=headers)
+            response = connection.getresponse()
+            response.read()
+            return response.status
+
+        assert send() == 501
+        assert gateway.auth.process is not None
+        gateway.auth.signal(signal.SIGKILL)
+        gateway.auth.process.wait(10)
+        assert send() == 503
+        gateway.auth.start()
+        gateway.auth.waitForReady()
+        waitFor(lambda: send() == 501, RECOVERY)
+    finally:
+        connection.close()

@@ -1,0 +1,135 @@
+"""
+docs/operations.rst against the code: every variable the daemons read is
+documented, every documented SVC_ variable is read, and the documented
+defaults are the code's.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from twisted.logger import LogLevel
+
+from svcd.auth.config import AuthConfig
+from svcd.common import config
+from svcd.common.logs import logSettings
+from svcd.common.tracing import TracingConfig
+from svcd.proxy.config import ProxyConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+OPERATIONS = (ROOT / "docs" / "operations.rst").read_text()
+_VARIABLE = re.compile(r"\b((?:SVC|OTEL|POSTGRES|REDIS)_[A-Z0-9_]*[A-Z0-9])\b")
+# Names in the source that are not environment variables.
+_NOT_VARIABLES = {"SVC_ENV_VALUES"}
+
+
+def variablesReadByTheCode() -> set[str]:
+    found: set[str] = set()
+    for source in (ROOT / "svcd").rglob("*.py"):
+        # dev/gateway's own variables (devstack) are not the daemons'.
+        if "testing" in source.parts or "pb" in source.parts or source.name == "devstack.py":
+            continue
+        found |= set(_VARIABLE.findall(source.read_text()))
+    return found - _NOT_VARIABLES
+
+
+def documentedDefaults() -> dict[str, str]:
+    """
+    The default column of the configuration tables: variable -> text.
+    """
+    rows = re.findall(r"^``([A-Z][A-Z0-9_]+)``\s{2,}(\S+(?: / \S+| \S+)?)\s{2,}", OPERATIONS, re.M)
+    return {name: default.replace("``", "") for name, default in rows}
+
+
+def readBySDK() -> set[str]:
+    """
+    The variables of the section on what the OpenTelemetry SDK reads.
+    """
+    section = OPERATIONS.split("Read by the OpenTelemetry SDK itself", 1)[1]
+    section = section.split("\n\n\n", 1)[0]
+    return set(_VARIABLE.findall(section))
+
+
+def test_everyVariableIsDocumented() -> None:
+    """
+    Each SVC_, OTEL_, POSTGRES_ and REDIS_ variable named in svcd is in a
+    configuration table of docs/operations.rst (or, for those the
+    OpenTelemetry SDK reads itself, in their section).
+    """
+    documented = set(documentedDefaults()) | readBySDK()
+    missing = sorted(variablesReadByTheCode() - documented)
+    assert missing == []
+
+
+def test_everyDocumentedVariableIsRead() -> None:
+    """
+    No table documents a variable that nothing reads.
+    """
+    assert sorted(set(documentedDefaults()) - variablesReadByTheCode()) == []
+
+
+def _proxy() -> ProxyConfig:
+    return ProxyConfig.fromEnvironment({"SVC_AUTH_GRPC_ADDR": "auth:9091"})
+
+
+def _auth() -> AuthConfig:
+    return AuthConfig.fromEnvironment({"POSTGRES_DSN": "postgresql://svc@db/svc"})
+
+
+@pytest.mark.parametrize(
+    ("variable", "actual"),
+    [
+        ("SVC_HOST", lambda: _proxy().host),
+        ("SVC_AUTH_VALIDATE_TIMEOUT", lambda: _proxy().validateTimeout),
+        ("SVC_RATE_LIMIT_DEFAULT_RPM", lambda: _proxy().defaultRPM),
+        ("SVC_MAX_REQUEST_BODY_BYTES", lambda: _proxy().maxRequestBodyBytes),
+        ("SVC_REQUEST_ID_HEADER", lambda: _proxy().requestIDHeader),
+        ("SVC_TRACE_ID_HEADER", lambda: _proxy().traceIDHeader),
+        ("SVC_SHUTDOWN_TIMEOUT", lambda: _proxy().shutdownTimeout),
+        ("SVC_SHUTDOWN_TIMEOUT", lambda: _auth().shutdownTimeout),
+        ("SVC_ENV", lambda: _proxy().environment),
+        ("SVC_ENV", lambda: _auth().environment),
+        ("SVC_GRPC_HOST", lambda: _auth().grpcHost),
+        ("SVC_GRPC_PORT", lambda: _auth().grpcPort),
+        ("SVC_GRPC_WORKERS", lambda: _auth().grpcWorkers),
+        ("SVC_DB_POOL_MIN", lambda: _auth().databasePoolMinimum),
+        ("SVC_DB_POOL_MAX", lambda: _auth().databasePoolMaximum),
+        ("SVC_DB_STATEMENT_TIMEOUT", lambda: _auth().statementTimeout),
+        ("SVC_AUTH_VERIFY_CONCURRENCY", lambda: _auth().verifyConcurrency),
+        ("OTEL_SAMPLE_RATIO", lambda: TracingConfig.fromEnvironment({}, "x").sampleRatio),
+        ("SVC_LOG_FORMAT", lambda: logSettings({})[0]),
+    ],
+)
+def test_documentedDefaultIsTheCodes(variable: str, actual: object) -> None:
+    """
+    The documented default of each variable is what the code uses when it
+    is unset.
+    """
+    assert callable(actual)
+    value = actual()
+    documented = documentedDefaults()[variable]
+    if isinstance(value, float):
+        assert config.duration({variable: documented}, variable, 0.0) == pytest.approx(value)
+    else:
+        assert documented == str(value)
+
+
+def test_otherDefaults() -> None:
+    """
+    The defaults written in words: ports per daemon, the log level, the
+    service names, and the variables that are required or empty.
+    """
+    documented = documentedDefaults()
+    assert documented["SVC_PORT"] == f"{_proxy().port} / {_auth().port}"
+    assert logSettings({})[1] is LogLevel.info and documented["SVC_LOG_LEVEL"] == "INFO"
+    assert (_proxy().serviceName, _auth().serviceName) == ("svc-proxy", "svc-auth")
+    assert TracingConfig.fromEnvironment({}, "svc-proxy").endpoint is None
+    assert documented["OTEL_EXPORTER_OTLP_ENDPOINT"] == "empty"
+    assert _proxy().redis is None and documented["REDIS_URL"] == "empty"
+    assert _proxy().orgRPM == {} and documented["SVC_RATE_LIMIT_ORG_OVERRIDES"] == "empty"
+    for required in ("POSTGRES_DSN", "SVC_AUTH_GRPC_ADDR"):
+        assert documented[required] == "required"
+    with pytest.raises(config.ConfigError):
+        ProxyConfig.fromEnvironment({})

@@ -1,0 +1,189 @@
+"""
+C{twistd -n svc-proxy} as a real process: it starts, answers /health and
+/ready (503 while svc-auth is unreachable), writes JSON log lines, stops on
+SIGTERM with status 0, and refuses a bad configuration or a taken port with
+one line and status 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+from svcd.pb.auth.v1 import auth_pb2_grpc
+from svcd.testing.daemons import Daemon, twistdCommand
+from svcd.testing.servers import freePort
+
+
+def proxyEnvironment(**overrides: str) -> dict[str, str]:
+    return {
+        "SVC_AUTH_GRPC_ADDR": "127.0.0.1:1",
+        "SVC_HOST": "127.0.0.1",
+        "SVC_PORT": str(freePort()),
+        "SVC_SHUTDOWN_TIMEOUT": "2s",
+        **overrides,
+    }
+
+
+def runToCompletion(environment: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    variables = {
+        name: value for name, value in os.environ.items() if not name.startswith(("SVC_", "REDIS"))
+    }
+    return subprocess.run(
+        twistdCommand("svc-proxy"),
+        env={**variables, **environment},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=cwd,
+        check=False,
+    )
+
+
+def test_servesAndStops(tmp_path: Path) -> None:
+    """
+    The daemon answers /health 200 and /ready 503 (auth unreachable, Redis
+    not configured), logs JSON lines, and exits 0 on SIGTERM.
+    """
+    daemon = Daemon("svc-proxy", proxyEnvironment(), tmp_path / "proxy.log").start()
+    try:
+        daemon.waitForHealth()
+        status, body = daemon.get("/health")
+        assert (status, json.loads(body)) == (200, {"status": "ok", "checks": {}})
+        status, body = daemon.get("/ready")
+        report = json.loads(body)
+        assert status == 503
+        assert report["status"] == "unhealthy"
+        assert report["checks"]["auth_grpc"]["status"] == "failed"
+        assert report["checks"]["redis"]["message"] == "REDIS_URL is not configured"
+        status, body = daemon.get("/v1/internal/auth-probe")
+        assert (status, json.loads(body)["error"]["code"]) == (401, "MISSING_TOKEN")
+    finally:
+        assert daemon.terminate() == 0
+    lines = [json.loads(line) for line in daemon.output().splitlines() if line.strip()]
+    messages = [line["message"] for line in lines]
+    assert "GET /health 200" in messages
+    assert "svc-proxy stopped" in messages
+    assert all({"timestamp", "level", "namespace", "message"} <= set(line) for line in lines)
+
+
+def test_missingAuthAddress(tmp_path: Path) -> None:
+    """
+    Without SVC_AUTH_GRPC_ADDR the daemon refuses to start: one line on
+    stderr naming the variable, no traceback, status 1.
+    """
+    environment = proxyEnvironment()
+    del environment["SVC_AUTH_GRPC_ADDR"]
+    result = runToCompletion(environment, tmp_path)
+    assert result.returncode == 1
+    assert result.stderr == (
+        "svc-proxy: configuration error: SVC_AUTH_GRPC_ADDR: is required and not set\n"
+    )
+    assert "Traceback" not in result.stdout
+
+
+def test_badOverride(tmp_path: Path) -> None:
+    """
+    A malformed SVC_RATE_LIMIT_ORG_OVERRIDES entry stops the daemon with one
+    line naming the variable.
+    """
+    result = runToCompletion(proxyEnvironment(SVC_RATE_LIMIT_ORG_OVERRIDES="acme=10"), tmp_path)
+    assert result.returncode == 1
+    assert result.stderr.startswith("svc-proxy: configuration error: SVC_RATE_LIMIT_ORG_OVERRIDES:")
+    assert result.stderr.count("\n") == 1
+
+
+def test_portTaken(tmp_path: Path) -> None:
+    """
+    A port that is already taken is one line and status 1.
+    """
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = runToCompletion(proxyEnvironment(SVC_PORT=str(port)), tmp_path)
+    assert result.returncode == 1
+    assert "svc-proxy: cannot start:" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_sigintStops(tmp_path: Path) -> None:
+    """
+    Ctrl-C (SIGINT) stops the daemon cleanly too.
+    """
+    daemon = Daemon("svc-proxy", proxyEnvironment(), tmp_path / "proxy.log").start()
+    daemon.waitForHealth()
+    daemon.signal(signal.SIGINT)
+    assert daemon.process is not None
+    assert daemon.process.wait(20) == 0
+
+
+def test_daemonised(tmp_path: Path, redisURL: str) -> None:
+    """
+    Daemonised (no -n, with --pidfile and --logfile) the proxy still
+    reaches svc-auth over gRPC and Redis after the fork (/ready 200 ok),
+    logs JSON lines to its log file, and stops on SIGTERM, removing its
+    pidfile.
+    """
+    servicer = _UnauthenticatedAuth()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    auth_pb2_grpc.add_AuthServiceServicer_to_server(servicer, server)
+    grpcPort = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    pidFile, logFile = tmp_path / "proxy.pid", tmp_path / "proxy.log"
+    environment = proxyEnvironment(SVC_AUTH_GRPC_ADDR=f"127.0.0.1:{grpcPort}", REDIS_URL=redisURL)
+    command = [
+        sys.executable,
+        "-c",
+        "from twisted.scripts.twistd import run; run()",
+        "--pidfile",
+        str(pidFile),
+        "--logfile",
+        str(logFile),
+        "svc-proxy",
+    ]
+    try:
+        variables = {k: v for k, v in os.environ.items() if not k.startswith(("SVC_", "REDIS"))}
+        launched = subprocess.run(
+            command, env={**variables, **environment}, cwd=tmp_path, timeout=60, check=False
+        )
+        assert launched.returncode == 0
+        url = f"http://127.0.0.1:{environment['SVC_PORT']}/ready"
+        deadline = time.monotonic() + 20
+        report: dict[str, object] = {}
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(url, timeout=2) as answer:
+                    report = json.loads(answer.read())
+                    break
+            except (OSError, urllib.error.HTTPError):
+                time.sleep(0.1)
+        assert report.get("status") == "ok", report
+        pid = int(pidFile.read_text())
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        while pidFile.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not pidFile.exists()
+        lines = [json.loads(line) for line in logFile.read_text().splitlines() if line]
+        assert "svc-proxy stopped" in [line["message"] for line in lines]
+    finally:
+        if pidFile.exists():
+            os.kill(int(pidFile.read_text()), signal.SIGKILL)
+        server.stop(0)
+
+
+class _UnauthenticatedAuth(auth_pb2_grpc.AuthServiceServicer):  # type: ignore[misc]
+    def ValidateToken(self, request: object, context: grpc.ServicerContext) -> object:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, "not a token")
