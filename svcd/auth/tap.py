@@ -33,7 +33,7 @@ from svcd.auth.listener import ChangeListener
 from svcd.auth.store import Store, connectionPool
 from svcd.auth.web import AuthOperationsWeb, OperationsSite
 from svcd.common.config import ConfigError
-from svcd.common.lifecycle import exitZeroOnStopSignals
+from svcd.common.lifecycle import exitZeroOnStopSignals, settleHeapWhenRunning
 from svcd.common.logs import LoggingRootService, logSettings, makeObserver, twistdOutput
 from svcd.common.metrics import BUCKETS, processUpGauge
 from svcd.common.readiness import Check, CheckFailed
@@ -231,4 +231,5 @@ def makeService(options: Options) -> IService:
     assert IReactorCore.providedBy(reactor) and IReactorTime.providedBy(reactor)
     buildService(reactor, settings, root, tracing, logCalls=level <= LogLevel.debug)
     exitZeroOnStopSignals(reactor)
+    settleHeapWhenRunning(reactor)
     return root

@@ -104,3 +104,22 @@ def choice(environ: Mapping[str, str], name: str, default: str, allowed: tuple[s
         if candidate.lower() == lowered:
             return candidate
     raise ConfigError(name, f"must be one of {', '.join(allowed)}, got {raw!r}")
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
+    """
+    A yes/no variable: C{true}/C{false} (also 1/0, yes/no, on/off, in any
+    case).
+    """
+    raw = environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ConfigError(name, f"must be true or false, got {raw!r}")

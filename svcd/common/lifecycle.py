@@ -4,6 +4,7 @@ Process lifecycle details shared by both daemons.
 
 from __future__ import annotations
 
+import gc
 import signal
 from typing import Any
 
@@ -26,6 +27,35 @@ def exitZeroOnStopSignals(reactor: Any) -> None:
             reactor._exitSignal = None
 
     reactor.addSystemEventTrigger("after", "shutdown", clear)
+
+
+# Collect the youngest generation every this many net allocations instead
+# of 700: a request allocates a few thousand objects, most of them freed by
+# reference counting, and the cycle collector at the default pace cost the
+# proxy about a tenth of its reactor thread (py-spy, chat benchmark).
+GC_THRESHOLD = (20_000, 20, 20)
+
+
+def settleHeap() -> None:
+    """
+    Move everything allocated while starting (modules, the service tree,
+    gRPC and OpenTelemetry machinery) out of the cycle collector's sight
+    with C{gc.freeze}, and make young-generation collections rarer.
+
+    Call once the daemon has started. Without it every full collection
+    walks those long-lived objects again, which showed up both as CPU and
+    as latency spikes of tens of milliseconds under load.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLD)
+
+
+def settleHeapWhenRunning(reactor: Any) -> None:
+    """
+    L{settleHeap} as soon as the reactor runs, after every service started.
+    """
+    reactor.callWhenRunning(settleHeap)
 
 
 class StartupError(Exception):

@@ -23,6 +23,7 @@ import contextvars
 import datetime
 import json
 import logging
+import string
 import sys
 import threading
 from collections.abc import Mapping
@@ -95,9 +96,76 @@ def eventFields(event: Mapping[str, Any]) -> dict[str, object]:
     return fields
 
 
+# The last whole second formatted by _timestamp, and its text: consecutive
+# lines mostly fall in the same second, and strftime is the dearest part.
+_lastSecond: tuple[int, str] = (-1, "")
+
+
 def _timestamp(event: Mapping[str, Any]) -> str:
-    moment = datetime.datetime.fromtimestamp(event.get("log_time", 0.0), datetime.UTC)
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+    """
+    RFC 3339 UTC with milliseconds, e.g. C{2026-11-21T12:00:00.123Z}.
+    """
+    global _lastSecond
+    when = event.get("log_time", 0.0)
+    second = int(when)
+    cached, text = _lastSecond
+    if second != cached:
+        moment = datetime.datetime.fromtimestamp(second, datetime.UTC)
+        text = moment.strftime("%Y-%m-%dT%H:%M:%S.")
+        _lastSecond = (second, text)
+    return f"{text}{int((when - second) * 1000):03d}Z"
+
+
+class _MessageFormats:
+    """
+    The message of an event, from its C{log_format}, like
+    L{twisted.logger.formatEvent} but with each format parsed once.
+
+    A format whose fields are all plain names (C{"{method} {route}"}, the
+    only kind this project logs) is rendered by joining its parts; any
+    other (attribute access, C{!r}, format specs, Twisted's C{"{f()}"}
+    calls) and any event missing a field go to formatEvent, which also
+    knows how to report a format that fails.
+    """
+
+    def __init__(self, limit: int = 1000) -> None:
+        self._parsed: dict[str, tuple[tuple[str, str | None], ...] | None] = {}
+        self._limit = limit
+
+    def _parse(self, text: str) -> tuple[tuple[str, str | None], ...] | None:
+        parts: list[tuple[str, str | None]] = []
+        try:
+            for literal, field, spec, conversion in string.Formatter().parse(text):
+                if field is not None and (spec or conversion or not field.isidentifier()):
+                    return None
+                parts.append((literal, field))
+        except ValueError:
+            return None
+        return tuple(parts)
+
+    def __call__(self, event: Mapping[str, Any]) -> str:
+        text = event.get("log_format")
+        if not isinstance(text, str):
+            return formatEvent(dict(event))
+        try:
+            parts = self._parsed[text]
+        except KeyError:
+            parts = self._parse(text)
+            if len(self._parsed) < self._limit:
+                self._parsed[text] = parts
+        if parts is None:
+            return formatEvent(dict(event))
+        pieces = []
+        for literal, field in parts:
+            pieces.append(literal)
+            if field is not None:
+                if field not in event:
+                    return formatEvent(dict(event))
+                pieces.append(str(event[field]))
+        return "".join(pieces)
+
+
+_message = _MessageFormats()
 
 
 @implementer(ILogObserver)
@@ -124,7 +192,7 @@ class JSONLinesObserver:
         if self._service is not None:
             record["service"] = self._service
         record["namespace"] = event.get("log_namespace", "")
-        record["message"] = formatEvent(dict(event))
+        record["message"] = _message(event)
         record.update(eventFields(event))
         failure = event.get("log_failure")
         if failure is not None:
@@ -151,7 +219,7 @@ class TextLinesObserver:
         fields = " ".join(f"{key}={value}" for key, value in eventFields(event).items())
         line = (
             f"{_timestamp(event)} {level.name.upper():5} [{event.get('log_namespace', '')}] "
-            f"{formatEvent(dict(event))}"
+            f"{_message(event)}"
         )
         if fields:
             line += "  " + fields

@@ -56,6 +56,7 @@ class ProxyConfig:
     authGrpcAddr: str
     host: str = "0.0.0.0"
     port: int = 8080
+    reusePort: bool = False
     authTLS: GrpcTLS | None = None
     redis: RedisTarget | None = None
     validateTimeout: float = 0.05
@@ -83,6 +84,7 @@ class ProxyConfig:
             authGrpcAddr=_grpcAddress(environ, "SVC_AUTH_GRPC_ADDR"),
             host=config.text(environ, "SVC_HOST", "0.0.0.0") or "0.0.0.0",
             port=config.port(_asciiDigits(environ, "SVC_PORT"), "SVC_PORT", 8080),
+            reusePort=config.flag(environ, "SVC_REUSE_PORT", False),
             authTLS=_grpcTLS(environ),
             redis=parseRedisURL(config.text(environ, "REDIS_URL", "")),
             validateTimeout=config.duration(environ, "SVC_AUTH_VALIDATE_TIMEOUT", 0.05),

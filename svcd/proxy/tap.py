@@ -17,21 +17,20 @@ import functools
 import os
 import sys
 from collections.abc import Mapping
-from typing import Any, cast
 
 from prometheus_client import CollectorRegistry
-from twisted.internet.endpoints import TCP4ServerEndpoint, TCP6ServerEndpoint
-from twisted.internet.interfaces import IReactorFromThreads, IStreamServerEndpoint
+from twisted.internet.interfaces import IReactorFromThreads
 from twisted.logger import LogLevel
 from twisted.python import usage
 
 from svcd.common.config import ConfigError
-from svcd.common.lifecycle import exitZeroOnStopSignals
+from svcd.common.lifecycle import exitZeroOnStopSignals, settleHeapWhenRunning
 from svcd.common.logs import LoggingRootService, logSettings, makeObserver, twistdOutput
 from svcd.common.tracing import TracingConfig, TracingService, tracerProvider
 from svcd.proxy.authclient import GrpcAuthClient, authChannel
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.edge import ProxyEdge
+from svcd.proxy.listening import listenEndpoint
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.ratelimit import makeRateLimiter
 from svcd.proxy.service import ProxyService
@@ -71,19 +70,6 @@ class Options(usage.Options):
             sys.stderr.write(f"svc-proxy: configuration error: {error}\n")
             sys.stderr.flush()
             raise SystemExit(1) from None
-
-
-def listenEndpoint(reactor: Any, host: str, port: int) -> IStreamServerEndpoint:
-    """
-    The TCP endpoint for SVC_HOST and SVC_PORT (IPv6 when the host has a
-    colon).
-    """
-    endpoint: object
-    if ":" in host:
-        endpoint = TCP6ServerEndpoint(reactor, port, interface=host)  # type: ignore[no-untyped-call, unused-ignore]
-    else:
-        endpoint = TCP4ServerEndpoint(reactor, port, interface=host)  # type: ignore[no-untyped-call, unused-ignore]
-    return cast(IStreamServerEndpoint, endpoint)
 
 
 def makeService(options: Options) -> LoggingRootService:
@@ -130,7 +116,7 @@ def makeService(options: Options) -> LoggingRootService:
     edge = ProxyEdge(config, auth, limiter, metrics, reactor, tracer)
     site = ProxySite(edge.resource(), config.maxRequestBodyBytes, reactor)
     ProxyService(
-        listenEndpoint(reactor, config.host, config.port),
+        listenEndpoint(reactor, config.host, config.port, config.reusePort),
         edge,
         site,
         auth,
@@ -139,4 +125,5 @@ def makeService(options: Options) -> LoggingRootService:
         config.shutdownTimeout,
     ).setServiceParent(root)  # type: ignore[no-untyped-call, unused-ignore]
     exitZeroOnStopSignals(reactor)
+    settleHeapWhenRunning(reactor)
     return root
