@@ -16,7 +16,7 @@ from svcd.auth.config import AuthConfig
 from svcd.proxy.config import ProxyConfig
 
 ETC = Path(__file__).resolve().parents[1] / "etc"
-UNITS = ("svc-auth", "svc-proxy")
+UNITS = ("svc-auth", "svc-proxy", "svc-proxy@")
 
 
 def readEnvironmentFile(path: Path) -> dict[str, str]:
@@ -43,17 +43,22 @@ def test_unitsPassSystemdAnalyzeVerify(unit: str, tmp_path: Path) -> None:
     analyze = shutil.which("systemd-analyze")
     assert analyze is not None, "systemd-analyze is missing: install Debian's systemd package"
     text = (ETC / "systemd" / f"{unit}.service").read_text()
+    daemon = unit.rstrip("@")
     for setting in (
         "NoNewPrivileges=yes",
         "ProtectSystem=strict",
         "User=svc",
-        f"EnvironmentFile=/etc/svc/{unit}.env",
-        f"--pidfile= {unit}",
+        f"EnvironmentFile=/etc/svc/{daemon}.env",
+        f"--pidfile= {daemon}",
     ):
         assert setting in text
+    if unit.endswith("@"):
+        # The template's workers share the port.
+        assert "Environment=SVC_REUSE_PORT=true" in text
     twistd = Path(sys.executable).parent / "twistd"
     assert twistd.exists()
-    local = tmp_path / f"{unit}.service"
+    # A template is verified as one of its instances.
+    local = tmp_path / (f"{unit}1.service" if unit.endswith("@") else f"{unit}.service")
     local.write_text(text.replace("/opt/svc/venv/bin/twistd", str(twistd)))
     result = subprocess.run(
         [analyze, "verify", "--man=no", str(local)],

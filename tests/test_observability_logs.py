@@ -403,3 +403,44 @@ def test_daemonisedProxyLogsJSONToLogfile(tmp_path: Path) -> None:
     [access] = [line for line in lines if line["message"] == "GET /health 200"]
     assert (access["request_id"], access["trace_id"]) == (requestID, traceID)
     assert "svc-proxy stopped" in [line["message"] for line in lines]
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        {"log_format": "{method} {route} {status}", "method": "GET", "route": "/x", "status": 200},
+        {"log_format": "{{literal}} {a}", "a": 1},
+        {"log_format": "{a!r} and {a}", "a": "quoted"},
+        {"log_format": "{a.real}", "a": 3},
+        {"log_format": "{a:>5}", "a": 1},
+        {"log_format": "{f()}", "f": lambda: 5},
+        {"log_format": "{missing} field"},
+        {"log_format": "unbalanced {", "a": 1},
+        {"log_format": "{0}"},
+        {"log_format": None, "log_text": "no format"},
+    ],
+)
+def test_messageAsTwistedFormatsIt(event: dict[str, Any]) -> None:
+    """
+    The observers' cached message formatting gives exactly what
+    twisted.logger.formatEvent gives, for the plain formats it renders
+    itself and for every other kind, which it hands to formatEvent.
+    """
+    from twisted.logger import formatEvent
+
+    from svcd.common.logs import _message
+
+    assert _message(event) == formatEvent(dict(event))
+    assert _message(event) == formatEvent(dict(event))  # and again, from the cache
+
+
+def test_timestampAcrossSeconds() -> None:
+    """
+    RFC 3339 UTC with milliseconds, right on both sides of a second.
+    """
+    from svcd.common.logs import _timestamp
+
+    assert _timestamp({"log_time": 1700000000.1234}) == "2023-11-14T22:13:20.123Z"
+    assert _timestamp({"log_time": 1700000000.9999}) == "2023-11-14T22:13:20.999Z"
+    assert _timestamp({"log_time": 1700000001.0}) == "2023-11-14T22:13:21.000Z"
+    assert _timestamp({"log_time": 1600000000.5}) == "2020-09-13T12:26:40.500Z"

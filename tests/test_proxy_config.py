@@ -33,6 +33,7 @@ def test_defaults() -> None:
     assert config.redis is None
     assert config.authTLS is None
     assert config.errorDocsBase is None
+    assert config.reusePort is False
 
 
 def test_everyVariable(tmp_path: Path) -> None:
@@ -47,6 +48,7 @@ def test_everyVariable(tmp_path: Path) -> None:
             "SVC_AUTH_GRPC_ADDR": "auth.internal:9091",
             "SVC_HOST": "127.0.0.1",
             "SVC_PORT": "18080",
+            "SVC_REUSE_PORT": "True",
             "REDIS_URL": "redis://:s%40cret@redis.internal:6380/2",
             "SVC_AUTH_VALIDATE_TIMEOUT": "120ms",
             "SVC_MAX_REQUEST_BODY_BYTES": "2048",
@@ -60,7 +62,7 @@ def test_everyVariable(tmp_path: Path) -> None:
             "SVC_ENV": "staging",
         }
     )
-    assert (config.host, config.port) == ("127.0.0.1", 18080)
+    assert (config.host, config.port, config.reusePort) == ("127.0.0.1", 18080, True)
     assert config.redis == RedisTarget(host="redis.internal", port=6380, db=2, password="s@cret")
     assert config.validateTimeout == pytest.approx(0.12)
     assert config.maxRequestBodyBytes == 2048
@@ -81,6 +83,7 @@ def test_everyVariable(tmp_path: Path) -> None:
         ("SVC_PORT", "http"),
         ("SVC_PORT", "70000"),
         ("SVC_PORT", "\u00b2"),
+        ("SVC_REUSE_PORT", "maybe"),
         ("SVC_MAX_REQUEST_BODY_BYTES", "\u0661\u0660"),
         ("SVC_RATE_LIMIT_DEFAULT_RPM", "\u00b9"),
         ("REDIS_URL", "http://redis:6379"),

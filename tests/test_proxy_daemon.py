@@ -118,6 +118,40 @@ def test_portTaken(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr + result.stdout
 
 
+def test_workersShareThePort(tmp_path: Path) -> None:
+    """
+    With SVC_REUSE_PORT=true two svc-proxy processes listen on one port and
+    the kernel gives each a share of new connections; a third process
+    without it cannot bind the port (one line, status 1).
+    """
+    shared = proxyEnvironment(SVC_REUSE_PORT="true")
+    workers = [
+        Daemon("svc-proxy", shared, tmp_path / f"proxy-{number}.log").start() for number in (1, 2)
+    ]
+    try:
+        for worker in workers:
+            worker.waitForHealth()
+        # Each worker logs when it listens; wait until both do, since a
+        # health check through the shared port may reach either one.
+        deadline = time.monotonic() + 20
+        while not all('"svc-proxy listening' in worker.output() for worker in workers):
+            assert time.monotonic() < deadline, [worker.output() for worker in workers]
+            time.sleep(0.05)
+        for _ in range(100):
+            # A new connection each time: the kernel picks a listener per
+            # connection, by a hash of its addresses and ports.
+            with urllib.request.urlopen(workers[0].url("/health"), timeout=5) as answer:
+                assert answer.status == 200
+        alone = runToCompletion({**shared, "SVC_REUSE_PORT": "false"}, tmp_path)
+        assert alone.returncode == 1
+        assert "svc-proxy: cannot start:" in alone.stderr
+    finally:
+        assert [worker.terminate() for worker in workers] == [0, 0]
+    answered = [worker.output().count('"message":"GET /health 200"') for worker in workers]
+    assert sum(answered) >= 100
+    assert min(answered) > 0, answered
+
+
 def test_sigintStops(tmp_path: Path) -> None:
     """
     Ctrl-C (SIGINT) stops the daemon cleanly too.

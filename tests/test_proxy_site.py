@@ -294,3 +294,35 @@ async def test_gracefulStop(running: Running) -> None:
     await stopped
     assert running.auth.closed
     assert running.counters.stopped
+
+
+@pytest_twisted.ensureDeferred
+async def test_formUploadIsNotParsed(running: Running) -> None:
+    """
+    A POST that claims to be a multipart form upload is not parsed as one
+    (the proxy reads JSON only): a body that is not valid multipart gets
+    the proxy's own 415 envelope, not Twisted's bare 400 and a closed
+    connection.
+    """
+    token, _, agentID = running.auth.addTenant()
+    body = b"--not-a-boundary\r\nnot multipart at all"
+    client = await running.connect()
+    assert client.transport is not None
+    client.transport.write(
+        requestHead(
+            "POST",
+            "/v1/chat/completions",
+            {
+                "Content-Type": "multipart/form-data; boundary=xyz",
+                "Content-Length": str(len(body)),
+                "Authorization": "Bearer " + token,
+                "X-SVC-Agent-ID": agentID,
+                "Connection": "close",
+            },
+        )
+        + body
+    )
+    status, headers, content = parseResponse(await client.closed)
+    assert status == 415
+    assert json.loads(content)["error"]["code"] == "UNSUPPORTED_MEDIA_TYPE"
+    assert "x-request-id" in headers

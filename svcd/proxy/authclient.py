@@ -224,7 +224,7 @@ class GrpcAuthClient:
         metrics: ProxyMetrics,
         readinessTimeout: float = 0.5,
         tracer: Tracer | None = None,
-        maxInFlight: int = 64,
+        maxInFlight: int = 16,
         queueTimeout: float = 1.0,
     ) -> None:
         self._channelFactory = channelFactory

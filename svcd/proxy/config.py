@@ -60,7 +60,7 @@ class ProxyConfig:
     authTLS: GrpcTLS | None = None
     redis: RedisTarget | None = None
     validateTimeout: float = 0.05
-    authMaxInFlight: int = 64
+    authMaxInFlight: int = 16
     authQueueTimeout: float = 1.0
     maxRequestBodyBytes: int = 1024 * 1024
     errorDocsBase: str | None = None
@@ -88,7 +88,7 @@ class ProxyConfig:
             authTLS=_grpcTLS(environ),
             redis=parseRedisURL(config.text(environ, "REDIS_URL", "")),
             validateTimeout=config.duration(environ, "SVC_AUTH_VALIDATE_TIMEOUT", 0.05),
-            authMaxInFlight=config.positiveInteger(environ, "SVC_AUTH_MAX_IN_FLIGHT", 64),
+            authMaxInFlight=config.positiveInteger(environ, "SVC_AUTH_MAX_IN_FLIGHT", 16),
             authQueueTimeout=config.duration(environ, "SVC_AUTH_QUEUE_TIMEOUT", 1.0),
             maxRequestBodyBytes=config.positiveInteger(
                 _asciiDigits(environ, "SVC_MAX_REQUEST_BODY_BYTES"),

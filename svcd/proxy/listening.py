@@ -24,6 +24,7 @@ from twisted.internet.interfaces import (
     IReactorSocket,
     IStreamServerEndpoint,
 )
+from twisted.logger import Logger
 from zope.interface import implementer
 
 # The accept queue. Twisted's default of 50 overflows when a few hundred
@@ -74,11 +75,43 @@ class SharedPortEndpoint:
             listening.close()
 
 
+@implementer(IStreamServerEndpoint)
+class AnnouncedEndpoint:
+    """
+    An endpoint that logs the address it listens on, once it does: with a
+    port of 0, or several workers on one port, the log is where an
+    operator (or a test) learns that this process is serving.
+    """
+
+    log = Logger()
+
+    def __init__(self, endpoint: IStreamServerEndpoint, shared: bool) -> None:
+        self._endpoint = endpoint
+        self._shared = shared
+
+    def listen(self, protocolFactory: IProtocolFactory) -> Deferred[IListeningPort]:
+        def announce(port: IListeningPort) -> IListeningPort:
+            address: Any = port.getHost()
+            self.log.info(
+                "svc-proxy listening on {host}:{port}",
+                host=address.host,
+                port=address.port,
+                shared_port=self._shared,
+            )
+            return port
+
+        return self._endpoint.listen(protocolFactory).addCallback(announce)
+
+
 def listenEndpoint(reactor: Any, host: str, port: int, reusePort: bool) -> IStreamServerEndpoint:
     """
     The TCP endpoint for SVC_HOST and SVC_PORT (IPv6 when the host has a
     colon), shared with other processes when C{reusePort} is set.
     """
+    return AnnouncedEndpoint(_bareEndpoint(reactor, host, port, reusePort), reusePort)
+
+
+def _bareEndpoint(reactor: Any, host: str, port: int, reusePort: bool) -> IStreamServerEndpoint:
     if reusePort:
         return SharedPortEndpoint(reactor, host, port)
     endpoint: object
