@@ -34,5 +34,7 @@ if __name__ == "__main__":
     site = Site(app.resource())
     site.noisy = False
     site.log = lambda request: None  # type: ignore[method-assign]
-    reactor.listenTCP(int(sys.argv[1]), site, interface="127.0.0.1")  # type: ignore[attr-defined]
+    # The proxy's accept queue (svcd.proxy.listening.BACKLOG), so that the
+    # 256-connection rows compare like with like.
+    reactor.listenTCP(int(sys.argv[1]), site, backlog=511, interface="127.0.0.1")  # type: ignore[attr-defined]
     reactor.run()  # type: ignore[attr-defined]

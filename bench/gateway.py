@@ -134,7 +134,13 @@ def summarize(
 
 
 @contextlib.contextmanager
-def runningStack(workdir: Path, logLevel: str, workerCounts: list[int]) -> Iterator[Stack]:
+def runningStack(
+    workdir: Path,
+    logLevel: str,
+    workerCounts: list[int],
+    authExtra: dict[str, str] | None = None,
+    proxyExtra: dict[str, str] | None = None,
+) -> Iterator[Stack]:
     """
     PostgreSQL, Redis, svc-auth, one group of svc-proxy processes per
     worker count (a group shares one port), the floor, and a tenant.
@@ -159,7 +165,7 @@ def runningStack(workdir: Path, logLevel: str, workerCounts: list[int]) -> Itera
 
         auth = Daemon(
             "svc-auth",
-            authEnvironment(dsn, SVC_LOG_LEVEL=logLevel),
+            authEnvironment(dsn, SVC_LOG_LEVEL=logLevel, **(authExtra or {})),
             workdir / "auth.log",
         ).start()
         stack.callback(auth.terminate)
@@ -180,6 +186,7 @@ def runningStack(workdir: Path, logLevel: str, workerCounts: list[int]) -> Itera
                         "REDIS_URL": redis.url,
                         "SVC_RATE_LIMIT_ORG_OVERRIDES": f"{orgID}=1000000000",
                         "SVC_LOG_LEVEL": logLevel,
+                        **(proxyExtra or {}),
                     },
                     workdir / f"proxy-{workers}-{worker}.log",
                 ).start()
@@ -329,7 +336,7 @@ def soak(stack: Stack, seconds: int) -> int:
     summary = summarize("chat", 32, expected, result)
     print(
         f"chat under soak: {summary['rps']:.0f} req/s, p99 {summary['p99_ms']:.2f} ms,"
-        f" {summary['errors']} unexpected"
+        f" {summary['errors']} unexpected; statuses {summary['statuses']}"
     )
     failed = bool(summary["errors"])
     for name, taken in samples.items():
@@ -347,6 +354,16 @@ def soak(stack: Stack, seconds: int) -> int:
     return 1 if failed else 0
 
 
+def _assignments(pairs: list[str]) -> dict[str, str]:
+    environment = {}
+    for pair in pairs:
+        name, equals, value = pair.partition("=")
+        if not equals:
+            raise SystemExit(f"expected NAME=VALUE, got {pair!r}")
+        environment[name] = value
+    return environment
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per row")
@@ -357,6 +374,12 @@ def main() -> int:
     parser.add_argument("--log-level", default="INFO", help="SVC_LOG_LEVEL of the daemons")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--soak", type=int, metavar="SECONDS", help="run the soak instead")
+    parser.add_argument(
+        "--auth-env", action="append", default=[], metavar="NAME=VALUE", help="for svc-auth"
+    )
+    parser.add_argument(
+        "--proxy-env", action="append", default=[], metavar="NAME=VALUE", help="for svc-proxy"
+    )
     arguments = parser.parse_args()
     connectionCounts = [int(each) for each in arguments.connections.split(",")]
     workerCounts = [int(each) for each in arguments.workers.split(",")]
@@ -365,7 +388,13 @@ def main() -> int:
         workerCounts = [1]
 
     with tempfile.TemporaryDirectory(prefix="svc-bench-") as scratch:
-        with runningStack(Path(scratch), arguments.log_level, workerCounts) as stack:
+        with runningStack(
+            Path(scratch),
+            arguments.log_level,
+            workerCounts,
+            _assignments(arguments.auth_env),
+            _assignments(arguments.proxy_env),
+        ) as stack:
             if arguments.soak:
                 return soak(stack, arguments.soak)
             results = []
