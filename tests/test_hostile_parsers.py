@@ -290,3 +290,43 @@ def test_nearMissesAreRefused() -> None:
         PREFIX + "{" + str(tokenID)[1:-1] + "}_" + secret,
     ):
         assert parseToken(bad) is None, bad
+
+
+def _canonicalByHand(text: str) -> bool:
+    """
+    The canonical UUID spelling, checked character by character.
+    """
+    if len(text) != 36:
+        return False
+    for position, character in enumerate(text):
+        if position in (8, 13, 18, 23):
+            if character != "-":
+                return False
+        elif character not in "0123456789abcdefABCDEF":
+            return False
+    return True
+
+
+_uuidLike = st.one_of(
+    st.uuids().map(str),
+    st.uuids().map(lambda value: str(value).upper()),
+    st.text(alphabet="0123456789abcdefABCDEF-{}\n\u0661\u00b2g", min_size=30, max_size=40),
+    st.tuples(st.uuids().map(str), st.integers(0, 35), st.characters()).map(
+        lambda parts: parts[0][: parts[1]] + parts[2] + parts[0][parts[1] + 1 :]
+    ),
+)
+
+
+@settings(max_examples=2_000, deadline=None)
+@given(_uuidLike)
+def test_parseUUIDAcceptsTheCanonicalSpellingOnly(text: str) -> None:
+    """
+    parseUUID accepts exactly the 8-4-4-4-12 ASCII hex spelling (either
+    case), and then gives the UUID it spells.
+    """
+    from svcd.common.ids import parseUUID
+
+    parsed = parseUUID(text)
+    assert (parsed is not None) == _canonicalByHand(text)
+    if parsed is not None:
+        assert parsed == uuid.UUID(text)
