@@ -45,7 +45,7 @@ setup(
     package_data={"svcd": ["py.typed", "pb/auth/v1/*.pyi"]},
     cmdclass={"build_py": BuildWithMigrations},
     install_requires=[
-        "twisted>=24.7",
+        "twisted>=25.5",
         "klein>=24.8",
         "treq>=24.9",
         "txredisapi>=1.4.10",

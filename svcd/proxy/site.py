@@ -278,7 +278,8 @@ class ProxySite(Site):
         timeout: float | None = DEFAULT_IDLE_TIMEOUT,
         requestTimeout: float | None = DEFAULT_REQUEST_TIMEOUT,
     ) -> None:
-        # parsePOSTFormSubmission=False: the proxy reads JSON bodies only.
+        # parsePOSTFormSubmission=False (Twisted 25.5 and later): the proxy
+        # reads JSON bodies only.
         # Twisted would otherwise parse every POST's Content-Type with the
         # email package to look for form uploads, which cost about a tenth
         # of the proxy's reactor thread in the chat benchmark.
