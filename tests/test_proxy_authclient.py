@@ -667,3 +667,74 @@ async def test_aCallThatWaitsTooLongFailsClosed(
         assert recorder.mostAtOnce == 1
     finally:
         client.close()
+
+
+def test_callSlotsServeTheLaterStageFirst() -> None:
+    """
+    With every slot taken, a freed slot goes to a waiting ValidateAgent
+    call (stage 1) before any waiting ValidateToken call (stage 0), first
+    come first served within a stage; a cancelled waiter is skipped, and a
+    slot nobody waits for becomes free again.
+    """
+    from svcd.proxy.authclient import CallSlots
+
+    slots = CallSlots(1)
+    assert slots.acquire(0).called
+    served: list[str] = []
+    waiters = {
+        "token-1": slots.acquire(0),
+        "agent-1": slots.acquire(1),
+        "token-2": slots.acquire(0),
+        "agent-2": slots.acquire(1),
+    }
+    for name, turn in waiters.items():
+        turn.addCallback(lambda _, name=name: served.append(name))
+    waiters["agent-1"].cancel()
+    waiters["agent-1"].addErrback(lambda failure: None)
+    for _ in range(3):
+        slots.release()
+    assert served == ["agent-2", "token-1", "token-2"]
+    slots.release()
+    assert slots.acquire(1).called
+    assert not slots.acquire(0).called
+
+
+@pytest_twisted.ensureDeferred
+async def test_aRequestsSecondCallGoesBeforeNewRequests(
+    service: tuple[ScriptedAuthService, int],
+) -> None:
+    """
+    Through a real grpcio server with one slot: while a ValidateToken call
+    is in flight, two more ValidateToken calls and then one ValidateAgent
+    call queue; the ValidateAgent call is sent next.
+    """
+    from twisted.internet import reactor
+
+    servicer, port = service
+    orgID = str(uuid.uuid4())
+    order: list[str] = []
+
+    def token(request: Any, context: grpc.ServicerContext) -> Any:
+        order.append("token")
+        time.sleep(0.05)
+        return auth_pb2.ValidateTokenResponse(org_id=orgID, permissions=1)
+
+    def agent(request: Any, context: grpc.ServicerContext) -> Any:
+        order.append("agent")
+        return auth_pb2.ValidateAgentResponse(
+            agent_id=request.agent_id, org_id=request.org_id, status="active"
+        )
+
+    servicer.token = token
+    servicer.agent = agent
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    client = GrpcAuthClient(
+        lambda: channel, reactor, reactor, 1.0, ProxyMetrics(), maxInFlight=1, queueTimeout=5.0
+    )
+    try:
+        calls = [client.validateToken(newToken()) for _ in range(3)]
+        calls.append(client.validateAgent(newToken(), str(uuid.uuid4()), orgID))
+        await gatherResults(calls)
+        assert order == ["token", "agent", "token", "token"]
+    finally:
+        client.close()

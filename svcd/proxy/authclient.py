@@ -8,6 +8,7 @@ not a clear answer becomes a 503.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -15,7 +16,7 @@ import attrs
 import grpc
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
-from twisted.internet.defer import CancelledError, Deferred, DeferredSemaphore, TimeoutError
+from twisted.internet.defer import CancelledError, Deferred, TimeoutError, succeed
 from twisted.internet.interfaces import IReactorFromThreads
 from twisted.logger import Logger
 
@@ -42,6 +43,9 @@ _SERVICE = "svc.auth.v1.AuthService"
 _VALIDATE_TOKEN = "/svc.auth.v1.AuthService/ValidateToken"  # noqa: S105 - a method name
 _VALIDATE_AGENT = "/svc.auth.v1.AuthService/ValidateAgent"
 _SPAN_ERROR = Status(StatusCode.ERROR)
+# A request's calls in order, for L{CallSlots}.
+_TOKEN_STAGE = 0
+_AGENT_STAGE = 1
 
 
 @attrs.frozen
@@ -179,6 +183,49 @@ CHANNEL_OPTIONS = (
 )
 
 
+class CallSlots:
+    """
+    At most C{size} calls to svc-auth in flight; the others wait here, the
+    later stage of a request first.
+
+    A chat request makes two calls, ValidateToken (stage 0) and then
+    ValidateAgent (stage 1). Under overload a plain FIFO would make a
+    request that has already been through ValidateToken queue again behind
+    every newer request, and perhaps time out there, wasting the work done
+    for it and turning it into a 503. Serving the higher stage first
+    finishes requests already begun before starting new ones; within a
+    stage, waiting is first come, first served.
+
+    A waiter whose Deferred is cancelled (its queue timeout) is skipped
+    when its turn comes.
+    """
+
+    def __init__(self, size: int, stages: int = 2) -> None:
+        self._free = size
+        self._waiting: tuple[deque[Deferred[None]], ...] = tuple(deque() for _ in range(stages))
+
+    def acquire(self, stage: int) -> Deferred[None]:
+        """
+        A Deferred that fires when the caller may send its call; it must
+        then call L{release} once the call has ended.
+        """
+        if self._free:
+            self._free -= 1
+            return succeed(None)
+        turn: Deferred[None] = Deferred()
+        self._waiting[stage].append(turn)
+        return turn
+
+    def release(self) -> None:
+        for waiting in reversed(self._waiting):
+            while waiting:
+                turn = waiting.popleft()
+                if not turn.called:
+                    turn.callback(None)
+                    return
+        self._free += 1
+
+
 class QueueTimeout(Exception):
     """
     A call waited longer than the queue timeout for a free slot; it was
@@ -201,7 +248,8 @@ class GrpcAuthClient:
         own span context is what the call carries.
 
     At most C{maxInFlight} calls are in flight at once; the others wait
-    their turn here, for at most C{queueTimeout} seconds, and each call's
+    their turn here (ValidateAgent calls before ValidateToken calls, see
+    L{CallSlots}), for at most C{queueTimeout} seconds, and each call's
     deadline starts only when it is sent. Under overload, requests then
     queue in the proxy instead of all missing their deadline at once
     inside svc-auth (and a call that waited too long fails closed like a
@@ -229,7 +277,7 @@ class GrpcAuthClient:
     ) -> None:
         self._channelFactory = channelFactory
         self._clock = clock
-        self._slots = DeferredSemaphore(maxInFlight)
+        self._slots = CallSlots(maxInFlight)
         self._queueTimeout = queueTimeout
         self._tracer = tracer
         self._reactor = reactor
@@ -337,17 +385,19 @@ class GrpcAuthClient:
         name: str,
         request: Any,
         deadline: float,
+        stage: int,
         metadata: tuple[tuple[str, str], ...] = (),
     ) -> Any:
         """
-        One unary call, carrying the trace context; its duration is
+        One unary call of a request's C{stage} (0 for ValidateToken, 1 for
+        ValidateAgent), carrying the trace context; its duration is
         recorded by how it ended.
         """
         span, outgoing = self._traced(name, metadata)
         began = time.perf_counter()
         label = "ok"
         code: grpc.StatusCode | None = grpc.StatusCode.OK
-        turn = self._slots.acquire()
+        turn = self._slots.acquire(stage)
         try:
             if not turn.called:
                 try:
@@ -388,7 +438,7 @@ class GrpcAuthClient:
         request = auth_pb2.ValidateTokenRequest(access_token=accessToken)
         try:
             response: auth_pb2.ValidateTokenResponse = await self._call(
-                self._validateToken, "ValidateToken", request, self._timeout
+                self._validateToken, "ValidateToken", request, self._timeout, _TOKEN_STAGE
             )
         except CancelledError:
             raise
@@ -421,7 +471,12 @@ class GrpcAuthClient:
         metadata = (("authorization", "Bearer " + accessToken),)
         try:
             response: auth_pb2.ValidateAgentResponse = await self._call(
-                self._validateAgent, "ValidateAgent", request, self._timeout, metadata
+                self._validateAgent,
+                "ValidateAgent",
+                request,
+                self._timeout,
+                _AGENT_STAGE,
+                metadata,
             )
         except CancelledError:
             raise
