@@ -100,6 +100,19 @@ def requestHead(method: str, path: str, headers: dict[str, str]) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
+def chatHead(token: str, agentID: str, **framing: str) -> bytes:
+    """
+    The head of a chat request by C{token} as C{agentID}, on a connection
+    closed after the answer; C{framing} gives Content-Type and the body's
+    length or transfer encoding (as C{Content_Type=...}).
+    """
+    headers = {name.replace("_", "-"): value for name, value in framing.items()}
+    headers.update(
+        {"Authorization": "Bearer " + token, "X-SVC-Agent-ID": agentID, "Connection": "close"}
+    )
+    return requestHead("POST", "/v1/chat/completions", headers)
+
+
 @pytest_twisted.ensureDeferred
 async def test_declaredLengthAnsweredBeforeBody(running: Running) -> None:
     """
@@ -194,17 +207,7 @@ async def test_chunkedBodyWithinLimit(running: Running) -> None:
     client = await running.connect()
     assert client.transport is not None
     client.transport.write(
-        requestHead(
-            "POST",
-            "/v1/chat/completions",
-            {
-                "Content-Type": "application/json",
-                "Transfer-Encoding": "chunked",
-                "Authorization": "Bearer " + token,
-                "X-SVC-Agent-ID": agentID,
-                "Connection": "close",
-            },
-        )
+        chatHead(token, agentID, Content_Type="application/json", Transfer_Encoding="chunked")
     )
     for start in range(0, len(body), 10):
         piece = body[start : start + 10]
@@ -309,16 +312,11 @@ async def test_formUploadIsNotParsed(running: Running) -> None:
     client = await running.connect()
     assert client.transport is not None
     client.transport.write(
-        requestHead(
-            "POST",
-            "/v1/chat/completions",
-            {
-                "Content-Type": "multipart/form-data; boundary=xyz",
-                "Content-Length": str(len(body)),
-                "Authorization": "Bearer " + token,
-                "X-SVC-Agent-ID": agentID,
-                "Connection": "close",
-            },
+        chatHead(
+            token,
+            agentID,
+            Content_Type="multipart/form-data; boundary=xyz",
+            Content_Length=str(len(body)),
         )
         + body
     )
