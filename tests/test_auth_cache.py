@@ -175,6 +175,34 @@ def test_coldVerificationsAreBounded(
         service.stop()
 
 
+def test_burstOnAColdTokenRunsArgon2Once(
+    migratedDSN: str, owner: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """
+    Sixteen concurrent first validations of one token (svc-auth just
+    started under load) run argon2 once and all succeed: the others wait for
+    the first instead of each queueing for a cold slot. A wrong secret in
+    the same burst is still refused.
+    """
+    slow = CountingVerifier(svcd.auth.authority.verifySecret, delay=0.05)
+    monkeypatch.setattr(svcd.auth.authority, "verifySecret", slow)
+    service = RunningAuthService(migratedDSN, coldSlots=2, coldWait=0.25, workers=24).start()
+    try:
+        tenant = makeTenant(owner)
+        wrong = formatToken(tenant.tokenID, newSecret())
+        bearers = [tenant.token] * 16 + [wrong]
+        with ThreadPoolExecutor(len(bearers)) as pool:
+            codes = list(
+                pool.map(lambda bearer: codeOf(lambda: validate(service, bearer)), bearers)
+            )
+        assert codes == [grpc.StatusCode.OK] * 16 + [grpc.StatusCode.UNAUTHENTICATED]
+        # One verification of the right secret; the wrong one is refused
+        # from the cached digest, or by a verification of its own.
+        assert 1 <= slow.calls <= 2
+    finally:
+        service.stop()
+
+
 def test_revocationReachesAnotherReplicaWithinOneSecond(migratedDSN: str, owner: Store) -> None:
     """
     Two AuthService instances on one database: a token cached as valid by

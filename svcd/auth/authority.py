@@ -22,7 +22,7 @@ from svcd.auth.cache import CachedAgent, CachedToken, ValidationCache
 from svcd.auth.hashing import SecretDigester, hashSecret, verifySecret
 from svcd.auth.store import Store, StoreRejected, StoreUnavailable, TokenRecord
 from svcd.common.ids import parseUUID
-from svcd.common.pat import formatToken, newSecret, parseToken
+from svcd.common.pat import ParsedToken, formatToken, newSecret, parseToken
 from svcd.common.permissions import Permission
 
 AGENT_NOT_ACTIVE = "agent is not active"
@@ -129,6 +129,35 @@ def bearerFromMetadata(value: str | None) -> str:
     return token.strip()
 
 
+class _Flights:
+    """
+    The cold validations in progress, one per token id: the first call for
+    a token leads, later ones wait for it (single flight).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._inProgress: dict[uuid.UUID, threading.Event] = {}
+
+    def join(self, tokenID: uuid.UUID) -> tuple[threading.Event, bool]:
+        """
+        The event that is set when the validation of C{tokenID} in progress
+        ends, and whether the caller is its leader (and must L{land} it).
+        """
+        with self._lock:
+            event = self._inProgress.get(tokenID)
+            if event is not None:
+                return event, False
+            event = self._inProgress[tokenID] = threading.Event()
+            return event, True
+
+    def land(self, tokenID: uuid.UUID, event: threading.Event) -> None:
+        with self._lock:
+            if self._inProgress.get(tokenID) is event:
+                del self._inProgress[tokenID]
+        event.set()
+
+
 class Authority:
     """
     Token and agent validation with the cache of L{svcd.auth.cache}, and the
@@ -138,6 +167,8 @@ class Authority:
     admitted through a semaphore of C{coldSlots}, waiting at most
     C{coldWait} seconds; a flood of unknown ids or wrong secrets can then
     occupy only that many threads, while cached valid tokens never wait.
+    Concurrent cold calls for one token id do that work once: the first
+    leads, the others wait (at most C{coldWait}) and take its cached answer.
 
     @param wallClock: Unix time in seconds, for expiry.
     """
@@ -159,6 +190,7 @@ class Authority:
         self._digester = digester if digester is not None else SecretDigester()
         self._coldSlots = threading.BoundedSemaphore(coldSlots)
         self._coldWait = coldWait
+        self._flights = _Flights()
 
     # Validation
 
@@ -180,6 +212,36 @@ class Authority:
             return self._usable(cached.record)
         if self._cache.isKnownWrongSecret(parsed.tokenID, digest):
             raise Unauthenticated("invalid token")
+        flight, leading = self._flights.join(parsed.tokenID)
+        if not leading:
+            # Another call is reading and verifying this very token (a
+            # burst on a cold cache: svc-auth just started, or the entry was
+            # dropped). Its answer, once cached, is almost always ours too;
+            # without this wait each call of the burst would run argon2 and
+            # queue for a cold slot, and the burst would miss its deadlines.
+            flight.wait(self._coldWait)
+            cached, fresh = self._cache.token(parsed.tokenID)
+            if cached is not None and fresh:
+                if not self._digester.same(cached.secretDigest, digest):
+                    raise Unauthenticated("invalid token")
+                return self._usable(cached.record)
+            if self._cache.isKnownWrongSecret(parsed.tokenID, digest):
+                raise Unauthenticated("invalid token")
+            # Nothing cached that answers us (another secret, an unknown id,
+            # a change meanwhile): do the work ourselves.
+        try:
+            return self._validateCold(parsed, digest, cached)
+        finally:
+            if leading:
+                self._flights.land(parsed.tokenID, flight)
+
+    def _validateCold(
+        self, parsed: ParsedToken, digest: bytes, cached: CachedToken | None
+    ) -> Caller:
+        """
+        Read the token's row and verify the secret (argon2 unless C{cached}
+        proves it), within a cold slot; cache the outcome.
+        """
         if not self._coldSlots.acquire(timeout=self._coldWait):
             raise Overloaded("too many token validations in progress")
         try:
