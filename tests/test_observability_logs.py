@@ -31,13 +31,20 @@ import pytest_twisted
 import treq
 from prometheus_client import CollectorRegistry
 from twisted.application.service import Service
+from twisted.internet import task
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.internet.task import deferLater
-from twisted.logger import LogLevel, globalLogPublisher
+from twisted.logger import Logger, LogLevel, globalLogPublisher
 
 from svcd.auth.web import AuthOperationsWeb, OperationsSite
-from svcd.common.logs import REQUEST_ID, JSONLinesObserver, LoggingRootService, eventFields
+from svcd.common.logs import (
+    REQUEST_ID,
+    JSONLinesObserver,
+    LineWriter,
+    LoggingRootService,
+    eventFields,
+)
 from svcd.common.tracing import TracingConfig, activate, deactivate, tracerProvider
 from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
 from svcd.proxy.authclient import GrpcAuthClient
@@ -267,6 +274,78 @@ async def test_stdlibRecordsBecomeLines(captured: CapturedLines) -> None:
     assert [(line["level"], line["message"]) for line in lines] == [
         ("warn", "Transient error UNAVAILABLE encountered while exporting")
     ]
+
+
+# Writing in batches
+
+
+class FlushCounting(io.StringIO):
+    """
+    A text file that counts how often it is flushed.
+    """
+
+    flushes = 0
+
+    def flush(self) -> None:
+        self.flushes += 1
+        super().flush()
+
+
+def test_linesAreWrittenInBatches() -> None:
+    """
+    Info lines wait in the writer until the oldest of them is C{maxDelay}
+    old (checked at the next line) or C{maxBytes} are waiting; a warning
+    writes everything waiting at once, in order.
+    """
+    clock = task.Clock()
+    output = FlushCounting()
+    writer = LineWriter(output, clock.seconds, maxDelay=0.2, maxBytes=1000)
+    observer = JSONLinesObserver(writer)
+    log = Logger(namespace="batch", observer=observer)
+    log.info("first")
+    clock.advance(0.1)
+    log.info("second")
+    assert output.getvalue() == ""
+    clock.advance(0.1)
+    log.info("third")
+    assert [json.loads(line)["message"] for line in output.getvalue().splitlines()] == [
+        "first",
+        "second",
+        "third",
+    ]
+    log.info("fourth")
+    log.warn("trouble")
+    assert [json.loads(line)["message"] for line in output.getvalue().splitlines()][-2:] == [
+        "fourth",
+        "trouble",
+    ]
+    flushes = output.flushes
+    for _ in range(20):
+        log.info("x" * 100)
+    assert output.flushes > flushes
+    assert len(output.getvalue().splitlines()) >= 5 + 7
+
+
+@pytest_twisted.ensureDeferred
+async def test_rootFlushesTheWriterWhileRunningAndAtStop() -> None:
+    """
+    The root service writes out what waits every C{maxDelay} seconds, so an
+    idle daemon's last line is at most that late, and everything at stop.
+    """
+    clock = task.Clock()
+    output = io.StringIO()
+    writer = LineWriter(output, clock.seconds, maxDelay=0.2)
+    log = Logger(namespace="batch", observer=JSONLinesObserver(writer))
+    root = LoggingRootService(JSONLinesObserver(writer), writer=writer, clock=clock)
+    root.startService()
+    log.info("while idle")
+    assert output.getvalue() == ""
+    clock.advance(0.2)
+    assert "while idle" in output.getvalue()
+    log.info("just before stop")
+    await root.stopService()
+    assert "just before stop" in output.getvalue()
+    assert not clock.getDelayedCalls()
 
 
 # Stopping in order

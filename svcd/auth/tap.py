@@ -34,7 +34,7 @@ from svcd.auth.store import Store, connectionPool
 from svcd.auth.web import AuthOperationsWeb, OperationsSite
 from svcd.common.config import ConfigError
 from svcd.common.lifecycle import exitZeroOnStopSignals, settleHeapWhenRunning
-from svcd.common.logs import LoggingRootService, logSettings, makeObserver, twistdOutput
+from svcd.common.logs import LoggingRootService, daemonLogWriter, logSettings, makeObserver
 from svcd.common.metrics import BUCKETS, processUpGauge
 from svcd.common.readiness import Check, CheckFailed
 from svcd.common.tracing import (
@@ -223,12 +223,15 @@ def makeService(options: Options) -> IService:
         sys.stderr.write(f"svc-auth: configuration error: {error}\n")
         raise SystemExit(1) from None
     twistdOptions = getattr(options, "parent", None)
+    assert IReactorCore.providedBy(reactor) and IReactorTime.providedBy(reactor)
+    writer = daemonLogWriter(twistdOptions)
     root = LoggingRootService(
-        makeObserver(logFormat, level, twistdOutput(twistdOptions), service=tracing.serviceName),
+        makeObserver(logFormat, level, writer, service=tracing.serviceName),
         daemonName="svc-auth",
         level=level,
+        writer=writer,
+        clock=reactor,
     )
-    assert IReactorCore.providedBy(reactor) and IReactorTime.providedBy(reactor)
     buildService(reactor, settings, root, tracing, logCalls=level <= LogLevel.debug)
     exitZeroOnStopSignals(reactor)
     settleHeapWhenRunning(reactor)

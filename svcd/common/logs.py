@@ -15,10 +15,16 @@ live in the request coroutine's contextvars context, which Twisted keeps
 across every await (including results handed over with callFromThread)
 and copies into the coroutines it starts. The observers run synchronously
 in the context of the code that logs, and add what is missing.
+
+Lines are written in batches (L{LineWriter}), as nginx buffers its access
+log: at most 0.2 s late, and a warning or worse at once with everything
+before it. Writing every line with its own system call cost the proxy
+about a tenth of its CPU per request under load.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextvars
 import datetime
 import json
@@ -26,13 +32,16 @@ import logging
 import string
 import sys
 import threading
-from collections.abc import Mapping
-from typing import IO, Any
+import time
+from collections.abc import Callable, Mapping
+from typing import IO, Any, Protocol
 
 from opentelemetry import trace
 from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.error import CannotListenError
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import LoopingCall
 from twisted.logger import (
     FilteringLogObserver,
     ILogObserver,
@@ -47,6 +56,17 @@ from zope.interface import implementer
 
 from svcd.common import config
 from svcd.common.lifecycle import StartupError
+
+
+class TextOutput(Protocol):
+    """
+    Where the observers write their lines: a text file or a L{LineWriter}.
+    """
+
+    def write(self, text: str, /) -> Any: ...
+
+    def flush(self) -> None: ...
+
 
 LEVELS = {
     "DEBUG": LogLevel.debug,
@@ -175,10 +195,12 @@ class JSONLinesObserver:
     namespace, message, the event's keyword fields, and the traceback of a
     logged failure.
 
-    Writes are serialised by a lock: grpcio's server threads log too.
+    Writes are serialised by a lock: grpcio's server threads log too. A
+    warning or worse is flushed at once; other lines are written when
+    C{outFile} (a L{LineWriter} in the daemons) decides.
     """
 
-    def __init__(self, outFile: IO[str], service: str | None = None) -> None:
+    def __init__(self, outFile: TextOutput, service: str | None = None) -> None:
         self._outFile = outFile
         self._service = service
         self._lock = threading.Lock()
@@ -200,17 +222,18 @@ class JSONLinesObserver:
         line = json.dumps(record, separators=(",", ":"), default=str) + "\n"
         with self._lock:
             self._outFile.write(line)
-            self._outFile.flush()
+            if level >= LogLevel.warn:
+                self._outFile.flush()
 
 
 @implementer(ILogObserver)
 class TextLinesObserver:
     """
     Readable lines for a terminal: time, level, namespace, message, then
-    the keyword fields as key=value.
+    the keyword fields as key=value. Flushed as L{JSONLinesObserver}.
     """
 
-    def __init__(self, outFile: IO[str]) -> None:
+    def __init__(self, outFile: TextOutput) -> None:
         self._outFile = outFile
         self._lock = threading.Lock()
 
@@ -228,7 +251,68 @@ class TextLinesObserver:
             line += "\n" + failure.getTraceback()
         with self._lock:
             self._outFile.write(line + "\n")
-            self._outFile.flush()
+            if level >= LogLevel.warn:
+                self._outFile.flush()
+
+
+class LineWriter:
+    """
+    A daemon's log file, written in batches: a line is written out once
+    C{maxDelay} seconds have passed since the oldest line waiting, once
+    C{maxBytes} are waiting, or on L{flush} (which the observers call for
+    a warning or worse, and L{LoggingRootService} every C{maxDelay} seconds
+    and at stop). Under load that is a few writes a second instead of
+    two per request; when idle a line is at most C{maxDelay} late.
+
+    Thread-safe: grpcio's threads log as well as the reactor's.
+    """
+
+    def __init__(
+        self,
+        outFile: IO[str],
+        monotonic: Callable[[], float] = time.monotonic,
+        maxDelay: float = 0.2,
+        maxBytes: int = 64 * 1024,
+    ) -> None:
+        self._outFile = outFile
+        self._monotonic = monotonic
+        self.maxDelay = maxDelay
+        self._maxBytes = maxBytes
+        self._lock = threading.Lock()
+        self._waiting: list[str] = []
+        self._size = 0
+        self._oldest = 0.0
+
+    def write(self, text: str) -> None:
+        with self._lock:
+            now = self._monotonic()
+            if not self._waiting:
+                self._oldest = now
+            self._waiting.append(text)
+            self._size += len(text)
+            if self._size >= self._maxBytes or now - self._oldest >= self.maxDelay:
+                self._writeOut()
+
+    def flush(self) -> None:
+        with self._lock:
+            self._writeOut()
+
+    def flushAtExit(self) -> None:
+        """
+        L{flush}, when the file may already be closed (twistd's log file).
+        """
+        try:
+            self.flush()
+        except (OSError, ValueError):
+            pass
+
+    def _writeOut(self) -> None:
+        if self._waiting:
+            text = "".join(self._waiting)
+            self._waiting.clear()
+            self._size = 0
+            self._outFile.write(text)
+        self._outFile.flush()
 
 
 def logSettings(environ: Mapping[str, str]) -> tuple[str, LogLevel]:
@@ -244,7 +328,7 @@ def logSettings(environ: Mapping[str, str]) -> tuple[str, LogLevel]:
 
 
 def makeObserver(
-    logFormat: str, level: LogLevel, outFile: IO[str], service: str | None = None
+    logFormat: str, level: LogLevel, outFile: TextOutput, service: str | None = None
 ) -> ILogObserver:
     """
     Build the filtered observer for a format, level and output file;
@@ -256,6 +340,16 @@ def makeObserver(
     else:
         inner = TextLinesObserver(outFile)
     return FilteringLogObserver(inner, [LogLevelFilterPredicate(defaultLogLevel=level)])
+
+
+def daemonLogWriter(twistdOptions: Mapping[str, Any] | None) -> LineWriter:
+    """
+    The L{LineWriter} over L{twistdOutput}, also flushed when the process
+    exits, for the lines twistd logs after the services have stopped.
+    """
+    writer = LineWriter(twistdOutput(twistdOptions))
+    atexit.register(writer.flushAtExit)
+    return writer
 
 
 def twistdOutput(twistdOptions: Mapping[str, Any] | None) -> IO[str]:
@@ -330,20 +424,34 @@ class LoggingRootService(MultiService):
     @param level: the configured level. Python C{logging} records pass
         at WARNING and above (or ERROR, if that is the level): the
         libraries' own INFO and DEBUG chatter is not the daemon's.
+    @param writer: the observer's L{LineWriter}, flushed every
+        C{writer.maxDelay} seconds on C{clock} while running, and at stop.
     """
 
     log = Logger()
 
     def __init__(
-        self, observer: ILogObserver, daemonName: str = "svc", level: LogLevel = LogLevel.info
+        self,
+        observer: ILogObserver,
+        daemonName: str = "svc",
+        level: LogLevel = LogLevel.info,
+        writer: LineWriter | None = None,
+        clock: IReactorTime | None = None,
     ) -> None:
         super().__init__()
         self.logObserver = observer
         self.daemonName = daemonName
         self._bridge = StdlibLogBridge(max(stdlibLevel(level), logging.WARNING))
+        self._writer = writer
+        self._flushing: LoopingCall | None = None
+        if writer is not None and clock is not None:
+            self._flushing = LoopingCall(writer.flush)
+            self._flushing.clock = clock
 
     def startService(self) -> None:
         logging.getLogger().addHandler(self._bridge)
+        if self._flushing is not None and self._writer is not None:
+            self._flushing.start(self._writer.maxDelay, now=True)
         super().startService()
 
     def stopService(self) -> Deferred[None]:
@@ -358,6 +466,10 @@ class LoggingRootService(MultiService):
             except Exception:
                 self.log.failure("Stopping {child} failed", child=type(child).__name__)
         logging.getLogger().removeHandler(self._bridge)
+        if self._flushing is not None and self._flushing.running:
+            self._flushing.stop()
+        if self._writer is not None:
+            self._writer.flush()
 
     def privilegedStartService(self) -> None:
         # twistd binds ports here, before the reactor runs; an exception

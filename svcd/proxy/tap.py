@@ -25,7 +25,7 @@ from twisted.python import usage
 
 from svcd.common.config import ConfigError
 from svcd.common.lifecycle import exitZeroOnStopSignals, settleHeapWhenRunning
-from svcd.common.logs import LoggingRootService, logSettings, makeObserver, twistdOutput
+from svcd.common.logs import LoggingRootService, daemonLogWriter, logSettings, makeObserver
 from svcd.common.tracing import TracingConfig, TracingService, tracerProvider
 from svcd.proxy.authclient import GrpcAuthClient, authChannel
 from svcd.proxy.config import ProxyConfig
@@ -80,13 +80,13 @@ def makeService(options: Options) -> LoggingRootService:
 
     config = options.config
     twistdOptions = getattr(options, "parent", None)
+    writer = daemonLogWriter(twistdOptions)
     observer = makeObserver(
-        options.logFormat,
-        options.logLevel,
-        twistdOutput(twistdOptions),
-        service=options.tracing.serviceName,
+        options.logFormat, options.logLevel, writer, service=options.tracing.serviceName
     )
-    root = LoggingRootService(observer, daemonName="svc-proxy", level=options.logLevel)
+    root = LoggingRootService(
+        observer, daemonName="svc-proxy", level=options.logLevel, writer=writer, clock=reactor
+    )
 
     # The root stops its children last first: the tracing service, added
     # first, flushes the spans of the requests the proxy service drained.
