@@ -21,6 +21,8 @@ from typing import Any
 import grpc
 import pytest
 import pytest_twisted
+from hypothesis import given
+from hypothesis import strategies as st
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -38,7 +40,9 @@ from svcd.common.tracing import (
     TracingService,
     activate,
     deactivate,
+    parentFromMetadata,
     tracerProvider,
+    unsampledParent,
 )
 from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
 from svcd.proxy.authclient import GrpcAuthClient
@@ -610,6 +614,75 @@ def test_serverSpanJoinsCallersTrace(
         request, metadata=(("traceparent", f"00-{INBOUND_TRACE}-{INBOUND_PARENT}-00"),)
     )
     assert len(exporter.get_finished_spans()) == 1
+
+
+def test_unsampledCallerKeepsItsTraceCurrent(
+    intercepted: tuple[ScriptedService, Any, InMemorySpanExporter],
+) -> None:
+    """
+    Under an unsampled caller (the fast path that skips the SDK) the
+    method runs with the caller's trace id current, and nothing is
+    recorded; with a tracestate as well (the SDK's path) the same holds.
+    """
+    servicer, stub, exporter = intercepted
+    request = auth_pb2.ValidateTokenRequest(access_token="ok")
+    unsampled = ("traceparent", f"00-{INBOUND_TRACE}-{INBOUND_PARENT}-00")
+    stub.ValidateToken(request, metadata=(unsampled,))
+    stub.ValidateToken(request, metadata=(unsampled, ("tracestate", "vendor=1")))
+    assert servicer.traceIDs == [INBOUND_TRACE, INBOUND_TRACE]
+    assert exporter.get_finished_spans() == ()
+
+
+_HEX = "0123456789abcdef"
+
+
+@given(
+    version=st.sampled_from(["00", "00", "00", "01", "ff"]),
+    traceID=st.text(_HEX, min_size=32, max_size=32)
+    | st.sampled_from(["0" * 32, "A" * 32, "a" * 31, "a" * 33]),
+    spanID=st.text(_HEX, min_size=16, max_size=16)
+    | st.sampled_from(["0" * 16, "B" * 16, "b" * 15]),
+    flags=st.sampled_from(["00", "02", "01", "03", "0x"]),
+    tracestate=st.booleans(),
+)
+def test_unsampledParentAgreesWithThePropagator(
+    version: str, traceID: str, spanID: str, flags: str, tracestate: bool
+) -> None:
+    """
+    Whenever L{unsampledParent} takes a traceparent, OpenTelemetry's W3C
+    propagator reads the same trace, parent and flags from it, unsampled;
+    and it takes every lower-case version 00 value without tracestate that
+    the propagator reads as a valid unsampled parent.
+    """
+    from opentelemetry import trace
+
+    value = f"{version}-{traceID}-{spanID}-{flags}"
+    metadata = [("traceparent", value)] + ([("tracestate", "a=b")] if tracestate else [])
+    fast = unsampledParent(metadata)
+    reference = trace.get_current_span(parentFromMetadata(metadata)).get_span_context()
+    if fast is None:
+        assert (
+            tracestate or version != "00" or not reference.is_valid or reference.trace_flags.sampled
+        )
+        return
+    assert not tracestate
+    assert reference.is_valid and not reference.trace_flags.sampled
+    assert (fast.trace_id, fast.span_id, fast.trace_flags) == (
+        reference.trace_id,
+        reference.span_id,
+        reference.trace_flags,
+    )
+
+
+def test_unsampledParentTakesTheCommonCase() -> None:
+    """
+    What svc-proxy sends for an unsampled request is taken; a sampled one
+    is not.
+    """
+    taken = unsampledParent([("traceparent", f"00-{INBOUND_TRACE}-{INBOUND_PARENT}-00")])
+    assert taken is not None and f"{taken.trace_id:032x}" == INBOUND_TRACE
+    assert unsampledParent([("traceparent", f"00-{INBOUND_TRACE}-{INBOUND_PARENT}-01")]) is None
+    assert unsampledParent([]) is None
 
 
 def test_callLogLine(intercepted: tuple[ScriptedService, Any, InMemorySpanExporter]) -> None:
