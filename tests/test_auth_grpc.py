@@ -502,3 +502,31 @@ def test_healthServiceReportsServing(authService: RunningAuthService) -> None:
     for service in ("", "svc.auth.v1.AuthService"):
         answer = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
         assert answer.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_callsAreCountedByMethodCodeAndResult(
+    authService: RunningAuthService, owner: Store
+) -> None:
+    """
+    svc_auth_grpc_requests_total counts each answered call under its method
+    and status code, and the ValidateToken histogram each call under its
+    result, however often the same series is hit.
+    """
+    tenant = makeTenant(owner)
+    wrong = formatToken(tenant.tokenID, newSecret())
+    for _ in range(3):
+        authService.call("ValidateToken", auth_pb2.ValidateTokenRequest(access_token=tenant.token))
+    for _ in range(2):
+        with pytest.raises(grpc.RpcError):
+            authService.call("ValidateToken", auth_pb2.ValidateTokenRequest(access_token=wrong))
+    registry = authService.registry
+
+    def count(code: str) -> float | None:
+        return registry.get_sample_value(
+            "svc_auth_grpc_requests_total", {"method": "ValidateToken", "code": code}
+        )
+
+    assert (count("OK"), count("UNAUTHENTICATED")) == (3, 2)
+    histogram = "svc_auth_validate_token_duration_seconds_count"
+    assert registry.get_sample_value(histogram, {"result": "ok"}) == 3
+    assert registry.get_sample_value(histogram, {"result": "unauthenticated"}) == 2

@@ -90,6 +90,32 @@ class AuthMetrics:
             ["method", "code"],
             registry=registry,
         )
+        # labels() takes a lock and builds a key each time; the children
+        # are few (methods, codes, results), so keep them at hand. A race
+        # between two threads only makes labels() return the same child
+        # twice.
+        self._requestChildren: dict[tuple[str, str], Counter] = {}
+        self._durationChildren: dict[tuple[Histogram, str], Histogram] = {}
+
+    def answered(self, method: str, code: str) -> None:
+        """
+        Count one answered call of C{method} with status C{code}.
+        """
+        key = (method, code)
+        child = self._requestChildren.get(key)
+        if child is None:
+            child = self._requestChildren[key] = self.requests.labels(method=method, code=code)
+        child.inc()
+
+    def observe(self, duration: Histogram, result: str, seconds: float) -> None:
+        """
+        Record C{seconds} in the C{result} series of C{duration}.
+        """
+        key = (duration, result)
+        child = self._durationChildren.get(key)
+        if child is None:
+            child = self._durationChildren[key] = duration.labels(result=result)
+        child.observe(seconds)
 
 
 def _bearer(context: grpc.ServicerContext) -> str | None:
@@ -148,8 +174,8 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
             raise AssertionError("context.abort returned") from None
         finally:
             if duration is not None:
-                duration.labels(result=result).observe(time.perf_counter() - started)
-            self._metrics.requests.labels(method=method, code=code.name).inc()
+                self._metrics.observe(duration, result, time.perf_counter() - started)
+            self._metrics.answered(method, code.name)
 
     def ValidateToken(
         self, request: auth_pb2.ValidateTokenRequest, context: grpc.ServicerContext
