@@ -203,6 +203,44 @@ def test_burstOnAColdTokenRunsArgon2Once(
         service.stop()
 
 
+def test_burstOnAColdAgentReadsItOnce(
+    migratedDSN: str, owner: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """
+    Sixteen concurrent first ValidateAgent calls for one agent read it from
+    the database once, and all succeed.
+    """
+    reads = []
+    real = Store.agentInOrganization
+
+    def slowRead(self: Store, orgID: uuid.UUID, agentID: uuid.UUID) -> object:
+        reads.append(agentID)
+        time.sleep(0.05)
+        return real(self, orgID, agentID)
+
+    monkeypatch.setattr(Store, "agentInOrganization", slowRead)
+    service = RunningAuthService(migratedDSN, workers=24).start()
+    try:
+        tenant = makeTenant(owner)
+        validate(service, tenant.token)
+        request = auth_pb2.ValidateAgentRequest(
+            agent_id=str(tenant.agentID), org_id=str(tenant.orgID)
+        )
+        with ThreadPoolExecutor(16) as pool:
+            codes = list(
+                pool.map(
+                    lambda _: codeOf(
+                        lambda: service.call("ValidateAgent", request, bearer=tenant.token)
+                    ),
+                    range(16),
+                )
+            )
+        assert codes == [grpc.StatusCode.OK] * 16
+        assert reads == [tenant.agentID]
+    finally:
+        service.stop()
+
+
 def test_revocationReachesAnotherReplicaWithinOneSecond(migratedDSN: str, owner: Store) -> None:
     """
     Two AuthService instances on one database: a token cached as valid by

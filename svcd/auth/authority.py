@@ -12,8 +12,8 @@ from __future__ import annotations
 import datetime
 import threading
 import uuid
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
 
 import attrs
 from twisted.logger import Logger
@@ -28,6 +28,7 @@ from svcd.common.permissions import Permission
 AGENT_NOT_ACTIVE = "agent is not active"
 
 _T = TypeVar("_T")
+K = TypeVar("K", bound=Hashable)
 
 
 def issueToken(
@@ -129,32 +130,32 @@ def bearerFromMetadata(value: str | None) -> str:
     return token.strip()
 
 
-class _Flights:
+class _Flights(Generic[K]):
     """
-    The cold validations in progress, one per token id: the first call for
-    a token leads, later ones wait for it (single flight).
+    The cold reads in progress, one per key (a token id, an agent): the
+    first call for a key leads, later ones wait for it (single flight).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._inProgress: dict[uuid.UUID, threading.Event] = {}
+        self._inProgress: dict[K, threading.Event] = {}
 
-    def join(self, tokenID: uuid.UUID) -> tuple[threading.Event, bool]:
+    def join(self, key: K) -> tuple[threading.Event, bool]:
         """
-        The event that is set when the validation of C{tokenID} in progress
-        ends, and whether the caller is its leader (and must L{land} it).
+        The event that is set when the read of C{key} in progress ends, and
+        whether the caller is its leader (and must L{land} it).
         """
         with self._lock:
-            event = self._inProgress.get(tokenID)
+            event = self._inProgress.get(key)
             if event is not None:
                 return event, False
-            event = self._inProgress[tokenID] = threading.Event()
+            event = self._inProgress[key] = threading.Event()
             return event, True
 
-    def land(self, tokenID: uuid.UUID, event: threading.Event) -> None:
+    def land(self, key: K, event: threading.Event) -> None:
         with self._lock:
-            if self._inProgress.get(tokenID) is event:
-                del self._inProgress[tokenID]
+            if self._inProgress.get(key) is event:
+                del self._inProgress[key]
         event.set()
 
 
@@ -167,8 +168,9 @@ class Authority:
     admitted through a semaphore of C{coldSlots}, waiting at most
     C{coldWait} seconds; a flood of unknown ids or wrong secrets can then
     occupy only that many threads, while cached valid tokens never wait.
-    Concurrent cold calls for one token id do that work once: the first
-    leads, the others wait (at most C{coldWait}) and take its cached answer.
+    Concurrent cold calls for one token id, or one agent, do that work
+    once: the first leads, the others wait (at most C{coldWait}) and take
+    its cached answer.
 
     @param wallClock: Unix time in seconds, for expiry.
     """
@@ -190,7 +192,8 @@ class Authority:
         self._digester = digester if digester is not None else SecretDigester()
         self._coldSlots = threading.BoundedSemaphore(coldSlots)
         self._coldWait = coldWait
-        self._flights = _Flights()
+        self._tokenFlights: _Flights[uuid.UUID] = _Flights()
+        self._agentFlights: _Flights[tuple[uuid.UUID, uuid.UUID]] = _Flights()
 
     # Validation
 
@@ -212,7 +215,7 @@ class Authority:
             return self._usable(cached.record)
         if self._cache.isKnownWrongSecret(parsed.tokenID, digest):
             raise Unauthenticated("invalid token")
-        flight, leading = self._flights.join(parsed.tokenID)
+        flight, leading = self._tokenFlights.join(parsed.tokenID)
         if not leading:
             # Another call is reading and verifying this very token (a
             # burst on a cold cache: svc-auth just started, or the entry was
@@ -233,7 +236,7 @@ class Authority:
             return self._validateCold(parsed, digest, cached)
         finally:
             if leading:
-                self._flights.land(parsed.tokenID, flight)
+                self._tokenFlights.land(parsed.tokenID, flight)
 
     def _validateCold(
         self, parsed: ParsedToken, digest: bytes, cached: CachedToken | None
@@ -300,12 +303,25 @@ class Authority:
         cached = self._cache.agent(orgID, agentID)
         if cached is not None:
             return cached.status
-        epoch = self._cache.epoch()
-        readAt = self._cache.now()
-        agent = self._read(lambda: self._store.agentInOrganization(orgID, agentID))
-        status = None if agent is None else agent.status
-        self._cache.rememberAgent(orgID, agentID, CachedAgent(status, readAt), epoch)
-        return status
+        key = (orgID, agentID)
+        flight, leading = self._agentFlights.join(key)
+        if not leading:
+            # As for tokens: a burst of first calls for one agent reads it
+            # once instead of queueing every call for a database connection.
+            flight.wait(self._coldWait)
+            cached = self._cache.agent(orgID, agentID)
+            if cached is not None:
+                return cached.status
+        try:
+            epoch = self._cache.epoch()
+            readAt = self._cache.now()
+            agent = self._read(lambda: self._store.agentInOrganization(orgID, agentID))
+            status = None if agent is None else agent.status
+            self._cache.rememberAgent(orgID, agentID, CachedAgent(status, readAt), epoch)
+            return status
+        finally:
+            if leading:
+                self._agentFlights.land(key, flight)
 
     # Management (decisions D6)
 
