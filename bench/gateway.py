@@ -354,6 +354,12 @@ def soak(stack: Stack, seconds: int) -> int:
     return 1 if failed else 0
 
 
+def _copyLogs(scratch: Path, destination: Path) -> None:
+    destination.mkdir(parents=True, exist_ok=True)
+    for log in scratch.glob("*.log"):
+        shutil.copy(log, destination / log.name)
+
+
 def _assignments(pairs: list[str]) -> dict[str, str]:
     environment = {}
     for pair in pairs:
@@ -373,6 +379,9 @@ def main() -> int:
     parser.add_argument("--rows", default="floor,chat,probe,rejected")
     parser.add_argument("--log-level", default="INFO", help="SVC_LOG_LEVEL of the daemons")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--keep-logs", type=Path, metavar="DIR", help="copy the daemons' logs here at the end"
+    )
     parser.add_argument("--soak", type=int, metavar="SECONDS", help="run the soak instead")
     parser.add_argument(
         "--auth-env", action="append", default=[], metavar="NAME=VALUE", help="for svc-auth"
@@ -387,7 +396,14 @@ def main() -> int:
     if arguments.soak:
         workerCounts = [1]
 
-    with tempfile.TemporaryDirectory(prefix="svc-bench-") as scratch:
+    with (
+        tempfile.TemporaryDirectory(prefix="svc-bench-") as scratch,
+        contextlib.ExitStack() as keeping,
+    ):
+        if arguments.keep_logs:
+            # Runs once the daemons have stopped (and written their last
+            # lines), before the scratch directory goes.
+            keeping.callback(_copyLogs, Path(scratch), arguments.keep_logs)
         with runningStack(
             Path(scratch),
             arguments.log_level,
