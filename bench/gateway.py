@@ -12,6 +12,8 @@ and prints requests/s, p50, p99, p99.9, unexpected statuses and the ratio
 to the floor measured in the same run:
 
     floor     bare Klein handler, POST -> 501
+    prototype bench/prototype.py: the floor plus two bare gRPC calls to a
+              trivial grpcio server and one Redis INCR, nothing else -> 501
     chat      full pipeline: valid token, active agent, rate limit on -> 501
     probe     GET /v1/internal/auth-probe -> 200
     rejected  a well-formed token with a wrong secret -> 401
@@ -63,6 +65,8 @@ from svcd.testing.daemons import Daemon, authEnvironment  # noqa: E402
 from svcd.testing.servers import PostgresServer, RedisServer, freePort  # noqa: E402
 
 LOAD_SCRIPT = Path(__file__).with_name("load.lua")
+# Rows served by one process of their own, whatever --workers says.
+_SINGLE = ("floor", "prototype")
 
 
 def wrkCommand(url: str, connections: int, duration: float) -> list[str]:
@@ -140,6 +144,7 @@ def runningStack(
     workerCounts: list[int],
     authExtra: dict[str, str] | None = None,
     proxyExtra: dict[str, str] | None = None,
+    withPrototype: bool = False,
 ) -> Iterator[Stack]:
     """
     PostgreSQL, Redis, svc-auth, one group of svc-proxy processes per
@@ -196,24 +201,33 @@ def runningStack(
                 proxy.waitForReady()
 
         floorPort = freePort()
-        floor = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("floor.py")), str(floorPort)]
-        )
-        stack.callback(floor.terminate)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with contextlib.closing(socket.create_connection(("127.0.0.1", floorPort), 1)):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "floor server did not start"
-                time.sleep(0.05)
+        floor = _startScript(stack, ["floor.py", str(floorPort)], floorPort)
+        prototype: dict[str, subprocess.Popen[bytes]] = {}
+        prototypePort = freePort()
+        if withPrototype:
+            prototypeAuthPort = freePort()
+            prototype["prototype-auth"] = _startScript(
+                stack, ["prototype.py", "auth", str(prototypeAuthPort)], prototypeAuthPort
+            )
+            prototype["prototype-proxy"] = _startScript(
+                stack,
+                [
+                    "prototype.py",
+                    "proxy",
+                    str(prototypePort),
+                    str(prototypeAuthPort),
+                    str(redis.port),
+                ],
+                prototypePort,
+            )
 
         yield Stack(
             auth=auth,
             proxies=groups,
             floorURL=f"http://127.0.0.1:{floorPort}",
             floor=floor,
+            prototype=prototype,
+            prototypeURL=f"http://127.0.0.1:{prototypePort}",
             token=token,
             wrongSecret=formatToken(parsed.tokenID, newSecret()),
             agentID=str(agent.agentID),
@@ -226,6 +240,8 @@ class Stack:
     proxies: dict[int, list[Daemon]]
     floorURL: str
     floor: subprocess.Popen[bytes]
+    prototype: dict[str, subprocess.Popen[bytes]]
+    prototypeURL: str
     token: str
     wrongSecret: str
     agentID: str
@@ -236,6 +252,8 @@ class Stack:
         """
         if row == "floor":
             return {"floor": self.floor.pid}
+        if row == "prototype":
+            return {name: process.pid for name, process in self.prototype.items()}
         pids = {"svc-auth": _pid(self.auth)}
         for index, proxy in enumerate(self.proxies[workers]):
             pids[f"proxy{index + 1}"] = _pid(proxy)
@@ -251,6 +269,8 @@ class Stack:
         """
         if row == "floor":
             return f"{self.floorURL}/v1/chat/completions", _wrkEnvironment("POST", "", ""), 501
+        if row == "prototype":
+            return f"{self.prototypeURL}/v1/chat/completions", _wrkEnvironment("POST", "", ""), 501
         base = self.proxyURL(workers)
         if row == "chat":
             environment = _wrkEnvironment("POST", self.token, self.agentID)
@@ -261,7 +281,28 @@ class Stack:
         if row == "rejected":
             environment = _wrkEnvironment("POST", self.wrongSecret, self.agentID)
             return f"{base}/v1/chat/completions", environment, 401
-        raise SystemExit(f"unknown row {row!r}: use floor, chat, probe or rejected")
+        raise SystemExit(f"unknown row {row!r}: use floor, prototype, chat, probe or rejected")
+
+
+def _startScript(
+    stack: contextlib.ExitStack, arguments: list[str], port: int
+) -> subprocess.Popen[bytes]:
+    """
+    Run one of bench/'s servers and wait until it accepts connections.
+    """
+    process = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name(arguments[0])), *arguments[1:]]
+    )
+    stack.callback(process.terminate)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with contextlib.closing(socket.create_connection(("127.0.0.1", port), 1)):
+                return process
+        except OSError:
+            assert process.poll() is None, f"{arguments[0]} exited"
+            assert time.monotonic() < deadline, f"{arguments[0]} did not start"
+            time.sleep(0.05)
 
 
 def _pid(daemon: Daemon) -> int:
@@ -376,7 +417,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds before each row")
     parser.add_argument("--connections", default="32,256", help="comma-separated, e.g. 32,256")
     parser.add_argument("--workers", default="1,2", help="svc-proxy processes, e.g. 1,2")
-    parser.add_argument("--rows", default="floor,chat,probe,rejected")
+    parser.add_argument("--rows", default="floor,prototype,chat,probe,rejected")
     parser.add_argument("--log-level", default="INFO", help="SVC_LOG_LEVEL of the daemons")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument(
@@ -410,13 +451,14 @@ def main() -> int:
             workerCounts,
             _assignments(arguments.auth_env),
             _assignments(arguments.proxy_env),
+            withPrototype="prototype" in rows,
         ) as stack:
             if arguments.soak:
                 return soak(stack, arguments.soak)
             results = []
             for connections in connectionCounts:
                 for row in rows:
-                    for workers in [1] if row == "floor" else workerCounts:
+                    for workers in [1] if row in _SINGLE else workerCounts:
                         url, environment, expected = stack.shape(row, workers)
                         if arguments.warmup:
                             runWrk(url, connections, arguments.warmup, environment)
@@ -443,9 +485,9 @@ def main() -> int:
         floorRPS = floors.get(each["connections"])
         ratio = f"{each['rps'] / floorRPS:8.1%}" if floorRPS else "      n/a"
         each["ratio_to_floor"] = None if not floorRPS else each["rps"] / floorRPS
-        workers = "-" if each["row"] == "floor" else str(each["workers"])
+        workersCell = "-" if each["row"] in _SINGLE else str(each["workers"])
         print(
-            f"{each['row']:<9} {workers:>7} {each['connections']:>5} {each['rps']:>9.0f}"
+            f"{each['row']:<9} {workersCell:>7} {each['connections']:>5} {each['rps']:>9.0f}"
             f" {each['p50_ms']:>8.2f} {each['p99_ms']:>8.2f} {each['p999_ms']:>9.2f}"
             f" {each['errors']:>7} {ratio:>9}  "
             + " ".join(f"{name} {us:.0f}" for name, us in each["cpu_us_per_request"].items())
