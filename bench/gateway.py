@@ -9,7 +9,8 @@ svc-auth`, `twistd -n svc-proxy` and a bare Klein handler (bench/floor.py)
 that answers the same 501 JSON with nothing in front of it, creates a
 tenant, then drives each row with wrk (Debian package wrk; bench/load.lua)
 and prints requests/s, p50, p99, p99.9, unexpected statuses and the ratio
-to the floor measured in the same run:
+to the floor measured in the same run (the exit status is 1 when a row of
+the gateway saw an unexpected status):
 
     floor     bare Klein handler, POST -> 501
     prototype bench/prototype.py: the floor plus two bare gRPC calls to a
@@ -499,7 +500,8 @@ def main() -> int:
         arguments.json.write_text(
             json.dumps({"rows": results, "validate_token_per_second": validateRate}, indent=2)
         )
-    return 1 if any(each["errors"] for each in results) else 0
+    # The prototype is a reference: its errors are shown, not judged.
+    return 1 if any(each["errors"] for each in results if each["row"] != "prototype") else 0
 
 
 if __name__ == "__main__":
