@@ -206,15 +206,9 @@ class Authority:
         if parsed is None:
             raise Unauthenticated("malformed token")
         digest = self._digester.digest(parsed.secret)
-        cached, fresh = self._cache.token(parsed.tokenID)
-        if cached is not None and fresh:
-            if not self._digester.same(cached.secretDigest, digest):
-                # Right token, wrong secret: the cached digest proves it
-                # without argon2.
-                raise Unauthenticated("invalid token")
-            return self._usable(cached.record)
-        if self._cache.isKnownWrongSecret(parsed.tokenID, digest):
-            raise Unauthenticated("invalid token")
+        caller, cached = self._answerFromCache(parsed, digest)
+        if caller is not None:
+            return caller
         flight, leading = self._tokenFlights.join(parsed.tokenID)
         if not leading:
             # Another call is reading and verifying this very token (a
@@ -223,13 +217,9 @@ class Authority:
             # without this wait each call of the burst would run argon2 and
             # queue for a cold slot, and the burst would miss its deadlines.
             flight.wait(self._coldWait)
-            cached, fresh = self._cache.token(parsed.tokenID)
-            if cached is not None and fresh:
-                if not self._digester.same(cached.secretDigest, digest):
-                    raise Unauthenticated("invalid token")
-                return self._usable(cached.record)
-            if self._cache.isKnownWrongSecret(parsed.tokenID, digest):
-                raise Unauthenticated("invalid token")
+            caller, cached = self._answerFromCache(parsed, digest)
+            if caller is not None:
+                return caller
             # Nothing cached that answers us (another secret, an unknown id,
             # a change meanwhile): do the work ourselves.
         try:
@@ -237,6 +227,26 @@ class Authority:
         finally:
             if leading:
                 self._tokenFlights.land(parsed.tokenID, flight)
+
+    def _answerFromCache(
+        self, parsed: ParsedToken, digest: bytes
+    ) -> tuple[Caller | None, CachedToken | None]:
+        """
+        What the cache settles without the database: the caller, or
+        Unauthenticated (raised) for a secret known to be wrong. Else no
+        caller, with the token's entry if a stale one is cached (its digest
+        may still spare argon2).
+        """
+        cached, fresh = self._cache.token(parsed.tokenID)
+        if cached is not None and fresh:
+            if not self._digester.same(cached.secretDigest, digest):
+                # Right token, wrong secret: the cached digest proves it
+                # without argon2.
+                raise Unauthenticated("invalid token")
+            return self._usable(cached.record), cached
+        if self._cache.isKnownWrongSecret(parsed.tokenID, digest):
+            raise Unauthenticated("invalid token")
+        return None, cached
 
     def _validateCold(
         self, parsed: ParsedToken, digest: bytes, cached: CachedToken | None
