@@ -1,0 +1,205 @@
+"""
+A/B comparison of the chat pipeline between revisions or settings, in one
+run, so that a change is judged against its baseline under the same
+machine conditions (absolute figures here drift by a third between runs).
+
+    python bench/compare.py [--rounds 3] [--duration 8] [--connections 32]
+                            [--warmup 2] SPEC SPEC...
+
+A SPEC is a git revision, or C{.} for the working tree, optionally followed
+by C{:NAME=VALUE,...} for both daemons' environment: C{HEAD~1 .} compares
+the last commit with the working tree, C{.:SVC_GRPC_WORKERS=4 .} a setting.
+Each SPEC gets its own svc-auth and svc-proxy (a revision's code from a
+temporary git worktree, first on their PYTHONPATH) on one shared
+PostgreSQL, Redis and tenant. The rounds alternate the floor and every
+SPEC; each line gives requests/s, p50, p99, the ratio to the floor of that
+round, and per process the CPU time and context switches per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import attrs
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from gateway import cpuSeconds, runningStack, runWrk, summarize  # noqa: E402
+
+from svcd.testing.daemons import Daemon, authEnvironment  # noqa: E402
+from svcd.testing.servers import freePort  # noqa: E402
+
+
+@attrs.frozen
+class Spec:
+    label: str
+    revision: str
+    environment: dict[str, str]
+
+    @classmethod
+    def parse(cls, text: str) -> Spec:
+        revision, _, assignments = text.partition(":")
+        environment = {}
+        for pair in filter(None, assignments.split(",")):
+            name, equals, value = pair.partition("=")
+            if not equals:
+                raise SystemExit(f"expected NAME=VALUE in {text!r}")
+            environment[name] = value
+        return cls(text, revision or ".", environment)
+
+
+def contextSwitches(pid: int) -> int:
+    """
+    Voluntary and involuntary context switches of all threads of C{pid}.
+    """
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            for line in (task / "status").read_text().splitlines():
+                if "ctxt_switches" in line:
+                    total += int(line.split()[1])
+    return total
+
+
+def checkout(stack: contextlib.ExitStack, revision: str, scratch: Path) -> str | None:
+    """
+    The directory whose code the daemons of C{revision} run: None for the
+    working tree, else a temporary worktree of that revision.
+    """
+    if revision == ".":
+        return None
+    tree = Path(tempfile.mkdtemp(dir=scratch, prefix="tree-"))
+    subprocess.run(
+        ["git", "-C", str(ROOT), "worktree", "add", "--detach", "--quiet", str(tree), revision],
+        check=True,
+    )
+    stack.callback(
+        subprocess.run,
+        ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],
+        check=False,
+    )
+    return str(tree)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("specs", nargs="+", metavar="SPEC")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--duration", type=float, default=8.0, help="seconds per measurement")
+    parser.add_argument("--connections", type=int, default=32)
+    parser.add_argument(
+        "--warmup", type=float, default=2.0, help="seconds of load on each SPEC before round 1"
+    )
+    arguments = parser.parse_args()
+    specs = [Spec.parse(each) for each in arguments.specs]
+    for spec in specs:
+        if (
+            spec.revision != "."
+            and subprocess.run(
+                [
+                    "git",
+                    "-C",
+                    str(ROOT),
+                    "rev-parse",
+                    "--quiet",
+                    "--verify",
+                    f"{spec.revision}^{{commit}}",
+                ],
+                capture_output=True,
+            ).returncode
+        ):
+            raise SystemExit(f"compare.py: not a revision of this repository: {spec.revision}")
+
+    with (
+        tempfile.TemporaryDirectory(prefix="svc-compare-") as scratchName,
+        contextlib.ExitStack() as stack,
+    ):
+        scratch = Path(scratchName)
+        shared = stack.enter_context(runningStack(scratch, "INFO", [1]))
+        base = shared.proxies[1][0]
+        dsn = shared.auth.environment["POSTGRES_DSN"]
+        served = []
+        for index, spec in enumerate(specs):
+            tree = checkout(stack, spec.revision, scratch)
+            extra = dict(spec.environment)
+            if tree is not None:
+                extra["PYTHONPATH"] = os.pathsep.join(
+                    filter(None, [tree, os.environ.get("PYTHONPATH")])
+                )
+            auth = Daemon(
+                "svc-auth",
+                authEnvironment(dsn, **extra),
+                scratch / f"auth-{index}.log",
+            ).start()
+            stack.callback(auth.terminate)
+            auth.waitForReady()
+            proxy = Daemon(
+                "svc-proxy",
+                {
+                    "SVC_HOST": "127.0.0.1",
+                    "SVC_PORT": str(freePort()),
+                    "SVC_AUTH_GRPC_ADDR": f"127.0.0.1:{auth.environment['SVC_GRPC_PORT']}",
+                    "REDIS_URL": base.environment["REDIS_URL"],
+                    "SVC_RATE_LIMIT_ORG_OVERRIDES": base.environment[
+                        "SVC_RATE_LIMIT_ORG_OVERRIDES"
+                    ],
+                    **extra,
+                },
+                scratch / f"proxy-{index}.log",
+            ).start()
+            stack.callback(proxy.terminate)
+            proxy.waitForReady()
+            served.append((spec, auth, proxy))
+
+        _, chatEnvironment, expected = shared.shape("chat", 1)
+        floorURL = f"{shared.floorURL}/v1/chat/completions"
+        _, floorEnvironment, _ = shared.shape("floor", 1)
+        if arguments.warmup:
+            # Fill each svc-auth's cache and thread pool before measuring.
+            for _, _, proxy in served:
+                url = proxy.url("/v1/chat/completions")
+                runWrk(url, arguments.connections, arguments.warmup, chatEnvironment)
+        for number in range(1, arguments.rounds + 1):
+            floor = summarize(
+                "floor",
+                arguments.connections,
+                501,
+                runWrk(floorURL, arguments.connections, arguments.duration, floorEnvironment),
+            )
+            print(f"round {number}: floor {floor['rps']:.0f} req/s", flush=True)
+            for spec, auth, proxy in served:
+                pids = {"svc-auth": auth.process.pid, "svc-proxy": proxy.process.pid}  # type: ignore[union-attr]
+                cpu = {name: cpuSeconds(pid) for name, pid in pids.items()}
+                switches = {name: contextSwitches(pid) for name, pid in pids.items()}
+                raw = runWrk(
+                    proxy.url("/v1/chat/completions"),
+                    arguments.connections,
+                    arguments.duration,
+                    chatEnvironment,
+                )
+                result = summarize("chat", arguments.connections, expected, raw)
+                requests = max(1, raw["requests"])
+                costs = " ".join(
+                    f"{name} {(cpuSeconds(pid) - cpu[name]) / requests * 1e6:.0f} µs"
+                    f" {(contextSwitches(pid) - switches[name]) / requests:.1f} cs"
+                    for name, pid in pids.items()
+                )
+                print(
+                    f"  {spec.label:<24} {result['rps']:7.0f} req/s"
+                    f" {result['rps'] / floor['rps']:6.1%} of floor"
+                    f"  p50 {result['p50_ms']:6.1f} p99 {result['p99_ms']:6.1f} ms"
+                    f"  errors {result['errors']}  {costs}",
+                    flush=True,
+                )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
