@@ -40,7 +40,7 @@ from svcd.auth.authority import (
 from svcd.auth.store import TokenRecord
 from svcd.common.errors import rfc3339
 from svcd.common.lifecycle import StartupError
-from svcd.common.metrics import BUCKETS
+from svcd.common.metrics import BUCKETS, Children
 from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
 
 SERVICE_NAME = "svc.auth.v1.AuthService"
@@ -90,32 +90,19 @@ class AuthMetrics:
             ["method", "code"],
             registry=registry,
         )
-        # labels() takes a lock and builds a key each time; the children
-        # are few (methods, codes, results), so keep them at hand. A race
-        # between two threads only makes labels() return the same child
-        # twice.
-        self._requestChildren: dict[tuple[str, str], Counter] = {}
-        self._durationChildren: dict[tuple[Histogram, str], Histogram] = {}
+        self._children = Children()
 
     def answered(self, method: str, code: str) -> None:
         """
         Count one answered call of C{method} with status C{code}.
         """
-        key = (method, code)
-        child = self._requestChildren.get(key)
-        if child is None:
-            child = self._requestChildren[key] = self.requests.labels(method=method, code=code)
-        child.inc()
+        self._children.of(self.requests, method, code).inc()
 
     def observe(self, duration: Histogram, result: str, seconds: float) -> None:
         """
         Record C{seconds} in the C{result} series of C{duration}.
         """
-        key = (duration, result)
-        child = self._durationChildren.get(key)
-        if child is None:
-            child = self._durationChildren[key] = duration.labels(result=result)
-        child.observe(seconds)
+        self._children.of(duration, result).observe(seconds)
 
 
 def _bearer(context: grpc.ServicerContext) -> str | None:

@@ -8,8 +8,11 @@ No metric is ever labelled with an org id, agent id or raw URL path.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics import MetricWrapperBase
 
 # Spec 4.2: histogram buckets run from 1 ms to 5 s.
 BUCKETS: tuple[float, ...] = (
@@ -44,3 +47,27 @@ def exposition(registry: CollectorRegistry) -> bytes:
     The Prometheus text format of everything in C{registry}.
     """
     return generate_latest(registry)
+
+
+class Children:
+    """
+    The labelled children of metrics, kept at hand.
+
+    C{metric.labels(...)} takes a lock and builds a key on every call; on
+    a hot path whose label values come from a small fixed set, look the
+    child up once and reuse it. Two threads racing on a new key only make
+    C{labels()} hand back the same child twice.
+    """
+
+    def __init__(self) -> None:
+        self._children: dict[tuple[object, ...], Any] = {}
+
+    def of(self, metric: MetricWrapperBase, *values: str) -> Any:
+        """
+        The child of C{metric} for these label values, in label order.
+        """
+        key = (metric, *values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child

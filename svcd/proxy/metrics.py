@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from svcd.common.metrics import BUCKETS, processUpGauge
+from svcd.common.metrics import BUCKETS, Children, processUpGauge
 
 # Methods outside this set share one label value, so that a client
 # inventing methods cannot inflate the number of series.
@@ -56,29 +56,19 @@ class ProxyMetrics:
             registry=self.registry,
         )
         self.processUp = processUpGauge(self.registry)
-        # labels() takes a lock and builds a key each time; the set of
-        # children is small and bounded, so keep them at hand.
-        self._requestChildren: dict[tuple[str, str, int], Counter] = {}
-        self._authChildren: dict[str, Histogram] = {}
+        # Route templates, known methods and status codes: a small, bounded
+        # set of children, looked up once each.
+        self._children = Children()
 
     def observeRequest(self, route: str, method: str, code: int, seconds: float) -> None:
         """
         Count one answered request and record its duration.
         """
-        key = (route, methodLabel(method), code)
-        child = self._requestChildren.get(key)
-        if child is None:
-            child = self.requests.labels(route=route, method=key[1], code=str(code))
-            self._requestChildren[key] = child
-        child.inc()
+        self._children.of(self.requests, route, methodLabel(method), str(code)).inc()
         self.requestDuration.observe(seconds)
 
     def observeAuthCall(self, result: str, seconds: float) -> None:
         """
         Record the duration of one call to svc-auth and how it ended.
         """
-        child = self._authChildren.get(result)
-        if child is None:
-            child = self.authValidateDuration.labels(result=result)
-            self._authChildren[result] = child
-        child.observe(seconds)
+        self._children.of(self.authValidateDuration, result).observe(seconds)
