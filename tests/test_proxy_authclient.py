@@ -738,3 +738,67 @@ async def test_aRequestsSecondCallGoesBeforeNewRequests(
         assert order == ["token", "agent", "token", "token"]
     finally:
         client.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_concurrentValidationsOfOneTokenShareTheNextCall(
+    service: tuple[ScriptedAuthService, int],
+) -> None:
+    """
+    Through a real grpcio server: five validations of one token that arrive
+    while a call for it is in flight cost one more call, not five, and get
+    that later call's answer, never the earlier one's. Here the token is
+    revoked between the two calls: the first request is let through, the
+    five that asked after it was sent are refused.
+    """
+    from twisted.internet import reactor
+
+    servicer, port = service
+    orgID = str(uuid.uuid4())
+    answers = iter(
+        [
+            sleepThen(0.1, auth_pb2.ValidateTokenResponse(org_id=orgID, permissions=1)),
+            abortWith(grpc.StatusCode.UNAUTHENTICATED, "revoked"),
+        ]
+    )
+    servicer.token = lambda request, context: next(answers)(request, context)
+    client, _ = makeClient(port, timeout=5.0)
+    token = newToken()
+    try:
+        first = client.validateToken(token)
+        await deferLater(reactor, 0.03, lambda: None)
+        later = [apiErrorOf(client.validateToken(token)) for _ in range(5)]
+        assert (await first).orgID == orgID
+        for refusal in later:
+            assert (await refusal).code.value == "INVALID_TOKEN"
+        assert [name for name, _, _ in servicer.calls] == ["ValidateToken", "ValidateToken"]
+    finally:
+        client.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_agentValidationsShareOnlyIdenticalQuestions(scripted: Scripted) -> None:
+    """
+    ValidateAgent calls are shared only between requests with the same
+    token, agent and organization.
+    """
+    servicer, client, _ = scripted
+    orgID, agentID = str(uuid.uuid4()), str(uuid.uuid4())
+    servicer.agent = lambda request, context: (
+        time.sleep(0.02),
+        auth_pb2.ValidateAgentResponse(
+            agent_id=request.agent_id, org_id=request.org_id, status="active"
+        ),
+    )[1]
+    token, other = newToken(), newToken()
+    asked = [
+        client.validateAgent(token, agentID, orgID),
+        client.validateAgent(token, agentID, orgID),
+        client.validateAgent(token, agentID, orgID),
+        client.validateAgent(other, agentID, orgID),
+        client.validateAgent(token, str(uuid.uuid4()), orgID),
+    ]
+    answered = await gatherResults(asked)
+    assert [agent.status for agent in answered] == ["active"] * 5
+    bearers = sorted(metadata["authorization"] for _, _, metadata in servicer.calls)
+    assert bearers == sorted([f"Bearer {token}"] * 3 + [f"Bearer {other}"])

@@ -32,6 +32,7 @@ from svcd.common.tracing import traceMetadata
 from svcd.pb.auth.v1 import auth_pb2
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.metrics import ProxyMetrics
+from svcd.proxy.sharedcalls import SharedCalls
 
 # The request header naming the calling agent.
 AGENT_HEADER = "X-SVC-Agent-ID"
@@ -278,6 +279,8 @@ class GrpcAuthClient:
         self._channelFactory = channelFactory
         self._clock = clock
         self._slots = CallSlots(maxInFlight)
+        self._tokenCalls: SharedCalls[str, TokenInfo] = SharedCalls()
+        self._agentCalls: SharedCalls[tuple[str, str, str], AgentInfo] = SharedCalls()
         self._queueTimeout = queueTimeout
         self._tracer = tracer
         self._reactor = reactor
@@ -432,7 +435,9 @@ class GrpcAuthClient:
                 span.end()
 
     def validateToken(self, accessToken: str) -> Deferred[TokenInfo]:
-        return Deferred.fromCoroutine(self._validateTokenCall(accessToken))
+        return self._tokenCalls.call(
+            accessToken, lambda: Deferred.fromCoroutine(self._validateTokenCall(accessToken))
+        )
 
     async def _validateTokenCall(self, accessToken: str) -> TokenInfo:
         request = auth_pb2.ValidateTokenRequest(access_token=accessToken)
@@ -464,7 +469,10 @@ class GrpcAuthClient:
         )
 
     def validateAgent(self, accessToken: str, agentID: str, orgID: str) -> Deferred[AgentInfo]:
-        return Deferred.fromCoroutine(self._validateAgentCall(accessToken, agentID, orgID))
+        return self._agentCalls.call(
+            (accessToken, agentID, orgID),
+            lambda: Deferred.fromCoroutine(self._validateAgentCall(accessToken, agentID, orgID)),
+        )
 
     async def _validateAgentCall(self, accessToken: str, agentID: str, orgID: str) -> AgentInfo:
         request = auth_pb2.ValidateAgentRequest(agent_id=agentID, org_id=orgID)
