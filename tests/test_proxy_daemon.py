@@ -155,12 +155,24 @@ def test_workersShareThePort(tmp_path: Path) -> None:
 def test_sigintStops(tmp_path: Path) -> None:
     """
     Ctrl-C (SIGINT) stops the daemon cleanly too.
+
+    Started as from a terminal: a process started by a shell's background
+    job inherits SIGINT ignored, and twistd rightly leaves it so; the test
+    run may be such a job, so the daemon gets SIGINT's default disposition
+    (exec turns a handled signal into a default one).
     """
-    daemon = Daemon("svc-proxy", proxyEnvironment(), tmp_path / "proxy.log").start()
-    daemon.waitForHealth()
-    daemon.signal(signal.SIGINT)
-    assert daemon.process is not None
-    assert daemon.process.wait(20) == 0
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        daemon = Daemon("svc-proxy", proxyEnvironment(), tmp_path / "proxy.log").start()
+    finally:
+        signal.signal(signal.SIGINT, inherited)
+    try:
+        daemon.waitForHealth()
+        daemon.signal(signal.SIGINT)
+        assert daemon.process is not None
+        assert daemon.process.wait(20) == 0
+    finally:
+        daemon.terminate()
 
 
 def test_daemonised(tmp_path: Path, redisURL: str) -> None:
