@@ -16,6 +16,9 @@ the gateway saw an unexpected status):
     prototype bench/prototype.py: the floor plus two bare gRPC calls to a
               trivial grpcio server and one Redis INCR, nothing else -> 501
     chat      full pipeline: valid token, active agent, rate limit on -> 501
+    spread    the chat row with each request carrying the next of 1,024
+              tokens, so that no two requests in flight share a token and
+              every request pays its own two calls to svc-auth -> 501
     probe     GET /v1/internal/auth-probe -> 200
     rejected  a well-formed token with a wrong secret -> 401
 
@@ -68,6 +71,8 @@ from svcd.testing.servers import PostgresServer, RedisServer, freePort  # noqa: 
 LOAD_SCRIPT = Path(__file__).with_name("load.lua")
 # Rows served by one process of their own, whatever --workers says.
 _SINGLE = ("floor", "prototype")
+# Tokens of the spread row: more than requests in flight at 256 connections.
+SPREAD = 1024
 
 
 def wrkCommand(url: str, connections: int, duration: float) -> list[str]:
@@ -162,7 +167,10 @@ def runningStack(
             orgID = store.createOrganization("bench")
             agent = store.createAgent(orgID, "bench-agent")
             token, _ = issueToken(store, orgID=orgID, permissions=1)
+            spread = [issueToken(store, orgID=orgID, permissions=1)[0] for _ in range(SPREAD)]
         parsed = parseToken(token)
+        spreadFile = workdir / "tokens.txt"
+        spreadFile.write_text("".join(each + "\n" for each in spread))
         assert parsed is not None
 
         redis = RedisServer.create(workdir / "redis")
@@ -176,6 +184,7 @@ def runningStack(
         ).start()
         stack.callback(auth.terminate)
         auth.waitForReady()
+        _validateAll(auth, spread)
 
         groups: dict[int, list[Daemon]] = {}
         for workers in workerCounts:
@@ -230,6 +239,7 @@ def runningStack(
             prototype=prototype,
             prototypeURL=f"http://127.0.0.1:{prototypePort}",
             token=token,
+            spreadFile=spreadFile,
             wrongSecret=formatToken(parsed.tokenID, newSecret()),
             agentID=str(agent.agentID),
         )
@@ -244,6 +254,7 @@ class Stack:
     prototype: dict[str, subprocess.Popen[bytes]]
     prototypeURL: str
     token: str
+    spreadFile: Path
     wrongSecret: str
     agentID: str
 
@@ -276,13 +287,19 @@ class Stack:
         if row == "chat":
             environment = _wrkEnvironment("POST", self.token, self.agentID)
             return f"{base}/v1/chat/completions", environment, 501
+        if row == "spread":
+            environment = _wrkEnvironment("POST", self.token, self.agentID)
+            environment["SVC_BENCH_TOKENS_FILE"] = str(self.spreadFile)
+            return f"{base}/v1/chat/completions", environment, 501
         if row == "probe":
             environment = _wrkEnvironment("GET", self.token, self.agentID)
             return f"{base}/v1/internal/auth-probe", environment, 200
         if row == "rejected":
             environment = _wrkEnvironment("POST", self.wrongSecret, self.agentID)
             return f"{base}/v1/chat/completions", environment, 401
-        raise SystemExit(f"unknown row {row!r}: use floor, prototype, chat, probe or rejected")
+        raise SystemExit(
+            f"unknown row {row!r}: use floor, prototype, chat, spread, probe or rejected"
+        )
 
 
 def _startScript(
@@ -313,6 +330,18 @@ def _pid(daemon: Daemon) -> int:
 
 def _wrkEnvironment(method: str, bearer: str, agentID: str) -> dict[str, str]:
     return {"SVC_BENCH_METHOD": method, "SVC_BENCH_TOKEN": bearer, "SVC_BENCH_AGENT": agentID}
+
+
+def _validateAll(auth: Daemon, tokens: list[str]) -> None:
+    """
+    Have svc-auth verify each token once, so that the spread row measures
+    its warm cache, as the chat row does, not 1,024 first argon2 checks.
+    """
+    port = auth.environment["SVC_GRPC_PORT"]
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = auth_pb2_grpc.AuthServiceStub(channel)
+        for token in tokens:
+            stub.ValidateToken(auth_pb2.ValidateTokenRequest(access_token=token), timeout=5)
 
 
 def validateTokenDirect(stack: Stack, duration: float, concurrency: int) -> float:
@@ -418,7 +447,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds before each row")
     parser.add_argument("--connections", default="32,256", help="comma-separated, e.g. 32,256")
     parser.add_argument("--workers", default="1,2", help="svc-proxy processes, e.g. 1,2")
-    parser.add_argument("--rows", default="floor,prototype,chat,probe,rejected")
+    parser.add_argument("--rows", default="floor,prototype,chat,spread,probe,rejected")
     parser.add_argument("--log-level", default="INFO", help="SVC_LOG_LEVEL of the daemons")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument(

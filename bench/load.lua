@@ -5,10 +5,15 @@
 --   SVC_BENCH_METHOD  GET or POST
 --   SVC_BENCH_TOKEN   bearer token ("" for none)
 --   SVC_BENCH_AGENT   X-SVC-Agent-ID ("" for none)
+--   SVC_BENCH_TOKENS_FILE  optional: one bearer token per line; each
+--                     request then carries the next one in turn (each
+--                     thread starting elsewhere in the list) instead of
+--                     SVC_BENCH_TOKEN
 
 local method = os.getenv("SVC_BENCH_METHOD") or "POST"
 local token = os.getenv("SVC_BENCH_TOKEN") or ""
 local agent = os.getenv("SVC_BENCH_AGENT") or ""
+local tokensFile = os.getenv("SVC_BENCH_TOKENS_FILE") or ""
 
 wrk.method = method
 if method == "POST" then
@@ -26,10 +31,27 @@ local threads = {}
 
 function setup(thread)
   table.insert(threads, thread)
+  thread:set("offset", #threads * 509)
 end
 
 function init(args)
   statuses = {}
+  if tokensFile ~= "" then
+    -- Formatted once here, so that each request costs wrk a table lookup.
+    requests = {}
+    for line in io.lines(tokensFile) do
+      wrk.headers["Authorization"] = "Bearer " .. line
+      table.insert(requests, wrk.format())
+    end
+    nextRequest = offset % #requests
+  end
+end
+
+if tokensFile ~= "" then
+  function request()
+    nextRequest = nextRequest % #requests + 1
+    return requests[nextRequest]
+  end
 end
 
 function response(status, headers, body)
