@@ -802,3 +802,37 @@ async def test_agentValidationsShareOnlyIdenticalQuestions(scripted: Scripted) -
     assert [agent.status for agent in answered] == ["active"] * 5
     bearers = sorted(metadata["authorization"] for _, _, metadata in servicer.calls)
     assert bearers == sorted([f"Bearer {token}"] * 3 + [f"Bearer {other}"])
+
+
+@pytest_twisted.ensureDeferred
+async def test_sharersOfACallThatFailedWithoutAnAnswerTryOnceMore(
+    service: tuple[ScriptedAuthService, int],
+) -> None:
+    """
+    A shared call that misses its deadline fails the request that sent it
+    (503 as always) but not the requests that merely shared it: those
+    share one more call. Here three requests arrive during a first call;
+    the second call, sent by the first of them, misses its deadline; the
+    other two get the third call's answer.
+    """
+    from twisted.internet import reactor
+
+    servicer, port = service
+    orgID = str(uuid.uuid4())
+    ok = auth_pb2.ValidateTokenResponse(org_id=orgID, permissions=1)
+    answers = iter([sleepThen(0.05, ok), sleepThen(0.3, ok), sleepThen(0, ok)])
+    servicer.token = lambda request, context: next(answers)(request, context)
+    client, metrics = makeClient(port, timeout=0.15)
+    token = newToken()
+    try:
+        first = client.validateToken(token)
+        await deferLater(reactor, 0.01, lambda: None)
+        sender = apiErrorOf(client.validateToken(token))
+        sharers = [client.validateToken(token) for _ in range(2)]
+        assert (await first).orgID == orgID
+        assert (await sender).code.value == "SERVICE_DEGRADED"
+        assert [info.orgID for info in await gatherResults(sharers)] == [orgID, orgID]
+        assert len(servicer.calls) == 3
+        assert resultCount(metrics, "deadline_exceeded") == 1
+    finally:
+        client.close()

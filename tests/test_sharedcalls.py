@@ -187,3 +187,23 @@ def test_oneCallPerBatch(sharers: int) -> None:
     calls.sent[1][2].callback("new")
     assert len(calls.sent) == 2
     assert all(answer == ["new"] for answer in answers)
+
+
+def test_joinCurrentSharesTheCallInFlight() -> None:
+    """
+    A caller asking again after a call it shared failed may share the call
+    in flight (sent after it first asked); without a call in flight it
+    sends as usual.
+    """
+    shared: SharedCalls[str, str] = SharedCalls()
+    calls = Calls()
+    ask(shared, calls, "t", "a")
+    again = outcome(shared.call("t", calls.sender("t"), joinCurrent=True))
+    assert len(calls.sent) == 1
+    calls.sent[0][2].callback("current")
+    assert again == ["current"]
+    alone = outcome(shared.call("t", calls.sender("t"), joinCurrent=True))
+    assert len(calls.sent) == 2
+    calls.sent[1][2].callback("own")
+    assert alone == ["own"]
+    assert shared.inFlight() == 0

@@ -75,7 +75,9 @@ class SharedCalls(Generic[K, V]):
     def __init__(self) -> None:
         self._keys: dict[K, _Key[V]] = {}
 
-    def call(self, key: K, send: Callable[[], Deferred[V]]) -> Deferred[V]:
+    def call(
+        self, key: K, send: Callable[[], Deferred[V]], joinCurrent: bool = False
+    ) -> Deferred[V]:
         """
         The outcome of C{send()}, or of an identical call another caller
         sends for C{key} after this one asked.
@@ -83,8 +85,14 @@ class SharedCalls(Generic[K, V]):
         @param send: starts the call; invoked at once when no call for
             C{key} is in flight, else later, in the caller's context, by
             whichever caller's turn it is.
+        @param joinCurrent: the caller asked before the call now in flight
+            for C{key} was sent (it is asking again after a call it shared
+            failed, and calls for a key follow one another), so it may
+            share that call instead of waiting for the next.
         """
         state = self._keys.get(key)
+        if joinCurrent and state is not None and state.current is not None:
+            return self._wait(state, state.current)
         if state is None:
             state = self._keys[key] = _Key()
             batch = _Batch(send, contextvars.copy_context())
