@@ -70,6 +70,14 @@ def sleepThen(seconds: float, response: Any) -> Behaviour:
     return behaviour
 
 
+def inTurn(*behaviours: Behaviour) -> Behaviour:
+    """
+    Each call answered by the next behaviour; a call beyond them fails.
+    """
+    answers = iter(behaviours)
+    return lambda request, context: next(answers)(request, context)
+
+
 def tokenOK(orgID: str, permissions: int = 1, agentID: str = "") -> Behaviour:
     return lambda request, context: auth_pb2.ValidateTokenResponse(
         org_id=orgID,
@@ -755,13 +763,10 @@ async def test_concurrentValidationsOfOneTokenShareTheNextCall(
 
     servicer, port = service
     orgID = str(uuid.uuid4())
-    answers = iter(
-        [
-            sleepThen(0.1, auth_pb2.ValidateTokenResponse(org_id=orgID, permissions=1)),
-            abortWith(grpc.StatusCode.UNAUTHENTICATED, "revoked"),
-        ]
+    servicer.token = inTurn(
+        sleepThen(0.1, auth_pb2.ValidateTokenResponse(org_id=orgID, permissions=1)),
+        abortWith(grpc.StatusCode.UNAUTHENTICATED, "revoked"),
     )
-    servicer.token = lambda request, context: next(answers)(request, context)
     client, _ = makeClient(port, timeout=5.0)
     token = newToken()
     try:
@@ -820,8 +825,7 @@ async def test_sharersOfACallThatFailedWithoutAnAnswerTryOnceMore(
     servicer, port = service
     orgID = str(uuid.uuid4())
     ok = auth_pb2.ValidateTokenResponse(org_id=orgID, permissions=1)
-    answers = iter([sleepThen(0.05, ok), sleepThen(0.3, ok), sleepThen(0, ok)])
-    servicer.token = lambda request, context: next(answers)(request, context)
+    servicer.token = inTurn(sleepThen(0.05, ok), sleepThen(0.3, ok), sleepThen(0, ok))
     client, metrics = makeClient(port, timeout=0.15)
     token = newToken()
     try:
