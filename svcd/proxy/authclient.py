@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Hashable
-from typing import Any, Protocol, TypeVar
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import attrs
 import grpc
@@ -231,37 +231,9 @@ class CallSlots:
 # failed (its deadline, svc-auth unreachable, no free slot in time).
 _NO_ANSWER = frozenset({ErrorCode.SERVICE_DEGRADED, ErrorCode.AUTH_UNAVAILABLE})
 
-K = TypeVar("K", bound=Hashable)
-V = TypeVar("V")
 
-
-async def _shared(calls: SharedCalls[K, V], key: K, send: Callable[[], Deferred[V]]) -> V:
-    """
-    The outcome of a call shared through C{calls}; a caller whose share was
-    another request's call that failed without an answer tries once more.
-
-    A missed deadline is a property of one call, and without sharing each
-    of its sharers would have made a call of its own: one slow moment would
-    otherwise fail every request of a batch (26 at once, seen in the soak
-    at 32 connections) where it failed one before. The caller that sent the
-    failed call gets its 503 as always; the others share one more call, so
-    a failure costs svc-auth at most one extra call per key.
-    """
-    sent = False
-
-    def sendOwn() -> Deferred[V]:
-        nonlocal sent
-        sent = True
-        return send()
-
-    try:
-        return await calls.call(key, sendOwn)
-    except ApiError as error:
-        if sent or error.code not in _NO_ANSWER:
-            raise
-    # Asked before any call now in flight for the key was sent: those who
-    # shared the failed call retry together.
-    return await calls.call(key, send, joinCurrent=True)
+def _failedWithoutAnswer(error: BaseException) -> bool:
+    return isinstance(error, ApiError) and error.code in _NO_ANSWER
 
 
 class QueueTimeout(Exception):
@@ -472,12 +444,10 @@ class GrpcAuthClient:
                 span.end()
 
     def validateToken(self, accessToken: str) -> Deferred[TokenInfo]:
-        return Deferred.fromCoroutine(
-            _shared(
-                self._tokenCalls,
-                accessToken,
-                lambda: Deferred.fromCoroutine(self._validateTokenCall(accessToken)),
-            )
+        return self._tokenCalls.ask(
+            accessToken,
+            lambda: Deferred.fromCoroutine(self._validateTokenCall(accessToken)),
+            _failedWithoutAnswer,
         )
 
     async def _validateTokenCall(self, accessToken: str) -> TokenInfo:
@@ -510,14 +480,10 @@ class GrpcAuthClient:
         )
 
     def validateAgent(self, accessToken: str, agentID: str, orgID: str) -> Deferred[AgentInfo]:
-        return Deferred.fromCoroutine(
-            _shared(
-                self._agentCalls,
-                (accessToken, agentID, orgID),
-                lambda: Deferred.fromCoroutine(
-                    self._validateAgentCall(accessToken, agentID, orgID)
-                ),
-            )
+        return self._agentCalls.ask(
+            (accessToken, agentID, orgID),
+            lambda: Deferred.fromCoroutine(self._validateAgentCall(accessToken, agentID, orgID)),
+            _failedWithoutAnswer,
         )
 
     async def _validateAgentCall(self, accessToken: str, agentID: str, orgID: str) -> AgentInfo:

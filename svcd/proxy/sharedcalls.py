@@ -103,6 +103,49 @@ class SharedCalls(Generic[K, V]):
             state.next = _Batch(send, contextvars.copy_context())
         return self._wait(state, state.next)
 
+    def ask(
+        self,
+        key: K,
+        send: Callable[[], Deferred[V]],
+        failedWithoutAnswer: Callable[[BaseException], bool],
+    ) -> Deferred[V]:
+        """
+        L{call}, except that a caller whose share was another caller's call
+        that failed without an answer (C{failedWithoutAnswer}: a deadline,
+        an unreachable server) tries once more.
+
+        A missed deadline is a property of one call, and without sharing
+        each of its sharers would have made a call of its own: one slow
+        moment would otherwise fail every caller of a batch (26 at once,
+        seen in a soak at 32 connections) where it failed one. The caller
+        that sent the failed call gets its failure as always; the others
+        share one more call, so a failure costs at most one extra call per
+        key.
+        """
+        return Deferred.fromCoroutine(self._ask(key, send, failedWithoutAnswer))
+
+    async def _ask(
+        self,
+        key: K,
+        send: Callable[[], Deferred[V]],
+        failedWithoutAnswer: Callable[[BaseException], bool],
+    ) -> V:
+        sent = False
+
+        def sendOwn() -> Deferred[V]:
+            nonlocal sent
+            sent = True
+            return send()
+
+        try:
+            return await self.call(key, sendOwn)
+        except Exception as error:
+            if sent or not failedWithoutAnswer(error):
+                raise
+        # Asked before any call now in flight for the key was sent: those
+        # who shared the failed call retry together.
+        return await self.call(key, send, joinCurrent=True)
+
     def inFlight(self) -> int:
         """
         How many keys have a call in flight.
