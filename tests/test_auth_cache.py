@@ -22,6 +22,7 @@ from svcd.auth.store import Store
 from svcd.common.pat import formatToken, newSecret
 from svcd.pb.auth.v1 import auth_pb2
 from svcd.testing.authservice import RunningAuthService
+from svcd.testing.waiting import waitUntil
 
 
 class CountingVerifier:
@@ -69,19 +70,6 @@ def codeOf(call: Callable[[], object]) -> grpc.StatusCode:
     except grpc.RpcError as error:
         return error.code()  # type: ignore[no-any-return]
     return grpc.StatusCode.OK
-
-
-def waitUntil(condition: Callable[[], bool], limit: float) -> float:
-    """
-    Poll C{condition} until it holds; return how long that took, or fail
-    after C{limit} seconds.
-    """
-    started = time.monotonic()
-    while not condition():
-        elapsed = time.monotonic() - started
-        assert elapsed < limit, f"condition not met within {limit}s"
-        time.sleep(0.01)
-    return time.monotonic() - started
 
 
 def test_repeatedValidationsRunArgon2Once(
