@@ -31,9 +31,15 @@ class CountingVerifier:
     and how many ran at once.
     """
 
-    def __init__(self, real: Callable[[str, str], bool], delay: float = 0.0) -> None:
+    def __init__(
+        self,
+        real: Callable[[str, str], bool],
+        delay: float = 0.0,
+        gate: threading.Event | None = None,
+    ) -> None:
         self._real = real
         self._delay = delay
+        self._gate = gate
         self._lock = threading.Lock()
         self.calls = 0
         self.running = 0
@@ -47,6 +53,10 @@ class CountingVerifier:
         try:
             if self._delay:
                 time.sleep(self._delay)
+            if self._gate is not None:
+                # Held until the test opens the gate (bounded, so a broken
+                # test cannot hang the run).
+                self._gate.wait(10)
             return self._real(storedHash, secret)
         finally:
             with self._lock:
@@ -136,30 +146,44 @@ def test_coldVerificationsAreBounded(
     then refused (ResourceExhausted), while a cached valid token keeps
     being answered at once.
     """
-    slow = CountingVerifier(svcd.auth.authority.verifySecret, delay=0.2)
-    monkeypatch.setattr(svcd.auth.authority, "verifySecret", slow)
+    gate = threading.Event()
+    held = CountingVerifier(svcd.auth.authority.verifySecret, gate=gate)
+    monkeypatch.setattr(svcd.auth.authority, "verifySecret", held)
     service = RunningAuthService(migratedDSN, coldSlots=2, coldWait=0.05, workers=24).start()
     try:
         tenant = makeTenant(owner, "valid")
+        gate.set()
         validate(service, tenant.token)
+        gate.clear()
         # Wrong secrets for a token this replica never validated: each
-        # needs argon2 to be refused.
+        # needs argon2 to be refused. The verifications admitted are held
+        # until the gate opens, so the order of events below is certain
+        # whatever the machine's load.
         victim = makeTenant(owner, "victim")
         wrongs = [formatToken(victim.tokenID, newSecret()) for _ in range(16)]
         with ThreadPoolExecutor(16) as pool:
-            codes = pool.map(lambda bearer: codeOf(lambda: validate(service, bearer)), wrongs)
-            started = time.monotonic()
+            calls = [
+                pool.submit(lambda bearer=bearer: codeOf(lambda: validate(service, bearer)))
+                for bearer in wrongs
+            ]
+            waitUntil(lambda: held.running == 2, limit=5.0)
+            # Both cold slots are taken: the cached token is answered
+            # without waiting for either.
             validate(service, tenant.token)
-            cachedLatency = time.monotonic() - started
-            results = list(codes)
-        assert slow.mostAtOnce <= 2
-        assert set(results) <= {
-            grpc.StatusCode.UNAUTHENTICATED,
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-        }
-        assert grpc.StatusCode.RESOURCE_EXHAUSTED in results
-        assert cachedLatency < 0.2
+            assert held.running == 2
+            # The excess waits at most coldWait, then is refused while the
+            # slots are still taken.
+            waitUntil(lambda: sum(call.done() for call in calls) == 14, limit=5.0)
+            assert {call.result() for call in calls if call.done()} == {
+                grpc.StatusCode.RESOURCE_EXHAUSTED
+            }
+            gate.set()
+            results = [call.result() for call in calls]
+        assert held.mostAtOnce <= 2
+        assert results.count(grpc.StatusCode.UNAUTHENTICATED) == 2
+        assert results.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 14
     finally:
+        gate.set()
         service.stop()
 
 
