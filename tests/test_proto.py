@@ -29,7 +29,8 @@ def test_generatedModulesAreUpToDate() -> None:
 def test_serviceIsDeclaredInPackageSvcAuthV1() -> None:
     """
     Clients address the service as svc.auth.v1.AuthService with the five
-    methods of the spec.
+    methods of the spec, plus the change feed of decisions D8, a
+    server-streaming method.
     """
     from svcd.pb.auth.v1 import auth_pb2
 
@@ -41,6 +42,9 @@ def test_serviceIsDeclaredInPackageSvcAuthV1() -> None:
         "CreateToken",
         "RevokeToken",
         "ListTokens",
+        "WatchChanges",
     }
+    streaming = {method.name for method in service.methods if method.server_streaming}
+    assert streaming == {"WatchChanges"}
     request = auth_pb2.ValidateTokenRequest.DESCRIPTOR
     assert [field.name for field in request.fields] == ["access_token"]

@@ -24,6 +24,7 @@ class AuthConfig:
     grpcHost: str = "127.0.0.1"
     grpcPort: int = 9091
     grpcWorkers: int = 16
+    feedStreams: int = 64
     databasePoolMinimum: int = 2
     databasePoolMaximum: int = 10
     statementTimeout: float = 2.0
@@ -66,6 +67,7 @@ class AuthConfig:
             grpcHost=grpcHost,
             grpcPort=config.port(environ, "SVC_GRPC_PORT", 9091),
             grpcWorkers=config.positiveInteger(environ, "SVC_GRPC_WORKERS", 16),
+            feedStreams=config.positiveInteger(environ, "SVC_GRPC_MAX_FEED_STREAMS", 64),
             databasePoolMinimum=minimum,
             databasePoolMaximum=maximum,
             statementTimeout=config.duration(environ, "SVC_DB_STATEMENT_TIMEOUT", 2.0),

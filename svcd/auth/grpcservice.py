@@ -12,7 +12,7 @@ on the reactor thread.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from typing import Any, TypeVar
 
@@ -37,7 +37,15 @@ from svcd.auth.authority import (
     Unavailable,
     bearerFromMetadata,
 )
-from svcd.auth.store import TokenRecord
+from svcd.auth.feed import (
+    ChangeHub,
+    FeedEnded,
+    FeedUnavailable,
+    Snapshots,
+    TooManyStreams,
+    snapshotMessages,
+)
+from svcd.auth.store import StoreUnavailable, TokenRecord
 from svcd.common.errors import rfc3339
 from svcd.common.lifecycle import StartupError
 from svcd.common.metrics import BUCKETS, Children
@@ -134,9 +142,17 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
 
     log = Logger()
 
-    def __init__(self, authority: Authority, metrics: AuthMetrics) -> None:
+    def __init__(
+        self,
+        authority: Authority,
+        metrics: AuthMetrics,
+        hub: ChangeHub | None = None,
+        snapshots: Snapshots | None = None,
+    ) -> None:
         self._authority = authority
         self._metrics = metrics
+        self._hub = hub
+        self._snapshots = snapshots
 
     def _answer(
         self,
@@ -225,6 +241,55 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
             return auth_pb2.ListTokensResponse(tokens=[_tokenInfo(each) for each in records])
 
         return self._answer("ListTokens", context, listing)
+
+    def WatchChanges(
+        self, request: auth_pb2.WatchChangesRequest, context: grpc.ServicerContext
+    ) -> Iterator[auth_pb2.Change]:
+        """
+        The change feed of decisions D8 (see L{svcd.auth.feed}): a snapshot
+        of the token ids that may be accepted, then every change and a
+        heartbeat about every 100 ms, until the client goes away or the
+        listener loses PostgreSQL (UNAVAILABLE: start over).
+        """
+        hub, snapshots = self._hub, self._snapshots
+        if hub is None or snapshots is None:
+            self._metrics.answered("WatchChanges", "UNIMPLEMENTED")
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server has no change feed")
+            return
+        try:
+            stream = hub.open()
+        except FeedUnavailable as refusal:
+            self._metrics.answered("WatchChanges", "UNAVAILABLE")
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(refusal))
+            return
+        except TooManyStreams as refusal:
+            self._metrics.answered("WatchChanges", "RESOURCE_EXHAUSTED")
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(refusal))
+            return
+        code = grpc.StatusCode.CANCELLED
+        self.log.info("Change feed stream opened for {peer}", peer=context.peer())
+        try:
+            try:
+                ids = snapshots.since(stream.openedAt)
+            except StoreUnavailable as error:
+                self.log.warn("Change feed snapshot failed: {problem}", problem=str(error))
+                code = grpc.StatusCode.UNAVAILABLE
+                context.abort(code, "database unavailable")
+                return
+            yield from snapshotMessages(ids)
+            while context.is_active():
+                change = stream.next(timeout=0.5)
+                if change is None:
+                    continue
+                if isinstance(change, FeedEnded):
+                    code = grpc.StatusCode.UNAVAILABLE
+                    context.abort(code, change.reason)
+                    return
+                yield change
+        finally:
+            hub.close(stream)
+            self._metrics.answered("WatchChanges", code.name)
+            self.log.info("Change feed stream closed for {peer}", peer=context.peer())
 
 
 def _requireBearer(context: grpc.ServicerContext) -> str:

@@ -240,6 +240,23 @@ class Store:
 
         return self._run("token_lookup", query, lookupTokenID=tokenID)
 
+    def knownTokenIDs(self) -> bytes:
+        """
+        The ids of every token that may be accepted (neither revoked nor
+        expired), 16 bytes each, concatenated: the snapshot that begins a
+        change feed stream (sql/0004_change_feed.sql). One bytea made by
+        PostgreSQL, so a million ids cost no Python object each.
+        """
+
+        def query(cursor: Cursor) -> bytes:
+            cursor.execute(
+                "SELECT coalesce(string_agg(uuid_send(known), ''::bytea), ''::bytea) AS ids"
+                " FROM svc_known_token_ids() AS known"
+            )
+            return bytes(_one(cursor.fetchone())["ids"])
+
+        return self._run("known_token_ids", query)
+
     def agentInOrganization(self, orgID: uuid.UUID, agentID: uuid.UUID) -> AgentRecord | None:
         """
         An agent as seen from one organization: None when it does not exist

@@ -28,6 +28,7 @@ from twisted.python.threadpool import ThreadPool
 from svcd.auth.authority import Authority
 from svcd.auth.cache import ValidationCache
 from svcd.auth.config import AuthConfig
+from svcd.auth.feed import ChangeHub, Snapshots
 from svcd.auth.grpcservice import AuthMetrics, AuthServicer, GrpcServerService
 from svcd.auth.listener import ChangeListener
 from svcd.auth.store import Store, connectionPool
@@ -166,7 +167,8 @@ def buildService(
     store = Store(pool.connection, queryDuration)
     cache = ValidationCache(time.monotonic)
     authority = Authority(store, cache, time.time, coldSlots=settings.verifyConcurrency)
-    listener = ChangeListener(settings.postgresDSN, cache)
+    hub = ChangeHub(time.monotonic, maxStreams=settings.feedStreams)
+    listener = ChangeListener(settings.postgresDSN, cache, hub)
     threads = ThreadPool(minthreads=1, maxthreads=4, name="svc-auth-db")
 
     database = DatabaseService(reactor, pool, listener, threads)
@@ -174,10 +176,17 @@ def buildService(
 
     grpcService = GrpcServerService(
         reactor,
-        AuthServicer(authority, AuthMetrics(registry)),
+        AuthServicer(
+            authority,
+            AuthMetrics(registry),
+            hub,
+            Snapshots(store.knownTokenIDs, time.monotonic),
+        ),
         settings.grpcHost,
         settings.grpcPort,
-        workers=settings.grpcWorkers,
+        # Each change feed stream holds a thread for as long as its proxy
+        # is connected; those threads come on top of the ones serving calls.
+        workers=settings.grpcWorkers + settings.feedStreams,
         gracePeriod=settings.shutdownTimeout,
         tls=settings.tls,
         interceptors=[interceptor],

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from svcd.auth.authority import Authority
 from svcd.auth.cache import ValidationCache
+from svcd.auth.feed import ChangeHub, Snapshots
 from svcd.auth.grpcservice import SERVICE_NAME, AuthMetrics, AuthServicer, buildServer
 from svcd.auth.listener import ChangeListener
 from svcd.auth.store import Store, connectionPool
@@ -49,6 +50,7 @@ class RunningAuthService:
         coldWait: float = 0.25,
         listen: bool = True,
         workers: int = 8,
+        feedStreams: int = 4,
     ) -> None:
         self.registry = CollectorRegistry()
         self.pool = connectionPool(
@@ -59,13 +61,21 @@ class RunningAuthService:
         self.authority = Authority(
             self.store, self.cache, wallClock, coldSlots=coldSlots, coldWait=coldWait
         )
-        self.listener = ChangeListener(dsn, self.cache, reconnectDelay=0.2, pollInterval=0.05)
+        self.hub = ChangeHub(time.monotonic, maxStreams=feedStreams)
+        self.listener = ChangeListener(
+            dsn, self.cache, self.hub, reconnectDelay=0.2, beatInterval=0.05
+        )
         self._listen = listen
         self.server, self.health, self.port = buildServer(
-            AuthServicer(self.authority, AuthMetrics(self.registry)),
+            AuthServicer(
+                self.authority,
+                AuthMetrics(self.registry),
+                self.hub,
+                Snapshots(self.store.knownTokenIDs, time.monotonic),
+            ),
             "127.0.0.1",
             0,
-            workers,
+            workers + feedStreams,
         )
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = auth_pb2_grpc.AuthServiceStub(self.channel)

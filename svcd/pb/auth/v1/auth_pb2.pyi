@@ -111,3 +111,31 @@ class TokenInfo(_message.Message):
     revoked: bool
     created_at: str
     def __init__(self, token_id: _Optional[str] = ..., org_id: _Optional[str] = ..., name: _Optional[str] = ..., agent_id: _Optional[str] = ..., user_id: _Optional[str] = ..., permissions: _Optional[int] = ..., expires_at: _Optional[str] = ..., revoked: _Optional[bool] = ..., created_at: _Optional[str] = ...) -> None: ...
+
+class WatchChangesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Change(_message.Message):
+    __slots__ = ("known_token_ids", "snapshot_complete", "token_changed", "agent_changed", "heartbeat")
+    KNOWN_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_CHANGED_FIELD_NUMBER: _ClassVar[int]
+    AGENT_CHANGED_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    known_token_ids: bytes
+    snapshot_complete: SnapshotComplete
+    token_changed: bytes
+    agent_changed: bytes
+    heartbeat: Heartbeat
+    def __init__(self, known_token_ids: _Optional[bytes] = ..., snapshot_complete: _Optional[_Union[SnapshotComplete, _Mapping]] = ..., token_changed: _Optional[bytes] = ..., agent_changed: _Optional[bytes] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
+
+class SnapshotComplete(_message.Message):
+    __slots__ = ("token_count",)
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    token_count: int
+    def __init__(self, token_count: _Optional[int] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

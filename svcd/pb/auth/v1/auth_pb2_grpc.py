@@ -64,6 +64,11 @@ class AuthServiceStub:
                 request_serializer=svcd_dot_pb_dot_auth_dot_v1_dot_auth__pb2.ListTokensRequest.SerializeToString,
                 response_deserializer=svcd_dot_pb_dot_auth_dot_v1_dot_auth__pb2.ListTokensResponse.FromString,
                 _registered_method=True)
+        self.WatchChanges = channel.unary_stream(
+                '/svc.auth.v1.AuthService/WatchChanges',
+                request_serializer=svcd_dot_pb_dot_auth_dot_v1_dot_auth__pb2.WatchChangesRequest.SerializeToString,
+                response_deserializer=svcd_dot_pb_dot_auth_dot_v1_dot_auth__pb2.Change.FromString,
+                _registered_method=True)
 
 
 class AuthServiceServicer:
@@ -115,6 +120,23 @@ class AuthServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchChanges(self, request, context):
+        """The change feed that lets svc-proxy answer validations from memory
+        (decisions D8). A stream begins with every token id this service may
+        accept (known_token_ids, in one or more messages, then
+        snapshot_complete) and goes on with every token and agent change,
+        those made with svcctl straight in PostgreSQL included, and a
+        heartbeat about every 100 ms. A heartbeat vouches that every change
+        committed before it was sent came before it on the stream; when this
+        service stops hearing PostgreSQL's notifications it sends no more
+        heartbeats and ends the stream (UNAVAILABLE), and a new stream starts
+        with a new snapshot. Needs no caller metadata, like ValidateToken: it
+        carries identifiers, never a secret.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AuthServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -142,6 +164,11 @@ def add_AuthServiceServicer_to_server(servicer, server):
                     servicer.ListTokens,
                     request_deserializer=svcd_dot_pb_dot_auth_dot_v1_dot_auth__pb2.ListTokensRequest.FromString,
                     response_serializer=svcd_dot_pb_dot_auth_dot_v1_dot_auth__pb2.ListTokensResponse.SerializeToString,
+            ),
+            'WatchChanges': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchChanges,
+                    request_deserializer=svcd_dot_pb_dot_auth_dot_v1_dot_auth__pb2.WatchChangesRequest.FromString,
+                    response_serializer=svcd_dot_pb_dot_auth_dot_v1_dot_auth__pb2.Change.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -284,6 +311,33 @@ class AuthService:
             '/svc.auth.v1.AuthService/ListTokens',
             svcd_dot_pb_dot_auth_dot_v1_dot_auth__pb2.ListTokensRequest.SerializeToString,
             svcd_dot_pb_dot_auth_dot_v1_dot_auth__pb2.ListTokensResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchChanges(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/svc.auth.v1.AuthService/WatchChanges',
+            svcd_dot_pb_dot_auth_dot_v1_dot_auth__pb2.WatchChangesRequest.SerializeToString,
+            svcd_dot_pb_dot_auth_dot_v1_dot_auth__pb2.Change.FromString,
             options,
             channel_credentials,
             insecure,

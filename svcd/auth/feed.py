@@ -1,0 +1,268 @@
+"""
+The change feed of svc-auth (decisions D8): every token and agent change,
+and heartbeats, streamed to each svc-proxy that validates from memory.
+
+Where the news comes from: the change listener (L{svcd.auth.listener})
+hears PostgreSQL's notifications of every token and agent change, those
+made with svcctl straight in the database included, and tells the
+L{ChangeHub}, which hands each change to every open stream. The listener
+also sends itself a I{beat} through PostgreSQL's notification queue about
+ten times a second; PostgreSQL delivers notifications in commit order, so
+when a beat comes back, every change committed before it was sent has
+already been heard and handed on. Only then does the hub send a
+heartbeat. A heartbeat is therefore a promise, not a sign of life: "you
+have every change committed until a moment ago". A proxy that stops
+getting them stops trusting its cache after 500 ms.
+
+When the listener loses its connection, changes may be missed until it is
+back: the hub ends every stream (UNAVAILABLE) and refuses new ones until
+the listener listens again. A new stream starts with a snapshot of the
+token ids that may be accepted, read after the stream was registered, so
+that every token committed before the read is in the snapshot and every
+later one arrives as a change.
+
+Threads: the listener's thread calls the C{listener*}, C{*Changed} and
+C{heartbeat} methods; each stream runs in a grpcio server thread, blocked
+on its own bounded queue. Nothing here touches the reactor.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+
+from twisted.logger import Logger
+
+from svcd.pb.auth.v1 import auth_pb2
+
+# A stream's queue holds at most this many messages: a proxy that cannot
+# keep up (hundreds of changes a second piling up) is cut off and starts
+# over with a snapshot, rather than making svc-auth hold an unbounded
+# backlog for it.
+DEFAULT_QUEUE_SIZE = 10_000
+
+# Token ids per message of the snapshot: 16 bytes each, so 256 KiB, well
+# under gRPC's 4 MiB message limit.
+SNAPSHOT_CHUNK_IDS = 16_384
+
+_HEARTBEAT = auth_pb2.Change(heartbeat=auth_pb2.Heartbeat())
+
+
+class FeedUnavailable(Exception):
+    """
+    The listener is not hearing PostgreSQL, so changes could be missed: no
+    stream is served until it is back.
+    """
+
+
+class TooManyStreams(Exception):
+    """
+    The configured number of feed streams are open already.
+    """
+
+
+class FeedEnded:
+    """
+    The marker a stream's queue ends with, and why.
+    """
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+class FeedStream:
+    """
+    One open stream: the changes waiting to be sent to its proxy.
+
+    @ivar openedAt: the monotonic time it was registered with the hub;
+        a snapshot read that began at or after it is complete for it.
+    """
+
+    def __init__(self, openedAt: float, size: int) -> None:
+        self.openedAt = openedAt
+        self._queue: queue.Queue[auth_pb2.Change | FeedEnded] = queue.Queue(maxsize=size)
+        self._ended = False
+
+    def offer(self, change: auth_pb2.Change) -> bool:
+        """
+        Queue C{change} without blocking; False when the queue is full (the
+        stream is then ended by the hub).
+        """
+        try:
+            self._queue.put_nowait(change)
+        except queue.Full:
+            return False
+        return True
+
+    def end(self, reason: str) -> None:
+        """
+        End the stream after what is queued; the marker always fits, since
+        an ended stream takes nothing more.
+        """
+        if self._ended:
+            return
+        self._ended = True
+        while True:
+            try:
+                self._queue.put_nowait(FeedEnded(reason))
+                return
+            except queue.Full:
+                # Make room: what is dropped would never be sent anyway.
+                try:
+                    self._queue.get_nowait()
+                except queue.Empty:
+                    pass
+
+    def next(self, timeout: float) -> auth_pb2.Change | FeedEnded | None:
+        """
+        The next message, the end marker, or None when nothing came within
+        C{timeout} seconds.
+        """
+        try:
+            return self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+
+class ChangeHub:
+    """
+    Hands the listener's news to every open L{FeedStream}.
+
+    @param monotonic: a monotonic clock in seconds.
+    @param maxStreams: how many streams may be open at once.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        monotonic: Callable[[], float],
+        maxStreams: int = 64,
+        queueSize: int = DEFAULT_QUEUE_SIZE,
+    ) -> None:
+        self._monotonic = monotonic
+        self._maxStreams = maxStreams
+        self._queueSize = queueSize
+        self._lock = threading.Lock()
+        self._streams: set[FeedStream] = set()
+        self._listening = False
+
+    # The listener's side.
+
+    def listenerUp(self) -> None:
+        """
+        The listener listens (again): streams may open.
+        """
+        with self._lock:
+            self._listening = True
+
+    def listenerDown(self) -> None:
+        """
+        The listener lost PostgreSQL: end every stream, refuse new ones.
+        """
+        with self._lock:
+            self._listening = False
+            streams, self._streams = self._streams, set()
+        for stream in streams:
+            stream.end("svc-auth lost its connection to PostgreSQL's notifications")
+
+    def tokenChanged(self, tokenID: uuid.UUID) -> None:
+        self._broadcast(auth_pb2.Change(token_changed=tokenID.bytes))
+
+    def agentChanged(self, agentID: uuid.UUID) -> None:
+        self._broadcast(auth_pb2.Change(agent_changed=agentID.bytes))
+
+    def heartbeat(self) -> None:
+        """
+        Every change committed before the beat just heard was handed on.
+        """
+        self._broadcast(_HEARTBEAT)
+
+    def _broadcast(self, change: auth_pb2.Change) -> None:
+        with self._lock:
+            streams = tuple(self._streams)
+        behind = [stream for stream in streams if not stream.offer(change)]
+        if behind:
+            with self._lock:
+                self._streams.difference_update(behind)
+            for stream in behind:
+                stream.end("the proxy fell too far behind the change feed")
+            self.log.warn(
+                "Ended {count} change feed stream(s) whose proxy fell behind", count=len(behind)
+            )
+
+    # The streams' side.
+
+    def open(self) -> FeedStream:
+        """
+        Register a new stream.
+
+        @raise FeedUnavailable: the listener is not listening.
+        @raise TooManyStreams: C{maxStreams} are open.
+        """
+        with self._lock:
+            if not self._listening:
+                raise FeedUnavailable("svc-auth is not hearing PostgreSQL's notifications")
+            if len(self._streams) >= self._maxStreams:
+                raise TooManyStreams(f"at most {self._maxStreams} change feed streams at once")
+            stream = FeedStream(self._monotonic(), self._queueSize)
+            self._streams.add(stream)
+            return stream
+
+    def close(self, stream: FeedStream) -> None:
+        """
+        Forget C{stream} (its proxy went away or its call ended).
+        """
+        with self._lock:
+            self._streams.discard(stream)
+
+    def openStreams(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+
+class Snapshots:
+    """
+    Reads of the token ids that may be accepted, shared by the streams that
+    open at about the same time.
+
+    A stream needs a snapshot read that began after it registered with the
+    hub (see the module docstring). When many proxies reconnect at once
+    (svc-auth just restarted), the reads are serialized and every stream
+    that registered before the latest read began takes that one, so a
+    burst costs one or two reads, not one per proxy.
+
+    @param read: the blocking read, C{Store.knownTokenIDs}.
+    """
+
+    def __init__(self, read: Callable[[], bytes], monotonic: Callable[[], float]) -> None:
+        self._read = read
+        self._monotonic = monotonic
+        self._lock = threading.Lock()
+        self._latest: tuple[float, bytes] | None = None
+
+    def since(self, moment: float) -> bytes:
+        """
+        The concatenated 16-byte token ids of a read that began at or after
+        C{moment}.
+        """
+        with self._lock:
+            latest = self._latest
+            if latest is not None and latest[0] >= moment:
+                return latest[1]
+            began = self._monotonic()
+            ids = self._read()
+            self._latest = (began, ids)
+            return ids
+
+
+def snapshotMessages(ids: bytes) -> Iterator[auth_pb2.Change]:
+    """
+    The start of a stream: C{ids} in chunks, then the snapshot's end.
+    """
+    chunk = 16 * SNAPSHOT_CHUNK_IDS
+    for offset in range(0, len(ids), chunk):
+        yield auth_pb2.Change(known_token_ids=ids[offset : offset + chunk])
+    yield auth_pb2.Change(snapshot_complete=auth_pb2.SnapshotComplete(token_count=len(ids) // 16))
