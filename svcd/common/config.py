@@ -74,6 +74,18 @@ def positiveInteger(environ: Mapping[str, str], name: str, default: int) -> int:
     return int(raw)
 
 
+def nonNegativeInteger(environ: Mapping[str, str], name: str, default: int) -> int:
+    """
+    An integer of at least 0 (0 typically turns something off).
+    """
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return default
+    if not _isDecimal(raw):
+        raise ConfigError(name, f"must be a whole number of 0 or more, got {raw!r}")
+    return int(raw)
+
+
 def duration(environ: Mapping[str, str], name: str, default: float) -> float:
     """
     A duration in seconds, written C{50ms}, C{1.5s}, C{2m} or a bare

@@ -30,6 +30,7 @@ from svcd.common.pat import READINESS_SENTINEL
 from svcd.common.readiness import CheckFailed
 from svcd.common.tracing import traceMetadata
 from svcd.pb.auth.v1 import auth_pb2
+from svcd.proxy.authfeed import FeedCall, openChangeFeed
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.sharedcalls import SharedCalls
@@ -331,6 +332,16 @@ class GrpcAuthClient:
         if self._channel is None:
             self._connect()
         return self._validateAgentMethod
+
+    def openChangeFeed(self) -> FeedCall:
+        """
+        Start svc-auth's change feed on the shared channel (called from
+        the feed's own thread, after L{start}).
+        """
+        channel = self._channel
+        if channel is None or self._closed:
+            raise RuntimeError("the client of svc-auth is not started")
+        return openChangeFeed(channel)
 
     def start(self) -> None:
         """

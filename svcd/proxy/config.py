@@ -62,6 +62,10 @@ class ProxyConfig:
     validateTimeout: float = 0.05
     authMaxInFlight: int = 16
     authQueueTimeout: float = 1.0
+    # Decisions D8: the validation cache; a size of 0 turns it off.
+    authCacheSize: int = 100_000
+    authCacheTTL: float = 60.0
+    authWrongSecretsPerSecond: int = 5
     maxRequestBodyBytes: int = 1024 * 1024
     errorDocsBase: str | None = None
     requestIDHeader: str = "X-Request-ID"
@@ -90,6 +94,15 @@ class ProxyConfig:
             validateTimeout=config.duration(environ, "SVC_AUTH_VALIDATE_TIMEOUT", 0.05),
             authMaxInFlight=config.positiveInteger(environ, "SVC_AUTH_MAX_IN_FLIGHT", 16),
             authQueueTimeout=config.duration(environ, "SVC_AUTH_QUEUE_TIMEOUT", 1.0),
+            authCacheSize=config.nonNegativeInteger(
+                _asciiDigits(environ, "SVC_AUTH_CACHE_SIZE"), "SVC_AUTH_CACHE_SIZE", 100_000
+            ),
+            authCacheTTL=config.duration(environ, "SVC_AUTH_CACHE_TTL", 60.0),
+            authWrongSecretsPerSecond=config.positiveInteger(
+                _asciiDigits(environ, "SVC_AUTH_WRONG_SECRETS_PER_SECOND"),
+                "SVC_AUTH_WRONG_SECRETS_PER_SECOND",
+                5,
+            ),
             maxRequestBodyBytes=config.positiveInteger(
                 _asciiDigits(environ, "SVC_MAX_REQUEST_BODY_BYTES"),
                 "SVC_MAX_REQUEST_BODY_BYTES",

@@ -7,7 +7,9 @@ codes only: never an org id, an agent id or a raw path.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from svcd.common.metrics import BUCKETS, Children, processUpGauge
 
@@ -55,6 +57,32 @@ class ProxyMetrics:
             buckets=BUCKETS,
             registry=self.registry,
         )
+        self.authCacheHits = Counter(
+            "svc_proxy_auth_cache_hits",
+            "Validations answered from the proxy's memory, by call (token or agent)",
+            ["call"],
+            registry=self.registry,
+        )
+        self.authCacheMisses = Counter(
+            "svc_proxy_auth_cache_misses",
+            "Validations the cache could not answer (sent to svc-auth, or refused"
+            " without a call), by call (token or agent)",
+            ["call"],
+            registry=self.registry,
+        )
+        self.authLocalRefusals = Counter(
+            "svc_proxy_auth_local_refusals",
+            "Bearers refused 401 by the proxy itself, by reason: unknown_token (an id"
+            " svc-auth does not know) or failure_budget (too many refused secrets for"
+            " one token id this second)",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.authFeedUp = Gauge(
+            "svc_proxy_auth_feed_up",
+            "1 while svc-auth's change feed is live and the validation cache is trusted, else 0",
+            registry=self.registry,
+        )
         self.processUp = processUpGauge(self.registry)
         # Route templates, known methods and status codes: a small, bounded
         # set of children, looked up once each.
@@ -72,3 +100,18 @@ class ProxyMetrics:
         Record the duration of one call to svc-auth and how it ended.
         """
         self._children.of(self.authValidateDuration, result).observe(seconds)
+
+    def authCacheHit(self, call: str) -> None:
+        self._children.of(self.authCacheHits, call).inc()
+
+    def authCacheMiss(self, call: str) -> None:
+        self._children.of(self.authCacheMisses, call).inc()
+
+    def authLocalRefusal(self, reason: str) -> None:
+        self._children.of(self.authLocalRefusals, reason).inc()
+
+    def watchFeed(self, live: Callable[[], bool]) -> None:
+        """
+        Make svc_proxy_auth_feed_up read C{live} at every scrape.
+        """
+        self.authFeedUp.set_function(lambda: 1.0 if live() else 0.0)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry
@@ -27,13 +28,15 @@ from svcd.common.config import ConfigError
 from svcd.common.lifecycle import exitZeroOnStopSignals, settleHeapWhenRunning
 from svcd.common.logs import LoggingRootService, daemonLogWriter, logSettings, makeObserver
 from svcd.common.tracing import TracingConfig, TracingService, tracerProvider
-from svcd.proxy.authclient import GrpcAuthClient, authChannel
+from svcd.proxy.authcache import CachingAuthClient, ValidationCache
+from svcd.proxy.authclient import AuthClient, GrpcAuthClient, authChannel
+from svcd.proxy.authfeed import ChangeFeed
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.edge import ProxyEdge
 from svcd.proxy.listening import listenEndpoint
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.ratelimit import makeRateLimiter
-from svcd.proxy.service import ProxyService
+from svcd.proxy.service import ClosableAuthClient, ProxyService
 from svcd.proxy.site import ProxySite
 
 
@@ -96,7 +99,7 @@ def makeService(options: Options) -> LoggingRootService:
     tracer = provider.get_tracer("svcd.proxy")
 
     metrics = ProxyMetrics(CollectorRegistry())
-    auth = GrpcAuthClient(
+    grpcAuth = GrpcAuthClient(
         functools.partial(authChannel, config),
         IReactorFromThreads(reactor),
         reactor,
@@ -106,6 +109,21 @@ def makeService(options: Options) -> LoggingRootService:
         maxInFlight=config.authMaxInFlight,
         queueTimeout=config.authQueueTimeout,
     )
+    auth: AuthClient = grpcAuth
+    service: ClosableAuthClient = grpcAuth
+    if config.authCacheSize:
+        # Decisions D8: validations from memory while svc-auth's change
+        # feed is live; SVC_AUTH_CACHE_SIZE=0 leaves the Phase 1 client.
+        cache = ValidationCache(
+            reactor,
+            time.time,
+            config.authCacheSize,
+            config.authCacheTTL,
+            config.authWrongSecretsPerSecond,
+        )
+        feed = ChangeFeed(grpcAuth.openChangeFeed, cache, IReactorFromThreads(reactor), reactor)
+        metrics.watchFeed(feed.live)
+        auth = service = CachingAuthClient(grpcAuth, cache, feed, metrics)
     limiter = makeRateLimiter(
         reactor,
         reactor,
@@ -119,7 +137,7 @@ def makeService(options: Options) -> LoggingRootService:
         listenEndpoint(reactor, config.host, config.port, config.reusePort),
         edge,
         site,
-        auth,
+        service,
         limiter,
         reactor,
         config.shutdownTimeout,

@@ -1,0 +1,314 @@
+"""
+svc-auth's change feed as svc-proxy holds it (decisions D8): the stream of
+every token and agent change that lets the proxy answer validations from
+memory, and the judge of whether that memory may be trusted right now.
+
+The stream is a grpcio server-streaming call, whose messages can only be
+read by blocking on an iterator, so it is read on a thread of its own
+(never the reactor's); each message is handed to the reactor thread with
+C{callFromThread}, in order, and applied there to the consumer (the
+validation cache). The snapshot that begins a stream is turned into a
+L{KnownTokens} filter on that thread too, so a million ids cost the
+reactor nothing but the hand-over.
+
+Trust: the feed is I{live} while a session (a stream whose snapshot has
+arrived) is open and its last message was received at most C{maxAge}
+(500 ms) ago. svc-auth sends a heartbeat about every 100 ms, and a
+heartbeat promises that every change committed before it came before it
+(L{svcd.auth.feed}); so while the feed is live, the cache holds nothing
+that a change older than about half a second has made wrong. When the
+feed is not live, every request is validated over gRPC exactly as in
+Phase 1. The time a message was received is taken on the feed's thread,
+and applied on the reactor's after every message before it: a reactor
+running late makes the feed look older, never younger.
+
+Outages are logged once each: a warning when a live feed is lost or goes
+silent, one line when it is back; the attempts in between are not logged.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+from twisted.internet.interfaces import IReactorFromThreads
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+
+from svcd.common.clocks import Clock
+from svcd.pb.auth.v1 import auth_pb2
+from svcd.proxy.knowntokens import KnownTokens
+
+# How old the last message may be for the feed to count as live (D8).
+MAX_AGE = 0.5
+
+# Waits between attempts to open the stream: quick at first (a restarted
+# svc-auth is back in moments), never longer than a second.
+RETRY_DELAYS = (0.1, 0.2, 0.5, 1.0)
+
+
+class FeedConsumer(Protocol):
+    """
+    What the feed tells, on the reactor thread, in the order svc-auth sent
+    it.
+    """
+
+    def feedStarted(self, known: KnownTokens) -> None:
+        """
+        A new session began with this snapshot: whatever was remembered
+        before may have missed changes.
+        """
+
+    def tokenChanged(self, tokenID: bytes) -> None:
+        """
+        A token was created, revoked or changed (its 16-byte id).
+        """
+
+    def agentChanged(self, agentID: bytes) -> None:
+        """
+        An agent was created or changed status (its 16-byte id).
+        """
+
+
+class FeedCall(Protocol):
+    """
+    The part of a grpcio streaming call the feed uses.
+    """
+
+    def __iter__(self) -> Iterator[auth_pb2.Change]: ...
+
+    def cancel(self) -> bool: ...
+
+
+def _describe(error: BaseException) -> str:
+    """
+    A gRPC status name for a failed call, else the exception's type.
+    """
+    code = getattr(error, "code", None)
+    name = getattr(code(), "name", None) if callable(code) else None
+    return str(name) if name else type(error).__name__
+
+
+class ChangeFeed:
+    """
+    Keeps svc-auth's change feed open and says whether it is live.
+
+    @param openStream: starts a WatchChanges call; called on the feed's
+        thread, again after every end or failure.
+    @param consumer: told of each session and change, on the reactor
+        thread.
+    @param reactor: for C{callFromThread}.
+    @param clock: the time source of C{live}, on both threads (its
+        C{seconds} must be safe to call from any thread, as the reactor's
+        is).
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        openStream: Callable[[], FeedCall],
+        consumer: FeedConsumer,
+        reactor: IReactorFromThreads,
+        clock: Clock,
+        maxAge: float = MAX_AGE,
+        retryDelays: Sequence[float] = RETRY_DELAYS,
+    ) -> None:
+        self._openStream = openStream
+        self._consumer = consumer
+        self._reactor = reactor
+        self._clock = clock
+        self._maxAge = maxAge
+        self._retryDelays = tuple(retryDelays)
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._call: FeedCall | None = None
+        self._thread: threading.Thread | None = None
+        # Reactor thread only:
+        self._inSession = False
+        self._lastHeard = float("-inf")
+        self._wasLive = False
+        self._everLive = False
+        self._downSince: float | None = None
+        self._failedAttempts = 0
+        self._watchdog = LoopingCall(self._watch)
+        self._watchdog.clock = clock  # type: ignore[assignment]
+
+    # Lifecycle, on the reactor thread.
+
+    def start(self) -> None:
+        """
+        Open the feed on a thread of its own, and watch its liveness.
+        """
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._run, name="svc-proxy-change-feed", daemon=True)
+        self._thread.start()
+        self._watchdog.start(self._maxAge / 2, now=False)
+
+    def stop(self) -> None:
+        """
+        Close the feed; its thread ends at once (the call is cancelled).
+        """
+        self._stopping.set()
+        with self._lock:
+            call = self._call
+        if call is not None:
+            call.cancel()
+        if self._watchdog.running:
+            self._watchdog.stop()
+        self._inSession = False
+
+    def live(self) -> bool:
+        """
+        May the cache be trusted now? (See the module docstring.)
+        """
+        return self._inSession and self._clock.seconds() - self._lastHeard <= self._maxAge
+
+    # The feed's thread.
+
+    def _run(self) -> None:
+        failures = 0
+        while not self._stopping.is_set():
+            reason = "ended"
+            try:
+                call = self._openStream()
+                with self._lock:
+                    self._call = call
+                if self._stopping.is_set():
+                    call.cancel()
+                    return
+                if self._follow(call):
+                    failures = 0
+            except Exception as error:
+                # Any end of the stream is an outage.
+                reason = _describe(error)
+            finally:
+                with self._lock:
+                    self._call = None
+            if self._stopping.is_set():
+                return
+            self._reactor.callFromThread(self._lost, reason)
+            delay = self._retryDelays[min(failures, len(self._retryDelays) - 1)]
+            failures += 1
+            self._stopping.wait(delay)
+
+    def _follow(self, call: FeedCall) -> bool:
+        """
+        Read one stream until it ends; True when its snapshot arrived.
+        """
+        chunks: list[bytes] | None = []
+        for change in call:
+            receivedAt = self._clock.seconds()
+            kind = change.WhichOneof("kind")
+            if chunks is not None:
+                if kind == "known_token_ids":
+                    chunks.append(change.known_token_ids)
+                elif kind == "snapshot_complete":
+                    known = KnownTokens(change.snapshot_complete.token_count)
+                    for chunk in chunks:
+                        known.addPacked(chunk)
+                    chunks = None
+                    self._reactor.callFromThread(self._started, known, receivedAt)
+                # Changes cannot come before the snapshot's end; anything
+                # else there is ignored.
+                continue
+            if kind == "heartbeat":
+                self._reactor.callFromThread(self._heard, receivedAt)
+            elif kind == "token_changed":
+                self._reactor.callFromThread(self._tokenChanged, change.token_changed, receivedAt)
+            elif kind == "agent_changed":
+                self._reactor.callFromThread(self._agentChanged, change.agent_changed, receivedAt)
+        return chunks is None
+
+    # The reactor thread.
+
+    def _started(self, known: KnownTokens, receivedAt: float) -> None:
+        if self._stopping.is_set():
+            return
+        self._consumer.feedStarted(known)
+        self._inSession = True
+        self._lastHeard = receivedAt
+        if self._downSince is not None and self._everLive:
+            self.log.info(
+                "Change feed from svc-auth is back after {seconds} s and {attempts} attempts;"
+                " validating from memory again ({known_tokens} known token ids)",
+                seconds=round(self._clock.seconds() - self._downSince, 3),
+                attempts=self._failedAttempts + 1,
+                known_tokens=len(known),
+            )
+        elif not self._everLive:
+            self.log.info(
+                "Change feed from svc-auth is live; validating from memory"
+                " ({known_tokens} known token ids)",
+                known_tokens=len(known),
+            )
+        self._everLive = True
+        self._wasLive = True
+        self._downSince = None
+        self._failedAttempts = 0
+
+    def _heard(self, receivedAt: float) -> None:
+        self._lastHeard = max(self._lastHeard, receivedAt)
+
+    def _tokenChanged(self, tokenID: bytes, receivedAt: float) -> None:
+        if self._inSession:
+            self._consumer.tokenChanged(tokenID)
+            self._heard(receivedAt)
+
+    def _agentChanged(self, agentID: bytes, receivedAt: float) -> None:
+        if self._inSession:
+            self._consumer.agentChanged(agentID)
+            self._heard(receivedAt)
+
+    def _lost(self, reason: str) -> None:
+        self._inSession = False
+        if self._downSince is None:
+            self._downSince = self._clock.seconds()
+            self._failedAttempts = 0
+            if self._everLive:
+                self.log.warn(
+                    "Change feed from svc-auth lost ({reason}); validating every request"
+                    " over gRPC until it is back",
+                    reason=reason,
+                )
+        else:
+            self._failedAttempts += 1
+        self._wasLive = False
+
+    def _watch(self) -> None:
+        """
+        Log a feed that went silent without ending (and its return).
+        """
+        live = self.live()
+        if self._wasLive and not live and self._inSession:
+            self._downSince = self._clock.seconds()
+            self._failedAttempts = 0
+            self.log.warn(
+                "Change feed from svc-auth is silent (nothing for {max_age} s); validating"
+                " every request over gRPC until it speaks again",
+                max_age=self._maxAge,
+            )
+        elif live and not self._wasLive and self._downSince is not None:
+            self.log.info(
+                "Change feed from svc-auth speaks again after {seconds} s;"
+                " validating from memory again",
+                seconds=round(self._clock.seconds() - self._downSince, 3),
+            )
+            self._downSince = None
+        self._wasLive = live
+
+
+def openChangeFeed(channel: Any) -> FeedCall:
+    """
+    Start a WatchChanges call on C{channel} (no deadline: it lasts as long
+    as the proxy runs).
+    """
+    watch = channel.unary_stream(
+        "/svc.auth.v1.AuthService/WatchChanges",
+        request_serializer=auth_pb2.WatchChangesRequest.SerializeToString,
+        response_deserializer=auth_pb2.Change.FromString,
+        _registered_method=True,
+    )
+    call: FeedCall = watch(auth_pb2.WatchChangesRequest())
+    return call
