@@ -59,7 +59,6 @@ from svcd.common.clocks import Clock
 from svcd.common.errors import ApiError, ErrorCode
 from svcd.common.pat import PREFIX
 from svcd.proxy.authclient import AgentInfo, AuthClient, TokenInfo
-from svcd.proxy.authfeed import ChangeFeed
 from svcd.proxy.knowntokens import KnownTokens
 from svcd.proxy.metrics import ProxyMetrics
 
@@ -312,6 +311,18 @@ class LifecycleAuthClient(AuthClient, Protocol):
     def close(self) -> None: ...
 
 
+class Feed(Protocol):
+    """
+    What the client needs of the change feed (L{svcd.proxy.authfeed.ChangeFeed}).
+    """
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def live(self) -> bool: ...
+
+
 class CachingAuthClient:
     """
     L{AuthClient} answering from a L{ValidationCache} while the change feed
@@ -322,7 +333,7 @@ class CachingAuthClient:
         self,
         inner: LifecycleAuthClient,
         cache: ValidationCache,
-        feed: ChangeFeed,
+        feed: Feed,
         metrics: ProxyMetrics,
     ) -> None:
         self._inner = inner
