@@ -17,12 +17,14 @@ import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from twisted.internet.defer import Deferred, fail
 from twisted.internet.task import Clock
 
 from svcd.common.errors import ApiError, ErrorCode
 from svcd.common.pat import formatToken, newSecret, parseToken
 from svcd.proxy.authcache import CachingAuthClient, ValidationCache
 from svcd.proxy.authclient import AgentInfo, TokenInfo
+from svcd.proxy.authfeed import FeedNotLive
 from svcd.proxy.knowntokens import MINIMUM_CAPACITY, KnownTokens
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.testing import FakeAuthClient
@@ -34,9 +36,15 @@ BUDGET = 3
 
 @attrs.define
 class SwitchableFeed:
+    """
+    A feed whose liveness the test sets, and whose heartbeats it sends.
+    """
+
     isLive: bool = True
     started: bool = False
     stopped: bool = False
+    waiting: list[tuple[int, Deferred[None]]] = attrs.field(factory=list)
+    heartbeats: int = 0
 
     def start(self) -> None:
         self.started = True
@@ -46,6 +54,27 @@ class SwitchableFeed:
 
     def live(self) -> bool:
         return self.isLive
+
+    def afterHeartbeats(self, count: int) -> Deferred[None]:
+        if not self.isLive:
+            return fail(FeedNotLive())
+        waiter: Deferred[None] = Deferred()
+        self.waiting.append((self.heartbeats + count, waiter))
+        return waiter
+
+    def beat(self, count: int = 1) -> None:
+        for _ in range(count):
+            self.heartbeats += 1
+            for target, waiter in list(self.waiting):
+                if target == self.heartbeats:
+                    self.waiting.remove((target, waiter))
+                    waiter.callback(None)
+
+    def lose(self) -> None:
+        self.isLive = False
+        waiting, self.waiting = self.waiting, []
+        for _, waiter in waiting:
+            waiter.errback(FeedNotLive())
 
 
 @attrs.define
@@ -140,10 +169,15 @@ def test_anotherSecretForAKnownTokenIsNotAnsweredFromMemory(harness: Harness) ->
 def test_aMadeUpTokenIDIsRefusedWithoutACall(harness: Harness) -> None:
     """
     A token id that the feed never announced is 401 INVALID_TOKEN with no
-    call to svc-auth, counted as a local refusal.
+    call to svc-auth, counted as a local refusal, once two more heartbeats
+    have come (not before: it might have been created a moment ago).
     """
     harness.startSession()
-    refusal = result(harness.client.validateToken(formatToken(uuid.uuid4(), newSecret())))
+    answer = harness.client.validateToken(formatToken(uuid.uuid4(), newSecret()))
+    harness.feed.beat()
+    assert not answer.called
+    harness.feed.beat()
+    refusal = result(answer)
     assert isinstance(refusal, ApiError) and refusal.code is ErrorCode.INVALID_TOKEN
     assert harness.calls("ValidateToken") == 0
     assert harness.sample("svc_proxy_auth_local_refusals_total", reason="unknown_token") == 1
@@ -152,13 +186,53 @@ def test_aMadeUpTokenIDIsRefusedWithoutACall(harness: Harness) -> None:
 def test_aTokenCreatedAfterTheSnapshotIsKnownFromItsChange(harness: Harness) -> None:
     """
     A token the snapshot did not hold is known as soon as the feed
-    announces it, and then validated by svc-auth.
+    announces it, and then validated by svc-auth at once.
     """
     harness.startSession()
     token, _, _ = harness.auth.addTenant()
-    assert isinstance(result(harness.client.validateToken(token)), ApiError)
     harness.cache.tokenChanged(harness.tokenID(token).bytes)
     assert isinstance(result(harness.client.validateToken(token)), TokenInfo)
+
+
+def test_aTokenCreatedAMomentAgoWorksAtOnce(harness: Harness) -> None:
+    """
+    A token whose creation the feed announces while its first request waits
+    for the heartbeats is validated by svc-auth: a token created before the
+    request is never refused for being unknown.
+    """
+    harness.startSession()
+    token, _, _ = harness.auth.addTenant()
+    answer = harness.client.validateToken(token)
+    harness.cache.tokenChanged(harness.tokenID(token).bytes)
+    harness.feed.beat(2)
+    assert isinstance(result(answer), TokenInfo)
+    assert harness.calls("ValidateToken") == 1
+
+
+def test_anUnknownTokenIDGoesToSvcAuthWhenTheFeedIsLostMeanwhile(harness: Harness) -> None:
+    """
+    If the feed stops being live while an unknown id waits for its
+    heartbeats, the request is validated by svc-auth as in Phase 1.
+    """
+    harness.startSession()
+    token, _, _ = harness.auth.addTenant()
+    answer = harness.client.validateToken(token)
+    harness.feed.lose()
+    assert isinstance(result(answer), TokenInfo)
+    assert harness.calls("ValidateToken") == 1
+
+
+def test_aWaitingRequestThatGoesAwayLeavesNothingBehind(harness: Harness) -> None:
+    """
+    Cancelling a request that waits for heartbeats (its client went away)
+    ends it at once.
+    """
+    from twisted.internet.defer import CancelledError
+
+    harness.startSession()
+    answer = harness.client.validateToken(formatToken(uuid.uuid4(), newSecret()))
+    answer.cancel()
+    assert isinstance(result(answer), CancelledError)
 
 
 def test_wrongSecretsForOneTokenIDHaveABudgetPerSecond(harness: Harness) -> None:
@@ -198,6 +272,7 @@ def test_withoutALiveFeedEverythingGoesToSvcAuth(harness: Harness) -> None:
     result(harness.client.validateAgent(token, agentID, orgID))
     result(harness.client.validateToken(formatToken(uuid.uuid4(), newSecret())))
     assert harness.calls("ValidateToken") == 3
+    assert not harness.feed.waiting
     assert harness.calls("ValidateAgent") == 2
     assert harness.sample("svc_proxy_auth_local_refusals_total", reason="unknown_token") == 0
 

@@ -22,7 +22,7 @@ from twisted.logger import Logger, LogLevel
 
 from svcd.auth.store import Store
 from svcd.pb.auth.v1 import auth_pb2
-from svcd.proxy.authfeed import ChangeFeed, openChangeFeed
+from svcd.proxy.authfeed import ChangeFeed, FeedNotLive, openChangeFeed
 from svcd.proxy.knowntokens import KnownTokens
 from svcd.testing.authservice import RunningAuthService
 
@@ -222,6 +222,42 @@ def test_aLostStreamIsNotLiveAtOnceAndIsOpenedAgain(harness: FeedHarness) -> Non
     assert harness.feed.live()
     assert len(harness.logged(LogLevel.warn)) == 1
     assert any("back after" in line for line in harness.logged(LogLevel.info))
+
+
+def test_afterHeartbeatsWaitsForThatManyHeartbeats(harness: FeedHarness) -> None:
+    """
+    afterHeartbeats(2) fires on the second heartbeat from now, not on a
+    change; it fails at once when the feed is not live, as soon as the
+    stream is lost, or once the feed has been silent too long.
+    """
+    call = harness.nextCall()
+    snapshot(call)
+    harness.reactor.pumpUntil(harness.feed.live)
+    waiting = harness.feed.afterHeartbeats(2)
+    call.send(auth_pb2.Change(token_changed=uuid.uuid4().bytes))
+    call.send(HEARTBEAT)
+    harness.reactor.pumpUntil(lambda: bool(harness.consumer.changes))
+    harness.reactor.pumpUntil(lambda: harness.reactor.calls.empty())
+    assert not waiting.called
+    call.send(HEARTBEAT)
+    harness.reactor.pumpUntil(lambda: waiting.called)
+
+    silent = harness.feed.afterHeartbeats(1)
+    failures: list[Any] = []
+    silent.addErrback(failures.append)
+    harness.clock.advance(1.0)
+    assert failures and failures[0].check(FeedNotLive)
+    refused: list[Any] = []
+    harness.feed.afterHeartbeats(1).addErrback(refused.append)
+    assert refused
+
+    call.send(HEARTBEAT)
+    harness.reactor.pumpUntil(harness.feed.live)
+    lost: list[Any] = []
+    harness.feed.afterHeartbeats(1).addErrback(lost.append)
+    call.fail(RuntimeError("reset"))
+    harness.reactor.pumpUntil(lambda: bool(lost))
+    assert lost[0].check(FeedNotLive)
 
 
 def test_stopCancelsTheStream(harness: FeedHarness) -> None:

@@ -28,7 +28,9 @@ request (as it would have in Phase 1) but is not kept.
 What is refused without a call, only while the feed is live:
 
   - A token id that svc-auth does not know (L{KnownTokens}, which never
-    misses a known id): 401 INVALID_TOKEN.
+    misses a known id): 401 INVALID_TOKEN, once two more heartbeats have
+    shown that it was not merely created a moment ago (a token created
+    before the request is then known: it works at once, everywhere).
   - A token id for which svc-auth has refused C{failureBudget} bearers in
     the current second: 401 INVALID_TOKEN for the rest of that second, so
     that a flood of wrong secrets for one real token id cannot keep
@@ -59,6 +61,7 @@ from svcd.common.clocks import Clock
 from svcd.common.errors import ApiError, ErrorCode
 from svcd.common.pat import PREFIX
 from svcd.proxy.authclient import AgentInfo, AuthClient, TokenInfo
+from svcd.proxy.authfeed import FeedNotLive
 from svcd.proxy.knowntokens import KnownTokens
 from svcd.proxy.metrics import ProxyMetrics
 
@@ -322,6 +325,8 @@ class Feed(Protocol):
 
     def live(self) -> bool: ...
 
+    def afterHeartbeats(self, count: int) -> Deferred[None]: ...
+
 
 class CachingAuthClient:
     """
@@ -366,8 +371,33 @@ class CachingAuthClient:
             return succeed(info)
         metrics.authCacheMiss("token")
         if not cache.known(tokenID):
-            metrics.authLocalRefusal("unknown_token")
-            return fail(ApiError(ErrorCode.INVALID_TOKEN))
+            return Deferred.fromCoroutine(self._unknownToken(accessToken, tokenID, digest))
+        return self._askForToken(accessToken, tokenID, digest)
+
+    async def _unknownToken(self, accessToken: str, tokenID: str, digest: bytes) -> TokenInfo:
+        """
+        A token id the feed has not announced: made up, or created a moment
+        ago and still on its way to us. Two heartbeats settle which (see
+        L{ChangeFeed.afterHeartbeats}): a token created before this request
+        is known by then. A made-up id is refused without a call, about a
+        fifth of a second later; if the feed stops being live meanwhile,
+        the request goes to svc-auth as in Phase 1.
+        """
+        try:
+            await self._feed.afterHeartbeats(2)
+        except FeedNotLive:
+            return await self._inner.validateToken(accessToken)
+        if not self._cache.known(tokenID):
+            self._metrics.authLocalRefusal("unknown_token")
+            raise ApiError(ErrorCode.INVALID_TOKEN)
+        return await self._askForToken(accessToken, tokenID, digest)
+
+    def _askForToken(self, accessToken: str, tokenID: str, digest: bytes) -> Deferred[TokenInfo]:
+        """
+        Ask svc-auth about a known token id, within the failure budget, and
+        keep the answer if it may be kept.
+        """
+        metrics, cache = self._metrics, self._cache
         if cache.overBudget(tokenID):
             metrics.authLocalRefusal("failure_budget")
             return fail(ApiError(ErrorCode.INVALID_TOKEN))

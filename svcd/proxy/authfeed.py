@@ -32,6 +32,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
+from twisted.internet.defer import Deferred, fail
 from twisted.internet.interfaces import IReactorFromThreads
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
@@ -46,6 +47,12 @@ MAX_AGE = 0.5
 # Waits between attempts to open the stream: quick at first (a restarted
 # svc-auth is back in moments), never longer than a second.
 RETRY_DELAYS = (0.1, 0.2, 0.5, 1.0)
+
+
+class FeedNotLive(Exception):
+    """
+    The feed stopped being live while a caller waited for it.
+    """
 
 
 class FeedConsumer(Protocol):
@@ -132,6 +139,10 @@ class ChangeFeed:
         self._everLive = False
         self._downSince: float | None = None
         self._failedAttempts = 0
+        # Callers waiting for heartbeats, by the heartbeat count they wait
+        # for (see afterHeartbeats).
+        self._heartbeats = 0
+        self._waiting: dict[int, list[Deferred[None]]] = {}
         self._watchdog = LoopingCall(self._watch)
         self._watchdog.clock = clock  # type: ignore[assignment]
 
@@ -158,12 +169,54 @@ class ChangeFeed:
         if self._watchdog.running:
             self._watchdog.stop()
         self._inSession = False
+        self._failWaiters()
 
     def live(self) -> bool:
         """
         May the cache be trusted now? (See the module docstring.)
         """
         return self._inSession and self._clock.seconds() - self._lastHeard <= self._maxAge
+
+    def afterHeartbeats(self, count: int) -> Deferred[None]:
+        """
+        A Deferred that fires once C{count} more heartbeats have been
+        applied, or fails with L{FeedNotLive} as soon as the feed is not
+        live. Cancelling it withdraws the caller.
+
+        Why: a heartbeat vouches for the changes committed before its beat
+        was sent, and a beat in flight when a change was committed may
+        come back after it; the second heartbeat from now vouches for
+        everything committed before now (the listener sends its next beat
+        only after the previous one came back and a pause of 100 ms). So a
+        token id unknown now, and still unknown two heartbeats later, was
+        not created before this call.
+        """
+        if not self.live():
+            return fail(FeedNotLive())
+        target = self._heartbeats + count
+        waiters = self._waiting.setdefault(target, [])
+
+        def withdraw(waiter: Deferred[None]) -> None:
+            waiting = self._waiting.get(target)
+            if waiting is not None and waiter in waiting:
+                waiting.remove(waiter)
+
+        waiter: Deferred[None] = Deferred(withdraw)
+        waiters.append(waiter)
+        return waiter
+
+    def _releaseWaiters(self) -> None:
+        ready = self._waiting.pop(self._heartbeats, ())
+        for waiter in ready:
+            if not waiter.called:
+                waiter.callback(None)
+
+    def _failWaiters(self) -> None:
+        waiting, self._waiting = self._waiting, {}
+        for waiters in waiting.values():
+            for waiter in waiters:
+                if not waiter.called:
+                    waiter.errback(FeedNotLive())
 
     # The feed's thread.
 
@@ -250,19 +303,25 @@ class ChangeFeed:
 
     def _heard(self, receivedAt: float) -> None:
         self._lastHeard = max(self._lastHeard, receivedAt)
+        self._heartbeats += 1
+        self._releaseWaiters()
+
+    def _touched(self, receivedAt: float) -> None:
+        self._lastHeard = max(self._lastHeard, receivedAt)
 
     def _tokenChanged(self, tokenID: bytes, receivedAt: float) -> None:
         if self._inSession:
             self._consumer.tokenChanged(tokenID)
-            self._heard(receivedAt)
+            self._touched(receivedAt)
 
     def _agentChanged(self, agentID: bytes, receivedAt: float) -> None:
         if self._inSession:
             self._consumer.agentChanged(agentID)
-            self._heard(receivedAt)
+            self._touched(receivedAt)
 
     def _lost(self, reason: str) -> None:
         self._inSession = False
+        self._failWaiters()
         if self._downSince is None:
             self._downSince = self._clock.seconds()
             self._failedAttempts = 0
@@ -281,6 +340,8 @@ class ChangeFeed:
         Log a feed that went silent without ending (and its return).
         """
         live = self.live()
+        if not live:
+            self._failWaiters()
         if self._wasLive and not live and self._inSession:
             self._downSince = self._clock.seconds()
             self._failedAttempts = 0
