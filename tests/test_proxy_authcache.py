@@ -183,6 +183,29 @@ def test_aMadeUpTokenIDIsRefusedWithoutACall(harness: Harness) -> None:
     assert harness.sample("svc_proxy_auth_local_refusals_total", reason="unknown_token") == 1
 
 
+def test_aFloodOfMadeUpIDsIsRefusedWithoutWaitingPastTheBound(harness: Harness) -> None:
+    """
+    At most C{maxWaitingUnknown} requests with unknown ids wait for the
+    heartbeats; the next ones are refused at once, without a call.
+    """
+    client = CachingAuthClient(
+        harness.auth, harness.cache, harness.feed, harness.metrics, maxWaitingUnknown=2
+    )
+    harness.startSession()
+    waiting = [client.validateToken(formatToken(uuid.uuid4(), newSecret())) for _ in range(2)]
+    refused = result(client.validateToken(formatToken(uuid.uuid4(), newSecret())))
+    assert isinstance(refused, ApiError) and refused.code is ErrorCode.INVALID_TOKEN
+    assert not any(each.called for each in waiting)
+    harness.feed.beat(2)
+    assert all(isinstance(result(each), ApiError) for each in waiting)
+    # Their places are free again: the next unknown id waits.
+    later = client.validateToken(formatToken(uuid.uuid4(), newSecret()))
+    assert not later.called
+    harness.feed.beat(2)
+    assert isinstance(result(later), ApiError)
+    assert harness.calls("ValidateToken") == 0
+
+
 def test_aTokenCreatedAfterTheSnapshotIsKnownFromItsChange(harness: Harness) -> None:
     """
     A token the snapshot did not hold is known as soon as the feed

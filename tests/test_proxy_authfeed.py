@@ -184,6 +184,51 @@ def test_liveWhileTheLastMessageIsAtMostHalfASecondOld(harness: FeedHarness) -> 
     assert harness.feed.live()
 
 
+def test_aBusyReactorDoesNotMakeAHealthyFeedLookOld(harness: FeedHarness) -> None:
+    """
+    Silence is judged by when the feed's thread read the last message, so
+    a reactor running late (messages waiting for it) still trusts a feed
+    that keeps speaking; but not once it is more than a second behind in
+    applying them.
+    """
+    call = harness.nextCall()
+    snapshot(call)
+    harness.reactor.pumpUntil(harness.feed.live)
+    queued = harness.reactor.calls.qsize()
+    for _ in range(3):
+        harness.clock.advance(0.3)
+        call.send(HEARTBEAT)
+        queued += 1
+        waitUntilQueued(harness.reactor, queued)
+    # 0.9 s since the last message applied, 0 since the last one read.
+    assert harness.feed.live()
+    harness.reactor.pumpUntil(harness.reactor.calls.empty)
+    assert harness.feed.live()
+    queued = 0
+    for _ in range(4):
+        harness.clock.advance(0.3)
+        call.send(HEARTBEAT)
+        queued += 1
+        waitUntilQueued(harness.reactor, queued)
+    # Still speaking, but nothing applied for 1.2 s.
+    assert not harness.feed.live()
+    harness.reactor.pumpUntil(harness.reactor.calls.empty)
+    assert harness.feed.live()
+    harness.clock.advance(0.51)
+    assert not harness.feed.live()
+
+
+def waitUntilQueued(reactor: PumpedReactor, count: int = 1) -> None:
+    """
+    Wait until C{count} calls wait for the reactor (the feed's thread has
+    read that many messages).
+    """
+    deadline = time.monotonic() + 5
+    while reactor.calls.qsize() < count:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+
+
 def test_changesReachTheConsumerInOrder(harness: FeedHarness) -> None:
     """
     Token and agent changes after the snapshot reach the consumer in the

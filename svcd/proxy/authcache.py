@@ -30,7 +30,9 @@ What is refused without a call, only while the feed is live:
   - A token id that svc-auth does not know (L{KnownTokens}, which never
     misses a known id): 401 INVALID_TOKEN, once two more heartbeats have
     shown that it was not merely created a moment ago (a token created
-    before the request is then known: it works at once, everywhere).
+    before the request is then known: it works at once, everywhere). At
+    most 64 such requests wait at once; past that (a flood of made-up
+    ids) they are refused without waiting.
   - A token id for which svc-auth has refused C{failureBudget} bearers in
     the current second: 401 INVALID_TOKEN for the rest of that second, so
     that a flood of wrong secrets for one real token id cannot keep
@@ -76,6 +78,10 @@ _SECRET_START = _ID_END + 1
 # Refusals of ValidateAgent that depend only on the agent and the
 # organization, and so may be remembered.
 _AGENT_REFUSALS = frozenset({ErrorCode.AGENT_SUSPENDED, ErrorCode.AGENT_NOT_AUTHORIZED})
+
+# Requests with an unknown token id waiting for the feed's heartbeats at
+# most at once; past it, such requests are refused without waiting.
+MAX_WAITING_UNKNOWN = 64
 
 # The failure budget forgets past seconds once it tracks this many ids.
 _FAILURE_IDS = 100_000
@@ -340,11 +346,14 @@ class CachingAuthClient:
         cache: ValidationCache,
         feed: Feed,
         metrics: ProxyMetrics,
+        maxWaitingUnknown: int = MAX_WAITING_UNKNOWN,
     ) -> None:
         self._inner = inner
         self._cache = cache
         self._feed = feed
         self._metrics = metrics
+        self._maxWaitingUnknown = maxWaitingUnknown
+        self._waitingUnknown = 0
 
     def start(self) -> None:
         self._inner.start()
@@ -371,6 +380,12 @@ class CachingAuthClient:
             return succeed(info)
         metrics.authCacheMiss("token")
         if not cache.known(tokenID):
+            if self._waitingUnknown >= self._maxWaitingUnknown:
+                # A flood of made-up ids: refuse at once rather than hold
+                # more requests (a token created this instant may then be
+                # refused once; D8 gives it a second to work everywhere).
+                metrics.authLocalRefusal("unknown_token")
+                return fail(ApiError(ErrorCode.INVALID_TOKEN))
             return Deferred.fromCoroutine(self._unknownToken(accessToken, tokenID, digest))
         return self._askForToken(accessToken, tokenID, digest)
 
@@ -383,10 +398,13 @@ class CachingAuthClient:
         fifth of a second later; if the feed stops being live meanwhile,
         the request goes to svc-auth as in Phase 1.
         """
+        self._waitingUnknown += 1
         try:
             await self._feed.afterHeartbeats(2)
         except FeedNotLive:
             return await self._inner.validateToken(accessToken)
+        finally:
+            self._waitingUnknown -= 1
         if not self._cache.known(tokenID):
             self._metrics.authLocalRefusal("unknown_token")
             raise ApiError(ErrorCode.INVALID_TOKEN)

@@ -12,15 +12,24 @@ L{KnownTokens} filter on that thread too, so a million ids cost the
 reactor nothing but the hand-over.
 
 Trust: the feed is I{live} while a session (a stream whose snapshot has
-arrived) is open and its last message was received at most C{maxAge}
-(500 ms) ago. svc-auth sends a heartbeat about every 100 ms, and a
-heartbeat promises that every change committed before it came before it
-(L{svcd.auth.feed}); so while the feed is live, the cache holds nothing
-that a change older than about half a second has made wrong. When the
-feed is not live, every request is validated over gRPC exactly as in
-Phase 1. The time a message was received is taken on the feed's thread,
-and applied on the reactor's after every message before it: a reactor
-running late makes the feed look older, never younger.
+arrived) is open, its last message was read at most C{maxAge} (500 ms)
+ago, and the reactor is not far behind in applying what was read.
+svc-auth sends a heartbeat about every 100 ms, and a heartbeat promises
+that every change committed before it came before it (L{svcd.auth.feed}),
+so a feed that speaks is a feed that has told us everything up to a
+moment ago. When the feed is not live, every request is validated over
+gRPC exactly as in Phase 1.
+
+Two clocks, on purpose. Silence is judged by when the feed's thread read
+the last message: a stalled svc-auth or link is noticed in 500 ms however
+busy the reactor is. What was read is applied on the reactor thread, in
+order, at the start of its next iteration, so a revocation read before a
+request arrived reaches that request's check unless both fall in the same
+iteration. A proxy under heavy load runs long iterations (hundreds of
+requests each); judging the feed by when messages were applied would make
+it distrust a healthy feed and send all its traffic to svc-auth just when
+it can least afford it. Only a reactor more than C{maxLag} (one second)
+behind in applying the feed's messages stops trusting it.
 
 Outages are logged once each: a warning when a live feed is lost or goes
 silent, one line when it is back; the attempts in between are not logged.
@@ -43,6 +52,10 @@ from svcd.proxy.knowntokens import KnownTokens
 
 # How old the last message may be for the feed to count as live (D8).
 MAX_AGE = 0.5
+
+# The feed is not trusted while the last message applied was read longer
+# ago than this: the reactor is that far behind.
+MAX_LAG = 1.0
 
 # Waits between attempts to open the stream: quick at first (a restarted
 # svc-auth is back in moments), never longer than a second.
@@ -120,6 +133,7 @@ class ChangeFeed:
         reactor: IReactorFromThreads,
         clock: Clock,
         maxAge: float = MAX_AGE,
+        maxLag: float = MAX_LAG,
         retryDelays: Sequence[float] = RETRY_DELAYS,
     ) -> None:
         self._openStream = openStream
@@ -127,6 +141,7 @@ class ChangeFeed:
         self._reactor = reactor
         self._clock = clock
         self._maxAge = maxAge
+        self._maxLag = maxLag
         self._retryDelays = tuple(retryDelays)
         self._stopping = threading.Event()
         self._lock = threading.Lock()
@@ -134,7 +149,10 @@ class ChangeFeed:
         self._thread: threading.Thread | None = None
         # Reactor thread only:
         self._inSession = False
-        self._lastHeard = float("-inf")
+        # When the feed's thread read the last message (written by that
+        # thread), and when the last message applied had been read.
+        self._lastRead = float("-inf")
+        self._lastApplied = float("-inf")
         self._wasLive = False
         self._everLive = False
         self._downSince: float | None = None
@@ -175,7 +193,12 @@ class ChangeFeed:
         """
         May the cache be trusted now? (See the module docstring.)
         """
-        return self._inSession and self._clock.seconds() - self._lastHeard <= self._maxAge
+        now = self._clock.seconds()
+        return (
+            self._inSession
+            and now - self._lastRead <= self._maxAge
+            and now - self._lastApplied <= self._maxLag
+        )
 
     def afterHeartbeats(self, count: int) -> Deferred[None]:
         """
@@ -252,7 +275,7 @@ class ChangeFeed:
         """
         chunks: list[bytes] | None = []
         for change in call:
-            receivedAt = self._clock.seconds()
+            receivedAt = self._lastRead = self._clock.seconds()
             kind = change.WhichOneof("kind")
             if chunks is not None:
                 if kind == "known_token_ids":
@@ -281,7 +304,7 @@ class ChangeFeed:
             return
         self._consumer.feedStarted(known)
         self._inSession = True
-        self._lastHeard = receivedAt
+        self._touched(receivedAt)
         if self._downSince is not None and self._everLive:
             self.log.info(
                 "Change feed from svc-auth is back after {seconds} s and {attempts} attempts;"
@@ -302,12 +325,15 @@ class ChangeFeed:
         self._failedAttempts = 0
 
     def _heard(self, receivedAt: float) -> None:
-        self._lastHeard = max(self._lastHeard, receivedAt)
+        self._touched(receivedAt)
         self._heartbeats += 1
         self._releaseWaiters()
 
     def _touched(self, receivedAt: float) -> None:
-        self._lastHeard = max(self._lastHeard, receivedAt)
+        """
+        A message read at C{receivedAt} is applied now.
+        """
+        self._lastApplied = receivedAt
 
     def _tokenChanged(self, tokenID: bytes, receivedAt: float) -> None:
         if self._inSession:
