@@ -123,7 +123,7 @@ def main() -> int:
     ):
         scratch = Path(scratchName)
         shared = stack.enter_context(runningStack(scratch, "INFO", [1]))
-        base = shared.proxies[1][0]
+        base = shared.proxies[1, False][0]
         dsn = shared.auth.environment["POSTGRES_DSN"]
         served = []
         for index, spec in enumerate(specs):

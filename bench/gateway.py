@@ -13,14 +13,20 @@ to the floor measured in the same run (the exit status is 1 when a row of
 the gateway saw an unexpected status):
 
     floor     bare Klein handler, POST -> 501
+    ceiling   the floor plus one Redis INCR: the best a proxy whose
+              validations are all answered from memory can do -> 501
     prototype bench/prototype.py: the floor plus two bare gRPC calls to a
               trivial grpcio server and one Redis INCR, nothing else -> 501
     chat      full pipeline: valid token, active agent, rate limit on -> 501
     spread    the chat row with each request carrying the next of 1,024
-              tokens, so that no two requests in flight share a token and
-              every request pays its own two calls to svc-auth -> 501
+              tokens, so that no two requests in flight share a token
+              (without the validation cache every request pays its own two
+              calls to svc-auth) -> 501
     probe     GET /v1/internal/auth-probe -> 200
     rejected  a well-formed token with a wrong secret -> 401
+    chat-phase1, spread-phase1
+              the chat and spread rows through proxies without the
+              validation cache (SVC_AUTH_CACHE_SIZE=0), as in Phase 1
 
 Every proxy row runs once per --workers count: that many svc-proxy
 processes sharing one port with SVC_REUSE_PORT (each count its own port).
@@ -70,7 +76,21 @@ from svcd.testing.servers import PostgresServer, RedisServer, freePort  # noqa: 
 
 LOAD_SCRIPT = Path(__file__).with_name("load.lua")
 # Rows served by one process of their own, whatever --workers says.
-_SINGLE = ("floor", "prototype")
+_SINGLE = ("floor", "ceiling", "prototype")
+# Rows through proxies without the validation cache end so.
+_PHASE1 = "-phase1"
+_PHASE1_ENVIRONMENT = {"SVC_AUTH_CACHE_SIZE": "0"}
+
+
+def _variant(row: str) -> tuple[str, bool]:
+    """
+    The row's base name and whether its proxies have no validation cache.
+    """
+    if row.endswith(_PHASE1):
+        return row[: -len(_PHASE1)], True
+    return row, False
+
+
 # Tokens of the spread row: more than requests in flight at 256 connections.
 SPREAD = 1024
 
@@ -151,10 +171,13 @@ def runningStack(
     authExtra: dict[str, str] | None = None,
     proxyExtra: dict[str, str] | None = None,
     withPrototype: bool = False,
+    withCeiling: bool = False,
+    withPhase1: bool = False,
 ) -> Iterator[Stack]:
     """
     PostgreSQL, Redis, svc-auth, one group of svc-proxy processes per
-    worker count (a group shares one port), the floor, and a tenant.
+    worker count (a group shares one port; with C{withPhase1} a second
+    group per count without the validation cache), the floor, and a tenant.
     """
     with contextlib.ExitStack() as stack:
         postgres = PostgresServer.create(workdir / "postgres")
@@ -186,10 +209,12 @@ def runningStack(
         auth.waitForReady()
         _validateAll(auth, spread)
 
-        groups: dict[int, list[Daemon]] = {}
-        for workers in workerCounts:
+        groups: dict[tuple[int, bool], list[Daemon]] = {}
+        for workers, phase1 in (
+            (count, phase1) for count in workerCounts for phase1 in (False, True)[: 1 + withPhase1]
+        ):
             port = str(freePort())
-            group = groups[workers] = []
+            group = groups[workers, phase1] = []
             for worker in range(workers):
                 proxy = Daemon(
                     "svc-proxy",
@@ -202,13 +227,16 @@ def runningStack(
                         "SVC_RATE_LIMIT_ORG_OVERRIDES": f"{orgID}=1000000000",
                         "SVC_LOG_LEVEL": logLevel,
                         **(proxyExtra or {}),
+                        **(_PHASE1_ENVIRONMENT if phase1 else {}),
                     },
-                    workdir / f"proxy-{workers}-{worker}.log",
+                    workdir / f"proxy-{workers}-{'phase1-' if phase1 else ''}{worker}.log",
                 ).start()
                 stack.callback(proxy.terminate)
                 group.append(proxy)
             for proxy in group:
                 proxy.waitForReady()
+                if not phase1:
+                    _waitForFeed(proxy)
 
         floorPort = freePort()
         floor = _startScript(stack, ["floor.py", str(floorPort)], floorPort)
@@ -231,8 +259,17 @@ def runningStack(
                 prototypePort,
             )
 
+        ceiling: subprocess.Popen[bytes] | None = None
+        ceilingPort = freePort()
+        if withCeiling:
+            ceiling = _startScript(
+                stack, ["prototype.py", "ceiling", str(ceilingPort), str(redis.port)], ceilingPort
+            )
+
         yield Stack(
             auth=auth,
+            ceiling=ceiling,
+            ceilingURL=f"http://127.0.0.1:{ceilingPort}",
             proxies=groups,
             floorURL=f"http://127.0.0.1:{floorPort}",
             floor=floor,
@@ -248,7 +285,9 @@ def runningStack(
 @attrs.frozen
 class Stack:
     auth: Daemon
-    proxies: dict[int, list[Daemon]]
+    ceiling: subprocess.Popen[bytes] | None
+    ceilingURL: str
+    proxies: dict[tuple[int, bool], list[Daemon]]
     floorURL: str
     floor: subprocess.Popen[bytes]
     prototype: dict[str, subprocess.Popen[bytes]]
@@ -264,15 +303,18 @@ class Stack:
         """
         if row == "floor":
             return {"floor": self.floor.pid}
+        if row == "ceiling":
+            assert self.ceiling is not None
+            return {"ceiling": self.ceiling.pid}
         if row == "prototype":
             return {name: process.pid for name, process in self.prototype.items()}
         pids = {"svc-auth": _pid(self.auth)}
-        for index, proxy in enumerate(self.proxies[workers]):
+        for index, proxy in enumerate(self.proxies[workers, _variant(row)[1]]):
             pids[f"proxy{index + 1}"] = _pid(proxy)
         return pids
 
-    def proxyURL(self, workers: int) -> str:
-        return f"http://127.0.0.1:{self.proxies[workers][0].httpPort}"
+    def proxyURL(self, workers: int, phase1: bool = False) -> str:
+        return f"http://127.0.0.1:{self.proxies[workers, phase1][0].httpPort}"
 
     def shape(self, row: str, workers: int) -> tuple[str, dict[str, str], int]:
         """
@@ -281,9 +323,12 @@ class Stack:
         """
         if row == "floor":
             return f"{self.floorURL}/v1/chat/completions", _wrkEnvironment("POST", "", ""), 501
+        if row == "ceiling":
+            return f"{self.ceilingURL}/v1/chat/completions", _wrkEnvironment("POST", "", ""), 501
         if row == "prototype":
             return f"{self.prototypeURL}/v1/chat/completions", _wrkEnvironment("POST", "", ""), 501
-        base = self.proxyURL(workers)
+        row, phase1 = _variant(row)
+        base = self.proxyURL(workers, phase1)
         if row == "chat":
             environment = _wrkEnvironment("POST", self.token, self.agentID)
             return f"{base}/v1/chat/completions", environment, 501
@@ -298,7 +343,8 @@ class Stack:
             environment = _wrkEnvironment("POST", self.wrongSecret, self.agentID)
             return f"{base}/v1/chat/completions", environment, 401
         raise SystemExit(
-            f"unknown row {row!r}: use floor, prototype, chat, spread, probe or rejected"
+            f"unknown row {row!r}: use floor, ceiling, prototype, chat, spread, probe,"
+            " rejected, chat-phase1 or spread-phase1"
         )
 
 
@@ -330,6 +376,18 @@ def _pid(daemon: Daemon) -> int:
 
 def _wrkEnvironment(method: str, bearer: str, agentID: str) -> dict[str, str]:
     return {"SVC_BENCH_METHOD": method, "SVC_BENCH_TOKEN": bearer, "SVC_BENCH_AGENT": agentID}
+
+
+def _waitForFeed(proxy: Daemon, timeout: float = 30.0) -> None:
+    """
+    Wait until the proxy's validation cache is live (svc-auth's change feed
+    has arrived), so that its rows measure the cache from the start.
+    """
+    deadline = time.monotonic() + timeout
+    while "svc_proxy_auth_feed_up 1.0" not in proxy.get("/metrics")[1].decode():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the change feed did not come up:\n{proxy.output()[-2000:]}")
+        time.sleep(0.05)
 
 
 def _validateAll(auth: Daemon, tokens: list[str]) -> None:
@@ -386,7 +444,7 @@ def soak(stack: Stack, seconds: int) -> int:
     memory and descriptors each minute; 1 when the memory moved more than
     10% from the first minute's value or the descriptors grew.
     """
-    daemons = {"svc-auth": stack.auth, "svc-proxy": stack.proxies[1][0]}
+    daemons = {"svc-auth": stack.auth, "svc-proxy": stack.proxies[1, False][0]}
     url, environment, expected = stack.shape("chat", 1)
     load = startWrk(url, 32, seconds, environment)
     started = time.monotonic()
@@ -447,7 +505,10 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds before each row")
     parser.add_argument("--connections", default="32,256", help="comma-separated, e.g. 32,256")
     parser.add_argument("--workers", default="1,2", help="svc-proxy processes, e.g. 1,2")
-    parser.add_argument("--rows", default="floor,prototype,chat,spread,probe,rejected")
+    parser.add_argument(
+        "--rows",
+        default="floor,ceiling,prototype,chat,spread,probe,rejected,chat-phase1,spread-phase1",
+    )
     parser.add_argument("--log-level", default="INFO", help="SVC_LOG_LEVEL of the daemons")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument(
@@ -482,6 +543,8 @@ def main() -> int:
             _assignments(arguments.auth_env),
             _assignments(arguments.proxy_env),
             withPrototype="prototype" in rows,
+            withCeiling="ceiling" in rows,
+            withPhase1=any(row.endswith(_PHASE1) for row in rows),
         ) as stack:
             if arguments.soak:
                 return soak(stack, arguments.soak)
@@ -506,7 +569,7 @@ def main() -> int:
 
     floors = {each["connections"]: each["rps"] for each in results if each["row"] == "floor"}
     header = (
-        f"{'row':<9} {'workers':>7} {'conns':>5} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8}"
+        f"{'row':<13} {'workers':>7} {'conns':>5} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8}"
         f" {'p99.9 ms':>9} {'errors':>7} {'vs floor':>9}  CPU µs/request"
     )
     print(header)
@@ -517,7 +580,7 @@ def main() -> int:
         each["ratio_to_floor"] = None if not floorRPS else each["rps"] / floorRPS
         workersCell = "-" if each["row"] in _SINGLE else str(each["workers"])
         print(
-            f"{each['row']:<9} {workersCell:>7} {each['connections']:>5} {each['rps']:>9.0f}"
+            f"{each['row']:<13} {workersCell:>7} {each['connections']:>5} {each['rps']:>9.0f}"
             f" {each['p50_ms']:>8.2f} {each['p99_ms']:>8.2f} {each['p999_ms']:>9.2f}"
             f" {each['errors']:>7} {ratio:>9}  "
             + " ".join(f"{name} {us:.0f}" for name, us in each["cpu_us_per_request"].items())

@@ -4,6 +4,7 @@ with nothing of ours in it, as a reference measured in the same run.
 
     python bench/prototype.py auth PORT
     python bench/prototype.py proxy PORT AUTH_PORT REDIS_PORT
+    python bench/prototype.py ceiling PORT REDIS_PORT
 
 C{auth} is a grpcio server (synchronous, 16 threads, as svc-auth's) whose
 ValidateToken and ValidateAgent answer at once with fixed messages.
@@ -11,6 +12,9 @@ C{proxy} is a bare Klein handler that, for each POST /v1/chat/completions,
 makes those two calls through grpcio's future API bridged to the reactor
 with callFromThread (as svc-proxy does), then one Redis INCR, then answers
 the floor's 501. No validation, headers, logs, metrics or tracing.
+C{ceiling} is the same handler with the gRPC calls left out: one Redis
+INCR, then the 501; what a proxy whose validations are all answered from
+memory could reach at best.
 """
 
 from __future__ import annotations
@@ -70,14 +74,26 @@ def call(method: Any, request: Any, metadata: Any = None) -> Deferred[Any]:
     return answer
 
 
-def serveProxy(port: int, authPort: int, redisPort: int) -> None:
-    stub = auth_pb2_grpc.AuthServiceStub(grpc.insecure_channel(f"127.0.0.1:{authPort}"))
+def serveProxy(port: int, authPort: int | None, redisPort: int) -> None:
+    """
+    The prototype proxy; without C{authPort}, the ceiling (no gRPC calls).
+    """
+    stub = (
+        None
+        if authPort is None
+        else auth_pb2_grpc.AuthServiceStub(grpc.insecure_channel(f"127.0.0.1:{authPort}"))
+    )
     redis = txredisapi.lazyConnection("127.0.0.1", redisPort)
     bearer = (("authorization", "Bearer svc_pat_prototype"),)
     app = Klein()
 
     @app.route("/v1/chat/completions", methods=["POST"])
     async def chat(request: Any) -> bytes:
+        if stub is None:
+            await redis.incr(f"prototype:{ORG_ID}")
+            request.setResponseCode(501)
+            request.setHeader(b"Content-Type", b"application/json")
+            return BODY
         try:
             token = await call(
                 stub.ValidateToken,
@@ -108,5 +124,7 @@ def serveProxy(port: int, authPort: int, redisPort: int) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "auth":
         serveAuth(int(sys.argv[2]))
+    elif sys.argv[1] == "ceiling":
+        serveProxy(int(sys.argv[2]), None, int(sys.argv[3]))
     else:
         serveProxy(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
