@@ -95,6 +95,7 @@ def test_directivesCombine() -> None:
     assert parseScript("gap:50+events:20") == Script(kind="events", count=20, gap=0.05)
     assert parseScript("status:503+slow:200") == Script(kind="status", count=503, delay=0.2)
     assert parseScript("no-usage") == Script(usage=False)
+    assert parseScript("hold:250+stall-stream") == Script(kind="stall-stream", hold=0.25)
     assert parseScript("status:429") == Script(
         kind="status", count=429, retryAfter=DEFAULT_RETRY_AFTER
     )
@@ -372,6 +373,34 @@ def test_slowAnswerArrives(client: openai.OpenAI) -> None:
     completion = client.chat.completions.create(model="slow:200", messages=MESSAGES)
     assert time.monotonic() - started >= 0.2
     assert completion.choices[0].message.content == ECHO_CONTENT
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_holdSendsHeadersFirst(upstream: ScriptedUpstream, stream: bool) -> None:
+    """
+    C{hold:<ms>} sends the headers at once and holds the body back: the
+    status arrives while a read of the body times out.
+    """
+    connection = http.client.HTTPConnection(upstream.host, upstream.port, timeout=10)
+    body = json.dumps({"model": "hold:60000", "messages": MESSAGES, "stream": stream})
+    connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    answer = connection.getresponse()
+    assert answer.status == 200
+    assert connection.sock is not None
+    connection.sock.settimeout(0.2)
+    with pytest.raises(TimeoutError):
+        answer.read1(100)
+    connection.close()
+
+
+def test_heldAnswerArrives(client: openai.OpenAI) -> None:
+    """
+    A held answer arrives whole once the hold is over, streamed or not.
+    """
+    completion = client.chat.completions.create(model="hold:100", messages=MESSAGES)
+    assert completion.choices[0].message.content == ECHO_CONTENT
+    chunks = client.chat.completions.create(model="hold:100", messages=MESSAGES, stream=True)
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == ECHO_CONTENT
 
 
 def test_stallStream(client: openai.OpenAI) -> None:

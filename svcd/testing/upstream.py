@@ -96,6 +96,9 @@ What the answer I{is} (at most one of these; C{echo} when none):
 How it is delivered (any of these, with any of the above):
 
   - C{slow:<ms>}: wait that long before anything (headers, error, abort).
+  - C{hold:<ms>}: send the 200 headers at once, then wait that long before
+    the body or the first event, as a provider does that answers at once
+    and then thinks (C{status}, C{reset} and C{not-json} ignore it).
   - C{gap:<ms>}: stream events that far apart (the first comes at once).
   - C{no-usage}: no C{usage} in the answer, and no usage chunk in a
     stream even when asked, as some providers do.
@@ -116,9 +119,9 @@ queries never show up in the connection counts or the request log.
     times, see below; C{ended} is null while the answer is under way),
     C{outcome} (null while under way; C{"finished"} when the whole answer
     was written, C{"clientGone"} when the connection was lost before that,
-    C{"aborted"} when the script aborted it), C{status} (the status
+    C{"aborted"} when the script closed or reset it), C{status} (the status
     answered, null before the headers) and C{eventsSent} (stream events
-    written so far, C{[DONE]} included).
+    written so far, C{[DONE]} included; 0 for answers that are no stream).
   - C{DELETE /_upstream/requests}: empties the log (numbering goes on).
   - C{GET /_upstream/connections}: C{{"open": n, "accepted": n}}, the TCP
     connections of the API port open now and accepted since the start.
@@ -213,7 +216,7 @@ _ANSWER_KINDS = frozenset(
         "not-json",
     }
 )
-_DELIVERY_DIRECTIVES = frozenset({"slow", "gap", "no-usage"})
+_DELIVERY_DIRECTIVES = frozenset({"slow", "hold", "gap", "no-usage"})
 DIRECTIVES = _ANSWER_KINDS | _DELIVERY_DIRECTIVES
 
 _NOT_JSON = b"this is not JSON"
@@ -235,6 +238,7 @@ class Script:
     @ivar count: the argument of C{events}, C{bytes} or C{status}.
     @ivar retryAfter: the Retry-After of a 429, or L{None} for none.
     @ivar delay: seconds to wait before anything.
+    @ivar hold: seconds between the headers and the body.
     @ivar gap: seconds between stream events, or L{None} when not given.
     @ivar usage: whether the answer carries usage.
     """
@@ -243,6 +247,7 @@ class Script:
     count: int = 0
     retryAfter: int | None = None
     delay: float = 0.0
+    hold: float = 0.0
     gap: float | None = None
     usage: bool = True
 
@@ -288,11 +293,11 @@ def parseScript(model: str) -> Script:
             if arguments:
                 raise ScriptError("no-usage takes no argument")
             fields["usage"] = False
-        elif name in ("slow", "gap"):
+        elif name in ("slow", "hold", "gap"):
             if len(arguments) != 1:
                 raise ScriptError(f"{name} takes milliseconds: {name}:<ms>")
             milliseconds = _number(name, arguments[0], 0, 3_600_000)
-            fields["delay" if name == "slow" else "gap"] = milliseconds / 1000
+            fields["delay" if name == "slow" else name] = milliseconds / 1000
         elif name in ("events", "bytes"):
             if len(arguments) != 1:
                 raise ScriptError(f"{name} takes a count: {name}:<n>")
@@ -635,13 +640,17 @@ class _Answer:
             completion["usage"] = self._usage(content, promptTokens)
         answer = json.dumps(completion).encode()
         self._startAnswer(200, b"application/json")
+        if self._script.kind != "never-ending":
+            self._request.setHeader(b"content-length", b"%d" % len(answer))
+        self._afterHold(lambda: self._writeWhole(answer))
+
+    def _writeWhole(self, answer: bytes) -> None:
         kind = self._script.kind
         if kind == "never-ending":
             # JSON allows any amount of leading whitespace: bytes keep
             # coming and the document never completes.
             self._play(itertools.repeat(b" "), self._script.gap or NEVER_ENDING_INTERVAL, None)
             return
-        self._request.setHeader(b"content-length", b"%d" % len(answer))
         if kind in ("close-mid-stream", "stall-stream"):
             self._request.write(answer[: len(answer) // 2])
             if kind == "close-mid-stream":
@@ -688,6 +697,26 @@ class _Answer:
     def _answerStream(self) -> None:
         self._startAnswer(200, b"text/event-stream")
         self._request.setHeader(b"cache-control", b"no-cache")
+        self._afterHold(self._writeStream)
+
+    def _afterHold(self, writeBody: Callable[[], None]) -> None:
+        """
+        Write the body now, or with C{hold}, send the headers now and the
+        body once the hold is over.
+        """
+        if self._script.hold <= 0:
+            writeBody()
+            return
+        self._request.write(b"")
+
+        def afterHold() -> None:
+            self._pending = None
+            if not self._gone:
+                writeBody()
+
+        self._pending = self._reactor.callLater(self._script.hold, afterHold)
+
+    def _writeStream(self) -> None:
         deltas, promptTokens = self._content()
         kind = self._script.kind
         gap = self._script.gap or 0.0
