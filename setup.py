@@ -80,6 +80,10 @@ setup(
             "trustme>=1.1",
             "openapi-spec-validator>=0.7",
             "schemathesis>=4.0",
+            # The official OpenAI SDK: users drive the gateway with it, so the
+            # end-to-end tests use it as their client, and the scripted
+            # upstream of svcd/testing/upstream.py is checked against it.
+            "openai>=1.40",
         ],
     },
     entry_points={

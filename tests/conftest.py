@@ -26,8 +26,9 @@ import pytest
 
 from svcd.testing.servers import PostgresServer, RedisServer
 
-# Fixtures of svc-auth (migrated databases, tenants, a running AuthService).
-pytest_plugins = ["authfixtures"]
+# Fixtures of svc-auth (migrated databases, tenants, a running AuthService),
+# and the scripted OpenAI-compatible upstream.
+pytest_plugins = ["authfixtures", "upstreamfixtures"]
 
 
 @pytest.fixture(scope="session")

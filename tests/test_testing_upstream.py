@@ -1,0 +1,624 @@
+"""
+The scripted upstream of L{svcd.testing.upstream} is what svc-proxy's
+forwarding is tested against, so it must itself be OpenAI-compatible and do
+what its grammar says. The official C{openai} SDK, pointed straight at it,
+is the judge of compatibility; raw sockets check what the SDK cannot see
+(backpressure, bytes that keep coming).
+
+Most tests share one server (module scope) to keep the module fast; those
+that read the request log empty it first, and those that count connections
+or need an API key start their own.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import time
+from collections.abc import Callable, Iterator
+
+import openai
+import pytest
+
+from svcd.testing.upstream import (
+    DEFAULT_RETRY_AFTER,
+    ConnectionCounts,
+    RecordedRequest,
+    Script,
+    ScriptedUpstream,
+    ScriptError,
+    parseScript,
+)
+
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Say hello to the test suite"},
+]
+
+# What echo answers to MESSAGES: 2 messages, the last 27 characters long;
+# prompt tokens are the words of both messages (3 + 6), completion tokens
+# the 10 words of the answer.
+ECHO_CONTENT = "Scripted answer to 2 messages; the last has 27 characters."
+ECHO_USAGE = {"prompt_tokens": 9, "completion_tokens": 10, "total_tokens": 19}
+
+
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ScriptedUpstream]:
+    """
+    One scripted upstream for the tests of this module that neither count
+    connections nor need a key.
+    """
+    server = ScriptedUpstream(tmp_path_factory.mktemp("upstream")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def client(upstream: ScriptedUpstream) -> Iterator[openai.OpenAI]:
+    """
+    The official SDK pointed straight at the shared upstream, with no
+    retries (the SDK retries 429 and 5xx by default, which would hide what
+    the upstream answered).
+    """
+    with openai.OpenAI(
+        base_url=upstream.baseURL, api_key="sk-test-key", max_retries=0, timeout=10.0
+    ) as sdk:
+        yield sdk
+
+
+def waitFor(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the condition did not hold in time"
+        time.sleep(0.02)
+
+
+# The grammar, without a server.
+
+
+def test_plainModelNamesEcho() -> None:
+    """
+    A model name that is not made of directives (what a gateway forwards
+    for real models) is a plain echo.
+    """
+    assert parseScript("gpt-4o") == Script()
+    assert parseScript("llama-3.1-8b") == Script()
+    assert parseScript("echo") == Script()
+    assert parseScript("slowly:5") == Script()
+
+
+def test_directivesCombine() -> None:
+    """
+    Delivery directives combine with one answer kind, in any order.
+    """
+    assert parseScript("gap:50+events:20") == Script(kind="events", count=20, gap=0.05)
+    assert parseScript("status:503+slow:200") == Script(kind="status", count=503, delay=0.2)
+    assert parseScript("no-usage") == Script(usage=False)
+    assert parseScript("hold:250+stall-stream") == Script(kind="stall-stream", hold=0.25)
+    assert parseScript("status:429") == Script(
+        kind="status", count=429, retryAfter=DEFAULT_RETRY_AFTER
+    )
+    assert parseScript("status:429:3").retryAfter == 3
+    assert parseScript("status:429:0").retryAfter is None
+    assert parseScript("status:500").retryAfter is None
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        "status:42",
+        "status:abc",
+        "status:500:3",
+        "status",
+        "slow",
+        "slow:-1",
+        "events:many",
+        "reset:1",
+        "reset+close-mid-stream",
+        "slow:1+slow:2",
+    ],
+)
+def test_misusedDirectivesAreErrors(model: str) -> None:
+    """
+    Known directives used wrongly are an error, never silently an echo: a
+    test with a typo in its script must not pass by chance.
+    """
+    with pytest.raises(ScriptError):
+        parseScript(model)
+
+
+# Compatibility with the official SDK.
+
+
+def test_completion(client: openai.OpenAI) -> None:
+    """
+    A non-streaming completion parses into the SDK's ChatCompletion with
+    the echo content, the request's model, and usage.
+    """
+    completion = client.chat.completions.create(model="echo", messages=MESSAGES)
+    assert completion.object == "chat.completion"
+    assert completion.model == "echo"
+    assert completion.choices[0].message.role == "assistant"
+    assert completion.choices[0].message.content == ECHO_CONTENT
+    assert completion.choices[0].finish_reason == "stop"
+    assert completion.usage is not None
+    assert completion.usage.model_dump(include=set(ECHO_USAGE)) == ECHO_USAGE
+
+
+def test_realModelNameEchoes(client: openai.OpenAI) -> None:
+    """
+    A real model name gets a normal answer naming that model.
+    """
+    completion = client.chat.completions.create(model="llama-3.1-8b", messages=MESSAGES)
+    assert completion.model == "llama-3.1-8b"
+    assert completion.choices[0].message.content == ECHO_CONTENT
+
+
+def test_streamWithoutUsage(client: openai.OpenAI) -> None:
+    """
+    A stream is chat.completion.chunk events: the role first, content
+    deltas that add up to the non-streaming content, a final chunk with
+    finish_reason, and no usage chunk when none was asked for.
+    """
+    chunks = list(client.chat.completions.create(model="echo", messages=MESSAGES, stream=True))
+    assert all(chunk.object == "chat.completion.chunk" for chunk in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == ECHO_CONTENT
+    assert len(chunks) > 5, "several content deltas"
+    assert all(chunk.usage is None and chunk.choices for chunk in chunks)
+
+
+def test_streamWithUsage(client: openai.OpenAI) -> None:
+    """
+    With C{stream_options.include_usage}, the stream ends with one chunk
+    whose choices are empty and whose usage is the non-streaming usage.
+    """
+    chunks = list(
+        client.chat.completions.create(
+            model="echo",
+            messages=MESSAGES,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    *content, usage = chunks
+    assert usage.choices == []
+    assert usage.usage is not None
+    assert usage.usage.model_dump(include=set(ECHO_USAGE)) == ECHO_USAGE
+    assert content[-1].choices[0].finish_reason == "stop"
+    assert all(chunk.usage is None for chunk in content)
+
+
+def test_noUsage(client: openai.OpenAI) -> None:
+    """
+    C{no-usage} answers as providers that report no usage do: none in the
+    completion, and no usage chunk even when asked.
+    """
+    completion = client.chat.completions.create(model="no-usage", messages=MESSAGES)
+    assert completion.usage is None
+    chunks = list(
+        client.chat.completions.create(
+            model="no-usage",
+            messages=MESSAGES,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert all(chunk.choices for chunk in chunks)
+
+
+def test_rawResponseHeaders(client: openai.OpenAI) -> None:
+    """
+    C{with_raw_response} shows the answer's headers (OpenAI's own
+    x-request-id among them) and still parses the completion.
+    """
+    raw = client.chat.completions.with_raw_response.create(model="echo", messages=MESSAGES)
+    assert raw.status_code == 200
+    assert raw.headers["content-type"] == "application/json"
+    assert raw.headers["x-request-id"].startswith("req_scripted_")
+    assert raw.parse().choices[0].message.content == ECHO_CONTENT
+
+
+def test_streamIsChunkedEventStream(upstream: ScriptedUpstream) -> None:
+    """
+    A stream goes out as text/event-stream with chunked transfer encoding
+    and ends with C{data: [DONE]}.
+    """
+    connection = http.client.HTTPConnection(upstream.host, upstream.port, timeout=10)
+    body = json.dumps({"model": "echo", "messages": MESSAGES, "stream": True})
+    connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    answer = connection.getresponse()
+    assert answer.getheader("content-type") == "text/event-stream"
+    assert answer.getheader("transfer-encoding") == "chunked"
+    events = answer.read().decode().split("\n\n")
+    connection.close()
+    assert events[-2:] == ["data: [DONE]", ""]
+    assert all(event.startswith("data: {") for event in events[:-2])
+
+
+def test_modelsList(client: openai.OpenAI) -> None:
+    """
+    C{models.list()} reads the OpenAI list shape.
+    """
+    models = [model.id for model in client.models.list()]
+    assert "echo" in models
+
+
+def test_otherPrefix(upstream: ScriptedUpstream) -> None:
+    """
+    The same routes answer under another base path, and the log tells the
+    two apart: one server can stand for two providers.
+    """
+    upstream.clearRequests()
+    with openai.OpenAI(
+        base_url=upstream.baseURLUnder("other"), api_key="k", max_retries=0
+    ) as other:
+        completion = other.chat.completions.create(model="echo", messages=MESSAGES)
+    assert completion.choices[0].message.content == ECHO_CONTENT
+    assert [request.path for request in upstream.requests()] == ["/other/v1/chat/completions"]
+
+
+# Faults, as the SDK sees them.
+
+
+@pytest.mark.parametrize(
+    ("model", "retryAfter"), [("status:429", "7"), ("status:429:3", "3"), ("status:429:0", None)]
+)
+def test_rateLimited(client: openai.OpenAI, model: str, retryAfter: str | None) -> None:
+    """
+    C{status:429} raises the SDK's RateLimitError, with the Retry-After
+    the script chose visible on the answer.
+    """
+    with pytest.raises(openai.RateLimitError) as raised:
+        client.chat.completions.create(model=model, messages=MESSAGES)
+    assert raised.value.status_code == 429
+    assert raised.value.response.headers.get("retry-after") == retryAfter
+    assert raised.value.code == "rate_limit_exceeded"
+
+
+def test_internalServerError(upstream: ScriptedUpstream, client: openai.OpenAI) -> None:
+    """
+    C{status:500} raises InternalServerError; with max_retries=0 the
+    upstream saw exactly one request.
+    """
+    upstream.clearRequests()
+    with pytest.raises(openai.InternalServerError) as raised:
+        client.chat.completions.create(model="status:500", messages=MESSAGES)
+    assert raised.value.status_code == 500
+    assert raised.value.type == "server_error"
+    assert [request.status for request in upstream.requests()] == [500]
+
+
+def test_badRequest(client: openai.OpenAI) -> None:
+    """
+    C{status:400} raises BadRequestError carrying the upstream's message:
+    what a gateway must pass on as the detail of UPSTREAM_REJECTED.
+    """
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model="status:400", messages=MESSAGES)
+    assert isinstance(raised.value.body, dict)
+    assert raised.value.body["message"] == "Scripted error 400 for model 'status:400'."
+    assert raised.value.type == "invalid_request_error"
+
+
+def test_badScriptIsBadRequest(client: openai.OpenAI) -> None:
+    """
+    A misused directive answers 400 saying what is wrong with it.
+    """
+    with pytest.raises(openai.BadRequestError, match="status takes a whole number"):
+        client.chat.completions.create(model="status:42", messages=MESSAGES)
+
+
+def test_closeMidStream(upstream: ScriptedUpstream, client: openai.OpenAI) -> None:
+    """
+    C{close-mid-stream} delivers its first events, then the SDK raises
+    while iterating: the stream ended without its terminating chunk. The
+    log calls it aborted.
+    """
+    upstream.clearRequests()
+    stream = client.chat.completions.create(
+        model="close-mid-stream", messages=MESSAGES, stream=True
+    )
+    received = []
+    with pytest.raises(openai.APIConnectionError):
+        for chunk in stream:
+            received.append(chunk)
+    assert len(received) == 3
+    (request,) = upstream.waitUntilEnded()
+    assert (request.outcome, request.eventsSent) == ("aborted", 3)
+
+
+def test_closeMidAnswer(client: openai.OpenAI) -> None:
+    """
+    Without streaming, C{close-mid-stream} closes the connection halfway
+    through a body of announced length: a connection error for the SDK.
+    """
+    with pytest.raises(openai.APIConnectionError):
+        client.chat.completions.create(model="close-mid-stream", messages=MESSAGES)
+
+
+def test_reset(client: openai.OpenAI) -> None:
+    """
+    C{reset} aborts the connection before any answer.
+    """
+    with pytest.raises(openai.APIConnectionError):
+        client.chat.completions.create(model="reset", messages=MESSAGES)
+
+
+def test_slowAnswerTimesOut(upstream: ScriptedUpstream, client: openai.OpenAI) -> None:
+    """
+    C{slow:<ms>} holds the answer back: a client with a shorter timeout
+    raises APITimeoutError, and the log shows the client gone.
+    """
+    upstream.clearRequests()
+    started = time.monotonic()
+    with pytest.raises(openai.APITimeoutError):
+        client.with_options(timeout=0.3).chat.completions.create(
+            model="slow:5000", messages=MESSAGES
+        )
+    assert time.monotonic() - started < 4.0
+    (request,) = upstream.waitUntilEnded()
+    assert request.outcome == "clientGone"
+    assert request.status is None
+
+
+def test_slowAnswerArrives(client: openai.OpenAI) -> None:
+    """
+    A slow answer within the client's timeout arrives whole, no sooner
+    than the script said.
+    """
+    started = time.monotonic()
+    completion = client.chat.completions.create(model="slow:200", messages=MESSAGES)
+    assert time.monotonic() - started >= 0.2
+    assert completion.choices[0].message.content == ECHO_CONTENT
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_holdSendsHeadersFirst(upstream: ScriptedUpstream, stream: bool) -> None:
+    """
+    C{hold:<ms>} sends the headers at once and holds the body back: the
+    status arrives while a read of the body times out.
+    """
+    connection = http.client.HTTPConnection(upstream.host, upstream.port, timeout=10)
+    body = json.dumps({"model": "hold:60000", "messages": MESSAGES, "stream": stream})
+    connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    answer = connection.getresponse()
+    assert answer.status == 200
+    assert connection.sock is not None
+    connection.sock.settimeout(0.2)
+    with pytest.raises(TimeoutError):
+        answer.read1(100)
+    connection.close()
+
+
+def test_heldAnswerArrives(client: openai.OpenAI) -> None:
+    """
+    A held answer arrives whole once the hold is over, streamed or not.
+    """
+    completion = client.chat.completions.create(model="hold:100", messages=MESSAGES)
+    assert completion.choices[0].message.content == ECHO_CONTENT
+    chunks = client.chat.completions.create(model="hold:100", messages=MESSAGES, stream=True)
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == ECHO_CONTENT
+
+
+def test_stallStream(client: openai.OpenAI) -> None:
+    """
+    C{stall-stream} sends the headers and the role event, then nothing: a
+    read timeout for the client.
+    """
+    stream = client.with_options(timeout=0.3).chat.completions.create(
+        model="stall-stream", messages=MESSAGES, stream=True
+    )
+    received = []
+    with pytest.raises(openai.APITimeoutError):
+        for chunk in stream:
+            received.append(chunk)
+    assert [chunk.choices[0].delta.role for chunk in received] == ["assistant"]
+
+
+def test_gapSpacesEvents(client: openai.OpenAI) -> None:
+    """
+    C{gap:<ms>} spaces the stream's events: six events (role, three
+    contents, finish, [DONE]) take at least five gaps.
+    """
+    started = time.monotonic()
+    chunks = list(
+        client.chat.completions.create(model="gap:40+events:3", messages=MESSAGES, stream=True)
+    )
+    assert time.monotonic() - started >= 5 * 0.04
+    assert len(chunks) == 5
+
+
+def test_bytes(client: openai.OpenAI) -> None:
+    """
+    C{bytes:<n>} answers n characters of content, streamed or not.
+    """
+    completion = client.chat.completions.create(model="bytes:100000", messages=MESSAGES)
+    assert len(completion.choices[0].message.content or "") == 100_000
+    chunks = client.chat.completions.create(model="bytes:1000", messages=MESSAGES, stream=True)
+    assert sum(len(chunk.choices[0].delta.content or "") for chunk in chunks) == 1000
+
+
+def test_notJSON(upstream: ScriptedUpstream) -> None:
+    """
+    C{not-json} answers 200 claiming JSON with a body that is none, and
+    as a stream an event whose data is none.
+    """
+    connection = http.client.HTTPConnection(upstream.host, upstream.port, timeout=10)
+    body = json.dumps({"model": "not-json", "messages": MESSAGES})
+    connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    answer = connection.getresponse()
+    assert (answer.status, answer.getheader("content-type")) == (200, "application/json")
+    with pytest.raises(ValueError):
+        json.loads(answer.read())
+    body = json.dumps({"model": "not-json", "messages": MESSAGES, "stream": True})
+    connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    answer = connection.getresponse()
+    assert answer.read() == b"data: this is not JSON\n\ndata: [DONE]\n\n"
+    connection.close()
+
+
+def test_neverEndingAnswerKeepsSendingBytes(upstream: ScriptedUpstream) -> None:
+    """
+    Without streaming, C{never-ending} is a 200 whose body keeps coming, a
+    byte of JSON whitespace at a time, and never completes.
+    """
+    connection = http.client.HTTPConnection(upstream.host, upstream.port, timeout=10)
+    body = json.dumps({"model": "gap:20+never-ending", "messages": MESSAGES})
+    connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    answer = connection.getresponse()
+    assert answer.status == 200
+    received = b""
+    while len(received) < 5:
+        received += answer.read1(100)
+    assert received.isspace()
+    connection.close()
+
+
+# The request log and the connection counts.
+
+
+def test_requestLog(upstream: ScriptedUpstream, client: openai.OpenAI) -> None:
+    """
+    The log holds each request's method, path, every header and the parsed
+    body, with the time it arrived and ended.
+    """
+    upstream.clearRequests()
+    before = time.monotonic()
+    client.chat.completions.create(
+        model="echo",
+        messages=MESSAGES,
+        temperature=0.5,
+        extra_headers={"X-Request-ID": "req-123"},
+        extra_body={"unknown_key": {"kept": True}},
+    )
+    (request,) = upstream.requests()
+    assert isinstance(request, RecordedRequest)
+    assert (request.method, request.path, request.query) == ("POST", "/v1/chat/completions", "")
+    assert request.header("Authorization") == "Bearer sk-test-key"
+    assert request.header("x-request-id") == "req-123"
+    assert request.header("content-type") == "application/json"
+    assert request.body == {
+        "model": "echo",
+        "messages": MESSAGES,
+        "temperature": 0.5,
+        "unknown_key": {"kept": True},
+    }
+    assert request.bodyText is None
+    assert request.bodyLength > 0
+    assert (request.status, request.outcome) == (200, "finished")
+    assert request.ended is not None
+    assert before <= request.arrived <= request.ended <= time.monotonic()
+
+
+def test_requestLogKeepsBodiesThatAreNotJSON(upstream: ScriptedUpstream) -> None:
+    """
+    A body that is not JSON is kept as text (and answered 400, as OpenAI
+    would).
+    """
+    upstream.clearRequests()
+    connection = http.client.HTTPConnection(upstream.host, upstream.port, timeout=10)
+    connection.request("POST", "/v1/chat/completions?x=1", b"{not json")
+    assert connection.getresponse().status == 400
+    connection.close()
+    (request,) = upstream.requests()
+    assert (request.body, request.bodyText, request.query) == (None, "{not json", "x=1")
+
+
+def test_clientClosingStreamEarlyIsRecorded(
+    upstream: ScriptedUpstream, client: openai.OpenAI
+) -> None:
+    """
+    When the client closes a never-ending stream, the log records when
+    the connection was lost, soon after the client closed it: what a test
+    of the gateway uses to check that it closed its upstream request.
+    """
+    upstream.clearRequests()
+    stream = client.chat.completions.create(model="never-ending", messages=MESSAGES, stream=True)
+    for received, _ in enumerate(stream, start=1):
+        if received == 3:
+            break
+    closedAt = time.monotonic()
+    stream.close()
+    (request,) = upstream.waitUntilEnded(timeout=5.0)
+    assert request.outcome == "clientGone"
+    assert request.ended is not None
+    assert closedAt <= request.ended < closedAt + 1.0
+    assert request.eventsSent >= 3
+
+
+def test_apiKey(startScriptedUpstream: Callable[..., ScriptedUpstream]) -> None:
+    """
+    With an API key, a request without the right bearer token gets 401
+    (AuthenticationError for the SDK) and one with it is answered.
+    """
+    upstream = startScriptedUpstream(apiKey="sk-upstream")
+    with openai.OpenAI(base_url=upstream.baseURL, api_key="sk-wrong", max_retries=0) as wrong:
+        with pytest.raises(openai.AuthenticationError) as raised:
+            wrong.chat.completions.create(model="echo", messages=MESSAGES)
+        assert raised.value.code == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+    with openai.OpenAI(base_url=upstream.baseURL, api_key="sk-upstream", max_retries=0) as right:
+        completion = right.chat.completions.create(model="echo", messages=MESSAGES)
+    assert completion.choices[0].message.content == ECHO_CONTENT
+    assert [request.status for request in upstream.requests()] == [401, 401, 200]
+
+
+def test_connectionCounts(scriptedUpstream: ScriptedUpstream) -> None:
+    """
+    The connection counts show a client's pooled connection: open while
+    the client keeps it, one accepted for several requests, none open once
+    the client is closed. The control queries themselves count nowhere.
+    """
+    assert scriptedUpstream.connections() == ConnectionCounts(open=0, accepted=0)
+    with openai.OpenAI(base_url=scriptedUpstream.baseURL, api_key="k", max_retries=0) as sdk:
+        for _ in range(3):
+            sdk.chat.completions.create(model="echo", messages=MESSAGES)
+        counts = scriptedUpstream.connections()
+        assert (counts.open, counts.accepted) == (1, 1)
+        ports = {request.clientPort for request in scriptedUpstream.requests()}
+        assert len(ports) == 1, "the three requests shared one connection"
+    waitFor(lambda: scriptedUpstream.connections().open == 0)
+    assert scriptedUpstream.connections().accepted == 1
+
+
+def test_eventsRespectBackpressure(upstream: ScriptedUpstream) -> None:
+    """
+    C{events:<n>} writes only as fast as its reader reads: while nobody
+    reads, the upstream stops once the buffers are full, far short of n;
+    once read, the whole stream arrives.
+    """
+    upstream.clearRequests()
+    # About 15 MB, more than the loopback connection's buffers hold (the
+    # upstream stops at 3 MB or so).
+    count = 30_000
+    body = json.dumps({"model": f"events:{count}", "messages": MESSAGES, "stream": True})
+    request = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: upstream\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}"
+    )
+    with socket.create_connection((upstream.host, upstream.port), timeout=10) as connection:
+        connection.sendall(request.encode())
+        # Poll until the upstream has stopped writing: the same count on
+        # several reads in a row.
+        readings: list[int] = []
+
+        def settled() -> bool:
+            log = upstream.requests()
+            readings.append(log[0].eventsSent if log else 0)
+            return len(readings) >= 5 and readings[-1] > 0 and len(set(readings[-5:])) == 1
+
+        waitFor(settled, timeout=20.0)
+        assert readings[-1] < count / 2, f"wrote {readings[-1]} of {count} with no reader"
+        chunks: list[bytes] = []
+        ending = b"data: [DONE]\n\n\r\n0\r\n\r\n"
+        while not b"".join(chunks[-2:]).endswith(ending):
+            chunk = connection.recv(1 << 20)
+            assert chunk, "the stream ended early"
+            chunks.append(chunk)
+    assert b"".join(chunks).count(b'"content": "event ') == count
+    (record,) = upstream.waitUntilEnded()
+    assert (record.outcome, record.eventsSent) == ("finished", count + 3)

@@ -1,0 +1,46 @@
+"""
+Fixtures for tests that need an OpenAI-compatible provider: the scripted
+upstream of L{svcd.testing.upstream}, run as a process of its own on a
+loopback port. Loaded for every test module by tests/conftest.py
+(pytest_plugins).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from svcd.testing.upstream import ScriptedUpstream
+
+
+@pytest.fixture
+def scriptedUpstream(tmp_path: Path) -> Iterator[ScriptedUpstream]:
+    """
+    A scripted upstream of this test's own, with no API key: point a
+    provider's C{base_url} (or the C{openai} SDK) at C{.baseURL}, choose
+    each answer with the model, read what arrived with C{.requests()}.
+    """
+    upstream = ScriptedUpstream(tmp_path / "upstream").start()
+    yield upstream
+    upstream.stop()
+
+
+@pytest.fixture
+def startScriptedUpstream(tmp_path: Path) -> Iterator[Callable[..., ScriptedUpstream]]:
+    """
+    A function that starts one more scripted upstream, taking
+    L{ScriptedUpstream}'s keyword arguments (C{apiKey}), for tests that need
+    a key or several servers; each is stopped after the test.
+    """
+    started: list[ScriptedUpstream] = []
+
+    def start(apiKey: str | None = None) -> ScriptedUpstream:
+        upstream = ScriptedUpstream(tmp_path / f"upstream-{len(started) + 1}", apiKey=apiKey)
+        started.append(upstream)
+        return upstream.start()
+
+    yield start
+    for upstream in started:
+        upstream.stop()
