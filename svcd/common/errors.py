@@ -77,6 +77,18 @@ class ErrorCode(str, enum.Enum):
         501,
         "No LLM provider is configured for this gateway.",
     )
+    UPSTREAM_REJECTED = (
+        "UPSTREAM_REJECTED",
+        400,
+        "The model provider refused the request.",
+    )
+    UPSTREAM_RATE_LIMITED = (
+        "UPSTREAM_RATE_LIMITED",
+        429,
+        "The model provider is limiting this gateway's requests; try again later.",
+    )
+    UPSTREAM_ERROR = ("UPSTREAM_ERROR", 502, "The model provider failed to answer.")
+    UPSTREAM_TIMEOUT = ("UPSTREAM_TIMEOUT", 504, "The model provider did not answer in time.")
     SERVICE_DEGRADED = (
         "SERVICE_DEGRADED",
         503,
@@ -129,8 +141,12 @@ class ApiError(Exception):
         detail: str | None = None,
         fieldErrors: Sequence[FieldError] = (),
         headers: Sequence[tuple[str, str]] = (),
+        status: int | None = None,
     ) -> None:
         self.code = code
+        # Only UPSTREAM_REJECTED answers another status than its code's: the
+        # provider's own 4xx (decisions D9).
+        self._status = status
         self.message = message if message is not None else code.defaultMessage
         self.detail = detail
         self.fieldErrors = tuple(fieldErrors)
@@ -139,7 +155,7 @@ class ApiError(Exception):
 
     @property
     def status(self) -> int:
-        return self.code.status
+        return self._status if self._status is not None else self.code.status
 
 
 def validationError(fieldErrors: Sequence[FieldError]) -> ApiError:

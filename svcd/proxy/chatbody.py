@@ -41,6 +41,9 @@ class ChatRequest:
     stream: bool = False
     temperature: float | None = None
     maxTokens: int | None = None
+    # The whole JSON object as the client sent it, unknown keys included:
+    # what is forwarded to a provider (decisions D9).
+    document: dict[str, Any] = attrs.field(factory=dict, repr=False)
 
 
 def _refuseConstant(name: str) -> Any:
@@ -132,6 +135,7 @@ def parseChatBody(body: bytes) -> ChatRequest:
         stream=bool(stream),
         temperature=float(temperature) if temperature is not None else None,
         maxTokens=maxTokens,
+        document=document,
     )
 
 

@@ -9,14 +9,16 @@ turns it into one line on stderr and a non-zero exit.
 from __future__ import annotations
 
 import re
+import time
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import attrs
 
 from svcd.common import config
 from svcd.common.config import ConfigError
 from svcd.common.ids import parseUUID
+from svcd.proxy.forwarding.providers import ProviderTable, providersFromEnvironment
 
 # RFC 9110 token characters: what a header name may be made of.
 _HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
@@ -75,11 +77,18 @@ class ProxyConfig:
     shutdownTimeout: float = 10.0
     serviceName: str = "svc-proxy"
     environment: str = "development"
+    # Decisions D9: SVC_PROVIDERS_FILE; None is Phase 1 (no provider).
+    providers: ProviderTable | None = None
 
     @classmethod
-    def fromEnvironment(cls, environ: Mapping[str, str]) -> ProxyConfig:
+    def fromEnvironment(
+        cls, environ: Mapping[str, str], clock: Callable[[], float] = time.time
+    ) -> ProxyConfig:
         """
-        Read and check every variable.
+        Read and check every variable, and the providers file.
+
+        @param clock: Unix time, when the providers file is read (the
+            C{created} of GET /v1/models).
 
         @raise ConfigError: naming the first variable that is missing or
             has a value we cannot use.
@@ -122,6 +131,7 @@ class ProxyConfig:
             environment=config.choice(
                 environ, "SVC_ENV", "development", ("development", "staging", "production")
             ),
+            providers=providersFromEnvironment(environ, clock),
         )
 
 

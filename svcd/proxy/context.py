@@ -18,6 +18,7 @@ from opentelemetry.trace import INVALID_SPAN, Span
 from twisted.web.server import Request
 
 from svcd.proxy.authclient import AgentInfo, TokenInfo
+from svcd.proxy.forwarding.upstream import UpstreamRecord
 
 JSON = b"application/json"
 
@@ -33,6 +34,9 @@ class Reply:
     body: bytes
     contentType: bytes = JSON
     headers: list[tuple[bytes, bytes]] = attrs.field(factory=list)
+    # Written already, as a stream, status line and headers included
+    # (svcd.proxy.edge._ClientStream).
+    streamed: bool = False
 
 
 @attrs.define(slots=True, repr=False)
@@ -62,6 +66,8 @@ class RequestContext:
     # X-RateLimit-*.
     responseHeaders: list[tuple[bytes, bytes]] = attrs.field(factory=list)
     status: int = 0
+    # What forwarding to a provider did, for the access log.
+    upstream: UpstreamRecord = attrs.field(factory=UpstreamRecord)
 
 
 Step = Callable[[RequestContext], Awaitable[None]]

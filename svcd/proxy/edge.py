@@ -63,6 +63,8 @@ from svcd.proxy.context import (
     Step,
     newTraceID,
 )
+from svcd.proxy.forwarding.providers import ProviderTable, modelsDocument
+from svcd.proxy.forwarding.upstream import Forwarder
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.ratelimit import RateLimiter
 
@@ -122,8 +124,13 @@ class ProxyEdge:
         metrics: ProxyMetrics,
         clock: Clock,
         tracer: Tracer | None = None,
+        forwarder: Forwarder | None = None,
     ) -> None:
         self._tracer = tracer if tracer is not None else untracedProvider().get_tracer(__name__)
+        # Decisions D9: without a providers file, Phase 1 exactly (501, no
+        # GET /v1/models).
+        self._providers: ProviderTable | None = config.providers
+        self._forwarder = forwarder
         self._auth = auth
         self._limiter = limiter
         self._metrics = metrics
@@ -191,6 +198,18 @@ class ProxyEdge:
             Route("/v1/chat/completions", {"POST": chat}),
             Route("/proxy/v1/chat/completions", {"POST": chat}),
         )
+        if self._providers is not None:
+            self.routes += (
+                Route(
+                    "/v1/models",
+                    {
+                        "GET": Pipeline(
+                            (self.tokenAuth(), self.agentVerify, self.rateLimit),
+                            self.modelsList,
+                        )
+                    },
+                ),
+            )
         self.unmatched = Route(_UNMATCHED, {})
 
         self.app = Klein()
@@ -258,6 +277,9 @@ class ProxyEdge:
         self._inFlight += 1
         try:
             reply = await self._chain(ctx)
+            if reply.streamed:
+                # Its status line, headers and body are written already.
+                return b""
             request = ctx.request
             request.setResponseCode(reply.status)
             headers = request.responseHeaders
@@ -405,7 +427,8 @@ class ProxyEdge:
         what the steps added (X-RateLimit-*).
         """
         reply = await inner(ctx)
-        self._addStandardHeaders(ctx, reply)
+        if not reply.streamed:
+            self._addStandardHeaders(ctx, reply)
         return reply
 
     def _addStandardHeaders(self, ctx: RequestContext, reply: Reply) -> None:
@@ -432,6 +455,21 @@ class ProxyEdge:
                 trace_id=ctx.traceID,
             )
             raise
+        upstream = ctx.upstream
+        if upstream.provider is None:
+            self.log.info(
+                "{method} {route} {status}",
+                method=ctx.method,
+                route=ctx.route.template,
+                status=reply.status,
+                duration_ms=round((self._clock.seconds() - ctx.started) * 1000, 3),
+                request_id=ctx.requestID,
+                trace_id=ctx.traceID,
+                org_id=ctx.orgID,
+                agent_id=ctx.agentID,
+            )
+            return reply
+        usage = upstream.usage
         self.log.info(
             "{method} {route} {status}",
             method=ctx.method,
@@ -442,6 +480,12 @@ class ProxyEdge:
             trace_id=ctx.traceID,
             org_id=ctx.orgID,
             agent_id=ctx.agentID,
+            provider=upstream.provider,
+            model=upstream.model,
+            upstream_model=upstream.upstreamModel,
+            upstream_ms=upstream.upstreamMilliseconds,
+            prompt_tokens=usage.promptTokens if usage is not None else None,
+            completion_tokens=usage.completionTokens if usage is not None else None,
         )
         return reply
 
@@ -619,10 +663,20 @@ class ProxyEdge:
             ),
         )
 
+    async def modelsList(self, ctx: RequestContext) -> Reply:
+        """
+        GET /v1/models: the models the caller's organization may use, in
+        OpenAI's list shape (decisions D9).
+        """
+        assert self._providers is not None and ctx.orgID is not None
+        return Reply(200, _dumps(modelsDocument(self._providers, ctx.orgID)))
+
     async def chatCompletions(self, ctx: RequestContext) -> Reply:
         """
         Parse and validate the body, log its metadata (never the messages),
-        then answer 501: no provider is wired in Phase 1.
+        then forward it to its model's provider (decisions D9): 501 when no
+        provider is configured (Phase 1) or the model is not one the
+        caller's organization may use.
         """
         content = _body(ctx.request)
         content.seek(0)
@@ -646,7 +700,36 @@ class ProxyEdge:
             message_count=len(chat.messages),
             stream=chat.stream,
         )
-        raise ApiError(ErrorCode.PROVIDER_NOT_CONFIGURED)
+        providers, forwarder = self._providers, self._forwarder
+        if providers is None or forwarder is None:
+            raise ApiError(ErrorCode.PROVIDER_NOT_CONFIGURED)
+        assert ctx.orgID is not None
+        model = providers.modelFor(chat.model, ctx.orgID)
+        if model is None:
+            # Never a hint that the model exists for another organization.
+            raise ApiError(ErrorCode.PROVIDER_NOT_CONFIGURED)
+        answer = await forwarder.forward(
+            chat.document,
+            providers.attempts(model, ctx.orgID),
+            ctx.requestID,
+            _ClientStream(self, ctx),
+            lambda error: self.errorEvent(ctx, error),
+            ctx.upstream,
+        )
+        return Reply(
+            answer.status,
+            answer.body,
+            contentType=answer.contentType,
+            headers=list(answer.headers),
+            streamed=answer.streamed,
+        )
+
+    def errorEvent(self, ctx: RequestContext, error: ApiError) -> bytes:
+        """
+        The one event that ends a stream after a fault (decisions D9):
+        C{data: {"error": ...}} with the envelope of spec section 7.
+        """
+        return b"data: " + self.errorReply(ctx, error).body + b"\n\n"
 
 
 def _body(request: Request) -> IO[bytes]:
@@ -679,6 +762,52 @@ def bearerToken(request: Request) -> str:
     if parseToken(token) is None:
         raise ApiError(ErrorCode.INVALID_TOKEN)
     return token
+
+
+class _ClientStream:
+    """
+    A request's response written as a stream (a relayed event stream): the
+    status line and every header the answer would carry (request and trace
+    ids, the time to this first byte, X-RateLimit-*), then each piece as it
+    comes, with the relay as the producer so a slow client pauses it.
+    """
+
+    def __init__(self, edge: ProxyEdge, ctx: RequestContext) -> None:
+        self._edge = edge
+        self._ctx = ctx
+        self._producing = False
+
+    def _gone(self) -> bool:
+        request: Any = self._ctx.request
+        return bool(request.finished or request._disconnected)
+
+    def begin(
+        self, status: int, contentType: bytes, headers: Sequence[tuple[bytes, bytes]]
+    ) -> None:
+        request = self._ctx.request
+        request.setResponseCode(status)
+        outgoing = request.responseHeaders
+        outgoing.setRawHeaders(b"Content-Type", [contentType])
+        outgoing.setRawHeaders(b"Cache-Control", [b"no-cache"])
+        outgoing.removeHeader(b"Server")
+        reply = Reply(status, b"", contentType=contentType, headers=list(headers))
+        self._edge._addStandardHeaders(self._ctx, reply)
+        for name, value in reply.headers:
+            outgoing.addRawHeader(name, value)
+
+    def write(self, data: bytes) -> None:
+        if not self._gone():
+            self._ctx.request.write(data)
+
+    def registerProducer(self, producer: Any) -> None:
+        if not self._gone():
+            self._ctx.request.registerProducer(producer, True)
+            self._producing = True
+
+    def unregisterProducer(self) -> None:
+        if self._producing and not self._gone():
+            self._ctx.request.unregisterProducer()
+        self._producing = False
 
 
 @implementer(IResource)

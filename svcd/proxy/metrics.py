@@ -8,10 +8,33 @@ codes only: never an org id, an agent id or a raw path.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from svcd.common.metrics import BUCKETS, Children, processUpGauge
+
+if TYPE_CHECKING:
+    from svcd.proxy.forwarding.relay import Usage
+
+# A provider's answer takes seconds to minutes, not milliseconds.
+UPSTREAM_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)
 
 # Methods outside this set share one label value, so that a client
 # inventing methods cannot inflate the number of series.
@@ -83,6 +106,27 @@ class ProxyMetrics:
             "1 while svc-auth's change feed is live and the validation cache is trusted, else 0",
             registry=self.registry,
         )
+        self.upstreamRequests = Counter(
+            "svc_proxy_upstream_requests",
+            "Requests forwarded to a provider, by provider, model (the gateway's name)"
+            " and status (the provider's HTTP status, or timeout, connect_error, invalid,"
+            " broken, stream_timeout, stream_broken, stream_invalid, cancelled)",
+            ["provider", "model", "status"],
+            registry=self.registry,
+        )
+        self.upstreamDuration = Histogram(
+            "svc_proxy_upstream_duration_seconds",
+            "Time of each request to a provider, to its whole answer or stream's end",
+            ["provider"],
+            buckets=UPSTREAM_BUCKETS,
+            registry=self.registry,
+        )
+        self.upstreamTokens = Counter(
+            "svc_proxy_upstream_tokens",
+            "Tokens the providers counted, by provider, model and kind (prompt or completion)",
+            ["provider", "model", "kind"],
+            registry=self.registry,
+        )
         self.processUp = processUpGauge(self.registry)
         # Route templates, known methods and status codes: a small, bounded
         # set of children, looked up once each.
@@ -115,3 +159,18 @@ class ProxyMetrics:
         Make svc_proxy_auth_feed_up read C{live} at every scrape.
         """
         self.authFeedUp.set_function(lambda: 1.0 if live() else 0.0)
+
+    def observeUpstream(
+        self, provider: str, model: str, status: str, seconds: float, usage: Usage | None
+    ) -> None:
+        """
+        One request to a provider: its outcome, its duration, its tokens.
+        """
+        children = self._children
+        children.of(self.upstreamRequests, provider, model, status).inc()
+        children.of(self.upstreamDuration, provider).observe(seconds)
+        if usage is not None:
+            children.of(self.upstreamTokens, provider, model, "prompt").inc(usage.promptTokens)
+            children.of(self.upstreamTokens, provider, model, "completion").inc(
+                usage.completionTokens
+            )

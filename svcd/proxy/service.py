@@ -30,11 +30,21 @@ class ClosableAuthClient(Protocol):
     def close(self) -> None: ...
 
 
+class ClosableForwarder(Protocol):
+    """
+    The lifecycle part of the forwarder: its pooled connections close at
+    the end.
+    """
+
+    def close(self) -> Deferred[None]: ...
+
+
 class ProxyService(MultiService):
     """
     Listens for HTTP while running. Stopping stops listening first, lets
     requests in flight finish (at most C{shutdownTimeout} seconds), then
-    closes the gRPC channel and the Redis connection.
+    closes the gRPC channel, the Redis connection and the providers'
+    pooled connections.
     """
 
     log = Logger()
@@ -48,6 +58,7 @@ class ProxyService(MultiService):
         limiter: RateLimiter,
         clock: Clock,
         shutdownTimeout: float,
+        forwarder: ClosableForwarder | None = None,
     ) -> None:
         super().__init__()  # type: ignore[no-untyped-call, unused-ignore]
         self._edge = edge
@@ -55,6 +66,7 @@ class ProxyService(MultiService):
         self._limiter = limiter
         self._clock = clock
         self._shutdownTimeout = shutdownTimeout
+        self._forwarder = forwarder
         self.listener = StreamServerEndpointService(endpoint, site)  # type: ignore[no-untyped-call, unused-ignore]
         # A port that cannot be bound fails startService instead of being
         # logged while the daemon runs without listening.
@@ -82,4 +94,6 @@ class ProxyService(MultiService):
             )
         self._auth.close()
         await self._limiter.stop()
+        if self._forwarder is not None:
+            await self._forwarder.close()
         self.log.info("svc-proxy stopped")

@@ -33,6 +33,7 @@ from svcd.proxy.authclient import AuthClient, GrpcAuthClient, authChannel
 from svcd.proxy.authfeed import ChangeFeed
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.edge import ProxyEdge
+from svcd.proxy.forwarding.upstream import Forwarder
 from svcd.proxy.listening import listenEndpoint
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.ratelimit import makeRateLimiter
@@ -131,7 +132,12 @@ def makeService(options: Options) -> LoggingRootService:
         config.defaultRPM,
         config.orgRPM,
     )
-    edge = ProxyEdge(config, auth, limiter, metrics, reactor, tracer)
+    forwarder = None
+    if config.providers is not None:
+        forwarder = Forwarder(
+            reactor, reactor, tuple(config.providers.providers.values()), metrics, tracer
+        )
+    edge = ProxyEdge(config, auth, limiter, metrics, reactor, tracer, forwarder)
     site = ProxySite(edge.resource(), config.maxRequestBodyBytes, reactor)
     ProxyService(
         listenEndpoint(reactor, config.host, config.port, config.reusePort),
@@ -141,6 +147,7 @@ def makeService(options: Options) -> LoggingRootService:
         limiter,
         reactor,
         config.shutdownTimeout,
+        forwarder,
     ).setServiceParent(root)  # type: ignore[no-untyped-call, unused-ignore]
     exitZeroOnStopSignals(reactor)
     settleHeapWhenRunning(reactor)

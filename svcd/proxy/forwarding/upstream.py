@@ -1,0 +1,585 @@
+"""
+Forwarding a chat completion to its provider (decisions D9): the request
+sent upstream, the persistent connections it goes over, every upstream
+fault mapped to the gateway's error, fallbacks, usage, metrics and the
+upstream client span.
+
+What is sent: the client's JSON object, with C{model} replaced by the
+model's C{upstream_model} and every other key kept; for a stream,
+C{stream_options.include_usage} is asked for (the usage event is relayed
+only when the client asked for it too). Headers: C{Content-Type:
+application/json}, C{Authorization: Bearer <key>} when the provider has a
+key, C{X-Request-ID} and C{traceparent}: nothing else of the client's, never
+its token.
+
+Connections: one treq client per provider over its own pool of persistent
+connections, on the reactor (no thread per request); at most
+C{max_connections} requests are in flight per provider, the others wait
+their turn within their deadline. An idle connection is kept at most
+C{IDLE_CONNECTION_SECONDS}, below the keep-alive timeout of common servers
+(uvicorn's is 5 s), so that a request is seldom sent on a connection the
+server is closing.
+
+Faults before any byte reached the client, in the envelope (D9):
+
+  ====================================  ====  =======================
+  upstream                              HTTP  code
+  ====================================  ====  =======================
+  refused, reset, broken, 5xx, 2xx      502   UPSTREAM_ERROR
+  that is not what was asked, 401,
+  403, 404 (the operator's key or
+  model is wrong)
+  no answer within C{timeout} (stream:  504   UPSTREAM_TIMEOUT
+  no first event within
+  C{idle_timeout})
+  429                                   429   UPSTREAM_RATE_LIMITED
+                                              (with its Retry-After)
+  any other 4xx                         same  UPSTREAM_REJECTED (its
+                                              message in C{detail})
+  ====================================  ====  =======================
+
+Every fault but UPSTREAM_REJECTED tries the model's fallbacks in order;
+when all fail, the last one's error is the answer. The model that answered
+is named in C{X-SVC-Upstream-Model}.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from http.cookiejar import DefaultCookiePolicy
+from typing import Any, Protocol
+
+import attrs
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
+from treq.client import HTTPClient
+from treq.cookies import IndexableCookieJar
+from twisted.internet.defer import (
+    CancelledError,
+    Deferred,
+    DeferredSemaphore,
+    TimeoutError,
+    gatherResults,
+)
+from twisted.internet.interfaces import IPushProducer
+from twisted.logger import Logger
+from twisted.web.client import Agent, HTTPConnectionPool
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import IResponse
+
+from svcd.common.clocks import Clock, asReactorTime
+from svcd.common.deferreds import timeoutDeferred
+from svcd.common.errors import ApiError, ErrorCode
+from svcd.common.tracing import traceparentOf
+from svcd.proxy.forwarding.providers import Model, Provider
+from svcd.proxy.forwarding.relay import BodyReader, StreamFault, StreamRelay, Usage, usageOf
+from svcd.proxy.metrics import ProxyMetrics
+
+UPSTREAM_MODEL_HEADER = b"X-SVC-Upstream-Model"
+IDLE_CONNECTION_SECONDS = 4.0
+# How much of an upstream's error message goes into C{detail}.
+DETAIL_CHARACTERS = 1000
+_SPAN_ERROR = Status(StatusCode.ERROR)
+_JSON = b"application/json"
+_EVENT_STREAM = b"text/event-stream"
+
+
+class ClientStream(Protocol):
+    """
+    The client's response as a stream, given by the edge: C{begin} writes
+    the status line and headers (the edge's own, such as X-Request-ID and
+    X-RateLimit-*, plus C{headers}).
+    """
+
+    def begin(
+        self, status: int, contentType: bytes, headers: Sequence[tuple[bytes, bytes]]
+    ) -> None: ...
+
+    def write(self, data: bytes) -> None: ...
+
+    def registerProducer(self, producer: IPushProducer) -> None: ...
+
+    def unregisterProducer(self) -> None: ...
+
+
+@attrs.define
+class UpstreamRecord:
+    """
+    What the access log says of the forwarding: filled as it goes.
+    """
+
+    provider: str | None = None
+    model: str | None = None
+    upstreamModel: str | None = None
+    upstreamMilliseconds: float | None = None
+    usage: Usage | None = None
+
+
+@attrs.frozen
+class Answer:
+    """
+    A non-streaming answer for the client (a streamed one has already been
+    written when C{streamed} is set).
+    """
+
+    status: int
+    body: bytes
+    contentType: bytes = _JSON
+    headers: list[tuple[bytes, bytes]] = attrs.field(factory=list)
+    streamed: bool = False
+
+
+class UpstreamFault(Exception):
+    """
+    One attempt failed before any byte reached the client.
+
+    @ivar error: the client's answer if no fallback does better.
+    @ivar label: the C{status} label of svc_proxy_upstream_requests_total.
+    """
+
+    def __init__(self, error: ApiError, label: str) -> None:
+        super().__init__(error.code.value)
+        self.error = error
+        self.label = label
+
+    @property
+    def fallback(self) -> bool:
+        return self.error.code is not ErrorCode.UPSTREAM_REJECTED
+
+
+def _timeout(label: str = "timeout") -> UpstreamFault:
+    return UpstreamFault(ApiError(ErrorCode.UPSTREAM_TIMEOUT), label)
+
+
+def _broken(label: str) -> UpstreamFault:
+    return UpstreamFault(ApiError(ErrorCode.UPSTREAM_ERROR), label)
+
+
+class Forwarder:
+    """
+    Forwards chat completions to the providers of a providers file.
+
+    @param providers: every configured provider (a client and a pool each
+        are made here).
+    @param tracer: makes the upstream client span of a sampled request.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        reactor: Any,
+        clock: Clock,
+        providers: Sequence[Provider],
+        metrics: ProxyMetrics,
+        tracer: Tracer | None = None,
+    ) -> None:
+        self._clock = clock
+        self._metrics = metrics
+        self._tracer = tracer
+        self._links = {provider.name: _Link(reactor, provider) for provider in providers}
+
+    def close(self) -> Deferred[None]:
+        """
+        Close every idle pooled connection (at shutdown).
+        """
+        closing = [link.pool.closeCachedConnections() for link in self._links.values()]
+        done: Deferred[None] = gatherResults(closing, consumeErrors=True).addBoth(lambda _: None)
+        return done
+
+    async def forward(
+        self,
+        document: Mapping[str, Any],
+        attempts: Sequence[Model],
+        requestID: str,
+        client: ClientStream,
+        errorEvent: Callable[[ApiError], bytes],
+        record: UpstreamRecord,
+    ) -> Answer:
+        """
+        Forward C{document} (the client's JSON object) to the first of
+        C{attempts} that answers, trying the next on a fault that allows a
+        fallback; a stream is relayed to C{client} as it comes.
+
+        @raise ApiError: the last attempt's fault, when none answered.
+        """
+        stream = document.get("stream") is True
+        fault: UpstreamFault | None = None
+        for model in attempts:
+            try:
+                if stream:
+                    return await self._stream(
+                        model, document, requestID, client, errorEvent, record
+                    )
+                return await self._complete(model, document, requestID, record)
+            except UpstreamFault as failed:
+                fault = failed
+                if not failed.fallback:
+                    break
+        assert fault is not None, "a model always has at least one attempt"
+        raise fault.error
+
+    # One attempt.
+
+    def _begin(
+        self, model: Model, document: Mapping[str, Any], requestID: str, record: UpstreamRecord
+    ) -> tuple[_Link, bytes, dict[bytes, list[bytes]], Span | None]:
+        link = self._links[model.provider.name]
+        record.provider = model.provider.name
+        record.model = model.name
+        record.upstreamModel = model.upstreamModel
+        record.usage = None
+        outgoing = dict(document)
+        outgoing["model"] = model.upstreamModel
+        if document.get("stream") is True:
+            options = outgoing.get("stream_options")
+            options = dict(options) if isinstance(options, dict) else {}
+            options["include_usage"] = True
+            outgoing["stream_options"] = options
+        body = json.dumps(outgoing, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        headers: dict[bytes, list[bytes]] = {
+            b"Content-Type": [_JSON],
+            b"X-Request-ID": [requestID.encode("ascii")],
+        }
+        if model.provider.apiKey:
+            headers[b"Authorization"] = [b"Bearer " + model.provider.apiKey.encode("latin-1")]
+        span = self._span(model)
+        spanContext = (span or trace.get_current_span()).get_span_context()
+        if spanContext.is_valid:
+            headers[b"traceparent"] = [traceparentOf(spanContext).encode("ascii")]
+        return link, body, headers, span
+
+    def _span(self, model: Model) -> Span | None:
+        current = trace.get_current_span()
+        if self._tracer is None or not current.is_recording():
+            return None
+        return self._tracer.start_span(
+            "POST chat/completions",
+            kind=SpanKind.CLIENT,
+            attributes={
+                "http.request.method": "POST",
+                "svc.provider": model.provider.name,
+                "gen_ai.request.model": model.upstreamModel,
+                "svc.model": model.name,
+            },
+            record_exception=False,
+        )
+
+    def _finish(
+        self,
+        model: Model,
+        span: Span | None,
+        label: str,
+        began: float,
+        record: UpstreamRecord,
+    ) -> None:
+        elapsed = time.perf_counter() - began
+        record.upstreamMilliseconds = round(elapsed * 1000, 3)
+        self._metrics.observeUpstream(model.provider.name, model.name, label, elapsed, record.usage)
+        if span is not None:
+            if label.isdigit():
+                span.set_attribute("http.response.status_code", int(label))
+            if not (label.isdigit() and label.startswith("2")):
+                span.set_attribute("error.type", label)
+                span.set_status(_SPAN_ERROR)
+            if record.usage is not None:
+                span.set_attribute("gen_ai.usage.input_tokens", record.usage.promptTokens)
+                span.set_attribute("gen_ai.usage.output_tokens", record.usage.completionTokens)
+            span.end()
+
+    async def _complete(
+        self, model: Model, document: Mapping[str, Any], requestID: str, record: UpstreamRecord
+    ) -> Answer:
+        """
+        A non-streaming attempt: the whole answer within C{timeout}.
+        """
+        link, body, headers, span = self._begin(model, document, requestID, record)
+        began = time.perf_counter()
+        label = "cancelled"
+        try:
+            work = Deferred.fromCoroutine(link.exchange(body, headers))
+            try:
+                response, answer = await timeoutDeferred(
+                    work, model.provider.timeout, asReactorTime(self._clock)
+                )
+            except TimeoutError:
+                raise _timeout() from None
+            label = str(response.code)
+            if not 200 <= response.code < 300:
+                raise _refusal(response, answer, model.provider)
+            try:
+                parsed = json.loads(answer)
+            except ValueError:
+                raise _broken("invalid") from None
+            record.usage = usageOf(parsed)
+            return Answer(200, answer, headers=[(UPSTREAM_MODEL_HEADER, _ascii(model.name))])
+        except UpstreamFault as fault:
+            label = fault.label
+            raise
+        finally:
+            self._finish(model, span, label, began, record)
+
+    async def _stream(
+        self,
+        model: Model,
+        document: Mapping[str, Any],
+        requestID: str,
+        client: ClientStream,
+        errorEvent: Callable[[ApiError], bytes],
+        record: UpstreamRecord,
+    ) -> Answer:
+        """
+        A streaming attempt: the first event within C{idle_timeout} (until
+        then a fault allows a fallback), then every event relayed as it
+        comes, each within C{idle_timeout} of the one before.
+        """
+        link, body, headers, span = self._begin(model, document, requestID, record)
+        began = time.perf_counter()
+        provider = model.provider
+        label = "cancelled"
+        relay: StreamRelay | None = None
+        wantsUsage = _wantsUsage(document)
+
+        def begin() -> None:
+            client.begin(200, _EVENT_STREAM, [(UPSTREAM_MODEL_HEADER, _ascii(model.name))])
+            assert relay is not None
+            client.registerProducer(relay)
+
+        def faultEvent(fault: StreamFault) -> bytes:
+            code = (
+                ErrorCode.UPSTREAM_TIMEOUT if fault.kind == "timeout" else ErrorCode.UPSTREAM_ERROR
+            )
+            return errorEvent(ApiError(code))
+
+        try:
+            async with link.turn(provider.idleTimeout, self._clock) as remaining:
+                try:
+                    response = await timeoutDeferred(
+                        link.send(body, headers), remaining(), asReactorTime(self._clock)
+                    )
+                except TimeoutError:
+                    raise _timeout() from None
+                if not 200 <= response.code < 300:
+                    answer = await _readRefusal(response, remaining(), self._clock)
+                    raise _refusal(response, answer, provider)
+                contentType = response.headers.getRawHeaders(b"content-type") or [b""]
+                if not contentType[0].lower().startswith(_EVENT_STREAM):
+                    _discard(response)
+                    raise _broken("invalid")
+                relay = StreamRelay(
+                    self._clock,
+                    remaining(),
+                    provider.idleTimeout,
+                    begin,
+                    client.write,
+                    faultEvent,
+                    wantsUsage,
+                )
+                response.deliverBody(relay)
+                try:
+                    await relay.started
+                except StreamFault as fault:
+                    raise (_timeout() if fault.kind == "timeout" else _broken(fault.kind)) from None
+                label = str(response.code)
+                try:
+                    record.usage = await relay.finished
+                except StreamFault as fault:
+                    # After the first byte: the relay has ended the stream
+                    # with its error event; no fallback.
+                    label = f"stream_{fault.kind}"
+                    record.usage = relay.usage
+                finally:
+                    client.unregisterProducer()
+            return Answer(200, b"", _EVENT_STREAM, streamed=True)
+        except UpstreamFault as fault:
+            label = fault.label
+            raise
+        finally:
+            self._finish(model, span, label, began, record)
+
+
+@attrs.define
+class _Link:
+    """
+    One provider's treq client, connection pool and bound on requests in
+    flight.
+    """
+
+    reactor: Any
+    provider: Provider
+    pool: HTTPConnectionPool = attrs.field(init=False)
+    client: HTTPClient = attrs.field(init=False)
+    slots: DeferredSemaphore = attrs.field(init=False)
+    url: bytes = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        pool = HTTPConnectionPool(self.reactor, persistent=True)
+        pool.maxPersistentPerHost = self.provider.maxConnections
+        pool.cachedConnectionTimeout = IDLE_CONNECTION_SECONDS  # type: ignore[assignment]
+        pool.retryAutomatically = False
+        self.pool = pool
+        # The jar keeps no cookie: one a provider set would otherwise be sent
+        # with every later request, whichever tenant it is for.
+        self.client = HTTPClient(
+            Agent(self.reactor, pool=pool, connectTimeout=5),
+            cookiejar=IndexableCookieJar(DefaultCookiePolicy(allowed_domains=[])),
+        )
+        self.slots = DeferredSemaphore(self.provider.maxConnections)
+        self.url = (self.provider.baseURL.rstrip("/") + "/chat/completions").encode("ascii")
+
+    def send(self, body: bytes, headers: Mapping[bytes, list[bytes]]) -> Deferred[IResponse]:
+        """
+        POST C{body}; fires with the response, its body unread. Failures to
+        connect or to get an answer become L{UpstreamFault}s.
+        """
+        sending: Deferred[IResponse] = self.client.request(  # type: ignore[assignment]
+            "POST",
+            self.url,
+            data=body,
+            headers=Headers(dict(headers)),
+            unbuffered=True,
+            # A redirect would carry the provider's key elsewhere.
+            allow_redirects=False,
+        )
+
+        def failed(failure: Any) -> Any:
+            if failure.check(CancelledError, UpstreamFault):
+                return failure
+            raise _broken("connect_error") from None
+
+        return sending.addErrback(failed)
+
+    async def exchange(
+        self, body: bytes, headers: Mapping[bytes, list[bytes]]
+    ) -> tuple[IResponse, bytes]:
+        """
+        A whole exchange within a turn: the response and its whole body.
+        """
+        await self.slots.acquire()
+        try:
+            response = await self.send(body, headers)
+            reader = BodyReader()
+            response.deliverBody(reader)
+            try:
+                answer = await reader.finished
+            except StreamFault as fault:
+                raise _broken(fault.kind) from None
+            return response, answer
+        finally:
+            self.slots.release()
+
+    def turn(self, budget: float, clock: Clock) -> _Turn:
+        return _Turn(self.slots, budget, clock)
+
+
+class _Turn:
+    """
+    A slot of a provider's bound, taken within C{budget} seconds; inside,
+    C{remaining()} says how much of the budget is left.
+    """
+
+    def __init__(self, slots: DeferredSemaphore, budget: float, clock: Clock) -> None:
+        self._slots = slots
+        self._budget = budget
+        self._clock = clock
+        self._began = clock.seconds()
+
+    def remaining(self) -> float:
+        return max(0.001, self._budget - (self._clock.seconds() - self._began))
+
+    async def __aenter__(self) -> Callable[[], float]:
+        try:
+            await timeoutDeferred(self._slots.acquire(), self._budget, asReactorTime(self._clock))
+        except TimeoutError:
+            raise _timeout() from None
+        return self.remaining
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._slots.release()
+
+
+def _wantsUsage(document: Mapping[str, Any]) -> bool:
+    options = document.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
+def _ascii(text: str) -> bytes:
+    return text.encode("ascii", "replace")
+
+
+def _discard(response: IResponse) -> None:
+    reader = BodyReader(limit=0)
+    response.deliverBody(reader)
+    reader.finished.addErrback(lambda _: None)
+
+
+async def _readRefusal(response: IResponse, budget: float, clock: Clock) -> bytes:
+    """
+    The (bounded) body of an upstream's refusal, or nothing if it does not
+    come in time.
+    """
+    reader = BodyReader(limit=64 * 1024)
+    response.deliverBody(reader)
+    try:
+        return await timeoutDeferred(reader.finished, budget, asReactorTime(clock))
+    except (TimeoutError, StreamFault):
+        return b""
+
+
+def _refusal(response: IResponse, answer: bytes, provider: Provider) -> UpstreamFault:
+    """
+    The fault of an upstream's non-2xx answer (D9's table).
+    """
+    status = response.code
+    label = str(status)
+    if status == 429:
+        headers: list[tuple[str, str]] = []
+        retryAfter = response.headers.getRawHeaders(b"retry-after")
+        if retryAfter and _plausibleRetryAfter(retryAfter[0]):
+            headers.append(("Retry-After", retryAfter[0].decode("ascii")))
+        return UpstreamFault(ApiError(ErrorCode.UPSTREAM_RATE_LIMITED, headers=headers), label)
+    if status >= 500 or status in (401, 403, 404) or status < 400:
+        return UpstreamFault(ApiError(ErrorCode.UPSTREAM_ERROR), label)
+    return UpstreamFault(
+        ApiError(
+            ErrorCode.UPSTREAM_REJECTED,
+            detail=_upstreamMessage(answer, provider),
+            status=status,
+        ),
+        label,
+    )
+
+
+def _plausibleRetryAfter(value: bytes) -> bool:
+    """
+    Seconds, or an HTTP date, of sane length and printable ASCII only.
+    """
+    return 0 < len(value) <= 64 and all(32 <= byte < 127 for byte in value)
+
+
+def _upstreamMessage(answer: bytes, provider: Provider) -> str:
+    """
+    The upstream's own error message (OpenAI's C{error.message}, else its
+    text), bounded, with the provider's key never in it.
+    """
+    message = ""
+    try:
+        document = json.loads(answer)
+    except ValueError:
+        document = None
+    if isinstance(document, dict):
+        error = document.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            message = error["message"]
+        elif isinstance(error, str):
+            message = error
+        elif isinstance(document.get("message"), str):
+            message = document["message"]
+    if not message:
+        message = answer.decode("utf-8", "replace")
+    message = message.strip()[:DETAIL_CHARACTERS]
+    if provider.apiKey:
+        message = message.replace(provider.apiKey, "[redacted]")
+    return message or "The provider refused the request."
