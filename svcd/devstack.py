@@ -40,6 +40,8 @@ import attrs
 import psycopg
 from psycopg import sql
 
+from svcd.common.config import ConfigError
+from svcd.proxy.forwarding.providers import providersFromEnvironment
 from svcd.testing.servers import PostgresServer, RedisServer, ServerError
 
 # The checkout this module belongs to: dev/gateway runs from there, and
@@ -59,6 +61,9 @@ environment variables:
   SVC_AUTH_PORT        svc-auth's HTTP port for /health, /ready, /metrics (default 8081)
   SVC_AUTH_GRPC_PORT   svc-auth's gRPC port (default 9091)
   SVC_HOST             the address both daemons listen on (default 127.0.0.1)
+  SVC_PROVIDERS_FILE   a providers file: svc-proxy forwards chat requests to
+                       its models, and the commands printed at the end use
+                       the first one (without it, chat requests answer 501)
   Every other variable is passed on to both daemons (SVC_LOG_FORMAT=text
   for readable logs, SVC_LOG_LEVEL=DEBUG, ...).
 """
@@ -501,21 +506,45 @@ class DevStack:
         ]
         if self.proxyAvailable():
             lines.append(f"  svc-proxy  {proxy}")
+        model = self._demoModel(str(demo["org_id"]))
+        headers = (
+            f' -H "Authorization: Bearer {demo["token"]}"'
+            f' -H "X-SVC-Agent-ID: {demo["agent_id"]}"'
+            ' -H "Content-Type: application/json"'
+        )
+        body = '{"model":"%s",%s"messages":[{"role":"user","content":"hello"}]}'
         lines += [
             f"  demo organization {demo['org_id']}, agent {demo['agent_id']}",
             "",
             "Send a request through the gateway:",
             "",
-            f"  curl -i {proxy}/v1/chat/completions"
-            f' -H "Authorization: Bearer {demo["token"]}"'
-            f' -H "X-SVC-Agent-ID: {demo["agent_id"]}"'
-            ' -H "Content-Type: application/json"'
-            """ -d '{"model":"demo","messages":[{"role":"user","content":"hello"}]}'""",
-            "",
-            "Ctrl-C stops everything.",
-            "",
+            f"  curl -i {proxy}/v1/chat/completions{headers} -d '{body % (model or 'demo', '')}'",
         ]
+        if model is not None:
+            lines += [
+                "",
+                f"Stream the answer of {model}:",
+                "",
+                f"  curl -N {proxy}/v1/chat/completions{headers}"
+                f""" -d '{body % (model, '"stream":true,')}'""",
+            ]
+        lines += ["", "Ctrl-C stops everything.", ""]
         print("\n".join(lines), flush=True)
+
+    def _demoModel(self, orgID: str) -> str | None:
+        """
+        The first model of SVC_PROVIDERS_FILE the demo organization may use,
+        or None without a providers file (the gateway then answers 501).
+        """
+        try:
+            table = providersFromEnvironment(self._environ, time.time)
+        except ConfigError:
+            # The proxy has read it already; it would not have started.
+            return None
+        if table is None:
+            return None
+        models = table.modelsFor(orgID)
+        return models[0].name if models else None
 
     # Running and stopping.
 
