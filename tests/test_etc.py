@@ -79,3 +79,27 @@ def test_exampleEnvironmentsAreValid() -> None:
     assert auth.environment == "production" and auth.grpcHost == "127.0.0.1"
     proxy = ProxyConfig.fromEnvironment(readEnvironmentFile(ETC / "svc" / "svc-proxy.env"))
     assert proxy.authGrpcAddr == "127.0.0.1:9091"
+
+
+def test_exampleProvidersFileIsValid() -> None:
+    """
+    etc/svc/providers.toml, with the key its hosted provider names set,
+    is a providers file svc-proxy would start with; its models and
+    fallbacks are as its comments say.
+    """
+    environment = {
+        **readEnvironmentFile(ETC / "svc" / "svc-proxy.env"),
+        "SVC_PROVIDERS_FILE": str(ETC / "svc" / "providers.toml"),
+        "OPENAI_API_KEY": "sk-example",
+    }
+    providers = ProxyConfig.fromEnvironment(environment).providers
+    assert providers is not None
+    assert set(providers.providers) == {"local", "openai"}
+    org = "5b0c6a9e-0000-4000-8000-000000000001"
+    fast = providers.modelFor("fast", org)
+    assert fast is not None and fast.upstreamModel == "llama-3.1-8b"
+    assert [model.name for model in providers.attempts(fast, org)] == [
+        "fast",
+        "hosted",
+    ]
+    assert providers.providers["openai"].apiKey == "sk-example"
