@@ -27,6 +27,19 @@ the gateway saw an unexpected status):
     chat-phase1, spread-phase1
               the chat and spread rows through proxies without the
               validation cache (SVC_AUTH_CACHE_SIZE=0), as in Phase 1
+    upstream  wrk straight at the fast local upstream (Debian's nginx,
+              answering a fixed OpenAI-shaped chat.completion) -> 200
+    forward   the chat row forwarded to that upstream (a providers file
+              names it) -> 200
+    upstream-stream, stream
+              the same with "stream": true: nginx answers a fixed event
+              stream (7 events), the proxy relays it -> 200
+
+With the forwarding rows, a 1-connection pass of upstream, forward,
+upstream-stream and stream follows: the gateway's added latency (p50 of
+the forwarded row minus p50 of the upstream alone) and, for the stream,
+the added time to the first event (the stream arrives in one piece, so
+the whole answer is its first event).
 
 Every proxy row runs once per --workers count: that many svc-proxy
 processes sharing one port with SVC_REUSE_PORT (each count its own port).
@@ -75,8 +88,145 @@ from svcd.testing.daemons import Daemon, authEnvironment  # noqa: E402
 from svcd.testing.servers import PostgresServer, RedisServer, freePort  # noqa: E402
 
 LOAD_SCRIPT = Path(__file__).with_name("load.lua")
+# Rows answered by the fast local upstream, without the gateway.
+_UPSTREAM = ("upstream", "upstream-stream")
+_FORWARDING = ("upstream", "forward", "upstream-stream", "stream")
+FORWARDED_MODEL = "bench-fast"
+ANSWER = json.dumps(
+    {
+        "id": "chatcmpl-bench",
+        "object": "chat.completion",
+        "created": 1795392965,
+        "model": "bench-upstream",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "Hello! How can I help you today?"},
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {"prompt_tokens": 9, "completion_tokens": 9, "total_tokens": 18},
+    },
+    separators=(",", ":"),
+)
+
+
+def _streamAnswer() -> str:
+    def chunk(delta: dict[str, str], finish: str | None = None, usage: Any = None) -> str:
+        document = {
+            "id": "chatcmpl-bench",
+            "object": "chat.completion.chunk",
+            "created": 1795392965,
+            "model": "bench-upstream",
+            "choices": [] if usage else [{"index": 0, "delta": delta, "finish_reason": finish}],
+            "usage": usage,
+        }
+        return "data: " + json.dumps(document, separators=(",", ":")) + "\n\n"
+
+    return (
+        chunk({"role": "assistant", "content": ""})
+        + "".join(chunk({"content": word}) for word in ("Hello! ", "How can ", "I help?"))
+        + chunk({}, "stop")
+        + chunk({}, usage={"prompt_tokens": 9, "completion_tokens": 5, "total_tokens": 14})
+        + "data: [DONE]\n\n"
+    )
+
+
+def _nginxConfig(workdir: Path, port: int) -> str:
+    """
+    nginx answering POST .../chat/completions with a fixed answer: JSON
+    under /v1, an event stream under /stream/v1.
+    """
+    temp = workdir / "nginx-temp"
+    temp.mkdir(exist_ok=True)
+    user = "user root;\n" if os.geteuid() == 0 else ""
+
+    def quoted(text: str) -> str:
+        return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+    return f"""{user}worker_processes 1;
+daemon off;
+pid {workdir}/nginx.pid;
+error_log {workdir}/nginx.log warn;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_body_temp_path {temp}/body;
+  proxy_temp_path {temp}/proxy;
+  fastcgi_temp_path {temp}/fastcgi;
+  uwsgi_temp_path {temp}/uwsgi;
+  scgi_temp_path {temp}/scgi;
+  keepalive_requests 10000000;
+  keepalive_timeout 75s;
+  server {{
+    listen 127.0.0.1:{port} backlog=511;
+    location = /v1/chat/completions {{
+      default_type application/json;
+      return 200 {quoted(ANSWER)};
+    }}
+    location = /stream/v1/chat/completions {{
+      default_type text/event-stream;
+      return 200 {quoted(_streamAnswer())};
+    }}
+  }}
+}}
+"""
+
+
+def startNginx(stack: contextlib.ExitStack, workdir: Path) -> tuple[int, subprocess.Popen[bytes]]:
+    """
+    The fast local upstream of the forwarding rows, on a free port.
+    """
+    nginx = shutil.which("nginx") or (
+        "/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None
+    )
+    if nginx is None:
+        raise SystemExit("nginx is missing: apt-get install nginx (or drop the forwarding rows)")
+    port = freePort()
+    config = workdir / "nginx.conf"
+    config.write_text(_nginxConfig(workdir, port))
+    process = subprocess.Popen([nginx, "-c", str(config), "-p", str(workdir)])
+    stack.callback(process.wait, 10)
+    stack.callback(process.terminate)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with contextlib.closing(socket.create_connection(("127.0.0.1", port), 1)):
+                return port, process
+        except OSError:
+            assert process.poll() is None, f"nginx exited:\n{(workdir / 'nginx.log').read_text()}"
+            assert time.monotonic() < deadline, "nginx did not start"
+            time.sleep(0.05)
+
+
+def _providersFile(workdir: Path, nginxPort: int) -> Path:
+    path = workdir / "providers.toml"
+    path.write_text(
+        f"""
+[[providers]]
+name = "nginx"
+base_url = "http://127.0.0.1:{nginxPort}/v1"
+max_connections = 256
+
+[[providers]]
+name = "nginx-stream"
+base_url = "http://127.0.0.1:{nginxPort}/stream/v1"
+max_connections = 256
+
+[[models]]
+name = "{FORWARDED_MODEL}"
+provider = "nginx"
+
+[[models]]
+name = "{FORWARDED_MODEL}-stream"
+provider = "nginx-stream"
+"""
+    )
+    return path
+
+
 # Rows served by one process of their own, whatever --workers says.
-_SINGLE = ("floor", "ceiling", "prototype")
+_SINGLE = ("floor", "ceiling", "prototype", "upstream", "upstream-stream")
 # Rows through proxies without the validation cache end so.
 _PHASE1 = "-phase1"
 _PHASE1_ENVIRONMENT = {"SVC_AUTH_CACHE_SIZE": "0"}
@@ -173,6 +323,7 @@ def runningStack(
     withPrototype: bool = False,
     withCeiling: bool = False,
     withPhase1: bool = False,
+    withForwarding: bool = False,
 ) -> Iterator[Stack]:
     """
     PostgreSQL, Redis, svc-auth, one group of svc-proxy processes per
@@ -200,6 +351,13 @@ def runningStack(
         redis.start()
         stack.callback(redis.destroy)
 
+        nginx: subprocess.Popen[bytes] | None = None
+        nginxPort = 0
+        forwardingEnvironment: dict[str, str] = {}
+        if withForwarding:
+            nginxPort, nginx = startNginx(stack, workdir)
+            forwardingEnvironment["SVC_PROVIDERS_FILE"] = str(_providersFile(workdir, nginxPort))
+
         auth = Daemon(
             "svc-auth",
             authEnvironment(dsn, SVC_LOG_LEVEL=logLevel, **(authExtra or {})),
@@ -226,6 +384,7 @@ def runningStack(
                         "REDIS_URL": redis.url,
                         "SVC_RATE_LIMIT_ORG_OVERRIDES": f"{orgID}=1000000000",
                         "SVC_LOG_LEVEL": logLevel,
+                        **forwardingEnvironment,
                         **(proxyExtra or {}),
                         **(_PHASE1_ENVIRONMENT if phase1 else {}),
                     },
@@ -268,6 +427,8 @@ def runningStack(
 
         yield Stack(
             auth=auth,
+            nginx=nginx,
+            nginxURL=f"http://127.0.0.1:{nginxPort}",
             ceiling=ceiling,
             ceilingURL=f"http://127.0.0.1:{ceilingPort}",
             proxies=groups,
@@ -285,6 +446,8 @@ def runningStack(
 @attrs.frozen
 class Stack:
     auth: Daemon
+    nginx: subprocess.Popen[bytes] | None
+    nginxURL: str
     ceiling: subprocess.Popen[bytes] | None
     ceilingURL: str
     proxies: dict[tuple[int, bool], list[Daemon]]
@@ -306,6 +469,9 @@ class Stack:
         if row == "ceiling":
             assert self.ceiling is not None
             return {"ceiling": self.ceiling.pid}
+        if row in _UPSTREAM:
+            assert self.nginx is not None
+            return {"nginx": self.nginx.pid}
         if row == "prototype":
             return {name: process.pid for name, process in self.prototype.items()}
         pids = {"svc-auth": _pid(self.auth)}
@@ -325,6 +491,12 @@ class Stack:
             return f"{self.floorURL}/v1/chat/completions", _wrkEnvironment("POST", "", ""), 501
         if row == "ceiling":
             return f"{self.ceilingURL}/v1/chat/completions", _wrkEnvironment("POST", "", ""), 501
+        if row == "upstream":
+            return f"{self.nginxURL}/v1/chat/completions", _wrkEnvironment("POST", "", ""), 200
+        if row == "upstream-stream":
+            environment = _wrkEnvironment("POST", "", "")
+            environment["SVC_BENCH_STREAM"] = "true"
+            return f"{self.nginxURL}/stream/v1/chat/completions", environment, 200
         if row == "prototype":
             return f"{self.prototypeURL}/v1/chat/completions", _wrkEnvironment("POST", "", ""), 501
         row, phase1 = _variant(row)
@@ -336,6 +508,15 @@ class Stack:
             environment = _wrkEnvironment("POST", self.token, self.agentID)
             environment["SVC_BENCH_TOKENS_FILE"] = str(self.spreadFile)
             return f"{base}/v1/chat/completions", environment, 501
+        if row == "forward":
+            environment = _wrkEnvironment("POST", self.token, self.agentID)
+            environment["SVC_BENCH_MODEL"] = FORWARDED_MODEL
+            return f"{base}/v1/chat/completions", environment, 200
+        if row == "stream":
+            environment = _wrkEnvironment("POST", self.token, self.agentID)
+            environment["SVC_BENCH_MODEL"] = FORWARDED_MODEL + "-stream"
+            environment["SVC_BENCH_STREAM"] = "true"
+            return f"{base}/v1/chat/completions", environment, 200
         if row == "probe":
             environment = _wrkEnvironment("GET", self.token, self.agentID)
             return f"{base}/v1/internal/auth-probe", environment, 200
@@ -344,8 +525,31 @@ class Stack:
             return f"{base}/v1/chat/completions", environment, 401
         raise SystemExit(
             f"unknown row {row!r}: use floor, ceiling, prototype, chat, spread, probe,"
-            " rejected, chat-phase1 or spread-phase1"
+            " rejected, chat-phase1, spread-phase1, upstream, forward, upstream-stream"
+            " or stream"
         )
+
+
+def _measure(
+    stack: Stack, row: str, connections: int, workers: int, duration: float, warmup: float
+) -> dict[str, Any]:
+    """
+    One row: wrk after a warm-up, with each serving process's CPU time per
+    request.
+    """
+    url, environment, expected = stack.shape(row, workers)
+    if warmup:
+        runWrk(url, connections, warmup, environment)
+    measured = stack.pids(row, workers)
+    before = [cpuSeconds(pid) for pid in measured.values()]
+    raw = runWrk(url, connections, duration, environment)
+    after = [cpuSeconds(pid) for pid in measured.values()]
+    result = summarize(row, connections, expected, raw, workers)
+    result["cpu_us_per_request"] = {
+        name: (end - start) / max(1, raw["requests"]) * 1e6
+        for name, start, end in zip(measured, before, after, strict=True)
+    }
+    return result
 
 
 def _startScript(
@@ -507,7 +711,10 @@ def main() -> int:
     parser.add_argument("--workers", default="1,2", help="svc-proxy processes, e.g. 1,2")
     parser.add_argument(
         "--rows",
-        default="floor,ceiling,prototype,chat,spread,probe,rejected,chat-phase1,spread-phase1",
+        default=(
+            "floor,ceiling,prototype,chat,spread,probe,rejected,chat-phase1,spread-phase1,"
+            "upstream,forward,upstream-stream,stream"
+        ),
     )
     parser.add_argument("--log-level", default="INFO", help="SVC_LOG_LEVEL of the daemons")
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -545,6 +752,7 @@ def main() -> int:
             withPrototype="prototype" in rows,
             withCeiling="ceiling" in rows,
             withPhase1=any(row.endswith(_PHASE1) for row in rows),
+            withForwarding=any(row in _FORWARDING for row in rows),
         ) as stack:
             if arguments.soak:
                 return soak(stack, arguments.soak)
@@ -552,19 +760,21 @@ def main() -> int:
             for connections in connectionCounts:
                 for row in rows:
                     for workers in [1] if row in _SINGLE else workerCounts:
-                        url, environment, expected = stack.shape(row, workers)
-                        if arguments.warmup:
-                            runWrk(url, connections, arguments.warmup, environment)
-                        measured = stack.pids(row, workers)
-                        before = [cpuSeconds(pid) for pid in measured.values()]
-                        raw = runWrk(url, connections, arguments.duration, environment)
-                        after = [cpuSeconds(pid) for pid in measured.values()]
-                        result = summarize(row, connections, expected, raw, workers)
-                        result["cpu_us_per_request"] = {
-                            name: (end - start) / max(1, raw["requests"]) * 1e6
-                            for name, start, end in zip(measured, before, after, strict=True)
-                        }
-                        results.append(result)
+                        results.append(
+                            _measure(
+                                stack,
+                                row,
+                                connections,
+                                workers,
+                                arguments.duration,
+                                arguments.warmup,
+                            )
+                        )
+            latency = {
+                row: _measure(stack, row, 1, 1, arguments.duration, arguments.warmup)
+                for row in _FORWARDING
+                if row in rows
+            }
             validateRate = validateTokenDirect(stack, arguments.duration, 32)
 
     floors = {each["connections"]: each["rps"] for each in results if each["row"] == "floor"}
@@ -585,12 +795,41 @@ def main() -> int:
             f" {each['errors']:>7} {ratio:>9}  "
             + " ".join(f"{name} {us:.0f}" for name, us in each["cpu_us_per_request"].items())
         )
+    chats = {
+        (each["connections"], each["workers"]): each["rps"]
+        for each in results
+        if each["row"] == "chat"
+    }
+    for each in results:
+        chatRPS = chats.get((each["connections"], each["workers"]))
+        if each["row"] in ("forward", "stream") and chatRPS:
+            print(
+                f"{each['row']} at {each['connections']} connections, {each['workers']}"
+                f" worker(s): {each['rps'] / chatRPS:.1%} of the chat row's requests/s"
+            )
+    for forwarded, alone, what in (
+        ("forward", "upstream", "added p50 latency"),
+        ("stream", "upstream-stream", "added p50 time to the first event"),
+    ):
+        if forwarded in latency and alone in latency:
+            added = latency[forwarded]["p50_ms"] - latency[alone]["p50_ms"]
+            print(
+                f"1 connection: {forwarded} p50 {latency[forwarded]['p50_ms']:.2f} ms,"
+                f" {alone} p50 {latency[alone]['p50_ms']:.2f} ms: {what} {added:.2f} ms"
+            )
     print(
         f"svc-auth ValidateToken directly (cached token, 32 in flight): {validateRate:.0f} calls/s"
     )
     if arguments.json:
         arguments.json.write_text(
-            json.dumps({"rows": results, "validate_token_per_second": validateRate}, indent=2)
+            json.dumps(
+                {
+                    "rows": results,
+                    "one_connection": latency,
+                    "validate_token_per_second": validateRate,
+                },
+                indent=2,
+            )
         )
     # The prototype is a reference: its errors are shown, not judged.
     return 1 if any(each["errors"] for each in results if each["row"] != "prototype") else 0

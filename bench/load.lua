@@ -9,15 +9,20 @@
 --                     request then carries the next one in turn (each
 --                     thread starting elsewhere in the list) instead of
 --                     SVC_BENCH_TOKEN
+--   SVC_BENCH_MODEL   the chat body's model ("demo" by default)
+--   SVC_BENCH_STREAM  "true": the chat body asks for a stream
 
 local method = os.getenv("SVC_BENCH_METHOD") or "POST"
 local token = os.getenv("SVC_BENCH_TOKEN") or ""
 local agent = os.getenv("SVC_BENCH_AGENT") or ""
 local tokensFile = os.getenv("SVC_BENCH_TOKENS_FILE") or ""
+local model = os.getenv("SVC_BENCH_MODEL") or "demo"
+local stream = os.getenv("SVC_BENCH_STREAM") or "false"
 
 wrk.method = method
 if method == "POST" then
-  wrk.body = '{"model":"demo","messages":[{"role":"user","content":"hello"}],"stream":false}'
+  wrk.body = '{"model":"' .. model .. '","messages":[{"role":"user","content":"hello"}],'
+    .. '"stream":' .. stream .. '}'
   wrk.headers["Content-Type"] = "application/json"
 end
 if token ~= "" then
