@@ -12,10 +12,15 @@ application/json}, C{Authorization: Bearer <key>} when the provider has a
 key, C{X-Request-ID} and C{traceparent}: nothing else of the client's, never
 its token.
 
-Connections: one treq client per provider over its own pool of persistent
-connections, on the reactor (no thread per request); at most
-C{max_connections} requests are in flight per provider, the others wait
-their turn within their deadline. An idle connection is kept at most
+Connections: one Twisted web client (C{Agent}) per provider over its own
+pool of persistent connections, on the reactor (no thread per request); at
+most C{max_connections} requests are in flight per provider, the others
+wait their turn within their deadline. Not treq, which wraps the same
+C{Agent}: its per-request cookie, redirect and content-decoding layers and
+its cooperator-driven body producer doubled the client's CPU per request
+(measured against nginx: 880 to 1,270 µs with treq, 500 to 650 µs with the
+bare C{Agent}), and forwarding wants none of them (no cookie is ever kept,
+no redirect followed, no compression asked for). An idle connection is kept at most
 C{IDLE_CONNECTION_SECONDS}, below the keep-alive timeout of common servers
 (uvicorn's is 5 s), so that a request is seldom sent on a connection the
 server is closing.
@@ -48,26 +53,25 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
-from http.cookiejar import DefaultCookiePolicy
 from typing import Any, Protocol
 
 import attrs
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
-from treq.client import HTTPClient
-from treq.cookies import IndexableCookieJar
 from twisted.internet.defer import (
     CancelledError,
     Deferred,
     DeferredSemaphore,
     TimeoutError,
     gatherResults,
+    succeed,
 )
-from twisted.internet.interfaces import IPushProducer
+from twisted.internet.interfaces import IConsumer, IPushProducer
 from twisted.logger import Logger
 from twisted.web.client import Agent, HTTPConnectionPool
 from twisted.web.http_headers import Headers
-from twisted.web.iweb import IResponse
+from twisted.web.iweb import IBodyProducer, IResponse
+from zope.interface import implementer
 
 from svcd.common.clocks import Clock, asReactorTime
 from svcd.common.deferreds import timeoutDeferred
@@ -410,7 +414,7 @@ class _Link:
     reactor: Any
     provider: Provider
     pool: HTTPConnectionPool = attrs.field(init=False)
-    client: HTTPClient = attrs.field(init=False)
+    agent: Agent = attrs.field(init=False)
     slots: DeferredSemaphore = attrs.field(init=False)
     url: bytes = attrs.field(init=False)
 
@@ -420,12 +424,7 @@ class _Link:
         pool.cachedConnectionTimeout = IDLE_CONNECTION_SECONDS  # type: ignore[assignment]
         pool.retryAutomatically = False
         self.pool = pool
-        # The jar keeps no cookie: one a provider set would otherwise be sent
-        # with every later request, whichever tenant it is for.
-        self.client = HTTPClient(
-            Agent(self.reactor, pool=pool, connectTimeout=5),
-            cookiejar=IndexableCookieJar(DefaultCookiePolicy(allowed_domains=[])),
-        )
+        self.agent = Agent(self.reactor, pool=pool, connectTimeout=5)
         self.slots = DeferredSemaphore(self.provider.maxConnections)
         self.url = (self.provider.baseURL.rstrip("/") + "/chat/completions").encode("ascii")
 
@@ -434,14 +433,10 @@ class _Link:
         POST C{body}; fires with the response, its body unread. Failures to
         connect or to get an answer become L{UpstreamFault}s.
         """
-        sending: Deferred[IResponse] = self.client.request(  # type: ignore[assignment]
-            "POST",
-            self.url,
-            data=body,
-            headers=Headers(dict(headers)),
-            unbuffered=True,
-            # A redirect would carry the provider's key elsewhere.
-            allow_redirects=False,
+        # A bare Agent follows no redirect (one would carry the provider's
+        # key elsewhere) and keeps no cookie.
+        sending: Deferred[IResponse] = self.agent.request(
+            b"POST", self.url, Headers(dict(headers)), _BytesProducer(body)
         )
 
         def failed(failure: Any) -> Any:
@@ -498,6 +493,31 @@ class _Turn:
 
     async def __aexit__(self, *exc: object) -> None:
         self._slots.release()
+
+
+@implementer(IBodyProducer)
+class _BytesProducer:
+    """
+    A request body already in memory, written at once (Twisted's
+    C{FileBodyProducer} would write it in chunks from a cooperator task).
+    """
+
+    def __init__(self, body: bytes) -> None:
+        self._body = body
+        self.length = len(body)
+
+    def startProducing(self, consumer: IConsumer) -> Deferred[None]:
+        consumer.write(self._body)
+        return succeed(None)
+
+    def pauseProducing(self) -> None:
+        pass
+
+    def resumeProducing(self) -> None:
+        pass
+
+    def stopProducing(self) -> None:
+        pass
 
 
 def _wantsUsage(document: Mapping[str, Any]) -> bool:
