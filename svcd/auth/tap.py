@@ -25,6 +25,7 @@ from twisted.logger import Logger, LogLevel
 from twisted.python import usage
 from twisted.python.threadpool import ThreadPool
 
+from svcd.auth.admission import Bounds
 from svcd.auth.authority import Authority
 from svcd.auth.cache import ValidationCache
 from svcd.auth.config import AuthConfig
@@ -177,7 +178,7 @@ def buildService(
         AuthServicer(authority, AuthMetrics(registry)),
         settings.grpcHost,
         settings.grpcPort,
-        workers=settings.grpcWorkers,
+        bounds=Bounds.standard(settings.grpcWorkers, settings.grpcMaxCallsPerPeer),
         gracePeriod=settings.shutdownTimeout,
         tls=settings.tls,
         interceptors=[interceptor],

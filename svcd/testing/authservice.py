@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry
 
+from svcd.auth.admission import Bounds
 from svcd.auth.authority import Authority
 from svcd.auth.cache import ValidationCache
 from svcd.auth.grpcservice import SERVICE_NAME, AuthMetrics, AuthServicer, buildServer
@@ -49,6 +50,7 @@ class RunningAuthService:
         coldWait: float = 0.25,
         listen: bool = True,
         workers: int = 8,
+        perPeer: int = 32,
     ) -> None:
         self.registry = CollectorRegistry()
         self.pool = connectionPool(
@@ -65,7 +67,7 @@ class RunningAuthService:
             AuthServicer(self.authority, AuthMetrics(self.registry)),
             "127.0.0.1",
             0,
-            workers,
+            Bounds.standard(workers, perPeer),
         )
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = auth_pb2_grpc.AuthServiceStub(self.channel)
