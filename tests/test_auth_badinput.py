@@ -413,3 +413,27 @@ def test_theStoreRefusesAValueItCannotHoldAsTheCallersMistake(watched: Watched, 
             name=name,
         )
     assert store.organizationExists(watched.admin.orgID)
+
+
+def test_everyMethodIsRegisteredWithItsShape(watched: Watched) -> None:
+    """
+    The handlers svc-auth registers itself (to parse requests itself) are
+    one per method of the .proto, each streaming exactly as declared, and
+    taking bytes.
+    """
+    from prometheus_client import CollectorRegistry
+
+    from svcd.auth.grpcservice import AuthMetrics, AuthServicer
+    from svcd.pb.auth.v1 import auth_pb2
+
+    servicer = AuthServicer(watched.service.authority, AuthMetrics(CollectorRegistry()))
+    handlers = servicer.handlers()
+    methods = auth_pb2.DESCRIPTOR.services_by_name["AuthService"].methods
+    assert sorted(handlers) == sorted(method.name for method in methods)
+    for method in methods:
+        handler = handlers[method.name]
+        assert handler.request_deserializer is None
+        assert (handler.request_streaming, handler.response_streaming) == (
+            method.client_streaming,
+            method.server_streaming,
+        )

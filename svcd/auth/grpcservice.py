@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import ipaddress
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from typing import Any, TypeVar
 
@@ -185,14 +185,22 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
         AuthService's method handlers, by method name, as grpcio's generated
         C{add_AuthServiceServicer_to_server} makes them, except that each
         takes the request's bytes and parses them itself (see the module
-        docstring).
+        docstring). A method with a stream of responses gets a stream
+        handler; one with a stream of requests is not supported.
         """
         handlers = {}
         for method in auth_pb2.DESCRIPTOR.services_by_name["AuthService"].methods:
+            if method.client_streaming:
+                raise NotImplementedError(f"{method.name}: a stream of requests")
             requestType = getattr(auth_pb2, method.input_type.name)
             responseType = getattr(auth_pb2, method.output_type.name)
-            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                self._parsing(method.name, requestType, getattr(self, method.name)),
+            behaviour = self._parsing(method.name, requestType, getattr(self, method.name))
+            handlerOf = grpc.unary_unary_rpc_method_handler
+            if method.server_streaming:
+                handlerOf = grpc.unary_stream_rpc_method_handler
+                behaviour = _streaming(behaviour)
+            handlers[method.name] = handlerOf(
+                behaviour,
                 request_deserializer=None,
                 response_serializer=responseType.SerializeToString,
             )
@@ -310,6 +318,20 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
             return auth_pb2.ListTokensResponse(tokens=[_tokenInfo(each) for each in records])
 
         return self._answer("ListTokens", context, listing)
+
+
+def _streaming(
+    behaviour: Callable[[bytes, grpc.ServicerContext], Any],
+) -> Callable[[bytes, grpc.ServicerContext], Iterator[Any]]:
+    """
+    C{behaviour} as a generator of responses, whether it refuses the
+    request at once (raising) or returns the method's own generator.
+    """
+
+    def streamed(raw: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
+        yield from behaviour(raw, context)
+
+    return streamed
 
 
 def _requireBearer(context: grpc.ServicerContext) -> str:
