@@ -119,6 +119,9 @@ class Bounds:
         return attrs.evolve(self, lanes={**self.lanes, method: lane})
 
     def allLanes(self) -> list[Lane]:
+        """
+        Every lane once, the calls lane first.
+        """
         distinct = {self.calls: None}
         distinct.update(dict.fromkeys(self.lanes.values()))
         return list(distinct)
