@@ -61,6 +61,7 @@ def test_servesHealthReadyMetricsAndGrpc(authDaemon: Daemon) -> None:
         b"svc_auth_grpc_requests_total",
         b"svc_db_query_duration_seconds_bucket",
         b"svc_process_up 1.0",
+        b'svc_auth_grpc_refused_total{reason="peer"} 0.0',
     ):
         assert name in metrics
     assert b'le="0.001"' in metrics and b'le="5.0"' in metrics
@@ -210,6 +211,58 @@ def test_grpcPortInUseStopsTheStart(migratedDSN: str, tmp_path: Path) -> None:
         assert "gRPC" in result.stdout + result.stderr
     finally:
         first.terminate()
+
+
+def plaintextWarnings(daemon: Daemon) -> list[dict[str, object]]:
+    """
+    Once the daemon has logged that gRPC listens, its warnings about
+    plaintext gRPC.
+    """
+    deadline = time.monotonic() + 20
+    while "gRPC AuthService listening" not in daemon.output():
+        assert time.monotonic() < deadline, daemon.output()
+        assert daemon.process is not None and daemon.process.poll() is None, daemon.output()
+        time.sleep(0.05)
+    events = [json.loads(line) for line in daemon.output().splitlines() if line.startswith("{")]
+    return [
+        event
+        for event in events
+        if event["level"] == "warn" and "plaintext" in str(event["message"])
+    ]
+
+
+@pytest.mark.parametrize(
+    ("environment", "host", "warned"),
+    [
+        ("development", "0.0.0.0", True),
+        ("staging", "0.0.0.0", True),
+        ("development", "127.0.0.1", False),
+        ("production", "127.0.0.1", False),
+    ],
+)
+def test_plaintextGrpcBeyondLoopbackIsWarnedAbout(
+    migratedDSN: str, tmp_path: Path, environment: str, host: str, warned: bool
+) -> None:
+    """
+    svc-auth serving plaintext gRPC on an address other hosts can reach
+    logs one warning at start naming the address, in every environment
+    that lets it start (production refuses to); on loopback it logs none.
+    """
+    daemon = Daemon(
+        "svc-auth",
+        authEnvironment(migratedDSN, SVC_ENV=environment, SVC_GRPC_HOST=host),
+        tmp_path / "auth.log",
+    ).start()
+    try:
+        warnings = plaintextWarnings(daemon)
+    finally:
+        daemon.terminate()
+    if warned:
+        (warning,) = warnings
+        assert warning["host"] == host
+        assert "SVC_GRPC_TLS_CERT" in str(warning["message"])
+    else:
+        assert warnings == []
 
 
 del signal, sys

@@ -94,6 +94,7 @@ def _auth() -> AuthConfig:
         ("SVC_GRPC_HOST", lambda: _auth().grpcHost),
         ("SVC_GRPC_PORT", lambda: _auth().grpcPort),
         ("SVC_GRPC_WORKERS", lambda: _auth().grpcWorkers),
+        ("SVC_GRPC_MAX_CALLS_PER_PEER", lambda: _auth().grpcMaxCallsPerPeer),
         ("SVC_DB_POOL_MIN", lambda: _auth().databasePoolMinimum),
         ("SVC_DB_POOL_MAX", lambda: _auth().databasePoolMaximum),
         ("SVC_DB_STATEMENT_TIMEOUT", lambda: _auth().statementTimeout),

@@ -5,12 +5,18 @@ agent may act, and the management of tokens.
 Methods block (database, argon2) and run in grpcio's server threads; they
 raise the L{Refusal} subclasses below, which the gRPC layer maps to status
 codes one to one.
+
+Validation takes the call's deadline: a call that waited for a cold slot or
+for another call's read (single flight) and whose client has given up
+meanwhile is dropped before it reaches PostgreSQL or argon2 (decisions
+D10), so that a queue of abandoned calls costs nothing but the wait.
 """
 
 from __future__ import annotations
 
 import datetime
 import threading
+import time
 import uuid
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
@@ -20,12 +26,24 @@ from twisted.logger import Logger
 
 from svcd.auth.cache import CachedAgent, CachedToken, ValidationCache
 from svcd.auth.hashing import SecretDigester, hashSecret, verifySecret
-from svcd.auth.store import Store, StoreRejected, StoreUnavailable, TokenRecord
+from svcd.auth.store import (
+    Store,
+    StoreRejected,
+    StoreUnavailable,
+    StoreValueRefused,
+    TokenRecord,
+)
 from svcd.common.ids import parseUUID
 from svcd.common.pat import ParsedToken, formatToken, newSecret, parseToken
 from svcd.common.permissions import Permission
 
 AGENT_NOT_ACTIVE = "agent is not active"
+
+# The longest token name CreateToken accepts, in characters.
+MAXIMUM_NAME_LENGTH = 200
+# The latest expiry a token can have (the store and Python's datetime both
+# end with the year 9999).
+LATEST_EXPIRY = datetime.datetime(9999, 12, 31, 23, 59, 59, tzinfo=datetime.UTC).timestamp()
 
 _T = TypeVar("_T")
 K = TypeVar("K", bound=Hashable)
@@ -90,6 +108,13 @@ class Overloaded(Refusal):
 class Unavailable(Refusal):
     """
     The database failed; the caller sees Internal.
+    """
+
+
+class DeadlinePassed(Refusal):
+    """
+    The call's deadline passed before its turn came: its client has gone,
+    and the work is not done. The caller sees DeadlineExceeded.
     """
 
 
@@ -172,7 +197,12 @@ class Authority:
     once: the first leads, the others wait (at most C{coldWait}) and take
     its cached answer.
 
+    Every validation takes the call's C{deadline} (in C{monotonic} seconds,
+    None for none): waits end by it, and past it the call raises
+    L{DeadlinePassed} before a database read or an argon2 verification.
+
     @param wallClock: Unix time in seconds, for expiry.
+    @param monotonic: the clock of deadlines.
     """
 
     log = Logger()
@@ -185,8 +215,10 @@ class Authority:
         digester: SecretDigester | None = None,
         coldSlots: int = 4,
         coldWait: float = 0.25,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._store = store
+        self._monotonic = monotonic
         self._cache = cache
         self._wallClock = wallClock
         self._digester = digester if digester is not None else SecretDigester()
@@ -195,9 +227,27 @@ class Authority:
         self._tokenFlights: _Flights[uuid.UUID] = _Flights()
         self._agentFlights: _Flights[tuple[uuid.UUID, uuid.UUID]] = _Flights()
 
+    # Deadlines
+
+    def _waitFor(self, deadline: float | None) -> float:
+        """
+        How long a wait may last: C{coldWait}, or less when the deadline
+        comes first.
+        """
+        if deadline is None:
+            return self._coldWait
+        return max(0.0, min(self._coldWait, deadline - self._monotonic()))
+
+    def _inTime(self, deadline: float | None) -> None:
+        """
+        Raise L{DeadlinePassed} when C{deadline} has passed.
+        """
+        if deadline is not None and self._monotonic() >= deadline:
+            raise DeadlinePassed("the call's deadline passed before its turn came")
+
     # Validation
 
-    def validateToken(self, bearer: str) -> Caller:
+    def validateToken(self, bearer: str, deadline: float | None = None) -> Caller:
         """
         Who presents this bearer? Unauthenticated for a malformed, unknown,
         wrong, expired or revoked token.
@@ -216,14 +266,14 @@ class Authority:
             # dropped). Its answer, once cached, is almost always ours too;
             # without this wait each call of the burst would run argon2 and
             # queue for a cold slot, and the burst would miss its deadlines.
-            flight.wait(self._coldWait)
+            flight.wait(self._waitFor(deadline))
             caller, cached = self._answerFromCache(parsed, digest)
             if caller is not None:
                 return caller
             # Nothing cached that answers us (another secret, an unknown id,
             # a change meanwhile): do the work ourselves.
         try:
-            return self._validateCold(parsed, digest, cached)
+            return self._validateCold(parsed, digest, cached, deadline)
         finally:
             if leading:
                 self._tokenFlights.land(parsed.tokenID, flight)
@@ -249,18 +299,26 @@ class Authority:
         return None, cached
 
     def _validateCold(
-        self, parsed: ParsedToken, digest: bytes, cached: CachedToken | None
+        self,
+        parsed: ParsedToken,
+        digest: bytes,
+        cached: CachedToken | None,
+        deadline: float | None,
     ) -> Caller:
         """
         Read the token's row and verify the secret (argon2 unless C{cached}
         proves it), within a cold slot; cache the outcome.
         """
-        if not self._coldSlots.acquire(timeout=self._coldWait):
+        self._inTime(deadline)
+        if not self._coldSlots.acquire(timeout=self._waitFor(deadline)):
+            self._inTime(deadline)
             raise Overloaded("too many token validations in progress")
         try:
             epoch = self._cache.epoch()
             readAt = self._cache.now()
-            record = self._read(lambda: self._store.tokenForAuthentication(parsed.tokenID))
+            record = self._read(
+                lambda: self._store.tokenForAuthentication(parsed.tokenID), deadline
+            )
             if record is None:
                 raise Unauthenticated("invalid token")
             if (
@@ -270,6 +328,7 @@ class Authority:
             ):
                 verified = True  # same secret, same stored hash: no argon2
             else:
+                self._inTime(deadline)
                 verified = verifySecret(record.secretHash, parsed.secret)
             if not verified:
                 self._cache.rememberWrongSecret(parsed.tokenID, digest)
@@ -286,12 +345,14 @@ class Authority:
             raise Unauthenticated("token expired")
         return _caller(record)
 
-    def validateAgent(self, bearer: str, agentIDText: str, orgIDText: str) -> str:
+    def validateAgent(
+        self, bearer: str, agentIDText: str, orgIDText: str, deadline: float | None = None
+    ) -> str:
         """
         May the holder of C{bearer} act as this agent of this organization?
         Returns the agent's status (always "active").
         """
-        caller = self.validateToken(bearer)
+        caller = self.validateToken(bearer, deadline)
         agentID = parseUUID(agentIDText)
         if agentID is None:
             raise InvalidArgument("agent_id is not a UUID")
@@ -302,14 +363,16 @@ class Authority:
             raise PermissionDenied("agent is not authorized for this token's organization")
         if caller.agentID is not None and caller.agentID != agentID:
             raise PermissionDenied("token is bound to another agent")
-        status = self._agentStatus(orgID, agentID)
+        status = self._agentStatus(orgID, agentID, deadline)
         if status is None:
             raise PermissionDenied("agent is not authorized for this token's organization")
         if status != "active":
             raise PermissionDenied(AGENT_NOT_ACTIVE)
         return status
 
-    def _agentStatus(self, orgID: uuid.UUID, agentID: uuid.UUID) -> str | None:
+    def _agentStatus(
+        self, orgID: uuid.UUID, agentID: uuid.UUID, deadline: float | None
+    ) -> str | None:
         cached = self._cache.agent(orgID, agentID)
         if cached is not None:
             return cached.status
@@ -318,14 +381,14 @@ class Authority:
         if not leading:
             # As for tokens: a burst of first calls for one agent reads it
             # once instead of queueing every call for a database connection.
-            flight.wait(self._coldWait)
+            flight.wait(self._waitFor(deadline))
             cached = self._cache.agent(orgID, agentID)
             if cached is not None:
                 return cached.status
         try:
             epoch = self._cache.epoch()
             readAt = self._cache.now()
-            agent = self._read(lambda: self._store.agentInOrganization(orgID, agentID))
+            agent = self._read(lambda: self._store.agentInOrganization(orgID, agentID), deadline)
             status = None if agent is None else agent.status
             self._cache.rememberAgent(orgID, agentID, CachedAgent(status, readAt), epoch)
             return status
@@ -335,8 +398,8 @@ class Authority:
 
     # Management (decisions D6)
 
-    def _authorize(self, bearer: str, needed: Permission) -> Caller:
-        caller = self.validateToken(bearer)
+    def _authorize(self, bearer: str, needed: Permission, deadline: float | None) -> Caller:
+        caller = self.validateToken(bearer, deadline)
         if not caller.permissions & needed:
             raise PermissionDenied(f"token lacks the {needed.name} permission")
         return caller
@@ -349,19 +412,28 @@ class Authority:
         permissions: int,
         agentIDText: str,
         expiresInSeconds: int,
+        deadline: float | None = None,
     ) -> tuple[str, TokenRecord]:
         """
         Issue a token in the caller's organization, never with a permission
         bit the caller lacks; a caller bound to an agent can only issue
         tokens bound to that agent.
+
+        Any int64 is a permission bitmap (svcctl lets operators set bits
+        that D3 does not name yet): a bit the caller does not hold is
+        PermissionDenied, as D6 says, whatever its meaning.
         """
-        caller = self._authorize(bearer, Permission.TokenCreate)
+        caller = self._authorize(bearer, Permission.TokenCreate, deadline)
         if permissions & ~caller.permissions:
             raise PermissionDenied("cannot grant permissions the caller does not hold")
         if expiresInSeconds < 0:
             raise InvalidArgument("expires_in_seconds must not be negative")
-        if len(name) > 200:
-            raise InvalidArgument("name is longer than 200 characters")
+        if expiresInSeconds and self._wallClock() + expiresInSeconds > LATEST_EXPIRY:
+            raise InvalidArgument("expires_in_seconds ends after the year 9999")
+        if len(name) > MAXIMUM_NAME_LENGTH:
+            raise InvalidArgument(f"name is longer than {MAXIMUM_NAME_LENGTH} characters")
+        if "\x00" in name:
+            raise InvalidArgument("name contains a NUL character")
         agentID: uuid.UUID | None = None
         if agentIDText:
             agentID = parseUUID(agentIDText)
@@ -371,7 +443,7 @@ class Authority:
             if agentID not in (None, caller.agentID):
                 raise PermissionDenied("token is bound to another agent")
             agentID = caller.agentID
-        if agentID is not None and self._agentStatus(caller.orgID, agentID) is None:
+        if agentID is not None and self._agentStatus(caller.orgID, agentID, deadline) is None:
             raise PermissionDenied("agent is not authorized for this token's organization")
         expiresAt = None
         if expiresInSeconds:
@@ -379,6 +451,7 @@ class Authority:
                 self._wallClock() + expiresInSeconds, datetime.UTC
             ).replace(microsecond=0)
         return self._write(
+            deadline,
             lambda: issueToken(
                 self._store,
                 orgID=caller.orgID,
@@ -388,43 +461,59 @@ class Authority:
                 name=name or None,
                 expiresAt=expiresAt,
                 createdBy=caller.tokenID,
-            )
+            ),
         )
 
-    def revokeToken(self, bearer: str, tokenIDText: str) -> TokenRecord:
+    def revokeToken(
+        self, bearer: str, tokenIDText: str, deadline: float | None = None
+    ) -> TokenRecord:
         """
         Revoke a token of the caller's organization. A token id of another
         organization is PermissionDenied, never NotFound, so ids cannot be
         probed across tenants.
         """
-        caller = self._authorize(bearer, Permission.TokenRevoke)
+        caller = self._authorize(bearer, Permission.TokenRevoke, deadline)
         tokenID = parseUUID(tokenIDText)
         if tokenID is None:
             raise InvalidArgument("token_id is not a UUID")
-        record = self._write(lambda: self._store.revokeToken(tokenID, orgID=caller.orgID))
+        record = self._write(deadline, lambda: self._store.revokeToken(tokenID, orgID=caller.orgID))
         if record is None:
             raise PermissionDenied("token is not in the caller's organization")
         self._cache.forgetToken(tokenID)
         return record
 
-    def listTokens(self, bearer: str) -> list[TokenRecord]:
-        caller = self._authorize(bearer, Permission.TokenList)
-        return self._read(lambda: self._store.listTokens(caller.orgID))
+    def listTokens(self, bearer: str, deadline: float | None = None) -> list[TokenRecord]:
+        caller = self._authorize(bearer, Permission.TokenList, deadline)
+        return self._read(lambda: self._store.listTokens(caller.orgID), deadline)
 
     # Database access with failures mapped to refusals
 
-    def _read(self, query: Callable[[], _T]) -> _T:
+    def _read(self, query: Callable[[], _T], deadline: float | None) -> _T:
+        self._inTime(deadline)
         try:
             return query()
+        except StoreValueRefused as error:
+            raise self._valueRefused(error) from error
         except StoreUnavailable as error:
             self.log.warn("Database unavailable: {problem}", problem=str(error))
             raise Unavailable("database unavailable") from error
 
-    def _write(self, change: Callable[[], _T]) -> _T:
+    def _write(self, deadline: float | None, change: Callable[[], _T]) -> _T:
+        self._inTime(deadline)
         try:
             return change()
+        except StoreValueRefused as error:
+            raise self._valueRefused(error) from error
         except StoreRejected as error:
             raise InvalidArgument("the request conflicts with stored data") from error
         except StoreUnavailable as error:
             self.log.warn("Database unavailable: {problem}", problem=str(error))
             raise Unavailable("database unavailable") from error
+
+    def _valueRefused(self, error: StoreValueRefused) -> InvalidArgument:
+        """
+        The database refused a value of the request that the checks above
+        let through: the client's mistake, and no outage (decisions D10).
+        """
+        self.log.info("The database refused a value of a request: {problem}", problem=str(error))
+        return InvalidArgument("a value of the request cannot be stored")

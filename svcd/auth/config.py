@@ -5,14 +5,13 @@ decisions D1).
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Mapping
 from pathlib import Path
 
 import attrs
 import psycopg
 
-from svcd.auth.grpcservice import ServerTLS
+from svcd.auth.grpcservice import ServerTLS, isLoopback
 from svcd.common import config
 
 
@@ -23,7 +22,11 @@ class AuthConfig:
     port: int = 8081
     grpcHost: str = "127.0.0.1"
     grpcPort: int = 9091
-    grpcWorkers: int = 16
+    # Calls served at once in total, one thread each (plus spare threads
+    # for refusals): room for SVC_GRPC_MAX_CALLS_PER_PEER of one greedy
+    # client and as much again for the proxies.
+    grpcWorkers: int = 64
+    grpcMaxCallsPerPeer: int = 32
     feedStreams: int = 64
     databasePoolMinimum: int = 2
     databasePoolMaximum: int = 10
@@ -49,7 +52,7 @@ class AuthConfig:
         )
         grpcHost = config.text(environ, "SVC_GRPC_HOST", "127.0.0.1")
         tls = _serverTLS(environ)
-        if environment == "production" and tls is None and not _isLoopback(grpcHost):
+        if environment == "production" and tls is None and not isLoopback(grpcHost):
             raise config.ConfigError(
                 "SVC_GRPC_HOST",
                 f"refusing plaintext gRPC on the non-loopback address {grpcHost} with "
@@ -66,7 +69,8 @@ class AuthConfig:
             port=config.port(environ, "SVC_PORT", 8081),
             grpcHost=grpcHost,
             grpcPort=config.port(environ, "SVC_GRPC_PORT", 9091),
-            grpcWorkers=config.positiveInteger(environ, "SVC_GRPC_WORKERS", 16),
+            grpcWorkers=config.positiveInteger(environ, "SVC_GRPC_WORKERS", 64),
+            grpcMaxCallsPerPeer=config.positiveInteger(environ, "SVC_GRPC_MAX_CALLS_PER_PEER", 32),
             feedStreams=config.positiveInteger(environ, "SVC_GRPC_MAX_FEED_STREAMS", 64),
             databasePoolMinimum=minimum,
             databasePoolMaximum=maximum,
@@ -78,15 +82,6 @@ class AuthConfig:
             errorDocsBase=config.text(environ, "SVC_ERROR_DOCS_BASE", "") or None,
             tls=tls,
         )
-
-
-def _isLoopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def _readPEM(environ: Mapping[str, str], name: str) -> bytes | None:

@@ -37,6 +37,9 @@ from twisted.logger import Logger
 
 from svcd.pb.auth.v1 import auth_pb2
 
+# The feed's gRPC method, which the server's bounds give a lane of its own.
+FEED_METHOD = "/svc.auth.v1.AuthService/WatchChanges"
+
 # A stream's queue holds at most this many messages: a proxy that cannot
 # keep up (hundreds of changes a second piling up) is cut off and starts
 # over with a snapshot, rather than making svc-auth hold an unbounded

@@ -6,11 +6,18 @@ beside the HTTP side.
 
 grpcio runs servicer methods in its own thread pool, which is where the
 blocking work of L{Authority} (database, argon2) belongs: nothing here runs
-on the reactor thread.
+on the reactor thread. How many calls that pool serves at once, and per
+client connection, is L{svcd.auth.admission}'s business.
+
+Requests are parsed here rather than by grpcio: grpcio answers a request
+that protobuf cannot parse (a string field that is not UTF-8) with INTERNAL
+and logs a traceback, while it is only a client's bad input, answered
+INVALID_ARGUMENT naming the field (decisions D10).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
@@ -18,6 +25,8 @@ from typing import Any, TypeVar
 
 import attrs
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -27,8 +36,10 @@ from twisted.internet.interfaces import IReactorThreads
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 
+from svcd.auth.admission import DEADLINE, AdmissionInterceptor, Bounds, RefusalLog
 from svcd.auth.authority import (
     Authority,
+    DeadlinePassed,
     InvalidArgument,
     Overloaded,
     PermissionDenied,
@@ -59,6 +70,7 @@ _STATUS_OF_REFUSAL: dict[type[Refusal], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Unavailable: grpc.StatusCode.INTERNAL,
+    DeadlinePassed: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
 _RESULT_OF_REFUSAL: dict[type[Refusal], str] = {
@@ -67,7 +79,11 @@ _RESULT_OF_REFUSAL: dict[type[Refusal], str] = {
     InvalidArgument: "invalid_argument",
     Overloaded: "overloaded",
     Unavailable: "error",
+    DeadlinePassed: "deadline_exceeded",
 }
+
+# A call without a deadline reports one centuries away.
+_NO_DEADLINE = 365 * 24 * 3600.0
 
 Response = TypeVar("Response")
 
@@ -98,6 +114,13 @@ class AuthMetrics:
             ["method", "code"],
             registry=registry,
         )
+        self.refused = Counter(
+            "svc_auth_grpc_refused_total",
+            "gRPC calls refused before their work: past a bound on calls at once "
+            "(peer, total; answered RESOURCE_EXHAUSTED) or past their deadline (deadline)",
+            ["reason"],
+            registry=registry,
+        )
         self._children = Children()
 
     def answered(self, method: str, code: str) -> None:
@@ -111,6 +134,16 @@ class AuthMetrics:
         Record C{seconds} in the C{result} series of C{duration}.
         """
         self._children.of(duration, result).observe(seconds)
+
+
+def _deadlineOf(context: grpc.ServicerContext) -> float | None:
+    """
+    The call's deadline in time.monotonic() seconds, or None.
+    """
+    remaining = context.time_remaining()
+    if remaining is None or remaining > _NO_DEADLINE:
+        return None
+    return time.monotonic() + float(remaining)
 
 
 def _bearer(context: grpc.ServicerContext) -> str | None:
@@ -153,6 +186,61 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
         self._metrics = metrics
         self._hub = hub
         self._snapshots = snapshots
+        self._refusals = RefusalLog(metrics.refused)
+        self._durations = {
+            "ValidateToken": metrics.validateToken,
+            "ValidateAgent": metrics.validateAgent,
+        }
+
+    @property
+    def metrics(self) -> AuthMetrics:
+        return self._metrics
+
+    def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
+        """
+        AuthService's method handlers, by method name, as grpcio's generated
+        C{add_AuthServiceServicer_to_server} makes them, except that each
+        takes the request's bytes and parses them itself (see the module
+        docstring). A method with a stream of responses gets a stream
+        handler; one with a stream of requests is not supported.
+        """
+        handlers = {}
+        for method in auth_pb2.DESCRIPTOR.services_by_name["AuthService"].methods:
+            if method.client_streaming:
+                raise NotImplementedError(f"{method.name}: a stream of requests")
+            requestType = getattr(auth_pb2, method.input_type.name)
+            responseType = getattr(auth_pb2, method.output_type.name)
+            behaviour = self._parsing(method.name, requestType, getattr(self, method.name))
+            handlerOf = grpc.unary_unary_rpc_method_handler
+            if method.server_streaming:
+                handlerOf = grpc.unary_stream_rpc_method_handler
+                behaviour = _streaming(behaviour)
+            handlers[method.name] = handlerOf(
+                behaviour,
+                request_deserializer=None,
+                response_serializer=responseType.SerializeToString,
+            )
+        return handlers
+
+    def _parsing(
+        self,
+        method: str,
+        requestType: type[Message],
+        behaviour: Callable[[Any, grpc.ServicerContext], Any],
+    ) -> Callable[[bytes, grpc.ServicerContext], Any]:
+        def parsed(raw: bytes, context: grpc.ServicerContext) -> Any:
+            try:
+                request = requestType.FromString(raw)
+            except DecodeError:
+                refusal = _unparsable(method, requestType.DESCRIPTOR, raw)
+
+                def refuse() -> None:
+                    raise refusal
+
+                return self._answer(method, context, refuse, self._durations.get(method))
+            return behaviour(request, context)
+
+        return parsed
 
     def _answer(
         self,
@@ -168,6 +256,8 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
         except Refusal as refusal:
             result = _RESULT_OF_REFUSAL[type(refusal)]
             code = _STATUS_OF_REFUSAL[type(refusal)]
+            if isinstance(refusal, DeadlinePassed):
+                self._refusals.refused(DEADLINE, method=method)
             context.abort(code, str(refusal))
             raise AssertionError("context.abort returned") from None
         except Exception:
@@ -184,7 +274,7 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
         self, request: auth_pb2.ValidateTokenRequest, context: grpc.ServicerContext
     ) -> auth_pb2.ValidateTokenResponse:
         def validate() -> auth_pb2.ValidateTokenResponse:
-            caller = self._authority.validateToken(request.access_token)
+            caller = self._authority.validateToken(request.access_token, _deadlineOf(context))
             return auth_pb2.ValidateTokenResponse(
                 org_id=str(caller.orgID),
                 permissions=caller.permissions,
@@ -201,7 +291,7 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
     ) -> auth_pb2.ValidateAgentResponse:
         def validate() -> auth_pb2.ValidateAgentResponse:
             status = self._authority.validateAgent(
-                _requireBearer(context), request.agent_id, request.org_id
+                _requireBearer(context), request.agent_id, request.org_id, _deadlineOf(context)
             )
             return auth_pb2.ValidateAgentResponse(
                 agent_id=request.agent_id, org_id=request.org_id, status=status
@@ -219,6 +309,7 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
                 permissions=request.permissions,
                 agentIDText=request.agent_id,
                 expiresInSeconds=request.expires_in_seconds,
+                deadline=_deadlineOf(context),
             )
             return auth_pb2.CreateTokenResponse(token=token, info=_tokenInfo(record))
 
@@ -228,7 +319,9 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
         self, request: auth_pb2.RevokeTokenRequest, context: grpc.ServicerContext
     ) -> auth_pb2.RevokeTokenResponse:
         def revoke() -> auth_pb2.RevokeTokenResponse:
-            record = self._authority.revokeToken(_requireBearer(context), request.token_id)
+            record = self._authority.revokeToken(
+                _requireBearer(context), request.token_id, _deadlineOf(context)
+            )
             return auth_pb2.RevokeTokenResponse(token_id=str(record.tokenID), revoked=True)
 
         return self._answer("RevokeToken", context, revoke)
@@ -237,7 +330,7 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
         self, request: auth_pb2.ListTokensRequest, context: grpc.ServicerContext
     ) -> auth_pb2.ListTokensResponse:
         def listing() -> auth_pb2.ListTokensResponse:
-            records = self._authority.listTokens(_requireBearer(context))
+            records = self._authority.listTokens(_requireBearer(context), _deadlineOf(context))
             return auth_pb2.ListTokensResponse(tokens=[_tokenInfo(each) for each in records])
 
         return self._answer("ListTokens", context, listing)
@@ -292,8 +385,96 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
             self.log.info("Change feed stream closed for {peer}", peer=context.peer())
 
 
+def _streaming(
+    behaviour: Callable[[bytes, grpc.ServicerContext], Any],
+) -> Callable[[bytes, grpc.ServicerContext], Iterator[Any]]:
+    """
+    C{behaviour} as a generator of responses, whether it refuses the
+    request at once (raising) or returns the method's own generator.
+    """
+
+    def streamed(raw: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
+        yield from behaviour(raw, context)
+
+    return streamed
+
+
 def _requireBearer(context: grpc.ServicerContext) -> str:
     return bearerFromMetadata(_bearer(context))
+
+
+def _unparsable(method: str, descriptor: Any, raw: bytes) -> Refusal:
+    """
+    The refusal of a request that protobuf cannot parse: a malformed token
+    for ValidateToken's access_token (spec 4.3), else InvalidArgument
+    naming the string field whose bytes are not UTF-8, or the message when
+    the wire format itself is broken.
+    """
+    field = _undecodableField(descriptor, raw)
+    if method == "ValidateToken" and field == "access_token":
+        return Unauthenticated("malformed token")
+    if field is not None:
+        return InvalidArgument(f"{field} is not valid UTF-8")
+    return InvalidArgument(f"the request is not a valid {descriptor.name}")
+
+
+def _undecodableField(descriptor: Any, raw: bytes) -> str | None:
+    """
+    The name of the first string field of C{raw} (the wire format of a
+    flat C{descriptor} message, as AuthService's requests are) whose bytes
+    are not UTF-8 (a lone surrogate among them), or None.
+    """
+    position = 0
+    try:
+        while position < len(raw):
+            key, position = _varint(raw, position)
+            number, wireType = key >> 3, key & 7
+            if wireType == 0:
+                _, position = _varint(raw, position)
+            elif wireType == 1:
+                position += 8
+            elif wireType == 5:
+                position += 4
+            elif wireType == 2:
+                length, position = _varint(raw, position)
+                value = raw[position : position + length]
+                position += length
+                field = descriptor.fields_by_number.get(number)
+                if field is not None and field.type == FieldDescriptor.TYPE_STRING:
+                    try:
+                        value.decode("utf-8")
+                    except UnicodeDecodeError:
+                        return str(field.name)
+            else:
+                return None
+    except IndexError:
+        return None
+    return None
+
+
+def _varint(raw: bytes, position: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = raw[position]
+        position += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, position
+        shift += 7
+        if shift >= 70:
+            raise IndexError("varint too long")
+
+
+def isLoopback(host: str) -> bool:
+    """
+    Is C{host} (a bind address) reachable from this host only?
+    """
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 @attrs.frozen
@@ -317,6 +498,10 @@ class GrpcServerService(Service):
     started before a fork), so a bind failure stops the start at once.
     stopService refuses new calls and lets calls in flight finish for up to
     C{gracePeriod} seconds, without blocking the reactor.
+
+    Plaintext on an address that is not loopback is refused in production
+    (L{svcd.auth.config}) and logged as a warning at start everywhere else
+    (decisions D10).
     """
 
     log = Logger()
@@ -327,7 +512,7 @@ class GrpcServerService(Service):
         servicer: AuthServicer,
         host: str,
         port: int,
-        workers: int,
+        bounds: Bounds,
         gracePeriod: float,
         tls: ServerTLS | None = None,
         interceptors: Sequence[grpc.ServerInterceptor] = (),
@@ -337,7 +522,7 @@ class GrpcServerService(Service):
         self._servicer = servicer
         self._host = host
         self._requestedPort = port
-        self._workers = workers
+        self._bounds = bounds
         self._gracePeriod = gracePeriod
         self._tls = tls
         self._server: grpc.Server | None = None
@@ -350,7 +535,7 @@ class GrpcServerService(Service):
             self._servicer,
             self._host,
             self._requestedPort,
-            self._workers,
+            self._bounds,
             self._tls,
             self._interceptors,
         )
@@ -364,6 +549,13 @@ class GrpcServerService(Service):
         self.log.info(
             "gRPC AuthService listening on {host}:{port}", host=self._host, port=self.port
         )
+        if self._tls is None and not isLoopback(self._host):
+            self.log.warn(
+                "gRPC is plaintext on {host}, an address other hosts can reach: tokens cross "
+                "the network in clear. Set SVC_GRPC_TLS_CERT, SVC_GRPC_TLS_KEY and "
+                "SVC_GRPC_TLS_CLIENT_CA, or SVC_GRPC_HOST=127.0.0.1",
+                host=self._host,
+            )
 
     def stopService(self) -> Deferred[Any]:
         super().stopService()
@@ -388,7 +580,7 @@ def buildServer(
     servicer: AuthServicer,
     host: str,
     port: int,
-    workers: int,
+    bounds: Bounds,
     tls: ServerTLS | None = None,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
 ) -> tuple[grpc.Server, health.HealthServicer, int]:
@@ -397,15 +589,26 @@ def buildServer(
     standard health service and server reflection; returns it with its
     health servicer and the bound port (useful when C{port} is 0).
 
-    @param interceptors: run around every call, such as
+    Calls are admitted by L{AdmissionInterceptor} within C{bounds}; the
+    thread pool has a thread for each call the bounds admit plus spare
+    ones for refusals, and grpcio refuses calls past the pool's size
+    itself, so its queue never holds a call waiting for a thread.
+
+    @param interceptors: run around every admitted call, such as
         L{svcd.common.tracing.ServerTracingInterceptor}.
 
     @raise GrpcBindError: when the address cannot be bound.
     """
+    admission = AdmissionInterceptor(
+        bounds, RefusalLog(servicer.metrics.refused), answered=servicer.metrics.answered
+    )
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="svc-auth-grpc"),
-        interceptors=list(interceptors) or None,
+        futures.ThreadPoolExecutor(max_workers=bounds.threads, thread_name_prefix="svc-auth-grpc"),
+        interceptors=[admission, *interceptors],
+        maximum_concurrent_rpcs=bounds.threads,
         options=[
+            # What one connection may have open at once (see Bounds).
+            ("grpc.max_concurrent_streams", bounds.streamsPerConnection),
             # Two processes on one port would split calls between an old and
             # a new svc-auth by accident; refuse instead.
             ("grpc.so_reuseport", 0),
@@ -417,7 +620,9 @@ def buildServer(
             ("grpc.http2.max_ping_strikes", 0),
         ],
     )
-    auth_pb2_grpc.add_AuthServiceServicer_to_server(servicer, server)
+    handlers = servicer.handlers()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
     healthServicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(healthServicer, server)
     reflection.enable_server_reflection(

@@ -83,6 +83,14 @@ class StoreRejected(Exception):
     """
 
 
+class StoreValueRefused(Exception):
+    """
+    A value could not be stored or compared at all (psycopg's DataError: a
+    NUL byte or a lone surrogate in a string, a number or a time out of
+    range). The database is fine; the value is the caller's mistake.
+    """
+
+
 @attrs.frozen
 class TokenRecord:
     """
@@ -142,7 +150,7 @@ def _optional(convert: Callable[[dict[str, Any]], R], row: dict[str, Any] | None
 
 def _one(row: dict[str, Any] | None) -> dict[str, Any]:
     if row is None:
-        raise psycopg.DataError("a RETURNING clause returned no row")
+        raise StoreUnavailable("a RETURNING clause returned no row")
     return row
 
 
@@ -209,6 +217,12 @@ class Store:
         except psycopg.IntegrityError as error:
             raise StoreRejected(
                 f"the database refused {operation}: {type(error).__name__}"
+            ) from error
+        except (psycopg.DataError, UnicodeEncodeError) as error:
+            # Class 22 of SQLSTATE, or psycopg refusing to send the value
+            # (NUL in text, a lone surrogate): never a sign of an outage.
+            raise StoreValueRefused(
+                f"the database cannot hold a value of {operation}: {type(error).__name__}"
             ) from error
         except psycopg.Error as error:
             raise StoreUnavailable(

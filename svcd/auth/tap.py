@@ -25,10 +25,11 @@ from twisted.logger import Logger, LogLevel
 from twisted.python import usage
 from twisted.python.threadpool import ThreadPool
 
+from svcd.auth.admission import Bounds, Lane
 from svcd.auth.authority import Authority
 from svcd.auth.cache import ValidationCache
 from svcd.auth.config import AuthConfig
-from svcd.auth.feed import ChangeHub, Snapshots
+from svcd.auth.feed import FEED_METHOD, ChangeHub, Snapshots
 from svcd.auth.grpcservice import AuthMetrics, AuthServicer, GrpcServerService
 from svcd.auth.listener import ChangeListener
 from svcd.auth.store import Store, connectionPool
@@ -185,8 +186,11 @@ def buildService(
         settings.grpcHost,
         settings.grpcPort,
         # Each change feed stream holds a thread for as long as its proxy
-        # is connected; those threads come on top of the ones serving calls.
-        workers=settings.grpcWorkers + settings.feedStreams,
+        # is connected: a lane of its own, beside the calls' bounds (a
+        # reconnecting proxy's old stream may linger a moment).
+        bounds=Bounds.standard(settings.grpcWorkers, settings.grpcMaxCallsPerPeer).withLane(
+            FEED_METHOD, Lane("feed", total=settings.feedStreams, perPeer=2)
+        ),
         gracePeriod=settings.shutdownTimeout,
         tls=settings.tls,
         interceptors=[interceptor],

@@ -14,9 +14,10 @@ import grpc
 from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry
 
+from svcd.auth.admission import Bounds, Lane
 from svcd.auth.authority import Authority
 from svcd.auth.cache import ValidationCache
-from svcd.auth.feed import ChangeHub, Snapshots
+from svcd.auth.feed import FEED_METHOD, ChangeHub, Snapshots
 from svcd.auth.grpcservice import SERVICE_NAME, AuthMetrics, AuthServicer, buildServer
 from svcd.auth.listener import ChangeListener
 from svcd.auth.store import Store, connectionPool
@@ -51,6 +52,7 @@ class RunningAuthService:
         listen: bool = True,
         workers: int = 8,
         feedStreams: int = 4,
+        perPeer: int = 32,
     ) -> None:
         self.registry = CollectorRegistry()
         self.pool = connectionPool(
@@ -75,7 +77,9 @@ class RunningAuthService:
             ),
             "127.0.0.1",
             0,
-            workers + feedStreams,
+            Bounds.standard(workers, perPeer).withLane(
+                FEED_METHOD, Lane("feed", total=feedStreams, perPeer=feedStreams)
+            ),
         )
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = auth_pb2_grpc.AuthServiceStub(self.channel)
