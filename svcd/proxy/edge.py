@@ -784,6 +784,8 @@ class _ClientStream:
     def begin(
         self, status: int, contentType: bytes, headers: Sequence[tuple[bytes, bytes]]
     ) -> None:
+        if self._gone():
+            return
         request = self._ctx.request
         request.setResponseCode(status)
         outgoing = request.responseHeaders

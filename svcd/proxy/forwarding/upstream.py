@@ -346,7 +346,11 @@ class Forwarder:
         relay: StreamRelay | None = None
         wantsUsage = _wantsUsage(document)
 
+        committed = False
+
         def begin() -> None:
+            nonlocal committed
+            committed = True
             client.begin(200, _EVENT_STREAM, [(UPSTREAM_MODEL_HEADER, _ascii(model.name))])
             assert relay is not None
             client.registerProducer(relay)
@@ -400,6 +404,17 @@ class Forwarder:
         except UpstreamFault as fault:
             label = fault.label
             raise
+        except CancelledError:
+            raise
+        except Exception:
+            if not committed:
+                raise
+            # A bug after the status line went out: the stream cannot turn
+            # into an error answer any more; end it as a fault would.
+            label = "stream_error"
+            self.log.failure("Fault relaying a stream from {provider}", provider=provider.name)
+            client.write(errorEvent(ApiError(ErrorCode.INTERNAL_ERROR)))
+            return Answer(200, b"", _EVENT_STREAM, streamed=True)
         finally:
             self._finish(model, span, label, began, record)
 
