@@ -2,11 +2,22 @@
 Parsing and validating the body of POST /v1/chat/completions (spec 4.1,
 decisions D4). Every failed rule is collected so the client sees all of
 them in one VALIDATION_ERROR.
+
+Only JSON that can be forwarded as standard JSON is accepted (decisions
+D10): Python's parser takes C{1e999999} for infinity and C{"\\ud800"} for
+a string holding a lone surrogate, neither of which standard JSON (or
+UTF-8) can carry on to a provider. Both are refused where the body is
+parsed, anywhere in it (keys and unknown keys too), with 400 INVALID_JSON.
+The checks cost nothing on an ordinary body: a number is checked as it is
+parsed, and the parsed document is searched for surrogates only when the
+raw bytes hold an escape that could make one (C{\\uD800} to C{\\uDFFF}).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from typing import Any
 
 import attrs
@@ -48,15 +59,58 @@ def _refuseConstant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def _finiteFloat(text: str) -> float:
+    # Called for each number with a fraction or an exponent only.
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError("a number too large for a double")
+    return value
+
+
+# An escape that could decode to a surrogate code point; a body without one
+# cannot hold a lone surrogate (raw surrogate bytes are not UTF-8). Searched
+# only in a body with a backslash at all: that test is a memchr, while this
+# search costs about a millisecond per MiB.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _holdsSurrogate(text: str) -> bool:
+    # isascii() is a flag of the string object: no scan.
+    return not text.isascii() and _SURROGATE.search(text) is not None
+
+
+def _holdsLoneSurrogate(document: object) -> bool:
+    """
+    Whether a string anywhere in C{document}, key or value, holds a
+    surrogate code point: the parser joins an escaped pair into one
+    character, so any left is a lone one. Iterative: a document may nest
+    as deep as the parser allows.
+    """
+    pending = [document]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, str):
+            if _holdsSurrogate(value):
+                return True
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if _holdsSurrogate(key):
+                    return True
+                pending.append(item)
+        elif isinstance(value, list):
+            pending.extend(value)
+    return False
+
+
 def _contentTooLong(content: str) -> bool:
     # Cheap bounds first: a character is 1 to 4 bytes of UTF-8.
     if len(content) * 4 <= MAX_CONTENT_BYTES:
         return False
     if len(content) > MAX_CONTENT_BYTES:
         return True
-    # surrogatepass: a lone surrogate from a JSON \\ud800 escape counts its
-    # 3 bytes instead of failing.
-    return len(content.encode("utf-8", "surrogatepass")) > MAX_CONTENT_BYTES
+    # A lone surrogate was refused with the JSON: this encodes.
+    return len(content.encode("utf-8")) > MAX_CONTENT_BYTES
 
 
 def _isNumber(value: object) -> bool:
@@ -69,13 +123,22 @@ def parseChatBody(body: bytes) -> ChatRequest:
 
     A JSON C{null} counts as a missing field.
 
-    @raise ApiError: 400 INVALID_JSON when the body is not UTF-8 JSON, 400
-        VALIDATION_ERROR listing every failed rule otherwise.
+    @raise ApiError: 400 INVALID_JSON when the body is not UTF-8 JSON, or
+        holds a number that is not finite or a lone surrogate (decisions
+        D10); 400 VALIDATION_ERROR listing every failed rule otherwise.
     """
     try:
-        document = json.loads(body.decode("utf-8"), parse_constant=_refuseConstant)
+        document = json.loads(
+            body.decode("utf-8"), parse_constant=_refuseConstant, parse_float=_finiteFloat
+        )
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise ApiError(ErrorCode.INVALID_JSON) from None
+    if (
+        b"\\" in body
+        and _SURROGATE_ESCAPE.search(body) is not None
+        and _holdsLoneSurrogate(document)
+    ):
+        raise ApiError(ErrorCode.INVALID_JSON)
     if not isinstance(document, dict):
         raise validationError([FieldError("body", _FORMAT, "must be a JSON object")])
 

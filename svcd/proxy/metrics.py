@@ -7,7 +7,7 @@ codes only: never an org id, an agent id or a raw path.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from svcd.common.metrics import BUCKETS, Children, processUpGauge
 
@@ -53,6 +53,11 @@ class ProxyMetrics:
             " status (lowercase) or 'error' for a failure without one",
             ["result"],
             buckets=BUCKETS,
+            registry=self.registry,
+        )
+        self.ratelimitCircuitOpen = Gauge(
+            "svc_proxy_ratelimit_circuit_open",
+            "1 while the rate limiter skips Redis after a failure (decisions D10), else 0",
             registry=self.registry,
         )
         self.processUp = processUpGauge(self.registry)

@@ -112,6 +112,7 @@ def makeService(options: Options) -> LoggingRootService:
         config.redis,
         config.defaultRPM,
         config.orgRPM,
+        metrics.ratelimitCircuitOpen,
     )
     edge = ProxyEdge(config, auth, limiter, metrics, reactor, tracer)
     site = ProxySite(edge.resource(), config.maxRequestBodyBytes, reactor)
