@@ -158,3 +158,28 @@ def test_eachPlaceOfAValidBody(value: str, where: str) -> None:
         parseChatBody(plant(json.dumps(document), value))
     assert raised.value.code.value == "INVALID_JSON"
     assert raised.value.status == 400
+
+
+@pytest.mark.parametrize("size", [100, 20_000, 100_000])
+@pytest.mark.parametrize(
+    ("value", "refused"),
+    [(r'"\ud800"', True), (r'"\udc00x"', True), (r'"\ud83d\ude00"', False), (r'"\\ud800"', False)],
+)
+def test_smallAndLargeBodies(size: int, value: str, refused: bool) -> None:
+    """
+    The surrogate rule holds on both sides of the size up to which the raw
+    bytes are searched for a surrogate escape before the document is
+    walked: in a body of 100 bytes and in bodies of 20,000 and 100,000
+    (with newlines and non-ASCII text around it, as chat bodies have).
+    """
+    document = {
+        "model": "m",
+        "messages": [
+            {"role": "user", "content": ("caf\u00e9\n" * size)[:size]},
+            {"role": "assistant", "content": MARK},
+        ],
+    }
+    body = plant(json.dumps(document), value)
+    assert (len(body) > 16 * 1024) == (size > 16 * 1024)
+    result, _ = outcome(body)
+    assert (result == "INVALID_JSON") == refused, result
