@@ -312,10 +312,11 @@ def test_frozenRedisUnderLoad(privateGateway: Gateway) -> None:
     Redis frozen (SIGSTOP) for 5 s under 16 concurrent clients: every
     request is still answered 501 (fail open), and the breaker keeps the
     cost of the stall to one 100 ms Redis deadline per second (plus the
-    requests in flight when it began): throughput holds, where before
-    every request waited the deadline. /ready still says redis failed
-    (the breaker does not hide it). After the thaw, X-RateLimit-* are back
-    on every answer within the breaker's second plus one deadline, and an
+    requests in flight when it began): throughput holds and most requests
+    stay faster than that deadline, where before every request waited it
+    (throughput fell to a third). /ready still says redis failed (the
+    breaker does not hide it). After the thaw, X-RateLimit-* are back on
+    every answer within the breaker's second plus one deadline, and an
     organization over its limit gets 429 again.
     """
     gateway = privateGateway
@@ -352,22 +353,27 @@ def test_frozenRedisUnderLoad(privateGateway: Gateway) -> None:
     before = load.rate(warm, frozenAt)
     during = load.rate(frozenAt, thawedAt)
     after = load.rate(backAt, end)
+
+    def slowShare(samples: list[Sample]) -> float:
+        # Requests as slow as the Redis deadline: without the breaker,
+        # every one of the stall; with it, the trials, the requests in
+        # flight at the freeze, and what the machine's load makes slow
+        # anyway (the share before the freeze).
+        return sum(sample.took >= REDIS_BUDGET for sample in samples) / len(samples)
+
     stalled = load.between(frozenAt, thawedAt)
-    waited = [sample for sample in stalled if sample.took >= REDIS_BUDGET * 0.9]
+    slowBefore, slowDuring = slowShare(load.between(warm, frozenAt)), slowShare(stalled)
     tookDuring = sorted(sample.took for sample in stalled)
     print(
         f"Redis frozen {thawedAt - frozenAt:.1f} s under {workers} clients: "
         f"{before:.0f} requests/s before, {during:.0f} during, {after:.0f} after; "
         f"p50 during {tookDuring[len(tookDuring) // 2] * 1000:.1f} ms; "
-        f"{len(waited)} of {len(stalled)} requests waited the Redis deadline; "
+        f"{slowBefore:.1%} of requests took 100 ms or more before, {slowDuring:.1%} during; "
         f"limiting back {backAt - thawedAt:.2f} s after the thaw"
     )
     assert {sample.status for sample in load.samples} == {501}
-    # The requests in flight at the freeze, then at most one trial per
-    # second of the stall.
-    trials = math.ceil((thawedAt - frozenAt) / OPEN_SECONDS) + 1
-    assert len(waited) <= workers + trials, len(waited)
-    assert during >= before / 2, (before, during)
+    assert slowDuring < 0.5, (slowBefore, slowDuring)
+    assert during >= before * 0.6, (before, during)
     assert backAt - thawedAt < OPEN_SECONDS + REDIS_BUDGET + SLACK
 
     # Limiting, not just the headers: the organization limited to 3 a
