@@ -132,8 +132,9 @@ def _contentTooLong(content: str) -> bool:
         return False
     if len(content) > MAX_CONTENT_BYTES:
         return True
-    # A lone surrogate was refused with the JSON: this encodes.
-    return len(content.encode("utf-8")) > MAX_CONTENT_BYTES
+    # surrogatepass: lone surrogates were refused with the JSON (decisions
+    # D10); should one come through, it counts its 3 bytes, not a 500.
+    return len(content.encode("utf-8", "surrogatepass")) > MAX_CONTENT_BYTES
 
 
 def _isNumber(value: object) -> bool:
@@ -156,7 +157,7 @@ def parseChatBody(body: bytes) -> ChatRequest:
         )
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise ApiError(ErrorCode.INVALID_JSON) from None
-    # Raw surrogate bytes are not UTF-8, so only a \\u escape can make a
+    # Raw surrogate bytes are not UTF-8, so only a \u escape can make a
     # surrogate: without a backslash (a memchr) there is none; a small body
     # is searched for a surrogate escape before the walk (see above).
     if (
