@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from svcd.common.errors import ApiError
+from svcd.common.errors import ApiError, ErrorCode
 from svcd.proxy.chatbody import MAX_CONTENT_BYTES, ROLES, parseChatBody
 
 
@@ -220,18 +220,19 @@ def test_contentUTF8Bytes(content: str, tooLong: bool) -> None:
         parseChatBody(body)
 
 
-def test_loneSurrogateCounted() -> None:
+def test_loneSurrogateRefused() -> None:
     """
-    A lone surrogate from a JSON escape counts its 3 bytes instead of
-    breaking the length check.
+    A lone surrogate from a JSON escape cannot be forwarded as UTF-8: 400
+    INVALID_JSON (decisions D10), before the length check, at the limit
+    or past it. tests/test_hostile_json.py plants it everywhere else.
     """
-    content = "a" * (MAX_CONTENT_BYTES - 3) + "\ud800"
     body = b'{"model": "m", "messages": [{"role": "user", "content": "%s\\ud800"}]}' % (
         b"a" * (MAX_CONTENT_BYTES - 3)
     )
-    assert parseChatBody(body).messages[0]["content"] == content
-    longer = body.replace(b"\\ud800", b"a\\ud800")
-    assert fieldErrors(longer) == [("messages[0].content", "TOO_LONG")]
+    for each in (body, body.replace(b"\\ud800", b"a\\ud800")):
+        with pytest.raises(ApiError) as raised:
+            parseChatBody(each)
+        assert raised.value.code == ErrorCode.INVALID_JSON
 
 
 @pytest.mark.parametrize(

@@ -42,12 +42,14 @@ from svcd.common.errors import (
     validationError,
 )
 from svcd.common.ids import parseRequestID, parseUUID, uuid7
+from svcd.common.logbounds import loggedMethod, loggedText
 from svcd.common.logs import REQUEST_ID
 from svcd.common.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from svcd.common.metrics import exposition
 from svcd.common.pat import parseToken
 from svcd.common.permissions import Permission
 from svcd.common.readiness import Check, readinessReport
+from svcd.common.recent import RecentResult
 from svcd.common.tracing import activate, deactivate, parentFromHeaders, untracedProvider
 from svcd.proxy.authclient import AGENT_HEADER, AuthClient, agentHeaderInvalid
 from svcd.proxy.chatbody import parseChatBody
@@ -66,6 +68,7 @@ from svcd.proxy.context import (
 from svcd.proxy.forwarding.providers import ProviderTable, modelsDocument
 from svcd.proxy.forwarding.upstream import Forwarder
 from svcd.proxy.metrics import ProxyMetrics
+from svcd.proxy.paths import isCanonicalPath
 from svcd.proxy.ratelimit import RateLimiter
 
 _HEALTH_BODY = b'{"status":"ok","checks":{}}'
@@ -75,6 +78,9 @@ _UNMATCHED = "unmatched"
 # before the answer (nginx's convention).
 _CLIENT_CLOSED = 499
 _SPAN_ERROR = Status(StatusCode.ERROR)
+# Decisions D10: /ready answers from a check at most this many seconds old,
+# one check at a time shared by every concurrent probe.
+READY_MAX_AGE = 0.25
 
 
 @attrs.frozen
@@ -145,6 +151,7 @@ class ProxyEdge:
             Check("auth_grpc", auth.checkReachable),
             Check("redis", limiter.checkReady),
         )
+        self.readiness = RecentResult(self._checkReadiness, clock, READY_MAX_AGE)
 
         # Spec 4.1: the global order for every route, outermost first; the
         # router (the route's own steps) is innermost.
@@ -449,44 +456,37 @@ class ProxyEdge:
         except CancelledError:
             self.log.info(
                 "{method} {route}: client went away",
-                method=ctx.method,
+                method=loggedMethod(ctx.method),
                 route=ctx.route.template,
+                path=_loggedPath(ctx.request),
                 request_id=ctx.requestID,
                 trace_id=ctx.traceID,
             )
             raise
+        fields: dict[str, object] = {
+            "method": loggedMethod(ctx.method),
+            "route": ctx.route.template,
+            "path": _loggedPath(ctx.request),
+            "status": reply.status,
+            "duration_ms": round((self._clock.seconds() - ctx.started) * 1000, 3),
+            "request_id": ctx.requestID,
+            "trace_id": ctx.traceID,
+            "org_id": ctx.orgID,
+            "agent_id": ctx.agentID,
+        }
         upstream = ctx.upstream
-        if upstream.provider is None:
-            self.log.info(
-                "{method} {route} {status}",
-                method=ctx.method,
-                route=ctx.route.template,
-                status=reply.status,
-                duration_ms=round((self._clock.seconds() - ctx.started) * 1000, 3),
-                request_id=ctx.requestID,
-                trace_id=ctx.traceID,
-                org_id=ctx.orgID,
-                agent_id=ctx.agentID,
+        if upstream.provider is not None:
+            # Forwarded to a provider (decisions D9): what it cost.
+            usage = upstream.usage
+            fields.update(
+                provider=upstream.provider,
+                model=upstream.model,
+                upstream_model=upstream.upstreamModel,
+                upstream_ms=upstream.upstreamMilliseconds,
+                prompt_tokens=usage.promptTokens if usage is not None else None,
+                completion_tokens=usage.completionTokens if usage is not None else None,
             )
-            return reply
-        usage = upstream.usage
-        self.log.info(
-            "{method} {route} {status}",
-            method=ctx.method,
-            route=ctx.route.template,
-            status=reply.status,
-            duration_ms=round((self._clock.seconds() - ctx.started) * 1000, 3),
-            request_id=ctx.requestID,
-            trace_id=ctx.traceID,
-            org_id=ctx.orgID,
-            agent_id=ctx.agentID,
-            provider=upstream.provider,
-            model=upstream.model,
-            upstream_model=upstream.upstreamModel,
-            upstream_ms=upstream.upstreamMilliseconds,
-            prompt_tokens=usage.promptTokens if usage is not None else None,
-            completion_tokens=usage.completionTokens if usage is not None else None,
-        )
+        self.log.info("{method} {route} {status}", **fields)
         return reply
 
     async def router(self, ctx: RequestContext) -> Reply:
@@ -513,7 +513,7 @@ class ProxyEdge:
         except Exception:
             self.log.failure(
                 "Unhandled fault answering {method} {route}",
-                method=ctx.method,
+                method=loggedMethod(ctx.method),
                 route=ctx.route.template,
                 request_id=ctx.requestID,
                 trace_id=ctx.traceID,
@@ -639,8 +639,19 @@ class ProxyEdge:
         return Reply(200, _HEALTH_BODY)
 
     async def ready(self, ctx: RequestContext) -> Reply:
-        status, body = await readinessReport(self._readinessChecks, asReactorTime(self._clock))
-        return Reply(status, _dumps(body))
+        """
+        The readiness report, shared (decisions D10): a flood of anonymous
+        probes costs one check of each dependency per L{READY_MAX_AGE}.
+        """
+        status, body = await self.readiness.get()
+        return Reply(status, body)
+
+    def _checkReadiness(self) -> Deferred[tuple[int, bytes]]:
+        async def check() -> tuple[int, bytes]:
+            status, body = await readinessReport(self._readinessChecks, asReactorTime(self._clock))
+            return status, _dumps(body)
+
+        return Deferred.fromCoroutine(check())
 
     async def metricsPage(self, ctx: RequestContext) -> Reply:
         return Reply(
@@ -686,7 +697,7 @@ class ProxyEdge:
             # Metadata only, as in the log line: never a message's content.
             span.set_attributes(
                 {
-                    "gen_ai.request.model": chat.model,
+                    "gen_ai.request.model": loggedText(chat.model),
                     "svc.chat.message_count": len(chat.messages),
                     "svc.chat.stream": chat.stream,
                 }
@@ -696,7 +707,7 @@ class ProxyEdge:
             org_id=ctx.orgID,
             request_id=ctx.requestID,
             trace_id=ctx.traceID,
-            model=chat.model,
+            model=loggedText(chat.model),
             message_count=len(chat.messages),
             stream=chat.stream,
         )
@@ -730,6 +741,11 @@ class ProxyEdge:
         C{data: {"error": ...}} with the envelope of spec section 7.
         """
         return b"data: " + self.errorReply(ctx, error).body + b"\n\n"
+
+
+def _loggedPath(request: Request) -> str:
+    # The path without the query string, which may carry secrets.
+    return loggedText(request.path.decode("latin-1"))
 
 
 def _body(request: Request) -> IO[bytes]:
@@ -815,8 +831,12 @@ class _ClientStream:
 @implementer(IResource)
 class _EdgeResource:
     """
-    Klein's resource, except for requests Klein would refuse before any
-    route because their path or host is not UTF-8: those get our 404.
+    Klein's resource, except for requests that must not reach its router:
+    a path that is not the canonical spelling of a route (decisions D10,
+    L{svcd.proxy.paths}: Klein decodes escapes and werkzeug merges
+    slashes, so the raw path decides here, once), and a path or host that
+    is not UTF-8 (Klein would answer a plain-text 400 of its own). Both
+    get our 404.
     """
 
     isLeaf = True
@@ -833,6 +853,8 @@ class _EdgeResource:
 
     def render(self, request: IRequest) -> Any:
         webRequest: Any = request
+        if not isCanonicalPath(webRequest.path):
+            return self._edge.renderUnmatched(request)
         try:
             b"/".join(webRequest.postpath or ()).decode("utf-8")
             webRequest.getRequestHostname().decode("utf-8")

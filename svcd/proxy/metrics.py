@@ -127,6 +127,11 @@ class ProxyMetrics:
             ["provider", "model", "kind"],
             registry=self.registry,
         )
+        self.ratelimitCircuitOpen = Gauge(
+            "svc_proxy_ratelimit_circuit_open",
+            "1 while the rate limiter skips Redis after a failure (decisions D10), else 0",
+            registry=self.registry,
+        )
         self.processUp = processUpGauge(self.registry)
         # Route templates, known methods and status codes: a small, bounded
         # set of children, looked up once each.

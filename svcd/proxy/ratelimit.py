@@ -7,7 +7,11 @@ One round trip per request: a Lua script increments the counter and gives
 a fresh key its TTL atomically (txredisapi sends it with EVALSHA once the
 script is cached). The limiter fails open: with Redis unconfigured, down,
 or slower than its budget, the request goes on without X-RateLimit-*
-headers and a throttled warning is logged.
+headers and a warning is logged. Failing open is also cheap (D10): after a
+counter call fails or misses its deadline, a circuit breaker
+(L{svcd.proxy.breaker}) skips Redis for one second, then lets one request
+try it, so a hung Redis costs one deadline per second instead of one per
+request.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from svcd.common.clocks import Clock, asReactorTime
 from svcd.common.deferreds import timeoutDeferred
 from svcd.common.logthrottle import ThrottledWarning
 from svcd.common.readiness import CheckFailed
+from svcd.proxy.breaker import CircuitBreaker
 from svcd.proxy.config import RedisTarget
 
 WINDOW_SECONDS = 60
@@ -96,6 +101,14 @@ class RateLimiter(Protocol):
         """
         Close the connection.
         """
+
+
+class Gauge(Protocol):
+    """
+    What the limiter uses of a Prometheus gauge.
+    """
+
+    def set(self, value: float) -> None: ...
 
 
 class RedisCounters(Protocol):
@@ -185,8 +198,12 @@ class RedisRateLimiter:
     """
     The fixed-window limiter over Redis.
 
-    @param clock: the time source for windows and the timer of the Redis
-        budget; tests pass a L{twisted.internet.task.Clock}.
+    @param clock: the time source for windows, the timer of the Redis
+        budget and the circuit breaker; tests pass a
+        L{twisted.internet.task.Clock}.
+    @param circuitOpen: the gauge C{svc_proxy_ratelimit_circuit_open}, set
+        to 1 while the breaker skips Redis and to 0 once it closes.
+    @param openSeconds: how long the breaker skips Redis after a failure.
     """
 
     log = Logger()
@@ -199,6 +216,8 @@ class RedisRateLimiter:
         orgRPM: Mapping[str, int] | None = None,
         timeout: float = 0.1,
         warnInterval: float = 10.0,
+        circuitOpen: Gauge | None = None,
+        openSeconds: float = 1.0,
     ) -> None:
         self._counters = counters
         self._clock = clock
@@ -206,6 +225,9 @@ class RedisRateLimiter:
         self._orgRPM = dict(orgRPM or {})
         self._timeout = timeout
         self._unavailable = ThrottledWarning(self.log, clock, warnInterval)
+        self._breaker = CircuitBreaker(clock, openSeconds)
+        self._openSeconds = openSeconds
+        self._circuitOpen = circuitOpen
 
     def limitFor(self, orgID: str) -> int:
         """
@@ -219,6 +241,11 @@ class RedisRateLimiter:
         if not self._counters.connected:
             self._unavailable.warn("Redis is not connected; rate limiting is off until it is back")
             return None
+        permit = self._breaker.permit()
+        if permit is None:
+            # The circuit is open: Redis failed less than a second ago, or
+            # another request is trying it now.
+            return None
         key = f"ratelimit:{orgID}:{windowStart}"
         try:
             count = await timeoutDeferred(
@@ -227,13 +254,21 @@ class RedisRateLimiter:
                 asReactorTime(self._clock),
             )
         except CancelledError:
+            self._breaker.abandoned(permit)
             raise
         except Exception as error:
-            self._unavailable.warn(
-                "Redis rate-limit counter failed ({error_type}); request allowed",
-                error_type=type(error).__name__,
-            )
+            if self._breaker.failed(permit):
+                self._setCircuitOpen(True)
+                self.log.warn(
+                    "Redis rate-limit counter failed ({error_type}); requests go on without"
+                    " rate limits, Redis is skipped for {open_seconds} s, then tried again",
+                    error_type=type(error).__name__,
+                    open_seconds=self._openSeconds,
+                )
             return None
+        if self._breaker.succeeded(permit):
+            self._setCircuitOpen(False)
+            self.log.info("Redis rate-limit counter answers again; rate limiting resumed")
         limit = self.limitFor(orgID)
         reset = windowStart + WINDOW_SECONDS
         return RateDecision(
@@ -244,7 +279,12 @@ class RedisRateLimiter:
             retryAfter=max(1, math.ceil(reset - now)),
         )
 
+    def _setCircuitOpen(self, isOpen: bool) -> None:
+        if self._circuitOpen is not None:
+            self._circuitOpen.set(1 if isOpen else 0)
+
     def checkReady(self) -> Deferred[None]:
+        # Straight to Redis, past the breaker: /ready reports the truth.
         if not self._counters.connected:
             return fail(CheckFailed("not connected to Redis"))
 
@@ -291,10 +331,13 @@ def makeRateLimiter(
     target: RedisTarget | None,
     defaultRPM: int,
     orgRPM: Mapping[str, int],
+    circuitOpen: Gauge | None = None,
 ) -> RedisRateLimiter | DisabledRateLimiter:
     """
     The limiter for a configuration: over Redis when REDIS_URL is set.
     """
     if target is None:
         return DisabledRateLimiter(clock)
-    return RedisRateLimiter(RedisLink(reactor, target), clock, defaultRPM, orgRPM)
+    return RedisRateLimiter(
+        RedisLink(reactor, target), clock, defaultRPM, orgRPM, circuitOpen=circuitOpen
+    )

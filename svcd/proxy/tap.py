@@ -131,6 +131,7 @@ def makeService(options: Options) -> LoggingRootService:
         config.redis,
         config.defaultRPM,
         config.orgRPM,
+        metrics.ratelimitCircuitOpen,
     )
     forwarder = None
     if config.providers is not None:
