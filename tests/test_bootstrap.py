@@ -1,42 +1,42 @@
 """
-dev/bootstrap as a newcomer meets it on a fresh Debian machine: one line on
-the terminal per step, saying what is installed and why; the programs' own
-output in .data/bootstrap.log, whose last lines are shown only when a step
-fails; curl installed when missing (dev/gateway ends by printing a curl
-command); and a word about the PostgreSQL and Redis services that Debian
-starts and enables at boot when it installs them.
+dev/bootstrap as a newcomer meets it on a fresh Debian machine (issue 14):
+one line per step on the terminal, the programs' own output in
+C{.data/bootstrap.log}, the log's last lines when a step fails, curl
+installed when it is missing, the pip step saying what it does and how
+long it takes, and the system services of postgresql and redis-server named
+with the command that disables them.
 
-The real script runs, unchanged, from a copy of the checkout, with PATH set
-to a directory of its own: fake apt-get, sudo, dpkg and id that record how
-they were called and talk as much as the real ones, a fake Python whose
-"venv" and "pip" cost nothing, and links to the real commands the script
-needs. C{DEV_BOOTSTRAP_SYSROOT} (for tests only) moves the fixed paths where
-the script looks for PostgreSQL, Redis and Debian's Python into a temporary
-directory, so that this machine's own packages are not seen.
+The real script runs from a copy of the checkout in a temporary directory,
+with a PATH of its own: symlinks to the real programs it needs, and fakes
+for the rest. The fake apt-get, sudo and Pythons record their arguments and
+print as much as the real ones do, so nothing is installed and every run
+takes a fraction of a second. The one change to the copy points the two
+places off PATH where the script looks for Debian's PostgreSQL and Redis
+(constants at its top) into the temporary directory, so that this machine's
+own servers do not count.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
+import stat
 import subprocess
+from collections.abc import Iterable
 from pathlib import Path
 
+import attrs
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-BOOTSTRAP = ROOT / "dev" / "bootstrap"
-PREFIX = "dev/bootstrap: "
-DISABLE_SERVICES = "sudo systemctl disable --now"
-# What the fake apt-get prints for each of update and install, and the fake
-# pip for install: together about what a fresh Debian 12 shows.
-APT_LINES = 150
-PIP_LINES = 40
-# The real programs the script (and the fakes) need besides the fakes.
-REAL_COMMANDS = (
+CHECKOUT = Path(__file__).resolve().parents[1]
+BOOTSTRAP = CHECKOUT / "dev" / "bootstrap"
+README = CHECKOUT / "README.rst"
+
+# The real programs dev/bootstrap runs besides the faked ones.
+REAL_PROGRAMS = (
     "bash",
     "cat",
-    "cp",
     "cut",
     "date",
     "dirname",
@@ -47,158 +47,175 @@ REAL_COMMANDS = (
     "rm",
     "sha256sum",
     "tail",
+    "tr",
 )
 
+# How many lines the fake apt-get prints per install: about what the real
+# one printed for postgresql and redis-server on a minimal Debian 12.
+APT_LINES = 300
+PIP_LINES = 120
+TAIL_LINES = 20
+PREFIX = "dev/bootstrap: "
+DISABLE_BOTH = "sudo systemctl disable --now postgresql redis-server"
+BASH = shutil.which("bash") or "/bin/bash"
 
-def realCommand(name: str) -> str:
-    path = shutil.which(name)
-    assert path is not None, f"{name} is missing on this machine"
-    return path
+Completed = subprocess.CompletedProcess[str]
 
-
-BASH = realCommand("bash")
-
-FAKE_APT_GET = f"""#!{BASH}
-# Records its arguments and DEBIAN_FRONTEND, talks, and fails when asked.
-printf '%s\\n' "$*" >>"$FAKE_CALLS/apt-get"
-printf '%s\\n' "${{DEBIAN_FRONTEND:-}}" >>"$FAKE_CALLS/apt-get.frontend"
-verb=""
-for argument; do
-    case "$argument" in -*) ;; *) verb="$argument"; break ;; esac
+# Each fake appends one line to $FAKE_CALLS per call: its name and arguments.
+FAKE_APT_GET = """\
+printf 'apt-get %s DEBIAN_FRONTEND=%s\\n' "$*" "${DEBIAN_FRONTEND:-}" >>"$FAKE_CALLS"
+if [[ "$1" == update ]]; then
+    printf 'Get:%d http://deb.debian.org/debian bookworm InRelease\\n' 1 2 3
+else
+    for ((i = 1; i <= APT_LINES; i++)); do
+        printf 'Selecting previously unselected package %s (apt line %d of %s).\\n' \\
+            "${@: -1}" "$i" "$*"
+    done
+fi
+for word in "$@"; do
+    if [[ -n "${FAKE_APT_FAIL:-}" && "$word" == "$FAKE_APT_FAIL" ]]; then
+        echo "E: Unable to locate package $word" >&2
+        exit 100
+    fi
 done
-for ((line = 1; line <= {APT_LINES}; line++)); do
-    printf 'fake apt-get %s: line %d\\n' "$verb" "$line"
-done
-printf 'fake apt-get %s: on stderr\\n' "$verb" >&2
-[[ "$verb" != "${{FAKE_APT_FAILS:-}}" ]] || exit 100
-"""
+""".replace("APT_LINES", str(APT_LINES))
 
-FAKE_SUDO = f"""#!{BASH}
-printf '%s\\n' "$*" >>"$FAKE_CALLS/sudo"
-[[ "$1" != -n ]] || shift
+# With $FAKE_SUDO_PASSWORD set, sudo -n fails as the real one does when it
+# would have to ask for a password.
+FAKE_SUDO = """\
+printf 'sudo %s\\n' "$*" >>"$FAKE_CALLS"
+if [[ "$1" == -n ]]; then
+    if [[ -n "${FAKE_SUDO_PASSWORD:-}" ]]; then
+        echo "sudo: a password is required" >&2
+        exit 1
+    fi
+    shift
+fi
 exec "$@"
 """
 
-FAKE_ID = f"""#!{BASH}
-[[ "$1" == -u ]] && printf '%s\\n' "${{FAKE_UID:-0}}"
+# dpkg -s: nothing is installed.
+FAKE_DPKG = """\
+printf 'dpkg %s\\n' "$*" >>"$FAKE_CALLS"
+exit 1
 """
 
-# dpkg -s PACKAGE: installed only if named in FAKE_DPKG_INSTALLED.
-FAKE_DPKG = f"""#!{BASH}
-[[ " ${{FAKE_DPKG_INSTALLED:-}} " == *" $2 "* ]]
-"""
-
-# Both Debian's python3.11 and the Python of the .venv it makes: the version
-# checks pass, "-m venv DIR" copies this file to DIR/bin/python, and
-# "-m pip install" records where and with what it ran, and talks.
-FAKE_PYTHON = f"""#!{BASH}
+FAKE_ID = """\
 case "$1" in
---version) echo "Python 3.11.99" ;;
--c) [[ "$2" != *print* ]] || echo 3.11 ;;
--m)
-    case "$2 $3" in
-    "venv --clear")
-        {realCommand("mkdir")} -p "$4/bin"
-        {realCommand("cp")} "$0" "$4/bin/python"
-        echo "fake venv: made $4"
-        ;;
-    "pip --version") echo "pip 99.0 (fake)" ;;
-    "pip install")
-        printf '%s %s\\n' "$PWD" "$*" >>"$FAKE_CALLS/pip"
-        for ((line = 1; line <= {PIP_LINES}; line++)); do
-            printf 'fake pip: line %d\\n' "$line"
-        done
-        exit "${{FAKE_PIP_STATUS:-0}}"
-        ;;
-    *) exit 2 ;;
-    esac
-    ;;
-*) exit 2 ;;
+    -u) echo "$FAKE_UID" ;;
+    -un) if [[ "$FAKE_UID" == 0 ]]; then echo root; else echo newcomer; fi ;;
+    *) exit 1 ;;
 esac
 """
 
+# The Python dev/bootstrap finds on PATH: recent enough, and it makes a
+# "virtualenv" by copying the fake venv Python below.
+FAKE_PYTHON = """\
+case "$1" in
+    -c) exit 0 ;;
+    --version) echo "Python 3.11.99" ;;
+    -m)
+        printf 'python3 %s\\n' "$*" >>"$FAKE_CALLS"
+        [[ "$2 $3" == "venv --clear" ]] || exit 2
+        "$mkdir" -p "$4/bin"
+        "$cp" "$FAKE_VENV_PYTHON" "$4/bin/python"
+        echo "made a virtualenv in $4"
+        ;;
+esac
+"""
 
-def writeProgram(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    path.chmod(0o755)
+# .venv/bin/python: healthy (recent, with pip), and its pip install prints
+# what this machine's pip configuration prints.
+FAKE_VENV_PYTHON = """\
+case "$1 ${2:-} ${3:-}" in
+    "-m pip --version") echo "pip 99.0" ;;
+    "-m pip install")
+        printf 'pip %s in %s\\n' "$*" "$PWD" >>"$FAKE_CALLS"
+        for ((i = 1; i <= PIP_LINES; i++)); do
+            echo "WARNING: Location 'file:///opt/pypi/simple/p$i/' is ignored (pip line $i)" >&2
+        done
+        if [[ -n "${FAKE_PIP_FAIL:-}" ]]; then
+            echo "ERROR: No matching distribution found for twisted" >&2
+            exit 1
+        fi
+        ;;
+    *) [[ "$1" == -c ]] || exit 2 ;;
+esac
+""".replace("PIP_LINES", str(PIP_LINES))
+
+# Present when a test says so.
+FAKE_PRESENT = """\
+printf '%s %s\\n' "$("$basename" "$0")" "$*" >>"$FAKE_CALLS"
+"""
 
 
-class Machine:
+def writeProgram(path: Path, body: str) -> None:
     """
-    A copy of the checkout's dev/bootstrap and setup.py, and a fresh Debian
-    machine around it as far as the script can tell: nothing installed but
-    Python, bash and coreutils.
+    An executable bash script at C{path}, which finds the tools it uses
+    itself ($cp, $mkdir, $basename) outside the sandbox's PATH.
+    """
+    tools = "".join(f"{tool}={shutil.which(tool)}\n" for tool in ("cp", "mkdir", "basename"))
+    path.write_text(f"#!{BASH}\nset -u\n{tools}{body}")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+
+
+@attrs.define
+class Sandbox:
+    """
+    A copy of the checkout's dev/bootstrap and setup.py, a PATH made of fakes
+    and symlinks, and what the fakes recorded.
     """
 
-    def __init__(self, directory: Path) -> None:
-        directory = directory.resolve()
-        self.checkout = directory / "checkout"
-        self.bin = directory / "bin"
-        self.sysroot = directory / "sysroot"
-        self.calls = directory / "calls"
-        for made in (self.checkout / "dev", self.bin, self.sysroot, self.calls):
-            made.mkdir(parents=True)
-        shutil.copy2(BOOTSTRAP, self.checkout / "dev" / "bootstrap")
-        shutil.copy2(ROOT / "setup.py", self.checkout / "setup.py")
-        for name in REAL_COMMANDS:
-            (self.bin / name).symlink_to(realCommand(name))
-        writeProgram(self.bin / "apt-get", FAKE_APT_GET)
-        writeProgram(self.bin / "sudo", FAKE_SUDO)
-        writeProgram(self.bin / "id", FAKE_ID)
-        writeProgram(self.bin / "dpkg", FAKE_DPKG)
-        # Debian's own Python, without python3.11-venv.
-        debianPython = self.sysroot / "usr" / "bin" / "python3.11"
-        writeProgram(debianPython, FAKE_PYTHON)
-        (self.bin / "python3").symlink_to(debianPython)
+    root: Path
+    bin: Path
+    calls: Path
+    systemDirectory: Path
+    environment: dict[str, str]
 
     @property
     def log(self) -> Path:
-        return self.checkout / ".data" / "bootstrap.log"
+        return self.root / ".data" / "bootstrap.log"
+
+    @property
+    def venvPython(self) -> Path:
+        return self.root / ".venv" / "bin" / "python"
+
+    @property
+    def stamp(self) -> Path:
+        return self.root / ".venv" / ".setup.py.sha256"
 
     def provide(self, *names: str) -> None:
         """
-        Make programs found on PATH, as if their packages were installed.
+        Put programs that only need to exist on PATH (curl, redis-server,
+        initdb ...).
         """
         for name in names:
-            writeProgram(self.bin / name, f"#!{BASH}\n")
+            writeProgram(self.bin / name, FAKE_PRESENT)
 
-    def providePostgres(self) -> None:
-        """
-        PostgreSQL's server programs where Debian's postgresql puts them.
-        """
-        for name in ("initdb", "pg_ctl"):
-            writeProgram(self.sysroot / "usr/lib/postgresql/15/bin" / name, f"#!{BASH}\n")
+    def remove(self, name: str) -> None:
+        (self.bin / name).unlink()
 
     def provideEverything(self) -> None:
         """
-        Every package installed and .venv up to date with setup.py.
+        A machine where dev/bootstrap has already run: the Debian programs,
+        a healthy .venv, and the stamp of the current setup.py.
         """
-        self.providePostgres()
-        self.provide("redis-server", "systemd-analyze", "curl")
-        venv = self.checkout / ".venv"
-        writeProgram(venv / "bin" / "python", FAKE_PYTHON)
-        digest = hashlib.sha256((self.checkout / "setup.py").read_bytes()).hexdigest()
-        (venv / ".setup.py.sha256").write_text(digest + "\n")
+        self.provide("curl", "systemd-analyze", "initdb", "pg_ctl", "redis-server")
+        self.venvPython.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(self.systemDirectory / "venv-python", self.venvPython)
+        self.run()
+        self.calls.write_text("")
 
-    def run(self, **fakes: str) -> subprocess.CompletedProcess[str]:
+    def run(self, stdin: int = subprocess.DEVNULL, **environment: str) -> Completed:
         """
-        Run dev/bootstrap from the checkout's root without a terminal, with
-        only our PATH and the fakes' settings in its environment.
+        Run dev/bootstrap from the copy's root, without a terminal unless
+        C{stdin} is one.
         """
-        environment = {
-            "PATH": str(self.bin),
-            "HOME": str(self.checkout.parent),
-            "LC_ALL": "C",
-            "DEV_BOOTSTRAP_SYSROOT": str(self.sysroot),
-            "FAKE_CALLS": str(self.calls),
-            **fakes,
-        }
         return subprocess.run(
-            [str(self.checkout / "dev" / "bootstrap")],
-            cwd=self.checkout,
-            env=environment,
-            stdin=subprocess.DEVNULL,
+            [BASH, str(self.root / "dev" / "bootstrap")],
+            cwd=self.root,
+            env={**self.environment, **environment},
+            stdin=stdin,
             capture_output=True,
             text=True,
             timeout=60,
@@ -207,270 +224,427 @@ class Machine:
 
     def recorded(self, program: str) -> list[str]:
         """
-        The argument lines a fake program was called with, in order.
+        The calls of one fake, one line each.
         """
-        path = self.calls / program
-        return path.read_text().splitlines() if path.exists() else []
-
-    def installed(self) -> list[str]:
-        """
-        The packages of every apt-get install.
-        """
-        packages = []
-        for arguments in self.recorded("apt-get"):
-            words = arguments.split()
-            if "install" in words:
-                packages += [word for word in words[words.index("install") + 1 :] if word[0] != "-"]
-        return packages
+        if not self.calls.exists():
+            return []
+        return [line for line in self.calls.read_text().splitlines() if line.startswith(program)]
 
 
 @pytest.fixture
-def machine(tmp_path: Path) -> Machine:
-    return Machine(tmp_path)
-
-
-def runHeaderCount(log: str) -> int:
-    return len([line for line in log.splitlines() if line.startswith("=== ")])
-
-
-def terminalLines(result: subprocess.CompletedProcess[str]) -> list[str]:
+def sandbox(tmp_path: Path) -> Sandbox:
     """
-    What the script showed: nothing on stdout, and its own lines on stderr.
+    A fresh machine: nothing of what dev/bootstrap installs is there, and we
+    are not root.
     """
+    root = tmp_path / "checkout"
+    (root / "dev").mkdir(parents=True)
+    shutil.copy(CHECKOUT / "setup.py", root / "setup.py")
+    systemDirectory = tmp_path / "system"
+    systemDirectory.mkdir()
+    script = BOOTSTRAP.read_text()
+    for name, value in (
+        ("postgres_versions", "/usr/lib/postgresql"),
+        ("redis_sbin", "/usr/sbin/redis-server"),
+    ):
+        line = f"{name}={value}\n"
+        assert script.count(line) == 1, f"dev/bootstrap no longer says {line!r}"
+        script = script.replace(line, f"{name}={systemDirectory / name}\n")
+    (root / "dev" / "bootstrap").write_text(script)
+    (root / "dev" / "bootstrap").chmod(0o755)
+
+    bin = tmp_path / "bin"
+    bin.mkdir()
+    for program in REAL_PROGRAMS:
+        found = shutil.which(program)
+        assert found is not None, program
+        (bin / program).symlink_to(found)
+    for name, body in (
+        ("apt-get", FAKE_APT_GET),
+        ("sudo", FAKE_SUDO),
+        ("dpkg", FAKE_DPKG),
+        ("id", FAKE_ID),
+        ("python3", FAKE_PYTHON),
+    ):
+        writeProgram(bin / name, body)
+    writeProgram(systemDirectory / "venv-python", FAKE_VENV_PYTHON)
+    calls = tmp_path / "calls"
+    environment = {
+        "PATH": str(bin),
+        "HOME": str(tmp_path),
+        "LANG": "C.UTF-8",
+        "FAKE_CALLS": str(calls),
+        "FAKE_UID": "1000",
+        "FAKE_VENV_PYTHON": str(systemDirectory / "venv-python"),
+    }
+    return Sandbox(root, bin, calls, systemDirectory, environment)
+
+
+def terminalLines(result: Completed) -> list[str]:
     assert result.stdout == ""
     return result.stderr.splitlines()
 
 
-def test_freshMachineShowsOneLinePerStep(machine: Machine) -> None:
+def lineAbout(lines: Iterable[str], words: str) -> str:
     """
-    On a fresh machine the three steps (Debian packages, .venv, pip) show
-    one line each, apt-get's and pip's hundreds of lines go to the log, and
-    the packages are what a fresh machine lacks.
+    The one terminal line that starts with C{dev/bootstrap: words}.
     """
-    result = machine.run()
+    found = [line for line in lines if line.startswith(PREFIX + words)]
+    assert len(found) == 1, (words, lines)
+    return found[0]
+
+
+def test_freshMachineShowsOneLinePerStep(sandbox: Sandbox) -> None:
+    """
+    On a machine with nothing installed, each step is one line on the
+    terminal (what is installed and why), however much apt-get and pip
+    print; their output goes to .data/bootstrap.log, which the first line
+    names.
+    """
+    result = sandbox.run()
     assert result.returncode == 0, result.stderr
     lines = terminalLines(result)
-    assert len(lines) == 3, result.stderr
-    assert all(line.startswith(PREFIX) for line in lines), result.stderr
-    assert "fake" not in result.stderr
-    assert sorted(machine.installed()) == sorted(
-        ["postgresql", "redis-server", "systemd", "curl", "python3-venv", "python3.11-venv"]
+    assert all(line.startswith(PREFIX) for line in lines), lines
+    starts = [
+        "updating Debian's package lists to install postgresql redis-server systemd curl",
+        "installing postgresql redis-server: ",
+        "installing systemd: ",
+        "installing curl: ",
+        f"creating .venv with {sandbox.bin / 'python3'} (Python 3.11.99)",
+        "installing the project and its test dependencies into .venv"
+        " (pip, about a minute the first time; log: .data/bootstrap.log)",
+    ]
+    assert len(lines) == len(starts), lines
+    for line, start in zip(lines, starts, strict=True):
+        assert line.startswith(PREFIX + start), (line, start)
+    assert lines[0].endswith("goes to .data/bootstrap.log)")
+    assert "WARNING" not in result.stderr and "Selecting" not in result.stderr
+    # The whole output is in the log, under a header for the run and each step.
+    log = sandbox.log.read_text()
+    assert log.count("==== dev/bootstrap") == 1
+    steps = [line.split(": ", 1)[1] for line in log.splitlines() if line.startswith("---- ")]
+    assert steps == [
+        "apt-get update",
+        "apt-get install postgresql redis-server",
+        "apt-get install systemd",
+        "apt-get install curl",
+        f"{sandbox.bin / 'python3'} -m venv --clear {sandbox.root / '.venv'}",
+        "pip install -e '.[test]'",
+    ]
+    assert log.count("Selecting previously unselected package") == 3 * APT_LINES
+    assert log.count("WARNING: Location") == PIP_LINES
+    assert "made a virtualenv" in log
+
+
+def test_aptGetRunsNoninteractiveThroughSudoWithoutPrompt(sandbox: Sandbox) -> None:
+    """
+    Without a terminal, apt-get runs through sudo -n (which fails at once
+    rather than waiting for a password), non-interactive, updating the
+    package lists first, and the project is installed with pip from the
+    checkout; then the setup.py stamp is written.
+    """
+    result = sandbox.run()
+    assert result.returncode == 0, result.stderr
+    aptGet = "sudo -n env DEBIAN_FRONTEND=noninteractive apt-get"
+    assert sandbox.recorded("sudo") == [
+        f"{aptGet} update -q",
+        f"{aptGet} install -y -q --no-install-recommends postgresql redis-server",
+        f"{aptGet} install -y -q --no-install-recommends systemd",
+        f"{aptGet} install -y -q --no-install-recommends curl",
+    ]
+    assert all(
+        call.endswith("DEBIAN_FRONTEND=noninteractive") for call in sandbox.recorded("apt-get")
     )
-    assert machine.recorded("apt-get.frontend") == ["noninteractive", "noninteractive"]
-    # As root: no sudo.
-    assert machine.recorded("sudo") == []
-    assert (machine.checkout / ".venv" / "bin" / "python").exists()
-    [pipCall] = machine.recorded("pip")
-    assert pipCall.startswith(f"{machine.checkout} -m pip install")
-    assert "-e .[test]" in pipCall
+    assert sandbox.recorded("pip") == [
+        f"pip -m pip install --progress-bar off -e .[test] in {sandbox.root}"
+    ]
+    setupHash = hashlib.sha256((sandbox.root / "setup.py").read_bytes()).hexdigest()
+    assert sandbox.stamp.read_text() == setupHash + "\n"
 
 
-def test_logKeepsEverythingWithAHeaderPerRunAndStep(machine: Machine) -> None:
+def test_servicesLineSaysTheyRunAtBootAndHowToDisableThem(sandbox: Sandbox) -> None:
     """
-    .data/bootstrap.log keeps every line apt-get, venv and pip printed, on
-    stdout and stderr, under a header line for the run and one per step; a
-    second run that has something to do appends to it.
+    The line for postgresql and redis-server says that Debian starts their
+    system services now and at every boot, that svc does not use them, and
+    gives the command that stops and disables them.
     """
-    assert machine.run().returncode == 0
-    log = machine.log.read_text()
-    for verb in ("update", "install"):
-        for line in (1, APT_LINES):
-            assert f"fake apt-get {verb}: line {line}\n" in log
-        assert f"fake apt-get {verb}: on stderr\n" in log
-    assert "fake venv: made" in log
-    assert f"fake pip: line {PIP_LINES}\n" in log
-    assert runHeaderCount(log) == 1
-    assert len([line for line in log.splitlines() if line.startswith("--- ")]) >= 3
-    # The packages are there now (the fake apt-get installs nothing), and
-    # setup.py changes: pip runs again, and the log grows.
-    machine.providePostgres()
-    machine.provide("redis-server", "systemd-analyze", "curl")
-    with (machine.checkout / "setup.py").open("a") as setup:
-        setup.write("# changed\n")
-    result = machine.run()
+    lines = terminalLines(sandbox.run())
+    line = lineAbout(lines, "installing postgresql redis-server")
+    assert "every boot" in line and "never uses" in line
+    assert line.endswith(f"(to stop and disable them: {DISABLE_BOTH})")
+
+
+def test_servicesLineNamesOnlyWhatIsInstalled(sandbox: Sandbox) -> None:
+    """
+    As root, with only Redis missing, the command names redis-server alone
+    and has no sudo, and apt-get runs without sudo.
+    """
+    sandbox.provide("initdb", "pg_ctl")
+    result = sandbox.run(FAKE_UID="0")
     assert result.returncode == 0, result.stderr
-    assert len(terminalLines(result)) == 1
-    assert machine.log.read_text().startswith(log)
-    assert runHeaderCount(machine.log.read_text()) == 2
-    assert len(machine.recorded("pip")) == 2
+    line = lineAbout(terminalLines(result), "installing redis-server")
+    assert line.endswith("(to stop and disable them: systemctl disable --now redis-server)")
+    assert sandbox.recorded("sudo") == []
+    assert (
+        "apt-get install -y -q --no-install-recommends redis-server"
+        " DEBIAN_FRONTEND=noninteractive" in sandbox.recorded("apt-get")
+    )
 
 
-@pytest.mark.parametrize("step", ["update", "install"])
-def test_failingAptGetShowsTheLogsTail(machine: Machine, step: str) -> None:
+def test_curlIsInstalledWhenMissing(sandbox: Sandbox) -> None:
     """
-    When apt-get fails, the script exits non-zero and shows the last 20
-    lines of the log (apt-get's own last words among them, not its first)
-    and the log's path, and goes no further.
+    On a machine that has everything else, a missing curl is installed
+    (dev/gateway prints curl commands), with one line saying why after the
+    one for apt-get update.
     """
-    result = machine.run(FAKE_APT_FAILS=step)
-    assert result.returncode != 0
-    assert f"fake apt-get {step}: line {APT_LINES}" in result.stderr
-    assert f"fake apt-get {step}: on stderr" in result.stderr
-    assert f"fake apt-get {step}: line {APT_LINES - 30}\n" not in result.stderr
-    assert str(machine.log) in result.stderr
-    assert len(terminalLines(result)) <= 25
-    assert machine.recorded("pip") == []
-
-
-def test_failingPipShowsTheLogsTail(machine: Machine) -> None:
-    """
-    When pip fails, the script exits non-zero with pip's last lines and the
-    log's path, and remembers nothing: the next run tries pip again.
-    """
-    machine.provideEverything()
-    (machine.checkout / ".venv" / ".setup.py.sha256").unlink()
-    result = machine.run(FAKE_PIP_STATUS="1")
-    assert result.returncode != 0
-    assert f"fake pip: line {PIP_LINES}" in result.stderr
-    assert "fake pip: line 1\n" not in result.stderr
-    assert ".data/bootstrap.log" in result.stderr
-    assert not (machine.checkout / ".venv" / ".setup.py.sha256").exists()
-    assert machine.run().returncode == 0
-    assert len(machine.recorded("pip")) == 2
-
-
-def test_curlIsInstalledWhenMissing(machine: Machine) -> None:
-    """
-    dev/gateway ends by printing a curl command: curl is installed when it
-    is missing, and the line says why.
-    """
-    machine.provideEverything()
-    (machine.bin / "curl").unlink()
-    result = machine.run()
+    sandbox.provideEverything()
+    sandbox.remove("curl")
+    result = sandbox.run(FAKE_UID="0")
     assert result.returncode == 0, result.stderr
-    assert machine.installed() == ["curl"]
-    [line] = terminalLines(result)
-    assert "curl" in line
-    assert "dev/gateway" in line
+    assert [call.split(" DEBIAN")[0] for call in sandbox.recorded("apt-get")] == [
+        "apt-get update -q",
+        "apt-get install -y -q --no-install-recommends curl",
+    ]
+    lines = terminalLines(result)
+    assert len(lines) == 2, lines
+    assert "dev/gateway prints curl commands" in lineAbout(lines, "installing curl: ")
 
 
-def test_curlIsNotInstalledWhenPresent(machine: Machine) -> None:
+def test_curlIsInstalledThroughSudoFromATerminal(sandbox: Sandbox) -> None:
     """
-    Nothing is installed for curl when it is there already.
+    Not root, in a terminal, curl is installed through plain sudo, which
+    may ask for a password there.
     """
-    machine.provideEverything()
-    (machine.bin / "systemd-analyze").unlink()
-    assert machine.run().returncode == 0
-    assert machine.installed() == ["systemd"]
+    sandbox.provideEverything()
+    sandbox.remove("curl")
+    controller, terminal = os.openpty()
+    try:
+        result = sandbox.run(stdin=terminal)
+    finally:
+        os.close(controller)
+        os.close(terminal)
+    assert result.returncode == 0, result.stderr
+    aptGet = "sudo env DEBIAN_FRONTEND=noninteractive apt-get"
+    assert sandbox.recorded("sudo") == [
+        f"{aptGet} update -q",
+        f"{aptGet} install -y -q --no-install-recommends curl",
+    ]
 
 
-def test_pipStepSaysWhatAndHowLong(machine: Machine) -> None:
+def test_missingCurlAloneStopsNothingWithoutATerminal(sandbox: Sandbox) -> None:
     """
-    The pip step, silent for most of a minute, says what it does, roughly
-    how long it takes and where its output goes, which is not the terminal.
+    Not root and without a terminal (an editor running dev/test), where sudo
+    could not ask for a password, a missing curl alone is one line saying
+    so; dev/bootstrap goes on, since the tests do not need curl.
     """
-    machine.provideEverything()
-    (machine.checkout / ".venv" / ".setup.py.sha256").unlink()
-    result = machine.run()
+    sandbox.provideEverything()
+    sandbox.remove("curl")
+    result = sandbox.run()
     assert result.returncode == 0, result.stderr
     [line] = terminalLines(result)
-    assert "test dependencies" in line
-    assert "pip" in line
-    assert "minute" in line
-    assert ".data/bootstrap.log" in line
-    assert "fake pip" not in result.stderr
-    assert f"fake pip: line {PIP_LINES}" in machine.log.read_text()
+    assert line.startswith(PREFIX + "curl is missing (dev/gateway prints curl commands")
+    assert "install it yourself" in line
+    assert sandbox.recorded("sudo") == sandbox.recorded("apt-get") == []
 
 
-def test_serverPackagesLineSaysTheirServicesRunAtBoot(machine: Machine) -> None:
+def test_curlIsNotAskedForWhenPresent(sandbox: Sandbox) -> None:
     """
-    Installing postgresql and redis-server starts and enables their system
-    services: the line says so and how to turn them off.
+    With curl there, apt-get installs what is missing (systemd here) and
+    not curl.
     """
-    machine.provideEverything()
-    (machine.bin / "redis-server").unlink()
-    for name in ("initdb", "pg_ctl"):
-        (machine.sysroot / "usr/lib/postgresql/15/bin" / name).unlink()
-    result = machine.run()
+    sandbox.provideEverything()
+    sandbox.remove("systemd-analyze")
+    result = sandbox.run(FAKE_UID="0")
     assert result.returncode == 0, result.stderr
-    [line] = terminalLines(result)
-    assert "boot" in line
-    assert f"{DISABLE_SERVICES} postgresql redis-server" in line
-    assert sorted(machine.installed()) == ["postgresql", "redis-server"]
+    assert [call.split(" DEBIAN")[0] for call in sandbox.recorded("apt-get")] == [
+        "apt-get update -q",
+        "apt-get install -y -q --no-install-recommends systemd",
+    ]
+    assert "curl" not in result.stderr
 
 
-def test_serviceNoteNamesOnlyWhatIsInstalled(machine: Machine) -> None:
+@pytest.mark.parametrize("uid", ["0", "1000"])
+def test_quietWhenNothingIsToDo(sandbox: Sandbox, uid: str) -> None:
     """
-    With PostgreSQL there already, the note names redis-server alone; with
-    neither server package installed, there is no note.
+    With everything there, dev/bootstrap says nothing, runs neither apt-get
+    nor pip, and writes no log.
     """
-    machine.provideEverything()
-    (machine.bin / "redis-server").unlink()
-    result = machine.run()
-    assert result.returncode == 0, result.stderr
-    assert f"{DISABLE_SERVICES} redis-server" in result.stderr
-    assert "postgresql" not in result.stderr
-    (machine.bin / "curl").unlink()
-    machine.provide("redis-server")
-    result = machine.run()
-    assert result.returncode == 0, result.stderr
-    assert "systemctl" not in result.stderr
+    sandbox.provideEverything()
+    sandbox.log.unlink()
+    result = sandbox.run(FAKE_UID=uid)
+    assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
+    assert sandbox.recorded("apt-get") == sandbox.recorded("pip") == []
+    assert not sandbox.log.exists()
 
 
-def test_quietWhenNothingIsToDo(machine: Machine) -> None:
+def test_debianPythonGetsItsVenvPackages(sandbox: Sandbox) -> None:
     """
-    With everything in place the script says nothing, calls nothing, and
-    writes no log.
+    When the Python found is Debian's own and dpkg says its venv package is
+    missing, python3-venv and python3.X-venv are installed first, on a
+    line that says why; here apt-get fails, so no .venv is made.
     """
-    machine.provideEverything()
-    result = machine.run()
-    assert result.returncode == 0, result.stderr
-    assert terminalLines(result) == []
-    assert machine.recorded("apt-get") == []
-    assert machine.recorded("pip") == []
-    assert not (machine.checkout / ".data").exists()
-
-
-def test_sudoWithoutATerminalDoesNotAsk(machine: Machine) -> None:
-    """
-    Not root and without a terminal, apt-get runs through "sudo -n", which
-    fails at once rather than waiting for a password.
-    """
-    machine.provideEverything()
-    (machine.bin / "systemd-analyze").unlink()
-    result = machine.run(FAKE_UID="1000")
-    assert result.returncode == 0, result.stderr
-    sudoCalls = machine.recorded("sudo")
-    assert len(sudoCalls) == 2
-    for call in sudoCalls:
-        assert call.startswith("-n env DEBIAN_FRONTEND=noninteractive apt-get")
-
-
-def test_notDebian(machine: Machine) -> None:
-    """
-    Without apt-get the script names what is missing and stops.
-    """
-    machine.provideEverything()
-    (machine.bin / "systemd-analyze").unlink()
-    (machine.bin / "apt-get").unlink()
-    result = machine.run()
+    debianPython = Path("/usr/bin/python3")
+    if not debianPython.exists():
+        pytest.skip("this machine has no /usr/bin/python3")
+    version = subprocess.run(
+        [str(debianPython), "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    if version not in {"3.11", "3.12", "3.13", "3.14"}:
+        pytest.skip("this machine has no Debian Python 3.11 or newer in /usr/bin")
+    sandbox.provide("curl", "systemd-analyze", "initdb", "pg_ctl", "redis-server")
+    sandbox.remove("python3")
+    (sandbox.bin / "python3").symlink_to(debianPython)
+    result = sandbox.run(FAKE_UID="0", FAKE_APT_FAIL="python3-venv")
     assert result.returncode == 1
-    assert "This is not a Debian-like system" in result.stderr
-    assert "systemd" in result.stderr
+    packages = f"python3-venv python{version}-venv"
+    line = lineAbout(terminalLines(result), f"installing {packages}: ")
+    assert line.endswith(f"{sandbox.bin / 'python3'} needs them to make .venv")
+    assert sandbox.recorded("dpkg") == [f"dpkg -s python{version}-venv"]
+    assert f"apt-get install {packages} failed" in result.stderr
+    assert not sandbox.venvPython.exists()
 
 
-def test_debianPythonWithVenvNeedsNoVenvPackages(machine: Machine) -> None:
+def test_failedStepShowsTheLogsLastLines(sandbox: Sandbox) -> None:
     """
-    python3-venv is installed only when Debian's Python lacks it.
+    When apt-get fails, dev/bootstrap names the step and the log, shows the
+    log's last 20 lines (apt-get's error among them), goes no further and
+    exits non-zero.
     """
-    machine.provideEverything()
-    (machine.checkout / ".venv" / "bin" / "python").unlink()
-    result = machine.run(FAKE_DPKG_INSTALLED="python3.11-venv")
+    result = sandbox.run(FAKE_APT_FAIL="systemd")
+    assert result.returncode == 1
+    lines = terminalLines(result)
+    failure = lineAbout(lines, "apt-get install systemd failed")
+    assert failure.endswith(f"the last {TAIL_LINES} lines of .data/bootstrap.log:")
+    shown = lines[lines.index(failure) + 1 :]
+    assert shown == sandbox.log.read_text().splitlines()[-TAIL_LINES - 1 : -1]
+    assert shown[-1] == "E: Unable to locate package systemd"
+    assert f"apt line {APT_LINES} of" in shown[-2]
+    lastLogLine = sandbox.log.read_text().splitlines()[-1]
+    assert lastLogLine.startswith("---- apt-get install systemd failed")
+    assert not any("curl" in call for call in sandbox.recorded("apt-get"))
+    assert sandbox.recorded("pip") == []
+
+
+def test_failedPipShowsTheLogsLastLines(sandbox: Sandbox) -> None:
+    """
+    When pip fails, its last lines are shown with the log's path, and the
+    stamp is not written, so that the next run tries again.
+    """
+    sandbox.provideEverything()
+    sandbox.stamp.unlink()
+    result = sandbox.run(FAKE_PIP_FAIL="yes")
+    assert result.returncode == 1
+    lines = terminalLines(result)
+    assert len(lines) == 2 + TAIL_LINES
+    assert lines[1].startswith(PREFIX + "pip install -e '.[test]' failed (exit status 1)")
+    assert lines[-1] == "ERROR: No matching distribution found for twisted"
+    assert not sandbox.stamp.exists()
+
+
+def test_changedSetupPyAppendsToTheLog(sandbox: Sandbox) -> None:
+    """
+    A changed setup.py reinstalls the project with one line that says why;
+    the log keeps the earlier run and gains a header for this one.
+    """
+    sandbox.provideEverything()
+    before = sandbox.log.read_text()
+    with (sandbox.root / "setup.py").open("a") as setup:
+        setup.write("# changed\n")
+    result = sandbox.run()
     assert result.returncode == 0, result.stderr
-    assert machine.installed() == []
-    assert (machine.checkout / ".venv" / "bin" / "python").exists()
+    [line] = terminalLines(result)
+    assert line.startswith(PREFIX + "installing the project and its test dependencies into .venv")
+    assert "setup.py has changed" in line and "log: .data/bootstrap.log" in line
+    log = sandbox.log.read_text()
+    assert log.startswith(before)
+    assert log.count("==== dev/bootstrap") == 2
+    assert log.count("WARNING: Location") == 2 * PIP_LINES
+
+
+def test_logIsNamedInFullFromElsewhere(sandbox: Sandbox) -> None:
+    """
+    Run from another directory (dev/test tests/... from a subdirectory),
+    the log is named by its absolute path.
+    """
+    sandbox.provideEverything()
+    sandbox.stamp.unlink()
+    elsewhere = sandbox.root / "dev"
+    result = subprocess.run(
+        [BASH, "bootstrap"],
+        cwd=elsewhere,
+        env=sandbox.environment,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"log: {sandbox.log})" in result.stderr
+
+
+def test_notDebianStillStopsWithItsMessage(sandbox: Sandbox) -> None:
+    """
+    Without apt-get, missing servers stop dev/bootstrap with the message it
+    always gave; a missing curl alone does not stop it.
+    """
+    sandbox.remove("apt-get")
+    result = sandbox.run()
+    assert result.returncode == 1
+    assert result.stderr.startswith(
+        PREFIX + "missing: postgresql redis-server systemd curl."
+        " This is not a Debian-like system (no apt-get): install"
+    )
+    sandbox.provideEverything()
+    sandbox.remove("curl")
+    result = sandbox.run(FAKE_UID="0")
+    assert result.returncode == 0, result.stderr
+    assert "curl is missing" in result.stderr and "no apt-get" in result.stderr
 
 
 def test_readmeQuickStartSaysWhatBootstrapDoes() -> None:
     """
-    The README's Quick start names curl among what dev/bootstrap installs,
-    the log, and the services Debian enables at boot with how to turn them
-    off.
+    README's Quick start names what dev/bootstrap installs (curl too), its
+    log, and that the system PostgreSQL and Redis services now run at
+    every boot, with the command that disables them.
     """
-    readme = (ROOT / "README.rst").read_text()
-    quickStart = readme.split("Quick start\n===========\n", 1)[1].split("\n=====", 1)[0]
+    text = README.read_text()
+    quickStart = text[text.index("Quick start\n===") : text.index("Running the daemons\n===")]
     flat = " ".join(quickStart.split())
-    assert "``curl``" in flat
-    assert ".data/bootstrap.log" in flat
-    assert "boot" in flat
-    assert f"{DISABLE_SERVICES} postgresql redis-server" in flat
+    for words in (
+        "``curl``",
+        "``.data/bootstrap.log``",
+        "every boot",
+        DISABLE_BOTH,
+    ):
+        assert words in flat, words
+
+
+def test_sudoNeedingAPasswordWithoutATerminalFailsAtOnce(sandbox: Sandbox) -> None:
+    """
+    Without a terminal, a sudo that needs a password fails at once (sudo
+    -n) rather than waiting, and its complaint is among the lines shown.
+    """
+    result = sandbox.run(FAKE_SUDO_PASSWORD="yes")
+    assert result.returncode == 1
+    lines = terminalLines(result)
+    assert lines[1].startswith(PREFIX + "apt-get update failed (exit status 1)")
+    assert lines[-1] == "sudo: a password is required"
+    assert sandbox.recorded("apt-get") == []
+
+
+def test_withoutSudoSaysToRunAsRoot(sandbox: Sandbox) -> None:
+    """
+    Not root and without sudo, dev/bootstrap says what is missing and the
+    command to run as root, as it always did.
+    """
+    sandbox.remove("sudo")
+    result = sandbox.run()
+    assert result.returncode == 1
+    missing = "postgresql redis-server systemd curl"
+    assert result.stderr == (
+        f"{PREFIX}missing: {missing}. Run as root: apt-get update && apt-get install -y {missing}\n"
+    )
