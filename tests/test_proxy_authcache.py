@@ -280,6 +280,27 @@ def test_wrongSecretsForOneTokenIDHaveABudgetPerSecond(harness: Harness) -> None
     assert harness.calls("ValidateToken") == 2 + BUDGET
 
 
+def test_aFloodOfWrongSecretsDoesNotLockTheHolderOut(harness: Harness) -> None:
+    """
+    While the failure budget of a token id is spent, its holder (a secret
+    svc-auth accepted before) is still asked of svc-auth once its answer is
+    past the TTL, never refused here; a stranger's secret is.
+    """
+    token, _, _ = harness.auth.addTenant()
+    harness.startSession(token)
+    result(harness.client.validateToken(token))
+    tokenID = harness.tokenID(token)
+    harness.clock.advance(TTL + 1)
+    for _ in range(BUDGET):
+        result(harness.client.validateToken(formatToken(tokenID, newSecret())))
+    calls = harness.calls("ValidateToken")
+    assert isinstance(result(harness.client.validateToken(token)), TokenInfo)
+    assert harness.calls("ValidateToken") == calls + 1
+    refusal = result(harness.client.validateToken(formatToken(tokenID, newSecret())))
+    assert isinstance(refusal, ApiError) and refusal.code is ErrorCode.INVALID_TOKEN
+    assert harness.calls("ValidateToken") == calls + 1
+
+
 def test_withoutALiveFeedEverythingGoesToSvcAuth(harness: Harness) -> None:
     """
     While the feed is not live nothing is answered or refused from memory:

@@ -36,8 +36,12 @@ What is refused without a call, only while the feed is live:
   - A token id for which svc-auth has refused C{failureBudget} bearers in
     the current second: 401 INVALID_TOKEN for the rest of that second, so
     that a flood of wrong secrets for one real token id cannot keep
-    svc-auth's argon2 workers busy. A valid bearer of that id that is
-    already remembered is still answered from memory.
+    svc-auth's argon2 workers busy. The token's holder is not locked out
+    by such a flood: a bearer whose secret svc-auth accepted before is
+    answered from memory, or, once its answer is past the TTL, still asked
+    of svc-auth (the entry keeps the secret's digest until the LRU or the
+    feed drops it). Only a holder this proxy has never seen (after a
+    restart of the feed, say) may be refused while the flood lasts.
 
 When the feed is not live, everything goes to svc-auth exactly as in
 Phase 1 (L{GrpcAuthClient}, with its shared calls), and nothing is
@@ -205,15 +209,28 @@ class ValidationCache:
         if entry is None:
             return None
         assert isinstance(entry, _TokenEntry)
-        if self._clock.seconds() - entry.storedAt >= self._ttl or (
-            entry.expiresAt is not None and self._wallClock() >= entry.expiresAt
-        ):
+        if entry.expiresAt is not None and self._wallClock() >= entry.expiresAt:
             del self._entries[key]
+            return None
+        if self._clock.seconds() - entry.storedAt >= self._ttl:
+            # Past its TTL the answer is not used, but the entry stays (until
+            # the LRU or the feed drops it) as proof that this secret was
+            # right: see knownGood.
             return None
         if not hmac.compare_digest(entry.digest, digest):
             return None
         self._entries.move_to_end(key)
         return entry.info
+
+    def knownGood(self, tokenID: str, digest: bytes) -> bool:
+        """
+        Was this very secret of this token accepted by svc-auth, and has the
+        feed said nothing of the token since? (Its answer may be too old to
+        use.) Such a bearer is the token's holder, not someone guessing: the
+        failure budget does not refuse it.
+        """
+        entry = self._entries.get(("t", tokenID))
+        return isinstance(entry, _TokenEntry) and hmac.compare_digest(entry.digest, digest)
 
     def known(self, tokenID: str) -> bool:
         """
@@ -416,7 +433,7 @@ class CachingAuthClient:
         keep the answer if it may be kept.
         """
         metrics, cache = self._metrics, self._cache
-        if cache.overBudget(tokenID):
+        if cache.overBudget(tokenID) and not cache.knownGood(tokenID, digest):
             metrics.authLocalRefusal("failure_budget")
             return fail(ApiError(ErrorCode.INVALID_TOKEN))
         ticket = cache.ticket()
