@@ -5,9 +5,11 @@ example environments that the daemons accept.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -79,3 +81,39 @@ def test_exampleEnvironmentsAreValid() -> None:
     assert auth.environment == "production" and auth.grpcHost == "127.0.0.1"
     proxy = ProxyConfig.fromEnvironment(readEnvironmentFile(ETC / "svc" / "svc-proxy.env"))
     assert proxy.authGrpcAddr == "127.0.0.1:9091"
+
+
+def test_exampleProvidersFile(tmp_path: Path) -> None:
+    """
+    etc/svc/providers.toml, which svc-proxy.env names (commented out),
+    loads with its key variable set, shows every key, and its commented
+    org allow-list loads too once uncommented: the example cannot rot.
+    """
+    example = ETC / "svc" / "providers.toml"
+    assert (
+        "#SVC_PROVIDERS_FILE=/etc/svc/providers.toml" in (ETC / "svc" / "svc-proxy.env").read_text()
+    )
+    environment = {
+        **readEnvironmentFile(ETC / "svc" / "svc-proxy.env"),
+        "SVC_PROVIDERS_FILE": str(example),
+        "OPENAI_API_KEY": "sk-example",
+    }
+    table = ProxyConfig.fromEnvironment(environment).providers
+    assert table is not None
+    assert list(table.providers) == ["openai", "local"]
+    assert table.providers["openai"].apiKey == "sk-example"
+    local = table.providers["local"]
+    assert local.baseURL == "http://127.0.0.1:8000/v1" and local.apiKey is None
+    attempts = table.attempts(table.models["gpt-4o-mini"], str(uuid.uuid4()))
+    assert [model.name for model in attempts] == ["gpt-4o-mini", "llama"]
+    text = example.read_text()
+    for key in (
+        "name", "base_url", "api_key_env", "timeout", "idle_timeout", "max_connections",
+        "provider", "upstream_model", "orgs", "fallbacks",
+    ):  # fmt: skip
+        assert re.search(rf"^#?{key} = ", text, re.M), key
+    allowList = tmp_path / "providers.toml"
+    allowList.write_text(text.replace("\n#orgs = ", "\norgs = "))
+    environment["SVC_PROVIDERS_FILE"] = str(allowList)
+    restricted = ProxyConfig.fromEnvironment(environment).providers
+    assert restricted is not None and restricted.models["llama"].orgs is not None

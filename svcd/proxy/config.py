@@ -9,14 +9,16 @@ turns it into one line on stderr and a non-zero exit.
 from __future__ import annotations
 
 import re
+import time
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import attrs
 
 from svcd.common import config
 from svcd.common.config import ConfigError
 from svcd.common.ids import parseUUID
+from svcd.proxy.forwarding.providers import ProviderTable, loadProviders
 
 # RFC 9110 token characters: what a header name may be made of.
 _HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
@@ -71,12 +73,17 @@ class ProxyConfig:
     shutdownTimeout: float = 10.0
     serviceName: str = "svc-proxy"
     environment: str = "development"
+    providers: ProviderTable | None = None
 
     @classmethod
-    def fromEnvironment(cls, environ: Mapping[str, str]) -> ProxyConfig:
+    def fromEnvironment(
+        cls, environ: Mapping[str, str], clock: Callable[[], float] = time.time
+    ) -> ProxyConfig:
         """
         Read and check every variable.
 
+        @param clock: the current time in Unix seconds, recorded as the
+            providers file's load time (the C{created} of GET /v1/models).
         @raise ConfigError: naming the first variable that is missing or
             has a value we cannot use.
         """
@@ -109,7 +116,17 @@ class ProxyConfig:
             environment=config.choice(
                 environ, "SVC_ENV", "development", ("development", "staging", "production")
             ),
+            providers=_providers(environ, clock),
         )
+
+
+def _providers(environ: Mapping[str, str], clock: Callable[[], float]) -> ProviderTable | None:
+    """
+    SVC_PROVIDERS_FILE (decisions D9): unset or empty means no provider,
+    and every valid chat request answers 501 as in Phase 1.
+    """
+    path = config.text(environ, "SVC_PROVIDERS_FILE", "")
+    return loadProviders(path, environ, clock) if path else None
 
 
 def _asciiDigits(environ: Mapping[str, str], name: str) -> Mapping[str, str]:
