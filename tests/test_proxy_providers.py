@@ -857,13 +857,18 @@ def test_fileTooLarge(tmp_path: Path) -> None:
 def test_oddPathShownOnOneLine(tmp_path: Path) -> None:
     """
     A path with a newline in it is shown escaped, so the error stays one
-    line.
+    line; a path with a NUL character is refused as a ConfigError too.
     """
     path = str(tmp_path / "a\nb.toml")
     with pytest.raises(ConfigError) as caught:
         loadProviders(path, {}, clock)
     assert str(caught.value) == (
         f"SVC_PROVIDERS_FILE: {path!a}: cannot read the file: No such file or directory"
+    )
+    with pytest.raises(ConfigError) as caught:
+        loadProviders("a\x00b", {}, clock)
+    assert str(caught.value) == (
+        "SVC_PROVIDERS_FILE: 'a\\x00b': cannot read the file: the path is not valid"
     )
 
 

@@ -253,19 +253,29 @@ def _fault(path: str, problem: str) -> ConfigError:
 
 
 def _readFile(path: str) -> bytes:
+    """
+    The file's bytes. Opened without blocking, so that a FIFO named by
+    mistake is refused instead of waiting for a writer forever; its type is
+    then checked on the descriptor itself, not on a path that could change
+    in between.
+    """
     try:
-        status = os.stat(path)
-        if stat.S_ISDIR(status.st_mode):
-            raise _fault(path, "cannot read the file: it is a directory")
-        if not stat.S_ISREG(status.st_mode):
-            raise _fault(path, "cannot read the file: it is not a regular file")
-        with open(path, "rb") as providersFile:
-            data = providersFile.read(MAX_FILE_BYTES + 1)
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            status = os.fstat(descriptor)
+            if stat.S_ISDIR(status.st_mode):
+                raise _fault(path, "cannot read the file: it is a directory")
+            if not stat.S_ISREG(status.st_mode):
+                raise _fault(path, "cannot read the file: it is not a regular file")
+            with os.fdopen(descriptor, "rb", closefd=False) as providersFile:
+                data = providersFile.read(MAX_FILE_BYTES + 1)
+        finally:
+            os.close(descriptor)
     except OSError as error:
         reason = error.strerror or type(error).__name__
         raise _fault(path, f"cannot read the file: {reason}") from None
     except ValueError:
-        # os.stat refuses a path with a NUL character.
+        # os.open refuses a path with a NUL character.
         raise _fault(path, "cannot read the file: the path is not valid") from None
     if len(data) > MAX_FILE_BYTES:
         raise _fault(path, f"the file is larger than {MAX_FILE_BYTES} bytes")
