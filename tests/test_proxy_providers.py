@@ -29,7 +29,7 @@ from svcd.proxy.forwarding.providers import (
     Provider,
     ProviderTable,
     loadProviders,
-    modelsListBody,
+    modelsDocument,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -273,7 +273,7 @@ def test_modelsList(tmp_path: Path) -> None:
             {"name": "theirs", "provider": "local", "orgs": [OTHER_ORG]},
         ],
     )
-    assert modelsListBody(table, ORG) == {
+    assert modelsDocument(table, ORG) == {
         "object": "list",
         "data": [
             {"id": "z-first", "object": "model", "created": 1_700_000_000, "owned_by": "remote"},
@@ -281,8 +281,8 @@ def test_modelsList(tmp_path: Path) -> None:
         ],
     }
     assert [model.name for model in table.modelsFor(OTHER_ORG)] == ["z-first", "theirs"]
-    assert modelsListBody(table, str(uuid.uuid4()))["data"][0]["id"] == "z-first"
-    assert len(modelsListBody(table, str(uuid.uuid4()))["data"]) == 1
+    assert modelsDocument(table, str(uuid.uuid4()))["data"][0]["id"] == "z-first"
+    assert len(modelsDocument(table, str(uuid.uuid4()))["data"]) == 1
 
 
 def test_proxyConfig(tmp_path: Path) -> None:

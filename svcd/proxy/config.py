@@ -18,7 +18,7 @@ import attrs
 from svcd.common import config
 from svcd.common.config import ConfigError
 from svcd.common.ids import parseUUID
-from svcd.proxy.forwarding.providers import ProviderTable, loadProviders
+from svcd.proxy.forwarding.providers import ProviderTable, providersFromEnvironment
 
 # RFC 9110 token characters: what a header name may be made of.
 _HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
@@ -116,17 +116,8 @@ class ProxyConfig:
             environment=config.choice(
                 environ, "SVC_ENV", "development", ("development", "staging", "production")
             ),
-            providers=_providers(environ, clock),
+            providers=providersFromEnvironment(environ, clock),
         )
-
-
-def _providers(environ: Mapping[str, str], clock: Callable[[], float]) -> ProviderTable | None:
-    """
-    SVC_PROVIDERS_FILE (decisions D9): unset or empty means no provider,
-    and every valid chat request answers 501 as in Phase 1.
-    """
-    path = config.text(environ, "SVC_PROVIDERS_FILE", "")
-    return loadProviders(path, environ, clock) if path else None
 
 
 def _asciiDigits(environ: Mapping[str, str], name: str) -> Mapping[str, str]:

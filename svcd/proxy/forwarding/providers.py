@@ -46,7 +46,8 @@ __all__ = [
     "Provider",
     "ProviderTable",
     "loadProviders",
-    "modelsListBody",
+    "modelsDocument",
+    "providersFromEnvironment",
 ]
 
 VARIABLE = "SVC_PROVIDERS_FILE"
@@ -210,7 +211,7 @@ class ProviderTable:
         return tuple(model for model in self.models.values() if model.allows(orgID))
 
 
-def modelsListBody(table: ProviderTable, orgID: str) -> dict[str, Any]:
+def modelsDocument(table: ProviderTable, orgID: str) -> dict[str, Any]:
     """
     The body of GET /v1/models (D9): OpenAI's list shape with the models
     the caller's organization may use, owned by their provider's name,
@@ -245,6 +246,18 @@ def loadProviders(
     """
     document = _parseTOML(path, _readFile(path))
     return _Checker(path, environ).table(document, int(clock()))
+
+
+def providersFromEnvironment(
+    environ: Mapping[str, str], clock: Callable[[], float]
+) -> ProviderTable | None:
+    """
+    The table of the file C{SVC_PROVIDERS_FILE} names, or None when it is
+    unset or empty: no provider, every valid chat request answers 501 as
+    in Phase 1.
+    """
+    path = environ.get(VARIABLE, "").strip()
+    return loadProviders(path, environ, clock) if path else None
 
 
 def _fault(path: str, problem: str) -> ConfigError:
