@@ -5,6 +5,7 @@ example environments that the daemons accept.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -81,15 +82,21 @@ def test_exampleEnvironmentsAreValid() -> None:
     assert proxy.authGrpcAddr == "127.0.0.1:9091"
 
 
-def test_exampleProvidersFileIsValid() -> None:
+def test_exampleProvidersFileIsValid(tmp_path: Path) -> None:
     """
-    etc/svc/providers.toml, with the key its hosted provider names set,
-    is a providers file svc-proxy would start with; its models and
-    fallbacks are as its comments say.
+    etc/svc/providers.toml, which svc-proxy.env names (commented out), is a
+    providers file svc-proxy would start with once its hosted provider's
+    key is set; its models and fallbacks are as its comments say; it shows
+    every key; and its commented org allow-list loads too once uncommented:
+    the example cannot rot.
     """
+    example = ETC / "svc" / "providers.toml"
+    assert (
+        "#SVC_PROVIDERS_FILE=/etc/svc/providers.toml" in (ETC / "svc" / "svc-proxy.env").read_text()
+    )
     environment = {
         **readEnvironmentFile(ETC / "svc" / "svc-proxy.env"),
-        "SVC_PROVIDERS_FILE": str(ETC / "svc" / "providers.toml"),
+        "SVC_PROVIDERS_FILE": str(example),
         "OPENAI_API_KEY": "sk-example",
     }
     providers = ProxyConfig.fromEnvironment(environment).providers
@@ -98,8 +105,16 @@ def test_exampleProvidersFileIsValid() -> None:
     org = "5b0c6a9e-0000-4000-8000-000000000001"
     fast = providers.modelFor("fast", org)
     assert fast is not None and fast.upstreamModel == "llama-3.1-8b"
-    assert [model.name for model in providers.attempts(fast, org)] == [
-        "fast",
-        "hosted",
-    ]
+    assert [model.name for model in providers.attempts(fast, org)] == ["fast", "hosted"]
     assert providers.providers["openai"].apiKey == "sk-example"
+    text = example.read_text()
+    for key in (
+        "name", "base_url", "api_key_env", "timeout", "idle_timeout", "max_connections",
+        "provider", "upstream_model", "orgs", "fallbacks",
+    ):  # fmt: skip
+        assert re.search(rf"^(# )?{key} = ", text, re.M), key
+    allowList = tmp_path / "providers.toml"
+    allowList.write_text(text.replace("\n# orgs = ", "\norgs = "))
+    environment["SVC_PROVIDERS_FILE"] = str(allowList)
+    restricted = ProxyConfig.fromEnvironment(environment).providers
+    assert restricted is not None and restricted.models["hosted"].orgs == frozenset({org})

@@ -130,6 +130,7 @@ def test_otherDefaults() -> None:
     assert documented["OTEL_EXPORTER_OTLP_ENDPOINT"] == "empty"
     assert _proxy().redis is None and documented["REDIS_URL"] == "empty"
     assert _proxy().orgRPM == {} and documented["SVC_RATE_LIMIT_ORG_OVERRIDES"] == "empty"
+    assert _proxy().providers is None and documented["SVC_PROVIDERS_FILE"] == "unset"
     for required in ("POSTGRES_DSN", "SVC_AUTH_GRPC_ADDR"):
         assert documented[required] == "required"
     with pytest.raises(config.ConfigError):

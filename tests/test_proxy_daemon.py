@@ -104,6 +104,68 @@ def test_badOverride(tmp_path: Path) -> None:
     assert result.stderr.count("\n") == 1
 
 
+def _providersFile(directory: Path, providerLines: str, modelLines: str) -> Path:
+    path = directory / "providers.toml"
+    path.write_text(
+        '[[providers]]\nname = "local"\nbase_url = "http://127.0.0.1:8000/v1"\n'
+        f'{providerLines}\n[[models]]\nname = "fast"\n{modelLines}\n'
+    )
+    return path
+
+
+def test_badProvidersFile(tmp_path: Path) -> None:
+    """
+    A providers file whose model names an undefined provider stops the
+    daemon before it listens: exactly one line naming the variable, the
+    file and the fault, no traceback, status 1.
+    """
+    providers = _providersFile(tmp_path, "", 'provider = "nope"')
+    result = runToCompletion(proxyEnvironment(SVC_PROVIDERS_FILE=str(providers)), tmp_path)
+    assert result.returncode == 1
+    assert result.stderr == (
+        f"svc-proxy: configuration error: SVC_PROVIDERS_FILE: {providers}: "
+        'model "fast": provider "nope" is not defined\n'
+    )
+    assert "Traceback" not in result.stdout
+
+
+def test_providersKeyUnset(tmp_path: Path) -> None:
+    """
+    A provider whose api_key_env names a variable that is not set stops
+    the daemon with one line naming the file, the provider and the
+    variable, status 1.
+    """
+    providers = _providersFile(
+        tmp_path, 'api_key_env = "SVC_TEST_PROVIDER_KEY"', 'provider = "local"'
+    )
+    result = runToCompletion(proxyEnvironment(SVC_PROVIDERS_FILE=str(providers)), tmp_path)
+    assert result.returncode == 1
+    assert result.stderr == (
+        f"svc-proxy: configuration error: SVC_PROVIDERS_FILE: {providers}: "
+        'provider "local": api_key_env: SVC_TEST_PROVIDER_KEY is not set in the environment\n'
+    )
+    assert "Traceback" not in result.stdout
+
+
+def test_exampleProvidersFile(tmp_path: Path) -> None:
+    """
+    With the example providers file and its key set, the daemon starts and
+    serves, and its output never holds the key.
+    """
+    key = "sk-example-key-never-logged"
+    environment = proxyEnvironment(
+        SVC_PROVIDERS_FILE=str(Path(__file__).resolve().parents[1] / "etc/svc/providers.toml"),
+        OPENAI_API_KEY=key,
+        SVC_LOG_LEVEL="debug",
+    )
+    daemon = Daemon("svc-proxy", environment, tmp_path / "proxy.log").start()
+    try:
+        daemon.waitForHealth()
+    finally:
+        assert daemon.terminate() == 0
+    assert key not in daemon.output()
+
+
 def test_portTaken(tmp_path: Path) -> None:
     """
     A port that is already taken is one line and status 1.

@@ -94,13 +94,27 @@ def duration(environ: Mapping[str, str], name: str, default: float) -> float:
     raw = environ.get(name, "").strip()
     if not raw:
         return default
+    try:
+        return parseDuration(raw)
+    except ValueError as error:
+        raise ConfigError(name, f"{error}, got {raw!r}") from None
+
+
+def parseDuration(raw: str) -> float:
+    """
+    The seconds of a duration written as for L{duration}, for values that
+    do not come from a variable (such as the providers file).
+
+    @raise ValueError: saying what is wrong, without repeating C{raw}, so
+        that each caller words the context and quotes the value its own way.
+    """
     match = _DURATION.match(raw)
     if match is None:
-        raise ConfigError(name, f"must be a duration such as 50ms, 2s or 1m, got {raw!r}")
+        raise ValueError("must be a duration such as 50ms, 2s or 1m")
     number, unit = float(match.group(1)), match.group(2) or "s"
     seconds = number * {"ms": 0.001, "s": 1.0, "m": 60.0}[unit]
     if seconds <= 0:
-        raise ConfigError(name, f"must be greater than zero, got {raw!r}")
+        raise ValueError("must be greater than zero")
     return seconds
 
 

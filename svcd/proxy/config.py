@@ -87,8 +87,8 @@ class ProxyConfig:
         """
         Read and check every variable, and the providers file.
 
-        @param clock: Unix time, when the providers file is read (the
-            C{created} of GET /v1/models).
+        @param clock: the current time in Unix seconds, recorded as the
+            providers file's load time (the C{created} of GET /v1/models).
 
         @raise ConfigError: naming the first variable that is missing or
             has a value we cannot use.

@@ -1,44 +1,112 @@
 """
-The providers file (decisions D9): which OpenAI-compatible providers the
-proxy forwards to, and which models it offers on them, read once at start
-from the TOML file named by C{SVC_PROVIDERS_FILE} with the standard
-library's C{tomllib} and checked whole before the proxy starts.
+The providers file (decisions D9): the OpenAI-compatible providers that
+svc-proxy forwards to, and the models clients may name.
 
-Provider keys come only from the environment (C{api_key_env} names the
-variable); they are never in the file, never logged, never in an error.
+C{SVC_PROVIDERS_FILE} names a TOML file, read once at start with the
+standard library's C{tomllib} and checked whole before the proxy listens:
+a fault found later would be a request failing at 3 a.m. instead of a
+deploy failing at once. Every fault raises L{ConfigError} naming the file
+and the fault, which the tap turns into one line on stderr and exit
+status 1. Unknown keys are faults too, so that a typo (C{timout}) cannot
+silently leave a default in place.
+
+A provider's key never sits in the file: C{api_key_env} names the
+environment variable that holds it, read here at load. The key is kept out
+of every repr, and no error repeats it, nor anything of C{base_url} (a URL
+can carry credentials, which are refused but never echoed).
+
+Fallbacks are transitive: when a model fails, its fallbacks are tried in
+order, each followed by its own fallbacks (L{ProviderTable.attempts}). A
+cycle would make that order endless, so it is a fault at load.
+
+Our one extension of D9's shape is C{max_connections} (per provider,
+default 16): how many requests go to that provider at once, over as many
+persistent connections (L{svcd.proxy.forwarding.upstream}).
 """
 
 from __future__ import annotations
 
+import ipaddress
+import json
+import os
 import re
+import stat
 import tomllib
-import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from datetime import date, time
 from typing import Any
 
 import attrs
 
-from svcd.common import config
-from svcd.common.config import ConfigError
+from svcd.common.config import ConfigError, parseDuration
 from svcd.common.ids import parseUUID
 
+__all__ = [
+    "VARIABLE",
+    "Model",
+    "Provider",
+    "ProviderTable",
+    "loadProviders",
+    "modelsDocument",
+    "providersFromEnvironment",
+]
+
 VARIABLE = "SVC_PROVIDERS_FILE"
+
 DEFAULT_TIMEOUT = 60.0
 DEFAULT_IDLE_TIMEOUT = 30.0
 DEFAULT_MAX_CONNECTIONS = 16
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,255}$")
-_ENVIRONMENT_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")
-_PROVIDER_KEYS = frozenset(
-    {"name", "base_url", "api_key_env", "timeout", "idle_timeout", "max_connections"}
+
+# Bounds against the absurd, well above any sensible value.
+MAX_FILE_BYTES = 1024 * 1024
+MAX_DURATION = 3600.0
+MAX_CONNECTIONS = 1024
+MAX_FALLBACKS = 16
+MAX_ORGS = 10_000
+MAX_URL_CHARACTERS = 2048
+MAX_KEY_CHARACTERS = 4096
+MAX_PROVIDER_NAME = 64
+MAX_MODEL_NAME = 128
+MAX_UPSTREAM_MODEL = 256
+MAX_VARIABLE_NAME = 128
+
+# Provider names become metric labels and owned_by; model names are what
+# clients send and a metric label; upstream names follow providers' habits
+# (org/model, model:tag, vendor.model-v1:0, name@version).
+_PROVIDER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_PROVIDER_NAME_RULE = "letters, digits, '.', '_' and '-', starting with a letter or digit"
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]*")
+_MODEL_NAME_RULE = "letters, digits and . _ : / @ + -, starting with a letter or digit"
+_VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# What an Authorization header can carry without surprise: visible ASCII.
+_VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
+_HOST_NAME = re.compile(r"[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)*\.?")
+_TOML_POSITION = re.compile(r"(.*?)\s*(\((?:at line \d+, column \d+|at end of document)\))", re.S)
+
+_TOP_KEYS = ("providers", "models")
+_PROVIDER_KEYS = ("name", "base_url", "api_key_env", "timeout", "idle_timeout", "max_connections")
+_MODEL_KEYS = ("name", "provider", "upstream_model", "orgs", "fallbacks")
+# Unknown keys that look like someone putting a key in the file.
+_SECRET_LIKE = frozenset(
+    {"api_key", "apikey", "key", "token", "secret", "password", "authorization"}
 )
-_MODEL_KEYS = frozenset({"name", "provider", "upstream_model", "orgs", "fallbacks"})
 
 
 @attrs.frozen
 class Provider:
     """
-    One OpenAI-compatible provider: requests go to C{baseURL +
-    "/chat/completions"}.
+    One OpenAI-compatible endpoint.
+
+    @ivar baseURL: C{http(s)://host[:port][/path]} without a trailing
+        slash; requests go to C{<baseURL>/chat/completions}.
+    @ivar apiKey: read at load from the variable named C{apiKeyEnv}, sent
+        as C{Authorization: Bearer}; None for a provider without a key.
+        Never in a repr, a log line, an error or a span.
+    @ivar timeout: seconds for a whole non-streaming answer.
+    @ivar idleTimeout: seconds of the longest gap between stream events
+        (the first one included).
+    @ivar maxConnections: our extension of D9's shape: the bound of this
+        provider's persistent connection pool.
     """
 
     name: str
@@ -49,39 +117,72 @@ class Provider:
     idleTimeout: float = DEFAULT_IDLE_TIMEOUT
     maxConnections: int = DEFAULT_MAX_CONNECTIONS
 
+    @property
+    def chatCompletionsURL(self) -> str:
+        """
+        Where chat completions of this provider are sent (D9).
+        """
+        return self.baseURL + "/chat/completions"
+
+
+def _ownName(model: Model) -> str:
+    return model.name
+
 
 @attrs.frozen
 class Model:
     """
-    A model clients may name: served by C{provider} as C{upstreamModel},
-    to the organizations of C{orgs} (None: every one).
+    A model name that clients may send, and where it is served.
+
+    @ivar upstreamModel: the C{model} sent to the provider.
+    @ivar orgs: canonical lowercase ids of the organizations that may use
+        it, or None for every organization.
+    @ivar fallbacks: names of the models tried, in order, when this one
+        fails before answering (see L{ProviderTable.attempts}).
     """
 
     name: str
     provider: Provider
-    upstreamModel: str
+    upstreamModel: str = attrs.field(default=attrs.Factory(_ownName, takes_self=True))
     orgs: frozenset[str] | None = None
     fallbacks: tuple[str, ...] = ()
 
     def allows(self, orgID: str) -> bool:
-        return self.orgs is None or orgID in self.orgs
+        """
+        May the organization C{orgID} use this model?
+        """
+        return self.orgs is None or orgID.lower() in self.orgs
 
 
 @attrs.frozen
 class ProviderTable:
     """
-    The whole file: providers and models by name, in the file's order.
+    The checked content of the providers file.
+
+    @ivar providers: by name, in the file's order.
+    @ivar models: by name, in the file's order.
+    @ivar path: the file it was read from.
+    @ivar loadedAt: when it was read, in whole Unix seconds: the
+        C{created} of every model in GET /v1/models.
     """
 
-    path: str
     providers: Mapping[str, Provider]
     models: Mapping[str, Model]
+    path: str
     loadedAt: int
+    # The fallback order of each model, before any org filtering, worked
+    # out once here rather than on each request.
+    _chains: Mapping[str, tuple[Model, ...]] = attrs.field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        chains = {name: _chain(model, self.models) for name, model in self.models.items()}
+        object.__setattr__(self, "_chains", chains)
 
     def modelFor(self, name: str, orgID: str) -> Model | None:
         """
-        The model C{name} for C{orgID}; None when the file does not list it
-        or lists it for other organizations only (both answer 501).
+        The model a client named, or None when the file does not list it
+        or lists it for other organizations only: both answer 501
+        PROVIDER_NOT_CONFIGURED, never a hint that it exists elsewhere.
         """
         model = self.models.get(name)
         if model is None or not model.allows(orgID):
@@ -90,32 +191,32 @@ class ProviderTable:
 
     def attempts(self, model: Model, orgID: str) -> tuple[Model, ...]:
         """
-        C{model}, then its fallbacks in order, each followed by its own
-        (depth first), each model once, those not allowed to C{orgID} left
-        out.
+        The models to try, in order, for a request naming C{model}: the
+        model, then each of its fallbacks in order, each followed at once
+        by its own fallbacks (depth first); each model at most once, and
+        only those C{orgID} may use.
+
+        A model the organization may not use is left out, but its own
+        fallbacks are still reached through it: the order does not depend
+        on the organization, only what is taken from it.
         """
-        chain: list[Model] = []
-        seen: set[str] = set()
-
-        def visit(each: Model) -> None:
-            if each.name in seen:
-                return
-            seen.add(each.name)
-            if each.allows(orgID):
-                chain.append(each)
-            for fallback in each.fallbacks:
-                visit(self.models[fallback])
-
-        visit(model)
-        return tuple(chain)
+        chain = self._chains.get(model.name)
+        if chain is None or chain[0] is not model:
+            chain = _chain(model, self.models)
+        return tuple(candidate for candidate in chain if candidate.allows(orgID))
 
     def modelsFor(self, orgID: str) -> tuple[Model, ...]:
+        """
+        The models C{orgID} may use, in the file's order.
+        """
         return tuple(model for model in self.models.values() if model.allows(orgID))
 
 
 def modelsDocument(table: ProviderTable, orgID: str) -> dict[str, Any]:
     """
-    The body of GET /v1/models for C{orgID}, in OpenAI's list shape.
+    The body of GET /v1/models (D9): OpenAI's list shape with the models
+    the caller's organization may use, owned by their provider's name,
+    created when the file was read.
     """
     return {
         "object": "list",
@@ -137,223 +238,529 @@ def loadProviders(
     """
     Read and check the providers file.
 
-    @raise ConfigError: naming C{SVC_PROVIDERS_FILE}, the file and the
-        fault.
+    @param path: the file (the value of C{SVC_PROVIDERS_FILE}).
+    @param environ: where the variables named by C{api_key_env} are read.
+    @param clock: the current time in Unix seconds (C{time.time}, or a
+        reactor's C{seconds}); the table records when it was read.
+    @raise ConfigError: for C{SVC_PROVIDERS_FILE}, naming the file and the
+        first fault found.
     """
-
-    def fault(problem: str) -> ConfigError:
-        return ConfigError(VARIABLE, f"{path}: {problem}")
-
-    try:
-        with open(path, "rb") as source:
-            document = tomllib.load(source)
-    except OSError as error:
-        raise fault(f"cannot read it ({error.strerror})") from None
-    except UnicodeDecodeError:
-        raise fault("it is not UTF-8 text") from None
-    except tomllib.TOMLDecodeError as error:
-        raise fault(f"it is not TOML ({error})") from None
-    unknown = set(document) - {"providers", "models"}
-    if unknown:
-        raise fault(f"unknown top-level key(s) {', '.join(sorted(unknown))}")
-    providerTables = _tables(document, "providers", fault)
-    modelTables = _tables(document, "models", fault)
-
-    providers: dict[str, Provider] = {}
-    for index, table in enumerate(providerTables):
-        provider = _provider(index, table, environ, fault)
-        if provider.name in providers:
-            raise fault(f'provider "{provider.name}" is defined twice')
-        providers[provider.name] = provider
-
-    models: dict[str, Model] = {}
-    for index, table in enumerate(modelTables):
-        model = _model(index, table, providers, fault)
-        if model.name in models:
-            raise fault(f'model "{model.name}" is defined twice')
-        models[model.name] = model
-    for model in models.values():
-        for fallback in model.fallbacks:
-            if fallback not in models:
-                raise fault(f'model "{model.name}": fallback "{fallback}" is not a model')
-    _refuseCycles(models, fault)
-    return ProviderTable(path, providers, models, int(clock()))
-
-
-def _tables(
-    document: Mapping[str, Any], key: str, fault: Callable[[str], ConfigError]
-) -> list[Mapping[str, Any]]:
-    tables = document.get(key)
-    if not isinstance(tables, list) or not tables:
-        raise fault(f"needs at least one [[{key}]] table")
-    if not all(isinstance(table, dict) for table in tables):
-        raise fault(f"{key} must be tables ([[{key}]])")
-    return tables
-
-
-def _text(
-    table: Mapping[str, Any], key: str, where: str, fault: Callable[[str], ConfigError]
-) -> str:
-    value = table.get(key)
-    if not isinstance(value, str) or not value.strip():
-        raise fault(f"{where}: {key} must be a non-empty string")
-    return value.strip()
-
-
-def _name(
-    table: Mapping[str, Any], key: str, where: str, fault: Callable[[str], ConfigError]
-) -> str:
-    value = _text(table, key, where, fault)
-    if not _NAME.match(value):
-        raise fault(
-            f"{where}: {key} {value!r} may hold letters, digits and . _ : / @ + - only"
-            " (at most 256 characters)"
-        )
-    return value
-
-
-def _provider(
-    index: int,
-    table: Mapping[str, Any],
-    environ: Mapping[str, str],
-    fault: Callable[[str], ConfigError],
-) -> Provider:
-    where = f"providers[{index}]"
-    name = _name(table, "name", where, fault)
-    where = f'provider "{name}"'
-    unknown = set(table) - _PROVIDER_KEYS
-    if unknown:
-        raise fault(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
-    baseURL = _baseURL(_text(table, "base_url", where, fault), where, fault)
-    apiKeyEnv = table.get("api_key_env")
-    apiKey = None
-    if apiKeyEnv is not None:
-        if not isinstance(apiKeyEnv, str) or not _ENVIRONMENT_NAME.match(apiKeyEnv):
-            raise fault(f"{where}: api_key_env must name an environment variable")
-        apiKey = environ.get(apiKeyEnv, "").strip()
-        if not apiKey:
-            raise fault(f"{where}: the variable {apiKeyEnv} (api_key_env) is unset or empty")
-    maxConnections = table.get("max_connections", DEFAULT_MAX_CONNECTIONS)
-    if (
-        not isinstance(maxConnections, int)
-        or isinstance(maxConnections, bool)
-        or not 1 <= maxConnections <= 10_000
-    ):
-        raise fault(f"{where}: max_connections must be a whole number from 1 to 10000")
-    return Provider(
-        name=name,
-        baseURL=baseURL,
-        apiKey=apiKey,
-        apiKeyEnv=apiKeyEnv,
-        timeout=_duration(table, "timeout", DEFAULT_TIMEOUT, where, fault),
-        idleTimeout=_duration(table, "idle_timeout", DEFAULT_IDLE_TIMEOUT, where, fault),
-        maxConnections=maxConnections,
-    )
-
-
-def _baseURL(value: str, where: str, fault: Callable[[str], ConfigError]) -> str:
-    try:
-        parts = urllib.parse.urlsplit(value)
-        parts.port  # noqa: B018 - raises ValueError for a bad port
-    except ValueError:
-        raise fault(f"{where}: base_url {value!r} is not a URL") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise fault(f"{where}: base_url must be an http:// or https:// URL with a host")
-    if parts.username or parts.password:
-        raise fault(f"{where}: base_url must not hold credentials (use api_key_env)")
-    if parts.query or parts.fragment:
-        raise fault(f"{where}: base_url must have no query or fragment")
-    if not value.isascii() or any(character.isspace() for character in value):
-        raise fault(f"{where}: base_url must be ASCII without spaces")
-    return value.rstrip("/")
-
-
-def _duration(
-    table: Mapping[str, Any],
-    key: str,
-    default: float,
-    where: str,
-    fault: Callable[[str], ConfigError],
-) -> float:
-    value = table.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, str | int | float):
-        raise fault(f"{where}: {key} must be a duration such as 30s, 500ms or 2m")
-    try:
-        return config.duration({key: str(value)}, key, default)
-    except ConfigError as error:
-        raise fault(f"{where}: {key} {error.problem}") from None
-
-
-def _model(
-    index: int,
-    table: Mapping[str, Any],
-    providers: Mapping[str, Provider],
-    fault: Callable[[str], ConfigError],
-) -> Model:
-    where = f"models[{index}]"
-    name = _name(table, "name", where, fault)
-    where = f'model "{name}"'
-    unknown = set(table) - _MODEL_KEYS
-    if unknown:
-        raise fault(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
-    providerName = _text(table, "provider", where, fault)
-    provider = providers.get(providerName)
-    if provider is None:
-        raise fault(f'{where}: provider "{providerName}" is not defined')
-    upstreamModel = name
-    if "upstream_model" in table:
-        upstreamModel = _text(table, "upstream_model", where, fault)
-        if len(upstreamModel) > 256:
-            raise fault(f"{where}: upstream_model is longer than 256 characters")
-    orgs = None
-    if "orgs" in table:
-        listed = table["orgs"]
-        if not isinstance(listed, list) or not listed:
-            raise fault(f"{where}: orgs must be a non-empty list of organization ids")
-        parsed = set()
-        for org in listed:
-            orgID = parseUUID(org) if isinstance(org, str) else None
-            if orgID is None:
-                raise fault(f"{where}: orgs holds {org!r}, which is not a UUID")
-            parsed.add(str(orgID))
-        orgs = frozenset(parsed)
-    fallbacks = table.get("fallbacks", [])
-    if not isinstance(fallbacks, list) or not all(isinstance(each, str) for each in fallbacks):
-        raise fault(f"{where}: fallbacks must be a list of model names")
-    return Model(name, provider, upstreamModel, orgs, tuple(fallbacks))
-
-
-def _refuseCycles(models: Mapping[str, Model], fault: Callable[[str], ConfigError]) -> None:
-    """
-    Fallbacks are followed transitively, so a model reachable from itself
-    would be a loop: refused, naming the loop.
-    """
-    done: set[str] = set()
-
-    def walk(name: str, path: list[str]) -> None:
-        if name in path:
-            loop = " -> ".join([*path[path.index(name) :], name])
-            raise fault(f"fallbacks form a cycle: {loop}")
-        if name in done:
-            return
-        for fallback in models[name].fallbacks:
-            walk(fallback, [*path, name])
-        done.add(name)
-
-    for name in models:
-        walk(name, [])
+    document = _parseTOML(path, _readFile(path))
+    return _Checker(path, environ).table(document, int(clock()))
 
 
 def providersFromEnvironment(
     environ: Mapping[str, str], clock: Callable[[], float]
 ) -> ProviderTable | None:
     """
-    The table of C{SVC_PROVIDERS_FILE}, or None when it is unset or empty
-    (Phase 1: no provider).
+    The table of the file C{SVC_PROVIDERS_FILE} names, or None when it is
+    unset or empty: no provider, every valid chat request answers 501 as
+    in Phase 1.
     """
     path = environ.get(VARIABLE, "").strip()
-    if not path:
-        return None
-    return loadProviders(path, environ, clock)
+    return loadProviders(path, environ, clock) if path else None
+
+
+def _fault(path: str, problem: str) -> ConfigError:
+    shownPath = path if path.isprintable() else ascii(path)
+    return ConfigError(VARIABLE, f"{shownPath}: {problem}")
+
+
+def _readFile(path: str) -> bytes:
+    """
+    The file's bytes. Opened without blocking, so that a FIFO named by
+    mistake is refused instead of waiting for a writer forever; its type is
+    then checked on the descriptor itself, not on a path that could change
+    in between.
+    """
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            status = os.fstat(descriptor)
+            if stat.S_ISDIR(status.st_mode):
+                raise _fault(path, "cannot read the file: it is a directory")
+            if not stat.S_ISREG(status.st_mode):
+                raise _fault(path, "cannot read the file: it is not a regular file")
+            with os.fdopen(descriptor, "rb", closefd=False) as providersFile:
+                data = providersFile.read(MAX_FILE_BYTES + 1)
+        finally:
+            os.close(descriptor)
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise _fault(path, f"cannot read the file: {reason}") from None
+    except ValueError:
+        # os.open refuses a path with a NUL character.
+        raise _fault(path, "cannot read the file: the path is not valid") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise _fault(path, f"the file is larger than {MAX_FILE_BYTES} bytes")
+    return data
+
+
+def _parseTOML(path: str, data: bytes) -> dict[str, Any]:
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise _fault(path, f"is not UTF-8 text (line {line})") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise _fault(path, f"is not valid TOML: {_tomlProblem(error)}") from None
+    except ValueError:
+        # int() refuses a literal of more than 4300 digits.
+        raise _fault(path, "is not valid TOML: a number has too many digits") from None
+    except RecursionError:
+        # tomllib recurses once per level of nested arrays or tables.
+        raise _fault(path, "is not valid TOML: arrays or tables are nested too deeply") from None
+
+
+def _tomlProblem(error: tomllib.TOMLDecodeError) -> str:
+    """
+    tomllib's own words with its line and column, the words cut short: a
+    few of them quote a key of the file, which could be long.
+    """
+    message = str(error)
+    match = _TOML_POSITION.fullmatch(message)
+    words, position = (match.group(1), " " + match.group(2)) if match else (message, "")
+    if len(words) > 120:
+        words = words[:120] + "..."
+    return words.replace("\n", " ") + position
+
+
+def _quote(text: str, limit: int = 64) -> str:
+    """
+    A value of the file as it may appear in an error: double-quoted,
+    escaped to one line of ASCII, and cut short.
+    """
+    if len(text) > limit:
+        return json.dumps(text[:limit])[:-1] + '..."'
+    return json.dumps(text)
+
+
+def _kind(value: object) -> str:
+    """
+    The TOML type of a value, for an error that says what was found.
+    """
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a float"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "a table"
+    if isinstance(value, (date, time)):
+        return "a date or time"
+    return type(value).__name__
+
+
+def _show(value: object) -> str:
+    """
+    A scalar of the file as it may appear in an error. An integer of
+    thousands of digits is not written out: str() refuses it.
+    """
+    if isinstance(value, str):
+        return _quote(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value) if abs(value) < 10**18 else "a very large number"
+    if isinstance(value, float):
+        return repr(value)
+    return _kind(value)
+
+
+class _Checker:
+    """
+    Turns the parsed document into a L{ProviderTable}, or raises for its
+    first fault, in the file's order.
+    """
+
+    def __init__(self, path: str, environ: Mapping[str, str]) -> None:
+        self._path = path
+        self._environ = environ
+
+    def fault(self, problem: str) -> ConfigError:
+        return _fault(self._path, problem)
+
+    def table(self, document: dict[str, Any], loadedAt: int) -> ProviderTable:
+        self.refuseUnknownKeys(document, _TOP_KEYS, "")
+        providerTables = self.arrayOfTables(document, "providers")
+        modelTables = self.arrayOfTables(document, "models")
+        providers: dict[str, Provider] = {}
+        for number, providerTable in enumerate(providerTables, 1):
+            provider = self.provider(providerTable, number)
+            if provider.name in providers:
+                raise self.fault(f"provider {_quote(provider.name)} is defined twice")
+            providers[provider.name] = provider
+        models: dict[str, Model] = {}
+        for number, modelTable in enumerate(modelTables, 1):
+            model = self.model(modelTable, number, providers)
+            if model.name in models:
+                raise self.fault(f"model {_quote(model.name)} is defined twice")
+            models[model.name] = model
+        for model in models.values():
+            for fallback in model.fallbacks:
+                if fallback not in models:
+                    raise self.fault(
+                        f"model {_quote(model.name)}: fallback {_quote(fallback)} is not defined"
+                    )
+        cycle = _fallbackCycle(models)
+        if cycle is not None:
+            raise self.fault("fallbacks form a cycle: " + " -> ".join(map(_quote, cycle)))
+        return ProviderTable(providers=providers, models=models, path=self._path, loadedAt=loadedAt)
+
+    def refuseUnknownKeys(self, table: dict[str, Any], known: tuple[str, ...], where: str) -> None:
+        for key in table:
+            if key in known:
+                continue
+            hint = ""
+            if key.lower() in _SECRET_LIKE:
+                hint = (
+                    "; a key never sits in the file: name the environment variable "
+                    "that holds it with api_key_env"
+                )
+            raise self.fault(
+                f"{where}unknown key {_quote(key)} (expected {', '.join(known)}){hint}"
+            )
+
+    def arrayOfTables(self, document: dict[str, Any], key: str) -> list[dict[str, Any]]:
+        value = document.get(key)
+        if value is None or value == []:
+            raise self.fault(f"has no [[{key}]] table")
+        if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+            raise self.fault(f"{key} must be written as [[{key}]] tables, got {_kind(value)}")
+        return value
+
+    def where(
+        self,
+        kind: str,
+        table: dict[str, Any],
+        number: int,
+        pattern: re.Pattern[str],
+        maxLength: int,
+    ) -> str:
+        """
+        How errors name a table: by its name when that is valid, else by
+        its place in the file.
+        """
+        name = table.get("name")
+        if isinstance(name, str) and len(name) <= maxLength and pattern.fullmatch(name):
+            return f"{kind} {_quote(name)}: "
+        return f"[[{kind}s]] table {number}: "
+
+    def text(
+        self,
+        table: dict[str, Any],
+        key: str,
+        where: str,
+        pattern: re.Pattern[str],
+        maxLength: int,
+        rule: str,
+    ) -> str | None:
+        """
+        An optional string key that must follow C{pattern}; None when
+        absent.
+        """
+        value = table.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            raise self.fault(f"{where}{key} must be a string, got {_kind(value)}")
+        if not value.strip():
+            raise self.fault(f"{where}{key} must not be empty")
+        if len(value) > maxLength:
+            raise self.fault(f"{where}{key} is longer than {maxLength} characters")
+        if not pattern.fullmatch(value):
+            raise self.fault(f"{where}{key} {_quote(value)} may hold only {rule}")
+        return value
+
+    def requiredText(
+        self,
+        table: dict[str, Any],
+        key: str,
+        where: str,
+        pattern: re.Pattern[str],
+        maxLength: int,
+        rule: str,
+    ) -> str:
+        value = self.text(table, key, where, pattern, maxLength, rule)
+        if value is None:
+            raise self.fault(f"{where}{key} is required")
+        return value
+
+    def provider(self, table: dict[str, Any], number: int) -> Provider:
+        where = self.where("provider", table, number, _PROVIDER_NAME, MAX_PROVIDER_NAME)
+        self.refuseUnknownKeys(table, _PROVIDER_KEYS, where)
+        name = self.requiredText(
+            table, "name", where, _PROVIDER_NAME, MAX_PROVIDER_NAME, _PROVIDER_NAME_RULE
+        )
+        apiKeyEnv, apiKey = self.apiKey(table, where)
+        return Provider(
+            name=name,
+            baseURL=self.baseURL(table, where),
+            apiKey=apiKey,
+            apiKeyEnv=apiKeyEnv,
+            timeout=self.duration(table, "timeout", DEFAULT_TIMEOUT, where),
+            idleTimeout=self.duration(table, "idle_timeout", DEFAULT_IDLE_TIMEOUT, where),
+            maxConnections=self.maxConnections(table, where),
+        )
+
+    def baseURL(self, table: dict[str, Any], where: str) -> str:
+        """
+        C{http(s)://host[:port][/path]}. The value is never quoted back: a
+        URL can hold a password or a key in its query.
+        """
+        value = table.get("base_url")
+        if value is None:
+            raise self.fault(f"{where}base_url is required")
+        if not isinstance(value, str):
+            raise self.fault(f"{where}base_url must be a string, got {_kind(value)}")
+        if len(value) > MAX_URL_CHARACTERS:
+            raise self.fault(f"{where}base_url is longer than {MAX_URL_CHARACTERS} characters")
+        if not _VISIBLE_ASCII.fullmatch(value):
+            raise self.fault(
+                f"{where}base_url must be ASCII without spaces or control characters "
+                "(write an international host name in its xn-- form)"
+            )
+        scheme, separator, rest = value.partition("://")
+        if not separator or scheme.lower() not in ("http", "https"):
+            raise self.fault(f"{where}base_url must start with http:// or https://")
+        if "?" in value:
+            raise self.fault(f"{where}base_url must not have a query (?...)")
+        if "#" in value:
+            raise self.fault(f"{where}base_url must not have a fragment (#...)")
+        authority, _, path = rest.partition("/")
+        if "@" in authority:
+            raise self.fault(
+                f"{where}base_url must not hold credentials (user:password@); "
+                "the key belongs in the variable named by api_key_env"
+            )
+        host, port = _splitAuthority(authority)
+        if not host:
+            raise self.fault(f"{where}base_url has no host")
+        if not _isHost(host):
+            raise self.fault(f"{where}base_url has a host that is neither a name nor an IP address")
+        if port is not None and not (port.isdigit() and len(port) <= 5 and 1 <= int(port) <= 65535):
+            raise self.fault(f"{where}base_url has a port that is not a number from 1 to 65535")
+        baseURL = f"{scheme.lower()}://{authority}/{path}".rstrip("/")
+        if baseURL.lower().endswith("/chat/completions"):
+            raise self.fault(
+                f"{where}base_url must not end with /chat/completions: the proxy appends it "
+                "(write the base, such as http://127.0.0.1:8000/v1)"
+            )
+        return baseURL
+
+    def apiKey(self, table: dict[str, Any], where: str) -> tuple[str | None, str | None]:
+        """
+        The variable named by C{api_key_env} and its value. The error
+        names the variable, never its value.
+        """
+        variable = self.text(
+            table,
+            "api_key_env",
+            where,
+            _VARIABLE_NAME,
+            MAX_VARIABLE_NAME,
+            "letters, digits and '_', not starting with a digit",
+        )
+        if variable is None:
+            return None, None
+        value = self._environ.get(variable)
+        if value is None:
+            raise self.fault(f"{where}api_key_env: {variable} is not set in the environment")
+        key = value.strip()
+        if not key:
+            raise self.fault(f"{where}api_key_env: {variable} is empty in the environment")
+        if len(key) > MAX_KEY_CHARACTERS or not _VISIBLE_ASCII.fullmatch(key):
+            raise self.fault(
+                f"{where}api_key_env: the value of {variable} cannot be sent as a key "
+                f"(at most {MAX_KEY_CHARACTERS} visible ASCII characters, no spaces)"
+            )
+        return variable, key
+
+    def duration(self, table: dict[str, Any], key: str, default: float, where: str) -> float:
+        """
+        A duration written as the variables' (C{60s}, C{500ms}, C{2m}, a
+        bare number of seconds), as a string or a TOML number.
+        """
+        value = table.get(key)
+        if value is None:
+            return default
+        if isinstance(value, str):
+            try:
+                seconds = parseDuration(value)
+            except ValueError as error:
+                raise self.fault(f"{where}{key} {error}, got {_show(value)}") from None
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not value > 0:
+                raise self.fault(f"{where}{key} must be greater than zero, got {_show(value)}")
+            seconds = value
+        else:
+            raise self.fault(f'{where}{key} must be a duration such as "60s", got {_kind(value)}')
+        if seconds > MAX_DURATION:
+            raise self.fault(
+                f"{where}{key} must be at most {MAX_DURATION:.0f}s (one hour), got {_show(value)}"
+            )
+        return float(seconds)
+
+    def maxConnections(self, table: dict[str, Any], where: str) -> int:
+        value = table.get("max_connections")
+        if value is None:
+            return DEFAULT_MAX_CONNECTIONS
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise self.fault(f"{where}max_connections must be an integer, got {_kind(value)}")
+        if not 1 <= value <= MAX_CONNECTIONS:
+            raise self.fault(
+                f"{where}max_connections must be from 1 to {MAX_CONNECTIONS}, got {_show(value)}"
+            )
+        return value
+
+    def model(self, table: dict[str, Any], number: int, providers: Mapping[str, Provider]) -> Model:
+        where = self.where("model", table, number, _MODEL_NAME, MAX_MODEL_NAME)
+        self.refuseUnknownKeys(table, _MODEL_KEYS, where)
+        name = self.requiredText(
+            table, "name", where, _MODEL_NAME, MAX_MODEL_NAME, _MODEL_NAME_RULE
+        )
+        providerName = table.get("provider")
+        if providerName is None:
+            raise self.fault(f"{where}provider is required")
+        if not isinstance(providerName, str):
+            raise self.fault(f"{where}provider must be a string, got {_kind(providerName)}")
+        provider = providers.get(providerName)
+        if provider is None:
+            raise self.fault(f"{where}provider {_quote(providerName)} is not defined")
+        upstreamModel = self.text(
+            table, "upstream_model", where, _MODEL_NAME, MAX_UPSTREAM_MODEL, _MODEL_NAME_RULE
+        )
+        return Model(
+            name=name,
+            provider=provider,
+            upstreamModel=upstreamModel or name,
+            orgs=self.orgs(table, where),
+            fallbacks=self.fallbacks(table, where),
+        )
+
+    def stringArray(
+        self, table: dict[str, Any], key: str, where: str, what: str
+    ) -> list[str] | None:
+        value = table.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+            raise self.fault(f"{where}{key} must be an array of {what} (strings)")
+        return value
+
+    def orgs(self, table: dict[str, Any], where: str) -> frozenset[str] | None:
+        entries = self.stringArray(table, "orgs", where, "organization UUIDs")
+        if entries is None:
+            return None
+        if not entries:
+            raise self.fault(
+                f"{where}orgs is empty, so no organization could use the model "
+                "(leave orgs out to allow every organization)"
+            )
+        if len(entries) > MAX_ORGS:
+            raise self.fault(f"{where}orgs lists more than {MAX_ORGS} organizations")
+        orgs: set[str] = set()
+        for entry in entries:
+            orgID = parseUUID(entry)
+            if orgID is None:
+                raise self.fault(f"{where}orgs: {_quote(entry)} is not an organization UUID")
+            if str(orgID) in orgs:
+                raise self.fault(f"{where}orgs: organization {orgID} is listed twice")
+            orgs.add(str(orgID))
+        return frozenset(orgs)
+
+    def fallbacks(self, table: dict[str, Any], where: str) -> tuple[str, ...]:
+        entries = self.stringArray(table, "fallbacks", where, "model names")
+        if entries is None:
+            return ()
+        if len(entries) > MAX_FALLBACKS:
+            raise self.fault(f"{where}fallbacks lists more than {MAX_FALLBACKS} models")
+        if len(set(entries)) != len(entries):
+            twice = next(entry for entry in entries if entries.count(entry) > 1)
+            raise self.fault(f"{where}fallbacks: {_quote(twice)} is listed twice")
+        return tuple(entries)
+
+
+def _splitAuthority(authority: str) -> tuple[str, str | None]:
+    """
+    The host and port of C{host}, C{host:port}, C{[v6]} or C{[v6]:port};
+    the host is empty when there is none to be found.
+    """
+    if authority.startswith("["):
+        end = authority.find("]")
+        if end < 2:
+            return "", None
+        rest = authority[end + 1 :]
+        if rest and not rest.startswith(":"):
+            return "", None
+        return authority[1:end], rest[1:] if rest else None
+    host, colon, port = authority.partition(":")
+    return host, port if colon else None
+
+
+def _isHost(host: str) -> bool:
+    """
+    A DNS name (letters, digits, '-', '_' and dots) or an IP address.
+    """
+    if _HOST_NAME.fullmatch(host):
+        return True
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _fallbackCycle(models: Mapping[str, Model]) -> list[str] | None:
+    """
+    The first cycle of fallbacks in the file's order (C{["a", "b", "a"]}),
+    or None. Walked with an explicit stack: a long chain of fallbacks must
+    not reach Python's recursion limit.
+    """
+    onPath: set[str] = set()
+    done: set[str] = set()
+    for start in models:
+        if start in done:
+            continue
+        path = [start]
+        pending: list[Iterator[str]] = [iter(models[start].fallbacks)]
+        onPath.add(start)
+        while pending:
+            following = next(pending[-1], None)
+            if following is None:
+                finished = path.pop()
+                onPath.discard(finished)
+                done.add(finished)
+                pending.pop()
+            elif following in onPath:
+                return [*path[path.index(following) :], following]
+            elif following not in done:
+                path.append(following)
+                onPath.add(following)
+                pending.append(iter(models[following].fallbacks))
+    return None
+
+
+def _chain(model: Model, models: Mapping[str, Model]) -> tuple[Model, ...]:
+    """
+    C{model} and its fallbacks, depth first, each once (see
+    L{ProviderTable.attempts}); names that C{models} lacks are passed over.
+    """
+    order: list[Model] = []
+    seen: set[str] = set()
+    stack = [model]
+    while stack:
+        current = stack.pop()
+        if current.name in seen:
+            continue
+        seen.add(current.name)
+        order.append(current)
+        stack.extend(models[name] for name in reversed(current.fallbacks) if name in models)
+    return tuple(order)
