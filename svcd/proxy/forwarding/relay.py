@@ -206,24 +206,49 @@ class StreamRelay(Protocol):
 
     def stopProducing(self) -> None:
         """
-        The client went away: close the upstream request now.
+        The client's connection is going away: close the upstream request
+        now. The relay then waits, silent, for the gateway to cancel it
+        (the request's end cancels the request's work): failing here, before
+        the request itself knows it is over, would be taken for a fault of
+        the request.
         """
-        self._stop()
+        if self._ended:
+            return
+        self._ended = True
+        self._disarm()
+        self._stopTransport()
 
     # The upstream's side: IProtocol.
 
     def dataReceived(self, data: bytes) -> None:
+        """
+        Relay every event C{data} completes, in one write to the client
+        (they arrived together); what is left of an event waits for more.
+        """
         if self._ended:
             return
-        self._buffer += data
-        while not self._ended:
-            end, separator = _eventEnd(self._buffer)
+        buffer = self._buffer + data if self._buffer else data
+        # One scan for a carriage return tells whether events may end with
+        # anything but a bare blank line; most streams never send one.
+        anyCR = b"\r" in buffer
+        start = 0
+        out: list[bytes] = []
+        done = False
+        while not done:
+            end, separator = _eventEnd(buffer, start, anyCR)
             if end < 0:
                 break
-            event = self._buffer[: end + separator]
-            self._buffer = self._buffer[end + separator :]
-            self._event(event)
-        if not self._ended and len(self._buffer) > MAX_EVENT_BYTES:
+            event = buffer[start : end + separator]
+            start = end + separator
+            done = self._event(event, out)
+        if out:
+            self._write(b"".join(out))
+        if done:
+            # Written first: the end lets the request finish.
+            self._end()
+            return
+        self._buffer = buffer[start:]
+        if len(self._buffer) > MAX_EVENT_BYTES:
             self._fail(StreamFault("invalid", f"an event over {MAX_EVENT_BYTES} bytes"))
 
     def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:  # noqa: B008
@@ -238,19 +263,23 @@ class StreamRelay(Protocol):
 
     # Events.
 
-    def _event(self, event: bytes) -> None:
+    def _event(self, event: bytes, out: list[bytes]) -> bool:
+        """
+        Take one complete event: note its usage, and add it to C{out} unless
+        it is the usage event the client did not ask for. True for the
+        stream's end, C{[DONE]}.
+        """
         self._rearm()
         data = _data(event)
         if data is not None and data != DONE and b'"usage"' in data:
             if not self._noteUsage(data):
-                return
+                return False
         if not self._began:
             self._began = True
             self._begin()
             self.started.callback(None)
-        self._write(event)
-        if data == DONE:
-            self._end()
+        out.append(event)
+        return data == DONE
 
     def _noteUsage(self, data: bytes) -> bool:
         """
@@ -315,16 +344,22 @@ class StreamRelay(Protocol):
             transport.stopProducing()
 
 
-def _eventEnd(buffer: bytes) -> tuple[int, int]:
+def _eventEnd(buffer: bytes, start: int, anyCR: bool) -> tuple[int, int]:
     """
-    Where the first complete event of C{buffer} ends (the blank line that
-    ends it starts there) and the length of that blank line; (-1, 0) when
-    no event is complete.
+    Where the first complete event of C{buffer} from C{start} ends (the
+    blank line that ends it starts there) and the length of that blank
+    line; (-1, 0) when no event is complete. Without C{anyCR}, only a bare
+    blank line can end an event, and only it is looked for: a search for a
+    separator that is not there would scan to the buffer's end for every
+    event.
     """
+    if not anyCR:
+        index = buffer.find(b"\n\n", start)
+        return (index, 2) if index >= 0 else (-1, 0)
     candidates = [
         (index, len(separator))
         for separator in (b"\n\n", b"\r\n\r\n", b"\r\r")
-        if (index := buffer.find(separator)) >= 0
+        if (index := buffer.find(separator, start)) >= 0
     ]
     if not candidates:
         return -1, 0

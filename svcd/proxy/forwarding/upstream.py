@@ -405,6 +405,7 @@ class Forwarder:
             label = fault.label
             raise
         except CancelledError:
+            label = "cancelled"
             raise
         except Exception:
             if not committed:
@@ -457,6 +458,12 @@ class _Link:
         def failed(failure: Any) -> Any:
             if failure.check(CancelledError, UpstreamFault):
                 return failure
+            if _cancelled(failure.value):
+                # Twisted reports a request cancelled in flight (its client
+                # went away, or its deadline passed) as never answered,
+                # with the cancellation among the reasons: it is not the
+                # provider's fault, and no fallback may follow it.
+                raise CancelledError() from None
             raise _broken("connect_error") from None
 
         return sending.addErrback(failed)
@@ -533,6 +540,18 @@ class _BytesProducer:
 
     def stopProducing(self) -> None:
         pass
+
+
+def _cancelled(error: BaseException) -> bool:
+    """
+    Whether a failed request failed because it was cancelled: Twisted's
+    client wraps the CancelledError in ResponseNeverReceived (or
+    RequestTransmissionFailed) with the reasons.
+    """
+    if isinstance(error, CancelledError):
+        return True
+    reasons = getattr(error, "reasons", None)
+    return bool(reasons) and any(reason.check(CancelledError) for reason in reasons)
 
 
 def _wantsUsage(document: Mapping[str, Any]) -> bool:
