@@ -107,6 +107,7 @@ MODELS: dict[str, ModelRow] = {
     "gap:100": ModelRow("local"),
     "large-stream": ModelRow("brisk", f"events:{LARGE_STREAM_EVENTS}"),
     "narrow": ModelRow("narrow", "slow:300"),
+    "no-usage": ModelRow("local"),
     # Each fault of D9's table.
     "refused": ModelRow("closed", "echo"),
     "wrong-key": ModelRow("wrongkey", "echo"),
@@ -123,6 +124,8 @@ MODELS: dict[str, ModelRow] = {
     "status:429": ModelRow("local"),
     "status:429:0": ModelRow("local"),
     "not-json": ModelRow("local"),
+    # Past the proxy's bound on a non-streaming answer (16 MiB).
+    "huge-answer": ModelRow("local", "bytes:17000000"),
     "late": ModelRow("impatient", "slow:30000"),
     "late-body": ModelRow("impatient", "hold:30000"),
     "stall": ModelRow("impatient", "stall-stream"),

@@ -113,7 +113,9 @@ def test_whatTheUpstreamReceives(forwarding: Forwarding) -> None:
     assert received.header("accept-encoding") in (None, "gzip")
     assert received.header("content-type") == "application/json"
     assert received.header("x-request-id") == requestID
-    version, traceID, parentID, flags = received.header("traceparent").split("-")  # type: ignore[union-attr]
+    traceparent = received.header("traceparent")
+    assert traceparent is not None
+    version, traceID, parentID, flags = traceparent.split("-")
     assert (version, traceID) == ("00", raw.headers["x-trace-id"])
     assert re.fullmatch(r"[0-9a-f]{16}", parentID) and re.fullmatch(r"[0-9a-f]{2}", flags)
     everything = json.dumps(received.headers)
@@ -137,7 +139,9 @@ def test_clientsRequestIDAndTraceAreCarriedOn(forwarding: Forwarding) -> None:
     assert raw.headers["x-request-id"] == inboundID
     assert raw.headers["x-trace-id"] == traceID
     (received,) = forwarding.received(inboundID)
-    version, sentTrace, sentParent, _ = received.header("traceparent").split("-")  # type: ignore[union-attr]
+    traceparent = received.header("traceparent")
+    assert traceparent is not None
+    version, sentTrace, sentParent, _ = traceparent.split("-")
     assert (version, sentTrace) == ("00", traceID)
     assert sentParent != parentID
 
@@ -264,6 +268,7 @@ FAULTS = [
     ("status:404", True, 502, "UPSTREAM_ERROR", openai.InternalServerError),
     ("wrong-key", True, 502, "UPSTREAM_ERROR", openai.InternalServerError),
     ("not-json", False, 502, "UPSTREAM_ERROR", openai.InternalServerError),
+    ("huge-answer", False, 502, "UPSTREAM_ERROR", openai.InternalServerError),
     ("close-mid-stream", False, 502, "UPSTREAM_ERROR", openai.InternalServerError),
     ("late", True, 504, "UPSTREAM_TIMEOUT", openai.InternalServerError),
     ("late-body", True, 504, "UPSTREAM_TIMEOUT", openai.InternalServerError),

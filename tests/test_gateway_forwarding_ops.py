@@ -41,8 +41,10 @@ from forwardingfixtures import (
     assertEnvelopeOf,
     assertGatewayHeaders,
     chatBody,
+    echoContent,
     messages,
     sseEvents,
+    streamedContent,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -310,9 +312,11 @@ def test_maxConnectionsBoundsRequestsInFlight(forwarding: Forwarding) -> None:
     assert failures == [] and len(answers) == 6
     received = [forwarding.received(requestID)[0] for requestID in answers]
     assert {each.path for each in received} == {"/narrow/v1/chat/completions"}
+    # Each arrival counts one more in flight, each end one fewer; an end
+    # and an arrival at the same moment, the end first.
     moments = sorted(
-        [(each.arrived, 1) for each in received] + [(each.ended, -1) for each in received],  # type: ignore[misc]
-        key=lambda moment: (moment[0], moment[1]),
+        [(each.arrived, 1) for each in received]
+        + [(each.ended, -1) for each in received if each.ended is not None]
     )
     inFlight, most = 0, 0
     for _, change in moments:
@@ -461,6 +465,37 @@ def test_accessLogAndMetrics(forwarding: Forwarding) -> None:
     for tenant in forwarding.gateway.tenants.values():
         for secret in (tenant.orgID, tenant.agentID, tenant.tokenID, tenant.token):
             assert str(secret) not in after.text
+
+
+def test_answersWithoutUsage(forwarding: Forwarding) -> None:
+    """
+    A provider that sends no usage, even when asked: the answer and the
+    stream are relayed whole (no usage chunk), the access log has no
+    tokens, and no token is counted.
+    """
+    client = forwarding.client()
+    before = forwarding.metrics()
+    completion = client.chat.completions.with_raw_response.create(
+        model="no-usage", messages=messages()
+    )
+    assert completion.parse().usage is None
+    assert completion.parse().choices[0].message.content == echoContent()
+    stream = client.chat.completions.create(
+        model="no-usage", messages=messages(), stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert all(chunk.choices and chunk.usage is None for chunk in chunks)
+    assert streamedContent(chunks) == echoContent()
+    for requestID in (
+        completion.headers["x-request-id"],
+        stream.response.headers["x-request-id"],
+    ):
+        line = forwarding.accessLine(requestID)
+        assert (line["status"], line["upstream_model"]) == (200, "no-usage")
+        assert line["prompt_tokens"] is None and line["completion_tokens"] is None
+    counted = forwarding.metrics().since(before)
+    assert _upstreamRequestsCounted(counted) == {"200": 2}
+    assert not any(name == "svc_proxy_upstream_tokens_total" for name, _ in counted)
 
 
 def test_noContentOrKeyInTheLog(forwarding: Forwarding) -> None:
