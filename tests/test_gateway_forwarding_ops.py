@@ -181,8 +181,8 @@ def test_clientGoneWhileWaitingIsNoUpstreamFault(forwarding: Forwarding) -> None
 def test_clientGoneTriesNoFallback(forwarding: Forwarding, stream: bool) -> None:
     """
     A client that goes away while its first attempt is awaited (streaming
-    or not): no fallback is sent for nobody. (The access line is written
-    once every attempt is over.)
+    or not): no fallback is sent for a client that is gone. (The access
+    line is written once every attempt is over.)
     """
     requestID, _ = _leaveWhileWaiting(forwarding, "slow-then-fast", stream)
     forwarding.accessLine(requestID)
