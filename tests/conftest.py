@@ -28,7 +28,7 @@ from svcd.testing.servers import PostgresServer, RedisServer
 
 # Fixtures of svc-auth (migrated databases, tenants, a running AuthService),
 # and the scripted OpenAI-compatible upstream.
-pytest_plugins = ["authfixtures", "upstreamfixtures"]
+pytest_plugins = ["authfixtures", "upstreamfixtures", "forwardingfixtures"]
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ import secrets
 import socket
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -148,8 +148,17 @@ class Gateway:
 
 @contextlib.contextmanager
 def runningGateway(
-    postgres: PostgresServer, workdir: Path, proxyEnvironment: dict[str, str] | None = None
+    postgres: PostgresServer,
+    workdir: Path,
+    proxyEnvironment: dict[str, str] | None = None,
+    prepare: Callable[[dict[str, Tenant]], dict[str, str]] | None = None,
 ) -> Iterator[Gateway]:
+    """
+    @param prepare: called with the tenants once they exist, before the
+        daemons start; returns more variables for svc-proxy (such as
+        SVC_PROVIDERS_FILE naming a file that lists the tenants'
+        organizations).
+    """
     name = f"e2e_{secrets.token_hex(6)}"
     dsn = postgres.createDatabase(name)
     migrate(dsn)
@@ -165,6 +174,7 @@ def runningGateway(
         "paused": makeTenant(owner, "paused", agentStatus="paused"),
         "bound": makeTenant(owner, "bound", bindAgent=True),
     }
+    prepared = prepare(tenants) if prepare is not None else {}
     auth = Daemon("svc-auth", authEnvironment(dsn), workdir / "auth.log").start()
     proxy = Daemon(
         "svc-proxy",
@@ -176,6 +186,7 @@ def runningGateway(
             "SVC_RATE_LIMIT_ORG_OVERRIDES": f"{tenants['limited'].orgID}=3",
             "SVC_SHUTDOWN_TIMEOUT": "5s",
             **(proxyEnvironment or {}),
+            **prepared,
         },
         workdir / "proxy.log",
     ).start()
