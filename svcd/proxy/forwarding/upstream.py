@@ -550,8 +550,8 @@ def _cancelled(error: BaseException) -> bool:
     """
     if isinstance(error, CancelledError):
         return True
-    reasons = getattr(error, "reasons", None)
-    return bool(reasons) and any(reason.check(CancelledError) for reason in reasons)
+    reasons: list[Any] = getattr(error, "reasons", None) or []
+    return any(reason.check(CancelledError) for reason in reasons)
 
 
 def _wantsUsage(document: Mapping[str, Any]) -> bool:
