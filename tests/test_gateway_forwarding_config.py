@@ -59,7 +59,7 @@ PROVIDER = '[[providers]]\nname = "local"\nbase_url = "http://127.0.0.1:9/v1"\n'
 
 # name: (the file's text, or None for no file; the fault after "<path>: ")
 BAD_FILES: dict[str, tuple[str | None, str]] = {
-    "missing": (None, "cannot read it (No such file or directory)"),
+    "missing": (None, "cannot read the file: No such file or directory"),
     "unknown-provider": (
         PROVIDER.replace("\n", '\napi_key_env = "SVC_TEST_SET_KEY"\n', 1)
         + '[[models]]\nname = "fast"\nprovider = "ghost"\n',
@@ -70,14 +70,14 @@ BAD_FILES: dict[str, tuple[str | None, str]] = {
         + '[[models]]\nname = "a"\nprovider = "local"\nfallbacks = ["b"]\n'
         + '[[models]]\nname = "b"\nprovider = "local"\nfallbacks = ["c"]\n'
         + '[[models]]\nname = "c"\nprovider = "local"\nfallbacks = ["a"]\n',
-        "fallbacks form a cycle: a -> b -> c -> a",
+        'fallbacks form a cycle: "a" -> "b" -> "c" -> "a"',
     ),
     "unset-key": (
         PROVIDER.replace("\n", '\napi_key_env = "SVC_TEST_UNSET_KEY"\n', 1)
         + '[[models]]\nname = "fast"\nprovider = "local"\n',
-        'provider "local": the variable SVC_TEST_UNSET_KEY (api_key_env) is unset or empty',
+        'provider "local": api_key_env: SVC_TEST_UNSET_KEY is not set in the environment',
     ),
-    "not-toml": ("[[providers]\n", "it is not TOML"),
+    "not-toml": ("[[providers]\n", "is not valid TOML"),
 }
 
 
