@@ -472,3 +472,15 @@ def sseEvents(body: bytes) -> list[bytes]:
 
 def streamedContent(chunks: list[Any]) -> str:
     return "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+
+
+@pytest.fixture
+def emptyRequestLogs(forwarding: Forwarding) -> Iterator[None]:
+    """
+    Empty the upstreams' request logs after a test: each test finds its own
+    requests by request id, and emptying keeps the logs small (some bodies
+    are a megabyte).
+    """
+    yield
+    forwarding.upstream.clearRequests()
+    forwarding.keyedUpstream.clearRequests()

@@ -18,7 +18,6 @@ import json
 import re
 import time
 import uuid
-from collections.abc import Iterator
 
 import openai
 import pytest
@@ -38,16 +37,8 @@ from forwardingfixtures import (
     streamedContent,
 )
 
-
-@pytest.fixture(autouse=True)
-def _emptyRequestLogs(forwarding: Forwarding) -> Iterator[None]:
-    """
-    Each test finds its own requests by request id; emptying the upstreams'
-    logs after each keeps them small (some bodies are a megabyte).
-    """
-    yield
-    forwarding.upstream.clearRequests()
-    forwarding.keyedUpstream.clearRequests()
+# Each test finds its own requests by request id (forwardingfixtures).
+pytestmark = pytest.mark.usefixtures("emptyRequestLogs")
 
 
 # Non-streaming

@@ -20,7 +20,6 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,16 +49,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_gateway_e2e import request
 
-
-@pytest.fixture(autouse=True)
-def _emptyRequestLogs(forwarding: Forwarding) -> Iterator[None]:
-    """
-    Each test finds its own requests by request id; emptying the upstreams'
-    logs after each keeps them small (some bodies are a megabyte).
-    """
-    yield
-    forwarding.upstream.clearRequests()
-    forwarding.keyedUpstream.clearRequests()
+# Each test finds its own requests by request id (forwardingfixtures).
+pytestmark = pytest.mark.usefixtures("emptyRequestLogs")
 
 
 # Clients that go away
