@@ -65,7 +65,9 @@ EVENT_STREAM = "text/event-stream"
 # scripted upstream answers normally, as "echo"): each makes the scripted
 # upstream fail in one of the ways D9 maps, so that schemathesis's checks
 # meet those answers too (test_forwardedAnswersConformToTheDocument).
-# "stalled" is served by a provider with a 100 ms timeout.
+# "stalled" is served by a provider with a 100 ms timeout, and 2 s between
+# stream events: its first event comes in time even on a busy machine, and
+# no other one comes.
 FAULT_MODELS = {
     "refused": "status:400",
     "rejected": "status:422",
@@ -248,7 +250,7 @@ def providersFile(path: Path, upstream: ScriptedUpstream, echoModels: set[str]) 
         'name = "stalling"',
         f'base_url = "{upstream.baseURL}"',
         'timeout = "100ms"',
-        'idle_timeout = "100ms"',
+        'idle_timeout = "2s"',
     ]
     models = {name: "echo" for name in echoModels} | FAULT_MODELS
     for name, script in models.items():
