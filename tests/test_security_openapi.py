@@ -382,7 +382,7 @@ def forwardedCase(case: Any, model: str, stream: bool) -> Any:
 
 def test_schemathesisFindsNothing(liveGateway: Gateway, document: dict[str, Any]) -> None:
     """
-    A few minutes of schemathesis (2,500 cases, derandomized so that a
+    Under a minute of schemathesis (2,500 cases, derandomized so that a
     failure reproduces) against the live proxy: positive and
     negative cases of every operation, with a valid token and agent (so
     that the protected routes are exercised past authentication, the path
