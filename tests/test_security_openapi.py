@@ -5,12 +5,17 @@ error code, the standard headers on every response), and checked against
 a live proxy with real daemons by schemathesis: generated requests, with a
 valid token and agent and without, find no 500, no response outside the
 document's statuses, schemas and headers, and no answer without
-X-Request-ID, X-Trace-ID and X-Response-Time.
+X-Request-ID, X-Trace-ID and X-Response-Time. The live proxy forwards to
+the scripted OpenAI-compatible upstream (decisions D9), so its relayed
+answers, streamed or not, and its upstream faults are checked against the
+document too.
 """
 
 from __future__ import annotations
 
+import json
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +25,7 @@ import schemathesis
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from jsonschema import Draft202012Validator
 from openapi_spec_validator import validate
 from schemathesis import GenerationMode
 from schemathesis.checks import (
@@ -42,14 +48,50 @@ from test_gateway_e2e import (
 from svcd.common.errors import ErrorCode, FieldErrorCode
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.edge import ProxyEdge
+from svcd.proxy.forwarding.providers import Model, Provider, ProviderTable
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.ratelimit import RedisRateLimiter
 from svcd.proxy.testing import FakeAuthClient, MemoryCounters
 from svcd.testing.servers import PostgresServer
+from svcd.testing.upstream import ScriptedUpstream
 
 DOCUMENT = Path(__file__).parent.parent / "docs" / "openapi.yaml"
 STANDARD_HEADERS = ("X-Request-ID", "X-Trace-ID", "X-Response-Time")
 RATE_LIMIT_HEADERS = ("X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset")
+CHAT_PATHS = ("/v1/chat/completions", "/proxy/v1/chat/completions")
+EVENT_STREAM = "text/event-stream"
+
+# The live gateway's models besides the document's example ones (which the
+# scripted upstream answers normally, as "echo"): each makes the scripted
+# upstream fail in one of the ways D9 maps, so that schemathesis's checks
+# meet those answers too (test_forwardedAnswersConformToTheDocument).
+# "stalled" is served by a provider with a 100 ms timeout, and 2 s between
+# stream events: its first event comes in time even on a busy machine, and
+# no other one comes.
+FAULT_MODELS = {
+    "refused": "status:400",
+    "rejected": "status:422",
+    "limited": "status:429",
+    "limited-quietly": "status:429:0",
+    "failing": "status:500",
+    "cut": "close-mid-stream",
+    "stalled": "stall-stream",
+}
+STALLING_MODEL = "stalled"
+
+# What each model answers (D9), without and with "stream": true: the
+# status and the error code, or for a 200 the media type, "(cut)" marking a
+# stream ended by the gateway's error event.
+ECHO_ANSWERS = ((200, "application/json"), (200, EVENT_STREAM))
+FAULT_ANSWERS = {
+    "refused": ((400, "UPSTREAM_REJECTED"), (400, "UPSTREAM_REJECTED")),
+    "rejected": ((422, "UPSTREAM_REJECTED"), (422, "UPSTREAM_REJECTED")),
+    "limited": ((429, "UPSTREAM_RATE_LIMITED"), (429, "UPSTREAM_RATE_LIMITED")),
+    "limited-quietly": ((429, "UPSTREAM_RATE_LIMITED"), (429, "UPSTREAM_RATE_LIMITED")),
+    "failing": ((502, "UPSTREAM_ERROR"), (502, "UPSTREAM_ERROR")),
+    "cut": ((502, "UPSTREAM_ERROR"), (200, f"{EVENT_STREAM} (cut)")),
+    "stalled": ((504, "UPSTREAM_TIMEOUT"), (200, f"{EVENT_STREAM} (cut)")),
+}
 
 
 @pytest.fixture(scope="module")
@@ -84,21 +126,35 @@ def test_documentIsValidOpenAPI31(document: dict[str, Any]) -> None:
 
 def test_everyRouteAndMethodIsDocumented(document: dict[str, Any]) -> None:
     """
-    The document's paths and methods are exactly the proxy's routes.
+    The document's paths and methods are exactly the routes of a proxy with
+    a providers file (D9: GET /v1/models exists only then); without one,
+    they are the same less /v1/models.
     """
     from twisted.internet.task import Clock
 
-    clock = Clock()
-    edge = ProxyEdge(
-        ProxyConfig(authGrpcAddr="auth.test:9091"),
-        FakeAuthClient(),
-        RedisRateLimiter(MemoryCounters(), clock, 60),
-        ProxyMetrics(),
-        clock,
+    def routesOf(providers: ProviderTable | None) -> dict[str, set[str]]:
+        clock = Clock()
+        edge = ProxyEdge(
+            ProxyConfig(authGrpcAddr="auth.test:9091", providers=providers),
+            FakeAuthClient(),
+            RedisRateLimiter(MemoryCounters(), clock, 60),
+            ProxyMetrics(),
+            clock,
+        )
+        return {route.template: {m.lower() for m in route.methods} for route in edge.routes}
+
+    provider = Provider("local", "http://127.0.0.1:8000/v1")
+    table = ProviderTable(
+        "providers.toml",
+        {provider.name: provider},
+        {"fast": Model("fast", provider, "llama-3.1-8b")},
+        loadedAt=0,
     )
-    routes = {route.template: {m.lower() for m in route.methods} for route in edge.routes}
     documented = {path: set(item) for path, item in document["paths"].items()}
-    assert documented == routes
+    assert documented == routesOf(table)
+    assert routesOf(None) == {
+        path: methods for path, methods in documented.items() if path != "/v1/models"
+    }
 
 
 def test_everyErrorCodeIsDocumented(document: dict[str, Any]) -> None:
@@ -106,51 +162,126 @@ def test_everyErrorCodeIsDocumented(document: dict[str, Any]) -> None:
     The envelope's code enum is every ErrorCode, the field error enum every
     FieldErrorCode, and every status an error code answers with appears in
     the document (404 and 405, which any path or method may get, in the
-    description).
+    description). UPSTREAM_REJECTED answers with the provider's own 4xx
+    (D9), so the chat routes document it under the range "4XX", which is
+    why status keys are not all integers.
     """
     schemas = document["components"]["schemas"]
     assert set(schemas["Error"]["properties"]["code"]["enum"]) == {code.value for code in ErrorCode}
     assert set(schemas["FieldError"]["properties"]["code"]["enum"]) == {
         code.value for code in FieldErrorCode
     }
-    statuses = {int(status) for _, _, status, _ in responsesOf(document)}
+    statuses = {int(status) for _, _, status, _ in responsesOf(document) if status.isdigit()}
     for code in ErrorCode:
         if code in (ErrorCode.NOT_FOUND, ErrorCode.METHOD_NOT_ALLOWED):
             assert f"{code.status} {code.value}" in document["info"]["description"]
         else:
             assert code.status in statuses, code
+    for path in CHAT_PATHS:
+        rejected = resolve(document, document["paths"][path]["post"]["responses"]["4XX"])
+        assert ErrorCode.UPSTREAM_REJECTED.value in rejected["description"], path
 
 
 def test_everyResponseHasTheStandardHeaders(document: dict[str, Any]) -> None:
     """
     Every documented response requires X-Request-ID, X-Trace-ID and
     X-Response-Time; protected routes' answers after the rate-limit step
-    document X-RateLimit-*, and a 429 requires them and Retry-After.
+    document X-RateLimit-*, and a 429 requires them and Retry-After, except
+    on the chat routes: there a 429 may also be UPSTREAM_RATE_LIMITED (D9),
+    which carries the provider's Retry-After only when it sent one, and
+    X-RateLimit-* only as any answer after the rate-limit step does, so
+    they are documented there without being required. A chat 200 requires
+    X-SVC-Upstream-Model.
     """
     for path, method, status, response in responsesOf(document):
         headers = response["headers"]
         for name in STANDARD_HEADERS:
             assert resolve(document, headers[name])["required"] is True, (path, method, status)
         protected = path.startswith(("/v1/", "/proxy/"))
-        if protected and status in ("200", "400", "429", "501"):
+        if protected and status in ("200", "400", "429", "4XX", "501", "502", "504"):
             assert set(RATE_LIMIT_HEADERS) <= set(headers), (path, status)
         if status == "429":
+            required = path not in CHAT_PATHS
             for name in (*RATE_LIMIT_HEADERS, "Retry-After"):
-                assert resolve(document, headers[name])["required"] is True
+                assert resolve(document, headers[name]).get("required", False) is required
+            if not required:
+                for code in (ErrorCode.RATE_LIMITED, ErrorCode.UPSTREAM_RATE_LIMITED):
+                    assert code.value in response["description"], (path, code)
+        if path in CHAT_PATHS and status == "200":
+            assert resolve(document, headers["X-SVC-Upstream-Model"])["required"] is True
 
 
 # Schemathesis against the real daemons.
 
 
+def exampleModels(document: dict[str, Any]) -> set[str]:
+    """
+    The models the document's chat request examples name: those
+    schemathesis sends in part of its positive cases.
+    """
+    chat = document["components"]["requestBodies"]["Chat"]["content"]["application/json"]
+    named = set(resolve(document, chat["schema"])["properties"]["model"]["examples"])
+    return named | {example["value"]["model"] for example in chat["examples"].values()}
+
+
+@pytest.fixture(scope="module")
+def liveUpstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ScriptedUpstream]:
+    """
+    The scripted OpenAI-compatible upstream the live gateway forwards to,
+    for the whole module.
+    """
+    upstream = ScriptedUpstream(tmp_path_factory.mktemp("upstream")).start()
+    yield upstream
+    upstream.stop()
+
+
+def providersFile(path: Path, upstream: ScriptedUpstream, echoModels: set[str]) -> Path:
+    """
+    A providers file offering C{echoModels} (answered normally) and
+    L{FAULT_MODELS} on C{upstream}.
+    """
+    lines = [
+        "[[providers]]",
+        'name = "scripted"',
+        f'base_url = "{upstream.baseURL}"',
+        'timeout = "10s"',
+        'idle_timeout = "10s"',
+        "[[providers]]",
+        'name = "stalling"',
+        f'base_url = "{upstream.baseURL}"',
+        'timeout = "100ms"',
+        'idle_timeout = "2s"',
+    ]
+    models = {name: "echo" for name in echoModels} | FAULT_MODELS
+    for name, script in models.items():
+        provider = "stalling" if name == STALLING_MODEL else "scripted"
+        lines += [
+            "[[models]]",
+            f'name = "{name}"',
+            f'provider = "{provider}"',
+            f'upstream_model = "{script}"',
+        ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 @pytest.fixture(scope="module")
 def liveGateway(
-    postgresServer: PostgresServer, tmp_path_factory: pytest.TempPathFactory
+    postgresServer: PostgresServer,
+    tmp_path_factory: pytest.TempPathFactory,
+    liveUpstream: ScriptedUpstream,
+    document: dict[str, Any],
 ) -> Iterator[Gateway]:
     # No rate limit in the way of the generated traffic, and a deadline
     # that a busy 2-core machine meets: this run looks for contract
     # violations, not for timeouts.
+    workdir = tmp_path_factory.mktemp("schemathesis")
+    providers = providersFile(workdir / "providers.toml", liveUpstream, exampleModels(document))
     with unlimitedGateway(
-        postgresServer, tmp_path_factory.mktemp("schemathesis"), SVC_AUTH_VALIDATE_TIMEOUT="2s"
+        postgresServer,
+        workdir,
+        SVC_AUTH_VALIDATE_TIMEOUT="2s",
+        SVC_PROVIDERS_FILE=str(providers),
     ) as running:
         yield running
 
@@ -171,6 +302,62 @@ def envelopeAndHeaders(ctx: Any, response: Any, case: Any) -> None:
         assert response.json()["error"]["request_id"] == requestID
 
 
+def _header(response: Any, name: str) -> str | None:
+    value = response.headers.get(name.lower())
+    if isinstance(value, list):
+        value = value[0]
+    return None if value is None else str(value)
+
+
+def _eventData(content: bytes) -> list[str]:
+    """
+    The data of each event of a server-sent event stream.
+    """
+    text = content.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+    events = []
+    for block in text.split("\n\n"):
+        lines = [
+            line[5:].removeprefix(" ") for line in block.split("\n") if line.startswith("data:")
+        ]
+        if lines:
+            events.append("\n".join(lines))
+    return events
+
+
+_ENVELOPE = Draft202012Validator(
+    {
+        "$ref": "#/components/schemas/ErrorEnvelope",
+        "components": yaml.safe_load(DOCUMENT.read_text())["components"],
+    }
+)
+
+
+@schemathesis.check
+def forwardedAnswers(ctx: Any, response: Any, case: Any) -> None:
+    """
+    A relayed chat answer (D9) names the model that answered, the one asked
+    for (the live gateway's models have no fallbacks); a stream ends either
+    with data: [DONE] or, cut by a fault, with one event holding the
+    gateway's envelope (the document's ErrorEnvelope, request_id equal to
+    X-Request-ID) and no [DONE].
+    """
+    if case.path not in CHAT_PATHS or response.status_code != 200:
+        return
+    assert _header(response, "X-SVC-Upstream-Model") == case.body["model"]
+    if not (_header(response, "Content-Type") or "").startswith(EVENT_STREAM):
+        return
+    events = _eventData(response.content)
+    assert events, "an empty stream"
+    if events[-1] == "[DONE]":
+        assert not any('"error"' in data and '"request_id"' in data for data in events[:-1])
+        return
+    assert "[DONE]" not in events, events
+    envelope = json.loads(events[-1])
+    _ENVELOPE.validate(envelope)
+    assert envelope["error"]["code"] in ("UPSTREAM_ERROR", "UPSTREAM_TIMEOUT"), envelope
+    assert envelope["error"]["request_id"] == _header(response, "X-Request-ID")
+
+
 CHECKS = [
     status_code_conformance,
     content_type_conformance,
@@ -179,10 +366,21 @@ CHECKS = [
     negative_data_rejection,
     missing_required_header,
     envelopeAndHeaders,
+    forwardedAnswers,
 ]
 
 
-def test_schemathesisFindsNothing(liveGateway: Gateway) -> None:
+def forwardedCase(case: Any, model: str, stream: bool) -> Any:
+    """
+    C{case}, a positive chat request, asking for C{model}, and for a stream
+    when C{stream} is set (else with the generated C{stream}, if any).
+    """
+    if isinstance(case.body, dict):
+        case.body = {**case.body, "model": model} | ({"stream": True} if stream else {})
+    return case
+
+
+def test_schemathesisFindsNothing(liveGateway: Gateway, document: dict[str, Any]) -> None:
     """
     Under a minute of schemathesis (2,500 cases, derandomized so that a
     failure reproduces) against the live proxy: positive and
@@ -190,6 +388,13 @@ def test_schemathesisFindsNothing(liveGateway: Gateway) -> None:
     that the protected routes are exercised past authentication, the path
     org being the token's own in part of them) and with generated
     credentials.
+
+    The proxy forwards to the scripted upstream (D9). Schemathesis sends
+    the document's request examples in part of the positive chat cases,
+    and their models are answered normally; more positive chat cases (any
+    body the document allows, unknown keys included, streamed in half of
+    them) ask for those models, so that relayed answers of both media
+    types and GET /v1/models are checked against the document.
     """
     schema = schemathesis.openapi.from_path(DOCUMENT)
     tenant = liveGateway.tenants["main"]
@@ -198,6 +403,17 @@ def test_schemathesisFindsNothing(liveGateway: Gateway) -> None:
         "X-SVC-Agent-ID": str(tenant.agentID),
     }
     ownOrg = {"org_id": str(tenant.orgID)}
+    forwarded = st.builds(
+        forwardedCase,
+        st.one_of(
+            *[
+                schema[path]["POST"].as_strategy(GenerationMode.POSITIVE, headers=credentials)
+                for path in CHAT_PATHS
+            ]
+        ),
+        st.sampled_from(sorted(exampleModels(document))),
+        st.booleans(),
+    )
     strategy = st.one_of(
         schema.as_strategy(GenerationMode.POSITIVE, headers=credentials),
         schema.as_strategy(GenerationMode.POSITIVE, headers=credentials, path_parameters=ownOrg),
@@ -209,9 +425,12 @@ def test_schemathesisFindsNothing(liveGateway: Gateway) -> None:
         ),
         schema.as_strategy(GenerationMode.POSITIVE),
         schema.as_strategy(GenerationMode.NEGATIVE),
+        forwarded,
     )
     baseURL = f"http://127.0.0.1:{liveGateway.port}"
     seen: dict[int, int] = {}
+    # (path, status, media type) of the answers of the D9 routes.
+    relayed: Counter[tuple[str, int, str]] = Counter()
 
     @settings(
         max_examples=2500,
@@ -228,13 +447,81 @@ def test_schemathesisFindsNothing(liveGateway: Gateway) -> None:
         checks = CHECKS if ours else [*CHECKS, ignored_auth]
         response = case.call_and_validate(base_url=baseURL, checks=checks, timeout=10)
         seen[response.status_code] = seen.get(response.status_code, 0) + 1
+        if case.path in (*CHAT_PATHS, "/v1/models"):
+            path = "chat" if case.path in CHAT_PATHS else case.path
+            relayed[path, response.status_code, mediaTypeOf(response)] += 1
 
     began = time.monotonic()
     run()
     print(f"\nschemathesis: {sum(seen.values())} calls in {time.monotonic() - began:.0f} s: {seen}")
+    print(f"D9 routes: {dict(sorted(relayed.items()))}")
     # The valid credentials reached past authentication: 200 probes and
     # 501 chat answers, as well as the refusals.
     assert {200, 400, 401, 403, 501} <= set(seen), seen
+    # Forwarded: relayed chat answers of both media types, and the models
+    # list. (Each upstream fault is checked by
+    # test_forwardedAnswersConformToTheDocument.)
+    for expected in (
+        ("chat", 200, "application/json"),
+        ("chat", 200, EVENT_STREAM),
+        ("/v1/models", 200, "application/json"),
+    ):
+        assert relayed[expected], (expected, relayed)
+
+
+def mediaTypeOf(response: Any) -> str:
+    """
+    The media type of C{response}, "(cut)" added to a stream that does not
+    end with [DONE].
+    """
+    mediaType = (_header(response, "Content-Type") or "").split(";")[0]
+    if mediaType == EVENT_STREAM and _eventData(response.content)[-1:] != ["[DONE]"]:
+        mediaType += " (cut)"
+    return mediaType
+
+
+def test_forwardedAnswersConformToTheDocument(
+    liveGateway: Gateway, document: dict[str, Any]
+) -> None:
+    """
+    Every answer D9 gives to a forwarded request, streamed or not, on both
+    chat routes, passes schemathesis's checks against the document: the
+    relayed answer and the relayed stream, the provider's 400 and 422
+    (UPSTREAM_REJECTED), its 429 with and without Retry-After
+    (UPSTREAM_RATE_LIMITED), its 500 and a cut answer (UPSTREAM_ERROR), a
+    stalled one (UPSTREAM_TIMEOUT), and streams ended by the gateway's error
+    event. The generated run above meets them by chance; this meets each
+    once for sure.
+    """
+    schema = schemathesis.openapi.from_path(DOCUMENT)
+    tenant = liveGateway.tenants["main"]
+    credentials = {
+        "Authorization": f"Bearer {tenant.token}",
+        "X-SVC-Agent-ID": str(tenant.agentID),
+    }
+    body = document["components"]["requestBodies"]["Chat"]["content"]["application/json"][
+        "examples"
+    ]["chat"]["value"]
+    expectations = {model: ECHO_ANSWERS for model in exampleModels(document)} | FAULT_ANSWERS
+    baseURL = f"http://127.0.0.1:{liveGateway.port}"
+    for path in CHAT_PATHS:
+        for model, answers in expectations.items():
+            for stream, (status, expected) in zip((False, True), answers, strict=True):
+                case = schema[path]["POST"].Case(
+                    headers=credentials,
+                    body={**body, "model": model, "stream": stream},
+                    media_type="application/json",
+                )
+                response = case.call_and_validate(base_url=baseURL, checks=CHECKS, timeout=10)
+                outcome = (path, model, stream)
+                assert response.status_code == status, (outcome, response.text)
+                if status == 200:
+                    assert mediaTypeOf(response) == expected, outcome
+                    continue
+                assert response.json()["error"]["code"] == expected, outcome
+                if model in ("limited", "limited-quietly"):
+                    retryAfter = "7" if model == "limited" else None
+                    assert _header(response, "Retry-After") == retryAfter, outcome
 
 
 def test_undocumentedMethodsAre405(liveGateway: Gateway, document: dict[str, Any]) -> None:
