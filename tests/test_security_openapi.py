@@ -145,9 +145,9 @@ def test_everyRouteAndMethodIsDocumented(document: dict[str, Any]) -> None:
 
     provider = Provider("local", "http://127.0.0.1:8000/v1")
     table = ProviderTable(
-        "providers.toml",
-        {provider.name: provider},
-        {"fast": Model("fast", provider, "llama-3.1-8b")},
+        providers={provider.name: provider},
+        models={"fast": Model("fast", provider, "llama-3.1-8b")},
+        path="providers.toml",
         loadedAt=0,
     )
     documented = {path: set(item) for path, item in document["paths"].items()}
