@@ -606,10 +606,14 @@ def _validateAll(auth: Daemon, tokens: list[str]) -> None:
             stub.ValidateToken(auth_pb2.ValidateTokenRequest(access_token=token), timeout=5)
 
 
-def validateTokenDirect(stack: Stack, duration: float, concurrency: int) -> float:
+def validateTokenDirect(stack: Stack, duration: float, concurrency: int) -> tuple[float, int]:
     """
     Cached ValidateToken calls per second against svc-auth, from this
-    process over one channel, C{concurrency} calls in flight.
+    process over one channel, C{concurrency} calls in flight, and how many
+    failed. Half svc-auth's per-connection bound (SVC_GRPC_MAX_CALLS_PER_PEER,
+    32) at most: a client that sends its next call the moment an answer
+    arrives can find the bound still held by the call just answered, and
+    is refused (decisions D10), which measures the bound, not the service.
     """
     port = stack.auth.environment["SVC_GRPC_PORT"]
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -618,9 +622,7 @@ def validateTokenDirect(stack: Stack, duration: float, concurrency: int) -> floa
         stub.ValidateToken(request, timeout=5)
         closedLoop(stub, stack.token, concurrency, 1.0)
         ok, errors, _ = closedLoop(stub, stack.token, concurrency, duration)
-    if errors:
-        raise RuntimeError(f"{errors} ValidateToken calls failed")
-    return ok / duration
+    return ok / duration, errors
 
 
 def cpuSeconds(pid: int) -> float:
@@ -775,7 +777,7 @@ def main() -> int:
                 for row in _FORWARDING
                 if row in rows
             }
-            validateRate = validateTokenDirect(stack, arguments.duration, 32)
+            validateRate, validateErrors = validateTokenDirect(stack, arguments.duration, 16)
 
     floors = {each["connections"]: each["rps"] for each in results if each["row"] == "floor"}
     header = (
@@ -818,7 +820,8 @@ def main() -> int:
                 f" {alone} p50 {latency[alone]['p50_ms']:.2f} ms: {what} {added:.2f} ms"
             )
     print(
-        f"svc-auth ValidateToken directly (cached token, 32 in flight): {validateRate:.0f} calls/s"
+        f"svc-auth ValidateToken directly (cached token, 16 in flight): {validateRate:.0f} calls/s,"
+        f" {validateErrors} failed"
     )
     if arguments.json:
         arguments.json.write_text(
@@ -827,6 +830,7 @@ def main() -> int:
                     "rows": results,
                     "one_connection": latency,
                     "validate_token_per_second": validateRate,
+                    "validate_token_errors": validateErrors,
                 },
                 indent=2,
             )

@@ -14,6 +14,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,8 @@ class Answer:
     status: int
     headers: dict[str, str]
     body: bytes
+    # The status line's reason phrase, when the answer was read with it.
+    reason: str | None = None
 
     def json(self) -> Any:
         return json.loads(self.body)
@@ -64,6 +67,7 @@ def request(
             response.status,
             {key.lower(): value for key, value in response.getheaders()},
             response.read(),
+            response.reason,
         )
     finally:
         connection.close()
@@ -88,6 +92,7 @@ def tooLarge(port: int, length: int) -> Answer:
             response.status,
             {key.lower(): value for key, value in response.getheaders()},
             response.read(),
+            response.reason,
         )
 
 
@@ -109,10 +114,13 @@ def chat(port: int, tenant: Tenant, **overrides: Any) -> Answer:
 
 def assertEnvelope(answer: Answer, status: int, code: str) -> None:
     """
-    An error answer: the status, the code, the envelope's fields, and the
-    headers every response carries.
+    An error answer: the status with its standard reason phrase (decisions
+    D10), the code, the envelope's fields, and the headers every response
+    carries.
     """
     assert answer.status == status, (answer.status, answer.body)
+    if answer.reason is not None:
+        assert answer.reason == HTTPStatus(status).phrase, answer.reason
     error = answer.json()["error"]
     assert error["code"] == code
     assert error["message"]

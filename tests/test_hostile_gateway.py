@@ -9,9 +9,11 @@ connection; never a 500, never a connection left hanging.
 
 from __future__ import annotations
 
+import re
 import socket
 import time
 from collections.abc import Iterator
+from http import HTTPStatus
 
 import pytest
 from test_gateway_e2e import (
@@ -160,20 +162,36 @@ def test_headerValuesAreNeverEchoed(gateway: Gateway) -> None:
 
 
 @pytest.mark.parametrize(
-    "attack",
+    ("attack", "status", "reason"),
     [
-        b"GET /health HTTP/1.1\r\nHost: g\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n",
-        b"GET /health HTTP/1.1\r\nHost: g\r\n"
-        + b"".join(b"X-%d: %s\r\n" % (n, b"a" * 100) for n in range(200))
-        + b"\r\n",
-        b"GET /health HTTP/1.1\r\nHost: g\r\n"
-        + b"".join(b"X-%d: a\r\n" % n for n in range(600))
-        + b"\r\n",
-        b"GET /" + b"a" * 20_000 + b" HTTP/1.1\r\nHost: g\r\n\r\n",
-        b"GET /health HTTP/1.1\r\nHost: g\r\nX-Nul: a\x00b\r\n\r\n",
-        b"GET /health HTTP/1.1\r\nHost: g\r\nBad Name: a\r\n\r\n",
-        b"GET /health HTTP/1.1\r\nHost: g\r\n\xff: a\r\n\r\n",
-        b"GET /health HTTP/9.9\r\nHost: g\r\n\r\n",
+        (
+            b"GET /health HTTP/1.1\r\nHost: g\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n",
+            431,
+            "headers_too_large",
+        ),
+        (
+            b"GET /health HTTP/1.1\r\nHost: g\r\n"
+            + b"".join(b"X-%d: %s\r\n" % (n, b"a" * 100) for n in range(200))
+            + b"\r\n",
+            431,
+            "headers_too_large",
+        ),
+        (
+            b"GET /health HTTP/1.1\r\nHost: g\r\n"
+            + b"".join(b"X-%d: a\r\n" % n for n in range(600))
+            + b"\r\n",
+            431,
+            "too_many_headers",
+        ),
+        (
+            b"GET /" + b"a" * 20_000 + b" HTTP/1.1\r\nHost: g\r\n\r\n",
+            414,
+            "request_line_too_long",
+        ),
+        (b"GET /health HTTP/1.1\r\nHost: g\r\nX-Nul: a\x00b\r\n\r\n", 400, "bad_header"),
+        (b"GET /health HTTP/1.1\r\nHost: g\r\nBad Name: a\r\n\r\n", 400, "bad_header"),
+        (b"GET /health HTTP/1.1\r\nHost: g\r\n\xff: a\r\n\r\n", 400, "bad_header"),
+        (b"GET /health HTTP/9.9\r\nHost: g\r\n\r\n", 400, "bad_request_line"),
     ],
     ids=[
         "long-line",
@@ -186,18 +204,32 @@ def test_headerValuesAreNeverEchoed(gateway: Gateway) -> None:
         "bad-version",
     ],
 )
-def test_malformedRequestsAreClosed(gateway: Gateway, attack: bytes) -> None:
+def test_malformedRequestsAreAnsweredAndCounted(
+    gateway: Gateway, attack: bytes, status: int, reason: str
+) -> None:
     """
-    Oversized or malformed request heads are refused before any route: a
-    bare 400 and a closed connection, or just a closed connection; never a
-    5xx, never a hang. (A head that never ends, such as a TLS hello sent to
-    the plaintext port, is cut off by the 30 s request deadline; see
-    test_hostile_http.py.)
+    Oversized or malformed request heads are refused before any route
+    (decisions D10): 414, 431 or 400 with its reason phrase, then a closed
+    connection; never a 5xx, never a hang; counted in
+    svc_proxy_protocol_errors_total under their reason. (A head that never
+    ends, such as a TLS hello sent to the plaintext port, is cut off by the
+    30 s request deadline; see test_hostile_http.py.)
     """
+    before = protocolErrors(gateway, reason)
     raw, took = exchange(gateway.port, attack)
     assert took < 5
-    if raw:
-        assert raw.startswith(b"HTTP/1.1 4"), raw[:100]
+    expected = f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n".encode()
+    assert raw.startswith(expected), raw[:100]
+    assert parsed(raw).headers["connection"] == "close"
+    assert protocolErrors(gateway, reason) == before + 1
+
+
+def protocolErrors(gateway: Gateway, reason: str) -> float:
+    _, page = gateway.proxy.get("/metrics")
+    pattern = rf'^svc_proxy_protocol_errors_total\{{reason="{reason}"\}} (\S+)$'
+    match = re.search(pattern, page.decode(), re.MULTILINE)
+    assert match is not None, f"no series for {reason}"
+    return float(match.group(1))
 
 
 def test_lyingContentLengths(gateway: Gateway) -> None:

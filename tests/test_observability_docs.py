@@ -85,6 +85,7 @@ def _auth() -> AuthConfig:
         ("SVC_AUTH_VALIDATE_TIMEOUT", lambda: _proxy().validateTimeout),
         ("SVC_RATE_LIMIT_DEFAULT_RPM", lambda: _proxy().defaultRPM),
         ("SVC_MAX_REQUEST_BODY_BYTES", lambda: _proxy().maxRequestBodyBytes),
+        ("SVC_MAX_BUFFERED_BODY_BYTES", lambda: _proxy().maxBufferedBodyBytes),
         ("SVC_REQUEST_ID_HEADER", lambda: _proxy().requestIDHeader),
         ("SVC_TRACE_ID_HEADER", lambda: _proxy().traceIDHeader),
         ("SVC_SHUTDOWN_TIMEOUT", lambda: _proxy().shutdownTimeout),

@@ -175,14 +175,11 @@ async def test_chunkedBodyCapped(running: Running, monkeypatch: pytest.MonkeyPat
         largest.append(0 if self._body.closed else len(self._body.getvalue()))
 
     monkeypatch.setattr(BodyLimitedRequest, "handleContentChunk", recording)
+    token, _, agentID = running.auth.addTenant()
     client = await running.connect()
     assert client.transport is not None
     client.transport.write(
-        requestHead(
-            "POST",
-            "/v1/chat/completions",
-            {"Content-Type": "application/json", "Transfer-Encoding": "chunked"},
-        )
+        chatHead(token, agentID, Content_Type="application/json", Transfer_Encoding="chunked")
     )
     chunk = b"x" * 300
     for _ in range(20):

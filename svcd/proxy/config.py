@@ -69,6 +69,8 @@ class ProxyConfig:
     authCacheTTL: float = 60.0
     authWrongSecretsPerSecond: int = 5
     maxRequestBodyBytes: int = 1024 * 1024
+    # Decisions D10: request bodies held across all connections.
+    maxBufferedBodyBytes: int = 256 * 1024 * 1024
     errorDocsBase: str | None = None
     requestIDHeader: str = "X-Request-ID"
     traceIDHeader: str = "X-Trace-ID"
@@ -116,6 +118,11 @@ class ProxyConfig:
                 _asciiDigits(environ, "SVC_MAX_REQUEST_BODY_BYTES"),
                 "SVC_MAX_REQUEST_BODY_BYTES",
                 1024 * 1024,
+            ),
+            maxBufferedBodyBytes=config.positiveInteger(
+                _asciiDigits(environ, "SVC_MAX_BUFFERED_BODY_BYTES"),
+                "SVC_MAX_BUFFERED_BODY_BYTES",
+                256 * 1024 * 1024,
             ),
             errorDocsBase=config.text(environ, "SVC_ERROR_DOCS_BASE", "") or None,
             requestIDHeader=_headerName(environ, "SVC_REQUEST_ID_HEADER", "X-Request-ID"),

@@ -495,6 +495,11 @@ class ProxyEdge:
         an L{ApiError} becomes its envelope, anything else a 500.
         """
         try:
+            refusal: ApiError | None = getattr(ctx.request, "bodyRefusal", None)
+            if refusal is not None:
+                # The site had no room left for this request's body and did
+                # not read it (decisions D10: 503 SERVICE_DEGRADED).
+                raise refusal
             pipeline = ctx.route.methods.get(ctx.method)
             if pipeline is None:
                 if not ctx.route.methods:
@@ -519,6 +524,20 @@ class ProxyEdge:
                 trace_id=ctx.traceID,
             )
             return self.errorReply(ctx, ApiError(ErrorCode.INTERNAL_ERROR))
+
+    def bodyWanted(self, request: Request) -> bool:
+        """
+        Whether the site should read C{request}'s body, from its headers
+        alone (decisions D10): only the chat route reads a body, and only
+        after the bearer token, so a request without an Authorization of
+        the token's shape is answered (413, 415, then 401, as its steps
+        order them) without its body ever being held.
+        """
+        try:
+            bearerToken(request)
+        except ApiError:
+            return False
+        return True
 
     def errorReply(self, ctx: RequestContext, error: ApiError) -> Reply:
         """

@@ -132,6 +132,15 @@ class ProxyMetrics:
             "1 while the rate limiter skips Redis after a failure (decisions D10), else 0",
             registry=self.registry,
         )
+        self.protocolErrors = Counter(
+            "svc_proxy_protocol_errors",
+            "Requests refused by the HTTP parser before the application (decisions D10),"
+            " by reason: request_line_too_long (414), headers_too_large and"
+            " too_many_headers (431), bad_request_line, bad_header, bad_length and"
+            " bad_chunk (400)",
+            ["reason"],
+            registry=self.registry,
+        )
         self.processUp = processUpGauge(self.registry)
         # Route templates, known methods and status codes: a small, bounded
         # set of children, looked up once each.

@@ -1,7 +1,7 @@
 """
 The Twisted Web site of svc-proxy: what a connection may cost the proxy.
 
-Four rules, each against a kind of hostile or broken client:
+Six rules, each against a kind of hostile or broken client:
 
   - A request body is never buffered past SVC_MAX_REQUEST_BODY_BYTES.
     Twisted's HTTP channel reads a whole body into C{request.content}
@@ -24,6 +24,22 @@ Four rules, each against a kind of hostile or broken client:
     The chat route's first step answers a marked request 413; the other
     routes read no body and are unaffected.
 
+  - Strangers' bodies are never held (decisions D10). Only the chat
+    route reads a body, and only for a bearer token; so a request whose
+    Authorization is missing or not of the token's shape
+    (C{bodyWanted}, from the edge) is handed to the resource as soon as
+    its headers are read, the same way as a refused body above: its
+    route answers from the headers alone (413 and 415 first, as the
+    spec orders them, then today's 401), and what the client still
+    sends is drained and thrown away.
+
+  - The bytes of request bodies held across all connections are capped
+    (C{maxBufferedBodyBytes}): a request's declared length is reserved
+    when its headers arrive (a chunked body's bytes as they come) and
+    given back when it is answered or its client goes away. A body that
+    would take the total past the cap is not read, and the request is
+    marked C{bodyRefusal}, which the edge answers 503 SERVICE_DEGRADED.
+
   - A connection that goes quiet is closed after C{timeout} seconds
     (Twisted's default is 12 hours), and a request must arrive whole,
     headers and body, within C{requestTimeout} seconds of the moment the
@@ -42,28 +58,58 @@ Four rules, each against a kind of hostile or broken client:
   - When the proxy answers before it has read what the client is still
     sending (a refused body, refused pipelined bytes), it closes only its
     sending side first and drains what arrives for up to
-    L{LINGER_SECONDS}: closing outright with unread bytes makes the kernel
-    send a reset, which can destroy the answer before the client reads it.
+    L{LINGER_SECONDS} and at most the body limit's worth of bytes, as
+    nginx's lingering close does: closing outright with unread bytes makes
+    the kernel send a reset, which can destroy the answer before the
+    client reads it.
+
+  - A request refused by the HTTP parser itself gets an answer before
+    its connection closes (decisions D10): 414 for a request line over
+    16 KiB, 431 for a header line over 16 KiB, a header block over
+    C{totalHeadersSize} or more than C{maxHeaders} headers, 400 for the
+    rest (a malformed request line or header, control bytes in a header,
+    conflicting or negative Content-Length, an unknown transfer coding, a
+    malformed chunk). Twisted closes some of these without a word and
+    answers the others a bare 400; L{ProtocolErrors} counts each by
+    reason and logs each reason at most once a minute, never with the
+    bytes received.
+
+Every status line carries its standard reason phrase (decisions D10):
+Twisted's table lacks some (429 would be "Unknown Status"), so
+L{BodyLimitedRequest.setResponseCode} takes them from L{http.HTTPStatus}.
 
 Parts of this lean on private attributes of L{HTTPChannel}
 (C{_handlingRequest}, C{_dataBuffer}, C{_transferDecoder},
-C{_networkProducer}, C{length}); tests/test_hostile_http.py and
-tests/test_proxy_site.py exercise each of them over real sockets.
+C{_networkProducer}, C{length}, C{__first_line}, C{_receivedHeaderSize},
+C{_receivedHeaderCount}, C{_respondToBadRequestAndDisconnect});
+tests/test_hostile_http.py, tests/test_proxy_site.py and
+tests/test_proxy_strangers.py exercise each of them over real sockets.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from http import HTTPStatus
 from io import BytesIO
 from typing import Any
 
+from prometheus_client import Counter
 from twisted.internet.error import ConnectionDone
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.http import HTTPChannel
+from twisted.web.http import RESPONSES, HTTPChannel
 from twisted.web.resource import IResource
 from twisted.web.server import Request, Site
 
+from svcd.common.clocks import Clock
+from svcd.common.errors import ApiError, ErrorCode
+
 DEFAULT_MAX_BODY_BYTES = 1024 * 1024
+
+# Decisions D10: SVC_MAX_BUFFERED_BODY_BYTES, the bytes of request bodies
+# held across all connections.
+DEFAULT_MAX_BUFFERED_BODY_BYTES = 256 * 1024 * 1024
 
 # A keep-alive connection with nothing to say for this long is closed.
 DEFAULT_IDLE_TIMEOUT = 30.0
@@ -77,18 +123,100 @@ DEFAULT_REQUEST_TIMEOUT = 30.0
 # connection is closed outright.
 LINGER_SECONDS = 2.0
 
+# Seconds between two log lines about refusals of one reason.
+PROTOCOL_ERROR_LOG_INTERVAL = 60.0
+
+# The reasons of svc_proxy_protocol_errors_total, a fixed set, with the
+# status each is answered (decisions D10).
+REFUSAL_STATUS: dict[str, int] = {
+    "request_line_too_long": 414,
+    "headers_too_large": 431,
+    "too_many_headers": 431,
+    "bad_request_line": 400,
+    "bad_header": 400,
+    "bad_length": 400,
+    "bad_chunk": 400,
+}
 
 _CLOSED = Failure(ConnectionDone())
+
+# Standard reason phrases: the standard library's table, which knows every
+# registered status (Twisted's lacks 429, 431 and others), then Twisted's.
+_REASON_PHRASES: dict[int, bytes] = {
+    **RESPONSES,
+    **{status.value: status.phrase.encode("ascii") for status in HTTPStatus},
+}
+
+
+def reasonPhrase(status: int) -> bytes:
+    """
+    The standard reason phrase of C{status}; empty (which HTTP/1.1 allows)
+    for a status no registry names, such as a provider's own 4xx.
+    """
+    return _REASON_PHRASES.get(status, b"")
 
 
 def _ignore(data: bytes) -> None:
     pass
 
 
+def _everyBody(request: Request) -> bool:
+    return True
+
+
+class ProtocolErrors:
+    """
+    Requests refused below the application, counted by reason in
+    C{svc_proxy_protocol_errors_total} and logged at most once per
+    C{interval} seconds per reason, with how many there were since the
+    last line: a flood of malformed requests must not become a flood of
+    log lines, and the bytes received are never logged.
+
+    @param counter: the labelled counter (label C{reason}), or L{None}.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        counter: Counter | None,
+        clock: Clock,
+        interval: float = PROTOCOL_ERROR_LOG_INTERVAL,
+    ) -> None:
+        self._clock = clock
+        self._interval = interval
+        self._children = {}
+        if counter is not None:
+            # Every series exists from the start, at 0.
+            self._children = {reason: counter.labels(reason) for reason in REFUSAL_STATUS}
+        self._lastLogged: dict[str, float] = {}
+        self._unlogged: dict[str, int] = {}
+
+    def refused(self, reason: str) -> None:
+        child = self._children.get(reason)
+        if child is not None:
+            child.inc()
+        count = self._unlogged.get(reason, 0) + 1
+        now = self._clock.seconds()
+        last = self._lastLogged.get(reason)
+        if last is not None and now - last < self._interval:
+            self._unlogged[reason] = count
+            return
+        self._lastLogged[reason] = now
+        self._unlogged[reason] = 0
+        self.log.info(
+            "Refused {count} request(s) before the application: {reason} ({status})",
+            reason=reason,
+            status=REFUSAL_STATUS[reason],
+            count=count,
+        )
+
+
 class ProxyChannel(HTTPChannel):
     """
-    An L{HTTPChannel} with a deadline per request, no pipelining, and a
-    lingering close after a refused body.
+    An L{HTTPChannel} with a deadline per request, no pipelining, a
+    lingering close after a refused body, and an answer to every request
+    its parser refuses.
 
     @ivar requestTimeout: seconds a request may take to arrive whole, or
         L{None} for no limit; set by L{ProxySite}.
@@ -96,11 +224,16 @@ class ProxyChannel(HTTPChannel):
 
     requestTimeout: float | None = DEFAULT_REQUEST_TIMEOUT
     callLater: Any
+    site: Any = None
 
     _readDeadline: IDelayedCall | None = None
     _lingerCall: IDelayedCall | None = None
     _lingerOnClose = False
     _lingering = False
+    _drained = 0
+    # Why the parser would refuse what it is reading now (REFUSAL_STATUS).
+    _refusalReason: str | None = None
+    _refused = False
 
     # The request deadline.
 
@@ -140,10 +273,84 @@ class ProxyChannel(HTTPChannel):
         if self.persistent and not self._handlingRequest and self.transport is not None:
             self._armReadDeadline()
 
+    # Refusals by the parser, answered and counted.
+
+    def dataReceived(self, data: bytes) -> None:
+        if self._lingering or self._refused:
+            self._drain(data)
+            return
+        super().dataReceived(data)
+
+    def lineReceived(self, line: bytes) -> None:
+        if self._refused:
+            return
+        # What HTTPChannel.lineReceived would refuse this line for; a header
+        # line is parsed when the next line arrives (it may continue), so
+        # headerReceived narrows the reason down.
+        if getattr(self, "_HTTPChannel__first_line", 0):
+            reason = "bad_request_line"
+        elif self._receivedHeaderSize + len(line) > self.totalHeadersSize:
+            reason = "headers_too_large"
+        else:
+            reason = "bad_header"
+        self._refusalReason = reason
+        try:
+            super().lineReceived(line)
+        finally:
+            self._refusalReason = None
+
+    def headerReceived(self, line: bytes) -> bool:
+        name = line.split(b":", 1)[0].strip().lower()
+        if name in (b"content-length", b"transfer-encoding"):
+            reason = "bad_length"
+        elif self._receivedHeaderCount >= self.maxHeaders:
+            reason = "too_many_headers"
+        else:
+            reason = "bad_header"
+        outer, self._refusalReason = self._refusalReason, reason
+        try:
+            ok: bool = super().headerReceived(line)
+            return ok
+        finally:
+            self._refusalReason = outer
+
+    def lineLengthExceeded(self, line: bytes) -> None:
+        # LineReceiver.MAX_LENGTH (16 KiB) without a line end.
+        if getattr(self, "_HTTPChannel__first_line", 0):
+            self._refuse("request_line_too_long")
+        else:
+            self._refuse("headers_too_large")
+
+    def _respondToBadRequestAndDisconnect(self) -> None:
+        self._refuse(self._refusalReason or "bad_header")
+
+    def _refuse(self, reason: str) -> None:
+        """
+        Answer a request the parser refused, then close after a lingering
+        drain, and count it.
+        """
+        if self._refused:
+            return
+        self._refused = True
+        status = REFUSAL_STATUS[reason]
+        transport: Any = self.transport
+        if transport is None:
+            return
+        transport.write(
+            b"HTTP/1.1 %d %s\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+            % (status, reasonPhrase(status))
+        )
+        site = self.site
+        if site is not None and site.protocolErrors is not None:
+            site.protocolErrors.refused(reason)
+        self.persistent = False
+        self._lingerOnClose = True
+        self.loseConnection()
+
     # No pipelining.
 
     def rawDataReceived(self, data: bytes) -> None:
-        if self._lingering:
+        if self._lingering or self._refused:
             return
         if self._handlingRequest:
             # The next request, before this one is answered: refused (see
@@ -151,7 +358,11 @@ class ProxyChannel(HTTPChannel):
             if data.strip(b"\r\n"):
                 self._closeAfterAnswer()
             return
-        super().rawDataReceived(data)
+        self._refusalReason = "bad_chunk"
+        try:
+            super().rawDataReceived(data)
+        finally:
+            self._refusalReason = None
 
     def _closeAfterAnswer(self) -> None:
         self.persistent = False
@@ -200,7 +411,18 @@ class ProxyChannel(HTTPChannel):
         transport.resumeProducing()
         self._lingerCall = self.callLater(LINGER_SECONDS, self._endLinger)
 
+    def _drain(self, data: bytes) -> None:
+        # What a refused client still sends is thrown away, up to the body
+        # limit's worth; past that, the connection is closed outright.
+        self._drained += len(data)
+        site = self.site
+        limit = getattr(site, "maxRequestBodyBytes", DEFAULT_MAX_BODY_BYTES)
+        if self._lingering and self._drained > limit:
+            self._endLinger()
+
     def _endLinger(self) -> None:
+        if self._lingerCall is not None and self._lingerCall.active():
+            self._lingerCall.cancel()
         self._lingerCall = None
         if self.transport is not None:
             self.transport.loseConnection()
@@ -215,45 +437,117 @@ class ProxyChannel(HTTPChannel):
 
 class BodyLimitedRequest(Request):
     """
-    A request that stops buffering its body past the site's limit and
-    marks itself C{bodyTooLarge}.
+    A request that holds its body only when its site wants it and has room
+    for it, never past the body limit, and that answers with standard
+    reason phrases.
+
+    @ivar bodyTooLarge: the body passes the body limit (413).
+    @ivar bodyRefusal: the error the edge answers without reading the
+        body, or L{None}.
     """
 
     bodyTooLarge = False
+    bodyRefusal: ApiError | None = None
     _bodyBytes = 0
+    _heldBytes = 0
+    _heldBy: ProxySite | None = None
+    _chunked = False
     _body: BytesIO
 
+    def _site(self) -> Any:
+        return getattr(self.channel, "site", None)
+
     def _limit(self) -> int:
-        site = getattr(self.channel, "site", None)
-        return int(getattr(site, "maxRequestBodyBytes", DEFAULT_MAX_BODY_BYTES))
+        return int(getattr(self._site(), "maxRequestBodyBytes", DEFAULT_MAX_BODY_BYTES))
+
+    def setResponseCode(self, code: int, message: bytes | None = None) -> None:
+        super().setResponseCode(code, reasonPhrase(code) if message is None else message)
 
     def gotLength(self, length: int | None) -> None:
         self.content = self._body = BytesIO()
+        if length == 0:
+            return
+        site = self._site()
         if length is not None and length > self._limit():
             self.bodyTooLarge = True
-            channel: Any = self.channel
-            # Private to HTTPChannel, but the only way to answer before the
-            # body: right after gotLength, a length of 0 makes the channel
-            # call allContentReceived and so process this request.
-            channel.length = 0
-            channel.persistent = False
-            if isinstance(channel, ProxyChannel):
-                channel._lingerOnClose = True
-            self.requestHeaders.removeHeader(b"expect")
-            self.responseHeaders.setRawHeaders(b"connection", [b"close"])
+            self._leaveBodyUnread()
+        elif not getattr(site, "bodyWanted", _everyBody)(self):
+            # A stranger's body (see the module docstring).
+            self._leaveBodyUnread()
+        elif isinstance(site, ProxySite) and not site.reserveBody(self, length or 0):
+            self.bodyRefusal = _heldBodiesFull()
+            self._leaveBodyUnread()
+        else:
+            self._chunked = length is None
+
+    def _leaveBodyUnread(self) -> None:
+        """
+        Have the channel hand this request to the resource right after its
+        headers, and close the connection after the answer.
+        """
+        channel: Any = self.channel
+        # Private to HTTPChannel, but the only way to answer before the
+        # body: right after gotLength, a length of 0 makes the channel
+        # call allContentReceived and so process this request.
+        channel.length = 0
+        channel.persistent = False
+        if isinstance(channel, ProxyChannel):
+            channel._lingerOnClose = True
+        # An Expect: 100-continue is left unanswered: the body is never
+        # asked for.
+        self.requestHeaders.removeHeader(b"expect")
+        self.responseHeaders.setRawHeaders(b"connection", [b"close"])
 
     def handleContentChunk(self, data: bytes) -> None:
-        if self.bodyTooLarge:
+        if self.bodyTooLarge or self.bodyRefusal is not None:
             return
         self._bodyBytes += len(data)
         if self._bodyBytes > self._limit():
             self.bodyTooLarge = True
-            self.content = self._body = BytesIO()
-            channel = self.channel
-            if isinstance(channel, ProxyChannel):
-                channel.stopReadingBody(self)
+            self._stopReading()
             return
+        site = self._site()
+        if self._chunked and isinstance(site, ProxySite):
+            if not site.reserveBody(self, len(data)):
+                self.bodyRefusal = _heldBodiesFull()
+                self._stopReading()
+                return
         self._body.write(data)
+
+    def _stopReading(self) -> None:
+        self.content = self._body = BytesIO()
+        self.releaseBody()
+        channel = self.channel
+        if isinstance(channel, ProxyChannel):
+            channel.stopReadingBody(self)
+
+    def holdBody(self, site: ProxySite, size: int) -> None:
+        self._heldBy = site
+        self._heldBytes += size
+
+    def releaseBody(self) -> None:
+        """
+        Give back what this request's body holds of its site's cap (at its
+        answer, when its client goes away, or when its body is dropped).
+        """
+        held, self._heldBytes = self._heldBytes, 0
+        if held and self._heldBy is not None:
+            self._heldBy.bufferedBodyBytes -= held
+
+    def _cleanup(self) -> None:
+        self.releaseBody()
+        super()._cleanup()
+
+    def connectionLost(self, reason: Failure) -> None:
+        super().connectionLost(reason)
+        self.releaseBody()
+
+
+def _heldBodiesFull() -> ApiError:
+    return ApiError(
+        ErrorCode.SERVICE_DEGRADED,
+        "The gateway holds too many request bodies; try again shortly.",
+    )
 
 
 class ProxySite(Site):
@@ -264,6 +558,12 @@ class ProxySite(Site):
 
     @param timeout: idle seconds after which a connection is closed.
     @param requestTimeout: seconds a request may take to arrive whole.
+    @param maxBufferedBodyBytes: the bytes of request bodies held across
+        all connections.
+    @param bodyWanted: whether a request's body is worth reading, from its
+        headers alone (the edge: a bearer of the token's shape); by
+        default every body is.
+    @param protocolErrors: counts and logs the parser's refusals.
     """
 
     requestFactory = BodyLimitedRequest
@@ -277,6 +577,9 @@ class ProxySite(Site):
         *,
         timeout: float | None = DEFAULT_IDLE_TIMEOUT,
         requestTimeout: float | None = DEFAULT_REQUEST_TIMEOUT,
+        maxBufferedBodyBytes: int = DEFAULT_MAX_BUFFERED_BODY_BYTES,
+        bodyWanted: Callable[[Request], bool] = _everyBody,
+        protocolErrors: ProtocolErrors | None = None,
     ) -> None:
         # parsePOSTFormSubmission=False (Twisted 25.5 and later): the proxy
         # reads JSON bodies only.
@@ -288,7 +591,25 @@ class ProxySite(Site):
         )
         self.maxRequestBodyBytes = maxRequestBodyBytes
         self.requestTimeout = requestTimeout
+        self.maxBufferedBodyBytes = maxBufferedBodyBytes
+        self.bufferedBodyBytes = 0
+        self.bodyWanted = bodyWanted
+        self.protocolErrors = protocolErrors
         self.noisy = False
+
+    def reserveBody(self, request: BodyLimitedRequest, size: int) -> bool:
+        """
+        Count C{size} more bytes held for C{request}'s body, unless that
+        would take the total past the cap. A chunked body (no length yet)
+        is admitted while the total is under the cap.
+        """
+        if size == 0:
+            return self.bufferedBodyBytes < self.maxBufferedBodyBytes
+        if self.bufferedBodyBytes + size > self.maxBufferedBodyBytes:
+            return False
+        self.bufferedBodyBytes += size
+        request.holdBody(self, size)
+        return True
 
     def buildProtocol(self, addr: Any) -> Any:
         channel = super().buildProtocol(addr)

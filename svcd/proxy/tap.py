@@ -38,7 +38,7 @@ from svcd.proxy.listening import listenEndpoint
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.ratelimit import makeRateLimiter
 from svcd.proxy.service import ClosableAuthClient, ProxyService
-from svcd.proxy.site import ProxySite
+from svcd.proxy.site import ProtocolErrors, ProxySite
 
 
 class Options(usage.Options):
@@ -139,7 +139,14 @@ def makeService(options: Options) -> LoggingRootService:
             reactor, reactor, tuple(config.providers.providers.values()), metrics, tracer
         )
     edge = ProxyEdge(config, auth, limiter, metrics, reactor, tracer, forwarder)
-    site = ProxySite(edge.resource(), config.maxRequestBodyBytes, reactor)
+    site = ProxySite(
+        edge.resource(),
+        config.maxRequestBodyBytes,
+        reactor,
+        maxBufferedBodyBytes=config.maxBufferedBodyBytes,
+        bodyWanted=edge.bodyWanted,
+        protocolErrors=ProtocolErrors(metrics.protocolErrors, reactor),
+    )
     ProxyService(
         listenEndpoint(reactor, config.host, config.port, config.reusePort),
         edge,

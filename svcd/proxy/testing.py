@@ -167,12 +167,20 @@ async def listeningProxy(
     from svcd.proxy.metrics import ProxyMetrics
     from svcd.proxy.ratelimit import RedisRateLimiter
     from svcd.proxy.service import ProxyService
-    from svcd.proxy.site import ProxySite
+    from svcd.proxy.site import ProtocolErrors, ProxySite
 
     config = ProxyConfig(authGrpcAddr="auth.test:9091", maxRequestBodyBytes=maxRequestBodyBytes)
     limiter = RedisRateLimiter(counters, reactor, config.defaultRPM)
-    edge = ProxyEdge(config, auth, limiter, ProxyMetrics(), reactor)
-    site = ProxySite(edge.resource(), maxRequestBodyBytes, reactor, **siteOptions)
+    metrics = ProxyMetrics()
+    edge = ProxyEdge(config, auth, limiter, metrics, reactor)
+    site = ProxySite(
+        edge.resource(),
+        maxRequestBodyBytes,
+        reactor,
+        bodyWanted=edge.bodyWanted,
+        protocolErrors=ProtocolErrors(metrics.protocolErrors, reactor),
+        **siteOptions,  # type: ignore[arg-type]
+    )
     service = ProxyService(
         TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1"),
         edge,
