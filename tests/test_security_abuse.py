@@ -35,13 +35,15 @@ from svcd.testing.waiting import waitUntil
 # wrong secrets for a real token svc-auth has not verified (each would be
 # a cold argon2 verification: the flood of the previous round, which
 # slowed valid traffic 3.8 times), wrong secrets for the valid token
-# svc-auth has cached, and unknown token ids. It floods in alternate
-# seconds (on during [start + 2k, start + 2k + 1)), paced, and stops by
-# itself after its duration.
+# svc-auth has cached, and unknown token ids; or, as a control, the valid
+# token. It floods in one second of every PERIOD (on during
+# [start + PERIOD k + phase, start + PERIOD k + phase + 1)), paced, and
+# stops by itself after its duration.
 FLOOD = r"""
 import json, os, selectors, socket, sys, time, uuid, secrets
-port, agent, valid, cached, cold, start, seconds, connections, rate = sys.argv[1:10]
+port, agent, valid, cached, cold, start, seconds, connections, rate, period, phase = sys.argv[1:12]
 start, seconds, connections, rate = float(start), float(seconds), int(connections), float(rate)
+period, phase = int(period), int(phase)
 body = b'{"model":"m","messages":[{"role":"user","content":"x"}]}'
 head = ("POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\n"
         "Content-Type: application/json\r\nX-SVC-Agent-ID: %s\r\n"
@@ -69,7 +71,7 @@ while True:
     now = time.time()
     # Send what is due, in the flooding seconds only, on idle connections.
     while due <= now and due < end and idle:
-        if int(due - start) % 2 == 0:
+        if int(due - start) % period == phase:
             n += 1
             sock = idle.pop()
             sock.sendall(head + bearer(n).encode() + b"\r\n\r\n" + body)
@@ -157,10 +159,20 @@ FLOOD_CONNECTIONS = 48
 EDGE = 0.15
 
 
-def flooding(gateway: Gateway, bearer: str, cached: Tenant, coldID: str, start: float) -> Any:
+# Seconds of each period: 0 quiet, 1 the bad bearers' flood, 2 the
+# control flood of a valid token. Interleaved, so that the three are
+# measured under the same background load, whatever else the machine does.
+PERIOD = 3
+BAD, CONTROL = 1, 2
+
+
+def flooding(
+    gateway: Gateway, bearer: str, cached: Tenant, coldID: str, start: float, phase: int
+) -> Any:
     """
-    Start the flood process: C{bearer} for every request, or bad tokens
-    when it is "-", in the even seconds from C{start} (Unix time).
+    Start a flood process: C{bearer} for every request, or bad tokens
+    when it is "-", in second C{phase} of every L{PERIOD} from C{start}
+    (Unix time).
     """
     return subprocess.Popen(
         [
@@ -173,35 +185,40 @@ def flooding(gateway: Gateway, bearer: str, cached: Tenant, coldID: str, start: 
             str(cached.tokenID),
             coldID,
             str(start),
-            str(2 * ROUNDS),
+            str(PERIOD * ROUNDS),
             str(FLOOD_CONNECTIONS),
             str(FLOOD_RATE),
+            str(PERIOD),
+            str(phase),
         ],
         stdout=subprocess.PIPE,
         text=True,
     )
 
 
-def alternating(gateway: Gateway, bearer: str, tenant: Tenant, coldID: str) -> Alternation:
+def interleaved(gateway: Gateway, tenant: Tenant, coldID: str) -> tuple[Alternation, Alternation]:
     """
-    Valid requests one after another while the flood runs in alternate
-    seconds; their latencies split into the quiet and the flooded seconds,
-    and the flood's own answers.
+    Valid requests one after another while the bad bearers' flood and the
+    control flood each run in their second of every period; the valid
+    requests' latencies split by second, and each flood's own answers.
     """
     start = time.time() + 1.0
-    flood = flooding(gateway, bearer, tenant, coldID, start)
+    floods = {
+        BAD: flooding(gateway, "-", tenant, coldID, start, BAD),
+        CONTROL: flooding(gateway, tenant.token, tenant, coldID, start, CONTROL),
+    }
     headers = {
         "Authorization": f"Bearer {tenant.token}",
         "X-SVC-Agent-ID": str(tenant.agentID),
         "Content-Type": "application/json",
     }
-    quiet: list[float] = []
-    loud: list[float] = []
+    bySecond: dict[int, list[float]] = {0: [], BAD: [], CONTROL: []}
+    counts: dict[int, dict[int, int]] = {}
     connection = http.client.HTTPConnection("127.0.0.1", gateway.port, timeout=5)
     try:
         while time.time() < start:
             time.sleep(0.01)
-        while (now := time.time()) < start + 2 * ROUNDS:
+        while (now := time.time()) < start + PERIOD * ROUNDS:
             began = time.perf_counter()
             connection.request("POST", "/v1/chat/completions", body=CHAT_BODY, headers=headers)
             response = connection.getresponse()
@@ -210,15 +227,21 @@ def alternating(gateway: Gateway, bearer: str, tenant: Tenant, coldID: str) -> A
             assert response.status == 501, response.status
             phase = now - start
             if EDGE < phase % 1.0 < 1.0 - EDGE:
-                (loud if int(phase) % 2 == 0 else quiet).append(took)
-        out, _ = flood.communicate(timeout=60)
+                bySecond[int(phase) % PERIOD].append(took)
+        for second, flood in floods.items():
+            out, _ = flood.communicate(timeout=60)
+            counts[second] = {int(status): count for status, count in json.loads(out).items()}
     finally:
         connection.close()
-        if flood.poll() is None:
-            flood.kill()
-            flood.wait()
-    counts = {int(status): count for status, count in json.loads(out).items()}
-    return Alternation(quiet, loud, counts)
+        for flood in floods.values():
+            if flood.poll() is None:
+                flood.kill()
+                flood.wait()
+    quiet = bySecond[0]
+    return (
+        Alternation(quiet, bySecond[BAD], counts[BAD]),
+        Alternation(quiet, bySecond[CONTROL], counts[CONTROL]),
+    )
 
 
 @attrs.frozen
@@ -264,11 +287,11 @@ def test_badTokenFloodDoesNotSlowValidTraffic(gateway: Gateway) -> None:
     Valid requests' median latency during 300 bad bearers a second (wrong
     secrets for a real token svc-auth has not verified, each a cold argon2
     verification without the proxy's failure budget; wrong secrets for a
-    cached token; unknown token ids), measured in alternate seconds against
-    the seconds without it, stays within 1.5 times (or, on a machine
+    cached token; unknown token ids), measured in its seconds against the
+    quiet seconds between, stays within 1.5 times (or, on a machine
     already saturated, within what a control flood of valid tokens at the
-    same rate costs); every bad bearer is refused 401 and no valid request
-    fails.
+    same rate, in seconds interleaved with it, costs); every
+    bad bearer is refused 401 and no valid request fails.
     """
     main = gateway.tenants["main"]
     cold, _ = issueToken(gateway.owner, orgID=main.orgID, permissions=1)
@@ -279,8 +302,7 @@ def test_badTokenFloodDoesNotSlowValidTraffic(gateway: Gateway) -> None:
     waitUntil(lambda: answeredFromMemory(gateway, main), limit=20.0, interval=0.1)
     latencies(gateway.port, main, 0.5)  # warm up
 
-    flooded = alternating(gateway, "-", main, coldID)
-    control = alternating(gateway, main.token, main, coldID)
+    flooded, control = interleaved(gateway, main, coldID)
     print(f"\nbad bearers: {flooded.describe()}\ncontrol, valid bearers: {control.describe()}")
     sent = sum(flooded.counts.values())
     assert sent > FLOOD_RATE * ROUNDS * 0.8, flooded.counts
@@ -291,7 +313,12 @@ def test_badTokenFloodDoesNotSlowValidTraffic(gateway: Gateway) -> None:
     # work, 300 extra requests a second of any kind slow valid traffic
     # past that: the control flood of valid tokens shows by how much, and
     # the bad bearers must then cost no more than it (the previous round's
-    # cold wrong secrets cost 3.8 times, far beyond any control).
+    # cold wrong secrets cost 3.8 times, far beyond any control). The two
+    # floods run in interleaved seconds, so that both meet the same
+    # background load: measured one after the other, with two busy loops
+    # beside the test, the load drifted between them enough to fail this
+    # (2.15 against a control of 1.52); interleaved, three runs under the
+    # same load gave 2.12 against 3.13, 2.10 against 2.41, 1.44 against 1.45.
     assert flooded.ratio <= max(1.5, 1.2 * control.ratio), (
         f"bad bearers: {flooded.describe()}; control: {control.describe()}"
     )
