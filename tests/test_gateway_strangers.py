@@ -17,9 +17,9 @@ import socket
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
+from test_gateway_cache import rssKiB
 from test_gateway_e2e import Gateway, unlimitedGateway
 
 from svcd.testing.servers import PostgresServer
@@ -41,13 +41,6 @@ def gateway(
         SVC_MAX_BUFFERED_BODY_BYTES=str(CAP_BYTES),
     ) as running:
         yield running
-
-
-def rssKiB(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmRSS")
 
 
 class Sender:
@@ -92,6 +85,15 @@ class Sender:
         else:
             self.readingDone = True
 
+    def handle(self, events: int) -> None:
+        """
+        Send or read as the selector says C{self.socket} is ready to.
+        """
+        if events & selectors.EVENT_WRITE and not self.sendingDone:
+            self.send()
+        if events & selectors.EVENT_READ and not self.readingDone:
+            self.receive()
+
     def status(self) -> tuple[int, str | None]:
         head, _, body = self.received.partition(b"\r\n\r\n")
         if not head:
@@ -121,10 +123,7 @@ def drive(senders: list[Sender], pid: int, limit: float = 300.0) -> int:
         assert time.monotonic() < deadline, "the connections did not finish in time"
         for key, events in selector.select(timeout=1):
             sender: Sender = key.data
-            if events & selectors.EVENT_WRITE and not sender.sendingDone:
-                sender.send()
-            if events & selectors.EVENT_READ and not sender.readingDone:
-                sender.receive()
+            sender.handle(events)
             if sender.readingDone and not sender.sendingDone:
                 # The proxy has closed its side and still reads: go on
                 # sending, without caring for more reads.
@@ -242,18 +241,13 @@ def test_bodiesOfTokenShapedBearersAreCapped(gateway: Gateway) -> None:
         assert time.monotonic() < deadline
         for key, events in selector.select(timeout=1):
             holder: Sender = key.data
-            if events & selectors.EVENT_WRITE and not holder.sendingDone:
-                holder.send()
-            if events & selectors.EVENT_READ and not holder.readingDone:
-                holder.receive()
+            holder.handle(events)
         peak = max(peak, rssKiB(pid))
     refusedBy = time.monotonic() + 10
     while sum(1 for holder in holders if holder.status()[0]) < 200 - CAP_BYTES // BODY_BYTES:
         assert time.monotonic() < refusedBy, "the refusals did not come"
         for key, events in selector.select(timeout=0.1):
-            holder = key.data
-            if events & selectors.EVENT_READ and not holder.readingDone:
-                holder.receive()
+            key.data.handle(events & selectors.EVENT_READ)
     peak = max(peak, rssKiB(pid))
     answers = collections.Counter(holder.status() for holder in holders)
     held = answers.pop((0, None), 0)

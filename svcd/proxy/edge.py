@@ -492,7 +492,9 @@ class ProxyEdge:
     async def router(self, ctx: RequestContext) -> Reply:
         """
         The innermost layer: the route's steps in order, then its handler;
-        an L{ApiError} becomes its envelope, anything else a 500.
+        an L{ApiError} becomes its envelope, anything else a 500. Before
+        them, for every route, the refusal the site made at the headers
+        when it had no room for the body (L{svcd.proxy.site}).
         """
         try:
             refusal: ApiError | None = getattr(ctx.request, "bodyRefusal", None)
