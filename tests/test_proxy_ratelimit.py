@@ -316,3 +316,154 @@ async def _get(stub: StubTreq, path: str, headers: dict[str, str]) -> tuple[Any,
     response = await _pumped(stub, stub.get("http://proxy.test" + path, headers=headers))
     content = await _pumped(stub, response.content())
     return response, content
+
+
+# Shared calls: hits of one key that come while its call is in flight.
+
+
+class CountingLink:
+    """
+    A real L{RedisLink} that also notes each call's number of hits.
+    """
+
+    def __init__(self, link: RedisLink) -> None:
+        self.link = link
+        self.calls: list[int] = []
+
+    @property
+    def connected(self) -> bool:
+        return self.link.connected
+
+    def increment(self, key: str, hits: int, ttl: int) -> Deferred[int]:
+        self.calls.append(hits)
+        return self.link.increment(key, hits, ttl)
+
+    def ping(self) -> Deferred[object]:
+        return self.link.ping()
+
+    def start(self) -> None:
+        self.link.start()
+
+    def stop(self) -> Deferred[None]:
+        return self.link.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_concurrentHitsShareCalls(redisURL: str, redisServer: RedisServer) -> None:
+    """
+    40 hits of one organization at once against a real Redis: the first is
+    sent alone, the 39 that came while it was in flight share the next
+    call; each hit still gets a count of its own (remaining 39 down to 0,
+    every value once, in the order the hits came) and Redis holds 40.
+    """
+    from twisted.internet import reactor
+
+    target = parseRedisURL(redisURL)
+    assert target is not None
+    link = CountingLink(RedisLink(reactor, target))
+    limiter = RedisRateLimiter(link, fakeClock(WINDOW + 1), 40)
+    limiter.start()
+    await waitFor(lambda: link.connected)
+    orgID = str(uuid.uuid4())
+    try:
+        pending = [Deferred.fromCoroutine(limiter.hit(orgID, None)) for _ in range(40)]
+        decisions = [await each for each in pending]
+        assert [d.remaining for d in decisions if d is not None] == list(range(39, -1, -1))
+        assert all(d is not None and d.allowed for d in decisions)
+        assert link.calls == [1, 39]
+        assert counter(redisServer, f"ratelimit:{orgID}:{WINDOW}") == 40
+        over = await limiter.hit(orgID, None)
+        assert over is not None and not over.allowed
+        assert link.calls == [1, 39, 1]
+    finally:
+        await limiter.stop()
+
+
+class HeldCounters:
+    """
+    Counters in memory whose calls are answered when the test says.
+    """
+
+    def __init__(self) -> None:
+        self.connected = True
+        self.calls: list[tuple[int, Deferred[int]]] = []
+        self.total = 0
+
+    def increment(self, key: str, hits: int, ttl: int) -> Deferred[int]:
+        call: Deferred[int] = Deferred()
+        self.calls.append((hits, call))
+        return call
+
+    def answer(self, index: int) -> None:
+        hits, call = self.calls[index]
+        self.total += hits
+        call.callback(self.total)
+
+
+def held() -> tuple[RedisRateLimiter, HeldCounters]:
+    counters = HeldCounters()
+    return RedisRateLimiter(counters, fakeClock(WINDOW), 60), counters  # type: ignore[arg-type]
+
+
+def hits(limiter: RedisRateLimiter, count: int) -> list[Deferred[RateDecision | None]]:
+    return [Deferred.fromCoroutine(limiter.hit("org", None)) for _ in range(count)]
+
+
+def remaining(pending: Deferred[RateDecision | None]) -> int | str:
+    outcome: list[Any] = []
+    pending.addBoth(outcome.append)
+    assert outcome, "still pending"
+    if isinstance(outcome[0], Failure):
+        return outcome[0].type.__name__
+    assert outcome[0] is not None
+    return int(outcome[0].remaining)
+
+
+def test_hitsWaitForTheCallInFlight() -> None:
+    """
+    Hits that come while a call is in flight wait for it and go in one
+    call; hits that come while that one is in flight go in the next. No
+    hit waits for more than the call before its own.
+    """
+    limiter, counters = held()
+    first = hits(limiter, 1)
+    second = hits(limiter, 3)
+    assert [hits for hits, _ in counters.calls] == [1]
+    counters.answer(0)
+    assert remaining(first[0]) == 59
+    assert [hits for hits, _ in counters.calls] == [1, 3]
+    third = hits(limiter, 2)
+    counters.answer(1)
+    assert [remaining(each) for each in second] == [58, 57, 56]
+    assert [hits for hits, _ in counters.calls] == [1, 3, 2]
+    counters.answer(2)
+    assert [remaining(each) for each in third] == [55, 54]
+    assert limiter._calls == {}
+
+
+def test_withdrawnHitsLeaveTheirPlace() -> None:
+    """
+    A waiting hit whose request is cancelled is not sent; a sent one keeps
+    its place in the count (the hits after it keep theirs); a call whose
+    hits all withdrew is cancelled, and the next hit is sent at once.
+    """
+    limiter, counters = held()
+    first = hits(limiter, 1)
+    waiting = hits(limiter, 3)
+    waiting[1].cancel()
+    assert remaining(waiting[1]) == "CancelledError"
+    counters.answer(0)
+    assert remaining(first[0]) == 59
+    assert [hits for hits, _ in counters.calls] == [1, 2]
+    waiting[0].cancel()
+    assert remaining(waiting[0]) == "CancelledError"
+    counters.answer(1)
+    assert remaining(waiting[2]) == 57
+    alone = hits(limiter, 1)
+    alone[0].cancel()
+    assert remaining(alone[0]) == "CancelledError"
+    assert counters.calls[2][1].called, "a call nobody waits for is cancelled"
+    nextHit = hits(limiter, 1)
+    assert [hits for hits, _ in counters.calls] == [1, 2, 1, 1]
+    counters.answer(3)
+    assert remaining(nextHit[0]) == 56

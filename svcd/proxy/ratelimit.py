@@ -3,21 +3,23 @@ The organization rate limit of spec section 8 and decisions D5: a fixed
 calendar-minute window per organization, counted in Redis under
 C{ratelimit:<org_id>:<window_start_unix_seconds>}.
 
-One round trip per request: a Lua script increments the counter and gives
-a fresh key its TTL atomically (txredisapi sends it with EVALSHA once the
-script is cached). The limiter fails open: with Redis unconfigured, down,
-or slower than its budget, the request goes on without X-RateLimit-*
-headers and a warning is logged. Failing open is also cheap (D10): after a
-counter call fails or misses its deadline, a circuit breaker
-(L{svcd.proxy.breaker}) skips Redis for one second, then lets one request
-try it, so a hung Redis costs one deadline per second instead of one per
-request.
+At most one round trip per request, and under load far fewer: a Lua
+script adds to the counter and gives a fresh key its TTL atomically
+(txredisapi sends it with EVALSHA once the script is cached), and the hits
+of one key that arrive while its call is in flight share the next call,
+which adds their number at once (see L{RedisRateLimiter}). The limiter
+fails open: with Redis unconfigured, down, or slower than its budget, the
+request goes on without X-RateLimit-* headers and a warning is logged.
+Failing open is also cheap (D10): after a counter call fails or misses its
+deadline, a circuit breaker (L{svcd.proxy.breaker}) skips Redis for one
+second, then lets one request try it, so a hung Redis costs one deadline
+per second instead of one per request.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import attrs
@@ -26,12 +28,13 @@ from twisted.internet.defer import CancelledError, Deferred, fail, succeed
 from twisted.internet.endpoints import HostnameEndpoint
 from twisted.internet.interfaces import IReactorTCP
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from svcd.common.clocks import Clock, asReactorTime
 from svcd.common.deferreds import timeoutDeferred
 from svcd.common.logthrottle import ThrottledWarning
 from svcd.common.readiness import CheckFailed
-from svcd.proxy.breaker import CircuitBreaker
+from svcd.proxy.breaker import CircuitBreaker, Permit
 from svcd.proxy.config import RedisTarget
 
 WINDOW_SECONDS = 60
@@ -39,11 +42,11 @@ WINDOW_SECONDS = 60
 # proxies sharing it; the window start in the key keeps windows apart.
 KEY_TTL_SECONDS = 2 * WINDOW_SECONDS
 
-# INCR, and EXPIRE when the key is new (or somehow lost its TTL), in one
-# atomic step.
+# INCRBY the number of hits, and EXPIRE when the key is new (or somehow
+# lost its TTL), in one atomic step. ARGV: the TTL, the number of hits.
 _INCREMENT_SCRIPT = """
-local count = redis.call('INCR', KEYS[1])
-if count == 1 or redis.call('TTL', KEYS[1]) < 0 then
+local count = redis.call('INCRBY', KEYS[1], ARGV[2])
+if count == tonumber(ARGV[2]) or redis.call('TTL', KEYS[1]) < 0 then
   redis.call('EXPIRE', KEYS[1], ARGV[1])
 end
 return count
@@ -119,7 +122,11 @@ class RedisCounters(Protocol):
     @property
     def connected(self) -> bool: ...
 
-    def increment(self, key: str, ttl: int) -> Deferred[int]: ...
+    def increment(self, key: str, hits: int, ttl: int) -> Deferred[int]:
+        """
+        Add C{hits} to the counter C{key} (giving a new key C{ttl}
+        seconds to live); fires with the count after them.
+        """
 
     def ping(self) -> Deferred[object]: ...
 
@@ -185,8 +192,8 @@ class RedisLink:
         done: Deferred[None] = factory.disconnect()
         return done
 
-    def increment(self, key: str, ttl: int) -> Deferred[int]:
-        result: Deferred[int] = self._factory.handler.eval(_INCREMENT_SCRIPT, [key], [ttl])
+    def increment(self, key: str, hits: int, ttl: int) -> Deferred[int]:
+        result: Deferred[int] = self._factory.handler.eval(_INCREMENT_SCRIPT, [key], [ttl, hits])
         return result
 
     def ping(self) -> Deferred[object]:
@@ -194,9 +201,31 @@ class RedisLink:
         return result
 
 
+@attrs.define(eq=False)
+class _KeyCalls:
+    """
+    The calls of one counter key: the hits counted by the call in flight,
+    in the order they came, and the hits that came since, which share the
+    next call.
+    """
+
+    sent: list[Deferred[int | None]] = attrs.Factory(list)
+    call: Deferred[int] | None = None
+    waiting: list[Deferred[int | None]] = attrs.Factory(list)
+
+
 class RedisRateLimiter:
     """
     The fixed-window limiter over Redis.
+
+    Hits of one key share calls: a hit sends its call at once when none of
+    its key is in flight; the hits that come while one is wait for it to
+    end and then go together in the next call, which adds their number to
+    the counter. Each gets the count it would have had alone: the call's
+    answer minus the hits that came after it. So a busy organization costs
+    Redis (and this process's Redis client, the dearer part) one round trip
+    per round-trip time instead of one per request, an idle one is counted
+    at once, and no hit waits for more than the call before its own.
 
     @param clock: the time source for windows, the timer of the Redis
         budget and the circuit breaker; tests pass a
@@ -228,6 +257,7 @@ class RedisRateLimiter:
         self._breaker = CircuitBreaker(clock, openSeconds)
         self._openSeconds = openSeconds
         self._circuitOpen = circuitOpen
+        self._calls: dict[str, _KeyCalls] = {}
 
     def limitFor(self, orgID: str) -> int:
         """
@@ -241,34 +271,9 @@ class RedisRateLimiter:
         if not self._counters.connected:
             self._unavailable.warn("Redis is not connected; rate limiting is off until it is back")
             return None
-        permit = self._breaker.permit()
-        if permit is None:
-            # The circuit is open: Redis failed less than a second ago, or
-            # another request is trying it now.
+        count = await self._count(f"ratelimit:{orgID}:{windowStart}")
+        if count is None:
             return None
-        key = f"ratelimit:{orgID}:{windowStart}"
-        try:
-            count = await timeoutDeferred(
-                self._counters.increment(key, KEY_TTL_SECONDS),
-                self._timeout,
-                asReactorTime(self._clock),
-            )
-        except CancelledError:
-            self._breaker.abandoned(permit)
-            raise
-        except Exception as error:
-            if self._breaker.failed(permit):
-                self._setCircuitOpen(True)
-                self.log.warn(
-                    "Redis rate-limit counter failed ({error_type}); requests go on without"
-                    " rate limits, Redis is skipped for {open_seconds} s, then tried again",
-                    error_type=type(error).__name__,
-                    open_seconds=self._openSeconds,
-                )
-            return None
-        if self._breaker.succeeded(permit):
-            self._setCircuitOpen(False)
-            self.log.info("Redis rate-limit counter answers again; rate limiting resumed")
         limit = self.limitFor(orgID)
         reset = windowStart + WINDOW_SECONDS
         return RateDecision(
@@ -278,6 +283,116 @@ class RedisRateLimiter:
             reset=reset,
             retryAfter=max(1, math.ceil(reset - now)),
         )
+
+    # Shared calls (see the class docstring).
+
+    def _count(self, key: str) -> Deferred[int | None]:
+        """
+        This hit's count in C{key}, or None when Redis is skipped or fails
+        (fail open).
+        """
+        calls = self._calls.get(key)
+        if calls is None:
+            calls = self._calls[key] = _KeyCalls()
+        counted: Deferred[int | None] = Deferred(lambda withdrawn: self._withdraw(calls, withdrawn))
+        if calls.call is None:
+            calls.waiting.append(counted)
+            self._send(key, calls)
+        elif self._breaker.isOpen:
+            # The call in flight is the half-open circuit's one trial: the
+            # others skip Redis meanwhile.
+            counted.callback(None)
+        else:
+            calls.waiting.append(counted)
+        return counted
+
+    def _send(self, key: str, calls: _KeyCalls) -> None:
+        hits, calls.waiting = calls.waiting, []
+        permit = self._breaker.permit()
+        if permit is None:
+            # The circuit is open: Redis failed less than a second ago, or
+            # a trial is finding out whether it is back.
+            self._forget(key, calls)
+            _fire(hits, lambda _: None)
+            return
+        calls.sent = hits
+        call = calls.call = timeoutDeferred(
+            self._counters.increment(key, len(hits), KEY_TTL_SECONDS),
+            self._timeout,
+            asReactorTime(self._clock),
+        )
+        call.addCallbacks(
+            self._counted,
+            self._failed,
+            callbackArgs=(key, calls, permit, hits),
+            errbackArgs=(key, calls, permit, hits),
+        )
+
+    def _counted(
+        self,
+        total: int,
+        key: str,
+        calls: _KeyCalls,
+        permit: Permit,
+        hits: list[Deferred[int | None]],
+    ) -> None:
+        calls.call = None
+        if self._breaker.succeeded(permit):
+            self._setCircuitOpen(False)
+            self.log.info("Redis rate-limit counter answers again; rate limiting resumed")
+        self._next(key, calls)
+        first = total - len(hits) + 1
+        _fire(hits, lambda index: first + index)
+
+    def _failed(
+        self,
+        failure: Failure,
+        key: str,
+        calls: _KeyCalls,
+        permit: Permit,
+        hits: list[Deferred[int | None]],
+    ) -> None:
+        calls.call = None
+        if failure.check(CancelledError):
+            # Every hit it counted was withdrawn (their clients went away).
+            self._breaker.abandoned(permit)
+        elif self._breaker.failed(permit):
+            self._setCircuitOpen(True)
+            self.log.warn(
+                "Redis rate-limit counter failed ({error_type}); requests go on without"
+                " rate limits, Redis is skipped for {open_seconds} s, then tried again",
+                error_type=type(failure.value).__name__,
+                open_seconds=self._openSeconds,
+            )
+        self._next(key, calls)
+        _fire(hits, lambda _: None)
+
+    def _next(self, key: str, calls: _KeyCalls) -> None:
+        if calls.waiting:
+            self._send(key, calls)
+        else:
+            self._forget(key, calls)
+
+    def _forget(self, key: str, calls: _KeyCalls) -> None:
+        if calls.call is None and not calls.waiting and self._calls.get(key) is calls:
+            del self._calls[key]
+
+    def _withdraw(self, calls: _KeyCalls, hit: Deferred[int | None]) -> None:
+        """
+        A hit's request was cancelled: it leaves the hits waiting, or, once
+        sent, stays counted (its place in the call's count is taken); a
+        call every hit of which has withdrawn is cancelled.
+        """
+        if hit in calls.waiting:
+            calls.waiting.remove(hit)
+            return
+        if hit in calls.sent:
+            # Its place stays (the counts of the hits after it depend on
+            # it), taken by a hit already answered, so that the call's
+            # outcome does not fire this one, which Deferred.cancel fails.
+            calls.sent[calls.sent.index(hit)] = _WITHDRAWN
+            if calls.call is not None and all(other.called for other in calls.sent):
+                calls.call.cancel()
 
     def _setCircuitOpen(self, isOpen: bool) -> None:
         if self._circuitOpen is not None:
@@ -298,6 +413,16 @@ class RedisRateLimiter:
 
     def stop(self) -> Deferred[None]:
         return self._counters.stop()
+
+
+# Stands in for a hit withdrawn after its call was sent.
+_WITHDRAWN: Deferred[int | None] = succeed(None)
+
+
+def _fire(hits: list[Deferred[int | None]], count: Callable[[int], int | None]) -> None:
+    for index, hit in enumerate(hits):
+        if not hit.called:
+            hit.callback(count(index))
 
 
 class DisabledRateLimiter:

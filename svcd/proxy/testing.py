@@ -122,15 +122,18 @@ class MemoryCounters:
     failure: Exception | None = None
     # When set, what increment returns (to hold a reply back).
     reply: Deferred[int] | None = None
+    # Each call's key and number of hits, in order.
+    calls: list[tuple[str, int]] = attrs.field(factory=list)
     started: bool = False
     stopped: bool = False
 
-    def increment(self, key: str, ttl: int) -> Deferred[int]:
+    def increment(self, key: str, hits: int, ttl: int) -> Deferred[int]:
         if self.reply is not None:
             return self.reply
         if self.failure is not None:
             return fail(self.failure)
-        self.counts[key] = self.counts.get(key, 0) + 1
+        self.calls.append((key, hits))
+        self.counts[key] = self.counts.get(key, 0) + hits
         self.ttls.setdefault(key, ttl)
         return succeed(self.counts[key])
 
