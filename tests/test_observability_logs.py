@@ -523,3 +523,37 @@ def test_timestampAcrossSeconds() -> None:
     assert _timestamp({"log_time": 1700000000.9999}) == "2023-11-14T22:13:20.999Z"
     assert _timestamp({"log_time": 1700000001.0}) == "2023-11-14T22:13:21.000Z"
     assert _timestamp({"log_time": 1600000000.5}) == "2020-09-13T12:26:40.500Z"
+
+
+@pytest.mark.parametrize("level", list(LogLevel.iterconstants()))
+def test_levelFilterAgreesWithTwisted(level: LogLevel) -> None:
+    """
+    L{LevelFilter} passes on exactly the events Twisted's
+    FilteringLogObserver with a LogLevelFilterPredicate of the same level
+    would: every level, nested and empty namespaces, and events without a
+    level or a namespace.
+    """
+    from twisted.logger import FilteringLogObserver, LogLevelFilterPredicate
+
+    from svcd.common.logs import LevelFilter
+
+    ours: list[dict[str, Any]] = []
+    twisteds: list[dict[str, Any]] = []
+    mine = LevelFilter(ours.append, level)
+    reference = FilteringLogObserver(
+        twisteds.append, [LogLevelFilterPredicate(defaultLogLevel=level)]
+    )
+    events: list[dict[str, Any]] = [
+        {"log_level": eventLevel, "log_namespace": namespace, "n": index}
+        for index, (eventLevel, namespace) in enumerate(
+            (eventLevel, namespace)
+            for eventLevel in [*LogLevel.iterconstants(), None]
+            for namespace in ("svcd.proxy.edge.ProxyEdge", "x", "", None)
+        )
+    ]
+    events.append({"n": -1})
+    for event in events:
+        mine(dict(event))
+        reference(dict(event))
+    assert [event["n"] for event in ours] == [event["n"] for event in twisteds]
+    assert ours, "some events pass at every level"

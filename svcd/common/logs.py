@@ -42,14 +42,7 @@ from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.error import CannotListenError
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
-from twisted.logger import (
-    FilteringLogObserver,
-    ILogObserver,
-    Logger,
-    LogLevel,
-    LogLevelFilterPredicate,
-    formatEvent,
-)
+from twisted.logger import ILogObserver, Logger, LogLevel, formatEvent
 from twisted.python import logfile
 from twisted.python.components import Componentized
 from zope.interface import implementer
@@ -88,8 +81,12 @@ REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 )
 
 
+# Values written as they are; anything else as its str().
+_PLAIN = frozenset({str, int, float, bool, type(None)})
+
+
 def _jsonable(value: object) -> object:
-    if value is None or isinstance(value, (str, int, float, bool)):
+    if type(value) in _PLAIN or isinstance(value, (str, int, float)):
         return value
     return str(value)
 
@@ -101,9 +98,9 @@ def eventFields(event: Mapping[str, Any]) -> dict[str, object]:
     whose context it was logged, when the event does not name them.
     """
     fields = {
-        key: _jsonable(value)
+        key: value if type(value) in _PLAIN else _jsonable(value)
         for key, value in event.items()
-        if not key.startswith("log_") and key not in _HIDDEN_KEYS
+        if key[:4] != "log_" and key not in _HIDDEN_KEYS
     }
     if "request_id" not in fields:
         requestID = REQUEST_ID.get()
@@ -187,6 +184,13 @@ class _MessageFormats:
 
 _message = _MessageFormats()
 
+# One encoder for every line (json.dumps with options makes a new one each
+# call).
+_LINE_ENCODER = json.JSONEncoder(separators=(",", ":"), default=str)
+
+# Lines written out at once rather than with the next batch.
+_FLUSHED_LEVELS = frozenset({LogLevel.warn, LogLevel.error, LogLevel.critical})
+
 
 @implementer(ILogObserver)
 class JSONLinesObserver:
@@ -219,10 +223,10 @@ class JSONLinesObserver:
         failure = event.get("log_failure")
         if failure is not None:
             record["exception"] = failure.getTraceback()
-        line = json.dumps(record, separators=(",", ":"), default=str) + "\n"
+        line = _LINE_ENCODER.encode(record) + "\n"
         with self._lock:
             self._outFile.write(line)
-            if level >= LogLevel.warn:
+            if level in _FLUSHED_LEVELS:
                 self._outFile.flush()
 
 
@@ -251,7 +255,7 @@ class TextLinesObserver:
             line += "\n" + failure.getTraceback()
         with self._lock:
             self._outFile.write(line + "\n")
-            if level >= LogLevel.warn:
+            if level in _FLUSHED_LEVELS:
                 self._outFile.flush()
 
 
@@ -339,7 +343,28 @@ def makeObserver(
         inner = JSONLinesObserver(outFile, service)
     else:
         inner = TextLinesObserver(outFile)
-    return FilteringLogObserver(inner, [LogLevelFilterPredicate(defaultLogLevel=level)])
+    return LevelFilter(inner, level)
+
+
+@implementer(ILogObserver)
+class LevelFilter:
+    """
+    Pass on the events of C{level} and above: what Twisted's
+    C{FilteringLogObserver} with a C{LogLevelFilterPredicate} of one level
+    for every namespace does (an event without a level or a namespace is
+    dropped too), decided by one set lookup. That pair compared log levels
+    through C{constantly}'s ordering and walked the namespace's segments for
+    every event, about a sixth of the cost of a logged line, and as much
+    again for each line filtered out (the DEBUG ones at INFO).
+    """
+
+    def __init__(self, observer: ILogObserver, level: LogLevel) -> None:
+        self._observer = observer
+        self._admitted = frozenset(each for each in LogLevel.iterconstants() if each >= level)
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        if event.get("log_level") in self._admitted and event.get("log_namespace"):
+            self._observer(event)
 
 
 def daemonLogWriter(twistdOptions: Mapping[str, Any] | None) -> LineWriter:

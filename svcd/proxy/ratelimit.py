@@ -258,6 +258,9 @@ class RedisRateLimiter:
         self._openSeconds = openSeconds
         self._circuitOpen = circuitOpen
         self._calls: dict[str, _KeyCalls] = {}
+        # A change of the circuit, to be logged by the first request to
+        # resume (in its context: the line then carries its request_id).
+        self._news: tuple[str, str] | None = None
 
     def limitFor(self, orgID: str) -> int:
         """
@@ -272,6 +275,8 @@ class RedisRateLimiter:
             self._unavailable.warn("Redis is not connected; rate limiting is off until it is back")
             return None
         count = await self._count(f"ratelimit:{orgID}:{windowStart}")
+        if self._news is not None:
+            self._announce(self._news)
         if count is None:
             return None
         limit = self.limitFor(orgID)
@@ -339,7 +344,7 @@ class RedisRateLimiter:
         calls.call = None
         if self._breaker.succeeded(permit):
             self._setCircuitOpen(False)
-            self.log.info("Redis rate-limit counter answers again; rate limiting resumed")
+            self._news = ("closed", "")
         self._next(key, calls)
         first = total - len(hits) + 1
         _fire(hits, lambda index: first + index)
@@ -358,14 +363,22 @@ class RedisRateLimiter:
             self._breaker.abandoned(permit)
         elif self._breaker.failed(permit):
             self._setCircuitOpen(True)
+            self._news = ("opened", type(failure.value).__name__)
+        self._next(key, calls)
+        _fire(hits, lambda _: None)
+
+    def _announce(self, news: tuple[str, str]) -> None:
+        self._news = None
+        change, errorType = news
+        if change == "closed":
+            self.log.info("Redis rate-limit counter answers again; rate limiting resumed")
+        else:
             self.log.warn(
                 "Redis rate-limit counter failed ({error_type}); requests go on without"
                 " rate limits, Redis is skipped for {open_seconds} s, then tried again",
-                error_type=type(failure.value).__name__,
+                error_type=errorType,
                 open_seconds=self._openSeconds,
             )
-        self._next(key, calls)
-        _fire(hits, lambda _: None)
 
     def _next(self, key: str, calls: _KeyCalls) -> None:
         if calls.waiting:

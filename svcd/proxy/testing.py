@@ -11,6 +11,7 @@ from typing import Any
 
 import attrs
 from twisted.internet.defer import Deferred, fail, succeed
+from twisted.python.failure import Failure
 
 from svcd.common.errors import ApiError, ErrorCode
 from svcd.common.pat import formatToken, newSecret
@@ -109,6 +110,35 @@ class FakeAuthClient:
         self.closed = True
 
 
+class _HeldAnswers:
+    """
+    The calls answered by one held reply (L{MemoryCounters.reply}).
+    """
+
+    def __init__(self) -> None:
+        self._answers: list[Deferred[int]] = []
+        self._outcome: list[int | Failure] = []
+
+    def add(self, answer: Deferred[int]) -> Deferred[int]:
+        self._answers.append(answer)
+        if self._outcome:
+            self._deliver(answer, self._outcome[0])
+        return answer
+
+    def fire(self, outcome: int | Failure) -> None:
+        self._outcome.append(outcome)
+        for answer in self._answers:
+            self._deliver(answer, outcome)
+
+    def _deliver(self, answer: Deferred[int], outcome: int | Failure) -> None:
+        if answer.called:
+            return
+        if isinstance(outcome, Failure):
+            answer.errback(outcome)
+        else:
+            answer.callback(outcome)
+
+
 @attrs.define
 class MemoryCounters:
     """
@@ -124,18 +154,31 @@ class MemoryCounters:
     reply: Deferred[int] | None = None
     # Each call's key and number of hits, in order.
     calls: list[tuple[str, int]] = attrs.field(factory=list)
+    _held: dict[Deferred[int], _HeldAnswers] = attrs.field(factory=dict, init=False, repr=False)
     started: bool = False
     stopped: bool = False
 
     def increment(self, key: str, hits: int, ttl: int) -> Deferred[int]:
         if self.reply is not None:
-            return self.reply
+            return self._heldAnswer(self.reply)
         if self.failure is not None:
             return fail(self.failure)
         self.calls.append((key, hits))
         self.counts[key] = self.counts.get(key, 0) + hits
         self.ttls.setdefault(key, ttl)
         return succeed(self.counts[key])
+
+    def _heldAnswer(self, held: Deferred[int]) -> Deferred[int]:
+        """
+        A Deferred of its own for each call, answered as C{held} is: one
+        Deferred handed to several callers would hand each the result the
+        callbacks of the one before left.
+        """
+        answers = self._held.get(held)
+        if answers is None:
+            answers = self._held[held] = _HeldAnswers()
+            held.addBoth(answers.fire)
+        return answers.add(Deferred())
 
     def ping(self) -> Deferred[object]:
         if not self.connected:
