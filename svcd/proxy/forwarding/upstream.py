@@ -73,7 +73,7 @@ from svcd.common.clocks import Clock, asReactorTime
 from svcd.common.deferreds import timeoutDeferred
 from svcd.common.errors import ApiError, ErrorCode
 from svcd.common.tracing import traceparentOf
-from svcd.proxy.forwarding.http1 import ConnectionPool, UpstreamAnswer
+from svcd.proxy.forwarding.http1 import BadAnswer, ConnectionPool, UpstreamAnswer
 from svcd.proxy.forwarding.providers import Model, Provider
 from svcd.proxy.forwarding.relay import BodyReader, StreamFault, StreamRelay, Usage, usageOf
 from svcd.proxy.metrics import ProxyMetrics
@@ -451,6 +451,8 @@ class _Link:
                 # deadline passed): not the provider's fault, and no
                 # fallback may follow it.
                 return failure
+            if failure.check(BadAnswer):
+                raise _broken("invalid") from None
             raise _broken("connect_error") from None
 
         return sending.addErrback(failed)
