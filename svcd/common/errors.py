@@ -165,13 +165,24 @@ def validationError(fieldErrors: Sequence[FieldError]) -> ApiError:
     return ApiError(ErrorCode.VALIDATION_ERROR, fieldErrors=fieldErrors)
 
 
+# The last whole second rfc3339 formatted, and its text: an envelope is made
+# for most answers, and strftime is the dearest part of one.
+_lastSecond: tuple[datetime.datetime | None, str] = (None, "")
+
+
 def rfc3339(moment: datetime.datetime) -> str:
     """
     Format an aware datetime as RFC 3339 UTC with millisecond precision and
     a C{Z} suffix.
     """
+    global _lastSecond
     utc = moment.astimezone(datetime.UTC)
-    return utc.strftime("%Y-%m-%dT%H:%M:%S.") + f"{utc.microsecond // 1000:03d}Z"
+    second = utc.replace(microsecond=0)
+    cached, text = _lastSecond
+    if second != cached:
+        text = utc.strftime("%Y-%m-%dT%H:%M:%S.")
+        _lastSecond = (second, text)
+    return f"{text}{utc.microsecond // 1000:03d}Z"
 
 
 def envelope(

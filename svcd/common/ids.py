@@ -35,6 +35,32 @@ def uuid7(nowMilliseconds: int | None = None) -> uuid.UUID:
     return uuid.UUID(int=value)
 
 
+def uuid7Text(nowMilliseconds: int | None = None) -> str:
+    """
+    L{uuid7} in its canonical text form, formatted directly: a request id
+    is made for every request, and going through L{uuid.UUID} cost three
+    times as much.
+    """
+    if nowMilliseconds is None:
+        nowMilliseconds = time.time_ns() // 1_000_000
+    random = int.from_bytes(os.urandom(10), "big")
+    # 48 bits of time, version 7, 12 random bits; variant 10, 62 random bits.
+    high = (nowMilliseconds & 0xFFFF_FFFF_FFFF) << 16 | 0x7000 | (random >> 68) & 0xFFF
+    low = 0x8000_0000_0000_0000 | random & 0x3FFF_FFFF_FFFF_FFFF
+    text = f"{high:016x}{low:016x}"
+    return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
+
+
+def canonicalUUID(text: str) -> str | None:
+    """
+    The lower-case canonical spelling of C{text} when it is a UUID in the
+    form L{parseUUID} accepts, else None; without making a L{uuid.UUID}.
+    """
+    if len(text) != 36 or _CANONICAL.fullmatch(text) is None:
+        return None
+    return text.lower()
+
+
 def parseUUID(text: str) -> uuid.UUID | None:
     """
     Parse the canonical 36-character form (8-4-4-4-12 hex digits) and

@@ -13,7 +13,7 @@ import uuid
 
 import attrs
 
-from svcd.common.ids import parseUUID
+from svcd.common.ids import canonicalUUID
 
 PREFIX = "svc_pat_"
 SECRET_BYTES = 32
@@ -57,21 +57,29 @@ def formatToken(tokenID: uuid.UUID, secret: str) -> str:
     return f"{PREFIX}{tokenID}_{secret}"
 
 
-def parseToken(bearer: str) -> ParsedToken | None:
+def isToken(bearer: str) -> bool:
     """
-    Split a bearer value, or return None when it is not exactly a PAT of
-    our format: the right prefix, a lowercase canonical UUID, an
-    underscore, and a 43-character base64url secret.
+    Is C{bearer} exactly a PAT of our format: the right prefix, a
+    lowercase canonical UUID, an underscore, and a 43-character base64url
+    secret?
     """
     if len(bearer) != _TOKEN_LENGTH or not bearer.startswith(PREFIX):
-        return None
+        return False
     idText = bearer[len(PREFIX) : len(PREFIX) + 36]
-    if bearer[len(PREFIX) + 36] != "_" or idText != idText.lower():
+    return (
+        bearer[len(PREFIX) + 36] == "_"
+        and canonicalUUID(idText) == idText
+        and _SECRET_ALPHABET.issuperset(bearer[len(PREFIX) + 37 :])
+    )
+
+
+def parseToken(bearer: str) -> ParsedToken | None:
+    """
+    Split a bearer value, or return None when it is not a PAT of our
+    format (L{isToken}).
+    """
+    if not isToken(bearer):
         return None
-    tokenID = parseUUID(idText)
-    if tokenID is None:
-        return None
-    secret = bearer[len(PREFIX) + 37 :]
-    if not _SECRET_ALPHABET.issuperset(secret):
-        return None
-    return ParsedToken(tokenID, secret)
+    return ParsedToken(
+        uuid.UUID(bearer[len(PREFIX) : len(PREFIX) + 36]), bearer[len(PREFIX) + 37 :]
+    )

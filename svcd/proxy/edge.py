@@ -41,12 +41,12 @@ from svcd.common.errors import (
     envelope,
     validationError,
 )
-from svcd.common.ids import parseRequestID, parseUUID, uuid7
+from svcd.common.ids import canonicalUUID, parseRequestID, parseUUID, uuid7Text
 from svcd.common.logbounds import loggedMethod, loggedText
 from svcd.common.logs import REQUEST_ID
 from svcd.common.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from svcd.common.metrics import exposition
-from svcd.common.pat import parseToken
+from svcd.common.pat import isToken
 from svcd.common.permissions import Permission
 from svcd.common.readiness import Check, readinessReport
 from svcd.common.recent import RecentResult
@@ -330,7 +330,7 @@ class ProxyEdge:
         requestID = None
         if inbound:
             requestID = parseRequestID(inbound[0].decode("latin-1"))
-        ctx.requestID = str(requestID) if requestID is not None else str(uuid7())
+        ctx.requestID = str(requestID) if requestID is not None else uuid7Text()
         # Every line logged from here on in this request's context carries
         # its request id (svcd.common.logs).
         scope = REQUEST_ID.set(ctx.requestID)
@@ -627,10 +627,9 @@ class ProxyEdge:
         values = ctx.request.requestHeaders.getRawHeaders(_AGENT_HEADER)
         if not values or not values[0]:
             raise ApiError(ErrorCode.MISSING_AGENT_ID)
-        agentUUID = parseUUID(values[0].decode("latin-1")) if len(values) == 1 else None
-        if agentUUID is None:
+        agentID = canonicalUUID(values[0].decode("latin-1")) if len(values) == 1 else None
+        if agentID is None:
             raise agentHeaderInvalid()
-        agentID = str(agentUUID)
         token = ctx.token
         assert token is not None and ctx.accessToken is not None
         if token.agentID is not None and token.agentID != agentID:
@@ -796,7 +795,7 @@ def bearerToken(request: Request) -> str:
     if scheme.lower() != b"bearer" or not credential:
         raise ApiError(ErrorCode.INVALID_TOKEN)
     token = credential.decode("latin-1")
-    if parseToken(token) is None:
+    if not isToken(token):
         raise ApiError(ErrorCode.INVALID_TOKEN)
     return token
 
