@@ -429,3 +429,56 @@ async def test_hostHeaderOmitsTheDefaultPort() -> None:
         pool.close()
     finally:
         await listening.stopListening()
+
+
+@pytest_twisted.ensureDeferred
+async def test_httpsChecksTheCertificate() -> None:
+    """
+    An https URL goes over TLS to the URL's host, whose certificate must
+    chain to the trusted CAs: a provider with a certificate of its CA
+    answers; one whose CA is not trusted fails the request before anything
+    is sent.
+    """
+    import trustme
+    from twisted.internet import reactor, ssl
+
+    authority, stranger = trustme.CA(), trustme.CA()
+    server = ScriptedServer()
+    server.answer(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+    certificate = authority.issue_cert("localhost")
+    serverOptions = ssl.PrivateCertificate.loadPEM(
+        certificate.private_key_and_cert_chain_pem.bytes()
+    ).options()
+    port = reactor.listenSSL(0, server, serverOptions, interface="127.0.0.1")  # type: ignore[attr-defined]
+    url = f"https://localhost:{port.getHost().port}/v1/chat/completions"
+    try:
+        trusted = ConnectionPool(
+            reactor,
+            FakeClock(),
+            url,
+            {},
+            4.0,
+            trustRoot=ssl.Certificate.loadPEM(authority.cert_pem.bytes()),
+        )
+        answer = await trusted.post(b"{}", {})
+        assert (answer.code, (await body(answer))[0]) == (200, b"ok")
+        assert (
+            server.requests[0].split(b"\r\n")[1]
+            == f"Host: localhost:{port.getHost().port}".encode()
+        )
+        trusted.close()
+        untrusted = ConnectionPool(
+            reactor,
+            FakeClock(),
+            url,
+            {},
+            4.0,
+            trustRoot=ssl.Certificate.loadPEM(stranger.cert_pem.bytes()),
+        )
+        with pytest.raises(Exception) as raised:
+            await untrusted.post(b"{}", {})
+        assert not isinstance(raised.value, CancelledError)
+        assert len(server.requests) == 1
+        untrusted.close()
+    finally:
+        await port.stopListening()

@@ -411,6 +411,9 @@ class ConnectionPool:
     @param idleSeconds: how long an idle connection may be used again.
     @param endpoint: where to connect; by default a C{HostnameEndpoint} to
         the URL's host and port (with TLS for C{https}).
+    @param trustRoot: the CAs an C{https} provider's certificate must chain
+        to (an C{IOpenSSLTrustRoot}, such as a C{twisted.internet.ssl.Certificate});
+        by default the platform's.
     """
 
     def __init__(
@@ -422,6 +425,7 @@ class ConnectionPool:
         idleSeconds: float,
         connectTimeout: float = 5.0,
         endpoint: IStreamClientEndpoint | None = None,
+        trustRoot: Any = None,
     ) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -436,7 +440,10 @@ class ConnectionPool:
         if endpoint is None:
             endpoint = HostnameEndpoint(reactor, host, port, timeout=connectTimeout)
             if secure:
-                endpoint = wrapClientTLS(optionsForClientTLS(host), endpoint)
+                # The host's certificate checked against the platform's
+                # trusted CAs (or C{trustRoot}), as Agent's default policy
+                # does.
+                endpoint = wrapClientTLS(optionsForClientTLS(host, trustRoot=trustRoot), endpoint)
         self._endpoint = endpoint
         self._clock = clock
         self._idleSeconds = idleSeconds
