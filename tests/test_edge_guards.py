@@ -31,7 +31,7 @@ from twisted.logger import globalLogPublisher
 
 from svcd.common.logbounds import CUT_MARKER, MAX_LOGGED_CHARACTERS, loggedMethod, loggedText
 from svcd.common.logs import JSONLinesObserver
-from svcd.proxy.paths import isCanonicalPath
+from svcd.proxy.http.paths import isCanonicalPath
 from svcd.proxy.service import ProxyService
 from svcd.proxy.testing import FakeAuthClient, MemoryCounters, listeningProxy
 

@@ -30,7 +30,7 @@ from authfixtures import Tenant
 from test_gateway_e2e import Gateway, assertEnvelope, chat, request, unlimitedGateway, waitFor
 
 from svcd.auth.authority import issueToken
-from svcd.proxy.edge import READY_MAX_AGE
+from svcd.proxy.http.edge import READY_MAX_AGE
 from svcd.testing.servers import PostgresServer
 
 # The deadlines of one chat request through the proxy: ValidateToken and

@@ -23,15 +23,15 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import deferLater
 from twisted.python.failure import Failure
 
-from svcd.proxy.authclient import TokenInfo
-from svcd.proxy.service import ProxyService
-from svcd.proxy.site import (
+from svcd.proxy.http.site import (
     DEFAULT_IDLE_TIMEOUT,
     DEFAULT_REQUEST_TIMEOUT,
     LINGER_SECONDS,
     ProxySite,
     reasonPhrase,
 )
+from svcd.proxy.records import TokenInfo
+from svcd.proxy.service import ProxyService
 from svcd.proxy.testing import FakeAuthClient, MemoryCounters, listeningProxy
 
 LIMIT = 4096

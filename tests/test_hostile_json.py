@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from test_hostile_parsers import bodies, outcome, values
 
 from svcd.common.errors import ApiError
-from svcd.proxy.chatbody import parseChatBody
+from svcd.proxy.http.chatbody import parseChatBody
 
 # A string the generated bodies do not hold, replaced by the planted JSON
 # text once the document is encoded.

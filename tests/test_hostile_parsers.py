@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from svcd.common.errors import ApiError
 from svcd.common.pat import PREFIX, SECRET_LENGTH, formatToken, newSecret, parseToken
-from svcd.proxy.chatbody import MAX_CONTENT_BYTES, MAX_MESSAGES, ROLES, parseChatBody
+from svcd.proxy.http.chatbody import MAX_CONTENT_BYTES, MAX_MESSAGES, ROLES, parseChatBody
 
 FIELD_CODES = ("REQUIRED", "TOO_LONG", "TOO_MANY", "INVALID_ENUM", "INVALID_FORMAT")
 

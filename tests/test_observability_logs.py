@@ -47,13 +47,13 @@ from svcd.common.logs import (
 )
 from svcd.common.tracing import TracingConfig, activate, deactivate, tracerProvider
 from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
-from svcd.proxy.authclient import GrpcAuthClient
 from svcd.proxy.config import ProxyConfig
-from svcd.proxy.edge import ProxyEdge
+from svcd.proxy.http.edge import ProxyEdge
+from svcd.proxy.http.site import ProxySite
+from svcd.proxy.limits.limiter import RedisRateLimiter
 from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.ratelimit import RedisRateLimiter
-from svcd.proxy.site import ProxySite
 from svcd.proxy.testing import MemoryCounters, newToken
+from svcd.proxy.validation.client import GrpcAuthClient
 from svcd.testing.servers import freePort
 
 
@@ -548,7 +548,7 @@ def test_levelFilterAgreesWithTwisted(level: LogLevel) -> None:
         for index, (eventLevel, namespace) in enumerate(
             (eventLevel, namespace)
             for eventLevel in [*LogLevel.iterconstants(), None]
-            for namespace in ("svcd.proxy.edge.ProxyEdge", "x", "", None)
+            for namespace in ("svcd.proxy.http.edge.ProxyEdge", "x", "", None)
         )
     ]
     events.append({"n": -1})

@@ -45,12 +45,12 @@ from svcd.common.tracing import (
     unsampledParent,
 )
 from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
-from svcd.proxy.authclient import GrpcAuthClient
 from svcd.proxy.config import ProxyConfig
-from svcd.proxy.edge import ProxyEdge
+from svcd.proxy.http.edge import ProxyEdge
+from svcd.proxy.limits.limiter import RedisRateLimiter
 from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.ratelimit import RedisRateLimiter
 from svcd.proxy.testing import FakeAuthClient, MemoryCounters, newToken
+from svcd.proxy.validation.client import GrpcAuthClient
 from svcd.testing.fakeauth import servingAuth
 
 NOW = 1_700_000_015.0

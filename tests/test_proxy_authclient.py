@@ -26,10 +26,11 @@ from svcd.common.errors import ApiError
 from svcd.common.pat import READINESS_SENTINEL
 from svcd.common.readiness import CheckFailed
 from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
-from svcd.proxy.authclient import AgentInfo, GrpcAuthClient, TokenInfo, authChannel
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.metrics import ProxyMetrics
+from svcd.proxy.records import AgentInfo, TokenInfo
 from svcd.proxy.testing import newToken
+from svcd.proxy.validation.client import GrpcAuthClient, authChannel
 from svcd.testing.fakeauth import servingAuth
 
 Behaviour = Callable[[Any, grpc.ServicerContext], Any]
@@ -684,7 +685,7 @@ def test_callSlotsServeTheLaterStageFirst() -> None:
     come first served within a stage; a cancelled waiter is skipped, and a
     slot nobody waits for becomes free again.
     """
-    from svcd.proxy.authclient import CallSlots
+    from svcd.proxy.validation.client import CallSlots
 
     slots = CallSlots(1)
     assert slots.acquire(0).called

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from svcd.common.errors import ApiError, ErrorCode
-from svcd.proxy.chatbody import MAX_CONTENT_BYTES, ROLES, parseChatBody
+from svcd.proxy.http.chatbody import MAX_CONTENT_BYTES, ROLES, parseChatBody
 
 
 def encode(document: Any) -> bytes:

@@ -24,11 +24,11 @@ from svcd.common.errors import ApiError, ErrorCode
 from svcd.common.ids import uuid7
 from svcd.common.permissions import Permission
 from svcd.common.readiness import CheckFailed
-from svcd.proxy.authclient import TokenInfo
 from svcd.proxy.config import ProxyConfig
-from svcd.proxy.edge import ProxyEdge
+from svcd.proxy.http.edge import ProxyEdge
+from svcd.proxy.limits.limiter import DisabledRateLimiter, RedisRateLimiter
 from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.ratelimit import DisabledRateLimiter, RedisRateLimiter
+from svcd.proxy.records import TokenInfo
 from svcd.proxy.testing import FakeAuthClient, MemoryCounters, newToken
 
 # 2023-11-14T22:13:20Z plus 15 s: 45 s before the next calendar minute.

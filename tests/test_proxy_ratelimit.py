@@ -22,15 +22,15 @@ from twisted.logger import capturedLogs
 from twisted.python.failure import Failure
 
 from svcd.proxy.config import ProxyConfig, parseRedisURL
-from svcd.proxy.edge import ProxyEdge
-from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.ratelimit import (
+from svcd.proxy.http.edge import ProxyEdge
+from svcd.proxy.limits.limiter import (
     KEY_TTL_SECONDS,
     DisabledRateLimiter,
     RateDecision,
     RedisLink,
     RedisRateLimiter,
 )
+from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.testing import FakeAuthClient
 from svcd.testing.servers import RedisServer
 

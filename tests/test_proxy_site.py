@@ -23,9 +23,9 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import deferLater
 from twisted.python.failure import Failure
 
-from svcd.proxy.authclient import TokenInfo
+from svcd.proxy.http.site import BodyLimitedRequest
+from svcd.proxy.records import TokenInfo
 from svcd.proxy.service import ProxyService
-from svcd.proxy.site import BodyLimitedRequest
 from svcd.proxy.testing import FakeAuthClient, MemoryCounters, listeningProxy, newToken
 
 LIMIT = 1000

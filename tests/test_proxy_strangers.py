@@ -30,14 +30,14 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.logger import LogEvent, globalLogPublisher
 
-from svcd.proxy.authclient import TokenInfo
-from svcd.proxy.site import (
+from svcd.proxy.http.site import (
     LINGER_SECONDS,
     REFUSAL_STATUS,
     ProtocolErrors,
     ProxySite,
     reasonPhrase,
 )
+from svcd.proxy.records import TokenInfo
 from svcd.proxy.testing import FakeAuthClient, MemoryCounters, listeningProxy
 
 LIMIT = 64 * 1024
@@ -371,7 +371,7 @@ def test_refusalsAreLoggedOncePerMinutePerReason() -> None:
     lines = [
         (event["reason"], event["count"])
         for event in events
-        if event.get("log_namespace") == "svcd.proxy.site.ProtocolErrors"
+        if event.get("log_namespace") == "svcd.proxy.http.site.ProtocolErrors"
     ]
     # 100 refusals over 10 s: the first is logged, the other 99 wait for
     # the next line a minute after it.

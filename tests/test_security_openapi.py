@@ -47,10 +47,10 @@ from test_gateway_e2e import (
 
 from svcd.common.errors import ErrorCode, FieldErrorCode
 from svcd.proxy.config import ProxyConfig
-from svcd.proxy.edge import ProxyEdge
 from svcd.proxy.forwarding.providers import Model, Provider, ProviderTable
+from svcd.proxy.http.edge import ProxyEdge
+from svcd.proxy.limits.limiter import RedisRateLimiter
 from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.ratelimit import RedisRateLimiter
 from svcd.proxy.testing import FakeAuthClient, MemoryCounters
 from svcd.testing.servers import PostgresServer
 from svcd.testing.upstream import ScriptedUpstream

@@ -1,5 +1,5 @@
 """
-Tests of L{svcd.proxy.sharedcalls}: one call per key at a time, and no
+Tests of L{svcd.proxy.validation.sharedcalls}: one call per key at a time, and no
 caller ever answered by a call sent before it asked.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from twisted.internet.defer import CancelledError, Deferred
 
-from svcd.proxy.sharedcalls import SharedCalls
+from svcd.proxy.validation.sharedcalls import SharedCalls
 
 caller: contextvars.ContextVar[str] = contextvars.ContextVar("caller", default="none")
 

@@ -15,9 +15,9 @@ from twisted.logger import Logger
 
 from svcd.common.clocks import Clock, asReactorTime
 from svcd.common.deferreds import timeoutDeferred
-from svcd.proxy.edge import ProxyEdge
-from svcd.proxy.ratelimit import RateLimiter
-from svcd.proxy.site import ProxySite
+from svcd.proxy.http.edge import ProxyEdge
+from svcd.proxy.http.site import ProxySite
+from svcd.proxy.limits.limiter import RateLimiter
 
 
 class ClosableAuthClient(Protocol):

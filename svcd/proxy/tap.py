@@ -28,17 +28,17 @@ from svcd.common.config import ConfigError
 from svcd.common.lifecycle import exitZeroOnStopSignals, settleHeapWhenRunning
 from svcd.common.logs import LoggingRootService, daemonLogWriter, logSettings, makeObserver
 from svcd.common.tracing import TracingConfig, TracingService, tracerProvider
-from svcd.proxy.authcache import CachingAuthClient, ValidationCache
-from svcd.proxy.authclient import AuthClient, GrpcAuthClient, authChannel
-from svcd.proxy.authfeed import ChangeFeed
 from svcd.proxy.config import ProxyConfig
-from svcd.proxy.edge import ProxyEdge
 from svcd.proxy.forwarding.upstream import Forwarder
+from svcd.proxy.http.edge import ProxyEdge
+from svcd.proxy.http.site import ProtocolErrors, ProxySite
+from svcd.proxy.limits.limiter import makeRateLimiter
 from svcd.proxy.listening import listenEndpoint
 from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.ratelimit import makeRateLimiter
 from svcd.proxy.service import ClosableAuthClient, ProxyService
-from svcd.proxy.site import ProtocolErrors, ProxySite
+from svcd.proxy.validation.cache import CachingAuthClient, ValidationCache
+from svcd.proxy.validation.client import AuthClient, GrpcAuthClient, authChannel
+from svcd.proxy.validation.feed import ChangeFeed
 
 
 class Options(usage.Options):

@@ -17,7 +17,7 @@ from svcd.common.errors import ApiError, ErrorCode
 from svcd.common.pat import formatToken, newSecret
 from svcd.common.permissions import Permission
 from svcd.common.readiness import CheckFailed
-from svcd.proxy.authclient import AgentInfo, TokenInfo
+from svcd.proxy.records import AgentInfo, TokenInfo
 
 
 def newToken() -> str:
@@ -31,7 +31,7 @@ def newToken() -> str:
 @attrs.define
 class FakeAuthClient:
     """
-    An L{svcd.proxy.authclient.AuthClient} answering from dictionaries.
+    An L{svcd.proxy.validation.client.AuthClient} answering from dictionaries.
 
     An unknown token is 401 INVALID_TOKEN; an unknown agent, or one of
     another organization, 403 AGENT_NOT_AUTHORIZED. An entry may also be an
@@ -142,7 +142,7 @@ class _HeldAnswers:
 @attrs.define
 class MemoryCounters:
     """
-    L{svcd.proxy.ratelimit.RedisCounters} in a dictionary; C{connected}
+    L{svcd.proxy.limits.limiter.RedisCounters} in a dictionary; C{connected}
     can be switched off to see the limiter fail open.
     """
 
@@ -209,11 +209,11 @@ async def listeningProxy(
     from twisted.internet.endpoints import TCP4ServerEndpoint
 
     from svcd.proxy.config import ProxyConfig
-    from svcd.proxy.edge import ProxyEdge
+    from svcd.proxy.http.edge import ProxyEdge
+    from svcd.proxy.http.site import ProtocolErrors, ProxySite
+    from svcd.proxy.limits.limiter import RedisRateLimiter
     from svcd.proxy.metrics import ProxyMetrics
-    from svcd.proxy.ratelimit import RedisRateLimiter
     from svcd.proxy.service import ProxyService
-    from svcd.proxy.site import ProtocolErrors, ProxySite
 
     config = ProxyConfig(authGrpcAddr="auth.test:9091", maxRequestBodyBytes=maxRequestBodyBytes)
     limiter = RedisRateLimiter(counters, reactor, config.defaultRPM)

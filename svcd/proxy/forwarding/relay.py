@@ -23,7 +23,6 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-import attrs
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IDelayedCall, IPushProducer
 from twisted.internet.protocol import Protocol
@@ -33,6 +32,7 @@ from twisted.web.http import PotentialDataLoss
 from zope.interface import implementer
 
 from svcd.common.clocks import Clock
+from svcd.proxy.records import Usage
 
 # A non-streaming answer larger than this is refused (502): chat answers
 # are kilobytes; this bounds what one request can make the proxy hold.
@@ -42,16 +42,6 @@ MAX_ANSWER_BYTES = 16 * 1024 * 1024
 MAX_EVENT_BYTES = 1024 * 1024
 
 DONE = b"[DONE]"
-
-
-@attrs.frozen
-class Usage:
-    """
-    Tokens the upstream counted for one answer.
-    """
-
-    promptTokens: int
-    completionTokens: int
 
 
 def usageOf(document: object) -> Usage | None:

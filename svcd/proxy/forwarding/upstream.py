@@ -75,8 +75,9 @@ from svcd.common.errors import ApiError, ErrorCode
 from svcd.common.tracing import traceparentOf
 from svcd.proxy.forwarding.http1 import BadAnswer, ConnectionPool, UpstreamAnswer
 from svcd.proxy.forwarding.providers import Model, Provider
-from svcd.proxy.forwarding.relay import BodyReader, StreamFault, StreamRelay, Usage, usageOf
+from svcd.proxy.forwarding.relay import BodyReader, StreamFault, StreamRelay, usageOf
 from svcd.proxy.metrics import ProxyMetrics
+from svcd.proxy.records import UpstreamRecord
 
 UPSTREAM_MODEL_HEADER = b"X-SVC-Upstream-Model"
 IDLE_CONNECTION_SECONDS = 4.0
@@ -103,19 +104,6 @@ class ClientStream(Protocol):
     def registerProducer(self, producer: IPushProducer) -> None: ...
 
     def unregisterProducer(self) -> None: ...
-
-
-@attrs.define
-class UpstreamRecord:
-    """
-    What the access log says of the forwarding: filled as it goes.
-    """
-
-    provider: str | None = None
-    model: str | None = None
-    upstreamModel: str | None = None
-    upstreamMilliseconds: float | None = None
-    usage: Usage | None = None
 
 
 @attrs.frozen

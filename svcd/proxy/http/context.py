@@ -17,8 +17,7 @@ import attrs
 from opentelemetry.trace import INVALID_SPAN, Span
 from twisted.web.server import Request
 
-from svcd.proxy.authclient import AgentInfo, TokenInfo
-from svcd.proxy.forwarding.upstream import UpstreamRecord
+from svcd.proxy.records import AgentInfo, TokenInfo, UpstreamRecord
 
 JSON = b"application/json"
 
@@ -35,7 +34,7 @@ class Reply:
     contentType: bytes = JSON
     headers: list[tuple[bytes, bytes]] = attrs.field(factory=list)
     # Written already, as a stream, status line and headers included
-    # (svcd.proxy.edge._ClientStream).
+    # (svcd.proxy.http.edge._ClientStream).
     streamed: bool = False
 
 

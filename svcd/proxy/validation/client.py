@@ -12,7 +12,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import attrs
 import grpc
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
@@ -30,10 +29,11 @@ from svcd.common.pat import READINESS_SENTINEL
 from svcd.common.readiness import CheckFailed
 from svcd.common.tracing import traceMetadata
 from svcd.pb.auth.v1 import auth_pb2
-from svcd.proxy.authfeed import FeedCall, openChangeFeed
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.sharedcalls import SharedCalls
+from svcd.proxy.records import AgentInfo, TokenInfo
+from svcd.proxy.validation.feed import FeedCall, openChangeFeed
+from svcd.proxy.validation.sharedcalls import SharedCalls
 
 # The request header naming the calling agent.
 AGENT_HEADER = "X-SVC-Agent-ID"
@@ -48,31 +48,6 @@ _SPAN_ERROR = Status(StatusCode.ERROR)
 # A request's calls in order, for L{CallSlots}.
 _TOKEN_STAGE = 0
 _AGENT_STAGE = 1
-
-
-@attrs.frozen
-class TokenInfo:
-    """
-    What ValidateToken vouches for; C{orgID} is a canonical lowercase UUID.
-    """
-
-    orgID: str
-    permissions: int
-    agentID: str | None = None
-    userID: str | None = None
-    tokenID: str | None = None
-    expiresAt: str | None = None
-
-
-@attrs.frozen
-class AgentInfo:
-    """
-    The verified agent record the proxy keeps for a request (spec 2).
-    """
-
-    agentID: str
-    orgID: str
-    status: str
 
 
 class AuthClient(Protocol):

@@ -48,7 +48,7 @@ from twisted.logger import Logger
 
 from svcd.common.clocks import Clock
 from svcd.pb.auth.v1 import auth_pb2
-from svcd.proxy.knowntokens import KnownTokens
+from svcd.proxy.validation.knowntokens import KnownTokens
 
 # How old the last message may be for the feed to count as live (D8).
 MAX_AGE = 0.5

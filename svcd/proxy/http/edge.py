@@ -1,9 +1,9 @@
 """
 The HTTP edge of svc-proxy: its routes and middleware (spec 4.1).
 
-Where to read the middleware order: L{ProxyEdge.__init__} lists the global
-layers, outermost first, and then every route with the steps of each of
-its methods in the order they run. A step that raises L{ApiError} stops
+Where to read the middleware order: L{ProxyEdge._globalLayers} lists the
+global layers, outermost first, and L{ProxyEdge._routeTable} every route
+with the steps of each of its methods in the order they run. A step that raises L{ApiError} stops
 its route's chain there, so the precedence between errors is that order.
 
 Klein does the path matching only: every path template is one Klein route
@@ -51,10 +51,11 @@ from svcd.common.permissions import Permission
 from svcd.common.readiness import Check, readinessReport
 from svcd.common.recent import RecentResult
 from svcd.common.tracing import activate, deactivate, parentFromHeaders, untracedProvider
-from svcd.proxy.authclient import AGENT_HEADER, AuthClient, agentHeaderInvalid
-from svcd.proxy.chatbody import parseChatBody
 from svcd.proxy.config import ProxyConfig
-from svcd.proxy.context import (
+from svcd.proxy.forwarding.providers import ProviderTable, modelsDocument
+from svcd.proxy.forwarding.upstream import Forwarder
+from svcd.proxy.http.chatbody import parseChatBody
+from svcd.proxy.http.context import (
     HTTP_METHODS,
     Handler,
     Layer,
@@ -65,11 +66,10 @@ from svcd.proxy.context import (
     Step,
     newTraceID,
 )
-from svcd.proxy.forwarding.providers import ProviderTable, modelsDocument
-from svcd.proxy.forwarding.upstream import Forwarder
+from svcd.proxy.http.paths import isCanonicalPath
+from svcd.proxy.limits.limiter import RateLimiter
 from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.paths import isCanonicalPath
-from svcd.proxy.ratelimit import RateLimiter
+from svcd.proxy.validation.client import AGENT_HEADER, AuthClient, agentHeaderInvalid
 
 _HEALTH_BODY = b'{"status":"ok","checks":{}}'
 _AGENT_HEADER = AGENT_HEADER.encode("ascii")
@@ -153,18 +153,31 @@ class ProxyEdge:
         )
         self.readiness = RecentResult(self._checkReadiness, clock, READY_MAX_AGE)
 
-        # Spec 4.1: the global order for every route, outermost first; the
-        # router (the route's own steps) is innermost.
-        self.layers: tuple[Layer, ...] = (
+        self.layers = self._globalLayers()
+        self._chain = compose(self.layers, self.router)
+        self.routes = self._routeTable()
+        self.unmatched = Route(_UNMATCHED, {})
+        self.app = self._kleinApp()
+
+    def _globalLayers(self) -> tuple[Layer, ...]:
+        """
+        Spec 4.1: the global order for every route, outermost first; the
+        router (the route's own steps) is innermost.
+        """
+        return (
             self.requestContext,
             self.tracingSpan,
             self.recordMetrics,
             self.responseHeaders,
             self.accessLog,
         )
-        self._chain = compose(self.layers, self.router)
 
-        # Spec 4.1: each route's steps in order, then its handler.
+    def _routeTable(self) -> tuple[Route, ...]:
+        """
+        Spec 4.1: each route's steps in order, then its handler. The first
+        step to raise L{ApiError} answers, so this order is the precedence
+        between errors.
+        """
         chat = Pipeline(
             steps=(
                 self.bodySizeLimit,
@@ -175,7 +188,7 @@ class ProxyEdge:
             ),
             handler=self.chatCompletions,
         )
-        self.routes: tuple[Route, ...] = (
+        routes: tuple[Route, ...] = (
             Route("/health", {"GET": Pipeline((), self.health)}),
             Route("/ready", {"GET": Pipeline((), self.ready)}),
             Route("/metrics", {"GET": Pipeline((), self.metricsPage)}),
@@ -206,7 +219,7 @@ class ProxyEdge:
             Route("/proxy/v1/chat/completions", {"POST": chat}),
         )
         if self._providers is not None:
-            self.routes += (
+            routes += (
                 Route(
                     "/v1/models",
                     {
@@ -217,12 +230,18 @@ class ProxyEdge:
                     },
                 ),
             )
-        self.unmatched = Route(_UNMATCHED, {})
+        return routes
 
-        self.app = Klein()
-        for route in self.routes:
-            self._addKleinRoute(route)
-        self._addKleinRoute(self.unmatched)
+    # Klein wiring
+
+    def _kleinApp(self) -> Klein:
+        """
+        Klein matches paths only: one Klein route per template, taking
+        every method, and a catch-all branch for every other path.
+        """
+        app = Klein()
+        for route in (*self.routes, self.unmatched):
+            self._addKleinRoute(app, route)
 
         edge = self
 
@@ -232,9 +251,8 @@ class ProxyEdge:
             # route (a redirect to merge slashes, for one): an unknown path.
             return edge.serve(request, edge.unmatched, {})
 
-        self.app.handle_errors(HTTPException)(routingFailed)
-
-    # Klein wiring
+        app.handle_errors(HTTPException)(routingFailed)
+        return app
 
     def resource(self) -> IResource:
         """
@@ -262,15 +280,15 @@ class ProxyEdge:
             webRequest.write(body)
             webRequest.finish()
 
-    def _addKleinRoute(self, route: Route) -> None:
+    def _addKleinRoute(self, app: Klein, route: Route) -> None:
         def serve(request: IRequest, **params: str) -> Deferred[bytes]:
             return self.serve(request, route, params)
 
         if route is self.unmatched:
-            self.app.route("/", branch=True, endpoint=_UNMATCHED)(serve)
+            app.route("/", branch=True, endpoint=_UNMATCHED)(serve)
         else:
             path = route.template.replace("{", "<").replace("}", ">")
-            self.app.route(path, endpoint=route.template)(serve)
+            app.route(path, endpoint=route.template)(serve)
 
     def serve(self, request: IRequest, route: Route, params: Mapping[str, str]) -> Deferred[bytes]:
         """
@@ -494,7 +512,7 @@ class ProxyEdge:
         The innermost layer: the route's steps in order, then its handler;
         an L{ApiError} becomes its envelope, anything else a 500. Before
         them, for every route, the refusal the site made at the headers
-        when it had no room for the body (L{svcd.proxy.site}).
+        when it had no room for the body (L{svcd.proxy.http.site}).
         """
         try:
             refusal: ApiError | None = getattr(ctx.request, "bodyRefusal", None)
@@ -558,7 +576,7 @@ class ProxyEdge:
         """
         413 PAYLOAD_TOO_LARGE past SVC_MAX_REQUEST_BODY_BYTES.
 
-        L{svcd.proxy.site.BodyLimitedRequest} has already refused to
+        L{svcd.proxy.http.site.BodyLimitedRequest} has already refused to
         buffer such a body and marked the request; the other checks cover
         a plain L{Request} (as in tests).
         """
@@ -853,7 +871,7 @@ class _EdgeResource:
     """
     Klein's resource, except for requests that must not reach its router:
     a path that is not the canonical spelling of a route (decisions D10,
-    L{svcd.proxy.paths}: Klein decodes escapes and werkzeug merges
+    L{svcd.proxy.http.paths}: Klein decodes escapes and werkzeug merges
     slashes, so the raw path decides here, once), and a path or host that
     is not UTF-8 (Klein would answer a plain-text 400 of its own). Both
     get our 404.

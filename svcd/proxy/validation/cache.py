@@ -66,10 +66,11 @@ from twisted.python.failure import Failure
 from svcd.common.clocks import Clock
 from svcd.common.errors import ApiError, ErrorCode
 from svcd.common.pat import PREFIX
-from svcd.proxy.authclient import AgentInfo, AuthClient, TokenInfo
-from svcd.proxy.authfeed import FeedNotLive
-from svcd.proxy.knowntokens import KnownTokens
 from svcd.proxy.metrics import ProxyMetrics
+from svcd.proxy.records import AgentInfo, TokenInfo
+from svcd.proxy.validation.client import AuthClient
+from svcd.proxy.validation.feed import FeedNotLive
+from svcd.proxy.validation.knowntokens import KnownTokens
 
 # Decisions D7: a change reaches every svc-auth replica within one second;
 # half a second more for the call's own way.
@@ -339,7 +340,7 @@ class LifecycleAuthClient(AuthClient, Protocol):
 
 class Feed(Protocol):
     """
-    What the client needs of the change feed (L{svcd.proxy.authfeed.ChangeFeed}).
+    What the client needs of the change feed (L{svcd.proxy.validation.feed.ChangeFeed}).
     """
 
     def start(self) -> None: ...
