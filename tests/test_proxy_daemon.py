@@ -295,3 +295,26 @@ def test_daemonised(tmp_path: Path, redisURL: str) -> None:
 class _UnauthenticatedAuth(auth_pb2_grpc.AuthServiceServicer):  # type: ignore[misc]
     def ValidateToken(self, request: object, context: grpc.ServicerContext) -> object:
         context.abort(grpc.StatusCode.UNAUTHENTICATED, "not a token")
+
+
+def test_twistedWithoutAPrivateNameRefusesToStart(tmp_path: Path) -> None:
+    """
+    Issue 24 item 2: a Twisted that lacks one of the private names the
+    edge relies on stops svc-proxy at start with one line naming it, not
+    with a mislabelled refusal or a crashed request later. The missing
+    name is simulated by a sitecustomize that deletes it before twistd
+    imports the proxy.
+    """
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "sitecustomize.py").write_text(
+        "from twisted.web.http import HTTPChannel\n"
+        "del HTTPChannel._respondToBadRequestAndDisconnect\n"
+    )
+    path = os.pathsep.join(filter(None, [str(shadow), os.environ.get("PYTHONPATH", "")]))
+    result = runToCompletion(proxyEnvironment(PYTHONPATH=path), tmp_path)
+    assert result.returncode == 1
+    assert result.stderr.startswith("svc-proxy: Twisted "), result.stderr
+    assert "lacks HTTPChannel._respondToBadRequestAndDisconnect," in result.stderr
+    assert "was tested with (25.5 to 26.10)" in result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr

@@ -32,6 +32,7 @@ from svcd.proxy.config import ProxyConfig
 from svcd.proxy.forwarding.upstream import Forwarder
 from svcd.proxy.http.edge import ProxyEdge
 from svcd.proxy.http.site import ProtocolErrors, ProxySite
+from svcd.proxy.http.twistedprivate import TwistedIncompatible, requireTwistedInternals
 from svcd.proxy.limits.limiter import makeRateLimiter
 from svcd.proxy.listening import listenEndpoint
 from svcd.proxy.metrics import ProxyMetrics
@@ -66,6 +67,12 @@ class Options(usage.Options):
         Read the environment; on a bad value print one line and exit 1
         (a UsageError would make twistd print its whole help first).
         """
+        try:
+            requireTwistedInternals()
+        except TwistedIncompatible as error:
+            sys.stderr.write(f"svc-proxy: {error}\n")
+            sys.stderr.flush()
+            raise SystemExit(1) from None
         try:
             self.config = ProxyConfig.fromEnvironment(self._environ)
             self.tracing = TracingConfig.fromEnvironment(self._environ, "svc-proxy")

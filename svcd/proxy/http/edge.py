@@ -67,6 +67,7 @@ from svcd.proxy.http.context import (
     newTraceID,
 )
 from svcd.proxy.http.paths import isCanonicalPath
+from svcd.proxy.http.twistedprivate import clientGone
 from svcd.proxy.limits.limiter import RateLimiter
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.validation.client import AGENT_HEADER, AuthClient, agentHeaderInvalid
@@ -276,7 +277,7 @@ class ProxyEdge:
             body = await self.serve(webRequest, self.unmatched, {})
         except CancelledError:
             return
-        if not webRequest.finished and not webRequest._disconnected:
+        if not webRequest.finished and not clientGone(webRequest):
             webRequest.write(body)
             webRequest.finish()
 
@@ -833,7 +834,7 @@ class _ClientStream:
 
     def _gone(self) -> bool:
         request: Any = self._ctx.request
-        return bool(request.finished or request._disconnected)
+        return bool(request.finished or clientGone(request))
 
     def begin(
         self, status: int, contentType: bytes, headers: Sequence[tuple[bytes, bytes]]

@@ -78,12 +78,11 @@ Every status line carries its standard reason phrase (decisions D10):
 Twisted's table lacks some (429 would be "Unknown Status"), so
 L{BodyLimitedRequest.setResponseCode} takes them from L{http.HTTPStatus}.
 
-Parts of this lean on private attributes of L{HTTPChannel}
-(C{_handlingRequest}, C{_dataBuffer}, C{_transferDecoder},
-C{_networkProducer}, C{length}, C{__first_line}, C{_receivedHeaderSize},
-C{_receivedHeaderCount}, C{_respondToBadRequestAndDisconnect});
-tests/test_hostile_http.py, tests/test_proxy_site.py and
-tests/test_proxy_strangers.py exercise each of them over real sockets.
+Parts of this lean on private names of Twisted Web: every one of them is
+reached through L{svcd.proxy.http.twistedprivate}, which checks them at
+import so that a Twisted without one stops the daemon at start; the two
+private methods overridden here (C{_respondToBadRequestAndDisconnect},
+C{Request._cleanup}) are checked there too.
 """
 
 from __future__ import annotations
@@ -104,6 +103,16 @@ from twisted.web.server import Request, Site
 
 from svcd.common.clocks import Clock
 from svcd.common.errors import ApiError, ErrorCode
+from svcd.proxy.http.twistedprivate import (
+    answerAfterHeaders,
+    bytesAfterRequest,
+    dropBytesAfterRequest,
+    handlingRequest,
+    headerBytesSoFar,
+    headerCountSoFar,
+    readingRequestLine,
+    stopChunkedBody,
+)
 
 DEFAULT_MAX_BODY_BYTES = 1024 * 1024
 
@@ -154,10 +163,6 @@ def reasonPhrase(status: int) -> bytes:
     for a status no registry names, such as a provider's own 4xx.
     """
     return _REASON_PHRASES.get(status, b"")
-
-
-def _ignore(data: bytes) -> None:
-    pass
 
 
 def _everyBody(request: Request) -> bool:
@@ -254,7 +259,7 @@ class ProxyChannel(HTTPChannel):
 
     def _requestTooSlow(self) -> None:
         self._readDeadline = None
-        if self._handlingRequest or self._lingering:
+        if handlingRequest(self) or self._lingering:
             return
         # Twisted's own idle timeout: log, close, abort if that hangs.
         self.timeoutConnection()
@@ -263,14 +268,14 @@ class ProxyChannel(HTTPChannel):
         self._disarmReadDeadline()
         # Bytes after the body that came with it (Content-Length shorter
         # than what was sent, or a pipelined request).
-        if any(piece.strip(b"\r\n") for piece in self._dataBuffer):
-            self._dataBuffer = []
+        if any(piece.strip(b"\r\n") for piece in bytesAfterRequest(self)):
+            dropBytesAfterRequest(self)
             self._closeAfterAnswer()
         super().allContentReceived()
 
     def requestDone(self, request: Any) -> None:
         super().requestDone(request)
-        if self.persistent and not self._handlingRequest and self.transport is not None:
+        if self.persistent and not handlingRequest(self) and self.transport is not None:
             self._armReadDeadline()
 
     # Refusals by the parser, answered and counted.
@@ -287,9 +292,9 @@ class ProxyChannel(HTTPChannel):
         # What HTTPChannel.lineReceived would refuse this line for; a header
         # line is parsed when the next line arrives (it may continue), so
         # headerReceived narrows the reason down.
-        if getattr(self, "_HTTPChannel__first_line", 0):
+        if readingRequestLine(self):
             reason = "bad_request_line"
-        elif self._receivedHeaderSize + len(line) > self.totalHeadersSize:
+        elif headerBytesSoFar(self) + len(line) > self.totalHeadersSize:
             reason = "headers_too_large"
         else:
             reason = "bad_header"
@@ -303,7 +308,7 @@ class ProxyChannel(HTTPChannel):
         name = line.split(b":", 1)[0].strip().lower()
         if name in (b"content-length", b"transfer-encoding"):
             reason = "bad_length"
-        elif self._receivedHeaderCount >= self.maxHeaders:
+        elif headerCountSoFar(self) >= self.maxHeaders:
             reason = "too_many_headers"
         else:
             reason = "bad_header"
@@ -316,7 +321,7 @@ class ProxyChannel(HTTPChannel):
 
     def lineLengthExceeded(self, line: bytes) -> None:
         # LineReceiver.MAX_LENGTH (16 KiB) without a line end.
-        if getattr(self, "_HTTPChannel__first_line", 0):
+        if readingRequestLine(self):
             self._refuse("request_line_too_long")
         else:
             self._refuse("headers_too_large")
@@ -352,7 +357,7 @@ class ProxyChannel(HTTPChannel):
     def rawDataReceived(self, data: bytes) -> None:
         if self._lingering or self._refused:
             return
-        if self._handlingRequest:
+        if handlingRequest(self):
             # The next request, before this one is answered: refused (see
             # the module docstring). A bare CRLF after a body is tolerated.
             if data.strip(b"\r\n"):
@@ -380,12 +385,9 @@ class ProxyChannel(HTTPChannel):
         and discard the rest of its body (called from inside the chunked
         decoder, by L{BodyLimitedRequest}).
         """
-        decoder: Any = self._transferDecoder
-        if decoder is not None:
-            # Ends the decoder's loop over what it holds; it is dropped by
-            # allContentReceived below and never fed again.
-            decoder.dataCallback = decoder.finishCallback = _ignore
-            del decoder._buffer[:]
+        # The decoder is dropped by allContentReceived below and never fed
+        # again.
+        stopChunkedBody(self)
         self._closeAfterAnswer()
         request.requestHeaders.removeHeader(b"expect")
         self.allContentReceived()
@@ -486,10 +488,7 @@ class BodyLimitedRequest(Request):
         headers, and close the connection after the answer.
         """
         channel: Any = self.channel
-        # Private to HTTPChannel, but the only way to answer before the
-        # body: right after gotLength, a length of 0 makes the channel
-        # call allContentReceived and so process this request.
-        channel.length = 0
+        answerAfterHeaders(channel)
         channel.persistent = False
         if isinstance(channel, ProxyChannel):
             channel._lingerOnClose = True
