@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asvcd/pb/auth/v1/auth.proto\x12\x0bsvc.auth.v1\",\n\x14ValidateTokenRequest\x12\x14\n\x0c\x61\x63\x63\x65ss_token\x18\x01 \x01(\t\"\x85\x01\n\x15ValidateTokenResponse\x12\x0e\n\x06org_id\x18\x01 \x01(\t\x12\x13\n\x0bpermissions\x18\x02 \x01(\x03\x12\x10\n\x08\x61gent_id\x18\x03 \x01(\t\x12\x0f\n\x07user_id\x18\x04 \x01(\t\x12\x10\n\x08token_id\x18\x05 \x01(\t\x12\x12\n\nexpires_at\x18\x06 \x01(\t\"8\n\x14ValidateAgentRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0e\n\x06org_id\x18\x02 \x01(\t\"I\n\x15ValidateAgentResponse\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0e\n\x06org_id\x18\x02 \x01(\t\x12\x0e\n\x06status\x18\x03 \x01(\t\"e\n\x12\x43reateTokenRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bpermissions\x18\x02 \x01(\x03\x12\x10\n\x08\x61gent_id\x18\x03 \x01(\t\x12\x1a\n\x12\x65xpires_in_seconds\x18\x04 \x01(\x03\"J\n\x13\x43reateTokenResponse\x12\r\n\x05token\x18\x01 \x01(\t\x12$\n\x04info\x18\x02 \x01(\x0b\x32\x16.svc.auth.v1.TokenInfo\"&\n\x12RevokeTokenRequest\x12\x10\n\x08token_id\x18\x01 \x01(\t\"8\n\x13RevokeTokenResponse\x12\x10\n\x08token_id\x18\x01 \x01(\t\x12\x0f\n\x07revoked\x18\x02 \x01(\x08\"\x13\n\x11ListTokensRequest\"<\n\x12ListTokensResponse\x12&\n\x06tokens\x18\x01 \x03(\x0b\x32\x16.svc.auth.v1.TokenInfo\"\xac\x01\n\tTokenInfo\x12\x10\n\x08token_id\x18\x01 \x01(\t\x12\x0e\n\x06org_id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x04 \x01(\t\x12\x0f\n\x07user_id\x18\x05 \x01(\t\x12\x13\n\x0bpermissions\x18\x06 \x01(\x03\x12\x12\n\nexpires_at\x18\x07 \x01(\t\x12\x0f\n\x07revoked\x18\x08 \x01(\x08\x12\x12\n\ncreated_at\x18\t \x01(\t\"\x15\n\x13WatchChangesRequest\"\xc6\x01\n\x06\x43hange\x12\x19\n\x0fknown_token_ids\x18\x01 \x01(\x0cH\x00\x12:\n\x11snapshot_complete\x18\x02 \x01(\x0b\x32\x1d.svc.auth.v1.SnapshotCompleteH\x00\x12\x17\n\rtoken_changed\x18\x03 \x01(\x0cH\x00\x12\x17\n\ragent_changed\x18\x04 \x01(\x0cH\x00\x12+\n\theartbeat\x18\x05 \x01(\x0b\x32\x16.svc.auth.v1.HeartbeatH\x00\x42\x06\n\x04kind\"\'\n\x10SnapshotComplete\x12\x13\n\x0btoken_count\x18\x01 \x01(\x03\"\x0b\n\tHeartbeat2\xf9\x03\n\x0b\x41uthService\x12V\n\rValidateToken\x12!.svc.auth.v1.ValidateTokenRequest\x1a\".svc.auth.v1.ValidateTokenResponse\x12V\n\rValidateAgent\x12!.svc.auth.v1.ValidateAgentRequest\x1a\".svc.auth.v1.ValidateAgentResponse\x12P\n\x0b\x43reateToken\x12\x1f.svc.auth.v1.CreateTokenRequest\x1a .svc.auth.v1.CreateTokenResponse\x12P\n\x0bRevokeToken\x12\x1f.svc.auth.v1.RevokeTokenRequest\x1a .svc.auth.v1.RevokeTokenResponse\x12M\n\nListTokens\x12\x1e.svc.auth.v1.ListTokensRequest\x1a\x1f.svc.auth.v1.ListTokensResponse\x12G\n\x0cWatchChanges\x12 .svc.auth.v1.WatchChangesRequest\x1a\x13.svc.auth.v1.Change0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asvcd/pb/auth/v1/auth.proto\x12\x0bsvc.auth.v1\",\n\x14ValidateTokenRequest\x12\x14\n\x0c\x61\x63\x63\x65ss_token\x18\x01 \x01(\t\"\xae\x01\n\x15ValidateTokenResponse\x12\x0e\n\x06org_id\x18\x01 \x01(\t\x12\x13\n\x0bpermissions\x18\x02 \x01(\x03\x12\x10\n\x08\x61gent_id\x18\x03 \x01(\t\x12\x0f\n\x07user_id\x18\x04 \x01(\t\x12\x10\n\x08token_id\x18\x05 \x01(\t\x12\x12\n\nexpires_at\x18\x06 \x01(\t\x12\'\n\norg_limits\x18\x07 \x01(\x0b\x32\x13.svc.auth.v1.Limits\"8\n\x14ValidateAgentRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0e\n\x06org_id\x18\x02 \x01(\t\"t\n\x15ValidateAgentResponse\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0e\n\x06org_id\x18\x02 \x01(\t\x12\x0e\n\x06status\x18\x03 \x01(\t\x12)\n\x0c\x61gent_limits\x18\x04 \x01(\x0b\x32\x13.svc.auth.v1.Limits\"\x83\x01\n\x06Limits\x12\x10\n\x03rpm\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x10\n\x03tpm\x18\x02 \x01(\x03H\x01\x88\x01\x01\x12\x1e\n\x11max_output_tokens\x18\x03 \x01(\x03H\x02\x88\x01\x01\x12\x0f\n\x07version\x18\x04 \x01(\x03\x42\x06\n\x04_rpmB\x06\n\x04_tpmB\x14\n\x12_max_output_tokens\"e\n\x12\x43reateTokenRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bpermissions\x18\x02 \x01(\x03\x12\x10\n\x08\x61gent_id\x18\x03 \x01(\t\x12\x1a\n\x12\x65xpires_in_seconds\x18\x04 \x01(\x03\"J\n\x13\x43reateTokenResponse\x12\r\n\x05token\x18\x01 \x01(\t\x12$\n\x04info\x18\x02 \x01(\x0b\x32\x16.svc.auth.v1.TokenInfo\"&\n\x12RevokeTokenRequest\x12\x10\n\x08token_id\x18\x01 \x01(\t\"8\n\x13RevokeTokenResponse\x12\x10\n\x08token_id\x18\x01 \x01(\t\x12\x0f\n\x07revoked\x18\x02 \x01(\x08\"\x13\n\x11ListTokensRequest\"<\n\x12ListTokensResponse\x12&\n\x06tokens\x18\x01 \x03(\x0b\x32\x16.svc.auth.v1.TokenInfo\"\xac\x01\n\tTokenInfo\x12\x10\n\x08token_id\x18\x01 \x01(\t\x12\x0e\n\x06org_id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x04 \x01(\t\x12\x0f\n\x07user_id\x18\x05 \x01(\t\x12\x13\n\x0bpermissions\x18\x06 \x01(\x03\x12\x12\n\nexpires_at\x18\x07 \x01(\t\x12\x0f\n\x07revoked\x18\x08 \x01(\x08\x12\x12\n\ncreated_at\x18\t \x01(\t\"\x15\n\x13WatchChangesRequest\"\xfc\x01\n\x06\x43hange\x12\x19\n\x0fknown_token_ids\x18\x01 \x01(\x0cH\x00\x12:\n\x11snapshot_complete\x18\x02 \x01(\x0b\x32\x1d.svc.auth.v1.SnapshotCompleteH\x00\x12\x17\n\rtoken_changed\x18\x03 \x01(\x0cH\x00\x12\x17\n\ragent_changed\x18\x04 \x01(\x0cH\x00\x12+\n\theartbeat\x18\x05 \x01(\x0b\x32\x16.svc.auth.v1.HeartbeatH\x00\x12\x34\n\x0elimits_changed\x18\x06 \x01(\x0b\x32\x1a.svc.auth.v1.LimitsChangedH\x00\x42\x06\n\x04kind\"V\n\rLimitsChanged\x12\x0e\n\x06org_id\x18\x01 \x01(\x0c\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\x0c\x12#\n\x06limits\x18\x03 \x01(\x0b\x32\x13.svc.auth.v1.Limits\"\'\n\x10SnapshotComplete\x12\x13\n\x0btoken_count\x18\x01 \x01(\x03\"\x0b\n\tHeartbeat2\xf9\x03\n\x0b\x41uthService\x12V\n\rValidateToken\x12!.svc.auth.v1.ValidateTokenRequest\x1a\".svc.auth.v1.ValidateTokenResponse\x12V\n\rValidateAgent\x12!.svc.auth.v1.ValidateAgentRequest\x1a\".svc.auth.v1.ValidateAgentResponse\x12P\n\x0b\x43reateToken\x12\x1f.svc.auth.v1.CreateTokenRequest\x1a .svc.auth.v1.CreateTokenResponse\x12P\n\x0bRevokeToken\x12\x1f.svc.auth.v1.RevokeTokenRequest\x1a .svc.auth.v1.RevokeTokenResponse\x12M\n\nListTokens\x12\x1e.svc.auth.v1.ListTokensRequest\x1a\x1f.svc.auth.v1.ListTokensResponse\x12G\n\x0cWatchChanges\x12 .svc.auth.v1.WatchChangesRequest\x1a\x13.svc.auth.v1.Change0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,33 +34,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VALIDATETOKENREQUEST']._serialized_start=43
   _globals['_VALIDATETOKENREQUEST']._serialized_end=87
   _globals['_VALIDATETOKENRESPONSE']._serialized_start=90
-  _globals['_VALIDATETOKENRESPONSE']._serialized_end=223
-  _globals['_VALIDATEAGENTREQUEST']._serialized_start=225
-  _globals['_VALIDATEAGENTREQUEST']._serialized_end=281
-  _globals['_VALIDATEAGENTRESPONSE']._serialized_start=283
-  _globals['_VALIDATEAGENTRESPONSE']._serialized_end=356
-  _globals['_CREATETOKENREQUEST']._serialized_start=358
-  _globals['_CREATETOKENREQUEST']._serialized_end=459
-  _globals['_CREATETOKENRESPONSE']._serialized_start=461
-  _globals['_CREATETOKENRESPONSE']._serialized_end=535
-  _globals['_REVOKETOKENREQUEST']._serialized_start=537
-  _globals['_REVOKETOKENREQUEST']._serialized_end=575
-  _globals['_REVOKETOKENRESPONSE']._serialized_start=577
-  _globals['_REVOKETOKENRESPONSE']._serialized_end=633
-  _globals['_LISTTOKENSREQUEST']._serialized_start=635
-  _globals['_LISTTOKENSREQUEST']._serialized_end=654
-  _globals['_LISTTOKENSRESPONSE']._serialized_start=656
-  _globals['_LISTTOKENSRESPONSE']._serialized_end=716
-  _globals['_TOKENINFO']._serialized_start=719
-  _globals['_TOKENINFO']._serialized_end=891
-  _globals['_WATCHCHANGESREQUEST']._serialized_start=893
-  _globals['_WATCHCHANGESREQUEST']._serialized_end=914
-  _globals['_CHANGE']._serialized_start=917
-  _globals['_CHANGE']._serialized_end=1115
-  _globals['_SNAPSHOTCOMPLETE']._serialized_start=1117
-  _globals['_SNAPSHOTCOMPLETE']._serialized_end=1156
-  _globals['_HEARTBEAT']._serialized_start=1158
-  _globals['_HEARTBEAT']._serialized_end=1169
-  _globals['_AUTHSERVICE']._serialized_start=1172
-  _globals['_AUTHSERVICE']._serialized_end=1677
+  _globals['_VALIDATETOKENRESPONSE']._serialized_end=264
+  _globals['_VALIDATEAGENTREQUEST']._serialized_start=266
+  _globals['_VALIDATEAGENTREQUEST']._serialized_end=322
+  _globals['_VALIDATEAGENTRESPONSE']._serialized_start=324
+  _globals['_VALIDATEAGENTRESPONSE']._serialized_end=440
+  _globals['_LIMITS']._serialized_start=443
+  _globals['_LIMITS']._serialized_end=574
+  _globals['_CREATETOKENREQUEST']._serialized_start=576
+  _globals['_CREATETOKENREQUEST']._serialized_end=677
+  _globals['_CREATETOKENRESPONSE']._serialized_start=679
+  _globals['_CREATETOKENRESPONSE']._serialized_end=753
+  _globals['_REVOKETOKENREQUEST']._serialized_start=755
+  _globals['_REVOKETOKENREQUEST']._serialized_end=793
+  _globals['_REVOKETOKENRESPONSE']._serialized_start=795
+  _globals['_REVOKETOKENRESPONSE']._serialized_end=851
+  _globals['_LISTTOKENSREQUEST']._serialized_start=853
+  _globals['_LISTTOKENSREQUEST']._serialized_end=872
+  _globals['_LISTTOKENSRESPONSE']._serialized_start=874
+  _globals['_LISTTOKENSRESPONSE']._serialized_end=934
+  _globals['_TOKENINFO']._serialized_start=937
+  _globals['_TOKENINFO']._serialized_end=1109
+  _globals['_WATCHCHANGESREQUEST']._serialized_start=1111
+  _globals['_WATCHCHANGESREQUEST']._serialized_end=1132
+  _globals['_CHANGE']._serialized_start=1135
+  _globals['_CHANGE']._serialized_end=1387
+  _globals['_LIMITSCHANGED']._serialized_start=1389
+  _globals['_LIMITSCHANGED']._serialized_end=1475
+  _globals['_SNAPSHOTCOMPLETE']._serialized_start=1477
+  _globals['_SNAPSHOTCOMPLETE']._serialized_end=1516
+  _globals['_HEARTBEAT']._serialized_start=1518
+  _globals['_HEARTBEAT']._serialized_end=1529
+  _globals['_AUTHSERVICE']._serialized_start=1532
+  _globals['_AUTHSERVICE']._serialized_end=2037
 # @@protoc_insertion_point(module_scope)
