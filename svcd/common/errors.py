@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import datetime
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -138,7 +138,7 @@ class ApiError(Exception):
         code: ErrorCode,
         message: str | None = None,
         *,
-        detail: str | None = None,
+        detail: str | Mapping[str, str] | None = None,
         fieldErrors: Sequence[FieldError] = (),
         headers: Sequence[tuple[str, str]] = (),
         status: int | None = None,

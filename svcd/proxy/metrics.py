@@ -127,6 +127,25 @@ class ProxyMetrics:
             ["provider", "model", "kind"],
             registry=self.registry,
         )
+        self.limitRefusals = Counter(
+            "svc_proxy_limit_refusals",
+            "Requests refused 429 by a limits row (decisions D11), by limit (requests or"
+            " tokens) and scope (org or agent)",
+            ["limit", "scope"],
+            registry=self.registry,
+        )
+        self.tokensReserved = Counter(
+            "svc_proxy_tokens_reserved",
+            "Tokens reserved at admission against token limits (decisions D11)",
+            registry=self.registry,
+        )
+        self.tokensSettled = Counter(
+            "svc_proxy_tokens_settled",
+            "Tokens the reservations were settled to (decisions D11): the provider's"
+            " usage, 0 for an answer that failed before its first byte, the reservation"
+            " itself when no usage came",
+            registry=self.registry,
+        )
         self.ratelimitCircuitOpen = Gauge(
             "svc_proxy_ratelimit_circuit_open",
             "1 while the rate limiter skips Redis after a failure (decisions D10), else 0",
@@ -167,6 +186,9 @@ class ProxyMetrics:
 
     def authLocalRefusal(self, reason: str) -> None:
         self._children.of(self.authLocalRefusals, reason).inc()
+
+    def limitRefusal(self, limit: str, scope: str) -> None:
+        self._children.of(self.limitRefusals, limit, scope).inc()
 
     def watchFeed(self, live: Callable[[], bool]) -> None:
         """

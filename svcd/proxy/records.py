@@ -59,3 +59,27 @@ class UpstreamRecord:
     upstreamModel: str | None = None
     upstreamMilliseconds: float | None = None
     usage: Usage | None = None
+
+
+@attrs.frozen
+class Limits:
+    """
+    One limits row of an organization or of one of its agents (decisions
+    D11): each value a positive integer, or None when unset.
+    """
+
+    rpm: int | None = None
+    tpm: int | None = None
+    maxOutputTokens: int | None = None
+    version: int = 0
+
+
+@attrs.frozen
+class Reservation:
+    """
+    The tokens an admitted request reserved (decisions D11), and the
+    counters that hold them until it is settled.
+    """
+
+    keys: tuple[str, ...]
+    tokens: int

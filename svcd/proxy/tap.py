@@ -33,6 +33,7 @@ from svcd.proxy.forwarding.upstream import Forwarder
 from svcd.proxy.http.edge import ProxyEdge
 from svcd.proxy.http.site import ProtocolErrors, ProxySite
 from svcd.proxy.http.twistedprivate import TwistedIncompatible, requireTwistedInternals
+from svcd.proxy.limits.book import LimitBook
 from svcd.proxy.limits.limiter import makeRateLimiter
 from svcd.proxy.listening import listenEndpoint
 from svcd.proxy.metrics import ProxyMetrics
@@ -107,6 +108,9 @@ def makeService(options: Options) -> LoggingRootService:
     tracer = provider.get_tracer("svcd.proxy")
 
     metrics = ProxyMetrics(CollectorRegistry())
+    # Decisions D11: the limits rows, from the change feed, or from the
+    # validation answers while there is no live feed.
+    limitBook = LimitBook()
     grpcAuth = GrpcAuthClient(
         functools.partial(authChannel, config),
         IReactorFromThreads(reactor),
@@ -116,6 +120,7 @@ def makeService(options: Options) -> LoggingRootService:
         tracer=tracer,
         maxInFlight=config.authMaxInFlight,
         queueTimeout=config.authQueueTimeout,
+        limitBook=limitBook,
     )
     auth: AuthClient = grpcAuth
     service: ClosableAuthClient = grpcAuth
@@ -129,7 +134,14 @@ def makeService(options: Options) -> LoggingRootService:
             config.authCacheTTL,
             config.authWrongSecretsPerSecond,
         )
-        feed = ChangeFeed(grpcAuth.openChangeFeed, cache, IReactorFromThreads(reactor), reactor)
+        feed = ChangeFeed(
+            grpcAuth.openChangeFeed,
+            cache,
+            IReactorFromThreads(reactor),
+            reactor,
+            limitBook=limitBook,
+        )
+        limitBook.feedLive = feed.live
         metrics.watchFeed(feed.live)
         auth = service = CachingAuthClient(grpcAuth, cache, feed, metrics)
     limiter = makeRateLimiter(
@@ -139,6 +151,7 @@ def makeService(options: Options) -> LoggingRootService:
         config.defaultRPM,
         config.orgRPM,
         metrics.ratelimitCircuitOpen,
+        limitBook,
     )
     forwarder = None
     if config.providers is not None:

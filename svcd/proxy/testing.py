@@ -154,6 +154,8 @@ class MemoryCounters:
     reply: Deferred[int] | None = None
     # Each call's key and number of hits, in order.
     calls: list[tuple[str, int]] = attrs.field(factory=list)
+    # Each admission call's keys and arguments (decisions D11), in order.
+    admissions: list[tuple[list[str], list[int]]] = attrs.field(factory=list)
     _held: dict[Deferred[int], _HeldAnswers] = attrs.field(factory=dict, init=False, repr=False)
     started: bool = False
     stopped: bool = False
@@ -167,6 +169,56 @@ class MemoryCounters:
         self.counts[key] = self.counts.get(key, 0) + hits
         self.ttls.setdefault(key, ttl)
         return succeed(self.counts[key])
+
+    def admit(self, keys: list[str], arguments: list[int]) -> Deferred[list[list[int]]]:
+        """
+        The admission script of decisions D11 (C{_ADMIT_SCRIPT}), step for
+        step, over the dictionary.
+        """
+        if self.failure is not None:
+            return fail(self.failure)
+        self.admissions.append((list(keys), list(arguments)))
+        ttl, requests = arguments[0], arguments[1]
+        at = 2
+        answers: list[list[int]] = []
+        for _ in range(requests):
+            n = arguments[at]
+            counters = [
+                (
+                    keys[arguments[at + 1 + 3 * c] - 1],
+                    arguments[at + 2 + 3 * c],
+                    arguments[at + 3 + 3 * c],
+                )
+                for c in range(n)
+            ]
+            at += 1 + 3 * n
+            refused = next(
+                (
+                    position
+                    for position, (key, amount, limit) in enumerate(counters, 1)
+                    if self.counts.get(key, 0) + amount > limit
+                ),
+                0,
+            )
+            if not refused:
+                for key, amount, _ in counters:
+                    if amount > 0:
+                        self.counts[key] = self.counts.get(key, 0) + amount
+                        self.ttls.setdefault(key, ttl)
+            answers.append([refused, *(self.counts.get(key, 0) for key, _, _ in counters)])
+        return succeed(answers)
+
+    def adjust(self, keys: list[str], deltas: list[int]) -> Deferred[object]:
+        """
+        The settlement script of decisions D11: each delta added to its key
+        where the key exists.
+        """
+        if self.failure is not None:
+            return fail(self.failure)
+        for key, delta in zip(keys, deltas, strict=True):
+            if key in self.counts:
+                self.counts[key] += delta
+        return succeed(0)
 
     def _heldAnswer(self, held: Deferred[int]) -> Deferred[int]:
         """

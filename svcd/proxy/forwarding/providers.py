@@ -21,7 +21,9 @@ cycle would make that order endless, so it is a fault at load.
 
 Our one extension of D9's shape is C{max_connections} (per provider,
 default 16): how many requests go to that provider at once, over as many
-persistent connections (L{svcd.proxy.forwarding.upstream}).
+persistent connections (L{svcd.proxy.forwarding.upstream}). Decisions D11
+add C{max_output_tokens} to a model (optional): the output cap its token
+reservation assumes when a request names none.
 """
 
 from __future__ import annotations
@@ -85,7 +87,9 @@ _TOML_POSITION = re.compile(r"(.*?)\s*(\((?:at line \d+, column \d+|at end of do
 
 _TOP_KEYS = ("providers", "models")
 _PROVIDER_KEYS = ("name", "base_url", "api_key_env", "timeout", "idle_timeout", "max_connections")
-_MODEL_KEYS = ("name", "provider", "upstream_model", "orgs", "fallbacks")
+# The largest output cap a model may declare (D11): far above any model's.
+MAX_OUTPUT_TOKENS = 10_000_000
+_MODEL_KEYS = ("name", "provider", "upstream_model", "orgs", "fallbacks", "max_output_tokens")
 # Unknown keys that look like someone putting a key in the file.
 _SECRET_LIKE = frozenset(
     {"api_key", "apikey", "key", "token", "secret", "password", "authorization"}
@@ -146,6 +150,9 @@ class Model:
     upstreamModel: str = attrs.field(default=attrs.Factory(_ownName, takes_self=True))
     orgs: frozenset[str] | None = None
     fallbacks: tuple[str, ...] = ()
+    # The output cap assumed for a request that names none, when neither
+    # its agent's nor its organization's limits row has one (D11).
+    maxOutputTokens: int | None = None
 
     def allows(self, orgID: str) -> bool:
         """
@@ -643,7 +650,21 @@ class _Checker:
             upstreamModel=upstreamModel or name,
             orgs=self.orgs(table, where),
             fallbacks=self.fallbacks(table, where),
+            maxOutputTokens=self.maxOutputTokens(table, where),
         )
+
+    def maxOutputTokens(self, table: dict[str, Any], where: str) -> int | None:
+        value = table.get("max_output_tokens")
+        if value is None:
+            return None
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise self.fault(f"{where}max_output_tokens must be an integer, got {_kind(value)}")
+        if not 1 <= value <= MAX_OUTPUT_TOKENS:
+            raise self.fault(
+                f"{where}max_output_tokens must be from 1 to {MAX_OUTPUT_TOKENS},"
+                f" got {_show(value)}"
+            )
+        return value
 
     def stringArray(
         self, table: dict[str, Any], key: str, where: str, what: str

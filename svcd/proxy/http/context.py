@@ -17,7 +17,9 @@ import attrs
 from opentelemetry.trace import INVALID_SPAN, Span
 from twisted.web.server import Request
 
-from svcd.proxy.records import AgentInfo, TokenInfo, UpstreamRecord
+from svcd.common.errors import ApiError
+from svcd.proxy.http.chatbody import ChatRequest
+from svcd.proxy.records import AgentInfo, Reservation, TokenInfo, UpstreamRecord
 
 JSON = b"application/json"
 
@@ -67,6 +69,13 @@ class RequestContext:
     status: int = 0
     # What forwarding to a provider did, for the access log.
     upstream: UpstreamRecord = attrs.field(factory=UpstreamRecord)
+    # The chat body, when a token reservation needed it before the
+    # handler (decisions D11), or why it was refused (for the handler to
+    # answer, in the spec's order).
+    chat: ChatRequest | None = None
+    chatError: ApiError | None = None
+    # The tokens this request holds until it is settled (decisions D11).
+    reservation: Reservation | None = None
 
 
 Step = Callable[[RequestContext], Awaitable[None]]

@@ -68,7 +68,9 @@ from svcd.proxy.http.context import (
 )
 from svcd.proxy.http.paths import isCanonicalPath
 from svcd.proxy.http.twistedprivate import clientGone
+from svcd.proxy.limits.book import Applicable
 from svcd.proxy.limits.limiter import RateLimiter
+from svcd.proxy.limits.reservation import reservationOf
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.validation.client import AGENT_HEADER, AuthClient, agentHeaderInvalid
 
@@ -185,7 +187,7 @@ class ProxyEdge:
                 self.contentType,
                 self.tokenAuth(Permission.ProxyChatCompletion),
                 self.agentVerify,
-                self.rateLimit,
+                self.rateLimit(reserveTokens=True),
             ),
             handler=self.chatCompletions,
         )
@@ -197,7 +199,7 @@ class ProxyEdge:
                 "/v1/internal/auth-probe",
                 {
                     "GET": Pipeline(
-                        (self.tokenAuth(), self.agentVerify, self.rateLimit),
+                        (self.tokenAuth(), self.agentVerify, self.rateLimit()),
                         self.authProbe,
                     )
                 },
@@ -210,7 +212,7 @@ class ProxyEdge:
                             self.pathOrgID,
                             self.tokenAuth(matchPathOrg=True),
                             self.agentVerify,
-                            self.rateLimit,
+                            self.rateLimit(),
                         ),
                         self.authProbe,
                     )
@@ -225,7 +227,7 @@ class ProxyEdge:
                     "/v1/models",
                     {
                         "GET": Pipeline(
-                            (self.tokenAuth(), self.agentVerify, self.rateLimit),
+                            (self.tokenAuth(), self.agentVerify, self.rateLimit()),
                             self.modelsList,
                         )
                     },
@@ -656,21 +658,77 @@ class ProxyEdge:
         ctx.agent = await self._auth.validateAgent(ctx.accessToken, agentID, token.orgID)
         ctx.agentID = agentID
 
-    async def rateLimit(self, ctx: RequestContext) -> None:
+    def rateLimit(self, reserveTokens: bool = False) -> Step:
         """
-        The organization's per-minute limit: X-RateLimit-* on the answer
-        whatever it is, 429 RATE_LIMITED with Retry-After past the limit.
+        The step of the organization's per-minute limit (and its agent's,
+        with limits rows): X-RateLimit-* on the answer whatever it is, 429
+        RATE_LIMITED with Retry-After past the limit.
+
+        @param reserveTokens: reserve the tokens of a chat request that
+            will be forwarded, when a token limit applies to it (decisions
+            D11). The body is parsed here for that, once; a body that fails
+            its rules reserves nothing, and its 400 still comes from the
+            handler, after the rate limit, in the spec's order.
         """
+
+        async def rateLimit(ctx: RequestContext) -> None:
+            assert ctx.orgID is not None
+            tokens = 0
+            if reserveTokens and self._providers is not None:
+                applicable = self._limiter.applicable(ctx.orgID, ctx.agentID)
+                if applicable.tokenLimited:
+                    tokens = self._tokensToReserve(ctx, self._providers, applicable)
+            await self._limit(ctx, tokens)
+
+        return rateLimit
+
+    def _tokensToReserve(
+        self, ctx: RequestContext, providers: ProviderTable, applicable: Applicable
+    ) -> int:
         assert ctx.orgID is not None
-        decision = await self._limiter.hit(ctx.orgID, ctx.agentID)
+        try:
+            chat = ctx.chat = parseChatBody(_bodyBytes(ctx.request))
+        except ApiError as refused:
+            ctx.chatError = refused
+            return 0
+        model = providers.modelFor(chat.model, ctx.orgID)
+        if model is None:
+            # Not forwarded (501): nothing to reserve.
+            return 0
+        return reservationOf(chat.document, chat.messages, applicable, model.maxOutputTokens)
+
+    async def _limit(self, ctx: RequestContext, tokens: int) -> None:
+        assert ctx.orgID is not None
+        decision = await self._limiter.hit(ctx.orgID, ctx.agentID, tokens)
         if decision is None:
             return
         ctx.responseHeaders.extend(decision.headers())
         if not decision.allowed:
             self._metrics.rateLimited.inc()
+            detail = None
+            if decision.refusedBy is not None:
+                limit, scope = decision.refusedBy
+                self._metrics.limitRefusal(limit, scope)
+                detail = {"limit": limit, "scope": scope}
             raise ApiError(
-                ErrorCode.RATE_LIMITED, headers=[("Retry-After", str(decision.retryAfter))]
+                ErrorCode.RATE_LIMITED,
+                detail=detail,
+                headers=[("Retry-After", str(decision.retryAfter))],
             )
+        reservation = decision.reservation
+        if reservation is not None and reservation.tokens:
+            ctx.reservation = reservation
+            self._metrics.tokensReserved.inc(reservation.tokens)
+
+    def _settle(self, ctx: RequestContext, tokens: int) -> None:
+        """
+        Correct this request's token reservation to C{tokens} (decisions
+        D11), once.
+        """
+        reservation, ctx.reservation = ctx.reservation, None
+        if reservation is not None:
+            self._limiter.settle(reservation, tokens)
+            self._metrics.tokensSettled.inc(tokens)
 
     # Handlers.
 
@@ -728,9 +786,9 @@ class ProxyEdge:
         provider is configured (Phase 1) or the model is not one the
         caller's organization may use.
         """
-        content = _body(ctx.request)
-        content.seek(0)
-        chat = parseChatBody(content.read())
+        if ctx.chatError is not None:
+            raise ctx.chatError
+        chat = ctx.chat if ctx.chat is not None else parseChatBody(_bodyBytes(ctx.request))
         span = ctx.span
         if span.is_recording():
             # Metadata only, as in the log line: never a message's content.
@@ -758,14 +816,24 @@ class ProxyEdge:
         if model is None:
             # Never a hint that the model exists for another organization.
             raise ApiError(ErrorCode.PROVIDER_NOT_CONFIGURED)
-        answer = await forwarder.forward(
-            chat.document,
-            providers.attempts(model, ctx.orgID),
-            ctx.requestID,
-            _ClientStream(self, ctx),
-            lambda error: self.errorEvent(ctx, error),
-            ctx.upstream,
-        )
+        try:
+            answer = await forwarder.forward(
+                chat.document,
+                providers.attempts(model, ctx.orgID),
+                ctx.requestID,
+                _ClientStream(self, ctx),
+                lambda error: self.errorEvent(ctx, error),
+                ctx.upstream,
+            )
+        except ApiError:
+            # Failed before its first byte: the reservation is released.
+            self._settle(ctx, 0)
+            raise
+        # A client gone (CancelledError) keeps its reservation counted, as
+        # does an answer without usage; usage settles it (D11).
+        usage = ctx.upstream.usage
+        if usage is not None:
+            self._settle(ctx, usage.promptTokens + usage.completionTokens)
         return Reply(
             answer.status,
             answer.body,
@@ -794,6 +862,12 @@ def _body(request: Request) -> IO[bytes]:
         # is the only sensible reading of its absence.
         return BytesIO()
     return content
+
+
+def _bodyBytes(request: Request) -> bytes:
+    content = _body(request)
+    content.seek(0)
+    return content.read()
 
 
 def bearerToken(request: Request) -> str:

@@ -35,7 +35,9 @@ from svcd.common.deferreds import timeoutDeferred
 from svcd.common.logthrottle import ThrottledWarning
 from svcd.common.readiness import CheckFailed
 from svcd.proxy.config import RedisTarget
+from svcd.proxy.limits.book import NO_LIMITS, Applicable, LimitBook
 from svcd.proxy.limits.breaker import CircuitBreaker, Permit
+from svcd.proxy.records import Reservation
 
 WINDOW_SECONDS = 60
 # Longer than the window so a counter outlives any clock skew between
@@ -52,6 +54,96 @@ end
 return count
 """
 
+# Decisions D11: every counter of a batch of requests of one organization,
+# checked and counted in one atomic step. ARGV: the TTL, the number of
+# requests, then for each request the number of its counters followed by
+# (key index, amount, limit) for each. A request is admitted only when
+# every one of its counters has room for its amount, and then counts
+# against all of them; a refused one counts against none. Answers, for
+# each request, {refused, count...}: refused is 0 when admitted, else the
+# position (from 1) of the first counter without room; each count is the
+# counter's value after the request (admitted) or as it was (refused).
+_ADMIT_SCRIPT = """
+local ttl = tonumber(ARGV[1])
+local values = {}
+local function value(index)
+  local v = values[index]
+  if v == nil then
+    v = tonumber(redis.call('GET', KEYS[index]) or '0')
+    values[index] = v
+  end
+  return v
+end
+local results = {}
+local at = 3
+for request = 1, tonumber(ARGV[2]) do
+  local n = tonumber(ARGV[at])
+  local first = at + 1
+  at = first + 3 * n
+  local refused = 0
+  local counts = {0}
+  for c = 1, n do
+    local base = first + 3 * (c - 1)
+    local v = value(tonumber(ARGV[base]))
+    counts[c + 1] = v
+    if refused == 0 and v + tonumber(ARGV[base + 1]) > tonumber(ARGV[base + 2]) then
+      refused = c
+    end
+  end
+  if refused == 0 then
+    for c = 1, n do
+      local base = first + 3 * (c - 1)
+      local index = tonumber(ARGV[base])
+      local amount = tonumber(ARGV[base + 1])
+      if amount > 0 then
+        local v = redis.call('INCRBY', KEYS[index], amount)
+        if v == amount or redis.call('TTL', KEYS[index]) < 0 then
+          redis.call('EXPIRE', KEYS[index], ttl)
+        end
+        values[index] = v
+      end
+      counts[c + 1] = values[index]
+    end
+  end
+  counts[1] = refused
+  results[request] = counts
+end
+return results
+"""
+
+# Decisions D11: token reservations settled to what the provider counted.
+# ARGV: one delta per key; a key that has expired is left alone (its
+# minute is long over, and a negative count must not be made).
+_ADJUST_SCRIPT = """
+for index, key in ipairs(KEYS) do
+  if redis.call('EXISTS', key) == 1 then
+    redis.call('INCRBY', key, ARGV[index])
+  end
+end
+return 0
+"""
+
+# What a limit is of, and whose (the 429's detail, the metrics' labels).
+REQUESTS = "requests"
+TOKENS = "tokens"
+ORG = "org"
+AGENT = "agent"
+
+
+@attrs.frozen
+class Counter:
+    """
+    One counter a request is checked against and counted in: its Redis
+    key, what the request adds (1 request, or its tokens), the limit, and
+    what it limits.
+    """
+
+    key: str
+    amount: int
+    limit: int
+    kind: str
+    scope: str
+
 
 @attrs.frozen
 class RateDecision:
@@ -65,16 +157,32 @@ class RateDecision:
     remaining: int
     reset: int
     retryAfter: int
+    # With a token limit in force (D11): the one with the least room,
+    # remaining after this request's reservation.
+    tokenLimit: int | None = None
+    tokenRemaining: int | None = None
+    # What refused the request: (REQUESTS or TOKENS, ORG or AGENT).
+    refusedBy: tuple[str, str] | None = None
+    # The tokens an admitted request holds until it is settled.
+    reservation: Reservation | None = None
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         """
-        X-RateLimit-Limit, X-RateLimit-Remaining and X-RateLimit-Reset.
+        X-RateLimit-Limit, X-RateLimit-Remaining and X-RateLimit-Reset,
+        and their -Tokens forms when a token limit is in force.
         """
-        return [
+        headers = [
             (b"X-RateLimit-Limit", b"%d" % self.limit),
             (b"X-RateLimit-Remaining", b"%d" % self.remaining),
             (b"X-RateLimit-Reset", b"%d" % self.reset),
         ]
+        if self.tokenLimit is not None and self.tokenRemaining is not None:
+            headers += [
+                (b"X-RateLimit-Limit-Tokens", b"%d" % self.tokenLimit),
+                (b"X-RateLimit-Remaining-Tokens", b"%d" % self.tokenRemaining),
+                (b"X-RateLimit-Reset-Tokens", b"%d" % self.reset),
+            ]
+        return headers
 
 
 class RateLimiter(Protocol):
@@ -82,11 +190,24 @@ class RateLimiter(Protocol):
     What the proxy needs of a rate limiter.
     """
 
-    async def hit(self, orgID: str, agentID: str | None) -> RateDecision | None:
+    async def hit(self, orgID: str, agentID: str | None, tokens: int = 0) -> RateDecision | None:
         """
-        Count one request of C{orgID} (the agent is accepted and ignored:
-        the limit is per organization) and decide on it; C{None} when the
+        Count one request of C{orgID} by C{agentID}, reserving C{tokens}
+        where a token limit applies, and decide on it; C{None} when the
         limiter could not decide and the request goes on (fail open).
+        Without limits rows (D11) the agent is ignored: the limit is the
+        organization's (D5).
+        """
+
+    def applicable(self, orgID: str, agentID: str | None) -> Applicable:
+        """
+        The limits rows that apply to a request of C{orgID} by C{agentID}.
+        """
+
+    def settle(self, reservation: Reservation, tokens: int) -> None:
+        """
+        Correct a reservation to the C{tokens} the provider counted (0
+        releases it), in the minute it was made.
         """
 
     def checkReady(self) -> Deferred[None]:
@@ -126,6 +247,17 @@ class RedisCounters(Protocol):
         """
         Add C{hits} to the counter C{key} (giving a new key C{ttl}
         seconds to live); fires with the count after them.
+        """
+
+    def admit(self, keys: list[str], arguments: list[int]) -> Deferred[list[list[int]]]:
+        """
+        Run the admission script (C{_ADMIT_SCRIPT}) over C{keys} with
+        C{arguments}; fires with its answer for each request.
+        """
+
+    def adjust(self, keys: list[str], deltas: list[int]) -> Deferred[object]:
+        """
+        Add each delta to its key, where the key still exists.
         """
 
     def ping(self) -> Deferred[object]: ...
@@ -196,6 +328,16 @@ class RedisLink:
         result: Deferred[int] = self._factory.handler.eval(_INCREMENT_SCRIPT, [key], [ttl, hits])
         return result
 
+    def admit(self, keys: list[str], arguments: list[int]) -> Deferred[list[list[int]]]:
+        result: Deferred[list[list[int]]] = self._factory.handler.eval(
+            _ADMIT_SCRIPT, keys, arguments
+        )
+        return result
+
+    def adjust(self, keys: list[str], deltas: list[int]) -> Deferred[object]:
+        result: Deferred[object] = self._factory.handler.eval(_ADJUST_SCRIPT, keys, deltas)
+        return result
+
     def ping(self) -> Deferred[object]:
         result: Deferred[object] = self._factory.handler.ping()
         return result
@@ -204,14 +346,17 @@ class RedisLink:
 @attrs.define(eq=False)
 class _KeyCalls:
     """
-    The calls of one counter key: the hits counted by the call in flight,
-    in the order they came, and the hits that came since, which share the
+    The calls of one counter key (or, with limits rows, of one
+    organization's admissions): the hits counted by the call in flight, in
+    the order they came, and the hits that came since, which share the
     next call.
     """
 
-    sent: list[Deferred[int | None]] = attrs.Factory(list)
-    call: Deferred[int] | None = None
-    waiting: list[Deferred[int | None]] = attrs.Factory(list)
+    sent: list[Deferred[Any]] = attrs.Factory(list)
+    call: Deferred[Any] | None = None
+    waiting: list[Deferred[Any]] = attrs.Factory(list)
+    # Admissions (D11): the counters of each hit not yet sent.
+    counters: dict[Deferred[Any], tuple[Counter, ...]] = attrs.Factory(dict)
 
 
 class RedisRateLimiter:
@@ -226,6 +371,14 @@ class RedisRateLimiter:
     Redis (and this process's Redis client, the dearer part) one round trip
     per round-trip time instead of one per request, an idle one is counted
     at once, and no hit waits for more than the call before its own.
+
+    With limits rows (decisions D11, L{LimitBook}) a request has up to four
+    counters (its organization's requests and tokens, its agent's requests
+    and tokens), all checked and counted in one script call
+    (C{_ADMIT_SCRIPT}) so that no replica can admit past any of them; the
+    requests of one organization share calls the same way, one call
+    checking each of them in the order they came. An organization and
+    agent without rows are counted exactly as D5 says, above.
 
     @param clock: the time source for windows, the timer of the Redis
         budget and the circuit breaker; tests pass a
@@ -247,8 +400,10 @@ class RedisRateLimiter:
         warnInterval: float = 10.0,
         circuitOpen: Gauge | None = None,
         openSeconds: float = 1.0,
+        book: LimitBook | None = None,
     ) -> None:
         self._counters = counters
+        self._book = book if book is not None else LimitBook()
         self._clock = clock
         self._defaultRPM = defaultRPM
         self._orgRPM = dict(orgRPM or {})
@@ -261,20 +416,29 @@ class RedisRateLimiter:
         # A change of the circuit, to be logged by the first request to
         # resume (in its context: the line then carries its request_id).
         self._news: tuple[str, str] | None = None
+        # Settlements (D11) not yet sent, by key, and the call in flight.
+        self._adjustments: dict[str, int] = {}
+        self._adjusting: Deferred[object] | None = None
 
     def limitFor(self, orgID: str) -> int:
         """
-        Requests per minute allowed to C{orgID}.
+        Requests per minute allowed to C{orgID} by the environment.
         """
         return self._orgRPM.get(orgID, self._defaultRPM)
 
-    async def hit(self, orgID: str, agentID: str | None) -> RateDecision | None:
+    def applicable(self, orgID: str, agentID: str | None) -> Applicable:
+        return self._book.applicable(orgID, agentID)
+
+    async def hit(self, orgID: str, agentID: str | None, tokens: int = 0) -> RateDecision | None:
         now = self._clock.seconds()
         windowStart = int(now) // WINDOW_SECONDS * WINDOW_SECONDS
         if not self._counters.connected:
             self._unavailable.warn("Redis is not connected; rate limiting is off until it is back")
             return None
-        count = await self._count(f"ratelimit:{orgID}:{windowStart}")
+        applicable = self._book.applicable(orgID, agentID)
+        if applicable.org is not None or applicable.agent is not None:
+            return await self._admit(orgID, agentID, tokens, applicable, now, windowStart)
+        count = await self._join(f"ratelimit:{orgID}:{windowStart}", None)
         if self._news is not None:
             self._announce(self._news)
         if count is None:
@@ -289,17 +453,110 @@ class RedisRateLimiter:
             retryAfter=max(1, math.ceil(reset - now)),
         )
 
+    # Limits rows (decisions D11).
+
+    async def _admit(
+        self,
+        orgID: str,
+        agentID: str | None,
+        tokens: int,
+        applicable: Applicable,
+        now: float,
+        windowStart: int,
+    ) -> RateDecision | None:
+        counters = self._countersOf(orgID, agentID, tokens, applicable, windowStart)
+        counts: list[int] | None = await self._join(f"admit:{orgID}", counters)
+        if self._news is not None:
+            self._announce(self._news)
+        if counts is None:
+            return None
+        reset = windowStart + WINDOW_SECONDS
+        return _decision(counters, counts, reset, max(1, math.ceil(reset - now)))
+
+    def _countersOf(
+        self,
+        orgID: str,
+        agentID: str | None,
+        tokens: int,
+        applicable: Applicable,
+        windowStart: int,
+    ) -> tuple[Counter, ...]:
+        """
+        The counters of one request, in the order a refusal is reported:
+        the organization's requests and tokens, then its agent's. A
+        reservation larger than a whole C{tpm} is cut to it, so that such a
+        request still runs in an otherwise empty minute.
+        """
+        org, agent = applicable.org, applicable.agent
+        rpm = org.rpm if org is not None and org.rpm is not None else self.limitFor(orgID)
+        tpms = [row.tpm for row in (org, agent) if row is not None and row.tpm is not None]
+        reserved = min(tokens, *tpms) if tpms else 0
+        orgKey = f"ratelimit:{orgID}:{windowStart}"
+        counters = [Counter(orgKey, 1, rpm, REQUESTS, ORG)]
+        if org is not None and org.tpm is not None:
+            counters.append(Counter(orgKey + ":tokens", reserved, org.tpm, TOKENS, ORG))
+        if agent is not None:
+            agentKey = f"{orgKey}:agent:{agentID}"
+            if agent.rpm is not None:
+                counters.append(Counter(agentKey, 1, agent.rpm, REQUESTS, AGENT))
+            if agent.tpm is not None:
+                counters.append(Counter(agentKey + ":tokens", reserved, agent.tpm, TOKENS, AGENT))
+        return tuple(counters)
+
+    def settle(self, reservation: Reservation, tokens: int) -> None:
+        delta = tokens - reservation.tokens
+        if not delta:
+            return
+        for key in reservation.keys:
+            self._adjustments[key] = self._adjustments.get(key, 0) + delta
+        if self._adjusting is None:
+            self._sendAdjustments()
+
+    def _sendAdjustments(self) -> None:
+        """
+        Send every settlement waiting, in one call; those that come while
+        it is in flight go in the next. Off the request's path: a failed
+        call leaves its reservations counted as they were (the safe side).
+        """
+        adjustments, self._adjustments = self._adjustments, {}
+        pending = [(key, delta) for key, delta in adjustments.items() if delta]
+        if not pending or not self._counters.connected:
+            return
+        call = self._adjusting = timeoutDeferred(
+            self._counters.adjust([key for key, _ in pending], [delta for _, delta in pending]),
+            self._timeout,
+            asReactorTime(self._clock),
+        )
+        call.addErrback(self._adjustFailed, len(pending))
+        call.addBoth(self._adjusted)
+
+    def _adjustFailed(self, failure: Failure, keys: int) -> None:
+        self._unavailable.warn(
+            "Redis did not take {keys} token settlements ({error_type}); those reservations"
+            " stay counted",
+            keys=keys,
+            error_type=type(failure.value).__name__,
+        )
+
+    def _adjusted(self, result: object) -> None:
+        self._adjusting = None
+        if self._adjustments:
+            self._sendAdjustments()
+
     # Shared calls (see the class docstring).
 
-    def _count(self, key: str) -> Deferred[int | None]:
+    def _join(self, key: str, counters: tuple[Counter, ...] | None) -> Deferred[Any]:
         """
-        This hit's count in C{key}, or None when Redis is skipped or fails
+        This hit's count in C{key} (or, with C{counters}, the admission
+        script's answer for it), or None when Redis is skipped or fails
         (fail open).
         """
         calls = self._calls.get(key)
         if calls is None:
             calls = self._calls[key] = _KeyCalls()
-        counted: Deferred[int | None] = Deferred(lambda withdrawn: self._withdraw(calls, withdrawn))
+        counted: Deferred[Any] = Deferred(lambda withdrawn: self._withdraw(calls, withdrawn))
+        if counters is not None:
+            calls.counters[counted] = counters
         if calls.call is None:
             calls.waiting.append(counted)
             self._send(key, calls)
@@ -309,10 +566,13 @@ class RedisRateLimiter:
             counted.callback(None)
         else:
             calls.waiting.append(counted)
+        if counted.called:
+            calls.counters.pop(counted, None)
         return counted
 
     def _send(self, key: str, calls: _KeyCalls) -> None:
         hits, calls.waiting = calls.waiting, []
+        admissions = [calls.counters.pop(hit) for hit in hits] if calls.counters else None
         permit = self._breaker.permit()
         if permit is None:
             # The circuit is open: Redis failed less than a second ago, or
@@ -321,11 +581,13 @@ class RedisRateLimiter:
             _fire(hits, lambda _: None)
             return
         calls.sent = hits
-        call = calls.call = timeoutDeferred(
-            self._counters.increment(key, len(hits), KEY_TTL_SECONDS),
-            self._timeout,
-            asReactorTime(self._clock),
-        )
+        request: Deferred[Any]
+        if admissions is not None:
+            keys, arguments = _admitArguments(admissions)
+            request = self._counters.admit(keys, arguments)
+        else:
+            request = self._counters.increment(key, len(hits), KEY_TTL_SECONDS)
+        call = calls.call = timeoutDeferred(request, self._timeout, asReactorTime(self._clock))
         call.addCallbacks(
             self._counted,
             self._failed,
@@ -335,17 +597,21 @@ class RedisRateLimiter:
 
     def _counted(
         self,
-        total: int,
+        total: int | list[list[int]],
         key: str,
         calls: _KeyCalls,
         permit: Permit,
-        hits: list[Deferred[int | None]],
+        hits: list[Deferred[Any]],
     ) -> None:
         calls.call = None
         if self._breaker.succeeded(permit):
             self._setCircuitOpen(False)
             self._news = ("closed", "")
         self._next(key, calls)
+        if isinstance(total, list):
+            answers = total
+            _fire(hits, lambda index: [int(value) for value in answers[index]])
+            return
         first = total - len(hits) + 1
         _fire(hits, lambda index: first + index)
 
@@ -355,7 +621,7 @@ class RedisRateLimiter:
         key: str,
         calls: _KeyCalls,
         permit: Permit,
-        hits: list[Deferred[int | None]],
+        hits: list[Deferred[Any]],
     ) -> None:
         calls.call = None
         if failure.check(CancelledError):
@@ -390,7 +656,7 @@ class RedisRateLimiter:
         if calls.call is None and not calls.waiting and self._calls.get(key) is calls:
             del self._calls[key]
 
-    def _withdraw(self, calls: _KeyCalls, hit: Deferred[int | None]) -> None:
+    def _withdraw(self, calls: _KeyCalls, hit: Deferred[Any]) -> None:
         """
         A hit's request was cancelled: it leaves the hits waiting, or, once
         sent, stays counted (its place in the call's count is taken); a
@@ -398,6 +664,7 @@ class RedisRateLimiter:
         """
         if hit in calls.waiting:
             calls.waiting.remove(hit)
+            calls.counters.pop(hit, None)
             return
         if hit in calls.sent:
             # Its place stays (the counts of the hits after it depend on
@@ -429,13 +696,75 @@ class RedisRateLimiter:
 
 
 # Stands in for a hit withdrawn after its call was sent.
-_WITHDRAWN: Deferred[int | None] = succeed(None)
+_WITHDRAWN: Deferred[Any] = succeed(None)
 
 
-def _fire(hits: list[Deferred[int | None]], count: Callable[[int], int | None]) -> None:
+def _fire(hits: list[Deferred[Any]], count: Callable[[int], object]) -> None:
     for index, hit in enumerate(hits):
         if not hit.called:
             hit.callback(count(index))
+
+
+def _admitArguments(admissions: list[tuple[Counter, ...]]) -> tuple[list[str], list[int]]:
+    """
+    The keys and arguments of C{_ADMIT_SCRIPT} for these requests.
+    """
+    keys: list[str] = []
+    where: dict[str, int] = {}
+    arguments = [KEY_TTL_SECONDS, len(admissions)]
+    for counters in admissions:
+        arguments.append(len(counters))
+        for counter in counters:
+            index = where.get(counter.key)
+            if index is None:
+                keys.append(counter.key)
+                index = where[counter.key] = len(keys)
+            arguments += (index, counter.amount, counter.limit)
+    return keys, arguments
+
+
+def _decision(
+    counters: tuple[Counter, ...], answer: list[int], reset: int, retryAfter: int
+) -> RateDecision:
+    """
+    The decision on one request from the admission script's answer: the
+    requests limit with the least room for X-RateLimit-*, the token limit
+    with the least room for its -Tokens forms, and what refused it.
+    """
+    refused, counts = answer[0], answer[1:]
+    requests: tuple[int, int] | None = None
+    tokens: tuple[int, int] | None = None
+    tokenKeys: list[str] = []
+    reserved = 0
+    for counter, count in zip(counters, counts, strict=True):
+        room = (counter.limit, max(0, counter.limit - count))
+        if counter.kind == REQUESTS:
+            if requests is None or room[1] < requests[1]:
+                requests = room
+        else:
+            tokenKeys.append(counter.key)
+            reserved = counter.amount
+            if tokens is None or room[1] < tokens[1]:
+                tokens = room
+    assert requests is not None, "the organization's requests counter is always there"
+    reservation = None
+    if not refused and tokenKeys:
+        reservation = Reservation(tuple(tokenKeys), reserved)
+    refusedBy = None
+    if refused:
+        culprit = counters[refused - 1]
+        refusedBy = (culprit.kind, culprit.scope)
+    return RateDecision(
+        allowed=not refused,
+        limit=requests[0],
+        remaining=requests[1],
+        reset=reset,
+        retryAfter=retryAfter,
+        tokenLimit=tokens[0] if tokens is not None else None,
+        tokenRemaining=tokens[1] if tokens is not None else None,
+        refusedBy=refusedBy,
+        reservation=reservation,
+    )
 
 
 class DisabledRateLimiter:
@@ -449,9 +778,15 @@ class DisabledRateLimiter:
     def __init__(self, clock: Clock, warnInterval: float = 60.0) -> None:
         self._notConfigured = ThrottledWarning(self.log, clock, warnInterval)
 
-    async def hit(self, orgID: str, agentID: str | None) -> RateDecision | None:
+    async def hit(self, orgID: str, agentID: str | None, tokens: int = 0) -> RateDecision | None:
         self._notConfigured.warn("REDIS_URL is not configured; rate limiting is off")
         return None
+
+    def applicable(self, orgID: str, agentID: str | None) -> Applicable:
+        return NO_LIMITS
+
+    def settle(self, reservation: Reservation, tokens: int) -> None:
+        pass
 
     def checkReady(self) -> Deferred[None]:
         return fail(CheckFailed("REDIS_URL is not configured"))
@@ -470,6 +805,7 @@ def makeRateLimiter(
     defaultRPM: int,
     orgRPM: Mapping[str, int],
     circuitOpen: Gauge | None = None,
+    book: LimitBook | None = None,
 ) -> RedisRateLimiter | DisabledRateLimiter:
     """
     The limiter for a configuration: over Redis when REDIS_URL is set.
@@ -477,5 +813,5 @@ def makeRateLimiter(
     if target is None:
         return DisabledRateLimiter(clock)
     return RedisRateLimiter(
-        RedisLink(reactor, target), clock, defaultRPM, orgRPM, circuitOpen=circuitOpen
+        RedisLink(reactor, target), clock, defaultRPM, orgRPM, circuitOpen=circuitOpen, book=book
     )

@@ -30,9 +30,10 @@ from svcd.common.readiness import CheckFailed
 from svcd.common.tracing import traceMetadata
 from svcd.pb.auth.v1 import auth_pb2
 from svcd.proxy.config import ProxyConfig
+from svcd.proxy.limits.book import LimitBook
 from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.records import AgentInfo, TokenInfo
-from svcd.proxy.validation.feed import FeedCall, openChangeFeed
+from svcd.proxy.records import AgentInfo, Limits, TokenInfo
+from svcd.proxy.validation.feed import FeedCall, limitsFromProto, openChangeFeed
 from svcd.proxy.validation.sharedcalls import SharedCalls
 
 # The request header naming the calling agent.
@@ -260,8 +261,12 @@ class GrpcAuthClient:
         tracer: Tracer | None = None,
         maxInFlight: int = 16,
         queueTimeout: float = 1.0,
+        limitBook: LimitBook | None = None,
     ) -> None:
         self._channelFactory = channelFactory
+        # Decisions D11: the limits rows riding on the answers, learned
+        # while the change feed is not live.
+        self._limitBook = limitBook
         self._clock = clock
         self._slots = CallSlots(maxInFlight)
         self._tokenCalls: SharedCalls[str, TokenInfo] = SharedCalls()
@@ -456,6 +461,8 @@ class GrpcAuthClient:
             # nothing of it (fail closed).
             self.log.error("ValidateToken answered OK with a malformed org_id or agent_id")
             raise ApiError(ErrorCode.SERVICE_DEGRADED)
+        if self._limitBook is not None:
+            self._limitBook.learnOrg(str(orgID), limitsOf(response, "org_limits"))
         return TokenInfo(
             orgID=str(orgID),
             permissions=response.permissions,
@@ -496,6 +503,8 @@ class GrpcAuthClient:
             # OK for an inactive agent would be a bug of svc-auth; the proxy
             # fails closed all the same.
             raise ApiError(ErrorCode.AGENT_SUSPENDED)
+        if self._limitBook is not None:
+            self._limitBook.learnAgent(orgID, agentID, limitsOf(response, "agent_limits"))
         return AgentInfo(agentID=agentID, orgID=orgID, status=response.status)
 
     def _warnUnavailable(
@@ -534,3 +543,11 @@ class GrpcAuthClient:
             if code is None:
                 raise CheckFailed(f"ValidateToken failed: {type(error).__name__}") from None
             raise CheckFailed(f"ValidateToken answered {code.name}") from None
+
+
+def limitsOf(message: Any, field: str) -> Limits | None:
+    """
+    The limits row in C{message}'s C{field} (decisions D11), or None when
+    the message has none.
+    """
+    return limitsFromProto(getattr(message, field)) if message.HasField(field) else None

@@ -38,6 +38,7 @@ silent, one line when it is back; the attempts in between are not logged.
 from __future__ import annotations
 
 import threading
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -48,6 +49,8 @@ from twisted.logger import Logger
 
 from svcd.common.clocks import Clock
 from svcd.pb.auth.v1 import auth_pb2
+from svcd.proxy.limits.book import LimitBook, LimitsRow
+from svcd.proxy.records import Limits
 from svcd.proxy.validation.knowntokens import KnownTokens
 
 # How old the last message may be for the feed to count as live (D8).
@@ -135,9 +138,12 @@ class ChangeFeed:
         maxAge: float = MAX_AGE,
         maxLag: float = MAX_LAG,
         retryDelays: Sequence[float] = RETRY_DELAYS,
+        limitBook: LimitBook | None = None,
     ) -> None:
         self._openStream = openStream
         self._consumer = consumer
+        # Decisions D11: the limits rows the feed carries.
+        self._limitBook = limitBook
         self._reactor = reactor
         self._clock = clock
         self._maxAge = maxAge
@@ -274,18 +280,23 @@ class ChangeFeed:
         Read one stream until it ends; True when its snapshot arrived.
         """
         chunks: list[bytes] | None = []
+        limitRows: list[LimitsRow] = []
         for change in call:
             receivedAt = self._lastRead = self._clock.seconds()
             kind = change.WhichOneof("kind")
             if chunks is not None:
                 if kind == "known_token_ids":
                     chunks.append(change.known_token_ids)
+                elif kind == "limits_changed":
+                    row = limitsRowOf(change.limits_changed)
+                    if row is not None:
+                        limitRows.append(row)
                 elif kind == "snapshot_complete":
                     known = KnownTokens(change.snapshot_complete.token_count)
                     for chunk in chunks:
                         known.addPacked(chunk)
                     chunks = None
-                    self._reactor.callFromThread(self._started, known, receivedAt)
+                    self._reactor.callFromThread(self._started, known, limitRows, receivedAt)
                 # Changes cannot come before the snapshot's end; anything
                 # else there is ignored.
                 continue
@@ -295,14 +306,20 @@ class ChangeFeed:
                 self._reactor.callFromThread(self._tokenChanged, change.token_changed, receivedAt)
             elif kind == "agent_changed":
                 self._reactor.callFromThread(self._agentChanged, change.agent_changed, receivedAt)
+            elif kind == "limits_changed":
+                row = limitsRowOf(change.limits_changed)
+                if row is not None:
+                    self._reactor.callFromThread(self._limitsChanged, row, receivedAt)
         return chunks is None
 
     # The reactor thread.
 
-    def _started(self, known: KnownTokens, receivedAt: float) -> None:
+    def _started(self, known: KnownTokens, limitRows: list[LimitsRow], receivedAt: float) -> None:
         if self._stopping.is_set():
             return
         self._consumer.feedStarted(known)
+        if self._limitBook is not None:
+            self._limitBook.replace(limitRows)
         self._inSession = True
         self._touched(receivedAt)
         if self._downSince is not None and self._everLive:
@@ -345,6 +362,12 @@ class ChangeFeed:
             self._consumer.agentChanged(agentID)
             self._touched(receivedAt)
 
+    def _limitsChanged(self, row: LimitsRow, receivedAt: float) -> None:
+        if self._inSession:
+            if self._limitBook is not None:
+                self._limitBook.changed(row)
+            self._touched(receivedAt)
+
     def _lost(self, reason: str) -> None:
         self._inSession = False
         self._failWaiters()
@@ -384,6 +407,40 @@ class ChangeFeed:
             )
             self._downSince = None
         self._wasLive = live
+
+
+def limitsRowOf(change: auth_pb2.LimitsChanged) -> LimitsRow | None:
+    """
+    A C{limits_changed} message as a row; None when its ids are not 16
+    bytes (never trusted halfway).
+    """
+    if len(change.org_id) != 16 or len(change.agent_id) not in (0, 16):
+        return None
+    orgID = str(uuid.UUID(bytes=change.org_id))
+    agentID = str(uuid.UUID(bytes=change.agent_id)) if change.agent_id else None
+    limits = limitsFromProto(change.limits) if change.HasField("limits") else None
+    return LimitsRow(orgID, agentID, limits)
+
+
+def limitsFromProto(row: auth_pb2.Limits) -> Limits:
+    """
+    A limits row off the wire. An unset value is absent there; a value
+    that is not positive is taken as unset too (never as a limit of zero
+    that would refuse everything).
+    """
+    return Limits(
+        rpm=_positive(row, "rpm"),
+        tpm=_positive(row, "tpm"),
+        maxOutputTokens=_positive(row, "max_output_tokens"),
+        version=row.version,
+    )
+
+
+def _positive(row: auth_pb2.Limits, name: str) -> int | None:
+    if not row.HasField(name):
+        return None
+    value: int = getattr(row, name)
+    return value if value > 0 else None
 
 
 def openChangeFeed(channel: Any) -> FeedCall:

@@ -1,0 +1,465 @@
+"""
+Limits rows in svc-proxy (decisions D11), piece by piece: the book of rows
+and where it learns them, the reservation of a chat request, and the
+admission script against a real Redis: every counter of a request
+checked and counted at once, a refused request counting against none,
+exact across two limiters sharing Redis, token reservations cut to
+C{tpm} and settled. The Lua script is held to its Python twin (the
+in-memory counters other tests use) by a Hypothesis test. The whole path
+through real daemons is in tests/test_gateway_limits.py.
+"""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from typing import Any
+
+import pytest
+import pytest_twisted
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from twisted.internet.defer import Deferred, gatherResults
+
+from svcd.pb.auth.v1 import auth_pb2
+from svcd.proxy.config import parseRedisURL
+from svcd.proxy.limits.book import NO_LIMITS, Applicable, LimitBook, LimitsRow
+from svcd.proxy.limits.limiter import (
+    _ADMIT_SCRIPT,
+    AGENT,
+    ORG,
+    REQUESTS,
+    TOKENS,
+    Counter,
+    RateDecision,
+    RedisLink,
+    RedisRateLimiter,
+    _admitArguments,
+)
+from svcd.proxy.limits.reservation import DEFAULT_OUTPUT_CAP, outputCap, promptEstimate
+from svcd.proxy.records import Limits, Reservation
+from svcd.proxy.testing import MemoryCounters
+from svcd.proxy.validation.client import limitsOf
+from svcd.proxy.validation.feed import limitsRowOf
+from svcd.testing.servers import RedisServer
+from tests.test_proxy_ratelimit import WINDOW, counter, fakeClock, waitFor
+
+ORG_ID = "5b0c1d2e-3f40-4a51-8b62-7c83d94ea5f6"
+AGENT_ID = "0a1b2c3d-4e5f-4061-8273-94a5b6c7d8e9"
+OTHER_AGENT = "1f2e3d4c-5b6a-4798-8a7b-6c5d4e3f2a1b"
+
+
+# The book
+
+
+def test_bookWithoutRowsAppliesNothing() -> None:
+    """
+    An empty book answers the shared empty value, so the limiter keeps
+    D5's path for every organization.
+    """
+    assert LimitBook().applicable(ORG_ID, AGENT_ID) is NO_LIMITS
+
+
+def test_bookFromTheFeed() -> None:
+    """
+    A snapshot replaces every row (cleared ones dropped); a change sets,
+    replaces or clears one; the agent's row is found only with its
+    organization.
+    """
+    book = LimitBook()
+    org = Limits(rpm=10, version=1)
+    agent = Limits(tpm=500, version=2)
+    book.replace(
+        [
+            LimitsRow(ORG_ID, None, org),
+            LimitsRow(ORG_ID, AGENT_ID, agent),
+            LimitsRow(str(uuid.uuid4()), None, None),
+        ]
+    )
+    assert len(book) == 2
+    assert book.applicable(ORG_ID, AGENT_ID) == Applicable(org, agent)
+    assert book.applicable(ORG_ID, OTHER_AGENT) == Applicable(org, None)
+    assert book.applicable(str(uuid.uuid4()), AGENT_ID) is NO_LIMITS
+    book.changed(LimitsRow(ORG_ID, None, None))
+    assert book.applicable(ORG_ID, AGENT_ID) == Applicable(None, agent)
+    book.replace([])
+    assert len(book) == 0
+
+
+def test_bookLearnsFromAnswersOnlyWithoutALiveFeed() -> None:
+    """
+    While the feed is live its rows rule, so an answer read before a
+    change cannot undo it; without one, each answer's row is taken (and
+    an answer without a row clears it).
+    """
+    book = LimitBook()
+    live = [True]
+    book.feedLive = lambda: live[0]
+    book.learnOrg(ORG_ID, Limits(rpm=5))
+    book.learnAgent(ORG_ID, AGENT_ID, Limits(rpm=2))
+    assert book.applicable(ORG_ID, AGENT_ID) is NO_LIMITS
+    live[0] = False
+    book.learnOrg(ORG_ID, Limits(rpm=5))
+    book.learnAgent(ORG_ID, AGENT_ID, Limits(rpm=2))
+    assert book.applicable(ORG_ID, AGENT_ID) == Applicable(Limits(rpm=5), Limits(rpm=2))
+    book.learnAgent(ORG_ID, AGENT_ID, None)
+    assert book.applicable(ORG_ID, AGENT_ID) == Applicable(Limits(rpm=5), None)
+
+
+def test_limitsOffTheWire() -> None:
+    """
+    An unset value is absent on the wire and None here; a value that is
+    not positive is never a limit of zero; a feed row with ids that are
+    not 16 bytes is ignored.
+    """
+    answer = auth_pb2.ValidateTokenResponse(
+        org_id=ORG_ID, org_limits=auth_pb2.Limits(tpm=900, max_output_tokens=0, version=7)
+    )
+    assert limitsOf(answer, "org_limits") == Limits(tpm=900, version=7)
+    assert limitsOf(auth_pb2.ValidateTokenResponse(org_id=ORG_ID), "org_limits") is None
+    change = auth_pb2.LimitsChanged(
+        org_id=uuid.UUID(ORG_ID).bytes,
+        agent_id=uuid.UUID(AGENT_ID).bytes,
+        limits=auth_pb2.Limits(rpm=3, version=9),
+    )
+    assert limitsRowOf(change) == LimitsRow(ORG_ID, AGENT_ID, Limits(rpm=3, version=9))
+    cleared = auth_pb2.LimitsChanged(org_id=uuid.UUID(ORG_ID).bytes)
+    assert limitsRowOf(cleared) == LimitsRow(ORG_ID, None, None)
+    assert limitsRowOf(auth_pb2.LimitsChanged(org_id=b"short")) is None
+
+
+# The reservation
+
+
+def test_promptEstimate() -> None:
+    """
+    The UTF-8 bytes of every message's content divided by 3, rounded up,
+    plus 4 per message.
+    """
+    messages = [
+        {"role": "system", "content": "abcd"},  # 4 bytes
+        {"role": "user", "content": "é"},  # 2 bytes
+        {"role": "user", "content": "日本"},  # 6 bytes
+    ]
+    assert promptEstimate(messages) == -(-12 // 3) + 4 * 3 == 16
+    assert promptEstimate([{"role": "user", "content": "a"}]) == 1 + 4
+    assert promptEstimate([]) == 0
+
+
+def test_outputCapOrder() -> None:
+    """
+    max_completion_tokens, else max_tokens, else the agent's, else the
+    organization's, else the model's, else 4096; a boolean or a value
+    that is not positive is no cap.
+    """
+    both = Applicable(Limits(maxOutputTokens=300), Limits(maxOutputTokens=200))
+    orgOnly = Applicable(Limits(maxOutputTokens=300), None)
+    document = {"max_completion_tokens": 50, "max_tokens": 80}
+    assert outputCap(document, both, 1000) == 50
+    assert outputCap({"max_tokens": 80}, both, 1000) == 80
+    assert outputCap({"max_tokens": True}, both, 1000) == 200
+    assert outputCap({"max_tokens": 0}, orgOnly, 1000) == 300
+    assert outputCap({}, NO_LIMITS, 1000) == 1000
+    assert outputCap({}, NO_LIMITS, None) == DEFAULT_OUTPUT_CAP
+
+
+# The admission script, against a real Redis
+
+
+async def limiterWith(
+    redisURL: str, book: LimitBook, clock: Any = None, defaultRPM: int = 60
+) -> RedisRateLimiter:
+    from twisted.internet import reactor
+
+    target = parseRedisURL(redisURL)
+    assert target is not None
+    link = RedisLink(reactor, target)
+    limiter = RedisRateLimiter(
+        link, clock if clock is not None else fakeClock(WINDOW + 30), defaultRPM, book=book
+    )
+    limiter.start()
+    await waitFor(lambda: link.connected)
+    return limiter
+
+
+def bookOf(org: Limits | None = None, agent: Limits | None = None) -> LimitBook:
+    book = LimitBook()
+    rows = [LimitsRow(ORG_ID, None, org), LimitsRow(ORG_ID, AGENT_ID, agent)]
+    book.replace(rows)
+    return book
+
+
+ORG_REQUESTS = f"ratelimit:{ORG_ID}:{WINDOW}"
+ORG_TOKENS = ORG_REQUESTS + ":tokens"
+AGENT_REQUESTS = f"{ORG_REQUESTS}:agent:{AGENT_ID}"
+AGENT_TOKENS = AGENT_REQUESTS + ":tokens"
+
+
+@pytest_twisted.ensureDeferred
+async def test_orgRowWinsOverTheEnvironmentAndRefusalsCountNothing(
+    redisURL: str, redisServer: RedisServer
+) -> None:
+    """
+    An organization's row sets its requests per minute over the
+    environment's default; past it a request is refused as the org's
+    requests limit, and the counter keeps only what was admitted.
+    """
+    limiter = await limiterWith(redisURL, bookOf(org=Limits(rpm=2)), defaultRPM=60)
+    try:
+        decisions = [await limiter.hit(ORG_ID, AGENT_ID) for _ in range(4)]
+        assert [(d.allowed, d.limit, d.remaining, d.refusedBy) for d in decisions if d] == [
+            (True, 2, 1, None),
+            (True, 2, 0, None),
+            (False, 2, 0, (REQUESTS, ORG)),
+            (False, 2, 0, (REQUESTS, ORG)),
+        ]
+        assert decisions[-1] is not None and decisions[-1].retryAfter == 30
+        assert counter(redisServer, ORG_REQUESTS) == 2
+    finally:
+        await limiter.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_agentRowOnTopOfItsOrganization(redisURL: str, redisServer: RedisServer) -> None:
+    """
+    An agent's own rpm applies under its organization's: its third
+    request is refused as the agent's limit (and counts against neither),
+    while another agent of the organization goes on under the org's. The
+    headers describe the requests limit with the least room.
+    """
+    limiter = await limiterWith(redisURL, bookOf(org=Limits(rpm=5), agent=Limits(rpm=2)))
+    try:
+        first = await limiter.hit(ORG_ID, AGENT_ID)
+        assert first is not None and (first.limit, first.remaining) == (2, 1)
+        await limiter.hit(ORG_ID, AGENT_ID)
+        refused = await limiter.hit(ORG_ID, AGENT_ID)
+        assert refused is not None and refused.refusedBy == (REQUESTS, AGENT)
+        other = await limiter.hit(ORG_ID, OTHER_AGENT)
+        assert other is not None and other.allowed and (other.limit, other.remaining) == (5, 2)
+        assert counter(redisServer, ORG_REQUESTS) == 3
+        assert counter(redisServer, AGENT_REQUESTS) == 2
+    finally:
+        await limiter.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_tokensReservedThenSettled(redisURL: str, redisServer: RedisServer) -> None:
+    """
+    A token limit reserves the request's tokens at admission, shows the
+    -Tokens headers (remaining after the reservation), and a settlement
+    corrects the minute's count to what the provider counted.
+    """
+    limiter = await limiterWith(redisURL, bookOf(org=Limits(tpm=1000)))
+    try:
+        decision = await limiter.hit(ORG_ID, AGENT_ID, tokens=300)
+        assert decision is not None and decision.allowed
+        assert decision.reservation == Reservation((ORG_TOKENS,), 300)
+        assert (decision.tokenLimit, decision.tokenRemaining) == (1000, 700)
+        assert dict(decision.headers())[b"X-RateLimit-Remaining-Tokens"] == b"700"
+        assert dict(decision.headers())[b"X-RateLimit-Limit-Tokens"] == b"1000"
+        assert dict(decision.headers())[b"X-RateLimit-Reset-Tokens"] == b"%d" % (WINDOW + 60)
+        assert counter(redisServer, ORG_TOKENS) == 300
+        limiter.settle(decision.reservation, 120)
+        await waitFor(lambda: counter(redisServer, ORG_TOKENS) == 120)
+        # A release (an answer that failed before its first byte).
+        second = await limiter.hit(ORG_ID, AGENT_ID, tokens=50)
+        assert second is not None and second.reservation is not None
+        assert counter(redisServer, ORG_TOKENS) == 170
+        limiter.settle(second.reservation, 0)
+        await waitFor(lambda: counter(redisServer, ORG_TOKENS) == 120)
+    finally:
+        await limiter.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_reservationLargerThanTheLimitIsCutToIt(
+    redisURL: str, redisServer: RedisServer
+) -> None:
+    """
+    A reservation larger than the whole tpm (the smallest that applies)
+    is cut to it: admitted in an empty minute, never locked out; the next
+    request of the minute is refused as that token limit.
+    """
+    limiter = await limiterWith(
+        redisURL, bookOf(org=Limits(tpm=1000), agent=Limits(tpm=100, rpm=50))
+    )
+    try:
+        huge = await limiter.hit(ORG_ID, AGENT_ID, tokens=100_000)
+        assert huge is not None and huge.allowed
+        assert huge.reservation == Reservation((ORG_TOKENS, AGENT_TOKENS), 100)
+        assert (huge.tokenLimit, huge.tokenRemaining) == (100, 0)
+        refused = await limiter.hit(ORG_ID, AGENT_ID, tokens=1)
+        assert refused is not None and refused.refusedBy == (TOKENS, AGENT)
+        assert refused.reservation is None
+        # Refused: counted against none of its four counters.
+        assert counter(redisServer, ORG_REQUESTS) == 1
+        assert counter(redisServer, AGENT_REQUESTS) == 1
+        assert counter(redisServer, ORG_TOKENS) == 100
+        assert counter(redisServer, AGENT_TOKENS) == 100
+        # A request that reserves nothing (an auth probe) still passes.
+        probe = await limiter.hit(ORG_ID, AGENT_ID, tokens=0)
+        assert probe is not None and probe.allowed and probe.tokenRemaining == 0
+    finally:
+        await limiter.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_aChangeNeverResetsTheMinute(redisURL: str) -> None:
+    """
+    Raising a limit mid-minute goes on from what the minute counted.
+    """
+    book = bookOf(org=Limits(rpm=2))
+    limiter = await limiterWith(redisURL, book)
+    try:
+        assert [(await limiter.hit(ORG_ID, None)).allowed for _ in range(3)] == [  # type: ignore[union-attr]
+            True,
+            True,
+            False,
+        ]
+        book.changed(LimitsRow(ORG_ID, None, Limits(rpm=4)))
+        decisions = [await limiter.hit(ORG_ID, None) for _ in range(3)]
+        assert [(d.allowed, d.remaining) for d in decisions if d] == [
+            (True, 1),
+            (True, 0),
+            (False, 0),
+        ]
+    finally:
+        await limiter.stop()
+
+
+@pytest.mark.parametrize("agentRow", [False, True], ids=["org", "agent under org"])
+@pytest_twisted.ensureDeferred
+async def test_exactAcrossTwoLimiters(
+    redisURL: str, redisServer: RedisServer, agentRow: bool
+) -> None:
+    """
+    Two limiters (two replicas) on one Redis, 192 concurrent requests of
+    one organization: exactly rpm are admitted and counted; with tpm and
+    known reservations, the tokens reserved never pass tpm. With an agent
+    row below its organization's, exactly the agent's rpm pass for it.
+    (One fake clock for both, inside one minute: a real one could turn
+    the minute during the test.)
+    """
+    agent = Limits(rpm=20, tpm=4000) if agentRow else None
+    book = bookOf(org=Limits(rpm=50, tpm=10_000), agent=agent)
+    clock = fakeClock(WINDOW + 30)
+    replicas = [await limiterWith(redisURL, book, clock) for _ in range(2)]
+    try:
+        decisions: list[RateDecision | None] = await gatherResults(
+            [
+                Deferred.fromCoroutine(replicas[index % 2].hit(ORG_ID, AGENT_ID, tokens=150))
+                for index in range(192)
+            ]
+        )
+        assert all(d is not None for d in decisions)
+        admitted = [d for d in decisions if d is not None and d.allowed]
+        rpm = 20 if agentRow else 50
+        assert len(admitted) == rpm
+        assert counter(redisServer, ORG_REQUESTS) == rpm
+        assert counter(redisServer, ORG_TOKENS) == 150 * rpm <= 10_000
+        if agentRow:
+            assert counter(redisServer, AGENT_REQUESTS) == rpm
+            assert counter(redisServer, AGENT_TOKENS) == 150 * rpm <= 4000
+    finally:
+        for replica in replicas:
+            await replica.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_tokensNeverPassTheLimitUnderConcurrency(
+    redisURL: str, redisServer: RedisServer
+) -> None:
+    """
+    64 concurrent requests reserving 700 tokens each against a tpm of
+    10,000 (and an rpm that never refuses), through two limiters: 14
+    admitted (9,800 tokens), 50 refused as the token limit.
+    """
+    book = bookOf(org=Limits(rpm=1000, tpm=10_000))
+    clock = fakeClock(WINDOW + 30)
+    replicas = [await limiterWith(redisURL, book, clock) for _ in range(2)]
+    try:
+        decisions = await gatherResults(
+            [
+                Deferred.fromCoroutine(replicas[i % 2].hit(ORG_ID, AGENT_ID, tokens=700))
+                for i in range(64)
+            ]
+        )
+        admitted = [d for d in decisions if d.allowed]
+        assert len(admitted) == 14
+        assert counter(redisServer, ORG_TOKENS) == 9_800
+        assert {d.refusedBy for d in decisions if not d.allowed} == {(TOKENS, ORG)}
+    finally:
+        for replica in replicas:
+            await replica.stop()
+
+
+# The Lua script and its Python twin
+
+
+def _evalInRedis(server: RedisServer, script: str, keys: list[str], arguments: list[int]) -> Any:
+    """
+    EVAL over a plain socket, with the reply read whole (RESP integers and
+    arrays: what the admission script answers).
+    """
+    words = [b"EVAL", script.encode(), b"%d" % len(keys)]
+    words += [key.encode() for key in keys] + [b"%d" % value for value in arguments]
+    request = b"*%d\r\n" % len(words) + b"".join(
+        b"$%d\r\n%s\r\n" % (len(word), word) for word in words
+    )
+    with socket.create_connection((server.host, server.port), timeout=5) as connection:
+        connection.sendall(request)
+        reader = connection.makefile("rb")
+
+        def read() -> Any:
+            line = reader.readline().rstrip(b"\r\n")
+            kind, rest = line[:1], line[1:]
+            if kind == b":":
+                return int(rest)
+            if kind == b"*":
+                return [read() for _ in range(int(rest))]
+            raise AssertionError(f"unexpected reply {line!r}")
+
+        return read()
+
+
+@st.composite
+def _request(draw: st.DrawFn) -> tuple[Counter, ...]:
+    keys = draw(st.lists(st.sampled_from("abcd"), min_size=1, max_size=4, unique=True))
+    return tuple(
+        Counter(
+            key,
+            draw(st.integers(min_value=0, max_value=30)),
+            draw(st.integers(min_value=1, max_value=60)),
+            REQUESTS,
+            ORG,
+        )
+        for key in keys
+    )
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(batches=st.lists(st.lists(_request(), min_size=1, max_size=6), min_size=1, max_size=4))
+def test_scriptAgreesWithItsTwin(
+    redisServer: RedisServer, batches: list[list[tuple[Counter, ...]]]
+) -> None:
+    """
+    Random batches of requests over a few counters: the Lua script in
+    Redis and the in-memory counters answer alike, request by request,
+    and leave the same counts.
+    """
+    prefix = f"twin:{uuid.uuid4()}:"
+    memory = MemoryCounters()
+    for batch in batches:
+        renamed = [
+            tuple(Counter(prefix + c.key, c.amount, c.limit, c.kind, c.scope) for c in counters)
+            for counters in batch
+        ]
+        keys, arguments = _admitArguments(renamed)
+        inRedis = _evalInRedis(redisServer, _ADMIT_SCRIPT, keys, arguments)
+        inMemory: list[list[int]] = []
+        memory.admit(keys, arguments).addCallback(inMemory.extend)
+        assert inRedis == inMemory
+    for key, value in memory.counts.items():
+        assert counter(redisServer, key) == value

@@ -1,0 +1,366 @@
+"""
+Limits rows at the proxy's edge (decisions D11), in one process: a real
+svc-proxy site on a loopback port with the in-memory auth client and
+counters, forwarding to the scripted upstream process. What a client sees
+(429 with the limit and scope in C{detail}, the -Tokens headers) and what
+a forwarded request does to the token counters: reserved at admission,
+settled to the provider's usage, released when the answer failed before
+its first byte, kept when the client left; requests that are not
+forwarded reserve nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import pytest_twisted
+import treq
+from twisted.internet.defer import Deferred
+from twisted.internet.task import deferLater
+
+from svcd.proxy.config import ProxyConfig
+from svcd.proxy.forwarding.providers import providersFromEnvironment
+from svcd.proxy.forwarding.upstream import Forwarder
+from svcd.proxy.http.edge import ProxyEdge
+from svcd.proxy.http.site import ProxySite
+from svcd.proxy.limits.book import LimitBook, LimitsRow
+from svcd.proxy.limits.limiter import RedisRateLimiter
+from svcd.proxy.metrics import ProxyMetrics
+from svcd.proxy.records import Limits
+from svcd.proxy.testing import FakeAuthClient, MemoryCounters
+from svcd.testing.upstream import ScriptedUpstream
+
+
+async def waitFor(condition: Callable[[], bool], seconds: float = 10.0) -> None:
+    from twisted.internet import reactor
+
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not true within {seconds} s")
+        await deferLater(reactor, 0.02, lambda: None)
+
+
+@attrs.define
+class Edge:
+    port: int
+    auth: FakeAuthClient
+    counters: MemoryCounters
+    book: LimitBook
+    metrics: ProxyMetrics
+    token: str
+    orgID: str
+    agentID: str
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def headers(self) -> dict[str, str]:
+        return {
+            "Authorization": "Bearer " + self.token,
+            "X-SVC-Agent-ID": self.agentID,
+            "Content-Type": "application/json",
+        }
+
+    def limit(self, org: Limits | None = None, agent: Limits | None = None) -> None:
+        self.book.replace(
+            [LimitsRow(self.orgID, None, org), LimitsRow(self.orgID, self.agentID, agent)]
+        )
+
+    def tokensCounted(self) -> int:
+        return sum(count for key, count in self.counters.counts.items() if key.endswith(":tokens"))
+
+    def metric(self, name: str, **labels: str) -> float:
+        value = self.metrics.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+    async def chat(self, model: str = "echo", **extra: Any) -> tuple[Any, dict[str, Any]]:
+        body = {"model": model, "messages": [{"role": "user", "content": "hello there"}], **extra}
+        response = await treq.post(
+            self.url("/v1/chat/completions"),
+            json.dumps(body).encode(),
+            headers=self.headers(),
+        )
+        content = await response.content()
+        return response, json.loads(content) if not extra.get("stream") else {"raw": content}
+
+
+@pytest_twisted.async_yield_fixture
+async def edge(tmp_path: Path, scriptedUpstream: ScriptedUpstream) -> AsyncIterator[Edge]:
+    from twisted.internet import reactor
+    from twisted.internet.endpoints import TCP4ServerEndpoint
+
+    providersFile = tmp_path / "providers.toml"
+    providersFile.write_text(
+        f"""
+[[providers]]
+name = "scripted"
+base_url = "{scriptedUpstream.baseURL}"
+
+[[models]]
+name = "echo"
+provider = "scripted"
+
+[[models]]
+name = "capped"
+provider = "scripted"
+upstream_model = "echo"
+max_output_tokens = 64
+
+[[models]]
+name = "broken"
+provider = "scripted"
+upstream_model = "status:503"
+
+[[models]]
+name = "endless"
+provider = "scripted"
+upstream_model = "never-ending"
+"""
+    )
+    providers = providersFromEnvironment({"SVC_PROVIDERS_FILE": str(providersFile)}, time.time)
+    assert providers is not None
+    config = ProxyConfig(authGrpcAddr="auth.test:9091", providers=providers)
+    auth = FakeAuthClient()
+    token, orgID, agentID = auth.addTenant()
+    counters = MemoryCounters()
+    book = LimitBook()
+    metrics = ProxyMetrics()
+    limiter = RedisRateLimiter(counters, reactor, config.defaultRPM, book=book)
+    forwarder = Forwarder(reactor, reactor, tuple(providers.providers.values()), metrics)
+    proxyEdge = ProxyEdge(config, auth, limiter, metrics, reactor, forwarder=forwarder)
+    site = ProxySite(proxyEdge.resource(), config.maxRequestBodyBytes, reactor)
+    port = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(site)
+    try:
+        yield Edge(port.getHost().port, auth, counters, book, metrics, token, orgID, agentID)
+    finally:
+        await port.stopListening()
+        await forwarder.close()
+
+
+def header(response: Any, name: str) -> str | None:
+    values = response.headers.getRawHeaders(name)
+    return values[0] if values else None
+
+
+@pytest_twisted.ensureDeferred
+async def test_withoutRowsNothingChanges(edge: Edge) -> None:
+    """
+    No limits row: the environment's rpm and D5's headers, no -Tokens
+    header, nothing reserved.
+    """
+    response, _ = await edge.chat()
+    assert response.code == 200
+    assert header(response, "X-RateLimit-Limit") == "60"
+    assert header(response, "X-RateLimit-Limit-Tokens") is None
+    assert edge.tokensCounted() == 0
+    assert edge.metric("svc_proxy_tokens_reserved_total") == 0
+
+
+@pytest_twisted.ensureDeferred
+async def test_forwardedRequestIsSettledToTheProvidersUsage(edge: Edge) -> None:
+    """
+    With a token limit, a forwarded request reserves its estimate plus
+    the output cap (here the request's max_tokens), shows the -Tokens
+    headers, and is settled to the provider's prompt + completion tokens.
+    """
+    edge.limit(org=Limits(tpm=100_000))
+    response, answer = await edge.chat(max_tokens=200)
+    assert response.code == 200
+    # "hello there": 11 bytes -> 4 tokens, + 4 for the message, + 200.
+    reserved = 4 + 4 + 200
+    assert header(response, "X-RateLimit-Limit-Tokens") == "100000"
+    assert header(response, "X-RateLimit-Remaining-Tokens") == str(100_000 - reserved)
+    assert header(response, "X-RateLimit-Reset-Tokens") == header(response, "X-RateLimit-Reset")
+    usage = answer["usage"]["prompt_tokens"] + answer["usage"]["completion_tokens"]
+    assert edge.tokensCounted() == usage
+    assert edge.metric("svc_proxy_tokens_reserved_total") == reserved
+    assert edge.metric("svc_proxy_tokens_settled_total") == usage
+
+
+@pytest_twisted.ensureDeferred
+async def test_streamIsSettledToItsUsageEvent(edge: Edge) -> None:
+    """
+    A stream is settled when it ends, to the usage event the gateway
+    asked for (even when the client did not ask to see it).
+    """
+    edge.limit(agent=Limits(tpm=50_000))
+    response, _ = await edge.chat(stream=True)
+    assert response.code == 200
+    # The model's cap is not set for "echo": 4096 is reserved.
+    assert edge.metric("svc_proxy_tokens_reserved_total") == 4 + 4 + 4096
+    settled = edge.metric("svc_proxy_tokens_settled_total")
+    assert 0 < settled < 100
+    assert edge.tokensCounted() == settled
+
+
+@pytest_twisted.ensureDeferred
+async def test_theModelsCapIsTheLastResort(edge: Edge) -> None:
+    """
+    A model's max_output_tokens in the providers file is the cap when the
+    request and the rows name none.
+    """
+    edge.limit(org=Limits(tpm=100_000))
+    response, _ = await edge.chat(model="capped")
+    assert response.code == 200
+    assert edge.metric("svc_proxy_tokens_reserved_total") == 4 + 4 + 64
+    edge.limit(org=Limits(tpm=100_000, maxOutputTokens=32))
+    await edge.chat(model="capped")
+    assert edge.metric("svc_proxy_tokens_reserved_total") == (4 + 4 + 64) + (4 + 4 + 32)
+
+
+@pytest_twisted.ensureDeferred
+async def test_failureBeforeTheFirstByteReleases(edge: Edge) -> None:
+    """
+    An answer that failed before its first byte (a provider's 503 here)
+    releases its reservation.
+    """
+    edge.limit(org=Limits(tpm=100_000))
+    response, answer = await edge.chat(model="broken")
+    assert response.code == 502
+    assert answer["error"]["code"] == "UPSTREAM_ERROR"
+    assert edge.tokensCounted() == 0
+    assert edge.metric("svc_proxy_tokens_settled_total") == 0
+    assert edge.metric("svc_proxy_tokens_reserved_total") == 4 + 4 + 4096
+
+
+@pytest_twisted.ensureDeferred
+async def test_clientGoneKeepsItsReservation(edge: Edge) -> None:
+    """
+    A client that leaves a stream before its usage arrived keeps its
+    reservation counted.
+    """
+    edge.limit(org=Limits(tpm=100_000))
+    body = {
+        "model": "endless",
+        "stream": True,
+        "max_tokens": 10,
+        "messages": [{"role": "user", "content": "hello there"}],
+    }
+    request: Deferred[Any] = treq.post(
+        edge.url("/v1/chat/completions"), json.dumps(body).encode(), headers=edge.headers()
+    )
+    response = await request
+    assert response.code == 200
+    await waitFor(
+        lambda: (
+            edge.metric(
+                "svc_proxy_upstream_requests_total",
+                provider="scripted",
+                model="endless",
+                status="200",
+            )
+            == 0
+            and edge.tokensCounted() == 18
+        )
+    )
+    response.original.deliverBody(_Dropper())
+    await waitFor(
+        lambda: (
+            edge.metric(
+                "svc_proxy_upstream_requests_total",
+                provider="scripted",
+                model="endless",
+                status="cancelled",
+            )
+            == 1
+        )
+    )
+    assert edge.tokensCounted() == 4 + 4 + 10
+    assert edge.metric("svc_proxy_tokens_settled_total") == 0
+
+
+class _Dropper:
+    """
+    Reads the first bytes of a body, then closes the connection.
+    """
+
+    def makeConnection(self, transport: Any) -> None:
+        self.transport = transport
+
+    def dataReceived(self, data: bytes) -> None:
+        self.transport.stopProducing()
+
+    def connectionLost(self, reason: Any) -> None:
+        pass
+
+
+@pytest_twisted.ensureDeferred
+async def test_tokenLimitRefusal(edge: Edge) -> None:
+    """
+    Past a token limit: 429 RATE_LIMITED whose detail names the limit and
+    scope, Retry-After, the -Tokens headers, and the refusal counted by
+    limit and scope (and in svc_proxy_rate_limited_total).
+    """
+    edge.limit(org=Limits(tpm=1000), agent=Limits(tpm=300))
+    # Reserves the agent's whole 300 (cut to it), settled to its usage.
+    first, _ = await edge.chat(max_tokens=10_000)
+    assert first.code == 200
+    # 300 again: the agent's minute has the first one's usage already.
+    refused, answer = await edge.chat(max_tokens=10_000)
+    assert refused.code == 429
+    assert answer["error"]["code"] == "RATE_LIMITED"
+    assert answer["error"]["detail"] == {"limit": "tokens", "scope": "agent"}
+    assert header(refused, "Retry-After") is not None
+    assert header(refused, "X-RateLimit-Limit-Tokens") == "300"
+    assert edge.metric("svc_proxy_limit_refusals_total", limit="tokens", scope="agent") == 1
+    assert edge.metric("svc_proxy_rate_limited_total") == 1
+
+
+@pytest_twisted.ensureDeferred
+async def test_requestLimitRefusalOfAnAgent(edge: Edge) -> None:
+    """
+    An agent's rpm refuses its own requests with scope agent.
+    """
+    edge.limit(org=Limits(rpm=100), agent=Limits(rpm=1))
+    first = await treq.get(edge.url("/v1/internal/auth-probe"), headers=edge.headers())
+    await first.content()
+    assert first.code == 200
+    assert (header(first, "X-RateLimit-Limit"), header(first, "X-RateLimit-Remaining")) == (
+        "1",
+        "0",
+    )
+    second = await treq.get(edge.url("/v1/internal/auth-probe"), headers=edge.headers())
+    answer = json.loads(await second.content())
+    assert second.code == 429
+    assert answer["error"]["detail"] == {"limit": "requests", "scope": "agent"}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status"),
+    [
+        ("/v1/internal/auth-probe", None, 200),
+        (
+            "/v1/chat/completions",
+            b'{"model": "unknown", "messages": [{"role": "user", "content": "x"}]}',
+            501,
+        ),
+        ("/v1/chat/completions", b'{"model": "echo"}', 400),
+        ("/v1/chat/completions", b"not json", 400),
+    ],
+    ids=["auth probe", "model not served", "invalid body", "not json"],
+)
+@pytest_twisted.ensureDeferred
+async def test_requestsNotForwardedReserveNothing(
+    edge: Edge, path: str, body: bytes | None, status: int
+) -> None:
+    """
+    The auth probe, a model the file does not serve (501) and a body that
+    fails its rules (400, still after the rate limit) reserve no tokens,
+    yet see the token limit's headers.
+    """
+    edge.limit(org=Limits(tpm=1000))
+    if body is None:
+        response = await treq.get(edge.url(path), headers=edge.headers())
+    else:
+        response = await treq.post(edge.url(path), body, headers=edge.headers())
+    await response.content()
+    assert response.code == status
+    assert header(response, "X-RateLimit-Remaining-Tokens") == "1000"
+    assert edge.tokensCounted() == 0
