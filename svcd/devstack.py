@@ -72,6 +72,14 @@ DEMO_MODEL = "demo"
 DEMO_UPSTREAM_MODEL = "echo"
 MODEL_SERVER = "model server"
 
+# svc-proxy's deadline on its calls to svc-auth here, unless the developer
+# sets SVC_AUTH_VALIDATE_TIMEOUT. The daemons' default, 50 ms, is sized for
+# a server that does nothing else; the first request of a token is cold in
+# svc-auth (a database read and argon2), and on a developer's machine busy
+# with an editor, a build or the tests it can take longer, so the first
+# command pasted would answer 503 SERVICE_DEGRADED.
+VALIDATE_TIMEOUT = "1s"
+
 ENVIRONMENT_HELP = """\
 environment variables:
   POSTGRES_DSN         use this PostgreSQL database instead of a private server
@@ -80,6 +88,10 @@ environment variables:
   SVC_AUTH_PORT        svc-auth's HTTP port for /health, /ready, /metrics (default 8081)
   SVC_AUTH_GRPC_PORT   svc-auth's gRPC port (default 9091)
   SVC_HOST             the address both daemons listen on (default 127.0.0.1)
+  SVC_AUTH_VALIDATE_TIMEOUT
+                       svc-proxy's deadline on calls to svc-auth (default
+                       here 1s: the daemons' 50ms is meant for a server that
+                       does nothing else)
   SVC_PROVIDERS_FILE   a providers file: svc-proxy forwards chat requests to
                        its models, and the commands printed at the end use
                        the first one. Unset: the scripted model server of
@@ -537,6 +549,7 @@ class DevStack:
             }
             proxyEnvironment.pop("SVC_GRPC_PORT", None)
             proxyEnvironment.pop("POSTGRES_DSN", None)
+            proxyEnvironment.setdefault("SVC_AUTH_VALIDATE_TIMEOUT", VALIDATE_TIMEOUT)
             if self._writtenProviders is not None:
                 proxyEnvironment[PROVIDERS_VARIABLE] = str(self._writtenProviders)
             self._startDaemon(
