@@ -246,6 +246,23 @@ def _commandLine(pid: int) -> list[str] | None:
     return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
 
 
+def _startedCommandLine(pid: int, timeout: float = 5.0) -> list[str] | None:
+    """
+    The command line of a child we have just started, or None once it has
+    exited. Popen returns as soon as the child's exec has closed its
+    close-on-exec descriptors, which is before the kernel has set up the
+    new program's arguments: /proc then shows an empty command line (most
+    of the time, on a busy machine), and a record of that would never match
+    in L{stopLeftovers}. So wait, briefly, until there is one.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        command = _commandLine(pid)
+        if command or command is None or time.monotonic() >= deadline:
+            return command
+        time.sleep(0.01)
+
+
 def stopLeftovers(record: Path, timeout: float = STOP_TIMEOUT) -> None:
     """
     Stop the processes that an earlier run recorded in C{record} and left
@@ -301,7 +318,8 @@ class DevStack:
         # The command line as /proc shows it, which is what stopLeftovers
         # compares: a script's shows its interpreter, Redis's its title.
         entries = [
-            {"name": name, "pid": pid, "command": _commandLine(pid)} for name, pid in children
+            {"name": name, "pid": pid, "command": _startedCommandLine(pid)}
+            for name, pid in children
         ]
         writePrivateJSON(self._processRecord, entries)
 
