@@ -432,7 +432,10 @@ def test_ctrlCStopsTheModelServerAndAKilledRunsIsStoppedNextTime(
     assert set(left) == {MODEL_SERVER, "svc-auth", "svc-proxy"}
     killed.process.kill()
     killed.process.wait()
-    assert all(_commandLine(entry["pid"]) == entry["command"] for entry in left.values())
+    for name, entry in left.items():
+        # Recorded as /proc shows it once the program runs: never empty.
+        assert entry["command"], name
+        assert _commandLine(entry["pid"]) == entry["command"], (name, _commandLine(entry["pid"]))
 
     second = runs.start(sharedServers, ports)
     plain, _ = second.printedCommands()
