@@ -8,11 +8,22 @@ instead), applies the migrations with C{svcctl migrate}, makes a demo
 organization, agent and token once (remembered in C{.data/demo.json}),
 runs C{twistd -n svc-auth} and C{twistd -n svc-proxy} as child processes
 whose output goes straight to this terminal, waits until both report
-ready, and prints a curl command that sends a request through the gateway.
+ready, and prints curl commands that send a request through the gateway,
+plain and streaming.
+
+Without C{SVC_PROVIDERS_FILE} in the environment it also runs the
+project's scripted model server (L{svcd.testing.upstream}) on a free
+loopback port, writes C{.data/providers.toml} with one model, C{demo},
+answered by it, and gives that file to svc-proxy alone: the printed
+commands then get a model's answer, with usage, on the first run. With
+C{SVC_PROVIDERS_FILE} set (even empty: no provider, every chat request
+answers 501), svc-proxy gets the variable as it is and no model server
+runs. The daemons themselves never assume a providers file (decisions D9).
 
 Ctrl-C, SIGTERM or a closed terminal stops the daemons (SIGTERM, then
-SIGKILL after 15 s) and the servers it started, and exits 0. If a daemon
-dies on its own, everything else is stopped and the exit status is 1.
+SIGKILL after 15 s), the model server and the servers it started, and
+exits 0. If one of them dies on its own, everything else is stopped and
+the exit status is 1.
 
 No reactor runs here: this process only starts, watches and stops others,
 so plain subprocesses and polling keep it simple.
@@ -41,6 +52,7 @@ import psycopg
 from psycopg import sql
 
 from svcd.common.config import ConfigError
+from svcd.proxy.forwarding.providers import VARIABLE as PROVIDERS_VARIABLE
 from svcd.proxy.forwarding.providers import providersFromEnvironment
 from svcd.testing.servers import PostgresServer, RedisServer, ServerError
 
@@ -53,6 +65,21 @@ READY_TIMEOUT = 60.0
 STOP_TIMEOUT = 15.0
 DEMO_DATABASE = "svc"
 
+# The model of the providers file written for the scripted model server,
+# and the script of svcd/testing/upstream.py's grammar that answers it: a
+# normal answer describing the request, with usage.
+DEMO_MODEL = "demo"
+DEMO_UPSTREAM_MODEL = "echo"
+MODEL_SERVER = "model server"
+
+# svc-proxy's deadline on its calls to svc-auth here, unless the developer
+# sets SVC_AUTH_VALIDATE_TIMEOUT. The daemons' default, 50 ms, is sized for
+# a server that does nothing else; the first request of a token is cold in
+# svc-auth (a database read and argon2), and on a developer's machine busy
+# with an editor, a build or the tests it can take longer, so the first
+# command pasted would answer 503 SERVICE_DEGRADED.
+VALIDATE_TIMEOUT = "1s"
+
 ENVIRONMENT_HELP = """\
 environment variables:
   POSTGRES_DSN         use this PostgreSQL database instead of a private server
@@ -61,9 +88,15 @@ environment variables:
   SVC_AUTH_PORT        svc-auth's HTTP port for /health, /ready, /metrics (default 8081)
   SVC_AUTH_GRPC_PORT   svc-auth's gRPC port (default 9091)
   SVC_HOST             the address both daemons listen on (default 127.0.0.1)
+  SVC_AUTH_VALIDATE_TIMEOUT
+                       svc-proxy's deadline on calls to svc-auth (default
+                       here 1s: the daemons' 50ms is meant for a server that
+                       does nothing else)
   SVC_PROVIDERS_FILE   a providers file: svc-proxy forwards chat requests to
                        its models, and the commands printed at the end use
-                       the first one (without it, chat requests answer 501)
+                       the first one. Unset: the scripted model server of
+                       the tests answers the model "demo" (.data/providers.toml).
+                       Set but empty: no provider, chat requests answer 501
   Every other variable is passed on to both daemons (SVC_LOG_FORMAT=text
   for readable logs, SVC_LOG_LEVEL=DEBUG, ...).
 """
@@ -105,6 +138,8 @@ class Settings:
     authGrpcPort: int
     postgresDSN: str | None
     redisURL: str | None
+    # No SVC_PROVIDERS_FILE at all (an empty one is a choice: no provider).
+    scriptedModelServer: bool
 
     @classmethod
     def fromEnvironment(cls, environ: Mapping[str, str], dataDirectory: Path) -> Settings:
@@ -115,17 +150,19 @@ class Settings:
             authGrpcPort=_port(environ, "SVC_AUTH_GRPC_PORT", 9091),
             postgresDSN=environ.get("POSTGRES_DSN", "").strip() or None,
             redisURL=environ.get("REDIS_URL", "").strip() or None,
+            scriptedModelServer=PROVIDERS_VARIABLE not in environ,
         )
 
 
 @attrs.define
 class Daemon:
     """
-    A twistd child process and the URL that answers 200 once it is ready.
+    A child process (a twistd daemon, the model server) and the URL that
+    answers 200 once it is ready, or None when it is ready once started.
     """
 
     name: str
-    readyURL: str
+    readyURL: str | None
     process: subprocess.Popen[bytes]
 
 
@@ -209,6 +246,23 @@ def _commandLine(pid: int) -> list[str] | None:
     return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
 
 
+def _startedCommandLine(pid: int, timeout: float = 5.0) -> list[str] | None:
+    """
+    The command line of a child we have just started, or None once it has
+    exited. Popen returns as soon as the child's exec has closed its
+    close-on-exec descriptors, which is before the kernel has set up the
+    new program's arguments: /proc then shows an empty command line (most
+    of the time, on a busy machine), and a record of that would never match
+    in L{stopLeftovers}. So wait, briefly, until there is one.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        command = _commandLine(pid)
+        if command or command is None or time.monotonic() >= deadline:
+            return command
+        time.sleep(0.01)
+
+
 def stopLeftovers(record: Path, timeout: float = STOP_TIMEOUT) -> None:
     """
     Stop the processes that an earlier run recorded in C{record} and left
@@ -249,6 +303,9 @@ class DevStack:
         self._redis: RedisServer | None = None
         self._daemons: list[Daemon] = []
         self._processRecord = settings.dataDirectory / "processes.json"
+        # The providers file written for the scripted model server, when
+        # this run started one.
+        self._writtenProviders: Path | None = None
 
     def _recordProcesses(self) -> None:
         """
@@ -261,7 +318,8 @@ class DevStack:
         # The command line as /proc shows it, which is what stopLeftovers
         # compares: a script's shows its interpreter, Redis's its title.
         entries = [
-            {"name": name, "pid": pid, "command": _commandLine(pid)} for name, pid in children
+            {"name": name, "pid": pid, "command": _startedCommandLine(pid)}
+            for name, pid in children
         ]
         writePrivateJSON(self._processRecord, entries)
 
@@ -277,6 +335,8 @@ class DevStack:
         redisURL = self._redisURL()
         self._svcctl("migrate", dsn=dsn, show=True)
         demo = self._demoTenant(dsn)
+        if settings.scriptedModelServer:
+            self._writtenProviders = self._startModelServer()
         self._startDaemons(dsn, redisURL)
         self._waitUntilReady()
         self._announce(demo)
@@ -403,6 +463,81 @@ class DevStack:
             say(f"created the demo token {demo['token_id']} (saved in {path})")
         return demo
 
+    def _startModelServer(self) -> Path:
+        """
+        Run the scripted model server of the tests on a free loopback port,
+        as a child stopped with the daemons (after svc-proxy, which was
+        started after it), and write the providers file that sends the demo
+        model to it; return the file's path.
+        """
+        directory = self._settings.dataDirectory / "model-server"
+        directory.mkdir(exist_ok=True)
+        portFile = directory / "ports.json"
+        # A killed run's file would name ports nobody listens on.
+        portFile.unlink(missing_ok=True)
+        process = subprocess.Popen(  # noqa: S603 - our own module, arguments we built
+            [
+                sys.executable,
+                "-m",
+                "svcd.testing.upstream",
+                "--port",
+                "0",
+                "--port-file",
+                str(portFile),
+            ],
+            env=self._environ,
+            cwd=CHECKOUT,
+            stdin=subprocess.DEVNULL,
+            # It writes nothing but errors, on stderr, which come here.
+            stdout=subprocess.DEVNULL,
+            # As the daemons: Ctrl-C reaches only us, and down() stops it.
+            start_new_session=True,
+        )
+        self._daemons.append(Daemon(MODEL_SERVER, None, process))
+        self._recordProcesses()
+        # It writes the file (in one step) once it listens.
+        deadline = time.monotonic() + READY_TIMEOUT
+        while not portFile.exists():
+            status = process.poll()
+            if status is not None:
+                raise DevStackError(
+                    f"the {MODEL_SERVER} exited with status {status} before it listened "
+                    "(its output is above)"
+                )
+            if time.monotonic() > deadline:
+                raise DevStackError(
+                    f"the {MODEL_SERVER} did not listen within {READY_TIMEOUT:.0f} s"
+                )
+            time.sleep(0.05)
+        try:
+            port = int(json.loads(portFile.read_text())["port"])
+        except (OSError, ValueError, KeyError, TypeError):
+            raise DevStackError(f"the {MODEL_SERVER} wrote no port in {portFile}") from None
+        path = self._settings.dataDirectory / "providers.toml"
+        temporary = path.with_name(path.name + ".tmp")
+        temporary.write_text(
+            "# Written by dev/gateway at each run without SVC_PROVIDERS_FILE: the\n"
+            "# scripted model server of the tests (svcd/testing/upstream.py), which\n"
+            "# it runs on a free port, answers the model below. To forward to your\n"
+            "# own models, write a file like etc/svc/providers.toml and run\n"
+            "# SVC_PROVIDERS_FILE=that-file dev/gateway.\n"
+            "\n"
+            "[[providers]]\n"
+            'name = "scripted"\n'
+            f'base_url = "http://127.0.0.1:{port}/v1"\n'
+            "\n"
+            "[[models]]\n"
+            f'name = "{DEMO_MODEL}"\n'
+            'provider = "scripted"\n'
+            f'upstream_model = "{DEMO_UPSTREAM_MODEL}"   # an answer that describes the request\n'
+        )
+        os.replace(temporary, path)
+        say(
+            f"model server: the scripted one of the tests on 127.0.0.1:{port} answers the model "
+            f'"{DEMO_MODEL}" (providers file {path}; SVC_PROVIDERS_FILE names your own)'
+        )
+        return path
+
     def _startDaemons(self, dsn: str, redisURL: str) -> None:
         settings = self._settings
         twistd = _executableBeside("twistd")
@@ -432,6 +567,9 @@ class DevStack:
             }
             proxyEnvironment.pop("SVC_GRPC_PORT", None)
             proxyEnvironment.pop("POSTGRES_DSN", None)
+            proxyEnvironment.setdefault("SVC_AUTH_VALIDATE_TIMEOUT", VALIDATE_TIMEOUT)
+            if self._writtenProviders is not None:
+                proxyEnvironment[PROVIDERS_VARIABLE] = str(self._writtenProviders)
             self._startDaemon(
                 twistd,
                 "svc-proxy",
@@ -476,21 +614,24 @@ class DevStack:
             except (urllib.error.URLError, OSError):
                 return False
 
-        pending = list(self._daemons)
+        # The model server was ready once started.
+        pending = [
+            (daemon, daemon.readyURL) for daemon in self._daemons if daemon.readyURL is not None
+        ]
         deadline = time.monotonic() + READY_TIMEOUT
         while pending:
-            for daemon in list(pending):
+            for daemon, url in list(pending):
                 status = daemon.process.poll()
                 if status is not None:
                     raise DevStackError(
                         f"{daemon.name} exited with status {status} before it was ready "
                         "(its output is above)"
                     )
-                if ready(daemon.readyURL):
+                if ready(url):
                     say(f"{daemon.name} is ready")
-                    pending.remove(daemon)
+                    pending.remove((daemon, url))
             if pending and time.monotonic() > deadline:
-                names = ", ".join(f"{daemon.name} ({daemon.readyURL})" for daemon in pending)
+                names = ", ".join(f"{daemon.name} ({url})" for daemon, url in pending)
                 raise DevStackError(f"not ready after {READY_TIMEOUT:.0f} s: {names}")
             if pending:
                 time.sleep(0.25)
@@ -516,28 +657,39 @@ class DevStack:
         lines += [
             f"  demo organization {demo['org_id']}, agent {demo['agent_id']}",
             "",
-            "Send a request through the gateway:",
+            "Send a request through the gateway:"
+            if model is not None
+            else "Send a request through the gateway (svc-proxy has no model for the demo"
+            " organization: it answers 501 PROVIDER_NOT_CONFIGURED):",
             "",
-            f"  curl -i {proxy}/v1/chat/completions{headers} -d '{body % (model or 'demo', '')}'",
+            f"  curl -i {proxy}/v1/chat/completions{headers}"
+            f" -d '{body % (model or DEMO_MODEL, '')}'",
         ]
         if model is not None:
+            # Usage is relayed on a stream only when the client asks (D9).
+            streaming = '"stream":true,"stream_options":{"include_usage":true},'
             lines += [
                 "",
-                f"Stream the answer of {model}:",
+                f"Stream the answer of {model} (its usage comes last):",
                 "",
-                f"  curl -N {proxy}/v1/chat/completions{headers}"
-                f""" -d '{body % (model, '"stream":true,')}'""",
+                f"  curl -N {proxy}/v1/chat/completions{headers} -d '{body % (model, streaming)}'",
+                "",
+                'With the openai Python SDK: README.rst, "Quick start".',
             ]
         lines += ["", "Ctrl-C stops everything.", ""]
         print("\n".join(lines), flush=True)
 
     def _demoModel(self, orgID: str) -> str | None:
         """
-        The first model of SVC_PROVIDERS_FILE the demo organization may use,
-        or None without a providers file (the gateway then answers 501).
+        The first model of the providers file (SVC_PROVIDERS_FILE, or the
+        one written for the model server) the demo organization may use, or
+        None without one (the gateway then answers 501).
         """
+        environ = self._environ
+        if self._writtenProviders is not None:
+            environ = {**environ, PROVIDERS_VARIABLE: str(self._writtenProviders)}
         try:
-            table = providersFromEnvironment(self._environ, time.time)
+            table = providersFromEnvironment(environ, time.time)
         except ConfigError:
             # The proxy has read it already; it would not have started.
             return None

@@ -1,0 +1,505 @@
+"""
+dev/gateway as a newcomer meets it (issue 24 item 6, "The first run
+serves"): without C{SVC_PROVIDERS_FILE} it runs the scripted model server
+beside the stack, so that the curl commands it prints, and the C{openai}
+SDK program of README's Quick start, get a model's answer with usage on
+the first run; with the variable set it forwards to the file's providers
+(or, set but empty, to none: 501) and runs no model server.
+
+Each test runs L{svcd.devstack} as dev/gateway does after dev/bootstrap
+(C{python -m svcd.devstack}), as a process of its own with ports of its
+own and its data directory under the test's temporary directory, and runs
+the commands it printed as printed. The default run starts its private
+PostgreSQL and Redis as a newcomer's does; the other runs use the suite's
+servers to be quicker. The machine may be loaded (every run starts some
+ten Python processes): each wait is a poll with a generous deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+from svcd.devstack import DEMO_MODEL, MODEL_SERVER, stopLeftovers
+from svcd.proxy.forwarding.providers import loadProviders
+from svcd.testing.servers import freePort
+from svcd.testing.upstream import ScriptedUpstream
+
+CHECKOUT = Path(__file__).resolve().parents[1]
+README = CHECKOUT / "README.rst"
+
+# From the start of a run to its announcement: a new PostgreSQL cluster,
+# the migrations, four svcctl processes (argon2 for the token) and three
+# more Python processes, on two cores that others share.
+START_LIMIT = 240.0
+# dev/gateway gives each daemon 15 s after SIGTERM, then the servers.
+STOP_LIMIT = 90.0
+COMMAND_LIMIT = 60.0
+
+PREFIX = "dev/gateway: "
+ANNOUNCED = "Ctrl-C stops everything."
+
+# What the scripted model server's echo answers to the printed request (one
+# message, "hello"): its content, and one prompt word and ten answer words.
+ECHO_CONTENT = "Scripted answer to 1 messages; the last has 5 characters."
+ECHO_USAGE = {"prompt_tokens": 1, "completion_tokens": 10, "total_tokens": 11}
+
+# What the printed streaming command adds to the body to get the usage.
+INCLUDE_USAGE = '"stream_options":{"include_usage":true},'
+
+# Variables of this machine that would change what a run does.
+_FOREIGN = re.compile(r"SVC_.*|POSTGRES_DSN|REDIS_URL|(?i:(https?|all|no)_proxy)")
+
+
+def environmentOfTheTests() -> dict[str, str]:
+    """
+    The tests' environment without what would change a run or the commands
+    it prints (svc variables, a proxy for HTTP), and with loopback never
+    sent to a proxy.
+    """
+    environment = {
+        name: value for name, value in os.environ.items() if not _FOREIGN.fullmatch(name)
+    }
+    environment["no_proxy"] = environment["NO_PROXY"] = "127.0.0.1,localhost"
+    return environment
+
+
+def _commandLine(pid: int) -> list[str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+
+
+@attrs.define
+class GatewayRun:
+    """
+    One run of dev/gateway: its process, what it wrote (stdout: the
+    announcement and the daemons' logs; stderr: its own lines) and where
+    its data lives.
+    """
+
+    process: subprocess.Popen[bytes]
+    directory: Path
+    dataDirectory: Path
+    stdout: Path
+    stderr: Path
+    proxyPort: int
+
+    @property
+    def processRecord(self) -> Path:
+        return self.dataDirectory / "processes.json"
+
+    def ourLines(self) -> list[str]:
+        """
+        The lines dev/gateway wrote of its own on stderr.
+        """
+        lines = self.stderr.read_text(errors="replace").splitlines()
+        return [line for line in lines if line.startswith(PREFIX)]
+
+    def waitForAnnouncement(self) -> list[str]:
+        """
+        Wait until the run has printed what to try, and return its stdout's
+        lines.
+
+        @raise AssertionError: when it exits first, or takes too long; the
+            message holds its own lines.
+        """
+        deadline = time.monotonic() + START_LIMIT
+        while True:
+            text = self.stdout.read_text(errors="replace")
+            if ANNOUNCED in text:
+                return text.splitlines()
+            status = self.process.poll()
+            assert status is None, f"dev/gateway exited with {status}: {self.ourLines()}"
+            assert time.monotonic() < deadline, f"no announcement: {self.ourLines()}"
+            time.sleep(0.1)
+
+    def printedCommands(self) -> list[str]:
+        """
+        The curl commands of the announcement, as printed (without their
+        indentation).
+        """
+        lines = self.waitForAnnouncement()
+        return [line.strip() for line in lines if line.startswith("  curl ")]
+
+    def recorded(self) -> dict[str, dict[str, Any]]:
+        """
+        processes.json by name: what a killed run would leave running.
+        """
+        return {entry["name"]: entry for entry in json.loads(self.processRecord.read_text())}
+
+    def stop(self, signum: int = signal.SIGINT) -> int:
+        """
+        Send C{signum} (Ctrl-C) and return the exit status once it exits.
+        """
+        if self.process.poll() is None:
+            self.process.send_signal(signum)
+        try:
+            return self.process.wait(STOP_LIMIT)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            raise AssertionError(f"not stopped within {STOP_LIMIT:.0f} s") from None
+
+
+@attrs.define
+class Runs:
+    """
+    Starts runs of dev/gateway, and leaves nothing of them running: each is
+    stopped with Ctrl-C, and what processes.json still names afterwards (a
+    run killed outright, whose leftovers no later run stopped) with
+    dev/gateway's own L{stopLeftovers}.
+    """
+
+    base: Path
+    started: list[GatewayRun] = attrs.Factory(list)
+
+    def start(
+        self, environment: Mapping[str, str], ports: tuple[int, int, int] | None = None
+    ) -> GatewayRun:
+        """
+        Start a run with C{environment} added to the tests' own, on
+        C{ports} (proxy, auth HTTP, auth gRPC; free ones by default), its
+        data in C{.data} of the test's directory.
+        """
+        number = len(self.started) + 1
+        directory = self.base / f"run-{number}"
+        directory.mkdir(parents=True)
+        dataDirectory = self.base / ".data"
+        proxyPort, authPort, grpcPort = ports or (freePort(), freePort(), freePort())
+        stdout, stderr = directory / "stdout", directory / "stderr"
+        with stdout.open("wb") as out, stderr.open("wb") as err:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "svcd.devstack", "--data-directory", str(dataDirectory)],
+                env={
+                    **environmentOfTheTests(),
+                    "SVC_PROXY_PORT": str(proxyPort),
+                    "SVC_AUTH_PORT": str(authPort),
+                    "SVC_AUTH_GRPC_PORT": str(grpcPort),
+                    **environment,
+                },
+                cwd=CHECKOUT,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+            )
+        run = GatewayRun(process, directory, dataDirectory, stdout, stderr, proxyPort)
+        self.started.append(run)
+        return run
+
+    def stopAll(self) -> None:
+        for run in reversed(self.started):
+            # A run that does not stop is killed by stop(); its leftovers
+            # are stopped below.
+            with contextlib.suppress(AssertionError):
+                run.stop()
+        for record in {run.processRecord for run in self.started}:
+            stopLeftovers(record, timeout=STOP_LIMIT)
+
+
+@pytest.fixture
+def runs(tmp_path: Path) -> Iterator[Runs]:
+    started = Runs(tmp_path)
+    yield started
+    started.stopAll()
+
+
+@pytest.fixture
+def sharedServers(databaseDSN: str, redisURL: str) -> dict[str, str]:
+    """
+    The suite's PostgreSQL (a new database) and Redis, for runs whose
+    servers are not what the test is about. Ask for it before C{runs}, so
+    that the runs are stopped before the database is dropped.
+    """
+    return {"POSTGRES_DSN": databaseDSN, "REDIS_URL": redisURL}
+
+
+@pytest.fixture(scope="module")
+def firstRun(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayRun]:
+    """
+    dev/gateway as a newcomer runs it: no variable set, nothing in .data,
+    its own PostgreSQL and Redis. Shared by the tests that only send
+    requests through it.
+    """
+    started = Runs(tmp_path_factory.mktemp("first-run"))
+    try:
+        run = started.start({})
+        run.waitForAnnouncement()
+        yield run
+    finally:
+        started.stopAll()
+
+
+def runCurl(command: str, body: Callable[[str], str] = lambda body: body) -> str:
+    """
+    Run a printed curl command as a shell would split it, its C{-d} body
+    first passed through C{body}; return its stdout.
+    """
+    arguments = shlex.split(command)
+    assert arguments[0] == "curl", command
+    data = arguments.index("-d") + 1
+    arguments[data] = body(arguments[data])
+    result = subprocess.run(
+        [shutil.which("curl") or "curl", *arguments[1:]],
+        env=environmentOfTheTests(),
+        capture_output=True,
+        timeout=COMMAND_LIMIT,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.decode()
+
+
+def parseResponse(output: str) -> tuple[int, dict[str, str], Any]:
+    """
+    The status, headers (lower-case names) and JSON body of C{curl -i}'s
+    output.
+    """
+    head, _, body = output.partition("\r\n\r\n")
+    statusLine, *headerLines = head.split("\r\n")
+    headers = {}
+    for line in headerLines:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return int(statusLine.split()[1]), headers, json.loads(body)
+
+
+def streamEvents(output: str) -> list[str]:
+    """
+    The data of each server-sent event of C{curl -N}'s output.
+    """
+    events = [event for event in output.split("\n\n") if event.strip()]
+    assert all(event.startswith("data: ") for event in events), output
+    return [event.removeprefix("data: ") for event in events]
+
+
+needsCurl = pytest.mark.skipif(
+    shutil.which("curl") is None, reason="curl is missing (dev/bootstrap installs it)"
+)
+
+
+def test_firstRunSaysItRunsTheModelServer(firstRun: GatewayRun) -> None:
+    """
+    Without SVC_PROVIDERS_FILE, dev/gateway says in one line that the
+    scripted model server answers the model "demo", naming its address and
+    the providers file it wrote under .data; that file sends "demo" there;
+    processes.json names the server with its command line, so that a
+    killed run's server is stopped by the next.
+    """
+    lines = firstRun.ourLines()
+    [line] = [line for line in lines if "model server" in line]
+    providersFile = firstRun.dataDirectory / "providers.toml"
+    match = re.fullmatch(
+        re.escape(PREFIX + "model server: the scripted one of the tests on 127.0.0.1:")
+        + r"(\d+)"
+        + re.escape(
+            f' answers the model "{DEMO_MODEL}" (providers file {providersFile};'
+            " SVC_PROVIDERS_FILE names your own)"
+        ),
+        line,
+    )
+    assert match is not None, line
+    port = int(match.group(1))
+    table = loadProviders(str(providersFile), {}, time.time)
+    [model] = table.modelsFor("00000000-0000-4000-8000-000000000000")
+    assert model.name == DEMO_MODEL
+    assert model.provider.baseURL == f"http://127.0.0.1:{port}/v1"
+    entry = firstRun.recorded()[MODEL_SERVER]
+    assert "svcd.testing.upstream" in entry["command"]
+    assert _commandLine(entry["pid"]) == entry["command"]
+
+
+@needsCurl
+def test_printedCommandGetsTheModelsAnswerWithUsage(firstRun: GatewayRun) -> None:
+    """
+    The first printed command, run as printed, answers 200 with the
+    model's answer and its usage, from the model "demo".
+    """
+    plain, _ = firstRun.printedCommands()
+    assert plain.startswith(f"curl -i http://127.0.0.1:{firstRun.proxyPort}/v1/chat/completions")
+    status, headers, answer = parseResponse(runCurl(plain))
+    assert status == 200, answer
+    assert headers["x-svc-upstream-model"] == DEMO_MODEL
+    assert answer["object"] == "chat.completion"
+    assert answer["choices"][0]["message"]["content"] == ECHO_CONTENT
+    assert answer["usage"] == ECHO_USAGE
+
+
+@needsCurl
+def test_printedStreamingCommandEndsWithUsageAndDone(firstRun: GatewayRun) -> None:
+    """
+    The printed streaming command gets the answer as chunk events, then
+    the usage event it asks for, then data: [DONE]; without
+    stream_options the same events come without the usage event.
+    """
+    _, streaming = firstRun.printedCommands()
+    assert streaming.startswith("curl -N ") and '"stream":true' in streaming
+    assert INCLUDE_USAGE in streaming
+    *chunks, usage, done = streamEvents(runCurl(streaming))
+    assert done == "[DONE]"
+    assert json.loads(usage)["choices"] == []
+    assert json.loads(usage)["usage"] == ECHO_USAGE
+    parsed = [json.loads(chunk) for chunk in chunks]
+    assert all(chunk["object"] == "chat.completion.chunk" for chunk in parsed)
+    content = "".join(chunk["choices"][0]["delta"].get("content", "") for chunk in parsed)
+    assert content == ECHO_CONTENT
+    assert parsed[-1]["choices"][0]["finish_reason"] == "stop"
+
+    *chunks, done = streamEvents(runCurl(streaming, lambda body: body.replace(INCLUDE_USAGE, "")))
+    assert done == "[DONE]"
+    assert all(json.loads(chunk)["choices"] for chunk in chunks)
+    assert all(json.loads(chunk).get("usage") is None for chunk in chunks)
+
+
+def readmeSDKProgram() -> str:
+    """
+    The C{openai} SDK program of README's Quick start: the literal block
+    that imports openai.
+    """
+    lines = README.read_text().splitlines()
+    quickStart = lines.index("Quick start")
+    start = lines.index("    import openai", quickStart)
+    while not lines[start - 1].endswith("::"):
+        start -= 1
+    end = start
+    while end < len(lines) and (lines[end].startswith("    ") or not lines[end].strip()):
+        end += 1
+    return textwrap.dedent("\n".join(lines[start:end]))
+
+
+def test_readmeSDKProgramGetsAnswersWithUsage(firstRun: GatewayRun) -> None:
+    """
+    The openai SDK program of README's Quick start, run from the directory
+    that holds .data (as from the checkout) with the run's port in place of
+    8080, lists the model "demo", prints its answer with the usage, and
+    streams it with the usage chunk last.
+    """
+    program = readmeSDKProgram()
+    assert 'base_url="http://127.0.0.1:8080/v1"' in program
+    assert firstRun.dataDirectory.name == ".data"
+    result = subprocess.run(
+        [sys.executable, "-c", program.replace(":8080/", f":{firstRun.proxyPort}/")],
+        cwd=firstRun.dataDirectory.parent,
+        env=environmentOfTheTests(),
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_LIMIT,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    models, answer, *streamed, usage = result.stdout.splitlines()
+    assert models == f"['{DEMO_MODEL}']"
+    usageText = "completion_tokens=10, prompt_tokens=1, total_tokens=11"
+    assert answer.startswith(ECHO_CONTENT + " CompletionUsage(" + usageText)
+    # The role chunk's empty content, a word per chunk (its space kept),
+    # the finish chunk's None, then the usage chunk.
+    assert "".join(streamed[1:-1]) == ECHO_CONTENT
+    assert streamed[-1] == "None"
+    assert usage.startswith("CompletionUsage(" + usageText)
+
+
+@needsCurl
+def test_ctrlCStopsTheModelServerAndAKilledRunsIsStoppedNextTime(
+    sharedServers: dict[str, str], runs: Runs
+) -> None:
+    """
+    A run killed outright leaves its model server and daemons running; the
+    next run on the same data directory and ports stops them (one line
+    each), starts its own and serves; Ctrl-C then stops all of it, the
+    model server included, exits 0 and removes processes.json.
+    """
+    ports = (freePort(), freePort(), freePort())
+    killed = runs.start(sharedServers, ports)
+    killed.waitForAnnouncement()
+    left = killed.recorded()
+    assert set(left) == {MODEL_SERVER, "svc-auth", "svc-proxy"}
+    killed.process.kill()
+    killed.process.wait()
+    for name, entry in left.items():
+        # Recorded as /proc shows it once the program runs: never empty.
+        assert entry["command"], name
+        assert _commandLine(entry["pid"]) == entry["command"], (name, _commandLine(entry["pid"]))
+
+    second = runs.start(sharedServers, ports)
+    plain, _ = second.printedCommands()
+    for name, entry in left.items():
+        assert _commandLine(entry["pid"]) != entry["command"], name
+        stopped = f"stopping {name} left running by an earlier run (pid {entry['pid']})"
+        assert PREFIX + stopped in second.ourLines()
+    status, _, answer = parseResponse(runCurl(plain))
+    assert status == 200, answer
+    assert answer["usage"] == ECHO_USAGE
+
+    running = second.recorded()
+    assert running[MODEL_SERVER]["pid"] != left[MODEL_SERVER]["pid"]
+    assert second.stop(signal.SIGINT) == 0
+    for name, entry in running.items():
+        assert _commandLine(entry["pid"]) != entry["command"], name
+    assert PREFIX + f"stopping {MODEL_SERVER}" in second.ourLines()
+    assert not second.processRecord.exists()
+
+
+@needsCurl
+def test_providersFileSetRunsNoModelServer(
+    sharedServers: dict[str, str], runs: Runs, scriptedUpstream: ScriptedUpstream, tmp_path: Path
+) -> None:
+    """
+    With SVC_PROVIDERS_FILE naming a file, dev/gateway starts no model
+    server and writes no providers file; svc-proxy forwards to the file's
+    provider, whose first model the printed commands name.
+    """
+    providers = tmp_path / "providers.toml"
+    providers.write_text(
+        "[[providers]]\n"
+        'name = "mine"\n'
+        f'base_url = "{scriptedUpstream.baseURL}"\n'
+        "[[models]]\n"
+        'name = "fast"\n'
+        'provider = "mine"\n'
+        'upstream_model = "echo"\n'
+    )
+    run = runs.start({**sharedServers, "SVC_PROVIDERS_FILE": str(providers)})
+    plain, streaming = run.printedCommands()
+    assert '"model":"fast"' in plain and '"model":"fast"' in streaming
+    assert not any("model server" in line for line in run.ourLines())
+    assert set(run.recorded()) == {"svc-auth", "svc-proxy"}
+    assert not (run.dataDirectory / "providers.toml").exists()
+    status, headers, answer = parseResponse(runCurl(plain))
+    assert status == 200, answer
+    assert (headers["x-svc-upstream-model"], answer["usage"]) == ("fast", ECHO_USAGE)
+    [forwarded] = scriptedUpstream.requests()
+    assert forwarded.body["model"] == "echo"
+
+
+@needsCurl
+def test_emptyProvidersFileAnswers501(sharedServers: dict[str, str], runs: Runs) -> None:
+    """
+    With SVC_PROVIDERS_FILE set but empty, dev/gateway runs as before the
+    model server existed: none runs, svc-proxy has no provider, and the one
+    printed command says so and answers 501 PROVIDER_NOT_CONFIGURED.
+    """
+    run = runs.start({**sharedServers, "SVC_PROVIDERS_FILE": ""})
+    [plain] = run.printedCommands()
+    assert "501 PROVIDER_NOT_CONFIGURED" in "\n".join(run.waitForAnnouncement())
+    assert not any("model server" in line for line in run.ourLines())
+    assert set(run.recorded()) == {"svc-auth", "svc-proxy"}
+    status, _, answer = parseResponse(runCurl(plain))
+    assert status == 501, answer
+    assert answer["error"]["code"] == "PROVIDER_NOT_CONFIGURED"
