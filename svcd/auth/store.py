@@ -410,11 +410,16 @@ class Store:
     def agentInOrganization(self, orgID: uuid.UUID, agentID: uuid.UUID) -> AgentRecord | None:
         """
         An agent as seen from one organization: None when it does not exist
-        or belongs to another organization (row-level security hides it).
+        or belongs to another organization. Row-level security hides other
+        organizations' agents from svc-auth; the condition on org_id does it
+        for svcctl, which acts as the schema owner and sees every row.
         """
 
         def query(cursor: Cursor) -> AgentRecord | None:
-            cursor.execute(f"SELECT {_AGENT_COLUMNS} FROM agents WHERE agent_id = %s", (agentID,))
+            cursor.execute(
+                f"SELECT {_AGENT_COLUMNS} FROM agents WHERE agent_id = %s AND org_id = %s",
+                (agentID, orgID),
+            )
             return _optional(_agent, cursor.fetchone())
 
         return self._run("agent_lookup", query, orgID=orgID)
