@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 import pytest
 from authfixtures import makeTenant, ownerStore
+from test_svcctl import document, svcctl
 
 from svcd.auth.authority import issueToken
 from svcd.auth.feed import (
@@ -30,8 +31,9 @@ from svcd.auth.feed import (
     TooManyStreams,
     snapshotMessages,
 )
+from svcd.auth.limits import limitsChange
 from svcd.auth.migrations import migrate
-from svcd.auth.store import Store
+from svcd.auth.store import LimitsRecord, Store
 from svcd.pb.auth.v1 import auth_pb2
 from svcd.testing.authservice import RunningAuthService
 from svcd.testing.servers import PostgresServer
@@ -70,9 +72,11 @@ class FeedReader:
 
     def snapshot(self) -> set[uuid.UUID]:
         """
-        Read the snapshot at the start of the stream.
+        Read the snapshot at the start of the stream: the token ids, which
+        it returns, then every limits row, kept in C{limits}.
         """
         ids: set[uuid.UUID] = set()
+        self.limits: dict[tuple[bytes, bytes], auth_pb2.Limits] = {}
         while True:
             change = self.next()
             if isinstance(change, grpc.RpcError):
@@ -82,7 +86,13 @@ class FeedReader:
             if kind == "snapshot_complete":
                 assert change.snapshot_complete.token_count == len(ids)
                 return ids
+            if kind == "limits_changed":
+                row = change.limits_changed
+                assert row.HasField("limits")
+                self.limits[(row.org_id, row.agent_id)] = row.limits
+                continue
             assert kind == "known_token_ids", kind
+            assert not self.limits, "token ids after limits rows"
             raw = change.known_token_ids
             ids.update(uuid.UUID(bytes=raw[at : at + 16]) for at in range(0, len(raw), 16))
 
@@ -276,6 +286,112 @@ def test_streamsEndWhenPostgreSQLGoesAndStartOverWhenItIsBack(
         service.stop()
 
 
+# Limits (decisions D11)
+
+
+def limitsRowOf(printed: dict[str, Any]) -> auth_pb2.LimitsChanged:
+    """
+    The feed's message for a row as svcctl printed it (cleared: no limits).
+    """
+    changed = auth_pb2.LimitsChanged(
+        org_id=uuid.UUID(printed["org_id"]).bytes,
+        agent_id=uuid.UUID(printed["agent_id"]).bytes if printed["agent_id"] else b"",
+    )
+    if not printed.get("cleared"):
+        changed.limits.version = printed["version"]
+        for field in ("rpm", "tpm", "max_output_tokens"):
+            if printed[field] is not None:
+                setattr(changed.limits, field, printed[field])
+    return changed
+
+
+def test_streamStartsWithEveryLimitsRow(authService: RunningAuthService, owner: Store) -> None:
+    """
+    After the token ids and before snapshot_complete, a stream carries
+    every limits row of every organization, unset values absent; a
+    cleared row is not among them.
+    """
+    first = makeTenant(owner, "a")
+    second = makeTenant(owner, "b")
+    org = owner.setLimits(first.orgID, None, {"rpm": 60, "tpm": 1000})
+    agent = owner.setLimits(first.orgID, first.agentID, {"max_output_tokens": 256})
+    other = owner.setLimits(second.orgID, None, {"rpm": 5})
+    owner.setLimits(second.orgID, second.agentID, {"rpm": 1})
+    owner.clearLimits(second.orgID, second.agentID)
+
+    def snapshotHasThem() -> bool:
+        feed = FeedReader(authService)
+        try:
+            known = feed.snapshot()
+            assert known == {first.tokenID, second.tokenID}
+            # The listener may still be applying the last changes.
+            return feed.limits == {
+                (first.orgID.bytes, b""): auth_pb2.Limits(rpm=60, tpm=1000, version=org.version),
+                (first.orgID.bytes, first.agentID.bytes): auth_pb2.Limits(
+                    max_output_tokens=256, version=agent.version
+                ),
+                (second.orgID.bytes, b""): auth_pb2.Limits(rpm=5, version=other.version),
+            }
+        finally:
+            feed.close()
+
+    waitUntil(snapshotHasThem, limit=1.0, interval=0.05)
+
+
+def test_limitsChangesMadeWithSvcctlArriveWithinOneSecond(
+    authService: RunningAuthService, owner: Store, reader: FeedReader, migratedDSN: str
+) -> None:
+    """
+    A row set, changed and cleared with svcctl, the organization's and an
+    agent's, reaches an open stream within one second each, as the row
+    now is (a cleared row without limits).
+    """
+    tenant = makeTenant(owner)
+    reader.snapshot()
+    org, agent = str(tenant.orgID), str(tenant.agentID)
+    for arguments in [
+        ("set", "--org", org, "--rpm", "100"),
+        ("set", "--org", org, "--tpm", "5000", "--rpm", "none"),
+        ("set", "--org", org, "--agent", agent, "--max-output-tokens", "64"),
+        ("clear", "--org", org, "--agent", agent),
+        ("clear", "--org", org),
+    ]:
+        printed = document(svcctl(migratedDSN, "limits", *arguments))
+        reader.waitFor("limits_changed", limitsRowOf(printed), limit=1.0)
+
+
+def test_aLimitsChangeComesBeforeTheHeartbeatsThatFollowIt(
+    authService: RunningAuthService, owner: Store, reader: FeedReader
+) -> None:
+    """
+    Heartbeats vouch for limits changes too: once a change's commit has
+    returned, the row arrives before the heartbeats of beats sent after it
+    (the listener re-reads the row before it handles the next
+    notification).
+    """
+    tenant = makeTenant(owner)
+    reader.snapshot()
+    reader.waitFor("heartbeat", limit=2.0)
+    row = owner.setLimits(tenant.orgID, tenant.agentID, {"tpm": 42})
+    heartbeats = 0
+    while True:
+        change = reader.next()
+        assert isinstance(change, auth_pb2.Change), change
+        kind = change.WhichOneof("kind")
+        if kind == "limits_changed":
+            assert change.limits_changed == auth_pb2.LimitsChanged(
+                org_id=tenant.orgID.bytes,
+                agent_id=tenant.agentID.bytes,
+                limits=auth_pb2.Limits(tpm=42, version=row.version),
+            )
+            break
+        if kind == "heartbeat":
+            heartbeats += 1
+    # Beats already in flight at the commit may come back first, a few at
+    # most (as for tokens).
+    assert heartbeats <= 5
+
+
 # The hub and the snapshots alone.
 
 
@@ -387,3 +503,44 @@ def test_snapshotMessagesChunkTheIDs() -> None:
     assert b"".join(each.known_token_ids for each in messages[:-1]) == ids
     assert messages[-1].snapshot_complete.token_count == SNAPSHOT_CHUNK_IDS + 5
     assert [each.WhichOneof("kind") for each in snapshotMessages(b"")] == ["snapshot_complete"]
+
+
+def test_snapshotMessagesSendLimitsRowsBeforeTheEnd() -> None:
+    """
+    Every limits row comes after the token ids and before the snapshot's
+    end, one message each.
+    """
+    ids = uuid.uuid4().bytes
+    rows = [
+        LimitsRecord(uuid.uuid4(), None, 1, None, None, 1),
+        LimitsRecord(uuid.uuid4(), uuid.uuid4(), None, 2, None, 2),
+    ]
+    messages = list(snapshotMessages(ids, rows))
+    assert [each.WhichOneof("kind") for each in messages] == [
+        "known_token_ids",
+        "limits_changed",
+        "limits_changed",
+        "snapshot_complete",
+    ]
+    assert messages[1].limits_changed == limitsChange(rows[0].orgID, None, rows[0]).limits_changed
+    assert messages[2].limits_changed.agent_id == rows[1].agentID.bytes
+    assert messages[-1].snapshot_complete.token_count == 1
+
+
+def test_hubSendsLimitsChangesToEveryStream() -> None:
+    """
+    A limits change goes to every open stream as the row, or as its
+    absence when cleared.
+    """
+    hub = ChangeHub(FakeMonotonic())
+    hub.listenerUp()
+    streams = [hub.open(), hub.open()]
+    org = uuid.uuid4()
+    row = LimitsRecord(org, None, 3, None, None, 7)
+    hub.limitsChanged(org, None, row)
+    hub.limitsChanged(org, None, None)
+    for stream in streams:
+        first, second = stream.next(timeout=1), stream.next(timeout=1)
+        assert first == limitsChange(org, None, row)
+        assert isinstance(second, auth_pb2.Change)
+        assert not second.limits_changed.HasField("limits")

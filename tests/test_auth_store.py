@@ -12,9 +12,9 @@ import pytest
 from authfixtures import makeTenant, secretOf
 
 from svcd.auth.migrations import migrate, migrationFiles
-from svcd.auth.store import APPLICATION_ROLE, Store
+from svcd.auth.store import APPLICATION_ROLE, Store, StoreRejected
 
-TENANT_TABLES = ("organizations", "users", "agents", "tokens")
+TENANT_TABLES = ("organizations", "users", "agents", "tokens", "limits")
 
 
 def test_migrateIsIdempotent(databaseDSN: str) -> None:
@@ -23,7 +23,7 @@ def test_migrateIsIdempotent(databaseDSN: str) -> None:
     nothing and changes nothing.
     """
     names = [each.name for each in migrationFiles()]
-    assert names == sorted(names) and len(names) >= 3
+    assert names == sorted(names) and len(names) >= 5
     assert migrate(databaseDSN) == names
     assert migrate(databaseDSN) == []
     with psycopg.connect(databaseDSN) as connection:
@@ -158,3 +158,104 @@ def test_tokenSecretsAreStoredOnlyAsArgon2idHashes(migratedDSN: str, owner: Stor
     assert stored is not None
     assert str(stored[0]).startswith("$argon2id$")
     assert secret not in str(stored[0])
+
+
+def test_organizationContextCannotReadOrWriteAnotherOrganizationsLimits(
+    migratedDSN: str, owner: Store
+) -> None:
+    """
+    In org A's context, svc_auth_app sees A's limits rows (its own and its
+    agent's) and none of B's, asked by id or not at all; it cannot write
+    any limits row (svcctl, the owner, writes them); the one function that
+    reads every row gives ids and numbers only.
+    """
+    tenantA = makeTenant(owner, "a")
+    tenantB = makeTenant(owner, "b")
+    owner.setLimits(tenantA.orgID, None, {"rpm": 1})
+    owner.setLimits(tenantA.orgID, tenantA.agentID, {"tpm": 2})
+    owner.setLimits(tenantB.orgID, None, {"rpm": 3})
+    owner.setLimits(tenantB.orgID, tenantB.agentID, {"tpm": 4})
+    with asApplication(migratedDSN, orgID=tenantA.orgID) as connection:
+        seen = connection.execute("SELECT org_id, agent_id FROM limits").fetchall()
+        assert sorted(seen, key=str) == sorted(
+            [(tenantA.orgID, None), (tenantA.orgID, tenantA.agentID)], key=str
+        )
+        assert connection.execute(
+            "SELECT count(*) FROM limits WHERE org_id = %s OR agent_id = %s",
+            (tenantB.orgID, tenantB.agentID),
+        ).fetchone() == (0,)
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            connection.execute("UPDATE limits SET rpm = 100 WHERE org_id = %s", (tenantA.orgID,))
+    with asApplication(migratedDSN, orgID=tenantA.orgID) as connection:
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            connection.execute("DELETE FROM limits")
+    with asApplication(migratedDSN) as connection:
+        everything = connection.execute("SELECT * FROM svc_limits_rows()")
+        columns = [column.name for column in everything.description or ()]
+        assert columns == ["org_id", "agent_id", "rpm", "tpm", "max_output_tokens", "version"]
+        assert len(everything.fetchall()) == 4
+    assert owner.limits(tenantB.orgID) is not None
+
+
+def test_limitsRowsAreOnePerOrganizationAndAgentOfItsOwn(migratedDSN: str, owner: Store) -> None:
+    """
+    The table itself keeps its rules, whoever writes: values are positive
+    or null, one row per organization and per agent, an agent only with
+    its own organization (the store reports that as StoreRejected), and
+    every insert and update takes a new, larger version.
+    """
+    tenantA = makeTenant(owner, "a")
+    tenantB = makeTenant(owner, "b")
+    with pytest.raises(StoreRejected):
+        owner.setLimits(tenantA.orgID, tenantB.agentID, {"rpm": 5})
+    with psycopg.connect(migratedDSN, autocommit=True) as connection:
+        for value in (0, -1):
+            with pytest.raises(psycopg.errors.CheckViolation):
+                connection.execute(
+                    "INSERT INTO limits (org_id, tpm) VALUES (%s, %s)", (tenantA.orgID, value)
+                )
+        connection.execute("INSERT INTO limits (org_id) VALUES (%s)", (tenantA.orgID,))
+        with pytest.raises(psycopg.errors.UniqueViolation):
+            connection.execute("INSERT INTO limits (org_id) VALUES (%s)", (tenantA.orgID,))
+        connection.execute(
+            "INSERT INTO limits (org_id, agent_id) VALUES (%s, %s)",
+            (tenantA.orgID, tenantA.agentID),
+        )
+        with pytest.raises(psycopg.errors.UniqueViolation):
+            connection.execute(
+                "INSERT INTO limits (org_id, agent_id) VALUES (%s, %s)",
+                (tenantA.orgID, tenantA.agentID),
+            )
+        before = owner.limits(tenantA.orgID)
+        assert before is not None and before.rpm is None
+        connection.execute(
+            "UPDATE limits SET rpm = 9, version = 1 WHERE org_id = %s AND agent_id IS NULL",
+            (tenantA.orgID,),
+        )
+    after = owner.limits(tenantA.orgID)
+    assert after is not None and after.rpm == 9 and after.version > before.version
+    unchanged = owner.setLimits(tenantA.orgID, None, {})
+    assert unchanged.rpm == 9 and unchanged.version > after.version
+
+
+def test_everyLimitsChangeIsAnnounced(migratedDSN: str, owner: Store) -> None:
+    """
+    Each insert, update and delete of a limits row is announced on
+    svc_auth_changes as limits:<org_id>:<agent_id or empty>.
+    """
+    tenant = makeTenant(owner)
+    with psycopg.connect(migratedDSN, autocommit=True) as listening:
+        listening.execute("LISTEN svc_auth_changes")
+        owner.setLimits(tenant.orgID, None, {"rpm": 5})
+        owner.setLimits(tenant.orgID, None, {"tpm": 6})
+        owner.setLimits(tenant.orgID, tenant.agentID, {"rpm": 1})
+        owner.clearLimits(tenant.orgID, tenant.agentID)
+        owner.clearLimits(tenant.orgID)
+        owner.clearLimits(tenant.orgID)
+        payloads = [
+            each.payload
+            for each in listening.notifies(timeout=5.0, stop_after=5)
+            if each.payload.startswith("limits:")
+        ]
+    org, agent = f"limits:{tenant.orgID}:", f"limits:{tenant.orgID}:{tenant.agentID}"
+    assert payloads == [org, org, agent, agent, org]

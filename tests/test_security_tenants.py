@@ -19,6 +19,7 @@ from test_gateway_e2e import Answer, Gateway, assertEnvelope, chat, request, unl
 
 from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
 from svcd.testing.servers import PostgresServer
+from svcd.testing.waiting import waitUntil
 
 ALL_PERMISSIONS = 1 | 2 | 4 | 8
 
@@ -248,3 +249,51 @@ def test_tokenOfAnotherOrganizationCannotBeUsedWithItsOwnPathOrg(gateway: Gatewa
     )
     assert answer.status == 403
     assertNothingOf(b, answer.body.decode())
+
+
+def test_validationAnswersCarryOnlyTheCallersOwnLimits(
+    gateway: Gateway, stub: auth_pb2_grpc.AuthServiceStub
+) -> None:
+    """
+    With limits rows for B's organization and agent, A's ValidateToken
+    answer carries A's own row and nothing of B's, A's ValidateAgent on
+    its own agent (which has no row) carries none, and on B's agent is
+    refused as before.
+    """
+    a, b = gateway.tenants["A"], gateway.tenants["B"]
+    owner = gateway.owner
+    metadata = (("authorization", f"Bearer {a.token}"),)
+    owner.setLimits(b.orgID, None, {"rpm": 424242})
+    owner.setLimits(b.orgID, b.agentID, {"tpm": 434343})
+    mine = owner.setLimits(a.orgID, None, {"rpm": 11})
+    try:
+
+        def tokenAnswer() -> auth_pb2.ValidateTokenResponse:
+            return stub.ValidateToken(
+                auth_pb2.ValidateTokenRequest(access_token=a.token), timeout=5
+            )
+
+        # svc-auth hears changes in commit order: once A's row shows, B's
+        # were heard too.
+        waitUntil(lambda: tokenAnswer().org_limits.version == mine.version, limit=1.0)
+        answer = tokenAnswer()
+        assert answer.org_limits == auth_pb2.Limits(rpm=11, version=mine.version)
+        agentAnswer = stub.ValidateAgent(
+            auth_pb2.ValidateAgentRequest(agent_id=str(a.agentID), org_id=str(a.orgID)),
+            metadata=metadata,
+            timeout=5,
+        )
+        assert not agentAnswer.HasField("agent_limits")
+        for text in (str(answer), str(agentAnswer)):
+            assert "424242" not in text and "434343" not in text
+            assertNothingOf(b, text)
+        code, _ = grpcCode(
+            stub.ValidateAgent,
+            auth_pb2.ValidateAgentRequest(agent_id=str(b.agentID), org_id=str(a.orgID)),
+            a.token,
+        )
+        assert code == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        owner.clearLimits(a.orgID)
+        owner.clearLimits(b.orgID, b.agentID)
+        owner.clearLimits(b.orgID)

@@ -13,9 +13,10 @@ import uuid
 from typing import Any
 
 import pytest
-from authfixtures import secretOf
+from authfixtures import makeTenant, secretOf
 
 from svcd.auth.migrations import migrationFiles
+from svcd.auth.store import Store
 
 
 def svcctl(dsn: str | None, *arguments: str) -> subprocess.CompletedProcess[str]:
@@ -166,3 +167,166 @@ def test_missingOrUnreachableDatabase() -> None:
     )
     assert "hunter2" not in line
     assert "database" in line
+
+
+# Limits (decisions D11)
+
+
+def nothingSet(orgID: str, agentID: str | None = None) -> dict[str, Any]:
+    return {
+        "org_id": orgID,
+        "agent_id": agentID,
+        "rpm": None,
+        "tpm": None,
+        "max_output_tokens": None,
+        "version": None,
+    }
+
+
+def test_limitsSetShowAndClear(migratedDSN: str) -> None:
+    """
+    limits set changes only the values it is given (none unsets one) and
+    prints the row with a version that grows with every change; show
+    prints the same, or every value null without a row; an agent's row is
+    apart from its organization's; clear prints the row it removed, or
+    nulls and "cleared": false when there was none.
+    """
+    org = document(svcctl(migratedDSN, "org", "create", "--name", "acme"))["org_id"]
+    agent = document(svcctl(migratedDSN, "agent", "create", "--org", org))["agent_id"]
+    assert document(svcctl(migratedDSN, "limits", "show", "--org", org)) == nothingSet(org)
+
+    first = document(svcctl(migratedDSN, "limits", "set", "--org", org, "--rpm", "60"))
+    assert isinstance(first["version"], int)
+    assert first == {**nothingSet(org), "rpm": 60, "version": first["version"]}
+    second = document(
+        svcctl(
+            migratedDSN,
+            "limits",
+            "set",
+            "--org",
+            org,
+            "--tpm",
+            "100000",
+            "--max-output-tokens",
+            "2048",
+        )
+    )
+    assert second == {
+        **nothingSet(org),
+        "rpm": 60,
+        "tpm": 100000,
+        "max_output_tokens": 2048,
+        "version": second["version"],
+    }
+    assert second["version"] > first["version"]
+    third = document(svcctl(migratedDSN, "limits", "set", "--org", org, "--rpm", "none"))
+    assert third == {**second, "rpm": None, "version": third["version"]}
+    assert third["version"] > second["version"]
+    assert document(svcctl(migratedDSN, "limits", "show", "--org", org)) == third
+
+    agentRow = document(
+        svcctl(
+            migratedDSN,
+            "limits",
+            "set",
+            "--org",
+            org,
+            "--agent",
+            agent,
+            "--rpm",
+            "10",
+            "--tpm",
+            str(2**63 - 1),
+        )
+    )
+    assert agentRow == {
+        **nothingSet(org, agent),
+        "rpm": 10,
+        "tpm": 2**63 - 1,
+        "version": agentRow["version"],
+    }
+    assert document(svcctl(migratedDSN, "limits", "show", "--org", org)) == third
+    shown = svcctl(migratedDSN, "limits", "show", "--org", org, "--agent", agent)
+    assert document(shown) == agentRow
+
+    cleared = svcctl(migratedDSN, "limits", "clear", "--org", org, "--agent", agent)
+    assert document(cleared) == {**agentRow, "cleared": True}
+    shown = svcctl(migratedDSN, "limits", "show", "--org", org, "--agent", agent)
+    assert document(shown) == nothingSet(org, agent)
+    again = svcctl(migratedDSN, "limits", "clear", "--org", org, "--agent", agent)
+    assert document(again) == {**nothingSet(org, agent), "cleared": False}
+    assert document(svcctl(migratedDSN, "limits", "clear", "--org", org)) == {
+        **third,
+        "cleared": True,
+    }
+    assert document(svcctl(migratedDSN, "limits", "show", "--org", org)) == nothingSet(org)
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--rpm", "0"),
+        ("--tpm", "-1"),
+        ("--max-output-tokens", "abc"),
+        ("--rpm", "1.5"),
+        ("--tpm", "1e3"),
+        ("--max-output-tokens", "+5"),
+        ("--rpm", ""),
+        ("--tpm", str(2**63)),
+        ("--max-output-tokens", "\u0665"),
+    ],
+)
+def test_limitsValuesArePositiveIntegersOrNone(
+    migratedDSN: str, owner: Store, flag: str, value: str
+) -> None:
+    """
+    Anything but a positive integer a bigint holds, or none, is refused
+    with one line naming the flag; nothing is stored.
+    """
+    tenant = makeTenant(owner)
+    line = failure(
+        svcctl(migratedDSN, "limits", "set", "--org", str(tenant.orgID), f"{flag}={value}")
+    )
+    assert flag in line and "positive integer" in line
+    assert owner.limits(tenant.orgID) is None
+
+
+def test_limitsRefusals(migratedDSN: str, owner: Store) -> None:
+    """
+    set with no value is refused ("nothing to set"); an unknown
+    organization is refused; an agent of another organization is refused
+    in the very words used for an agent that does not exist, by set, show
+    and clear alike (and by token create), and nothing of the other
+    organization is touched.
+    """
+    mine = makeTenant(owner, "mine")
+    theirs = makeTenant(owner, "theirs")
+    owner.setLimits(theirs.orgID, theirs.agentID, {"rpm": 7})
+    org = str(mine.orgID)
+
+    assert "nothing to set" in failure(svcctl(migratedDSN, "limits", "set", "--org", org))
+    nowhere = str(uuid.uuid4())
+    assert "no organization" in failure(
+        svcctl(migratedDSN, "limits", "set", "--org", nowhere, "--rpm", "5")
+    )
+    assert "no organization" in failure(svcctl(migratedDSN, "limits", "show", "--org", nowhere))
+    assert "--agent" in failure(
+        svcctl(migratedDSN, "limits", "show", "--org", org, "--agent", "bot")
+    )
+    unknown = str(uuid.uuid4())
+    for action in (("set", "--rpm", "5"), ("show",), ("clear",)):
+        foreign = failure(
+            svcctl(migratedDSN, "limits", *action, "--org", org, "--agent", str(theirs.agentID))
+        )
+        missing = failure(svcctl(migratedDSN, "limits", *action, "--org", org, "--agent", unknown))
+        assert foreign.replace(str(theirs.agentID), "ID") == missing.replace(unknown, "ID")
+        assert str(theirs.orgID) not in foreign
+    # token create refuses another organization's agent in the same words.
+    foreign = failure(
+        svcctl(migratedDSN, "token", "create", "--org", org, "--agent", str(theirs.agentID))
+    )
+    missing = failure(svcctl(migratedDSN, "token", "create", "--org", org, "--agent", unknown))
+    assert foreign.replace(str(theirs.agentID), "ID") == missing.replace(unknown, "ID")
+    theirRow = owner.limits(theirs.orgID, theirs.agentID)
+    assert theirRow is not None and theirRow.rpm == 7
+    assert owner.limits(mine.orgID) is None

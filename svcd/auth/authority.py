@@ -26,7 +26,9 @@ from twisted.logger import Logger
 
 from svcd.auth.cache import CachedAgent, CachedToken, ValidationCache
 from svcd.auth.hashing import SecretDigester, hashSecret, verifySecret
+from svcd.auth.limits import LimitsTable
 from svcd.auth.store import (
+    LimitsRecord,
     Store,
     StoreRejected,
     StoreUnavailable,
@@ -203,6 +205,7 @@ class Authority:
 
     @param wallClock: Unix time in seconds, for expiry.
     @param monotonic: the clock of deadlines.
+    @param limits: the table of limits validation answers carry, if any.
     """
 
     log = Logger()
@@ -216,8 +219,10 @@ class Authority:
         coldSlots: int = 4,
         coldWait: float = 0.25,
         monotonic: Callable[[], float] = time.monotonic,
+        limits: LimitsTable | None = None,
     ) -> None:
         self._store = store
+        self._limits = limits
         self._monotonic = monotonic
         self._cache = cache
         self._wallClock = wallClock
@@ -395,6 +400,29 @@ class Authority:
         finally:
             if leading:
                 self._agentFlights.land(key, flight)
+
+    # Limits (decisions D11)
+
+    def limitsOf(
+        self, orgID: uuid.UUID, agentID: uuid.UUID | None, deadline: float | None = None
+    ) -> LimitsRecord | None:
+        """
+        The limits row of an organization (C{agentID} None) or of one of its
+        agents as it is now, for a validation answer: from the table of
+        limits, never from a cached validation, so that a change shows at
+        once. While the table cannot vouch for it (the change listener is
+        not listening), the row is read from the database. None when there
+        is no row, or no table.
+        """
+        if self._limits is None:
+            return None
+        known, row = self._limits.lookup(orgID, agentID)
+        if known:
+            return row
+        readAt = self._limits.now()
+        row = self._read(lambda: self._store.limits(orgID, agentID), deadline)
+        self._limits.remember(orgID, agentID, row, readAt)
+        return row
 
     # Management (decisions D6)
 

@@ -27,7 +27,17 @@ import psycopg
 
 from svcd.auth.authority import issueToken
 from svcd.auth.migrations import migrate
-from svcd.auth.store import AGENT_STATUSES, Store, StoreRejected, StoreUnavailable, TokenRecord
+from svcd.auth.store import (
+    AGENT_STATUSES,
+    LARGEST_LIMIT,
+    LIMIT_FIELDS,
+    LimitsRecord,
+    Store,
+    StoreRejected,
+    StoreUnavailable,
+    StoreValueRefused,
+    TokenRecord,
+)
 from svcd.common.errors import rfc3339
 from svcd.common.ids import parseUUID
 from svcd.common.permissions import Permission, parsePermissions
@@ -68,11 +78,26 @@ def _seconds(text: str) -> int:
     return int(text)
 
 
+def _limit(text: str) -> int | None:
+    """
+    The value of a limit flag: a positive integer that a bigint holds, or
+    C{none} (None) to unset it. (argparse names the flag in its message.)
+    """
+    digits = text.strip()
+    if digits.lower() == "none":
+        return None
+    if digits.isascii() and digits.isdigit() and 0 < int(digits) <= LARGEST_LIMIT:
+        return int(digits)
+    raise argparse.ArgumentTypeError(
+        f"must be a positive integer up to {LARGEST_LIMIT}, or none; got {text!r}"
+    )
+
+
 def buildParser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="svcctl",
         description="Operate the svc gateway's database: migrations, organizations, "
-        "agents and tokens. Prints one JSON document on stdout.",
+        "agents, tokens and limits. Prints one JSON document on stdout.",
     )
     parser.add_argument(
         "--dsn",
@@ -118,6 +143,39 @@ def buildParser() -> argparse.ArgumentParser:
     tokenRevoke.add_argument("token_id", type=_uuid("TOKEN_ID"))
     tokenList = token.add_parser("list", help="list an organization's tokens, never a secret")
     tokenList.add_argument("--org", required=True, type=_uuid("--org"))
+
+    limits = commands.add_parser(
+        "limits", help="limits of an organization or of one of its agents"
+    ).add_subparsers(dest="action", required=True, parser_class=_Parser)
+    limitsSet = limits.add_parser(
+        "set",
+        help="set limits (the others stay as they are; none unsets one)",
+    )
+    limitsShow = limits.add_parser("show", help="show limits")
+    limitsClear = limits.add_parser("clear", help="remove the row of limits")
+    for each in (limitsSet, limitsShow, limitsClear):
+        each.add_argument("--org", required=True, type=_uuid("--org"))
+        each.add_argument(
+            "--agent",
+            type=_uuid("--agent"),
+            help="an agent of the organization; without it, the organization's own row",
+        )
+    meanings = {
+        "rpm": "requests per calendar minute",
+        "tpm": "tokens per calendar minute",
+        "max_output_tokens": "the output cap assumed when a request names none",
+    }
+    for field in LIMIT_FIELDS:
+        limitsSet.add_argument(
+            "--" + field.replace("_", "-"),
+            dest=field,
+            type=_limit,
+            help=meanings[field],
+            # Absent from the namespace unless given: "not given" keeps the
+            # value, "none" unsets it.
+            default=argparse.SUPPRESS,
+            metavar="N|none",
+        )
     return parser
 
 
@@ -216,7 +274,47 @@ def run(arguments: argparse.Namespace, dsn: str) -> dict[str, Any]:
             _requireOrganization(store, arguments.org)
             return {"tokens": [_listed(each) for each in store.listTokens(arguments.org)]}
 
+        if arguments.command == "limits":
+            return _limits(store, arguments)
+
     raise CommandError(f"unknown command {command}")
+
+
+def _limits(store: Store, arguments: argparse.Namespace) -> dict[str, Any]:
+    """
+    svcctl limits set|show|clear (decisions D11).
+    """
+    orgID, agentID = arguments.org, arguments.agent
+    changes = {field: getattr(arguments, field) for field in LIMIT_FIELDS if field in arguments}
+    if arguments.action == "set" and not changes:
+        raise CommandError("nothing to set: give --rpm, --tpm or --max-output-tokens")
+    _requireOrganization(store, orgID)
+    if agentID is not None and store.agentInOrganization(orgID, agentID) is None:
+        # The same words for an unknown agent and another organization's.
+        raise CommandError(f"no agent {agentID} in organization {orgID}")
+    if arguments.action == "set":
+        return _limitsDocument(orgID, agentID, store.setLimits(orgID, agentID, changes))
+    if arguments.action == "show":
+        return _limitsDocument(orgID, agentID, store.limits(orgID, agentID))
+    cleared = store.clearLimits(orgID, agentID)
+    return {**_limitsDocument(orgID, agentID, cleared), "cleared": cleared is not None}
+
+
+def _limitsDocument(
+    orgID: uuid.UUID, agentID: uuid.UUID | None, row: LimitsRecord | None
+) -> dict[str, Any]:
+    """
+    A limits row as svcctl prints it: unset values null, and every value
+    and the version null when there is no row.
+    """
+    return {
+        "org_id": str(orgID),
+        "agent_id": _id(agentID),
+        "rpm": None if row is None else row.rpm,
+        "tpm": None if row is None else row.tpm,
+        "max_output_tokens": None if row is None else row.maxOutputTokens,
+        "version": None if row is None else row.version,
+    }
 
 
 def _requireOrganization(store: Store, orgID: uuid.UUID) -> None:
@@ -236,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CommandError as error:
         sys.stderr.write(f"svcctl: error: {error}\n")
         return 1
-    except (StoreUnavailable, StoreRejected) as error:
+    except (StoreUnavailable, StoreRejected, StoreValueRefused) as error:
         sys.stderr.write(f"svcctl: error: {error}\n")
         return 1
     except psycopg.Error as error:

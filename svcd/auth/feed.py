@@ -1,11 +1,14 @@
 """
-The change feed of svc-auth (decisions D8): every token and agent change,
-and heartbeats, streamed to each svc-proxy that validates from memory.
+The change feed of svc-auth (decisions D8, D11): every token, agent and
+limits change, and heartbeats, streamed to each svc-proxy that validates
+from memory.
 
 Where the news comes from: the change listener (L{svcd.auth.listener})
-hears PostgreSQL's notifications of every token and agent change, those
-made with svcctl straight in the database included, and tells the
-L{ChangeHub}, which hands each change to every open stream. The listener
+hears PostgreSQL's notifications of every token, agent and limits change,
+those made with svcctl straight in the database included, and tells the
+L{ChangeHub}, which hands each change to every open stream. A limits
+change goes out as the row itself, re-read by the listener when it heard
+of the change (or as its absence, when it was cleared). The listener
 also sends itself a I{beat} through PostgreSQL's notification queue about
 ten times a second; PostgreSQL delivers notifications in commit order, so
 when a beat comes back, every change committed before it was sent has
@@ -17,9 +20,12 @@ getting them stops trusting its cache after 500 ms.
 When the listener loses its connection, changes may be missed until it is
 back: the hub ends every stream (UNAVAILABLE) and refuses new ones until
 the listener listens again. A new stream starts with a snapshot of the
-token ids that may be accepted, read after the stream was registered, so
-that every token committed before the read is in the snapshot and every
-later one arrives as a change.
+token ids that may be accepted and of every limits row (from svc-auth's
+table of limits, L{svcd.auth.limits}), both read after the stream was
+registered, so that every change applied before the read is in the
+snapshot and every later one arrives as a change. (A change applied
+between the registration and the read comes twice: in the snapshot and
+after it, in order, which is harmless.)
 
 Threads: the listener's thread calls the C{listener*}, C{*Changed} and
 C{heartbeat} methods; each stream runs in a grpcio server thread, blocked
@@ -31,10 +37,12 @@ from __future__ import annotations
 import queue
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from twisted.logger import Logger
 
+from svcd.auth.limits import limitsChange
+from svcd.auth.store import LimitsRecord
 from svcd.pb.auth.v1 import auth_pb2
 
 # The feed's gRPC method, which the server's bounds give a lane of its own.
@@ -177,6 +185,14 @@ class ChangeHub:
     def agentChanged(self, agentID: uuid.UUID) -> None:
         self._broadcast(auth_pb2.Change(agent_changed=agentID.bytes))
 
+    def limitsChanged(
+        self, orgID: uuid.UUID, agentID: uuid.UUID | None, row: LimitsRecord | None
+    ) -> None:
+        """
+        The limits row of C{(orgID, agentID)} is now C{row} (None: cleared).
+        """
+        self._broadcast(limitsChange(orgID, agentID, row))
+
     def heartbeat(self) -> None:
         """
         Every change committed before the beat just heard was handed on.
@@ -261,11 +277,14 @@ class Snapshots:
             return ids
 
 
-def snapshotMessages(ids: bytes) -> Iterator[auth_pb2.Change]:
+def snapshotMessages(ids: bytes, limits: Iterable[LimitsRecord] = ()) -> Iterator[auth_pb2.Change]:
     """
-    The start of a stream: C{ids} in chunks, then the snapshot's end.
+    The start of a stream: C{ids} in chunks, then every limits row, then
+    the snapshot's end.
     """
     chunk = 16 * SNAPSHOT_CHUNK_IDS
     for offset in range(0, len(ids), chunk):
         yield auth_pb2.Change(known_token_ids=ids[offset : offset + chunk])
+    for row in limits:
+        yield limitsChange(row.orgID, row.agentID, row)
     yield auth_pb2.Change(snapshot_complete=auth_pb2.SnapshotComplete(token_count=len(ids) // 16))

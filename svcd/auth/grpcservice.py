@@ -56,8 +56,10 @@ from svcd.auth.feed import (
     TooManyStreams,
     snapshotMessages,
 )
+from svcd.auth.limits import LimitsTable, limitsMessage
 from svcd.auth.store import StoreUnavailable, TokenRecord
 from svcd.common.errors import rfc3339
+from svcd.common.ids import parseUUID
 from svcd.common.lifecycle import StartupError
 from svcd.common.metrics import BUCKETS, Children
 from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
@@ -181,11 +183,13 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
         metrics: AuthMetrics,
         hub: ChangeHub | None = None,
         snapshots: Snapshots | None = None,
+        limits: LimitsTable | None = None,
     ) -> None:
         self._authority = authority
         self._metrics = metrics
         self._hub = hub
         self._snapshots = snapshots
+        self._limits = limits
         self._refusals = RefusalLog(metrics.refused)
         self._durations = {
             "ValidateToken": metrics.validateToken,
@@ -274,8 +278,9 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
         self, request: auth_pb2.ValidateTokenRequest, context: grpc.ServicerContext
     ) -> auth_pb2.ValidateTokenResponse:
         def validate() -> auth_pb2.ValidateTokenResponse:
-            caller = self._authority.validateToken(request.access_token, _deadlineOf(context))
-            return auth_pb2.ValidateTokenResponse(
+            deadline = _deadlineOf(context)
+            caller = self._authority.validateToken(request.access_token, deadline)
+            answer = auth_pb2.ValidateTokenResponse(
                 org_id=str(caller.orgID),
                 permissions=caller.permissions,
                 agent_id=str(caller.agentID) if caller.agentID else "",
@@ -283,6 +288,10 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
                 token_id=str(caller.tokenID),
                 expires_at=rfc3339(caller.expiresAt) if caller.expiresAt else "",
             )
+            limits = self._authority.limitsOf(caller.orgID, None, deadline)
+            if limits is not None:
+                answer.org_limits.CopyFrom(limitsMessage(limits))
+            return answer
 
         return self._answer("ValidateToken", context, validate, self._metrics.validateToken)
 
@@ -290,12 +299,21 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
         self, request: auth_pb2.ValidateAgentRequest, context: grpc.ServicerContext
     ) -> auth_pb2.ValidateAgentResponse:
         def validate() -> auth_pb2.ValidateAgentResponse:
+            deadline = _deadlineOf(context)
             status = self._authority.validateAgent(
-                _requireBearer(context), request.agent_id, request.org_id, _deadlineOf(context)
+                _requireBearer(context), request.agent_id, request.org_id, deadline
             )
-            return auth_pb2.ValidateAgentResponse(
+            answer = auth_pb2.ValidateAgentResponse(
                 agent_id=request.agent_id, org_id=request.org_id, status=status
             )
+            # Both parsed already by validateAgent, which refuses otherwise.
+            orgID, agentID = parseUUID(request.org_id), parseUUID(request.agent_id)
+            if orgID is None or agentID is None:
+                raise InvalidArgument("org_id or agent_id is not a UUID")
+            limits = self._authority.limitsOf(orgID, agentID, deadline)
+            if limits is not None:
+                answer.agent_limits.CopyFrom(limitsMessage(limits))
+            return answer
 
         return self._answer("ValidateAgent", context, validate, self._metrics.validateAgent)
 
@@ -340,9 +358,10 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
     ) -> Iterator[auth_pb2.Change]:
         """
         The change feed of decisions D8 (see L{svcd.auth.feed}): a snapshot
-        of the token ids that may be accepted, then every change and a
-        heartbeat about every 100 ms, until the client goes away or the
-        listener loses PostgreSQL (UNAVAILABLE: start over).
+        of the token ids that may be accepted and of every limits row, then
+        every change and a heartbeat about every 100 ms, until the client
+        goes away or the listener loses PostgreSQL (UNAVAILABLE: start
+        over).
         """
         hub, snapshots = self._hub, self._snapshots
         if hub is None or snapshots is None:
@@ -369,7 +388,10 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
                 code = grpc.StatusCode.UNAVAILABLE
                 context.abort(code, "database unavailable")
                 return
-            yield from snapshotMessages(ids)
+            # Like the ids, read after the stream was registered (see
+            # L{svcd.auth.feed}); the table is current while the hub serves.
+            limits = self._limits.rows() if self._limits is not None else ()
+            yield from snapshotMessages(ids, limits)
             while context.is_active():
                 change = stream.next(timeout=0.5)
                 if change is None:

@@ -2,12 +2,15 @@
 The change listener: one dedicated thread with its own PostgreSQL
 connection, LISTENing on svc_auth_changes, dropping cache entries as
 tokens and agents change (sql/0003_change_notifications.sql,
-sql/0004_change_feed.sql) and handing every change to the change feed
-(L{svcd.auth.feed.ChangeHub}).
+sql/0004_change_feed.sql), keeping the table of limits current
+(sql/0005_limits.sql, L{svcd.auth.limits}) and handing every change to the
+change feed (L{svcd.auth.feed.ChangeHub}).
 
-It reports its state to the cache: while it is connected, cached entries
-are trusted; while it is not, they live at most one second. So losing the
-listener costs speed, never correctness.
+It reports its state to the cache and the table of limits: while it is
+connected, cached entries and the table are trusted; while it is not,
+they live at most one second. So losing the listener costs speed, never
+correctness. Each time it starts listening it loads the whole table of
+limits again, since changes may have been missed while it was not.
 
 Beats: about every C{beatInterval} seconds the listener sends a
 notification to itself on the same channel (C{beat:<nonce>:<n>}).
@@ -23,6 +26,7 @@ too and ignore them.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -33,9 +37,15 @@ from twisted.logger import Logger
 
 from svcd.auth.cache import ValidationCache
 from svcd.auth.feed import ChangeHub
+from svcd.auth.limits import LimitsTable
+from svcd.auth.store import APPLICATION_ROLE, Store, StoreUnavailable
 from svcd.common.ids import parseUUID
 
 CHANNEL = "svc_auth_changes"
+
+# No read of the listener's (one row, or the table of limits) may hold up
+# its notifications and beats for long.
+_STATEMENT_TIMEOUT_MS = 5_000
 
 
 class _BeatsStopped(Exception):
@@ -47,6 +57,7 @@ class _BeatsStopped(Exception):
 class ChangeListener:
     """
     @param hub: the change feed to hand changes and heartbeats to, if any.
+    @param limits: the table of limits to load and keep current, if any.
     @param reconnectDelay: seconds between attempts while the database is
         unreachable.
     @param beatInterval: seconds between beats; also how often the thread
@@ -61,6 +72,7 @@ class ChangeListener:
         dsn: str,
         cache: ValidationCache,
         hub: ChangeHub | None = None,
+        limits: LimitsTable | None = None,
         reconnectDelay: float = 1.0,
         beatInterval: float = 0.1,
         beatLag: float = 0.25,
@@ -70,6 +82,7 @@ class ChangeListener:
         self._dsn = dsn
         self._cache = cache
         self._hub = hub
+        self._limits = limits
         self._reconnectDelay = reconnectDelay
         self._beatInterval = beatInterval
         self._beatLag = beatLag
@@ -110,14 +123,24 @@ class ChangeListener:
                     keepalives_interval=2,
                     keepalives_count=3,
                 ) as connection:
+                    # Rows are read on this connection, as the role that
+                    # row-level security applies to (decisions D7).
+                    connection.execute(f"SET ROLE {APPLICATION_ROLE}")
+                    connection.execute(f"SET statement_timeout = {_STATEMENT_TIMEOUT_MS}")
+                    store = Store(lambda: contextlib.nullcontext(connection))
                     connection.execute(f"LISTEN {CHANNEL}")
+                    if self._limits is not None:
+                        # After LISTEN: a change committed from now on is
+                        # both announced and maybe in this read, never in
+                        # neither.
+                        self._limits.replace(store.allLimits())
                     self._cache.listening()
                     if self._hub is not None:
                         self._hub.listenerUp()
-                    self.log.info("Listening for token and agent changes")
+                    self.log.info("Listening for token, agent and limits changes")
                     connectedBefore = True
-                    self._drain(connection)
-            except (psycopg.Error, _BeatsStopped) as error:
+                    self._drain(connection, store)
+            except (psycopg.Error, StoreUnavailable, _BeatsStopped) as error:
                 self._lost()
                 if connectedBefore:
                     self.log.warn(
@@ -130,26 +153,46 @@ class ChangeListener:
         self._lost()
 
     def _lost(self) -> None:
+        if self._limits is not None:
+            self._limits.notCurrent()
         self._cache.notListening()
         if self._hub is not None:
             self._hub.listenerDown()
 
-    def _drain(self, connection: psycopg.Connection[object]) -> None:
+    def _drain(self, connection: psycopg.Connection[object], store: Store) -> None:
+        """
+        Send a beat every C{beatInterval} seconds and apply each
+        notification, in the order PostgreSQL delivers them, until asked to
+        stop or the connection fails.
+
+        A limits notification needs a query on this very connection, which
+        cannot run while psycopg's C{notifies()} generator is open (it holds
+        the connection's lock), and a generator left early loses the rest
+        of the packet it was yielding. So each C{notifies()} call returns
+        after the first packet and is read whole; its notifications are
+        applied after it, in order, and a beat heard after a change is
+        still handled after it. Notifications that arrive meanwhile wait in
+        psycopg's backlog for the next call.
+        """
         nonce = uuid.uuid4().hex
         sent: dict[int, float] = {}
         number = 0
-        lastBack = self._monotonic()
+        lastBack = nextBeat = self._monotonic()
         while not self._stopping.is_set():
-            number += 1
-            sent[number] = self._monotonic()
-            connection.execute("SELECT pg_notify(%s, %s)", (CHANNEL, f"beat:{nonce}:{number}"))
-            for notification in connection.notifies(timeout=self._beatInterval):
+            now = self._monotonic()
+            if now >= nextBeat:
+                number += 1
+                sent[number] = now
+                nextBeat = now + self._beatInterval
+                connection.execute("SELECT pg_notify(%s, %s)", (CHANNEL, f"beat:{nonce}:{number}"))
+            wait = max(0.0, nextBeat - self._monotonic())
+            for notification in list(connection.notifies(timeout=wait, stop_after=1)):
                 payload = notification.payload
                 if payload.startswith("beat:"):
                     if self._beatCameBack(payload, nonce, sent):
                         lastBack = self._monotonic()
                     continue
-                self._apply(payload)
+                self._apply(payload, store)
             if self._monotonic() - lastBack > self._beatTimeout:
                 raise _BeatsStopped(f"no beat came back for {self._beatTimeout}s")
 
@@ -173,8 +216,11 @@ class ChangeListener:
             self._hub.heartbeat()
         return True
 
-    def _apply(self, payload: str) -> None:
+    def _apply(self, payload: str, store: Store) -> None:
         kind, _, identifier = payload.partition(":")
+        if kind == "limits":
+            self._applyLimits(identifier, store)
+            return
         parsed: uuid.UUID | None = parseUUID(identifier)
         if parsed is None:
             self.log.warn("Ignoring a malformed change notification")
@@ -187,3 +233,26 @@ class ChangeListener:
             self._cache.forgetAgent(parsed)
             if self._hub is not None:
                 self._hub.agentChanged(parsed)
+
+    def _applyLimits(self, identifiers: str, store: Store) -> None:
+        """
+        A limits row changed (C{<org_id>:<agent_id or empty>}): re-read it,
+        put it in the table, then hand it to the feed, so that a stream that
+        starts from the table meanwhile misses nothing.
+
+        A failed read raises L{StoreUnavailable}, which ends this session:
+        the next one loads the whole table again.
+        """
+        orgText, _, agentText = identifiers.partition(":")
+        orgID = parseUUID(orgText)
+        agentID = parseUUID(agentText) if agentText else None
+        if orgID is None or (agentText and agentID is None):
+            self.log.warn("Ignoring a malformed change notification")
+            return
+        if self._limits is None and self._hub is None:
+            return
+        row = store.limits(orgID, agentID)
+        if self._limits is not None:
+            self._limits.put(orgID, agentID, row)
+        if self._hub is not None:
+            self._hub.limitsChanged(orgID, agentID, row)

@@ -31,6 +31,7 @@ from svcd.auth.cache import ValidationCache
 from svcd.auth.config import AuthConfig
 from svcd.auth.feed import FEED_METHOD, ChangeHub, Snapshots
 from svcd.auth.grpcservice import AuthMetrics, AuthServicer, GrpcServerService
+from svcd.auth.limits import LimitsTable
 from svcd.auth.listener import ChangeListener
 from svcd.auth.store import Store, connectionPool
 from svcd.auth.web import AuthOperationsWeb, OperationsSite
@@ -167,9 +168,12 @@ def buildService(
     )
     store = Store(pool.connection, queryDuration)
     cache = ValidationCache(time.monotonic)
-    authority = Authority(store, cache, time.time, coldSlots=settings.verifyConcurrency)
+    limits = LimitsTable(time.monotonic)
+    authority = Authority(
+        store, cache, time.time, coldSlots=settings.verifyConcurrency, limits=limits
+    )
     hub = ChangeHub(time.monotonic, maxStreams=settings.feedStreams)
-    listener = ChangeListener(settings.postgresDSN, cache, hub)
+    listener = ChangeListener(settings.postgresDSN, cache, hub, limits)
     threads = ThreadPool(minthreads=1, maxthreads=4, name="svc-auth-db")
 
     database = DatabaseService(reactor, pool, listener, threads)
@@ -182,6 +186,7 @@ def buildService(
             AuthMetrics(registry),
             hub,
             Snapshots(store.knownTokenIDs, time.monotonic),
+            limits,
         ),
         settings.grpcHost,
         settings.grpcPort,

@@ -19,6 +19,7 @@ from svcd.auth.authority import Authority
 from svcd.auth.cache import ValidationCache
 from svcd.auth.feed import FEED_METHOD, ChangeHub, Snapshots
 from svcd.auth.grpcservice import SERVICE_NAME, AuthMetrics, AuthServicer, buildServer
+from svcd.auth.limits import LimitsTable
 from svcd.auth.listener import ChangeListener
 from svcd.auth.store import Store, connectionPool
 from svcd.pb.auth.v1 import auth_pb2_grpc
@@ -60,12 +61,18 @@ class RunningAuthService:
         )
         self.store = Store(self.pool.connection)
         self.cache = ValidationCache(time.monotonic)
+        self.limits = LimitsTable(time.monotonic)
         self.authority = Authority(
-            self.store, self.cache, wallClock, coldSlots=coldSlots, coldWait=coldWait
+            self.store,
+            self.cache,
+            wallClock,
+            coldSlots=coldSlots,
+            coldWait=coldWait,
+            limits=self.limits,
         )
         self.hub = ChangeHub(time.monotonic, maxStreams=feedStreams)
         self.listener = ChangeListener(
-            dsn, self.cache, self.hub, reconnectDelay=0.2, beatInterval=0.05
+            dsn, self.cache, self.hub, self.limits, reconnectDelay=0.2, beatInterval=0.05
         )
         self._listen = listen
         self.server, self.health, self.port = buildServer(
@@ -74,6 +81,7 @@ class RunningAuthService:
                 AuthMetrics(self.registry),
                 self.hub,
                 Snapshots(self.store.knownTokenIDs, time.monotonic),
+                self.limits,
             ),
             "127.0.0.1",
             0,
