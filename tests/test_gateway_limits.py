@@ -169,6 +169,15 @@ def chatBody(model: str = "echo", content: str = "hello there", **extra: Any) ->
     ).encode()
 
 
+def probe(port: int, tenant: Tenant) -> Answer:
+    return request(
+        port,
+        "GET",
+        "/v1/internal/auth-probe",
+        {"Authorization": f"Bearer {tenant.token}", "X-SVC-Agent-ID": str(tenant.agentID)},
+    )
+
+
 def seenEverywhere(stack: Stack, limit: str) -> None:
     """
     Set a row of the marker organization and wait until every proxy
@@ -181,7 +190,7 @@ def seenEverywhere(stack: Stack, limit: str) -> None:
     for proxy in stack.proxies:
         deadline = time.monotonic() + 5
         while True:
-            answer = chat(proxy.httpPort, marker, path="/v1/internal/auth-probe")
+            answer = probe(proxy.httpPort, marker)
             if answer.headers.get("x-ratelimit-limit") == limit:
                 break
             assert time.monotonic() < deadline, answer.headers
@@ -353,15 +362,7 @@ def test_unlimitedOrganizationsKeepPhaseOneHeaders(stack: Stack) -> None:
     An organization without a row: the environment's rpm, no -Tokens
     headers.
     """
-    answer = request(
-        stack.proxies[0].httpPort,
-        "GET",
-        "/v1/internal/auth-probe",
-        {
-            "Authorization": f"Bearer {stack.tenants['plain'].token}",
-            "X-SVC-Agent-ID": str(stack.tenants["plain"].agentID),
-        },
-    )
+    answer = probe(stack.proxies[0].httpPort, stack.tenants["plain"])
     assert answer.status == 200
     assert answer.headers["x-ratelimit-limit"] == "1000000"
     assert "x-ratelimit-limit-tokens" not in answer.headers
