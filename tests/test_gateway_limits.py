@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -41,8 +42,9 @@ from svcd.testing.servers import PostgresServer, RedisServer, freePort
 from svcd.testing.upstream import ScriptedUpstream
 
 # The scripted upstream's answer arrives after this many ms, so that every
-# request of a burst is in flight (and holds its reservation) at once.
-SLOW_MS = 1500
+# request of a burst is in flight (and holds its reservation) at once, even
+# on a loaded machine.
+SLOW_MS = 6000
 
 
 @attrs.define
@@ -205,10 +207,24 @@ def burst(
     two proxies.
     """
     headers = {"X-SVC-Agent-ID": str(agent)} if agent is not None else {}
+    ready = threading.Barrier(count)
 
     def send(index: int) -> Answer:
         port = stack.proxies[index % 2].httpPort
-        return chat(port, tenant, body=body, headers=headers)
+        ready.wait(timeout=30)
+        return request(
+            port,
+            "POST",
+            "/v1/chat/completions",
+            {
+                "Authorization": f"Bearer {tenant.token}",
+                "X-SVC-Agent-ID": str(tenant.agentID),
+                "Content-Type": "application/json",
+                **headers,
+            },
+            body,
+            timeout=60,
+        )
 
     with ThreadPoolExecutor(count) as pool:
         return list(pool.map(send, range(count)))
