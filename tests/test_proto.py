@@ -30,7 +30,7 @@ def test_serviceIsDeclaredInPackageSvcAuthV1() -> None:
     """
     Clients address the service as svc.auth.v1.AuthService with the five
     methods of the spec, plus the change feed of decisions D8, a
-    server-streaming method.
+    server-streaming method, and the ledger's methods of decisions D12.
     """
     from svcd.pb.auth.v1 import auth_pb2
 
@@ -43,6 +43,9 @@ def test_serviceIsDeclaredInPackageSvcAuthV1() -> None:
         "RevokeToken",
         "ListTokens",
         "WatchChanges",
+        "RecordUsage",
+        "GetSpend",
+        "GetUsage",
     }
     streaming = {method.name for method in service.methods if method.server_streaming}
     assert streaming == {"WatchChanges"}

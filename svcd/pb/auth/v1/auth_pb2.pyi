@@ -13,7 +13,7 @@ class ValidateTokenRequest(_message.Message):
     def __init__(self, access_token: _Optional[str] = ...) -> None: ...
 
 class ValidateTokenResponse(_message.Message):
-    __slots__ = ("org_id", "permissions", "agent_id", "user_id", "token_id", "expires_at", "org_limits")
+    __slots__ = ("org_id", "permissions", "agent_id", "user_id", "token_id", "expires_at", "org_limits", "org_budget")
     ORG_ID_FIELD_NUMBER: _ClassVar[int]
     PERMISSIONS_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class ValidateTokenResponse(_message.Message):
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     ORG_LIMITS_FIELD_NUMBER: _ClassVar[int]
+    ORG_BUDGET_FIELD_NUMBER: _ClassVar[int]
     org_id: str
     permissions: int
     agent_id: str
@@ -28,7 +29,8 @@ class ValidateTokenResponse(_message.Message):
     token_id: str
     expires_at: str
     org_limits: Limits
-    def __init__(self, org_id: _Optional[str] = ..., permissions: _Optional[int] = ..., agent_id: _Optional[str] = ..., user_id: _Optional[str] = ..., token_id: _Optional[str] = ..., expires_at: _Optional[str] = ..., org_limits: _Optional[_Union[Limits, _Mapping]] = ...) -> None: ...
+    org_budget: Budget
+    def __init__(self, org_id: _Optional[str] = ..., permissions: _Optional[int] = ..., agent_id: _Optional[str] = ..., user_id: _Optional[str] = ..., token_id: _Optional[str] = ..., expires_at: _Optional[str] = ..., org_limits: _Optional[_Union[Limits, _Mapping]] = ..., org_budget: _Optional[_Union[Budget, _Mapping]] = ...) -> None: ...
 
 class ValidateAgentRequest(_message.Message):
     __slots__ = ("agent_id", "org_id")
@@ -39,16 +41,28 @@ class ValidateAgentRequest(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., org_id: _Optional[str] = ...) -> None: ...
 
 class ValidateAgentResponse(_message.Message):
-    __slots__ = ("agent_id", "org_id", "status", "agent_limits")
+    __slots__ = ("agent_id", "org_id", "status", "agent_limits", "agent_budget")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     ORG_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     AGENT_LIMITS_FIELD_NUMBER: _ClassVar[int]
+    AGENT_BUDGET_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     org_id: str
     status: str
     agent_limits: Limits
-    def __init__(self, agent_id: _Optional[str] = ..., org_id: _Optional[str] = ..., status: _Optional[str] = ..., agent_limits: _Optional[_Union[Limits, _Mapping]] = ...) -> None: ...
+    agent_budget: Budget
+    def __init__(self, agent_id: _Optional[str] = ..., org_id: _Optional[str] = ..., status: _Optional[str] = ..., agent_limits: _Optional[_Union[Limits, _Mapping]] = ..., agent_budget: _Optional[_Union[Budget, _Mapping]] = ...) -> None: ...
+
+class Budget(_message.Message):
+    __slots__ = ("nano_usd", "period", "version")
+    NANO_USD_FIELD_NUMBER: _ClassVar[int]
+    PERIOD_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    nano_usd: int
+    period: str
+    version: int
+    def __init__(self, nano_usd: _Optional[int] = ..., period: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class Limits(_message.Message):
     __slots__ = ("rpm", "tpm", "max_output_tokens", "version")
@@ -133,20 +147,152 @@ class WatchChangesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Change(_message.Message):
-    __slots__ = ("known_token_ids", "snapshot_complete", "token_changed", "agent_changed", "heartbeat", "limits_changed")
+    __slots__ = ("known_token_ids", "snapshot_complete", "token_changed", "agent_changed", "heartbeat", "limits_changed", "budget_changed")
     KNOWN_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_COMPLETE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_CHANGED_FIELD_NUMBER: _ClassVar[int]
     AGENT_CHANGED_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     LIMITS_CHANGED_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_CHANGED_FIELD_NUMBER: _ClassVar[int]
     known_token_ids: bytes
     snapshot_complete: SnapshotComplete
     token_changed: bytes
     agent_changed: bytes
     heartbeat: Heartbeat
     limits_changed: LimitsChanged
-    def __init__(self, known_token_ids: _Optional[bytes] = ..., snapshot_complete: _Optional[_Union[SnapshotComplete, _Mapping]] = ..., token_changed: _Optional[bytes] = ..., agent_changed: _Optional[bytes] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., limits_changed: _Optional[_Union[LimitsChanged, _Mapping]] = ...) -> None: ...
+    budget_changed: BudgetChanged
+    def __init__(self, known_token_ids: _Optional[bytes] = ..., snapshot_complete: _Optional[_Union[SnapshotComplete, _Mapping]] = ..., token_changed: _Optional[bytes] = ..., agent_changed: _Optional[bytes] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., limits_changed: _Optional[_Union[LimitsChanged, _Mapping]] = ..., budget_changed: _Optional[_Union[BudgetChanged, _Mapping]] = ...) -> None: ...
+
+class BudgetChanged(_message.Message):
+    __slots__ = ("org_id", "agent_id", "budget")
+    ORG_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    org_id: bytes
+    agent_id: bytes
+    budget: Budget
+    def __init__(self, org_id: _Optional[bytes] = ..., agent_id: _Optional[bytes] = ..., budget: _Optional[_Union[Budget, _Mapping]] = ...) -> None: ...
+
+class UsageRow(_message.Message):
+    __slots__ = ("request_id", "org_id", "agent_id", "token_id", "model_requested", "model", "provider", "upstream_model", "stream", "outcome", "prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens", "tokens_from", "cost_nano_usd", "price_version", "started_at_us", "duration_us")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ORG_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_REQUESTED_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROVIDER_FIELD_NUMBER: _ClassVar[int]
+    UPSTREAM_MODEL_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FROM_FIELD_NUMBER: _ClassVar[int]
+    COST_NANO_USD_FIELD_NUMBER: _ClassVar[int]
+    PRICE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_US_FIELD_NUMBER: _ClassVar[int]
+    DURATION_US_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    org_id: str
+    agent_id: str
+    token_id: str
+    model_requested: str
+    model: str
+    provider: str
+    upstream_model: str
+    stream: bool
+    outcome: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    reasoning_tokens: int
+    tokens_from: str
+    cost_nano_usd: int
+    price_version: str
+    started_at_us: int
+    duration_us: int
+    def __init__(self, request_id: _Optional[str] = ..., org_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., token_id: _Optional[str] = ..., model_requested: _Optional[str] = ..., model: _Optional[str] = ..., provider: _Optional[str] = ..., upstream_model: _Optional[str] = ..., stream: _Optional[bool] = ..., outcome: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ..., tokens_from: _Optional[str] = ..., cost_nano_usd: _Optional[int] = ..., price_version: _Optional[str] = ..., started_at_us: _Optional[int] = ..., duration_us: _Optional[int] = ...) -> None: ...
+
+class RecordUsageRequest(_message.Message):
+    __slots__ = ("rows",)
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    rows: _containers.RepeatedCompositeFieldContainer[UsageRow]
+    def __init__(self, rows: _Optional[_Iterable[_Union[UsageRow, _Mapping]]] = ...) -> None: ...
+
+class RecordUsageResponse(_message.Message):
+    __slots__ = ("recorded", "duplicates")
+    RECORDED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    recorded: int
+    duplicates: int
+    def __init__(self, recorded: _Optional[int] = ..., duplicates: _Optional[int] = ...) -> None: ...
+
+class GetSpendRequest(_message.Message):
+    __slots__ = ("org_id", "agent_id", "since_unix", "until_unix")
+    ORG_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SINCE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_UNIX_FIELD_NUMBER: _ClassVar[int]
+    org_id: str
+    agent_id: str
+    since_unix: int
+    until_unix: int
+    def __init__(self, org_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., since_unix: _Optional[int] = ..., until_unix: _Optional[int] = ...) -> None: ...
+
+class GetSpendResponse(_message.Message):
+    __slots__ = ("cost_nano_usd",)
+    COST_NANO_USD_FIELD_NUMBER: _ClassVar[int]
+    cost_nano_usd: int
+    def __init__(self, cost_nano_usd: _Optional[int] = ...) -> None: ...
+
+class GetUsageRequest(_message.Message):
+    __slots__ = ("agent_id", "since", "until", "by")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_FIELD_NUMBER: _ClassVar[int]
+    BY_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    since: str
+    until: str
+    by: str
+    def __init__(self, agent_id: _Optional[str] = ..., since: _Optional[str] = ..., until: _Optional[str] = ..., by: _Optional[str] = ...) -> None: ...
+
+class UsageSum(_message.Message):
+    __slots__ = ("key", "requests", "prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens", "cost_usd")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COST_USD_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    reasoning_tokens: int
+    cost_usd: str
+    def __init__(self, key: _Optional[str] = ..., requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ..., cost_usd: _Optional[str] = ...) -> None: ...
+
+class GetUsageResponse(_message.Message):
+    __slots__ = ("org_id", "since", "until", "by", "rows", "total")
+    ORG_ID_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_FIELD_NUMBER: _ClassVar[int]
+    BY_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    org_id: str
+    since: str
+    until: str
+    by: str
+    rows: _containers.RepeatedCompositeFieldContainer[UsageSum]
+    total: UsageSum
+    def __init__(self, org_id: _Optional[str] = ..., since: _Optional[str] = ..., until: _Optional[str] = ..., by: _Optional[str] = ..., rows: _Optional[_Iterable[_Union[UsageSum, _Mapping]]] = ..., total: _Optional[_Union[UsageSum, _Mapping]] = ...) -> None: ...
 
 class LimitsChanged(_message.Message):
     __slots__ = ("org_id", "agent_id", "limits")

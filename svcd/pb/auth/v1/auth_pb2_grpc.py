@@ -69,6 +69,21 @@ class AuthServiceStub:
                 request_serializer=svcd_dot_pb_dot_auth_dot_v1_dot_auth__pb2.WatchChangesRequest.SerializeToString,
                 response_deserializer=svcd_dot_pb_dot_auth_dot_v1_dot_auth__pb2.Change.FromString,
                 _registered_method=True)
+        self.RecordUsage = channel.unary_unary(
+                '/svc.auth.v1.AuthService/RecordUsage',
+                request_serializer=svcd_dot_pb_dot_auth_dot_v1_dot_auth__pb2.RecordUsageRequest.SerializeToString,
+                response_deserializer=svcd_dot_pb_dot_auth_dot_v1_dot_auth__pb2.RecordUsageResponse.FromString,
+                _registered_method=True)
+        self.GetSpend = channel.unary_unary(
+                '/svc.auth.v1.AuthService/GetSpend',
+                request_serializer=svcd_dot_pb_dot_auth_dot_v1_dot_auth__pb2.GetSpendRequest.SerializeToString,
+                response_deserializer=svcd_dot_pb_dot_auth_dot_v1_dot_auth__pb2.GetSpendResponse.FromString,
+                _registered_method=True)
+        self.GetUsage = channel.unary_unary(
+                '/svc.auth.v1.AuthService/GetUsage',
+                request_serializer=svcd_dot_pb_dot_auth_dot_v1_dot_auth__pb2.GetUsageRequest.SerializeToString,
+                response_deserializer=svcd_dot_pb_dot_auth_dot_v1_dot_auth__pb2.GetUsageResponse.FromString,
+                _registered_method=True)
 
 
 class AuthServiceServicer:
@@ -138,6 +153,35 @@ class AuthServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RecordUsage(self, request, context):
+        """Records the usage rows of forwarded requests in the ledger (decisions
+        D12), sent by svc-proxy in batches. A row is keyed by its request id:
+        one already recorded is not recorded again, so sending a batch twice
+        is harmless. Answers only once every row of the batch is committed.
+        Needs no caller metadata, like WatchChanges: only proxies reach this
+        port.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSpend(self, request, context):
+        """What an organization, or one of its agents, has spent between two
+        moments, summed from the ledger (decisions D12): how a proxy takes a
+        budget's count again when Redis has lost it. No caller metadata.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetUsage(self, request, context):
+        """Usage sums of the caller's own organization from the ledger (needs
+        UsageRead); another organization's agent is PermissionDenied.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AuthServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -170,6 +214,21 @@ def add_AuthServiceServicer_to_server(servicer, server):
                     servicer.WatchChanges,
                     request_deserializer=svcd_dot_pb_dot_auth_dot_v1_dot_auth__pb2.WatchChangesRequest.FromString,
                     response_serializer=svcd_dot_pb_dot_auth_dot_v1_dot_auth__pb2.Change.SerializeToString,
+            ),
+            'RecordUsage': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordUsage,
+                    request_deserializer=svcd_dot_pb_dot_auth_dot_v1_dot_auth__pb2.RecordUsageRequest.FromString,
+                    response_serializer=svcd_dot_pb_dot_auth_dot_v1_dot_auth__pb2.RecordUsageResponse.SerializeToString,
+            ),
+            'GetSpend': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSpend,
+                    request_deserializer=svcd_dot_pb_dot_auth_dot_v1_dot_auth__pb2.GetSpendRequest.FromString,
+                    response_serializer=svcd_dot_pb_dot_auth_dot_v1_dot_auth__pb2.GetSpendResponse.SerializeToString,
+            ),
+            'GetUsage': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetUsage,
+                    request_deserializer=svcd_dot_pb_dot_auth_dot_v1_dot_auth__pb2.GetUsageRequest.FromString,
+                    response_serializer=svcd_dot_pb_dot_auth_dot_v1_dot_auth__pb2.GetUsageResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -339,6 +398,87 @@ class AuthService:
             '/svc.auth.v1.AuthService/WatchChanges',
             svcd_dot_pb_dot_auth_dot_v1_dot_auth__pb2.WatchChangesRequest.SerializeToString,
             svcd_dot_pb_dot_auth_dot_v1_dot_auth__pb2.Change.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordUsage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/svc.auth.v1.AuthService/RecordUsage',
+            svcd_dot_pb_dot_auth_dot_v1_dot_auth__pb2.RecordUsageRequest.SerializeToString,
+            svcd_dot_pb_dot_auth_dot_v1_dot_auth__pb2.RecordUsageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSpend(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/svc.auth.v1.AuthService/GetSpend',
+            svcd_dot_pb_dot_auth_dot_v1_dot_auth__pb2.GetSpendRequest.SerializeToString,
+            svcd_dot_pb_dot_auth_dot_v1_dot_auth__pb2.GetSpendResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetUsage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/svc.auth.v1.AuthService/GetUsage',
+            svcd_dot_pb_dot_auth_dot_v1_dot_auth__pb2.GetUsageRequest.SerializeToString,
+            svcd_dot_pb_dot_auth_dot_v1_dot_auth__pb2.GetUsageResponse.FromString,
             options,
             channel_credentials,
             insecure,
