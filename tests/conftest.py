@@ -20,7 +20,11 @@ server. pytest-twisted installs its reactor itself; nothing here touches it.
 
 from __future__ import annotations
 
+import inspect
+import os
+import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -29,6 +33,123 @@ from svcd.testing.servers import PostgresServer, RedisServer
 # Fixtures of svc-auth (migrated databases, tenants, a running AuthService),
 # and the scripted OpenAI-compatible upstream.
 pytest_plugins = ["authfixtures", "upstreamfixtures", "forwardingfixtures"]
+
+
+# A random UUID in a parameter: with dashes (any case, not the nil UUID)
+# anywhere, or without them as the whole value (a trace id inside a
+# traceparent is fixed). And a random PAT secret after one (not a run of
+# one character, which tests choose on purpose).
+_RANDOM_UUID = re.compile(
+    r"(?!0{8}-0{4})[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
+    r"|^[0-9a-f]{32}$"
+)
+_RANDOM_SECRET = re.compile(r"(?<=uuid_)(?!(.)\1*$)[A-Za-z0-9_-]{20,}$")
+
+
+def pytest_make_parametrize_id(config: pytest.Config, val: object, argname: str) -> str | None:
+    """
+    The id of a parameter that holds a random UUID or secret names its
+    shape instead (C{svc_pat_uuid_short}): a test's id must be the same in
+    every process that collects it, because pytest-xdist's workers each
+    collect the suite and must agree on every id, and C{--deselect} and
+    C{-k} need ids that do not change from one run to the next.
+    """
+    if not isinstance(val, str) or not _RANDOM_UUID.search(val):
+        return None
+    shape = _RANDOM_SECRET.sub("secret", _RANDOM_UUID.sub("uuid", val))
+    # Escaped as pytest escapes the ids it makes itself.
+    return shape.encode("ascii", "backslashreplace").decode("ascii")
+
+
+# Parallel runs (pytest-xdist).
+
+# How many workers "-n auto" starts for a run of more than one test file.
+# Measured on the 2-core machine (see the module's docstring): the suite
+# waits more than it computes, so more workers than cores pay off.
+WORKERS = 4
+
+# Fixtures of a wider scope than a test whose tests need not stay together:
+# every worker has its own PostgreSQL and Redis servers, and starting them
+# takes a second.
+_PER_WORKER = frozenset({"postgresServer", "redisServer", "tmp_path_factory"})
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """
+    The workers of C{-n auto} (what dev/test passes): none for a run of one
+    test file or of tests of one file, which starts faster in one process
+    and reads best there; L{WORKERS} for anything more. The variable
+    C{PYTEST_XDIST_AUTO_NUM_WORKERS} still overrides both.
+    """
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    paths = {argument.split("::", 1)[0] for argument in config.args}
+    if len(paths) == 1 and all(Path(path).is_file() for path in paths):
+        return 0
+    return WORKERS
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """
+    With workers, schedule by group (see L{pytest_collection_modifyitems})
+    rather than test by test, whether the workers came from C{-n auto} or
+    C{-n 3}; an explicit C{--dist} other than C{load} is left alone.
+    """
+    if getattr(config.option, "dist", "no") == "load":
+        config.option.dist = "loadgroup"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """
+    Keep together on one worker the tests that share a fixture of a wider
+    scope than the test (a module's gateway, the session's forwarding
+    gateway): spread over several workers, each would start its own copy,
+    daemons and all, which costs more than the parallelism gains. Other
+    tests go one by one to whichever worker is free.
+
+    The group is the widest such fixture: its name for a session's, its
+    module for a module's. xdist's loadgroup scheduling then sends each
+    group to one worker, largest groups first.
+    """
+    for item in items:
+        group = _sharedFixtureGroup(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+def _sharedFixtureGroup(item: pytest.Item) -> str | None:
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return None
+    moduleGroup: str | None = None
+    name: str
+    for name, definitions in info.name2fixturedefs.items():
+        if name in _PER_WORKER or not _ours(definitions[-1]):
+            continue
+        scope = definitions[-1].scope
+        if scope == "session":
+            return name
+        if scope in ("package", "module", "class"):
+            moduleGroup = item.nodeid.split("::", 1)[0]
+    return moduleGroup
+
+
+_TESTS = Path(__file__).resolve().parent
+
+
+def _ours(definition: pytest.FixtureDef[object]) -> bool:
+    """
+    Whether a fixture is defined under tests/ (pytest-twisted's session
+    fixtures, for one, are shared by every test and start nothing).
+    """
+    try:
+        source = inspect.getsourcefile(definition.func)
+    except TypeError:
+        return False
+    return source is not None and Path(source).resolve().is_relative_to(_TESTS)
 
 
 @pytest.fixture(scope="session")
