@@ -25,6 +25,7 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -68,6 +69,11 @@ def pytest_make_parametrize_id(config: pytest.Config, val: object, argname: str)
 # waits more than it computes, so more workers than cores pay off.
 WORKERS = 4
 
+# The group of the tests marked serial: they measure how the gateway copes
+# with load they make themselves, against the machine's own pace, and run
+# last, alone (see the module's docstring).
+SERIAL = "serial"
+
 # Fixtures of a wider scope than a test whose tests need not stay together:
 # every worker has its own PostgreSQL and Redis servers, and starting them
 # takes a second.
@@ -101,6 +107,68 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.dist = "loadgroup"
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """
+    xdist's loadgroup scheduling, with the L{SERIAL} group run last and
+    alone (L{_serialLast}).
+    """
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    return _serialLast(config, log)
+
+
+def _serialLast(config: pytest.Config, log: Any) -> Any:
+    """
+    A L{xdist.scheduler.LoadGroupScheduling} that holds the L{SERIAL} group
+    back until every other group has been handed out, then lets the other
+    workers finish and stop, and only then sends it to the one worker left:
+    the serial tests run one after another with nothing of this run beside
+    them. (xdist keeps each worker's last test until it has the next one or
+    is told to stop, so "finished" means stopped.)
+    """
+    from xdist.scheduler import LoadGroupScheduling
+
+    class SerialLastScheduling(LoadGroupScheduling):  # type: ignore[misc]
+        _holder: Any = None
+
+        def _assign_work_unit(self, node: Any) -> None:
+            if SERIAL not in self.workqueue:
+                if self.workqueue:
+                    super()._assign_work_unit(node)
+                return
+            if len(self.workqueue) > 1:
+                self.workqueue.move_to_end(SERIAL)
+                super()._assign_work_unit(node)
+                return
+            if self._holder is None:
+                self._holder = node
+            self._startSerialWhenAlone()
+
+        def _startSerialWhenAlone(self) -> None:
+            others = [node for node in self.assigned_work if node is not self._holder]
+            for node in others:
+                if not node.shutting_down:
+                    node.shutdown()
+            if all(self._pending_of(self.assigned_work[node]) == 0 for node in others):
+                super()._assign_work_unit(self._holder)
+
+        def mark_test_complete(self, node: Any, item_index: int, duration: float = 0) -> None:
+            super().mark_test_complete(node, item_index, duration)
+            if self._holder is not None and SERIAL in self.workqueue:
+                self._startSerialWhenAlone()
+
+        def remove_node(self, node: Any) -> str | None:
+            crashed: str | None = super().remove_node(node)
+            if node is self._holder:
+                self._holder = None
+            elif self._holder is not None and SERIAL in self.workqueue:
+                self._startSerialWhenAlone()
+            return crashed
+
+    return SerialLastScheduling(config, log)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """
@@ -121,6 +189,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _sharedFixtureGroup(item: pytest.Item) -> str | None:
+    if item.get_closest_marker("serial") is not None:
+        return SERIAL
     info = getattr(item, "_fixtureinfo", None)
     if info is None:
         return None
