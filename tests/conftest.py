@@ -16,6 +16,43 @@ Two kinds of fixture, for two needs:
 
 Servers start lazily: a run that asks for none of these fixtures starts no
 server. pytest-twisted installs its reactor itself; nothing here touches it.
+
+Parallel runs. dev/test runs the suite on pytest-xdist's workers (C{-n
+auto}: L{WORKERS} of them, none for a single file). Each worker is a pytest
+process of its own, with its own session: its own PostgreSQL cluster and
+Redis server, its own temporary directories (pytest gives each worker a
+base directory), its own reactor. What they share is the machine, and so:
+
+  - Ports. Servers and daemons listen on ports from
+    L{svcd.testing.servers.freePort}, which the kernel picks free; another
+    worker's next call could be handed the same port before the first one's
+    daemon has bound it. freePort reserves each port it hands out, machine
+    wide, for as long as the process that took it lives, and passes over
+    reserved ones. Nothing in the suite uses a fixed port (the closed port
+    of the forwarding tests is port 1, which no test may bind) or a fixed
+    file path outside its temporary directory.
+  - Fixtures of a wider scope than a test (a module's gateway, the
+    session's forwarding gateway) would be started once per worker that
+    runs one of their tests: L{pytest_collection_modifyitems} puts their
+    tests in one xdist group, and the loadgroup scheduling sends each group
+    to one worker, largest first. Every other test goes to whichever worker
+    is free.
+  - Time. The suite waits much more than it computes (daemons starting,
+    promises of "within a second", servers frozen for seconds), so more
+    workers than cores pay off. Measured on the 2-core machine, with two
+    other engineers' test runs beside it (see the README's Quick start for
+    the figures), four workers finished soonest; more left the daemons so
+    short of CPU that deadlines were missed.
+  - Load. Tests about svc-auth's 50 ms deadline keep it; the gateways of
+    the others use one a loaded machine meets (PATIENT_AUTH in
+    test_gateway_e2e.py), since a deadline missed by scheduling alone
+    turns the answer they check into a 503. Tests that measure the gateway
+    under load of their own making against its pace without it (a flood's
+    effect on valid traffic's latency, throughput while Redis is frozen)
+    are marked C{serial}: they run last, one after another, once every
+    other worker has stopped (L{_serialLast}), as they did before the suite
+    ran in parallel. Without workers (C{-n 0}, C{-p no:xdist}, one file)
+    every test runs in order in one process, as before.
 """
 
 from __future__ import annotations
