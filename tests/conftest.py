@@ -164,7 +164,8 @@ def _serialLast(config: pytest.Config, log: Any) -> Any:
     them. (xdist keeps each worker's last test until it has the next one or
     is told to stop, so "finished" means stopped.)
     """
-    from xdist.scheduler import LoadGroupScheduling
+    # pytest-xdist ships no type information.
+    from xdist.scheduler import LoadGroupScheduling  # type: ignore[import-untyped]
 
     class SerialLastScheduling(LoadGroupScheduling):  # type: ignore[misc]
         _holder: Any = None
