@@ -39,10 +39,12 @@ base directory), its own reactor. What they share is the machine, and so:
     is free.
   - Time. The suite waits much more than it computes (daemons starting,
     promises of "within a second", servers frozen for seconds), so more
-    workers than cores pay off. Measured on the 2-core machine, with two
-    other engineers' test runs beside it (see the README's Quick start for
-    the figures), four workers finished soonest; more left the daemons so
-    short of CPU that deadlines were missed.
+    workers than cores pay off: on the 2-core machine, shared with other
+    engineers' runs, the suite took 31m44s in one process (without the
+    million made-up ids, which alone took over 20 minutes) and 10m35s on
+    four workers under about the same load (load average 10 to 13).
+    Fewer workers were not measured under comparable load; more would
+    start more daemons at once on two cores.
   - Load. Tests about svc-auth's 50 ms deadline keep it; the gateways of
     the others use one a loaded machine meets (PATIENT_AUTH in
     test_gateway_e2e.py), since a deadline missed by scheduling alone
@@ -101,9 +103,9 @@ def pytest_make_parametrize_id(config: pytest.Config, val: object, argname: str)
 
 # Parallel runs (pytest-xdist).
 
-# How many workers "-n auto" starts for a run of more than one test file.
-# Measured on the 2-core machine (see the module's docstring): the suite
-# waits more than it computes, so more workers than cores pay off.
+# How many workers "-n auto" starts for a run of more than one test file
+# (see the module's docstring): the suite waits more than it computes, so
+# more workers than cores pay off.
 WORKERS = 4
 
 # The group of the tests marked serial: they measure how the gateway copes
@@ -122,14 +124,16 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     """
     The workers of C{-n auto} (what dev/test passes): none for a run of one
     test file or of tests of one file, which starts faster in one process
-    and reads best there; L{WORKERS} for anything more. The variable
-    C{PYTEST_XDIST_AUTO_NUM_WORKERS} still overrides both.
+    and reads best there; one per file for a few files (every worker
+    imports and collects them first); L{WORKERS} for a folder or more
+    files. The variable C{PYTEST_XDIST_AUTO_NUM_WORKERS} still overrides
+    all of these.
     """
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None
     paths = {argument.split("::", 1)[0] for argument in config.args}
-    if len(paths) == 1 and all(Path(path).is_file() for path in paths):
-        return 0
+    if all(Path(path).is_file() for path in paths):
+        return 0 if len(paths) <= 1 else min(WORKERS, len(paths))
     return WORKERS
 
 

@@ -21,6 +21,7 @@ import pytest
 from conftest import WORKERS, pytest_xdist_auto_num_workers
 
 CHECKOUT = Path(__file__).resolve().parents[1]
+TESTS = CHECKOUT / "tests"
 BASH = shutil.which("bash") or "/bin/bash"
 
 
@@ -108,13 +109,16 @@ def autoWorkers(*arguments: str) -> int | None:
 def test_oneFileRunsInOneProcess(monkeypatch: pytest.MonkeyPatch) -> None:
     """
     C{-n auto} starts no worker for one test file or tests of one file,
-    and L{WORKERS} for a directory or several files.
+    one per file for fewer files than L{WORKERS}, and L{WORKERS} for a
+    directory or more files.
     """
     monkeypatch.chdir(CHECKOUT)
     monkeypatch.delenv("PYTEST_XDIST_AUTO_NUM_WORKERS", raising=False)
     assert autoWorkers("tests/test_ids.py") == 0
     assert autoWorkers("tests/test_ids.py::test_a", "tests/test_ids.py::test_b") == 0
     assert autoWorkers("tests") == WORKERS
-    assert autoWorkers("tests/test_ids.py", "tests/test_pat.py") == WORKERS
+    assert autoWorkers("tests/test_ids.py", "tests/test_pat.py") == 2
+    files = sorted(str(path.relative_to(CHECKOUT)) for path in TESTS.glob("test_*.py"))
+    assert autoWorkers(*files) == WORKERS
     monkeypatch.setenv("PYTEST_XDIST_AUTO_NUM_WORKERS", "2")
     assert autoWorkers("tests") is None
