@@ -69,6 +69,9 @@ setup(
         "test": [
             "pytest>=8",
             "pytest-twisted>=1.14",
+            # dev/test runs the suite on several workers (-n auto; the
+            # scheduling by shared fixture is in tests/conftest.py).
+            "pytest-xdist>=3.6",
             "hypothesis>=6.100",
             # Pinned: the committed generated modules must equal what this
             # exact compiler produces (tests/test_proto.py checks it).

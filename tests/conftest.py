@@ -16,11 +16,55 @@ Two kinds of fixture, for two needs:
 
 Servers start lazily: a run that asks for none of these fixtures starts no
 server. pytest-twisted installs its reactor itself; nothing here touches it.
+
+Parallel runs. dev/test runs the suite on pytest-xdist's workers (C{-n
+auto}: L{WORKERS} of them, none for a single file). Each worker is a pytest
+process of its own, with its own session: its own PostgreSQL cluster and
+Redis server, its own temporary directories (pytest gives each worker a
+base directory), its own reactor. What they share is the machine, and so:
+
+  - Ports. Servers and daemons listen on ports from
+    L{svcd.testing.servers.freePort}, which the kernel picks free; another
+    worker's next call could be handed the same port before the first one's
+    daemon has bound it. freePort reserves each port it hands out, machine
+    wide, for as long as the process that took it lives, and passes over
+    reserved ones. Nothing in the suite uses a fixed port (the closed port
+    of the forwarding tests is port 1, which no test may bind) or a fixed
+    file path outside its temporary directory.
+  - Fixtures of a wider scope than a test (a module's gateway, the
+    session's forwarding gateway) would be started once per worker that
+    runs one of their tests: L{pytest_collection_modifyitems} puts their
+    tests in one xdist group, and the loadgroup scheduling sends each group
+    to one worker, largest first. Every other test goes to whichever worker
+    is free.
+  - Time. The suite waits much more than it computes (daemons starting,
+    promises of "within a second", servers frozen for seconds), so more
+    workers than cores pay off: on the 2-core machine, shared with other
+    engineers' runs, the suite took 31m44s in one process (without the
+    million made-up ids, which alone took over 20 minutes) and 10m35s on
+    four workers under about the same load (load average 10 to 13).
+    Fewer workers were not measured under comparable load; more would
+    start more daemons at once on two cores.
+  - Load. Tests about svc-auth's 50 ms deadline keep it; the gateways of
+    the others use one a loaded machine meets (PATIENT_AUTH in
+    test_gateway_e2e.py), since a deadline missed by scheduling alone
+    turns the answer they check into a 503. Tests that measure the gateway
+    under load of their own making against its pace without it (a flood's
+    effect on valid traffic's latency, throughput while Redis is frozen)
+    are marked C{serial}: they run last, one after another, once every
+    other worker has stopped (L{_serialLast}), as they did before the suite
+    ran in parallel. Without workers (C{-n 0}, C{-p no:xdist}, one file)
+    every test runs in order in one process, as before.
 """
 
 from __future__ import annotations
 
+import inspect
+import os
+import re
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,6 +73,195 @@ from svcd.testing.servers import PostgresServer, RedisServer
 # Fixtures of svc-auth (migrated databases, tenants, a running AuthService),
 # and the scripted OpenAI-compatible upstream.
 pytest_plugins = ["authfixtures", "upstreamfixtures", "forwardingfixtures"]
+
+
+# A random UUID in a parameter: with dashes (any case, not the nil UUID)
+# anywhere, or without them as the whole value (a trace id inside a
+# traceparent is fixed). And a random PAT secret after one (not a run of
+# one character, which tests choose on purpose).
+_RANDOM_UUID = re.compile(
+    r"(?!0{8}-0{4})[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
+    r"|^[0-9a-f]{32}$"
+)
+_RANDOM_SECRET = re.compile(r"(?<=uuid_)(?!(.)\1*$)[A-Za-z0-9_-]{20,}$")
+
+
+def pytest_make_parametrize_id(config: pytest.Config, val: object, argname: str) -> str | None:
+    """
+    The id of a parameter that holds a random UUID or secret names its
+    shape instead (C{svc_pat_uuid_short}): a test's id must be the same in
+    every process that collects it, because pytest-xdist's workers each
+    collect the suite and must agree on every id, and C{--deselect} and
+    C{-k} need ids that do not change from one run to the next.
+    """
+    if not isinstance(val, str) or not _RANDOM_UUID.search(val):
+        return None
+    shape = _RANDOM_SECRET.sub("secret", _RANDOM_UUID.sub("uuid", val))
+    # Escaped as pytest escapes the ids it makes itself.
+    return shape.encode("ascii", "backslashreplace").decode("ascii")
+
+
+# Parallel runs (pytest-xdist).
+
+# How many workers "-n auto" starts for a run of more than one test file
+# (see the module's docstring): the suite waits more than it computes, so
+# more workers than cores pay off.
+WORKERS = 4
+
+# The group of the tests marked serial: they measure how the gateway copes
+# with load they make themselves, against the machine's own pace, and run
+# last, alone (see the module's docstring).
+SERIAL = "serial"
+
+# Fixtures of a wider scope than a test whose tests need not stay together:
+# every worker has its own PostgreSQL and Redis servers, and starting them
+# takes a second.
+_PER_WORKER = frozenset({"postgresServer", "redisServer", "tmp_path_factory"})
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """
+    The workers of C{-n auto} (what dev/test passes): none for a run of one
+    test file or of tests of one file, which starts faster in one process
+    and reads best there; one per file for a few files (every worker
+    imports and collects them first); L{WORKERS} for a folder or more
+    files. The variable C{PYTEST_XDIST_AUTO_NUM_WORKERS} still overrides
+    all of these.
+    """
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    paths = {argument.split("::", 1)[0] for argument in config.args}
+    if all(Path(path).is_file() for path in paths):
+        return 0 if len(paths) <= 1 else min(WORKERS, len(paths))
+    return WORKERS
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """
+    With workers, schedule by group (see L{pytest_collection_modifyitems})
+    rather than test by test, whether the workers came from C{-n auto} or
+    C{-n 3}; an explicit C{--dist} other than C{load} is left alone.
+    """
+    if getattr(config.option, "dist", "no") == "load":
+        config.option.dist = "loadgroup"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """
+    xdist's loadgroup scheduling, with the L{SERIAL} group run last and
+    alone (L{_serialLast}).
+    """
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    return _serialLast(config, log)
+
+
+def _serialLast(config: pytest.Config, log: Any) -> Any:
+    """
+    A L{xdist.scheduler.LoadGroupScheduling} that holds the L{SERIAL} group
+    back until every other group has been handed out, then lets the other
+    workers finish and stop, and only then sends it to the one worker left:
+    the serial tests run one after another with nothing of this run beside
+    them. (xdist keeps each worker's last test until it has the next one or
+    is told to stop, so "finished" means stopped.)
+    """
+    # pytest-xdist ships no type information.
+    from xdist.scheduler import LoadGroupScheduling  # type: ignore[import-untyped]
+
+    class SerialLastScheduling(LoadGroupScheduling):  # type: ignore[misc]
+        _holder: Any = None
+
+        def _assign_work_unit(self, node: Any) -> None:
+            if SERIAL not in self.workqueue:
+                if self.workqueue:
+                    super()._assign_work_unit(node)
+                return
+            if len(self.workqueue) > 1:
+                self.workqueue.move_to_end(SERIAL)
+                super()._assign_work_unit(node)
+                return
+            if self._holder is None:
+                self._holder = node
+            self._startSerialWhenAlone()
+
+        def _startSerialWhenAlone(self) -> None:
+            others = [node for node in self.assigned_work if node is not self._holder]
+            for node in others:
+                if not node.shutting_down:
+                    node.shutdown()
+            if all(self._pending_of(self.assigned_work[node]) == 0 for node in others):
+                super()._assign_work_unit(self._holder)
+
+        def mark_test_complete(self, node: Any, item_index: int, duration: float = 0) -> None:
+            super().mark_test_complete(node, item_index, duration)
+            if self._holder is not None and SERIAL in self.workqueue:
+                self._startSerialWhenAlone()
+
+        def remove_node(self, node: Any) -> str | None:
+            crashed: str | None = super().remove_node(node)
+            if node is self._holder:
+                self._holder = None
+            elif self._holder is not None and SERIAL in self.workqueue:
+                self._startSerialWhenAlone()
+            return crashed
+
+    return SerialLastScheduling(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """
+    Keep together on one worker the tests that share a fixture of a wider
+    scope than the test (a module's gateway, the session's forwarding
+    gateway): spread over several workers, each would start its own copy,
+    daemons and all, which costs more than the parallelism gains. Other
+    tests go one by one to whichever worker is free.
+
+    The group is the widest such fixture: its name for a session's, its
+    module for a module's. xdist's loadgroup scheduling then sends each
+    group to one worker, largest groups first.
+    """
+    for item in items:
+        group = _sharedFixtureGroup(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+def _sharedFixtureGroup(item: pytest.Item) -> str | None:
+    if item.get_closest_marker("serial") is not None:
+        return SERIAL
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return None
+    moduleGroup: str | None = None
+    name: str
+    for name, definitions in info.name2fixturedefs.items():
+        if name in _PER_WORKER or not _ours(definitions[-1]):
+            continue
+        scope = definitions[-1].scope
+        if scope == "session":
+            return name
+        if scope in ("package", "module", "class"):
+            moduleGroup = item.nodeid.split("::", 1)[0]
+    return moduleGroup
+
+
+_TESTS = Path(__file__).resolve().parent
+
+
+def _ours(definition: pytest.FixtureDef[object]) -> bool:
+    """
+    Whether a fixture is defined under tests/ (pytest-twisted's session
+    fixtures, for one, are shared by every test and start nothing).
+    """
+    try:
+        source = inspect.getsourcefile(definition.func)
+    except TypeError:
+        return False
+    return source is not None and Path(source).resolve().is_relative_to(_TESTS)
 
 
 @pytest.fixture(scope="session")

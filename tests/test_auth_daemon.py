@@ -180,7 +180,9 @@ def test_badConfigurationIsOneLine(environment: dict[str, str], variable: str) -
         env={**clean, **environment},
         capture_output=True,
         text=True,
-        timeout=30,
+        # A bound against a hang (twistd imports for seconds on a loaded
+        # machine), as for a daemon's start.
+        timeout=Daemon.START_TIMEOUT,
         check=False,
     )
     assert result.returncode != 0
@@ -204,7 +206,7 @@ def test_grpcPortInUseStopsTheStart(migratedDSN: str, tmp_path: Path) -> None:
             env={**os.environ, **environment},
             capture_output=True,
             text=True,
-            timeout=30,
+            timeout=Daemon.START_TIMEOUT,
             check=False,
         )
         assert result.returncode != 0

@@ -338,6 +338,9 @@ class ConcurrentLoad:
         return len(self.between(start, end)) / (end - start)
 
 
+# Throughput during the stall is judged against throughput before it: with
+# pytest-xdist's workers this test runs last and alone (tests/conftest.py).
+@pytest.mark.serial
 def test_frozenRedisUnderLoad(privateGateway: Gateway) -> None:
     """
     Redis frozen (SIGSTOP) for 5 s under 16 concurrent clients: every

@@ -27,7 +27,15 @@ from pathlib import Path
 import attrs
 import pytest
 from authfixtures import Tenant
-from test_gateway_e2e import Gateway, assertEnvelope, chat, request, unlimitedGateway, waitFor
+from test_gateway_e2e import (
+    Answer,
+    Gateway,
+    assertEnvelope,
+    chat,
+    request,
+    unlimitedGateway,
+    waitFor,
+)
 
 from svcd.auth.authority import issueToken
 from svcd.proxy.http.edge import READY_MAX_AGE
@@ -179,6 +187,26 @@ class Credentials:
     created: Tenant
 
 
+def answerOnceSettled(gateway: Gateway, tenant: Tenant, status: int) -> Answer:
+    """
+    Chat as C{tenant} until the answer is C{status}, within L{RECOVERY},
+    with nothing but 503 before it: a token's first validation (an argon2
+    verification in svc-auth) may miss the 50 ms deadline on a loaded
+    machine, and that request fails closed, which is not what these tests
+    are about; any other answer (a revoked token accepted, a live one
+    refused) fails at once.
+    """
+    answers: list[Answer] = []
+
+    def settled() -> bool:
+        answers.append(chat(gateway.port, tenant))
+        assert answers[-1].status in (status, 503), [answer.status for answer in answers]
+        return answers[-1].status == status
+
+    waitFor(settled, RECOVERY)
+    return answers[-1]
+
+
 def credentialsBeforeTheFault(gateway: Gateway) -> Credentials:
     """
     Revoke a token that svc-auth has cached (it answered for it), and make
@@ -187,7 +215,7 @@ def credentialsBeforeTheFault(gateway: Gateway) -> Credentials:
     main = gateway.tenants["main"]
     revokedToken, revokedRecord = issueToken(gateway.owner, orgID=main.orgID, permissions=1)
     revoked = attrs.evolve(main, token=revokedToken, tokenID=revokedRecord.tokenID)
-    assert chat(gateway.port, revoked).status == 501
+    answerOnceSettled(gateway, revoked, 501)
     gateway.owner.revokeToken(revokedRecord.tokenID)
     waitFor(lambda: chat(gateway.port, revoked).status == 401, limit=1.5)
     createdToken, createdRecord = issueToken(gateway.owner, orgID=main.orgID, permissions=1)
@@ -197,8 +225,10 @@ def credentialsBeforeTheFault(gateway: Gateway) -> Credentials:
 
 
 def assertStillInForce(gateway: Gateway, credentials: Credentials) -> None:
-    assertEnvelope(chat(gateway.port, credentials.revoked), 401, "INVALID_TOKEN")
-    assertEnvelope(chat(gateway.port, credentials.created), 501, "PROVIDER_NOT_CONFIGURED")
+    assertEnvelope(answerOnceSettled(gateway, credentials.revoked, 401), 401, "INVALID_TOKEN")
+    assertEnvelope(
+        answerOnceSettled(gateway, credentials.created, 501), 501, "PROVIDER_NOT_CONFIGURED"
+    )
 
 
 @pytest.fixture
@@ -393,7 +423,9 @@ def test_idleConnectionToProxySurvivesFaults(faultyGateway: Gateway) -> None:
             response.read()
             return response.status
 
-        assert send() == 501
+        # Served first (its first validation may miss the deadline on a
+        # loaded machine: a 503 this test is not about).
+        waitFor(lambda: send() == 501, RECOVERY)
         assert gateway.auth.process is not None
         gateway.auth.signal(signal.SIGKILL)
         gateway.auth.process.wait(10)

@@ -213,6 +213,15 @@ def runningGateway(
 # A rate limit no test traffic reaches, for tests about something else.
 UNLIMITED = {"SVC_RATE_LIMIT_DEFAULT_RPM": "1000000"}
 
+# svc-auth's deadline for gateways whose tests are not about it (as
+# test_faults_edge, test_security_abuse and test_security_grpcflood do):
+# on a loaded machine (the suite's own workers, two busy loops beside it) a
+# token's first validation, an argon2 verification, or any call can take
+# longer than the default 50 ms, and a deadline missed by scheduling alone
+# turns the answer a test checks into a 503. The deadline's own tests
+# (test_faults_gateway, test_authDownFrozenAndBack) keep the default.
+PATIENT_AUTH = {"SVC_AUTH_VALIDATE_TIMEOUT": "1s"}
+
 
 def unlimitedGateway(
     postgres: PostgresServer, workdir: Path, **environment: str
@@ -227,7 +236,9 @@ def unlimitedGateway(
 def gateway(
     postgresServer: PostgresServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Gateway]:
-    with runningGateway(postgresServer, tmp_path_factory.mktemp("gateway")) as running:
+    with runningGateway(
+        postgresServer, tmp_path_factory.mktemp("gateway"), proxyEnvironment=PATIENT_AUTH
+    ) as running:
         yield running
 
 
@@ -235,6 +246,16 @@ def gateway(
 def privateGateway(postgresServer: PostgresServer, tmp_path: Path) -> Iterator[Gateway]:
     """
     A gateway of this test's own, whose daemons and Redis it may stop.
+    """
+    with runningGateway(postgresServer, tmp_path, proxyEnvironment=PATIENT_AUTH) as running:
+        yield running
+
+
+@pytest.fixture
+def privateGatewayWithDeadline(postgresServer: PostgresServer, tmp_path: Path) -> Iterator[Gateway]:
+    """
+    L{privateGateway} with svc-auth's default 50 ms deadline, for the
+    tests of that deadline.
     """
     with runningGateway(postgresServer, tmp_path) as running:
         yield running
@@ -514,16 +535,20 @@ def test_redisDownFailsOpenAndRecovers(privateGateway: Gateway) -> None:
     waitForReady(port, 200)
 
 
-def test_authDownFrozenAndBack(privateGateway: Gateway) -> None:
+def test_authDownFrozenAndBack(privateGatewayWithDeadline: Gateway) -> None:
     """
     With svc-auth stopped or frozen, chat requests fail closed with 503
     SERVICE_DEGRADED within the 50 ms deadline (plus slack), and /ready
     answers 503 within its budget; once svc-auth runs again the proxy
     recovers by itself.
     """
-    port, tenant = privateGateway.port, privateGateway.tenants["main"]
-    assert chat(port, tenant).status == 501
-    auth = privateGateway.auth
+    gateway = privateGatewayWithDeadline
+    port, tenant = gateway.port, gateway.tenants["main"]
+    # Served before the fault: on a loaded machine the token's first
+    # validation (an argon2 verification) may miss the 50 ms deadline, a
+    # 503 that is not what this test is about.
+    waitFor(lambda: chat(port, tenant).status == 501, limit=5)
+    auth = gateway.auth
 
     import signal
 

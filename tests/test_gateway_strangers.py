@@ -19,9 +19,9 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from test_gateway_cache import rssKiB
 from test_gateway_e2e import Gateway, unlimitedGateway
 
+from svcd.testing.flood import rssKiB
 from svcd.testing.servers import PostgresServer
 
 STRANGERS = 1000

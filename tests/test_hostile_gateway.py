@@ -17,6 +17,7 @@ from http import HTTPStatus
 
 import pytest
 from test_gateway_e2e import (
+    PATIENT_AUTH,
     Answer,
     Gateway,
     assertCommonHeaders,
@@ -32,7 +33,9 @@ from svcd.testing.servers import PostgresServer
 def gateway(
     postgresServer: PostgresServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Gateway]:
-    with unlimitedGateway(postgresServer, tmp_path_factory.mktemp("hostile")) as running:
+    with unlimitedGateway(
+        postgresServer, tmp_path_factory.mktemp("hostile"), **PATIENT_AUTH
+    ) as running:
         yield running
 
 

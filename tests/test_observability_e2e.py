@@ -26,7 +26,7 @@ import grpc
 import pytest
 from authfixtures import secretOf
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from test_gateway_e2e import Answer, chat, runningGateway
+from test_gateway_e2e import PATIENT_AUTH, Answer, chat, runningGateway
 
 from svcd.auth.authority import issueToken
 from svcd.common.pat import formatToken, newSecret, parseToken
@@ -120,7 +120,7 @@ def observed(
             patch.setenv("OTEL_BSP_SCHEDULE_DELAY", "60000")
             patch.setenv("SVC_ENV", "staging")
             patch.setenv("SVC_LOG_LEVEL", "DEBUG")
-            with runningGateway(postgresServer, workdir) as gateway:
+            with runningGateway(postgresServer, workdir, proxyEnvironment=PATIENT_AUTH) as gateway:
                 answers, secrets = _drive(gateway)
                 exitCodes = (gateway.proxy.terminate(), gateway.auth.terminate())
                 proxyLog, authLog = gateway.proxy.output(), gateway.auth.output()

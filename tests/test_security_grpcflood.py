@@ -96,6 +96,12 @@ MEASURE_SECONDS = 3.0
 MINIMUM_RATIO = 0.5
 
 
+# The latencies and throughput measured here are judged against the
+# machine's own pace: with pytest-xdist's workers, these tests run last and
+# alone (tests/conftest.py).
+pytestmark = pytest.mark.serial
+
+
 @pytest.fixture(scope="module")
 def gateway(
     postgresServer: PostgresServer, tmp_path_factory: pytest.TempPathFactory

@@ -15,7 +15,15 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from authfixtures import Tenant, makeTenant, secretOf
-from test_gateway_e2e import Answer, Gateway, assertEnvelope, chat, request, unlimitedGateway
+from test_gateway_e2e import (
+    PATIENT_AUTH,
+    Answer,
+    Gateway,
+    assertEnvelope,
+    chat,
+    request,
+    unlimitedGateway,
+)
 
 from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
 from svcd.testing.servers import PostgresServer
@@ -28,7 +36,9 @@ ALL_PERMISSIONS = 1 | 2 | 4 | 8
 def gateway(
     postgresServer: PostgresServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Gateway]:
-    with unlimitedGateway(postgresServer, tmp_path_factory.mktemp("tenants")) as running:
+    with unlimitedGateway(
+        postgresServer, tmp_path_factory.mktemp("tenants"), **PATIENT_AUTH
+    ) as running:
         running.tenants["A"] = makeTenant(running.owner, "org-a", permissions=ALL_PERMISSIONS)
         running.tenants["B"] = makeTenant(running.owner, "org-b", permissions=ALL_PERMISSIONS)
         yield running

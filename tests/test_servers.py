@@ -48,6 +48,53 @@ def test_freePortCanBeBound() -> None:
         listener.bind(("127.0.0.1", port))
 
 
+def test_freePortPassesOverAPortItHandedOutAlready(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """
+    When the kernel offers a port that freePort handed out before (in this
+    process or in another one that still runs, such as a parallel test
+    worker), freePort passes it over for the next offer: two servers
+    started side by side never get the same port.
+    """
+    reservations = servers._PortReservations(tmp_path / "ports")
+    monkeypatch.setattr(servers, "_reservations", reservations)
+    offers = iter([40001, 40001, 40003, 40005, 40007])
+    monkeypatch.setattr(servers, "_unusedPort", lambda: next(offers))
+    assert freePort() == 40001
+    assert freePort() == 40003
+    # A live process of someone else's (our parent, say) holds 40005.
+    (tmp_path / "ports" / "40005").write_text(str(os.getppid()))
+    assert freePort() == 40007
+
+
+def test_freePortTakesOverReservationsOfEndedProcesses(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """
+    A reservation of a process that has ended, or one older than the
+    reservations' lifetime, holds no longer; a process's own reservations
+    are removed when it releases them (at exit).
+    """
+    reservations = servers._PortReservations(tmp_path / "ports")
+    monkeypatch.setattr(servers, "_reservations", reservations)
+    directory = tmp_path / "ports"
+    directory.mkdir()
+    # A process id that no process has: beyond the kernel's maximum.
+    (directory / "40001").write_text(str(int(Path("/proc/sys/kernel/pid_max").read_text()) + 1))
+    (directory / "40003").write_text(str(os.getppid()))
+    old = time.time() - servers._PortReservations.LIFETIME - 60
+    os.utime(directory / "40003", (old, old))
+    offers = iter([40001, 40003])
+    monkeypatch.setattr(servers, "_unusedPort", lambda: next(offers))
+    assert freePort() == 40001
+    assert freePort() == 40003
+    assert (directory / "40001").read_text() == str(os.getpid())
+    reservations.releaseAll()
+    assert not (directory / "40001").exists()
+    assert not (directory / "40003").exists()
+
+
 def test_postgresStartQueryStopStart(privatePostgres: PostgresServer) -> None:
     """
     A started server answers queries; once stopped it refuses connections;

@@ -75,10 +75,17 @@ class Daemon:
         except urllib.error.HTTPError as error:
             return error.code, error.read()
 
-    def waitForHealth(self, timeout: float = 20.0) -> None:
+    # How long a daemon may take to answer at all. A healthy machine needs
+    # about a second; one whose cores are shared with the suite's other
+    # workers and with other runs beside it needed more than 20 s (twistd,
+    # Twisted, grpcio and OpenTelemetry imported with a fraction of a core).
+    # A bound against a daemon that never comes up, not a promise.
+    START_TIMEOUT = 60.0
+
+    def waitForHealth(self, timeout: float = START_TIMEOUT) -> None:
         self.waitForRoute("/health", timeout)
 
-    def waitForReady(self, timeout: float = 20.0) -> None:
+    def waitForReady(self, timeout: float = START_TIMEOUT) -> None:
         """
         Wait until /ready answers 200, as a load balancer would before
         sending traffic.

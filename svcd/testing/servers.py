@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import os
 import pwd
 import re
@@ -32,6 +33,7 @@ import shlex
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import tempfile
 import time
@@ -87,16 +89,138 @@ class MissingBinaries(ServerError):
 
 def freePort() -> int:
     """
-    A TCP port on the loopback interface that nobody listens on right now.
+    A TCP port on the loopback interface that nobody listens on right now,
+    and that no other call of C{freePort} on this machine (in this process
+    or another, for as long as that process lives) has handed out.
 
-    The kernel picks it, so it is free at this instant; another process may
-    still take it before our server binds it, which is why the servers pick
+    The kernel picks it, so it is free at this instant; but the caller binds
+    it only later (a daemon takes a second or more to start), and the kernel
+    may pick the same port again for the next caller in between. Tests run
+    in parallel (pytest-xdist workers, other developers' runs) would then
+    start two servers on one port, and one of them fails. So each port
+    handed out is reserved in L{_PortReservations}, and a port the kernel
+    offers again while its reservation holds is passed over.
+
+    A process that binds port 0 itself (grpcio, L{svcd.testing.relay}) can
+    still take a reserved port before its owner binds it; the servers pick
     a new one and retry when their first start finds the port taken.
+    """
+    for _ in range(_PORT_ATTEMPTS):
+        port = _unusedPort()
+        if _reservations.reserve(port):
+            return port
+    # Every offer reserved: the directory is unusable or full of live
+    # reservations. The kernel's choice is still free right now.
+    return port
+
+
+# How many ports the kernel may offer before freePort takes one without a
+# reservation (a few are passed over at most, even with thousands held).
+_PORT_ATTEMPTS = 50
+
+
+def _unusedPort() -> int:
+    """
+    A loopback TCP port nobody has bound right now, as the kernel picks it.
     """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((LOOPBACK, 0))
         port: int = probe.getsockname()[1]
         return port
+
+
+class _PortReservations:
+    """
+    Ports handed out by L{freePort}, machine-wide for one user: a file per
+    port in C{directory} holding the process id that reserved it. A
+    reservation holds while that process lives (its servers may stop and
+    start again on the same port) and for at most L{LIFETIME} seconds, in
+    case the process id has been reused since. Choosing happens under an
+    exclusive C{flock} of the directory's lock file, so two processes never
+    reserve the same port. A process removes its reservations when it exits.
+
+    Anything that goes wrong with the directory (another user's, a full
+    disk) turns reservations off for this process rather than failing the
+    caller: the ports are still the kernel's free ones.
+    """
+
+    LIFETIME = 6 * 3600.0
+
+    def __init__(self, directory: Path) -> None:
+        self._directory = directory
+        self._usable = True
+        self._held: set[int] = set()
+
+    def reserve(self, port: int) -> bool:
+        """
+        Reserve C{port} for this process; L{False} if someone holds it.
+        """
+        if not self._usable:
+            return True
+        try:
+            return self._reserveLocked(port)
+        except OSError:
+            self._usable = False
+            return True
+
+    def _ensureDirectory(self) -> None:
+        self._directory.mkdir(mode=0o700, exist_ok=True)
+        # In a shared /tmp, a directory someone else made (or a symbolic
+        # link to one) is not ours to trust.
+        status = os.lstat(self._directory)
+        if not stat.S_ISDIR(status.st_mode) or status.st_uid != os.geteuid():
+            raise PermissionError(f"{self._directory} is not a directory of ours")
+
+    def _reserveLocked(self, port: int) -> bool:
+        self._ensureDirectory()
+        lockFile = os.open(self._directory / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(lockFile, fcntl.LOCK_EX)
+            entry = self._directory / str(port)
+            if self._holds(entry):
+                return False
+            entry.write_text(str(os.getpid()))
+            self._held.add(port)
+            return True
+        finally:
+            os.close(lockFile)
+
+    def _holds(self, entry: Path) -> bool:
+        """
+        Whether the reservation C{entry} is in force.
+        """
+        try:
+            owner = int(entry.read_text())
+            age = time.time() - entry.stat().st_mtime
+        except (FileNotFoundError, ValueError):
+            return False
+        return age < self.LIFETIME and (owner == os.getpid() or _processAlive(owner))
+
+    def releaseAll(self) -> None:
+        """
+        Remove this process's reservations (at exit).
+        """
+        pid = str(os.getpid())
+        for port in self._held:
+            entry = self._directory / str(port)
+            with contextlib.suppress(OSError, ValueError):
+                if entry.read_text() == pid:
+                    entry.unlink()
+        self._held.clear()
+
+
+def _processAlive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return _processState(pid) not in ("Z", "X")
+
+
+_reservations = _PortReservations(Path(tempfile.gettempdir()) / f"svc-test-ports-{os.geteuid()}")
+atexit.register(_reservations.releaseAll)
 
 
 class _Stoppable(Protocol):

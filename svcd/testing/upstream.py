@@ -200,7 +200,7 @@ BYTES_DELTA_SIZE = 256
 
 # How long ScriptedUpstream waits for the process to listen, and to stop.
 # Generous: a loaded machine can take seconds to import Twisted.
-DEFAULT_START_TIMEOUT = 30.0
+DEFAULT_START_TIMEOUT = 60.0
 DEFAULT_STOP_TIMEOUT = 10.0
 
 _ANSWER_KINDS = frozenset(
