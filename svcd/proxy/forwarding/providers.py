@@ -23,7 +23,10 @@ Our one extension of D9's shape is C{max_connections} (per provider,
 default 16): how many requests go to that provider at once, over as many
 persistent connections (L{svcd.proxy.forwarding.upstream}). Decisions D11
 add C{max_output_tokens} to a model (optional): the output cap its token
-reservation assumes when a request names none.
+reservation assumes when a request names none; decisions D12 add its
+C{price} (optional): C{{ input = "2.50", output = "10.00", cached_input =
+"1.25" }}, US dollars per million tokens as decimal strings, read exactly
+(L{svcd.proxy.usage.prices}).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import attrs
 
 from svcd.common.config import ConfigError, parseDuration
 from svcd.common.ids import parseUUID
+from svcd.proxy.usage.prices import BadPrice, Price, parseDollars
 
 __all__ = [
     "VARIABLE",
@@ -89,7 +93,16 @@ _TOP_KEYS = ("providers", "models")
 _PROVIDER_KEYS = ("name", "base_url", "api_key_env", "timeout", "idle_timeout", "max_connections")
 # The largest output cap a model may declare (D11): far above any model's.
 MAX_OUTPUT_TOKENS = 10_000_000
-_MODEL_KEYS = ("name", "provider", "upstream_model", "orgs", "fallbacks", "max_output_tokens")
+_MODEL_KEYS = (
+    "name",
+    "provider",
+    "upstream_model",
+    "orgs",
+    "fallbacks",
+    "max_output_tokens",
+    "price",
+)
+_PRICE_KEYS = ("input", "output", "cached_input")
 # Unknown keys that look like someone putting a key in the file.
 _SECRET_LIKE = frozenset(
     {"api_key", "apikey", "key", "token", "secret", "password", "authorization"}
@@ -153,6 +166,8 @@ class Model:
     # The output cap assumed for a request that names none, when neither
     # its agent's nor its organization's limits row has one (D11).
     maxOutputTokens: int | None = None
+    # What its tokens cost (D12); None when the file gives no price.
+    price: Price | None = None
 
     def allows(self, orgID: str) -> bool:
         """
@@ -651,6 +666,40 @@ class _Checker:
             orgs=self.orgs(table, where),
             fallbacks=self.fallbacks(table, where),
             maxOutputTokens=self.maxOutputTokens(table, where),
+            price=self.price(table, where),
+        )
+
+    def price(self, table: dict[str, Any], where: str) -> Price | None:
+        value = table.get("price")
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise self.fault(
+                f'{where}price must be a table such as {{ input = "2.50", output = "10.00" }},'
+                f" got {_kind(value)}"
+            )
+        self.refuseUnknownKeys(value, _PRICE_KEYS, f"{where}price: ")
+        dollars: dict[str, int] = {}
+        for key in _PRICE_KEYS:
+            text = value.get(key)
+            if text is None:
+                continue
+            if not isinstance(text, str):
+                raise self.fault(
+                    f'{where}price.{key} must be a decimal string such as "2.50" (quoted:'
+                    f" a TOML number would be a float), got {_kind(text)}"
+                )
+            try:
+                dollars[key] = parseDollars(text)
+            except BadPrice as bad:
+                raise self.fault(f"{where}price.{key} {bad}") from None
+        for required in ("input", "output"):
+            if required not in dollars:
+                raise self.fault(f"{where}price.{required} is required")
+        return Price(
+            input=dollars["input"],
+            output=dollars["output"],
+            cachedInput=dollars.get("cached_input", dollars["input"]),
         )
 
     def maxOutputTokens(self, table: dict[str, Any], where: str) -> int | None:

@@ -1,0 +1,221 @@
+"""
+Prices and costs of decisions D12, in integers: decimal strings of dollars
+read exactly, costs in nano-dollars checked to the nano-dollar on usage
+shaped like real providers' (OpenAI's cached prompt tokens and reasoning
+tokens), price versions, and the providers file's price table.
+"""
+
+from __future__ import annotations
+
+import decimal
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from svcd.common.config import ConfigError
+from svcd.proxy.forwarding.providers import loadProviders
+from svcd.proxy.usage.prices import BadPrice, Price, formatDollars, parseDollars
+
+
+@pytest.mark.parametrize(
+    ("text", "nano"),
+    [
+        ("2.50", 2_500_000_000),
+        ("10", 10_000_000_000),
+        ("0.075", 75_000_000),
+        ("0.000000001", 1),
+        ("1.25", 1_250_000_000),
+        ("0", 0),
+    ],
+)
+def test_parseDollars(text: str, nano: int) -> None:
+    """
+    A decimal string of dollars is read exactly into nano-dollars.
+    """
+    assert parseDollars(text) == nano
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", "2,50", "-1", "1e3", "0.0000000001", " 2.50", "2.", ".5", "NaN", "Infinity", "1000001"],
+)
+def test_badDollars(text: str) -> None:
+    """
+    Anything but digits with at most 9 decimals (and at most a million
+    dollars per million tokens) is refused.
+    """
+    with pytest.raises(BadPrice):
+        parseDollars(text)
+
+
+@given(st.integers(min_value=-(10**15), max_value=10**15))
+def test_formatDollarsIsExact(nano: int) -> None:
+    """
+    Nano-dollars as dollars: exact (read back as a Decimal), at least two
+    decimals, no exponent.
+    """
+    text = formatDollars(nano)
+    assert "e" not in text.lower()
+    assert decimal.Decimal(text) * 10**9 == nano
+    assert len(text.split(".")[1]) >= 2
+
+
+def test_formatDollarsExamples() -> None:
+    assert formatDollars(0) == "0.00"
+    assert formatDollars(2_500_000_000) == "2.50"
+    assert formatDollars(1_234_567) == "0.001234567"
+    assert formatDollars(10**9 * 12 + 10**7) == "12.01"
+
+
+GPT4O = Price(
+    input=parseDollars("2.50"), output=parseDollars("10.00"), cachedInput=parseDollars("1.25")
+)
+MINI = Price(
+    input=parseDollars("0.15"), output=parseDollars("0.60"), cachedInput=parseDollars("0.075")
+)
+O3 = Price(
+    input=parseDollars("2.00"), output=parseDollars("8.00"), cachedInput=parseDollars("0.50")
+)
+
+
+@pytest.mark.parametrize(
+    ("price", "usage", "nano"),
+    [
+        # No cached tokens: 1000 * 2500 + 500 * 10000 nano per token.
+        (GPT4O, {"prompt_tokens": 1000, "completion_tokens": 500}, 2_500_000 + 5_000_000),
+        # OpenAI's shape with 768 cached of 1000: 232 * 2500 + 768 * 1250 + 20 * 10000.
+        (
+            GPT4O,
+            {
+                "prompt_tokens": 1000,
+                "completion_tokens": 20,
+                "prompt_tokens_details": {"cached_tokens": 768, "audio_tokens": 0},
+                "completion_tokens_details": {"reasoning_tokens": 0},
+            },
+            232 * 2500 + 768 * 1250 + 20 * 10_000,
+        ),
+        # Reasoning tokens are part of completion_tokens: billed once.
+        (
+            O3,
+            {
+                "prompt_tokens": 75,
+                "completion_tokens": 1186,
+                "prompt_tokens_details": {"cached_tokens": 0},
+                "completion_tokens_details": {"reasoning_tokens": 1024},
+            },
+            75 * 2000 + 1186 * 8000,
+        ),
+        # Fractions of a nano-dollar per token: 13 * 150 + 7 * 75 + 3 * 600,
+        # exact here; 1 token at 0.075 nano-dollars... rounds half up.
+        (
+            MINI,
+            {
+                "prompt_tokens": 20,
+                "completion_tokens": 3,
+                "prompt_tokens_details": {"cached_tokens": 7},
+            },
+            13 * 150 + 7 * 75 + 3 * 600,
+        ),
+    ],
+    ids=["plain", "cached", "reasoning", "mini"],
+)
+def test_costToTheNanoDollar(price: Price, usage: dict[str, object], nano: int) -> None:
+    """
+    The cost of D12's formula on usage payloads shaped like real
+    providers', to the nano-dollar.
+    """
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens", 0) if isinstance(details, dict) else 0
+    prompt, completion = usage["prompt_tokens"], usage["completion_tokens"]
+    assert isinstance(prompt, int) and isinstance(completion, int) and isinstance(cached, int)
+    assert price.cost(prompt, cached, completion) == nano
+
+
+def test_costRoundsHalfUpOnce() -> None:
+    """
+    A price finer than a nano-dollar per token is summed over the tokens
+    before the one division, rounding half up: at $0.0005 per million a
+    token costs 0.5 nano-dollars (1 token: 1; 3 tokens: 1.5, so 2); at
+    $0.000000001 per million, 499,999 tokens cost 0 and 500,000 cost 1.
+    """
+    half = Price(input=parseDollars("0.0005"), output=0, cachedInput=parseDollars("0.0005"))
+    assert half.cost(1, 0, 0) == 1
+    assert half.cost(3, 0, 0) == 2
+    assert half.cost(4, 0, 0) == 2
+    finest = Price(input=parseDollars("0.000000001"), output=0, cachedInput=0)
+    assert finest.cost(499_999, 0, 0) == 0
+    assert finest.cost(500_000, 0, 0) == 1
+
+
+def test_worstCaseCountsNoPromptAsCached() -> None:
+    """
+    A budget reserves the prompt at the dearer of input and cached_input.
+    """
+    assert GPT4O.worstCase(100, 50) == 100 * 2500 + 50 * 10_000
+
+
+def test_priceVersionFollowsThePrice() -> None:
+    """
+    The same prices make the same version; any change makes another;
+    cached_input left out is cached_input equal to input.
+    """
+    same = Price(input=2_500_000_000, output=10_000_000_000, cachedInput=1_250_000_000)
+    assert same.version == GPT4O.version and len(GPT4O.version) == 16
+    assert Price(input=1, output=1, cachedInput=1).version != Price(1, 2, 1).version
+
+
+def providersFile(tmp_path: Path, price: str) -> Path:
+    path = tmp_path / "providers.toml"
+    path.write_text(
+        f"""
+[[providers]]
+name = "local"
+base_url = "http://127.0.0.1:8000/v1"
+
+[[models]]
+name = "fast"
+provider = "local"
+{price}
+"""
+    )
+    return path
+
+
+def test_priceInTheProvidersFile(tmp_path: Path) -> None:
+    """
+    A model's price table is read exactly; cached_input defaults to input;
+    a model without one has no price.
+    """
+    table = loadProviders(
+        str(providersFile(tmp_path, 'price = { input = "2.50", output = "10.00" }')),
+        {},
+        lambda: 0.0,
+    )
+    price = table.models["fast"].price
+    assert price == Price(input=2_500_000_000, output=10_000_000_000, cachedInput=2_500_000_000)
+    unpriced = loadProviders(str(providersFile(tmp_path, "")), {}, lambda: 0.0)
+    assert unpriced.models["fast"].price is None
+
+
+@pytest.mark.parametrize(
+    ("price", "fault"),
+    [
+        ('price = { input = 2.5, output = "10" }', "price.input must be a decimal string"),
+        ('price = { input = "2.5" }', "price.output is required"),
+        ('price = { input = "2.5", output = "1", cache = "1" }', 'unknown key "cache"'),
+        ('price = { input = "2.5", output = "-1" }', "price.output must be a decimal string"),
+        ('price = { input = "0.0000000001", output = "1" }', "at most 9 decimals"),
+        ('price = "2.50"', "price must be a table"),
+    ],
+    ids=["float", "no output", "unknown key", "negative", "too fine", "not a table"],
+)
+def test_badPriceStopsTheProxy(tmp_path: Path, price: str, fault: str) -> None:
+    """
+    A bad price is a fault of the file, naming the model and the key.
+    """
+    with pytest.raises(ConfigError) as caught:
+        loadProviders(str(providersFile(tmp_path, price)), {}, lambda: 0.0)
+    assert fault in str(caught.value)
+    assert 'model "fast"' in str(caught.value)
