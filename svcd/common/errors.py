@@ -71,6 +71,11 @@ class ErrorCode(str, enum.Enum):
         429,
         "The organization's requests per minute are exceeded.",
     )
+    BUDGET_EXCEEDED = (
+        "BUDGET_EXCEEDED",
+        429,
+        "The budget of this period is spent; it starts again with the next period.",
+    )
     INTERNAL_ERROR = ("INTERNAL_ERROR", 500, "An internal error occurred.")
     PROVIDER_NOT_CONFIGURED = (
         "PROVIDER_NOT_CONFIGURED",
@@ -111,6 +116,8 @@ class FieldErrorCode(str, enum.Enum):
     TOO_MANY = "TOO_MANY"
     INVALID_ENUM = "INVALID_ENUM"
     INVALID_FORMAT = "INVALID_FORMAT"
+    # Decisions D12: a model without a price, under a budget.
+    NO_PRICE = "NO_PRICE"
 
 
 @attrs.frozen

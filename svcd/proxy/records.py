@@ -46,6 +46,10 @@ class Usage:
 
     promptTokens: int
     completionTokens: int
+    # Parts of those (decisions D12): the prompt's tokens served from the
+    # provider's cache, the answer's reasoning tokens.
+    cachedTokens: int = 0
+    reasoningTokens: int = 0
 
 
 @attrs.define
@@ -83,3 +87,24 @@ class Reservation:
 
     keys: tuple[str, ...]
     tokens: int
+    # Decisions D12: the worst-case cost (nano-dollars) held against the
+    # budgets' counters.
+    costKeys: tuple[str, ...] = ()
+    cost: int = 0
+
+
+# The periods a budget may have (decisions D12).
+BUDGET_PERIODS = ("day", "month")
+
+
+@attrs.frozen
+class Budget:
+    """
+    A budget of an organization or of one of its agents (decisions D12):
+    at most C{nanoUSD} nano-dollars in a calendar C{period} (C{"day"} or
+    C{"month"}, UTC).
+    """
+
+    nanoUSD: int
+    period: str
+    version: int = 0

@@ -152,6 +152,7 @@ def makeService(options: Options) -> LoggingRootService:
         config.orgRPM,
         metrics.ratelimitCircuitOpen,
         limitBook,
+        grpcAuth.getSpend,
     )
     forwarder = None
     if config.providers is not None:

@@ -172,41 +172,49 @@ class MemoryCounters:
 
     def admit(self, keys: list[str], arguments: list[int]) -> Deferred[list[list[int]]]:
         """
-        The admission script of decisions D11 (C{_ADMIT_SCRIPT}), step for
-        step, over the dictionary.
+        The admission script of decisions D11 and D12 (C{_ADMIT_SCRIPT}),
+        step for step, over the dictionary.
         """
         if self.failure is not None:
             return fail(self.failure)
         self.admissions.append((list(keys), list(arguments)))
-        ttl, requests = arguments[0], arguments[1]
-        at = 2
+        at = 1
         answers: list[list[int]] = []
-        for _ in range(requests):
+        for _ in range(arguments[0]):
             n = arguments[at]
-            counters = [
-                (
-                    keys[arguments[at + 1 + 3 * c] - 1],
-                    arguments[at + 2 + 3 * c],
-                    arguments[at + 3 + 3 * c],
-                )
-                for c in range(n)
-            ]
-            at += 1 + 3 * n
-            refused = next(
-                (
-                    position
-                    for position, (key, amount, limit) in enumerate(counters, 1)
-                    if self.counts.get(key, 0) + amount > limit
-                ),
-                0,
-            )
+            counters: list[tuple[str, int, int, int]] = []
+            for c in range(n):
+                index, amount, limit, ttl = arguments[at + 1 + 4 * c : at + 5 + 4 * c]
+                counters.append((keys[index - 1], amount, limit, ttl))
+            at += 1 + 4 * n
+            refused = 0
+            for position, (key, amount, limit, ttl) in enumerate(counters, 1):
+                if ttl == 0 and key not in self.counts:
+                    refused = -position
+                    break
+                if self.counts.get(key, 0) + amount > limit:
+                    refused = position
+                    break
             if not refused:
-                for key, amount, _ in counters:
+                for key, amount, _, ttl in counters:
                     if amount > 0:
                         self.counts[key] = self.counts.get(key, 0) + amount
-                        self.ttls.setdefault(key, ttl)
-            answers.append([refused, *(self.counts.get(key, 0) for key, _, _ in counters)])
+                        if ttl > 0:
+                            self.ttls.setdefault(key, ttl)
+            answers.append([refused, *(self.counts.get(key, 0) for key, _, _, _ in counters)])
         return succeed(answers)
+
+    def seed(self, key: str, value: int, ttl: int) -> Deferred[object]:
+        """
+        SET NX EX, as C{_SEED_SCRIPT}.
+        """
+        if self.failure is not None:
+            return fail(self.failure)
+        if key in self.counts:
+            return succeed(0)
+        self.counts[key] = value
+        self.ttls[key] = ttl
+        return succeed(1)
 
     def adjust(self, keys: list[str], deltas: list[int]) -> Deferred[object]:
         """

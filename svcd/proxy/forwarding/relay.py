@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IDelayedCall, IPushProducer
@@ -54,9 +54,23 @@ def usageOf(document: object) -> Usage | None:
     if not isinstance(usage, dict):
         return None
     prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-    if not isinstance(prompt, int) or not isinstance(completion, int):
+    if not _count(prompt) or not _count(completion):
         return None
-    return Usage(prompt, completion)
+    # Decisions D12: parts of those, when the provider tells them (OpenAI's
+    # shape); never more than the whole.
+    cached = _detail(usage, "prompt_tokens_details", "cached_tokens", prompt)
+    reasoning = _detail(usage, "completion_tokens_details", "reasoning_tokens", completion)
+    return Usage(prompt, completion, cached, reasoning)
+
+
+def _count(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _detail(usage: dict[str, object], details: str, name: str, whole: int) -> int:
+    found = usage.get(details)
+    value = found.get(name) if isinstance(found, dict) else None
+    return min(value, whole) if _count(value) else 0
 
 
 class StreamFault(Exception):

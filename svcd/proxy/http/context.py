@@ -74,8 +74,14 @@ class RequestContext:
     # answer, in the spec's order).
     chat: ChatRequest | None = None
     chatError: ApiError | None = None
-    # The tokens this request holds until it is settled (decisions D11).
+    # The tokens (and cost) this request holds until it is settled
+    # (decisions D11, D12).
     reservation: Reservation | None = None
+    # What a forwarded request was reserved for: its prompt's estimate and
+    # its output cap, in tokens; and, under a budget, that its model has no
+    # price (400 NO_PRICE from the handler).
+    estimate: tuple[int, int] | None = None
+    noPrice: bool = False
 
 
 Step = Callable[[RequestContext], Awaitable[None]]

@@ -69,8 +69,8 @@ from svcd.proxy.http.context import (
 from svcd.proxy.http.paths import isCanonicalPath
 from svcd.proxy.http.twistedprivate import clientGone
 from svcd.proxy.limits.book import Applicable
-from svcd.proxy.limits.limiter import RateLimiter
-from svcd.proxy.limits.reservation import reservationOf
+from svcd.proxy.limits.limiter import BUDGET, ORG, RateDecision, RateLimiter
+from svcd.proxy.limits.reservation import outputCap, promptEstimate
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.validation.client import AGENT_HEADER, AuthClient, agentHeaderInvalid
 
@@ -674,60 +674,90 @@ class ProxyEdge:
         async def rateLimit(ctx: RequestContext) -> None:
             assert ctx.orgID is not None
             tokens = 0
+            cost = 0
             if reserveTokens and self._providers is not None:
                 applicable = self._limiter.applicable(ctx.orgID, ctx.agentID)
-                if applicable.tokenLimited:
-                    tokens = self._tokensToReserve(ctx, self._providers, applicable)
-            await self._limit(ctx, tokens)
+                if applicable.tokenLimited or applicable.budgeted:
+                    tokens, cost = self._reserve(ctx, self._providers, applicable)
+            await self._limit(ctx, tokens, cost)
 
         return rateLimit
 
-    def _tokensToReserve(
+    def _reserve(
         self, ctx: RequestContext, providers: ProviderTable, applicable: Applicable
-    ) -> int:
+    ) -> tuple[int, int]:
+        """
+        The tokens and the worst-case cost (nano-dollars) a chat request
+        that will be forwarded reserves at admission (decisions D11, D12).
+        """
         assert ctx.orgID is not None
         try:
             chat = ctx.chat = parseChatBody(_bodyBytes(ctx.request))
         except ApiError as refused:
             ctx.chatError = refused
-            return 0
+            return 0, 0
         model = providers.modelFor(chat.model, ctx.orgID)
         if model is None:
             # Not forwarded (501): nothing to reserve.
-            return 0
-        return reservationOf(chat.document, chat.messages, applicable, model.maxOutputTokens)
+            return 0, 0
+        prompt = promptEstimate(chat.messages)
+        cap = outputCap(chat.document, applicable, model.maxOutputTokens)
+        ctx.estimate = (prompt, cap)
+        cost = 0
+        if applicable.budgeted:
+            if model.price is None:
+                ctx.noPrice = True
+            else:
+                cost = model.price.worstCase(prompt, cap)
+        return prompt + cap, cost
 
-    async def _limit(self, ctx: RequestContext, tokens: int) -> None:
+    async def _limit(self, ctx: RequestContext, tokens: int = 0, cost: int = 0) -> None:
         assert ctx.orgID is not None
-        decision = await self._limiter.hit(ctx.orgID, ctx.agentID, tokens)
+        decision = await self._limiter.hit(ctx.orgID, ctx.agentID, tokens, cost)
         if decision is None:
             return
         ctx.responseHeaders.extend(decision.headers())
         if not decision.allowed:
             self._metrics.rateLimited.inc()
-            detail = None
-            if decision.refusedBy is not None:
-                limit, scope = decision.refusedBy
-                self._metrics.limitRefusal(limit, scope)
-                detail = {"limit": limit, "scope": scope}
-            raise ApiError(
-                ErrorCode.RATE_LIMITED,
-                detail=detail,
-                headers=[("Retry-After", str(decision.retryAfter))],
-            )
+            raise self._refusal(decision)
         reservation = decision.reservation
-        if reservation is not None and reservation.tokens:
+        if reservation is not None and (reservation.tokens or reservation.cost):
             ctx.reservation = reservation
             self._metrics.tokensReserved.inc(reservation.tokens)
 
-    def _settle(self, ctx: RequestContext, tokens: int) -> None:
+    def _refusal(self, decision: RateDecision) -> ApiError:
         """
-        Correct this request's token reservation to C{tokens} (decisions
-        D11), once.
+        The 429 of a refused request: RATE_LIMITED, or BUDGET_EXCEEDED
+        (decisions D12), saying which limit refused it and whose.
+        """
+        retry = [("Retry-After", str(decision.retryAfter))]
+        if decision.refusedBy is None:
+            return ApiError(ErrorCode.RATE_LIMITED, headers=retry)
+        limit, scope = decision.refusedBy
+        self._metrics.limitRefusal(limit, scope)
+        whose = "organization's" if scope == ORG else "agent's"
+        if limit == BUDGET:
+            return ApiError(
+                ErrorCode.BUDGET_EXCEEDED,
+                f"The {whose} budget of this period is spent.",
+                detail={"scope": scope},
+                headers=retry,
+            )
+        return ApiError(
+            ErrorCode.RATE_LIMITED,
+            f"The {whose} {limit} per minute are exceeded.",
+            detail={"limit": limit, "scope": scope},
+            headers=retry,
+        )
+
+    def _settle(self, ctx: RequestContext, tokens: int, cost: int = 0) -> None:
+        """
+        Correct this request's reservation to C{tokens} and C{cost}
+        (decisions D11, D12), once.
         """
         reservation, ctx.reservation = ctx.reservation, None
         if reservation is not None:
-            self._limiter.settle(reservation, tokens)
+            self._limiter.settle(reservation, tokens, cost)
             self._metrics.tokensSettled.inc(tokens)
 
     # Handlers.
@@ -788,6 +818,16 @@ class ProxyEdge:
         """
         if ctx.chatError is not None:
             raise ctx.chatError
+        if ctx.noPrice:
+            raise validationError(
+                [
+                    FieldError(
+                        "model",
+                        FieldErrorCode.NO_PRICE,
+                        "The model has no price, and a budget applies.",
+                    )
+                ]
+            )
         chat = ctx.chat if ctx.chat is not None else parseChatBody(_bodyBytes(ctx.request))
         span = ctx.span
         if span.is_recording():
@@ -830,10 +870,18 @@ class ProxyEdge:
             self._settle(ctx, 0)
             raise
         # A client gone (CancelledError) keeps its reservation counted, as
-        # does an answer without usage; usage settles it (D11).
+        # does an answer without usage; usage settles it (D11), at the
+        # price of the model that answered (D12).
         usage = ctx.upstream.usage
         if usage is not None:
-            self._settle(ctx, usage.promptTokens + usage.completionTokens)
+            answered = providers.models.get(ctx.upstream.model or "")
+            price = answered.price if answered is not None else None
+            cost = (
+                price.cost(usage.promptTokens, usage.cachedTokens, usage.completionTokens)
+                if price is not None
+                else 0
+            )
+            self._settle(ctx, usage.promptTokens + usage.completionTokens, cost)
         return Reply(
             answer.status,
             answer.body,

@@ -23,14 +23,14 @@ from typing import TypeVar
 
 import attrs
 
-from svcd.proxy.records import Limits
+from svcd.proxy.records import Budget, Limits
 
 
 @attrs.frozen
 class LimitsRow:
     """
-    One row as the feed carries it: C{agentID} None for the organization's
-    own; C{limits} None when it was cleared.
+    One limits row as the feed carries it: C{agentID} None for the
+    organization's own; C{limits} None when it was cleared.
     """
 
     orgID: str
@@ -39,13 +39,27 @@ class LimitsRow:
 
 
 @attrs.frozen
+class BudgetRow:
+    """
+    One budget as the feed carries it (decisions D12): C{agentID} None for
+    the organization's own; C{budget} None when it was cleared.
+    """
+
+    orgID: str
+    agentID: str | None
+    budget: Budget | None
+
+
+@attrs.frozen
 class Applicable:
     """
-    The rows that apply to one request.
+    The rows and budgets that apply to one request.
     """
 
     org: Limits | None
     agent: Limits | None
+    orgBudget: Budget | None = None
+    agentBudget: Budget | None = None
 
     @property
     def tokenLimited(self) -> bool:
@@ -53,6 +67,14 @@ class Applicable:
         Whether a token limit applies (then forwarded requests reserve).
         """
         return any(row is not None and row.tpm is not None for row in (self.org, self.agent))
+
+    @property
+    def budgeted(self) -> bool:
+        """
+        Whether a budget applies (then forwarded requests reserve their
+        worst-case cost, and a model without a price is refused).
+        """
+        return self.orgBudget is not None or self.agentBudget is not None
 
     @property
     def maxOutputTokens(self) -> int | None:
@@ -68,6 +90,7 @@ class Applicable:
 
 NO_LIMITS = Applicable(None, None)
 _Key = TypeVar("_Key", str, tuple[str, str])
+_Value = TypeVar("_Value", Limits, Budget)
 
 
 def _never() -> bool:
@@ -76,8 +99,9 @@ def _never() -> bool:
 
 class LimitBook:
     """
-    The rows known to this proxy, by organization and by (organization,
-    agent); read on every limited request, so a lookup is two dict gets.
+    The limits rows and budgets known to this proxy, by organization and
+    by (organization, agent); read on every request, so a lookup is at
+    most four dict gets (none while the book is empty).
 
     @ivar feedLive: whether the change feed is live now (then answers are
         not learned from); without a feed, never.
@@ -86,70 +110,94 @@ class LimitBook:
     def __init__(self) -> None:
         self._orgs: dict[str, Limits] = {}
         self._agents: dict[tuple[str, str], Limits] = {}
+        self._orgBudgets: dict[str, Budget] = {}
+        self._agentBudgets: dict[tuple[str, str], Budget] = {}
         self.feedLive: Callable[[], bool] = _never
 
     def applicable(self, orgID: str, agentID: str | None) -> Applicable:
         """
-        The rows of C{orgID} and of its agent C{agentID}.
+        The rows and budgets of C{orgID} and of its agent C{agentID}.
         """
-        if not self._orgs and not self._agents:
+        if not (self._orgs or self._agents or self._orgBudgets or self._agentBudgets):
             return NO_LIMITS
+        key = (orgID, agentID) if agentID is not None else None
         org = self._orgs.get(orgID)
-        agent = self._agents.get((orgID, agentID)) if agentID is not None else None
-        if org is None and agent is None:
+        agent = self._agents.get(key) if key is not None else None
+        orgBudget = self._orgBudgets.get(orgID)
+        agentBudget = self._agentBudgets.get(key) if key is not None else None
+        if org is None and agent is None and orgBudget is None and agentBudget is None:
             return NO_LIMITS
-        return Applicable(org, agent)
+        return Applicable(org, agent, orgBudget, agentBudget)
 
     def __len__(self) -> int:
-        return len(self._orgs) + len(self._agents)
+        return len(self._orgs) + len(self._agents) + len(self._orgBudgets) + len(self._agentBudgets)
 
     # From the change feed.
 
-    def replace(self, rows: Iterable[LimitsRow]) -> None:
+    def replace(self, rows: Iterable[LimitsRow | BudgetRow]) -> None:
         """
-        A feed session began with these rows: they are every row there is.
+        A feed session began with these rows and budgets: they are all
+        there is.
         """
         orgs: dict[str, Limits] = {}
         agents: dict[tuple[str, str], Limits] = {}
+        orgBudgets: dict[str, Budget] = {}
+        agentBudgets: dict[tuple[str, str], Budget] = {}
         for row in rows:
-            if row.limits is None:
-                continue
-            if row.agentID is None:
-                orgs[row.orgID] = row.limits
+            if isinstance(row, LimitsRow):
+                _set(orgs, agents, row.orgID, row.agentID, row.limits)
             else:
-                agents[(row.orgID, row.agentID)] = row.limits
+                _set(orgBudgets, agentBudgets, row.orgID, row.agentID, row.budget)
         self._orgs, self._agents = orgs, agents
+        self._orgBudgets, self._agentBudgets = orgBudgets, agentBudgets
 
-    def changed(self, row: LimitsRow) -> None:
+    def changed(self, row: LimitsRow | BudgetRow) -> None:
         """
-        One row was set, changed or cleared.
+        One row or budget was set, changed or cleared.
         """
-        if row.agentID is None:
-            _put(self._orgs, row.orgID, row.limits)
+        if isinstance(row, LimitsRow):
+            _set(self._orgs, self._agents, row.orgID, row.agentID, row.limits)
         else:
-            _put(self._agents, (row.orgID, row.agentID), row.limits)
+            _set(self._orgBudgets, self._agentBudgets, row.orgID, row.agentID, row.budget)
 
     # From validation answers.
 
-    def learnOrg(self, orgID: str, limits: Limits | None) -> None:
+    def learnOrg(self, orgID: str, limits: Limits | None, budget: Budget | None = None) -> None:
         """
-        ValidateToken answered with this row of C{orgID} (None: it has
-        none); taken only while the feed is not live.
+        ValidateToken answered with these of C{orgID} (None: it has none);
+        taken only while the feed is not live.
         """
         if not self.feedLive():
             _put(self._orgs, orgID, limits)
+            _put(self._orgBudgets, orgID, budget)
 
-    def learnAgent(self, orgID: str, agentID: str, limits: Limits | None) -> None:
+    def learnAgent(
+        self, orgID: str, agentID: str, limits: Limits | None, budget: Budget | None = None
+    ) -> None:
         """
-        ValidateAgent answered with this row of C{agentID}; taken only
-        while the feed is not live.
+        ValidateAgent answered with these of C{agentID}; taken only while
+        the feed is not live.
         """
         if not self.feedLive():
             _put(self._agents, (orgID, agentID), limits)
+            _put(self._agentBudgets, (orgID, agentID), budget)
 
 
-def _put(rows: dict[_Key, Limits], key: _Key, limits: Limits | None) -> None:
-    if limits is None:
+def _set(
+    orgs: dict[str, _Value],
+    agents: dict[tuple[str, str], _Value],
+    orgID: str,
+    agentID: str | None,
+    value: _Value | None,
+) -> None:
+    if agentID is None:
+        _put(orgs, orgID, value)
+    else:
+        _put(agents, (orgID, agentID), value)
+
+
+def _put(rows: dict[_Key, _Value], key: _Key, value: _Value | None) -> None:
+    if value is None:
         rows.pop(key, None)
     else:
-        rows[key] = limits
+        rows[key] = value

@@ -18,6 +18,7 @@ per second instead of one per request.
 
 from __future__ import annotations
 
+import datetime
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -37,7 +38,7 @@ from svcd.common.readiness import CheckFailed
 from svcd.proxy.config import RedisTarget
 from svcd.proxy.limits.book import NO_LIMITS, Applicable, LimitBook
 from svcd.proxy.limits.breaker import CircuitBreaker, Permit
-from svcd.proxy.records import Reservation
+from svcd.proxy.records import Budget, Reservation
 
 WINDOW_SECONDS = 60
 # Longer than the window so a counter outlives any clock skew between
@@ -54,53 +55,65 @@ end
 return count
 """
 
-# Decisions D11: every counter of a batch of requests of one organization,
-# checked and counted in one atomic step. ARGV: the TTL, the number of
+# Decisions D11 and D12: every counter of a batch of requests of one
+# organization, checked and counted in one atomic step. ARGV: the number of
 # requests, then for each request the number of its counters followed by
-# (key index, amount, limit) for each. A request is admitted only when
+# (key index, amount, limit, ttl) for each. A request is admitted only when
 # every one of its counters has room for its amount, and then counts
-# against all of them; a refused one counts against none. Answers, for
-# each request, {refused, count...}: refused is 0 when admitted, else the
-# position (from 1) of the first counter without room; each count is the
-# counter's value after the request (admitted) or as it was (refused).
+# against all of them; a refused one counts against none. A counter with a
+# ttl is made when missing and given that ttl; one without (a budget's
+# spend, seeded from the ledger) must exist. Answers, for each request,
+# {refused, count...}: refused is 0 when admitted, the position (from 1)
+# of the first counter without room, or minus the position of the first
+# counter that must be seeded; each count is the counter's value after
+# the request (admitted) or as it was (refused).
 _ADMIT_SCRIPT = """
-local ttl = tonumber(ARGV[1])
 local values = {}
+local present = {}
 local function value(index)
   local v = values[index]
   if v == nil then
-    v = tonumber(redis.call('GET', KEYS[index]) or '0')
+    local raw = redis.call('GET', KEYS[index])
+    present[index] = raw ~= false
+    v = tonumber(raw or '0')
     values[index] = v
   end
   return v
 end
 local results = {}
-local at = 3
-for request = 1, tonumber(ARGV[2]) do
+local at = 2
+for request = 1, tonumber(ARGV[1]) do
   local n = tonumber(ARGV[at])
   local first = at + 1
-  at = first + 3 * n
+  at = first + 4 * n
   local refused = 0
   local counts = {0}
   for c = 1, n do
-    local base = first + 3 * (c - 1)
-    local v = value(tonumber(ARGV[base]))
+    local base = first + 4 * (c - 1)
+    local index = tonumber(ARGV[base])
+    local v = value(index)
     counts[c + 1] = v
-    if refused == 0 and v + tonumber(ARGV[base + 1]) > tonumber(ARGV[base + 2]) then
-      refused = c
+    if refused == 0 then
+      if tonumber(ARGV[base + 3]) == 0 and not present[index] then
+        refused = -c
+      elseif v + tonumber(ARGV[base + 1]) > tonumber(ARGV[base + 2]) then
+        refused = c
+      end
     end
   end
   if refused == 0 then
     for c = 1, n do
-      local base = first + 3 * (c - 1)
+      local base = first + 4 * (c - 1)
       local index = tonumber(ARGV[base])
       local amount = tonumber(ARGV[base + 1])
+      local ttl = tonumber(ARGV[base + 3])
       if amount > 0 then
         local v = redis.call('INCRBY', KEYS[index], amount)
-        if v == amount or redis.call('TTL', KEYS[index]) < 0 then
+        if ttl > 0 and (v == amount or redis.call('TTL', KEYS[index]) < 0) then
           redis.call('EXPIRE', KEYS[index], ttl)
         end
         values[index] = v
+        present[index] = true
       end
       counts[c + 1] = values[index]
     end
@@ -109,6 +122,12 @@ for request = 1, tonumber(ARGV[2]) do
   results[request] = counts
 end
 return results
+"""
+
+# Decisions D12: a budget's spend taken again from the ledger, unless a
+# proxy did it first. ARGV: the value, the ttl.
+_SEED_SCRIPT = """
+return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) and 1 or 0
 """
 
 # Decisions D11: token reservations settled to what the provider counted.
@@ -126,6 +145,7 @@ return 0
 # What a limit is of, and whose (the 429's detail, the metrics' labels).
 REQUESTS = "requests"
 TOKENS = "tokens"
+BUDGET = "budget"
 ORG = "org"
 AGENT = "agent"
 
@@ -143,6 +163,12 @@ class Counter:
     limit: int
     kind: str
     scope: str
+    # Seconds the counter lives once made; 0 for one that must exist (a
+    # budget's spend, seeded from the ledger: L{RedisRateLimiter}).
+    ttl: int = KEY_TTL_SECONDS
+    # When it starts again from nothing (Unix seconds): a 429's
+    # Retry-After counts to it. 0: the minute's end.
+    reset: int = 0
 
 
 @attrs.frozen
@@ -161,7 +187,7 @@ class RateDecision:
     # remaining after this request's reservation.
     tokenLimit: int | None = None
     tokenRemaining: int | None = None
-    # What refused the request: (REQUESTS or TOKENS, ORG or AGENT).
+    # What refused the request: (REQUESTS, TOKENS or BUDGET, ORG or AGENT).
     refusedBy: tuple[str, str] | None = None
     # The tokens an admitted request holds until it is settled.
     reservation: Reservation | None = None
@@ -190,10 +216,13 @@ class RateLimiter(Protocol):
     What the proxy needs of a rate limiter.
     """
 
-    async def hit(self, orgID: str, agentID: str | None, tokens: int = 0) -> RateDecision | None:
+    async def hit(
+        self, orgID: str, agentID: str | None, tokens: int = 0, cost: int = 0
+    ) -> RateDecision | None:
         """
         Count one request of C{orgID} by C{agentID}, reserving C{tokens}
-        where a token limit applies, and decide on it; C{None} when the
+        where a token limit applies and C{cost} (nano-dollars) where a
+        budget does, and decide on it; C{None} when the
         limiter could not decide and the request goes on (fail open).
         Without limits rows (D11) the agent is ignored: the limit is the
         organization's (D5).
@@ -204,10 +233,11 @@ class RateLimiter(Protocol):
         The limits rows that apply to a request of C{orgID} by C{agentID}.
         """
 
-    def settle(self, reservation: Reservation, tokens: int) -> None:
+    def settle(self, reservation: Reservation, tokens: int, cost: int = 0) -> None:
         """
-        Correct a reservation to the C{tokens} the provider counted (0
-        releases it), in the minute it was made.
+        Correct a reservation to the C{tokens} the provider counted and
+        their C{cost} (0 releases it), in the minute and period it was
+        made.
         """
 
     def checkReady(self) -> Deferred[None]:
@@ -225,6 +255,17 @@ class RateLimiter(Protocol):
         """
         Close the connection.
         """
+
+
+class Spend(Protocol):
+    """
+    What a budget's period has cost so far, from the ledger (decisions
+    D12): svc-auth's GetSpend.
+    """
+
+    def __call__(
+        self, orgID: str, agentID: str | None, since: int, until: int
+    ) -> Deferred[int]: ...
 
 
 class Gauge(Protocol):
@@ -258,6 +299,11 @@ class RedisCounters(Protocol):
     def adjust(self, keys: list[str], deltas: list[int]) -> Deferred[object]:
         """
         Add each delta to its key, where the key still exists.
+        """
+
+    def seed(self, key: str, value: int, ttl: int) -> Deferred[object]:
+        """
+        Set C{key} to C{value} for C{ttl} seconds unless it exists.
         """
 
     def ping(self) -> Deferred[object]: ...
@@ -338,6 +384,10 @@ class RedisLink:
         result: Deferred[object] = self._factory.handler.eval(_ADJUST_SCRIPT, keys, deltas)
         return result
 
+    def seed(self, key: str, value: int, ttl: int) -> Deferred[object]:
+        result: Deferred[object] = self._factory.handler.eval(_SEED_SCRIPT, [key], [value, ttl])
+        return result
+
     def ping(self) -> Deferred[object]:
         result: Deferred[object] = self._factory.handler.ping()
         return result
@@ -401,9 +451,14 @@ class RedisRateLimiter:
         circuitOpen: Gauge | None = None,
         openSeconds: float = 1.0,
         book: LimitBook | None = None,
+        spend: Spend | None = None,
     ) -> None:
         self._counters = counters
         self._book = book if book is not None else LimitBook()
+        # Decisions D12: what a budget's period has cost, from the ledger,
+        # when Redis has no count of it.
+        self._spend = spend
+        self._seeding: dict[str, Deferred[None]] = {}
         self._clock = clock
         self._defaultRPM = defaultRPM
         self._orgRPM = dict(orgRPM or {})
@@ -429,15 +484,17 @@ class RedisRateLimiter:
     def applicable(self, orgID: str, agentID: str | None) -> Applicable:
         return self._book.applicable(orgID, agentID)
 
-    async def hit(self, orgID: str, agentID: str | None, tokens: int = 0) -> RateDecision | None:
+    async def hit(
+        self, orgID: str, agentID: str | None, tokens: int = 0, cost: int = 0
+    ) -> RateDecision | None:
         now = self._clock.seconds()
         windowStart = int(now) // WINDOW_SECONDS * WINDOW_SECONDS
         if not self._counters.connected:
             self._unavailable.warn("Redis is not connected; rate limiting is off until it is back")
             return None
         applicable = self._book.applicable(orgID, agentID)
-        if applicable.org is not None or applicable.agent is not None:
-            return await self._admit(orgID, agentID, tokens, applicable, now, windowStart)
+        if applicable is not NO_LIMITS:
+            return await self._admit(orgID, agentID, tokens, cost, applicable, now, windowStart)
         count = await self._join(f"ratelimit:{orgID}:{windowStart}", None)
         if self._news is not None:
             self._announce(self._news)
@@ -460,32 +517,45 @@ class RedisRateLimiter:
         orgID: str,
         agentID: str | None,
         tokens: int,
+        cost: int,
         applicable: Applicable,
         now: float,
         windowStart: int,
     ) -> RateDecision | None:
-        counters = self._countersOf(orgID, agentID, tokens, applicable, windowStart)
-        counts: list[int] | None = await self._join(f"admit:{orgID}", counters)
-        if self._news is not None:
-            self._announce(self._news)
-        if counts is None:
-            return None
-        reset = windowStart + WINDOW_SECONDS
-        return _decision(counters, counts, reset, max(1, math.ceil(reset - now)))
+        counters = self._countersOf(orgID, agentID, tokens, cost, applicable, now, windowStart)
+        for _ in range(_SEED_ATTEMPTS):
+            counts: list[int] | None = await self._join(f"admit:{orgID}", counters)
+            if self._news is not None:
+                self._announce(self._news)
+            if counts is None:
+                return None
+            if counts[0] >= 0:
+                return _decision(counters, counts, windowStart + WINDOW_SECONDS, now)
+            # A budget's spend is not in Redis (a new period, or Redis lost
+            # it): take it again from the ledger, then ask again.
+            unseeded = counters[-counts[0] - 1]
+            if not await self._seed(orgID, agentID, unseeded, now):
+                # The ledger could not say: this request goes on without
+                # that budget (fail open, as for Redis), the next tries again.
+                counters = tuple(c for c in counters if c.key != unseeded.key)
+        return None
 
     def _countersOf(
         self,
         orgID: str,
         agentID: str | None,
         tokens: int,
+        cost: int,
         applicable: Applicable,
+        now: float,
         windowStart: int,
     ) -> tuple[Counter, ...]:
         """
         The counters of one request, in the order a refusal is reported:
-        the organization's requests and tokens, then its agent's. A
-        reservation larger than a whole C{tpm} is cut to it, so that such a
-        request still runs in an otherwise empty minute.
+        the organization's requests, tokens and budget, then its agent's.
+        A reservation larger than a whole C{tpm} is cut to it, so that such
+        a request still runs in an otherwise empty minute; a worst-case
+        cost larger than a budget is refused (it could pass it).
         """
         org, agent = applicable.org, applicable.agent
         rpm = org.rpm if org is not None and org.rpm is not None else self.limitFor(orgID)
@@ -495,21 +565,68 @@ class RedisRateLimiter:
         counters = [Counter(orgKey, 1, rpm, REQUESTS, ORG)]
         if org is not None and org.tpm is not None:
             counters.append(Counter(orgKey + ":tokens", reserved, org.tpm, TOKENS, ORG))
-        if agent is not None:
-            agentKey = f"{orgKey}:agent:{agentID}"
-            if agent.rpm is not None:
-                counters.append(Counter(agentKey, 1, agent.rpm, REQUESTS, AGENT))
-            if agent.tpm is not None:
-                counters.append(Counter(agentKey + ":tokens", reserved, agent.tpm, TOKENS, AGENT))
+        if applicable.orgBudget is not None:
+            counters.append(_budgetCounter(orgID, None, applicable.orgBudget, cost, ORG, now))
+        agentKey = f"{orgKey}:agent:{agentID}"
+        if agent is not None and agent.rpm is not None:
+            counters.append(Counter(agentKey, 1, agent.rpm, REQUESTS, AGENT))
+        if agent is not None and agent.tpm is not None:
+            counters.append(Counter(agentKey + ":tokens", reserved, agent.tpm, TOKENS, AGENT))
+        if applicable.agentBudget is not None:
+            counters.append(
+                _budgetCounter(orgID, agentID, applicable.agentBudget, cost, AGENT, now)
+            )
         return tuple(counters)
 
-    def settle(self, reservation: Reservation, tokens: int) -> None:
-        delta = tokens - reservation.tokens
-        if not delta:
-            return
-        for key in reservation.keys:
-            self._adjustments[key] = self._adjustments.get(key, 0) + delta
-        if self._adjusting is None:
+    async def _seed(self, orgID: str, agentID: str | None, counter: Counter, now: float) -> bool:
+        """
+        Put in Redis what the ledger says the budget's period has cost so
+        far, unless another request or proxy did it first; one lookup per
+        counter at a time. False when the ledger could not be asked.
+        """
+        seeding = self._seeding.get(counter.key)
+        if seeding is None:
+            seeding = self._seeding[counter.key] = Deferred.fromCoroutine(
+                self._seedOnce(orgID, agentID, counter, now)
+            )
+            seeding.addBoth(_passing(lambda: self._seeding.pop(counter.key, None)))
+        try:
+            await seeding
+        except CancelledError:
+            raise
+        except Exception as error:
+            self._unavailable.warn(
+                "A budget's spend could not be taken from the ledger ({error_type}); the"
+                " request goes on without that budget, the next one tries again",
+                error_type=type(error).__name__,
+            )
+            return False
+        return True
+
+    async def _seedOnce(
+        self, orgID: str, agentID: str | None, counter: Counter, now: float
+    ) -> None:
+        if self._spend is None:
+            raise LookupError("no ledger to ask")
+        since, until = _budgetPeriod(counter.key, now)
+        spent = await self._spend(orgID, agentID, since, until)
+        await timeoutDeferred(
+            self._counters.seed(counter.key, spent, until - int(now) + _BUDGET_KEY_SLACK),
+            self._timeout,
+            asReactorTime(self._clock),
+        )
+
+    def settle(self, reservation: Reservation, tokens: int, cost: int = 0) -> None:
+        changed = False
+        for keys, delta in (
+            (reservation.keys, tokens - reservation.tokens),
+            (reservation.costKeys, cost - reservation.cost),
+        ):
+            if delta:
+                changed = True
+                for key in keys:
+                    self._adjustments[key] = self._adjustments.get(key, 0) + delta
+        if changed and self._adjusting is None:
             self._sendAdjustments()
 
     def _sendAdjustments(self) -> None:
@@ -711,7 +828,7 @@ def _admitArguments(admissions: list[tuple[Counter, ...]]) -> tuple[list[str], l
     """
     keys: list[str] = []
     where: dict[str, int] = {}
-    arguments = [KEY_TTL_SECONDS, len(admissions)]
+    arguments = [len(admissions)]
     for counters in admissions:
         arguments.append(len(counters))
         for counter in counters:
@@ -719,46 +836,109 @@ def _admitArguments(admissions: list[tuple[Counter, ...]]) -> tuple[list[str], l
             if index is None:
                 keys.append(counter.key)
                 index = where[counter.key] = len(keys)
-            arguments += (index, counter.amount, counter.limit)
+            arguments += (index, counter.amount, counter.limit, counter.ttl)
     return keys, arguments
 
 
+# A budget key outlives its period by this much (seconds), so a settlement
+# arriving just after the period's end still finds it.
+_BUDGET_KEY_SLACK = 3600
+# Seeding a budget and asking again, at most this many times a request.
+_SEED_ATTEMPTS = 3
+
+
+def budgetPeriod(period: str, now: float) -> tuple[int, int]:
+    """
+    The calendar day or month (UTC) that holds C{now}: its start and its
+    end, in Unix seconds.
+    """
+    moment = datetime.datetime.fromtimestamp(int(now), datetime.UTC)
+    if period == "day":
+        start = moment.replace(hour=0, minute=0, second=0)
+        end = start + datetime.timedelta(days=1)
+    else:
+        start = moment.replace(day=1, hour=0, minute=0, second=0)
+        end = (start + datetime.timedelta(days=32)).replace(day=1)
+    return int(start.timestamp()), int(end.timestamp())
+
+
+def _budgetKey(orgID: str, agentID: str | None, period: str, start: int) -> str:
+    key = f"budget:{orgID}:{period}:{start}"
+    return key if agentID is None else f"{key}:agent:{agentID}"
+
+
+def _budgetPeriod(key: str, now: float) -> tuple[int, int]:
+    # budget:<org>:<period>:<start>[:agent:<agent>]
+    return budgetPeriod(key.split(":")[2], now)
+
+
+def _budgetCounter(
+    orgID: str, agentID: str | None, budget: Budget, cost: int, scope: str, now: float
+) -> Counter:
+    start, end = budgetPeriod(budget.period, now)
+    return Counter(
+        _budgetKey(orgID, agentID, budget.period, start),
+        cost,
+        budget.nanoUSD,
+        BUDGET,
+        scope,
+        ttl=0,
+        reset=end,
+    )
+
+
+def _passing(action: Callable[[], object]) -> Callable[[object], object]:
+    def passing(result: object) -> object:
+        action()
+        return result
+
+    return passing
+
+
 def _decision(
-    counters: tuple[Counter, ...], answer: list[int], reset: int, retryAfter: int
+    counters: tuple[Counter, ...], answer: list[int], minuteEnd: int, now: float
 ) -> RateDecision:
     """
     The decision on one request from the admission script's answer: the
     requests limit with the least room for X-RateLimit-*, the token limit
-    with the least room for its -Tokens forms, and what refused it.
+    with the least room for its -Tokens forms, what refused it (and when
+    that frees up), and what an admitted one holds until it is settled.
     """
     refused, counts = answer[0], answer[1:]
     requests: tuple[int, int] | None = None
     tokens: tuple[int, int] | None = None
     tokenKeys: list[str] = []
-    reserved = 0
+    costKeys: list[str] = []
+    reserved = cost = 0
     for counter, count in zip(counters, counts, strict=True):
         room = (counter.limit, max(0, counter.limit - count))
         if counter.kind == REQUESTS:
             if requests is None or room[1] < requests[1]:
                 requests = room
-        else:
+        elif counter.kind == TOKENS:
             tokenKeys.append(counter.key)
             reserved = counter.amount
             if tokens is None or room[1] < tokens[1]:
                 tokens = room
+        else:
+            costKeys.append(counter.key)
+            cost = counter.amount
     assert requests is not None, "the organization's requests counter is always there"
     reservation = None
-    if not refused and tokenKeys:
-        reservation = Reservation(tuple(tokenKeys), reserved)
+    if not refused and (tokenKeys or costKeys):
+        reservation = Reservation(tuple(tokenKeys), reserved, tuple(costKeys), cost)
     refusedBy = None
+    retryAfter = max(1, math.ceil(minuteEnd - now))
     if refused:
         culprit = counters[refused - 1]
         refusedBy = (culprit.kind, culprit.scope)
+        if culprit.reset:
+            retryAfter = max(1, math.ceil(culprit.reset - now))
     return RateDecision(
         allowed=not refused,
         limit=requests[0],
         remaining=requests[1],
-        reset=reset,
+        reset=minuteEnd,
         retryAfter=retryAfter,
         tokenLimit=tokens[0] if tokens is not None else None,
         tokenRemaining=tokens[1] if tokens is not None else None,
@@ -778,14 +958,16 @@ class DisabledRateLimiter:
     def __init__(self, clock: Clock, warnInterval: float = 60.0) -> None:
         self._notConfigured = ThrottledWarning(self.log, clock, warnInterval)
 
-    async def hit(self, orgID: str, agentID: str | None, tokens: int = 0) -> RateDecision | None:
+    async def hit(
+        self, orgID: str, agentID: str | None, tokens: int = 0, cost: int = 0
+    ) -> RateDecision | None:
         self._notConfigured.warn("REDIS_URL is not configured; rate limiting is off")
         return None
 
     def applicable(self, orgID: str, agentID: str | None) -> Applicable:
         return NO_LIMITS
 
-    def settle(self, reservation: Reservation, tokens: int) -> None:
+    def settle(self, reservation: Reservation, tokens: int, cost: int = 0) -> None:
         pass
 
     def checkReady(self) -> Deferred[None]:
@@ -806,6 +988,7 @@ def makeRateLimiter(
     orgRPM: Mapping[str, int],
     circuitOpen: Gauge | None = None,
     book: LimitBook | None = None,
+    spend: Spend | None = None,
 ) -> RedisRateLimiter | DisabledRateLimiter:
     """
     The limiter for a configuration: over Redis when REDIS_URL is set.
@@ -813,5 +996,11 @@ def makeRateLimiter(
     if target is None:
         return DisabledRateLimiter(clock)
     return RedisRateLimiter(
-        RedisLink(reactor, target), clock, defaultRPM, orgRPM, circuitOpen=circuitOpen, book=book
+        RedisLink(reactor, target),
+        clock,
+        defaultRPM,
+        orgRPM,
+        circuitOpen=circuitOpen,
+        book=book,
+        spend=spend,
     )

@@ -60,16 +60,3 @@ def outputCap(document: Mapping[str, Any], applicable: Applicable, modelCap: int
         if cap is not None:
             return cap
     return DEFAULT_OUTPUT_CAP
-
-
-def reservationOf(
-    document: Mapping[str, Any],
-    messages: Sequence[Mapping[str, Any]],
-    applicable: Applicable,
-    modelCap: int | None,
-) -> int:
-    """
-    The tokens a chat completion reserves: the prompt's estimate plus the
-    output cap (the limiter cuts it to the smallest C{tpm}).
-    """
-    return promptEstimate(messages) + outputCap(document, applicable, modelCap)

@@ -32,8 +32,13 @@ from svcd.pb.auth.v1 import auth_pb2
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.limits.book import LimitBook
 from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.records import AgentInfo, Limits, TokenInfo
-from svcd.proxy.validation.feed import FeedCall, limitsFromProto, openChangeFeed
+from svcd.proxy.records import AgentInfo, Budget, Limits, TokenInfo
+from svcd.proxy.validation.feed import (
+    FeedCall,
+    budgetFromProto,
+    limitsFromProto,
+    openChangeFeed,
+)
 from svcd.proxy.validation.sharedcalls import SharedCalls
 
 # The request header naming the calling agent.
@@ -45,6 +50,10 @@ AGENT_NOT_ACTIVE = "agent is not active"
 _SERVICE = "svc.auth.v1.AuthService"
 _VALIDATE_TOKEN = "/svc.auth.v1.AuthService/ValidateToken"  # noqa: S105 - a method name
 _VALIDATE_AGENT = "/svc.auth.v1.AuthService/ValidateAgent"
+_GET_SPEND = "/svc.auth.v1.AuthService/GetSpend"
+# A sum over a budget's period of the ledger: rarer and dearer than a
+# validation (once per budget and period, or after Redis lost its counts).
+SPEND_TIMEOUT = 2.0
 _SPAN_ERROR = Status(StatusCode.ERROR)
 # A request's calls in order, for L{CallSlots}.
 _TOKEN_STAGE = 0
@@ -280,6 +289,7 @@ class GrpcAuthClient:
         self._channel: Any = None
         self._validateTokenMethod: Any = None
         self._validateAgentMethod: Any = None
+        self._getSpendMethod: Any = None
         self._unavailable = ThrottledWarning(self.log, clock)
         self._ready: Any = None
         self._closed = False
@@ -300,6 +310,12 @@ class GrpcAuthClient:
             response_deserializer=auth_pb2.ValidateAgentResponse.FromString,
             _registered_method=True,
         )
+        self._getSpendMethod = channel.unary_unary(
+            _GET_SPEND,
+            request_serializer=auth_pb2.GetSpendRequest.SerializeToString,
+            response_deserializer=auth_pb2.GetSpendResponse.FromString,
+            _registered_method=True,
+        )
 
     @property
     def _validateToken(self) -> Any:
@@ -312,6 +328,24 @@ class GrpcAuthClient:
         if self._channel is None:
             self._connect()
         return self._validateAgentMethod
+
+    def getSpend(self, orgID: str, agentID: str | None, since: int, until: int) -> Deferred[int]:
+        """
+        What C{orgID} (or its agent C{agentID}) has spent in [since,
+        until), in nano-dollars, from svc-auth's ledger (decisions D12).
+        """
+        return Deferred.fromCoroutine(self._getSpendCall(orgID, agentID, since, until))
+
+    async def _getSpendCall(self, orgID: str, agentID: str | None, since: int, until: int) -> int:
+        if self._channel is None:
+            self._connect()
+        request = auth_pb2.GetSpendRequest(
+            org_id=orgID, agent_id=agentID or "", since_unix=since, until_unix=until
+        )
+        response = await self._call(
+            self._getSpendMethod, "GetSpend", request, SPEND_TIMEOUT, _AGENT_STAGE, observed=False
+        )
+        return int(response.cost_nano_usd)
 
     def openChangeFeed(self) -> FeedCall:
         """
@@ -390,11 +424,13 @@ class GrpcAuthClient:
         deadline: float,
         stage: int,
         metadata: tuple[tuple[str, str], ...] = (),
+        observed: bool = True,
     ) -> Any:
         """
         One unary call of a request's C{stage} (0 for ValidateToken, 1 for
-        ValidateAgent), carrying the trace context; its duration is
-        recorded by how it ended.
+        ValidateAgent and the rest), carrying the trace context; the
+        duration of a validation (C{observed}) is recorded by how it
+        ended.
         """
         span, outgoing = self._traced(name, metadata)
         began = time.perf_counter()
@@ -426,7 +462,8 @@ class GrpcAuthClient:
             label = _resultLabel(code)
             raise
         finally:
-            self._metrics.observeAuthCall(label, time.perf_counter() - began)
+            if observed:
+                self._metrics.observeAuthCall(label, time.perf_counter() - began)
             if span is not None:
                 if code is not None:
                     span.set_attribute("rpc.grpc.status_code", code.value[0])
@@ -462,7 +499,9 @@ class GrpcAuthClient:
             self.log.error("ValidateToken answered OK with a malformed org_id or agent_id")
             raise ApiError(ErrorCode.SERVICE_DEGRADED)
         if self._limitBook is not None:
-            self._limitBook.learnOrg(str(orgID), limitsOf(response, "org_limits"))
+            self._limitBook.learnOrg(
+                str(orgID), limitsOf(response, "org_limits"), budgetOf(response, "org_budget")
+            )
         return TokenInfo(
             orgID=str(orgID),
             permissions=response.permissions,
@@ -504,7 +543,12 @@ class GrpcAuthClient:
             # fails closed all the same.
             raise ApiError(ErrorCode.AGENT_SUSPENDED)
         if self._limitBook is not None:
-            self._limitBook.learnAgent(orgID, agentID, limitsOf(response, "agent_limits"))
+            self._limitBook.learnAgent(
+                orgID,
+                agentID,
+                limitsOf(response, "agent_limits"),
+                budgetOf(response, "agent_budget"),
+            )
         return AgentInfo(agentID=agentID, orgID=orgID, status=response.status)
 
     def _warnUnavailable(
@@ -551,3 +595,11 @@ def limitsOf(message: Any, field: str) -> Limits | None:
     the message has none.
     """
     return limitsFromProto(getattr(message, field)) if message.HasField(field) else None
+
+
+def budgetOf(message: Any, field: str) -> Budget | None:
+    """
+    The budget in C{message}'s C{field} (decisions D12), or None when the
+    message has none.
+    """
+    return budgetFromProto(getattr(message, field)) if message.HasField(field) else None

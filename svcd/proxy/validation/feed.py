@@ -49,8 +49,8 @@ from twisted.logger import Logger
 
 from svcd.common.clocks import Clock
 from svcd.pb.auth.v1 import auth_pb2
-from svcd.proxy.limits.book import LimitBook, LimitsRow
-from svcd.proxy.records import Limits
+from svcd.proxy.limits.book import BudgetRow, LimitBook, LimitsRow
+from svcd.proxy.records import BUDGET_PERIODS, Budget, Limits
 from svcd.proxy.validation.knowntokens import KnownTokens
 
 # How old the last message may be for the feed to count as live (D8).
@@ -280,15 +280,15 @@ class ChangeFeed:
         Read one stream until it ends; True when its snapshot arrived.
         """
         chunks: list[bytes] | None = []
-        limitRows: list[LimitsRow] = []
+        limitRows: list[LimitsRow | BudgetRow] = []
         for change in call:
             receivedAt = self._lastRead = self._clock.seconds()
             kind = change.WhichOneof("kind")
             if chunks is not None:
                 if kind == "known_token_ids":
                     chunks.append(change.known_token_ids)
-                elif kind == "limits_changed":
-                    row = limitsRowOf(change.limits_changed)
+                elif kind in ("limits_changed", "budget_changed"):
+                    row = rowOf(change)
                     if row is not None:
                         limitRows.append(row)
                 elif kind == "snapshot_complete":
@@ -306,15 +306,17 @@ class ChangeFeed:
                 self._reactor.callFromThread(self._tokenChanged, change.token_changed, receivedAt)
             elif kind == "agent_changed":
                 self._reactor.callFromThread(self._agentChanged, change.agent_changed, receivedAt)
-            elif kind == "limits_changed":
-                row = limitsRowOf(change.limits_changed)
+            elif kind in ("limits_changed", "budget_changed"):
+                row = rowOf(change)
                 if row is not None:
                     self._reactor.callFromThread(self._limitsChanged, row, receivedAt)
         return chunks is None
 
     # The reactor thread.
 
-    def _started(self, known: KnownTokens, limitRows: list[LimitsRow], receivedAt: float) -> None:
+    def _started(
+        self, known: KnownTokens, limitRows: list[LimitsRow | BudgetRow], receivedAt: float
+    ) -> None:
         if self._stopping.is_set():
             return
         self._consumer.feedStarted(known)
@@ -362,7 +364,7 @@ class ChangeFeed:
             self._consumer.agentChanged(agentID)
             self._touched(receivedAt)
 
-    def _limitsChanged(self, row: LimitsRow, receivedAt: float) -> None:
+    def _limitsChanged(self, row: LimitsRow | BudgetRow, receivedAt: float) -> None:
         if self._inSession:
             if self._limitBook is not None:
                 self._limitBook.changed(row)
@@ -409,17 +411,54 @@ class ChangeFeed:
         self._wasLive = live
 
 
+def rowOf(change: auth_pb2.Change) -> LimitsRow | BudgetRow | None:
+    """
+    A C{limits_changed} or C{budget_changed} message as a row of the book.
+    """
+    if change.HasField("limits_changed"):
+        return limitsRowOf(change.limits_changed)
+    return budgetRowOf(change.budget_changed)
+
+
+def budgetRowOf(change: auth_pb2.BudgetChanged) -> BudgetRow | None:
+    """
+    A C{budget_changed} message as a budget row; None when its ids are not
+    16 bytes.
+    """
+    ids = _idsOf(change.org_id, change.agent_id)
+    if ids is None:
+        return None
+    budget = budgetFromProto(change.budget) if change.HasField("budget") else None
+    return BudgetRow(*ids, budget)
+
+
+def budgetFromProto(budget: auth_pb2.Budget) -> Budget | None:
+    """
+    A budget off the wire; None when it is not one the proxy can apply (a
+    period it does not know, or nothing to spend), which is never taken as
+    a budget of zero.
+    """
+    if budget.period not in BUDGET_PERIODS or budget.nano_usd <= 0:
+        return None
+    return Budget(nanoUSD=budget.nano_usd, period=budget.period, version=budget.version)
+
+
+def _idsOf(orgID: bytes, agentID: bytes) -> tuple[str, str | None] | None:
+    if len(orgID) != 16 or len(agentID) not in (0, 16):
+        return None
+    return str(uuid.UUID(bytes=orgID)), str(uuid.UUID(bytes=agentID)) if agentID else None
+
+
 def limitsRowOf(change: auth_pb2.LimitsChanged) -> LimitsRow | None:
     """
     A C{limits_changed} message as a row; None when its ids are not 16
     bytes (never trusted halfway).
     """
-    if len(change.org_id) != 16 or len(change.agent_id) not in (0, 16):
+    ids = _idsOf(change.org_id, change.agent_id)
+    if ids is None:
         return None
-    orgID = str(uuid.UUID(bytes=change.org_id))
-    agentID = str(uuid.UUID(bytes=change.agent_id)) if change.agent_id else None
     limits = limitsFromProto(change.limits) if change.HasField("limits") else None
-    return LimitsRow(orgID, agentID, limits)
+    return LimitsRow(*ids, limits)
 
 
 def limitsFromProto(row: auth_pb2.Limits) -> Limits:
