@@ -19,14 +19,15 @@ import pytest
 import pytest_twisted
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from twisted.internet.defer import Deferred, gatherResults
+from twisted.internet.defer import Deferred, fail, gatherResults, succeed
 
 from svcd.pb.auth.v1 import auth_pb2
 from svcd.proxy.config import parseRedisURL
-from svcd.proxy.limits.book import NO_LIMITS, Applicable, LimitBook, LimitsRow
+from svcd.proxy.limits.book import NO_LIMITS, Applicable, BudgetRow, LimitBook, LimitsRow
 from svcd.proxy.limits.limiter import (
     _ADMIT_SCRIPT,
     AGENT,
+    BUDGET,
     ORG,
     REQUESTS,
     TOKENS,
@@ -35,9 +36,10 @@ from svcd.proxy.limits.limiter import (
     RedisLink,
     RedisRateLimiter,
     _admitArguments,
+    budgetPeriod,
 )
 from svcd.proxy.limits.reservation import DEFAULT_OUTPUT_CAP, outputCap, promptEstimate
-from svcd.proxy.records import Limits, Reservation
+from svcd.proxy.records import Budget, Limits, Reservation
 from svcd.proxy.testing import MemoryCounters
 from svcd.proxy.validation.client import limitsOf
 from svcd.proxy.validation.feed import limitsRowOf
@@ -432,6 +434,8 @@ def _request(draw: st.DrawFn) -> tuple[Counter, ...]:
             draw(st.integers(min_value=1, max_value=60)),
             REQUESTS,
             ORG,
+            # 0: a counter that must exist (a budget's), else refused -c.
+            ttl=draw(st.sampled_from([0, 120])),
         )
         for key in keys
     )
@@ -451,9 +455,16 @@ def test_scriptAgreesWithItsTwin(
     """
     prefix = f"twin:{uuid.uuid4()}:"
     memory = MemoryCounters()
+    # One key exists from the start in both, so counters that must exist
+    # are sometimes found.
+    redisServer.command("SET", prefix + "a", "5")
+    memory.counts[prefix + "a"] = 5
     for batch in batches:
         renamed = [
-            tuple(Counter(prefix + c.key, c.amount, c.limit, c.kind, c.scope) for c in counters)
+            tuple(
+                Counter(prefix + c.key, c.amount, c.limit, c.kind, c.scope, ttl=c.ttl)
+                for c in counters
+            )
             for counters in batch
         ]
         keys, arguments = _admitArguments(renamed)
@@ -463,3 +474,151 @@ def test_scriptAgreesWithItsTwin(
         assert inRedis == inMemory
     for key, value in memory.counts.items():
         assert counter(redisServer, key) == value
+
+
+# Budgets (decisions D12)
+
+
+def budgetBook(org: Budget | None = None, agent: Budget | None = None) -> LimitBook:
+    book = LimitBook()
+    book.replace([BudgetRow(ORG_ID, None, org), BudgetRow(ORG_ID, AGENT_ID, agent)])
+    return book
+
+
+# 2023-11-14T22:14:00Z, inside WINDOW's day and month.
+DAY_START, DAY_END = budgetPeriod("day", WINDOW)
+MONTH_START, MONTH_END = budgetPeriod("month", WINDOW)
+ORG_DAY = f"budget:{ORG_ID}:day:{DAY_START}"
+AGENT_MONTH = f"budget:{ORG_ID}:month:{MONTH_START}:agent:{AGENT_ID}"
+
+
+def test_budgetPeriods() -> None:
+    """
+    Calendar days and months in UTC, the month's end being the next
+    month's first second (December's in the next year).
+    """
+    assert budgetPeriod("day", 1_700_000_040) == (1_699_920_000, 1_700_006_400)
+    assert budgetPeriod("month", 1_700_000_040) == (1_698_796_800, 1_701_388_800)
+    december = 1_702_000_000  # 2023-12-08
+    assert budgetPeriod("month", december) == (1_701_388_800, 1_704_067_200)
+
+
+class Ledger:
+    """
+    svc-auth's GetSpend, scripted: what each period has cost, and the
+    questions asked.
+    """
+
+    def __init__(self, spent: int = 0, failing: bool = False) -> None:
+        self.spent = spent
+        self.failing = failing
+        self.asked: list[tuple[str, str | None, int, int]] = []
+
+    def __call__(self, orgID: str, agentID: str | None, since: int, until: int) -> Deferred[int]:
+        self.asked.append((orgID, agentID, since, until))
+        if self.failing:
+            return fail(ConnectionError("svc-auth is away"))
+        return succeed(self.spent)
+
+
+async def budgetLimiter(redisURL: str, book: LimitBook, ledger: Ledger) -> RedisRateLimiter:
+    from twisted.internet import reactor
+
+    target = parseRedisURL(redisURL)
+    assert target is not None
+    link = RedisLink(reactor, target)
+    limiter = RedisRateLimiter(link, fakeClock(WINDOW + 30), 60, book=book, spend=ledger)
+    limiter.start()
+    await waitFor(lambda: link.connected)
+    return limiter
+
+
+@pytest_twisted.ensureDeferred
+async def test_budgetIsSeededFromTheLedgerThenReserved(
+    redisURL: str, redisServer: RedisServer
+) -> None:
+    """
+    The first request of a day asks the ledger what the day has cost
+    (once), puts it in Redis unless there, and reserves its worst case on
+    top; past the budget a request is refused as the budget, with
+    Retry-After to the day's end; a settlement corrects the spend.
+    """
+    ledger = Ledger(spent=600)
+    limiter = await budgetLimiter(redisURL, budgetBook(org=Budget(1000, "day")), ledger)
+    try:
+        first = await limiter.hit(ORG_ID, AGENT_ID, tokens=10, cost=300)
+        assert first is not None and first.allowed
+        assert ledger.asked == [(ORG_ID, None, DAY_START, DAY_END)]
+        assert counter(redisServer, ORG_DAY) == 900
+        ttl = int(redisServer.command("TTL", ORG_DAY)[1:])
+        assert DAY_END - WINDOW <= ttl <= DAY_END - WINDOW + 3600
+        assert first.reservation == Reservation((), 0, (ORG_DAY,), 300)
+        refused = await limiter.hit(ORG_ID, AGENT_ID, tokens=10, cost=101)
+        assert refused is not None and refused.refusedBy == (BUDGET, ORG)
+        assert refused.retryAfter == DAY_END - (WINDOW + 30)
+        assert len(ledger.asked) == 1
+        limiter.settle(first.reservation, 0, 40)
+        await waitFor(lambda: counter(redisServer, ORG_DAY) == 640)
+        again = await limiter.hit(ORG_ID, AGENT_ID, tokens=10, cost=101)
+        assert again is not None and again.allowed
+    finally:
+        await limiter.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_aRedisThatLostEverythingStillKnowsTheMonth(
+    redisURL: str, redisServer: RedisServer
+) -> None:
+    """
+    FLUSHALL mid-month: the next request takes the month's spend again
+    from the ledger, so the budget is not reset.
+    """
+    ledger = Ledger(spent=0)
+    book = budgetBook(agent=Budget(1000, "month"))
+    limiter = await budgetLimiter(redisURL, book, ledger)
+    try:
+        assert (await limiter.hit(ORG_ID, AGENT_ID, cost=700)).allowed  # type: ignore[union-attr]
+        redisServer.flushAll()
+        ledger.spent = 700
+        refused = await limiter.hit(ORG_ID, AGENT_ID, cost=400)
+        assert refused is not None and refused.refusedBy == (BUDGET, AGENT)
+        assert [asked[1] for asked in ledger.asked] == [AGENT_ID, AGENT_ID]
+        assert counter(redisServer, AGENT_MONTH) == 700
+    finally:
+        await limiter.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_concurrentRequestsSeedOnce(redisURL: str, redisServer: RedisServer) -> None:
+    """
+    Requests arriving together at an unseeded budget share one question
+    to the ledger; then exactly as many are admitted as the budget holds.
+    """
+    ledger = Ledger(spent=0)
+    limiter = await budgetLimiter(redisURL, budgetBook(org=Budget(1000, "day")), ledger)
+    try:
+        decisions = await gatherResults(
+            [Deferred.fromCoroutine(limiter.hit(ORG_ID, AGENT_ID, cost=100)) for _ in range(30)]
+        )
+        assert sum(1 for d in decisions if d.allowed) == 10
+        assert len(ledger.asked) == 1
+        assert counter(redisServer, ORG_DAY) == 1000
+    finally:
+        await limiter.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_aLedgerThatCannotAnswerFailsOpen(redisURL: str) -> None:
+    """
+    When the ledger cannot be asked, the request goes on without that
+    budget (as without Redis), and the next one asks again.
+    """
+    ledger = Ledger(failing=True)
+    limiter = await budgetLimiter(redisURL, budgetBook(org=Budget(1000, "day")), ledger)
+    try:
+        decision = await limiter.hit(ORG_ID, AGENT_ID, cost=5000)
+        assert decision is not None and decision.allowed and decision.reservation is None
+        await limiter.hit(ORG_ID, AGENT_ID, cost=1)
+        assert len(ledger.asked) == 2
+    finally:
+        await limiter.stop()

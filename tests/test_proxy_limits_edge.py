@@ -21,7 +21,7 @@ import attrs
 import pytest
 import pytest_twisted
 import treq
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import deferLater
 
 from svcd.proxy.config import ProxyConfig
@@ -29,10 +29,10 @@ from svcd.proxy.forwarding.providers import providersFromEnvironment
 from svcd.proxy.forwarding.upstream import Forwarder
 from svcd.proxy.http.edge import ProxyEdge
 from svcd.proxy.http.site import ProxySite
-from svcd.proxy.limits.book import LimitBook, LimitsRow
+from svcd.proxy.limits.book import BudgetRow, LimitBook, LimitsRow
 from svcd.proxy.limits.limiter import RedisRateLimiter
 from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.records import Limits
+from svcd.proxy.records import Budget, Limits
 from svcd.proxy.testing import FakeAuthClient, MemoryCounters
 from svcd.testing.upstream import ScriptedUpstream
 
@@ -68,9 +68,23 @@ class Edge:
             "Content-Type": "application/json",
         }
 
-    def limit(self, org: Limits | None = None, agent: Limits | None = None) -> None:
+    def limit(
+        self,
+        org: Limits | None = None,
+        agent: Limits | None = None,
+        orgBudget: Budget | None = None,
+    ) -> None:
         self.book.replace(
-            [LimitsRow(self.orgID, None, org), LimitsRow(self.orgID, self.agentID, agent)]
+            [
+                LimitsRow(self.orgID, None, org),
+                LimitsRow(self.orgID, self.agentID, agent),
+                BudgetRow(self.orgID, None, orgBudget),
+            ]
+        )
+
+    def spent(self) -> int:
+        return sum(
+            count for key, count in self.counters.counts.items() if key.startswith("budget:")
         )
 
     def tokensCounted(self) -> int:
@@ -122,6 +136,13 @@ upstream_model = "status:503"
 name = "endless"
 provider = "scripted"
 upstream_model = "never-ending"
+
+[[models]]
+name = "priced"
+provider = "scripted"
+upstream_model = "echo"
+max_output_tokens = 100
+price = {{ input = "2.50", output = "10.00", cached_input = "1.25" }}
 """
     )
     providers = providersFromEnvironment({"SVC_PROVIDERS_FILE": str(providersFile)}, time.time)
@@ -132,7 +153,9 @@ upstream_model = "never-ending"
     counters = MemoryCounters()
     book = LimitBook()
     metrics = ProxyMetrics()
-    limiter = RedisRateLimiter(counters, reactor, config.defaultRPM, book=book)
+    limiter = RedisRateLimiter(
+        counters, reactor, config.defaultRPM, book=book, spend=lambda *_: succeed(0)
+    )
     forwarder = Forwarder(reactor, reactor, tuple(providers.providers.values()), metrics)
     proxyEdge = ProxyEdge(config, auth, limiter, metrics, reactor, forwarder=forwarder)
     site = ProxySite(proxyEdge.resource(), config.maxRequestBodyBytes, reactor)
@@ -364,3 +387,63 @@ async def test_requestsNotForwardedReserveNothing(
     assert response.code == status
     assert header(response, "X-RateLimit-Remaining-Tokens") == "1000"
     assert edge.tokensCounted() == 0
+
+
+# Budgets (decisions D12)
+
+
+@pytest_twisted.ensureDeferred
+async def test_aBudgetIsSettledToTheCostOfTheAnswer(edge: Edge) -> None:
+    """
+    Under a budget, a forwarded request reserves its worst case at the
+    model's prices and is settled to the cost of the provider's usage, to
+    the nano-dollar.
+    """
+    edge.limit(orgBudget=Budget(nanoUSD=10**9, period="day"))
+    response, answer = await edge.chat(model="priced")
+    assert response.code == 200
+    usage = answer["usage"]
+    cost = usage["prompt_tokens"] * 2500 + usage["completion_tokens"] * 10_000
+    assert edge.spent() == cost
+
+
+@pytest_twisted.ensureDeferred
+async def test_aRequestThatWouldPassTheBudgetIsRefused(edge: Edge) -> None:
+    """
+    A request whose worst case would pass the budget: 429 BUDGET_EXCEEDED
+    with Retry-After to the day's end, counted as a budget refusal; the
+    worst case is (8 + 100 tokens) at $2.50 and $10.00 a million.
+    """
+    worstCase = 8 * 2500 + 100 * 10_000
+    edge.limit(orgBudget=Budget(nanoUSD=worstCase - 1, period="day"))
+    response, answer = await edge.chat(model="priced")
+    assert response.code == 429
+    assert answer["error"]["code"] == "BUDGET_EXCEEDED"
+    assert answer["error"]["detail"] == {"scope": "org"}
+    retryAfter = int(header(response, "Retry-After") or 0)
+    assert 1 <= retryAfter <= 86_400
+    assert (
+        abs((time.time() + retryAfter) % 86_400) < 5 or (time.time() + retryAfter) % 86_400 > 86_395
+    )
+    assert edge.metric("svc_proxy_limit_refusals_total", limit="budget", scope="org") == 1
+    edge.limit(orgBudget=Budget(nanoUSD=worstCase, period="day"))
+    response, _ = await edge.chat(model="priced")
+    assert response.code == 200
+
+
+@pytest_twisted.ensureDeferred
+async def test_aModelWithoutAPriceIsRefusedUnderABudget(edge: Edge) -> None:
+    """
+    With a budget, a model without a price is 400 VALIDATION_ERROR on
+    model, code NO_PRICE: never billed at zero. Without a budget it is
+    forwarded as always.
+    """
+    edge.limit(orgBudget=Budget(nanoUSD=10**9, period="month"))
+    response, answer = await edge.chat(model="echo")
+    assert response.code == 400
+    assert answer["error"]["code"] == "VALIDATION_ERROR"
+    assert answer["error"]["field_errors"][0]["field"] == "model"
+    assert answer["error"]["field_errors"][0]["code"] == "NO_PRICE"
+    edge.limit()
+    response, _ = await edge.chat(model="echo")
+    assert response.code == 200

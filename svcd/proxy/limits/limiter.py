@@ -534,7 +534,8 @@ class RedisRateLimiter:
             # A budget's spend is not in Redis (a new period, or Redis lost
             # it): take it again from the ledger, then ask again.
             unseeded = counters[-counts[0] - 1]
-            if not await self._seed(orgID, agentID, unseeded, now):
+            whose = agentID if unseeded.scope == AGENT else None
+            if not await self._seed(orgID, whose, unseeded, now):
                 # The ledger could not say: this request goes on without
                 # that budget (fail open, as for Redis), the next tries again.
                 counters = tuple(c for c in counters if c.key != unseeded.key)
