@@ -58,6 +58,7 @@ def test_everyVariable(tmp_path: Path) -> None:
             "SVC_RATE_LIMIT_DEFAULT_RPM": "100",
             "SVC_RATE_LIMIT_ORG_OVERRIDES": f" {orgID.upper()} = 5 ,",
             "SVC_SHUTDOWN_TIMEOUT": "3s",
+            "SVC_START_TIMEOUT": "750ms",
             "SVC_AUTH_GRPC_TLS_CA": str(ca),
             "SVC_ENV": "staging",
         }
@@ -70,6 +71,7 @@ def test_everyVariable(tmp_path: Path) -> None:
     assert (config.requestIDHeader, config.traceIDHeader) == ("X-Correlation-ID", "X-Trace")
     assert (config.defaultRPM, dict(config.orgRPM)) == (100, {orgID: 5})
     assert config.shutdownTimeout == 3.0
+    assert config.startTimeout == 0.75
     assert config.authTLS is not None and config.authTLS.rootCertificates == b"CA"
     assert config.environment == "staging"
     assert "s@cret" not in repr(config)
@@ -103,6 +105,8 @@ def test_everyVariable(tmp_path: Path) -> None:
         ("SVC_RATE_LIMIT_ORG_OVERRIDES", f"{uuid.uuid4()}=ten"),
         ("SVC_RATE_LIMIT_ORG_OVERRIDES", f"{uuid.uuid4()}=\u00b2"),
         ("SVC_SHUTDOWN_TIMEOUT", "soon"),
+        ("SVC_START_TIMEOUT", "later"),
+        ("SVC_START_TIMEOUT", "0s"),
         ("SVC_ENV", "qa"),
         ("SVC_AUTH_GRPC_TLS_CA", "/no/such/ca.pem"),
     ],

@@ -32,6 +32,8 @@ def proxyEnvironment(**overrides: str) -> dict[str, str]:
         "SVC_HOST": "127.0.0.1",
         "SVC_PORT": str(freePort()),
         "SVC_SHUTDOWN_TIMEOUT": "2s",
+        # svc-auth is unreachable on purpose: listen without waiting for it.
+        "SVC_START_TIMEOUT": "100ms",
         **overrides,
     }
 

@@ -5,7 +5,9 @@ Process lifecycle details shared by both daemons.
 from __future__ import annotations
 
 import gc
+import os
 import signal
+import sys
 from typing import Any
 
 
@@ -56,6 +58,24 @@ def settleHeapWhenRunning(reactor: Any) -> None:
     L{settleHeap} as soon as the reactor runs, after every service started.
     """
     reactor.callWhenRunning(settleHeap)
+
+
+def stopWithFailure(reactor: Any, line: str) -> None:
+    """
+    End a daemon that cannot go on once its reactor runs: write C{line} on
+    stderr, stop the reactor (the graceful stop, which flushes the logs) and
+    exit with status 1 once it has stopped.
+
+    Failures found before the reactor runs are L{StartupError}s, reported
+    by the root service; twistd offers no exit status for one found later,
+    hence C{os._exit} after the shutdown (a daemonised twistd then leaves
+    its pidfile behind, which its next start recognises as stale).
+    """
+    if sys.__stderr__ is not None:
+        sys.__stderr__.write(line + "\n")
+        sys.__stderr__.flush()
+    reactor.addSystemEventTrigger("after", "shutdown", os._exit, 1)
+    reactor.stop()
 
 
 class StartupError(Exception):

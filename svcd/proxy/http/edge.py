@@ -325,6 +325,13 @@ class ProxyEdge:
                 for idle in waiting:
                     idle.callback(None)
 
+    @property
+    def requestsInFlight(self) -> int:
+        """
+        How many requests are being answered now.
+        """
+        return self._inFlight
+
     def whenIdle(self) -> Deferred[None]:
         """
         A Deferred that fires once no request is being answered.

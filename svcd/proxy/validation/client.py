@@ -277,6 +277,7 @@ class GrpcAuthClient:
         self._validateAgentMethod: Any = None
         self._unavailable = ThrottledWarning(self.log, clock)
         self._ready: Any = None
+        self._channelReady = False
         self._closed = False
 
     def _connect(self) -> None:
@@ -334,7 +335,15 @@ class GrpcAuthClient:
             await deferredFromFuture(self._reactor, ready)
         except CancelledError:
             return
+        self._channelReady = True
         self.log.info("gRPC channel to svc-auth {address} is ready", address=self._address())
+
+    def channelReady(self) -> bool:
+        """
+        Has the channel connected to svc-auth since L{start}? (What a
+        starting proxy waits for before it listens.)
+        """
+        return self._channelReady
 
     def _address(self) -> str:
         target = getattr(self._channel, "_target", None)
