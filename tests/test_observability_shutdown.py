@@ -245,3 +245,47 @@ def test_authStopsWithNothingInFlight(migratedDSN: str, tmp_path: Path) -> None:
         assert refused(auth.httpPort) and refused(int(environment["SVC_GRPC_PORT"]))
     finally:
         auth.terminate()
+
+
+def test_authStopsAtOnceWithProxiesAttached(
+    migratedDSN: str, redisURL: str, tmp_path: Path
+) -> None:
+    """
+    A proxy's change feed is a call that never ends by itself; svc-auth
+    ends it first when it stops, so a stop with a proxy attached and no
+    slow call takes well under SVC_SHUTDOWN_TIMEOUT (10 s here), and the
+    proxy hears why.
+    """
+    environment = authEnvironment(migratedDSN, SVC_SHUTDOWN_TIMEOUT="10s")
+    auth = Daemon("svc-auth", environment, tmp_path / "auth.log").start()
+    proxy = Daemon(
+        "svc-proxy",
+        {
+            "SVC_HOST": "127.0.0.1",
+            "SVC_PORT": str(freePort()),
+            "SVC_AUTH_GRPC_ADDR": f"127.0.0.1:{environment['SVC_GRPC_PORT']}",
+            "REDIS_URL": redisURL,
+            "SVC_SHUTDOWN_TIMEOUT": "5s",
+        },
+        tmp_path / "proxy.log",
+    ).start()
+    try:
+        auth.waitForReady()
+        proxy.waitForReady()
+        waitUntil(lambda: "Change feed from svc-auth is live" in proxy.output(), limit=20)
+        signalled = time.monotonic()
+        auth.signal(signal.SIGTERM)
+        assert auth.process is not None
+        assert auth.process.wait(10) == 0
+        assert time.monotonic() - signalled < 2
+        waitUntil(
+            lambda: (
+                "Change feed from svc-auth lost (UNAVAILABLE: svc-auth is stopping)"
+                in proxy.output()
+            ),
+            limit=10,
+        )
+    finally:
+        proxy.terminate()
+        auth.terminate()
+    assert "Ended 1 change feed stream(s): svc-auth is stopping" in auth.output()

@@ -103,11 +103,16 @@ class FeedCall(Protocol):
 
 def _describe(error: BaseException) -> str:
     """
-    A gRPC status name for a failed call, else the exception's type.
+    A gRPC status name for a failed call, with its details when it has
+    some ("UNAVAILABLE: svc-auth is stopping"), else the exception's type.
     """
     code = getattr(error, "code", None)
     name = getattr(code(), "name", None) if callable(code) else None
-    return str(name) if name else type(error).__name__
+    if not name:
+        return type(error).__name__
+    details = getattr(error, "details", None)
+    text = details() if callable(details) else None
+    return f"{name}: {text}" if text else str(name)
 
 
 class _Session:
@@ -369,7 +374,7 @@ class ChangeFeed:
 
     def _lost(self, reason: str) -> None:
         self._inSession = False
-        if reason == "UNIMPLEMENTED":
+        if reason.partition(":")[0] == "UNIMPLEMENTED":
             self._noFeed = True
         self._failWaiters()
         if self._downSince is None:
