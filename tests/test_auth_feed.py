@@ -349,7 +349,7 @@ def test_hubStopEndsEveryStreamAtOnce() -> None:
 
 
 @pytest_twisted.ensureDeferred
-async def test_aStoppingServerEndsItsFeedsFirst(authService: RunningAuthService) -> None:
+async def test_aStoppingServerEndsItsFeedsAtOnce(authService: RunningAuthService) -> None:
     """
     The gRPC service of svc-auth ends its change feed streams as its stop
     begins (UNAVAILABLE, "svc-auth is stopping"), so that the stop does

@@ -17,7 +17,8 @@ getting them stops trusting its cache after 500 ms.
 When the listener loses its connection, changes may be missed until it is
 back: the hub ends every stream (UNAVAILABLE) and refuses new ones until
 the listener listens again. When svc-auth stops, the hub ends every stream
-first, at once, and refuses new ones (L{ChangeHub.stop}): a stream is a
+at once, as the gRPC server begins its stop, and refuses new ones
+(L{ChangeHub.stop}): a stream is a
 call that never ends by itself, and left open it would hold the gRPC
 server's stop for its whole grace period while its proxy stayed on a
 replica that is leaving. A new stream starts with a snapshot of the

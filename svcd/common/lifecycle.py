@@ -7,7 +7,9 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import socket
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -76,6 +78,31 @@ def stopWithFailure(reactor: Any, line: str) -> None:
         sys.__stderr__.flush()
     reactor.addSystemEventTrigger("after", "shutdown", os._exit, 1)
     reactor.stop()
+
+
+def notifySystemd(state: str, environ: Mapping[str, str] | None = None) -> bool:
+    """
+    Tell systemd about the daemon (sd_notify(3)), such as C{"READY=1"} once
+    it serves: a unit of C{Type=notify} is started only then, so that
+    C{systemctl restart} returns once the new process serves, and a rolling
+    restart that waits for it never stops the last worker serving.
+
+    A no-op, returning False, outside such a unit (C{NOTIFY_SOCKET} unset)
+    or when the socket cannot be reached.
+    """
+    address = (os.environ if environ is None else environ).get("NOTIFY_SOCKET", "")
+    if not address.startswith(("/", "@")):
+        return False
+    if address.startswith("@"):
+        # An abstract socket.
+        address = "\0" + address[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
+            notify.connect(address)
+            notify.sendall(state.encode("utf-8"))
+    except OSError:
+        return False
+    return True
 
 
 class StartupError(Exception):

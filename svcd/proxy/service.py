@@ -33,7 +33,7 @@ from twisted.python.failure import Failure
 
 from svcd.common.clocks import Clock, asReactorTime
 from svcd.common.deferreds import timeoutDeferred
-from svcd.common.lifecycle import stopWithFailure
+from svcd.common.lifecycle import notifySystemd, stopWithFailure
 from svcd.proxy.http.edge import ProxyEdge
 from svcd.proxy.http.site import ProxySite
 from svcd.proxy.limits.limiter import RateLimiter
@@ -177,6 +177,8 @@ class ProxyService(Service):
                 timeout=self._startTimeout,
             )
         port = self._listening = self._port.listen(self.site, now - began)
+        # A unit of Type=notify (etc/systemd) is started only now.
+        notifySystemd("READY=1")
         waiting, self._waitingForPort = self._waitingForPort, []
         for each in waiting:
             each.callback(port)

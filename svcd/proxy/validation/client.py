@@ -7,6 +7,7 @@ not a clear answer becomes a 503.
 
 from __future__ import annotations
 
+import json
 import time
 from collections import deque
 from collections.abc import Callable
@@ -148,6 +149,33 @@ def authChannel(config: ProxyConfig) -> Any:
 # service resumes within a second or so of svc-auth's return; calls made
 # while the channel is down still fail at once (no wait_for_ready), which
 # is what failing closed needs.
+#
+# A stopping svc-auth cancels the calls it had received but not yet begun
+# (gRPC's server shutdown does; it also tells the channel to go elsewhere).
+# ValidateToken and ValidateAgent only read, so a call svc-auth cancelled
+# is sent once more, within the same deadline, to the replica the channel
+# then uses (SVC_AUTH_GRPC_ADDR may name several): a rolling restart of
+# the replicas then fails no request. A call the proxy cancels itself (its
+# client went away) is never retried, and no other failure is.
+RETRY_SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [
+                    {"service": "svc.auth.v1.AuthService", "method": "ValidateToken"},
+                    {"service": "svc.auth.v1.AuthService", "method": "ValidateAgent"},
+                ],
+                "retryPolicy": {
+                    "maxAttempts": 2,
+                    "initialBackoff": "0.005s",
+                    "maxBackoff": "0.02s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["CANCELLED"],
+                },
+            }
+        ]
+    }
+)
 CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
@@ -157,6 +185,8 @@ CHANNEL_OPTIONS = (
     ("grpc.keepalive_timeout_ms", 2_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.enable_retries", 1),
+    ("grpc.service_config", RETRY_SERVICE_CONFIG),
 )
 
 
