@@ -180,3 +180,21 @@ def test_optionsReadEnvironment() -> None:
     assert options.config.authGrpcAddr == "127.0.0.1:9091"
     assert options.logFormat == "text"
     assert options.logLevel.name == "debug"
+
+
+@pytest.mark.parametrize(
+    "address",
+    [
+        "auth.internal:9091",
+        "ipv4:10.0.0.5:9091,10.0.0.6:9091",
+        "ipv6:[fd00::5]:9091,[fd00::6]:9091",
+        "dns:///svc-auth.internal:9091",
+    ],
+)
+def test_severalReplicas(address: str) -> None:
+    """
+    SVC_AUTH_GRPC_ADDR takes gRPC's target forms, so that a proxy can be
+    given several svc-auth replicas: a list of addresses or a DNS name of
+    several (docs/operations.rst, Running several svc-auth replicas).
+    """
+    assert ProxyConfig.fromEnvironment({"SVC_AUTH_GRPC_ADDR": address}).authGrpcAddr == address

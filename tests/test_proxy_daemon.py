@@ -401,10 +401,18 @@ def test_startsWithoutRedisAfterTheStartTimeout(tmp_path: Path) -> None:
     daemon = Daemon("svc-proxy", environment, tmp_path / "proxy.log").start()
     try:
         daemon.waitForHealth()
-        assert 1.0 <= _listenedAfter(daemon) < 3.0
-        status, body = daemon.get("/ready")
-        assert status == 503
-        assert json.loads(body)["checks"]["auth_grpc"]["status"] == "ok"
+        assert 1.0 <= _listenedAfter(daemon) < 5.0
+        # It serves as before: /ready fails on Redis alone once the channel
+        # to svc-auth is up (on a loaded machine, that may take a moment).
+        deadline = time.monotonic() + 20
+        while True:
+            status, body = daemon.get("/ready")
+            checks = json.loads(body)["checks"]
+            if checks["auth_grpc"]["status"] == "ok":
+                break
+            assert time.monotonic() < deadline, body
+            time.sleep(0.1)
+        assert status == 503 and checks["redis"]["status"] == "failed"
     finally:
         assert daemon.terminate() == 0
         server.stop(0)
@@ -413,7 +421,10 @@ def test_startsWithoutRedisAfterTheStartTimeout(tmp_path: Path) -> None:
         for line in daemon.output().splitlines()
         if "still waits" in line
     ]
-    assert waited == [
-        "svc-proxy still waits for Redis after 1.0 s; listening anyway: auth fails closed"
-        " (503) until svc-auth answers, rate limits fail open until Redis does"
-    ]
+    # Redis, and perhaps more on a loaded machine, named once.
+    assert len(waited) == 1, waited
+    assert waited[0].startswith("svc-proxy still waits for "), waited
+    assert waited[0].endswith(
+        "Redis after 1.0 s; listening anyway: auth fails closed (503) until svc-auth"
+        " answers, rate limits fail open until Redis does"
+    ), waited

@@ -94,6 +94,9 @@ class ProxyService(Service):
     Listens for HTTP while running, once its dependencies are ready (see
     the module docstring).
 
+    @param clock: the reactor, or a L{twisted.internet.task.Clock} in
+        tests: the time of the start and of the stop, and the reactor to
+        stop should listening fail once the proxy has started.
     @param dependencies: what to wait for before listening, for at most
         C{startTimeout} seconds; past that the proxy listens anyway (auth
         then fails closed and rate limits open, until they are up) and

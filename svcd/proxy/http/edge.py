@@ -334,9 +334,15 @@ class ProxyEdge:
 
     def whenIdle(self) -> Deferred[None]:
         """
-        A Deferred that fires once no request is being answered.
+        A Deferred that fires once no request is being answered; cancelling
+        it (a stop's timeout) withdraws it.
         """
-        idle: Deferred[None] = Deferred()
+
+        def withdraw(waiter: Deferred[None]) -> None:
+            if waiter in self._idle:
+                self._idle.remove(waiter)
+
+        idle: Deferred[None] = Deferred(withdraw)
         if not self._inFlight:
             idle.callback(None)
         else:

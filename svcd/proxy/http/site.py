@@ -272,7 +272,7 @@ class ProxyChannel(HTTPChannel):
         self._armReadDeadline()
         site = self.site
         if site is not None and site.draining:
-            self.drain()
+            self.closeWhenDone()
 
     def _armReadDeadline(self) -> None:
         self._disarmReadDeadline()
@@ -318,7 +318,7 @@ class ProxyChannel(HTTPChannel):
             self.persistent = False
         super().writeHeaders(version, code, reason, headers)
 
-    def drain(self) -> None:
+    def closeWhenDone(self) -> None:
         """
         The proxy is stopping: close this connection after the answer being
         written, or, idle, once its client is quiet (see the module
@@ -765,13 +765,19 @@ class ProxySite(Site):
         """
         self.draining = True
         for channel in list(self._connections):
-            channel.drain()
+            channel.closeWhenDone()
 
     def whenDrained(self) -> Deferred[None]:
         """
-        A Deferred that fires once no connection is open.
+        A Deferred that fires once no connection is open; cancelling it
+        withdraws it.
         """
-        drained: Deferred[None] = Deferred()
+
+        def withdraw(waiter: Deferred[None]) -> None:
+            if waiter in self._drained:
+                self._drained.remove(waiter)
+
+        drained: Deferred[None] = Deferred(withdraw)
         if self._connections:
             self._drained.append(drained)
         else:
