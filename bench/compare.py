@@ -4,7 +4,7 @@ run, so that a change is judged against its baseline under the same
 machine conditions (absolute figures here drift by a third between runs).
 
     python bench/compare.py [--rounds 3] [--duration 8] [--connections 32]
-                            [--warmup 2] SPEC SPEC...
+                            [--warmup 2] [--rows chat,forward] SPEC SPEC...
 
 A SPEC is a git revision, or C{.} for the working tree, optionally followed
 by C{:NAME=VALUE,...} for both daemons' environment: C{HEAD~1 .} compares
@@ -14,6 +14,9 @@ temporary git worktree, first on their PYTHONPATH) on one shared
 PostgreSQL, Redis and tenant. The rounds alternate the floor and every
 SPEC; each line gives requests/s, p50, p99, the ratio to the floor of that
 round, and per process the CPU time and context switches per request.
+--rows names the rows of bench/gateway.py to compare (chat, the default,
+and forward: the chat row forwarded to a local nginx that answers at once,
+which also starts it).
 """
 
 from __future__ import annotations
@@ -97,7 +100,11 @@ def main() -> int:
     parser.add_argument(
         "--warmup", type=float, default=2.0, help="seconds of load on each SPEC before round 1"
     )
+    parser.add_argument("--rows", default="chat", help="chat, forward or both: chat,forward")
     arguments = parser.parse_args()
+    rows = [row.strip() for row in arguments.rows.split(",") if row.strip()]
+    if not rows or set(rows) - {"chat", "forward"}:
+        raise SystemExit(f"compare.py: --rows takes chat and forward, got {arguments.rows!r}")
     specs = [Spec.parse(each) for each in arguments.specs]
     for spec in specs:
         if (
@@ -122,7 +129,9 @@ def main() -> int:
         contextlib.ExitStack() as stack,
     ):
         scratch = Path(scratchName)
-        shared = stack.enter_context(runningStack(scratch, "INFO", [1]))
+        shared = stack.enter_context(
+            runningStack(scratch, "INFO", [1], withForwarding="forward" in rows)
+        )
         base = shared.proxies[1, False][0]
         dsn = shared.auth.environment["POSTGRES_DSN"]
         served = []
@@ -150,6 +159,11 @@ def main() -> int:
                     "SVC_RATE_LIMIT_ORG_OVERRIDES": base.environment[
                         "SVC_RATE_LIMIT_ORG_OVERRIDES"
                     ],
+                    **{
+                        name: base.environment[name]
+                        for name in ("SVC_PROVIDERS_FILE",)
+                        if name in base.environment
+                    },
                     **extra,
                 },
                 scratch / f"proxy-{index}.log",
@@ -158,14 +172,15 @@ def main() -> int:
             proxy.waitForReady()
             served.append((spec, auth, proxy))
 
-        _, chatEnvironment, expected = shared.shape("chat", 1)
+        shapes = {row: shared.shape(row, 1) for row in rows}
         floorURL = f"{shared.floorURL}/v1/chat/completions"
         _, floorEnvironment, _ = shared.shape("floor", 1)
         if arguments.warmup:
             # Fill each svc-auth's cache and thread pool before measuring.
             for _, _, proxy in served:
-                url = proxy.url("/v1/chat/completions")
-                runWrk(url, arguments.connections, arguments.warmup, chatEnvironment)
+                for _, rowEnvironment, _ in shapes.values():
+                    url = proxy.url("/v1/chat/completions")
+                    runWrk(url, arguments.connections, arguments.warmup, rowEnvironment)
         for number in range(1, arguments.rounds + 1):
             floor = summarize(
                 "floor",
@@ -174,30 +189,31 @@ def main() -> int:
                 runWrk(floorURL, arguments.connections, arguments.duration, floorEnvironment),
             )
             print(f"round {number}: floor {floor['rps']:.0f} req/s", flush=True)
-            for spec, auth, proxy in served:
-                pids = {"svc-auth": auth.process.pid, "svc-proxy": proxy.process.pid}  # type: ignore[union-attr]
-                cpu = {name: cpuSeconds(pid) for name, pid in pids.items()}
-                switches = {name: contextSwitches(pid) for name, pid in pids.items()}
-                raw = runWrk(
-                    proxy.url("/v1/chat/completions"),
-                    arguments.connections,
-                    arguments.duration,
-                    chatEnvironment,
-                )
-                result = summarize("chat", arguments.connections, expected, raw)
-                requests = max(1, raw["requests"])
-                costs = " ".join(
-                    f"{name} {(cpuSeconds(pid) - cpu[name]) / requests * 1e6:.0f} µs"
-                    f" {(contextSwitches(pid) - switches[name]) / requests:.1f} cs"
-                    for name, pid in pids.items()
-                )
-                print(
-                    f"  {spec.label:<24} {result['rps']:7.0f} req/s"
-                    f" {result['rps'] / floor['rps']:6.1%} of floor"
-                    f"  p50 {result['p50_ms']:6.1f} p99 {result['p99_ms']:6.1f} ms"
-                    f"  errors {result['errors']}  {costs}",
-                    flush=True,
-                )
+            for row, (_, rowEnvironment, expected) in shapes.items():
+                for spec, auth, proxy in served:
+                    pids = {"svc-auth": auth.process.pid, "svc-proxy": proxy.process.pid}  # type: ignore[union-attr]
+                    cpu = {name: cpuSeconds(pid) for name, pid in pids.items()}
+                    switches = {name: contextSwitches(pid) for name, pid in pids.items()}
+                    raw = runWrk(
+                        proxy.url("/v1/chat/completions"),
+                        arguments.connections,
+                        arguments.duration,
+                        rowEnvironment,
+                    )
+                    result = summarize(row, arguments.connections, expected, raw)
+                    requests = max(1, raw["requests"])
+                    costs = " ".join(
+                        f"{name} {(cpuSeconds(pid) - cpu[name]) / requests * 1e6:.0f} µs"
+                        f" {(contextSwitches(pid) - switches[name]) / requests:.1f} cs"
+                        for name, pid in pids.items()
+                    )
+                    print(
+                        f"  {row:<8} {spec.label:<24} {result['rps']:7.0f} req/s"
+                        f" {result['rps'] / floor['rps']:6.1%} of floor"
+                        f"  p50 {result['p50_ms']:6.1f} p99 {result['p99_ms']:6.1f} ms"
+                        f"  errors {result['errors']}  {costs}",
+                        flush=True,
+                    )
     return 0
 
 

@@ -18,12 +18,16 @@ from typing import Any
 
 import grpc
 import pytest
+import pytest_twisted
 from authfixtures import makeTenant, ownerStore
+from prometheus_client import CollectorRegistry
 from test_svcctl import document, svcctl
 
+from svcd.auth.admission import Bounds
 from svcd.auth.authority import issueToken
 from svcd.auth.feed import (
     SNAPSHOT_CHUNK_IDS,
+    STOPPING,
     ChangeHub,
     FeedEnded,
     FeedUnavailable,
@@ -31,10 +35,11 @@ from svcd.auth.feed import (
     TooManyStreams,
     snapshotMessages,
 )
+from svcd.auth.grpcservice import AuthMetrics, AuthServicer, GrpcServerService
 from svcd.auth.limits import limitsChange
 from svcd.auth.migrations import migrate
 from svcd.auth.store import LimitsRecord, Store
-from svcd.pb.auth.v1 import auth_pb2
+from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
 from svcd.testing.authservice import RunningAuthService
 from svcd.testing.servers import PostgresServer
 from svcd.testing.waiting import waitUntil
@@ -439,6 +444,62 @@ def test_hubEndsEveryStreamWhenTheListenerGoes() -> None:
     assert hub.openStreams() == 0
     with pytest.raises(FeedUnavailable):
         hub.open()
+
+
+def test_hubStopEndsEveryStreamAtOnce() -> None:
+    """
+    When svc-auth stops, the hub ends every stream at once, saying why, and
+    opens no new one, even if the listener is heard again.
+    """
+    hub = ChangeHub(FakeMonotonic())
+    hub.listenerUp()
+    streams = [hub.open(), hub.open()]
+    assert hub.stop() == 2
+    for stream in streams:
+        ended = stream.next(timeout=1)
+        assert isinstance(ended, FeedEnded) and ended.reason == STOPPING
+    hub.listenerUp()
+    with pytest.raises(FeedUnavailable, match=STOPPING):
+        hub.open()
+    assert hub.openStreams() == 0
+
+
+@pytest_twisted.ensureDeferred
+async def test_aStoppingServerEndsItsFeedsAtOnce(authService: RunningAuthService) -> None:
+    """
+    The gRPC service of svc-auth ends its change feed streams as its stop
+    begins (UNAVAILABLE, "svc-auth is stopping"), so that the stop does
+    not wait for its grace period (10 s here) while a proxy is attached.
+    """
+    from twisted.internet import reactor
+
+    servicer = AuthServicer(
+        authService.authority,
+        AuthMetrics(CollectorRegistry()),
+        authService.hub,
+        Snapshots(authService.store.knownTokenIDs, time.monotonic),
+    )
+    service = GrpcServerService(
+        reactor, servicer, "127.0.0.1", 0, Bounds.standard(8, 32), gracePeriod=10.0
+    )
+    service.privilegedStartService()
+    service.startService()
+    channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
+    try:
+        call: Any = auth_pb2_grpc.AuthServiceStub(channel).WatchChanges(
+            auth_pb2.WatchChangesRequest(), timeout=60
+        )
+        assert next(call).WhichOneof("kind") in ("known_token_ids", "snapshot_complete")
+        began = time.monotonic()
+        await service.stopService()
+        assert time.monotonic() - began < 2.0
+        with pytest.raises(grpc.RpcError) as ended:
+            for _ in call:
+                pass
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert ended.value.details() == STOPPING
+    finally:
+        channel.close()
 
 
 def test_aStreamThatFallsBehindIsEndedNotBuffered() -> None:

@@ -49,6 +49,9 @@ def test_unitsPassSystemdAnalyzeVerify(unit: str, tmp_path: Path) -> None:
         "NoNewPrivileges=yes",
         "ProtectSystem=strict",
         "User=svc",
+        # Started once it serves (sd_notify READY=1): a rolling restart
+        # that waits for each restart never stops the last worker serving.
+        "Type=notify",
         f"EnvironmentFile=/etc/svc/{daemon}.env",
         f"--pidfile= {daemon}",
     ):

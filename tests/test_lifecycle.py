@@ -5,12 +5,15 @@ Process lifecycle helpers shared by both daemons.
 from __future__ import annotations
 
 import gc
+import socket
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from twisted.internet.testing import MemoryReactor
 
-from svcd.common.lifecycle import GC_THRESHOLD, settleHeap, settleHeapWhenRunning
+from svcd.common.lifecycle import GC_THRESHOLD, notifySystemd, settleHeap, settleHeapWhenRunning
 
 
 @pytest.fixture
@@ -45,3 +48,25 @@ def test_settleHeapWhenRunning(restoredCollector: None) -> None:
     reactor = MemoryReactor()
     settleHeapWhenRunning(reactor)
     assert [call[0] for call in reactor.whenRunningHooks] == [settleHeap]
+
+
+def test_notifySystemd(tmp_path: Path) -> None:
+    """
+    sd_notify(3): the state goes as one datagram to NOTIFY_SOCKET, a path
+    or an abstract name (@...); without the variable, or with a socket
+    nobody listens on, nothing happens and nothing raises.
+    """
+    path = tmp_path / "notify"
+    abstract = f"@svc-test-{uuid.uuid4().hex}"
+    with (
+        socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as listening,
+        socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as listeningAbstract,
+    ):
+        listening.bind(str(path))
+        listeningAbstract.bind("\0" + abstract[1:])
+        assert notifySystemd("READY=1", {"NOTIFY_SOCKET": str(path)})
+        assert listening.recv(100) == b"READY=1"
+        assert notifySystemd("READY=1", {"NOTIFY_SOCKET": abstract})
+        assert listeningAbstract.recv(100) == b"READY=1"
+    assert not notifySystemd("READY=1", {})
+    assert not notifySystemd("READY=1", {"NOTIFY_SOCKET": str(tmp_path / "nobody")})

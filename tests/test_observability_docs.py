@@ -90,6 +90,7 @@ def _auth() -> AuthConfig:
         ("SVC_TRACE_ID_HEADER", lambda: _proxy().traceIDHeader),
         ("SVC_SHUTDOWN_TIMEOUT", lambda: _proxy().shutdownTimeout),
         ("SVC_SHUTDOWN_TIMEOUT", lambda: _auth().shutdownTimeout),
+        ("SVC_START_TIMEOUT", lambda: _proxy().startTimeout),
         ("SVC_ENV", lambda: _proxy().environment),
         ("SVC_ENV", lambda: _auth().environment),
         ("SVC_GRPC_HOST", lambda: _auth().grpcHost),

@@ -446,6 +446,8 @@ def test_daemonisedProxyLogsJSONToLogfile(tmp_path: Path) -> None:
         "SVC_HOST": "127.0.0.1",
         "SVC_PORT": str(port),
         "SVC_SHUTDOWN_TIMEOUT": "2s",
+        # svc-auth is unreachable on purpose: listen without waiting for it.
+        "SVC_START_TIMEOUT": "100ms",
     }
     command = [
         sys.executable,

@@ -28,6 +28,7 @@ from svcd.proxy.testing import newToken
 from svcd.testing.daemons import Daemon, authEnvironment
 from svcd.testing.fakeauth import servingAuth
 from svcd.testing.servers import freePort
+from svcd.testing.upstream import ScriptedUpstream
 
 SLOW_VALIDATE = 1.0
 
@@ -245,3 +246,141 @@ def test_authStopsWithNothingInFlight(migratedDSN: str, tmp_path: Path) -> None:
         assert refused(auth.httpPort) and refused(int(environment["SVC_GRPC_PORT"]))
     finally:
         auth.terminate()
+
+
+def test_authStopsAtOnceWithProxiesAttached(
+    migratedDSN: str, redisURL: str, tmp_path: Path
+) -> None:
+    """
+    A proxy's change feed is a call that never ends by itself; svc-auth
+    ends it first when it stops, so a stop with a proxy attached and no
+    slow call takes well under SVC_SHUTDOWN_TIMEOUT (10 s here), and the
+    proxy hears why.
+    """
+    environment = authEnvironment(migratedDSN, SVC_SHUTDOWN_TIMEOUT="10s")
+    auth = Daemon("svc-auth", environment, tmp_path / "auth.log").start()
+    proxy = Daemon(
+        "svc-proxy",
+        {
+            "SVC_HOST": "127.0.0.1",
+            "SVC_PORT": str(freePort()),
+            "SVC_AUTH_GRPC_ADDR": f"127.0.0.1:{environment['SVC_GRPC_PORT']}",
+            "REDIS_URL": redisURL,
+            "SVC_SHUTDOWN_TIMEOUT": "5s",
+        },
+        tmp_path / "proxy.log",
+    ).start()
+    try:
+        auth.waitForReady(60)
+        proxy.waitForReady(60)
+        waitUntil(lambda: "Change feed from svc-auth is live" in proxy.output(), limit=30)
+        signalled = time.monotonic()
+        auth.signal(signal.SIGTERM)
+        assert auth.process is not None
+        assert auth.process.wait(10) == 0
+        assert time.monotonic() - signalled < 2
+        waitUntil(
+            lambda: (
+                "Change feed from svc-auth lost (UNAVAILABLE: svc-auth is stopping)"
+                in proxy.output()
+            ),
+            limit=10,
+        )
+    finally:
+        proxy.terminate()
+        auth.terminate()
+    assert "Ended 1 change feed stream(s): svc-auth is stopping" in auth.output()
+
+
+def test_proxyFinishesAStreamInFlight(migratedDSN: str, redisURL: str, tmp_path: Path) -> None:
+    """
+    Issue 25: a streaming forward in flight when SIGTERM arrives completes,
+    every event relayed, its usage event and [DONE] included, and its
+    access line carries the usage; meanwhile new connections are refused;
+    then the proxy exits 0.
+    """
+    owner, connection = ownerStore(migratedDSN)
+    tenant = makeTenant(owner)
+    connection.close()
+    upstream = ScriptedUpstream(tmp_path / "upstream").start()
+    providers = tmp_path / "providers.toml"
+    providers.write_text(
+        "[[providers]]\n"
+        'name = "local"\n'
+        f'base_url = "{upstream.baseURL}"\n'
+        'timeout = "30s"\n'
+        'idle_timeout = "10s"\n'
+        "\n[[models]]\n"
+        'name = "slow-stream"\n'
+        'provider = "local"\n'
+        # The events of the answer, 150 ms apart: about 2 s in all.
+        'upstream_model = "gap:150"\n'
+    )
+    environment = authEnvironment(migratedDSN)
+    auth = Daemon("svc-auth", environment, tmp_path / "auth.log").start()
+    proxy = Daemon(
+        "svc-proxy",
+        {
+            "SVC_HOST": "127.0.0.1",
+            "SVC_PORT": str(freePort()),
+            "SVC_AUTH_GRPC_ADDR": f"127.0.0.1:{environment['SVC_GRPC_PORT']}",
+            "REDIS_URL": redisURL,
+            "SVC_RATE_LIMIT_DEFAULT_RPM": "1000000",
+            "SVC_PROVIDERS_FILE": str(providers),
+            "SVC_SHUTDOWN_TIMEOUT": "30s",
+            # A loaded machine may take longer than 50 ms to verify a token
+            # the first time; what is tested here is the stop.
+            "SVC_AUTH_VALIDATE_TIMEOUT": "5s",
+        },
+        tmp_path / "proxy.log",
+    ).start()
+    try:
+        auth.waitForReady(60)
+        proxy.waitForReady(60)
+        connection = http.client.HTTPConnection("127.0.0.1", proxy.httpPort, timeout=30)
+        connection.request(
+            "POST",
+            "/v1/chat/completions",
+            body=json.dumps(
+                {
+                    "model": "slow-stream",
+                    "messages": [{"role": "user", "content": "tell me a story"}],
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+            ),
+            headers={
+                "Authorization": f"Bearer {tenant.token}",
+                "X-SVC-Agent-ID": str(tenant.agentID),
+                "Content-Type": "application/json",
+            },
+        )
+        response = connection.getresponse()
+        assert response.status == 200, response.read()
+        first = response.readline()
+        assert first.startswith(b"data: "), first
+        signalled = time.monotonic()
+        proxy.signal(signal.SIGTERM)
+        waitUntil(lambda: refused(proxy.httpPort), limit=5)
+        rest = response.read()
+        connection.close()
+        events = [
+            line[len(b"data: ") :]
+            for line in (first + rest).splitlines()
+            if line.startswith(b"data: ")
+        ]
+        assert events[-1] == b"[DONE]"
+        usage = json.loads(events[-2])
+        assert usage["choices"] == [] and usage["usage"]["completion_tokens"] > 0
+        assert proxy.process is not None
+        assert proxy.process.wait(30) == 0
+        assert time.monotonic() - signalled < 30
+    finally:
+        proxy.terminate()
+        auth.terminate()
+        upstream.stop()
+    lines = [json.loads(line) for line in proxy.output().splitlines() if line.strip()]
+    [access] = [line for line in lines if line["message"] == "POST /v1/chat/completions 200"]
+    assert access["completion_tokens"] == usage["usage"]["completion_tokens"]
+    messages = [line["message"] for line in lines]
+    assert messages.index("POST /v1/chat/completions 200") < messages.index("svc-proxy stopped")

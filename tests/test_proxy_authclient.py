@@ -862,3 +862,49 @@ async def test_sharersOfACallThatFailedWithoutAnAnswerTryOnceMore(
         assert resultCount(metrics, "deadline_exceeded") == 1
     finally:
         client.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_aCallSvcAuthCancelledIsSentOnceMore(
+    service: tuple[ScriptedAuthService, int],
+) -> None:
+    """
+    A stopping svc-auth cancels the calls it had received but not begun;
+    the proxy's channel (its service config) sends such a call once more,
+    ValidateToken and ValidateAgent alike, since both only read. No other
+    failure is retried, and a call cancelled twice fails closed.
+    """
+    from twisted.internet import reactor
+
+    servicer, port = service
+    channel = authChannel(ProxyConfig(authGrpcAddr=f"127.0.0.1:{port}"))
+    grpc.channel_ready_future(channel).result(timeout=5)
+    client = GrpcAuthClient(lambda: channel, reactor, reactor, 2.0, ProxyMetrics())
+    orgID = str(uuid.uuid4())
+    cancelled = abortWith(grpc.StatusCode.CANCELLED, "svc-auth is stopping")
+    try:
+        servicer.token = inTurn(cancelled, tokenOK(orgID))
+        info = await client.validateToken(newToken())
+        assert info.orgID == orgID
+        assert len(servicer.calls) == 2
+
+        servicer.calls.clear()
+        servicer.agent = inTurn(cancelled, agentOK())
+        agentID = str(uuid.uuid4())
+        agent = await client.validateAgent(newToken(), agentID, orgID)
+        assert agent.agentID == agentID
+        assert len(servicer.calls) == 2
+
+        servicer.calls.clear()
+        servicer.token = inTurn(abortWith(grpc.StatusCode.UNAVAILABLE), tokenOK(orgID))
+        error = await apiErrorOf(client.validateToken(newToken()))
+        assert error.code.value == "SERVICE_DEGRADED"
+        assert len(servicer.calls) == 1
+
+        servicer.calls.clear()
+        servicer.token = inTurn(cancelled, cancelled, tokenOK(orgID))
+        error = await apiErrorOf(client.validateToken(newToken()))
+        assert error.code.value == "SERVICE_DEGRADED"
+        assert len(servicer.calls) == 2
+    finally:
+        client.close()

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
+import grpc
 import pytest
 import pytest_twisted
 from authfixtures import makeTenant
@@ -267,6 +268,72 @@ def test_aLostStreamIsNotLiveAtOnceAndIsOpenedAgain(harness: FeedHarness) -> Non
     assert harness.feed.live()
     assert len(harness.logged(LogLevel.warn)) == 1
     assert any("back after" in line for line in harness.logged(LogLevel.info))
+
+
+class Unimplemented(Exception):
+    """
+    What grpcio raises when svc-auth has no WatchChanges.
+    """
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_settledOnceTheFirstSnapshotArrives(harness: FeedHarness) -> None:
+    """
+    What a starting proxy waits for: the feed is settled once its first
+    snapshot has arrived, and stays settled when the stream is lost.
+    """
+    call = harness.nextCall()
+    call.send(HEARTBEAT)
+    assert not harness.feed.settled()
+    snapshot(call)
+    harness.reactor.pumpUntil(harness.feed.settled)
+    call.fail(RuntimeError("reset"))
+    harness.reactor.pumpUntil(lambda: not harness.feed.live())
+    assert harness.feed.settled()
+
+
+def test_settledWhenSvcAuthHasNoFeed(harness: FeedHarness) -> None:
+    """
+    An svc-auth without a change feed (UNIMPLEMENTED) is nothing to wait
+    for; an svc-auth that fails otherwise is.
+    """
+    harness.nextCall().fail(RuntimeError("connection refused"))
+    harness.reactor.pumpUntil(lambda: harness.calls.qsize() > 0)
+    harness.reactor.pumpUntil(lambda: harness.reactor.calls.empty())
+    assert not harness.feed.settled()
+    harness.nextCall().fail(Unimplemented())
+    harness.reactor.pumpUntil(harness.feed.settled)
+
+
+def test_aStreamThatServedIsFollowedAtOnce() -> None:
+    """
+    After a stream that had begun its session ends (its svc-auth stopping,
+    say), the next attempt comes after the first, shortest delay, however
+    many attempts failed before it.
+    """
+    clock = Clock()
+    calls: queue.Queue[ScriptedCall] = queue.Queue()
+
+    def openStream() -> ScriptedCall:
+        call = ScriptedCall()
+        calls.put(call)
+        return call
+
+    reactor = PumpedReactor()
+    feed = ChangeFeed(openStream, RecordingConsumer(), reactor, clock, retryDelays=(0.01, 60.0))
+    feed.log = Logger(observer=lambda event: None)
+    feed.start()
+    try:
+        calls.get(timeout=5).fail(RuntimeError("connection refused"))
+        served = calls.get(timeout=5)
+        snapshot(served)
+        reactor.pumpUntil(feed.live)
+        served.fail(RuntimeError("svc-auth is stopping"))
+        assert calls.get(timeout=5) is not None
+    finally:
+        feed.stop()
 
 
 def test_afterHeartbeatsWaitsForThatManyHeartbeats(harness: FeedHarness) -> None:

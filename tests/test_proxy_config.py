@@ -58,6 +58,7 @@ def test_everyVariable(tmp_path: Path) -> None:
             "SVC_RATE_LIMIT_DEFAULT_RPM": "100",
             "SVC_RATE_LIMIT_ORG_OVERRIDES": f" {orgID.upper()} = 5 ,",
             "SVC_SHUTDOWN_TIMEOUT": "3s",
+            "SVC_START_TIMEOUT": "750ms",
             "SVC_AUTH_GRPC_TLS_CA": str(ca),
             "SVC_ENV": "staging",
         }
@@ -70,6 +71,7 @@ def test_everyVariable(tmp_path: Path) -> None:
     assert (config.requestIDHeader, config.traceIDHeader) == ("X-Correlation-ID", "X-Trace")
     assert (config.defaultRPM, dict(config.orgRPM)) == (100, {orgID: 5})
     assert config.shutdownTimeout == 3.0
+    assert config.startTimeout == 0.75
     assert config.authTLS is not None and config.authTLS.rootCertificates == b"CA"
     assert config.environment == "staging"
     assert "s@cret" not in repr(config)
@@ -103,6 +105,8 @@ def test_everyVariable(tmp_path: Path) -> None:
         ("SVC_RATE_LIMIT_ORG_OVERRIDES", f"{uuid.uuid4()}=ten"),
         ("SVC_RATE_LIMIT_ORG_OVERRIDES", f"{uuid.uuid4()}=\u00b2"),
         ("SVC_SHUTDOWN_TIMEOUT", "soon"),
+        ("SVC_START_TIMEOUT", "later"),
+        ("SVC_START_TIMEOUT", "0s"),
         ("SVC_ENV", "qa"),
         ("SVC_AUTH_GRPC_TLS_CA", "/no/such/ca.pem"),
     ],
@@ -176,3 +180,21 @@ def test_optionsReadEnvironment() -> None:
     assert options.config.authGrpcAddr == "127.0.0.1:9091"
     assert options.logFormat == "text"
     assert options.logLevel.name == "debug"
+
+
+@pytest.mark.parametrize(
+    "address",
+    [
+        "auth.internal:9091",
+        "ipv4:10.0.0.5:9091,10.0.0.6:9091",
+        "ipv6:[fd00::5]:9091,[fd00::6]:9091",
+        "dns:///svc-auth.internal:9091",
+    ],
+)
+def test_severalReplicas(address: str) -> None:
+    """
+    SVC_AUTH_GRPC_ADDR takes gRPC's target forms, so that a proxy can be
+    given several svc-auth replicas: a list of addresses or a DNS name of
+    several (docs/operations.rst, Running several svc-auth replicas).
+    """
+    assert ProxyConfig.fromEnvironment({"SVC_AUTH_GRPC_ADDR": address}).authGrpcAddr == address

@@ -20,6 +20,7 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+import pytest
 
 from svcd.pb.auth.v1 import auth_pb2_grpc
 from svcd.testing.daemons import Daemon, twistdCommand
@@ -32,6 +33,8 @@ def proxyEnvironment(**overrides: str) -> dict[str, str]:
         "SVC_HOST": "127.0.0.1",
         "SVC_PORT": str(freePort()),
         "SVC_SHUTDOWN_TIMEOUT": "2s",
+        # svc-auth is unreachable on purpose: listen without waiting for it.
+        "SVC_START_TIMEOUT": "100ms",
         **overrides,
     }
 
@@ -318,3 +321,110 @@ def test_twistedWithoutAPrivateNameRefusesToStart(tmp_path: Path) -> None:
     assert "lacks HTTPChannel._respondToBadRequestAndDisconnect," in result.stderr
     assert "was tested with (25.5 to 26.10)" in result.stderr
     assert result.stderr.count("\n") == 1, result.stderr
+
+
+def _listenedAfter(daemon: Daemon) -> float:
+    """
+    How long the proxy waited before it listened, from its start log (an
+    info line, written within a fraction of a second).
+    """
+    deadline = time.monotonic() + 10
+    while True:
+        for line in daemon.output().splitlines():
+            if '"svc-proxy listening on' in line:
+                return float(json.loads(line)["waited_s"])
+        assert time.monotonic() < deadline, f"the proxy never listened:\n{daemon.output()}"
+        time.sleep(0.05)
+
+
+def _unauthenticatedServer(port: int = 0) -> tuple[grpc.Server, int]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    auth_pb2_grpc.add_AuthServiceServicer_to_server(_UnauthenticatedAuth(), server)
+    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    return server, bound
+
+
+def test_listensOnlyOnceSvcAuthAnswers(tmp_path: Path) -> None:
+    """
+    Issue 25, point 3: a proxy whose svc-auth is not up yet does not
+    listen (a new connection is refused, and systemd is not told it is
+    ready); once svc-auth answers, it listens, tells systemd (READY=1, for
+    a unit of Type=notify) and logs how long it waited.
+    """
+    grpcPort = freePort()
+    notifyPath = tmp_path / "notify"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
+        notify.bind(str(notifyPath))
+        notify.settimeout(30)
+        environment = proxyEnvironment(
+            SVC_AUTH_GRPC_ADDR=f"127.0.0.1:{grpcPort}",
+            SVC_START_TIMEOUT="60s",
+            NOTIFY_SOCKET=str(notifyPath),
+        )
+        daemon = Daemon("svc-proxy", environment, tmp_path / "proxy.log").start()
+        server = None
+        try:
+            # Logged as the service starts, before it would listen.
+            deadline = time.monotonic() + 30
+            while "rate limiting is off" not in daemon.output():
+                assert time.monotonic() < deadline, daemon.output()
+                time.sleep(0.05)
+            began = time.monotonic()
+            while time.monotonic() - began < 1.0:
+                with pytest.raises(ConnectionRefusedError):
+                    socket.create_connection(("127.0.0.1", daemon.httpPort), timeout=1).close()
+                time.sleep(0.1)
+            server, _ = _unauthenticatedServer(grpcPort)
+            assert notify.recv(100) == b"READY=1"
+            assert daemon.get("/health")[0] == 200
+            assert _listenedAfter(daemon) >= 1.0
+        finally:
+            assert daemon.terminate() == 0
+            if server is not None:
+                server.stop(0)
+    assert "still waits" not in daemon.output()
+
+
+def test_startsWithoutRedisAfterTheStartTimeout(tmp_path: Path) -> None:
+    """
+    Issue 25, point 3: a worker that cannot reach Redis still starts once
+    SVC_START_TIMEOUT has passed, logging what it was waiting for; it then
+    serves as before (rate limits fail open).
+    """
+    server, grpcPort = _unauthenticatedServer()
+    environment = proxyEnvironment(
+        SVC_AUTH_GRPC_ADDR=f"127.0.0.1:{grpcPort}",
+        REDIS_URL=f"redis://127.0.0.1:{freePort()}/0",
+        SVC_START_TIMEOUT="1s",
+    )
+    daemon = Daemon("svc-proxy", environment, tmp_path / "proxy.log").start()
+    try:
+        daemon.waitForHealth()
+        assert 1.0 <= _listenedAfter(daemon) < 5.0
+        # It serves as before: /ready fails on Redis alone once the channel
+        # to svc-auth is up (on a loaded machine, that may take a moment).
+        deadline = time.monotonic() + 20
+        while True:
+            status, body = daemon.get("/ready")
+            checks = json.loads(body)["checks"]
+            if checks["auth_grpc"]["status"] == "ok":
+                break
+            assert time.monotonic() < deadline, body
+            time.sleep(0.1)
+        assert status == 503 and checks["redis"]["status"] == "failed"
+    finally:
+        assert daemon.terminate() == 0
+        server.stop(0)
+    waited = [
+        json.loads(line)["message"]
+        for line in daemon.output().splitlines()
+        if "still waits" in line
+    ]
+    # Redis, and perhaps more on a loaded machine, named once.
+    assert len(waited) == 1, waited
+    assert waited[0].startswith("svc-proxy still waits for "), waited
+    assert waited[0].endswith(
+        "Redis after 1.0 s; listening anyway: auth fails closed (503) until svc-auth"
+        " answers, rate limits fail open until Redis does"
+    ), waited

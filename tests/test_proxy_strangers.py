@@ -47,7 +47,7 @@ CAP = 100 * 1024
 class StrangerHarness(Harness):
     @property
     def site(self) -> ProxySite:
-        site: ProxySite = self.service.listener.factory
+        site: ProxySite = self.service.site
         return site
 
     def protocolErrors(self, reason: str) -> float:

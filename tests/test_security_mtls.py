@@ -67,6 +67,11 @@ def writePEMs(directory: Path) -> PEMs:
     return paths
 
 
+# For a proxy whose channel to svc-auth is refused on purpose: it listens
+# without waiting for the channel.
+NEVER_READY = {"SVC_START_TIMEOUT": "100ms"}
+
+
 @attrs.frozen
 class TLSAuth:
     auth: Daemon
@@ -181,7 +186,9 @@ def test_noClientCertificateIsRefused(tlsAuth: TLSAuth) -> None:
     Server-authenticated TLS without a client certificate is refused by
     svc-auth's handshake.
     """
-    with tlsAuth.proxy("anonymous", SVC_AUTH_GRPC_TLS_CA=str(tlsAuth.pems.ca)) as proxy:
+    with tlsAuth.proxy(
+        "anonymous", SVC_AUTH_GRPC_TLS_CA=str(tlsAuth.pems.ca), **NEVER_READY
+    ) as proxy:
         assertRefused(tlsAuth, proxy)
 
 
@@ -196,6 +203,7 @@ def test_clientCertificateOfAnotherCAIsRefused(tlsAuth: TLSAuth) -> None:
         SVC_AUTH_GRPC_TLS_CA=str(pems.ca),
         SVC_AUTH_GRPC_TLS_CERT=str(pems.strangerCert),
         SVC_AUTH_GRPC_TLS_KEY=str(pems.strangerKey),
+        **NEVER_READY,
     ) as proxy:
         assertRefused(tlsAuth, proxy)
 
@@ -207,13 +215,14 @@ def test_plaintextAndUntrustedServerAreRefused(tlsAuth: TLSAuth) -> None:
     good client certificate.
     """
     pems = tlsAuth.pems
-    with tlsAuth.proxy("plaintext") as proxy:
+    with tlsAuth.proxy("plaintext", **NEVER_READY) as proxy:
         assertRefused(tlsAuth, proxy)
     with tlsAuth.proxy(
         "distrustful",
         SVC_AUTH_GRPC_TLS_CA=str(pems.otherCA),
         SVC_AUTH_GRPC_TLS_CERT=str(pems.clientCert),
         SVC_AUTH_GRPC_TLS_KEY=str(pems.clientKey),
+        **NEVER_READY,
     ) as proxy:
         assertRefused(tlsAuth, proxy)
 

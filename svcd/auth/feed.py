@@ -19,13 +19,17 @@ getting them stops trusting its cache after 500 ms.
 
 When the listener loses its connection, changes may be missed until it is
 back: the hub ends every stream (UNAVAILABLE) and refuses new ones until
-the listener listens again. A new stream starts with a snapshot of the
-token ids that may be accepted and of every limits row (from svc-auth's
-table of limits, L{svcd.auth.limits}), both read after the stream was
-registered, so that every change applied before the read is in the
-snapshot and every later one arrives as a change. (A change applied
-between the registration and the read comes twice: in the snapshot and
-after it, in order, which is harmless.)
+the listener listens again. When svc-auth stops, the hub ends every stream
+at once, as the gRPC server begins its stop, and refuses new ones
+(L{ChangeHub.stop}): a stream is a call that never ends by itself, and
+left open it would hold the gRPC server's stop for its whole grace period
+while its proxy stayed on a replica that is leaving. A new stream starts
+with a snapshot of the token ids that may be accepted and of every limits
+row (from svc-auth's table of limits, L{svcd.auth.limits}), both read
+after the stream was registered, so that every change applied before the
+read is in the snapshot and every later one arrives as a change. (A
+change applied between the registration and the read comes twice: in the
+snapshot and after it, in order, which is harmless.)
 
 Threads: the listener's thread calls the C{listener*}, C{*Changed} and
 C{heartbeat} methods; each stream runs in a grpcio server thread, blocked
@@ -59,6 +63,9 @@ DEFAULT_QUEUE_SIZE = 10_000
 SNAPSHOT_CHUNK_IDS = 16_384
 
 _HEARTBEAT = auth_pb2.Change(heartbeat=auth_pb2.Heartbeat())
+
+# Why the streams of a stopping svc-auth end (their status is UNAVAILABLE).
+STOPPING = "svc-auth is stopping"
 
 
 class FeedUnavailable(Exception):
@@ -159,6 +166,7 @@ class ChangeHub:
         self._lock = threading.Lock()
         self._streams: set[FeedStream] = set()
         self._listening = False
+        self._stopping = False
 
     # The listener's side.
 
@@ -212,16 +220,35 @@ class ChangeHub:
                 "Ended {count} change feed stream(s) whose proxy fell behind", count=len(behind)
             )
 
+    # svc-auth's stop.
+
+    def stop(self) -> int:
+        """
+        svc-auth is stopping: end every stream now and refuse new ones, so
+        that the proxies follow another replica's feed (or validate over
+        gRPC) instead of holding this one's stop for its whole grace
+        period. Returns how many streams were ended.
+        """
+        with self._lock:
+            self._stopping = True
+            streams, self._streams = self._streams, set()
+        for stream in streams:
+            stream.end(STOPPING)
+        return len(streams)
+
     # The streams' side.
 
     def open(self) -> FeedStream:
         """
         Register a new stream.
 
-        @raise FeedUnavailable: the listener is not listening.
+        @raise FeedUnavailable: the listener is not listening, or svc-auth
+            is stopping.
         @raise TooManyStreams: C{maxStreams} are open.
         """
         with self._lock:
+            if self._stopping:
+                raise FeedUnavailable(STOPPING)
             if not self._listening:
                 raise FeedUnavailable("svc-auth is not hearing PostgreSQL's notifications")
             if len(self._streams) >= self._maxStreams:

@@ -200,6 +200,15 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
     def metrics(self) -> AuthMetrics:
         return self._metrics
 
+    def endChangeFeeds(self) -> int:
+        """
+        svc-auth is stopping: end every change feed stream now and refuse
+        new ones (L{ChangeHub.stop}); how many were ended.
+        """
+        if self._hub is None:
+            return 0
+        return self._hub.stop()
+
     def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         """
         AuthService's method handlers, by method name, as grpcio's generated
@@ -518,8 +527,10 @@ class GrpcServerService(Service):
     The port is bound in privilegedStartService, which twistd calls before
     the reactor runs and after it has daemonised (grpcio must not be
     started before a fork), so a bind failure stops the start at once.
-    stopService refuses new calls and lets calls in flight finish for up to
-    C{gracePeriod} seconds, without blocking the reactor.
+    stopService refuses new calls, ends the change feed streams at once
+    (they never end by themselves, and would hold the stop for the whole
+    grace), and lets unary calls in flight finish for up to C{gracePeriod}
+    seconds, without blocking the reactor.
 
     Plaintext on an address that is not loopback is refused in production
     (L{svcd.auth.config}) and logged as a warning at start everywhere else
@@ -586,7 +597,16 @@ class GrpcServerService(Service):
             return succeed(None)
         if self._health is not None:
             self._health.enter_graceful_shutdown()
+        # The server takes no new call from now on, and says so on each
+        # connection (an HTTP/2 GOAWAY); then the feeds end, at once. On a
+        # proxy's connection the end of its stream thus follows the GOAWAY,
+        # so the calls it makes while its feed is down, and its next feed,
+        # go to another replica (or fail closed at once with none), never to
+        # this one, whose pending calls a stop cancels.
         stopped = server.stop(self._gracePeriod)
+        ended = self._servicer.endChangeFeeds()
+        if ended:
+            self.log.info("Ended {count} change feed stream(s): svc-auth is stopping", count=ended)
         waiting: Deferred[Any] = deferToThreadPool(
             self._reactor, self._reactor.getThreadPool(), stopped.wait, self._gracePeriod + 1.0
         )

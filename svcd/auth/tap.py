@@ -36,7 +36,7 @@ from svcd.auth.listener import ChangeListener
 from svcd.auth.store import Store, connectionPool
 from svcd.auth.web import AuthOperationsWeb, OperationsSite
 from svcd.common.config import ConfigError
-from svcd.common.lifecycle import exitZeroOnStopSignals, settleHeapWhenRunning
+from svcd.common.lifecycle import exitZeroOnStopSignals, notifySystemd, settleHeapWhenRunning
 from svcd.common.logs import LoggingRootService, daemonLogWriter, logSettings, makeObserver
 from svcd.common.metrics import BUCKETS, processUpGauge
 from svcd.common.readiness import Check, CheckFailed
@@ -253,4 +253,7 @@ def makeService(options: Options) -> IService:
     buildService(reactor, settings, root, tracing, logCalls=level <= LogLevel.debug)
     exitZeroOnStopSignals(reactor)
     settleHeapWhenRunning(reactor)
+    # Both ports serve once the reactor runs: a unit of Type=notify
+    # (etc/systemd) is started then.
+    reactor.callWhenRunning(notifySystemd, "READY=1")
     return root

@@ -77,6 +77,9 @@ class ProxyConfig:
     defaultRPM: int = 60
     orgRPM: Mapping[str, int] = attrs.field(factory=dict)
     shutdownTimeout: float = 10.0
+    # How long a starting proxy waits for svc-auth, Redis and the change
+    # feed before it listens anyway.
+    startTimeout: float = 5.0
     serviceName: str = "svc-proxy"
     environment: str = "development"
     # Decisions D9: SVC_PROVIDERS_FILE; None is Phase 1 (no provider).
@@ -134,6 +137,7 @@ class ProxyConfig:
             ),
             orgRPM=parseOrgOverrides(config.text(environ, "SVC_RATE_LIMIT_ORG_OVERRIDES", "")),
             shutdownTimeout=config.duration(environ, "SVC_SHUTDOWN_TIMEOUT", 10.0),
+            startTimeout=config.duration(environ, "SVC_START_TIMEOUT", 5.0),
             serviceName=config.text(environ, "SVC_SERVICE_NAME", "svc-proxy") or "svc-proxy",
             environment=config.choice(
                 environ, "SVC_ENV", "development", ("development", "staging", "production")

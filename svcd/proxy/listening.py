@@ -8,6 +8,14 @@ with C{SVC_REUSE_PORT=true}: each binds the same port with C{SO_REUSEPORT}
 and the kernel spreads new connections over them. The proxy keeps no
 state between requests (rate-limit counters live in Redis), so any worker
 can answer any request.
+
+Binding and listening are two steps (L{ProxyPort}). The port is bound
+when the daemon starts, so that a port in use stops it at once with one
+line, as any configuration error does; it listens only once the proxy is
+ready to answer (L{svcd.proxy.service}). Until then the kernel gives it no
+connection: a bound socket that does not listen has no accept queue, so
+a new connection goes to the workers of the port that do listen, or, with
+none, is refused at once rather than left waiting.
 """
 
 from __future__ import annotations
@@ -15,17 +23,9 @@ from __future__ import annotations
 import socket
 from typing import Any, cast
 
-from twisted.internet.defer import Deferred, fail, succeed
-from twisted.internet.endpoints import TCP4ServerEndpoint, TCP6ServerEndpoint
 from twisted.internet.error import CannotListenError
-from twisted.internet.interfaces import (
-    IListeningPort,
-    IProtocolFactory,
-    IReactorSocket,
-    IStreamServerEndpoint,
-)
+from twisted.internet.interfaces import IListeningPort, IProtocolFactory, IReactorSocket
 from twisted.logger import Logger
-from zope.interface import implementer
 
 # The accept queue. Twisted's default of 50 overflows when a few hundred
 # clients connect at once; the kernel then drops SYNs and the client
@@ -34,89 +34,99 @@ from zope.interface import implementer
 BACKLOG = 511
 
 
-@implementer(IStreamServerEndpoint)
-class SharedPortEndpoint:
+class ProxyPort:
     """
-    A TCP server endpoint whose socket has C{SO_REUSEPORT} set, so that
-    several processes of the same user can listen on one address and port.
+    The TCP socket of SVC_HOST and SVC_PORT (IPv6 when the host has a
+    colon), bound by L{bind} and listening from L{listen} on, with
+    C{SO_REUSEPORT} when C{reusePort} is set, so that several processes of
+    the same user can listen on one address and port.
 
-    Twisted's own TCP endpoints cannot set the option before binding; this
-    one binds and listens a socket itself and hands it to
+    Twisted's own TCP endpoints bind and listen in one step; this class
+    does both itself and hands the listening socket to
     L{IReactorSocket.adoptStreamPort}.
-    """
-
-    def __init__(self, reactor: IReactorSocket, host: str, port: int, backlog: int = BACKLOG):
-        self._reactor = reactor
-        self._host = host
-        self._port = port
-        self._backlog = backlog
-
-    def listen(self, protocolFactory: IProtocolFactory) -> Deferred[IListeningPort]:
-        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
-        listening = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            try:
-                # As Twisted does for its own listening ports: a restart
-                # must not wait for old connections in TIME_WAIT.
-                listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-                listening.bind((self._host, self._port))
-                listening.listen(self._backlog)
-                listening.setblocking(False)
-            except OSError as error:
-                return fail(CannotListenError(self._host, self._port, error))
-            # adoptStreamPort duplicates the descriptor; ours is closed below.
-            # (Twisted's stubs want a ServerFactory; any IProtocolFactory does.)
-            port = self._reactor.adoptStreamPort(
-                listening.fileno(), family, cast(Any, protocolFactory)
-            )
-            return succeed(port)
-        finally:
-            listening.close()
-
-
-@implementer(IStreamServerEndpoint)
-class AnnouncedEndpoint:
-    """
-    An endpoint that logs the address it listens on, once it does: with a
-    port of 0, or several workers on one port, the log is where an
-    operator (or a test) learns that this process is serving.
     """
 
     log = Logger()
 
-    def __init__(self, endpoint: IStreamServerEndpoint, shared: bool) -> None:
-        self._endpoint = endpoint
-        self._shared = shared
+    def __init__(
+        self, reactor: Any, host: str, port: int, reusePort: bool, backlog: int = BACKLOG
+    ) -> None:
+        self._reactor: IReactorSocket = reactor
+        self._host = host
+        self._port = port
+        self._reusePort = reusePort
+        self._backlog = backlog
+        self._family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._socket: socket.socket | None = None
 
-    def listen(self, protocolFactory: IProtocolFactory) -> Deferred[IListeningPort]:
-        def announce(port: IListeningPort) -> IListeningPort:
-            address: Any = port.getHost()
-            self.log.info(
-                "svc-proxy listening on {host}:{port}",
-                host=address.host,
-                port=address.port,
-                shared_port=self._shared,
+    @property
+    def bound(self) -> bool:
+        return self._socket is not None
+
+    def bind(self) -> None:
+        """
+        Bind the address, once (it is called where twistd binds ports,
+        before it gives up privileges).
+
+        @raise CannotListenError: the address is in use or not this host's.
+        """
+        if self._socket is not None:
+            return
+        bound = socket.socket(self._family, socket.SOCK_STREAM)
+        try:
+            # As Twisted does for its own listening ports: a restart must
+            # not wait for old connections in TIME_WAIT.
+            bound.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if self._reusePort:
+                bound.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            bound.bind((self._host, self._port))
+        except OSError as error:
+            bound.close()
+            raise CannotListenError(self._host, self._port, error) from None
+        self._socket = bound
+
+    def listen(self, protocolFactory: IProtocolFactory, waited: float) -> IListeningPort:
+        """
+        Listen on the bound socket (binding it first if need be) and serve
+        C{protocolFactory} there; log the address, and how many seconds the
+        proxy C{waited} for its dependencies first. With a port of 0, or
+        several workers on one port, that line is where an operator (or a
+        test) learns that this process is serving.
+
+        @raise CannotListenError: another socket listens on the address
+            without C{SO_REUSEPORT} (it bound while this one was waiting).
+        """
+        self.bind()
+        listening = self._socket
+        assert listening is not None
+        self._socket = None
+        try:
+            try:
+                listening.listen(self._backlog)
+                listening.setblocking(False)
+            except OSError as error:
+                raise CannotListenError(self._host, self._port, error) from None
+            # adoptStreamPort duplicates the descriptor; ours is closed below.
+            # (Twisted's stubs want a ServerFactory; any IProtocolFactory does.)
+            port: IListeningPort = self._reactor.adoptStreamPort(
+                listening.fileno(), self._family, cast(Any, protocolFactory)
             )
-            return port
+        finally:
+            listening.close()
+        address: Any = port.getHost()
+        self.log.info(
+            "svc-proxy listening on {host}:{port}, ready after {waited_s} s",
+            host=address.host,
+            port=address.port,
+            shared_port=self._reusePort,
+            waited_s=round(waited, 3),
+        )
+        return port
 
-        return self._endpoint.listen(protocolFactory).addCallback(announce)
-
-
-def listenEndpoint(reactor: Any, host: str, port: int, reusePort: bool) -> IStreamServerEndpoint:
-    """
-    The TCP endpoint for SVC_HOST and SVC_PORT (IPv6 when the host has a
-    colon), shared with other processes when C{reusePort} is set.
-    """
-    return AnnouncedEndpoint(_bareEndpoint(reactor, host, port, reusePort), reusePort)
-
-
-def _bareEndpoint(reactor: Any, host: str, port: int, reusePort: bool) -> IStreamServerEndpoint:
-    if reusePort:
-        return SharedPortEndpoint(reactor, host, port)
-    endpoint: object
-    if ":" in host:
-        endpoint = TCP6ServerEndpoint(reactor, port, backlog=BACKLOG, interface=host)  # type: ignore[no-untyped-call, unused-ignore]
-    else:
-        endpoint = TCP4ServerEndpoint(reactor, port, backlog=BACKLOG, interface=host)  # type: ignore[no-untyped-call, unused-ignore]
-    return cast(IStreamServerEndpoint, endpoint)
+    def close(self) -> None:
+        """
+        Give back a socket that was bound but never listened on.
+        """
+        bound, self._socket = self._socket, None
+        if bound is not None:
+            bound.close()

@@ -34,10 +34,10 @@ from svcd.proxy.http.edge import ProxyEdge
 from svcd.proxy.http.site import ProtocolErrors, ProxySite
 from svcd.proxy.http.twistedprivate import TwistedIncompatible, requireTwistedInternals
 from svcd.proxy.limits.book import LimitBook
-from svcd.proxy.limits.limiter import makeRateLimiter
-from svcd.proxy.listening import listenEndpoint
+from svcd.proxy.limits.limiter import RedisRateLimiter, makeRateLimiter
+from svcd.proxy.listening import ProxyPort
 from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.service import ClosableAuthClient, ProxyService
+from svcd.proxy.service import ClosableAuthClient, Dependency, ProxyService
 from svcd.proxy.validation.cache import CachingAuthClient, ValidationCache
 from svcd.proxy.validation.client import AuthClient, GrpcAuthClient, authChannel
 from svcd.proxy.validation.feed import ChangeFeed
@@ -124,6 +124,8 @@ def makeService(options: Options) -> LoggingRootService:
     )
     auth: AuthClient = grpcAuth
     service: ClosableAuthClient = grpcAuth
+    # What the proxy waits for before it listens (SVC_START_TIMEOUT).
+    dependencies = [Dependency("the gRPC channel to svc-auth", grpcAuth.channelReady)]
     if config.authCacheSize:
         # Decisions D8: validations from memory while svc-auth's change
         # feed is live; SVC_AUTH_CACHE_SIZE=0 leaves the Phase 1 client.
@@ -144,6 +146,7 @@ def makeService(options: Options) -> LoggingRootService:
         limitBook.feedLive = feed.live
         metrics.watchFeed(feed.live)
         auth = service = CachingAuthClient(grpcAuth, cache, feed, metrics)
+        dependencies.append(Dependency("the change feed's first snapshot", feed.settled))
     limiter = makeRateLimiter(
         reactor,
         reactor,
@@ -154,6 +157,8 @@ def makeService(options: Options) -> LoggingRootService:
         limitBook,
         grpcAuth.getSpend,
     )
+    if isinstance(limiter, RedisRateLimiter):
+        dependencies.append(Dependency("Redis", limiter.connected))
     forwarder = None
     if config.providers is not None:
         forwarder = Forwarder(
@@ -169,7 +174,7 @@ def makeService(options: Options) -> LoggingRootService:
         protocolErrors=ProtocolErrors(metrics.protocolErrors, reactor),
     )
     ProxyService(
-        listenEndpoint(reactor, config.host, config.port, config.reusePort),
+        ProxyPort(reactor, config.host, config.port, config.reusePort),
         edge,
         site,
         service,
@@ -177,6 +182,8 @@ def makeService(options: Options) -> LoggingRootService:
         reactor,
         config.shutdownTimeout,
         forwarder,
+        startTimeout=config.startTimeout,
+        dependencies=dependencies,
     ).setServiceParent(root)  # type: ignore[no-untyped-call, unused-ignore]
     exitZeroOnStopSignals(reactor)
     settleHeapWhenRunning(reactor)

@@ -258,6 +258,7 @@ async def listeningProxy(
     auth: FakeAuthClient,
     counters: MemoryCounters,
     maxRequestBodyBytes: int,
+    shutdownTimeout: float = 2.0,
     **siteOptions: float | None,
 ) -> tuple[Any, int]:
     """
@@ -266,12 +267,11 @@ async def listeningProxy(
     (early 413, timeouts, hostile clients) but no other process. Returns
     the started L{ProxyService} and its port; stop it with stopService.
     """
-    from twisted.internet.endpoints import TCP4ServerEndpoint
-
     from svcd.proxy.config import ProxyConfig
     from svcd.proxy.http.edge import ProxyEdge
     from svcd.proxy.http.site import ProtocolErrors, ProxySite
     from svcd.proxy.limits.limiter import RedisRateLimiter
+    from svcd.proxy.listening import ProxyPort
     from svcd.proxy.metrics import ProxyMetrics
     from svcd.proxy.service import ProxyService
 
@@ -288,15 +288,14 @@ async def listeningProxy(
         **siteOptions,  # type: ignore[arg-type]
     )
     service = ProxyService(
-        TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1"),
+        ProxyPort(reactor, "127.0.0.1", 0, reusePort=False),
         edge,
         site,
         auth,
         limiter,
         reactor,
-        shutdownTimeout=2.0,
+        shutdownTimeout=shutdownTimeout,
     )
     service.startService()
-    listener: Any = service.listener
-    port = await listener._waitingForPort
+    port: Any = await service.whenListening()
     return service, port.getHost().port

@@ -327,11 +327,24 @@ class ProxyEdge:
                 for idle in waiting:
                     idle.callback(None)
 
+    @property
+    def requestsInFlight(self) -> int:
+        """
+        How many requests are being answered now.
+        """
+        return self._inFlight
+
     def whenIdle(self) -> Deferred[None]:
         """
-        A Deferred that fires once no request is being answered.
+        A Deferred that fires once no request is being answered; cancelling
+        it (a stop's timeout) withdraws it.
         """
-        idle: Deferred[None] = Deferred()
+
+        def withdraw(waiter: Deferred[None]) -> None:
+            if waiter in self._idle:
+                self._idle.remove(waiter)
+
+        idle: Deferred[None] = Deferred(withdraw)
         if not self._inFlight:
             idle.callback(None)
         else:

@@ -74,6 +74,18 @@ Six rules, each against a kind of hostile or broken client:
     reason and logs each reason at most once a minute, never with the
     bytes received.
 
+When the proxy stops, the site drains its connections
+(L{ProxySite.drain}): from then on every answer carries C{Connection:
+close} and its connection is closed after it (an answer already being
+streamed finishes, then its connection closes); a keep-alive connection
+that is idle is closed once its client has been quiet for
+L{DRAIN_QUIET_SECONDS} since its last answer and nothing of a next request
+has arrived, read or unread. A client that keeps sending requests thus
+always gets one answered with C{Connection: close} and opens its next
+connection elsewhere; only one that sends at the very instant its idle
+connection closes can see it closed under its request, as with any HTTP/1.1
+server (RFC 9112, 9.6).
+
 Every status line carries its standard reason phrase (decisions D10):
 Twisted's table lacks some (429 would be "Unknown Status"), so
 L{BodyLimitedRequest.setResponseCode} takes them from L{http.HTTPStatus}.
@@ -87,12 +99,14 @@ C{Request._cleanup}) are checked there too.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 from http import HTTPStatus
 from io import BytesIO
 from typing import Any
 
 from prometheus_client import Counter
+from twisted.internet.defer import Deferred
 from twisted.internet.error import ConnectionDone
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
@@ -131,6 +145,13 @@ DEFAULT_REQUEST_TIMEOUT = 30.0
 # How long a refused upload is drained after the answer before the
 # connection is closed outright.
 LINGER_SECONDS = 2.0
+
+# While the proxy stops, a keep-alive connection without a request is
+# closed once its client has sent nothing for this long since the last
+# answer (or since it connected). A client busy on it sends its next
+# request well within it, which is answered with Connection: close; closing
+# at once would race every such client's next request.
+DRAIN_QUIET_SECONDS = 1.0
 
 # Seconds between two log lines about refusals of one reason.
 PROTOCOL_ERROR_LOG_INTERVAL = 60.0
@@ -233,6 +254,10 @@ class ProxyChannel(HTTPChannel):
 
     _readDeadline: IDelayedCall | None = None
     _lingerCall: IDelayedCall | None = None
+    _quietCall: IDelayedCall | None = None
+    # Bytes have arrived since the last answer (or the connection began):
+    # a request may be on its way even before its request line is whole.
+    _heard = False
     _lingerOnClose = False
     _lingering = False
     _drained = 0
@@ -245,6 +270,9 @@ class ProxyChannel(HTTPChannel):
     def connectionMade(self) -> None:
         super().connectionMade()
         self._armReadDeadline()
+        site = self.site
+        if site is not None and site.draining:
+            self.closeWhenDone()
 
     def _armReadDeadline(self) -> None:
         self._disarmReadDeadline()
@@ -274,9 +302,77 @@ class ProxyChannel(HTTPChannel):
         super().allContentReceived()
 
     def requestDone(self, request: Any) -> None:
+        # Bytes held back while the request was answered are replayed by
+        # HTTPChannel.requestDone, through dataReceived.
+        self._heard = False
         super().requestDone(request)
         if self.persistent and not handlingRequest(self) and self.transport is not None:
             self._armReadDeadline()
+
+    # The drain, when the proxy stops.
+
+    def writeHeaders(self, version: bytes, code: bytes, reason: bytes, headers: Any) -> None:
+        site = self.site
+        if site is not None and site.draining:
+            headers.setRawHeaders(b"connection", [b"close"])
+            self.persistent = False
+        super().writeHeaders(version, code, reason, headers)
+
+    def closeWhenDone(self) -> None:
+        """
+        The proxy is stopping: close this connection after the answer being
+        written, or, idle, once its client is quiet (see the module
+        docstring). Answers not begun yet say C{Connection: close}
+        (L{writeHeaders}).
+        """
+        if self.transport is None or self._lingering or self._refused:
+            return
+        if self.requests:
+            if self.requests[0].startedWriting:
+                # Its headers went without Connection: close; the
+                # connection closes once the answer is complete.
+                self.persistent = False
+            return
+        self._closeWhenQuiet()
+
+    def _closeWhenQuiet(self) -> None:
+        self._quietCall = None
+        transport: Any = self.transport
+        if transport is None or self.requests or self._heard:
+            # A request is arriving: it is answered with Connection: close.
+            return
+        quietFor = self._quietSeconds()
+        if quietFor < DRAIN_QUIET_SECONDS:
+            self._quietCall = self.callLater(DRAIN_QUIET_SECONDS - quietFor, self._closeWhenQuiet)
+            return
+        if _unreadBytes(transport):
+            # The reactor reads them next, and they are answered as above.
+            return
+        self.persistent = False
+        self.loseConnection()
+
+    def _quietSeconds(self) -> float:
+        """
+        How long the connection has waited for a request: since its request
+        deadline was armed (when it connected or its last answer was sent),
+        read off that timer so that the hot path keeps no clock of its own.
+        """
+        deadline = self._readDeadline
+        if deadline is None or not deadline.active() or self.requestTimeout is None:
+            return 0.0
+        now: float = self.site.reactor.seconds()
+        return max(0.0, now - (deadline.getTime() - self.requestTimeout))
+
+    def abort(self) -> bool:
+        """
+        Close the connection at once (the shutdown timeout has passed);
+        True when a request was being read or answered on it.
+        """
+        busy = bool(self.requests)
+        transport: Any = self.transport
+        if transport is not None:
+            transport.abortConnection()
+        return busy
 
     # Refusals by the parser, answered and counted.
 
@@ -284,6 +380,7 @@ class ProxyChannel(HTTPChannel):
         if self._lingering or self._refused:
             self._drain(data)
             return
+        self._heard = True
         super().dataReceived(data)
 
     def lineReceived(self, line: bytes) -> None:
@@ -434,7 +531,13 @@ class ProxyChannel(HTTPChannel):
         if self._lingerCall is not None and self._lingerCall.active():
             self._lingerCall.cancel()
         self._lingerCall = None
+        if self._quietCall is not None and self._quietCall.active():
+            self._quietCall.cancel()
+        self._quietCall = None
         super().connectionLost(reason)
+        site = self.site
+        if site is not None:
+            site.connectionClosed(self)
 
 
 class BodyLimitedRequest(Request):
@@ -542,6 +645,24 @@ class BodyLimitedRequest(Request):
         self.releaseBody()
 
 
+def _unreadBytes(transport: Any) -> bool:
+    """
+    Has the client sent bytes that the reactor has not read yet? A peek
+    at the socket, which leaves them for the reactor; a transport without
+    a socket has none.
+    """
+    getHandle = getattr(transport, "getHandle", None)
+    if getHandle is None:
+        return False
+    try:
+        return bool(getHandle().recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        # Reset or otherwise broken: nothing to read, the close goes on.
+        return False
+
+
 def _heldBodiesFull() -> ApiError:
     return ApiError(
         ErrorCode.SERVICE_DEGRADED,
@@ -595,6 +716,10 @@ class ProxySite(Site):
         self.bodyWanted = bodyWanted
         self.protocolErrors = protocolErrors
         self.noisy = False
+        # Open connections, so that a stop can drain them.
+        self.draining = False
+        self._connections: set[ProxyChannel] = set()
+        self._drained: list[Deferred[None]] = []
 
     def reserveBody(self, request: BodyLimitedRequest, size: int) -> bool:
         """
@@ -613,7 +738,60 @@ class ProxySite(Site):
     def buildProtocol(self, addr: Any) -> Any:
         channel = super().buildProtocol(addr)
         channel.requestTimeout = self.requestTimeout
+        self._connections.add(channel)
         return channel
+
+    # The drain (see the module docstring).
+
+    @property
+    def openConnections(self) -> int:
+        return len(self._connections)
+
+    def connectionClosed(self, channel: ProxyChannel) -> None:
+        """
+        C{channel}'s connection is closed.
+        """
+        self._connections.discard(channel)
+        if not self._connections and self._drained:
+            waiting, self._drained = self._drained, []
+            for each in waiting:
+                each.callback(None)
+
+    def drain(self) -> None:
+        """
+        Begin closing every connection as its answers end: from now on each
+        answer says C{Connection: close}, and idle connections close once
+        their client is quiet.
+        """
+        self.draining = True
+        for channel in list(self._connections):
+            channel.closeWhenDone()
+
+    def whenDrained(self) -> Deferred[None]:
+        """
+        A Deferred that fires once no connection is open; cancelling it
+        withdraws it.
+        """
+
+        def withdraw(waiter: Deferred[None]) -> None:
+            if waiter in self._drained:
+                self._drained.remove(waiter)
+
+        drained: Deferred[None] = Deferred(withdraw)
+        if self._connections:
+            self._drained.append(drained)
+        else:
+            drained.callback(None)
+        return drained
+
+    def closeConnections(self) -> tuple[int, int]:
+        """
+        Close every connection still open, at once: how many, and how many
+        of them were reading or answering a request.
+        """
+        channels = list(self._connections)
+        busy = sum(channel.abort() for channel in channels)
+        return len(channels), busy
 
     def log(self, request: Any) -> None:
         pass

@@ -812,6 +812,13 @@ class RedisRateLimiter:
     def stop(self) -> Deferred[None]:
         return self._counters.stop()
 
+    def connected(self) -> bool:
+        """
+        Is the connection to Redis up? (What a starting proxy waits for
+        before it listens.)
+        """
+        return self._counters.connected
+
 
 # Stands in for a hit withdrawn after its call was sent.
 _WITHDRAWN: Deferred[Any] = succeed(None)

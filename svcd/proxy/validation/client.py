@@ -7,6 +7,7 @@ not a clear answer becomes a 503.
 
 from __future__ import annotations
 
+import json
 import time
 from collections import deque
 from collections.abc import Callable
@@ -158,6 +159,33 @@ def authChannel(config: ProxyConfig) -> Any:
 # service resumes within a second or so of svc-auth's return; calls made
 # while the channel is down still fail at once (no wait_for_ready), which
 # is what failing closed needs.
+#
+# A stopping svc-auth cancels the calls it had received but not yet begun
+# (gRPC's server shutdown does; it also tells the channel to go elsewhere).
+# ValidateToken and ValidateAgent only read, so a call svc-auth cancelled
+# is sent once more, within the same deadline, to the replica the channel
+# then uses (SVC_AUTH_GRPC_ADDR may name several): a rolling restart of
+# the replicas then fails no request. A call the proxy cancels itself (its
+# client went away) is never retried, and no other failure is.
+RETRY_SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [
+                    {"service": "svc.auth.v1.AuthService", "method": "ValidateToken"},
+                    {"service": "svc.auth.v1.AuthService", "method": "ValidateAgent"},
+                ],
+                "retryPolicy": {
+                    "maxAttempts": 2,
+                    "initialBackoff": "0.005s",
+                    "maxBackoff": "0.02s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["CANCELLED"],
+                },
+            }
+        ]
+    }
+)
 CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
@@ -167,6 +195,8 @@ CHANNEL_OPTIONS = (
     ("grpc.keepalive_timeout_ms", 2_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.enable_retries", 1),
+    ("grpc.service_config", RETRY_SERVICE_CONFIG),
 )
 
 
@@ -292,6 +322,7 @@ class GrpcAuthClient:
         self._getSpendMethod: Any = None
         self._unavailable = ThrottledWarning(self.log, clock)
         self._ready: Any = None
+        self._channelReady = False
         self._closed = False
 
     def _connect(self) -> None:
@@ -373,7 +404,15 @@ class GrpcAuthClient:
             await deferredFromFuture(self._reactor, ready)
         except CancelledError:
             return
+        self._channelReady = True
         self.log.info("gRPC channel to svc-auth {address} is ready", address=self._address())
+
+    def channelReady(self) -> bool:
+        """
+        Has the channel connected to svc-auth since L{start}? (What a
+        starting proxy waits for before it listens.)
+        """
+        return self._channelReady
 
     def _address(self) -> str:
         target = getattr(self._channel, "_target", None)

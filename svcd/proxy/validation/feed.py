@@ -106,11 +106,24 @@ class FeedCall(Protocol):
 
 def _describe(error: BaseException) -> str:
     """
-    A gRPC status name for a failed call, else the exception's type.
+    A gRPC status name for a failed call, with its details when it has
+    some ("UNAVAILABLE: svc-auth is stopping"), else the exception's type.
     """
     code = getattr(error, "code", None)
     name = getattr(code(), "name", None) if callable(code) else None
-    return str(name) if name else type(error).__name__
+    if not name:
+        return type(error).__name__
+    details = getattr(error, "details", None)
+    text = details() if callable(details) else None
+    return f"{name}: {text}" if text else str(name)
+
+
+class _Session:
+    """
+    One attempt at the stream, as its reading thread sees it.
+    """
+
+    began = False
 
 
 class ChangeFeed:
@@ -161,6 +174,7 @@ class ChangeFeed:
         self._lastApplied = float("-inf")
         self._wasLive = False
         self._everLive = False
+        self._noFeed = False
         self._downSince: float | None = None
         self._failedAttempts = 0
         # Callers waiting for heartbeats, by the heartbeat count they wait
@@ -205,6 +219,14 @@ class ChangeFeed:
             and now - self._lastRead <= self._maxAge
             and now - self._lastApplied <= self._maxLag
         )
+
+    def settled(self) -> bool:
+        """
+        Has the feed's first snapshot arrived, or has svc-auth answered that
+        it has no feed (UNIMPLEMENTED, an svc-auth of Phase 1)? What a
+        starting proxy waits for before it listens.
+        """
+        return self._everLive or self._noFeed
 
     def afterHeartbeats(self, count: int) -> Deferred[None]:
         """
@@ -253,6 +275,7 @@ class ChangeFeed:
         failures = 0
         while not self._stopping.is_set():
             reason = "ended"
+            session = _Session()
             try:
                 call = self._openStream()
                 with self._lock:
@@ -260,14 +283,17 @@ class ChangeFeed:
                 if self._stopping.is_set():
                     call.cancel()
                     return
-                if self._follow(call):
-                    failures = 0
+                self._follow(call, session)
             except Exception as error:
                 # Any end of the stream is an outage.
                 reason = _describe(error)
             finally:
                 with self._lock:
                     self._call = None
+            if session.began:
+                # A stream that served ends (svc-auth stopping, say): the
+                # next attempt, perhaps on another replica, starts quick.
+                failures = 0
             if self._stopping.is_set():
                 return
             self._reactor.callFromThread(self._lost, reason)
@@ -275,9 +301,10 @@ class ChangeFeed:
             failures += 1
             self._stopping.wait(delay)
 
-    def _follow(self, call: FeedCall) -> bool:
+    def _follow(self, call: FeedCall, session: _Session) -> None:
         """
-        Read one stream until it ends; True when its snapshot arrived.
+        Read one stream until it ends, noting in C{session} when its
+        snapshot arrived.
         """
         chunks: list[bytes] | None = []
         limitRows: list[LimitsRow | BudgetRow] = []
@@ -296,6 +323,7 @@ class ChangeFeed:
                     for chunk in chunks:
                         known.addPacked(chunk)
                     chunks = None
+                    session.began = True
                     self._reactor.callFromThread(self._started, known, limitRows, receivedAt)
                 # Changes cannot come before the snapshot's end; anything
                 # else there is ignored.
@@ -310,7 +338,6 @@ class ChangeFeed:
                 row = rowOf(change)
                 if row is not None:
                     self._reactor.callFromThread(self._limitsChanged, row, receivedAt)
-        return chunks is None
 
     # The reactor thread.
 
@@ -372,6 +399,8 @@ class ChangeFeed:
 
     def _lost(self, reason: str) -> None:
         self._inSession = False
+        if reason.partition(":")[0] == "UNIMPLEMENTED":
+            self._noFeed = True
         self._failWaiters()
         if self._downSince is None:
             self._downSince = self._clock.seconds()
