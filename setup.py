@@ -64,6 +64,10 @@ setup(
         "opentelemetry-sdk>=1.25",
         "opentelemetry-exporter-otlp-proto-grpc>=1.25",
         "attrs>=23.1",
+        # The parser of provider answers (svcd/proxy/forwarding/http1.py):
+        # llhttp, Node's HTTP/1.1 parser, in C, strict by default; a
+        # hand-written one was lenient where smuggling lives.
+        "httptools>=0.6.2",
     ],
     extras_require={
         "test": [
@@ -90,6 +94,10 @@ setup(
             # end-to-end tests use it as their client, and the scripted
             # upstream of svcd/testing/upstream.py is checked against it.
             "openai>=1.40",
+            # A second, independent HTTP/1.1 parser: tests/test_proxy_http1.py
+            # checks that the proxy's client accepts and refuses answers as it
+            # does, and reads the same bodies.
+            "h11>=0.14",
         ],
     },
     entry_points={

@@ -13,27 +13,54 @@ client CPU per request, against 27 for a protocol that writes the
 request in one piece and reads the answer with a few C{find}s. Forwarding
 then cost the proxy as much again as the request's whole pipeline.
 
+Why the answer is read by httptools (llhttp) and not by code of ours: an
+HTTP/1.1 parser is where request smuggling and response splitting live,
+and a hand-written one was lenient where it must not be (C{Transfer-Encoding:
+gzip, chunked} relayed as if plain, a chunk size of C{" 2"} accepted, a
+bare LF hiding a header; Twisted's own lenient chunk-size rule was
+CVE-2022-24801). llhttp is the parser of Node.js and, through httptools,
+of uvicorn: written in C from a grammar, fuzzed, strict by default
+(bare CR or LF, control bytes in a header, whitespace or an overflow in a
+chunk size, C{Content-Length} twice are errors), and it reads a 64 KiB
+buffer of small chunks without copying it again per chunk.
+
 What this client does, and no more:
 
   - One request per connection at a time (no pipelining), the request
     written in one write: a head made once per provider plus the
     request's own headers and body.
-  - Answers framed as RFC 9112 section 6 says: no body for 204 and 304,
-    chunked (extensions and trailers read and dropped), a Content-Length,
-    or everything until the server closes. Interim 1xx answers are
-    skipped. A malformed answer (a head over L{MAX_HEAD_BYTES}, a bad
-    status line, conflicting lengths, a bad chunk) fails the request and
+  - Answers framed as RFC 9112 section 6 says, by llhttp: no body for 1xx,
+    204 and 304, chunked (extensions and trailers read and dropped), a
+    C{Content-Length}, or everything until the server closes. Interim
+    answers (100 Continue, 103 Early Hints) are skipped; a 101 was never
+    asked for and is refused. A malformed answer fails the request and
     closes the connection.
-  - A connection is used again when its answer was complete and both
-    sides meant to keep it (HTTP/1.1 without C{Connection: close}, or
-    HTTP/1.0 with C{keep-alive}); an idle connection is used again only
-    within C{idleSeconds} of its last answer, below the keep-alive timeout
-    of common servers, so that a request is seldom written into a
-    connection the server is closing. Older ones are closed when found.
+  - What llhttp allows and we do not, checked here (each is a rule of
+    RFC 9112 that llhttp leaves to its user): a transfer coding other than
+    C{chunked} (we ask for none; C{gzip, chunked} would otherwise be
+    relayed as compressed bytes), an HTTP version other than 1.0 and 1.1,
+    a status below 100; a head over L{MAX_HEAD_BYTES}, more than
+    L{MAX_TRAILERS} trailers, and a chunk or trailer line that keeps the
+    parser reading past L{MAX_LINE_BYTES} (llhttp bounds none of these).
+  - What llhttp refuses and we allow, on purpose: C{Transfer-Encoding:
+    chunked} together with C{Content-Length} (RFC 9112 section 6.3: the
+    transfer coding wins, and the connection is closed after the answer;
+    llhttp's C{lenient_chunked_length} allows exactly this).
+  - A connection is used again when its answer was complete, nothing came
+    after it, and both sides meant to keep it (llhttp's
+    C{should_keep_alive}: HTTP/1.1 without C{Connection: close}, or HTTP/1.0
+    with C{keep-alive}), and never after an answer whose framing RFC 9112
+    section 6.1 calls faulty (C{Transfer-Encoding} in HTTP/1.0, or with
+    C{Content-Length}). An idle connection is used again only within
+    C{idleSeconds} of its last answer, below the keep-alive timeout of
+    common servers, so that a request is seldom written into a connection
+    the server is closing. Older ones are closed when found.
   - The body goes to an C{IProtocol} (C{deliverBody}, as Twisted's
     C{IResponse}), whose transport pauses, resumes and stops the
     connection: a slow client pauses the upstream's socket, and stopping
-    closes it at once.
+    closes it at once. Each read's body bytes go to the protocol in one
+    C{dataReceived}; what a read brought while the protocol is paused (and
+    the answer's end) waits for it to resume.
   - Cancelling a request before its answer's head closes its connection.
 
 Redirects are not followed (one would carry the provider's key
@@ -46,9 +73,15 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
+from httptools import HttpParserError, HttpParserUpgrade, HttpResponseParser
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
-from twisted.internet.error import ConnectingCancelledError, ConnectionDone, ConnectionLost
+from twisted.internet.error import (
+    ConnectingCancelledError,
+    ConnectionAborted,
+    ConnectionDone,
+    ConnectionLost,
+)
 from twisted.internet.interfaces import IProtocol, IPushProducer, IStreamClientEndpoint
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.ssl import optionsForClientTLS
@@ -59,12 +92,17 @@ from zope.interface import implementer
 
 from svcd.common.clocks import Clock
 
-# The longest answer head (status line and headers) read.
+# The longest answer head (status line and headers, interim heads
+# included) read.
 MAX_HEAD_BYTES = 64 * 1024
-# The longest chunk-size line (with its extensions) or trailer line.
+# The longest chunk-size line (with its extensions) or trailer line; one
+# that is longer is refused by the read that takes it past this bound.
 MAX_LINE_BYTES = 4096
+# The most trailers an answer may have (they are read and dropped).
+MAX_TRAILERS = 64
 
 _NO_BODY = frozenset({204, 304})
+_VERSIONS = frozenset({"1.0", "1.1"})
 
 
 class BadAnswer(Exception):
@@ -91,8 +129,9 @@ class AnswerHeaders:
 class UpstreamAnswer:
     """
     An upstream's answer: its status and headers, and its body for
-    L{deliverBody}. Body bytes that come before a protocol is given are
-    kept for it.
+    L{deliverBody}. Body bytes that come before a protocol is given, or
+    while it is paused, are kept for it (a list of the reads' bytes, joined
+    once when delivered), and so is the body's end.
     """
 
     def __init__(self, connection: _Connection, code: int, headers: AnswerHeaders) -> None:
@@ -100,8 +139,10 @@ class UpstreamAnswer:
         self.headers = headers
         self._connection = connection
         self._protocol: IProtocol | None = None
-        self._early: list[bytes] = []
+        self._held: list[bytes] = []
         self._end: Failure | None = None
+        self._paused = False
+        self._stopped = False
 
     def deliverBody(self, protocol: IProtocol) -> None:
         """
@@ -112,30 +153,62 @@ class UpstreamAnswer:
         """
         self._protocol = protocol
         protocol.makeConnection(_BodyProducer(self._connection, self))  # type: ignore[arg-type]
-        early, self._early = self._early, []
-        for piece in early:
-            protocol.dataReceived(piece)
-        if self._end is not None:
-            protocol.connectionLost(self._end)
+        self._flush()
 
-    def _data(self, piece: bytes) -> None:
-        if self._protocol is not None:
-            self._protocol.dataReceived(piece)
+    def _data(self, data: bytes) -> None:
+        protocol = self._protocol
+        if self._stopped:
+            return
+        if protocol is None or self._paused or self._held:
+            self._held.append(data)
         else:
-            self._early.append(piece)
+            protocol.dataReceived(data)
 
     def _finished(self, reason: Failure) -> None:
-        if self._protocol is not None:
-            self._protocol.connectionLost(reason)
-        else:
-            self._end = reason
+        self._end = reason
+        self._flush()
+
+    def _flush(self) -> None:
+        """
+        Deliver what is held, then the end, for as long as the protocol is
+        not paused (it may pause again as it takes them).
+        """
+        protocol = self._protocol
+        if protocol is None:
+            return
+        while self._held and not self._paused:
+            held, self._held = self._held, []
+            protocol.dataReceived(held[0] if len(held) == 1 else b"".join(held))
+        if self._end is not None and not self._paused and not self._held:
+            end, self._end = self._end, None
+            protocol.connectionLost(end)
+
+    def _pause(self) -> None:
+        self._paused = True
+
+    def _resume(self) -> None:
+        self._paused = False
+        self._flush()
+
+    def _stop(self) -> None:
+        """
+        The protocol wants no more: what is held is dropped, and an end
+        that was waiting for it says the body was not all delivered.
+        """
+        self._stopped = True
+        self._paused = False
+        self._held = []
+        if self._end is not None:
+            self._end = Failure(ConnectionAborted())
+            self._flush()
 
 
 @implementer(IPushProducer)
 class _BodyProducer:
     """
-    The transport of a body's protocol: acts on the connection only while
-    that connection still carries this answer.
+    The transport of a body's protocol: pauses and resumes the answer (what
+    was read already waits in it) and, while the connection still carries
+    this answer, the connection's reading too.
     """
 
     def __init__(self, connection: _Connection, answer: UpstreamAnswer) -> None:
@@ -146,20 +219,148 @@ class _BodyProducer:
         return self._connection.answer is self._answer
 
     def pauseProducing(self) -> None:
-        if self._current() and self._connection.transport is not None:
-            self._connection.transport.pauseProducing()  # type: ignore[attr-defined]
+        self._answer._pause()
+        if self._current():
+            self._connection.pauseReading()
 
     def resumeProducing(self) -> None:
-        if self._current() and self._connection.transport is not None:
-            self._connection.transport.resumeProducing()  # type: ignore[attr-defined]
+        self._answer._resume()
+        if self._current() and not self._answer._paused:
+            self._connection.resumeReading()
 
     def stopProducing(self) -> None:
+        self._answer._stop()
         if self._current():
             self._connection.abort()
 
 
-# How the body of the answer being read is framed.
-_HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILERS, _UNTIL_CLOSE, _IDLE = range(8)
+class _Stop(Exception):
+    """
+    Raised from a parser callback to stop reading: bytes after the answer.
+    """
+
+
+class _AnswerReader:
+    """
+    The callbacks of one connection's llhttp parser (httptools calls them
+    by these names), noting what the bytes fed to it said: the final
+    answer's head, its body pieces, its end, or why it is refused. The
+    connection acts on them once C{feed_data} returns, so that nothing of
+    ours (the body's protocol, the pool) runs inside the parser.
+    """
+
+    def __init__(self) -> None:
+        self.parser = HttpResponseParser(self)
+        # Both Transfer-Encoding and Content-Length: read as chunked (the
+        # connection is then closed); llhttp refuses it without this, and
+        # this leniency changes nothing else.
+        self.parser.set_dangerous_leniencies(lenient_chunked_length=True)
+        self.events = 0
+        self.expect()
+
+    def expect(self) -> None:
+        """
+        A request was written: its answer is read from here.
+        """
+        self.headers: dict[bytes, list[bytes]] = {}
+        self.headBytes = 0
+        self.interim = False
+        self.headDone = False
+        self.code = 0
+        self.chunked = False
+        self.chunkSeen = False
+        self.untilClose = False
+        self.keep = False
+        self.complete = False
+        self.after = False
+        self.fault: BadAnswer | None = None
+        self.pieces: list[bytes] = []
+        self.trailers = 0
+
+    def refuse(self, why: str) -> BadAnswer:
+        self.fault = BadAnswer(why)
+        return self.fault
+
+    # httptools' callbacks.
+
+    def on_message_begin(self) -> None:
+        self.events += 1
+        if self.complete:
+            # Bytes after the answer (no request asked for them).
+            self.after = True
+            raise _Stop()
+        self.headers = {}
+        self.headBytes = 0
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.events += 1
+        self.headBytes += len(name) + len(value) + 4
+        if self.headDone:
+            # A trailer: read and dropped.
+            self.trailers += 1
+            if self.trailers > MAX_TRAILERS or self.headBytes > MAX_HEAD_BYTES:
+                raise self.refuse("too many trailers")
+            return
+        # llhttp leaves the value's trailing whitespace in.
+        self.headers.setdefault(name.lower(), []).append(value.rstrip(b" \t"))
+
+    def on_headers_complete(self) -> None:
+        self.events += 1
+        parser = self.parser
+        if self.headBytes > MAX_HEAD_BYTES:
+            raise self.refuse("answer head too large")
+        if parser.get_http_version() not in _VERSIONS:
+            raise self.refuse("not an HTTP/1.1 or HTTP/1.0 answer")
+        code = parser.get_status_code()
+        if code < 200:
+            if code < 100 or code == 101:
+                raise self.refuse(f"status {code}")
+            # Interim (100 Continue, 103 Early Hints): the answer follows.
+            self.interim = True
+            return
+        headers = self.headers
+        keep = parser.should_keep_alive()
+        if code not in _NO_BODY:
+            codings = headers.get(b"transfer-encoding")
+            if codings is not None:
+                # RFC 9110 section 5.6.1: a list, empty elements ignored.
+                tokens = [
+                    token
+                    for value in codings
+                    for each in value.split(b",")
+                    if (token := each.strip(b" \t").lower())
+                ]
+                if tokens != [b"chunked"]:
+                    raise self.refuse("a transfer coding other than chunked")
+                self.chunked = True
+                if b"content-length" in headers or parser.get_http_version() == "1.0":
+                    # RFC 9112 section 6.1 and 6.3: faulty framing, read
+                    # as chunked and closed after.
+                    keep = False
+            elif b"content-length" not in headers:
+                self.untilClose = True
+        self.code = code
+        self.keep = keep
+        self.headDone = True
+
+    def on_chunk_header(self) -> None:
+        self.events += 1
+        self.chunkSeen = True
+
+    def on_body(self, body: bytes) -> None:
+        self.events += 1
+        if self.chunked and not self.chunkSeen:
+            # We read chunked framing where llhttp did not: never relay
+            # the chunks' framing as the body.
+            raise self.refuse("framing unclear")
+        self.pieces.append(body)
+
+    def on_message_complete(self) -> None:
+        self.events += 1
+        if self.interim:
+            self.interim = False
+            return
+        self.complete = True
 
 
 class _Connection(Protocol):
@@ -169,18 +370,22 @@ class _Connection(Protocol):
 
     def __init__(self, pool: ConnectionPool) -> None:
         self._pool = pool
-        self._state = _IDLE
-        self._buffer = b""
+        self._reader = _AnswerReader()
+        self._asked = False
+        self._headFed = 0
+        self._quiet = 0
         self._waiting: Deferred[UpstreamAnswer] | None = None
         self.answer: UpstreamAnswer | None = None
-        self._remaining = 0
-        self._keep = False
+        self._readingPaused = False
         self.idleSince = 0.0
         self.lost = False
+        self.closing = False
 
     def request(self, data: bytes) -> Deferred[UpstreamAnswer]:
-        self._state = _HEAD
-        self._buffer = b""
+        self._asked = True
+        self._reader.expect()
+        self._headFed = 0
+        self._quiet = 0
         waiting: Deferred[UpstreamAnswer] = Deferred(lambda _: self.abort())
         self._waiting = waiting
         assert self.transport is not None
@@ -188,173 +393,97 @@ class _Connection(Protocol):
         return waiting
 
     def abort(self) -> None:
+        self.closing = True
         if self.transport is not None and not self.lost:
             self.transport.abortConnection()  # type: ignore[attr-defined]
+
+    def pauseReading(self) -> None:
+        if not self._readingPaused and self.transport is not None:
+            self._readingPaused = True
+            self.transport.pauseProducing()  # type: ignore[attr-defined]
+
+    def resumeReading(self) -> None:
+        if self._readingPaused and self.transport is not None:
+            self._readingPaused = False
+            self.transport.resumeProducing()  # type: ignore[attr-defined]
 
     # Reading the answer.
 
     def dataReceived(self, data: bytes) -> None:
-        if self._state == _IDLE:
+        if not self._asked:
             # Nothing was asked: a server that talks out of turn.
             self.abort()
             return
-        self._buffer = self._buffer + data if self._buffer else data
+        reader = self._reader
+        events = reader.events
         try:
-            self._read()
-        except BadAnswer as error:
-            self._fail(Failure(error))
+            reader.parser.feed_data(data)
+        except (HttpParserError, HttpParserUpgrade) as error:
+            if reader.complete:
+                reader.after = True
+            elif reader.fault is None:
+                reader.refuse(f"unreadable answer: {error}")
+        if reader.fault is None and not reader.complete:
+            self._bound(reader, len(data), events)
+        self._act(reader)
 
-    def _read(self) -> None:
-        while self._buffer:
-            state = self._state
-            if state == _HEAD:
-                if not self._readHead():
-                    return
-            elif state == _LENGTH:
-                piece = self._buffer[: self._remaining]
-                self._buffer = self._buffer[len(piece) :]
-                self._remaining -= len(piece)
-                if self._remaining == 0:
-                    self._complete(piece)
-                    return
-                self._deliver(piece)
-            elif state == _UNTIL_CLOSE:
-                piece, self._buffer = self._buffer, b""
-                self._deliver(piece)
-                return
-            elif state == _CHUNK_SIZE:
-                line = self._line()
-                if line is None:
-                    return
-                size = line.split(b";", 1)[0].strip()
-                if not size or size.strip(b"0123456789abcdefABCDEF"):
-                    raise BadAnswer("bad chunk size")
-                self._remaining = int(size, 16)
-                self._state = _CHUNK_DATA if self._remaining else _TRAILERS
-            elif state == _CHUNK_DATA:
-                piece = self._buffer[: self._remaining]
-                self._buffer = self._buffer[len(piece) :]
-                self._remaining -= len(piece)
-                if self._remaining == 0:
-                    self._state = _CHUNK_END
-                self._deliver(piece)
-            elif state == _CHUNK_END:
-                if len(self._buffer) < 2:
-                    return
-                if self._buffer[:2] != b"\r\n":
-                    raise BadAnswer("chunk not followed by CRLF")
-                self._buffer = self._buffer[2:]
-                self._state = _CHUNK_SIZE
-            elif state == _TRAILERS:
-                line = self._line()
-                if line is None:
-                    return
-                if not line:
-                    self._complete(b"")
-                    return
-            else:
-                return
-
-    def _line(self) -> bytes | None:
-        end = self._buffer.find(b"\r\n")
-        if end < 0:
-            if len(self._buffer) > MAX_LINE_BYTES:
-                raise BadAnswer("line too long")
-            return None
-        line = self._buffer[:end]
-        self._buffer = self._buffer[end + 2 :]
-        return line
-
-    def _readHead(self) -> bool:
-        end = self._buffer.find(b"\r\n\r\n")
-        if end < 0:
-            if len(self._buffer) > MAX_HEAD_BYTES:
-                raise BadAnswer("answer head too large")
-            return False
-        if end > MAX_HEAD_BYTES:
-            raise BadAnswer("answer head too large")
-        head = self._buffer[:end]
-        self._buffer = self._buffer[end + 4 :]
-        lines = head.split(b"\r\n")
-        version, code = _statusLine(lines[0])
-        values: dict[bytes, list[bytes]] = {}
-        for line in lines[1:]:
-            name, colon, value = line.partition(b":")
-            if not colon or not name or name != name.strip() or b" " in name:
-                raise BadAnswer("bad header line")
-            values.setdefault(name.lower(), []).append(value.strip(b" \t"))
-        if 100 <= code < 200:
-            # Interim (100 Continue, 103 Early Hints): the answer follows.
-            return True
-        self._frame(version, code, values)
-        answer = self.answer = UpstreamAnswer(self, code, AnswerHeaders(values))
-        waiting, self._waiting = self._waiting, None
-        if self._state == _IDLE:
-            # No body: complete already.
-            self._done(answer, Failure(ResponseDone()))
-        if waiting is not None:
-            waiting.callback(answer)
-        return self._state != _IDLE
-
-    def _frame(self, version: bytes, code: int, values: dict[bytes, list[bytes]]) -> None:
-        tokens = {
-            token.strip().lower()
-            for value in values.get(b"connection", ())
-            for token in value.split(b",")
-        }
-        self._keep = (version == b"HTTP/1.1" and b"close" not in tokens) or (
-            version == b"HTTP/1.0" and b"keep-alive" in tokens
-        )
-        codings = values.get(b"transfer-encoding")
-        lengths = values.get(b"content-length")
-        if code in _NO_BODY:
-            self._state = _IDLE
-        elif codings:
-            if b",".join(codings).rsplit(b",", 1)[-1].strip().lower() == b"chunked":
-                self._state = _CHUNK_SIZE
-            else:
-                self._state, self._keep = _UNTIL_CLOSE, False
-        elif lengths:
-            distinct = {each.strip() for value in lengths for each in value.split(b",")}
-            if len(distinct) != 1:
-                raise BadAnswer("conflicting Content-Length")
-            (length,) = distinct
-            if not length.isdigit():
-                raise BadAnswer("bad Content-Length")
-            self._remaining = int(length)
-            self._state = _LENGTH if self._remaining else _IDLE
+    def _bound(self, reader: _AnswerReader, size: int, events: int) -> None:
+        """
+        What llhttp does not bound: the bytes of an unfinished head, and a
+        line after it (a chunk's extensions, a trailer) that goes on for
+        read after read without the parser calling back.
+        """
+        if not reader.headDone:
+            self._headFed += size
+            if self._headFed > MAX_HEAD_BYTES:
+                reader.refuse("answer head too large")
+        elif reader.events != events:
+            self._quiet = 0
         else:
-            self._state, self._keep = _UNTIL_CLOSE, False
+            self._quiet += size
+            if self._quiet > MAX_LINE_BYTES:
+                reader.refuse("line too long")
 
-    def _deliver(self, piece: bytes) -> None:
-        if piece and self.answer is not None:
-            self.answer._data(piece)
+    def _act(self, reader: _AnswerReader) -> None:
+        """
+        Act on what one read said, in order: the head (the request's
+        Deferred fires), the body's bytes, then its end or its fault.
+        """
+        if self.answer is None and reader.headDone:
+            answer = self.answer = UpstreamAnswer(self, reader.code, AnswerHeaders(reader.headers))
+            waiting, self._waiting = self._waiting, None
+            if waiting is not None and not waiting.called:
+                waiting.callback(answer)
+        pieces = reader.pieces
+        if pieces:
+            reader.pieces = []
+            if self.answer is not None:
+                self.answer._data(pieces[0] if len(pieces) == 1 else b"".join(pieces))
+        if reader.fault is not None:
+            self._fail(Failure(reader.fault))
+        elif reader.complete and self._asked:
+            self._done(reader)
 
-    def _complete(self, last: bytes) -> None:
-        answer = self.answer
-        assert answer is not None
-        self._deliver(last)
-        self._done(answer, Failure(ResponseDone()))
-
-    def _done(self, answer: UpstreamAnswer, reason: Failure) -> None:
+    def _done(self, reader: _AnswerReader) -> None:
         """
         The answer is whole: the connection goes back to the pool (or is
         closed) before the body's protocol hears of the end, so that the
         request its end lets run can use it.
         """
-        self._state = _IDLE
-        self.answer = None
-        if self._keep and not self._buffer and self.transport is not None:
+        self._asked = False
+        answer, self.answer = self.answer, None
+        if reader.keep and not reader.after and not self.closing and self.transport is not None:
+            # Its bytes are all read: whatever paused it paused this answer.
+            self.resumeReading()
             self._pool._release(self)
-        else:
-            self._buffer = b""
-            if self.transport is not None:
-                self.transport.loseConnection()
-        answer._finished(reason)
+        elif self.transport is not None:
+            self.closing = True
+            self.transport.loseConnection()
+        if answer is not None:
+            answer._finished(Failure(ResponseDone()))
 
     def _fail(self, reason: Failure) -> None:
-        self._state = _IDLE
-        self._buffer = b""
+        self._asked = False
         self.abort()
         waiting, self._waiting = self._waiting, None
         answer, self.answer = self.answer, None
@@ -366,33 +495,15 @@ class _Connection(Protocol):
     def connectionLost(self, reason: Failure = Failure(ConnectionDone())) -> None:  # noqa: B008
         self.lost = True
         self._pool._lost(self)
-        state = self._state
-        if state == _IDLE:
+        if not self._asked:
             return
-        if state == _UNTIL_CLOSE and reason.check(ConnectionDone):
-            answer = self.answer
-            self._state = _IDLE
-            self.answer = None
-            if answer is not None:
-                answer._finished(Failure(PotentialDataLoss()))
+        if self._reader.untilClose and self.answer is not None and reason.check(ConnectionDone):
+            # The answer without a length ends when the server closes.
+            self._asked = False
+            answer, self.answer = self.answer, None
+            answer._finished(Failure(PotentialDataLoss()))
             return
         self._fail(reason if not reason.check(ConnectionDone) else Failure(ConnectionLost()))
-
-
-def _statusLine(line: bytes) -> tuple[bytes, int]:
-    version, _, rest = line.partition(b" ")
-    code = rest[:3]
-    if (
-        version not in (b"HTTP/1.1", b"HTTP/1.0")
-        or not code.isdigit()
-        or rest[3:4]
-        not in (
-            b"",
-            b" ",
-        )
-    ):
-        raise BadAnswer("bad status line")
-    return version, int(code)
 
 
 def _sanitized(value: bytes) -> bytes:
@@ -497,7 +608,11 @@ class ConnectionPool:
         idle = self._idle
         while idle:
             connection = idle.pop()
-            if not connection.lost and now - connection.idleSince < self._idleSeconds:
+            if (
+                not connection.lost
+                and not connection.closing
+                and now - connection.idleSince < self._idleSeconds
+            ):
                 return connection
             connection.abort()
         return None

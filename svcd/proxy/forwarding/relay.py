@@ -161,7 +161,13 @@ class StreamRelay(Protocol):
         self._write = write
         self._errorEvent = errorEvent
         self._relayUsage = relayUsage
-        self._buffer = b""
+        # The unfinished event: the pieces of it read so far, their size,
+        # their last three bytes (an event's end may start in them) and
+        # whether any has a carriage return.
+        self._partial: list[bytes] = []
+        self._partialSize = 0
+        self._tail = b""
+        self._partialCR = False
         self._began = False
         self._ended = False
         self._pausedByClient = False
@@ -228,37 +234,80 @@ class StreamRelay(Protocol):
         """
         Relay every event C{data} completes, in one write to the client
         (they arrived together); what is left of an event waits for more.
+
+        Each byte is copied a bounded number of times whatever the reads'
+        sizes: C{data} is scanned from offsets (each separator searched for
+        once per stretch, never again over bytes already passed), each event
+        sliced out once, and an unfinished event kept as a list of pieces,
+        joined once when its end comes. Re-slicing what is left of a buffer
+        per event, or adding each read to an unfinished event, copies a read
+        of many small events (or an event of many small reads) quadratically.
         """
         if self._ended:
             return
-        buffer = self._buffer + data if self._buffer else data
         # One scan for a carriage return tells whether events may end with
         # anything but a bare blank line; most streams never send one.
-        anyCR = b"\r" in buffer
+        anyCR = self._partialCR or b"\r" in data
+        ends = _EventEnds(data, anyCR)
         start = 0
         out: list[bytes] = []
         done = False
+        if self._partial:
+            start = self._partialEnd(data, anyCR, ends)
+            if start < 0:
+                self._hold(data, anyCR)
+                return
+            event = b"".join([*self._partial, data[:start]])
+            self._partial, self._partialSize, self._tail = [], 0, b""
+            self._partialCR = False
+            done = self._event(event, out)
         while not done:
-            end, separator = _eventEnd(buffer, start, anyCR)
+            end = ends.after(start)
             if end < 0:
                 break
-            event = buffer[start : end + separator]
-            start = end + separator
+            event = data[start:end]
+            start = end
             done = self._event(event, out)
+        if out or start:
+            self._rearm()
         if out:
             self._write(b"".join(out))
         if done:
             # Written first: the end lets the request finish.
             self._end()
             return
-        self._buffer = buffer[start:]
-        if len(self._buffer) > MAX_EVENT_BYTES:
+        if start < len(data):
+            self._hold(data[start:] if start else data, anyCR)
+
+    def _partialEnd(self, data: bytes, anyCR: bool, ends: _EventEnds) -> int:
+        """
+        Where in C{data} the unfinished event ends (just past its blank
+        line), or -1. Its blank line may start in the event's last three
+        bytes (the pieces held have none whole): those are searched with
+        C{data}'s first three.
+        """
+        tail = self._tail
+        joint = _EventEnds(tail + data[:3], anyCR)
+        end = joint.after(0)
+        if 0 <= joint.start < len(tail):
+            return end - len(tail)
+        return ends.after(0)
+
+    def _hold(self, piece: bytes, anyCR: bool) -> None:
+        """
+        Keep C{piece} of an unfinished event, within L{MAX_EVENT_BYTES}.
+        """
+        self._partial.append(piece)
+        self._partialSize += len(piece)
+        self._tail = (self._tail + piece[-3:])[-3:]
+        self._partialCR = anyCR
+        if self._partialSize > MAX_EVENT_BYTES:
             self._fail(StreamFault("invalid", f"an event over {MAX_EVENT_BYTES} bytes"))
 
     def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:  # noqa: B008
         if self._ended:
             return
-        if reason.check(ResponseDone) and not self._buffer.strip():
+        if reason.check(ResponseDone) and not b"".join(self._partial).strip():
             # The upstream ended its answer cleanly (with or without
             # [DONE], which would have ended the relay already).
             self._end()
@@ -273,7 +322,6 @@ class StreamRelay(Protocol):
         it is the usage event the client did not ask for. True for the
         stream's end, C{[DONE]}.
         """
-        self._rearm()
         data = _data(event)
         if data is not None and data != DONE and b'"usage"' in data:
             if not self._noteUsage(data):
@@ -348,26 +396,44 @@ class StreamRelay(Protocol):
             transport.stopProducing()
 
 
-def _eventEnd(buffer: bytes, start: int, anyCR: bool) -> tuple[int, int]:
+_SEPARATORS = (b"\n\n", b"\r\n\r\n", b"\r\r")
+
+
+class _EventEnds:
     """
-    Where the first complete event of C{buffer} from C{start} ends (the
-    blank line that ends it starts there) and the length of that blank
-    line; (-1, 0) when no event is complete. Without C{anyCR}, only a bare
-    blank line can end an event, and only it is looked for: a search for a
-    separator that is not there would scan to the buffer's end for every
-    event.
+    The ends of the events of one piece of a stream, found left to right.
+    Without C{anyCR} only a bare blank line can end an event, and only it
+    is looked for. Each kind of blank line is searched for again only once
+    the events taken have passed where it was last found: a search for one
+    that is not there (CR LF blank lines in a stream of bare ones) would
+    otherwise scan to the piece's end for every event.
     """
-    if not anyCR:
-        index = buffer.find(b"\n\n", start)
-        return (index, 2) if index >= 0 else (-1, 0)
-    candidates = [
-        (index, len(separator))
-        for separator in (b"\n\n", b"\r\n\r\n", b"\r\r")
-        if (index := buffer.find(separator, start)) >= 0
-    ]
-    if not candidates:
-        return -1, 0
-    return min(candidates)
+
+    __slots__ = ("_data", "_found", "_separators", "start")
+
+    def __init__(self, data: bytes, anyCR: bool) -> None:
+        self._data = data
+        self._separators = _SEPARATORS if anyCR else _SEPARATORS[:1]
+        # Not searched yet; -1 once a search found none.
+        self._found = [-2] * len(self._separators)
+        # Where the blank line of the last end found starts.
+        self.start = -1
+
+    def after(self, start: int) -> int:
+        """
+        Just past the first blank line at or after C{start}, or -1 when no
+        event completes.
+        """
+        data, found = self._data, self._found
+        best = length = -1
+        for kind, separator in enumerate(self._separators):
+            index = found[kind]
+            if index == -2 or 0 <= index < start:
+                index = found[kind] = data.find(separator, start)
+            if index >= 0 and (best < 0 or index < best):
+                best, length = index, len(separator)
+        self.start = best
+        return best + length if best >= 0 else -1
 
 
 def _data(event: bytes) -> bytes | None:
