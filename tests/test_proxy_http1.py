@@ -8,6 +8,7 @@ backpressure, and cancellation.
 
 from __future__ import annotations
 
+import gzip
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -23,7 +24,7 @@ from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone
 from twisted.web.http import PotentialDataLoss
 
-from svcd.proxy.forwarding.http1 import BadAnswer, ConnectionPool, UpstreamAnswer
+from svcd.proxy.forwarding.http1 import MAX_TRAILERS, BadAnswer, ConnectionPool, UpstreamAnswer
 from svcd.testing.servers import freePort
 
 Script = Callable[["ScriptedConnection", bytes], None]
@@ -482,3 +483,211 @@ async def test_httpsChecksTheCertificate() -> None:
         untrusted.close()
     finally:
         await port.stopListening()
+
+
+# The malformed answers of issue 24's review, each as a provider sends it
+# over a real connection.
+
+
+def chunked(*pieces: bytes, trailers: bytes = b"") -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for piece in pieces) + (
+        b"0\r\n" + trailers + b"\r\n"
+    )
+
+
+async def within(waiting: Deferred[Any], seconds: float = 10.0) -> Any:
+    """
+    What C{waiting} fires with, failing the test if it takes longer than
+    C{seconds}: the answers below must be refused as they arrive, not at a
+    deadline (the bound only keeps a regression from hanging the run).
+    """
+    from twisted.internet import reactor
+
+    return await waiting.addTimeout(seconds, reactor)
+
+
+REFUSED_AT_THE_HEAD = {
+    # Decoded as chunked, then gzip bytes relayed as if plain: we asked
+    # for no coding, and only chunked is read.
+    "gzip-chunked": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"
+    + chunked(gzip.compress(b'{"a": 1}')),
+    "gzip-then-chunked-fields": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n" + chunked(gzip.compress(b'{"a": 1}')),
+    "chunked-twice": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked, chunked\r\n\r\n"
+    + chunked(b"ok"),
+    "gzip-until-close": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n"
+    + gzip.compress(b"{}"),
+    # RFC 9112 section 2.2: a bare CR in a field, a tab or NUL in a name.
+    "bare-cr-in-value": b"HTTP/1.1 200 OK\r\nX: a\rb\r\nContent-Length: 2\r\n\r\nok",
+    "tab-in-name": b"HTTP/1.1 200 OK\r\nX\tY: a\r\nContent-Length: 2\r\n\r\nok",
+    "nul-in-name": b"HTTP/1.1 200 OK\r\nX\x00Y: a\r\nContent-Length: 2\r\n\r\nok",
+    # Read as one header, the bare LF hid the length (a smuggling shape).
+    "bare-lf": b"HTTP/1.1 200 OK\r\nX: a\nContent-Length: 5\r\n\r\nhello",
+    # Never asked for: not an interim answer.
+    "101-then-bytes": b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
+    b"Connection: Upgrade\r\n\r\n\x81\x05hello",
+    "101-alone": b"HTTP/1.1 101 Switching Protocols\r\n\r\nbytes",
+    # What llhttp takes and we do not.
+    "http-2.0": b"HTTP/2.0 200 OK\r\nContent-Length: 2\r\n\r\nok",
+    "status-099": b"HTTP/1.1 099 Odd\r\nContent-Length: 2\r\n\r\nok",
+    "nul-in-reason": b"HTTP/1.1 200 O\x00K\r\nContent-Length: 2\r\n\r\nok",
+    "empty-line-first": b"\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+}
+
+
+@pytest.mark.parametrize("answer", REFUSED_AT_THE_HEAD.values(), ids=REFUSED_AT_THE_HEAD.keys())
+@pytest_twisted.ensureDeferred
+async def test_refusedAtTheHead(served: Any, answer: bytes) -> None:
+    """
+    An answer whose head we cannot trust fails the request with BadAnswer
+    as soon as the head is read (forwarding answers 502) and closes its
+    connection; nothing of its body reaches anyone.
+    """
+    server, pool, _ = served
+    server.answer(answer)
+    with pytest.raises(BadAnswer):
+        await within(pool.post(b"{}", {}))
+    await until(lambda: len(server.closed) == 1)
+    assert pool.connections == 0
+
+
+REFUSED_IN_THE_BODY = {
+    # Twisted's lenient chunk-size rule was CVE-2022-24801.
+    "space-before-size": b" 2\r\nok\r\n0\r\n\r\n",
+    "vt-after-size": b"2\x0b\r\nok\r\n0\r\n\r\n",
+    # Once waited for until the deadline (504).
+    "28-hex-digits": b"f" * 28 + b"\r\nok",
+    "too-many-trailers": chunked(
+        b"ok", trailers=b"".join(b"T%d: x\r\n" % each for each in range(MAX_TRAILERS + 1))
+    ),
+    "endless-extension": b"2;" + b"e" * (4 * 64 * 1024),
+}
+
+
+@pytest.mark.parametrize("body", REFUSED_IN_THE_BODY.values(), ids=REFUSED_IN_THE_BODY.keys())
+@pytest_twisted.ensureDeferred
+async def test_refusedInTheBody(served: Any, body: bytes) -> None:
+    """
+    A chunked body with a malformed chunk or trailers past their bound
+    ends with BadAnswer the moment it arrives, although the server keeps
+    the connection open, and the connection is closed.
+    """
+    server, pool, _ = served
+    server.answer(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + body)
+    answer = await within(pool.post(b"{}", {}))
+    _, reason = await within(Deferred.fromCoroutine(_body(answer)))
+    assert reason.check(BadAnswer)
+    await until(lambda: len(server.closed) == 1)
+    assert pool.connections == 0
+
+
+async def _body(answer: UpstreamAnswer) -> tuple[bytes, Failure]:
+    return await body(answer)
+
+
+READ_THEN_CLOSED = {
+    # RFC 9112 section 6.1: Transfer-Encoding in HTTP/1.0 is faulty
+    # framing, whatever Connection says.
+    "http1.0-chunked-keep-alive": b"HTTP/1.0 200 OK\r\nTransfer-Encoding: chunked\r\n"
+    b"Connection: keep-alive\r\n\r\n" + chunked(b"hel", b"lo"),
+    # RFC 9112 section 6.3: the transfer coding wins, and the connection
+    # may not be trusted after.
+    "chunked-with-length": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n"
+    b"Content-Length: 5\r\n\r\n" + chunked(b"hel", b"lo"),
+    "length-with-chunked": b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n" + chunked(b"hello"),
+    # An interim answer that says close: the answer follows, then close.
+    "interim-says-close": b"HTTP/1.1 103 Early Hints\r\nConnection: close\r\n"
+    b"Link: </a>\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello",
+    # Bytes after the answer: no request asked for them.
+    "bytes-after-the-answer": b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"
+    b"HTTP/1.1 200 OK\r\n",
+    "junk-after-the-answer": b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello!",
+}
+
+
+@pytest.mark.parametrize("answer", READ_THEN_CLOSED.values(), ids=READ_THEN_CLOSED.keys())
+@pytest_twisted.ensureDeferred
+async def test_faultyFramingIsReadThenClosed(served: Any, answer: bytes) -> None:
+    """
+    An answer that can be read but leaves its connection in doubt is
+    read whole, then its connection closed, never used for another
+    request.
+    """
+    server, pool, _ = served
+    server.answer(answer)
+    for _ in range(2):
+        data, reason = await within(Deferred.fromCoroutine(_body(await pool.post(b"{}", {}))))
+        assert (data, reason.check(ResponseDone)) == (b"hello", ResponseDone)
+    assert len(server.connections) == 2
+    await until(lambda: len(server.closed) == 2)
+    assert pool.connections == 0
+
+
+@pytest_twisted.ensureDeferred
+async def test_trailersUpToTheBound(served: Any) -> None:
+    """
+    MAX_TRAILERS trailers are read and dropped, and the connection kept.
+    """
+    server, pool, _ = served
+    trailers = b"".join(b"T%d: x\r\n" % each for each in range(MAX_TRAILERS))
+    server.answer(
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked(b"ok", trailers=trailers)
+    )
+    for _ in range(2):
+        data, reason = await body(await pool.post(b"{}", {}))
+        assert (data, reason.check(ResponseDone)) == (b"ok", ResponseDone)
+    assert len(server.connections) == 1
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [*REFUSED_AT_THE_HEAD.values()]
+    + [
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + each
+        for each in REFUSED_IN_THE_BODY.values()
+    ],
+    ids=[*REFUSED_AT_THE_HEAD.keys(), *REFUSED_IN_THE_BODY.keys()],
+)
+@pytest_twisted.ensureDeferred
+async def test_refusalsAreUpstreamErrors(answer: bytes) -> None:
+    """
+    Through the forwarder, each refused answer is 502 UPSTREAM_ERROR (a
+    fault that tries the fallbacks), counted as invalid, at once.
+    """
+    from prometheus_client import CollectorRegistry
+    from twisted.internet import reactor
+
+    from svcd.common.errors import ApiError, ErrorCode
+    from svcd.proxy.forwarding.providers import Model, Provider
+    from svcd.proxy.forwarding.upstream import Forwarder
+    from svcd.proxy.metrics import ProxyMetrics
+    from svcd.proxy.records import UpstreamRecord
+
+    server = ScriptedServer()
+    server.answer(answer)
+    port = freePort()
+    listening = await TCP4ServerEndpoint(reactor, port, interface="127.0.0.1").listen(server)
+    provider = Provider("scripted", f"http://127.0.0.1:{port}/v1", timeout=30.0)
+    registry = CollectorRegistry()
+    forwarder = Forwarder(reactor, reactor, [provider], ProxyMetrics(registry))
+    try:
+        with pytest.raises(ApiError) as raised:
+            await within(
+                Deferred.fromCoroutine(
+                    forwarder.forward(
+                        {"model": "m", "messages": []},
+                        [Model("m", provider)],
+                        "rid",
+                        None,  # type: ignore[arg-type]
+                        lambda error: b"",
+                        UpstreamRecord(),
+                    )
+                )
+            )
+        assert (raised.value.code, raised.value.status) == (ErrorCode.UPSTREAM_ERROR, 502)
+        labels = {"provider": "scripted", "model": "m", "status": "invalid"}
+        assert registry.get_sample_value("svc_proxy_upstream_requests_total", labels) == 1
+    finally:
+        await forwarder.close()
+        await listening.stopListening()

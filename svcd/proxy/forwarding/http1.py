@@ -69,6 +69,7 @@ elsewhere), cookies are not kept, compression is not asked for.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -103,6 +104,8 @@ MAX_TRAILERS = 64
 
 _NO_BODY = frozenset({204, 304})
 _VERSIONS = frozenset({"1.0", "1.1"})
+# Bytes no reason phrase may hold (RFC 9112 section 4).
+_CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 class BadAnswer(Exception):
@@ -251,10 +254,19 @@ class _AnswerReader:
 
     def __init__(self) -> None:
         self.parser = HttpResponseParser(self)
-        # Both Transfer-Encoding and Content-Length: read as chunked (the
-        # connection is then closed); llhttp refuses it without this, and
-        # this leniency changes nothing else.
-        self.parser.set_dangerous_leniencies(lenient_chunked_length=True)
+        self.parser.set_dangerous_leniencies(
+            # Both Transfer-Encoding and Content-Length: read as chunked
+            # (and the connection closed after); llhttp refuses it without
+            # this, which changes nothing else.
+            lenient_chunked_length=True,
+            # An interim answer saying Connection: close is still followed
+            # by the final one (read, then the connection closed); without
+            # this llhttp refuses any byte after a message that does not
+            # keep the connection. It changes nothing else: should_keep_alive
+            # still says so, and nothing after the final answer is read
+            # (on_message_begin stops it).
+            lenient_keep_alive=True,
+        )
         self.events = 0
         self.expect()
 
@@ -265,6 +277,7 @@ class _AnswerReader:
         self.headers: dict[bytes, list[bytes]] = {}
         self.headBytes = 0
         self.interim = False
+        self.interimClose = False
         self.headDone = False
         self.code = 0
         self.chunked = False
@@ -292,6 +305,13 @@ class _AnswerReader:
         self.headers = {}
         self.headBytes = 0
 
+    def on_status(self, reason: bytes) -> None:
+        # RFC 9112 section 4: HTAB, SP, VCHAR and obs-text only; llhttp
+        # takes any byte but CR and LF (a NUL too). Unused, but a NUL there
+        # says the rest cannot be trusted either.
+        if _CONTROL.search(reason) is not None:
+            raise self.refuse("a control byte in the reason phrase")
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self.events += 1
         self.headBytes += len(name) + len(value) + 4
@@ -311,36 +331,32 @@ class _AnswerReader:
             raise self.refuse("answer head too large")
         if parser.get_http_version() not in _VERSIONS:
             raise self.refuse("not an HTTP/1.1 or HTTP/1.0 answer")
+        headers = self.headers
+        codings = headers.get(b"transfer-encoding")
+        if codings is not None and (len(codings) != 1 or codings[0].lower() != b"chunked"):
+            # We ask for no coding: C{gzip, chunked} would be relayed as
+            # compressed bytes (llhttp takes any list that ends in chunked).
+            raise self.refuse("a transfer coding other than chunked")
         code = parser.get_status_code()
+        keep = parser.should_keep_alive()
         if code < 200:
             if code < 100 or code == 101:
                 raise self.refuse(f"status {code}")
             # Interim (100 Continue, 103 Early Hints): the answer follows.
             self.interim = True
+            self.interimClose = self.interimClose or not keep
             return
-        headers = self.headers
-        keep = parser.should_keep_alive()
         if code not in _NO_BODY:
-            codings = headers.get(b"transfer-encoding")
             if codings is not None:
-                # RFC 9110 section 5.6.1: a list, empty elements ignored.
-                tokens = [
-                    token
-                    for value in codings
-                    for each in value.split(b",")
-                    if (token := each.strip(b" \t").lower())
-                ]
-                if tokens != [b"chunked"]:
-                    raise self.refuse("a transfer coding other than chunked")
                 self.chunked = True
                 if b"content-length" in headers or parser.get_http_version() == "1.0":
-                    # RFC 9112 section 6.1 and 6.3: faulty framing, read
+                    # RFC 9112 sections 6.1 and 6.3: faulty framing, read
                     # as chunked and closed after.
                     keep = False
             elif b"content-length" not in headers:
                 self.untilClose = True
         self.code = code
-        self.keep = keep
+        self.keep = keep and not self.interimClose
         self.headDone = True
 
     def on_chunk_header(self) -> None:
@@ -372,6 +388,7 @@ class _Connection(Protocol):
         self._pool = pool
         self._reader = _AnswerReader()
         self._asked = False
+        self._first = False
         self._headFed = 0
         self._quiet = 0
         self._waiting: Deferred[UpstreamAnswer] | None = None
@@ -383,6 +400,7 @@ class _Connection(Protocol):
 
     def request(self, data: bytes) -> Deferred[UpstreamAnswer]:
         self._asked = True
+        self._first = True
         self._reader.expect()
         self._headFed = 0
         self._quiet = 0
@@ -416,13 +434,20 @@ class _Connection(Protocol):
             return
         reader = self._reader
         events = reader.events
-        try:
-            reader.parser.feed_data(data)
-        except (HttpParserError, HttpParserUpgrade) as error:
-            if reader.complete:
-                reader.after = True
-            elif reader.fault is None:
-                reader.refuse(f"unreadable answer: {error}")
+        if self._first and data[:1] in (b"\r", b"\n"):
+            # llhttp skips empty lines before a status line, as a server
+            # may before a request line (RFC 9112 section 2.2); an answer
+            # has no such leave, and they would hide where it starts.
+            reader.refuse("an empty line before the status line")
+        else:
+            try:
+                reader.parser.feed_data(data)
+            except (HttpParserError, HttpParserUpgrade) as error:
+                if reader.complete:
+                    reader.after = True
+                elif reader.fault is None:
+                    reader.refuse(f"unreadable answer: {error}")
+        self._first = False
         if reader.fault is None and not reader.complete:
             self._bound(reader, len(data), events)
         self._act(reader)

@@ -32,6 +32,7 @@ from twisted.web.http import PotentialDataLoss
 from zope.interface import implementer
 
 from svcd.common.clocks import Clock
+from svcd.proxy.forwarding.http1 import BadAnswer
 from svcd.proxy.records import Usage
 
 # A non-streaming answer larger than this is refused (502): chat answers
@@ -77,7 +78,7 @@ class StreamFault(Exception):
     """
     The stream failed: C{kind} is C{timeout}, C{broken} (the connection
     ended without the stream's end) or C{invalid} (an event past the size
-    bound).
+    bound, or bytes that are not readable HTTP/1.1).
     """
 
     def __init__(self, kind: str, detail: str) -> None:
@@ -118,7 +119,7 @@ class BodyReader(Protocol):
         if reason.check(ResponseDone, PotentialDataLoss):
             self.finished.callback(b"".join(self._parts))
         else:
-            self.finished.errback(StreamFault("broken", "the answer was cut short"))
+            self.finished.errback(_cutShort(reason, "the answer"))
 
 
 @implementer(IPushProducer)
@@ -312,7 +313,7 @@ class StreamRelay(Protocol):
             # [DONE], which would have ended the relay already).
             self._end()
             return
-        self._fail(StreamFault("broken", "the upstream's stream was cut short"))
+        self._fail(_cutShort(reason, "the upstream's stream"))
 
     # Events.
 
@@ -394,6 +395,16 @@ class StreamRelay(Protocol):
         transport: Any = self.transport
         if transport is not None:
             transport.stopProducing()
+
+
+def _cutShort(reason: Failure, what: str) -> StreamFault:
+    """
+    The fault of a body that did not end cleanly: C{invalid} when its
+    bytes were not readable HTTP/1.1 (a malformed chunk), else C{broken}.
+    """
+    if reason.check(BadAnswer):
+        return StreamFault("invalid", f"{what} is not readable HTTP/1.1")
+    return StreamFault("broken", f"{what} was cut short")
 
 
 _SEPARATORS = (b"\n\n", b"\r\n\r\n", b"\r\r")
