@@ -15,8 +15,9 @@ PostgreSQL, Redis and tenant. The rounds alternate the floor and every
 SPEC; each line gives requests/s, p50, p99, the ratio to the floor of that
 round, and per process the CPU time and context switches per request.
 --rows names the rows of bench/gateway.py to compare (chat, the default,
-and forward: the chat row forwarded to a local nginx that answers at once,
-which also starts it).
+forward: the chat row forwarded to a local nginx that answers at once,
+which also starts it, and stream: the same with "stream": true, nginx
+answering a fixed event stream).
 """
 
 from __future__ import annotations
@@ -100,11 +101,13 @@ def main() -> int:
     parser.add_argument(
         "--warmup", type=float, default=2.0, help="seconds of load on each SPEC before round 1"
     )
-    parser.add_argument("--rows", default="chat", help="chat, forward or both: chat,forward")
+    parser.add_argument("--rows", default="chat", help="chat, forward, stream: chat,forward")
     arguments = parser.parse_args()
     rows = [row.strip() for row in arguments.rows.split(",") if row.strip()]
-    if not rows or set(rows) - {"chat", "forward"}:
-        raise SystemExit(f"compare.py: --rows takes chat and forward, got {arguments.rows!r}")
+    if not rows or set(rows) - {"chat", "forward", "stream"}:
+        raise SystemExit(
+            f"compare.py: --rows takes chat, forward and stream, got {arguments.rows!r}"
+        )
     specs = [Spec.parse(each) for each in arguments.specs]
     for spec in specs:
         if (
@@ -130,7 +133,9 @@ def main() -> int:
     ):
         scratch = Path(scratchName)
         shared = stack.enter_context(
-            runningStack(scratch, "INFO", [1], withForwarding="forward" in rows)
+            runningStack(
+                scratch, "INFO", [1], withForwarding=bool({"forward", "stream"} & set(rows))
+            )
         )
         base = shared.proxies[1, False][0]
         dsn = shared.auth.environment["POSTGRES_DSN"]
