@@ -22,7 +22,9 @@ CVE-2022-24801). llhttp is the parser of Node.js and, through httptools,
 of uvicorn: written in C from a grammar, fuzzed, strict by default
 (bare CR or LF, control bytes in a header, whitespace or an overflow in a
 chunk size, C{Content-Length} twice are errors), and it reads a 64 KiB
-buffer of small chunks without copying it again per chunk.
+read of small chunks in one pass (the hand-written parser re-sliced what
+was left of it per chunk: about 20 MiB copied, 68 ms, for one such read;
+now 1.8 ms).
 
 What this client does, and no more:
 
@@ -35,17 +37,27 @@ What this client does, and no more:
     answers (100 Continue, 103 Early Hints) are skipped; a 101 was never
     asked for and is refused. A malformed answer fails the request and
     closes the connection.
-  - What llhttp allows and we do not, checked here (each is a rule of
-    RFC 9112 that llhttp leaves to its user): a transfer coding other than
-    C{chunked} (we ask for none; C{gzip, chunked} would otherwise be
-    relayed as compressed bytes), an HTTP version other than 1.0 and 1.1,
-    a status below 100; a head over L{MAX_HEAD_BYTES}, more than
-    L{MAX_TRAILERS} trailers, and a chunk or trailer line that keeps the
-    parser reading past L{MAX_LINE_BYTES} (llhttp bounds none of these).
-  - What llhttp refuses and we allow, on purpose: C{Transfer-Encoding:
-    chunked} together with C{Content-Length} (RFC 9112 section 6.3: the
-    transfer coding wins, and the connection is closed after the answer;
-    llhttp's C{lenient_chunked_length} allows exactly this).
+  - What llhttp allows and we do not, checked here (llhttp leaves each to
+    its user; the rules are RFC 9112's):
+    a C{Transfer-Encoding} other than one field saying C{chunked} (we ask
+    for no coding, and llhttp takes any list that ends in C{chunked}, so
+    C{gzip, chunked} would be relayed as compressed bytes); an HTTP
+    version other than 1.0 and 1.1; a status below 100; a control byte in
+    the reason phrase (llhttp takes a NUL there); an empty line before
+    the status line (llhttp skips them, as a server may before a request
+    line). And the bounds llhttp has none of: a head over
+    L{MAX_HEAD_BYTES}, more than L{MAX_TRAILERS} trailers, a chunk or
+    trailer line that keeps the parser reading past L{MAX_LINE_BYTES}.
+  - What llhttp refuses and we allow, through its two leniencies that do
+    only this: C{Transfer-Encoding: chunked} with C{Content-Length}
+    (C{lenient_chunked_length}; RFC 9112 section 6.3: the transfer coding
+    wins, and the connection is closed after), and an interim answer
+    saying C{Connection: close} followed by the final one
+    (C{lenient_keep_alive}; closed after the final one).
+  - Where llhttp and h11 still differ (tests/test_proxy_http1.py lists
+    each class), llhttp is the stricter but in two: a chunk size padded
+    with zeros past 20 digits, and empty lines between an interim answer
+    and the next.
   - A connection is used again when its answer was complete, nothing came
     after it, and both sides meant to keep it (llhttp's
     C{should_keep_alive}: HTTP/1.1 without C{Connection: close}, or HTTP/1.0

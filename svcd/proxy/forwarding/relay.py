@@ -10,6 +10,14 @@ client that reads slowly pauses the upstream connection (its transport
 stops reading, TCP's window closes, the provider waits), and the proxy
 holds at most one event plus a socket buffer per stream, never the answer.
 
+Each read costs in proportion to its size, whatever the events' sizes: the
+events of a read are found from offsets into it (each kind of blank line
+searched for once per stretch), each sliced out once, and an event that
+spans reads is kept as the list of its pieces, joined once when it ends.
+The body's reads come from the HTTP/1.1 client whole (one C{dataReceived}
+per socket read, however many chunks it held), so that a backlog of small
+events after a pause is one write to the client.
+
 Events are relayed as the upstream wrote them, byte for byte, with two
 exceptions: the usage event the gateway asked for on the client's behalf
 (C{stream_options.include_usage}) is not relayed when the client did not
