@@ -33,7 +33,7 @@ from svcd.proxy.limits.book import BudgetRow, LimitBook, LimitsRow
 from svcd.proxy.limits.limiter import RedisRateLimiter
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.records import Budget, Limits
-from svcd.proxy.testing import FakeAuthClient, MemoryCounters
+from svcd.proxy.testing import FakeAuthClient, MemoryCounters, MemoryLedger
 from svcd.testing.upstream import ScriptedUpstream
 
 
@@ -57,6 +57,7 @@ class Edge:
     token: str
     orgID: str
     agentID: str
+    ledger: MemoryLedger
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
@@ -157,11 +158,16 @@ price = {{ input = "2.50", output = "10.00", cached_input = "1.25" }}
         counters, reactor, config.defaultRPM, book=book, spend=lambda *_: succeed(0)
     )
     forwarder = Forwarder(reactor, reactor, tuple(providers.providers.values()), metrics)
-    proxyEdge = ProxyEdge(config, auth, limiter, metrics, reactor, forwarder=forwarder)
+    ledger = MemoryLedger()
+    proxyEdge = ProxyEdge(
+        config, auth, limiter, metrics, reactor, forwarder=forwarder, ledger=ledger
+    )
     site = ProxySite(proxyEdge.resource(), config.maxRequestBodyBytes, reactor)
     port = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(site)
     try:
-        yield Edge(port.getHost().port, auth, counters, book, metrics, token, orgID, agentID)
+        yield Edge(
+            port.getHost().port, auth, counters, book, metrics, token, orgID, agentID, ledger
+        )
     finally:
         await port.stopListening()
         await forwarder.close()
@@ -447,3 +453,93 @@ async def test_aModelWithoutAPriceIsRefusedUnderABudget(edge: Edge) -> None:
     edge.limit()
     response, _ = await edge.chat(model="echo")
     assert response.code == 200
+
+
+# The usage row of each forwarded request (decisions D12)
+
+
+@pytest_twisted.ensureDeferred
+async def test_eachForwardedRequestRecordsOneRow(edge: Edge) -> None:
+    """
+    A forwarded answer records one row: the request id, who asked, the
+    model asked and the one that answered, the provider's usage and its
+    cost at the model's price, to the nano-dollar.
+    """
+    response, answer = await edge.chat(model="priced")
+    assert response.code == 200
+    [row] = edge.ledger.rows
+    usage = answer["usage"]
+    assert row.request_id == header(response, "X-Request-ID")
+    assert (row.org_id, row.agent_id) == (edge.orgID, edge.agentID)
+    assert row.token_id == edge.auth.tokens[edge.token].tokenID
+    assert (row.model_requested, row.model, row.provider) == ("priced", "priced", "scripted")
+    assert (row.upstream_model, row.stream, row.outcome) == ("echo", False, "ok")
+    assert (row.prompt_tokens, row.completion_tokens) == (
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
+    )
+    assert row.tokens_from == "provider"
+    assert row.cost_nano_usd == usage["prompt_tokens"] * 2500 + usage["completion_tokens"] * 10_000
+    assert len(row.price_version) == 16
+    assert row.started_at_us > 0 and row.duration_us > 0
+
+
+@pytest_twisted.ensureDeferred
+async def test_rowsOfFailuresAndStreams(edge: Edge) -> None:
+    """
+    A provider's failure records a row with outcome upstream_error and no
+    tokens; a stream records its usage event's tokens; a model without a
+    price costs 0 with no price version (no budget applies).
+    """
+    failed, _ = await edge.chat(model="broken")
+    assert failed.code == 502
+    streamed, _ = await edge.chat(model="echo", stream=True)
+    assert streamed.code == 200
+    broken, stream = edge.ledger.rows
+    assert (broken.outcome, broken.prompt_tokens, broken.completion_tokens) == (
+        "upstream_error",
+        0,
+        0,
+    )
+    assert (stream.outcome, stream.stream, stream.tokens_from) == ("ok", True, "provider")
+    assert stream.prompt_tokens > 0 and stream.completion_tokens > 0
+    assert (stream.cost_nano_usd, stream.price_version) == (0, "")
+
+
+@pytest_twisted.ensureDeferred
+async def test_aClientGoneIsRecordedAtItsReservation(edge: Edge) -> None:
+    """
+    A client that leaves a stream before its usage: outcome client_gone,
+    the tokens of its reservation (prompt estimate, output cap).
+    """
+    body = {
+        "model": "endless",
+        "stream": True,
+        "max_tokens": 10,
+        "messages": [{"role": "user", "content": "hello there"}],
+    }
+    response = await treq.post(
+        edge.url("/v1/chat/completions"), json.dumps(body).encode(), headers=edge.headers()
+    )
+    assert response.code == 200
+    response.original.deliverBody(_Dropper())
+    await waitFor(lambda: len(edge.ledger.rows) == 1)
+    [row] = edge.ledger.rows
+    assert (row.outcome, row.tokens_from) == ("client_gone", "reservation")
+    assert (row.prompt_tokens, row.completion_tokens) == (4 + 4, 10)
+
+
+@pytest_twisted.ensureDeferred
+async def test_aFullOutboxRefusesBeforeForwarding(edge: Edge) -> None:
+    """
+    When the outbox is full, a request that would be forwarded is 503
+    SERVICE_DEGRADED, never an unrecorded answer; others are not affected.
+    """
+    edge.ledger.full = True
+    response, answer = await edge.chat(model="priced")
+    assert response.code == 503
+    assert answer["error"]["code"] == "SERVICE_DEGRADED"
+    assert edge.ledger.rows == []
+    probe = await treq.get(edge.url("/v1/internal/auth-probe"), headers=edge.headers())
+    await probe.content()
+    assert probe.code == 200

@@ -299,3 +299,20 @@ async def listeningProxy(
     service.startService()
     port: Any = await service.whenListening()
     return service, port.getHost().port
+
+
+class MemoryLedger:
+    """
+    L{svcd.proxy.usage.ledger.UsageLedger} in a list: the rows recorded, in
+    order, and a switch for a full outbox.
+    """
+
+    def __init__(self) -> None:
+        self.rows: list[Any] = []
+        self.full = False
+
+    def hasRoom(self) -> bool:
+        return not self.full
+
+    def record(self, row: Any) -> None:
+        self.rows.append(row)

@@ -52,9 +52,9 @@ from svcd.common.readiness import Check, readinessReport
 from svcd.common.recent import RecentResult
 from svcd.common.tracing import activate, deactivate, parentFromHeaders, untracedProvider
 from svcd.proxy.config import ProxyConfig
-from svcd.proxy.forwarding.providers import ProviderTable, modelsDocument
+from svcd.proxy.forwarding.providers import Model, ProviderTable, modelsDocument
 from svcd.proxy.forwarding.upstream import Forwarder
-from svcd.proxy.http.chatbody import parseChatBody
+from svcd.proxy.http.chatbody import ChatRequest, parseChatBody
 from svcd.proxy.http.context import (
     HTTP_METHODS,
     Handler,
@@ -72,6 +72,7 @@ from svcd.proxy.limits.book import Applicable
 from svcd.proxy.limits.limiter import BUDGET, ORG, RateDecision, RateLimiter
 from svcd.proxy.limits.reservation import outputCap, promptEstimate
 from svcd.proxy.metrics import ProxyMetrics
+from svcd.proxy.usage.ledger import CLIENT_GONE, OK, UPSTREAM_ERROR, UsageLedger, usageRow
 from svcd.proxy.validation.client import AGENT_HEADER, AuthClient, agentHeaderInvalid
 
 _HEALTH_BODY = b'{"status":"ok","checks":{}}'
@@ -134,12 +135,15 @@ class ProxyEdge:
         clock: Clock,
         tracer: Tracer | None = None,
         forwarder: Forwarder | None = None,
+        ledger: UsageLedger | None = None,
     ) -> None:
         self._tracer = tracer if tracer is not None else untracedProvider().get_tracer(__name__)
         # Decisions D9: without a providers file, Phase 1 exactly (501, no
         # GET /v1/models).
         self._providers: ProviderTable | None = config.providers
         self._forwarder = forwarder
+        # Decisions D12: where each forwarded request's usage row goes.
+        self._ledger = ledger
         self._auth = auth
         self._limiter = limiter
         self._metrics = metrics
@@ -869,38 +873,113 @@ class ProxyEdge:
         if model is None:
             # Never a hint that the model exists for another organization.
             raise ApiError(ErrorCode.PROVIDER_NOT_CONFIGURED)
+        return await self._forward(ctx, chat, model, providers, forwarder)
+
+    async def _forward(
+        self,
+        ctx: RequestContext,
+        chat: ChatRequest,
+        model: Model,
+        providers: ProviderTable,
+        forwarder: Forwarder,
+    ) -> Reply:
+        """
+        Forward to the model's provider, then settle the request's
+        reservation and record its usage row, however it ended (decisions
+        D11, D12).
+        """
+        ledger = self._ledger
+        if ledger is not None and not ledger.hasRoom():
+            # Never an answer that goes unrecorded.
+            self._settle(ctx, 0)
+            raise ApiError(
+                ErrorCode.SERVICE_DEGRADED,
+                "The gateway cannot record usage right now; try again shortly.",
+            )
+        outcome = OK
         try:
             answer = await forwarder.forward(
                 chat.document,
-                providers.attempts(model, ctx.orgID),
+                providers.attempts(model, ctx.orgID or ""),
                 ctx.requestID,
                 _ClientStream(self, ctx),
                 lambda error: self.errorEvent(ctx, error),
                 ctx.upstream,
             )
         except ApiError:
-            # Failed before its first byte: the reservation is released.
-            self._settle(ctx, 0)
+            outcome = UPSTREAM_ERROR
             raise
-        # A client gone (CancelledError) keeps its reservation counted, as
-        # does an answer without usage; usage settles it (D11), at the
-        # price of the model that answered (D12).
-        usage = ctx.upstream.usage
-        if usage is not None:
-            answered = providers.models.get(ctx.upstream.model or "")
-            price = answered.price if answered is not None else None
-            cost = (
-                price.cost(usage.promptTokens, usage.cachedTokens, usage.completionTokens)
-                if price is not None
-                else 0
-            )
-            self._settle(ctx, usage.promptTokens + usage.completionTokens, cost)
+        except CancelledError:
+            outcome = CLIENT_GONE
+            raise
+        finally:
+            self._account(ctx, chat, model, providers, outcome)
         return Reply(
             answer.status,
             answer.body,
             contentType=answer.contentType,
             headers=list(answer.headers),
             streamed=answer.streamed,
+        )
+
+    def _account(
+        self,
+        ctx: RequestContext,
+        chat: ChatRequest,
+        model: Model,
+        providers: ProviderTable,
+        outcome: str,
+    ) -> None:
+        """
+        Settle the reservation: released when the answer failed before its
+        first byte; corrected to the provider's usage at the price of the
+        model that answered; kept when no usage came (a client gone before
+        it). Then record the usage row.
+        """
+        upstream = ctx.upstream
+        usage = upstream.usage
+        answered = providers.models.get(upstream.model or "") or model
+        price = answered.price
+        if usage is not None:
+            cost = (
+                price.cost(usage.promptTokens, usage.cachedTokens, usage.completionTokens)
+                if price is not None
+                else 0
+            )
+            self._settle(ctx, usage.promptTokens + usage.completionTokens, cost)
+        elif outcome == UPSTREAM_ERROR:
+            self._settle(ctx, 0)
+        if self._ledger is None:
+            return
+        estimate = ctx.estimate
+        if estimate is None:
+            estimate = (
+                promptEstimate(chat.messages),
+                outputCap(
+                    chat.document,
+                    self._limiter.applicable(ctx.orgID or "", ctx.agentID),
+                    model.maxOutputTokens,
+                ),
+            )
+        token = ctx.token
+        self._ledger.record(
+            usageRow(
+                requestID=ctx.requestID,
+                orgID=ctx.orgID or "",
+                agentID=ctx.agentID,
+                tokenID=token.tokenID if token is not None else None,
+                modelRequested=chat.model,
+                model=upstream.model,
+                provider=upstream.provider,
+                upstreamModel=upstream.upstreamModel,
+                stream=chat.stream,
+                outcome=outcome,
+                usage=usage,
+                estimate=estimate,
+                price=price,
+                startedAt=ctx.started,
+                endedAt=self._clock.seconds(),
+            )
         )
 
     def errorEvent(self, ctx: RequestContext, error: ApiError) -> bytes:

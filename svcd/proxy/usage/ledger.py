@@ -1,0 +1,101 @@
+"""
+Where the proxy sends the usage row of each forwarded request (decisions
+D12), and how the row is made.
+
+The proxy holds no database: the ledger's writer is svc-auth (RecordUsage),
+which commits rows before acknowledging them. Here is what the edge needs
+of the proxy's side of that journey (L{UsageLedger}): whether there is
+room to record one more request (when there is none, the request is
+refused 503 before it is forwarded: never an answer without its record),
+and a place to put the row once the answer has ended.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from svcd.pb.auth.v1 import auth_pb2
+from svcd.proxy.records import Usage
+from svcd.proxy.usage.prices import Price
+
+OK = "ok"
+UPSTREAM_ERROR = "upstream_error"
+CLIENT_GONE = "client_gone"
+FROM_PROVIDER = "provider"
+FROM_RESERVATION = "reservation"
+
+
+class UsageLedger(Protocol):
+    """
+    The proxy's side of the ledger.
+    """
+
+    def hasRoom(self) -> bool:
+        """
+        Whether one more row can be held until svc-auth has committed it.
+        """
+
+    def record(self, row: auth_pb2.UsageRow) -> None:
+        """
+        Keep C{row} until svc-auth has committed it (journalled first, when
+        a journal is configured).
+        """
+
+
+def usageRow(
+    *,
+    requestID: str,
+    orgID: str,
+    agentID: str | None,
+    tokenID: str | None,
+    modelRequested: str,
+    model: str | None,
+    provider: str | None,
+    upstreamModel: str | None,
+    stream: bool,
+    outcome: str,
+    usage: Usage | None,
+    estimate: tuple[int, int],
+    price: Price | None,
+    startedAt: float,
+    endedAt: float,
+) -> auth_pb2.UsageRow:
+    """
+    The ledger row of one forwarded request. Its tokens are the provider's
+    usage when it came; else, for an answer that failed before its first
+    byte, none; else (an answer without usage, a client gone before it)
+    the reservation's C{estimate} (prompt, output cap), as the token
+    limits kept it (D11). Its cost is those tokens at C{price}, the price of
+    the model that answered.
+    """
+    if usage is not None:
+        prompt, cached = usage.promptTokens, usage.cachedTokens
+        completion, reasoning = usage.completionTokens, usage.reasoningTokens
+        tokensFrom = FROM_PROVIDER
+    elif outcome == UPSTREAM_ERROR:
+        prompt = cached = completion = reasoning = 0
+        tokensFrom = FROM_PROVIDER
+    else:
+        (prompt, completion), cached, reasoning = estimate, 0, 0
+        tokensFrom = FROM_RESERVATION
+    return auth_pb2.UsageRow(
+        request_id=requestID,
+        org_id=orgID,
+        agent_id=agentID or "",
+        token_id=tokenID or "",
+        model_requested=modelRequested,
+        model=model or "",
+        provider=provider or "",
+        upstream_model=upstreamModel or "",
+        stream=stream,
+        outcome=outcome,
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        completion_tokens=completion,
+        reasoning_tokens=reasoning,
+        tokens_from=tokensFrom,
+        cost_nano_usd=price.cost(prompt, cached, completion) if price is not None else 0,
+        price_version=price.version if price is not None else "",
+        started_at_us=round(startedAt * 1_000_000),
+        duration_us=max(0, round((endedAt - startedAt) * 1_000_000)),
+    )
