@@ -4,7 +4,7 @@ run, so that a change is judged against its baseline under the same
 machine conditions (absolute figures here drift by a third between runs).
 
     python bench/compare.py [--rounds 3] [--duration 8] [--connections 32]
-                            [--warmup 2] SPEC SPEC...
+                            [--rows chat] [--warmup 2] SPEC SPEC...
 
 A SPEC is a git revision, or C{.} for the working tree, optionally followed
 by C{:NAME=VALUE,...} for both daemons' environment: C{HEAD~1 .} compares
@@ -13,7 +13,13 @@ Each SPEC gets its own svc-auth and svc-proxy (a revision's code from a
 temporary git worktree, first on their PYTHONPATH) on one shared
 PostgreSQL, Redis and tenant. The rounds alternate the floor and every
 SPEC; each line gives requests/s, p50, p99, the ratio to the floor of that
-round, and per process the CPU time and context switches per request.
+round, and per process the CPU time and context switches per request, then
+the cycle collector's collections per second and pauses in svc-proxy
+during that row, by generation (svc_python_gc_pause_seconds).
+
+--rows chat,forward also measures the forward row (the chat request
+answered by a local nginx, as in bench/gateway.py); --connections 1,32
+measures every row, the floor included, at each count in turn.
 """
 
 from __future__ import annotations
@@ -31,7 +37,15 @@ import attrs
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gateway import cpuSeconds, runningStack, runWrk, summarize  # noqa: E402
+from gateway import (  # noqa: E402
+    cpuSeconds,
+    gcCells,
+    gcDuring,
+    gcPauses,
+    runningStack,
+    runWrk,
+    summarize,
+)
 
 from svcd.testing.daemons import Daemon, authEnvironment  # noqa: E402
 from svcd.testing.servers import freePort  # noqa: E402
@@ -88,17 +102,59 @@ def checkout(stack: contextlib.ExitStack, revision: str, scratch: Path) -> str |
     return str(tree)
 
 
+def _measureSpec(
+    spec: Spec,
+    row: str,
+    auth: Daemon,
+    proxy: Daemon,
+    connections: int,
+    environment: dict[str, str],
+    expected: int,
+    floor: dict[str, float],
+    duration: float,
+) -> None:
+    """
+    One row of one SPEC: wrk, then a line with its figures.
+    """
+    pids = {"svc-auth": auth.process.pid, "svc-proxy": proxy.process.pid}  # type: ignore[union-attr]
+    cpu = {name: cpuSeconds(pid) for name, pid in pids.items()}
+    switches = {name: contextSwitches(pid) for name, pid in pids.items()}
+    pauses = gcPauses([proxy])
+    raw = runWrk(proxy.url("/v1/chat/completions"), connections, duration, environment)
+    collector = gcDuring(pauses, gcPauses([proxy]), raw["duration_us"] / 1e6)
+    result = summarize(row, connections, expected, raw)
+    requests = max(1, raw["requests"])
+    costs = " ".join(
+        f"{name} {(cpuSeconds(pid) - cpu[name]) / requests * 1e6:.0f} µs"
+        f" {(contextSwitches(pid) - switches[name]) / requests:.1f} cs"
+        for name, pid in pids.items()
+    )
+    print(
+        f"  {spec.label:<24} {row:<7} {result['rps']:7.0f} req/s"
+        f" {result['rps'] / floor['rps']:6.1%} of floor"
+        f"  p50 {result['p50_ms']:6.2f} p99 {result['p99_ms']:6.2f} ms"
+        f"  errors {result['errors']}  {costs}",
+        flush=True,
+    )
+    print(f"  {'':<24} {'':<7} {gcCells(collector)}", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("specs", nargs="+", metavar="SPEC")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration", type=float, default=8.0, help="seconds per measurement")
-    parser.add_argument("--connections", type=int, default=32)
+    parser.add_argument("--connections", default="32", help="comma-separated, e.g. 1,32")
+    parser.add_argument("--rows", default="chat", help="chat, forward or both, comma-separated")
     parser.add_argument(
         "--warmup", type=float, default=2.0, help="seconds of load on each SPEC before round 1"
     )
     arguments = parser.parse_args()
     specs = [Spec.parse(each) for each in arguments.specs]
+    connectionCounts = [int(each) for each in arguments.connections.split(",")]
+    rows = arguments.rows.split(",")
+    if set(rows) - {"chat", "forward"}:
+        raise SystemExit("compare.py: --rows takes chat and forward")
     for spec in specs:
         if (
             spec.revision != "."
@@ -122,7 +178,9 @@ def main() -> int:
         contextlib.ExitStack() as stack,
     ):
         scratch = Path(scratchName)
-        shared = stack.enter_context(runningStack(scratch, "INFO", [1]))
+        shared = stack.enter_context(
+            runningStack(scratch, "INFO", [1], withForwarding="forward" in rows)
+        )
         base = shared.proxies[1, False][0]
         dsn = shared.auth.environment["POSTGRES_DSN"]
         served = []
@@ -150,6 +208,11 @@ def main() -> int:
                     "SVC_RATE_LIMIT_ORG_OVERRIDES": base.environment[
                         "SVC_RATE_LIMIT_ORG_OVERRIDES"
                     ],
+                    **{
+                        name: base.environment[name]
+                        for name in ("SVC_PROVIDERS_FILE",)
+                        if name in base.environment
+                    },
                     **extra,
                 },
                 scratch / f"proxy-{index}.log",
@@ -158,46 +221,41 @@ def main() -> int:
             proxy.waitForReady()
             served.append((spec, auth, proxy))
 
-        _, chatEnvironment, expected = shared.shape("chat", 1)
+        shapes = {row: shared.shape(row, 1)[1:] for row in rows}
         floorURL = f"{shared.floorURL}/v1/chat/completions"
         _, floorEnvironment, _ = shared.shape("floor", 1)
         if arguments.warmup:
             # Fill each svc-auth's cache and thread pool before measuring.
             for _, _, proxy in served:
-                url = proxy.url("/v1/chat/completions")
-                runWrk(url, arguments.connections, arguments.warmup, chatEnvironment)
+                for environment, _ in shapes.values():
+                    url = proxy.url("/v1/chat/completions")
+                    runWrk(url, max(connectionCounts), arguments.warmup, environment)
         for number in range(1, arguments.rounds + 1):
-            floor = summarize(
-                "floor",
-                arguments.connections,
-                501,
-                runWrk(floorURL, arguments.connections, arguments.duration, floorEnvironment),
-            )
-            print(f"round {number}: floor {floor['rps']:.0f} req/s", flush=True)
-            for spec, auth, proxy in served:
-                pids = {"svc-auth": auth.process.pid, "svc-proxy": proxy.process.pid}  # type: ignore[union-attr]
-                cpu = {name: cpuSeconds(pid) for name, pid in pids.items()}
-                switches = {name: contextSwitches(pid) for name, pid in pids.items()}
-                raw = runWrk(
-                    proxy.url("/v1/chat/completions"),
-                    arguments.connections,
-                    arguments.duration,
-                    chatEnvironment,
-                )
-                result = summarize("chat", arguments.connections, expected, raw)
-                requests = max(1, raw["requests"])
-                costs = " ".join(
-                    f"{name} {(cpuSeconds(pid) - cpu[name]) / requests * 1e6:.0f} µs"
-                    f" {(contextSwitches(pid) - switches[name]) / requests:.1f} cs"
-                    for name, pid in pids.items()
+            for connections in connectionCounts:
+                floor = summarize(
+                    "floor",
+                    connections,
+                    501,
+                    runWrk(floorURL, connections, arguments.duration, floorEnvironment),
                 )
                 print(
-                    f"  {spec.label:<24} {result['rps']:7.0f} req/s"
-                    f" {result['rps'] / floor['rps']:6.1%} of floor"
-                    f"  p50 {result['p50_ms']:6.1f} p99 {result['p99_ms']:6.1f} ms"
-                    f"  errors {result['errors']}  {costs}",
+                    f"round {number}, {connections} connection(s): floor {floor['rps']:.0f}"
+                    f" req/s  p50 {floor['p50_ms']:6.2f} p99 {floor['p99_ms']:6.2f} ms",
                     flush=True,
                 )
+                for spec, auth, proxy in served:
+                    for row, (environment, expected) in shapes.items():
+                        _measureSpec(
+                            spec,
+                            row,
+                            auth,
+                            proxy,
+                            connections,
+                            environment,
+                            expected,
+                            floor,
+                            arguments.duration,
+                        )
     return 0
 
 
