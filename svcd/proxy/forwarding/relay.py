@@ -59,6 +59,17 @@ def usageOf(document: object) -> Usage | None:
     return Usage(prompt, completion)
 
 
+def _forgetTransport(protocol: Protocol) -> None:
+    """
+    Drop a body protocol's transport once its body has ended: the answer
+    that delivered it (L{svcd.proxy.forwarding.http1.UpstreamAnswer})
+    keeps the protocol, and the transport keeps the answer, so the three
+    would wait in a reference cycle for the cycle collector (with a
+    stream's relay, the client's whole request with them).
+    """
+    protocol.transport = None
+
+
 class StreamFault(Exception):
     """
     The stream failed: C{kind} is C{timeout}, C{broken} (the connection
@@ -99,6 +110,7 @@ class BodyReader(Protocol):
         self._parts.append(data)
 
     def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:  # noqa: B008
+        _forgetTransport(self)
         if self.finished.called:
             return
         if reason.check(ResponseDone, PotentialDataLoss):
@@ -242,6 +254,7 @@ class StreamRelay(Protocol):
             self._fail(StreamFault("invalid", f"an event over {MAX_EVENT_BYTES} bytes"))
 
     def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:  # noqa: B008
+        _forgetTransport(self)
         if self._ended:
             return
         if reason.check(ResponseDone) and not self._buffer.strip():
