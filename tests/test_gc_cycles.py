@@ -36,6 +36,7 @@ from authfixtures import Tenant
 from prometheus_client.parser import text_string_to_metric_families
 from test_gateway_e2e import Gateway, runningGateway
 
+from svcd.common.pat import formatToken, newSecret
 from svcd.testing.servers import PostgresServer, freePort
 from svcd.testing.upstream import ScriptedUpstream
 
@@ -143,9 +144,12 @@ class Measured:
     floor: Probed
     tenant: Tenant
 
-    def headers(self) -> dict[str, str]:
+    def headers(self, wrongSecret: bool = False) -> dict[str, str]:
+        token = self.tenant.token
+        if wrongSecret:
+            token = formatToken(self.tenant.tokenID, newSecret())
         return {
-            "Authorization": f"Bearer {self.tenant.token}",
+            "Authorization": f"Bearer {token}",
             "X-SVC-Agent-ID": str(self.tenant.agentID),
             "Content-Type": "application/json",
         }
@@ -213,24 +217,27 @@ def floorPerRequest(measured: Measured) -> float:
 
 
 @pytest.mark.parametrize(
-    ("path", "body", "expected"),
+    ("body", "wrongSecret", "expected"),
     [
-        pytest.param(CHAT, _chatBody("demo"), 501, id="501"),
-        pytest.param(CHAT, _chatBody("forwarded"), 200, id="forward"),
-        pytest.param(CHAT, _chatBody("forwarded", stream=True), 200, id="stream"),
+        pytest.param(_chatBody("demo"), False, 501, id="501"),
+        pytest.param(_chatBody("forwarded"), False, 200, id="forward"),
+        pytest.param(_chatBody("forwarded", stream=True), False, 200, id="stream"),
+        pytest.param(_chatBody("demo"), True, 401, id="rejected"),
     ],
 )
 def test_requestsLeaveNothingToTheCollector(
-    measured: Measured, floorPerRequest: float, path: str, body: bytes, expected: int
+    measured: Measured, floorPerRequest: float, body: bytes, wrongSecret: bool, expected: int
 ) -> None:
     """
-    A chat request answered 501, forwarded, or relayed as a stream leaves
-    the collector nothing: the window finds fewer objects than it had
-    requests (a request in a cycle would leave at least one; a quiet
-    daemon's windows find none at all), and so far fewer than the bare
-    Klein handler's requests leave.
+    A chat request answered 501, forwarded, relayed as a stream, or refused
+    by svc-auth (a wrong secret) leaves the collector nothing: the window
+    finds fewer objects than it had requests (a request in a cycle would
+    leave at least one; a quiet daemon's windows find none at all), and so
+    far fewer than the bare Klein handler's requests leave.
     """
-    perRequest, found = measured.proxy.perRequest(path, measured.headers(), body, expected)
+    perRequest, found = measured.proxy.perRequest(
+        CHAT, measured.headers(wrongSecret), body, expected
+    )
     assert found["objects"] < REQUESTS, (perRequest, floorPerRequest, found)
     assert perRequest <= floorPerRequest, (perRequest, floorPerRequest, found)
 

@@ -525,6 +525,12 @@ class ProxyEdge:
                 await step(ctx)
             return await pipeline.handler(ctx)
         except ApiError as error:
+            # An error raised out of a failed Deferred (a refusal of
+            # svc-auth's, say) has a traceback through Failure.raiseException,
+            # whose frame holds the Failure, which holds the error: a cycle,
+            # holding this request through the frames of the steps. The
+            # answer needs none of it.
+            error.__traceback__ = None
             return self.errorReply(ctx, error)
         except CancelledError:
             raise
