@@ -43,7 +43,10 @@ the whole answer is its first event).
 
 Every proxy row runs once per --workers count: that many svc-proxy
 processes sharing one port with SVC_REUSE_PORT (each count its own port).
-Then ValidateToken calls/s against svc-auth directly (bench/auth_validate).
+Then ValidateToken calls/s against svc-auth directly (bench/auth_validate),
+and for each proxy row what the cycle collector did in svc-proxy meanwhile:
+collections per second and the p99 of their pauses, by generation (from
+svc_python_gc_pause_seconds).
 
 The tenant's rate limit is raised far above the load, so the limiter runs
 (one Redis round trip per request) without refusing anything.
