@@ -144,13 +144,14 @@ class Measured:
     floor: Probed
     tenant: Tenant
 
-    def headers(self, wrongSecret: bool = False) -> dict[str, str]:
-        token = self.tenant.token
+    def headers(self, wrongSecret: bool = False, tokenLimited: bool = False) -> dict[str, str]:
+        tenant = self.gateway.tenants["other"] if tokenLimited else self.tenant
+        token = tenant.token
         if wrongSecret:
-            token = formatToken(self.tenant.tokenID, newSecret())
+            token = formatToken(tenant.tokenID, newSecret())
         return {
             "Authorization": f"Bearer {token}",
-            "X-SVC-Agent-ID": str(self.tenant.agentID),
+            "X-SVC-Agent-ID": str(tenant.agentID),
             "Content-Type": "application/json",
         }
 
@@ -179,6 +180,7 @@ def measured(
             },
         ) as gateway:
             assert gateway.proxy.process is not None
+            _limitTokens(gateway)
             yield Measured(
                 gateway,
                 Probed(gateway.proxy.process.pid, gateway.port, workdir / "probe-proxy"),
@@ -189,6 +191,34 @@ def measured(
         floor.terminate()
         floor.wait(10)
         upstream.stop()
+
+
+def _limitTokens(gateway: Gateway, timeout: float = 30.0) -> None:
+    """
+    Give the "other" tenant's organization a token limit no test reaches
+    (decisions D11), so that its forwarded requests reserve and settle
+    tokens, and wait until the proxy applies it.
+    """
+    other = gateway.tenants["other"]
+    gateway.owner.setLimits(other.orgID, None, {"tpm": 1_000_000_000})
+    headers = {
+        "Authorization": f"Bearer {other.token}",
+        "X-SVC-Agent-ID": str(other.agentID),
+        "Content-Type": "application/json",
+    }
+    deadline = time.monotonic() + timeout
+    while True:
+        connection = http.client.HTTPConnection("127.0.0.1", gateway.port, timeout=10)
+        try:
+            connection.request("POST", CHAT, body=_chatBody("forwarded"), headers=headers)
+            answer = connection.getresponse()
+            answer.read()
+        finally:
+            connection.close()
+        if answer.getheader("X-RateLimit-Limit-Tokens") is not None:
+            return
+        assert time.monotonic() < deadline, "the proxy did not apply the token limit"
+        time.sleep(0.1)
 
 
 def _waitForPort(process: subprocess.Popen[bytes], port: int, timeout: float = 20.0) -> None:
@@ -217,27 +247,31 @@ def floorPerRequest(measured: Measured) -> float:
 
 
 @pytest.mark.parametrize(
-    ("body", "wrongSecret", "expected"),
+    ("body", "variant", "expected"),
     [
-        pytest.param(_chatBody("demo"), False, 501, id="501"),
-        pytest.param(_chatBody("forwarded"), False, 200, id="forward"),
-        pytest.param(_chatBody("forwarded", stream=True), False, 200, id="stream"),
-        pytest.param(_chatBody("demo"), True, 401, id="rejected"),
+        pytest.param(_chatBody("demo"), "", 501, id="501"),
+        pytest.param(_chatBody("forwarded"), "", 200, id="forward"),
+        pytest.param(_chatBody("forwarded", stream=True), "", 200, id="stream"),
+        pytest.param(_chatBody("forwarded"), "tokenLimited", 200, id="forward-tokens"),
+        pytest.param(_chatBody("forwarded", stream=True), "tokenLimited", 200, id="stream-tokens"),
+        pytest.param(_chatBody("demo"), "wrongSecret", 401, id="rejected"),
     ],
 )
 def test_requestsLeaveNothingToTheCollector(
-    measured: Measured, floorPerRequest: float, body: bytes, wrongSecret: bool, expected: int
+    measured: Measured, floorPerRequest: float, body: bytes, variant: str, expected: int
 ) -> None:
     """
-    A chat request answered 501, forwarded, relayed as a stream, or refused
-    by svc-auth (a wrong secret) leaves the collector nothing: the window
-    finds fewer objects than it had requests (a request in a cycle would
-    leave at least one; a quiet daemon's windows find none at all), and so
-    far fewer than the bare Klein handler's requests leave.
+    A chat request answered 501, forwarded, relayed as a stream (also with
+    a token limit, whose reservation each settles), or refused by svc-auth
+    (a wrong secret) leaves the collector nothing: the window finds fewer
+    objects than it had requests (a request in a cycle would leave at least
+    one; a quiet daemon's windows find none at all), and so far fewer than
+    the bare Klein handler's requests leave.
     """
-    perRequest, found = measured.proxy.perRequest(
-        CHAT, measured.headers(wrongSecret), body, expected
+    headers = measured.headers(
+        wrongSecret=variant == "wrongSecret", tokenLimited=variant == "tokenLimited"
     )
+    perRequest, found = measured.proxy.perRequest(CHAT, headers, body, expected)
     assert found["objects"] < REQUESTS, (perRequest, floorPerRequest, found)
     assert perRequest <= floorPerRequest, (perRequest, floorPerRequest, found)
 
