@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -112,9 +113,10 @@ def _measureSpec(
     expected: int,
     floor: dict[str, float],
     duration: float,
-) -> None:
+) -> dict[str, dict[str, Any]]:
     """
-    One row of one SPEC: wrk, then a line with its figures.
+    One row of one SPEC: wrk, then a line with its figures; returns what
+    the cycle collector did meanwhile (L{gcDuring}).
     """
     pids = {"svc-auth": auth.process.pid, "svc-proxy": proxy.process.pid}  # type: ignore[union-attr]
     cpu = {name: cpuSeconds(pid) for name, pid in pids.items()}
@@ -136,7 +138,38 @@ def _measureSpec(
         f"  errors {result['errors']}  {costs}",
         flush=True,
     )
+    if result["errors"]:
+        print(f"  {'':<24} {'':<7} statuses {result['statuses']}", flush=True)
     print(f"  {'':<24} {'':<7} {gcCells(collector)}", flush=True)
+    return collector
+
+
+def _printHistograms(
+    histograms: dict[tuple[str, str, int, str], list[tuple[float, float]]], seconds: float
+) -> None:
+    """
+    The pauses of every SPEC, row and connection count over all rounds:
+    collections by bucket (the upper bound, in ms; not cumulative).
+    """
+    bounds = next((buckets for buckets in histograms.values() if buckets), [])
+    print(
+        "svc-proxy's collections by pause (ms, up to), all rounds"
+        f" ({seconds:.0f} s per SPEC and row):"
+    )
+    header = " ".join(
+        f"{'+Inf' if bound == float('inf') else f'{bound * 1000:g}':>6}" for bound, _ in bounds
+    )
+    print(f"  {'SPEC':<24} {'row':<7} {'conns':>5} gen {header}")
+    for (label, row, connections, generation), buckets in histograms.items():
+        if not buckets:
+            # A revision that does not export svc_python_gc_pause_seconds.
+            continue
+        counts, below = [], 0.0
+        for _, cumulative in buckets:
+            counts.append(cumulative - below)
+            below = cumulative
+        cells = " ".join(f"{count:>6.0f}" for count in counts)
+        print(f"  {label:<24} {row:<7} {connections:>5} {generation:>3} {cells}")
 
 
 def main() -> int:
@@ -230,6 +263,7 @@ def main() -> int:
                 for environment, _ in shapes.values():
                     url = proxy.url("/v1/chat/completions")
                     runWrk(url, max(connectionCounts), arguments.warmup, environment)
+        histograms: dict[tuple[str, str, int, str], list[tuple[float, float]]] = {}
         for number in range(1, arguments.rounds + 1):
             for connections in connectionCounts:
                 floor = summarize(
@@ -245,7 +279,7 @@ def main() -> int:
                 )
                 for spec, auth, proxy in served:
                     for row, (environment, expected) in shapes.items():
-                        _measureSpec(
+                        collector = _measureSpec(
                             spec,
                             row,
                             auth,
@@ -256,6 +290,14 @@ def main() -> int:
                             floor,
                             arguments.duration,
                         )
+                        for generation, each in collector.items():
+                            key = (spec.label, row, connections, generation)
+                            summed = histograms.setdefault(key, [])
+                            histograms[key] = [
+                                (bound, count + (summed[index][1] if summed else 0.0))
+                                for index, (bound, count) in enumerate(each["buckets"])
+                            ]
+    _printHistograms(histograms, arguments.duration * arguments.rounds)
     return 0
 
 
