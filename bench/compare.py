@@ -4,7 +4,7 @@ run, so that a change is judged against its baseline under the same
 machine conditions (absolute figures here drift by a third between runs).
 
     python bench/compare.py [--rounds 3] [--duration 8] [--connections 32]
-                            [--warmup 2] [--rows chat,forward] SPEC SPEC...
+                            [--rows chat,forward,stream] [--warmup 2] SPEC SPEC...
 
 A SPEC is a git revision, or C{.} for the working tree, optionally followed
 by C{:NAME=VALUE,...} for both daemons' environment: C{HEAD~1 .} compares
@@ -13,11 +13,14 @@ Each SPEC gets its own svc-auth and svc-proxy (a revision's code from a
 temporary git worktree, first on their PYTHONPATH) on one shared
 PostgreSQL, Redis and tenant. The rounds alternate the floor and every
 SPEC; each line gives requests/s, p50, p99, the ratio to the floor of that
-round, and per process the CPU time and context switches per request.
---rows names the rows of bench/gateway.py to compare (chat, the default,
-forward: the chat row forwarded to a local nginx that answers at once,
-which also starts it, and stream: the same with "stream": true, nginx
-answering a fixed event stream).
+round, and per process the CPU time and context switches per request, then
+the cycle collector's collections per second and pauses in svc-proxy
+during that row, by generation (svc_python_gc_pause_seconds).
+
+--rows chat,forward also measures the forward row (the chat request
+answered by a local nginx, as in bench/gateway.py), and stream the same
+with "stream": true (nginx answering a fixed event stream); --connections
+1,32 measures every row, the floor included, at each count in turn.
 """
 
 from __future__ import annotations
@@ -29,13 +32,22 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import attrs
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gateway import cpuSeconds, runningStack, runWrk, summarize  # noqa: E402
+from gateway import (  # noqa: E402
+    cpuSeconds,
+    gcCells,
+    gcDuring,
+    gcPauses,
+    runningStack,
+    runWrk,
+    summarize,
+)
 
 from svcd.testing.daemons import Daemon, authEnvironment  # noqa: E402
 from svcd.testing.servers import freePort  # noqa: E402
@@ -92,16 +104,85 @@ def checkout(stack: contextlib.ExitStack, revision: str, scratch: Path) -> str |
     return str(tree)
 
 
+def _measureSpec(
+    spec: Spec,
+    row: str,
+    auth: Daemon,
+    proxy: Daemon,
+    connections: int,
+    environment: dict[str, str],
+    expected: int,
+    floor: dict[str, float],
+    duration: float,
+) -> dict[str, dict[str, Any]]:
+    """
+    One row of one SPEC: wrk, then a line with its figures; returns what
+    the cycle collector did meanwhile (L{gcDuring}).
+    """
+    pids = {"svc-auth": auth.process.pid, "svc-proxy": proxy.process.pid}  # type: ignore[union-attr]
+    cpu = {name: cpuSeconds(pid) for name, pid in pids.items()}
+    switches = {name: contextSwitches(pid) for name, pid in pids.items()}
+    pauses = gcPauses([proxy])
+    raw = runWrk(proxy.url("/v1/chat/completions"), connections, duration, environment)
+    collector = gcDuring(pauses, gcPauses([proxy]), raw["duration_us"] / 1e6)
+    result = summarize(row, connections, expected, raw)
+    requests = max(1, raw["requests"])
+    costs = " ".join(
+        f"{name} {(cpuSeconds(pid) - cpu[name]) / requests * 1e6:.0f} µs"
+        f" {(contextSwitches(pid) - switches[name]) / requests:.1f} cs"
+        for name, pid in pids.items()
+    )
+    print(
+        f"  {spec.label:<24} {row:<7} {result['rps']:7.0f} req/s"
+        f" {result['rps'] / floor['rps']:6.1%} of floor"
+        f"  p50 {result['p50_ms']:6.2f} p99 {result['p99_ms']:6.2f} ms"
+        f"  errors {result['errors']}  {costs}",
+        flush=True,
+    )
+    if result["errors"]:
+        print(f"  {'':<24} {'':<7} statuses {result['statuses']}", flush=True)
+    print(f"  {'':<24} {'':<7} {gcCells(collector)}", flush=True)
+    return collector
+
+
+def _printHistograms(
+    histograms: dict[tuple[str, str, int, str], list[tuple[float, float]]], seconds: float
+) -> None:
+    """
+    The pauses of every SPEC, row and connection count over all rounds:
+    collections by bucket (the upper bound, in ms; not cumulative).
+    """
+    bounds = next((buckets for buckets in histograms.values() if buckets), [])
+    print(
+        "svc-proxy's collections by pause (ms, up to), all rounds"
+        f" ({seconds:.0f} s per SPEC and row):"
+    )
+    header = " ".join(
+        f"{'+Inf' if bound == float('inf') else f'{bound * 1000:g}':>6}" for bound, _ in bounds
+    )
+    print(f"  {'SPEC':<24} {'row':<7} {'conns':>5} gen {header}")
+    for (label, row, connections, generation), buckets in histograms.items():
+        if not buckets:
+            # A revision that does not export svc_python_gc_pause_seconds.
+            continue
+        counts, below = [], 0.0
+        for _, cumulative in buckets:
+            counts.append(cumulative - below)
+            below = cumulative
+        cells = " ".join(f"{count:>6.0f}" for count in counts)
+        print(f"  {label:<24} {row:<7} {connections:>5} {generation:>3} {cells}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("specs", nargs="+", metavar="SPEC")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration", type=float, default=8.0, help="seconds per measurement")
-    parser.add_argument("--connections", type=int, default=32)
+    parser.add_argument("--connections", default="32", help="comma-separated, e.g. 1,32")
+    parser.add_argument("--rows", default="chat", help="chat, forward, stream, comma-separated")
     parser.add_argument(
         "--warmup", type=float, default=2.0, help="seconds of load on each SPEC before round 1"
     )
-    parser.add_argument("--rows", default="chat", help="chat, forward, stream: chat,forward")
     arguments = parser.parse_args()
     rows = [row.strip() for row in arguments.rows.split(",") if row.strip()]
     if not rows or set(rows) - {"chat", "forward", "stream"}:
@@ -109,6 +190,7 @@ def main() -> int:
             f"compare.py: --rows takes chat, forward and stream, got {arguments.rows!r}"
         )
     specs = [Spec.parse(each) for each in arguments.specs]
+    connectionCounts = [int(each) for each in arguments.connections.split(",")]
     for spec in specs:
         if (
             spec.revision != "."
@@ -177,48 +259,50 @@ def main() -> int:
             proxy.waitForReady()
             served.append((spec, auth, proxy))
 
-        shapes = {row: shared.shape(row, 1) for row in rows}
+        shapes = {row: shared.shape(row, 1)[1:] for row in rows}
         floorURL = f"{shared.floorURL}/v1/chat/completions"
         _, floorEnvironment, _ = shared.shape("floor", 1)
         if arguments.warmup:
             # Fill each svc-auth's cache and thread pool before measuring.
             for _, _, proxy in served:
-                for _, rowEnvironment, _ in shapes.values():
+                for environment, _ in shapes.values():
                     url = proxy.url("/v1/chat/completions")
-                    runWrk(url, arguments.connections, arguments.warmup, rowEnvironment)
+                    runWrk(url, max(connectionCounts), arguments.warmup, environment)
+        histograms: dict[tuple[str, str, int, str], list[tuple[float, float]]] = {}
         for number in range(1, arguments.rounds + 1):
-            floor = summarize(
-                "floor",
-                arguments.connections,
-                501,
-                runWrk(floorURL, arguments.connections, arguments.duration, floorEnvironment),
-            )
-            print(f"round {number}: floor {floor['rps']:.0f} req/s", flush=True)
-            for row, (_, rowEnvironment, expected) in shapes.items():
+            for connections in connectionCounts:
+                floor = summarize(
+                    "floor",
+                    connections,
+                    501,
+                    runWrk(floorURL, connections, arguments.duration, floorEnvironment),
+                )
+                print(
+                    f"round {number}, {connections} connection(s): floor {floor['rps']:.0f}"
+                    f" req/s  p50 {floor['p50_ms']:6.2f} p99 {floor['p99_ms']:6.2f} ms",
+                    flush=True,
+                )
                 for spec, auth, proxy in served:
-                    pids = {"svc-auth": auth.process.pid, "svc-proxy": proxy.process.pid}  # type: ignore[union-attr]
-                    cpu = {name: cpuSeconds(pid) for name, pid in pids.items()}
-                    switches = {name: contextSwitches(pid) for name, pid in pids.items()}
-                    raw = runWrk(
-                        proxy.url("/v1/chat/completions"),
-                        arguments.connections,
-                        arguments.duration,
-                        rowEnvironment,
-                    )
-                    result = summarize(row, arguments.connections, expected, raw)
-                    requests = max(1, raw["requests"])
-                    costs = " ".join(
-                        f"{name} {(cpuSeconds(pid) - cpu[name]) / requests * 1e6:.0f} µs"
-                        f" {(contextSwitches(pid) - switches[name]) / requests:.1f} cs"
-                        for name, pid in pids.items()
-                    )
-                    print(
-                        f"  {row:<8} {spec.label:<24} {result['rps']:7.0f} req/s"
-                        f" {result['rps'] / floor['rps']:6.1%} of floor"
-                        f"  p50 {result['p50_ms']:6.1f} p99 {result['p99_ms']:6.1f} ms"
-                        f"  errors {result['errors']}  {costs}",
-                        flush=True,
-                    )
+                    for row, (environment, expected) in shapes.items():
+                        collector = _measureSpec(
+                            spec,
+                            row,
+                            auth,
+                            proxy,
+                            connections,
+                            environment,
+                            expected,
+                            floor,
+                            arguments.duration,
+                        )
+                        for generation, each in collector.items():
+                            key = (spec.label, row, connections, generation)
+                            summed = histograms.setdefault(key, [])
+                            histograms[key] = [
+                                (bound, count + (summed[index][1] if summed else 0.0))
+                                for index, (bound, count) in enumerate(each["buckets"])
+                            ]
+    _printHistograms(histograms, arguments.duration * arguments.rounds)
     return 0
 
 

@@ -43,7 +43,10 @@ the whole answer is its first event).
 
 Every proxy row runs once per --workers count: that many svc-proxy
 processes sharing one port with SVC_REUSE_PORT (each count its own port).
-Then ValidateToken calls/s against svc-auth directly (bench/auth_validate).
+Then ValidateToken calls/s against svc-auth directly (bench/auth_validate),
+and for each proxy row what the cycle collector did in svc-proxy meanwhile:
+collections per second and the p99 of their pauses, by generation (from
+svc_python_gc_pause_seconds).
 
 The tenant's rate limit is raised far above the load, so the limiter runs
 (one Redis round trip per request) without refusing anything.
@@ -72,6 +75,7 @@ from typing import Any
 
 import attrs
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -479,6 +483,14 @@ class Stack:
             pids[f"proxy{index + 1}"] = _pid(proxy)
         return pids
 
+    def proxiesOf(self, row: str, workers: int) -> list[Daemon]:
+        """
+        The svc-proxy processes that serve C{row} (none for the others).
+        """
+        if row in _SINGLE:
+            return []
+        return self.proxies[workers, _variant(row)[1]]
+
     def proxyURL(self, workers: int, phase1: bool = False) -> str:
         return f"http://127.0.0.1:{self.proxies[workers, phase1][0].httpPort}"
 
@@ -541,10 +553,14 @@ def _measure(
     if warmup:
         runWrk(url, connections, warmup, environment)
     measured = stack.pids(row, workers)
+    proxies = stack.proxiesOf(row, workers)
+    pausesBefore = gcPauses(proxies)
     before = [cpuSeconds(pid) for pid in measured.values()]
     raw = runWrk(url, connections, duration, environment)
     after = [cpuSeconds(pid) for pid in measured.values()]
     result = summarize(row, connections, expected, raw, workers)
+    if proxies:
+        result["gc"] = gcDuring(pausesBefore, gcPauses(proxies), raw["duration_us"] / 1e6)
     result["cpu_us_per_request"] = {
         name: (end - start) / max(1, raw["requests"]) * 1e6
         for name, start, end in zip(measured, before, after, strict=True)
@@ -623,6 +639,100 @@ def validateTokenDirect(stack: Stack, duration: float, concurrency: int) -> tupl
         closedLoop(stub, stack.token, concurrency, 1.0)
         ok, errors, _ = closedLoop(stub, stack.token, concurrency, duration)
     return ok / duration, errors
+
+
+GENERATIONS = ("0", "1", "2")
+
+
+def gcPauses(daemons: list[Daemon]) -> dict[str, list[tuple[float, float]]]:
+    """
+    The cycle collector's pause histogram of C{daemons} added up, by
+    generation: cumulative counts by upper bound (svc_python_gc_pause_seconds).
+    """
+    pauses: dict[str, dict[float, float]] = {generation: {} for generation in GENERATIONS}
+    for daemon in daemons:
+        for family in text_string_to_metric_families(daemon.get("/metrics")[1].decode()):
+            if family.name != "svc_python_gc_pause_seconds":
+                continue
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):
+                    bound = float(sample.labels["le"])
+                    counts = pauses[sample.labels["generation"]]
+                    counts[bound] = counts.get(bound, 0.0) + sample.value
+    return {generation: sorted(counts.items()) for generation, counts in pauses.items()}
+
+
+def pauseQuantile(buckets: list[tuple[float, float]], quantile: float) -> float | None:
+    """
+    The quantile of a cumulative histogram, interpolated within its bucket
+    as Prometheus's histogram_quantile does; None when it is empty.
+    """
+    total = buckets[-1][1] if buckets else 0.0
+    if not total:
+        return None
+    rank = quantile * total
+    lower, below = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if bound == float("inf"):
+                return lower
+            return lower + (bound - lower) * (rank - below) / max(count - below, 1e-9)
+        lower, below = bound, count
+    return lower
+
+
+def gcDuring(
+    before: dict[str, list[tuple[float, float]]],
+    after: dict[str, list[tuple[float, float]]],
+    seconds: float,
+) -> dict[str, dict[str, Any]]:
+    """
+    What the collector did between two L{gcPauses}, by generation:
+    collections, collections per second, p50, p99 and the bound of the
+    longest pause's bucket (ms), and the histogram itself.
+    """
+    summary: dict[str, dict[str, Any]] = {}
+    for generation in GENERATIONS:
+        earlier = dict(before.get(generation, []))
+        buckets = [
+            (bound, count - earlier.get(bound, 0.0)) for bound, count in after.get(generation, [])
+        ]
+        total = buckets[-1][1] if buckets else 0.0
+        longest = None
+        below = 0.0
+        for bound, count in buckets:
+            if count > below:
+                longest = bound
+            below = count
+        p50, p99 = pauseQuantile(buckets, 0.5), pauseQuantile(buckets, 0.99)
+        summary[generation] = {
+            "collections": total,
+            "per_second": total / seconds,
+            "p50_ms": None if p50 is None else p50 * 1000,
+            "p99_ms": None if p99 is None else p99 * 1000,
+            "longest_bucket_ms": None if longest is None else longest * 1000,
+            "buckets": buckets,
+        }
+    return summary
+
+
+def gcCells(summary: dict[str, dict[str, Any]]) -> str:
+    """
+    One line of L{gcDuring}: per generation, collections per second and
+    the p99 of their pauses (and the longest pause's bucket).
+    """
+    cells = []
+    for generation, each in summary.items():
+        if not each["collections"]:
+            cells.append(f"gen{generation} -")
+            continue
+        longest = each["longest_bucket_ms"]
+        longestText = "+Inf" if longest == float("inf") else f"{longest:g}"
+        cells.append(
+            f"gen{generation} {each['per_second']:.2f}/s p99 {each['p99_ms']:.2f} ms"
+            f" (≤{longestText})"
+        )
+    return "  ".join(cells)
 
 
 def cpuSeconds(pid: int) -> float:
@@ -797,6 +907,13 @@ def main() -> int:
             f" {each['errors']:>7} {ratio:>9}  "
             + " ".join(f"{name} {us:.0f}" for name, us in each["cpu_us_per_request"].items())
         )
+    print("cycle collector in svc-proxy during each row (collections/s, p99 of pauses):")
+    for each in [*results, *latency.values()]:
+        if "gc" in each:
+            print(
+                f"  {each['row']:<13} {each['workers']:>7} {each['connections']:>5}  "
+                + gcCells(each["gc"])
+            )
     chats = {
         (each["connections"], each["workers"]): each["rps"]
         for each in results

@@ -31,7 +31,7 @@ from twisted.logger import globalLogPublisher
 
 from svcd.common.logbounds import CUT_MARKER, MAX_LOGGED_CHARACTERS, loggedMethod, loggedText
 from svcd.common.logs import JSONLinesObserver
-from svcd.proxy.http.paths import isCanonicalPath
+from svcd.proxy.http.paths import RouteTable, isCanonicalPath
 from svcd.proxy.service import ProxyService
 from svcd.proxy.testing import FakeAuthClient, MemoryCounters, listeningProxy
 
@@ -233,6 +233,47 @@ def test_isCanonicalPath() -> None:
         b"/a%5Cb",
     ):
         assert isCanonicalPath(path), path
+
+
+def test_routeTable() -> None:
+    """
+    A canonical path finds its route: a template without variables by the
+    raw path, one with a variable by its other segments, the variable
+    percent-decoded; a variable that is not UTF-8 once decoded raises, and
+    every other path finds none.
+    """
+    table = RouteTable(
+        [
+            ("/health", "health"),
+            ("/v1/orgs/{org_id}/auth-probe", "org-probe"),
+            ("/v1/{name}/x/{other}", "two"),
+        ]
+    )
+    assert table.routeOf(b"/health") == ("health", {})
+    assert table.routeOf(b"/v1/orgs/abc/auth-probe") == ("org-probe", {"org_id": "abc"})
+    assert table.routeOf(b"/v1/orgs/%3A%20%C3%A9/auth-probe") == (
+        "org-probe",
+        {"org_id": ": \u00e9"},
+    )
+    assert table.routeOf(b"/v1/a/x/b") == ("two", {"name": "a", "other": "b"})
+    for path in (b"/healthz", b"/v1/orgs/abc/auth-probe/x", b"/v1/orgs/abc/probe", b"/v1/a/y/b"):
+        assert table.routeOf(path) is None, path
+    with pytest.raises(UnicodeDecodeError):
+        table.routeOf(b"/v1/orgs/%FF/auth-probe")
+    for template in ("health", "/a//b", "/a/"):
+        with pytest.raises(ValueError, match="not a path template"):
+            RouteTable([(template, "x")])
+
+
+@pytest_twisted.ensureDeferred
+async def test_variableNotUTF8IsNotFound(proxy: Proxy) -> None:
+    """
+    An org id whose escapes do not decode to UTF-8 is an unknown path:
+    404 NOT_FOUND, without a call to svc-auth.
+    """
+    status, _, body = await proxy.get(b"/v1/orgs/%FF/auth-probe", **proxy.credentials())
+    assert (status, envelopeCode(body)) == (404, "NOT_FOUND")
+    assert proxy.auth.calls == []
 
 
 # Bounded log lines

@@ -29,8 +29,8 @@ def restoredCollector() -> Iterator[None]:
 def test_settleHeapFreezesStartupObjects(restoredCollector: None) -> None:
     """
     Everything alive when the daemon has started moves to the permanent
-    generation, which the cycle collector no longer walks, and young
-    collections become rarer.
+    generation, which the cycle collector no longer walks, and the
+    collector's thresholds are L{GC_THRESHOLD}.
     """
     gc.unfreeze()
     survivor = [object() for _ in range(100)]

@@ -1,7 +1,8 @@
 """
 docs/operations.rst against the code: every variable the daemons read is
-documented, every documented SVC_ variable is read, and the documented
-defaults are the code's.
+documented, every documented SVC_ variable is read, the documented
+defaults are the code's, and every series the daemons export is in the
+list of metrics.
 """
 
 from __future__ import annotations
@@ -10,13 +11,18 @@ import re
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 from twisted.logger import LogLevel
 
 from svcd.auth.config import AuthConfig
+from svcd.auth.grpcservice import AuthMetrics
 from svcd.common import config
+from svcd.common.gcmetrics import CollectorMetrics
 from svcd.common.logs import logSettings
+from svcd.common.metrics import processUpGauge
 from svcd.common.tracing import TracingConfig
 from svcd.proxy.config import ProxyConfig
+from svcd.proxy.metrics import ProxyMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
 OPERATIONS = (ROOT / "docs" / "operations.rst").read_text()
@@ -137,3 +143,31 @@ def test_otherDefaults() -> None:
         assert documented[required] == "required"
     with pytest.raises(config.ConfigError):
         ProxyConfig.fromEnvironment({})
+
+
+def exportedSeries() -> set[str]:
+    """
+    The names of the series both daemons export, as the text format writes
+    them (a counter's with C{_total}).
+    """
+    proxy = ProxyMetrics().registry
+    proxy.register(CollectorMetrics())
+    auth = CollectorRegistry()
+    AuthMetrics(auth)
+    processUpGauge(auth)
+    auth.register(CollectorMetrics())
+    names = set()
+    for registry in (proxy, auth):
+        for family in registry.collect():
+            names.add(family.name + ("_total" if family.type == "counter" else ""))
+    return names
+
+
+def test_everySeriesIsDocumented() -> None:
+    """
+    Each series of svc-proxy and svc-auth is named in the list of metrics
+    of docs/operations.rst (or its section on forwarding).
+    """
+    documented = set(re.findall(r"``(svc_[a-z0-9_]+)(?:\{[a-z_,]*\})?``", OPERATIONS))
+    assert exportedSeries() >= {"svc_python_gc_pause_seconds", "svc_python_gc_collections_total"}
+    assert sorted(exportedSeries() - documented) == []

@@ -36,6 +36,7 @@ from svcd.auth.listener import ChangeListener
 from svcd.auth.store import Store, connectionPool
 from svcd.auth.web import AuthOperationsWeb, OperationsSite
 from svcd.common.config import ConfigError
+from svcd.common.gcmetrics import watchCollector
 from svcd.common.lifecycle import exitZeroOnStopSignals, notifySystemd, settleHeapWhenRunning
 from svcd.common.logs import LoggingRootService, daemonLogWriter, logSettings, makeObserver
 from svcd.common.metrics import BUCKETS, processUpGauge
@@ -152,6 +153,7 @@ def buildService(
 
     registry = CollectorRegistry(auto_describe=True)
     processUpGauge(registry)
+    watchCollector(registry)
     queryDuration = Histogram(
         "svc_db_query_duration_seconds",
         "Time of one database transaction, by operation",

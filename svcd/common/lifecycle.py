@@ -33,18 +33,26 @@ def exitZeroOnStopSignals(reactor: Any) -> None:
     reactor.addSystemEventTrigger("after", "shutdown", clear)
 
 
-# Collect the youngest generation every this many net allocations instead
-# of 700: a request allocates a few thousand objects, most of them freed by
-# reference counting, and the cycle collector at the default pace cost the
-# proxy about a tenth of its reactor thread (py-spy, chat benchmark).
-GC_THRESHOLD = (20_000, 20, 20)
+# The collector's thresholds: Python's own, chosen by measurement
+# (bench/README.rst, sixth round). A young collection walks every object
+# allocated since the last one that is still alive, so its pause grows with
+# the first threshold (0.2 to 0.4 µs of CPU per object on the bench
+# machine). Requests leave nothing to the collector (tests/test_gc_cycles.py):
+# at 32 connections a young collection finds the requests in flight. The
+# p99 of young pauses in CPU time, chat and forward rows at 32 connections:
+# 0.5 to 0.7 ms at 700, 1.3 to 1.5 ms at 2,000, 2.2 ms at 3,000, 2.9 ms at
+# 5,000, and 5 to 8 ms for the rare one at 10,000. The 20,000 of before was
+# set when every request waited in a cycle for the collector, which at 700
+# then cost the proxy a tenth of its reactor thread; now 700 costs it about
+# 1% of one core, the older generations' pauses included (under 2 ms).
+GC_THRESHOLD = (700, 10, 10)
 
 
 def settleHeap() -> None:
     """
     Move everything allocated while starting (modules, the service tree,
     gRPC and OpenTelemetry machinery) out of the cycle collector's sight
-    with C{gc.freeze}, and make young-generation collections rarer.
+    with C{gc.freeze}, and set the collector's thresholds (L{GC_THRESHOLD}).
 
     Call once the daemon has started. Without it every full collection
     walks those long-lived objects again, which showed up both as CPU and

@@ -25,6 +25,7 @@ from twisted.logger import LogLevel
 from twisted.python import usage
 
 from svcd.common.config import ConfigError
+from svcd.common.gcmetrics import watchCollector
 from svcd.common.lifecycle import exitZeroOnStopSignals, settleHeapWhenRunning
 from svcd.common.logs import LoggingRootService, daemonLogWriter, logSettings, makeObserver
 from svcd.common.tracing import TracingConfig, TracingService, tracerProvider
@@ -108,6 +109,7 @@ def makeService(options: Options) -> LoggingRootService:
     tracer = provider.get_tracer("svcd.proxy")
 
     metrics = ProxyMetrics(CollectorRegistry())
+    watchCollector(metrics.registry)
     # Decisions D11: the limits rows, from the change feed, or from the
     # validation answers while there is no live feed.
     limitBook = LimitBook()

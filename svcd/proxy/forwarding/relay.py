@@ -82,6 +82,17 @@ def _detail(usage: dict[str, object], details: str, name: str, whole: int) -> in
     return min(value, whole) if _count(value) else 0
 
 
+def _forgetTransport(protocol: Protocol) -> None:
+    """
+    Drop a body protocol's transport once its body has ended: the answer
+    that delivered it (L{svcd.proxy.forwarding.http1.UpstreamAnswer})
+    keeps the protocol, and the transport keeps the answer, so the three
+    would wait in a reference cycle for the cycle collector (with a
+    stream's relay, the client's whole request with them).
+    """
+    protocol.transport = None
+
+
 class StreamFault(Exception):
     """
     The stream failed: C{kind} is C{timeout}, C{broken} (the connection
@@ -122,6 +133,7 @@ class BodyReader(Protocol):
         self._parts.append(data)
 
     def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:  # noqa: B008
+        _forgetTransport(self)
         if self.finished.called:
             return
         if reason.check(ResponseDone, PotentialDataLoss):
@@ -314,6 +326,7 @@ class StreamRelay(Protocol):
             self._fail(StreamFault("invalid", f"an event over {MAX_EVENT_BYTES} bytes"))
 
     def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:  # noqa: B008
+        _forgetTransport(self)
         if self._ended:
             return
         if reason.check(ResponseDone) and not b"".join(self._partial).strip():

@@ -398,6 +398,10 @@ class Forwarder:
             client.write(errorEvent(ApiError(ErrorCode.INTERNAL_ERROR)))
             return Answer(200, b"", _EVENT_STREAM, streamed=True)
         finally:
+            # The relay holds begin, whose closure holds the relay: a
+            # reference cycle, through the client to the whole request,
+            # until this (tests/test_gc_cycles.py).
+            relay = None
             self._finish(model, span, label, began, record)
 
 

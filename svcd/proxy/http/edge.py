@@ -6,10 +6,22 @@ global layers, outermost first, and L{ProxyEdge._routeTable} every route
 with the steps of each of its methods in the order they run. A step that raises L{ApiError} stops
 its route's chain there, so the precedence between errors is that order.
 
-Klein does the path matching only: every path template is one Klein route
-accepting any method, and a catch-all branch takes every other path, so
-404 and 405 are answered by our own chain (with the envelope, the headers,
-metrics and the access log) rather than by Klein's HTML pages.
+Routing is a table lookup on the canonical path (L{svcd.proxy.http.paths}):
+every route takes every method, and every other path is the C{unmatched}
+route, so 404 and 405 are answered by our own chain (with the envelope,
+the headers, metrics and the access log).
+
+Why not Klein, as svc-auth uses: a request rendered by Klein sits in a
+reference cycle until the cycle collector finds it. C{KleinResource.render}
+makes a closure that refers to itself (C{processing_failed}, which holds
+the request; twisted/klein pull request 101, open since 2016) and
+werkzeug's matcher another (C{StateMachineMatcher.match._match}), so every
+request left some 50 objects for the collector, whose pauses then landed
+on the requests in flight (bench/README.rst, sixth round). The edge
+matched paths only with Klein, and answered everything through its own
+layers already; the canonical path leaves matching a dictionary lookup.
+A finished request is now freed by reference counting
+(tests/test_gc_cycles.py).
 """
 
 from __future__ import annotations
@@ -18,10 +30,9 @@ import datetime
 import json
 from collections.abc import Awaitable, Mapping, Sequence
 from io import BytesIO
-from typing import IO, Any, cast
+from typing import IO, Any
 
 import attrs
-from klein import Klein
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.logger import Logger
@@ -29,7 +40,6 @@ from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource
 from twisted.web.server import NOT_DONE_YET, Request
-from werkzeug.exceptions import HTTPException
 from zope.interface import implementer
 
 from svcd.common.clocks import Clock, asReactorTime
@@ -66,7 +76,7 @@ from svcd.proxy.http.context import (
     Step,
     newTraceID,
 )
-from svcd.proxy.http.paths import isCanonicalPath
+from svcd.proxy.http.paths import RouteTable, isCanonicalPath
 from svcd.proxy.http.twistedprivate import clientGone
 from svcd.proxy.limits.book import Applicable
 from svcd.proxy.limits.limiter import BUDGET, ORG, RateDecision, RateLimiter
@@ -78,6 +88,7 @@ from svcd.proxy.validation.client import AGENT_HEADER, AuthClient, agentHeaderIn
 _HEALTH_BODY = b'{"status":"ok","checks":{}}'
 _AGENT_HEADER = AGENT_HEADER.encode("ascii")
 _UNMATCHED = "unmatched"
+_NO_PARAMS: Mapping[str, str] = {}
 # Not an HTTP status: the metrics code of a request whose client went away
 # before the answer (nginx's convention).
 _CLIENT_CLOSED = 499
@@ -164,7 +175,7 @@ class ProxyEdge:
         self._chain = compose(self.layers, self.router)
         self.routes = self._routeTable()
         self.unmatched = Route(_UNMATCHED, {})
-        self.app = self._kleinApp()
+        self._table = RouteTable((route.template, route) for route in self.routes)
 
     def _globalLayers(self) -> tuple[Layer, ...]:
         """
@@ -239,71 +250,50 @@ class ProxyEdge:
             )
         return routes
 
-    # Klein wiring
-
-    def _kleinApp(self) -> Klein:
-        """
-        Klein matches paths only: one Klein route per template, taking
-        every method, and a catch-all branch for every other path.
-        """
-        app = Klein()
-        for route in (*self.routes, self.unmatched):
-            self._addKleinRoute(app, route)
-
-        edge = self
-
-        def routingFailed(self: Any, request: IRequest, failure: Failure) -> Deferred[bytes]:
-            # Every path matches a route, and routes take every method, so
-            # this is reached only when werkzeug refuses a path before any
-            # route (a redirect to merge slashes, for one): an unknown path.
-            return edge.serve(request, edge.unmatched, {})
-
-        app.handle_errors(HTTPException)(routingFailed)
-        return app
+    # Routing and writing the answer.
 
     def resource(self) -> IResource:
         """
         The Twisted Web resource serving every route.
         """
-        return _EdgeResource(self, self.app.resource())
+        return _EdgeResource(self)
 
-    def renderUnmatched(self, request: IRequest) -> int:
+    def routeOf(self, path: bytes) -> tuple[Route, Mapping[str, str]]:
         """
-        Answer C{request} as an unknown path without Klein (Klein answers a
-        path or host that is not UTF-8 with a plain-text 400 of its own).
+        The route of a canonical path (L{isCanonicalPath}) whose segments
+        are UTF-8 once percent-decoded, and its parameters, decoded;
+        L{unmatched} for every other path.
+        """
+        return self._table.routeOf(path) or (self.unmatched, _NO_PARAMS)
+
+    def render(self, request: IRequest, route: Route, params: Mapping[str, str]) -> int:
+        """
+        Answer C{request} for C{route}, through every layer and step, and
+        write the answer; C{NOT_DONE_YET} for Twisted Web.
         """
         # Twisted's Request is untyped; these few calls go through Any.
         webRequest: Any = request
-        answer = Deferred.fromCoroutine(self._writeUnmatched(webRequest))
-        webRequest.notifyFinish().addErrback(lambda _: answer.cancel())
+        answer = Deferred.fromCoroutine(self._respond(webRequest, route, params))
+        if not answer.called:
+            # The client went away: the request's work stops.
+            webRequest.notifyFinish().addErrback(lambda _: answer.cancel())
         return NOT_DONE_YET
 
-    async def _writeUnmatched(self, webRequest: Any) -> None:
+    async def _respond(self, webRequest: Any, route: Route, params: Mapping[str, str]) -> None:
+        ctx = RequestContext(webRequest, route, webRequest.method.decode("latin-1"), params)
         try:
-            body = await self.serve(webRequest, self.unmatched, {})
+            body = await self._answer(ctx)
         except CancelledError:
+            return
+        except Exception:
+            # The layers answer every fault of a step; this is a fault of
+            # the edge itself. Twisted's own 500, as for any resource.
+            if not webRequest.finished and not clientGone(webRequest):
+                webRequest.processingFailed(Failure())
             return
         if not webRequest.finished and not clientGone(webRequest):
             webRequest.write(body)
             webRequest.finish()
-
-    def _addKleinRoute(self, app: Klein, route: Route) -> None:
-        def serve(request: IRequest, **params: str) -> Deferred[bytes]:
-            return self.serve(request, route, params)
-
-        if route is self.unmatched:
-            app.route("/", branch=True, endpoint=_UNMATCHED)(serve)
-        else:
-            path = route.template.replace("{", "<").replace("}", ">")
-            app.route(path, endpoint=route.template)(serve)
-
-    def serve(self, request: IRequest, route: Route, params: Mapping[str, str]) -> Deferred[bytes]:
-        """
-        Answer C{request} for C{route} through every layer and step.
-        """
-        webRequest = cast(Request, request)
-        ctx = RequestContext(webRequest, route, webRequest.method.decode("latin-1"), params)
-        return Deferred.fromCoroutine(self._answer(ctx))
 
     async def _answer(self, ctx: RequestContext) -> bytes:
         self._inFlight += 1
@@ -552,6 +542,12 @@ class ProxyEdge:
                 await step(ctx)
             return await pipeline.handler(ctx)
         except ApiError as error:
+            # An error raised out of a failed Deferred (a refusal of
+            # svc-auth's, say) has a traceback through Failure.raiseException,
+            # whose frame holds the Failure, which holds the error: a cycle,
+            # holding this request through the frames of the steps. The
+            # answer needs none of it.
+            error.__traceback__ = None
             return self.errorReply(ctx, error)
         except CancelledError:
             raise
@@ -1084,19 +1080,17 @@ class _ClientStream:
 @implementer(IResource)
 class _EdgeResource:
     """
-    Klein's resource, except for requests that must not reach its router:
-    a path that is not the canonical spelling of a route (decisions D10,
-    L{svcd.proxy.http.paths}: Klein decodes escapes and werkzeug merges
-    slashes, so the raw path decides here, once), and a path or host that
-    is not UTF-8 (Klein would answer a plain-text 400 of its own). Both
-    get our 404.
+    The resource of every path: the edge routes it and answers.
+
+    Whatever is not the canonical spelling of a route (decisions D10,
+    L{svcd.proxy.http.paths}), or not UTF-8 in its path segments or Host
+    once percent-decoded, is an unknown path: our 404.
     """
 
     isLeaf = True
 
-    def __init__(self, edge: ProxyEdge, klein: IResource) -> None:
+    def __init__(self, edge: ProxyEdge) -> None:
         self._edge = edge
-        self._klein: Any = klein
 
     def getChildWithDefault(self, name: bytes, request: IRequest) -> IResource:
         return self
@@ -1106,11 +1100,13 @@ class _EdgeResource:
 
     def render(self, request: IRequest) -> Any:
         webRequest: Any = request
-        if not isCanonicalPath(webRequest.path):
-            return self._edge.renderUnmatched(request)
-        try:
-            b"/".join(webRequest.postpath or ()).decode("utf-8")
-            webRequest.getRequestHostname().decode("utf-8")
-        except UnicodeDecodeError:
-            return self._edge.renderUnmatched(request)
-        return self._klein.render(request)
+        edge = self._edge
+        route, params = edge.unmatched, _NO_PARAMS
+        path = webRequest.path
+        if isCanonicalPath(path):
+            try:
+                webRequest.getRequestHostname().decode("utf-8")
+                route, params = edge.routeOf(path)
+            except UnicodeDecodeError:
+                pass
+        return edge.render(request, route, params)

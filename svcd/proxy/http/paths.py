@@ -29,11 +29,22 @@ no route name holds (C{%3A}, C{%20}, C{%25}), so they cannot reach a route
 under another spelling; in the one variable segment, the org id of
 C{/v1/orgs/{org_id}/auth-probe}, they are refused as before with 400
 VALIDATION_ERROR (not a UUID). The query string is not looked at.
+
+L{RouteTable} then finds the route of a canonical path. Being canonical
+leaves it little to do: no slashes to merge, no escapes that could spell a
+route's name. A template is a path whose segments are names or, whole, a
+variable (C{{org_id}}); a template without variables is one dictionary
+lookup on the raw path, one with variables matches a path of as many
+segments whose other segments are equal, and its variables take their
+segments percent-decoded (as UTF-8).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
+from typing import Generic, TypeVar
+from urllib.parse import unquote_to_bytes
 
 _UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
 _SEPARATOR = ord("/")
@@ -61,3 +72,59 @@ def isCanonicalPath(path: bytes) -> bool:
         if byte in _UNRESERVED or byte == _SEPARATOR:
             return False
     return True
+
+
+R = TypeVar("R")
+
+
+class RouteTable(Generic[R]):
+    """
+    Routes by path template (see the module docstring): a template without
+    variables before any with them, and those in the order given.
+    """
+
+    def __init__(self, routes: Iterable[tuple[str, R]]) -> None:
+        self._exact: dict[bytes, R] = {}
+        # By template with variables: its segments (bytes to equal, or the
+        # name of a variable) and its route.
+        self._variable: list[tuple[tuple[bytes | str, ...], R]] = []
+        for template, route in routes:
+            segments = template.split("/")
+            if segments[0] != "" or "" in segments[1:]:
+                raise ValueError(f"not a path template: {template!r}")
+            parts = tuple(
+                segment[1:-1]
+                if segment.startswith("{") and segment.endswith("}")
+                else segment.encode("ascii")
+                for segment in segments[1:]
+            )
+            if all(isinstance(part, bytes) for part in parts):
+                self._exact[template.encode("ascii")] = route
+            else:
+                self._variable.append((parts, route))
+
+    def routeOf(self, path: bytes) -> tuple[R, Mapping[str, str]] | None:
+        """
+        The route of a canonical C{path} and its variables, or None.
+
+        @raise UnicodeDecodeError: a variable's segment is not UTF-8 once
+            percent-decoded.
+        """
+        route = self._exact.get(path)
+        if route is not None:
+            return route, {}
+        if not self._variable:
+            return None
+        segments = path[1:].split(b"/")
+        for parts, route in self._variable:
+            if len(parts) != len(segments):
+                continue
+            values: dict[str, str] = {}
+            for part, segment in zip(parts, segments, strict=True):
+                if isinstance(part, str):
+                    values[part] = unquote_to_bytes(segment).decode("utf-8")
+                elif part != segment:
+                    break
+            else:
+                return route, values
+        return None
