@@ -323,64 +323,14 @@ class Forwarder:
         link, body, headers, span = self._begin(model, document, requestID, record)
         began = time.perf_counter()
         provider = model.provider
+        side = _StreamSide(client, model.name, errorEvent)
         label = "cancelled"
-        relay: StreamRelay | None = None
-        wantsUsage = _wantsUsage(document)
-
-        committed = False
-
-        def begin() -> None:
-            nonlocal committed
-            committed = True
-            client.begin(200, _EVENT_STREAM, [(UPSTREAM_MODEL_HEADER, _ascii(model.name))])
-            assert relay is not None
-            client.registerProducer(relay)
-
-        def faultEvent(fault: StreamFault) -> bytes:
-            code = (
-                ErrorCode.UPSTREAM_TIMEOUT if fault.kind == "timeout" else ErrorCode.UPSTREAM_ERROR
-            )
-            return errorEvent(ApiError(code))
-
         try:
             async with link.turn(provider.idleTimeout, self._clock) as remaining:
-                try:
-                    response = await timeoutDeferred(
-                        link.send(body, headers), remaining(), asReactorTime(self._clock)
-                    )
-                except TimeoutError:
-                    raise _timeout() from None
-                if not 200 <= response.code < 300:
-                    answer = await _readRefusal(response, remaining(), self._clock)
-                    raise _refusal(response, answer, provider)
-                contentType = response.headers.getRawHeaders(b"content-type") or [b""]
-                if not contentType[0].lower().startswith(_EVENT_STREAM):
-                    _discard(response)
-                    raise _broken("invalid")
-                relay = StreamRelay(
-                    self._clock,
-                    remaining(),
-                    provider.idleTimeout,
-                    begin,
-                    client.write,
-                    faultEvent,
-                    wantsUsage,
+                response = await self._openStream(link, body, headers, provider, remaining)
+                label = await self._relayStream(
+                    response, side, provider, remaining(), _wantsUsage(document), record
                 )
-                response.deliverBody(relay)
-                try:
-                    await relay.started
-                except StreamFault as fault:
-                    raise (_timeout() if fault.kind == "timeout" else _broken(fault.kind)) from None
-                label = str(response.code)
-                try:
-                    record.usage = await relay.finished
-                except StreamFault as fault:
-                    # After the first byte: the relay has ended the stream
-                    # with its error event; no fallback.
-                    label = f"stream_{fault.kind}"
-                    record.usage = relay.usage
-                finally:
-                    client.unregisterProducer()
             return Answer(200, b"", _EVENT_STREAM, streamed=True)
         except UpstreamFault as fault:
             label = fault.label
@@ -389,7 +339,7 @@ class Forwarder:
             label = "cancelled"
             raise
         except Exception:
-            if not committed:
+            if not side.committed:
                 raise
             # A bug after the status line went out: the stream cannot turn
             # into an error answer any more; end it as a fault would.
@@ -398,11 +348,100 @@ class Forwarder:
             client.write(errorEvent(ApiError(ErrorCode.INTERNAL_ERROR)))
             return Answer(200, b"", _EVENT_STREAM, streamed=True)
         finally:
-            # The relay holds begin, whose closure holds the relay: a
+            # The relay holds the side's begin, and the side the relay: a
             # reference cycle, through the client to the whole request,
             # until this (tests/test_gc_cycles.py).
-            relay = None
+            side.relay = None
             self._finish(model, span, label, began, record)
+
+    async def _openStream(
+        self,
+        link: _Link,
+        body: bytes,
+        headers: Mapping[bytes, bytes],
+        provider: Provider,
+        remaining: Callable[[], float],
+    ) -> UpstreamAnswer:
+        """
+        The provider's answer to a streamed request, up to its head: a
+        fault here, before any byte reached the client, allows a fallback.
+        """
+        try:
+            response = await timeoutDeferred(
+                link.send(body, headers), remaining(), asReactorTime(self._clock)
+            )
+        except TimeoutError:
+            raise _timeout() from None
+        if not 200 <= response.code < 300:
+            answer = await _readRefusal(response, remaining(), self._clock)
+            raise _refusal(response, answer, provider)
+        contentType = response.headers.getRawHeaders(b"content-type") or [b""]
+        if not contentType[0].lower().startswith(_EVENT_STREAM):
+            _discard(response)
+            raise _broken("invalid")
+        return response
+
+    async def _relayStream(
+        self,
+        response: UpstreamAnswer,
+        side: _StreamSide,
+        provider: Provider,
+        firstEventWithin: float,
+        wantsUsage: bool,
+        record: UpstreamRecord,
+    ) -> str:
+        """
+        Relay the answer's events to the client as they come; the label of
+        C{svc_proxy_upstream_requests_total}. Until the first event a fault
+        is an L{UpstreamFault} (a fallback may answer); after it, the relay
+        ends the stream with its error event.
+        """
+        relay = side.relay = StreamRelay(
+            self._clock,
+            firstEventWithin,
+            provider.idleTimeout,
+            side.begin,
+            side.client.write,
+            side.faultEvent,
+            wantsUsage,
+        )
+        response.deliverBody(relay)
+        try:
+            await relay.started
+        except StreamFault as fault:
+            raise (_timeout() if fault.kind == "timeout" else _broken(fault.kind)) from None
+        try:
+            record.usage = await relay.finished
+            return str(response.code)
+        except StreamFault as fault:
+            record.usage = relay.usage
+            return f"stream_{fault.kind}"
+        finally:
+            side.client.unregisterProducer()
+
+
+@attrs.define(eq=False)
+class _StreamSide:
+    """
+    The client's side of one streamed attempt: its status line and headers
+    go out with the first event, then the relay is its producer.
+    """
+
+    client: ClientStream
+    modelName: str
+    errorEvent: Callable[[ApiError], bytes]
+    relay: StreamRelay | None = None
+    committed: bool = False
+
+    def begin(self) -> None:
+        self.committed = True
+        self.client.begin(200, _EVENT_STREAM, [(UPSTREAM_MODEL_HEADER, _ascii(self.modelName))])
+        assert self.relay is not None
+        self.client.registerProducer(self.relay)
+
+    def faultEvent(self, fault: StreamFault) -> bytes:
+        code = ErrorCode.UPSTREAM_TIMEOUT if fault.kind == "timeout" else ErrorCode.UPSTREAM_ERROR
+        return self.errorEvent(ApiError(code))
 
 
 @attrs.define
