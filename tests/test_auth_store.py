@@ -259,3 +259,60 @@ def test_everyLimitsChangeIsAnnounced(migratedDSN: str, owner: Store) -> None:
         ]
     org, agent = f"limits:{tenant.orgID}:", f"limits:{tenant.orgID}:{tenant.agentID}"
     assert payloads == [org, org, agent, agent, org]
+
+
+def test_aDatabaseRestartCostsNoCallerAnAnswer(privatePostgres: object) -> None:
+    """
+    PostgreSQL restarted under a pool holding several idle connections:
+    every one of them is dead, and the first call after the restart still
+    answers (the pool drops its dead connections before the one retry),
+    where a retry on the next dead connection would fail a caller of a
+    database that is up.
+    """
+    from svcd.auth.store import connectionPool
+    from svcd.testing.servers import PostgresServer
+
+    assert isinstance(privatePostgres, PostgresServer)
+    dsn = privatePostgres.createDatabase("restart")
+    migrate(dsn)
+    pool = connectionPool(
+        dsn, minimum=4, maximum=4, statementTimeout=5.0, applicationName="restart-test"
+    )
+    pool.open(wait=True, timeout=10.0)
+    try:
+        store = Store(pool.connection, dropDeadConnections=pool.check)
+        store.ping()
+        assert pool.get_stats()["pool_available"] == 4
+        privatePostgres.stop()
+        privatePostgres.start()
+        for _ in range(3):
+            store.ping()
+    finally:
+        pool.close()
+
+
+def test_withoutDroppingDeadConnectionsTheRetryFindsAnother(privatePostgres: object) -> None:
+    """
+    The counterpart of the test above, so that it cannot pass for a
+    reason of its own: the same restart, with the store retrying on the
+    pool's next idle connection only, fails the first call.
+    """
+    from svcd.auth.store import StoreUnavailable, connectionPool
+    from svcd.testing.servers import PostgresServer
+
+    assert isinstance(privatePostgres, PostgresServer)
+    dsn = privatePostgres.createDatabase("restart")
+    migrate(dsn)
+    pool = connectionPool(
+        dsn, minimum=4, maximum=4, statementTimeout=5.0, applicationName="restart-test"
+    )
+    pool.open(wait=True, timeout=10.0)
+    try:
+        store = Store(pool.connection)
+        store.ping()
+        privatePostgres.stop()
+        privatePostgres.start()
+        with pytest.raises(StoreUnavailable):
+            store.ping()
+    finally:
+        pool.close()

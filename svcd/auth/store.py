@@ -216,13 +216,21 @@ class Store:
         daemon, one plain connection for svcctl.
     @param queryDuration: svc_db_query_duration_seconds, labelled by
         operation, or None.
+    @param dropDeadConnections: called when a connection is found dead
+        before a transaction has done anything (a database restart); the
+        pool's C{check}, which replaces every idle connection that died
+        with it, so that the retry does not take another dead one.
     """
 
     def __init__(
-        self, connections: ConnectionSource, queryDuration: Histogram | None = None
+        self,
+        connections: ConnectionSource,
+        queryDuration: Histogram | None = None,
+        dropDeadConnections: Callable[[], None] | None = None,
     ) -> None:
         self._connections = connections
         self._queryDuration = queryDuration
+        self._dropDeadConnections = dropDeadConnections
 
     def _run(
         self,
@@ -238,7 +246,7 @@ class Store:
         A pooled connection may have died since its last use (a database
         restart); that shows on the first statement, before C{body} has
         done anything, and only then the transaction is tried once more on
-        a fresh connection.
+        a fresh connection, once the pool has dropped its other dead ones.
         """
         started = time.perf_counter()
         try:
@@ -260,6 +268,12 @@ class Store:
                 except psycopg.OperationalError:
                     if bodyStarted or attempt == 2:
                         raise
+                    if self._dropDeadConnections is not None:
+                        # The other idle connections most likely died
+                        # with this one: without this, the retry takes
+                        # the next of them and the caller is answered
+                        # UNAVAILABLE by a database that is up.
+                        self._dropDeadConnections()
             raise AssertionError("unreachable")
         except psycopg.IntegrityError as error:
             raise StoreRejected(

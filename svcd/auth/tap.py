@@ -168,7 +168,7 @@ def buildService(
         statementTimeout=settings.statementTimeout,
         applicationName=settings.serviceName,
     )
-    store = Store(pool.connection, queryDuration)
+    store = Store(pool.connection, queryDuration, dropDeadConnections=pool.check)
     cache = ValidationCache(time.monotonic)
     limits = LimitsTable(time.monotonic)
     authority = Authority(
