@@ -146,6 +146,9 @@ def pytest_configure(config: pytest.Config) -> None:
     """
     if getattr(config.option, "dist", "no") == "load":
         config.option.dist = "loadgroup"
+    # xdist registers its marker; without xdist (-p no:xdist) the groups
+    # are harmless labels, said here so that pytest does not warn of them.
+    config.addinivalue_line("markers", "xdist_group(name): xdist's loadgroup scheduling group")
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -357,7 +357,11 @@ def test_healthReadyAndMetrics(gateway: Gateway) -> None:
     assert answer.status == 200, answer.body
     assert set(answer.json()["checks"]) == {"auth_grpc", "redis"}
     tenant = gateway.tenants["main"]
-    request(gateway.port, "GET", f"/v1/orgs/{tenant.orgID}/auth-probe")
+    # An authenticated probe, so that at least one validation has gone to
+    # svc-auth, whichever tests ran before this one (or none).
+    headers = {"Authorization": f"Bearer {tenant.token}", "X-SVC-Agent-ID": str(tenant.agentID)}
+    answer = request(gateway.port, "GET", f"/v1/orgs/{tenant.orgID}/auth-probe", headers)
+    assert answer.status == 200, answer.body
     metrics = request(gateway.port, "GET", "/metrics").body.decode()
     for name in (
         "svc_proxy_requests_total",
