@@ -34,6 +34,12 @@ the gateway saw an unexpected status):
     upstream-stream, stream
               the same with "stream": true: nginx answers a fixed event
               stream (7 events), the proxy relays it -> 200
+    forward-limits
+              the forward row for a second tenant whose organization has
+              limits rows of requests and tokens per minute and whose agent
+              has one of requests per minute (decisions D11), all far above
+              the load: every counter is checked and the tokens reserved
+              and settled, in the same one Redis script call -> 200
 
 With the forwarding rows, a 1-connection pass of upstream, forward,
 upstream-stream and stream follows: the gateway's added latency (p50 of
@@ -95,6 +101,10 @@ LOAD_SCRIPT = Path(__file__).with_name("load.lua")
 # Rows answered by the fast local upstream, without the gateway.
 _UPSTREAM = ("upstream", "upstream-stream")
 _FORWARDING = ("upstream", "forward", "upstream-stream", "stream")
+# Forwarded rows under limits rows, compared with the forward row.
+_LIMITED = ("forward-limits",)
+# Limits rows of the forward-limits row's tenant: never reached.
+_HIGH = 1_000_000_000
 FORWARDED_MODEL = "bench-fast"
 ANSWER = json.dumps(
     {
@@ -346,6 +356,11 @@ def runningStack(
             agent = store.createAgent(orgID, "bench-agent")
             token, _ = issueToken(store, orgID=orgID, permissions=1)
             spread = [issueToken(store, orgID=orgID, permissions=1)[0] for _ in range(SPREAD)]
+            limitedOrgID = store.createOrganization("bench-limited")
+            limitedAgent = store.createAgent(limitedOrgID, "bench-limited-agent")
+            limitedToken, _ = issueToken(store, orgID=limitedOrgID, permissions=1)
+            store.setLimits(limitedOrgID, None, {"rpm": _HIGH, "tpm": _HIGH})
+            store.setLimits(limitedOrgID, limitedAgent.agentID, {"rpm": _HIGH})
         parsed = parseToken(token)
         spreadFile = workdir / "tokens.txt"
         spreadFile.write_text("".join(each + "\n" for each in spread))
@@ -369,7 +384,7 @@ def runningStack(
         ).start()
         stack.callback(auth.terminate)
         auth.waitForReady()
-        _validateAll(auth, spread)
+        _validateAll(auth, [*spread, limitedToken])
 
         groups: dict[tuple[int, bool], list[Daemon]] = {}
         for workers, phase1 in (
@@ -444,6 +459,8 @@ def runningStack(
             spreadFile=spreadFile,
             wrongSecret=formatToken(parsed.tokenID, newSecret()),
             agentID=str(agent.agentID),
+            limitedToken=limitedToken,
+            limitedAgentID=str(limitedAgent.agentID),
         )
 
 
@@ -463,6 +480,8 @@ class Stack:
     spreadFile: Path
     wrongSecret: str
     agentID: str
+    limitedToken: str
+    limitedAgentID: str
 
     def pids(self, row: str, workers: int) -> dict[str, int]:
         """
@@ -524,6 +543,10 @@ class Stack:
             environment = _wrkEnvironment("POST", self.token, self.agentID)
             environment["SVC_BENCH_MODEL"] = FORWARDED_MODEL
             return f"{base}/v1/chat/completions", environment, 200
+        if row == "forward-limits":
+            environment = _wrkEnvironment("POST", self.limitedToken, self.limitedAgentID)
+            environment["SVC_BENCH_MODEL"] = FORWARDED_MODEL
+            return f"{base}/v1/chat/completions", environment, 200
         if row == "stream":
             environment = _wrkEnvironment("POST", self.token, self.agentID)
             environment["SVC_BENCH_MODEL"] = FORWARDED_MODEL + "-stream"
@@ -537,8 +560,8 @@ class Stack:
             return f"{base}/v1/chat/completions", environment, 401
         raise SystemExit(
             f"unknown row {row!r}: use floor, ceiling, prototype, chat, spread, probe,"
-            " rejected, chat-phase1, spread-phase1, upstream, forward, upstream-stream"
-            " or stream"
+            " rejected, chat-phase1, spread-phase1, upstream, forward, upstream-stream,"
+            " stream or forward-limits"
         )
 
 
@@ -825,7 +848,7 @@ def main() -> int:
         "--rows",
         default=(
             "floor,ceiling,prototype,chat,spread,probe,rejected,chat-phase1,spread-phase1,"
-            "upstream,forward,upstream-stream,stream"
+            "upstream,forward,upstream-stream,stream,forward-limits"
         ),
     )
     parser.add_argument("--log-level", default="INFO", help="SVC_LOG_LEVEL of the daemons")
@@ -864,7 +887,7 @@ def main() -> int:
             withPrototype="prototype" in rows,
             withCeiling="ceiling" in rows,
             withPhase1=any(row.endswith(_PHASE1) for row in rows),
-            withForwarding=any(row in _FORWARDING for row in rows),
+            withForwarding=any(row in (*_FORWARDING, *_LIMITED) for row in rows),
         ) as stack:
             if arguments.soak:
                 return soak(stack, arguments.soak)
@@ -925,6 +948,21 @@ def main() -> int:
             print(
                 f"{each['row']} at {each['connections']} connections, {each['workers']}"
                 f" worker(s): {each['rps'] / chatRPS:.1%} of the chat row's requests/s"
+            )
+    # A row named several times in --rows (to alternate them) is compared
+    # with the forward row's mean.
+    forwardRuns: dict[tuple[int, int], list[float]] = {}
+    for each in results:
+        if each["row"] == "forward":
+            forwardRuns.setdefault((each["connections"], each["workers"]), []).append(each["rps"])
+    for each in results:
+        runs = forwardRuns.get((each["connections"], each["workers"]))
+        forwardRPS = sum(runs) / len(runs) if runs else None
+        if each["row"] in _LIMITED and forwardRPS:
+            each["ratio_to_forward"] = each["rps"] / forwardRPS
+            print(
+                f"{each['row']} at {each['connections']} connections, {each['workers']}"
+                f" worker(s): {each['rps'] / forwardRPS:.1%} of the forward row's requests/s"
             )
     for forwarded, alone, what in (
         ("forward", "upstream", "added p50 latency"),

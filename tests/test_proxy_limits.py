@@ -37,6 +37,8 @@ from svcd.proxy.limits.limiter import (
     RedisRateLimiter,
     _admitArguments,
     budgetPeriod,
+    packAdmitArguments,
+    parseAdmitReply,
 )
 from svcd.proxy.limits.reservation import DEFAULT_OUTPUT_CAP, outputCap, promptEstimate
 from svcd.proxy.records import Budget, Limits, Reservation
@@ -398,13 +400,15 @@ async def test_tokensNeverPassTheLimitUnderConcurrency(
 # The Lua script and its Python twin
 
 
-def _evalInRedis(server: RedisServer, script: str, keys: list[str], arguments: list[int]) -> Any:
+def _evalInRedis(
+    server: RedisServer, script: str, keys: list[str], arguments: list[int] | list[str]
+) -> Any:
     """
-    EVAL over a plain socket, with the reply read whole (RESP integers and
-    arrays: what the admission script answers).
+    EVAL over a plain socket, with the reply read whole (RESP integers,
+    bulk strings and arrays).
     """
     words = [b"EVAL", script.encode(), b"%d" % len(keys)]
-    words += [key.encode() for key in keys] + [b"%d" % value for value in arguments]
+    words += [key.encode() for key in keys] + [str(value).encode() for value in arguments]
     request = b"*%d\r\n" % len(words) + b"".join(
         b"$%d\r\n%s\r\n" % (len(word), word) for word in words
     )
@@ -419,6 +423,8 @@ def _evalInRedis(server: RedisServer, script: str, keys: list[str], arguments: l
                 return int(rest)
             if kind == b"*":
                 return [read() for _ in range(int(rest))]
+            if kind == b"$":
+                return reader.read(int(rest) + 2)[:-2]
             raise AssertionError(f"unexpected reply {line!r}")
 
         return read()
@@ -468,12 +474,32 @@ def test_scriptAgreesWithItsTwin(
             for counters in batch
         ]
         keys, arguments = _admitArguments(renamed)
-        inRedis = _evalInRedis(redisServer, _ADMIT_SCRIPT, keys, arguments)
+        inRedis = parseAdmitReply(
+            _evalInRedis(redisServer, _ADMIT_SCRIPT, keys, [packAdmitArguments(arguments)])
+        )
         inMemory: list[list[int]] = []
         memory.admit(keys, arguments).addCallback(inMemory.extend)
         assert inRedis == inMemory
     for key, value in memory.counts.items():
         assert counter(redisServer, key) == value
+
+
+def test_scriptCountsExactlyToWhatADoubleHolds(redisServer: RedisServer) -> None:
+    """
+    Amounts and counts up to 2**53 (nine million dollars in nano-dollars;
+    a month's spend of a large organization has 15 digits already) are
+    added and answered exactly: Lua's numbers are doubles, whose own text
+    turns into "1e+15" past 14 digits.
+    """
+    key = f"big:{uuid.uuid4()}"
+    amount = 2**53 - 10
+    counters = (Counter(key, amount, 2**53, REQUESTS, ORG), Counter(key, 1, 2**53, REQUESTS, ORG))
+    keys, arguments = _admitArguments([counters])
+    answer = parseAdmitReply(
+        _evalInRedis(redisServer, _ADMIT_SCRIPT, keys, [packAdmitArguments(arguments)])
+    )
+    assert answer == [[0, amount, amount + 1]]
+    assert counter(redisServer, key) == amount + 1
 
 
 # Budgets (decisions D12)
