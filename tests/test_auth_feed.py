@@ -78,10 +78,12 @@ class FeedReader:
     def snapshot(self) -> set[uuid.UUID]:
         """
         Read the snapshot at the start of the stream: the token ids, which
-        it returns, then every limits row, kept in C{limits}.
+        it returns, then every limits row and budget, kept in C{limits}
+        and C{budgets}.
         """
         ids: set[uuid.UUID] = set()
         self.limits: dict[tuple[bytes, bytes], auth_pb2.Limits] = {}
+        self.budgets: dict[tuple[bytes, bytes], auth_pb2.Budget] = {}
         while True:
             change = self.next()
             if isinstance(change, grpc.RpcError):
@@ -96,8 +98,14 @@ class FeedReader:
                 assert row.HasField("limits")
                 self.limits[(row.org_id, row.agent_id)] = row.limits
                 continue
+            if kind == "budget_changed":
+                budget = change.budget_changed
+                assert budget.HasField("budget")
+                self.budgets[(budget.org_id, budget.agent_id)] = budget.budget
+                continue
             assert kind == "known_token_ids", kind
             assert not self.limits, "token ids after limits rows"
+            assert not self.budgets, "token ids after budgets"
             raw = change.known_token_ids
             ids.update(uuid.UUID(bytes=raw[at : at + 16]) for at in range(0, len(raw), 16))
 

@@ -26,15 +26,19 @@ from twisted.logger import Logger
 
 from svcd.auth.cache import CachedAgent, CachedToken, ValidationCache
 from svcd.auth.hashing import SecretDigester, hashSecret, verifySecret
-from svcd.auth.limits import LimitsTable
+from svcd.auth.limits import BudgetsTable, LimitsTable, RowTable
 from svcd.auth.store import (
+    BudgetRecord,
     LimitsRecord,
     Store,
     StoreRejected,
     StoreUnavailable,
     StoreValueRefused,
     TokenRecord,
+    UsageRecord,
+    UsageSums,
 )
+from svcd.auth.usage import BadUsage, reportGrouping, reportSpan, unixMoment
 from svcd.common.ids import parseUUID
 from svcd.common.pat import ParsedToken, formatToken, newSecret, parseToken
 from svcd.common.permissions import Permission
@@ -49,6 +53,7 @@ LATEST_EXPIRY = datetime.datetime(9999, 12, 31, 23, 59, 59, tzinfo=datetime.UTC)
 
 _T = TypeVar("_T")
 K = TypeVar("K", bound=Hashable)
+_Row = TypeVar("_Row", LimitsRecord, BudgetRecord)
 
 
 def issueToken(
@@ -110,6 +115,16 @@ class Overloaded(Refusal):
 class Unavailable(Refusal):
     """
     The database failed; the caller sees Internal.
+    """
+
+
+class TryAgain(Refusal):
+    """
+    The database failed, and the call is safe to repeat: the caller sees
+    Unavailable, which its client retries (RecordUsage, whose rows the
+    proxy keeps until they are committed, and the ledger's reads). The
+    older methods keep answering Internal for the same failure
+    (L{Unavailable}), as their callers expect.
     """
 
 
@@ -206,6 +221,7 @@ class Authority:
     @param wallClock: Unix time in seconds, for expiry.
     @param monotonic: the clock of deadlines.
     @param limits: the table of limits validation answers carry, if any.
+    @param budgets: the table of budgets validation answers carry, if any.
     """
 
     log = Logger()
@@ -220,9 +236,11 @@ class Authority:
         coldWait: float = 0.25,
         monotonic: Callable[[], float] = time.monotonic,
         limits: LimitsTable | None = None,
+        budgets: BudgetsTable | None = None,
     ) -> None:
         self._store = store
         self._limits = limits
+        self._budgets = budgets
         self._monotonic = monotonic
         self._cache = cache
         self._wallClock = wallClock
@@ -416,13 +434,123 @@ class Authority:
         """
         if self._limits is None:
             return None
-        known, row = self._limits.lookup(orgID, agentID)
+        return self._rowOf(self._limits, self._store.limits, orgID, agentID, deadline)
+
+    def budgetOf(
+        self, orgID: uuid.UUID, agentID: uuid.UUID | None, deadline: float | None = None
+    ) -> BudgetRecord | None:
+        """
+        The budget of an organization (C{agentID} None) or of one of its
+        agents as it is now (decisions D12), exactly as L{limitsOf} finds a
+        limits row.
+        """
+        if self._budgets is None:
+            return None
+        return self._rowOf(self._budgets, self._store.budget, orgID, agentID, deadline)
+
+    def _rowOf(
+        self,
+        table: RowTable[_Row],
+        read: Callable[[uuid.UUID, uuid.UUID | None], _Row | None],
+        orgID: uuid.UUID,
+        agentID: uuid.UUID | None,
+        deadline: float | None,
+    ) -> _Row | None:
+        known, row = table.lookup(orgID, agentID)
         if known:
             return row
-        readAt = self._limits.now()
-        row = self._read(lambda: self._store.limits(orgID, agentID), deadline)
-        self._limits.remember(orgID, agentID, row, readAt)
+        readAt = table.now()
+        row = self._read(lambda: read(orgID, agentID), deadline)
+        table.remember(orgID, agentID, row, readAt)
         return row
+
+    # The usage ledger (decisions D12)
+
+    def recordUsage(
+        self, records: list[UsageRecord], deadline: float | None = None
+    ) -> tuple[int, int]:
+        """
+        Record a batch of usage rows (already checked, L{svcd.auth.usage})
+        in one transaction; how many were recorded now and how many were
+        recorded already, once committed. A database failure is
+        L{TryAgain}: nothing was committed, and the batch may be sent
+        again as it is.
+        """
+        recorded = self._write(deadline, lambda: self._store.recordUsage(records), TryAgain)
+        return recorded, len(records) - recorded
+
+    def spend(
+        self,
+        orgIDText: str,
+        agentIDText: str,
+        sinceUnix: int,
+        untilUnix: int,
+        deadline: float | None = None,
+    ) -> int:
+        """
+        What an organization (or one of its agents) spent in [since,
+        until), in nano-dollars: the proxy's way to take a budget's count
+        again when Redis lost it. No caller: only proxies reach the port.
+        """
+        orgID = parseUUID(orgIDText.lower())
+        if orgID is None:
+            raise InvalidArgument("org_id is not a UUID")
+        agentID: uuid.UUID | None = None
+        if agentIDText:
+            agentID = parseUUID(agentIDText.lower())
+            if agentID is None:
+                raise InvalidArgument("agent_id is not a UUID")
+        try:
+            since = unixMoment(sinceUnix, "since_unix")
+            until = unixMoment(untilUnix, "until_unix")
+        except BadUsage as error:
+            raise InvalidArgument(str(error)) from None
+        if until <= since:
+            return 0
+        return self._read(
+            lambda: self._store.spend(orgID, agentID, since, until), deadline, TryAgain
+        )
+
+    def usage(
+        self,
+        bearer: str,
+        agentIDText: str,
+        sinceText: str,
+        untilText: str,
+        byText: str,
+        deadline: float | None = None,
+    ) -> tuple[uuid.UUID, datetime.datetime, datetime.datetime, str, list[UsageSums]]:
+        """
+        The usage sums of the caller's own organization (needs UsageRead),
+        or of one of its agents: the organization, the span, the grouping
+        and the sums. An agent of another organization is PermissionDenied
+        (never NotFound), and a token bound to an agent sees that agent's
+        usage only, as it acts only as that agent.
+        """
+        caller = self._authorize(bearer, Permission.UsageRead, deadline)
+        agentID: uuid.UUID | None = None
+        if agentIDText:
+            agentID = parseUUID(agentIDText.lower())
+            if agentID is None:
+                raise InvalidArgument("agent_id is not a UUID")
+        if caller.agentID is not None:
+            if agentID not in (None, caller.agentID):
+                raise PermissionDenied("token is bound to another agent")
+            agentID = caller.agentID
+        try:
+            now = datetime.datetime.fromtimestamp(self._wallClock(), datetime.UTC)
+            since, until = reportSpan(sinceText, untilText, now)
+            by = reportGrouping(byText)
+        except BadUsage as error:
+            raise InvalidArgument(str(error)) from None
+        if agentID is not None and self._agentStatus(caller.orgID, agentID, deadline) is None:
+            raise PermissionDenied("agent is not authorized for this token's organization")
+        sums = self._read(
+            lambda: self._store.usageSums(caller.orgID, agentID, since, until, by),
+            deadline,
+            TryAgain,
+        )
+        return caller.orgID, since, until, by, sums
 
     # Management (decisions D6)
 
@@ -516,7 +644,16 @@ class Authority:
 
     # Database access with failures mapped to refusals
 
-    def _read(self, query: Callable[[], _T], deadline: float | None) -> _T:
+    def _read(
+        self,
+        query: Callable[[], _T],
+        deadline: float | None,
+        down: type[Refusal] = Unavailable,
+    ) -> _T:
+        """
+        Run a read; a database failure is C{down} (L{Unavailable}, seen as
+        Internal, or L{TryAgain}, seen as Unavailable).
+        """
         self._inTime(deadline)
         try:
             return query()
@@ -524,9 +661,14 @@ class Authority:
             raise self._valueRefused(error) from error
         except StoreUnavailable as error:
             self.log.warn("Database unavailable: {problem}", problem=str(error))
-            raise Unavailable("database unavailable") from error
+            raise down("database unavailable") from error
 
-    def _write(self, deadline: float | None, change: Callable[[], _T]) -> _T:
+    def _write(
+        self,
+        deadline: float | None,
+        change: Callable[[], _T],
+        down: type[Refusal] = Unavailable,
+    ) -> _T:
         self._inTime(deadline)
         try:
             return change()
@@ -536,7 +678,7 @@ class Authority:
             raise InvalidArgument("the request conflicts with stored data") from error
         except StoreUnavailable as error:
             self.log.warn("Database unavailable: {problem}", problem=str(error))
-            raise Unavailable("database unavailable") from error
+            raise down("database unavailable") from error
 
     def _valueRefused(self, error: StoreValueRefused) -> InvalidArgument:
         """

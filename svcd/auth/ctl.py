@@ -6,8 +6,11 @@ first organization, agent and token cannot be made through an API that
 needs a token. It acts as the schema owner (the role that ran svcctl
 migrate), which row-level security lets see every organization.
 
-Every command prints exactly one JSON document on stdout and exits 0; on
-failure it prints one line on stderr and exits non-zero.
+Every command prints exactly one JSON document on stdout and exits 0 (or,
+for svcctl usage --format csv, the report's rows as CSV); on failure it
+prints one line on stderr and exits non-zero: 2 for a command line it
+cannot take (a bad date, amount or UUID), 1 for anything else (an unknown
+organization, the database).
 """
 
 from __future__ import annotations
@@ -29,8 +32,11 @@ from svcd.auth.authority import issueToken
 from svcd.auth.migrations import migrate
 from svcd.auth.store import (
     AGENT_STATUSES,
+    BUDGET_PERIODS,
     LARGEST_LIMIT,
     LIMIT_FIELDS,
+    USAGE_GROUPINGS,
+    BudgetRecord,
     LimitsRecord,
     Store,
     StoreRejected,
@@ -38,8 +44,10 @@ from svcd.auth.store import (
     StoreValueRefused,
     TokenRecord,
 )
+from svcd.auth.usage import BadUsage, parseMoment, reportCSV, reportDocument, reportSpan
 from svcd.common.errors import rfc3339
 from svcd.common.ids import parseUUID
+from svcd.common.money import BadDollars, formatDollars, parseDollars
 from svcd.common.permissions import Permission, parsePermissions
 
 
@@ -93,11 +101,46 @@ def _limit(text: str) -> int | None:
     )
 
 
+# The largest budget svcctl sets, in dollars: 10^18 nano-dollars, well
+# inside a bigint (about 9.2 * 10^18).
+MAXIMUM_BUDGET_DOLLARS = 1_000_000_000
+
+
+def _budgetAmount(text: str) -> int:
+    """
+    The value of --usd: a decimal string of dollars, read exactly into
+    nano-dollars (never through a float), more than zero.
+    """
+    try:
+        nano = parseDollars(text.strip(), maximum=MAXIMUM_BUDGET_DOLLARS)
+    except BadDollars as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if nano <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than zero dollars, got {text!r}")
+    return nano
+
+
+def _moment(what: str) -> Callable[[str], str]:
+    """
+    A report's bound, checked as the command line is read and kept as
+    given (L{reportSpan} reads it again with the other bound).
+    """
+
+    def check(text: str) -> str:
+        try:
+            parseMoment(text, what)
+        except BadUsage as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        return text
+
+    return check
+
+
 def buildParser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="svcctl",
         description="Operate the svc gateway's database: migrations, organizations, "
-        "agents, tokens and limits. Prints one JSON document on stdout.",
+        "agents, tokens, limits, budgets and usage. Prints one JSON document on stdout.",
     )
     parser.add_argument(
         "--dsn",
@@ -135,7 +178,7 @@ def buildParser() -> argparse.ArgumentParser:
         type=_permissions,
         default=int(Permission.ProxyChatCompletion),
         help="comma-separated names (ProxyChatCompletion, TokenCreate, TokenRevoke, "
-        "TokenList) or an integer bitmap; default ProxyChatCompletion",
+        "TokenList, UsageRead) or an integer bitmap; default ProxyChatCompletion",
     )
     tokenCreate.add_argument("--expires-in", type=_seconds, metavar="SECONDS")
     tokenCreate.add_argument("--name")
@@ -176,6 +219,51 @@ def buildParser() -> argparse.ArgumentParser:
             default=argparse.SUPPRESS,
             metavar="N|none",
         )
+
+    budget = commands.add_parser(
+        "budget", help="budgets of an organization or of one of its agents"
+    ).add_subparsers(dest="action", required=True, parser_class=_Parser)
+    budgetSet = budget.add_parser("set", help="set (or replace) a budget")
+    budgetShow = budget.add_parser("show", help="show a budget")
+    budgetClear = budget.add_parser("clear", help="remove a budget")
+    for each in (budgetSet, budgetShow, budgetClear):
+        each.add_argument("--org", required=True, type=_uuid("--org"))
+        each.add_argument(
+            "--agent",
+            type=_uuid("--agent"),
+            help="an agent of the organization; without it, the organization's own budget",
+        )
+    budgetSet.add_argument(
+        "--usd",
+        required=True,
+        type=_budgetAmount,
+        metavar="AMOUNT",
+        help='the most a period may cost, in US dollars ("250", "0.50")',
+    )
+    budgetSet.add_argument(
+        "--period",
+        required=True,
+        choices=BUDGET_PERIODS,
+        help="a calendar day or month, UTC",
+    )
+
+    usage = commands.add_parser("usage", help="usage sums from the ledger")
+    usage.add_argument("--org", required=True, type=_uuid("--org"))
+    usage.add_argument("--agent", type=_uuid("--agent"), help="one agent of the organization")
+    usage.add_argument(
+        "--since",
+        type=_moment("--since"),
+        metavar="DATE",
+        help="YYYY-MM-DD or RFC 3339; default the start of the current month (UTC)",
+    )
+    usage.add_argument(
+        "--until",
+        type=_moment("--until"),
+        metavar="DATE",
+        help="exclusive; YYYY-MM-DD or RFC 3339; default the start of the next month (UTC)",
+    )
+    usage.add_argument("--by", choices=tuple(USAGE_GROUPINGS), default="day")
+    usage.add_argument("--format", choices=("json", "csv"), default="json")
     return parser
 
 
@@ -199,16 +287,17 @@ def _listed(record: TokenRecord) -> dict[str, Any]:
     }
 
 
-def run(arguments: argparse.Namespace, dsn: str) -> dict[str, Any]:
+def run(arguments: argparse.Namespace, dsn: str) -> dict[str, Any] | str:
     """
-    Carry out one parsed command and return the JSON document to print.
+    Carry out one parsed command and return the JSON document to print (or
+    the text, for svcctl usage --format csv).
     """
     if arguments.command == "migrate":
         return {"applied": migrate(dsn)}
 
     with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as connection:
         store = Store(lambda: contextlib.nullcontext(connection))
-        command = (arguments.command, arguments.action)
+        command = (arguments.command, getattr(arguments, "action", None))
 
         if command == ("org", "create"):
             name = arguments.name.strip()
@@ -277,6 +366,12 @@ def run(arguments: argparse.Namespace, dsn: str) -> dict[str, Any]:
         if arguments.command == "limits":
             return _limits(store, arguments)
 
+        if arguments.command == "budget":
+            return _budget(store, arguments)
+
+        if arguments.command == "usage":
+            return _usage(store, arguments)
+
     raise CommandError(f"unknown command {command}")
 
 
@@ -288,10 +383,7 @@ def _limits(store: Store, arguments: argparse.Namespace) -> dict[str, Any]:
     changes = {field: getattr(arguments, field) for field in LIMIT_FIELDS if field in arguments}
     if arguments.action == "set" and not changes:
         raise CommandError("nothing to set: give --rpm, --tpm or --max-output-tokens")
-    _requireOrganization(store, orgID)
-    if agentID is not None and store.agentInOrganization(orgID, agentID) is None:
-        # The same words for an unknown agent and another organization's.
-        raise CommandError(f"no agent {agentID} in organization {orgID}")
+    _requireAgent(store, orgID, agentID)
     if arguments.action == "set":
         return _limitsDocument(orgID, agentID, store.setLimits(orgID, agentID, changes))
     if arguments.action == "show":
@@ -317,6 +409,58 @@ def _limitsDocument(
     }
 
 
+def _requireAgent(store: Store, orgID: uuid.UUID, agentID: uuid.UUID | None) -> None:
+    _requireOrganization(store, orgID)
+    if agentID is not None and store.agentInOrganization(orgID, agentID) is None:
+        # The same words for an unknown agent and another organization's.
+        raise CommandError(f"no agent {agentID} in organization {orgID}")
+
+
+def _budget(store: Store, arguments: argparse.Namespace) -> dict[str, Any]:
+    """
+    svcctl budget set|show|clear (decisions D12).
+    """
+    orgID, agentID = arguments.org, arguments.agent
+    _requireAgent(store, orgID, agentID)
+    if arguments.action == "set":
+        row = store.setBudget(orgID, agentID, arguments.usd, arguments.period)
+        return _budgetDocument(orgID, agentID, row)
+    if arguments.action == "show":
+        return _budgetDocument(orgID, agentID, store.budget(orgID, agentID))
+    cleared = store.clearBudget(orgID, agentID)
+    return {**_budgetDocument(orgID, agentID, cleared), "cleared": cleared is not None}
+
+
+def _budgetDocument(
+    orgID: uuid.UUID, agentID: uuid.UUID | None, row: BudgetRecord | None
+) -> dict[str, Any]:
+    """
+    A budget as svcctl prints it: the amount both as exact dollars and as
+    nano-dollars; every value null when there is none.
+    """
+    return {
+        "org_id": str(orgID),
+        "agent_id": _id(agentID),
+        "usd": None if row is None else formatDollars(row.nanoUSD),
+        "nano_usd": None if row is None else row.nanoUSD,
+        "period": None if row is None else row.period,
+        "version": None if row is None else row.version,
+    }
+
+
+def _usage(store: Store, arguments: argparse.Namespace) -> dict[str, Any] | str:
+    """
+    svcctl usage (decisions D12): the same sums as GetUsage, from the same
+    query.
+    """
+    since, until = reportSpan(arguments.since, arguments.until, datetime.datetime.now(datetime.UTC))
+    _requireAgent(store, arguments.org, arguments.agent)
+    sums = store.usageSums(arguments.org, arguments.agent, since, until, arguments.by)
+    if arguments.format == "csv":
+        return reportCSV(sums)
+    return reportDocument(arguments.org, since, until, arguments.by, sums)
+
+
 def _requireOrganization(store: Store, orgID: uuid.UUID) -> None:
     if not store.organizationExists(orgID):
         raise CommandError(f"no organization {orgID}")
@@ -331,6 +475,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         document = run(arguments, dsn)
+    except BadUsage as error:
+        # A command line the parser could not check alone (since after
+        # until): the operator's mistake, as argparse's are.
+        sys.stderr.write(f"svcctl: error: {error}\n")
+        return 2
     except CommandError as error:
         sys.stderr.write(f"svcctl: error: {error}\n")
         return 1
@@ -345,7 +494,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as error:
         sys.stderr.write(f"svcctl: error: {error}\n")
         return 1
-    sys.stdout.write(json.dumps(document) + "\n")
+    if isinstance(document, str):
+        sys.stdout.write(document)
+    else:
+        sys.stdout.write(json.dumps(document) + "\n")
     return 0
 
 

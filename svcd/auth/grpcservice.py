@@ -44,6 +44,7 @@ from svcd.auth.authority import (
     Overloaded,
     PermissionDenied,
     Refusal,
+    TryAgain,
     Unauthenticated,
     Unavailable,
     bearerFromMetadata,
@@ -56,8 +57,9 @@ from svcd.auth.feed import (
     TooManyStreams,
     snapshotMessages,
 )
-from svcd.auth.limits import LimitsTable, limitsMessage
+from svcd.auth.limits import BudgetsTable, LimitsTable, budgetMessage, limitsMessage
 from svcd.auth.store import StoreUnavailable, TokenRecord
+from svcd.auth.usage import BadUsage, formatMoment, totalOf, usageRecords, usageSum
 from svcd.common.errors import rfc3339
 from svcd.common.ids import parseUUID
 from svcd.common.lifecycle import StartupError
@@ -72,6 +74,7 @@ _STATUS_OF_REFUSAL: dict[type[Refusal], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Unavailable: grpc.StatusCode.INTERNAL,
+    TryAgain: grpc.StatusCode.UNAVAILABLE,
     DeadlinePassed: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
@@ -81,6 +84,7 @@ _RESULT_OF_REFUSAL: dict[type[Refusal], str] = {
     InvalidArgument: "invalid_argument",
     Overloaded: "overloaded",
     Unavailable: "error",
+    TryAgain: "unavailable",
     DeadlinePassed: "deadline_exceeded",
 }
 
@@ -184,12 +188,14 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
         hub: ChangeHub | None = None,
         snapshots: Snapshots | None = None,
         limits: LimitsTable | None = None,
+        budgets: BudgetsTable | None = None,
     ) -> None:
         self._authority = authority
         self._metrics = metrics
         self._hub = hub
         self._snapshots = snapshots
         self._limits = limits
+        self._budgets = budgets
         self._refusals = RefusalLog(metrics.refused)
         self._durations = {
             "ValidateToken": metrics.validateToken,
@@ -300,6 +306,9 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
             limits = self._authority.limitsOf(caller.orgID, None, deadline)
             if limits is not None:
                 answer.org_limits.CopyFrom(limitsMessage(limits))
+            budget = self._authority.budgetOf(caller.orgID, None, deadline)
+            if budget is not None:
+                answer.org_budget.CopyFrom(budgetMessage(budget))
             return answer
 
         return self._answer("ValidateToken", context, validate, self._metrics.validateToken)
@@ -322,6 +331,9 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
             limits = self._authority.limitsOf(orgID, agentID, deadline)
             if limits is not None:
                 answer.agent_limits.CopyFrom(limitsMessage(limits))
+            budget = self._authority.budgetOf(orgID, agentID, deadline)
+            if budget is not None:
+                answer.agent_budget.CopyFrom(budgetMessage(budget))
             return answer
 
         return self._answer("ValidateAgent", context, validate, self._metrics.validateAgent)
@@ -362,12 +374,72 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
 
         return self._answer("ListTokens", context, listing)
 
+    def RecordUsage(
+        self, request: auth_pb2.RecordUsageRequest, context: grpc.ServicerContext
+    ) -> auth_pb2.RecordUsageResponse:
+        """
+        Record a batch of usage rows (decisions D12): every row is checked
+        first (a bad one refuses the batch, naming its index and field, and
+        nothing is recorded), then all go in one transaction, and the
+        answer comes only after its commit. A failing database is
+        UNAVAILABLE, so the proxy keeps the rows and sends them again.
+        """
+
+        def record() -> auth_pb2.RecordUsageResponse:
+            try:
+                records = usageRecords(request.rows)
+            except BadUsage as error:
+                raise InvalidArgument(str(error)) from None
+            recorded, duplicates = self._authority.recordUsage(records, _deadlineOf(context))
+            return auth_pb2.RecordUsageResponse(recorded=recorded, duplicates=duplicates)
+
+        return self._answer("RecordUsage", context, record)
+
+    def GetSpend(
+        self, request: auth_pb2.GetSpendRequest, context: grpc.ServicerContext
+    ) -> auth_pb2.GetSpendResponse:
+        def spend() -> auth_pb2.GetSpendResponse:
+            cost = self._authority.spend(
+                request.org_id,
+                request.agent_id,
+                request.since_unix,
+                request.until_unix,
+                _deadlineOf(context),
+            )
+            return auth_pb2.GetSpendResponse(cost_nano_usd=cost)
+
+        return self._answer("GetSpend", context, spend)
+
+    def GetUsage(
+        self, request: auth_pb2.GetUsageRequest, context: grpc.ServicerContext
+    ) -> auth_pb2.GetUsageResponse:
+        def usage() -> auth_pb2.GetUsageResponse:
+            orgID, since, until, by, sums = self._authority.usage(
+                _requireBearer(context),
+                request.agent_id,
+                request.since,
+                request.until,
+                request.by,
+                _deadlineOf(context),
+            )
+            return auth_pb2.GetUsageResponse(
+                org_id=str(orgID),
+                since=formatMoment(since),
+                until=formatMoment(until),
+                by=by,
+                rows=[usageSum(each) for each in sums],
+                total=usageSum(totalOf(sums)),
+            )
+
+        return self._answer("GetUsage", context, usage)
+
     def WatchChanges(
         self, request: auth_pb2.WatchChangesRequest, context: grpc.ServicerContext
     ) -> Iterator[auth_pb2.Change]:
         """
         The change feed of decisions D8 (see L{svcd.auth.feed}): a snapshot
-        of the token ids that may be accepted and of every limits row, then
+        of the token ids that may be accepted, of every limits row and of
+        every budget, then
         every change and a heartbeat about every 100 ms, until the client
         goes away or the listener loses PostgreSQL (UNAVAILABLE: start
         over).
@@ -400,7 +472,8 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
             # Like the ids, read after the stream was registered (see
             # L{svcd.auth.feed}); the table is current while the hub serves.
             limits = self._limits.rows() if self._limits is not None else ()
-            yield from snapshotMessages(ids, limits)
+            budgets = self._budgets.rows() if self._budgets is not None else ()
+            yield from snapshotMessages(ids, limits, budgets)
             while context.is_active():
                 change = stream.next(timeout=0.5)
                 if change is None:

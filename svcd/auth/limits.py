@@ -1,14 +1,16 @@
 """
-svc-auth's table of limits (decisions D11): every limits row of every
-organization, in memory, so that each ValidateToken and ValidateAgent
-answer carries its organization's or agent's row as it is now, and each
-change feed stream can start with every row, without a query.
+svc-auth's tables of limits (decisions D11) and of budgets (decisions
+D12): every limits row and every budget of every organization, in memory,
+so that each ValidateToken and ValidateAgent answer carries its
+organization's or agent's row and budget as they are now, and each change
+feed stream can start with every row and budget, without a query. Both
+are a L{RowTable}: rows keyed by (organization, agent or None).
 
-How it stays current: the change listener (L{svcd.auth.listener}) loads
-the whole table each time it starts listening (again: notifications may
+How they stay current: the change listener (L{svcd.auth.listener}) loads
+each whole table each time it starts listening (again: notifications may
 have been missed while it was not), and on each notification of a limits
-row (sql/0005_limits.sql) re-reads that row and puts it here before
-handing it to the change feed. While the listener is not listening, the
+row (sql/0005_limits.sql) or a budget (sql/0006_usage.sql) re-reads that
+row and puts it here before handing it to the change feed. While the listener is not listening, the
 table vouches for nothing: a lookup says so, and the caller reads the row
 from the database, which is then remembered for at most C{untrustedTTL}
 seconds (as L{svcd.auth.cache} does for tokens), so that a change still
@@ -24,16 +26,29 @@ import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from typing import Generic, Protocol, TypeVar
 
-from svcd.auth.store import LimitsRecord
+from svcd.auth.store import BudgetRecord, LimitsRecord
 from svcd.pb.auth.v1 import auth_pb2
 
 Key = tuple[uuid.UUID, uuid.UUID | None]
 
 
-class LimitsTable:
+class _Row(Protocol):
+    @property
+    def orgID(self) -> uuid.UUID: ...
+
+    @property
+    def agentID(self) -> uuid.UUID | None: ...
+
+
+R = TypeVar("R", bound=_Row)
+
+
+class RowTable(Generic[R]):
     """
-    Every limits row, by (organization, agent or None).
+    Every row of one kind (limits, budgets), by (organization, agent or
+    None).
 
     @param monotonic: a monotonic clock in seconds.
     @param untrustedTTL: how long a row read while the table is not
@@ -51,15 +66,15 @@ class LimitsTable:
         self._untrustedTTL = untrustedTTL
         self._maximumRemembered = maximumRemembered
         self._lock = threading.Lock()
-        self._rows: dict[Key, LimitsRecord] = {}
+        self._rows: dict[Key, R] = {}
         self._current = False
         # Rows read from the database while not current, with when the
         # read began.
-        self._remembered: OrderedDict[Key, tuple[LimitsRecord | None, float]] = OrderedDict()
+        self._remembered: OrderedDict[Key, tuple[R | None, float]] = OrderedDict()
 
     # The listener's side.
 
-    def replace(self, rows: Iterable[LimitsRecord]) -> None:
+    def replace(self, rows: Iterable[R]) -> None:
         """
         The whole table, just read after the listener began listening: from
         now on every change is announced, so the table is current.
@@ -70,7 +85,7 @@ class LimitsTable:
             self._current = True
             self._remembered.clear()
 
-    def put(self, orgID: uuid.UUID, agentID: uuid.UUID | None, row: LimitsRecord | None) -> None:
+    def put(self, orgID: uuid.UUID, agentID: uuid.UUID | None, row: R | None) -> None:
         """
         The row of C{(orgID, agentID)} as just re-read; None when there is
         none (it was cleared).
@@ -95,7 +110,7 @@ class LimitsTable:
         with self._lock:
             return self._current
 
-    def rows(self) -> list[LimitsRecord]:
+    def rows(self) -> list[R]:
         """
         A copy of every row (the start of a change feed stream, which is
         served only while the table is current).
@@ -103,9 +118,7 @@ class LimitsTable:
         with self._lock:
             return list(self._rows.values())
 
-    def lookup(
-        self, orgID: uuid.UUID, agentID: uuid.UUID | None
-    ) -> tuple[bool, LimitsRecord | None]:
+    def lookup(self, orgID: uuid.UUID, agentID: uuid.UUID | None) -> tuple[bool, R | None]:
         """
         Whether the table can answer for the row of C{(orgID, agentID)},
         and the row (None: there is none). When it cannot, read the row
@@ -136,7 +149,7 @@ class LimitsTable:
         self,
         orgID: uuid.UUID,
         agentID: uuid.UUID | None,
-        row: LimitsRecord | None,
+        row: R | None,
         readAt: float,
     ) -> None:
         """
@@ -151,6 +164,18 @@ class LimitsTable:
             self._remembered.move_to_end(key)
             while len(self._remembered) > self._maximumRemembered:
                 self._remembered.popitem(last=False)
+
+
+class LimitsTable(RowTable[LimitsRecord]):
+    """
+    Every limits row (decisions D11).
+    """
+
+
+class BudgetsTable(RowTable[BudgetRecord]):
+    """
+    Every budget (decisions D12).
+    """
 
 
 def limitsMessage(row: LimitsRecord) -> auth_pb2.Limits:
@@ -180,3 +205,25 @@ def limitsChange(
     if row is not None:
         changed.limits.CopyFrom(limitsMessage(row))
     return auth_pb2.Change(limits_changed=changed)
+
+
+def budgetMessage(row: BudgetRecord) -> auth_pb2.Budget:
+    """
+    A budget as the gRPC API carries it.
+    """
+    return auth_pb2.Budget(nano_usd=row.nanoUSD, period=row.period, version=row.version)
+
+
+def budgetChange(
+    orgID: uuid.UUID, agentID: uuid.UUID | None, row: BudgetRecord | None
+) -> auth_pb2.Change:
+    """
+    The change feed's message for the budget of C{(orgID, agentID)}: the
+    budget, or none when it was cleared.
+    """
+    changed = auth_pb2.BudgetChanged(
+        org_id=orgID.bytes, agent_id=agentID.bytes if agentID is not None else b""
+    )
+    if row is not None:
+        changed.budget.CopyFrom(budgetMessage(row))
+    return auth_pb2.Change(budget_changed=changed)

@@ -3,14 +3,15 @@ The change listener: one dedicated thread with its own PostgreSQL
 connection, LISTENing on svc_auth_changes, dropping cache entries as
 tokens and agents change (sql/0003_change_notifications.sql,
 sql/0004_change_feed.sql), keeping the table of limits current
-(sql/0005_limits.sql, L{svcd.auth.limits}) and handing every change to the
-change feed (L{svcd.auth.feed.ChangeHub}).
+(sql/0005_limits.sql, L{svcd.auth.limits}) and of budgets
+(sql/0006_usage.sql) and handing every change to the change feed
+(L{svcd.auth.feed.ChangeHub}).
 
-It reports its state to the cache and the table of limits: while it is
-connected, cached entries and the table are trusted; while it is not,
-they live at most one second. So losing the listener costs speed, never
-correctness. Each time it starts listening it loads the whole table of
-limits again, since changes may have been missed while it was not.
+It reports its state to the cache and the tables of limits and budgets:
+while it is connected, cached entries and the tables are trusted; while
+it is not, they live at most one second. So losing the listener costs
+speed, never correctness. Each time it starts listening it loads both
+whole tables again, since changes may have been missed while it was not.
 
 Beats: about every C{beatInterval} seconds the listener sends a
 notification to itself on the same channel (C{beat:<nonce>:<n>}).
@@ -37,7 +38,7 @@ from twisted.logger import Logger
 
 from svcd.auth.cache import ValidationCache
 from svcd.auth.feed import ChangeHub
-from svcd.auth.limits import LimitsTable
+from svcd.auth.limits import BudgetsTable, LimitsTable
 from svcd.auth.store import APPLICATION_ROLE, Store, StoreUnavailable
 from svcd.common.ids import parseUUID
 
@@ -58,6 +59,7 @@ class ChangeListener:
     """
     @param hub: the change feed to hand changes and heartbeats to, if any.
     @param limits: the table of limits to load and keep current, if any.
+    @param budgets: the table of budgets to load and keep current, if any.
     @param reconnectDelay: seconds between attempts while the database is
         unreachable.
     @param beatInterval: seconds between beats; also how often the thread
@@ -73,6 +75,7 @@ class ChangeListener:
         cache: ValidationCache,
         hub: ChangeHub | None = None,
         limits: LimitsTable | None = None,
+        budgets: BudgetsTable | None = None,
         reconnectDelay: float = 1.0,
         beatInterval: float = 0.1,
         beatLag: float = 0.25,
@@ -83,6 +86,7 @@ class ChangeListener:
         self._cache = cache
         self._hub = hub
         self._limits = limits
+        self._budgets = budgets
         self._reconnectDelay = reconnectDelay
         self._beatInterval = beatInterval
         self._beatLag = beatLag
@@ -134,10 +138,12 @@ class ChangeListener:
                         # both announced and maybe in this read, never in
                         # neither.
                         self._limits.replace(store.allLimits())
+                    if self._budgets is not None:
+                        self._budgets.replace(store.allBudgets())
                     self._cache.listening()
                     if self._hub is not None:
                         self._hub.listenerUp()
-                    self.log.info("Listening for token, agent and limits changes")
+                    self.log.info("Listening for token, agent, limits and budget changes")
                     connectedBefore = True
                     self._drain(connection, store)
             except (psycopg.Error, StoreUnavailable, _BeatsStopped) as error:
@@ -155,6 +161,8 @@ class ChangeListener:
     def _lost(self) -> None:
         if self._limits is not None:
             self._limits.notCurrent()
+        if self._budgets is not None:
+            self._budgets.notCurrent()
         self._cache.notListening()
         if self._hub is not None:
             self._hub.listenerDown()
@@ -218,8 +226,8 @@ class ChangeListener:
 
     def _apply(self, payload: str, store: Store) -> None:
         kind, _, identifier = payload.partition(":")
-        if kind == "limits":
-            self._applyLimits(identifier, store)
+        if kind in ("limits", "budget"):
+            self._applyRow(kind, identifier, store)
             return
         parsed: uuid.UUID | None = parseUUID(identifier)
         if parsed is None:
@@ -234,14 +242,14 @@ class ChangeListener:
             if self._hub is not None:
                 self._hub.agentChanged(parsed)
 
-    def _applyLimits(self, identifiers: str, store: Store) -> None:
+    def _applyRow(self, kind: str, identifiers: str, store: Store) -> None:
         """
-        A limits row changed (C{<org_id>:<agent_id or empty>}): re-read it,
-        put it in the table, then hand it to the feed, so that a stream that
-        starts from the table meanwhile misses nothing.
+        A limits row or a budget changed (C{<org_id>:<agent_id or empty>}):
+        re-read it, put it in its table, then hand it to the feed, so that a
+        stream that starts from the table meanwhile misses nothing.
 
         A failed read raises L{StoreUnavailable}, which ends this session:
-        the next one loads the whole table again.
+        the next one loads the whole tables again.
         """
         orgText, _, agentText = identifiers.partition(":")
         orgID = parseUUID(orgText)
@@ -249,10 +257,19 @@ class ChangeListener:
         if orgID is None or (agentText and agentID is None):
             self.log.warn("Ignoring a malformed change notification")
             return
-        if self._limits is None and self._hub is None:
+        if kind == "limits":
+            if self._limits is None and self._hub is None:
+                return
+            row = store.limits(orgID, agentID)
+            if self._limits is not None:
+                self._limits.put(orgID, agentID, row)
+            if self._hub is not None:
+                self._hub.limitsChanged(orgID, agentID, row)
             return
-        row = store.limits(orgID, agentID)
-        if self._limits is not None:
-            self._limits.put(orgID, agentID, row)
+        if self._budgets is None and self._hub is None:
+            return
+        budget = store.budget(orgID, agentID)
+        if self._budgets is not None:
+            self._budgets.put(orgID, agentID, budget)
         if self._hub is not None:
-            self._hub.limitsChanged(orgID, agentID, row)
+            self._hub.budgetChanged(orgID, agentID, budget)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import datetime
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
@@ -166,16 +166,6 @@ LARGEST_LIMIT = 2**63 - 1
 _LIMITS_COLUMNS = "org_id, agent_id, rpm, tpm, max_output_tokens, version"
 
 
-def _limitsRowIs(orgID: uuid.UUID, agentID: uuid.UUID | None) -> tuple[str, tuple[uuid.UUID, ...]]:
-    """
-    The condition naming one limits row and its parameters, written so
-    that each kind of row is found through its own unique index.
-    """
-    if agentID is None:
-        return "org_id = %s AND agent_id IS NULL", (orgID,)
-    return "org_id = %s AND agent_id = %s", (orgID, agentID)
-
-
 def _limits(row: dict[str, Any]) -> LimitsRecord:
     return LimitsRecord(
         orgID=row["org_id"],
@@ -185,6 +175,134 @@ def _limits(row: dict[str, Any]) -> LimitsRecord:
         maxOutputTokens=row["max_output_tokens"],
         version=row["version"],
     )
+
+
+@attrs.frozen
+class BudgetRecord:
+    """
+    One budget (decisions D12): of an organization (C{agentID} None) or of
+    one of its agents, at most C{nanoUSD} nano-dollars in a calendar
+    C{period} (C{"day"} or C{"month"}, UTC); C{version} grows with every
+    change of any budget.
+    """
+
+    orgID: uuid.UUID
+    agentID: uuid.UUID | None
+    nanoUSD: int
+    period: str
+    version: int
+
+
+BUDGET_PERIODS = ("day", "month")
+
+_BUDGET_COLUMNS = "org_id, agent_id, nano_usd, period, version"
+
+
+def _budget(row: dict[str, Any]) -> BudgetRecord:
+    return BudgetRecord(
+        orgID=row["org_id"],
+        agentID=row["agent_id"],
+        nanoUSD=row["nano_usd"],
+        period=row["period"],
+        version=row["version"],
+    )
+
+
+@attrs.frozen
+class UsageRecord:
+    """
+    One forwarded request as the ledger keeps it (decisions D12, the
+    usage_ledger table of sql/0006_usage.sql): identifiers, names and
+    numbers, never a message's content. Costs are nano-dollars.
+    """
+
+    requestID: str
+    orgID: uuid.UUID
+    agentID: uuid.UUID | None
+    tokenID: uuid.UUID | None
+    modelRequested: str
+    model: str
+    provider: str
+    upstreamModel: str
+    stream: bool
+    outcome: str
+    promptTokens: int
+    cachedTokens: int
+    completionTokens: int
+    reasoningTokens: int
+    tokensFrom: str
+    costNanoUSD: int
+    priceVersion: str
+    startedAt: datetime.datetime
+    durationUS: int
+
+
+# The ledger's columns, in UsageRecord's order, with the type of the array
+# each is sent in (see Store.recordUsage).
+_LEDGER_COLUMNS = (
+    ("request_id", "text"),
+    ("org_id", "uuid"),
+    ("agent_id", "uuid"),
+    ("token_id", "uuid"),
+    ("model_requested", "text"),
+    ("model", "text"),
+    ("provider", "text"),
+    ("upstream_model", "text"),
+    ("stream", "boolean"),
+    ("outcome", "text"),
+    ("prompt_tokens", "bigint"),
+    ("cached_tokens", "bigint"),
+    ("completion_tokens", "bigint"),
+    ("reasoning_tokens", "bigint"),
+    ("tokens_from", "text"),
+    ("cost_nano_usd", "bigint"),
+    ("price_version", "text"),
+    ("started_at", "timestamptz"),
+    ("duration_us", "bigint"),
+)
+
+_INSERT_USAGE = (
+    f"INSERT INTO usage_ledger ({', '.join(name for name, _ in _LEDGER_COLUMNS)})"
+    " SELECT * FROM unnest("
+    + ", ".join(f"%s::{kind}[]" for _, kind in _LEDGER_COLUMNS)
+    + ") ON CONFLICT (request_id) DO NOTHING"
+)
+
+# What a usage report may be grouped by, and the SQL of each key (a
+# constant: never the caller's text). A day is the UTC calendar day.
+USAGE_GROUPINGS = {
+    "day": "to_char(started_at AT TIME ZONE 'UTC', 'YYYY-MM-DD')",
+    "model": "model",
+    "agent": "coalesce(agent_id::text, '')",
+    "token": "coalesce(token_id::text, '')",
+}
+
+
+@attrs.frozen
+class UsageSums:
+    """
+    The sums of a group of ledger rows (a report's row, or its total with
+    C{key} empty); the cost in nano-dollars.
+    """
+
+    key: str
+    requests: int
+    promptTokens: int
+    cachedTokens: int
+    completionTokens: int
+    reasoningTokens: int
+    costNanoUSD: int
+
+
+def _rowIs(orgID: uuid.UUID, agentID: uuid.UUID | None) -> tuple[str, tuple[uuid.UUID, ...]]:
+    """
+    The condition naming the row of an organization (C{agentID} None) or of
+    one of its agents in limits or budgets, written so that each kind of
+    row is found through its own unique index.
+    """
+    if agentID is None:
+        return "org_id = %s AND agent_id IS NULL", (orgID,)
+    return "org_id = %s AND agent_id = %s", (orgID, agentID)
 
 
 Cursor = psycopg.Cursor[dict[str, Any]]
@@ -350,7 +468,7 @@ class Store:
         agents, read in the organization's context; None when there is none.
         """
 
-        condition, parameters = _limitsRowIs(orgID, agentID)
+        condition, parameters = _rowIs(orgID, agentID)
 
         def query(cursor: Cursor) -> LimitsRecord | None:
             cursor.execute(f"SELECT {_LIMITS_COLUMNS} FROM limits WHERE {condition}", parameters)
@@ -411,7 +529,7 @@ class Store:
         of its agents; the row as it was, or None when there was none.
         """
 
-        condition, parameters = _limitsRowIs(orgID, agentID)
+        condition, parameters = _rowIs(orgID, agentID)
 
         def delete(cursor: Cursor) -> LimitsRecord | None:
             cursor.execute(
@@ -420,6 +538,181 @@ class Store:
             return _optional(_limits, cursor.fetchone())
 
         return self._run("limits_clear", delete, orgID=orgID)
+
+    # Budgets (decisions D12), shaped as limits are.
+
+    def allBudgets(self) -> list[BudgetRecord]:
+        """
+        Every budget of every organization (sql/0006_usage.sql): svc-auth's
+        table of budgets is loaded from this.
+        """
+
+        def query(cursor: Cursor) -> list[BudgetRecord]:
+            cursor.execute(f"SELECT {_BUDGET_COLUMNS} FROM svc_budget_rows()")
+            return [_budget(row) for row in cursor.fetchall()]
+
+        return self._run("budgets_all", query)
+
+    def budget(self, orgID: uuid.UUID, agentID: uuid.UUID | None = None) -> BudgetRecord | None:
+        """
+        The budget of an organization (C{agentID} None) or of one of its
+        agents, read in the organization's context; None when there is none.
+        """
+        condition, parameters = _rowIs(orgID, agentID)
+
+        def query(cursor: Cursor) -> BudgetRecord | None:
+            cursor.execute(f"SELECT {_BUDGET_COLUMNS} FROM budgets WHERE {condition}", parameters)
+            return _optional(_budget, cursor.fetchone())
+
+        return self._run("budget_lookup", query, orgID=orgID)
+
+    def setBudget(
+        self, orgID: uuid.UUID, agentID: uuid.UUID | None, nanoUSD: int, period: str
+    ) -> BudgetRecord:
+        """
+        Create or replace the budget of an organization (C{agentID} None) or
+        of one of its agents; its version is taken anew.
+
+        @raise StoreRejected: the agent is not one of this organization's
+            (or the organization does not exist), or the amount or period
+            is not one a budget can have.
+        """
+        target = "(org_id) WHERE agent_id IS NULL"
+        if agentID is not None:
+            target = "(org_id, agent_id) WHERE agent_id IS NOT NULL"
+
+        def upsert(cursor: Cursor) -> BudgetRecord:
+            cursor.execute(
+                "INSERT INTO budgets (org_id, agent_id, nano_usd, period) VALUES (%s, %s, %s, %s)"
+                f" ON CONFLICT {target} DO UPDATE"
+                " SET nano_usd = EXCLUDED.nano_usd, period = EXCLUDED.period"
+                f" RETURNING {_BUDGET_COLUMNS}",
+                (orgID, agentID, nanoUSD, period),
+            )
+            return _budget(_one(cursor.fetchone()))
+
+        return self._run("budget_set", upsert, orgID=orgID)
+
+    def clearBudget(
+        self, orgID: uuid.UUID, agentID: uuid.UUID | None = None
+    ) -> BudgetRecord | None:
+        """
+        Remove the budget of an organization (C{agentID} None) or of one of
+        its agents; the budget as it was, or None when there was none.
+        """
+        condition, parameters = _rowIs(orgID, agentID)
+
+        def delete(cursor: Cursor) -> BudgetRecord | None:
+            cursor.execute(
+                f"DELETE FROM budgets WHERE {condition} RETURNING {_BUDGET_COLUMNS}", parameters
+            )
+            return _optional(_budget, cursor.fetchone())
+
+        return self._run("budget_clear", delete, orgID=orgID)
+
+    # The usage ledger (decisions D12).
+
+    def recordUsage(self, rows: Sequence[UsageRecord]) -> int:
+        """
+        Record C{rows} in the ledger in one transaction; a row whose
+        request id is recorded already (or comes twice in C{rows}) is left
+        as it is. Returns how many rows were recorded now, once committed:
+        the caller may acknowledge them then, and not before.
+
+        Row-level security holds here too: the rows of each organization
+        are inserted in that organization's context (svc.org_id is set
+        anew, transaction-local, before each organization's statement), so
+        svc_auth_app never writes a row outside the context it names. Each
+        organization's rows go in one statement, as arrays unnested by
+        PostgreSQL, rather than one round trip per row.
+        """
+        byOrganization: dict[uuid.UUID, list[UsageRecord]] = {}
+        for row in rows:
+            byOrganization.setdefault(row.orgID, []).append(row)
+
+        def insert(cursor: Cursor) -> int:
+            recorded = 0
+            for orgID, group in byOrganization.items():
+                cursor.execute("SELECT set_config('svc.org_id', %s, true)", (str(orgID),))
+                columns = [
+                    list(values)
+                    for values in zip(*(attrs.astuple(each) for each in group), strict=True)
+                ]
+                cursor.execute(_INSERT_USAGE, columns)
+                recorded += cursor.rowcount
+            return recorded
+
+        if not rows:
+            return 0
+        return self._run("usage_record", insert)
+
+    def spend(
+        self,
+        orgID: uuid.UUID,
+        agentID: uuid.UUID | None,
+        since: datetime.datetime,
+        until: datetime.datetime,
+    ) -> int:
+        """
+        The cost in nano-dollars of an organization's rows (or one of its
+        agents') that started in [since, until).
+        """
+        agentCondition = "" if agentID is None else " AND agent_id = %(agent)s"
+
+        def query(cursor: Cursor) -> int:
+            cursor.execute(
+                "SELECT coalesce(sum(cost_nano_usd), 0) AS cost FROM usage_ledger"
+                " WHERE org_id = %(org)s AND started_at >= %(since)s AND started_at < %(until)s"
+                + agentCondition,
+                {"org": orgID, "agent": agentID, "since": since, "until": until},
+            )
+            return int(_one(cursor.fetchone())["cost"])
+
+        return self._run("usage_spend", query, orgID=orgID)
+
+    def usageSums(
+        self,
+        orgID: uuid.UUID,
+        agentID: uuid.UUID | None,
+        since: datetime.datetime,
+        until: datetime.datetime,
+        by: str,
+    ) -> list[UsageSums]:
+        """
+        The sums of an organization's rows (or one of its agents') that
+        started in [since, until), grouped by C{by} (a key of
+        L{USAGE_GROUPINGS}) in the order of their key: the one query behind
+        both svcctl usage and GetUsage. Sums are exact (PostgreSQL sums
+        bigints as numeric).
+        """
+        key = USAGE_GROUPINGS[by]
+        agentCondition = "" if agentID is None else " AND agent_id = %(agent)s"
+
+        def query(cursor: Cursor) -> list[UsageSums]:
+            cursor.execute(
+                f"SELECT {key} AS key, count(*) AS requests,"
+                " sum(prompt_tokens) AS prompt, sum(cached_tokens) AS cached,"
+                " sum(completion_tokens) AS completion, sum(reasoning_tokens) AS reasoning,"
+                " sum(cost_nano_usd) AS cost"
+                " FROM usage_ledger"
+                " WHERE org_id = %(org)s AND started_at >= %(since)s AND started_at < %(until)s"
+                f"{agentCondition} GROUP BY 1 ORDER BY 1",
+                {"org": orgID, "agent": agentID, "since": since, "until": until},
+            )
+            return [
+                UsageSums(
+                    key=row["key"],
+                    requests=int(row["requests"]),
+                    promptTokens=int(row["prompt"]),
+                    cachedTokens=int(row["cached"]),
+                    completionTokens=int(row["completion"]),
+                    reasoningTokens=int(row["reasoning"]),
+                    costNanoUSD=int(row["cost"]),
+                )
+                for row in cursor.fetchall()
+            ]
+
+        return self._run("usage_report", query, orgID=orgID)
 
     def agentInOrganization(self, orgID: uuid.UUID, agentID: uuid.UUID) -> AgentRecord | None:
         """

@@ -31,7 +31,7 @@ from svcd.auth.cache import ValidationCache
 from svcd.auth.config import AuthConfig
 from svcd.auth.feed import FEED_METHOD, ChangeHub, Snapshots
 from svcd.auth.grpcservice import AuthMetrics, AuthServicer, GrpcServerService
-from svcd.auth.limits import LimitsTable
+from svcd.auth.limits import BudgetsTable, LimitsTable
 from svcd.auth.listener import ChangeListener
 from svcd.auth.store import Store, connectionPool
 from svcd.auth.web import AuthOperationsWeb, OperationsSite
@@ -171,11 +171,17 @@ def buildService(
     store = Store(pool.connection, queryDuration, dropDeadConnections=pool.check)
     cache = ValidationCache(time.monotonic)
     limits = LimitsTable(time.monotonic)
+    budgets = BudgetsTable(time.monotonic)
     authority = Authority(
-        store, cache, time.time, coldSlots=settings.verifyConcurrency, limits=limits
+        store,
+        cache,
+        time.time,
+        coldSlots=settings.verifyConcurrency,
+        limits=limits,
+        budgets=budgets,
     )
     hub = ChangeHub(time.monotonic, maxStreams=settings.feedStreams)
-    listener = ChangeListener(settings.postgresDSN, cache, hub, limits)
+    listener = ChangeListener(settings.postgresDSN, cache, hub, limits, budgets)
     threads = ThreadPool(minthreads=1, maxthreads=4, name="svc-auth-db")
 
     database = DatabaseService(reactor, pool, listener, threads)
@@ -189,6 +195,7 @@ def buildService(
             hub,
             Snapshots(store.knownTokenIDs, time.monotonic),
             limits,
+            budgets,
         ),
         settings.grpcHost,
         settings.grpcPort,

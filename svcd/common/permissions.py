@@ -12,13 +12,17 @@ class Permission(enum.IntFlag):
     Bits of the int64 permission bitmap.
 
     The auth-probe routes need a valid token and an active agent but no
-    bit; the chat routes need ProxyChatCompletion.
+    bit; the chat routes need ProxyChatCompletion; GetUsage needs
+    UsageRead.
     """
 
     ProxyChatCompletion = 1
     TokenCreate = 2
     TokenRevoke = 4
     TokenList = 8
+    # Decisions D12: the gRPC method GetUsage, the usage sums of the
+    # token's own organization.
+    UsageRead = 16
 
 
 def parsePermissions(text: str) -> int:

@@ -19,7 +19,7 @@ from svcd.auth.authority import Authority
 from svcd.auth.cache import ValidationCache
 from svcd.auth.feed import FEED_METHOD, ChangeHub, Snapshots
 from svcd.auth.grpcservice import SERVICE_NAME, AuthMetrics, AuthServicer, buildServer
-from svcd.auth.limits import LimitsTable
+from svcd.auth.limits import BudgetsTable, LimitsTable
 from svcd.auth.listener import ChangeListener
 from svcd.auth.store import Store, connectionPool
 from svcd.pb.auth.v1 import auth_pb2_grpc
@@ -62,6 +62,7 @@ class RunningAuthService:
         self.store = Store(self.pool.connection)
         self.cache = ValidationCache(time.monotonic)
         self.limits = LimitsTable(time.monotonic)
+        self.budgets = BudgetsTable(time.monotonic)
         self.authority = Authority(
             self.store,
             self.cache,
@@ -69,10 +70,17 @@ class RunningAuthService:
             coldSlots=coldSlots,
             coldWait=coldWait,
             limits=self.limits,
+            budgets=self.budgets,
         )
         self.hub = ChangeHub(time.monotonic, maxStreams=feedStreams)
         self.listener = ChangeListener(
-            dsn, self.cache, self.hub, self.limits, reconnectDelay=0.2, beatInterval=0.05
+            dsn,
+            self.cache,
+            self.hub,
+            self.limits,
+            self.budgets,
+            reconnectDelay=0.2,
+            beatInterval=0.05,
         )
         self._listen = listen
         self.server, self.health, self.port = buildServer(
@@ -82,6 +90,7 @@ class RunningAuthService:
                 self.hub,
                 Snapshots(self.store.knownTokenIDs, time.monotonic),
                 self.limits,
+                self.budgets,
             ),
             "127.0.0.1",
             0,

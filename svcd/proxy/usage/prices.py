@@ -24,55 +24,27 @@ price a row was billed at.
 from __future__ import annotations
 
 import hashlib
-import re
 
 import attrs
 
-NANO_PER_DOLLAR = 10**9
+from svcd.common.money import MAX_DOLLARS, NANO_PER_DOLLAR, BadDollars, formatDollars, parseDollars
+
 TOKENS_PER_PRICE = 10**6
 
-# A price: digits, then at most 9 decimals.
-_DECIMAL = re.compile(r"(\d+)(?:\.(\d{1,9}))?")
-# Far above any model's price (dollars per million tokens).
-MAX_DOLLARS = 1_000_000
+# A price that is not a decimal string of dollars with at most 9 decimals,
+# or past MAX_DOLLARS (the reading itself lives in svcd.common.money, which
+# svc-auth's budgets share).
+BadPrice = BadDollars
 
-
-class BadPrice(ValueError):
-    """
-    A price that is not a decimal string of dollars with at most 9
-    decimals (the message says why).
-    """
-
-
-def parseDollars(text: str) -> int:
-    """
-    A decimal string of dollars as nano-dollars, exactly.
-
-    @raise BadPrice: for anything but digits with at most 9 decimals, or a
-        value past L{MAX_DOLLARS}.
-    """
-    match = _DECIMAL.fullmatch(text)
-    if match is None:
-        raise BadPrice(
-            f'must be a decimal string of dollars such as "2.50" with at most 9 decimals,'
-            f" got {text!r}"
-        )
-    whole, fraction = match.group(1), match.group(2) or ""
-    nano = int(whole) * NANO_PER_DOLLAR + int(fraction.ljust(9, "0"))
-    if nano > MAX_DOLLARS * NANO_PER_DOLLAR:
-        raise BadPrice(f"must be at most {MAX_DOLLARS} dollars, got {text!r}")
-    return nano
-
-
-def formatDollars(nano: int) -> str:
-    """
-    Nano-dollars as an exact decimal string of dollars: at least 2
-    decimals, no trailing zero beyond them, never an exponent.
-    """
-    sign = "-" if nano < 0 else ""
-    whole, fraction = divmod(abs(nano), NANO_PER_DOLLAR)
-    decimals = f"{fraction:09d}".rstrip("0").ljust(2, "0")
-    return f"{sign}{whole}.{decimals}"
+__all__ = [
+    "MAX_DOLLARS",
+    "NANO_PER_DOLLAR",
+    "TOKENS_PER_PRICE",
+    "BadPrice",
+    "Price",
+    "formatDollars",
+    "parseDollars",
+]
 
 
 @attrs.frozen

@@ -1,0 +1,324 @@
+"""
+The usage ledger's rules outside SQL (decisions D12): what a usage row
+from svc-proxy must be before it is recorded, the span and grouping of a
+report, and a report as svcctl usage prints it. The SQL itself is in
+L{svcd.auth.store} (C{recordUsage}, C{spend}, C{usageSums}), shared by
+svcctl and the gRPC methods.
+
+Everything here is pure: no database, no clock but the one passed in.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import io
+import re
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from svcd.auth.store import USAGE_GROUPINGS, UsageRecord, UsageSums
+from svcd.common.ids import parseUUID
+from svcd.common.money import formatDollars
+from svcd.pb.auth.v1 import auth_pb2
+
+# The most rows one RecordUsage call may carry: a bound on one
+# transaction's work and on the message (a row is a few hundred bytes, so
+# about 0.5 MB, well under gRPC's 4 MiB), and enough for a proxy to drain a
+# backlog of 100000 rows in a hundred calls.
+MAXIMUM_USAGE_BATCH = 1000
+
+OUTCOMES = ("ok", "upstream_error", "client_gone")
+TOKENS_FROM = ("provider", "reservation")
+
+# The longest request id, and the longest name (model, provider, price
+# version) a row may hold, in characters: the proxy cuts a client's model
+# name to 256 where it logs it, and a request id is a UUID.
+MAXIMUM_REQUEST_ID_LENGTH = 128
+MAXIMUM_NAME_LENGTH = 256
+
+_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
+# The first microsecond past what a timestamp (and Python) can hold.
+_END_OF_TIME_US = (
+    int(
+        (datetime.datetime(9999, 12, 31, 23, 59, 59, tzinfo=datetime.UTC) - _EPOCH).total_seconds()
+        + 1
+    )
+    * 10**6
+)
+LATEST_UNIX_SECOND = _END_OF_TIME_US // 10**6 - 1
+
+_NAME_FIELDS = ("model_requested", "model", "provider", "upstream_model", "price_version")
+_COUNT_FIELDS = (
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    "reasoning_tokens",
+    "cost_nano_usd",
+    "duration_us",
+)
+
+# Report columns, in the order of D12's JSON and of the CSV header.
+REPORT_COLUMNS = (
+    "requests",
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    "reasoning_tokens",
+    "cost_usd",
+)
+
+_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
+
+
+class BadUsage(ValueError):
+    """
+    A usage row, a span or a grouping that cannot be taken: the caller's
+    mistake (the message names the field, and the row's index).
+    """
+
+
+def _uuidOrNone(text: str, field: str) -> uuid.UUID | None:
+    if not text:
+        return None
+    parsed = parseUUID(text.lower())
+    if parsed is None:
+        raise BadUsage(f"{field} is not a UUID")
+    return parsed
+
+
+def usageRecord(row: auth_pb2.UsageRow, index: int) -> UsageRecord:
+    """
+    A row of a RecordUsage batch as the ledger keeps it.
+
+    @raise BadUsage: naming C{rows[index].<field>}, for a value the ledger
+        cannot hold or the proxy cannot have meant.
+    """
+    where = f"rows[{index}]"
+    if not row.request_id:
+        raise BadUsage(f"{where}.request_id is empty")
+    if len(row.request_id) > MAXIMUM_REQUEST_ID_LENGTH:
+        raise BadUsage(f"{where}.request_id is longer than {MAXIMUM_REQUEST_ID_LENGTH} characters")
+    if "\x00" in row.request_id:
+        raise BadUsage(f"{where}.request_id contains a NUL character")
+    if not row.org_id:
+        raise BadUsage(f"{where}.org_id is empty")
+    orgID = _uuidOrNone(row.org_id, f"{where}.org_id")
+    assert orgID is not None
+    agentID = _uuidOrNone(row.agent_id, f"{where}.agent_id")
+    tokenID = _uuidOrNone(row.token_id, f"{where}.token_id")
+    for field in _NAME_FIELDS:
+        value: str = getattr(row, field)
+        if len(value) > MAXIMUM_NAME_LENGTH:
+            raise BadUsage(f"{where}.{field} is longer than {MAXIMUM_NAME_LENGTH} characters")
+        if "\x00" in value:
+            raise BadUsage(f"{where}.{field} contains a NUL character")
+    if row.outcome not in OUTCOMES:
+        raise BadUsage(f"{where}.outcome must be one of {', '.join(OUTCOMES)}")
+    if row.tokens_from not in TOKENS_FROM:
+        raise BadUsage(f"{where}.tokens_from must be one of {', '.join(TOKENS_FROM)}")
+    for field in _COUNT_FIELDS:
+        if getattr(row, field) < 0:
+            raise BadUsage(f"{where}.{field} must not be negative")
+    if not 0 <= row.started_at_us < _END_OF_TIME_US:
+        raise BadUsage(f"{where}.started_at_us is not a time between 1970 and 9999")
+    return UsageRecord(
+        requestID=row.request_id,
+        orgID=orgID,
+        agentID=agentID,
+        tokenID=tokenID,
+        modelRequested=row.model_requested,
+        model=row.model,
+        provider=row.provider,
+        upstreamModel=row.upstream_model,
+        stream=row.stream,
+        outcome=row.outcome,
+        promptTokens=row.prompt_tokens,
+        cachedTokens=row.cached_tokens,
+        completionTokens=row.completion_tokens,
+        reasoningTokens=row.reasoning_tokens,
+        tokensFrom=row.tokens_from,
+        costNanoUSD=row.cost_nano_usd,
+        priceVersion=row.price_version,
+        startedAt=_EPOCH + datetime.timedelta(microseconds=row.started_at_us),
+        durationUS=row.duration_us,
+    )
+
+
+def usageRecords(rows: Sequence[auth_pb2.UsageRow]) -> list[UsageRecord]:
+    """
+    A whole RecordUsage batch, every row checked before any is recorded.
+
+    @raise BadUsage: for a batch past L{MAXIMUM_USAGE_BATCH} rows, or the
+        first bad row.
+    """
+    if len(rows) > MAXIMUM_USAGE_BATCH:
+        raise BadUsage(f"rows holds {len(rows)} rows; at most {MAXIMUM_USAGE_BATCH} per call")
+    return [usageRecord(row, index) for index, row in enumerate(rows)]
+
+
+def unixMoment(seconds: int, field: str) -> datetime.datetime:
+    """
+    Seconds since the Unix epoch as an aware UTC datetime.
+
+    @raise BadUsage: before 1970 or past 9999.
+    """
+    if not 0 <= seconds <= LATEST_UNIX_SECOND:
+        raise BadUsage(f"{field} is not a time between 1970 and 9999")
+    return _EPOCH + datetime.timedelta(seconds=seconds)
+
+
+# Reports.
+
+
+def parseMoment(text: str, field: str) -> datetime.datetime:
+    """
+    A report's bound: C{YYYY-MM-DD} (midnight UTC) or an RFC 3339 time with
+    its offset (C{2025-06-01T12:00:00Z}, C{...+02:00}), as aware UTC.
+
+    @raise BadUsage: naming C{field}, for anything else.
+    """
+    stripped = text.strip()
+    problem = BadUsage(
+        f"{field} must be a date (YYYY-MM-DD) or an RFC 3339 time such as"
+        f" 2025-06-01T00:00:00Z, got {text!r}"
+    )
+    if _DATE.fullmatch(stripped):
+        try:
+            return datetime.datetime.strptime(stripped, "%Y-%m-%d").replace(tzinfo=datetime.UTC)
+        except ValueError:
+            raise problem from None
+    if len(stripped) < 20 or stripped[10] not in "Tt" or not _DATE.fullmatch(stripped[:10]):
+        raise problem
+    try:
+        moment = datetime.datetime.fromisoformat(stripped[:10] + "T" + stripped[11:])
+    except ValueError:
+        raise problem from None
+    if moment.tzinfo is None:
+        raise problem
+    try:
+        return moment.astimezone(datetime.UTC)
+    except OverflowError:
+        raise problem from None
+
+
+def _monthStart(moment: datetime.datetime, months: int = 0) -> datetime.datetime:
+    index = moment.year * 12 + moment.month - 1 + months
+    return datetime.datetime(index // 12, index % 12 + 1, 1, tzinfo=datetime.UTC)
+
+
+def reportSpan(
+    since: str | None, until: str | None, now: datetime.datetime
+) -> tuple[datetime.datetime, datetime.datetime]:
+    """
+    A report's [since, until): each given as L{parseMoment} reads it, by
+    default the start of the current UTC month and of the next one.
+
+    @raise BadUsage: for a bound that cannot be read, or an empty span.
+    """
+    start = parseMoment(since, "since") if since else _monthStart(now)
+    end = parseMoment(until, "until") if until else _monthStart(now, 1)
+    if start >= end:
+        raise BadUsage(
+            f"since ({formatMoment(start)}) must come before until ({formatMoment(end)})"
+        )
+    return start, end
+
+
+def reportGrouping(by: str | None) -> str:
+    """
+    What a report is grouped by; C{day} by default.
+
+    @raise BadUsage: for anything but day, model, agent or token.
+    """
+    if not by:
+        return "day"
+    if by not in USAGE_GROUPINGS:
+        raise BadUsage(f"by must be one of {', '.join(USAGE_GROUPINGS)}, got {by!r}")
+    return by
+
+
+def formatMoment(moment: datetime.datetime) -> str:
+    """
+    RFC 3339 UTC, to the second (to the microsecond when it has any).
+    """
+    utc = moment.astimezone(datetime.UTC)
+    if utc.microsecond:
+        return utc.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return utc.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def totalOf(sums: Sequence[UsageSums]) -> UsageSums:
+    """
+    The sum of a report's rows, exact (integers throughout).
+    """
+    return UsageSums(
+        key="",
+        requests=sum(each.requests for each in sums),
+        promptTokens=sum(each.promptTokens for each in sums),
+        cachedTokens=sum(each.cachedTokens for each in sums),
+        completionTokens=sum(each.completionTokens for each in sums),
+        reasoningTokens=sum(each.reasoningTokens for each in sums),
+        costNanoUSD=sum(each.costNanoUSD for each in sums),
+    )
+
+
+def _columns(sums: UsageSums) -> dict[str, Any]:
+    return {
+        "requests": sums.requests,
+        "prompt_tokens": sums.promptTokens,
+        "cached_tokens": sums.cachedTokens,
+        "completion_tokens": sums.completionTokens,
+        "reasoning_tokens": sums.reasoningTokens,
+        "cost_usd": formatDollars(sums.costNanoUSD),
+    }
+
+
+def reportDocument(
+    orgID: uuid.UUID,
+    since: datetime.datetime,
+    until: datetime.datetime,
+    by: str,
+    sums: Sequence[UsageSums],
+) -> dict[str, Any]:
+    """
+    A report as svcctl usage prints it (decisions D12).
+    """
+    return {
+        "org_id": str(orgID),
+        "since": formatMoment(since),
+        "until": formatMoment(until),
+        "by": by,
+        "rows": [{"key": each.key, **_columns(each)} for each in sums],
+        "total": _columns(totalOf(sums)),
+    }
+
+
+def reportCSV(sums: Sequence[UsageSums]) -> str:
+    """
+    A report's rows as CSV, after a header line (svcctl usage --format
+    csv).
+    """
+    output = io.StringIO()
+    writer = csv.writer(output, lineterminator="\n")
+    writer.writerow(("key", *REPORT_COLUMNS))
+    for each in sums:
+        columns = _columns(each)
+        writer.writerow((each.key, *(columns[name] for name in REPORT_COLUMNS)))
+    return output.getvalue()
+
+
+def usageSum(sums: UsageSums) -> auth_pb2.UsageSum:
+    """
+    A report's row (or total) as GetUsage answers it.
+    """
+    return auth_pb2.UsageSum(
+        key=sums.key,
+        requests=sums.requests,
+        prompt_tokens=sums.promptTokens,
+        cached_tokens=sums.cachedTokens,
+        completion_tokens=sums.completionTokens,
+        reasoning_tokens=sums.reasoningTokens,
+        cost_usd=formatDollars(sums.costNanoUSD),
+    )
