@@ -111,7 +111,7 @@ def test_svcctlBudgetSetShowClear(migratedDSN: str, owner: Store) -> None:
         (("--usd", "-5", "--period", "day"), "--usd", 2),
         (("--usd", "0", "--period", "day"), "more than zero", 2),
         (("--usd", "0.0000000001", "--period", "day"), "--usd", 2),
-        (("--usd", "1000000001", "--period", "day"), "at most", 2),
+        (("--usd", "9000000.000000001", "--period", "day"), "at most", 2),
         (("--usd", "5", "--period", "week"), "invalid choice", 2),
         (
             (

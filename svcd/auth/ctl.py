@@ -101,9 +101,10 @@ def _limit(text: str) -> int | None:
     )
 
 
-# The largest budget svcctl sets, in dollars: 10^18 nano-dollars, well
-# inside a bigint (about 9.2 * 10^18).
-MAXIMUM_BUDGET_DOLLARS = 1_000_000_000
+# The largest budget svcctl sets, in dollars: 9 * 10^15 nano-dollars, just
+# under 2**53, up to which the proxies' admission script (Lua, whose
+# numbers are doubles) compares and counts a budget's spend exactly.
+MAXIMUM_BUDGET_DOLLARS = 9_000_000
 
 
 def _budgetAmount(text: str) -> int:
