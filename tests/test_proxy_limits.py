@@ -397,6 +397,69 @@ async def test_tokensNeverPassTheLimitUnderConcurrency(
             await replica.stop()
 
 
+class HeldCounters(MemoryCounters):
+    """
+    Admission calls answered only when the test says (in order), and
+    settlements sent on their own recorded.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[tuple[Deferred[list[list[int]]], list[int]]] = []
+        self.alone: list[tuple[list[str], list[int]]] = []
+
+    def admit(
+        self, keys: list[str], arguments: list[int], adjustments: list[int] | None = None
+    ) -> Deferred[list[list[int]]]:
+        answer: Deferred[list[list[int]]] = Deferred()
+        super().admit(keys, arguments, adjustments).addCallback(answer.callback)
+        self.held.append((Deferred(), list(adjustments or [])))
+        held = self.held[-1][0]
+        held.addCallback(lambda _: answer)
+        return held
+
+    def adjust(self, keys: list[str], deltas: list[int]) -> Deferred[object]:
+        self.alone.append((list(keys), list(deltas)))
+        return super().adjust(keys, deltas)
+
+    def answerNext(self) -> list[int]:
+        held, adjustments = self.held.pop(0)
+        held.callback(None)
+        return adjustments
+
+
+def test_settlementsRideOnTheNextAdmission() -> None:
+    """
+    A settlement made while an admission call of the organization is in
+    flight is not a round trip of its own: it goes with the next
+    admission call; once no admission call follows, what is left goes
+    alone. The counts are the same either way.
+    """
+    counters = HeldCounters()
+    limiter = RedisRateLimiter(
+        counters, fakeClock(WINDOW + 30), 60, book=bookOf(org=Limits(tpm=1000, rpm=1000))
+    )
+    first = Deferred.fromCoroutine(limiter.hit(ORG_ID, AGENT_ID, tokens=300))
+    assert counters.answerNext() == []
+    decision = first.result
+    assert decision.reservation == Reservation((ORG_TOKENS,), 300)
+    second = Deferred.fromCoroutine(limiter.hit(ORG_ID, AGENT_ID, tokens=200))
+    # Settled while the second's call is in flight: nothing goes alone.
+    limiter.settle(decision.reservation, 120)
+    assert counters.alone == []
+    third = Deferred.fromCoroutine(limiter.hit(ORG_ID, AGENT_ID, tokens=100))
+    assert counters.answerNext() == []
+    # The third's call, sent as the second's ended, carries the settlement.
+    assert counters.held[0][1] == [2, -180]
+    assert counters.answerNext() == [2, -180]
+    assert counters.counts[ORG_TOKENS] == 300 - 180 + 200 + 100
+    # The last admission has ended: the next settlement goes alone.
+    limiter.settle(second.result.reservation, 50)
+    assert counters.alone == [([ORG_TOKENS], [-150])]
+    assert counters.counts[ORG_TOKENS] == 420 - 150
+    assert third.result.allowed
+
+
 # The Lua script and its Python twin
 
 
@@ -450,14 +513,29 @@ def _request(draw: st.DrawFn) -> tuple[Counter, ...]:
 @settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(batches=st.lists(st.lists(_request(), min_size=1, max_size=6), min_size=1, max_size=4))
+@given(
+    batches=st.lists(
+        st.tuples(
+            st.lists(_request(), min_size=1, max_size=6),
+            st.lists(
+                st.tuples(st.sampled_from("abcde"), st.integers(min_value=-20, max_value=20)),
+                max_size=3,
+                unique_by=lambda pair: pair[0],
+            ),
+        ),
+        min_size=1,
+        max_size=4,
+    )
+)
 def test_scriptAgreesWithItsTwin(
-    redisServer: RedisServer, batches: list[list[tuple[Counter, ...]]]
+    redisServer: RedisServer,
+    batches: list[tuple[list[tuple[Counter, ...]], list[tuple[str, int]]]],
 ) -> None:
     """
-    Random batches of requests over a few counters: the Lua script in
-    Redis and the in-memory counters answer alike, request by request,
-    and leave the same counts.
+    Random batches of requests over a few counters, each with settlements
+    riding on it (of the batch's counters or of others, existing or not):
+    the Lua script in Redis and the in-memory counters answer alike,
+    request by request, and leave the same counts.
     """
     prefix = f"twin:{uuid.uuid4()}:"
     memory = MemoryCounters()
@@ -465,7 +543,7 @@ def test_scriptAgreesWithItsTwin(
     # are sometimes found.
     redisServer.command("SET", prefix + "a", "5")
     memory.counts[prefix + "a"] = 5
-    for batch in batches:
+    for batch, settlements in batches:
         renamed = [
             tuple(
                 Counter(prefix + c.key, c.amount, c.limit, c.kind, c.scope, ttl=c.ttl)
@@ -474,11 +552,21 @@ def test_scriptAgreesWithItsTwin(
             for counters in batch
         ]
         keys, arguments = _admitArguments(renamed)
+        adjustments: list[int] = []
+        for name, delta in settlements:
+            if prefix + name not in keys:
+                keys.append(prefix + name)
+            adjustments += (keys.index(prefix + name) + 1, delta)
         inRedis = parseAdmitReply(
-            _evalInRedis(redisServer, _ADMIT_SCRIPT, keys, [packAdmitArguments(arguments)])
+            _evalInRedis(
+                redisServer,
+                _ADMIT_SCRIPT,
+                keys,
+                [packAdmitArguments(arguments), packAdmitArguments(adjustments)],
+            )
         )
         inMemory: list[list[int]] = []
-        memory.admit(keys, arguments).addCallback(inMemory.extend)
+        memory.admit(keys, arguments, adjustments).addCallback(inMemory.extend)
         assert inRedis == inMemory
     for key, value in memory.counts.items():
         assert counter(redisServer, key) == value

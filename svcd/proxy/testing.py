@@ -170,14 +170,21 @@ class MemoryCounters:
         self.ttls.setdefault(key, ttl)
         return succeed(self.counts[key])
 
-    def admit(self, keys: list[str], arguments: list[int]) -> Deferred[list[list[int]]]:
+    def admit(
+        self, keys: list[str], arguments: list[int], adjustments: list[int] | None = None
+    ) -> Deferred[list[list[int]]]:
         """
         The admission script of decisions D11 and D12 (C{_ADMIT_SCRIPT}),
-        step for step, over the dictionary.
+        step for step, over the dictionary: the settlements riding on it
+        first, then the requests.
         """
         if self.failure is not None:
             return fail(self.failure)
         self.admissions.append((list(keys), list(arguments)))
+        pairs = list(adjustments or [])
+        for index, delta in zip(pairs[::2], pairs[1::2], strict=True):
+            if keys[index - 1] in self.counts:
+                self.counts[keys[index - 1]] += delta
         at = 1
         answers: list[list[int]] = []
         for _ in range(arguments[0]):

@@ -64,6 +64,10 @@ return count
 # for its amount, and then counts against all of them; a refused one counts
 # against none. A counter with a ttl is made when missing and given that
 # ttl; one without (a budget's spend, seeded from the ledger) must exist.
+# ARGV[2], when not empty, holds settlements (decisions D11) waiting to be
+# sent, packed the same way as pairs (key index, delta), applied first as
+# C{_ADJUST_SCRIPT} does: a settlement rides on the next admission instead
+# of costing a round trip of its own.
 # Answers one string (L{parseAdmitReply}): for each request, separated by
 # ";", "refused,count,...": refused is 0 when admitted, the position (from
 # 1) of the first counter without room, or minus the position of the first
@@ -79,6 +83,18 @@ return count
 # reason: exact up to 2**53 (Lua's numbers are doubles), nine million
 # dollars of a budget's period in nano-dollars.
 _ADMIT_SCRIPT = """
+if ARGV[2] and ARGV[2] ~= '' then
+  local pairs = {}
+  for word in string.gmatch(ARGV[2], '[^,]+') do
+    pairs[#pairs + 1] = word
+  end
+  for p = 1, #pairs, 2 do
+    local key = KEYS[tonumber(pairs[p])]
+    if redis.call('EXISTS', key) == 1 then
+      redis.call('INCRBY', key, pairs[p + 1])
+    end
+  end
+end
 local raw = {}
 local args = {}
 for word in string.gmatch(ARGV[1], '[^,]+') do
@@ -147,7 +163,8 @@ return table.concat(results, ';')
 
 def packAdmitArguments(arguments: list[int]) -> str:
     """
-    The admission script's arguments as its one ARGV (C{_ADMIT_SCRIPT}).
+    The admission script's arguments as its ARGV[1] (C{_ADMIT_SCRIPT}); its
+    settlements, pairs of (key index, delta), the same way as its ARGV[2].
     """
     return ",".join(map(str, arguments))
 
@@ -326,7 +343,9 @@ class RedisCounters(Protocol):
         seconds to live); fires with the count after them.
         """
 
-    def admit(self, keys: list[str], arguments: list[int]) -> Deferred[list[list[int]]]:
+    def admit(
+        self, keys: list[str], arguments: list[int], adjustments: list[int] | None = None
+    ) -> Deferred[list[list[int]]]:
         """
         Run the admission script (C{_ADMIT_SCRIPT}) over C{keys} with
         C{arguments}; fires with its answer for each request.
@@ -410,9 +429,13 @@ class RedisLink:
         result: Deferred[int] = self._factory.handler.eval(_INCREMENT_SCRIPT, [key], [ttl, hits])
         return result
 
-    def admit(self, keys: list[str], arguments: list[int]) -> Deferred[list[list[int]]]:
+    def admit(
+        self, keys: list[str], arguments: list[int], adjustments: list[int] | None = None
+    ) -> Deferred[list[list[int]]]:
         reply: Deferred[str | bytes] = self._factory.handler.eval(
-            _ADMIT_SCRIPT, keys, [packAdmitArguments(arguments)]
+            _ADMIT_SCRIPT,
+            keys,
+            [packAdmitArguments(arguments), packAdmitArguments(adjustments or [])],
         )
         return reply.addCallback(parseAdmitReply)
 
@@ -510,6 +533,9 @@ class RedisRateLimiter:
         # Settlements (D11) not yet sent, by key, and the call in flight.
         self._adjustments: dict[str, int] = {}
         self._adjusting: Deferred[object] | None = None
+        # Admission calls in flight: while there is one, settlements wait
+        # to ride on the next (see L{settle}).
+        self._admitting = 0
 
     def limitFor(self, orgID: str) -> int:
         """
@@ -663,7 +689,17 @@ class RedisRateLimiter:
                 changed = True
                 for key in keys:
                     self._adjustments[key] = self._adjustments.get(key, 0) + delta
-        if changed and self._adjusting is None:
+        if changed and self._adjusting is None and not self._admitting:
+            self._sendAdjustments()
+
+    def _admitted(self) -> None:
+        """
+        An admission call ended. Under load the next one follows at once
+        and takes the settlements that came meanwhile; when none is sent
+        (this was the last), they go on their own.
+        """
+        self._admitting -= 1
+        if self._adjustments and not self._admitting and self._adjusting is None:
             self._sendAdjustments()
 
     def _sendAdjustments(self) -> None:
@@ -694,7 +730,7 @@ class RedisRateLimiter:
 
     def _adjusted(self, result: object) -> None:
         self._adjusting = None
-        if self._adjustments:
+        if self._adjustments and not self._admitting:
             self._sendAdjustments()
 
     # Shared calls (see the class docstring).
@@ -738,7 +774,20 @@ class RedisRateLimiter:
         request: Deferred[Any]
         if admissions is not None:
             keys, arguments = _admitArguments(admissions)
-            request = self._counters.admit(keys, arguments)
+            # Settlements waiting ride on this call (C{_ADMIT_SCRIPT}).
+            adjustments: list[int] = []
+            if self._adjustments:
+                waiting, self._adjustments = self._adjustments, {}
+                where = {each: index for index, each in enumerate(keys, 1)}
+                for adjusted, delta in waiting.items():
+                    if delta:
+                        index = where.get(adjusted)
+                        if index is None:
+                            keys.append(adjusted)
+                            index = where[adjusted] = len(keys)
+                        adjustments += (index, delta)
+            self._admitting += 1
+            request = self._counters.admit(keys, arguments, adjustments)
         else:
             request = self._counters.increment(key, len(hits), KEY_TTL_SECONDS)
         call = calls.call = timeoutDeferred(request, self._timeout, asReactorTime(self._clock))
@@ -748,6 +797,10 @@ class RedisRateLimiter:
             callbackArgs=(key, calls, permit, hits),
             errbackArgs=(key, calls, permit, hits),
         )
+        if admissions is not None:
+            # After _counted or _failed, which send the next call of the
+            # organization, if any, first.
+            call.addBoth(_passing(self._admitted))
 
     def _counted(
         self,
