@@ -178,8 +178,14 @@ async def limiterWith(
     target = parseRedisURL(redisURL)
     assert target is not None
     link = RedisLink(reactor, target)
+    # Settlements at once: these tests' clock does not move by itself
+    # (test_settlementsRideOnTheNextAdmission covers the delay).
     limiter = RedisRateLimiter(
-        link, clock if clock is not None else fakeClock(WINDOW + 30), defaultRPM, book=book
+        link,
+        clock if clock is not None else fakeClock(WINDOW + 30),
+        defaultRPM,
+        book=book,
+        settleDelay=0,
     )
     limiter.start()
     await waitFor(lambda: link.connected)
@@ -432,12 +438,13 @@ def test_settlementsRideOnTheNextAdmission() -> None:
     """
     A settlement made while an admission call of the organization is in
     flight is not a round trip of its own: it goes with the next
-    admission call; once no admission call follows, what is left goes
-    alone. The counts are the same either way.
+    admission call; once no admission call follows within the settle
+    delay, what is left goes alone. The counts are the same either way.
     """
     counters = HeldCounters()
+    clock = fakeClock(WINDOW + 30)
     limiter = RedisRateLimiter(
-        counters, fakeClock(WINDOW + 30), 60, book=bookOf(org=Limits(tpm=1000, rpm=1000))
+        counters, clock, 60, book=bookOf(org=Limits(tpm=1000, rpm=1000)), settleDelay=0.01
     )
     first = Deferred.fromCoroutine(limiter.hit(ORG_ID, AGENT_ID, tokens=300))
     assert counters.answerNext() == []
@@ -453,8 +460,11 @@ def test_settlementsRideOnTheNextAdmission() -> None:
     assert counters.held[0][1] == [2, -180]
     assert counters.answerNext() == [2, -180]
     assert counters.counts[ORG_TOKENS] == 300 - 180 + 200 + 100
-    # The last admission has ended: the next settlement goes alone.
+    # The last admission has ended: the next settlement waits a moment for
+    # one to ride on, then goes alone.
     limiter.settle(second.result.reservation, 50)
+    assert counters.alone == []
+    clock.advance(0.01)
     assert counters.alone == [([ORG_TOKENS], [-150])]
     assert counters.counts[ORG_TOKENS] == 420 - 150
     assert third.result.allowed
@@ -641,7 +651,9 @@ async def budgetLimiter(redisURL: str, book: LimitBook, ledger: Ledger) -> Redis
     target = parseRedisURL(redisURL)
     assert target is not None
     link = RedisLink(reactor, target)
-    limiter = RedisRateLimiter(link, fakeClock(WINDOW + 30), 60, book=book, spend=ledger)
+    limiter = RedisRateLimiter(
+        link, fakeClock(WINDOW + 30), 60, book=book, spend=ledger, settleDelay=0
+    )
     limiter.start()
     await waitFor(lambda: link.connected)
     return limiter

@@ -27,7 +27,7 @@ import attrs
 import txredisapi
 from twisted.internet.defer import CancelledError, Deferred, fail, succeed
 from twisted.internet.endpoints import HostnameEndpoint
-from twisted.internet.interfaces import IReactorTCP
+from twisted.internet.interfaces import IDelayedCall, IReactorTCP
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -495,6 +495,11 @@ class RedisRateLimiter:
     @param circuitOpen: the gauge C{svc_proxy_ratelimit_circuit_open}, set
         to 1 while the breaker skips Redis and to 0 once it closes.
     @param openSeconds: how long the breaker skips Redis after a failure.
+    @param settleDelay: how long a settlement waits, when no admission
+        call is in flight, for one to ride on before it is sent alone:
+        under load the next comes within a millisecond, and a count that
+        is corrected a few milliseconds later changes nothing that
+        matters. 0: alone at once.
     """
 
     log = Logger()
@@ -511,8 +516,11 @@ class RedisRateLimiter:
         openSeconds: float = 1.0,
         book: LimitBook | None = None,
         spend: Spend | None = None,
+        settleDelay: float = 0.01,
     ) -> None:
         self._counters = counters
+        self._settleDelay = settleDelay
+        self._settleTimer: IDelayedCall | None = None
         self._book = book if book is not None else LimitBook()
         # Decisions D12: what a budget's period has cost, from the ledger,
         # when Redis has no count of it.
@@ -689,7 +697,26 @@ class RedisRateLimiter:
                 changed = True
                 for key in keys:
                     self._adjustments[key] = self._adjustments.get(key, 0) + delta
-        if changed and self._adjusting is None and not self._admitting:
+        if changed:
+            self._settleSoon()
+
+    def _settleSoon(self) -> None:
+        """
+        Have the settlements waiting sent: by the next admission call, in
+        flight or coming within C{settleDelay}, else alone.
+        """
+        if self._adjusting is not None or self._admitting or self._settleTimer is not None:
+            return
+        if self._settleDelay <= 0:
+            self._sendAdjustments()
+            return
+        self._settleTimer = asReactorTime(self._clock).callLater(
+            self._settleDelay, self._settleAlone
+        )
+
+    def _settleAlone(self) -> None:
+        self._settleTimer = None
+        if self._adjustments and self._adjusting is None and not self._admitting:
             self._sendAdjustments()
 
     def _admitted(self) -> None:
@@ -699,8 +726,8 @@ class RedisRateLimiter:
         (this was the last), they go on their own.
         """
         self._admitting -= 1
-        if self._adjustments and not self._admitting and self._adjusting is None:
-            self._sendAdjustments()
+        if self._adjustments and not self._admitting:
+            self._settleSoon()
 
     def _sendAdjustments(self) -> None:
         """
@@ -731,7 +758,7 @@ class RedisRateLimiter:
     def _adjusted(self, result: object) -> None:
         self._adjusting = None
         if self._adjustments and not self._admitting:
-            self._sendAdjustments()
+            self._settleSoon()
 
     # Shared calls (see the class docstring).
 
@@ -899,7 +926,19 @@ class RedisRateLimiter:
         self._counters.start()
 
     def stop(self) -> Deferred[None]:
-        return self._counters.stop()
+        # The settlements still waiting go first, so that a stop does not
+        # leave reservations counted until their minute ends.
+        if self._settleTimer is not None and self._settleTimer.active():
+            self._settleTimer.cancel()
+        self._settleTimer = None
+        if self._adjustments and self._adjusting is None:
+            self._sendAdjustments()
+        adjusting = self._adjusting
+        if adjusting is None:
+            return self._counters.stop()
+        flushed: Deferred[None] = Deferred()
+        adjusting.addBoth(lambda _: flushed.callback(None))
+        return flushed.addCallback(lambda _: self._counters.stop())
 
     def connected(self) -> bool:
         """
