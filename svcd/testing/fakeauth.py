@@ -33,7 +33,7 @@ def servingAuth(servicer: auth_pb2_grpc.AuthServiceServicer, workers: int = 4) -
         server.stop(0)
 
 
-class LedgerAuth(auth_pb2_grpc.AuthServiceServicer):  # type: ignore[misc]
+class LedgerAuth(auth_pb2_grpc.AuthServiceServicer):
     """
     A stand-in svc-auth for the usage ledger (decisions D12): it vouches for
     every token (one organization, the agent asked for) and keeps the rows
