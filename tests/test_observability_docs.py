@@ -97,6 +97,7 @@ def _auth() -> AuthConfig:
         ("SVC_SHUTDOWN_TIMEOUT", lambda: _proxy().shutdownTimeout),
         ("SVC_SHUTDOWN_TIMEOUT", lambda: _auth().shutdownTimeout),
         ("SVC_START_TIMEOUT", lambda: _proxy().startTimeout),
+        ("SVC_USAGE_OUTBOX_MAX", lambda: _proxy().usageOutboxMax),
         ("SVC_ENV", lambda: _proxy().environment),
         ("SVC_ENV", lambda: _auth().environment),
         ("SVC_GRPC_HOST", lambda: _auth().grpcHost),
@@ -139,6 +140,7 @@ def test_otherDefaults() -> None:
     assert _proxy().redis is None and documented["REDIS_URL"] == "empty"
     assert _proxy().orgRPM == {} and documented["SVC_RATE_LIMIT_ORG_OVERRIDES"] == "empty"
     assert _proxy().providers is None and documented["SVC_PROVIDERS_FILE"] == "unset"
+    assert _proxy().usageJournal is None and documented["SVC_USAGE_JOURNAL"] == "unset"
     for required in ("POSTGRES_DSN", "SVC_AUTH_GRPC_ADDR"):
         assert documented[required] == "required"
     with pytest.raises(config.ConfigError):

@@ -198,3 +198,43 @@ def test_severalReplicas(address: str) -> None:
     several (docs/operations.rst, Running several svc-auth replicas).
     """
     assert ProxyConfig.fromEnvironment({"SVC_AUTH_GRPC_ADDR": address}).authGrpcAddr == address
+
+
+def test_usageOutboxAndJournal(tmp_path: Path) -> None:
+    """
+    Decisions D12: SVC_USAGE_OUTBOX_MAX (default 100000) bounds the rows
+    held; SVC_USAGE_JOURNAL names the journal (unset or empty: none).
+    """
+    config = ProxyConfig.fromEnvironment(BASE)
+    assert (config.usageOutboxMax, config.usageJournal) == (100_000, None)
+    journal = str(tmp_path / "usage.journal")
+    config = ProxyConfig.fromEnvironment(
+        {**BASE, "SVC_USAGE_OUTBOX_MAX": "250", "SVC_USAGE_JOURNAL": journal}
+    )
+    assert (config.usageOutboxMax, config.usageJournal) == (250, journal)
+    assert ProxyConfig.fromEnvironment({**BASE, "SVC_USAGE_JOURNAL": " "}).usageJournal is None
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "many", "1e5", "\u00b2"])
+def test_badOutboxMax(value: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        ProxyConfig.fromEnvironment({**BASE, "SVC_USAGE_OUTBOX_MAX": value})
+    assert str(caught.value).startswith("SVC_USAGE_OUTBOX_MAX: must be")
+
+
+def test_badJournal(tmp_path: Path) -> None:
+    """
+    A journal in a directory that does not exist, a directory, or a file
+    that is not a journal stops the daemon with a line saying which.
+    """
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a journal\n")
+    for path, problem in [
+        (tmp_path / "missing" / "usage.journal", "does not exist"),
+        (tmp_path, "is a directory"),
+        (notes, "is not a usage journal of svc-proxy"),
+    ]:
+        with pytest.raises(ConfigError) as caught:
+            ProxyConfig.fromEnvironment({**BASE, "SVC_USAGE_JOURNAL": str(path)})
+        assert caught.value.variable == "SVC_USAGE_JOURNAL"
+        assert problem in caught.value.problem

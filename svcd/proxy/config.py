@@ -19,6 +19,7 @@ from svcd.common import config
 from svcd.common.config import ConfigError
 from svcd.common.ids import parseUUID
 from svcd.proxy.forwarding.providers import ProviderTable, providersFromEnvironment
+from svcd.proxy.usage.outbox import JournalError, checkJournalPath
 
 # RFC 9110 token characters: what a header name may be made of.
 _HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
@@ -84,6 +85,10 @@ class ProxyConfig:
     environment: str = "development"
     # Decisions D9: SVC_PROVIDERS_FILE; None is Phase 1 (no provider).
     providers: ProviderTable | None = None
+    # Decisions D12: the usage rows held until svc-auth has committed them,
+    # and the file that keeps them across a kill (None: memory only).
+    usageOutboxMax: int = 100_000
+    usageJournal: str | None = None
 
     @classmethod
     def fromEnvironment(
@@ -143,6 +148,10 @@ class ProxyConfig:
                 environ, "SVC_ENV", "development", ("development", "staging", "production")
             ),
             providers=providersFromEnvironment(environ, clock),
+            usageOutboxMax=config.positiveInteger(
+                _asciiDigits(environ, "SVC_USAGE_OUTBOX_MAX"), "SVC_USAGE_OUTBOX_MAX", 100_000
+            ),
+            usageJournal=_usageJournal(environ, "SVC_USAGE_JOURNAL"),
         )
 
 
@@ -170,6 +179,21 @@ def _headerName(environ: Mapping[str, str], name: str, default: str) -> str:
     if not _HEADER_NAME.match(value):
         raise ConfigError(name, f"must be an HTTP header name, got {value!r}")
     return value
+
+
+def _usageJournal(environ: Mapping[str, str], name: str) -> str | None:
+    """
+    The journal's path, or None when unset or empty; refused when it cannot
+    be a journal (no such directory, a directory, another kind of file).
+    """
+    path = config.text(environ, name, "")
+    if not path:
+        return None
+    try:
+        checkJournalPath(path)
+    except JournalError as error:
+        raise ConfigError(name, str(error)) from None
+    return path
 
 
 def _readPEM(environ: Mapping[str, str], name: str) -> bytes | None:

@@ -160,6 +160,17 @@ class ProxyMetrics:
             ["reason"],
             registry=self.registry,
         )
+        self.usageOutboxRows = Gauge(
+            "svc_proxy_usage_outbox_rows",
+            "Usage rows waiting in the proxy until svc-auth has committed them (decisions"
+            " D12); at SVC_USAGE_OUTBOX_MAX forwarded requests are refused 503",
+            registry=self.registry,
+        )
+        self.usageRowsSent = Counter(
+            "svc_proxy_usage_rows_sent",
+            "Usage rows svc-auth acknowledged (committed) (decisions D12)",
+            registry=self.registry,
+        )
         self.processUp = processUpGauge(self.registry)
         # Route templates, known methods and status codes: a small, bounded
         # set of children, looked up once each.

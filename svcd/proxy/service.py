@@ -16,6 +16,13 @@ client is quiet), and only once the last client connection has closed (or
 SVC_SHUTDOWN_TIMEOUT has passed and they are closed by force) do the gRPC
 channel, the Redis connection and the providers' pool close. No request is
 ever answered 503 because the proxy itself is stopping.
+
+The usage ledger (decisions D12), when there is one: its journal is read
+at start, before the proxy listens, and the rows a previous run left
+unacknowledged are queued first. At stop, once the last client connection
+has closed (so no request is left to record), the rows still waiting are
+sent, for at most SVC_SHUTDOWN_TIMEOUT more, before the gRPC channel
+closes; what svc-auth has not acknowledged by then stays in the journal.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from svcd.common.lifecycle import notifySystemd, stopWithFailure
 from svcd.proxy.http.edge import ProxyEdge
 from svcd.proxy.http.site import ProxySite
 from svcd.proxy.limits.limiter import RateLimiter
+from svcd.proxy.usage.outbox import JournalError
 
 # How often a starting proxy looks whether its dependencies are ready.
 READY_POLL_SECONDS = 0.02
@@ -63,6 +71,22 @@ class ClosableForwarder(Protocol):
     """
 
     def close(self) -> Deferred[None]: ...
+
+
+class ClosableLedger(Protocol):
+    """
+    The lifecycle part of the usage outbox
+    (L{svcd.proxy.usage.outbox.UsageOutbox}).
+    """
+
+    @property
+    def waiting(self) -> int: ...
+
+    def start(self) -> None: ...
+
+    def flush(self, timeout: float) -> Deferred[int]: ...
+
+    def close(self) -> int: ...
 
 
 class ServerPort(Protocol):
@@ -117,6 +141,7 @@ class ProxyService(Service):
         forwarder: ClosableForwarder | None = None,
         startTimeout: float = 5.0,
         dependencies: Sequence[Dependency] = (),
+        ledger: ClosableLedger | None = None,
     ) -> None:
         self._port = port
         self._edge = edge
@@ -129,6 +154,7 @@ class ProxyService(Service):
         self._forwarder = forwarder
         self._startTimeout = startTimeout
         self._dependencies = tuple(dependencies)
+        self._ledger = ledger
         self._starting: Deferred[None] | None = None
         self._listening: IListeningPort | None = None
         self._waitingForPort: list[Deferred[IListeningPort]] = []
@@ -145,6 +171,14 @@ class ProxyService(Service):
         self._port.bind()
         self._auth.start()
         self._limiter.start()
+        if self._ledger is not None:
+            try:
+                # Before listening: the rows a previous run left go first.
+                self._ledger.start()
+            except JournalError as error:
+                self.log.critical("Cannot start: {reason}", reason=str(error))
+                stopWithFailure(self._reactor, f"svc-proxy: cannot start: {error}")
+                return
         self._starting = Deferred.fromCoroutine(self._listenWhenReady())
         self._starting.addErrback(self._startFailed)
 
@@ -214,11 +248,27 @@ class ProxyService(Service):
             # hands them to another worker of the port.
             await maybeDeferred(self._listening.stopListening)
         await self._drain()
+        if self._ledger is not None:
+            await self._flushLedger(self._ledger)
         self._auth.close()
         await self._limiter.stop()
         if self._forwarder is not None:
             await self._forwarder.close()
         self.log.info("svc-proxy stopped")
+
+    async def _flushLedger(self, ledger: ClosableLedger) -> None:
+        """
+        Send the usage rows still waiting while the channel to svc-auth is
+        open, for at most the shutdown timeout; L{ClosableLedger.close}
+        says what is left.
+        """
+        if ledger.waiting:
+            self.log.info(
+                "Sending {rows} usage row(s) to svc-auth before stopping",
+                rows=ledger.waiting,
+            )
+            await ledger.flush(self._shutdownTimeout)
+        ledger.close()
 
     async def _drain(self) -> None:
         """

@@ -39,6 +39,7 @@ from svcd.proxy.limits.limiter import RedisRateLimiter, makeRateLimiter
 from svcd.proxy.listening import ProxyPort
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.service import ClosableAuthClient, Dependency, ProxyService
+from svcd.proxy.usage.outbox import UsageJournal, UsageOutbox
 from svcd.proxy.validation.cache import CachingAuthClient, ValidationCache
 from svcd.proxy.validation.client import AuthClient, GrpcAuthClient, authChannel
 from svcd.proxy.validation.feed import ChangeFeed
@@ -162,11 +163,21 @@ def makeService(options: Options) -> LoggingRootService:
     if isinstance(limiter, RedisRateLimiter):
         dependencies.append(Dependency("Redis", limiter.connected))
     forwarder = None
+    outbox = None
     if config.providers is not None:
         forwarder = Forwarder(
             reactor, reactor, tuple(config.providers.providers.values()), metrics, tracer
         )
-    edge = ProxyEdge(config, auth, limiter, metrics, reactor, tracer, forwarder)
+        # Decisions D12: each forwarded request's usage row waits here until
+        # svc-auth has committed it. Nothing forwarded, no ledger.
+        outbox = UsageOutbox(
+            grpcAuth,
+            reactor,
+            metrics,
+            maxRows=config.usageOutboxMax,
+            journal=UsageJournal(config.usageJournal) if config.usageJournal else None,
+        )
+    edge = ProxyEdge(config, auth, limiter, metrics, reactor, tracer, forwarder, ledger=outbox)
     site = ProxySite(
         edge.resource(),
         config.maxRequestBodyBytes,
@@ -186,6 +197,7 @@ def makeService(options: Options) -> LoggingRootService:
         forwarder,
         startTimeout=config.startTimeout,
         dependencies=dependencies,
+        ledger=outbox,
     ).setServiceParent(root)  # type: ignore[no-untyped-call, unused-ignore]
     exitZeroOnStopSignals(reactor)
     settleHeapWhenRunning(reactor)

@@ -5,13 +5,16 @@ of svc-proxy's gRPC link that script svc-auth's answers.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from contextlib import contextmanager
+from typing import Any
 
 import grpc
 
-from svcd.pb.auth.v1 import auth_pb2_grpc
+from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
 
 
 @contextmanager
@@ -28,3 +31,71 @@ def servingAuth(servicer: auth_pb2_grpc.AuthServiceServicer, workers: int = 4) -
         yield port
     finally:
         server.stop(0)
+
+
+class LedgerAuth(auth_pb2_grpc.AuthServiceServicer):
+    """
+    A stand-in svc-auth for the usage ledger (decisions D12): it vouches for
+    every token (one organization, the agent asked for) and keeps the rows
+    of RecordUsage in C{rows}, by request id, as the real one does (a row
+    sent again is a duplicate, recorded once).
+
+    Scripting, from the test's thread: C{failing} makes every RecordUsage
+    answer UNAVAILABLE; C{failFirst} the next that many; C{hangFirst} makes
+    the next that many calls take C{hangSeconds} before they commit (past
+    the proxy's deadline: the proxy sends the batch again meanwhile).
+    """
+
+    def __init__(self, orgID: str = "0190c6a2-0000-7000-8000-00000000000a") -> None:
+        self.orgID = orgID
+        self.rows: dict[str, auth_pb2.UsageRow] = {}
+        # Request ids in the order they were committed, duplicates left out.
+        self.order: list[str] = []
+        self.attempts = 0
+        self.batches: list[int] = []
+        self.failing = False
+        self.failFirst = 0
+        self.hangFirst = 0
+        self.hangSeconds = 1.0
+        self._lock = threading.Lock()
+
+    def ValidateToken(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return auth_pb2.ValidateTokenResponse(
+            org_id=self.orgID,
+            permissions=1,
+            token_id="0190c6a2-0000-7000-8000-0000000000b1",  # noqa: S106 - an id, no secret
+        )
+
+    def ValidateAgent(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return auth_pb2.ValidateAgentResponse(
+            agent_id=request.agent_id, org_id=request.org_id, status="active"
+        )
+
+    def RecordUsage(self, request: Any, context: grpc.ServicerContext) -> Any:
+        with self._lock:
+            self.attempts += 1
+            self.batches.append(len(request.rows))
+            fail = self.failing or self.failFirst > 0
+            if self.failFirst > 0:
+                self.failFirst -= 1
+            hang = not fail and self.hangFirst > 0
+            if hang:
+                self.hangFirst -= 1
+        if fail:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the ledger's database is down")
+        if hang:
+            time.sleep(self.hangSeconds)
+        recorded = duplicates = 0
+        with self._lock:
+            for row in request.rows:
+                if row.request_id in self.rows:
+                    duplicates += 1
+                else:
+                    self.rows[row.request_id] = row
+                    self.order.append(row.request_id)
+                    recorded += 1
+        return auth_pb2.RecordUsageResponse(recorded=recorded, duplicates=duplicates)
+
+    def recorded(self) -> list[str]:
+        with self._lock:
+            return list(self.order)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import grpc
@@ -55,6 +55,11 @@ _GET_SPEND = "/svc.auth.v1.AuthService/GetSpend"
 # A sum over a budget's period of the ledger: rarer and dearer than a
 # validation (once per budget and period, or after Redis lost its counts).
 SPEND_TIMEOUT = 2.0
+_RECORD_USAGE = "/svc.auth.v1.AuthService/RecordUsage"
+# A batch of up to 500 usage rows committed in one transaction (decisions
+# D12); a call that misses it is sent again, and svc-auth records each row
+# once.
+RECORD_USAGE_TIMEOUT = 5.0
 _SPAN_ERROR = Status(StatusCode.ERROR)
 # A request's calls in order, for L{CallSlots}.
 _TOKEN_STAGE = 0
@@ -301,8 +306,10 @@ class GrpcAuthClient:
         maxInFlight: int = 16,
         queueTimeout: float = 1.0,
         limitBook: LimitBook | None = None,
+        usageTimeout: float = RECORD_USAGE_TIMEOUT,
     ) -> None:
         self._channelFactory = channelFactory
+        self._usageTimeout = usageTimeout
         # Decisions D11: the limits rows riding on the answers, learned
         # while the change feed is not live.
         self._limitBook = limitBook
@@ -320,6 +327,7 @@ class GrpcAuthClient:
         self._validateTokenMethod: Any = None
         self._validateAgentMethod: Any = None
         self._getSpendMethod: Any = None
+        self._recordUsageMethod: Any = None
         self._unavailable = ThrottledWarning(self.log, clock)
         self._ready: Any = None
         self._channelReady = False
@@ -345,6 +353,12 @@ class GrpcAuthClient:
             _GET_SPEND,
             request_serializer=auth_pb2.GetSpendRequest.SerializeToString,
             response_deserializer=auth_pb2.GetSpendResponse.FromString,
+            _registered_method=True,
+        )
+        self._recordUsageMethod = channel.unary_unary(
+            _RECORD_USAGE,
+            request_serializer=auth_pb2.RecordUsageRequest.SerializeToString,
+            response_deserializer=auth_pb2.RecordUsageResponse.FromString,
             _registered_method=True,
         )
 
@@ -377,6 +391,35 @@ class GrpcAuthClient:
             self._getSpendMethod, "GetSpend", request, SPEND_TIMEOUT, _AGENT_STAGE, observed=False
         )
         return int(response.cost_nano_usd)
+
+    def recordUsage(
+        self, rows: Sequence[auth_pb2.UsageRow]
+    ) -> Deferred[auth_pb2.RecordUsageResponse]:
+        """
+        Send a batch of usage rows to svc-auth, which answers once it has
+        committed them all (decisions D12). Fails with the call's
+        L{grpc.RpcError} (DEADLINE_EXCEEDED past the client's usage
+        timeout); cancelling the Deferred cancels the call.
+        """
+        return Deferred.fromCoroutine(self._recordUsageCall(rows))
+
+    async def _recordUsageCall(
+        self, rows: Sequence[auth_pb2.UsageRow]
+    ) -> auth_pb2.RecordUsageResponse:
+        if self._channel is None:
+            self._connect()
+        request = auth_pb2.RecordUsageRequest(rows=rows)
+        # The lowest stage: a batch of rows can wait behind the validations
+        # of requests that clients are waiting for.
+        response: auth_pb2.RecordUsageResponse = await self._call(
+            self._recordUsageMethod,
+            "RecordUsage",
+            request,
+            self._usageTimeout,
+            _TOKEN_STAGE,
+            observed=False,
+        )
+        return response
 
     def openChangeFeed(self) -> FeedCall:
         """

@@ -1,0 +1,607 @@
+"""
+The proxy's side of the usage ledger (decisions D12): the rows of forwarded
+requests wait here, in order, until svc-auth has committed them.
+
+L{UsageOutbox} is the L{svcd.proxy.usage.ledger.UsageLedger} the edge
+writes to. A row is journalled first (when C{SVC_USAGE_JOURNAL} names a
+file), then queued in memory; one RecordUsage call at a time carries the
+oldest rows (at most L{BATCH_ROWS}) to svc-auth, which answers only after
+it has committed them; only then do they leave the queue. A failed call
+(svc-auth or PostgreSQL down, a deadline missed, anything) is tried again,
+the same rows, after a capped exponential backoff with jitter. svc-auth
+keys rows by request id, so a row sent twice (an answer lost on the way, an
+acknowledgement the journal had not recorded before a kill) is recorded
+once.
+
+L{UsageJournal} is the file that lets rows outlive the process. What
+survives what:
+
+  - Each row is written with one C{os.write} (no buffer in the process)
+    before it is queued, so a C{kill -9}, a crash or the OOM killer loses
+    no row: the kernel holds what was written.
+  - It is not C{fsync}ed row by row (that would cost a disk flush per
+    request): a power loss or a kernel crash may lose the rows the kernel
+    had not yet written back (Linux writes dirty pages back within about
+    30 s). Compactions are fsynced, file and directory, before they
+    replace the journal.
+  - An acknowledgement is journalled after svc-auth answered; one lost to a
+    kill only means its rows are sent again at the next start, harmlessly.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import random
+import struct
+import zlib
+from collections import deque
+from collections.abc import Callable, Sequence
+from itertools import islice
+from typing import Any, Protocol
+
+import grpc
+from twisted.internet.defer import CancelledError, Deferred, TimeoutError, succeed
+from twisted.internet.interfaces import IDelayedCall
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from svcd.common.clocks import Clock, asReactorTime
+from svcd.common.deferreds import timeoutDeferred
+from svcd.common.logthrottle import ThrottledWarning
+from svcd.pb.auth.v1 import auth_pb2
+from svcd.proxy.metrics import ProxyMetrics
+
+# Rows per RecordUsage call: svc-auth commits a batch in one transaction;
+# 500 rows are about 100 KB on the wire, far below gRPC's 4 MB limit.
+BATCH_ROWS = 500
+# The backoff between attempts of a failed batch: the first wait, doubled
+# after each failure up to the last; each wait is drawn between half and
+# all of that (jitter), so that proxies that lost svc-auth together do not
+# come back in step.
+FIRST_RETRY_SECONDS = 0.1
+LAST_RETRY_SECONDS = 5.0
+# SVC_USAGE_OUTBOX_MAX's default.
+OUTBOX_MAX_ROWS = 100_000
+# A journal whose rows are all acknowledged is rewritten (emptied) once it
+# is larger than this: some 50,000 rows' worth.
+COMPACT_JOURNAL_BYTES = 16 * 1024 * 1024
+
+
+class UsageSender(Protocol):
+    """
+    Where batches of rows go: svc-auth's RecordUsage
+    (L{svcd.proxy.validation.client.GrpcAuthClient.recordUsage}). The
+    Deferred fires once svc-auth has committed every row of the batch.
+    """
+
+    def recordUsage(
+        self, rows: Sequence[auth_pb2.UsageRow]
+    ) -> Deferred[auth_pb2.RecordUsageResponse]: ...
+
+
+class JournalError(Exception):
+    """
+    The journal cannot be used: not a journal of usage rows, or not
+    readable or writable.
+    """
+
+
+# The journal file
+#
+# A magic line, then records: a header of the record's kind (one byte), its
+# payload's length and the CRC-32 of its payload (four bytes each, big
+# endian), then the payload. A row record's payload is a serialized
+# UsageRow; an acknowledgement's is the number of rows acknowledged (four
+# bytes) followed by the request id of the last of them, in UTF-8: the
+# oldest unacknowledged rows of the file, in order.
+JOURNAL_MAGIC = b"svc-usage-journal 1\n"
+_HEADER = struct.Struct(">BII")
+_ACK_COUNT = struct.Struct(">I")
+_ROW = 1
+_ACK = 2
+
+
+def _record(kind: int, payload: bytes) -> bytes:
+    return _HEADER.pack(kind, len(payload), zlib.crc32(payload)) + payload
+
+
+def checkJournalPath(path: str) -> None:
+    """
+    Refuse a path that cannot be a journal, before the daemon starts: its
+    directory must exist, and a file already there must be a journal.
+
+    @raise JournalError: saying why.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise JournalError(f"the directory {directory!r} does not exist")
+    if os.path.isdir(path):
+        raise JournalError(f"{path!r} is a directory")
+    try:
+        with open(path, "rb") as existing:
+            start = existing.read(len(JOURNAL_MAGIC))
+    except FileNotFoundError:
+        return
+    except OSError as error:
+        raise JournalError(f"cannot read {path!r}: {error.strerror}") from None
+    if not JOURNAL_MAGIC.startswith(start):
+        raise JournalError(f"{path!r} is not a usage journal of svc-proxy")
+
+
+class UsageJournal:
+    """
+    The append-only file of rows and acknowledgements (see the module
+    docstring for what survives what). One process at a time: two proxies
+    must not share a file.
+
+    L{open} reads what a previous run left, keeps the rows not
+    acknowledged, and rewrites the file with only those; then L{append} and
+    L{acknowledge} add records.
+    """
+
+    log = Logger()
+
+    def __init__(self, path: str, compactBytes: int = COMPACT_JOURNAL_BYTES) -> None:
+        self.path = path
+        self._compactBytes = compactBytes
+        self._fd: int | None = None
+        self._size = 0
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def open(self) -> list[auth_pb2.UsageRow]:
+        """
+        Read the journal, rewrite it with only the rows not acknowledged and
+        open it for appending.
+
+        @return: those rows, oldest first.
+        @raise JournalError: when the file is not a journal or cannot be
+            read or written.
+        """
+        try:
+            with open(self.path, "rb") as existing:
+                data = existing.read()
+        except FileNotFoundError:
+            data = b""
+        except OSError as error:
+            raise JournalError(f"cannot read {self.path!r}: {error.strerror}") from None
+        rows = self._replay(data)
+        self._rewrite(rows)
+        return rows
+
+    def _replay(self, data: bytes) -> list[auth_pb2.UsageRow]:
+        if not data:
+            return []
+        if not data.startswith(JOURNAL_MAGIC):
+            if JOURNAL_MAGIC.startswith(data):
+                # Killed while the first compaction wrote its magic line.
+                return []
+            raise JournalError(f"{self.path!r} is not a usage journal of svc-proxy")
+        rows: list[auth_pb2.UsageRow] = []
+        acknowledged = 0
+        offset = len(JOURNAL_MAGIC)
+        while offset < len(data):
+            parsed = self._recordAt(data, offset)
+            if parsed is None:
+                # A record cut short by a kill (or damaged): what follows
+                # cannot be trusted either. Rows that were in it were never
+                # queued, so never answered to anyone's knowledge.
+                self.log.warn(
+                    "Usage journal {path}: ignored a torn or damaged record at byte"
+                    " {offset} ({dropped} byte(s) dropped)",
+                    path=self.path,
+                    offset=offset,
+                    dropped=len(data) - offset,
+                )
+                break
+            kind, payload, offset = parsed
+            if kind == _ROW:
+                rows.append(auth_pb2.UsageRow.FromString(payload))
+            elif kind == _ACK:
+                count = _ACK_COUNT.unpack_from(payload)[0]
+                lastID = payload[_ACK_COUNT.size :].decode("utf-8", "replace")
+                end = acknowledged + count
+                if 0 < count and end <= len(rows) and rows[end - 1].request_id == lastID:
+                    acknowledged = end
+                else:
+                    # Never drop a row on a doubtful acknowledgement: sent
+                    # again, it is a harmless duplicate.
+                    self.log.error(
+                        "Usage journal {path}: an acknowledgement of {count} row(s) up to"
+                        " {last_request_id} does not match the rows before it; ignored",
+                        path=self.path,
+                        count=count,
+                        last_request_id=lastID,
+                    )
+        waiting = rows[acknowledged:]
+        if waiting:
+            self.log.info(
+                "Usage journal {path}: {rows} row(s) not acknowledged by svc-auth;"
+                " sending them first",
+                path=self.path,
+                rows=len(waiting),
+            )
+        return waiting
+
+    @staticmethod
+    def _recordAt(data: bytes, offset: int) -> tuple[int, bytes, int] | None:
+        if offset + _HEADER.size > len(data):
+            return None
+        kind, length, checksum = _HEADER.unpack_from(data, offset)
+        start = offset + _HEADER.size
+        payload = data[start : start + length]
+        if kind not in (_ROW, _ACK) or len(payload) != length or zlib.crc32(payload) != checksum:
+            return None
+        if kind == _ACK and length < _ACK_COUNT.size:
+            return None
+        return kind, payload, start + length
+
+    def _rewrite(self, rows: Sequence[auth_pb2.UsageRow]) -> None:
+        """
+        Replace the journal with one holding C{rows}, atomically: a reader
+        (the next start) sees the old file or the new one, never a mix.
+        """
+        content = JOURNAL_MAGIC + b"".join(_record(_ROW, row.SerializeToString()) for row in rows)
+        temporary = self.path + ".compacting"
+        directory = os.path.dirname(os.path.abspath(self.path))
+        try:
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                _writeAll(fd, content)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(temporary, self.path)
+            directoryFD = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(directoryFD)
+            finally:
+                os.close(directoryFD)
+            appending = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        except OSError as error:
+            raise JournalError(f"cannot write {self.path!r}: {error.strerror}") from None
+        if self._fd is not None:
+            os.close(self._fd)
+        self._fd = appending
+        self._size = len(content)
+
+    def append(self, row: auth_pb2.UsageRow) -> None:
+        """
+        Add C{row}, written to the kernel before this returns.
+
+        @raise OSError: when it could not be written (the file is left as
+            it was).
+        """
+        self._write(_record(_ROW, row.SerializeToString()))
+
+    def acknowledge(self, count: int, lastRequestID: str) -> None:
+        """
+        Record that svc-auth committed the C{count} oldest rows not yet
+        acknowledged, the last of which has C{lastRequestID}.
+        """
+        payload = _ACK_COUNT.pack(count) + lastRequestID.encode("utf-8")
+        self._write(_record(_ACK, payload))
+
+    def _write(self, record: bytes) -> None:
+        if self._fd is None:
+            raise OSError("the usage journal is not open")
+        try:
+            _writeAll(self._fd, record)
+        except OSError:
+            # A record half written (a full disk) would hide every record
+            # after it from the next start: cut it off.
+            os.ftruncate(self._fd, self._size)
+            raise
+        self._size += len(record)
+
+    def compactIfLarge(self) -> None:
+        """
+        Called when every row is acknowledged: empty a journal that has
+        grown past its bound.
+        """
+        if self._size > self._compactBytes:
+            self._rewrite([])
+
+    def close(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def _writeAll(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _statusOf(failure: Failure) -> tuple[str, str]:
+    error = failure.value
+    if isinstance(error, grpc.Call):
+        return str(error.code().name).lower(), str(error.details())
+    return "error", type(error).__name__
+
+
+def _unimplemented(failure: Failure) -> bool:
+    error = failure.value
+    return isinstance(error, grpc.Call) and error.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+class UsageOutbox:
+    """
+    L{svcd.proxy.usage.ledger.UsageLedger} that sends rows to svc-auth (see
+    the module docstring).
+
+    @param sender: RecordUsage.
+    @param clock: the time of the backoff and of L{flush}'s bound.
+    @param maxRows: rows held before L{hasRoom} says no
+        (C{SVC_USAGE_OUTBOX_MAX}).
+    @param journal: the journal (C{SVC_USAGE_JOURNAL}), or None.
+    @param random: a number in [0, 1) for the jitter.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        sender: UsageSender,
+        clock: Clock,
+        metrics: ProxyMetrics,
+        maxRows: int = OUTBOX_MAX_ROWS,
+        journal: UsageJournal | None = None,
+        batchRows: int = BATCH_ROWS,
+        firstRetry: float = FIRST_RETRY_SECONDS,
+        lastRetry: float = LAST_RETRY_SECONDS,
+        random: Callable[[], float] = random.random,
+    ) -> None:
+        self._sender = sender
+        self._clock = clock
+        self._metrics = metrics
+        self._maxRows = maxRows
+        self._journal = journal
+        self._batchRows = batchRows
+        self._firstRetry = firstRetry
+        self._lastRetry = lastRetry
+        self._random = random
+        # Every row not yet acknowledged, oldest first; the batch in flight
+        # (or waiting to be tried again) is its first self._batch rows.
+        self._queue: deque[auth_pb2.UsageRow] = deque()
+        self._batch = 0
+        self._call: Deferred[Any] | None = None
+        self._retry: IDelayedCall | None = None
+        self._failures = 0
+        self._sending = False
+        self._again = False
+        self._closed = False
+        self._emptied: list[Deferred[None]] = []
+        self._failing = ThrottledWarning(self.log, clock)
+        self._journalFailing = ThrottledWarning(self.log, clock)
+        metrics.usageOutboxRows.set_function(lambda: len(self._queue))
+
+    @property
+    def waiting(self) -> int:
+        """
+        Rows not yet acknowledged by svc-auth.
+        """
+        return len(self._queue)
+
+    def start(self) -> None:
+        """
+        Take the rows the journal holds unacknowledged (before any new
+        row: the proxy calls this before it listens), and send them.
+
+        @raise JournalError: when the journal cannot be used.
+        """
+        if self._journal is not None:
+            self._queue.extendleft(reversed(self._journal.open()))
+        self._sendSoon()
+
+    def hasRoom(self) -> bool:
+        return len(self._queue) < self._maxRows
+
+    def record(self, row: auth_pb2.UsageRow) -> None:
+        journal = self._journal
+        if journal is not None:
+            try:
+                journal.append(row)
+            except OSError as error:
+                # Kept in memory all the same: lost only if the proxy is
+                # killed before svc-auth has it, as without a journal.
+                self._journalFailing.warn(
+                    "Usage journal {path} cannot be written ({reason}); usage rows are"
+                    " held in memory only",
+                    path=journal.path,
+                    reason=str(error),
+                )
+        self._queue.append(row)
+        self._sendSoon()
+
+    def _sendSoon(self) -> None:
+        """
+        Send the next batch unless one is in flight or waiting for its
+        retry. Rows recorded meanwhile ride with the next batch: under load
+        batches grow by themselves, with no timer.
+        """
+        if self._sending:
+            # Called back from within the loop below (an answer that came
+            # at once): let the loop go round again.
+            self._again = True
+            return
+        self._sending = True
+        try:
+            self._again = True
+            while self._again:
+                self._again = False
+                self._sendBatch()
+        finally:
+            self._sending = False
+
+    def _sendBatch(self) -> None:
+        if self._closed or self._call is not None or self._retry is not None or not self._queue:
+            return
+        if not self._batch:
+            self._batch = min(self._batchRows, len(self._queue))
+        batch = list(islice(self._queue, self._batch))
+        # In a context of its own: the batch belongs to no request, so its
+        # call and log lines carry no request's ids or trace.
+        call = contextvars.Context().run(self._callSender, batch)
+        self._call = call
+        call.addCallbacks(self._acknowledged, self._failed)
+
+    def _callSender(self, batch: list[auth_pb2.UsageRow]) -> Deferred[Any]:
+        try:
+            return self._sender.recordUsage(batch)
+        except Exception as error:
+            failed: Deferred[Any] = Deferred()
+            failed.errback(error)
+            return failed
+
+    def _acknowledged(self, response: Any) -> None:
+        self._call = None
+        count, self._batch = self._batch, 0
+        last = self._queue[count - 1].request_id
+        for _ in range(count):
+            self._queue.popleft()
+        self._metrics.usageRowsSent.inc(count)
+        if self._failures:
+            self.log.info(
+                "svc-auth took usage rows again after {attempts} failed attempt(s);"
+                " {rows} row(s) waiting",
+                attempts=self._failures,
+                rows=len(self._queue),
+            )
+            self._failures = 0
+        recorded = getattr(response, "recorded", count)
+        duplicates = getattr(response, "duplicates", 0)
+        if recorded + duplicates != count:
+            # svc-auth answers only after committing the batch: the rows
+            # are in. A count that disagrees says its accounting is off.
+            self.log.warn(
+                "RecordUsage acknowledged a batch of {rows} row(s) as {recorded} recorded"
+                " and {duplicates} duplicate(s)",
+                rows=count,
+                recorded=recorded,
+                duplicates=duplicates,
+            )
+        journal = self._journal
+        if journal is not None and not self._closed:
+            try:
+                journal.acknowledge(count, last)
+                if not self._queue:
+                    journal.compactIfLarge()
+            except (OSError, JournalError) as error:
+                # The rows will be sent again at the next start: harmless.
+                self._journalFailing.warn(
+                    "Usage journal {path} cannot be written ({reason}); usage rows are"
+                    " held in memory only",
+                    path=journal.path,
+                    reason=str(error),
+                )
+        if not self._queue:
+            self._fireEmptied()
+        self._sendSoon()
+
+    def _failed(self, failure: Failure) -> None:
+        self._call = None
+        if self._closed:
+            return
+        self._failures += 1
+        ceiling = min(self._lastRetry, self._firstRetry * 2 ** min(self._failures - 1, 32))
+        delay = ceiling / 2 + self._random() * ceiling / 2
+        status, details = _statusOf(failure)
+        self._failing.warn(
+            "RecordUsage to svc-auth failed ({grpc_status}: {grpc_details}); {rows} usage"
+            " row(s) waiting, trying again in {delay:.2f} s",
+            grpc_status=status,
+            grpc_details=details,
+            rows=len(self._queue),
+            delay=delay,
+        )
+        self._retry = self._clock.callLater(delay, self._retryNow)
+        if _unimplemented(failure):
+            # An svc-auth without RecordUsage will not gain it while a stop
+            # waits: end the flush now rather than at its bound.
+            self._fireEmptied()
+
+    def _retryNow(self) -> None:
+        self._retry = None
+        self._sendSoon()
+
+    def _fireEmptied(self) -> None:
+        waiting, self._emptied = self._emptied, []
+        for each in waiting:
+            each.callback(None)
+
+    def flush(self, timeout: float) -> Deferred[int]:
+        """
+        Send every row waiting, for at most C{timeout} seconds (a graceful
+        stop, once no request is left to record). A batch waiting out its
+        backoff is tried at once.
+
+        @return: a Deferred that fires with the number of rows still not
+            acknowledged at the end (0 when all were).
+        """
+        if not self._queue:
+            return succeed(0)
+        if self._retry is not None and self._retry.active():
+            self._retry.cancel()
+            self._retry = None
+        emptied: Deferred[None] = Deferred()
+        self._emptied.append(emptied)
+        self._sendSoon()
+        bounded = timeoutDeferred(emptied, timeout, asReactorTime(self._clock))
+
+        def leftOver(_: object) -> int:
+            return len(self._queue)
+
+        def timedOut(failure: Failure) -> int:
+            failure.trap(TimeoutError, CancelledError)
+            return len(self._queue)
+
+        return bounded.addCallbacks(leftOver, timedOut)
+
+    def close(self) -> int:
+        """
+        Stop sending (the call in flight is cancelled) and close the
+        journal; say how many rows were left and where they are.
+
+        @return: that number.
+        """
+        if self._closed:
+            return len(self._queue)
+        self._closed = True
+        if self._retry is not None and self._retry.active():
+            self._retry.cancel()
+        self._retry = None
+        if self._call is not None:
+            self._call.cancel()
+        left = len(self._queue)
+        if left and self._journal is not None:
+            self.log.warn(
+                "{rows} usage row(s) not acknowledged by svc-auth at stop; kept in the"
+                " journal {path}, sent at the next start",
+                rows=left,
+                path=self._journal.path,
+            )
+        elif left:
+            self.log.error(
+                "{rows} usage row(s) not acknowledged by svc-auth at stop and lost"
+                " (SVC_USAGE_JOURNAL is not set)",
+                rows=left,
+            )
+        if self._journal is not None:
+            try:
+                self._journal.close()
+            except OSError as error:
+                self.log.error(
+                    "Usage journal {path}: cannot close ({reason})",
+                    path=self._journal.path,
+                    reason=str(error),
+                )
+        return left

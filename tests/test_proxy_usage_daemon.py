@@ -1,0 +1,185 @@
+"""
+The usage ledger's way out of a real C{twistd -n svc-proxy} (decisions
+D12): with a providers file (a scripted upstream) and a stand-in svc-auth
+whose RecordUsage keeps rows by request id (L{LedgerAuth}), each answered
+request's row reaches svc-auth; rows still waiting at SIGTERM are sent
+before the proxy exits; and with SVC_USAGE_JOURNAL, rows a kill -9 left
+unacknowledged are sent by the next start.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from svcd.proxy.testing import newToken
+from svcd.testing.daemons import Daemon
+from svcd.testing.fakeauth import LedgerAuth, servingAuth
+from svcd.testing.servers import freePort
+from svcd.testing.upstream import ScriptedUpstream
+
+# Bounds on waits for what the proxy does on its own: far above what it
+# takes, a guard against a hang on a loaded machine.
+WAIT = 30.0
+
+
+@pytest.fixture
+def ledgerAuth() -> Iterator[tuple[LedgerAuth, int]]:
+    servicer = LedgerAuth()
+    with servingAuth(servicer) as port:
+        yield servicer, port
+
+
+def proxyEnvironment(
+    tmp_path: Path, upstream: ScriptedUpstream, grpcPort: int, **overrides: str
+) -> dict[str, str]:
+    providers = tmp_path / "providers.toml"
+    providers.write_text(
+        f'[[providers]]\nname = "scripted"\nbase_url = "{upstream.baseURL}"\n'
+        '\n[[models]]\nname = "echo"\nprovider = "scripted"\n'
+    )
+    return {
+        "SVC_HOST": "127.0.0.1",
+        "SVC_PORT": str(freePort()),
+        "SVC_AUTH_GRPC_ADDR": f"127.0.0.1:{grpcPort}",
+        "SVC_PROVIDERS_FILE": str(providers),
+        # The stand-in has no change feed: validate every request.
+        "SVC_AUTH_CACHE_SIZE": "0",
+        "SVC_AUTH_VALIDATE_TIMEOUT": "5s",
+        "SVC_START_TIMEOUT": "30s",
+        "SVC_SHUTDOWN_TIMEOUT": "10s",
+        **overrides,
+    }
+
+
+def chat(daemon: Daemon) -> str:
+    """
+    One answered chat request; its request id (the row's key).
+    """
+    request = urllib.request.Request(
+        daemon.url("/v1/chat/completions"),
+        data=json.dumps(
+            {"model": "echo", "messages": [{"role": "user", "content": "hi"}]}
+        ).encode(),
+        headers={
+            "Authorization": "Bearer " + newToken(),
+            "X-SVC-Agent-ID": str(uuid.uuid4()),
+            "Content-Type": "application/json",
+        },
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=WAIT) as answer:
+        assert answer.status == 200
+        answer.read()
+        return str(answer.headers["X-Request-ID"])
+
+
+def waitUntil(condition: Callable[[], bool], what: str, limit: float = WAIT) -> None:
+    deadline = time.monotonic() + limit
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {limit} s"
+        time.sleep(0.02)
+
+
+def test_answeredRequestsReachTheLedger(
+    ledgerAuth: tuple[LedgerAuth, int], scriptedUpstream: ScriptedUpstream, tmp_path: Path
+) -> None:
+    """
+    Each answered request's row reaches svc-auth once, in order, with what
+    the request was: its org, agent, model and provider, ok, the
+    provider's tokens.
+    """
+    servicer, grpcPort = ledgerAuth
+    proxy = Daemon(
+        "svc-proxy", proxyEnvironment(tmp_path, scriptedUpstream, grpcPort), tmp_path / "p.log"
+    ).start()
+    try:
+        proxy.waitForHealth()
+        requestIDs = [chat(proxy) for _ in range(3)]
+        waitUntil(lambda: servicer.recorded() == requestIDs, "the rows at svc-auth")
+        row = servicer.rows[requestIDs[0]]
+        assert (row.org_id, row.model, row.provider, row.outcome) == (
+            servicer.orgID,
+            "echo",
+            "scripted",
+            "ok",
+        )
+        assert row.tokens_from == "provider" and row.prompt_tokens > 0
+    finally:
+        assert proxy.terminate() == 0
+    assert "usage row(s) not acknowledged" not in proxy.output()
+
+
+def test_sigtermSendsTheWaitingRows(
+    ledgerAuth: tuple[LedgerAuth, int], scriptedUpstream: ScriptedUpstream, tmp_path: Path
+) -> None:
+    """
+    Rows waiting (svc-auth failing RecordUsage) when SIGTERM arrives are
+    sent during the graceful stop, once svc-auth takes them again, before
+    the proxy exits 0.
+    """
+    servicer, grpcPort = ledgerAuth
+    servicer.failing = True
+    proxy = Daemon(
+        "svc-proxy", proxyEnvironment(tmp_path, scriptedUpstream, grpcPort), tmp_path / "p.log"
+    ).start()
+    try:
+        proxy.waitForHealth()
+        requestIDs = [chat(proxy) for _ in range(3)]
+        waitUntil(lambda: servicer.attempts >= 1, "a RecordUsage attempt")
+        proxy.signal(signal.SIGTERM)
+        waitUntil(lambda: "usage row(s) to svc-auth before stopping" in proxy.output(), "flush")
+        servicer.failing = False
+        assert proxy.process is not None
+        assert proxy.process.wait(WAIT) == 0
+    finally:
+        proxy.terminate()
+    assert servicer.recorded() == requestIDs
+    assert "usage row(s) not acknowledged" not in proxy.output()
+
+
+def test_killedProxyResendsFromItsJournal(
+    ledgerAuth: tuple[LedgerAuth, int], scriptedUpstream: ScriptedUpstream, tmp_path: Path
+) -> None:
+    """
+    With SVC_USAGE_JOURNAL, rows answered but not acknowledged when the
+    proxy is killed (kill -9) are sent by the next start, once each.
+    """
+    servicer, grpcPort = ledgerAuth
+    servicer.failing = True
+    journal = tmp_path / "usage.journal"
+    environment = proxyEnvironment(
+        tmp_path, scriptedUpstream, grpcPort, SVC_USAGE_JOURNAL=str(journal)
+    )
+    proxy = Daemon("svc-proxy", environment, tmp_path / "first.log").start()
+    try:
+        proxy.waitForHealth()
+        requestIDs = [chat(proxy) for _ in range(3)]
+        # Journalled before the answer's end is recorded anywhere else.
+        waitUntil(
+            lambda: all(each.encode() in journal.read_bytes() for each in requestIDs),
+            "the rows in the journal",
+        )
+        proxy.signal(signal.SIGKILL)
+        assert proxy.process is not None
+        assert proxy.process.wait(WAIT) == -signal.SIGKILL
+    finally:
+        proxy.terminate()
+    assert servicer.recorded() == []
+
+    servicer.failing = False
+    again = Daemon("svc-proxy", environment, tmp_path / "second.log").start()
+    try:
+        waitUntil(lambda: servicer.recorded() == requestIDs, "the rows at svc-auth")
+        again.waitForHealth()
+    finally:
+        assert again.terminate() == 0
+    assert "3 row(s) not acknowledged by svc-auth; sending them first" in again.output()
+    assert servicer.recorded() == requestIDs

@@ -1,0 +1,146 @@
+"""
+The usage outbox over a real gRPC link (decisions D12): the real
+GrpcAuthClient.recordUsage against a real grpcio server whose RecordUsage
+keeps rows by request id (L{svcd.testing.fakeauth.LedgerAuth}). Every row
+arrives exactly once and in order, also when the server fails the first
+attempts with UNAVAILABLE, and when it hangs past the client's deadline
+(the batch is sent again; the late commit makes the retry a duplicate).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+import pytest_twisted
+
+from svcd.pb.auth.v1 import auth_pb2
+from svcd.proxy.metrics import ProxyMetrics
+from svcd.proxy.usage.outbox import UsageOutbox
+from svcd.proxy.validation.client import CHANNEL_OPTIONS, GrpcAuthClient
+from svcd.testing.fakeauth import LedgerAuth, servingAuth
+
+# Each test's bound on the flush that waits for every row: far above what
+# it takes, a bound against a hang, not a promise.
+FLUSH_BOUND = 30.0
+
+
+def row(number: int) -> auth_pb2.UsageRow:
+    return auth_pb2.UsageRow(
+        request_id=f"0190c6a2-0000-7000-8000-{number:012d}",
+        org_id="0190c6a2-0000-7000-8000-00000000000a",
+        outcome="ok",
+        prompt_tokens=number,
+    )
+
+
+@pytest_twisted.async_yield_fixture
+async def ledger() -> AsyncIterator[tuple[LedgerAuth, GrpcAuthClient, ProxyMetrics]]:
+    from twisted.internet import reactor
+
+    servicer = LedgerAuth()
+    with servingAuth(servicer, workers=8) as port:
+        metrics = ProxyMetrics()
+        client = GrpcAuthClient(
+            lambda: grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS),
+            reactor,
+            reactor,
+            2.0,
+            metrics,
+            usageTimeout=0.3,
+        )
+        client.start()
+        try:
+            yield servicer, client, metrics
+        finally:
+            client.close()
+
+
+def outboxOf(client: GrpcAuthClient, metrics: ProxyMetrics) -> UsageOutbox:
+    from twisted.internet import reactor
+
+    outbox = UsageOutbox(client, reactor, metrics, firstRetry=0.05, lastRetry=0.5)
+    outbox.start()
+    return outbox
+
+
+async def sendAll(outbox: UsageOutbox, count: int) -> None:
+    for number in range(1, count + 1):
+        outbox.record(row(number))
+    assert await outbox.flush(FLUSH_BOUND) == 0
+
+
+def expected(count: int) -> list[str]:
+    return [row(number).request_id for number in range(1, count + 1)]
+
+
+@pytest_twisted.ensureDeferred
+async def test_rowsArriveOnceInOrder(ledger: Any) -> None:
+    """
+    1,200 rows recorded in one go reach svc-auth once each, in order, in
+    batches of at most 500; svc_proxy_usage_rows_sent_total counts them.
+    """
+    servicer, client, metrics = ledger
+    outbox = outboxOf(client, metrics)
+    await sendAll(outbox, 1200)
+    assert servicer.recorded() == expected(1200)
+    assert max(servicer.batches) <= 500
+    assert sum(servicer.batches) == 1200
+    assert metrics.registry.get_sample_value("svc_proxy_usage_rows_sent_total") == 1200
+    assert outbox.close() == 0
+
+
+@pytest_twisted.ensureDeferred
+async def test_unavailableAtFirst(ledger: Any) -> None:
+    """
+    svc-auth failing the first attempts with UNAVAILABLE (its database
+    down): the rows wait and arrive once each, in order, when it answers.
+    """
+    servicer, client, metrics = ledger
+    servicer.failFirst = 4
+    outbox = outboxOf(client, metrics)
+    await sendAll(outbox, 700)
+    assert servicer.recorded() == expected(700)
+    assert servicer.attempts >= 4 + 2
+    outbox.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_hangsPastTheDeadline(ledger: Any) -> None:
+    """
+    A RecordUsage that hangs past the client's deadline (DEADLINE_EXCEEDED)
+    is sent again; svc-auth's late commit of the first attempt makes the
+    rows of the retry duplicates: each is recorded once.
+    """
+    servicer, client, metrics = ledger
+    servicer.hangFirst = 1
+    servicer.hangSeconds = 1.0
+    outbox = outboxOf(client, metrics)
+    await sendAll(outbox, 50)
+    assert servicer.recorded() == expected(50)
+    assert servicer.attempts >= 2
+    outbox.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_recordUsageDeadlineAndCancel(ledger: Any) -> None:
+    """
+    recordUsage fails with DEADLINE_EXCEEDED past the client's usage
+    timeout, and a cancelled call ends at once.
+    """
+    from twisted.internet.defer import CancelledError
+
+    servicer, client, _ = ledger
+    servicer.hangFirst = 1
+    servicer.hangSeconds = 1.0
+    with pytest.raises(grpc.RpcError) as failed:
+        await client.recordUsage([row(1)])
+    assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    call = client.recordUsage([row(2)])
+    call.cancel()
+    with pytest.raises(CancelledError):
+        await call
+    response = await client.recordUsage([row(3)])
+    assert (response.recorded, response.duplicates) == (1, 0)

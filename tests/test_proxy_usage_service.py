@@ -1,0 +1,133 @@
+"""
+The usage outbox in svc-proxy's start and stop (decisions D12, issue 25):
+the journal is replayed before the proxy listens; at stop the rows waiting
+are sent after the client connections have drained and before the gRPC
+channel closes, for at most the shutdown timeout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+from twisted.internet.defer import Deferred
+from twisted.internet.task import Clock
+
+from svcd.proxy.config import ProxyConfig
+from svcd.proxy.http.edge import ProxyEdge
+from svcd.proxy.http.site import ProxySite
+from svcd.proxy.limits.limiter import RedisRateLimiter
+from svcd.proxy.metrics import ProxyMetrics
+from svcd.proxy.service import ProxyService
+from svcd.proxy.testing import FakeAuthClient, MemoryCounters
+
+
+@attrs.define
+class Events:
+    happened: list[str] = attrs.field(factory=list)
+
+
+@attrs.define
+class Port:
+    events: Events
+
+    def bind(self) -> None:
+        pass
+
+    def listen(self, protocolFactory: Any, waited: float) -> Any:
+        self.events.happened.append("listen")
+        return Listening()
+
+    def close(self) -> None:
+        pass
+
+
+class Listening:
+    def stopListening(self) -> None:
+        pass
+
+
+class Auth(FakeAuthClient):
+    def __init__(self, events: Events) -> None:
+        super().__init__()
+        self.events = events
+
+    def close(self) -> None:
+        self.events.happened.append("channel closed")
+
+
+@attrs.define
+class Ledger:
+    events: Events
+    waiting: int = 3
+    flushing: list[tuple[float, Deferred[int]]] = attrs.field(factory=list)
+
+    def start(self) -> None:
+        self.events.happened.append("journal replayed")
+
+    def flush(self, timeout: float) -> Deferred[int]:
+        self.events.happened.append("flush")
+        flushed: Deferred[int] = Deferred()
+        self.flushing.append((timeout, flushed))
+        return flushed
+
+    def close(self) -> int:
+        self.events.happened.append("ledger closed")
+        return self.waiting
+
+
+def service(events: Events, ledger: Ledger, clock: Clock) -> ProxyService:
+    auth = Auth(events)
+    limiter = RedisRateLimiter(MemoryCounters(), clock, 60)
+    edge = ProxyEdge(
+        ProxyConfig(authGrpcAddr="auth.test:9091"), auth, limiter, ProxyMetrics(), clock
+    )
+    return ProxyService(
+        Port(events),
+        edge,
+        ProxySite(edge.resource(), 1000, clock),
+        auth,
+        limiter,
+        clock,
+        shutdownTimeout=7.0,
+        ledger=ledger,
+    )
+
+
+def test_journalReplayedBeforeListening() -> None:
+    events, clock = Events(), Clock()
+    proxy = service(events, Ledger(events), clock)
+    proxy.startService()
+    clock.advance(0.1)
+    assert events.happened == ["journal replayed", "listen"]
+
+
+def test_rowsSentBeforeTheChannelCloses() -> None:
+    """
+    The stop flushes the outbox, bounded by the shutdown timeout, and only
+    once that is over closes the ledger, then the channel to svc-auth.
+    """
+    events, clock = Events(), Clock()
+    ledger = Ledger(events)
+    proxy = service(events, ledger, clock)
+    proxy.startService()
+    clock.advance(0.1)
+    stopped = proxy.stopService()
+    clock.advance(0.1)
+    [(timeout, flushed)] = ledger.flushing
+    assert timeout == 7.0
+    assert events.happened[-1] == "flush" and not stopped.called
+    flushed.callback(0)
+    clock.advance(0.1)
+    assert events.happened[-3:] == ["flush", "ledger closed", "channel closed"]
+    assert stopped.called
+
+
+def test_nothingWaitingNoFlush() -> None:
+    events, clock = Events(), Clock()
+    proxy = service(events, Ledger(events, waiting=0), clock)
+    proxy.startService()
+    proxy.stopService()
+    clock.advance(0.1)
+    assert "flush" not in events.happened
+    assert events.happened[-2:] == ["ledger closed", "channel closed"]
