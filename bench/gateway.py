@@ -40,6 +40,12 @@ the gateway saw an unexpected status):
               has one of requests per minute (decisions D11), all far above
               the load: every counter is checked and the tokens reserved
               and settled, in the same one Redis script call -> 200
+    forward-budget
+              the forward row for a third tenant whose organization has a
+              monthly budget (decisions D12, far above the load) and a
+              model with a price: each request's worst-case cost reserved
+              in the same Redis script call, settled to its cost, and its
+              ledger row priced -> 200
 
 With the forwarding rows, a 1-connection pass of upstream, forward,
 upstream-stream and stream follows: the gateway's added latency (p50 of
@@ -102,7 +108,8 @@ LOAD_SCRIPT = Path(__file__).with_name("load.lua")
 _UPSTREAM = ("upstream", "upstream-stream")
 _FORWARDING = ("upstream", "forward", "upstream-stream", "stream")
 # Forwarded rows under limits rows, compared with the forward row.
-_LIMITED = ("forward-limits",)
+_LIMITED = ("forward-limits", "forward-budget")
+PRICED_MODEL = "bench-priced"
 # Limits rows of the forward-limits row's tenant: never reached.
 _HIGH = 1_000_000_000
 FORWARDED_MODEL = "bench-fast"
@@ -234,6 +241,11 @@ provider = "nginx"
 [[models]]
 name = "{FORWARDED_MODEL}-stream"
 provider = "nginx-stream"
+
+[[models]]
+name = "{PRICED_MODEL}"
+provider = "nginx"
+price = {{ input = "2.50", output = "10.00", cached_input = "1.25" }}
 """
     )
     return path
@@ -361,6 +373,11 @@ def runningStack(
             limitedToken, _ = issueToken(store, orgID=limitedOrgID, permissions=1)
             store.setLimits(limitedOrgID, None, {"rpm": _HIGH, "tpm": _HIGH})
             store.setLimits(limitedOrgID, limitedAgent.agentID, {"rpm": _HIGH})
+            budgetedOrgID = store.createOrganization("bench-budgeted")
+            budgetedAgent = store.createAgent(budgetedOrgID, "bench-budgeted-agent")
+            budgetedToken, _ = issueToken(store, orgID=budgetedOrgID, permissions=1)
+            # A million dollars a month: never reached.
+            store.setBudget(budgetedOrgID, None, 10**15, "month")
         parsed = parseToken(token)
         spreadFile = workdir / "tokens.txt"
         spreadFile.write_text("".join(each + "\n" for each in spread))
@@ -384,7 +401,7 @@ def runningStack(
         ).start()
         stack.callback(auth.terminate)
         auth.waitForReady()
-        _validateAll(auth, [*spread, limitedToken])
+        _validateAll(auth, [*spread, limitedToken, budgetedToken])
 
         groups: dict[tuple[int, bool], list[Daemon]] = {}
         for workers, phase1 in (
@@ -401,7 +418,9 @@ def runningStack(
                         "SVC_REUSE_PORT": "true" if workers > 1 else "false",
                         "SVC_AUTH_GRPC_ADDR": f"127.0.0.1:{auth.environment['SVC_GRPC_PORT']}",
                         "REDIS_URL": redis.url,
-                        "SVC_RATE_LIMIT_ORG_OVERRIDES": f"{orgID}=1000000000",
+                        "SVC_RATE_LIMIT_ORG_OVERRIDES": (
+                            f"{orgID}=1000000000,{budgetedOrgID}=1000000000"
+                        ),
                         "SVC_LOG_LEVEL": logLevel,
                         **forwardingEnvironment,
                         **(proxyExtra or {}),
@@ -461,6 +480,8 @@ def runningStack(
             agentID=str(agent.agentID),
             limitedToken=limitedToken,
             limitedAgentID=str(limitedAgent.agentID),
+            budgetedToken=budgetedToken,
+            budgetedAgentID=str(budgetedAgent.agentID),
         )
 
 
@@ -482,6 +503,8 @@ class Stack:
     agentID: str
     limitedToken: str
     limitedAgentID: str
+    budgetedToken: str
+    budgetedAgentID: str
 
     def pids(self, row: str, workers: int) -> dict[str, int]:
         """
@@ -547,6 +570,10 @@ class Stack:
             environment = _wrkEnvironment("POST", self.limitedToken, self.limitedAgentID)
             environment["SVC_BENCH_MODEL"] = FORWARDED_MODEL
             return f"{base}/v1/chat/completions", environment, 200
+        if row == "forward-budget":
+            environment = _wrkEnvironment("POST", self.budgetedToken, self.budgetedAgentID)
+            environment["SVC_BENCH_MODEL"] = PRICED_MODEL
+            return f"{base}/v1/chat/completions", environment, 200
         if row == "stream":
             environment = _wrkEnvironment("POST", self.token, self.agentID)
             environment["SVC_BENCH_MODEL"] = FORWARDED_MODEL + "-stream"
@@ -561,7 +588,7 @@ class Stack:
         raise SystemExit(
             f"unknown row {row!r}: use floor, ceiling, prototype, chat, spread, probe,"
             " rejected, chat-phase1, spread-phase1, upstream, forward, upstream-stream,"
-            " stream or forward-limits"
+            " stream, forward-limits or forward-budget"
         )
 
 
@@ -848,7 +875,7 @@ def main() -> int:
         "--rows",
         default=(
             "floor,ceiling,prototype,chat,spread,probe,rejected,chat-phase1,spread-phase1,"
-            "upstream,forward,upstream-stream,stream,forward-limits"
+            "upstream,forward,upstream-stream,stream,forward-limits,forward-budget"
         ),
     )
     parser.add_argument("--log-level", default="INFO", help="SVC_LOG_LEVEL of the daemons")

@@ -103,7 +103,7 @@ def outbox(
         metrics if metrics is not None else ProxyMetrics(),
         journal=journal,
         random=lambda: 1.0,
-        **keywords,
+        **{"linger": 0.0, **keywords},
     )
     made.start()
     return made
@@ -155,7 +155,7 @@ def test_answeredAtOnceStillOneCallAtATime() -> None:
             answer.callback(auth_pb2.RecordUsageResponse(recorded=len(rows)))
             return answer
 
-    box = UsageOutbox(Instant(), Clock(), ProxyMetrics())
+    box = UsageOutbox(Instant(), Clock(), ProxyMetrics(), linger=0.0)
     box._queue.extend(row(number) for number in range(1, 1101))
     box.start()
     assert [len(batch) for batch in sent] == [500, 500, 100]
@@ -208,7 +208,7 @@ def test_jitterBetweenHalfAndAllOfTheBackoff() -> None:
     that lost svc-auth together do not all come back in step.
     """
     sender, clock = FakeSender(), Clock()
-    box = UsageOutbox(sender, clock, ProxyMetrics(), random=lambda: 0.0)
+    box = UsageOutbox(sender, clock, ProxyMetrics(), random=lambda: 0.0, linger=0.0)
     box.start()
     box.record(row(1))
     sender.fail()
@@ -541,3 +541,37 @@ def test_journalWriteFailureKeepsTheRowInMemory(tmp_path: Path) -> None:
     box.record(row(1))
     assert sender.ids(0) == ids(1, 1)
     assert path.read_bytes() == JOURNAL_MAGIC
+
+
+def test_rowsWaitALittleForOthersToShareTheirBatch() -> None:
+    """
+    A row waits C{linger} for others, so that under load a RecordUsage
+    call carries many rows rather than one (each call costs both daemons
+    and svc-auth a commit); a full batch goes at once; rows that come
+    while a call is in flight wait again once it is answered; a stop's
+    flush waits for nothing.
+    """
+    sender, clock = FakeSender(), Clock()
+    box = outbox(sender, clock, linger=0.05, batchRows=5)
+    box.record(row(1))
+    box.record(row(2))
+    assert sender.calls == []
+    clock.advance(0.049)
+    assert sender.calls == []
+    clock.advance(0.001)
+    assert [sender.ids(index) for index in range(len(sender.calls))] == [ids(1, 2)]
+    for number in range(3, 9):
+        box.record(row(number))
+    sender.acknowledge()
+    # Six rows waiting: a full batch of five at once, the sixth lingers.
+    assert sender.ids(-1) == ids(3, 7)
+    sender.acknowledge()
+    assert len(sender.calls) == 2
+    clock.advance(0.05)
+    assert sender.ids(-1) == ids(8, 8)
+    sender.acknowledge()
+    box.record(row(9))
+    flushed = box.flush(1.0)
+    assert sender.ids(-1) == ids(9, 9)
+    sender.acknowledge()
+    assert flushed.result == 0
