@@ -63,10 +63,13 @@ svc_python_gc_pause_seconds).
 The tenant's rate limit is raised far above the load, so the limiter runs
 (one Redis round trip per request) without refusing anything.
 
---soak SECONDS instead drives the chat row (32 connections, one worker)
-for that long and prints, each minute, the resident memory and open file
-descriptors of both daemons; it fails when either daemon's RSS moves more
-than 10% from its value after the first minute, or its descriptors grow.
+--soak SECONDS instead drives the chat row (or --soak-row ROW; 32
+connections, one worker) for that long and prints, each minute, the
+resident memory and open file descriptors of both daemons; it fails when
+either daemon's RSS moves more than 10% from its value after the first
+minute, or its descriptors grow. With a forwarded row it then waits for
+the proxy's usage rows to reach the ledger and fails unless the ledger
+holds one for each answer wrk read.
 """
 
 from __future__ import annotations
@@ -482,6 +485,7 @@ def runningStack(
             limitedAgentID=str(limitedAgent.agentID),
             budgetedToken=budgetedToken,
             budgetedAgentID=str(budgetedAgent.agentID),
+            dsn=dsn,
         )
 
 
@@ -505,6 +509,7 @@ class Stack:
     limitedAgentID: str
     budgetedToken: str
     budgetedAgentID: str
+    dsn: str
 
     def pids(self, row: str, workers: int) -> dict[str, int]:
         """
@@ -804,14 +809,17 @@ def processUsage(pid: int) -> tuple[float, int]:
     return rss, len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def soak(stack: Stack, seconds: int) -> int:
+def soak(stack: Stack, seconds: int, row: str = "chat") -> int:
     """
-    The chat row at 32 connections for C{seconds}, sampling both daemons'
-    memory and descriptors each minute; 1 when the memory moved more than
-    10% from the first minute's value or the descriptors grew.
+    C{row} at 32 connections for C{seconds}, sampling both daemons' memory
+    and descriptors each minute; 1 when the memory moved more than 10% from
+    the first minute's value or the descriptors grew. A forwarded row also
+    counts the ledger's rows once the proxy has sent them all (decisions
+    D12): 1 unless there is one for each answer wrk read (and at most one
+    more for each connection, whose answer was written as wrk stopped).
     """
     daemons = {"svc-auth": stack.auth, "svc-proxy": stack.proxies[1, False][0]}
-    url, environment, expected = stack.shape("chat", 1)
+    url, environment, expected = stack.shape(row, 1)
     load = startWrk(url, 32, seconds, environment)
     started = time.monotonic()
     samples: dict[str, list[tuple[float, int]]] = {name: [] for name in daemons}
@@ -828,12 +836,14 @@ def soak(stack: Stack, seconds: int) -> int:
             cells.append(f"{rss:>14.1f} {fds:>4}")
         print(f"{minute:>6} " + " ".join(cells), flush=True)
     result = finishWrk(load)
-    summary = summarize("chat", 32, expected, result)
+    summary = summarize(row, 32, expected, result)
     print(
-        f"chat under soak: {summary['rps']:.0f} req/s, p99 {summary['p99_ms']:.2f} ms,"
+        f"{row} under soak: {summary['rps']:.0f} req/s, p99 {summary['p99_ms']:.2f} ms,"
         f" {summary['errors']} unexpected; statuses {summary['statuses']}"
     )
     failed = bool(summary["errors"])
+    if expected == 200:
+        failed = not _ledgerHoldsEveryAnswer(stack, summary["statuses"].get(200, 0)) or failed
     for name, taken in samples.items():
         if len(taken) < 2:
             continue
@@ -847,6 +857,33 @@ def soak(stack: Stack, seconds: int) -> int:
             f" fds {baseFDs} -> {taken[-1][1]} (max {max(f for _, f in taken)}): {verdict}"
         )
     return 1 if failed else 0
+
+
+def _ledgerHoldsEveryAnswer(stack: Stack, answered: int, connections: int = 32) -> bool:
+    """
+    Wait (at most a minute) until the proxy has no usage row waiting, then
+    compare the ledger with the answers wrk read.
+    """
+    proxy = stack.proxies[1, False][0]
+    deadline = time.monotonic() + 60
+    while "svc_proxy_usage_outbox_rows 0.0" not in proxy.get("/metrics")[1].decode():
+        if time.monotonic() > deadline:
+            print("the proxy still had usage rows waiting after a minute: FAILED")
+            return False
+        time.sleep(0.2)
+    with psycopg.connect(stack.dsn, autocommit=True) as connection:
+        outcomes = dict(
+            connection.execute(
+                "SELECT outcome, count(*) FROM usage_ledger GROUP BY outcome"
+            ).fetchall()
+        )
+    ok = outcomes.get("ok", 0)
+    verdict = "ok" if answered <= ok <= answered + connections else "FAILED"
+    print(
+        f"ledger: {sum(outcomes.values())} rows {outcomes}; wrk read {answered} answers"
+        f" (200): {verdict}"
+    )
+    return verdict == "ok"
 
 
 def _copyLogs(scratch: Path, destination: Path) -> None:
@@ -885,6 +922,9 @@ def main() -> int:
     )
     parser.add_argument("--soak", type=int, metavar="SECONDS", help="run the soak instead")
     parser.add_argument(
+        "--soak-row", default="chat", help="the soak's row (chat, forward, forward-budget, ...)"
+    )
+    parser.add_argument(
         "--auth-env", action="append", default=[], metavar="NAME=VALUE", help="for svc-auth"
     )
     parser.add_argument(
@@ -914,10 +954,13 @@ def main() -> int:
             withPrototype="prototype" in rows,
             withCeiling="ceiling" in rows,
             withPhase1=any(row.endswith(_PHASE1) for row in rows),
-            withForwarding=any(row in (*_FORWARDING, *_LIMITED) for row in rows),
+            withForwarding=any(
+                row in (*_FORWARDING, *_LIMITED)
+                for row in [*rows, *([arguments.soak_row] if arguments.soak else [])]
+            ),
         ) as stack:
             if arguments.soak:
-                return soak(stack, arguments.soak)
+                return soak(stack, arguments.soak, arguments.soak_row)
             results = []
             for connections in connectionCounts:
                 for row in rows:
