@@ -19,7 +19,9 @@ during that row, by generation (svc_python_gc_pause_seconds).
 
 --rows chat,forward also measures the forward row (the chat request
 answered by a local nginx, as in bench/gateway.py), and stream the same
-with "stream": true (nginx answering a fixed event stream); --connections
+with "stream": true (nginx answering a fixed event stream);
+forward-limits and forward-budget are bench/gateway.py's rows of the
+same names (limits rows; a budget and a priced model); --connections
 1,32 measures every row, the floor included, at each count in turn.
 """
 
@@ -51,6 +53,9 @@ from gateway import (  # noqa: E402
 
 from svcd.testing.daemons import Daemon, authEnvironment  # noqa: E402
 from svcd.testing.servers import freePort  # noqa: E402
+
+# The rows forwarded to nginx (bench/gateway.py says what each is).
+FORWARDED = ("forward", "stream", "forward-limits", "forward-budget")
 
 
 @attrs.frozen
@@ -185,9 +190,10 @@ def main() -> int:
     )
     arguments = parser.parse_args()
     rows = [row.strip() for row in arguments.rows.split(",") if row.strip()]
-    if not rows or set(rows) - {"chat", "forward", "stream"}:
+    if not rows or set(rows) - {"chat", *FORWARDED}:
         raise SystemExit(
-            f"compare.py: --rows takes chat, forward and stream, got {arguments.rows!r}"
+            "compare.py: --rows takes chat, forward, stream, forward-limits and"
+            f" forward-budget, got {arguments.rows!r}"
         )
     specs = [Spec.parse(each) for each in arguments.specs]
     connectionCounts = [int(each) for each in arguments.connections.split(",")]
@@ -215,9 +221,7 @@ def main() -> int:
     ):
         scratch = Path(scratchName)
         shared = stack.enter_context(
-            runningStack(
-                scratch, "INFO", [1], withForwarding=bool({"forward", "stream"} & set(rows))
-            )
+            runningStack(scratch, "INFO", [1], withForwarding=bool(set(FORWARDED) & set(rows)))
         )
         base = shared.proxies[1, False][0]
         dsn = shared.auth.environment["POSTGRES_DSN"]
