@@ -636,7 +636,9 @@ class Store:
                 cursor.execute("SELECT set_config('svc.org_id', %s, true)", (str(orgID),))
                 columns = [
                     list(values)
-                    for values in zip(*(attrs.astuple(each) for each in group), strict=True)
+                    for values in zip(
+                        *(attrs.astuple(each, recurse=False) for each in group), strict=True
+                    )
                 ]
                 cursor.execute(_INSERT_USAGE, columns)
                 recorded += cursor.rowcount
