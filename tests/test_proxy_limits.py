@@ -616,6 +616,25 @@ ORG_DAY = f"budget:{ORG_ID}:day:{DAY_START}"
 AGENT_MONTH = f"budget:{ORG_ID}:month:{MONTH_START}:agent:{AGENT_ID}"
 
 
+@given(moment=st.integers(min_value=0, max_value=4_102_444_799), fraction=st.floats(0, 0.999))
+def test_budgetPeriodsFromTheCacheAreTheCalendars(moment: int, fraction: float) -> None:
+    """
+    The periods are worked out once a day and remembered: what comes from
+    memory is the calendar's own day or month, whatever moment of it asks
+    first (its first and last seconds included).
+    """
+    import datetime
+
+    for period in ("day", "month"):
+        start, end = budgetPeriod(period, moment + fraction)
+        assert start <= moment < end
+        first = datetime.datetime.fromtimestamp(start, datetime.UTC)
+        assert (first.hour, first.minute, first.second) == (0, 0, 0)
+        assert period == "day" or first.day == 1
+        assert budgetPeriod(period, start) == budgetPeriod(period, end - 1) == (start, end)
+        assert budgetPeriod(period, end)[0] == end
+
+
 def test_budgetPeriods() -> None:
     """
     Calendar days and months in UTC, the month's end being the next

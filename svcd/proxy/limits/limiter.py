@@ -988,7 +988,22 @@ def budgetPeriod(period: str, now: float) -> tuple[int, int]:
     The calendar day or month (UTC) that holds C{now}: its start and its
     end, in Unix seconds.
     """
-    moment = datetime.datetime.fromtimestamp(int(now), datetime.UTC)
+    # Every budgeted request asks; the calendar is worked out once a day.
+    day = int(now) // 86400
+    cached = _periods.get((period, day))
+    if cached is None:
+        if len(_periods) > 64:
+            _periods.clear()
+        cached = _periods[period, day] = _calendarPeriod(period, day * 86400)
+    return cached
+
+
+# (period, day number) -> the period's start and end (L{budgetPeriod}).
+_periods: dict[tuple[str, int], tuple[int, int]] = {}
+
+
+def _calendarPeriod(period: str, now: int) -> tuple[int, int]:
+    moment = datetime.datetime.fromtimestamp(now, datetime.UTC)
     if period == "day":
         start = moment.replace(hour=0, minute=0, second=0)
         end = start + datetime.timedelta(days=1)
