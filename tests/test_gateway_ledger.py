@@ -27,28 +27,37 @@ from __future__ import annotations
 
 import calendar
 import contextlib
+import csv
 import datetime
+import io
 import json
 import os
 import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Any
 
 import attrs
+import grpc
+import openai
 import psycopg
 import pytest
 from authfixtures import Tenant, makeTenant
 from test_gateway_e2e import Answer, request
 
+from svcd.auth.authority import issueToken
 from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
+from svcd.common.permissions import Permission
+from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
 from svcd.testing.daemons import Daemon, authEnvironment
 from svcd.testing.servers import PostgresServer, RedisServer, freePort
 from svcd.testing.upstream import ScriptedUpstream
@@ -616,3 +625,287 @@ def test_oneExactRowPerForwardedRequest(stack: Stack) -> None:
     assert rows[cases["detailed"][0].requestID]["cost_nano_usd"] == 5_045_000
     assert rows[cases["plain"][0].requestID]["cost_nano_usd"] == 360_000
     assert rows[cases["client gone"][0].requestID]["cost_nano_usd"] == 91_556
+
+
+# 3. Budgets.
+
+# What a request of budgetBody() reserves against a budget, and (with the
+# model "budgeted") what it costs once answered.
+WORST_CASE = nanoCost(PRICE_A, BUDGET_PROMPT, 0, BUDGET_OUTPUT)
+
+
+def budgetBody(model: str = "budgeted") -> bytes:
+    return chatBody(model, BUDGET_CONTENT, max_tokens=BUDGET_OUTPUT)
+
+
+@attrs.frozen
+class Received:
+    answer: Answer
+    at: float
+
+
+def burst(
+    stack: Stack, tenant: Tenant, body: bytes, count: int = 64, agent: uuid.UUID | None = None
+) -> list[Received]:
+    """
+    C{count} requests at once (one thread each), alternating between the
+    two proxies; each answer with the time it arrived.
+    """
+    ready = threading.Barrier(count)
+
+    def send(index: int) -> Received:
+        ready.wait(timeout=30)
+        answer = post(stack.proxies[index % 2].httpPort, tenant, body, agent)
+        return Received(answer, time.time())
+
+    with ThreadPoolExecutor(count) as pool:
+        return list(pool.map(send, range(count)))
+
+
+def assertBudgetRefusal(received: Received, scope: str) -> None:
+    """
+    429 BUDGET_EXCEEDED, the scope in detail, Retry-After the seconds until
+    the UTC month ends (within 2 s of when the answer arrived).
+    """
+    answer = received.answer
+    assert answer.status == 429, answer.body
+    error = answer.json()["error"]
+    assert (error["code"], error["detail"]) == ("BUDGET_EXCEEDED", {"scope": scope})
+    assert error["request_id"] == answer.headers["x-request-id"]
+    expected = monthEnd(received.at) - received.at
+    assert abs(int(answer.headers["retry-after"]) - expected) <= 2, (
+        answer.headers["retry-after"],
+        expected,
+    )
+
+
+def spend(rows: Mapping[str, Mapping[str, Any]]) -> int:
+    return sum(int(row["cost_nano_usd"]) for row in rows.values())
+
+
+def test_anOrganizationsBudgetIsNeverPassed(stack: Stack) -> None:
+    """
+    A monthly budget of five requests' worst case plus a nano-dollar, and
+    64 concurrent clients over two proxies whose answers cost exactly what
+    they reserved: five admitted, 59 refused BUDGET_EXCEEDED (scope org,
+    Retry-After to the month's end), the ledger's spend at most the
+    budget. Then Redis loses everything (FLUSHALL): the next request on
+    either proxy is still refused, the spend taken again from the ledger.
+    A model without a price under a budget is 400 NO_PRICE, never
+    forwarded.
+    """
+    tenant = stack.tenant("budget")
+    budget = 5 * WORST_CASE + 1
+    stack.budget(tenant, budget)
+    stack.seenEverywhere()
+    received = burst(stack, tenant, budgetBody())
+    admitted = [each.answer for each in received if each.answer.status == 200]
+    assert len(admitted) == 5, sorted(each.answer.status for each in received)
+    for each in received:
+        if each.answer.status != 200:
+            assertBudgetRefusal(each, "org")
+    rows = waitForRows(stack.dsn, tenant.orgID, 5)
+    assert set(rows) == {answer.headers["x-request-id"] for answer in admitted}
+    assert spend(rows) == 5 * WORST_CASE <= budget
+
+    stack.redis.command("FLUSHALL")
+    for proxy in stack.proxies:
+        answer = post(proxy.httpPort, tenant, budgetBody())
+        assertBudgetRefusal(Received(answer, time.time()), "org")
+
+    answer = post(stack.proxies[0].httpPort, tenant, chatBody("free"))
+    assert answer.status == 400
+    error = answer.json()["error"]
+    assert error["code"] == "VALIDATION_ERROR"
+    assert [(each["field"], each["code"]) for each in error["field_errors"]] == [
+        ("model", "NO_PRICE")
+    ]
+    assert len(orgRows(stack.dsn, tenant.orgID)) == 5
+
+
+def test_answersCheaperThanReservedNeverPassTheBudget(stack: Stack) -> None:
+    """
+    Answers that cost less than they reserved (the scripted usage below the
+    reservation, answered 1.5 s late so the burst is in flight at once):
+    at least the five the budget holds are admitted, and the ledger's
+    spend still never passes the budget.
+    """
+    tenant = stack.tenant("frugal")
+    budget = 5 * WORST_CASE + 1
+    stack.budget(tenant, budget)
+    stack.seenEverywhere()
+    received = burst(stack, tenant, budgetBody("frugal"))
+    admitted = [each.answer for each in received if each.answer.status == 200]
+    assert len(admitted) >= 5
+    for each in received:
+        if each.answer.status != 200:
+            assertBudgetRefusal(each, "org")
+    rows = waitForRows(stack.dsn, tenant.orgID, len(admitted))
+    assert all(row["cost_nano_usd"] == nanoCost(PRICE_A, 5, 0, 20) for row in rows.values())
+    assert spend(rows) <= budget
+
+
+def test_anAgentsBudgetBelowItsOrganizations(stack: Stack) -> None:
+    """
+    An agent's budget of three requests under an organization's of a
+    hundred: of 64 concurrent requests of that agent, three are admitted
+    and 61 refused as the agent's budget; the organization's other agent
+    goes on.
+    """
+    tenant = stack.tenant("agentcap")
+    other = stack.owner.createAgent(tenant.orgID, "other", "active").agentID
+    stack.budget(tenant, 100 * WORST_CASE)
+    stack.budget(tenant, 3 * WORST_CASE + 1, agent=tenant.agentID)
+    stack.seenEverywhere()
+    received = burst(stack, tenant, budgetBody())
+    assert sum(each.answer.status == 200 for each in received) == 3
+    for each in received:
+        if each.answer.status != 200:
+            assertBudgetRefusal(each, "agent")
+    others = burst(stack, tenant, budgetBody(), count=8, agent=other)
+    assert [each.answer.status for each in others] == [200] * 8
+    rows = waitForRows(stack.dsn, tenant.orgID, 11)
+    agentRows = {key: row for key, row in rows.items() if row["agent_id"] == tenant.agentID}
+    assert spend(agentRows) == 3 * WORST_CASE
+
+
+# 5. The SDK.
+
+
+def test_theSdkSeesRateLimitErrorForABudget(stack: Stack) -> None:
+    """
+    The official openai SDK raises RateLimitError with the
+    BUDGET_EXCEEDED envelope once the budget is spent.
+    """
+    tenant = stack.tenant("sdk")
+    stack.budget(tenant, WORST_CASE + 1)
+    stack.seenEverywhere()
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{stack.proxies[0].httpPort}/v1",
+        api_key=tenant.token,
+        default_headers={"X-SVC-Agent-ID": str(tenant.agentID)},
+        max_retries=0,
+    )
+    messages: Any = [{"role": "user", "content": BUDGET_CONTENT}]
+    client.chat.completions.create(model="budgeted", messages=messages, max_tokens=BUDGET_OUTPUT)
+    with pytest.raises(openai.RateLimitError) as caught:
+        client.chat.completions.create(
+            model="budgeted", messages=messages, max_tokens=BUDGET_OUTPUT
+        )
+    body: Any = caught.value.body
+    assert body["code"] == "BUDGET_EXCEEDED"
+    assert body["detail"] == {"scope": "org"}
+    retryAfter = int(caught.value.response.headers["retry-after"])
+    assert abs(retryAfter - (monthEnd(time.time()) - time.time())) <= 2
+
+
+# 4. Reports.
+
+SUMMED = ("prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens")
+
+
+def clientSums(records: list[dict[str, Any]], key: str) -> dict[str, dict[str, Any]]:
+    """
+    What a report grouped by C{key} must say, from the clients' records.
+    """
+    sums: dict[str, dict[str, Any]] = {}
+    for each in records:
+        group = sums.setdefault(
+            each[key], {"requests": 0, **dict.fromkeys(SUMMED, 0), "cost_usd": 0}
+        )
+        group["requests"] += 1
+        for field in SUMMED:
+            group[field] += each[field]
+        group["cost_usd"] += each["cost"]
+    return {
+        group: {**values, "cost_usd": dollars(values["cost_usd"])} for group, values in sums.items()
+    }
+
+
+def test_reportsEqualTheClientsRecords(stack: Stack) -> None:
+    """
+    After a known set of requests (three models, one without a price, two
+    agents, stream and not), svcctl usage by model, agent and day, as JSON
+    and as CSV, and GetUsage with a UsageRead token, give the sums the
+    clients make of their own answers' usage at the providers file's
+    prices, costs as exact decimal strings. Another organization's agent
+    is PERMISSION_DENIED.
+    """
+    tenant = stack.tenant("report")
+    second = stack.owner.createAgent(tenant.orgID, "second", "active").agentID
+    reader, _ = issueToken(stack.owner, orgID=tenant.orgID, permissions=int(Permission.UsageRead))
+    plan = [
+        (tenant.agentID, "detailed", False),
+        (tenant.agentID, "detailed", True),
+        (tenant.agentID, "plain", False),
+        (tenant.agentID, "free", False),
+        (second, "detailed", False),
+        (second, "plain", True),
+        (second, "plain", False),
+        (second, "free", True),
+    ]
+    records = []
+    for index, (agent, model, stream) in enumerate(plan):
+        extra = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+        day = now().strftime("%Y-%m-%d")
+        answer = post(stack.proxies[index % 2].httpPort, tenant, chatBody(model, **extra), agent)
+        assert answer.status == 200, answer.body
+        usage = streamedUsage(answer) if stream else answer.json()["usage"]
+        assert usage is not None
+        prompt, completion = usage["prompt_tokens"], usage["completion_tokens"]
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
+        records.append(
+            {
+                "model": model,
+                "agent": str(agent),
+                "day": day,
+                "prompt_tokens": prompt,
+                "cached_tokens": cached,
+                "completion_tokens": completion,
+                "reasoning_tokens": reasoning,
+                "cost": nanoCost(MODELS[model][1], prompt, cached, completion),
+            }
+        )
+    waitForRows(stack.dsn, tenant.orgID, len(plan))
+    total = clientSums([{**each, "all": ""} for each in records], "all")[""]
+    assert total["cost_usd"] == dollars(3 * 5_045_000 + 3 * 360_000)
+
+    channel = grpc.insecure_channel(f"127.0.0.1:{stack.auth.environment['SVC_GRPC_PORT']}")
+    stub = auth_pb2_grpc.AuthServiceStub(channel)
+    metadata = (("authorization", f"Bearer {reader}"),)
+    try:
+        for by in ("model", "agent", "day"):
+            expected = clientSums(records, by)
+            arguments = ("usage", "--org", str(tenant.orgID), "--by", by)
+            printed = svcctlDocument(stack.dsn, *arguments, "--format", "json")
+            assert printed["by"] == by
+            assert {each.pop("key"): each for each in printed["rows"]} == expected, by
+            assert printed["total"] == total
+            result = svcctl(stack.dsn, *arguments, "--format", "csv")
+            assert result.returncode == 0 and result.stderr == "", result.stderr
+            lines = list(csv.reader(io.StringIO(result.stdout)))
+            assert lines[0] == ["key", "requests", *SUMMED, "cost_usd"]
+            assert {
+                line[0]: dict(zip(lines[0][1:], line[1:], strict=True)) for line in lines[1:]
+            } == {
+                key: {field: str(value) for field, value in values.items()}
+                for key, values in expected.items()
+            }
+            answer = stub.GetUsage(auth_pb2.GetUsageRequest(by=by), metadata=metadata, timeout=10)
+            assert (answer.org_id, answer.by) == (str(tenant.orgID), by)
+            fields = ("requests", *SUMMED, "cost_usd")
+            assert {
+                each.key: {field: getattr(each, field) for field in fields} for each in answer.rows
+            } == expected, by
+            assert {field: getattr(answer.total, field) for field in fields} == total
+        stranger = stack.tenant("stranger")
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.GetUsage(
+                auth_pb2.GetUsageRequest(agent_id=str(stranger.agentID)),
+                metadata=metadata,
+                timeout=10,
+            )
+        assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        channel.close()
