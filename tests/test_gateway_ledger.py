@@ -848,7 +848,9 @@ def test_reportsEqualTheClientsRecords(stack: Stack) -> None:
     ]
     records = []
     for index, (agent, model, stream) in enumerate(plan):
-        extra = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+        extra: dict[str, Any] = (
+            {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+        )
         day = now().strftime("%Y-%m-%d")
         answer = post(stack.proxies[index % 2].httpPort, tenant, chatBody(model, **extra), agent)
         assert answer.status == 200, answer.body
@@ -1027,18 +1029,29 @@ def killed(proxy: Daemon) -> None:
 def restartedWithJournal(proxy: Daemon) -> int:
     """
     Start a killed proxy again; the rows its log says it found
-    unacknowledged in its journal and sent first.
+    unacknowledged in its journal and sent first (the line comes before
+    it listens; none when the journal held none).
     """
     logged = proxy.logFile.stat().st_size
     proxy.start()
     proxy.waitForReady()
-    with proxy.logFile.open("rb") as log:
-        log.seek(logged)
-        found = re.findall(
-            rb"(\d+) row\(s\) not acknowledged by svc-auth; sending them first", log.read()
+
+    def found() -> list[bytes]:
+        with proxy.logFile.open("rb") as log:
+            log.seek(logged)
+            text = log.read()
+        return re.findall(
+            rb"(?:(\d+) row\(s\) not acknowledged by svc-auth; sending them first)"
+            rb"|(svc-proxy listening on)",
+            text,
         )
-    assert len(found) <= 1, found
-    return int(found[0]) if found else 0
+
+    # The log reaches the file when the process writes it out, not
+    # necessarily by the time the proxy answers.
+    waitUntil(lambda: any(listening for _, listening in found()), "the restarted proxy's log")
+    counts = [int(count) for count, _ in found() if count]
+    assert len(counts) <= 1, counts
+    return counts[0] if counts else 0
 
 
 @pytest.mark.serial
@@ -1080,12 +1093,23 @@ def test_noRowLostNorTwiceThroughOutagesAndKills(
     proxies = [
         Daemon(
             "svc-proxy",
-            {**common, "SVC_PORT": str(freePort()), "SVC_USAGE_JOURNAL": str(journal)},
+            {
+                **common,
+                "SVC_PORT": str(freePort()),
+                "SVC_USAGE_JOURNAL": str(journal),
+                # Its log read as it is written.
+                "PYTHONUNBUFFERED": "1",
+            },
             tmp_path / "journalled.log",
         ),
         Daemon(
             "svc-proxy",
-            {**common, "SVC_PORT": str(freePort()), "SVC_SHUTDOWN_TIMEOUT": "60s"},
+            {
+                **common,
+                "SVC_PORT": str(freePort()),
+                "SVC_SHUTDOWN_TIMEOUT": "60s",
+                "PYTHONUNBUFFERED": "1",
+            },
             tmp_path / "plain.log",
         ),
     ]
