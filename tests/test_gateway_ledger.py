@@ -84,6 +84,8 @@ MODELS: dict[str, tuple[str, dict[str, str] | None]] = {
     "plain": ("usage:1200:300", PRICE_B),
     "broken": ("status:500", PRICE_A),
     "endless": ("never-ending", PRICE_C),
+    # A stream the provider cuts after its first events.
+    "cut": ("close-mid-stream", PRICE_C),
     # Fails, then its fallback answers (the row names both).
     "flaky": ("status:503", PRICE_D),
     "free": ("usage:10:5", None),
@@ -565,6 +567,24 @@ def test_oneExactRowPerForwardedRequest(stack: Stack) -> None:
         tokens_from="provider",
         price=None,
     )
+    cut = sent(lambda: post(second, tenant, chatBody("cut", stream=True, max_tokens=40)))
+    # The client got the status line and the first events, then the error
+    # event that ends a stream.
+    assert b'"code": "UPSTREAM_ERROR"' in cut[1].body or b'"code":"UPSTREAM_ERROR"' in cut[1].body
+    expect(
+        "cut stream",
+        cut,
+        model_requested="cut",
+        model="cut",
+        upstream_model="close-mid-stream",
+        stream=True,
+        outcome="upstream_error",
+        # No usage came: the reservation's tokens, as the limits keep them
+        # for an answer that failed after its first byte (D11).
+        tokens=(promptEstimate(MESSAGE), 0, 40, 0),
+        tokens_from="reservation",
+        price=PRICE_C,
+    )
     abandoned = abandonedStream(first, tenant, chatBody("endless", stream=True, max_tokens=50))
     cases["client gone"] = (
         abandoned,
@@ -709,6 +729,7 @@ def test_anOrganizationsBudgetIsNeverPassed(stack: Stack) -> None:
     rows = waitForRows(stack.dsn, tenant.orgID, 5)
     assert set(rows) == {answer.headers["x-request-id"] for answer in admitted}
     assert spend(rows) == 5 * WORST_CASE <= budget
+    print(f"org budget {budget}: 64 sent, 5 admitted, spend {spend(rows)}, overshoot 0")
 
     stack.redis.command("FLUSHALL")
     for proxy in stack.proxies:
@@ -745,6 +766,10 @@ def test_answersCheaperThanReservedNeverPassTheBudget(stack: Stack) -> None:
     rows = waitForRows(stack.dsn, tenant.orgID, len(admitted))
     assert all(row["cost_nano_usd"] == nanoCost(PRICE_A, 5, 0, 20) for row in rows.values())
     assert spend(rows) <= budget
+    print(
+        f"cheaper answers, budget {budget}: 64 sent, {len(admitted)} admitted,"
+        f" spend {spend(rows)}, overshoot {max(0, spend(rows) - budget)}"
+    )
 
 
 def test_anAgentsBudgetBelowItsOrganizations(stack: Stack) -> None:
