@@ -86,6 +86,8 @@ MODELS: dict[str, tuple[str, dict[str, str] | None]] = {
     "endless": ("never-ending", PRICE_C),
     # A stream the provider cuts after its first events.
     "cut": ("close-mid-stream", PRICE_C),
+    # An answer that comes too late for its client.
+    "late": ("slow:60000+usage:1:1", PRICE_C),
     # Fails, then its fallback answers (the row names both).
     "flaky": ("status:503", PRICE_D),
     "free": ("usage:10:5", None),
@@ -299,6 +301,7 @@ class Stack:
     auth: Daemon
     proxies: list[Daemon]
     owner: Store
+    upstream: ScriptedUpstream
     markers: list[int] = attrs.Factory(lambda: [2000])
 
     def tenant(self, name: str) -> Tenant:
@@ -379,7 +382,7 @@ def stack(
         proxies = startProxies(2, proxyEnvironment(auth, redis, providers), workdir)
         for daemon in [auth, *proxies]:
             daemon.waitForReady()
-        yield Stack(dsn, redis, auth, proxies, owner)
+        yield Stack(dsn, redis, auth, proxies, owner, upstream)
     finally:
         for daemon in reversed([auth, *proxies]):
             daemon.terminate()
@@ -437,6 +440,37 @@ def abandonedStream(port: int, tenant: Tenant, body: bytes) -> Sent:
     match = re.search(rb"(?im)^x-request-id: *(\S+)\r$", received)
     assert match is not None and received.startswith(b"HTTP/1.1 200 "), received
     return Sent(match.group(1).decode(), 200, before, now())
+
+
+def abandonedWhole(stack: Stack, port: int, tenant: Tenant, body: bytes) -> Sent:
+    """
+    A request (not streamed) whose client leaves once the provider has it,
+    long before its answer. The client never saw an X-Request-ID: the
+    request id is the one the provider received.
+    """
+    before = now()
+    known = {each.number for each in stack.upstream.requests()}
+    arrived: list[str] = []
+
+    def atTheProvider() -> bool:
+        for each in stack.upstream.requests():
+            if each.number not in known and each.body == {
+                **json.loads(body),
+                "model": "slow:60000+usage:1:1",
+            }:
+                arrived.append(each.header("x-request-id") or "")
+                return True
+        return False
+
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as connection:
+        head = (
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\n"
+            + "".join(f"{key}: {value}\r\n" for key, value in headersOf(tenant).items())
+            + f"Content-Length: {len(body)}\r\n\r\n"
+        )
+        connection.sendall(head.encode() + body)
+        waitUntil(atTheProvider, "the request at the provider")
+    return Sent(arrived[0], 0, before, now())
 
 
 def test_oneExactRowPerForwardedRequest(stack: Stack) -> None:
@@ -600,15 +634,32 @@ def test_oneExactRowPerForwardedRequest(stack: Stack) -> None:
         },
     )
 
+    gone = abandonedWhole(stack, second, tenant, chatBody("late", max_tokens=30))
+    cases["client gone, not streamed"] = (
+        gone,
+        {
+            "model_requested": "late",
+            "model": "late",
+            "upstream_model": "slow:60000+usage:1:1",
+            "stream": False,
+            "outcome": "client_gone",
+            "tokens": (promptEstimate(MESSAGE), 0, 30, 0),
+            "tokens_from": "reservation",
+            "price": PRICE_C,
+        },
+    )
+
     statuses = {name: each.status for name, (each, _) in cases.items()}
     assert statuses == {
         **dict.fromkeys(cases, 200),
+        "client gone, not streamed": 0,
         "broken": statuses["broken"],
         "broken stream": statuses["broken stream"],
     }
     assert statuses["broken"] >= 500 and statuses["broken stream"] >= 500, statuses
 
     rows = waitForRows(stack.dsn, tenant.orgID, len(cases))
+    read = now()
     versions: dict[str, set[str]] = {}
     for name, (client, fields) in cases.items():
         row = rows[client.requestID]
@@ -633,7 +684,10 @@ def test_oneExactRowPerForwardedRequest(stack: Stack) -> None:
         }
         assert {key: row[key] for key in expected} == expected, name
         assert client.before <= row["started_at"] <= client.after, name
-        elapsed = client.after - client.before
+        # A row ends with its answer; the proxy may notice a client gone
+        # after the client saw itself leave.
+        ended = read if fields["outcome"] == "client_gone" else client.after
+        elapsed = ended - client.before
         assert 0 < row["duration_us"] <= elapsed / datetime.timedelta(microseconds=1), name
         if fields["price"] is None:
             assert row["price_version"] == "", name
