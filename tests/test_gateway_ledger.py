@@ -738,17 +738,24 @@ def burst(
         return list(pool.map(send, range(count)))
 
 
-def assertBudgetRefusal(received: Received, scope: str) -> None:
+def dayEnd(now: float) -> int:
+    return (int(now) // 86400 + 1) * 86400
+
+
+def assertBudgetRefusal(
+    received: Received, scope: str, periodEnd: Callable[[float], int] = monthEnd
+) -> None:
     """
     429 BUDGET_EXCEEDED, the scope in detail, Retry-After the seconds until
-    the UTC month ends (within 2 s of when the answer arrived).
+    the period ends, the UTC month by default (within 2 s of when the
+    answer arrived).
     """
     answer = received.answer
     assert answer.status == 429, answer.body
     error = answer.json()["error"]
     assert (error["code"], error["detail"]) == ("BUDGET_EXCEEDED", {"scope": scope})
     assert error["request_id"] == answer.headers["x-request-id"]
-    expected = monthEnd(received.at) - received.at
+    expected = periodEnd(received.at) - received.at
     assert abs(int(answer.headers["retry-after"]) - expected) <= 2, (
         answer.headers["retry-after"],
         expected,
@@ -828,26 +835,34 @@ def test_answersCheaperThanReservedNeverPassTheBudget(stack: Stack) -> None:
 
 def test_anAgentsBudgetBelowItsOrganizations(stack: Stack) -> None:
     """
-    An agent's budget of three requests under an organization's of a
-    hundred: of 64 concurrent requests of that agent, three are admitted
-    and 61 refused as the agent's budget; the organization's other agent
-    goes on.
+    An agent's daily budget of three requests under its organization's
+    monthly one of a hundred: of 64 concurrent requests of that agent,
+    three are admitted and 61 refused as the agent's budget, Retry-After
+    to the end of the UTC day; the organization's other agent goes on.
+    After Redis lost its counts (FLUSHALL), the same on both proxies.
     """
     tenant = stack.tenant("agentcap")
     other = stack.owner.createAgent(tenant.orgID, "other", "active").agentID
     stack.budget(tenant, 100 * WORST_CASE)
-    stack.budget(tenant, 3 * WORST_CASE + 1, agent=tenant.agentID)
+    stack.budget(tenant, 3 * WORST_CASE + 1, agent=tenant.agentID, period="day")
     stack.seenEverywhere()
     received = burst(stack, tenant, budgetBody())
     assert sum(each.answer.status == 200 for each in received) == 3
     for each in received:
         if each.answer.status != 200:
-            assertBudgetRefusal(each, "agent")
+            assertBudgetRefusal(each, "agent", dayEnd)
     others = burst(stack, tenant, budgetBody(), count=8, agent=other)
     assert [each.answer.status for each in others] == [200] * 8
     rows = waitForRows(stack.dsn, tenant.orgID, 11)
     agentRows = {key: row for key, row in rows.items() if row["agent_id"] == tenant.agentID}
     assert spend(agentRows) == 3 * WORST_CASE
+    # Redis loses the counts: the agent's spend is taken again from the
+    # ledger (GetSpend of that agent), and it is still refused.
+    stack.redis.command("FLUSHALL")
+    for proxy in stack.proxies:
+        answer = post(proxy.httpPort, tenant, budgetBody())
+        assertBudgetRefusal(Received(answer, time.time()), "agent", dayEnd)
+        assert post(proxy.httpPort, tenant, budgetBody(), agent=other).status == 200
 
 
 # 5. The SDK.
