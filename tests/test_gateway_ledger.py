@@ -302,6 +302,7 @@ class Stack:
     proxies: list[Daemon]
     owner: Store
     upstream: ScriptedUpstream
+    workdir: Path
     markers: list[int] = attrs.Factory(lambda: [2000])
 
     def tenant(self, name: str) -> Tenant:
@@ -382,7 +383,7 @@ def stack(
         proxies = startProxies(2, proxyEnvironment(auth, redis, providers), workdir)
         for daemon in [auth, *proxies]:
             daemon.waitForReady()
-        yield Stack(dsn, redis, auth, proxies, owner, upstream)
+        yield Stack(dsn, redis, auth, proxies, owner, upstream, workdir)
     finally:
         for daemon in reversed([auth, *proxies]):
             daemon.terminate()
@@ -1317,3 +1318,40 @@ def test_noRowLostNorTwiceThroughOutagesAndKills(
         redis.destroy()
     for daemon in [auth, *proxies]:
         assert "Traceback" not in daemon.output(), daemon.output()
+
+
+def test_aFullOutboxRefusesUntilSvcAuthTakesRows(stack: Stack) -> None:
+    """
+    A proxy whose outbox holds 5 rows (SVC_USAGE_OUTBOX_MAX=5) while
+    svc-auth cannot record them (the ledger's table locked): five requests
+    answered, the sixth refused 503 SERVICE_DEGRADED before it reaches the
+    provider (no row for it, ever); once the table is free the five rows
+    are recorded and the proxy forwards again.
+    """
+    tenant = stack.tenant("outbox")
+    environment = {
+        **stack.proxies[0].environment,
+        "SVC_PORT": str(freePort()),
+        "SVC_USAGE_OUTBOX_MAX": "5",
+    }
+    proxy = Daemon("svc-proxy", environment, stack.workdir / "small-outbox.log").start()
+    try:
+        proxy.waitForReady()
+        with ledgerLocked(stack.dsn):
+            answered = [post(proxy.httpPort, tenant, chatBody("plain")) for _ in range(5)]
+            assert [answer.status for answer in answered] == [200] * 5
+            waitUntil(lambda: gauge(proxy, "svc_proxy_usage_outbox_rows") == 5, "5 rows waiting")
+            stack.upstream.clearRequests()
+            refused = post(proxy.httpPort, tenant, chatBody("plain"))
+            assert refused.status == 503, refused.body
+            assert refused.json()["error"]["code"] == "SERVICE_DEGRADED"
+            assert stack.upstream.requests() == []
+        rows = waitForRows(stack.dsn, tenant.orgID, 5)
+        assert set(rows) == {answer.headers["x-request-id"] for answer in answered}
+        waitUntil(lambda: gauge(proxy, "svc_proxy_usage_outbox_rows") == 0, "the outbox empty")
+        again = post(proxy.httpPort, tenant, chatBody("plain"))
+        assert again.status == 200
+        waitForRows(stack.dsn, tenant.orgID, 6)
+    finally:
+        assert proxy.terminate() == 0
+    assert "Traceback" not in proxy.output()
