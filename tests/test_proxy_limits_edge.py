@@ -139,6 +139,11 @@ provider = "scripted"
 upstream_model = "never-ending"
 
 [[models]]
+name = "cut"
+provider = "scripted"
+upstream_model = "close-mid-stream"
+
+[[models]]
 name = "priced"
 provider = "scripted"
 upstream_model = "echo"
@@ -508,6 +513,26 @@ async def test_rowsOfFailuresAndStreams(edge: Edge) -> None:
     assert (stream.outcome, stream.stream, stream.tokens_from) == ("ok", True, "provider")
     assert stream.prompt_tokens > 0 and stream.completion_tokens > 0
     assert (stream.cost_nano_usd, stream.price_version) == (0, "")
+
+
+@pytest_twisted.ensureDeferred
+async def test_aStreamBrokenAfterItsFirstByte(edge: Edge) -> None:
+    """
+    A stream the provider cuts after its first events: the client got a
+    200 and then the error event, so the row's outcome is upstream_error
+    (not ok), with the tokens of its reservation, which the token limit
+    keeps (only a failure before the first byte releases it).
+    """
+    edge.limit(org=Limits(tpm=100_000))
+    response, answer = await edge.chat(model="cut", stream=True, max_tokens=10)
+    assert response.code == 200
+    assert b"UPSTREAM_ERROR" in answer["raw"]
+    await waitFor(lambda: len(edge.ledger.rows) == 1)
+    [row] = edge.ledger.rows
+    assert (row.outcome, row.stream, row.tokens_from) == ("upstream_error", True, "reservation")
+    assert (row.prompt_tokens, row.completion_tokens) == (4 + 4, 10)
+    assert edge.tokensCounted() == 4 + 4 + 10
+    assert edge.metric("svc_proxy_tokens_settled_total") == 0
 
 
 @pytest_twisted.ensureDeferred

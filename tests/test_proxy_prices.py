@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import decimal
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -16,6 +17,8 @@ from hypothesis import strategies as st
 
 from svcd.common.config import ConfigError
 from svcd.proxy.forwarding.providers import loadProviders
+from svcd.proxy.records import Usage
+from svcd.proxy.usage.ledger import usageRow
 from svcd.proxy.usage.prices import BadPrice, Price, formatDollars, parseDollars
 
 
@@ -219,3 +222,48 @@ def test_badPriceStopsTheProxy(tmp_path: Path, price: str, fault: str) -> None:
         loadProviders(str(providersFile(tmp_path, price)), {}, lambda: 0.0)
     assert fault in str(caught.value)
     assert 'model "fast"' in str(caught.value)
+
+
+def test_rowsOfAnswersThatFailed() -> None:
+    """
+    usageRow: an upstream_error before the first byte has no tokens; one
+    after it (a stream broken mid-way) without usage has the
+    reservation's, at the price; with usage, the provider's.
+    """
+    price = Price(input=2_500_000_000, output=10_000_000_000, cachedInput=1_250_000_000)
+    common: dict[str, Any] = {
+        "requestID": "r",
+        "orgID": "o",
+        "agentID": None,
+        "tokenID": None,
+        "modelRequested": "m",
+        "model": "m",
+        "provider": "p",
+        "upstreamModel": "u",
+        "stream": True,
+        "outcome": "upstream_error",
+        "estimate": (8, 10),
+        "price": price,
+        "startedAt": 1.0,
+        "endedAt": 2.0,
+    }
+    before = usageRow(usage=None, **common)
+    assert (before.prompt_tokens, before.completion_tokens, before.tokens_from) == (
+        0,
+        0,
+        "provider",
+    )
+    assert before.cost_nano_usd == 0
+    after = usageRow(usage=None, afterFirstByte=True, **common)
+    assert (after.prompt_tokens, after.completion_tokens, after.tokens_from) == (
+        8,
+        10,
+        "reservation",
+    )
+    assert after.cost_nano_usd == 8 * 2500 + 10 * 10_000
+    counted = usageRow(usage=Usage(100, 5, 40, 2), afterFirstByte=True, **common)
+    assert (counted.prompt_tokens, counted.cached_tokens, counted.tokens_from) == (
+        100,
+        40,
+        "provider",
+    )

@@ -102,6 +102,10 @@ def test_directivesCombine() -> None:
     assert parseScript("status:429:3").retryAfter == 3
     assert parseScript("status:429:0").retryAfter is None
     assert parseScript("status:500").retryAfter is None
+    assert parseScript("usage:1200:300+slow:5") == Script(delay=0.005, counts=(1200, 300))
+    assert parseScript("never-ending+usage:7:3:2:1") == Script(
+        kind="never-ending", counts=(7, 3, 2, 1)
+    )
 
 
 @pytest.mark.parametrize(
@@ -117,6 +121,12 @@ def test_directivesCombine() -> None:
         "reset:1",
         "reset+close-mid-stream",
         "slow:1+slow:2",
+        "usage",
+        "usage:10",
+        "usage:10:5:1",
+        "usage:10:5:11:0",
+        "usage:10:5:0:6",
+        "usage:10:5+no-usage",
     ],
 )
 def test_misusedDirectivesAreErrors(model: str) -> None:
@@ -189,6 +199,38 @@ def test_streamWithUsage(client: openai.OpenAI) -> None:
     assert usage.usage.model_dump(include=set(ECHO_USAGE)) == ECHO_USAGE
     assert content[-1].choices[0].finish_reason == "stop"
     assert all(chunk.usage is None for chunk in content)
+
+
+def test_shapedUsage(client: openai.OpenAI) -> None:
+    """
+    C{usage:<prompt>:<completion>} says those counts, without details, in
+    the completion and in a stream's usage chunk; with cached and
+    reasoning counts too, OpenAI's C{prompt_tokens_details} and
+    C{completion_tokens_details} carry them. The content stays the echo's.
+    """
+    plain = client.chat.completions.create(model="usage:1200:300", messages=MESSAGES)
+    assert plain.choices[0].message.content == ECHO_CONTENT
+    assert plain.usage is not None
+    assert plain.usage.model_dump(exclude_none=True) == {
+        "prompt_tokens": 1200,
+        "completion_tokens": 300,
+        "total_tokens": 1500,
+    }
+    chunks = list(
+        client.chat.completions.create(
+            model="usage:1234:321:1000:77",
+            messages=MESSAGES,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    usage = chunks[-1].usage
+    assert usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (1234, 321, 1555)
+    assert usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == 1000
+    assert usage.completion_tokens_details is not None
+    assert usage.completion_tokens_details.reasoning_tokens == 77
 
 
 def test_noUsage(client: openai.OpenAI) -> None:

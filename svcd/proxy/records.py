@@ -63,6 +63,10 @@ class UpstreamRecord:
     upstreamModel: str | None = None
     upstreamMilliseconds: float | None = None
     usage: Usage | None = None
+    # A stream the provider broke (or a fault of ours ended) after the
+    # client had its first bytes: the answer ended with an error event,
+    # not as it should (decisions D12's outcome upstream_error).
+    brokenMidStream: bool = False
 
 
 @attrs.frozen

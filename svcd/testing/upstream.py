@@ -102,6 +102,13 @@ How it is delivered (any of these, with any of the above):
   - C{gap:<ms>}: stream events that far apart (the first comes at once).
   - C{no-usage}: no C{usage} in the answer, and no usage chunk in a
     stream even when asked, as some providers do.
+  - C{usage:<prompt>:<completion>}: the answer's usage says these counts
+    instead of the echo's word counts (the content stays the echo's), as
+    providers that give no details do (vLLM, for one).
+    C{usage:<prompt>:<completion>:<cached>:<reasoning>} adds OpenAI's
+    details: C{prompt_tokens_details.cached_tokens} (part of the prompt)
+    and C{completion_tokens_details.reasoning_tokens} (part of the
+    completion).
 
 Routes of the control port
 ==========================
@@ -216,7 +223,7 @@ _ANSWER_KINDS = frozenset(
         "not-json",
     }
 )
-_DELIVERY_DIRECTIVES = frozenset({"slow", "hold", "gap", "no-usage"})
+_DELIVERY_DIRECTIVES = frozenset({"slow", "hold", "gap", "no-usage", "usage"})
 DIRECTIVES = _ANSWER_KINDS | _DELIVERY_DIRECTIVES
 
 _NOT_JSON = b"this is not JSON"
@@ -241,6 +248,9 @@ class Script:
     @ivar hold: seconds between the headers and the body.
     @ivar gap: seconds between stream events, or L{None} when not given.
     @ivar usage: whether the answer carries usage.
+    @ivar counts: the usage's (prompt, completion) counts, then optionally
+        (cached, reasoning) details, instead of the echo's; L{None} for
+        the echo's.
     """
 
     kind: str = "echo"
@@ -250,6 +260,7 @@ class Script:
     hold: float = 0.0
     gap: float | None = None
     usage: bool = True
+    counts: tuple[int, ...] | None = None
 
 
 def _number(directive: str, text: str, low: int, high: int) -> int:
@@ -293,6 +304,18 @@ def parseScript(model: str) -> Script:
             if arguments:
                 raise ScriptError("no-usage takes no argument")
             fields["usage"] = False
+        elif name == "usage":
+            if len(arguments) not in (2, 4):
+                raise ScriptError(
+                    "usage takes usage:<prompt>:<completion>"
+                    " or usage:<prompt>:<completion>:<cached>:<reasoning>"
+                )
+            counts = tuple(_number(name, each, 0, 1_000_000_000) for each in arguments)
+            if len(counts) == 4 and (counts[2] > counts[0] or counts[3] > counts[1]):
+                raise ScriptError(
+                    "usage: cached tokens are part of the prompt, reasoning of the completion"
+                )
+            fields["counts"] = counts
         elif name in ("slow", "hold", "gap"):
             if len(arguments) != 1:
                 raise ScriptError(f"{name} takes milliseconds: {name}:<ms>")
@@ -316,6 +339,8 @@ def parseScript(model: str) -> Script:
                 fields["retryAfter"] = seconds or None
             elif code == 429:
                 fields["retryAfter"] = DEFAULT_RETRY_AFTER
+    if "counts" in fields and fields.get("usage") is False:
+        raise ScriptError("usage and no-usage contradict each other")
     return Script(**fields)
 
 
@@ -610,13 +635,26 @@ class _Answer:
             return [text[start : start + size] for start in range(0, count, size)], promptTokens
         return re.findall(r"\S+\s*", content), promptTokens
 
-    def _usage(self, content: str, promptTokens: int) -> dict[str, int]:
-        completionTokens = len(content.split())
-        return {
+    def _usage(self, content: str, promptTokens: int) -> dict[str, object]:
+        counts = self._script.counts
+        if counts is None:
+            completionTokens = len(content.split())
+        else:
+            promptTokens, completionTokens = counts[0], counts[1]
+        usage: dict[str, object] = {
             "prompt_tokens": promptTokens,
             "completion_tokens": completionTokens,
             "total_tokens": promptTokens + completionTokens,
         }
+        if counts is not None and len(counts) == 4:
+            usage["prompt_tokens_details"] = {"cached_tokens": counts[2], "audio_tokens": 0}
+            usage["completion_tokens_details"] = {
+                "reasoning_tokens": counts[3],
+                "audio_tokens": 0,
+                "accepted_prediction_tokens": 0,
+                "rejected_prediction_tokens": 0,
+            }
+        return usage
 
     def _answerWhole(self) -> None:
         deltas, promptTokens = self._content()

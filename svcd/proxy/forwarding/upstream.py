@@ -344,6 +344,7 @@ class Forwarder:
             # A bug after the status line went out: the stream cannot turn
             # into an error answer any more; end it as a fault would.
             label = "stream_error"
+            record.brokenMidStream = True
             self.log.failure("Fault relaying a stream from {provider}", provider=provider.name)
             client.write(errorEvent(ApiError(ErrorCode.INTERNAL_ERROR)))
             return Answer(200, b"", _EVENT_STREAM, streamed=True)
@@ -415,6 +416,7 @@ class Forwarder:
             return str(response.code)
         except StreamFault as fault:
             record.usage = relay.usage
+            record.brokenMidStream = True
             return f"stream_{fault.kind}"
         finally:
             side.client.unregisterProducer()

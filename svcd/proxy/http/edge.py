@@ -902,6 +902,9 @@ class ProxyEdge:
                 lambda error: self.errorEvent(ctx, error),
                 ctx.upstream,
             )
+            if ctx.upstream.brokenMidStream:
+                # The stream went out, then ended with an error event.
+                outcome = UPSTREAM_ERROR
         except ApiError:
             outcome = UPSTREAM_ERROR
             raise
@@ -930,7 +933,8 @@ class ProxyEdge:
         Settle the reservation: released when the answer failed before its
         first byte; corrected to the provider's usage at the price of the
         model that answered; kept when no usage came (a client gone before
-        it). Then record the usage row.
+        it, a stream broken after its first byte). Then record the usage
+        row.
         """
         upstream = ctx.upstream
         usage = upstream.usage
@@ -943,7 +947,7 @@ class ProxyEdge:
                 else 0
             )
             self._settle(ctx, usage.promptTokens + usage.completionTokens, cost)
-        elif outcome == UPSTREAM_ERROR:
+        elif outcome == UPSTREAM_ERROR and not upstream.brokenMidStream:
             self._settle(ctx, 0)
         if self._ledger is None:
             return
@@ -971,6 +975,7 @@ class ProxyEdge:
                 stream=chat.stream,
                 outcome=outcome,
                 usage=usage,
+                afterFirstByte=upstream.brokenMidStream,
                 estimate=estimate,
                 price=price,
                 startedAt=ctx.started,

@@ -55,6 +55,7 @@ def usageRow(
     stream: bool,
     outcome: str,
     usage: Usage | None,
+    afterFirstByte: bool = False,
     estimate: tuple[int, int],
     price: Price | None,
     startedAt: float,
@@ -63,16 +64,16 @@ def usageRow(
     """
     The ledger row of one forwarded request. Its tokens are the provider's
     usage when it came; else, for an answer that failed before its first
-    byte, none; else (an answer without usage, a client gone before it)
-    the reservation's C{estimate} (prompt, output cap), as the token
-    limits kept it (D11). Its cost is those tokens at C{price}, the price of
-    the model that answered.
+    byte, none; else (an answer without usage, a client gone before it, a
+    stream that failed C{afterFirstByte}) the reservation's C{estimate}
+    (prompt, output cap), as the token limits kept it (D11). Its cost is
+    those tokens at C{price}, the price of the model that answered.
     """
     if usage is not None:
         prompt, cached = usage.promptTokens, usage.cachedTokens
         completion, reasoning = usage.completionTokens, usage.reasoningTokens
         tokensFrom = FROM_PROVIDER
-    elif outcome == UPSTREAM_ERROR:
+    elif outcome == UPSTREAM_ERROR and not afterFirstByte:
         prompt = cached = completion = reasoning = 0
         tokensFrom = FROM_PROVIDER
     else:
