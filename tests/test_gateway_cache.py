@@ -281,7 +281,15 @@ def warm(cluster: Cluster, tenants: dict[str, Tenant]) -> None:
     time.sleep(1.6)
     for tenant in tenants.values():
         for port in cluster.ports():
-            assert chat(port, tenant).status == ACCEPTED
+            # A first (cold) validation is an argon2 check, which on a
+            # machine with both cores busy can outlast the proxy's 500 ms
+            # deadline: that is a 503 by design (fail closed), and the
+            # answer is not remembered, so ask again, for a bounded time.
+            deadline = time.monotonic() + 20.0
+            while (status := chat(port, tenant).status) == 503:
+                assert time.monotonic() < deadline, "svc-auth never answered in time"
+                time.sleep(0.1)
+            assert status == ACCEPTED
 
 
 def test_revocationReachesEveryProxyWithinOneSecond(cluster: Cluster) -> None:
