@@ -325,7 +325,14 @@ def test_badTokenFloodDoesNotSlowValidTraffic(gateway: Gateway) -> None:
     # beside the test, the load drifted between them enough to fail this
     # (2.15 against a control of 1.52); interleaved, three runs under the
     # same load gave 2.12 against 3.13, 2.10 against 2.41, 1.44 against 1.45.
-    assert flooded.ratio <= max(1.5, 1.2 * control.ratio), (
+    # With the whole suite running beside two busy loops, valid requests
+    # took a quarter of a second and a flood's seconds held a dozen of
+    # them: 31.3 against a control of 23.0 (1.36 times), whose medians of
+    # twelve differ by that much from one run to the next. The margin over
+    # the control is therefore half again, which the cold argon2 checks
+    # of old (3.8 times the quiet seconds, against a control near 1) pass
+    # by far.
+    assert flooded.ratio <= max(1.5, 1.5 * control.ratio), (
         f"bad bearers: {flooded.describe()}; control: {control.describe()}"
     )
 
