@@ -137,6 +137,49 @@ def test_unknownTokenIdsRunNoArgon2(
     assert verifier.calls == 0
 
 
+def test_aStaleEntryIsReadAgainWithoutAColdSlot(
+    migratedDSN: str, owner: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """
+    Without a listener, a valid token's entry is trusted for one second;
+    after that its next call reads the row again, which needs no argon2
+    and so no cold slot: with every slot held by wrong secrets, the token
+    in use is still answered (it was refused RESOURCE_EXHAUSTED when the
+    re-read queued for a slot, with both cores busy and the listener not
+    yet connected).
+    """
+    gate = threading.Event()
+    held = CountingVerifier(svcd.auth.authority.verifySecret, gate=gate)
+    monkeypatch.setattr(svcd.auth.authority, "verifySecret", held)
+    service = RunningAuthService(
+        migratedDSN, coldSlots=2, coldWait=0.05, workers=24, listen=False
+    ).start()
+    try:
+        tenant = makeTenant(owner, "valid")
+        gate.set()
+        validate(service, tenant.token)
+        verified = held.calls
+        gate.clear()
+        victim = makeTenant(owner, "victim")
+        wrongs = [formatToken(victim.tokenID, newSecret()) for _ in range(2)]
+        with ThreadPoolExecutor(2) as pool:
+            calls = [
+                pool.submit(lambda bearer=bearer: codeOf(lambda: validate(service, bearer)))
+                for bearer in wrongs
+            ]
+            waitUntil(lambda: held.running == 2, limit=5.0)
+            # The entry read a moment ago goes stale after a second.
+            waitUntil(lambda: not service.cache.token(tenant.tokenID)[1], limit=5.0)
+            validate(service, tenant.token)
+            assert held.running == 2
+            gate.set()
+            assert [call.result() for call in calls] == [grpc.StatusCode.UNAUTHENTICATED] * 2
+        # Read again, not verified again.
+        assert held.calls == verified + 2
+    finally:
+        service.stop()
+
+
 def test_coldVerificationsAreBounded(
     migratedDSN: str, owner: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
