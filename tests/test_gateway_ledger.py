@@ -376,6 +376,9 @@ def proxyEnvironment(auth: Daemon, redis: RedisServer, providers: Path) -> dict[
         "SVC_PROVIDERS_FILE": str(providers),
         # Cold validations on a loaded machine; these tests are about usage.
         "SVC_AUTH_VALIDATE_TIMEOUT": "5s",
+        # Budgets exact, not failing open on a Redis call slowed past the
+        # 100 ms default by a loaded machine.
+        "SVC_REDIS_TIMEOUT": "5s",
         "SVC_RATE_LIMIT_DEFAULT_RPM": "1000000",
     }
 

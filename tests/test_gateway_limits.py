@@ -138,6 +138,9 @@ upstream_model = "slow:{SLOW_MS}"
         "SVC_PROVIDERS_FILE": str(providers),
         # Cold validations on a loaded machine; these tests are about limits.
         "SVC_AUTH_VALIDATE_TIMEOUT": "5s",
+        # Exactness, not failing open: a Redis call slowed past the 100 ms
+        # default by a loaded machine would let a request go uncounted.
+        "SVC_REDIS_TIMEOUT": "5s",
         "SVC_RATE_LIMIT_DEFAULT_RPM": "1000000",
     }
     proxies = [

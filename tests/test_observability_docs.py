@@ -97,6 +97,7 @@ def _auth() -> AuthConfig:
         ("SVC_SHUTDOWN_TIMEOUT", lambda: _proxy().shutdownTimeout),
         ("SVC_SHUTDOWN_TIMEOUT", lambda: _auth().shutdownTimeout),
         ("SVC_START_TIMEOUT", lambda: _proxy().startTimeout),
+        ("SVC_REDIS_TIMEOUT", lambda: _proxy().redisTimeout),
         ("SVC_USAGE_OUTBOX_MAX", lambda: _proxy().usageOutboxMax),
         ("SVC_ENV", lambda: _proxy().environment),
         ("SVC_ENV", lambda: _auth().environment),

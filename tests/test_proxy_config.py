@@ -59,6 +59,7 @@ def test_everyVariable(tmp_path: Path) -> None:
             "SVC_RATE_LIMIT_ORG_OVERRIDES": f" {orgID.upper()} = 5 ,",
             "SVC_SHUTDOWN_TIMEOUT": "3s",
             "SVC_START_TIMEOUT": "750ms",
+            "SVC_REDIS_TIMEOUT": "2s",
             "SVC_AUTH_GRPC_TLS_CA": str(ca),
             "SVC_ENV": "staging",
         }
@@ -72,6 +73,7 @@ def test_everyVariable(tmp_path: Path) -> None:
     assert (config.defaultRPM, dict(config.orgRPM)) == (100, {orgID: 5})
     assert config.shutdownTimeout == 3.0
     assert config.startTimeout == 0.75
+    assert config.redisTimeout == 2.0
     assert config.authTLS is not None and config.authTLS.rootCertificates == b"CA"
     assert config.environment == "staging"
     assert "s@cret" not in repr(config)
@@ -107,6 +109,8 @@ def test_everyVariable(tmp_path: Path) -> None:
         ("SVC_SHUTDOWN_TIMEOUT", "soon"),
         ("SVC_START_TIMEOUT", "later"),
         ("SVC_START_TIMEOUT", "0s"),
+        ("SVC_REDIS_TIMEOUT", "never"),
+        ("SVC_REDIS_TIMEOUT", "0ms"),
         ("SVC_ENV", "qa"),
         ("SVC_AUTH_GRPC_TLS_CA", "/no/such/ca.pem"),
     ],

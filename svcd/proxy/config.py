@@ -81,6 +81,8 @@ class ProxyConfig:
     # How long a starting proxy waits for svc-auth, Redis and the change
     # feed before it listens anyway.
     startTimeout: float = 5.0
+    # How long a Redis call of the limiter may take before it fails open.
+    redisTimeout: float = 0.1
     serviceName: str = "svc-proxy"
     environment: str = "development"
     # Decisions D9: SVC_PROVIDERS_FILE; None is Phase 1 (no provider).
@@ -143,6 +145,7 @@ class ProxyConfig:
             orgRPM=parseOrgOverrides(config.text(environ, "SVC_RATE_LIMIT_ORG_OVERRIDES", "")),
             shutdownTimeout=config.duration(environ, "SVC_SHUTDOWN_TIMEOUT", 10.0),
             startTimeout=config.duration(environ, "SVC_START_TIMEOUT", 5.0),
+            redisTimeout=config.duration(environ, "SVC_REDIS_TIMEOUT", 0.1),
             serviceName=config.text(environ, "SVC_SERVICE_NAME", "svc-proxy") or "svc-proxy",
             environment=config.choice(
                 environ, "SVC_ENV", "development", ("development", "staging", "production")

@@ -159,6 +159,7 @@ def makeService(options: Options) -> LoggingRootService:
         metrics.ratelimitCircuitOpen,
         limitBook,
         grpcAuth.getSpend,
+        timeout=config.redisTimeout,
     )
     if isinstance(limiter, RedisRateLimiter):
         dependencies.append(Dependency("Redis", limiter.connected))

@@ -1140,6 +1140,7 @@ def makeRateLimiter(
     circuitOpen: Gauge | None = None,
     book: LimitBook | None = None,
     spend: Spend | None = None,
+    timeout: float = 0.1,
 ) -> RedisRateLimiter | DisabledRateLimiter:
     """
     The limiter for a configuration: over Redis when REDIS_URL is set.
@@ -1154,4 +1155,5 @@ def makeRateLimiter(
         circuitOpen=circuitOpen,
         book=book,
         spend=spend,
+        timeout=timeout,
     )
