@@ -250,7 +250,7 @@ class Load:
 
 
 def assertRefusedWithinThePromise(
-    load: Load, label: str, changedAt: float, refusal: int
+    load: Load, label: str, changedAt: float, refusal: int, failedClosed: bool = False
 ) -> list[float]:
     """
     At every proxy, requests of C{label} started more than a second after
@@ -258,12 +258,20 @@ def assertRefusedWithinThePromise(
     them for that to mean something; returns, per proxy, how long after
     the change the last accepted request started (the time the change
     took to reach it, at most).
+
+    @param failedClosed: a 503 counts as a refusal too (svc-auth could
+        not answer in time, so the proxy failed closed), as long as the
+        last request at each proxy got C{refusal}.
     """
     load.waitForSamples(label, changedAt + PROMISE)
     lags = []
     for proxy in range(len(load.ports)):
         late = load.of(label, proxy, changedAt + PROMISE)
-        assert {sample.status for sample in late} == {refusal}, (proxy, late[:5])
+        statuses = {sample.status for sample in late}
+        if failedClosed:
+            assert late and late[-1].status == refusal, (proxy, late[-5:])
+            statuses.discard(503)
+        assert statuses == {refusal}, (proxy, late[:5])
         accepted = [s.started for s in load.of(label, proxy, changedAt) if s.status == ACCEPTED]
         lags.append(max(accepted, default=changedAt) - changedAt)
     return lags
@@ -535,7 +543,11 @@ def test_postgresRestartedFallsBackAndResumes(
             owner = Store(lambda: contextlib.nullcontext(connection))
             revokedAt = time.monotonic()
             owner.revokeToken(tenants["revoked"].tokenID)
-        lags = assertRefusedWithinThePromise(load, "revoked", revokedAt, 401)
+        # Just after PostgreSQL's restart, svc-auth's first queries are
+        # slow (new connections, cold caches): on a loaded machine a call
+        # can miss the proxy's deadline and fail closed, 503. Never an
+        # acceptance, and 401 once svc-auth answers.
+        lags = assertRefusedWithinThePromise(load, "revoked", revokedAt, 401, failedClosed=True)
         for proxy in cluster.proxies:
             waitUntil(lambda proxy=proxy: feedUp(proxy), limit=15.0, interval=0.05)
         hits = [
