@@ -166,6 +166,10 @@ def test_rightClientCertificateIsServed(tlsAuth: TLSAuth) -> None:
         SVC_AUTH_GRPC_TLS_CA=str(pems.ca),
         SVC_AUTH_GRPC_TLS_CERT=str(pems.clientCert),
         SVC_AUTH_GRPC_TLS_KEY=str(pems.clientKey),
+        # The link is what is tested, not the deadline: the first (cold)
+        # validation over a new TLS connection can outlast the 50 ms
+        # default with both cores busy, and fail closed (503).
+        SVC_AUTH_VALIDATE_TIMEOUT="5s",
     ) as proxy:
         proxy.waitForReady()
         assertEnvelope(chat(proxy.httpPort, tlsAuth.tenant), 501, "PROVIDER_NOT_CONFIGURED")
