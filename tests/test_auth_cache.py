@@ -194,6 +194,10 @@ def test_coldVerificationsAreBounded(
     monkeypatch.setattr(svcd.auth.authority, "verifySecret", held)
     service = RunningAuthService(migratedDSN, coldSlots=2, coldWait=0.05, workers=24).start()
     try:
+        # The listener's session first: the entry read below then stays
+        # trusted (one read while it connects is not remembered, and a
+        # loaded machine can make it connect that late).
+        waitUntil(service.cache.isListening, limit=10.0)
         tenant = makeTenant(owner, "valid")
         gate.set()
         validate(service, tenant.token)

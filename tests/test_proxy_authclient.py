@@ -628,19 +628,21 @@ async def test_callsBeyondTheBoundWaitBeforeTheirDeadlineStarts(
     service: tuple[ScriptedAuthService, int],
 ) -> None:
     """
-    With at most 2 calls in flight, 8 concurrent validations of 30 ms each
-    reach svc-auth two at a time, and all succeed although together they
-    take far longer than the 50 ms deadline: each deadline starts when its
-    call is sent, not while it waits its turn.
+    With at most 2 calls in flight, 8 concurrent validations of 300 ms
+    each reach svc-auth two at a time, and all succeed although together
+    they take longer than the 1 s deadline: each deadline starts when its
+    call is sent, not while it waits its turn. (The call takes well under
+    its deadline, so that a loaded machine cannot make it miss it: at 30
+    ms against 50 ms it did, with both cores busy.)
     """
     from twisted.internet import reactor
 
     servicer, port = service
-    recorder = ConcurrencyRecorder(0.03, str(uuid.uuid4()))
+    recorder = ConcurrencyRecorder(0.3, str(uuid.uuid4()))
     servicer.token = recorder
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     client = GrpcAuthClient(
-        lambda: channel, reactor, reactor, 0.05, ProxyMetrics(), maxInFlight=2, queueTimeout=5.0
+        lambda: channel, reactor, reactor, 1.0, ProxyMetrics(), maxInFlight=2, queueTimeout=10.0
     )
     try:
         began = time.monotonic()
@@ -648,7 +650,7 @@ async def test_callsBeyondTheBoundWaitBeforeTheirDeadlineStarts(
         took = time.monotonic() - began
         assert len(results) == 8
         assert recorder.mostAtOnce == 2
-        assert took > 0.1
+        assert took > 1.0
     finally:
         client.close()
 

@@ -83,6 +83,14 @@ class ValidationCache:
             self._listeningSince = self._monotonic()
             self._epoch += 1
 
+    def isListening(self) -> bool:
+        """
+        Whether the change listener's session is up, so that what is read
+        from now on stays trusted.
+        """
+        with self._lock:
+            return self._listeningSince is not None
+
     def notListening(self) -> None:
         """
         The change listener lost its connection: fall back to the TTL.
