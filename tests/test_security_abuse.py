@@ -298,7 +298,8 @@ def test_badTokenFloodDoesNotSlowValidTraffic(gateway: Gateway) -> None:
     quiet seconds between, stays within 1.5 times (or, on a machine
     already saturated, within what a control flood of valid tokens at the
     same rate, in seconds interleaved with it, costs); every
-    bad bearer is refused 401 and no valid request fails.
+    bad bearer is refused (401; 503 for the few that find svc-auth's cold
+    slots full) and no valid request fails.
     """
     main = gateway.tenants["main"]
     cold, _ = issueToken(gateway.owner, orgID=main.orgID, permissions=1)
@@ -313,7 +314,12 @@ def test_badTokenFloodDoesNotSlowValidTraffic(gateway: Gateway) -> None:
     print(f"\nbad bearers: {flooded.describe()}\ncontrol, valid bearers: {control.describe()}")
     sent = sum(flooded.counts.values())
     assert sent > FLOOD_RATE * ROUNDS * 0.8, flooded.counts
-    assert set(flooded.counts) == {401}, flooded.counts
+    # Refused, never accepted: 401, or 503 for the few cold wrong secrets
+    # that found svc-auth's cold slots full (D10: RESOURCE_EXHAUSTED at
+    # once rather than a queue; 7 of 1,200 once, the suite's tail still
+    # running beside this test).
+    assert set(flooded.counts) <= {401, 503}, flooded.counts
+    assert flooded.counts.get(401, 0) >= 0.95 * sent, flooded.counts
     assert set(control.counts) == {501}, control.counts
     # Issue 11's bound is 1.5 times, which the flood meets on this machine
     # when it is otherwise quiet. On a machine already saturated by other
@@ -342,7 +348,7 @@ def test_badTokenFloodDoesNotSlowValidTraffic(gateway: Gateway) -> None:
     # then 3.27 against 1.78. A latency ratio there measures the machine's
     # other work, not the gateway (a benchmark's job, not a test's): it is
     # printed, and the bound is held where a core is to spare. What holds
-    # everywhere is asserted above: every bad bearer refused 401, every
+    # everywhere is asserted above: every bad bearer refused, every
     # valid request answered.
     saturated = os.getloadavg()[0] >= (os.cpu_count() or 1)
     if saturated:
