@@ -348,6 +348,65 @@ async def test_rootFlushesTheWriterWhileRunningAndAtStop() -> None:
     assert not clock.getDelayedCalls()
 
 
+# A signal handler that logs while a line is being written: Twisted's
+# SIGTERM handler does ("Received SIGTERM, shutting down."), in the main
+# thread, between two bytecodes of whatever it interrupted. Run in a
+# process of its own (signal handlers run in the main thread only), whose
+# file sends itself SIGUSR1 from inside the write of a warning: the handler
+# then logs with every lock of the log path held by the code it
+# interrupted.
+SIGNAL_WHILE_WRITING = """
+import io, json, os, signal, sys
+from twisted.logger import Logger
+from svcd.common.logs import JSONLinesObserver, LineWriter, TextLinesObserver
+
+class SignalsOnFirstWrite(io.StringIO):
+    signalled = False
+    def write(self, text):
+        written = super().write(text)
+        if not self.signalled:
+            self.signalled = True
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return written
+
+output = SignalsOnFirstWrite()
+writer = LineWriter(output, maxDelay=0.2)
+observer = {"json": JSONLinesObserver, "text": TextLinesObserver}[sys.argv[1]](writer)
+log = Logger(namespace="signal", observer=observer)
+signal.signal(signal.SIGUSR1, lambda number, frame: log.info("from the handler"))
+log.info("before")
+log.warn("interrupted")
+log.info("after")
+writer.flush()
+sys.stdout.write(output.getvalue())
+"""
+
+
+@pytest.mark.parametrize("logFormat", ["json", "text"])
+def test_aSignalHandlerThatLogsWhileALineIsWrittenDoesNotHang(logFormat: str) -> None:
+    """
+    The line the handler logs is written after the one it interrupted, and
+    nothing waits for itself: a plain lock anywhere on the path made the
+    process hang for good (CI saw svc-proxy hang on SIGTERM).
+    """
+    ran = subprocess.run(
+        [sys.executable, "-c", SIGNAL_WHILE_WRITING, logFormat],
+        capture_output=True,
+        text=True,
+        # A bound against the hang this guards against, far above the
+        # second the process takes.
+        timeout=60,
+        check=False,
+    )
+    assert ran.returncode == 0, ran.stderr
+    lines = ran.stdout.splitlines()
+    if logFormat == "json":
+        messages = [json.loads(line)["message"] for line in lines]
+    else:
+        messages = [line.split("] ", 1)[1] for line in lines]
+    assert messages == ["before", "interrupted", "from the handler", "after"]
+
+
 # Stopping in order
 
 

@@ -81,10 +81,12 @@ def chat(daemon: Daemon) -> str:
         return str(answer.headers["X-Request-ID"])
 
 
-def waitUntil(condition: Callable[[], bool], what: str, limit: float = WAIT) -> None:
+def waitUntil(
+    condition: Callable[[], bool], what: str, daemon: Daemon, limit: float = WAIT
+) -> None:
     deadline = time.monotonic() + limit
     while not condition():
-        assert time.monotonic() < deadline, f"{what}: not within {limit} s"
+        assert time.monotonic() < deadline, f"{what}: not within {limit} s; {daemon.describe()}"
         time.sleep(0.02)
 
 
@@ -103,7 +105,7 @@ def test_answeredRequestsReachTheLedger(
     try:
         proxy.waitForHealth()
         requestIDs = [chat(proxy) for _ in range(3)]
-        waitUntil(lambda: servicer.recorded() == requestIDs, "the rows at svc-auth")
+        waitUntil(lambda: servicer.recorded() == requestIDs, "the rows at svc-auth", proxy)
         row = servicer.rows[requestIDs[0]]
         assert (row.org_id, row.model, row.provider, row.outcome) == (
             servicer.orgID,
@@ -133,9 +135,11 @@ def test_sigtermSendsTheWaitingRows(
     try:
         proxy.waitForHealth()
         requestIDs = [chat(proxy) for _ in range(3)]
-        waitUntil(lambda: servicer.attempts >= 1, "a RecordUsage attempt")
+        waitUntil(lambda: servicer.attempts >= 1, "a RecordUsage attempt", proxy)
         proxy.signal(signal.SIGTERM)
-        waitUntil(lambda: "usage row(s) to svc-auth before stopping" in proxy.output(), "flush")
+        waitUntil(
+            lambda: "usage row(s) to svc-auth before stopping" in proxy.output(), "flush", proxy
+        )
         servicer.failing = False
         assert proxy.process is not None
         assert proxy.process.wait(WAIT) == 0
@@ -166,6 +170,7 @@ def test_killedProxyResendsFromItsJournal(
         waitUntil(
             lambda: all(each.encode() in journal.read_bytes() for each in requestIDs),
             "the rows in the journal",
+            proxy,
         )
         proxy.signal(signal.SIGKILL)
         assert proxy.process is not None
@@ -177,7 +182,7 @@ def test_killedProxyResendsFromItsJournal(
     servicer.failing = False
     again = Daemon("svc-proxy", environment, tmp_path / "second.log").start()
     try:
-        waitUntil(lambda: servicer.recorded() == requestIDs, "the rows at svc-auth")
+        waitUntil(lambda: servicer.recorded() == requestIDs, "the rows at svc-auth", again)
         again.waitForHealth()
     finally:
         assert again.terminate() == 0

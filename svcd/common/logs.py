@@ -33,6 +33,7 @@ import string
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import IO, Any, Protocol
 
@@ -192,6 +193,19 @@ _LINE_ENCODER = json.JSONEncoder(separators=(",", ":"), default=str)
 _FLUSHED_LEVELS = frozenset({LogLevel.warn, LogLevel.error, LogLevel.critical})
 
 
+def _reentrantLock() -> threading.RLock:
+    """
+    The lock of a step of the log path. Reentrant, as Python's
+    C{logging.Handler} lock is: Twisted's SIGTERM and SIGINT handlers log
+    ("Received SIGTERM, shutting down."), and a signal handler runs in the
+    main thread between two bytecodes of whatever it was doing, such as
+    writing a log line under this very lock. A plain lock then waits for
+    itself forever: the daemon hangs instead of stopping (seen in CI: a
+    SIGTERM that came while svc-proxy wrote a warning).
+    """
+    return threading.RLock()
+
+
 @implementer(ILogObserver)
 class JSONLinesObserver:
     """
@@ -207,7 +221,7 @@ class JSONLinesObserver:
     def __init__(self, outFile: TextOutput, service: str | None = None) -> None:
         self._outFile = outFile
         self._service = service
-        self._lock = threading.Lock()
+        self._lock = _reentrantLock()
 
     def __call__(self, event: Mapping[str, Any]) -> None:
         level = event.get("log_level", LogLevel.info)
@@ -239,7 +253,7 @@ class TextLinesObserver:
 
     def __init__(self, outFile: TextOutput) -> None:
         self._outFile = outFile
-        self._lock = threading.Lock()
+        self._lock = _reentrantLock()
 
     def __call__(self, event: Mapping[str, Any]) -> None:
         level = event.get("log_level", LogLevel.info)
@@ -268,7 +282,12 @@ class LineWriter:
     and at stop). Under load that is a few writes a second instead of
     two per request; when idle a line is at most C{maxDelay} late.
 
-    Thread-safe: grpcio's threads log as well as the reactor's.
+    Thread-safe: grpcio's threads log as well as the reactor's. Safe to
+    re-enter from a signal handler that logs while this thread is inside
+    L{write} or L{flush} (see L{_reentrantLock}): such a line joins the
+    waiting ones, and if the interrupted code was writing them out it is
+    written by the next write-out, at most C{maxDelay} later; the file
+    itself is never written re-entrantly (the io module refuses that).
     """
 
     def __init__(
@@ -282,10 +301,14 @@ class LineWriter:
         self._monotonic = monotonic
         self.maxDelay = maxDelay
         self._maxBytes = maxBytes
-        self._lock = threading.Lock()
-        self._waiting: list[str] = []
+        self._lock = _reentrantLock()
+        # Lines not yet written, oldest first; appended and taken one at a
+        # time, so a re-entrant call at any point loses none.
+        self._waiting: deque[str] = deque()
         self._size = 0
         self._oldest = 0.0
+        # True while this object's holder writes to the file.
+        self._writing = False
 
     def write(self, text: str) -> None:
         with self._lock:
@@ -311,12 +334,21 @@ class LineWriter:
             pass
 
     def _writeOut(self) -> None:
-        if self._waiting:
-            text = "".join(self._waiting)
-            self._waiting.clear()
+        if self._writing:
+            # Re-entered from a signal handler while this thread writes:
+            # the lines wait for the next write-out.
+            return
+        self._writing = True
+        try:
+            lines = []
+            while self._waiting:
+                lines.append(self._waiting.popleft())
             self._size = 0
-            self._outFile.write(text)
-        self._outFile.flush()
+            if lines:
+                self._outFile.write("".join(lines))
+            self._outFile.flush()
+        finally:
+            self._writing = False
 
 
 def logSettings(environ: Mapping[str, str]) -> tuple[str, LogLevel]:

@@ -50,7 +50,9 @@ class Daemon:
         self.httpPort = int(self.environment["SVC_PORT"])
 
     def start(self) -> "Daemon":
-        environment = {**os.environ, **self.environment}
+        # A daemon that dies of a signal (a crash in a C extension) says
+        # where, in its log, instead of vanishing silently.
+        environment = {"PYTHONFAULTHANDLER": "1", **os.environ, **self.environment}
         with self.logFile.open("ab") as output:
             self.process = subprocess.Popen(
                 twistdCommand(self.plugin),
@@ -110,6 +112,17 @@ class Daemon:
 
     def output(self) -> str:
         return self.logFile.read_text(errors="replace") if self.logFile.exists() else ""
+
+    def describe(self, lines: int = 30) -> str:
+        """
+        The process's state (running, or its exit status) and the last
+        C{lines} lines of its log: what a failed wait on it should say.
+        """
+        status = None if self.process is None else self.process.poll()
+        state = "running" if status is None else f"exited with {status}"
+        tail = "\n".join(self.output().splitlines()[-lines:])
+        pid = None if self.process is None else self.process.pid
+        return f"{self.plugin} (pid {pid}) {state}; its log ends:\n{tail}"
 
     def signal(self, signum: signal.Signals) -> None:
         assert self.process is not None
