@@ -17,6 +17,7 @@ import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import attrs
 import grpc
@@ -31,6 +32,7 @@ from svcd.auth.store import Store
 from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
 from svcd.testing.daemons import Daemon, authEnvironment, twistdCommand
 from svcd.testing.servers import PostgresServer, RedisServer, freePort
+from svcd.testing.waiting import waitUntil
 
 
 @attrs.frozen
@@ -149,10 +151,18 @@ def assertRefused(tls: TLSAuth, proxy: Daemon) -> None:
     """
     answer = chat(proxy.httpPort, tls.tenant)
     assertEnvelope(answer, 503, "SERVICE_DEGRADED")
-    ready = request(proxy.httpPort, "GET", "/ready")
-    assert ready.status == 503
-    assert ready.json()["checks"]["auth_grpc"]["status"] == "failed"
-    assert ready.json()["checks"]["redis"]["status"] == "ok"
+    checks: list[dict[str, Any]] = []
+
+    def redisConnected() -> bool:
+        # The proxy listens after SVC_START_TIMEOUT (NEVER_READY), maybe
+        # before its Redis connection is up: /ready says so until it is.
+        ready = request(proxy.httpPort, "GET", "/ready")
+        assert ready.status == 503
+        checks.append(ready.json()["checks"])
+        return bool(checks[-1]["redis"]["status"] == "ok")
+
+    waitUntil(redisConnected, 30.0, interval=0.05)
+    assert {each["auth_grpc"]["status"] for each in checks} == {"failed"}
 
 
 def test_rightClientCertificateIsServed(tlsAuth: TLSAuth) -> None:
