@@ -146,9 +146,31 @@ def pytest_configure(config: pytest.Config) -> None:
     """
     if getattr(config.option, "dist", "no") == "load":
         config.option.dist = "loadgroup"
+    workerInput = getattr(config, "workerinput", None)
+    if workerInput is not None and workerInput.get(_LOADGROUP):
+        # A worker parses the command line anew and decides from C{--dist}
+        # alone whether to name each test's group in its node id, which is
+        # all the scheduler sees of the groups: without this, C{-n auto}
+        # scheduled test by test (a module's gateway started on every
+        # worker that ran one of its tests, the serial tests beside others).
+        config.option.loadgroup = True
     # xdist registers its marker; without xdist (-p no:xdist) the groups
     # are harmless labels, said here so that pytest does not warn of them.
     config.addinivalue_line("markers", "xdist_group(name): xdist's loadgroup scheduling group")
+
+
+# What a worker is told (its C{workerinput}) when the run schedules by group.
+_LOADGROUP = "svc_loadgroup"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """
+    Tell each worker that this run schedules by group (see
+    L{pytest_configure}).
+    """
+    if node.config.getvalue("dist") == "loadgroup":
+        node.workerinput[_LOADGROUP] = True
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -1169,7 +1169,6 @@ def restartedWithJournal(proxy: Daemon) -> int:
     return counts[0] if counts else 0
 
 
-@pytest.mark.serial
 def test_noRowLostNorTwiceThroughOutagesAndKills(
     privatePostgres: PostgresServer, scriptedUpstream: ScriptedUpstream, tmp_path: Path
 ) -> None:
