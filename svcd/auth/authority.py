@@ -339,13 +339,7 @@ class Authority:
             # is not the work the cold slots bound (argon2), and a flood of
             # wrong secrets holding every slot must not refuse a token in
             # use. Only a stored hash that changed meanwhile needs a slot.
-            epoch = self._cache.epoch()
-            readAt = self._cache.now()
-            record = self._read(
-                lambda: self._store.tokenForAuthentication(parsed.tokenID), deadline
-            )
-            if record is None:
-                raise Unauthenticated("invalid token")
+            record, epoch, readAt = self._readToken(parsed, deadline)
             if record.secretHash == cached.record.secretHash:
                 self._cache.rememberToken(CachedToken(record, digest, readAt), epoch)
                 return self._usable(record)
@@ -353,13 +347,7 @@ class Authority:
             self._inTime(deadline)
             raise Overloaded("too many token validations in progress")
         try:
-            epoch = self._cache.epoch()
-            readAt = self._cache.now()
-            record = self._read(
-                lambda: self._store.tokenForAuthentication(parsed.tokenID), deadline
-            )
-            if record is None:
-                raise Unauthenticated("invalid token")
+            record, epoch, readAt = self._readToken(parsed, deadline)
             if (
                 cached is not None
                 and cached.record.secretHash == record.secretHash
@@ -376,6 +364,21 @@ class Authority:
         finally:
             self._coldSlots.release()
         return self._usable(record)
+
+    def _readToken(
+        self, parsed: ParsedToken, deadline: float | None
+    ) -> tuple[TokenRecord, int, float]:
+        """
+        The token's row, with the cache's epoch and time taken before the
+        read (what L{ValidationCache.rememberToken} needs to know whether a
+        change came meanwhile); Unauthenticated when there is no such token.
+        """
+        epoch = self._cache.epoch()
+        readAt = self._cache.now()
+        record = self._read(lambda: self._store.tokenForAuthentication(parsed.tokenID), deadline)
+        if record is None:
+            raise Unauthenticated("invalid token")
+        return record, epoch, readAt
 
     def _usable(self, record: TokenRecord) -> Caller:
         if record.revokedAt is not None:
