@@ -175,7 +175,7 @@ class BudgetChanged(_message.Message):
     def __init__(self, org_id: _Optional[bytes] = ..., agent_id: _Optional[bytes] = ..., budget: _Optional[_Union[Budget, _Mapping]] = ...) -> None: ...
 
 class UsageRow(_message.Message):
-    __slots__ = ("request_id", "org_id", "agent_id", "token_id", "model_requested", "model", "provider", "upstream_model", "stream", "outcome", "prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens", "tokens_from", "cost_nano_usd", "price_version", "started_at_us", "duration_us")
+    __slots__ = ("request_id", "org_id", "agent_id", "token_id", "model_requested", "model", "provider", "upstream_model", "stream", "outcome", "prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens", "tokens_from", "cost_nano_usd", "price_version", "started_at_us", "duration_us", "ledger_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ORG_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +195,7 @@ class UsageRow(_message.Message):
     PRICE_VERSION_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_US_FIELD_NUMBER: _ClassVar[int]
     DURATION_US_FIELD_NUMBER: _ClassVar[int]
+    LEDGER_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     org_id: str
     agent_id: str
@@ -214,7 +215,8 @@ class UsageRow(_message.Message):
     price_version: str
     started_at_us: int
     duration_us: int
-    def __init__(self, request_id: _Optional[str] = ..., org_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., token_id: _Optional[str] = ..., model_requested: _Optional[str] = ..., model: _Optional[str] = ..., provider: _Optional[str] = ..., upstream_model: _Optional[str] = ..., stream: _Optional[bool] = ..., outcome: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ..., tokens_from: _Optional[str] = ..., cost_nano_usd: _Optional[int] = ..., price_version: _Optional[str] = ..., started_at_us: _Optional[int] = ..., duration_us: _Optional[int] = ...) -> None: ...
+    ledger_id: str
+    def __init__(self, request_id: _Optional[str] = ..., org_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., token_id: _Optional[str] = ..., model_requested: _Optional[str] = ..., model: _Optional[str] = ..., provider: _Optional[str] = ..., upstream_model: _Optional[str] = ..., stream: _Optional[bool] = ..., outcome: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ..., tokens_from: _Optional[str] = ..., cost_nano_usd: _Optional[int] = ..., price_version: _Optional[str] = ..., started_at_us: _Optional[int] = ..., duration_us: _Optional[int] = ..., ledger_id: _Optional[str] = ...) -> None: ...
 
 class RecordUsageRequest(_message.Message):
     __slots__ = ("rows",)
@@ -223,12 +225,24 @@ class RecordUsageRequest(_message.Message):
     def __init__(self, rows: _Optional[_Iterable[_Union[UsageRow, _Mapping]]] = ...) -> None: ...
 
 class RecordUsageResponse(_message.Message):
-    __slots__ = ("recorded", "duplicates")
+    __slots__ = ("recorded", "duplicates", "rejected")
     RECORDED_FIELD_NUMBER: _ClassVar[int]
     DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
     recorded: int
     duplicates: int
-    def __init__(self, recorded: _Optional[int] = ..., duplicates: _Optional[int] = ...) -> None: ...
+    rejected: _containers.RepeatedCompositeFieldContainer[RejectedUsageRow]
+    def __init__(self, recorded: _Optional[int] = ..., duplicates: _Optional[int] = ..., rejected: _Optional[_Iterable[_Union[RejectedUsageRow, _Mapping]]] = ...) -> None: ...
+
+class RejectedUsageRow(_message.Message):
+    __slots__ = ("index", "reason", "detail")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    reason: str
+    detail: str
+    def __init__(self, index: _Optional[int] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class GetSpendRequest(_message.Message):
     __slots__ = ("org_id", "agent_id", "since_unix", "until_unix")

@@ -155,11 +155,15 @@ class AuthServiceServicer:
 
     def RecordUsage(self, request, context):
         """Records the usage rows of forwarded requests in the ledger (decisions
-        D12), sent by svc-proxy in batches. A row is keyed by its request id:
-        one already recorded is not recorded again, so sending a batch twice
-        is harmless. Answers only once every row of the batch is committed.
-        Needs no caller metadata, like WatchChanges: only proxies reach this
-        port.
+        D12 amended), sent by svc-proxy in batches. A row is keyed by its
+        ledger id, which the gateway made: a row already recorded with the same
+        content is not recorded again, so sending a batch twice is harmless; a
+        row whose key is recorded with other content, or that the ledger
+        cannot hold, is rejected (listed in the answer, counted), never
+        silently dropped, and the other rows of the batch are recorded.
+        Answers only once every recorded row is committed. Needs no caller
+        metadata; with mutual TLS only the client certificates named by
+        SVC_GRPC_INTERNAL_SUBJECTS may call it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -168,7 +172,10 @@ class AuthServiceServicer:
     def GetSpend(self, request, context):
         """What an organization, or one of its agents, has spent between two
         moments, summed from the ledger (decisions D12): how a proxy takes a
-        budget's count again when Redis has lost it. No caller metadata.
+        budget's count again when Redis has lost it, and brings its count back
+        to the ledger's. Read from the daily rollup kept with the rows, so it
+        costs the same at any number of rows. No caller metadata; with mutual
+        TLS only the subjects of SVC_GRPC_INTERNAL_SUBJECTS.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
