@@ -171,6 +171,16 @@ class ProxyMetrics:
             "Usage rows svc-auth acknowledged (committed) (decisions D12)",
             registry=self.registry,
         )
+        self.usageRowsRejected = Counter(
+            "svc_proxy_usage_rows_rejected",
+            "Usage rows svc-auth refused for good (decisions D12, amended), set aside in"
+            " the journal's rejects file (or the log without a journal), by reason:"
+            " invalid (a value the ledger cannot hold, or a row an older svc-auth"
+            " refused with INVALID_ARGUMENT), conflict (its ledger id recorded with"
+            " other content), other",
+            ["reason"],
+            registry=self.registry,
+        )
         self.processUp = processUpGauge(self.registry)
         # Route templates, known methods and status codes: a small, bounded
         # set of children, looked up once each.
@@ -197,6 +207,9 @@ class ProxyMetrics:
 
     def authLocalRefusal(self, reason: str) -> None:
         self._children.of(self.authLocalRefusals, reason).inc()
+
+    def usageRowRejected(self, reason: str) -> None:
+        self._children.of(self.usageRowsRejected, reason).inc()
 
     def limitRefusal(self, limit: str, scope: str) -> None:
         self._children.of(self.limitRefusals, limit, scope).inc()

@@ -177,6 +177,10 @@ def makeService(options: Options) -> LoggingRootService:
             metrics,
             maxRows=config.usageOutboxMax,
             journal=UsageJournal(config.usageJournal) if config.usageJournal else None,
+            # The limiter learns which reservations' spend is in the ledger
+            # (decisions D12, amended); a limiter without the method (before
+            # the limiter's change is merged) is told nothing.
+            onRecorded=getattr(limiter, "recorded", None),
         )
     edge = ProxyEdge(config, auth, limiter, metrics, reactor, tracer, forwarder, ledger=outbox)
     site = ProxySite(

@@ -9,9 +9,17 @@ oldest rows (at most L{BATCH_ROWS}) to svc-auth, which answers only after
 it has committed them; only then do they leave the queue. A failed call
 (svc-auth or PostgreSQL down, a deadline missed, anything) is tried again,
 the same rows, after a capped exponential backoff with jitter. svc-auth
-keys rows by request id, so a row sent twice (an answer lost on the way, an
-acknowledgement the journal had not recorded before a kill) is recorded
-once.
+keys rows by ledger id (decisions D12, amended), so a row sent twice (an
+answer lost on the way, an acknowledgement the journal had not recorded
+before a kill) is recorded once.
+
+No row stalls the others (D12, amended): rows svc-auth answers as
+C{rejected} leave the queue with the batch and are set aside in the
+rejects file beside the journal (C{<journal>.rejects}), counted and
+logged. An svc-auth that fails a whole batch with INVALID_ARGUMENT (an
+older one, or a batch it cannot take as a whole) is sent the batch in
+halves until the row it refuses is alone; that row is set aside as
+C{invalid} and the rest go on.
 
 L{UsageJournal} is the file that lets rows outlive the process. What
 survives what:
@@ -26,11 +34,21 @@ survives what:
     replace the journal.
   - An acknowledgement is journalled after svc-auth answered; one lost to a
     kill only means its rows are sent again at the next start, harmlessly.
+  - The journal is rewritten with only the rows not yet acknowledged
+    whenever the acknowledged part has passed its threshold, rows waiting
+    or not: its size stays below the threshold plus the rows waiting.
+  - One process holds a journal: an exclusive C{flock} on C{<journal>.lock},
+    held for the life of the process (compaction replaces the journal
+    file itself, so the lock cannot be on it). A second process refuses
+    to start, naming the file.
 """
 
 from __future__ import annotations
 
 import contextvars
+import datetime
+import fcntl
+import json
 import os
 import random
 import struct
@@ -41,6 +59,7 @@ from itertools import islice
 from typing import Any, Protocol
 
 import grpc
+from google.protobuf import json_format
 from twisted.internet.defer import CancelledError, Deferred, TimeoutError, succeed
 from twisted.internet.interfaces import IDelayedCall
 from twisted.logger import Logger
@@ -69,16 +88,27 @@ FIRST_RETRY_SECONDS = 0.1
 LAST_RETRY_SECONDS = 5.0
 # SVC_USAGE_OUTBOX_MAX's default.
 OUTBOX_MAX_ROWS = 100_000
-# A journal whose rows are all acknowledged is rewritten (emptied) once it
-# is larger than this: some 50,000 rows' worth.
+# The journal is rewritten with only the rows not yet acknowledged once its
+# acknowledged part (rows svc-auth committed or set aside, and the
+# acknowledgement records) is larger than this: some 55,000 rows' worth,
+# about 27 s of 2,000 requests/s. Each rewrite copies the rows waiting
+# (normally a batch or two) and costs two fsyncs, so a smaller threshold
+# trades disk for more frequent flushes.
 COMPACT_JOURNAL_BYTES = 16 * 1024 * 1024
+# The reasons of RejectedUsageRow that are label values of
+# svc_proxy_usage_rows_rejected_total; any other is counted as "other" (a
+# newer svc-auth), so that svc-auth cannot inflate the number of series.
+REJECT_REASONS = frozenset({"invalid", "conflict"})
+# What a reject's detail may take in the log and the rejects file.
+DETAIL_CHARS = 500
 
 
 class UsageSender(Protocol):
     """
     Where batches of rows go: svc-auth's RecordUsage
     (L{svcd.proxy.validation.client.GrpcAuthClient.recordUsage}). The
-    Deferred fires once svc-auth has committed every row of the batch.
+    Deferred fires once svc-auth has committed every row of the batch that
+    it does not list as rejected.
     """
 
     def recordUsage(
@@ -88,8 +118,8 @@ class UsageSender(Protocol):
 
 class JournalError(Exception):
     """
-    The journal cannot be used: not a journal of usage rows, or not
-    readable or writable.
+    The journal cannot be used: not a journal of usage rows, not readable
+    or writable, or held by another process.
     """
 
 
@@ -99,8 +129,10 @@ class JournalError(Exception):
 # payload's length and the CRC-32 of its payload (four bytes each, big
 # endian), then the payload. A row record's payload is a serialized
 # UsageRow; an acknowledgement's is the number of rows acknowledged (four
-# bytes) followed by the request id of the last of them, in UTF-8: the
-# oldest unacknowledged rows of the file, in order.
+# bytes) followed by the key of the last of them in UTF-8 (its ledger id,
+# or its request id for a row without one, as every row of a journal
+# written before ledger ids): the oldest unacknowledged rows of the file,
+# in order.
 JOURNAL_MAGIC = b"svc-usage-journal 1\n"
 _HEADER = struct.Struct(">BII")
 _ACK_COUNT = struct.Struct(">I")
@@ -110,6 +142,14 @@ _ACK = 2
 
 def _record(kind: int, payload: bytes) -> bytes:
     return _HEADER.pack(kind, len(payload), zlib.crc32(payload)) + payload
+
+
+def rowKey(row: auth_pb2.UsageRow) -> str:
+    """
+    The ledger's key of C{row}: its ledger id, or its request id for a row
+    made before ledger ids (an old journal, an old proxy).
+    """
+    return row.ledger_id or row.request_id
 
 
 def checkJournalPath(path: str) -> None:
@@ -135,15 +175,92 @@ def checkJournalPath(path: str) -> None:
         raise JournalError(f"{path!r} is not a usage journal of svc-proxy")
 
 
+# The lock files this process holds, by (device, inode), each with its open
+# descriptor: held until the process ends. A flock belongs to an open file
+# description, so a second open of the same lock file in this process
+# would be refused by the first; one process is one holder (a journal
+# reopened in the same process, as the tests do to play a restart, is the
+# same holder).
+_HELD_LOCKS: dict[tuple[int, int], int] = {}
+
+
+def holdJournalLock(journalPath: str) -> str:
+    """
+    Take the exclusive lock of the journal at C{journalPath} for the rest
+    of this process's life: C{flock} on C{<journalPath>.lock}, a file of its
+    own, since compaction replaces the journal file by a rename (a lock on
+    it would be left on the replaced file). The lock file holds the pid of
+    its holder, for the operator.
+
+    @return: the lock file's path.
+    @raise JournalError: when another process holds it (naming the
+        journal, the lock file and, when it says so, the holder's pid), or
+        when the lock file cannot be opened.
+    """
+    lockPath = journalPath + ".lock"
+    for _ in range(3):
+        try:
+            fd = os.open(lockPath, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as error:
+            raise JournalError(
+                f"cannot open the lock file {lockPath!r} of the usage journal: {error.strerror}"
+            ) from None
+        status = os.fstat(fd)
+        key = (status.st_dev, status.st_ino)
+        if key in _HELD_LOCKS:
+            os.close(fd)
+            return lockPath
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _lockHolder(fd)
+            os.close(fd)
+            raise JournalError(
+                f"the usage journal {journalPath!r} is held by another process{holder}"
+                f" (lock file {lockPath!r}); each svc-proxy process needs a journal of its own"
+            ) from None
+        except OSError as error:
+            os.close(fd)
+            raise JournalError(f"cannot lock {lockPath!r}: {error.strerror}") from None
+        # A lock file removed or replaced between our open and our flock
+        # locks nothing another process would see: take the new one.
+        try:
+            current = os.stat(lockPath)
+        except FileNotFoundError:
+            os.close(fd)
+            continue
+        if (current.st_dev, current.st_ino) != key:
+            os.close(fd)
+            continue
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError:
+            # Only a courtesy to the operator; the lock is what counts.
+            pass
+        _HELD_LOCKS[key] = fd
+        return lockPath
+    raise JournalError(f"cannot lock {lockPath!r}: it keeps being replaced")
+
+
+def _lockHolder(fd: int) -> str:
+    try:
+        content = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return ""
+    return f" (pid {content})" if content.isdigit() else ""
+
+
 class UsageJournal:
     """
     The append-only file of rows and acknowledgements (see the module
-    docstring for what survives what). One process at a time: two proxies
-    must not share a file.
+    docstring for what survives what), and the rejects file beside it.
+    One process at a time: L{open} takes the journal's lock.
 
     L{open} reads what a previous run left, keeps the rows not
     acknowledged, and rewrites the file with only those; then L{append} and
-    L{acknowledge} add records.
+    L{acknowledge} add records, and L{compactIfLarge} rewrites the file
+    once its acknowledged part has passed C{compactBytes}.
     """
 
     log = Logger()
@@ -153,20 +270,45 @@ class UsageJournal:
         self._compactBytes = compactBytes
         self._fd: int | None = None
         self._size = 0
+        # The record sizes of the rows in the file not yet acknowledged,
+        # oldest first, and their sum: the part of the file a compaction
+        # keeps.
+        self._waiting: deque[int] = deque()
+        self._waitingBytes = 0
 
     @property
     def size(self) -> int:
         return self._size
 
+    @property
+    def acknowledgedBytes(self) -> int:
+        """
+        The part of the file a compaction would drop: rows acknowledged,
+        the acknowledgement records.
+        """
+        return self._size - len(JOURNAL_MAGIC) - self._waitingBytes
+
+    @property
+    def rejectsPath(self) -> str:
+        """
+        Where rows svc-auth refused are set aside: JSON lines.
+        """
+        return self.path + ".rejects"
+
+    @property
+    def lockPath(self) -> str:
+        return self.path + ".lock"
+
     def open(self) -> list[auth_pb2.UsageRow]:
         """
-        Read the journal, rewrite it with only the rows not acknowledged and
-        open it for appending.
+        Take the journal's lock, read the journal, rewrite it with only the
+        rows not acknowledged and open it for appending.
 
         @return: those rows, oldest first.
-        @raise JournalError: when the file is not a journal or cannot be
-            read or written.
+        @raise JournalError: when another process holds the journal, or the
+            file is not a journal or cannot be read or written.
         """
+        holdJournalLock(self.path)
         try:
             with open(self.path, "rb") as existing:
                 data = existing.read()
@@ -208,19 +350,22 @@ class UsageJournal:
                 rows.append(auth_pb2.UsageRow.FromString(payload))
             elif kind == _ACK:
                 count = _ACK_COUNT.unpack_from(payload)[0]
-                lastID = payload[_ACK_COUNT.size :].decode("utf-8", "replace")
+                lastKey = payload[_ACK_COUNT.size :].decode("utf-8", "replace")
                 end = acknowledged + count
-                if 0 < count and end <= len(rows) and rows[end - 1].request_id == lastID:
+                # The key is the ledger id; a journal written before ledger
+                # ids names the request id, and its rows have no ledger id,
+                # so rowKey gives the request id for them.
+                if 0 < count and end <= len(rows) and rowKey(rows[end - 1]) == lastKey:
                     acknowledged = end
                 else:
                     # Never drop a row on a doubtful acknowledgement: sent
                     # again, it is a harmless duplicate.
                     self.log.error(
                         "Usage journal {path}: an acknowledgement of {count} row(s) up to"
-                        " {last_request_id} does not match the rows before it; ignored",
+                        " {last_key} does not match the rows before it; ignored",
                         path=self.path,
                         count=count,
-                        last_request_id=lastID,
+                        last_key=lastKey,
                     )
         waiting = rows[acknowledged:]
         if waiting:
@@ -249,8 +394,14 @@ class UsageJournal:
         """
         Replace the journal with one holding C{rows}, atomically: a reader
         (the next start) sees the old file or the new one, never a mix.
+
+        Runs on the caller's thread from start to end (the reactor's, in
+        the proxy), so no row can be appended meanwhile: a row recorded
+        after this returns goes to the new file, one recorded before is in
+        C{rows} (the outbox passes every row it holds unacknowledged).
         """
-        content = JOURNAL_MAGIC + b"".join(_record(_ROW, row.SerializeToString()) for row in rows)
+        records = [_record(_ROW, row.SerializeToString()) for row in rows]
+        content = JOURNAL_MAGIC + b"".join(records)
         temporary = self.path + ".compacting"
         directory = os.path.dirname(os.path.abspath(self.path))
         try:
@@ -273,6 +424,8 @@ class UsageJournal:
             os.close(self._fd)
         self._fd = appending
         self._size = len(content)
+        self._waiting = deque(len(record) for record in records)
+        self._waitingBytes = len(content) - len(JOURNAL_MAGIC)
 
     def append(self, row: auth_pb2.UsageRow) -> None:
         """
@@ -281,15 +434,23 @@ class UsageJournal:
         @raise OSError: when it could not be written (the file is left as
             it was).
         """
-        self._write(_record(_ROW, row.SerializeToString()))
+        record = _record(_ROW, row.SerializeToString())
+        self._write(record)
+        self._waiting.append(len(record))
+        self._waitingBytes += len(record)
 
-    def acknowledge(self, count: int, lastRequestID: str) -> None:
+    def acknowledge(self, count: int, lastKey: str) -> None:
         """
-        Record that svc-auth committed the C{count} oldest rows not yet
-        acknowledged, the last of which has C{lastRequestID}.
+        Record that svc-auth took the C{count} oldest rows not yet
+        acknowledged (committed them, or refused them for good), the last
+        of which has the key C{lastKey} (L{rowKey}).
         """
-        payload = _ACK_COUNT.pack(count) + lastRequestID.encode("utf-8")
+        payload = _ACK_COUNT.pack(count) + lastKey.encode("utf-8")
         self._write(_record(_ACK, payload))
+        # A row the journal could not take (a full disk) is in the outbox
+        # but not here: never count below none.
+        for _ in range(min(count, len(self._waiting))):
+            self._waitingBytes -= self._waiting.popleft()
 
     def _write(self, record: bytes) -> None:
         if self._fd is None:
@@ -303,21 +464,63 @@ class UsageJournal:
             raise
         self._size += len(record)
 
-    def compactIfLarge(self) -> None:
+    def compactIfLarge(self, waiting: Sequence[auth_pb2.UsageRow] = ()) -> bool:
         """
-        Called when every row is acknowledged: empty a journal that has
-        grown past its bound.
+        Rewrite the journal with only C{waiting} (every row the outbox
+        holds unacknowledged, oldest first) once its acknowledged part has
+        grown past its threshold; called after each acknowledgement, so
+        that the file stays below the threshold plus the rows waiting.
+
+        @return: whether it was rewritten.
+        @raise JournalError: when the rewrite failed (the old journal is
+            kept and appended to).
         """
-        if self._size > self._compactBytes:
-            self._rewrite([])
+        if self.acknowledgedBytes <= self._compactBytes:
+            return False
+        self._rewrite(waiting)
+        return True
+
+    def reject(self, row: auth_pb2.UsageRow, reason: str, detail: str, when: float) -> None:
+        """
+        Set C{row} aside in the rejects file: one JSON line with the row
+        (protobuf's JSON mapping, which C{json_format.ParseDict} reads
+        back), the reason, svc-auth's detail and the time, written to the
+        kernel with one C{write} before this returns, as a journal row is.
+
+        @raise OSError: when it could not be written.
+        """
+        line = json.dumps(
+            {
+                "row": json_format.MessageToDict(row, preserving_proto_field_name=True),
+                "reason": reason,
+                "detail": detail,
+                "time": _rfc3339(when),
+            },
+            sort_keys=True,
+            separators=(",", ":"),
+        )
+        fd = os.open(self.rejectsPath, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            _writeAll(fd, line.encode("utf-8") + b"\n")
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
+        """
+        fsync and close the journal. Its lock stays held until the process
+        ends (see L{holdJournalLock}).
+        """
         if self._fd is not None:
             fd, self._fd = self._fd, None
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+
+
+def _rfc3339(seconds: float) -> str:
+    moment = datetime.datetime.fromtimestamp(seconds, datetime.UTC)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def _writeAll(fd: int, data: bytes) -> None:
@@ -339,6 +542,19 @@ def _unimplemented(failure: Failure) -> bool:
     return isinstance(error, grpc.Call) and error.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
+def _rowJSON(row: auth_pb2.UsageRow) -> str:
+    return json.dumps(
+        json_format.MessageToDict(row, preserving_proto_field_name=True),
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+
+
+def _invalidArgument(failure: Failure) -> bool:
+    error = failure.value
+    return isinstance(error, grpc.Call) and error.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 class UsageOutbox:
     """
     L{svcd.proxy.usage.ledger.UsageLedger} that sends rows to svc-auth (see
@@ -352,6 +568,10 @@ class UsageOutbox:
     @param random: a number in [0, 1) for the jitter.
     @param linger: how long a row waits for others to share its batch
         (L{LINGER_SECONDS}); 0 sends at once.
+    @param onRecorded: called after each acknowledgement with the ledger
+        ids of the rows svc-auth committed (recorded or duplicate, not
+        rejected; rows without a ledger id left out): the rate limiter's
+        C{recorded}, which learns that their spend is in the ledger.
     """
 
     log = Logger()
@@ -368,8 +588,10 @@ class UsageOutbox:
         lastRetry: float = LAST_RETRY_SECONDS,
         random: Callable[[], float] = random.random,
         linger: float = LINGER_SECONDS,
+        onRecorded: Callable[[Sequence[str]], None] | None = None,
     ) -> None:
         self._sender = sender
+        self._onRecorded = onRecorded
         self._linger = linger
         self._lingering: IDelayedCall | None = None
         # While a stop waits for the rows: no batch waits for others.
@@ -386,6 +608,11 @@ class UsageOutbox:
         # (or waiting to be tried again) is its first self._batch rows.
         self._queue: deque[auth_pb2.UsageRow] = deque()
         self._batch = 0
+        # After svc-auth failed a batch with INVALID_ARGUMENT: how many rows
+        # at the head of the queue hold the row it refuses. Batches are then
+        # the first half of those, until the row is alone (and set aside)
+        # or they all went through.
+        self._suspect = 0
         self._call: Deferred[Any] | None = None
         self._retry: IDelayedCall | None = None
         self._failures = 0
@@ -395,6 +622,8 @@ class UsageOutbox:
         self._emptied: list[Deferred[None]] = []
         self._failing = ThrottledWarning(self.log, clock)
         self._journalFailing = ThrottledWarning(self.log, clock)
+        self._rejecting = ThrottledWarning(self.log, clock)
+        self._halving = ThrottledWarning(self.log, clock)
         metrics.usageOutboxRows.set_function(lambda: len(self._queue))
 
     @property
@@ -440,7 +669,13 @@ class UsageOutbox:
         Send a full batch at once, a smaller one once it has waited
         C{linger} for more rows (one timer for the batch, not one per row).
         """
-        if len(self._queue) >= self._batchRows or self._linger <= 0 or self._flushing:
+        if (
+            len(self._queue) >= self._batchRows
+            or self._linger <= 0
+            or self._flushing
+            or self._suspect
+        ):
+            # A batch being halved is sent at once: its rows waited already.
             self._sendSoon()
         elif self._lingering is None and self._call is None and self._retry is None:
             self._lingering = self._clock.callLater(self._linger, self._lingerOver)
@@ -479,7 +714,8 @@ class UsageOutbox:
             return
         self._stopLingering()
         if not self._batch:
-            self._batch = min(self._batchRows, len(self._queue))
+            limit = (self._suspect + 1) // 2 if self._suspect else self._batchRows
+            self._batch = min(limit, len(self._queue))
         batch = list(islice(self._queue, self._batch))
         # In a context of its own: the batch belongs to no request, so its
         # call and log lines carry no request's ids or trace.
@@ -497,37 +733,65 @@ class UsageOutbox:
 
     def _acknowledged(self, response: Any) -> None:
         self._call = None
-        count, self._batch = self._batch, 0
-        last = self._queue[count - 1].request_id
-        for _ in range(count):
-            self._queue.popleft()
-        self._metrics.usageRowsSent.inc(count)
+        count = self._batch
+        if self._suspect:
+            # These went through: the refused row is among the rest.
+            self._suspect = max(0, self._suspect - count)
         if self._failures:
             self.log.info(
                 "svc-auth took usage rows again after {attempts} failed attempt(s);"
                 " {rows} row(s) waiting",
                 attempts=self._failures,
-                rows=len(self._queue),
+                rows=len(self._queue) - count,
             )
             self._failures = 0
-        recorded = getattr(response, "recorded", count)
+        rejected = list(getattr(response, "rejected", ()))
+        recorded = getattr(response, "recorded", count - len(rejected))
         duplicates = getattr(response, "duplicates", 0)
-        if recorded + duplicates != count:
+        if recorded + duplicates + len(rejected) != count:
             # svc-auth answers only after committing the batch: the rows
             # are in. A count that disagrees says its accounting is off.
             self.log.warn(
-                "RecordUsage acknowledged a batch of {rows} row(s) as {recorded} recorded"
-                " and {duplicates} duplicate(s)",
+                "RecordUsage acknowledged a batch of {rows} row(s) as {recorded} recorded,"
+                " {duplicates} duplicate(s) and {rejected} rejected",
                 rows=count,
                 recorded=recorded,
                 duplicates=duplicates,
+                rejected=len(rejected),
             )
+        self._settle(rejected)
+
+    def _settle(self, rejected: Sequence[Any]) -> None:
+        """
+        The batch in flight is done with: svc-auth committed its rows but
+        the C{rejected} ones (L{auth_pb2.RejectedUsageRow}s, by index in
+        the batch), which are set aside. Every row of the batch leaves the
+        queue and the journal; none is sent again.
+        """
+        count, self._batch = self._batch, 0
+        batch = [self._queue.popleft() for _ in range(count)]
+        refused: dict[int, tuple[str, str]] = {}
+        for each in rejected:
+            index = int(each.index)
+            if 0 <= index < count and index not in refused:
+                refused[index] = (str(each.reason), str(each.detail)[:DETAIL_CHARS])
+            else:
+                self.log.warn(
+                    "RecordUsage rejected a row at index {index} of a batch of {rows} row(s);"
+                    " ignored",
+                    index=index,
+                    rows=count,
+                )
+        for index, (reason, detail) in sorted(refused.items()):
+            self._setAside(batch[index], reason, detail)
+        self._metrics.usageRowsSent.inc(count - len(refused))
         journal = self._journal
         if journal is not None and not self._closed:
             try:
-                journal.acknowledge(count, last)
-                if not self._queue:
-                    journal.compactIfLarge()
+                # After the rejects file: a kill in between sends the
+                # refused rows again, and they are refused again.
+                journal.acknowledge(count, rowKey(batch[-1]))
+                journal.compactIfLarge(self._queue)
             except (OSError, JournalError) as error:
                 # The rows will be sent again at the next start: harmless.
                 self._journalFailing.warn(
@@ -536,13 +800,73 @@ class UsageOutbox:
                     path=journal.path,
                     reason=str(error),
                 )
+        if self._onRecorded is not None:
+            committed = [
+                row.ledger_id
+                for index, row in enumerate(batch)
+                if index not in refused and row.ledger_id
+            ]
+            if committed:
+                try:
+                    self._onRecorded(committed)
+                except Exception:
+                    self.log.failure("onRecorded failed for {rows} row(s)", rows=len(committed))
         if not self._queue:
             self._fireEmptied()
         self._sendAfterLinger()
 
+    def _setAside(self, row: auth_pb2.UsageRow, reason: str, detail: str) -> None:
+        """
+        Keep C{row}, which svc-auth will never record, where an operator
+        finds it: the rejects file beside the journal, or without one (or
+        when it cannot be written) the log itself, row and all (its ids and
+        numbers; a row holds no message content).
+        """
+        label = reason if reason in REJECT_REASONS else "other"
+        self._metrics.usageRowRejected(label)
+        journal = self._journal
+        if journal is not None:
+            try:
+                journal.reject(row, reason, detail, self._clock.seconds())
+            except OSError as error:
+                self.log.error(
+                    "Usage rejects file {path} cannot be written ({error}); usage row"
+                    " {ledger_id} rejected by svc-auth ({reason}: {detail}): {row}",
+                    path=journal.rejectsPath,
+                    error=str(error),
+                    ledger_id=rowKey(row),
+                    reason=reason,
+                    detail=detail,
+                    row=_rowJSON(row),
+                )
+            else:
+                self._rejecting.warn(
+                    "svc-auth rejected usage row {ledger_id} ({reason}: {detail}); set aside"
+                    " in {path}",
+                    ledger_id=rowKey(row),
+                    request_id=row.request_id,
+                    reason=reason,
+                    detail=detail,
+                    path=journal.rejectsPath,
+                )
+            return
+        # Every such line, not throttled: it is the only copy of the row.
+        self.log.error(
+            "svc-auth rejected usage row {ledger_id} ({reason}: {detail}); without"
+            " SVC_USAGE_JOURNAL it is kept only here: {row}",
+            ledger_id=rowKey(row),
+            request_id=row.request_id,
+            reason=reason,
+            detail=detail,
+            row=_rowJSON(row),
+        )
+
     def _failed(self, failure: Failure) -> None:
         self._call = None
         if self._closed:
+            return
+        if _invalidArgument(failure):
+            self._refused(failure)
             return
         self._failures += 1
         ceiling = min(self._lastRetry, self._firstRetry * 2 ** min(self._failures - 1, 32))
@@ -561,6 +885,34 @@ class UsageOutbox:
             # An svc-auth without RecordUsage will not gain it while a stop
             # waits: end the flush now rather than at its bound.
             self._fireEmptied()
+
+    def _refused(self, failure: Failure) -> None:
+        """
+        svc-auth failed the whole batch with INVALID_ARGUMENT: an svc-auth
+        older than per-row rejects, or a batch it cannot take as a whole.
+        Asked again, it answers the same, so the batch would stall the
+        ledger for ever: send its first half (at once: no backoff, nothing
+        is down), and so on, until the row it refuses is alone; that row is
+        set aside as C{invalid}, and the rest go on.
+        """
+        count, self._batch = self._batch, 0
+        _, details = _statusOf(failure)
+        if count <= 1:
+            self._suspect = 0
+            self._batch = 1
+            refusal = auth_pb2.RejectedUsageRow(
+                index=0, reason="invalid", detail=details[:DETAIL_CHARS]
+            )
+            self._settle([refusal])
+            return
+        self._suspect = count
+        self._halving.warn(
+            "RecordUsage refused a batch of {rows} usage row(s) as invalid"
+            " ({grpc_details}); sending it in halves to find the row it refuses",
+            rows=count,
+            grpc_details=details[:DETAIL_CHARS],
+        )
+        self._sendSoon()
 
     def _retryNow(self) -> None:
         self._retry = None
