@@ -9,17 +9,24 @@ a graceful stop.
 
 from __future__ import annotations
 
+import json
 import os
+import struct
+import subprocess
+import sys
 import uuid
-from collections.abc import Sequence
+import zlib
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import pytest
+from google.protobuf import json_format
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
-from twisted.logger import LogLevel, globalLogPublisher
+from twisted.logger import ILogObserver, LogLevel, globalLogPublisher
 
 from svcd.pb.auth.v1 import auth_pb2
 from svcd.proxy.metrics import ProxyMetrics
@@ -575,3 +582,420 @@ def test_rowsWaitALittleForOthersToShareTheirBatch() -> None:
     assert sender.ids(-1) == ids(9, 9)
     sender.acknowledge()
     assert flushed.result == 0
+
+
+# Rejected rows (decisions D12, amended: no row stalls the ledger)
+
+
+def ledgerRow(number: int, requestID: str | None = None) -> auth_pb2.UsageRow:
+    """
+    A row as the gateway makes it now: keyed by its ledger id, carrying the
+    client's request id (the same one on every row when C{requestID} is
+    given, as a client reusing its X-Request-ID does).
+    """
+    made = row(number)
+    made.ledger_id = f"0190c6a2-0000-7000-9000-{number:012d}"
+    if requestID is not None:
+        made.request_id = requestID
+    return made
+
+
+def rejection(index: int, reason: str, detail: str) -> auth_pb2.RejectedUsageRow:
+    return auth_pb2.RejectedUsageRow(index=index, reason=reason, detail=detail)
+
+
+def rejects(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def rejectedSample(metrics: ProxyMetrics, reason: str) -> float | None:
+    return metrics.registry.get_sample_value(
+        "svc_proxy_usage_rows_rejected_total", {"reason": reason}
+    )
+
+
+@contextmanager
+def logged() -> Iterator[list[dict[str, Any]]]:
+    """
+    The events logged within the block.
+    """
+    events: list[dict[str, Any]] = []
+    observer = cast(ILogObserver, events.append)
+    globalLogPublisher.addObserver(observer)
+    try:
+        yield events
+    finally:
+        globalLogPublisher.removeObserver(observer)
+
+
+def test_rejectedRowsSetAsideAndTheBatchAcknowledged(tmp_path: Path) -> None:
+    """
+    svc-auth answers a batch with two rows rejected: the whole batch leaves
+    the outbox; the rejected rows are in <journal>.rejects (the row as
+    protobuf JSON, reason, detail, time), counted by reason, logged as a
+    throttled warning with the ledger id, reason and detail; onRecorded
+    hears the committed rows only; after a restart none of the batch comes
+    back from the journal.
+    """
+    path = tmp_path / "usage.journal"
+    sender, clock, metrics = FakeSender(), Clock(), ProxyMetrics()
+    clock.advance(1_700_000_000)
+    heard: list[list[str]] = []
+    with logged() as events:
+        box = outbox(
+            sender,
+            clock,
+            journal=UsageJournal(str(path)),
+            metrics=metrics,
+            onRecorded=lambda ledgerIDs: heard.append(list(ledgerIDs)),
+            linger=0.05,
+        )
+        for number in range(1, 6):
+            box.record(ledgerRow(number))
+        clock.advance(0.05)
+        sender.calls[0][1].callback(
+            auth_pb2.RecordUsageResponse(
+                recorded=2,
+                duplicates=1,
+                rejected=[
+                    rejection(1, "invalid", "prompt_tokens is negative"),
+                    rejection(3, "conflict", "recorded with other content"),
+                ],
+            )
+        )
+    assert box.waiting == 0 and box.hasRoom()
+    assert not clock.getDelayedCalls()
+    lines = rejects(tmp_path / "usage.journal.rejects")
+    assert [json_format.ParseDict(line["row"], auth_pb2.UsageRow()) for line in lines] == [
+        ledgerRow(2),
+        ledgerRow(4),
+    ]
+    assert [(line["reason"], line["detail"]) for line in lines] == [
+        ("invalid", "prompt_tokens is negative"),
+        ("conflict", "recorded with other content"),
+    ]
+    assert lines[0]["time"] == "2023-11-14T22:13:20.050Z"
+    assert rejectedSample(metrics, "invalid") == 1
+    assert rejectedSample(metrics, "conflict") == 1
+    assert sample(metrics, "svc_proxy_usage_rows_sent_total") == 3
+    assert heard == [[ledgerRow(number).ledger_id for number in (1, 3, 5)]]
+    # One warning: the second rejection, within 10 s, is suppressed.
+    warnings = [event for event in events if "rejected usage row" in event.get("log_format", "")]
+    assert len(warnings) == 1
+    assert warnings[0]["log_level"] == LogLevel.warn
+    assert (warnings[0]["ledger_id"], warnings[0]["reason"], warnings[0]["detail"]) == (
+        ledgerRow(2).ledger_id,
+        "invalid",
+        "prompt_tokens is negative",
+    )
+    assert "row" not in warnings[0]
+    box.close()
+    assert UsageJournal(str(path)).open() == []
+
+
+def test_rejectedWithoutAJournalLoggedWholeAndCounted() -> None:
+    """
+    Without a journal a rejected row is logged, every one (not throttled:
+    the log is its only copy), with its ids and numbers, and counted.
+    """
+    sender, clock, metrics = FakeSender(), Clock(), ProxyMetrics()
+    with logged() as events:
+        box = outbox(sender, clock, metrics=metrics, linger=0.05)
+        for number in range(1, 4):
+            box.record(ledgerRow(number))
+        clock.advance(0.05)
+        sender.calls[0][1].callback(
+            auth_pb2.RecordUsageResponse(
+                recorded=1,
+                rejected=[rejection(0, "invalid", "bad"), rejection(2, "invalid", "bad")],
+            )
+        )
+    assert box.waiting == 0
+    lines = [event for event in events if "rejected usage row" in event.get("log_format", "")]
+    assert [event["log_level"] for event in lines] == [LogLevel.error, LogLevel.error]
+    assert [json_format.Parse(event["row"], auth_pb2.UsageRow()) for event in lines] == [
+        ledgerRow(1),
+        ledgerRow(3),
+    ]
+    assert rejectedSample(metrics, "invalid") == 2
+
+
+class PoisonSender:
+    """
+    RecordUsage of an svc-auth older than per-row rejects: a batch holding
+    a row it refuses (negative prompt tokens) fails whole with
+    INVALID_ARGUMENT, at once; any other batch is committed at once.
+    """
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+        self.recorded: list[int] = []
+
+    def recordUsage(self, rows: Sequence[auth_pb2.UsageRow]) -> Deferred[Any]:
+        numbers = [each.prompt_tokens for each in rows]
+        self.batches.append(numbers)
+        answer: Deferred[Any] = Deferred()
+        if any(number < 0 for number in numbers):
+            answer.errback(StatusError(grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens < 0"))
+        else:
+            self.recorded.extend(numbers)
+            answer.callback(auth_pb2.RecordUsageResponse(recorded=len(rows)))
+        return answer
+
+
+def test_invalidArgumentBatchHalvedUntilThePoisonRowIsAlone(tmp_path: Path) -> None:
+    """
+    An svc-auth that fails a whole batch with INVALID_ARGUMENT: the outbox
+    sends halves of it at once (no backoff: nothing is down), sets the
+    refused rows aside as "invalid" and records every other row, in
+    order; the rows after it go in full batches again; a restart does not
+    bring the refused rows back.
+    """
+    path = tmp_path / "usage.journal"
+    sender, clock, metrics = PoisonSender(), Clock(), ProxyMetrics()
+    box = UsageOutbox(
+        sender, clock, metrics, journal=UsageJournal(str(path)), batchRows=100, linger=0.05
+    )
+    box.start()
+    poisoned = {37, 38, 90}
+    for number in range(1, 301):
+        made = ledgerRow(number)
+        if number in poisoned:
+            made.prompt_tokens = -number
+        box.record(made)
+    clock.advance(0.05)
+    assert box.waiting == 0 and box.hasRoom()
+    assert sender.recorded == [number for number in range(1, 301) if number not in poisoned]
+    assert [
+        json_format.ParseDict(line["row"], auth_pb2.UsageRow()).prompt_tokens
+        for line in rejects(tmp_path / "usage.journal.rejects")
+    ] == [-37, -38, -90]
+    assert {line["reason"] for line in rejects(tmp_path / "usage.journal.rejects")} == {"invalid"}
+    assert rejectedSample(metrics, "invalid") == 3
+    # Halving costs a few calls per poisoned row, not one per row.
+    assert len(sender.batches) < 40
+    # Once the refused rows are aside, batches are whole again.
+    assert [len(batch) for batch in sender.batches[-3:]] == [100, 100, 10]
+    assert not clock.getDelayedCalls()
+    box.close()
+    assert UsageJournal(str(path)).open() == []
+
+
+def test_invalidArgumentOfAOneRowBatch() -> None:
+    """
+    A batch of one row that svc-auth fails with INVALID_ARGUMENT is that
+    row: set aside at once (logged, without a journal), the next row sent.
+    """
+    sender, clock, metrics = PoisonSender(), Clock(), ProxyMetrics()
+    box = UsageOutbox(sender, clock, metrics, linger=0.0)
+    box.start()
+    bad = ledgerRow(1)
+    bad.prompt_tokens = -1
+    box.record(bad)
+    box.record(ledgerRow(2))
+    assert sender.batches == [[-1], [2]]
+    assert box.waiting == 0
+    assert rejectedSample(metrics, "invalid") == 1
+
+
+# The acknowledgement's key
+
+
+def journalEntries(path: Path) -> list[tuple[int, bytes]]:
+    data = journalRecords(path)
+    entries, offset = [], 0
+    while offset < len(data):
+        kind, length, _ = struct.unpack_from(">BII", data, offset)
+        offset += 9
+        entries.append((kind, data[offset : offset + length]))
+        offset += length
+    return entries
+
+
+def test_acknowledgementNamesTheLedgerID(tmp_path: Path) -> None:
+    """
+    The journal's acknowledgement names the last row by its ledger id (the
+    ledger's key), not by the client's request id, which many rows may
+    share; the replay matches it.
+    """
+    path = tmp_path / "usage.journal"
+    sender = FakeSender()
+    box = outbox(sender, Clock(), journal=UsageJournal(str(path)))
+    shared = "client-chose-this-one-id"
+    for number in range(1, 4):
+        box.record(ledgerRow(number, requestID=shared))
+    sender.acknowledge()  # row 1
+    sender.acknowledge()  # rows 2, 3
+    box.record(ledgerRow(4, requestID=shared))
+    acknowledgements = [payload for kind, payload in journalEntries(path) if kind == 2]
+    assert acknowledgements == [
+        struct.pack(">I", 1) + ledgerRow(1).ledger_id.encode(),
+        struct.pack(">I", 2) + ledgerRow(3).ledger_id.encode(),
+    ]
+    assert [each.ledger_id for each in UsageJournal(str(path)).open()] == [ledgerRow(4).ledger_id]
+
+
+def oldRecord(kind: int, payload: bytes) -> bytes:
+    return struct.pack(">BII", kind, len(payload), zlib.crc32(payload)) + payload
+
+
+def test_oldJournalStillReplayed(tmp_path: Path) -> None:
+    """
+    A journal written before ledger ids (rows without one, acknowledgements
+    naming the request id), then continued by this version, replays
+    exactly its unacknowledged rows.
+    """
+    path = tmp_path / "usage.journal"
+    old = [row(number) for number in range(1, 6)]
+    path.write_bytes(
+        JOURNAL_MAGIC
+        + b"".join(oldRecord(1, each.SerializeToString()) for each in old[:3])
+        + oldRecord(2, struct.pack(">I", 2) + old[1].request_id.encode())
+        + b"".join(oldRecord(1, each.SerializeToString()) for each in old[3:])
+    )
+    sender = FakeSender()
+    box = outbox(sender, Clock(), journal=UsageJournal(str(path)))
+    assert sender.ids(0) == ids(3, 5)
+    box.record(ledgerRow(6))
+    sender.acknowledge()  # the old rows 3 to 5, by request id
+    sender.acknowledge()  # row 6, by its ledger id
+    box.record(ledgerRow(7))
+    # Killed: the next start finds only row 7 unacknowledged.
+    assert [each.ledger_id for each in UsageJournal(str(path)).open()] == [ledgerRow(7).ledger_id]
+
+    # An old journal as it was left, replayed without this version's help.
+    path.write_bytes(
+        JOURNAL_MAGIC
+        + b"".join(oldRecord(1, each.SerializeToString()) for each in old)
+        + oldRecord(2, struct.pack(">I", 4) + old[3].request_id.encode())
+    )
+    assert [each.request_id for each in UsageJournal(str(path)).open()] == ids(5, 5)
+
+
+# Compaction by what was acknowledged
+
+
+def test_journalBoundedUnderSteadyLoad(tmp_path: Path) -> None:
+    """
+    Under a steady load (2,000 rows/s, svc-auth answering each batch in
+    30 ms, so that rows are always waiting and the outbox is never empty)
+    the journal is rewritten whenever its acknowledged part passes the
+    threshold: at every moment it is at most the threshold plus the rows
+    waiting. After a kill, the next start replays exactly the rows that
+    were not acknowledged.
+    """
+    path = tmp_path / "usage.journal"
+    threshold = 64 * 1024
+    clock = Clock()
+
+    class Slow:
+        answered = 0
+
+        def recordUsage(self, rows: Sequence[auth_pb2.UsageRow]) -> Deferred[Any]:
+            answer: Deferred[Any] = Deferred()
+
+            def commit() -> None:
+                Slow.answered += 1
+                answer.callback(auth_pb2.RecordUsageResponse(recorded=len(rows)))
+
+            clock.callLater(0.03, commit)
+            return answer
+
+    box = UsageOutbox(
+        Slow(), clock, ProxyMetrics(), journal=UsageJournal(str(path), compactBytes=threshold)
+    )
+    box.start()
+    recordBytes: dict[str, int] = {}
+    compactions = 0
+    largest = previous = 0
+    for number in range(1, 20_001):
+        made = ledgerRow(number)
+        recordBytes[made.ledger_id] = 9 + made.ByteSize()
+        box.record(made)
+        clock.advance(0.0005)
+        size = path.stat().st_size
+        waiting = sum(recordBytes[each.ledger_id] for each in box._queue)
+        assert box.waiting > 0
+        assert size <= len(JOURNAL_MAGIC) + threshold + waiting, (number, size, waiting)
+        if size < previous:
+            compactions += 1
+        previous = size
+        largest = max(largest, size)
+    assert Slow.answered > 100
+    # 20,000 rows of about 150 bytes: some 3 MB went through the journal.
+    assert compactions >= 20 and largest < 2 * threshold
+    # Killed now: exactly the rows not acknowledged come back.
+    unacknowledged = [each.ledger_id for each in box._queue]
+    assert unacknowledged
+    assert [each.ledger_id for each in UsageJournal(str(path)).open()] == unacknowledged
+
+
+# One process per journal
+
+
+HOLDER = """
+import sys
+from svcd.proxy.usage.outbox import UsageJournal
+try:
+    UsageJournal(sys.argv[1]).open()
+except Exception as error:
+    print("refused:", error, flush=True)
+    raise SystemExit(1)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_aJournalHeldByAnotherProcessIsRefused(tmp_path: Path) -> None:
+    """
+    While another process holds a journal, open() is refused with an
+    error naming the journal and its lock file (and the holder's pid);
+    once that process is gone, the journal opens.
+    """
+    path = tmp_path / "usage.journal"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(JournalError) as refused:
+            UsageJournal(str(path)).open()
+        message = str(refused.value)
+        assert repr(str(path)) in message and "held by another process" in message
+        assert f"(pid {holder.pid})" in message and repr(str(path) + ".lock") in message
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(30)
+    journal = UsageJournal(str(path))
+    assert journal.open() == []
+    journal.close()
+
+
+def test_theLockOutlivesCompaction(tmp_path: Path) -> None:
+    """
+    Compaction replaces the journal file by a rename; the lock (on a file
+    of its own) still keeps another process out afterwards.
+    """
+    path = tmp_path / "usage.journal"
+    sender = FakeSender()
+    box = outbox(sender, Clock(), journal=UsageJournal(str(path), compactBytes=100))
+    for number in range(1, 5):
+        box.record(ledgerRow(number))
+    sender.acknowledge()
+    sender.acknowledge()
+    # Rewritten (through <path>.compacting, renamed over it).
+    assert path.read_bytes() == JOURNAL_MAGIC
+    other = subprocess.run(
+        [sys.executable, "-c", HOLDER, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert other.returncode == 1
+    assert "held by another process" in other.stdout

@@ -811,9 +811,10 @@ class UsageOutbox:
                     self._onRecorded(committed)
                 except Exception:
                     self.log.failure("onRecorded failed for {rows} row(s)", rows=len(committed))
-        if not self._queue:
+        if self._queue:
+            self._sendAfterLinger()
+        else:
             self._fireEmptied()
-        self._sendAfterLinger()
 
     def _setAside(self, row: auth_pb2.UsageRow, reason: str, detail: str) -> None:
         """
