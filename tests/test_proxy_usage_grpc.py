@@ -9,16 +9,19 @@ attempts with UNAVAILABLE, and when it hangs past the client's deadline
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 import pytest_twisted
+from google.protobuf import json_format
 
 from svcd.pb.auth.v1 import auth_pb2
 from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.usage.outbox import UsageOutbox
+from svcd.proxy.usage.outbox import UsageJournal, UsageOutbox
 from svcd.proxy.validation.client import CHANNEL_OPTIONS, GrpcAuthClient
 from svcd.testing.fakeauth import LedgerAuth, servingAuth
 
@@ -144,3 +147,107 @@ async def test_recordUsageDeadlineAndCancel(ledger: Any) -> None:
         await call
     response = await client.recordUsage([row(3)])
     assert (response.recorded, response.duplicates) == (1, 0)
+
+
+class RejectingAuth(LedgerAuth):
+    """
+    svc-auth as issue 28 makes it: a row it cannot hold (here, negative
+    prompt tokens) is listed in C{rejected} as "invalid" and the others are
+    committed. With C{wholeBatch}, an older svc-auth instead: the whole
+    batch fails with INVALID_ARGUMENT.
+    """
+
+    def __init__(self, wholeBatch: bool) -> None:
+        super().__init__()
+        self.wholeBatch = wholeBatch
+
+    def RecordUsage(self, request: Any, context: grpc.ServicerContext) -> Any:
+        bad = [index for index, each in enumerate(request.rows) if each.prompt_tokens < 0]
+        if bad and self.wholeBatch:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"rows[{bad[0]}].prompt_tokens must not be negative",
+            )
+        good = auth_pb2.RecordUsageRequest(
+            rows=[each for index, each in enumerate(request.rows) if index not in bad]
+        )
+        response = super().RecordUsage(good, context)
+        response.rejected.extend(
+            auth_pb2.RejectedUsageRow(
+                index=index, reason="invalid", detail="prompt_tokens must not be negative"
+            )
+            for index in bad
+        )
+        return response
+
+
+@pytest.mark.parametrize("wholeBatch", [False, True], ids=["rejected", "invalid_argument"])
+@pytest_twisted.ensureDeferred
+async def test_poisonRowSetAsideOthersRecorded(wholeBatch: bool, tmp_path: Path) -> None:
+    """
+    Two rows svc-auth cannot hold among 1,200 good ones, whether it lists
+    them as rejected or (an older svc-auth) fails their whole batch with
+    INVALID_ARGUMENT: every good row is recorded, in order; the bad ones
+    are in the rejects file beside the journal; the outbox is empty and
+    has room (forwarding goes on); after a restart neither comes back from
+    the journal.
+    """
+    from twisted.internet import reactor
+
+    servicer = RejectingAuth(wholeBatch)
+    path = tmp_path / "usage.journal"
+    poisoned = {250, 777}
+    with servingAuth(servicer, workers=8) as port:
+        metrics = ProxyMetrics()
+        client = GrpcAuthClient(
+            lambda: grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS),
+            reactor,
+            reactor,
+            2.0,
+            metrics,
+            usageTimeout=5.0,
+        )
+        client.start()
+        try:
+            outbox = UsageOutbox(
+                client,
+                reactor,
+                metrics,
+                journal=UsageJournal(str(path)),
+                firstRetry=0.05,
+                lastRetry=0.5,
+            )
+            outbox.start()
+            for number in range(1, 1201):
+                made = row(number)
+                if number in poisoned:
+                    made.prompt_tokens = -number
+                outbox.record(made)
+            assert await outbox.flush(FLUSH_BOUND) == 0
+            assert outbox.waiting == 0 and outbox.hasRoom()
+            # Forwarding was never blocked: a row recorded now goes too.
+            outbox.record(row(1201))
+            assert await outbox.flush(FLUSH_BOUND) == 0
+            assert outbox.close() == 0
+        finally:
+            client.close()
+    assert servicer.recorded() == [
+        row(number).request_id for number in range(1, 1202) if number not in poisoned
+    ]
+    lines = [
+        json.loads(line) for line in (tmp_path / "usage.journal.rejects").read_text().splitlines()
+    ]
+    assert [
+        json_format.ParseDict(line["row"], auth_pb2.UsageRow()).request_id for line in lines
+    ] == [row(number).request_id for number in sorted(poisoned)]
+    assert {line["reason"] for line in lines} == {"invalid"}
+    assert all("prompt_tokens must not be negative" in line["detail"] for line in lines)
+    assert (
+        metrics.registry.get_sample_value(
+            "svc_proxy_usage_rows_rejected_total", {"reason": "invalid"}
+        )
+        == 2
+    )
+    restarted = UsageJournal(str(path))
+    assert restarted.open() == []
+    restarted.close()
