@@ -10,17 +10,23 @@ unacknowledged are sent by the next start.
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
 import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 
+from svcd.pb.auth.v1 import auth_pb2
 from svcd.proxy.testing import newToken
-from svcd.testing.daemons import Daemon
+from svcd.proxy.usage.outbox import UsageJournal
+from svcd.testing.daemons import Daemon, twistdCommand
 from svcd.testing.fakeauth import LedgerAuth, servingAuth
 from svcd.testing.servers import freePort
 from svcd.testing.upstream import ScriptedUpstream
@@ -59,9 +65,10 @@ def proxyEnvironment(
     }
 
 
-def chat(daemon: Daemon) -> str:
+def chat(daemon: Daemon, requestID: str | None = None) -> str:
     """
-    One answered chat request; its request id (the row's key).
+    One answered chat request (with C{requestID} as its X-Request-ID, when
+    given); its request id.
     """
     request = urllib.request.Request(
         daemon.url("/v1/chat/completions"),
@@ -72,6 +79,7 @@ def chat(daemon: Daemon) -> str:
             "Authorization": "Bearer " + newToken(),
             "X-SVC-Agent-ID": str(uuid.uuid4()),
             "Content-Type": "application/json",
+            **({"X-Request-ID": requestID} if requestID else {}),
         },
         method="POST",
     )
@@ -188,3 +196,120 @@ def test_killedProxyResendsFromItsJournal(
         assert again.terminate() == 0
     assert "3 row(s) not acknowledged by svc-auth; sending them first" in again.output()
     assert servicer.recorded() == requestIDs
+
+
+def test_aSecondProxyWithTheSameJournalRefusesToStart(
+    ledgerAuth: tuple[LedgerAuth, int], scriptedUpstream: ScriptedUpstream, tmp_path: Path
+) -> None:
+    """
+    Only one process may hold a journal: with one svc-proxy running on
+    SVC_USAGE_JOURNAL, a second one naming the same file (another port)
+    exits 1 with one line naming it, and the first goes on recording.
+    """
+    servicer, grpcPort = ledgerAuth
+    journal = tmp_path / "usage.journal"
+    environment = proxyEnvironment(
+        tmp_path, scriptedUpstream, grpcPort, SVC_USAGE_JOURNAL=str(journal)
+    )
+    first = Daemon("svc-proxy", environment, tmp_path / "first.log").start()
+    try:
+        first.waitForHealth()
+        variables = {
+            name: value
+            for name, value in os.environ.items()
+            if not name.startswith(("SVC_", "REDIS"))
+        }
+        second = subprocess.run(
+            twistdCommand("svc-proxy"),
+            env={**variables, **environment, "SVC_PORT": str(freePort())},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tmp_path,
+            check=False,
+        )
+        assert second.returncode == 1, second.stderr
+        [line] = [each for each in second.stderr.splitlines() if "cannot start" in each]
+        assert line.startswith("svc-proxy: cannot start: ")
+        assert repr(str(journal)) in line and "held by another process" in line
+        assert "Traceback" not in second.stderr + second.stdout
+        requestID = chat(first)
+        waitUntil(lambda: servicer.recorded() == [requestID], "the row at svc-auth", first)
+    finally:
+        assert first.terminate() == 0
+
+
+class RefusingAuth(LedgerAuth):
+    """
+    svc-auth with per-row rejects (issue 28): the rows of the request ids
+    in C{refuse} are listed as rejected ("invalid"); C{refused} counts how
+    often it saw them.
+    """
+
+    def __init__(self, refuse: set[str]) -> None:
+        super().__init__()
+        self.refuse = refuse
+        self.refused = 0
+
+    def RecordUsage(self, request: Any, context: grpc.ServicerContext) -> Any:
+        bad = [index for index, each in enumerate(request.rows) if each.request_id in self.refuse]
+        self.refused += len(bad)
+        good = auth_pb2.RecordUsageRequest(
+            rows=[each for index, each in enumerate(request.rows) if index not in bad]
+        )
+        response = super().RecordUsage(good, context)
+        response.rejected.extend(
+            auth_pb2.RejectedUsageRow(index=index, reason="invalid", detail="refused by the test")
+            for index in bad
+        )
+        return response
+
+
+def test_aRejectedRowIsSetAsideAndNeverSentAgain(
+    scriptedUpstream: ScriptedUpstream, tmp_path: Path
+) -> None:
+    """
+    A row svc-auth rejects does not hold up the others: they are recorded,
+    it is in <journal>.rejects, and after a kill -9 and a restart it is not
+    sent again from the journal.
+    """
+    refused = str(uuid.uuid4())
+    servicer = RefusingAuth({refused})
+    journal = tmp_path / "usage.journal"
+    with servingAuth(servicer) as grpcPort:
+        environment = proxyEnvironment(
+            tmp_path, scriptedUpstream, grpcPort, SVC_USAGE_JOURNAL=str(journal)
+        )
+        proxy = Daemon("svc-proxy", environment, tmp_path / "first.log").start()
+        try:
+            proxy.waitForHealth()
+            first = chat(proxy)
+            assert chat(proxy, requestID=refused) == refused
+            last = chat(proxy)
+            waitUntil(lambda: servicer.recorded() == [first, last], "the good rows", proxy)
+            # Every row acknowledged in the journal before the kill.
+            waitUntil(
+                lambda: UsageJournal(str(journal))._replay(journal.read_bytes()) == [],
+                "the acknowledgements in the journal",
+                proxy,
+            )
+            proxy.signal(signal.SIGKILL)
+            assert proxy.process is not None
+            assert proxy.process.wait(WAIT) == -signal.SIGKILL
+        finally:
+            proxy.terminate()
+        [line] = (tmp_path / "usage.journal.rejects").read_text().splitlines()
+        rejected = json.loads(line)
+        assert rejected["row"]["request_id"] == refused
+        assert (rejected["reason"], rejected["detail"]) == ("invalid", "refused by the test")
+        assert "rejected usage row" in proxy.output() and "refused by the test" in proxy.output()
+
+        again = Daemon("svc-proxy", environment, tmp_path / "second.log").start()
+        try:
+            again.waitForHealth()
+            another = chat(again)
+            waitUntil(lambda: servicer.recorded() == [first, last, another], "the next row", again)
+        finally:
+            assert again.terminate() == 0
+    assert servicer.refused == 1
+    assert "sending them first" not in again.output()

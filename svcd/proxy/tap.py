@@ -18,6 +18,7 @@ import os
 import sys
 import time
 from collections.abc import Mapping
+from typing import NoReturn
 
 from prometheus_client import CollectorRegistry
 from twisted.internet.interfaces import IReactorFromThreads
@@ -39,7 +40,7 @@ from svcd.proxy.limits.limiter import RedisRateLimiter, makeRateLimiter
 from svcd.proxy.listening import ProxyPort
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.service import ClosableAuthClient, Dependency, ProxyService
-from svcd.proxy.usage.outbox import UsageJournal, UsageOutbox
+from svcd.proxy.usage.outbox import JournalError, UsageJournal, UsageOutbox
 from svcd.proxy.validation.cache import CachingAuthClient, ValidationCache
 from svcd.proxy.validation.client import AuthClient, GrpcAuthClient, authChannel
 from svcd.proxy.validation.feed import ChangeFeed
@@ -171,12 +172,21 @@ def makeService(options: Options) -> LoggingRootService:
         )
         # Decisions D12: each forwarded request's usage row waits here until
         # svc-auth has committed it. Nothing forwarded, no ledger.
+        journal = None
+        if config.usageJournal:
+            journal = UsageJournal(config.usageJournal)
+            try:
+                # One process per journal (D12, amended): a second proxy
+                # naming it stops here, in one line, before anything starts.
+                journal.hold()
+            except JournalError as error:
+                _cannotStart(str(error))
         outbox = UsageOutbox(
             grpcAuth,
             reactor,
             metrics,
             maxRows=config.usageOutboxMax,
-            journal=UsageJournal(config.usageJournal) if config.usageJournal else None,
+            journal=journal,
             # The limiter learns which reservations' spend is in the ledger
             # (decisions D12, amended); a limiter without the method (before
             # the limiter's change is merged) is told nothing.
@@ -207,3 +217,14 @@ def makeService(options: Options) -> LoggingRootService:
     exitZeroOnStopSignals(reactor)
     settleHeapWhenRunning(reactor)
     return root
+
+
+def _cannotStart(reason: str) -> NoReturn:
+    """
+    Stop a daemon being built: one line on stderr, exit status 1 (as
+    L{Options.postOptions} does for a bad variable).
+    """
+    stderr = sys.__stderr__ or sys.stderr
+    stderr.write(f"svc-proxy: cannot start: {reason}\n")
+    stderr.flush()
+    raise SystemExit(1)

@@ -299,6 +299,17 @@ class UsageJournal:
     def lockPath(self) -> str:
         return self.path + ".lock"
 
+    def hold(self) -> None:
+        """
+        Take the journal's lock for the rest of the process's life (see
+        L{holdJournalLock}); L{open} does too. The daemon calls this as it
+        is built, so that a second proxy on the same journal stops before
+        anything starts.
+
+        @raise JournalError: when another process holds it.
+        """
+        holdJournalLock(self.path)
+
     def open(self) -> list[auth_pb2.UsageRow]:
         """
         Take the journal's lock, read the journal, rewrite it with only the
@@ -308,7 +319,7 @@ class UsageJournal:
         @raise JournalError: when another process holds the journal, or the
             file is not a journal or cannot be read or written.
         """
-        holdJournalLock(self.path)
+        self.hold()
         try:
             with open(self.path, "rb") as existing:
                 data = existing.read()
