@@ -112,6 +112,11 @@ def test_svcctlBudgetSetShowClear(migratedDSN: str, owner: Store) -> None:
         (("--usd", "0", "--period", "day"), "more than zero", 2),
         (("--usd", "0.0000000001", "--period", "day"), "--usd", 2),
         (("--usd", "9000000.000000001", "--period", "day"), "at most", 2),
+        # Amounts of money are ASCII decimals (decisions D12, amended):
+        # fullwidth and Arabic-Indic "20" would be read as 20 dollars.
+        (("--usd", "\uff12\uff10", "--period", "day"), "decimal string", 2),
+        (("--usd", "\u0662\u0660", "--period", "day"), "decimal string", 2),
+        (("--usd", "1_000", "--period", "day"), "decimal string", 2),
         (("--usd", "5", "--period", "week"), "invalid choice", 2),
         (
             (

@@ -14,6 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from twisted.logger import LogLevel
 
+from svcd.auth.callers import DenialLog
 from svcd.auth.config import AuthConfig
 from svcd.auth.grpcservice import AuthMetrics
 from svcd.common import config
@@ -142,6 +143,8 @@ def test_otherDefaults() -> None:
     assert _proxy().orgRPM == {} and documented["SVC_RATE_LIMIT_ORG_OVERRIDES"] == "empty"
     assert _proxy().providers is None and documented["SVC_PROVIDERS_FILE"] == "unset"
     assert _proxy().usageJournal is None and documented["SVC_USAGE_JOURNAL"] == "unset"
+    assert _auth().internalSubjects is None
+    assert documented["SVC_GRPC_INTERNAL_SUBJECTS"] == "unset"
     for required in ("POSTGRES_DSN", "SVC_AUTH_GRPC_ADDR"):
         assert documented[required] == "required"
     with pytest.raises(config.ConfigError):
@@ -157,6 +160,7 @@ def exportedSeries() -> set[str]:
     proxy.register(CollectorMetrics())
     auth = CollectorRegistry()
     AuthMetrics(auth)
+    DenialLog(auth)
     processUpGauge(auth)
     auth.register(CollectorMetrics())
     names = set()

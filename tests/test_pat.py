@@ -82,7 +82,8 @@ def test_permissionNamesAndBitmaps() -> None:
         Permission.TokenCreate | Permission.TokenList
     )
     assert parsePermissions("15") == 15
-    for bad in ("Root", "2**70", str(2**63)):
+    # Digits of other scripts are no bitmap (a fullwidth "16" is not 16).
+    for bad in ("Root", "2**70", str(2**63), "\uff11\uff16", "-\u0661"):
         try:
             parsePermissions(bad)
         except ValueError:

@@ -111,6 +111,9 @@ def test_everyVariable(tmp_path: Path) -> None:
         ("SVC_START_TIMEOUT", "0s"),
         ("SVC_REDIS_TIMEOUT", "never"),
         ("SVC_REDIS_TIMEOUT", "0ms"),
+        # Digits of other scripts, which float() reads: fullwidth, Arabic-Indic.
+        ("SVC_REDIS_TIMEOUT", "\uff15s"),
+        ("SVC_AUTH_VALIDATE_TIMEOUT", "\u0661\u0660\u0660ms"),
         ("SVC_ENV", "qa"),
         ("SVC_AUTH_GRPC_TLS_CA", "/no/such/ca.pem"),
     ],

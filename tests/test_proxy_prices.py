@@ -42,12 +42,33 @@ def test_parseDollars(text: str, nano: int) -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["", "2,50", "-1", "1e3", "0.0000000001", " 2.50", "2.", ".5", "NaN", "Infinity", "1000001"],
+    [
+        "",
+        "2,50",
+        "-1",
+        "1e3",
+        "0.0000000001",
+        " 2.50",
+        "2.",
+        ".5",
+        "NaN",
+        "Infinity",
+        "1000001",
+        "1_000",
+        # Digits of other scripts, which \d matches and int() reads:
+        # fullwidth "20" and "2.50", Arabic-Indic "20", a mixed "1.5".
+        "\uff12\uff10",
+        "\uff12.\uff15\uff10",
+        "\u0662\u0660",
+        "1.\uff15",
+        "\u00b2",
+    ],
 )
 def test_badDollars(text: str) -> None:
     """
-    Anything but digits with at most 9 decimals (and at most a million
-    dollars per million tokens) is refused.
+    Anything but ASCII digits with at most 9 decimals (and at most a
+    million dollars per million tokens) is refused (decisions D12,
+    amended: amounts of money are ASCII decimals).
     """
     with pytest.raises(BadPrice):
         parseDollars(text)
@@ -211,8 +232,12 @@ def test_priceInTheProvidersFile(tmp_path: Path) -> None:
         ('price = { input = "2.5", output = "-1" }', "price.output must be a decimal string"),
         ('price = { input = "0.0000000001", output = "1" }', "at most 9 decimals"),
         ('price = "2.50"', "price must be a table"),
+        (
+            'price = { input = "\uff12.\uff15\uff10", output = "10" }',
+            "price.input must be a decimal string",
+        ),
     ],
-    ids=["float", "no output", "unknown key", "negative", "too fine", "not a table"],
+    ids=["float", "no output", "unknown key", "negative", "too fine", "not a table", "fullwidth"],
 )
 def test_badPriceStopsTheProxy(tmp_path: Path, price: str, fault: str) -> None:
     """

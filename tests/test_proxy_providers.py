@@ -595,6 +595,18 @@ CONTENT_FAULTS: list[tuple[str, list[dict[str, Any]], list[dict[str, Any]], str]
         'provider "local": idle_timeout must be at most 3600s (one hour), got "61m"',
     ),
     (
+        "timeout in fullwidth digits",
+        [{**LOCAL, "timeout": "\uff15s"}],
+        [FAST],
+        'provider "local": timeout must be a duration such as 50ms, 2s or 1m, got "\\uff15s"',
+    ),
+    (
+        "max_output_tokens as a string",
+        [LOCAL],
+        [{**FAST, "max_output_tokens": "\uff11\uff10\uff12\uff14"}],
+        'model "fast": max_output_tokens must be an integer, got a string',
+    ),
+    (
         "timeout of another type",
         [{**LOCAL, "timeout": True}],
         [FAST],

@@ -274,6 +274,9 @@ def test_limitsSetShowAndClear(migratedDSN: str) -> None:
         ("--rpm", ""),
         ("--tpm", str(2**63)),
         ("--max-output-tokens", "\u0665"),
+        ("--rpm", "\uff12\uff10"),
+        ("--tpm", "1_000"),
+        ("--max-output-tokens", "4_096"),
     ],
 )
 def test_limitsValuesArePositiveIntegersOrNone(
@@ -330,3 +333,33 @@ def test_limitsRefusals(migratedDSN: str, owner: Store) -> None:
     theirRow = owner.limits(theirs.orgID, theirs.agentID)
     assert theirRow is not None and theirRow.rpm == 7
     assert owner.limits(mine.orgID) is None
+
+
+@pytest.mark.parametrize(
+    "command, flags, mentions",
+    [
+        (("token", "create"), ("--expires-in", "\uff16\uff10"), "--expires-in"),
+        (("token", "create"), ("--expires-in", "6_0"), "--expires-in"),
+        (("token", "create"), ("--permissions", "\uff11"), "unknown permission"),
+        (("usage",), ("--since", "\uff12\uff10\uff12\uff15-06-01"), "--since"),
+        (("usage",), ("--until", "\u0662\u0660\u0662\u0666-01-01"), "--until"),
+    ],
+    ids=["expires-fullwidth", "expires-underscore", "permissions", "since", "until"],
+)
+def test_numbersAreASCIIDigits(
+    migratedDSN: str,
+    owner: Store,
+    command: tuple[str, ...],
+    flags: tuple[str, ...],
+    mentions: str,
+) -> None:
+    """
+    Every number svcctl reads is ASCII digits: int() and strptime also
+    read other scripts' digits (a fullwidth "60" as 60) and int() underscores, which
+    an operator never means. Refused in one line naming the flag, nothing
+    done (no token made, no report).
+    """
+    tenant = makeTenant(owner)
+    result = svcctl(migratedDSN, *command, "--org", str(tenant.orgID), *flags)
+    assert mentions in failure(result)
+    assert len(owner.listTokens(tenant.orgID)) == 1

@@ -11,6 +11,7 @@ from pathlib import Path
 import attrs
 import psycopg
 
+from svcd.auth.callers import BadSubjects, parseSubjects
 from svcd.auth.grpcservice import ServerTLS, isLoopback
 from svcd.common import config
 
@@ -37,6 +38,10 @@ class AuthConfig:
     serviceName: str = "svc-auth"
     errorDocsBase: str | None = None
     tls: ServerTLS | None = None
+    # The client certificates (common name or DNS name) that may call
+    # RecordUsage, GetSpend and WatchChanges; set exactly when mutual TLS
+    # is (see svcd.auth.callers).
+    internalSubjects: frozenset[str] | None = None
 
     @classmethod
     def fromEnvironment(cls, environ: Mapping[str, str]) -> "AuthConfig":
@@ -52,6 +57,7 @@ class AuthConfig:
         )
         grpcHost = config.text(environ, "SVC_GRPC_HOST", "127.0.0.1")
         tls = _serverTLS(environ)
+        internalSubjects = _internalSubjects(environ, tls)
         if environment == "production" and tls is None and not isLoopback(grpcHost):
             raise config.ConfigError(
                 "SVC_GRPC_HOST",
@@ -81,6 +87,7 @@ class AuthConfig:
             serviceName=config.text(environ, "SVC_SERVICE_NAME", "svc-auth") or "svc-auth",
             errorDocsBase=config.text(environ, "SVC_ERROR_DOCS_BASE", "") or None,
             tls=tls,
+            internalSubjects=internalSubjects,
         )
 
 
@@ -109,3 +116,37 @@ def _serverTLS(environ: Mapping[str, str]) -> ServerTLS | None:
     if key is None:
         raise config.ConfigError("SVC_GRPC_TLS_KEY", "is required with SVC_GRPC_TLS_CERT")
     return ServerTLS(certificate=certificate, privateKey=key, clientCA=clientCA)
+
+
+_SUBJECTS = "SVC_GRPC_INTERNAL_SUBJECTS"
+
+
+def _internalSubjects(environ: Mapping[str, str], tls: ServerTLS | None) -> frozenset[str] | None:
+    """
+    The names of C{SVC_GRPC_INTERNAL_SUBJECTS}, required with mutual TLS
+    and refused without it: unset with mutual TLS, every proxy would be
+    denied its ledger, its budgets' spend and its change feed; set without
+    it, there is no client certificate to check, and the list would only
+    seem to protect the internal methods.
+    """
+    raw = config.text(environ, _SUBJECTS, "")
+    mutual = tls is not None and tls.clientCA is not None
+    if not raw:
+        if mutual:
+            raise config.ConfigError(
+                _SUBJECTS,
+                "is required with SVC_GRPC_TLS_CLIENT_CA: name the client certificates "
+                "(common name or DNS name, comma-separated) that may call RecordUsage, "
+                "GetSpend and WatchChanges, such as the proxies'",
+            )
+        return None
+    if not mutual:
+        raise config.ConfigError(
+            _SUBJECTS,
+            "needs mutual TLS (SVC_GRPC_TLS_CERT, SVC_GRPC_TLS_KEY and "
+            "SVC_GRPC_TLS_CLIENT_CA): without client certificates there is no subject to check",
+        )
+    try:
+        return parseSubjects(raw)
+    except BadSubjects as error:
+        raise config.ConfigError(_SUBJECTS, str(error)) from None

@@ -81,7 +81,8 @@ def _permissions(text: str) -> int:
 
 
 def _seconds(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
+    # ASCII digits only: int() also reads other scripts' digits (fullwidth "60", U+FF16 U+FF10).
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
     return int(text)
 
@@ -128,6 +129,13 @@ def _moment(what: str) -> Callable[[str], str]:
     """
 
     def check(text: str) -> str:
+        if not text.isascii():
+            # strptime reads other scripts' digits (a fullwidth 2025):
+            # refused here, worded as parseMoment words any bad bound.
+            raise argparse.ArgumentTypeError(
+                f"{what} must be a date (YYYY-MM-DD) or an RFC 3339 time such as"
+                f" 2025-06-01T00:00:00Z, got {text!r}"
+            )
         try:
             parseMoment(text, what)
         except BadUsage as error:

@@ -12,6 +12,7 @@ import sys
 import time
 from typing import Any
 
+import grpc
 from prometheus_client import CollectorRegistry, Histogram
 from psycopg_pool import ConnectionPool
 from twisted.application.internet import StreamServerEndpointService
@@ -28,6 +29,7 @@ from twisted.python.threadpool import ThreadPool
 from svcd.auth.admission import Bounds, Lane
 from svcd.auth.authority import Authority
 from svcd.auth.cache import ValidationCache
+from svcd.auth.callers import DenialLog, InternalCallersInterceptor, InternalSubjects
 from svcd.auth.config import AuthConfig
 from svcd.auth.feed import FEED_METHOD, ChangeHub, Snapshots
 from svcd.auth.grpcservice import AuthMetrics, AuthServicer, GrpcServerService
@@ -187,16 +189,28 @@ def buildService(
     database = DatabaseService(reactor, pool, listener, threads)
     database.setServiceParent(rootService)
 
+    servicer = AuthServicer(
+        authority,
+        AuthMetrics(registry),
+        hub,
+        Snapshots(store.knownTokenIDs, time.monotonic),
+        limits,
+        budgets,
+    )
+    interceptors: list[grpc.ServerInterceptor] = [interceptor]
+    if settings.internalSubjects is not None:
+        # Before tracing: a denied call gets no span of its own.
+        interceptors.insert(
+            0,
+            InternalCallersInterceptor(
+                InternalSubjects(settings.internalSubjects),
+                DenialLog(registry),
+                answered=servicer.metrics.answered,
+            ),
+        )
     grpcService = GrpcServerService(
         reactor,
-        AuthServicer(
-            authority,
-            AuthMetrics(registry),
-            hub,
-            Snapshots(store.knownTokenIDs, time.monotonic),
-            limits,
-            budgets,
-        ),
+        servicer,
         settings.grpcHost,
         settings.grpcPort,
         # Each change feed stream holds a thread for as long as its proxy
@@ -207,7 +221,7 @@ def buildService(
         ),
         gracePeriod=settings.shutdownTimeout,
         tls=settings.tls,
-        interceptors=[interceptor],
+        interceptors=interceptors,
     )
     grpcService.setServiceParent(rootService)
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m)?\s*$")
+# ASCII digits only: \d also matches other scripts' digits, which float()
+# reads (a fullwidth "5s", U+FF15 "s", would be five seconds).
+_DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m)?\s*$")
 
 
 def _isDecimal(raw: str) -> bool:

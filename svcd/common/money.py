@@ -14,8 +14,10 @@ import re
 
 NANO_PER_DOLLAR = 10**9
 
-# Digits, then at most 9 decimals.
-_DECIMAL = re.compile(r"(\d+)(?:\.(\d{1,9}))?")
+# ASCII digits, then at most 9 decimals (decisions D12, amended): never \d,
+# which also matches other scripts' digits (fullwidth U+FF12 U+FF10,
+# Arabic-Indic U+0662 U+0660), and int() would read those as 20.
+_DECIMAL = re.compile(r"([0-9]+)(?:\.([0-9]{1,9}))?")
 # The default ceiling of parseDollars: far above any model's price
 # (dollars per million tokens).
 MAX_DOLLARS = 1_000_000
@@ -33,8 +35,8 @@ def parseDollars(text: str, maximum: int = MAX_DOLLARS) -> int:
     A decimal string of dollars as nano-dollars, exactly.
 
     @param maximum: the largest amount accepted, in whole dollars.
-    @raise BadDollars: for anything but digits with at most 9 decimals, or
-        a value past C{maximum}.
+    @raise BadDollars: for anything but ASCII digits with at most 9
+        decimals, or a value past C{maximum}.
     """
     match = _DECIMAL.fullmatch(text)
     if match is None:

@@ -33,7 +33,9 @@ def parsePermissions(text: str) -> int:
     @raise ValueError: for an unknown name or an integer outside int64.
     """
     stripped = text.strip()
-    if stripped.lstrip("-").isdigit():
+    digits = stripped.lstrip("-")
+    # ASCII only: int() also reads other scripts' digits (fullwidth "16").
+    if digits.isascii() and digits.isdigit():
         value = int(stripped)
         if not -(2**63) <= value < 2**63:
             raise ValueError(f"permission bitmap {value} does not fit in 64 bits")
