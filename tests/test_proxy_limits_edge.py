@@ -24,6 +24,7 @@ import pytest_twisted
 import treq
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import deferLater
+from twisted.logger import globalLogPublisher
 
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.forwarding.providers import providersFromEnvironment
@@ -818,18 +819,33 @@ async def test_anOverrunIsBilledAsReportedAndCounted(edge: Edge) -> None:
     A provider that answers more than the cap it was sent allows (twice
     it here) is billed as it reported, the overrun counted in
     svc_proxy_reservation_overruns_total, and the budget refuses from then
-    on. Hand count of the body sent: 107 bytes; 100 tokens of cap.
+    on. It is logged with keyword fields (never pre-formatted). Hand count
+    of the body sent: 107 bytes; 100 tokens of cap.
     """
     reserved = 107 * 2500 + 100 * 10_000
     billed = 107 * 2500 + 200 * 10_000
+    events: list[dict[str, Any]] = []
+
+    def observe(event: dict[str, Any]) -> None:
+        if "passed its reservation" in (event.get("log_format") or ""):
+            events.append(event)
+
     edge.limit(orgBudget=Budget(nanoUSD=billed + reserved - 1, period="day"))
-    response, answer = await edge.chat(model="over-cap")
+    globalLogPublisher.addObserver(observe)
+    try:
+        response, answer = await edge.chat(model="over-cap")
+    finally:
+        globalLogPublisher.removeObserver(observe)
     assert response.code == 200
     assert answer["usage"]["completion_tokens"] == 200
     [row] = edge.ledger.rows
     assert row.cost_nano_usd == billed
     await waitFor(lambda: edge.spent() == billed)
     assert edge.metric("svc_proxy_reservation_overruns_total") == 1
+    [event] = events
+    assert (event["model"], event["provider"]) == ("over-cap", "scripted")
+    assert (event["reserved_nano_usd"], event["cost_nano_usd"]) == (reserved, billed)
+    assert (event["ledger_id"], event["org_id"]) == (row.ledger_id, edge.orgID)
     refused, answer = await edge.chat(model="over-cap")
     assert (refused.code, answer["error"]["code"]) == (429, "BUDGET_EXCEEDED")
     # Without a budget there is no bound to pass: nothing is counted.
