@@ -91,9 +91,11 @@ MODELS: dict[str, tuple[str, dict[str, str] | None]] = {
     # Fails, then its fallback answers (the row names both).
     "flaky": ("status:503", PRICE_D),
     "free": ("usage:10:5", None),
-    # Usage equal to the reservation of BUDGET_BODY: a budget's count after
-    # settlement is exactly what was reserved.
-    "budgeted": ("usage:25:100", PRICE_A),
+    # Usage equal to the reservation of BUDGET_BODY: the most the request
+    # allows (decisions D12, amended: every byte sent a token of prompt,
+    # the cap of answer), so a budget's count after settlement is exactly
+    # what was reserved.
+    "budgeted": ("usage-at-cap", PRICE_A),
     # Usage below the reservation, answered late so that a burst is in
     # flight at once.
     "frugal": ("slow:1500+usage:5:20", PRICE_A),
@@ -101,10 +103,13 @@ MODELS: dict[str, tuple[str, dict[str, str] | None]] = {
 FALLBACKS = {"flaky": ["plain"]}
 
 MESSAGE = "hello there"
-# The reservation of a request of BUDGET_BODY (decisions D11): a prompt of
-# 63 bytes is 21 tokens, plus 4 for its one message; max_tokens 100.
+# The budget's worst case of a request of BUDGET_BODY (decisions D12,
+# amended): one token per byte of the body the model "budgeted" is sent,
+# counted by hand: 62 bytes up to the content ({"model":"usage-at-cap",
+# "messages":[{"role":"user","content":"), its 63, then 21
+# ("}],"max_tokens":100}); max_tokens 100.
 BUDGET_CONTENT = "x" * 63
-BUDGET_PROMPT, BUDGET_OUTPUT = 25, 100
+BUDGET_PROMPT, BUDGET_OUTPUT = 62 + 63 + 21, 100
 
 LEDGER_COLUMNS = (
     "request_id",
@@ -735,6 +740,22 @@ def budgetBody(model: str = "budgeted") -> bytes:
     return chatBody(model, BUDGET_CONTENT, max_tokens=BUDGET_OUTPUT)
 
 
+def sentLength(model: str) -> int:
+    """
+    The bytes budgetBody(model) is forwarded as: compact, the model's
+    upstream name in place, the client's cap kept (nothing added).
+    """
+    sent = {
+        "model": MODELS[model][0],
+        "messages": [{"role": "user", "content": BUDGET_CONTENT}],
+        "max_tokens": BUDGET_OUTPUT,
+    }
+    return len(json.dumps(sent, separators=(",", ":")))
+
+
+assert sentLength("budgeted") == BUDGET_PROMPT
+
+
 @attrs.frozen
 class Received:
     answer: Answer
@@ -836,7 +857,8 @@ def test_answersCheaperThanReservedNeverPassTheBudget(stack: Stack) -> None:
     spend still never passes the budget.
     """
     tenant = stack.tenant("frugal")
-    budget = 5 * WORST_CASE + 1
+    # Its upstream model's name is longer than "budgeted"'s: so is its body.
+    budget = 5 * nanoCost(PRICE_A, sentLength("frugal"), 0, BUDGET_OUTPUT) + 1
     stack.budget(tenant, budget)
     stack.seenEverywhere()
     received = burst(stack, tenant, budgetBody("frugal"))

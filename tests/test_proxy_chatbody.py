@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from svcd.common.errors import ApiError, ErrorCode
-from svcd.proxy.http.chatbody import MAX_CONTENT_BYTES, ROLES, parseChatBody
+from svcd.proxy.http.chatbody import MAX_CHOICES, MAX_CONTENT_BYTES, ROLES, parseChatBody
 
 
 def encode(document: Any) -> bytes:
@@ -247,14 +247,39 @@ def test_loneSurrogateRefused() -> None:
         ("max_tokens", 10.0),
         ("max_tokens", False),
         ("max_tokens", "10"),
+        ("max_tokens", 0),
+        ("max_tokens", -5),
+        ("max_completion_tokens", 1.5),
+        ("max_completion_tokens", True),
+        ("max_completion_tokens", "4096"),
+        ("max_completion_tokens", 0),
+        ("n", 2.0),
+        ("n", True),
+        ("n", "2"),
+        ("n", 0),
+        ("n", -1),
     ],
 )
 def test_optionalTypes(field: str, value: Any) -> None:
     """
     stream a boolean, temperature a number (booleans are not numbers),
-    max_tokens an integer.
+    max_tokens, max_completion_tokens and n integers of at least 1
+    (decisions D12, amended: a cap or a count of choices the gateway cannot
+    read is one a budget cannot bound).
     """
     assert fieldErrors(encode(valid(**{field: value}))) == [(field, "INVALID_FORMAT")]
+
+
+def test_capsAndChoicesAreParsed() -> None:
+    """
+    Both caps and n are kept for the budget's worst case; n defaults to 1
+    and may be at most 128 (OpenAI's bound), past which it is TOO_MANY.
+    """
+    chat = parseChatBody(encode(valid(max_tokens=7, max_completion_tokens=9, n=128)))
+    assert (chat.maxTokens, chat.maxCompletionTokens, chat.choices) == (7, 9, 128)
+    assert parseChatBody(encode(valid())).choices == 1
+    assert parseChatBody(encode(valid(n=None))).choices == 1
+    assert fieldErrors(encode(valid(n=129))) == [("n", "TOO_MANY")]
 
 
 def test_allErrorsTogether() -> None:
@@ -291,7 +316,11 @@ validBodies = st.fixed_dictionaries(
     optional={
         "stream": st.booleans(),
         "temperature": st.one_of(st.integers(), st.floats(allow_nan=False, allow_infinity=False)),
-        "max_tokens": st.integers(),
+        # Decisions D12, amended: a cap is at least 1 (its ceiling is the
+        # model's, checked by the edge); n from 1 to 128, as OpenAI's.
+        "max_tokens": st.integers(min_value=1),
+        "max_completion_tokens": st.integers(min_value=1),
+        "n": st.integers(min_value=1, max_value=MAX_CHOICES),
         "extra": st.text(),
     },
 )
@@ -311,6 +340,9 @@ def test_validBodiesParse(document: dict[str, Any]) -> None:
     chat = parseChatBody(encode(document))
     assert chat.model == document["model"]
     assert chat.messages == document["messages"]
+    assert chat.maxTokens == document.get("max_tokens")
+    assert chat.maxCompletionTokens == document.get("max_completion_tokens")
+    assert chat.choices == document.get("n", 1)
 
 
 @settings(max_examples=300, deadline=None)

@@ -25,7 +25,7 @@ from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
 
 from svcd.common.errors import ErrorCode
-from svcd.proxy.forwarding.providers import Provider
+from svcd.proxy.forwarding.providers import Model, Provider
 from svcd.proxy.forwarding.relay import (
     MAX_EVENT_BYTES,
     BodyReader,
@@ -33,7 +33,7 @@ from svcd.proxy.forwarding.relay import (
     StreamRelay,
     Usage,
 )
-from svcd.proxy.forwarding.upstream import _refusal
+from svcd.proxy.forwarding.upstream import _refusal, attemptBody
 
 FIRST = 5.0
 IDLE = 2.0
@@ -496,3 +496,33 @@ def test_howAStreamIsSplitIntoReadsChangesNothing(
         if end > start:
             split.relay.dataReceived(stream[start:end])
     assert b"".join(split.client.written) == b"".join(whole.client.written)
+
+
+# The body of each attempt (decisions D12, amended).
+
+
+def test_attemptBodyAddsTheCapUnderTheModelsField() -> None:
+    """
+    With a cap, each model is sent it under its own cap_field, never more
+    than its own ceiling; without one, the client's object goes as it was
+    (model replaced, include_usage asked for a stream), keys in order.
+    """
+    provider = Provider(name="p", baseURL="http://127.0.0.1:1/v1")
+    newer = Model("new", provider, "up-new", maxOutputTokens=200)
+    older = Model("old", provider, "up-old", capField="max_tokens")
+    document = {"model": "new", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    assert attemptBody(document, newer) == (
+        b'{"model":"up-new","messages":[{"role":"user","content":"hi"}],"stream":true,'
+        b'"stream_options":{"include_usage":true}}'
+    )
+    assert json.loads(attemptBody(document, newer, 300))["max_completion_tokens"] == 200
+    sent = json.loads(attemptBody(document, older, 300))
+    assert (sent["max_tokens"], "max_completion_tokens" in sent) == (300, False)
+    # Past the default ceiling (no max_output_tokens), the ceiling.
+    assert json.loads(attemptBody(document, older, 10**9))["max_tokens"] == 1_048_576
+    # The client's object is never changed in place.
+    assert document == {
+        "model": "new",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+    }

@@ -23,6 +23,7 @@ from twisted.internet.defer import Deferred, fail, gatherResults, succeed
 
 from svcd.pb.auth.v1 import auth_pb2
 from svcd.proxy.config import parseRedisURL
+from svcd.proxy.http.chatbody import parseChatBody
 from svcd.proxy.limits.book import NO_LIMITS, Applicable, BudgetRow, LimitBook, LimitsRow
 from svcd.proxy.limits.limiter import (
     _ADMIT_SCRIPT,
@@ -40,7 +41,12 @@ from svcd.proxy.limits.limiter import (
     packAdmitArguments,
     parseAdmitReply,
 )
-from svcd.proxy.limits.reservation import DEFAULT_OUTPUT_CAP, outputCap, promptEstimate
+from svcd.proxy.limits.reservation import (
+    DEFAULT_OUTPUT_CAP,
+    namedCap,
+    outputCap,
+    promptEstimate,
+)
 from svcd.proxy.records import Budget, Limits, Reservation
 from svcd.proxy.testing import MemoryCounters
 from svcd.proxy.validation.client import limitsOf
@@ -767,3 +773,16 @@ async def test_aLedgerThatCannotAnswerFailsOpen(redisURL: str) -> None:
         assert len(ledger.asked) == 2
     finally:
         await limiter.stop()
+
+
+def test_namedCapIsTheLargerOfBoth() -> None:
+    """
+    Decisions D12, amended: a request naming both caps is bounded by the
+    larger (a provider may honour either); naming none, None (the budget
+    then sends the cap it assumes).
+    """
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "x"}]'
+    assert namedCap(parseChatBody(body + b"}")) is None
+    assert namedCap(parseChatBody(body + b', "max_tokens": 9}')) == 9
+    assert namedCap(parseChatBody(body + b', "max_completion_tokens": 9, "max_tokens": 30}')) == 30
+    assert namedCap(parseChatBody(body + b', "max_completion_tokens": 40, "max_tokens": 30}')) == 40

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ import pytest_twisted
 import treq
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import deferLater
+from twisted.logger import globalLogPublisher
 
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.forwarding.providers import providersFromEnvironment
@@ -58,6 +60,9 @@ class Edge:
     orgID: str
     agentID: str
     ledger: MemoryLedger
+    upstream: ScriptedUpstream
+    # The ledger id each call of the limiter's hit() was given.
+    ledgerIDs: list[str | None]
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
@@ -105,6 +110,15 @@ class Edge:
         content = await response.content()
         return response, json.loads(content) if not extra.get("stream") else {"raw": content}
 
+    async def post(
+        self, body: bytes, headers: dict[str, str] | None = None
+    ) -> tuple[Any, dict[str, Any]]:
+        response = await treq.post(
+            self.url("/v1/chat/completions"), body, headers={**self.headers(), **(headers or {})}
+        )
+        content = await response.content()
+        return response, json.loads(content) if content.startswith(b"{") else {"raw": content}
+
 
 @pytest_twisted.async_yield_fixture
 async def edge(tmp_path: Path, scriptedUpstream: ScriptedUpstream) -> AsyncIterator[Edge]:
@@ -149,6 +163,59 @@ provider = "scripted"
 upstream_model = "echo"
 max_output_tokens = 100
 price = {{ input = "2.50", output = "10.00", cached_input = "1.25" }}
+
+[[models]]
+name = "cheap"
+provider = "scripted"
+upstream_model = "echo"
+max_output_tokens = 100
+price = {{ input = "1.00", output = "2.00" }}
+fallbacks = ["dear"]
+
+[[models]]
+name = "dear"
+provider = "scripted"
+upstream_model = "echo"
+max_output_tokens = 100
+price = {{ input = "3.00", output = "30.00" }}
+
+[[models]]
+name = "old-api"
+provider = "scripted"
+upstream_model = "status:503"
+cap_field = "max_tokens"
+max_output_tokens = 300
+price = {{ input = "1.00", output = "1.00" }}
+fallbacks = ["new-api"]
+
+[[models]]
+name = "new-api"
+provider = "scripted"
+upstream_model = "echo"
+max_output_tokens = 200
+price = {{ input = "1.00", output = "1.00" }}
+
+[[models]]
+name = "priced-broken"
+provider = "scripted"
+upstream_model = "status:503"
+max_output_tokens = 50
+price = {{ input = "1.00", output = "1.00" }}
+fallbacks = ["echo"]
+
+[[models]]
+name = "at-cap"
+provider = "scripted"
+upstream_model = "usage-at-cap"
+max_output_tokens = 100
+price = {{ input = "2.50", output = "10.00" }}
+
+[[models]]
+name = "over-cap"
+provider = "scripted"
+upstream_model = "usage-over-cap"
+max_output_tokens = 100
+price = {{ input = "2.50", output = "10.00" }}
 """
     )
     providers = providersFromEnvironment({"SVC_PROVIDERS_FILE": str(providersFile)}, time.time)
@@ -162,6 +229,20 @@ price = {{ input = "2.50", output = "10.00", cached_input = "1.25" }}
     limiter = RedisRateLimiter(
         counters, reactor, config.defaultRPM, book=book, spend=lambda *_: succeed(0)
     )
+    ledgerIDs: list[str | None] = []
+    hit = limiter.hit
+
+    async def spiedHit(
+        orgID: str,
+        agentID: str | None,
+        tokens: int = 0,
+        cost: int = 0,
+        ledgerID: str | None = None,
+    ) -> Any:
+        ledgerIDs.append(ledgerID)
+        return await hit(orgID, agentID, tokens, cost, ledgerID=ledgerID)
+
+    limiter.hit = spiedHit  # type: ignore[method-assign]
     forwarder = Forwarder(reactor, reactor, tuple(providers.providers.values()), metrics)
     ledger = MemoryLedger()
     proxyEdge = ProxyEdge(
@@ -171,7 +252,17 @@ price = {{ input = "2.50", output = "10.00", cached_input = "1.25" }}
     port = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(site)
     try:
         yield Edge(
-            port.getHost().port, auth, counters, book, metrics, token, orgID, agentID, ledger
+            port.getHost().port,
+            auth,
+            counters,
+            book,
+            metrics,
+            token,
+            orgID,
+            agentID,
+            ledger,
+            scriptedUpstream,
+            ledgerIDs,
         )
     finally:
         await port.stopListening()
@@ -422,17 +513,43 @@ async def test_aBudgetIsSettledToTheCostOfTheAnswer(edge: Edge) -> None:
     await waitFor(lambda: edge.spent() == cost)
 
 
+# The body "priced" sends upstream under a budget, counted by hand: the
+# client's object, compact, model replaced by its upstream_model, and the
+# cap assumed (the model's max_output_tokens, 100) added as
+# max_completion_tokens: 97 bytes; a stream adds include_usage first.
+PRICED_SENT = (
+    '{"model":"echo","messages":[{"role":"user","content":"hello there"}],'
+    '"max_completion_tokens":100}'
+)
+PRICED_STREAM_SENT = (
+    '{"model":"echo","messages":[{"role":"user","content":"hello there"}],"stream":true,'
+    '"stream_options":{"include_usage":true},"max_completion_tokens":100}'
+)
+
+
+@pytest.mark.parametrize(
+    ("stream", "sent", "length"),
+    [(False, PRICED_SENT, 97), (True, PRICED_STREAM_SENT, 151)],
+    ids=["completion", "stream"],
+)
 @pytest_twisted.ensureDeferred
-async def test_aRequestThatWouldPassTheBudgetIsRefused(edge: Edge) -> None:
+async def test_aRequestThatWouldPassTheBudgetIsRefused(
+    edge: Edge, stream: bool, sent: str, length: int
+) -> None:
     """
     A request whose worst case would pass the budget: 429 BUDGET_EXCEEDED
-    with Retry-After to the day's end, counted as a budget refusal; the
-    worst case is (8 + 100 tokens) at $2.50 and $10.00 a million.
+    with Retry-After to the day's end, counted as a budget refusal. The
+    worst case (decisions D12, amended) is one token per byte of the body
+    sent (97, or 151 for a stream) at $2.50 a million, plus the cap it
+    assumed and sent (100) at $10.00: exactly that much is admitted.
     """
-    worstCase = 8 * 2500 + 100 * 10_000
+    assert len(sent) == length
+    worstCase = length * 2500 + 100 * 10_000
+    extra = {"stream": True} if stream else {}
     edge.limit(orgBudget=Budget(nanoUSD=worstCase - 1, period="day"))
-    response, answer = await edge.chat(model="priced")
+    response, answer = await edge.chat(model="priced", **extra)
     assert response.code == 429
+    answer = json.loads(answer["raw"]) if stream else answer
     assert answer["error"]["code"] == "BUDGET_EXCEEDED"
     assert answer["error"]["detail"] == {"scope": "org"}
     retryAfter = int(header(response, "Retry-After") or 0)
@@ -441,9 +558,327 @@ async def test_aRequestThatWouldPassTheBudgetIsRefused(edge: Edge) -> None:
         abs((time.time() + retryAfter) % 86_400) < 5 or (time.time() + retryAfter) % 86_400 > 86_395
     )
     assert edge.metric("svc_proxy_limit_refusals_total", limit="budget", scope="org") == 1
+    assert edge.upstream.requests() == []
     edge.limit(orgBudget=Budget(nanoUSD=worstCase, period="day"))
-    response, _ = await edge.chat(model="priced")
+    response, _ = await edge.chat(model="priced", **extra)
     assert response.code == 200
+    [forwarded] = edge.upstream.requests()
+    assert forwarded.bodyLength == length
+    assert forwarded.body == json.loads(sent)
+
+
+@pytest_twisted.ensureDeferred
+async def test_theCapIsSentUnderABudgetOnly(edge: Edge) -> None:
+    """
+    Without a budget (no limits, or a token limit only), the client's
+    object goes upstream as it was (decisions D9): no cap is added.
+    """
+    await edge.chat(model="priced")
+    edge.limit(org=Limits(tpm=100_000))
+    await edge.chat(model="priced")
+    bodies = [request.body for request in edge.upstream.requests()]
+    assert [body["model"] for body in bodies] == ["echo", "echo"]
+    assert all("max_completion_tokens" not in body for body in bodies)
+    assert all("max_tokens" not in body for body in bodies)
+
+
+@pytest_twisted.ensureDeferred
+async def test_eachAttemptCarriesTheCapUnderItsOwnField(edge: Edge) -> None:
+    """
+    With fallbacks, each attempt is sent the cap under its own model's
+    cap_field: "old-api" (cap_field max_tokens, 300 at most) fails, then
+    "new-api" (max_completion_tokens, 200 at most) answers; each is sent
+    the cap assumed (300) within its own ceiling, and no other cap key.
+    """
+    edge.limit(orgBudget=Budget(nanoUSD=10**9, period="day"))
+    response, _ = await edge.chat(model="old-api")
+    assert response.code == 200
+    assert header(response, "X-SVC-Upstream-Model") == "new-api"
+    old, new = (request.body for request in edge.upstream.requests())
+    assert (old["model"], old["max_tokens"], "max_completion_tokens" in old) == (
+        "status:503",
+        300,
+        False,
+    )
+    assert (new["model"], new["max_completion_tokens"], "max_tokens" in new) == ("echo", 200, False)
+
+
+@pytest_twisted.ensureDeferred
+async def test_aCapTheClientNamedIsSentAsItIs(edge: Edge) -> None:
+    """
+    A request that names its cap is bound by it: nothing is added, and its
+    worst case is the body's bytes plus that cap (hand count: 85 bytes;
+    20 tokens).
+    """
+    sent = '{"model":"echo","messages":[{"role":"user","content":"hello there"}],"max_tokens":20}'
+    assert len(sent) == 85
+    worstCase = 85 * 2500 + 20 * 10_000
+    edge.limit(orgBudget=Budget(nanoUSD=worstCase - 1, period="day"))
+    refused, _ = await edge.chat(model="priced", max_tokens=20)
+    assert refused.code == 429
+    edge.limit(orgBudget=Budget(nanoUSD=worstCase, period="day"))
+    response, _ = await edge.chat(model="priced", max_tokens=20)
+    assert response.code == 200
+    [forwarded] = edge.upstream.requests()
+    assert forwarded.body == json.loads(sent)
+
+
+@pytest_twisted.ensureDeferred
+async def test_choicesMultiplyTheCap(edge: Edge) -> None:
+    """
+    n choices may each be as long as the cap: n = 3 reserves three caps
+    (the body sent: 103 bytes, counted by hand).
+    """
+    sent = (
+        '{"model":"echo","messages":[{"role":"user","content":"hello there"}],"n":3,'
+        '"max_completion_tokens":100}'
+    )
+    assert len(sent) == 103
+    worstCase = 103 * 2500 + 3 * 100 * 10_000
+    edge.limit(orgBudget=Budget(nanoUSD=worstCase - 1, period="day"))
+    refused, answer = await edge.chat(model="priced", n=3)
+    assert (refused.code, answer["error"]["code"]) == (429, "BUDGET_EXCEEDED")
+    edge.limit(orgBudget=Budget(nanoUSD=worstCase, period="day"))
+    response, _ = await edge.chat(model="priced", n=3)
+    assert response.code == 200
+    [forwarded] = edge.upstream.requests()
+    assert forwarded.body == json.loads(sent)
+
+
+# A request full of what a content-only estimate misses: tools and their
+# schemas, a response_format schema, an assistant's tool_calls, digits.
+TOOLS_BODY = (
+    '{"model":"priced","messages":['
+    '{"role":"system","content":"Answer with digits only."},'
+    '{"role":"user","content":"3141592653589793238462643383279502884197"},'
+    '{"role":"assistant","content":"","tool_calls":[{"id":"call_1","type":"function",'
+    '"function":{"name":"lookup","arguments":"{\\"digits\\":\\"2718281828459045\\"}"}}]},'
+    '{"role":"tool","content":"1618033988749894848204586834365638117720",'
+    '"tool_call_id":"call_1"}],'
+    '"tools":[{"type":"function","function":{"name":"lookup","description":"Look digits up.",'
+    '"parameters":{"type":"object","properties":{"digits":{"type":"string",'
+    '"pattern":"^[0-9]+$"}}}}}],'
+    '"response_format":{"type":"json_schema","json_schema":{"name":"digits","schema":'
+    '{"type":"object","properties":{"answer":{"type":"string"}}}}},'
+    '"max_tokens":50}'
+)
+
+
+@pytest_twisted.ensureDeferred
+async def test_toolsSchemasToolCallsAndDigitsAreCounted(edge: Edge) -> None:
+    """
+    Every byte of the body sent counts as a token of prompt: the 751
+    bytes of TOOLS_BODY go upstream as 749 ("priced" becomes "echo"), so
+    the worst case is 749 tokens at $2.50 plus the 50 of max_tokens at
+    $10.00 a million, however few tokens its messages' contents make.
+    """
+    sent = TOOLS_BODY.replace('"model":"priced"', '"model":"echo"')
+    assert (len(TOOLS_BODY), len(sent)) == (751, 749)
+    worstCase = 749 * 2500 + 50 * 10_000
+    edge.limit(orgBudget=Budget(nanoUSD=worstCase - 1, period="day"))
+    refused, answer = await edge.post(TOOLS_BODY.encode())
+    assert (refused.code, answer["error"]["code"]) == (429, "BUDGET_EXCEEDED")
+    edge.limit(orgBudget=Budget(nanoUSD=worstCase, period="day"))
+    response, _ = await edge.post(TOOLS_BODY.encode())
+    assert response.code == 200
+    [forwarded] = edge.upstream.requests()
+    assert (forwarded.bodyLength, forwarded.body) == (749, json.loads(sent))
+
+
+@pytest_twisted.ensureDeferred
+async def test_aDearerFallbacksPriceIsReserved(edge: Edge) -> None:
+    """
+    "cheap" ($1/$2) falls back to "dear" ($3/$30): the reservation is the
+    dearest that may answer, dear's, though cheap answers. Both are sent
+    the same 97 bytes (upstream model "echo", cap 100).
+    """
+    cheapWorst = 97 * 1000 + 100 * 2000
+    dearWorst = 97 * 3000 + 100 * 30_000
+    assert dearWorst > cheapWorst
+    edge.limit(orgBudget=Budget(nanoUSD=dearWorst - 1, period="day"))
+    refused, answer = await edge.chat(model="cheap")
+    assert (refused.code, answer["error"]["code"]) == (429, "BUDGET_EXCEEDED")
+    edge.limit(orgBudget=Budget(nanoUSD=dearWorst, period="day"))
+    response, answer = await edge.chat(model="cheap")
+    assert response.code == 200
+    assert header(response, "X-SVC-Upstream-Model") == "cheap"
+    # Settled to the answer's cost at cheap's prices.
+    usage = answer["usage"]
+    cost = usage["prompt_tokens"] * 1000 + usage["completion_tokens"] * 2000
+    await waitFor(lambda: edge.spent() == cost)
+
+
+@pytest_twisted.ensureDeferred
+async def test_anUnpricedFallbackIsNotTriedUnderABudget(edge: Edge) -> None:
+    """
+    Under a budget, "priced-broken" (503) does not fall back to "echo",
+    which has no price: the answer is the provider's fault, and the one
+    row is an upstream_error of "priced-broken". Without a budget, "echo"
+    answers as always.
+    """
+    edge.limit(orgBudget=Budget(nanoUSD=10**9, period="day"))
+    response, answer = await edge.chat(model="priced-broken")
+    assert (response.code, answer["error"]["code"]) == (502, "UPSTREAM_ERROR")
+    assert [request.body["model"] for request in edge.upstream.requests()] == ["status:503"]
+    [row] = edge.ledger.rows
+    assert (row.model, row.outcome, row.cost_nano_usd) == ("priced-broken", "upstream_error", 0)
+    await waitFor(lambda: edge.spent() == 0)
+    edge.limit()
+    edge.upstream.clearRequests()
+    response, _ = await edge.chat(model="priced-broken")
+    assert response.code == 200
+    assert header(response, "X-SVC-Upstream-Model") == "echo"
+    assert [request.body["model"] for request in edge.upstream.requests()] == [
+        "status:503",
+        "echo",
+    ]
+
+
+@pytest_twisted.ensureDeferred
+async def test_noPriceKeepsNoReservation(edge: Edge) -> None:
+    """
+    A NO_PRICE 400 reserves nothing and keeps nothing: neither tokens of
+    the token limit nor cost of the budget; nothing is forwarded.
+    """
+    edge.limit(org=Limits(tpm=100_000), orgBudget=Budget(nanoUSD=10**9, period="day"))
+    response, answer = await edge.chat(model="echo")
+    assert (response.code, answer["error"]["code"]) == (400, "VALIDATION_ERROR")
+    assert answer["error"]["field_errors"][0]["code"] == "NO_PRICE"
+    assert (edge.tokensCounted(), edge.spent()) == (0, 0)
+    assert edge.metric("svc_proxy_tokens_reserved_total") == 0
+    assert edge.upstream.requests() == []
+    assert edge.ledger.rows == []
+
+
+@pytest.mark.parametrize(
+    ("model", "cap", "value", "ceiling"),
+    [
+        ("priced", "max_tokens", 101, 100),
+        ("priced", "max_completion_tokens", 101, 100),
+        ("echo", "max_completion_tokens", 1_048_577, 1_048_576),
+        ("echo", "max_tokens", 10**15, 1_048_576),
+    ],
+)
+@pytest.mark.parametrize("limited", [False, True], ids=["no limits", "token limit"])
+@pytest_twisted.ensureDeferred
+async def test_aCapPastTheModelsCeilingIs400(
+    edge: Edge, model: str, cap: str, value: int, ceiling: int, limited: bool
+) -> None:
+    """
+    An output cap above the model's max_output_tokens (1,048,576 when the
+    file gives none) is 400 VALIDATION_ERROR on that field, TOO_MANY:
+    nothing forwarded, nothing reserved, no row. The ceiling itself is
+    allowed.
+    """
+    if limited:
+        edge.limit(org=Limits(tpm=10**9))
+    response, answer = await edge.chat(model=model, **{cap: value})
+    assert (response.code, answer["error"]["code"]) == (400, "VALIDATION_ERROR")
+    assert answer["error"]["field_errors"] == [
+        {"field": cap, "code": "TOO_MANY", "message": f"must be at most {ceiling} for this model"}
+    ]
+    assert edge.upstream.requests() == []
+    assert edge.tokensCounted() == 0
+    assert edge.ledger.rows == []
+    response, _ = await edge.chat(model=model, **{cap: ceiling})
+    assert response.code == 200
+    [forwarded] = edge.upstream.requests()
+    assert forwarded.body[cap] == ceiling
+
+
+@pytest_twisted.ensureDeferred
+async def test_aProviderAtTheCapCostsExactlyTheReservation(edge: Edge) -> None:
+    """
+    A provider that answers the most the request allows (every byte sent a
+    token of prompt, both choices as long as the cap) costs exactly what
+    was reserved, to the nano-dollar: the bound is tight, and no overrun.
+    Hand count of the body sent: 111 bytes.
+    """
+    sent = (
+        '{"model":"usage-at-cap","messages":[{"role":"user","content":"hello there"}],"n":2,'
+        '"max_completion_tokens":100}'
+    )
+    assert len(sent) == 111
+    worstCase = 111 * 2500 + 2 * 100 * 10_000
+    edge.limit(orgBudget=Budget(nanoUSD=worstCase, period="day"))
+    response, answer = await edge.chat(model="at-cap", n=2)
+    assert response.code == 200
+    assert (answer["usage"]["prompt_tokens"], answer["usage"]["completion_tokens"]) == (111, 200)
+    [row] = edge.ledger.rows
+    assert row.cost_nano_usd == worstCase
+    assert edge.spent() == worstCase
+    assert edge.metric("svc_proxy_reservation_overruns_total") == 0
+    # The budget is spent: the next is refused.
+    refused, _ = await edge.chat(model="at-cap", n=2)
+    assert refused.code == 429
+
+
+@pytest_twisted.ensureDeferred
+async def test_anOverrunIsBilledAsReportedAndCounted(edge: Edge) -> None:
+    """
+    A provider that answers more than the cap it was sent allows (twice
+    it here) is billed as it reported, the overrun counted in
+    svc_proxy_reservation_overruns_total, and the budget refuses from then
+    on. It is logged with keyword fields (never pre-formatted). Hand count
+    of the body sent: 107 bytes; 100 tokens of cap.
+    """
+    reserved = 107 * 2500 + 100 * 10_000
+    billed = 107 * 2500 + 200 * 10_000
+    events: list[dict[str, Any]] = []
+
+    def observe(event: dict[str, Any]) -> None:
+        if "passed its reservation" in (event.get("log_format") or ""):
+            events.append(event)
+
+    edge.limit(orgBudget=Budget(nanoUSD=billed + reserved - 1, period="day"))
+    globalLogPublisher.addObserver(observe)
+    try:
+        response, answer = await edge.chat(model="over-cap")
+    finally:
+        globalLogPublisher.removeObserver(observe)
+    assert response.code == 200
+    assert answer["usage"]["completion_tokens"] == 200
+    [row] = edge.ledger.rows
+    assert row.cost_nano_usd == billed
+    await waitFor(lambda: edge.spent() == billed)
+    assert edge.metric("svc_proxy_reservation_overruns_total") == 1
+    [event] = events
+    assert (event["model"], event["provider"]) == ("over-cap", "scripted")
+    assert (event["reserved_nano_usd"], event["cost_nano_usd"]) == (reserved, billed)
+    assert (event["ledger_id"], event["org_id"]) == (row.ledger_id, edge.orgID)
+    refused, answer = await edge.chat(model="over-cap")
+    assert (refused.code, answer["error"]["code"]) == (429, "BUDGET_EXCEEDED")
+    # Without a budget there is no bound to pass: nothing is counted.
+    edge.limit()
+    response, _ = await edge.chat(model="over-cap", max_tokens=10)
+    assert response.code == 200
+    assert edge.metric("svc_proxy_reservation_overruns_total") == 1
+
+
+@pytest_twisted.ensureDeferred
+async def test_requestsSharingARequestIDAreEachTheirOwnRow(edge: Edge) -> None:
+    """
+    Decisions D12, amended: the ledger's key is the gateway's own UUID v7
+    for each forwarded request, passed to the limiter with its
+    reservation; two requests with one X-Request-ID are two rows with two
+    ledger ids, each keeping the client's request id (and answering it).
+    """
+    edge.limit(orgBudget=Budget(nanoUSD=10**9, period="day"))
+    clientID = "3f2c8a9e-4b1d-4c6e-9a7b-0d1e2f3a4b5c"
+    body = json.dumps(
+        {"model": "priced", "messages": [{"role": "user", "content": "hello there"}]}
+    ).encode()
+    first, _ = await edge.post(body, {"X-Request-ID": clientID})
+    second, _ = await edge.post(body, {"X-Request-ID": clientID})
+    assert (first.code, second.code) == (200, 200)
+    assert header(first, "X-Request-ID") == header(second, "X-Request-ID") == clientID
+    rows = edge.ledger.rows
+    assert [row.request_id for row in rows] == [clientID, clientID]
+    ledgerIDs = [row.ledger_id for row in rows]
+    assert len(set(ledgerIDs)) == 2
+    assert all(uuid.UUID(ledgerID).version == 7 for ledgerID in ledgerIDs)
+    assert clientID not in ledgerIDs
+    assert edge.ledgerIDs == ledgerIDs
 
 
 @pytest_twisted.ensureDeferred

@@ -257,6 +257,7 @@ def test_rowsOfAnswersThatFailed() -> None:
     """
     price = Price(input=2_500_000_000, output=10_000_000_000, cachedInput=1_250_000_000)
     common: dict[str, Any] = {
+        "ledgerID": "0190f0c4-1d2e-7a3b-8c4d-5e6f7a8b9c0d",
         "requestID": "r",
         "orgID": "o",
         "agentID": None,
@@ -279,6 +280,8 @@ def test_rowsOfAnswersThatFailed() -> None:
         "provider",
     )
     assert before.cost_nano_usd == 0
+    # The ledger's key is the gateway's id; the client's request id is kept.
+    assert (before.ledger_id, before.request_id) == (common["ledgerID"], "r")
     after = usageRow(usage=None, afterFirstByte=True, **common)
     assert (after.prompt_tokens, after.completion_tokens, after.tokens_from) == (
         8,

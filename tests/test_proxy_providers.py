@@ -177,6 +177,39 @@ def test_goodFile(tmp_path: Path) -> None:
     assert (table.loadedAt, table.path) == (1_700_000_000, str(tmp_path / "providers.toml"))
 
 
+def test_capFieldAndCeiling(tmp_path: Path) -> None:
+    """
+    Decisions D12, amended: cap_field is max_completion_tokens unless the
+    model says max_tokens; the largest cap a request may name is the
+    model's max_output_tokens, else 1,048,576.
+    """
+    table = load(
+        tmp_path,
+        [LOCAL],
+        [
+            FAST,
+            {"name": "old", "provider": "local", "cap_field": "max_tokens"},
+            {
+                "name": "new",
+                "provider": "local",
+                "cap_field": "max_completion_tokens",
+                "max_output_tokens": 8192,
+            },
+        ],
+    )
+    fast, old, new = (table.models[name] for name in ("fast", "old", "new"))
+    assert (fast.capField, old.capField, new.capField) == (
+        "max_completion_tokens",
+        "max_tokens",
+        "max_completion_tokens",
+    )
+    assert (fast.outputCeiling, old.outputCeiling, new.outputCeiling) == (
+        1_048_576,
+        1_048_576,
+        8192,
+    )
+
+
 def test_keyNeverShown(tmp_path: Path) -> None:
     """
     The key read from the environment is in no repr, of the provider, its
@@ -307,7 +340,7 @@ def test_proxyConfig(tmp_path: Path) -> None:
 # reported (after "SVC_PROVIDERS_FILE: <path>: ").
 _LONG = "m" * 129
 _PROVIDER_KEYS = "name, base_url, api_key_env, timeout, idle_timeout, max_connections"
-_MODEL_KEYS = "name, provider, upstream_model, orgs, fallbacks, max_output_tokens, price"
+_MODEL_KEYS = "name, provider, upstream_model, orgs, fallbacks, max_output_tokens, price, cap_field"
 _NAME_RULE = "letters, digits, '.', '_' and '-', starting with a letter or digit"
 _MODEL_RULE = "letters, digits and . _ : / @ + -, starting with a letter or digit"
 CONTENT_FAULTS: list[tuple[str, list[dict[str, Any]], list[dict[str, Any]], str]] = [
@@ -708,6 +741,26 @@ CONTENT_FAULTS: list[tuple[str, list[dict[str, Any]], list[dict[str, Any]], str]
         [{**LOCAL, "api_key_env": ""}],
         [FAST],
         'provider "local": api_key_env must not be empty',
+    ),
+    # Decisions D12, amended: the key the output cap is sent under.
+    (
+        "cap field of another name",
+        [LOCAL],
+        [{**FAST, "cap_field": "max_output_tokens"}],
+        'model "fast": cap_field must be "max_completion_tokens" or "max_tokens",'
+        ' got "max_output_tokens"',
+    ),
+    (
+        "cap field in capitals",
+        [LOCAL],
+        [{**FAST, "cap_field": "MAX_TOKENS"}],
+        'model "fast": cap_field must be "max_completion_tokens" or "max_tokens", got "MAX_TOKENS"',
+    ),
+    (
+        "cap field not a string",
+        [LOCAL],
+        [{**FAST, "cap_field": 1}],
+        'model "fast": cap_field must be a string, got an integer',
     ),
 ]
 

@@ -106,6 +106,9 @@ def test_directivesCombine() -> None:
     assert parseScript("never-ending+usage:7:3:2:1") == Script(
         kind="never-ending", counts=(7, 3, 2, 1)
     )
+    assert parseScript("usage-at-cap") == Script(capFactor=1)
+    assert parseScript("gap:5+usage-over-cap") == Script(gap=0.005, capFactor=2)
+    assert parseScript("usage-over-cap:10+events:3") == Script(kind="events", count=3, capFactor=10)
 
 
 @pytest.mark.parametrize(
@@ -127,6 +130,12 @@ def test_directivesCombine() -> None:
         "usage:10:5:11:0",
         "usage:10:5:0:6",
         "usage:10:5+no-usage",
+        "usage-at-cap:2",
+        "usage-over-cap:1",
+        "usage-over-cap:2:3",
+        "usage-at-cap+usage-over-cap",
+        "usage-at-cap+usage:1:2",
+        "usage-over-cap+no-usage",
     ],
 )
 def test_misusedDirectivesAreErrors(model: str) -> None:
@@ -231,6 +240,80 @@ def test_shapedUsage(client: openai.OpenAI) -> None:
     assert usage.prompt_tokens_details.cached_tokens == 1000
     assert usage.completion_tokens_details is not None
     assert usage.completion_tokens_details.reasoning_tokens == 77
+
+
+def _postRaw(upstream: ScriptedUpstream, body: bytes) -> tuple[int, bytes]:
+    connection = http.client.HTTPConnection(upstream.host, upstream.port, timeout=10)
+    try:
+        connection.request(
+            "POST", "/v1/chat/completions", body, {"Content-Type": "application/json"}
+        )
+        answer = connection.getresponse()
+        return answer.status, answer.read()
+    finally:
+        connection.close()
+
+
+# A body of 127 bytes, counted by hand: 77 up to the caps, 50 from them.
+CAPPED_BODY = (
+    b'{"model":"usage-at-cap","messages":[{"role":"user","content":"12345 67890"}],'
+    b'"max_completion_tokens":250,"max_tokens":40,"n":3}'
+)
+
+
+def test_usageAtCap(upstream: ScriptedUpstream) -> None:
+    """
+    C{usage-at-cap}: the usage is the most the request allows, the body's
+    bytes for the prompt and its larger cap times its n for the answer,
+    in a completion and in a stream's usage chunk.
+    """
+    assert len(CAPPED_BODY) == 77 + 50
+    status, answer = _postRaw(upstream, CAPPED_BODY)
+    assert status == 200
+    assert json.loads(answer)["usage"] == {
+        "prompt_tokens": 127,
+        "completion_tokens": 250 * 3,
+        "total_tokens": 127 + 750,
+    }
+    # One cap, no n: that cap once; a stream says the same in its chunk.
+    streamed = (
+        b'{"model":"usage-at-cap","messages":[{"role":"user","content":"x"}],"max_tokens":7,'
+        b'"stream":true,"stream_options":{"include_usage":true}}'
+    )
+    status, events = _postRaw(upstream, streamed)
+    assert status == 200
+    usage = json.loads(events.decode().split("\n\n")[-3].removeprefix("data: "))["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(streamed), 7)
+
+
+def test_usageOverCap(upstream: ScriptedUpstream) -> None:
+    """
+    C{usage-over-cap}: twice the most the request allows by default, or
+    the factor given: a provider that ignored its cap.
+    """
+    status, answer = _postRaw(upstream, CAPPED_BODY.replace(b"usage-at-cap", b"usage-over-cap"))
+    assert status == 200
+    # "usage-over-cap" is 2 bytes longer than "usage-at-cap".
+    assert json.loads(answer)["usage"]["prompt_tokens"] == 127 + 2
+    assert json.loads(answer)["usage"]["completion_tokens"] == 250 * 3 * 2
+    status, answer = _postRaw(upstream, CAPPED_BODY.replace(b"usage-at-cap", b"usage-over-cap:5"))
+    assert json.loads(answer)["usage"]["completion_tokens"] == 250 * 3 * 5
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [b"", b',"max_tokens":0', b',"max_completion_tokens":"9"', b',"max_tokens":9,"n":0'],
+    ids=["no cap", "zero cap", "cap not a number", "zero choices"],
+)
+def test_usageAtCapWithoutACapIsRefused(upstream: ScriptedUpstream, extra: bytes) -> None:
+    """
+    A request without a usable cap gets 400 from C{usage-at-cap}: a test
+    sees that the gateway sent none instead of a made-up usage.
+    """
+    body = b'{"model":"usage-at-cap","messages":[{"role":"user","content":"x"}]' + extra + b"}"
+    status, answer = _postRaw(upstream, body)
+    assert status == 400
+    assert b"usage-at-cap" in answer
 
 
 def test_noUsage(client: openai.OpenAI) -> None:

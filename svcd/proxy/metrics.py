@@ -146,6 +146,13 @@ class ProxyMetrics:
             " itself when no usage came",
             registry=self.registry,
         )
+        self.reservationOverruns = Counter(
+            "svc_proxy_reservation_overruns",
+            "Settlements whose cost passed the budget reservation's worst case (decisions"
+            " D12, amended): a provider answered more than the cap it was sent allows;"
+            " billed as the provider reported it",
+            registry=self.registry,
+        )
         self.ratelimitCircuitOpen = Gauge(
             "svc_proxy_ratelimit_circuit_open",
             "1 while the rate limiter skips Redis after a failure (decisions D10), else 0",

@@ -95,6 +95,8 @@ class Reservation:
     # budgets' counters.
     costKeys: tuple[str, ...] = ()
     cost: int = 0
+    # Decisions D12, amended: the ledger key of the request that holds it.
+    ledgerID: str | None = None
 
 
 # The periods a budget may have (decisions D12).

@@ -109,6 +109,18 @@ How it is delivered (any of these, with any of the above):
     details: C{prompt_tokens_details.cached_tokens} (part of the prompt)
     and C{completion_tokens_details.reasoning_tokens} (part of the
     completion).
+  - C{usage-at-cap}: the answer's usage says the most tokens the request
+    allows, as the worst provider a budget must survive would (decisions
+    D12, amended): C{prompt_tokens} is the request body's length in bytes
+    (a byte-level tokenizer makes at most one token of a byte),
+    C{completion_tokens} the request's output cap (C{max_completion_tokens}
+    or C{max_tokens}, the larger when both are given) times its C{n}
+    (default 1). A request without a cap (or with one that is not a whole
+    number of at least 1) is answered 400, so a test can see that no cap
+    was sent. The content stays the echo's.
+  - C{usage-over-cap} (or C{usage-over-cap:<factor>}, 2 to 1000): as
+    C{usage-at-cap}, with C{completion_tokens} that many times (default 2)
+    more than the request allows: a provider that ignored its cap.
 
 Routes of the control port
 ==========================
@@ -223,7 +235,9 @@ _ANSWER_KINDS = frozenset(
         "not-json",
     }
 )
-_DELIVERY_DIRECTIVES = frozenset({"slow", "hold", "gap", "no-usage", "usage"})
+_DELIVERY_DIRECTIVES = frozenset(
+    {"slow", "hold", "gap", "no-usage", "usage", "usage-at-cap", "usage-over-cap"}
+)
 DIRECTIVES = _ANSWER_KINDS | _DELIVERY_DIRECTIVES
 
 _NOT_JSON = b"this is not JSON"
@@ -251,6 +265,9 @@ class Script:
     @ivar counts: the usage's (prompt, completion) counts, then optionally
         (cached, reasoning) details, instead of the echo's; L{None} for
         the echo's.
+    @ivar capFactor: with C{usage-at-cap} (1) or C{usage-over-cap} (its
+        factor), the usage is taken from the request (L{capUsage}) and
+        the completion multiplied by this; 0 otherwise.
     """
 
     kind: str = "echo"
@@ -261,6 +278,7 @@ class Script:
     gap: float | None = None
     usage: bool = True
     counts: tuple[int, ...] | None = None
+    capFactor: int = 0
 
 
 def _number(directive: str, text: str, low: int, high: int) -> int:
@@ -316,6 +334,14 @@ def parseScript(model: str) -> Script:
                     "usage: cached tokens are part of the prompt, reasoning of the completion"
                 )
             fields["counts"] = counts
+        elif name == "usage-at-cap":
+            if arguments:
+                raise ScriptError("usage-at-cap takes no argument")
+            fields["capFactor"] = 1
+        elif name == "usage-over-cap":
+            if len(arguments) > 1:
+                raise ScriptError("usage-over-cap takes at most a factor: usage-over-cap:<factor>")
+            fields["capFactor"] = _number(name, arguments[0], 2, 1000) if arguments else 2
         elif name in ("slow", "hold", "gap"):
             if len(arguments) != 1:
                 raise ScriptError(f"{name} takes milliseconds: {name}:<ms>")
@@ -341,7 +367,41 @@ def parseScript(model: str) -> Script:
                 fields["retryAfter"] = DEFAULT_RETRY_AFTER
     if "counts" in fields and fields.get("usage") is False:
         raise ScriptError("usage and no-usage contradict each other")
+    capped = [name for name in names if name in ("usage", "usage-at-cap", "usage-over-cap")]
+    if len(capped) > 1 or (capped and fields.get("usage") is False):
+        raise ScriptError(f"at most one of usage, usage-at-cap, usage-over-cap, no-usage: {names}")
     return Script(**fields)
+
+
+def _requestCount(body: dict[str, Any], key: str) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ScriptError(f"{key} must be a whole number of at least 1, not {value!r}")
+    return value
+
+
+def capUsage(body: dict[str, Any], bodyLength: int, factor: int) -> tuple[int, int]:
+    """
+    The (prompt, completion) usage of C{usage-at-cap} (C{factor} 1) or
+    C{usage-over-cap}: the body's bytes, and its cap times its C{n} times
+    C{factor}.
+
+    @raise ScriptError: when the request names no cap.
+    """
+    caps = [
+        cap
+        for cap in (
+            _requestCount(body, "max_completion_tokens"),
+            _requestCount(body, "max_tokens"),
+        )
+        if cap is not None
+    ]
+    if not caps:
+        raise ScriptError("the request has neither max_completion_tokens nor max_tokens")
+    choices = _requestCount(body, "n") or 1
+    return bodyLength, max(caps) * choices * factor
 
 
 def _errorBody(message: str, type: str, code: str | None, param: str | None = None) -> bytes:
@@ -898,6 +958,9 @@ class UpstreamResource(Resource):
             return self._error(request, record, 400, "You must provide a model parameter.", None)
         try:
             script = parseScript(model)
+            if script.capFactor:
+                counts = capUsage(record.body, record.bodyLength, script.capFactor)
+                script = attrs.evolve(script, counts=counts)
         except ScriptError as error:
             return self._error(request, record, 400, f"Bad script {model!r}: {error}", None)
         answer = _Answer(self._reactor, self._clock, request, record, script, record.number)

@@ -26,7 +26,12 @@ add C{max_output_tokens} to a model (optional): the output cap its token
 reservation assumes when a request names none; decisions D12 add its
 C{price} (optional): C{{ input = "2.50", output = "10.00", cached_input =
 "1.25" }}, US dollars per million tokens as decimal strings, read exactly
-(L{svcd.proxy.usage.prices}).
+(L{svcd.proxy.usage.prices}). Decisions D12, amended, add C{cap_field}
+(optional): the key under which the gateway sends the output cap a budget
+assumed when the request named none, C{"max_completion_tokens"} (the
+default, OpenAI's) or C{"max_tokens"} (for providers that know only the
+older key); and make C{max_output_tokens} (default
+L{DEFAULT_MAX_OUTPUT_TOKENS}) the largest cap a request may name.
 """
 
 from __future__ import annotations
@@ -48,6 +53,10 @@ from svcd.common.ids import parseUUID
 from svcd.proxy.usage.prices import BadPrice, Price, parseDollars
 
 __all__ = [
+    "CAP_FIELDS",
+    "DEFAULT_MAX_OUTPUT_TOKENS",
+    "MAX_COMPLETION_TOKENS",
+    "MAX_TOKENS",
     "VARIABLE",
     "Model",
     "Provider",
@@ -93,6 +102,14 @@ _TOP_KEYS = ("providers", "models")
 _PROVIDER_KEYS = ("name", "base_url", "api_key_env", "timeout", "idle_timeout", "max_connections")
 # The largest output cap a model may declare (D11): far above any model's.
 MAX_OUTPUT_TOKENS = 10_000_000
+# Decisions D12, amended: the largest output cap a request may name for a
+# model whose entry gives no max_output_tokens. Bounded so that no cap can
+# make a cost overflow int64 nano-dollars, far above any model's real one.
+DEFAULT_MAX_OUTPUT_TOKENS = 1_048_576
+# The keys a provider may take the output cap under.
+MAX_COMPLETION_TOKENS = "max_completion_tokens"
+MAX_TOKENS = "max_tokens"
+CAP_FIELDS = (MAX_COMPLETION_TOKENS, MAX_TOKENS)
 _MODEL_KEYS = (
     "name",
     "provider",
@@ -101,6 +118,7 @@ _MODEL_KEYS = (
     "fallbacks",
     "max_output_tokens",
     "price",
+    "cap_field",
 )
 _PRICE_KEYS = ("input", "output", "cached_input")
 # Unknown keys that look like someone putting a key in the file.
@@ -168,6 +186,19 @@ class Model:
     maxOutputTokens: int | None = None
     # What its tokens cost (D12); None when the file gives no price.
     price: Price | None = None
+    # The key its provider takes the output cap under (D12, amended).
+    capField: str = MAX_COMPLETION_TOKENS
+
+    @property
+    def outputCeiling(self) -> int:
+        """
+        The largest output cap a request may name for this model (D12,
+        amended): its C{max_output_tokens}, else
+        L{DEFAULT_MAX_OUTPUT_TOKENS}.
+        """
+        if self.maxOutputTokens is not None:
+            return self.maxOutputTokens
+        return DEFAULT_MAX_OUTPUT_TOKENS
 
     def allows(self, orgID: str) -> bool:
         """
@@ -667,7 +698,21 @@ class _Checker:
             fallbacks=self.fallbacks(table, where),
             maxOutputTokens=self.maxOutputTokens(table, where),
             price=self.price(table, where),
+            capField=self.capField(table, where),
         )
+
+    def capField(self, table: dict[str, Any], where: str) -> str:
+        value = table.get("cap_field")
+        if value is None:
+            return MAX_COMPLETION_TOKENS
+        if not isinstance(value, str):
+            raise self.fault(f"{where}cap_field must be a string, got {_kind(value)}")
+        if value not in CAP_FIELDS:
+            raise self.fault(
+                f'{where}cap_field must be "{MAX_COMPLETION_TOKENS}" or "{MAX_TOKENS}",'
+                f" got {_quote(value)}"
+            )
+        return value
 
     def price(self, table: dict[str, Any], where: str) -> Price | None:
         value = table.get("price")

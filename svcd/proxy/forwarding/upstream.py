@@ -7,7 +7,10 @@ upstream client span.
 What is sent: the client's JSON object, with C{model} replaced by the
 model's C{upstream_model} and every other key kept; for a stream,
 C{stream_options.include_usage} is asked for (the usage event is relayed
-only when the client asked for it too). Headers: C{Content-Type:
+only when the client asked for it too); under a budget, when the client
+named no output cap, the cap the budget assumed, under the model's
+C{cap_field} (decisions D12, amended; L{attemptBody}, which the edge also
+uses to measure the bytes a budget reserves for). Headers: C{Content-Type:
 application/json}, C{Authorization: Bearer <key>} when the provider has a
 key, C{X-Request-ID} and C{traceparent}: nothing else of the client's, never
 its token.
@@ -186,23 +189,28 @@ class Forwarder:
         client: ClientStream,
         errorEvent: Callable[[ApiError], bytes],
         record: UpstreamRecord,
+        outputCap: int | None = None,
     ) -> Answer:
         """
         Forward C{document} (the client's JSON object) to the first of
         C{attempts} that answers, trying the next on a fault that allows a
         fallback; a stream is relayed to C{client} as it comes.
 
+        @param outputCap: the output cap to send with each attempt (under
+            that attempt's model's C{cap_field}, see L{attemptBody}), or
+            None to send the client's object as it is.
         @raise ApiError: the last attempt's fault, when none answered.
         """
         stream = document.get("stream") is True
         fault: UpstreamFault | None = None
         for model in attempts:
+            body = attemptBody(document, model, outputCap)
             try:
                 if stream:
                     return await self._stream(
-                        model, document, requestID, client, errorEvent, record
+                        model, body, document, requestID, client, errorEvent, record
                     )
-                return await self._complete(model, document, requestID, record)
+                return await self._complete(model, body, requestID, record)
             except UpstreamFault as failed:
                 fault = failed
                 if not failed.fallback:
@@ -213,28 +221,20 @@ class Forwarder:
     # One attempt.
 
     def _begin(
-        self, model: Model, document: Mapping[str, Any], requestID: str, record: UpstreamRecord
-    ) -> tuple[_Link, bytes, dict[bytes, bytes], Span | None]:
+        self, model: Model, requestID: str, record: UpstreamRecord
+    ) -> tuple[_Link, dict[bytes, bytes], Span | None]:
         link = self._links[model.provider.name]
         record.provider = model.provider.name
         record.model = model.name
         record.upstreamModel = model.upstreamModel
         record.usage = None
-        outgoing = dict(document)
-        outgoing["model"] = model.upstreamModel
-        if document.get("stream") is True:
-            options = outgoing.get("stream_options")
-            options = dict(options) if isinstance(options, dict) else {}
-            options["include_usage"] = True
-            outgoing["stream_options"] = options
-        body = json.dumps(outgoing, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
         # Content-Type and Authorization are the pool's own (_Link).
         headers = {b"X-Request-ID": requestID.encode("ascii")}
         span = self._span(model)
         spanContext = (span or trace.get_current_span()).get_span_context()
         if spanContext.is_valid:
             headers[b"traceparent"] = traceparentOf(spanContext).encode("ascii")
-        return link, body, headers, span
+        return link, headers, span
 
     def _span(self, model: Model) -> Span | None:
         current = trace.get_current_span()
@@ -275,12 +275,12 @@ class Forwarder:
             span.end()
 
     async def _complete(
-        self, model: Model, document: Mapping[str, Any], requestID: str, record: UpstreamRecord
+        self, model: Model, body: bytes, requestID: str, record: UpstreamRecord
     ) -> Answer:
         """
         A non-streaming attempt: the whole answer within C{timeout}.
         """
-        link, body, headers, span = self._begin(model, document, requestID, record)
+        link, headers, span = self._begin(model, requestID, record)
         began = time.perf_counter()
         label = "cancelled"
         try:
@@ -309,6 +309,7 @@ class Forwarder:
     async def _stream(
         self,
         model: Model,
+        body: bytes,
         document: Mapping[str, Any],
         requestID: str,
         client: ClientStream,
@@ -320,7 +321,7 @@ class Forwarder:
         then a fault allows a fallback), then every event relayed as it
         comes, each within C{idle_timeout} of the one before.
         """
-        link, body, headers, span = self._begin(model, document, requestID, record)
+        link, headers, span = self._begin(model, requestID, record)
         began = time.perf_counter()
         provider = model.provider
         side = _StreamSide(client, model.name, errorEvent)
@@ -537,6 +538,30 @@ class _Turn:
 
     async def __aexit__(self, *exc: object) -> None:
         self._slots.release()
+
+
+def attemptBody(document: Mapping[str, Any], model: Model, outputCap: int | None = None) -> bytes:
+    """
+    The body sent to C{model}'s provider for the client's object
+    C{document}: C{model} replaced by its C{upstream_model}, a stream's
+    C{stream_options.include_usage} set, and, with C{outputCap}, that cap
+    (at most the model's own ceiling) under the model's C{cap_field}
+    (decisions D12, amended: a budget's worst case holds only if the
+    provider is told the cap it assumed). Every other key is kept.
+
+    The edge measures a budget's worst-case prompt with this very function,
+    so what is reserved for is the byte length of what is sent.
+    """
+    outgoing = dict(document)
+    outgoing["model"] = model.upstreamModel
+    if document.get("stream") is True:
+        options = outgoing.get("stream_options")
+        options = dict(options) if isinstance(options, dict) else {}
+        options["include_usage"] = True
+        outgoing["stream_options"] = options
+    if outputCap is not None:
+        outgoing[model.capField] = min(outputCap, model.outputCeiling)
+    return json.dumps(outgoing, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
 def _wantsUsage(document: Mapping[str, Any]) -> bool:

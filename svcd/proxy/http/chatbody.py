@@ -36,6 +36,8 @@ from svcd.common.errors import (
 MAX_MODEL_CHARACTERS = 256
 MAX_MESSAGES = 1000
 MAX_CONTENT_BYTES = 100 * 1024
+# OpenAI's bound on C{n}, the number of choices asked for.
+MAX_CHOICES = 128
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 _ROLES_TEXT = "must be one of " + ", ".join(sorted(ROLES))
 
@@ -55,6 +57,10 @@ class ChatRequest:
     stream: bool = False
     temperature: float | None = None
     maxTokens: int | None = None
+    # Decisions D12, amended: the newer output cap, and how many choices
+    # the answer has (each up to the cap).
+    maxCompletionTokens: int | None = None
+    choices: int = 1
     # The whole JSON object as the client sent it, unknown keys included:
     # what is forwarded to a provider (decisions D9).
     document: dict[str, Any] = attrs.field(factory=dict, repr=False)
@@ -212,9 +218,18 @@ def parseChatBody(body: bytes) -> ChatRequest:
     temperature = document.get("temperature")
     if temperature is not None and not _isNumber(temperature):
         errors.append(FieldError("temperature", _FORMAT, "must be a number"))
-    maxTokens = document.get("max_tokens")
-    if maxTokens is not None and (not isinstance(maxTokens, int) or isinstance(maxTokens, bool)):
-        errors.append(FieldError("max_tokens", _FORMAT, "must be an integer"))
+    maxTokens = _checkCap(document, "max_tokens", errors)
+    maxCompletionTokens = _checkCap(document, "max_completion_tokens", errors)
+    choices = document.get("n")
+    if choices is not None:
+        if not _isInteger(choices):
+            errors.append(FieldError("n", _FORMAT, "must be an integer"))
+        elif choices < 1:
+            errors.append(FieldError("n", _FORMAT, "must be at least 1"))
+        elif choices > MAX_CHOICES:
+            errors.append(
+                FieldError("n", FieldErrorCode.TOO_MANY, f"must be at most {MAX_CHOICES}")
+            )
 
     if errors:
         raise validationError(errors)
@@ -225,8 +240,35 @@ def parseChatBody(body: bytes) -> ChatRequest:
         stream=bool(stream),
         temperature=float(temperature) if temperature is not None else None,
         maxTokens=maxTokens,
+        maxCompletionTokens=maxCompletionTokens,
+        choices=choices if choices is not None else 1,
         document=document,
     )
+
+
+def _isInteger(value: object) -> bool:
+    # A boolean is an int in Python, never a count.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _checkCap(document: dict[str, Any], name: str, errors: list[FieldError]) -> int | None:
+    """
+    An output cap of the request (C{max_tokens}, C{max_completion_tokens}):
+    an integer of at least 1 when given (decisions D12, amended: a cap the
+    gateway cannot read is one a budget cannot bound; providers refuse
+    the same). Its ceiling depends on the model, checked by the edge.
+    """
+    value = document.get(name)
+    if value is None:
+        return None
+    if not _isInteger(value):
+        errors.append(FieldError(name, _FORMAT, "must be an integer"))
+        return None
+    if value < 1:
+        errors.append(FieldError(name, _FORMAT, "must be at least 1"))
+        return None
+    assert isinstance(value, int)
+    return value
 
 
 def _checkMessage(index: int, message: object, errors: list[FieldError]) -> None:

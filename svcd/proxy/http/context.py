@@ -78,10 +78,17 @@ class RequestContext:
     # (decisions D11, D12).
     reservation: Reservation | None = None
     # What a forwarded request was reserved for: its prompt's estimate and
-    # its output cap, in tokens; and, under a budget, that its model has no
-    # price (400 NO_PRICE from the handler).
+    # its output cap, in tokens.
     estimate: tuple[int, int] | None = None
-    noPrice: bool = False
+    # Decisions D12, amended: the ledger key of a request admitted for
+    # forwarding (a UUID v7 of the gateway's, never the client's); whether
+    # a budget applies to it; the output cap sent to the provider because
+    # the request named none (under a budget only); whether the handler
+    # handed it to the forwarder (which then settles its reservation).
+    ledgerID: str = ""
+    budgeted: bool = False
+    sentCap: int | None = None
+    forwarded: bool = False
 
 
 Step = Callable[[RequestContext], Awaitable[None]]

@@ -54,6 +54,7 @@ from svcd.common.errors import (
 from svcd.common.ids import canonicalUUID, parseRequestID, parseUUID, uuid7Text
 from svcd.common.logbounds import loggedMethod, loggedText
 from svcd.common.logs import REQUEST_ID
+from svcd.common.logthrottle import ThrottledWarning
 from svcd.common.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from svcd.common.metrics import exposition
 from svcd.common.pat import isToken
@@ -80,7 +81,7 @@ from svcd.proxy.http.paths import RouteTable, isCanonicalPath
 from svcd.proxy.http.twistedprivate import clientGone
 from svcd.proxy.limits.book import Applicable
 from svcd.proxy.limits.limiter import BUDGET, ORG, RateDecision, RateLimiter
-from svcd.proxy.limits.reservation import outputCap, promptEstimate
+from svcd.proxy.limits.reservation import namedCap, outputCap, promptEstimate, worstCaseCost
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.usage.ledger import CLIENT_GONE, OK, UPSTREAM_ERROR, UsageLedger, usageRow
 from svcd.proxy.validation.client import AGENT_HEADER, AuthClient, agentHeaderInvalid
@@ -96,6 +97,9 @@ _SPAN_ERROR = Status(StatusCode.ERROR)
 # Decisions D10: /ready answers from a check at most this many seconds old,
 # one check at a time shared by every concurrent probe.
 READY_MAX_AGE = 0.25
+# At most one log line per this many seconds for settlements that passed
+# their reservation (each is counted in the metric all the same).
+OVERRUN_LOG_INTERVAL = 60.0
 
 
 @attrs.frozen
@@ -165,6 +169,8 @@ class ProxyEdge:
         self._traceIDHeader = config.traceIDHeader.encode("ascii")
         self._inFlight = 0
         self._idle: list[Deferred[None]] = []
+        # Decisions D12, amended: overruns of a budget's worst case.
+        self._overruns = ThrottledWarning(self.log, clock, OVERRUN_LOG_INTERVAL)
         self._readinessChecks = (
             Check("auth_grpc", auth.checkReachable),
             Check("redis", limiter.checkReady),
@@ -677,22 +683,29 @@ class ProxyEdge:
         with limits rows): X-RateLimit-* on the answer whatever it is, 429
         RATE_LIMITED with Retry-After past the limit.
 
-        @param reserveTokens: reserve the tokens of a chat request that
-            will be forwarded, when a token limit applies to it (decisions
-            D11). The body is parsed here for that, once; a body that fails
-            its rules reserves nothing, and its 400 still comes from the
-            handler, after the rate limit, in the spec's order.
+        @param reserveTokens: the chat route's step: the request gets its
+            ledger key here, where it is admitted for forwarding (decisions
+            D12, amended), and reserves its tokens when a token limit
+            applies to it (D11) and its worst-case cost when a budget does
+            (D12). The body is parsed here for that, once; a body that
+            fails its rules (or names a cap past its model's ceiling, or a
+            model without a price under a budget) reserves nothing, and its
+            400 still comes from the handler, after the rate limit, in the
+            spec's order.
         """
 
         async def rateLimit(ctx: RequestContext) -> None:
             assert ctx.orgID is not None
             tokens = 0
             cost = 0
+            ledgerID = None
             if reserveTokens and self._providers is not None:
+                ledgerID = ctx.ledgerID = uuid7Text()
                 applicable = self._limiter.applicable(ctx.orgID, ctx.agentID)
+                ctx.budgeted = applicable.budgeted
                 if applicable.tokenLimited or applicable.budgeted:
                     tokens, cost = self._reserve(ctx, self._providers, applicable)
-            await self._limit(ctx, tokens, cost)
+            await self._limit(ctx, tokens, cost, ledgerID)
 
         return rateLimit
 
@@ -702,6 +715,7 @@ class ProxyEdge:
         """
         The tokens and the worst-case cost (nano-dollars) a chat request
         that will be forwarded reserves at admission (decisions D11, D12).
+        A request that will be refused 400 reserves nothing.
         """
         assert ctx.orgID is not None
         try:
@@ -713,20 +727,43 @@ class ProxyEdge:
         if model is None:
             # Not forwarded (501): nothing to reserve.
             return 0, 0
+        refusal = _modelRefusal(chat, model, applicable.budgeted)
+        if refusal is not None:
+            ctx.chatError = refusal
+            return 0, 0
         prompt = promptEstimate(chat.messages)
         cap = outputCap(chat.document, applicable, model.maxOutputTokens)
         ctx.estimate = (prompt, cap)
         cost = 0
         if applicable.budgeted:
-            if model.price is None:
-                ctx.noPrice = True
-            else:
-                cost = model.price.worstCase(prompt, cap)
+            named = namedCap(chat)
+            if named is None:
+                # Sent to the provider: the worst case holds only if the
+                # provider is told the cap it assumes.
+                ctx.sentCap = cap
+            cost = worstCaseCost(
+                chat, self._attempts(ctx, providers, model), named or cap, ctx.sentCap
+            )
         return prompt + cap, cost
 
-    async def _limit(self, ctx: RequestContext, tokens: int = 0, cost: int = 0) -> None:
+    def _attempts(
+        self, ctx: RequestContext, providers: ProviderTable, model: Model
+    ) -> tuple[Model, ...]:
+        """
+        The models a request may be answered by, in order: under a budget,
+        never one without a price (decisions D12, amended: never billed at
+        zero); the model asked for has one, or the request was refused.
+        """
+        attempts = providers.attempts(model, ctx.orgID or "")
+        if ctx.budgeted:
+            attempts = tuple(attempt for attempt in attempts if attempt.price is not None)
+        return attempts
+
+    async def _limit(
+        self, ctx: RequestContext, tokens: int = 0, cost: int = 0, ledgerID: str | None = None
+    ) -> None:
         assert ctx.orgID is not None
-        decision = await self._limiter.hit(ctx.orgID, ctx.agentID, tokens, cost)
+        decision = await self._limiter.hit(ctx.orgID, ctx.agentID, tokens, cost, ledgerID=ledgerID)
         if decision is None:
             return
         ctx.responseHeaders.extend(decision.headers())
@@ -828,19 +865,22 @@ class ProxyEdge:
         then forward it to its model's provider (decisions D9): 501 when no
         provider is configured (Phase 1) or the model is not one the
         caller's organization may use.
+
+        A request refused here is never forwarded, and whatever it had
+        reserved is released (decisions D12, amended: a NO_PRICE 400 keeps
+        nothing).
         """
+        try:
+            return await self._chatCompletions(ctx)
+        finally:
+            # Forwarded requests settle in _forward; this releases the
+            # reservation of every refusal before it (once: _settle).
+            if ctx.reservation is not None and not ctx.forwarded:
+                self._settle(ctx, 0)
+
+    async def _chatCompletions(self, ctx: RequestContext) -> Reply:
         if ctx.chatError is not None:
             raise ctx.chatError
-        if ctx.noPrice:
-            raise validationError(
-                [
-                    FieldError(
-                        "model",
-                        FieldErrorCode.NO_PRICE,
-                        "The model has no price, and a budget applies.",
-                    )
-                ]
-            )
         chat = ctx.chat if ctx.chat is not None else parseChatBody(_bodyBytes(ctx.request))
         span = ctx.span
         if span.is_recording():
@@ -869,6 +909,10 @@ class ProxyEdge:
         if model is None:
             # Never a hint that the model exists for another organization.
             raise ApiError(ErrorCode.PROVIDER_NOT_CONFIGURED)
+        refusal = _modelRefusal(chat, model, ctx.budgeted)
+        if refusal is not None:
+            raise refusal
+        ctx.forwarded = True
         return await self._forward(ctx, chat, model, providers, forwarder)
 
     async def _forward(
@@ -896,11 +940,12 @@ class ProxyEdge:
         try:
             answer = await forwarder.forward(
                 chat.document,
-                providers.attempts(model, ctx.orgID or ""),
+                self._attempts(ctx, providers, model),
                 ctx.requestID,
                 _ClientStream(self, ctx),
                 lambda error: self.errorEvent(ctx, error),
                 ctx.upstream,
+                outputCap=ctx.sentCap,
             )
             if ctx.upstream.brokenMidStream:
                 # The stream went out, then ended with an error event.
@@ -946,6 +991,9 @@ class ProxyEdge:
                 if price is not None
                 else 0
             )
+            reservation = ctx.reservation
+            if reservation is not None and reservation.costKeys and cost > reservation.cost:
+                self._overrun(ctx, reservation.cost, cost, answered)
             self._settle(ctx, usage.promptTokens + usage.completionTokens, cost)
         elif outcome == UPSTREAM_ERROR and not upstream.brokenMidStream:
             self._settle(ctx, 0)
@@ -964,6 +1012,7 @@ class ProxyEdge:
         token = ctx.token
         self._ledger.record(
             usageRow(
+                ledgerID=ctx.ledgerID,
                 requestID=ctx.requestID,
                 orgID=ctx.orgID or "",
                 agentID=ctx.agentID,
@@ -983,12 +1032,62 @@ class ProxyEdge:
             )
         )
 
+    def _overrun(self, ctx: RequestContext, reserved: int, cost: int, answered: Model) -> None:
+        """
+        A provider answered more than its budget's worst case allowed (it
+        ignored the cap it was sent, say): the cost is billed as the
+        provider reported it (the settlement and the row say so), and the
+        overrun is counted and logged, at most once per interval, so an
+        operator can find the model that does not honour caps.
+        """
+        self._metrics.reservationOverruns.inc()
+        self._overruns.warn(
+            "A settlement passed its reservation's worst case: {cost_nano_usd} nano-dollars"
+            " billed against {reserved_nano_usd} reserved, answered by {model}",
+            org_id=ctx.orgID,
+            request_id=ctx.requestID,
+            ledger_id=ctx.ledgerID,
+            model=answered.name,
+            provider=answered.provider.name,
+            reserved_nano_usd=reserved,
+            cost_nano_usd=cost,
+        )
+
     def errorEvent(self, ctx: RequestContext, error: ApiError) -> bytes:
         """
         The one event that ends a stream after a fault (decisions D9):
         C{data: {"error": ...}} with the envelope of spec section 7.
         """
         return b"data: " + self.errorReply(ctx, error).body + b"\n\n"
+
+
+def _modelRefusal(chat: ChatRequest, model: Model, budgeted: bool) -> ApiError | None:
+    """
+    The 400 of a request its model cannot take (decisions D12, amended),
+    every rule at once: an output cap past the model's ceiling (its
+    C{max_output_tokens}, by default 1,048,576), and under a budget, a
+    model without a price (NO_PRICE: never billed at zero). None when
+    there is nothing to refuse.
+    """
+    errors: list[FieldError] = []
+    if budgeted and model.price is None:
+        errors.append(
+            FieldError(
+                "model", FieldErrorCode.NO_PRICE, "The model has no price, and a budget applies."
+            )
+        )
+    ceiling = model.outputCeiling
+    for field, cap in (
+        ("max_tokens", chat.maxTokens),
+        ("max_completion_tokens", chat.maxCompletionTokens),
+    ):
+        if cap is not None and cap > ceiling:
+            errors.append(
+                FieldError(
+                    field, FieldErrorCode.TOO_MANY, f"must be at most {ceiling} for this model"
+                )
+            )
+    return validationError(errors) if errors else None
 
 
 def _loggedPath(request: Request) -> str:

@@ -270,7 +270,12 @@ class RateLimiter(Protocol):
     """
 
     async def hit(
-        self, orgID: str, agentID: str | None, tokens: int = 0, cost: int = 0
+        self,
+        orgID: str,
+        agentID: str | None,
+        tokens: int = 0,
+        cost: int = 0,
+        ledgerID: str | None = None,
     ) -> RateDecision | None:
         """
         Count one request of C{orgID} by C{agentID}, reserving C{tokens}
@@ -555,7 +560,12 @@ class RedisRateLimiter:
         return self._book.applicable(orgID, agentID)
 
     async def hit(
-        self, orgID: str, agentID: str | None, tokens: int = 0, cost: int = 0
+        self,
+        orgID: str,
+        agentID: str | None,
+        tokens: int = 0,
+        cost: int = 0,
+        ledgerID: str | None = None,
     ) -> RateDecision | None:
         now = self._clock.seconds()
         windowStart = int(now) // WINDOW_SECONDS * WINDOW_SECONDS
@@ -1110,7 +1120,12 @@ class DisabledRateLimiter:
         self._notConfigured = ThrottledWarning(self.log, clock, warnInterval)
 
     async def hit(
-        self, orgID: str, agentID: str | None, tokens: int = 0, cost: int = 0
+        self,
+        orgID: str,
+        agentID: str | None,
+        tokens: int = 0,
+        cost: int = 0,
+        ledgerID: str | None = None,
     ) -> RateDecision | None:
         self._notConfigured.warn("REDIS_URL is not configured; rate limiting is off")
         return None

@@ -13,6 +13,20 @@ output cap:
   - the output cap: the request's C{max_completion_tokens}, else its
     C{max_tokens}, else the agent's or organization's C{max_output_tokens},
     else the model's in the providers file, else L{DEFAULT_OUTPUT_CAP}.
+
+That estimate is what rpm and tpm count. A budget needs more: an upper
+bound of what the answer can cost, so that no number of requests at once
+can pass it (decisions D12, amended; L{worstCaseCost}):
+
+  - the output cap it assumes is sent to the provider when the request
+    named none (the edge passes it to the forwarder), each choice of
+    C{n} may be that long, and a request naming both caps is bounded by
+    the larger;
+  - the prompt is at most one token per byte of the body sent (a
+    byte-level tokenizer makes at most one token of a byte), so tools,
+    schemas, tool calls and digits are all counted;
+  - the price is that of the dearest model that may answer (the model
+    and its fallbacks, measured with each one's own body).
 """
 
 from __future__ import annotations
@@ -20,6 +34,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from svcd.proxy.forwarding.providers import Model
+from svcd.proxy.forwarding.upstream import attemptBody
+from svcd.proxy.http.chatbody import ChatRequest
 from svcd.proxy.limits.book import Applicable
 
 DEFAULT_OUTPUT_CAP = 4096
@@ -60,3 +77,36 @@ def outputCap(document: Mapping[str, Any], applicable: Applicable, modelCap: int
         if cap is not None:
             return cap
     return DEFAULT_OUTPUT_CAP
+
+
+def namedCap(chat: ChatRequest) -> int | None:
+    """
+    The output cap the request named itself: the larger of
+    C{max_completion_tokens} and C{max_tokens} when it names both (a
+    provider may honour either), None when it names neither.
+    """
+    caps = [cap for cap in (chat.maxCompletionTokens, chat.maxTokens) if cap is not None]
+    return max(caps) if caps else None
+
+
+def worstCaseCost(
+    chat: ChatRequest, attempts: Sequence[Model], cap: int, sentCap: int | None
+) -> int:
+    """
+    The most the answer to C{chat} can cost, in nano-dollars, whichever of
+    C{attempts} answers it (decisions D12, amended): for each, its prompt
+    is the byte length of the body it is sent (L{attemptBody}, with
+    C{sentCap} added when the request named none), its answer C{n} choices
+    of the cap it is bound by (C{sentCap} as that model is sent it, else
+    the request's own C{cap}), at its price; the largest of those. Models
+    without a price count nothing (under a budget they are never tried).
+    """
+    worst = 0
+    for model in attempts:
+        price = model.price
+        if price is None:
+            continue
+        body = attemptBody(chat.document, model, sentCap)
+        completion = min(sentCap, model.outputCeiling) if sentCap is not None else cap
+        worst = max(worst, price.worstCase(len(body), completion * chat.choices))
+    return worst

@@ -44,6 +44,7 @@ class UsageLedger(Protocol):
 
 def usageRow(
     *,
+    ledgerID: str,
     requestID: str,
     orgID: str,
     agentID: str | None,
@@ -62,7 +63,9 @@ def usageRow(
     endedAt: float,
 ) -> auth_pb2.UsageRow:
     """
-    The ledger row of one forwarded request. Its tokens are the provider's
+    The ledger row of one forwarded request, keyed by C{ledgerID} (the
+    gateway's own id of the request, decisions D12, amended), with the
+    client-visible C{requestID} kept beside it. Its tokens are the provider's
     usage when it came; else, for an answer that failed before its first
     byte, none; else (an answer without usage, a client gone before it, a
     stream that failed C{afterFirstByte}) the reservation's C{estimate}
@@ -80,6 +83,7 @@ def usageRow(
         (prompt, completion), cached, reasoning = estimate, 0, 0
         tokensFrom = FROM_RESERVATION
     return auth_pb2.UsageRow(
+        ledger_id=ledgerID,
         request_id=requestID,
         org_id=orgID,
         agent_id=agentID or "",
