@@ -1,0 +1,418 @@
+"""
+Money that cannot be dodged or overspent (decisions D12 amended, issue 28),
+end to end: real C{twistd} daemons (svc-auth, two svc-proxy), a real
+PostgreSQL and Redis, the scripted upstream, budgets set with the real
+C{svcctl budget}. What is checked, from outside the gateway only:
+
+  - the ledger's key is the gateway's: requests that share one
+    X-Request-ID, in one organization or in two, are each one row, and
+    each keeps the client's id;
+  - a budget's reservation is a true upper bound: a provider answering
+    the most the request allows (the cap the gateway sent, for every one
+    of C{n} choices; a prompt of every byte it received, full of tools and
+    digits), 64 clients through two proxies, a dearer fallback: the
+    ledger's total never passes the budget;
+  - a provider answering more than the cap allows is billed as it
+    reported, counted, and the budget refuses from then on;
+  - an unpriced fallback is never tried under a budget; an absurd output
+    cap is 400 and nothing is forwarded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from authfixtures import Tenant
+from test_gateway_e2e import Answer, request
+
+# Autouse: no test here straddles the end of a UTC day (a budget's period).
+from test_gateway_ledger import (
+    PRICE_A,
+    PRICE_B,
+    PRICE_D,
+    Received,
+    Stack,
+    assertBudgetRefusal,
+    burst,
+    headersOf,
+    nanoCost,
+    orgRows,
+    post,
+    proxyEnvironment,
+    roomInTheDay,  # noqa: F401
+    spend,
+    startProxies,
+    waitForRows,
+    waitUntil,
+)
+
+from svcd.auth.migrations import migrate
+from svcd.auth.store import Store
+from svcd.testing.daemons import Daemon, authEnvironment
+from svcd.testing.servers import PostgresServer, RedisServer
+from svcd.testing.upstream import ScriptedUpstream
+
+# The scripted upstream's answers whose usage is the most the request
+# allows (prompt: every byte of the body it received; completion: the cap
+# it received for each of its n choices), and twice that completion.
+MOST_ALLOWED = "usage-at-cap"
+TWICE_ALLOWED = "usage-over-cap:2"
+
+# The output cap of the capped models (providers file max_output_tokens):
+# the cap the gateway sends when a request names none.
+CAP = 40
+
+# name -> (upstream model, price or None, max_output_tokens or None,
+# fallbacks, cap_field or None)
+MODELS: dict[str, tuple[str, dict[str, str] | None, int | None, list[str], str | None]] = {
+    "plain": ("usage:3:4", PRICE_B, None, [], None),
+    "maxed": (MOST_ALLOWED, PRICE_A, CAP, [], None),
+    # The same, for a provider that takes max_tokens.
+    "maxed-legacy": (MOST_ALLOWED, PRICE_A, CAP, [], "max_tokens"),
+    # A cheap model whose provider fails, and its dearer fallback that
+    # answers the most it may: the reservation is at the dearer price.
+    "cheap-failing": ("status:503", PRICE_B, CAP, ["dear"], None),
+    "dear": (MOST_ALLOWED, PRICE_D, CAP, [], None),
+    "overdrawn": (TWICE_ALLOWED, PRICE_A, CAP, [], None),
+    # Fails, and its fallback has no price.
+    "priced-failing": ("status:503", PRICE_A, CAP, ["free"], None),
+    "free": ("usage:10:5", None, None, [], None),
+}
+
+
+def providersFile(path: Path, upstream: ScriptedUpstream) -> Path:
+    text = [
+        "[[providers]]",
+        'name = "scripted"',
+        f'base_url = "{upstream.baseURL}"',
+        'timeout = "30s"',
+        'idle_timeout = "30s"',
+        "max_connections = 128",
+    ]
+    for name, (upstreamModel, price, cap, fallbacks, capField) in MODELS.items():
+        text += ["", "[[models]]", f'name = "{name}"', 'provider = "scripted"']
+        text.append(f'upstream_model = "{upstreamModel}"')
+        if fallbacks:
+            text.append("fallbacks = " + json.dumps(fallbacks))
+        if cap is not None:
+            text.append(f"max_output_tokens = {cap}")
+        if capField is not None:
+            text.append(f'cap_field = "{capField}"')
+        if price is not None:
+            entries = ", ".join(f'{key} = "{value}"' for key, value in price.items())
+            text.append(f"price = {{ {entries} }}")
+    path.write_text("\n".join(text) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def stack(
+    postgresServer: PostgresServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    workdir = tmp_path_factory.mktemp("money")
+    name = f"money_{uuid.uuid4().hex[:12]}"
+    dsn = postgresServer.createDatabase(name)
+    migrate(dsn)
+    redis = RedisServer.create(workdir / "redis")
+    redis.start()
+    upstream = ScriptedUpstream(workdir / "upstream").start()
+    connection = psycopg.connect(dsn, autocommit=True)
+    owner = Store(lambda: contextlib.nullcontext(connection))
+    providers = providersFile(workdir / "providers.toml", upstream)
+    auth = Daemon("svc-auth", authEnvironment(dsn), workdir / "auth.log").start()
+    proxies: list[Daemon] = []
+    try:
+        proxies = startProxies(2, proxyEnvironment(auth, redis, providers), workdir)
+        for daemon in [auth, *proxies]:
+            daemon.waitForReady()
+        yield Stack(dsn, redis, auth, proxies, owner, upstream, workdir)
+    finally:
+        for daemon in reversed([auth, *proxies]):
+            daemon.terminate()
+        upstream.stop()
+        redis.destroy()
+        connection.close()
+        postgresServer.dropDatabase(name)
+    for daemon in [auth, *proxies]:
+        assert "Traceback" not in daemon.output(), daemon.output()
+
+
+def ledgerKeys(dsn: str, orgID: uuid.UUID) -> list[tuple[str, str]]:
+    """
+    (request_id, ledger_id) of each of the organization's rows, read as the
+    schema owner.
+    """
+    with psycopg.connect(dsn, autocommit=True) as connection:
+        rows = connection.execute(
+            "SELECT request_id, ledger_id::text FROM usage_ledger WHERE org_id = %s",
+            (orgID,),
+        ).fetchall()
+    return [(str(requestID), str(ledgerID)) for requestID, ledgerID in rows]
+
+
+def counter(daemon: Daemon, name: str) -> float:
+    """
+    The sum of a counter's samples on the daemon's /metrics (0 when it has
+    none yet).
+    """
+    status, body = daemon.get("/metrics", timeout=5.0)
+    assert status == 200
+    total = 0.0
+    for line in body.decode().splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def sendWithRequestID(port: int, tenant: Tenant, requestID: str) -> Answer:
+    body = json.dumps({"model": "plain", "messages": [{"role": "user", "content": "hi"}]})
+    return request(
+        port,
+        "POST",
+        "/v1/chat/completions",
+        {**headersOf(tenant), "X-Request-ID": requestID},
+        body.encode(),
+        timeout=60,
+    )
+
+
+def test_requestsSharingAnIdAreEachOneRow(stack: Stack) -> None:
+    """
+    Three requests of one organization and two of another, all with the
+    same X-Request-ID, through both proxies: five rows, each keeping the
+    client's id under a key of its own; each answer carries the client's
+    id. (The ledger was keyed by the client's id: one row for the five.)
+    """
+    shared = str(uuid.uuid4())
+    first, second = stack.tenant("reuse-a"), stack.tenant("reuse-b")
+    for index, tenant in enumerate([first, first, first, second, second]):
+        answer = sendWithRequestID(stack.proxies[index % 2].httpPort, tenant, shared)
+        assert answer.status == 200, answer.body
+        assert answer.headers["x-request-id"] == shared
+    waitUntil(lambda: len(ledgerKeys(stack.dsn, first.orgID)) == 3, "three rows of the first")
+    waitUntil(lambda: len(ledgerKeys(stack.dsn, second.orgID)) == 2, "two rows of the second")
+    keys = ledgerKeys(stack.dsn, first.orgID) + ledgerKeys(stack.dsn, second.orgID)
+    assert {requestID for requestID, _ in keys} == {shared}
+    assert len({ledgerID for _, ledgerID in keys}) == 5
+    for _, ledgerID in keys:
+        assert uuid.UUID(ledgerID).version == 7
+
+
+# The worst case, the hard way.
+
+# A prompt full of what bytes/3 undercounts (digits), and tools whose
+# schemas the old estimate did not count at all.
+DIGITS = "0123456789" * 30
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": f"lookup_{index}",
+            "description": DIGITS,
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    f"p{n}": {"type": "integer", "maximum": 10**9 + n} for n in range(8)
+                },
+            },
+        },
+    }
+    for index in range(4)
+]
+CHOICES = 3
+
+
+def heavyBody(model: str) -> bytes:
+    return json.dumps(
+        {
+            "model": model,
+            "n": CHOICES,
+            "tools": TOOLS,
+            "messages": [
+                {"role": "system", "content": DIGITS},
+                {"role": "user", "content": DIGITS},
+            ],
+        }
+    ).encode()
+
+
+def forwardedLength(stack: Stack, body: bytes, upstreamModel: str) -> tuple[int, Any]:
+    """
+    Send C{body} once for an organization with a large budget (so the
+    gateway adds its cap, as under any budget) and read what the provider
+    received: the body's length in bytes and the body.
+    """
+    probe = stack.tenant(f"probe-{uuid.uuid4().hex[:6]}")
+    stack.budget(probe, 10**12)
+    stack.seenEverywhere()
+    before = {each.number for each in stack.upstream.requests()}
+    answer = post(stack.proxies[0].httpPort, probe, body)
+    assert answer.status == 200, answer.body
+    received = [
+        each
+        for each in stack.upstream.requests()
+        if each.number not in before and each.body.get("model") == upstreamModel
+    ]
+    assert len(received) == 1, received
+    return received[0].bodyLength, received[0].body
+
+
+def worstCase(price: Mapping[str, str], bodyLength: int) -> int:
+    """
+    The most a request can cost, by hand (decisions D12 amended): every
+    byte of the body a token at the dearest input price, the cap for each
+    choice at the output price.
+    """
+    dearestInput = max(price["input"], price.get("cached_input", price["input"]), key=float)
+    return nanoCost(
+        {"input": dearestInput, "output": price["output"]}, bodyLength, 0, CAP * CHOICES
+    )
+
+
+@pytest.mark.parametrize("model", ["maxed", "maxed-legacy"])
+def test_aBudgetHoldsAgainstAnswersAtTheCap(stack: Stack, model: str) -> None:
+    """
+    The provider answers the most each request allows: every byte of the
+    body it received as a prompt token, the cap the gateway sent (the
+    request named none) for each of its three choices. A budget of five
+    such answers and a nano-dollar, 64 concurrent clients over two
+    proxies: five answered, the others refused BUDGET_EXCEEDED, and the
+    ledger's total at most the budget. The cap reached the provider under
+    the model's cap field.
+    """
+    body = heavyBody(model)
+    length, received = forwardedLength(stack, body, MOST_ALLOWED)
+    capField = "max_tokens" if model == "maxed-legacy" else "max_completion_tokens"
+    assert received[capField] == CAP
+    assert received["n"] == CHOICES
+    each = worstCase(PRICE_A, length)
+    tenant = stack.tenant(f"atcap-{model}")
+    budget = 5 * each + 1
+    stack.budget(tenant, budget)
+    stack.seenEverywhere()
+    got = burst(stack, tenant, body)
+    admitted = [one for one in got if one.answer.status == 200]
+    for one in got:
+        if one.answer.status != 200:
+            assertBudgetRefusal(one, "org")
+    rows = waitForRows(stack.dsn, tenant.orgID, len(admitted))
+    assert all(row["cost_nano_usd"] == each for row in rows.values()), (
+        {row["cost_nano_usd"] for row in rows.values()},
+        each,
+    )
+    assert len(admitted) == 5
+    assert spend(rows) <= budget
+    print(f"{model}: worst case {each}, budget {budget}, spend {spend(rows)}, overshoot 0")
+
+
+def test_aDearerFallbackIsReservedAtItsPrice(stack: Stack) -> None:
+    """
+    The model asked for is cheap and fails; its fallback is dearer and
+    answers the most it may. Reserved at the dearer price, a budget of
+    three such answers admits three of 64, and the ledger stays within it
+    (reserved at the cheap price, far more would pass).
+    """
+    body = heavyBody("cheap-failing")
+    length, _ = forwardedLength(stack, body, MOST_ALLOWED)
+    each = worstCase(PRICE_D, length)
+    tenant = stack.tenant("dearer")
+    budget = 3 * each + 1
+    stack.budget(tenant, budget)
+    stack.seenEverywhere()
+    got = burst(stack, tenant, body)
+    admitted = [one for one in got if one.answer.status == 200]
+    rows = waitForRows(stack.dsn, tenant.orgID, len(admitted))
+    assert {row["model"] for row in rows.values()} == {"dear"}
+    assert len(admitted) == 3, len(admitted)
+    assert spend(rows) <= budget
+
+
+def test_anAnswerPastTheCapIsBilledAndRefusesTheNext(stack: Stack) -> None:
+    """
+    A provider that answers twice what the cap allows: the one admitted
+    request is billed as the provider reported (past its reservation), the
+    overrun is counted, and the next request, on either proxy, is refused:
+    the budget knows what was spent.
+    """
+    body = heavyBody("overdrawn")
+    length, _ = forwardedLength(stack, body, TWICE_ALLOWED)
+    reserved = worstCase(PRICE_A, length)
+    tenant = stack.tenant("overdrawn")
+    stack.budget(tenant, reserved + 1)
+    stack.seenEverywhere()
+    overruns = sum(
+        counter(proxy, "svc_proxy_reservation_overruns_total") for proxy in stack.proxies
+    )
+    answer = post(stack.proxies[0].httpPort, tenant, body)
+    assert answer.status == 200, answer.body
+    rows = waitForRows(stack.dsn, tenant.orgID, 1)
+    (row,) = rows.values()
+    billed = nanoCost(PRICE_A, length, 0, 2 * CAP * CHOICES)
+    assert row["cost_nano_usd"] == billed > reserved
+    assert (
+        sum(counter(proxy, "svc_proxy_reservation_overruns_total") for proxy in stack.proxies)
+        == overruns + 1
+    )
+    for proxy in stack.proxies:
+        refused = post(proxy.httpPort, tenant, body)
+        assertBudgetRefusal(Received(refused, time.time()), "org")
+    assert spend(orgRows(stack.dsn, tenant.orgID)) == billed
+
+
+def test_anUnpricedFallbackIsNeverTriedUnderABudget(stack: Stack) -> None:
+    """
+    A priced model fails and its fallback has no price: under a budget the
+    fallback is never tried (the client gets the failure); without one it
+    answers.
+    """
+    body = json.dumps(
+        {"model": "priced-failing", "messages": [{"role": "user", "content": "hi"}]}
+    ).encode()
+    budgeted, free = stack.tenant("nofree-budget"), stack.tenant("nofree")
+    stack.budget(budgeted, 10**12)
+    stack.seenEverywhere()
+    before = {each.number for each in stack.upstream.requests()}
+    refused = post(stack.proxies[0].httpPort, budgeted, body)
+    assert refused.status >= 500, refused.body
+    tried = [
+        each.body.get("model") for each in stack.upstream.requests() if each.number not in before
+    ]
+    assert tried == ["status:503"]
+    answered = post(stack.proxies[0].httpPort, free, body)
+    assert answered.status == 200, answered.body
+    assert answered.headers["x-svc-upstream-model"] == "free"
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_anAbsurdCapIsRefusedAndNothingForwarded(stack: Stack, field: str) -> None:
+    """
+    An output cap above the model's max_output_tokens (1,048,576 when the
+    providers file gives none) is 400 on that field; nothing reaches the
+    provider, no row is written.
+    """
+    tenant = stack.tenant(f"absurd-{field}")
+    before = len(stack.upstream.requests())
+    for model, cap in (("plain", 10**15), ("plain", 2**20 + 1), ("maxed", CAP + 1)):
+        body = json.dumps(
+            {"model": model, "messages": [{"role": "user", "content": "hi"}], field: cap}
+        ).encode()
+        answer = post(stack.proxies[0].httpPort, tenant, body)
+        assert answer.status == 400, answer.body
+        error = answer.json()["error"]
+        assert error["code"] == "VALIDATION_ERROR"
+        assert [each["field"] for each in error["field_errors"]] == [field]
+    # At the maximum itself, it is forwarded.
+    body = json.dumps(
+        {"model": "plain", "messages": [{"role": "user", "content": "hi"}], field: 2**20}
+    ).encode()
+    assert post(stack.proxies[0].httpPort, tenant, body).status == 200
+    assert len(stack.upstream.requests()) == before + 1
+    waitForRows(stack.dsn, tenant.orgID, 1)
