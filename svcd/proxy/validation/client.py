@@ -267,7 +267,10 @@ class QueueTimeout(Exception):
 class GrpcAuthClient:
     """
     L{AuthClient} over a gRPC channel, using grpcio's future API bridged to
-    Deferreds: no call ever blocks the reactor thread.
+    Deferreds with C{callFromThread} (L{deferredFromFuture}), never
+    C{deferToThread}: no call ever blocks the reactor thread or holds a
+    thread while in flight (docs/design.rst, "Threads, the reactor and
+    grpcio").
 
     @param channelFactory: makes the one shared L{grpc.Channel} to
         svc-auth. It is called at L{start} (or the first call), not here:
