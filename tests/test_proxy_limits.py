@@ -415,10 +415,14 @@ class HeldCounters(MemoryCounters):
         self.alone: list[tuple[list[str], list[int]]] = []
 
     def admit(
-        self, keys: list[str], arguments: list[int], adjustments: list[int] | None = None
+        self,
+        keys: list[str],
+        arguments: list[int],
+        adjustments: list[int] | None = None,
+        ledger: Any = None,
     ) -> Deferred[list[list[int]]]:
         answer: Deferred[list[list[int]]] = Deferred()
-        super().admit(keys, arguments, adjustments).addCallback(answer.callback)
+        super().admit(keys, arguments, adjustments, ledger).addCallback(answer.callback)
         self.held.append((Deferred(), list(adjustments or [])))
         held = self.held[-1][0]
         held.addCallback(lambda _: answer)
