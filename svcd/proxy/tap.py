@@ -160,6 +160,10 @@ def makeService(options: Options) -> LoggingRootService:
         limitBook,
         grpcAuth.getSpend,
         timeout=config.redisTimeout,
+        unchecked=metrics.uncheckedAdmissions,
+        lease=config.budgetLease,
+        recordGrace=config.budgetRecordGrace,
+        reconcileInterval=config.budgetReconcileInterval,
     )
     if isinstance(limiter, RedisRateLimiter):
         dependencies.append(Dependency("Redis", limiter.connected))
