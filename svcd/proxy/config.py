@@ -94,7 +94,7 @@ class ProxyConfig:
     # Decisions D12, amended: how budget counters converge to the ledger
     # (svcd.proxy.limits.limiter): the lease of a reservation in flight,
     # how long a settled one stays counted before its row is recorded, and
-    # the time between reconciliations (0: none).
+    # the time between reconciliations.
     budgetLease: float = 30.0
     budgetRecordGrace: float = 300.0
     budgetReconcileInterval: float = 30.0
@@ -170,7 +170,7 @@ def _budgetTiming(environ: Mapping[str, str]) -> dict[str, float]:
     """
     SVC_BUDGET_LEASE (more than 0), SVC_BUDGET_RECORD_GRACE (at least the
     lease: a settled reservation must outlive one in flight) and
-    SVC_BUDGET_RECONCILE_INTERVAL (0 turns reconciliation off).
+    SVC_BUDGET_RECONCILE_INTERVAL (durations: more than 0).
     """
     lease = config.duration(environ, "SVC_BUDGET_LEASE", 30.0)
     if lease <= 0:

@@ -1125,9 +1125,15 @@ class RedisRateLimiter:
             # until the ledger has the row.
             changed = True
             self._inFlight.pop(ledgerID, None)
+            now = self._clock.seconds()
             for key in reservation.costKeys:
                 self._memberSettlements[key, ledgerID] = cost
-            self._rememberSettled(ledgerID, reservation.costKeys)
+                # Reconciled for a while yet: the member goes once its row
+                # is recorded, which only a reconciliation does.
+                use = self._budgets.get(key)
+                if use is not None:
+                    use.lastUsed = now
+            self._rememberSettled(ledgerID, reservation.costKeys, now)
         elif cost - reservation.cost:
             changed = True
             for key in reservation.costKeys:
@@ -1135,13 +1141,12 @@ class RedisRateLimiter:
         if changed:
             self._settleSoon()
 
-    def _rememberSettled(self, ledgerID: str, costKeys: tuple[str, ...]) -> None:
+    def _rememberSettled(self, ledgerID: str, costKeys: tuple[str, ...], now: float) -> None:
         """
         Keep a settled reservation's counters for L{recorded}, for the
         record grace at most (oldest forgotten first): its member is
         dropped by then anyway.
         """
-        now = self._clock.seconds()
         self._settled[ledgerID] = (costKeys, now)
         settled = self._settled
         while settled:
@@ -1332,15 +1337,18 @@ class RedisRateLimiter:
 
     def reconcile(self) -> Deferred[None]:
         """
-        One round: each budget counter this proxy used in the last few
-        intervals (or holds a reservation in flight in) set to the ledger's
-        spend plus its members left. Fires when done; never fails.
+        One round: each budget counter this proxy used within the record
+        grace and two intervals (or holds a reservation in flight in) set
+        to the ledger's spend plus its members left. Fires when done;
+        never fails.
         """
         return Deferred.fromCoroutine(self._reconcileAll())
 
     async def _reconcileAll(self) -> None:
         now = self._clock.seconds()
-        horizon = now - _RECENT_ROUNDS * max(self._reconcileInterval, self._lease)
+        # A counter is visited while a member of this proxy's making may be
+        # in it: in flight (holding), or settled within the record grace.
+        horizon = now - self._recordGrace - _RECENT_ROUNDS * self._reconcileInterval
         holding = {key for costKeys, _, _ in self._inFlight.values() for key in costKeys}
         for key, use in list(self._budgets.items()):
             start, end = _periodOfKey(key)
@@ -1627,9 +1635,10 @@ def _admitArguments(admissions: list[tuple[Counter, ...]]) -> tuple[list[str], l
 _BUDGET_KEY_SLACK = 3600
 # Seeding a budget and asking again, at most this many times a request.
 _SEED_ATTEMPTS = 3
-# Decisions D12, amended: a budget counter is reconciled while it was used
-# in the last this many rounds (or holds a reservation in flight).
-_RECENT_ROUNDS = 3
+# Decisions D12, amended: a budget counter is reconciled until the record
+# grace and this many rounds have passed since this proxy last used it (or
+# while it holds a reservation of it in flight).
+_RECENT_ROUNDS = 2
 # A reservation whose settlement has not come after this many seconds is
 # no longer renewed (its request cannot still run: the edge settles every
 # reservation, and upstream timeouts are minutes): its lease releases it.
