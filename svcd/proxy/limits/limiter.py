@@ -571,11 +571,16 @@ class LabelledCounter(Protocol):
 
 # Why a request was admitted without a check (decisions D12, amended): the
 # reasons of svc_proxy_unchecked_admissions_total.
-REDIS_UNAVAILABLE = "redis_unavailable"
-BREAKER_OPEN = "breaker_open"
-REDIS_FAILED = "redis_failed"
-SPEND_UNKNOWN = "spend_unknown"
-UNCHECKED_REASONS = (REDIS_UNAVAILABLE, BREAKER_OPEN, REDIS_FAILED, SPEND_UNKNOWN)
+UNCHECKED_REDIS_UNAVAILABLE = "redis_unavailable"
+UNCHECKED_BREAKER_OPEN = "breaker_open"
+UNCHECKED_REDIS_FAILED = "redis_failed"
+UNCHECKED_SPEND_UNKNOWN = "spend_unknown"
+UNCHECKED_REASONS = (
+    UNCHECKED_REDIS_UNAVAILABLE,
+    UNCHECKED_BREAKER_OPEN,
+    UNCHECKED_REDIS_FAILED,
+    UNCHECKED_SPEND_UNKNOWN,
+)
 
 
 @attrs.frozen
@@ -587,8 +592,8 @@ class _Unchecked:
     reason: str
 
 
-_SKIPPED = _Unchecked(BREAKER_OPEN)
-_FAILED = _Unchecked(REDIS_FAILED)
+_SKIPPED = _Unchecked(UNCHECKED_BREAKER_OPEN)
+_FAILED = _Unchecked(UNCHECKED_REDIS_FAILED)
 
 
 class RedisCounters(Protocol):
@@ -954,7 +959,7 @@ class RedisRateLimiter:
         windowStart = int(now) // WINDOW_SECONDS * WINDOW_SECONDS
         if not self._counters.connected:
             self._unavailable.warn("Redis is not connected; rate limiting is off until it is back")
-            self._uncheckedAdmission(REDIS_UNAVAILABLE)
+            self._uncheckedAdmission(UNCHECKED_REDIS_UNAVAILABLE)
             return None
         applicable = self._book.applicable(orgID, agentID)
         if applicable is not NO_LIMITS:
@@ -1006,7 +1011,7 @@ class RedisRateLimiter:
                 decision = _decision(counters, counts, windowStart + WINDOW_SECONDS, now)
                 if decision.allowed:
                     if spendUnknown:
-                        self._uncheckedAdmission(SPEND_UNKNOWN)
+                        self._uncheckedAdmission(UNCHECKED_SPEND_UNKNOWN)
                     reservation = decision.reservation
                     if ledgerID is not None and reservation is not None and reservation.costKeys:
                         reservation = attrs.evolve(reservation, ledgerID=ledgerID)
@@ -1022,7 +1027,7 @@ class RedisRateLimiter:
                 # that budget (fail open, as for Redis), the next tries again.
                 counters = tuple(c for c in counters if c.key != unseeded.key)
                 spendUnknown = True
-        self._uncheckedAdmission(SPEND_UNKNOWN)
+        self._uncheckedAdmission(UNCHECKED_SPEND_UNKNOWN)
         return None
 
     def _countersOf(
