@@ -1071,6 +1071,9 @@ class RedisRateLimiter:
         return tuple(counters)
 
     def _used(self, budget: Counter, orgID: str, agentID: str | None, now: float) -> None:
+        if self._reconcileInterval <= 0:
+            # Nothing would visit (or forget) it.
+            return
         use = self._budgets.get(budget.key)
         if use is None:
             self._budgets[budget.key] = _BudgetUse(orgID, agentID, budget.limit, now)
