@@ -488,3 +488,26 @@ def test_budgetTimingFromTheEnvironment() -> None:
         ProxyConfig.fromEnvironment(
             base | {"SVC_BUDGET_LEASE": "60s", "SVC_BUDGET_RECORD_GRACE": "30s"}
         )
+
+
+def test_aFailedMemberSettlementIsSentAgain() -> None:
+    """
+    A settlement of a member whose call failed (or missed its deadline)
+    is sent again a second later, harmlessly even if it did run: it sets
+    the member to its cost. (A per-key delta could not be.)
+    """
+    counters = MemoryCounters()
+    counters.counts[ORG_DAY] = 0
+    limiter, _, clock = memoryLimiter(counters)
+    decision = decided(limiter.hit(ORG_ID, AGENT_ID, cost=300, ledgerID="r-1"))
+    assert decision is not None and decision.reservation is not None
+    assert counters.members[ORG_DAY] == {"r-1": 300}
+    counters.failure = ConnectionError("Redis went away")
+    limiter.settle(decision.reservation, 0, 120)
+    assert counters.counts[ORG_DAY] == 300
+    counters.failure = None
+    clock.advance(0.5)
+    assert counters.counts[ORG_DAY] == 300
+    clock.advance(0.6)
+    assert counters.counts[ORG_DAY] == 120
+    assert counters.members[ORG_DAY] == {"r-1": 120}

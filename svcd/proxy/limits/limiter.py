@@ -910,6 +910,10 @@ class RedisRateLimiter:
         self._timing = f"{round(lease * 1000)},{round(recordGrace * 1000)}"
         self._memberSettlements: dict[tuple[str, str], int] = {}
         self._marks: dict[tuple[str, str], None] = {}
+        # When a failed call's settlements may go alone again.
+        self._retryAt = 0.0
+        # What the last call made took of those (L{_takeSettlements}).
+        self._sending: tuple[dict[tuple[str, str], int], dict[tuple[str, str], None]] = ({}, {})
         self._inFlight: dict[str, tuple[tuple[str, ...], int, float]] = {}
         self._settled: dict[str, tuple[tuple[str, ...], float]] = {}
         self._budgets: dict[str, _BudgetUse] = {}
@@ -1185,12 +1189,11 @@ class RedisRateLimiter:
         """
         if self._adjusting is not None or self._admitting or self._settleTimer is not None:
             return
-        if self._settleDelay <= 0:
+        delay = max(self._settleDelay, self._retryAt - self._clock.seconds())
+        if delay <= 0:
             self._sendAdjustments()
             return
-        self._settleTimer = asReactorTime(self._clock).callLater(
-            self._settleDelay, self._settleAlone
-        )
+        self._settleTimer = asReactorTime(self._clock).callLater(delay, self._settleAlone)
 
     def _settleAlone(self) -> None:
         self._settleTimer = None
@@ -1211,7 +1214,11 @@ class RedisRateLimiter:
         """
         Every settlement waiting, as the admission script's arguments over
         C{keys} (extended with the keys they need): the per-key deltas,
-        the members' settlements, the marks of recorded rows.
+        the members' settlements, the marks of recorded rows. The members'
+        settlements and marks taken are kept in L{_sending} until the
+        call's outcome: both are idempotent (a member set to its cost, a
+        row marked), so a call that failed, or missed its deadline and
+        perhaps did run, has them sent again (L{_sendAgain}).
         """
         where = {each: index for index, each in enumerate(keys, 1)}
 
@@ -1229,16 +1236,40 @@ class RedisRateLimiter:
                 if delta:
                     adjustments += (indexOf(adjusted), delta)
         settlements = ""
+        members: dict[tuple[str, str], int] = {}
         if self._memberSettlements:
             members, self._memberSettlements = self._memberSettlements, {}
             settlements = ",".join(
                 f"{indexOf(key)},{ledgerID},{cost}" for (key, ledgerID), cost in members.items()
             )
         marks = ""
+        marked: dict[tuple[str, str], None] = {}
         if self._marks:
             marked, self._marks = self._marks, {}
             marks = ",".join(f"{indexOf(key)},{ledgerID}" for key, ledgerID in marked)
+        self._sending = (members, marked)
         return adjustments, settlements, marks
+
+    def _sendAgain(
+        self,
+        failure: Failure,
+        sent: tuple[dict[tuple[str, str], int], dict[tuple[str, str], None]],
+    ) -> Failure:
+        """
+        A call carrying members' settlements or marks failed: they wait
+        for the next call (a newer settlement of the same member wins).
+        While Redis is not connected they are dropped instead (L{
+        _sendAdjustments}): the leases and reconciliation heal that.
+        """
+        members, marked = sent
+        for member, cost in members.items():
+            self._memberSettlements.setdefault(member, cost)
+        for mark in marked:
+            self._marks.setdefault(mark, None)
+        # Not at once: a Redis that answers errors must not be asked again
+        # in a loop. They ride on the next admission meanwhile.
+        self._retryAt = self._clock.seconds() + self._openSeconds
+        return failure
 
     def _sendAdjustments(self) -> None:
         """
@@ -1267,6 +1298,7 @@ class RedisRateLimiter:
         else:
             return
         call = self._adjusting = timeoutDeferred(request, self._timeout, asReactorTime(self._clock))
+        call.addErrback(self._sendAgain, self._sending)
         call.addErrback(self._adjustFailed, len(keys))
         call.addBoth(self._adjusted)
 
@@ -1330,7 +1362,11 @@ class RedisRateLimiter:
     def _scheduleReconciliation(self) -> None:
         if self._reconcileInterval <= 0:
             return
-        delay = self._reconcileInterval * (0.75 + 0.5 * self._random())
+        # Between 3/4 of the interval and the whole: proxies spread out, and
+        # no two rounds are ever further apart than the interval (the bound
+        # the operator set, and the one the release of a lost settlement
+        # is promised within).
+        delay = self._reconcileInterval * (0.75 + 0.25 * self._random())
         self._reconcileTimer = asReactorTime(self._clock).callLater(delay, self._reconcileDue)
 
     def _reconcileDue(self) -> None:
@@ -1469,6 +1505,8 @@ class RedisRateLimiter:
         else:
             request = self._counters.increment(key, len(hits), KEY_TTL_SECONDS)
         call = calls.call = timeoutDeferred(request, self._timeout, asReactorTime(self._clock))
+        if admissions is not None and (self._sending[0] or self._sending[1]):
+            call.addErrback(self._sendAgain, self._sending)
         call.addCallbacks(
             self._counted,
             self._failed,
