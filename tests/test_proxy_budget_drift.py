@@ -17,6 +17,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
+import pytest
 import pytest_twisted
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
@@ -458,7 +459,6 @@ def test_budgetTimingFromTheEnvironment() -> None:
     SVC_BUDGET_RECONCILE_INTERVAL: 30 s, 300 s and 30 s unless set; a lease
     of 0 or a record grace shorter than the lease stops the daemon.
     """
-    import pytest
 
     from svcd.common.config import ConfigError
 
@@ -511,3 +511,53 @@ def test_aFailedMemberSettlementIsSentAgain() -> None:
     clock.advance(0.6)
     assert counters.counts[ORG_DAY] == 120
     assert counters.members[ORG_DAY] == {"r-1": 120}
+
+
+class CountedRenewals(MemoryCounters):
+    def __init__(self) -> None:
+        super().__init__()
+        self.renewals: list[int] = []
+
+    def renew(self, keys: list[str], leaseMs: int, triples: str) -> Deferred[object]:
+        self.renewals.append(len(triples.split(",")) // 3)
+        return super().renew(keys, leaseMs, triples)
+
+
+def test_renewalsEveryThirdOfALeaseInBoundedCalls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """
+    Every third of a lease the proxy renews its reservations in flight (not
+    the settled ones), in calls of a bounded number of members; a lost
+    member is made again; nothing is renewed once all are settled.
+    """
+    from svcd.proxy.limits import limiter as module
+
+    monkeypatch.setattr(module, "_RENEWALS_PER_CALL", 2)
+    counters = CountedRenewals()
+    counters.counts[ORG_DAY] = 0
+    clock = fakeClock(WINDOW + 30)
+    limiter = RedisRateLimiter(
+        counters,
+        clock,
+        60,
+        book=budgetBook(org=Budget(BUDGET_USD, "day")),
+        settleDelay=0,
+        lease=30.0,
+    )
+    limiter.start()
+    decisions = [
+        decided(limiter.hit(ORG_ID, AGENT_ID, cost=10, ledgerID=f"n-{n}")) for n in range(6)
+    ]
+    reservations = [d.reservation for d in decisions if d is not None and d.reservation]
+    limiter.settle(reservations[0], 0, 10)
+    del counters.members[ORG_DAY]["n-5"]
+    clock.advance(9.9)
+    assert counters.renewals == []
+    clock.advance(0.2)
+    assert counters.renewals == [2, 2, 1]
+    assert counters.members[ORG_DAY]["n-5"] == 10
+    assert counters.counts[ORG_DAY] == 70
+    for reservation in reservations[1:]:
+        limiter.settle(reservation, 0, 10)
+    clock.advance(10)
+    assert counters.renewals == [2, 2, 1]
+    limiter.stop()

@@ -1319,35 +1319,45 @@ class RedisRateLimiter:
 
     def _renew(self) -> None:
         """
-        Push the leases of this proxy's reservations in flight, all in one
-        call; a reservation held past L{_MAX_HOLD_SECONDS} (one whose
-        settlement never came) is left to its lease.
+        Push the leases of this proxy's reservations in flight: one call
+        per round, or one per L{_RENEWALS_PER_CALL} members for a proxy
+        holding more (so that no call keeps Redis from the admissions of
+        every proxy for long); a reservation held past
+        L{_MAX_HOLD_SECONDS} (one whose settlement never came) is left to
+        its lease.
         """
         if not self._inFlight or self._renewing is not None or not self._counters.connected:
             return
         now = self._clock.seconds()
-        keys: list[str] = []
-        where: dict[str, int] = {}
-        triples: list[str] = []
+        members: list[tuple[str, str, int]] = []
         for ledgerID, (costKeys, amount, since) in list(self._inFlight.items()):
             if now - since > _MAX_HOLD_SECONDS:
                 del self._inFlight[ledgerID]
                 continue
-            for key in costKeys:
+            members += ((key, ledgerID, amount) for key in costKeys)
+        if not members:
+            return
+        renewing = self._renewing = Deferred.fromCoroutine(self._renewAll(members))
+        renewing.addErrback(self._backgroundFailed, "renew the leases of requests in flight")
+        renewing.addBoth(_passing(self._renewed))
+
+    async def _renewAll(self, members: list[tuple[str, str, int]]) -> None:
+        leaseMs = round(self._lease * 1000)
+        for start in range(0, len(members), _RENEWALS_PER_CALL):
+            keys: list[str] = []
+            where: dict[str, int] = {}
+            triples: list[str] = []
+            for key, ledgerID, amount in members[start : start + _RENEWALS_PER_CALL]:
                 index = where.get(key)
                 if index is None:
                     keys.append(key)
                     index = where[key] = len(keys)
                 triples.append(f"{index},{ledgerID},{amount}")
-        if not triples:
-            return
-        renewing = self._renewing = timeoutDeferred(
-            self._counters.renew(keys, round(self._lease * 1000), ",".join(triples)),
-            max(self._timeout, _BACKGROUND_TIMEOUT),
-            asReactorTime(self._clock),
-        )
-        renewing.addErrback(self._backgroundFailed, "renew the leases of requests in flight")
-        renewing.addBoth(_passing(self._renewed))
+            await timeoutDeferred(
+                self._counters.renew(keys, leaseMs, ",".join(triples)),
+                max(self._timeout, _BACKGROUND_TIMEOUT),
+                asReactorTime(self._clock),
+            )
 
     def _renewed(self) -> None:
         self._renewing = None
@@ -1689,6 +1699,8 @@ _RECENT_ROUNDS = 2
 # no longer renewed (its request cannot still run: the edge settles every
 # reservation, and upstream timeouts are minutes): its lease releases it.
 _MAX_HOLD_SECONDS = 3600.0
+# Members renewed by one call at most (a few ms of Redis).
+_RENEWALS_PER_CALL = 2000
 # Deadline of the calls off the request's path (renewals, reconciliation).
 _BACKGROUND_TIMEOUT = 2.0
 # A correction larger than 1/this of the budget is logged.
