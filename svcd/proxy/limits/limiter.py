@@ -1304,8 +1304,8 @@ class RedisRateLimiter:
 
     def _adjustFailed(self, failure: Failure, keys: int) -> None:
         self._unavailable.warn(
-            "Redis did not take {keys} token settlements ({error_type}); those reservations"
-            " stay counted",
+            "Redis did not take the settlements of {keys} counters ({error_type}); token"
+            " reservations stay counted, budget members are sent again",
             keys=keys,
             error_type=type(failure.value).__name__,
         )
