@@ -33,6 +33,7 @@ from svcd.proxy.limits.limiter import (
     REQUESTS,
     TOKENS,
     Counter,
+    LedgerWork,
     RateDecision,
     RedisLink,
     RedisRateLimiter,
@@ -421,10 +422,14 @@ class HeldCounters(MemoryCounters):
         self.alone: list[tuple[list[str], list[int]]] = []
 
     def admit(
-        self, keys: list[str], arguments: list[int], adjustments: list[int] | None = None
+        self,
+        keys: list[str],
+        arguments: list[int],
+        adjustments: list[int] | None = None,
+        ledger: Any = None,
     ) -> Deferred[list[list[int]]]:
         answer: Deferred[list[list[int]]] = Deferred()
-        super().admit(keys, arguments, adjustments).addCallback(answer.callback)
+        super().admit(keys, arguments, adjustments, ledger).addCallback(answer.callback)
         self.held.append((Deferred(), list(adjustments or [])))
         held = self.held[-1][0]
         held.addCallback(lambda _: answer)
@@ -486,10 +491,17 @@ def _evalInRedis(
     EVAL over a plain socket, with the reply read whole (RESP integers,
     bulk strings and arrays).
     """
-    words = [b"EVAL", script.encode(), b"%d" % len(keys)]
-    words += [key.encode() for key in keys] + [str(value).encode() for value in arguments]
-    request = b"*%d\r\n" % len(words) + b"".join(
-        b"$%d\r\n%s\r\n" % (len(word), word) for word in words
+    return redisCall(server, "EVAL", script, str(len(keys)), *keys, *map(str, arguments))
+
+
+def redisCall(server: RedisServer, *words: str | bytes) -> Any:
+    """
+    One command over a plain socket, with the reply read whole (RESP
+    integers, simple and bulk strings, nil and arrays).
+    """
+    encoded = [word.encode() if isinstance(word, str) else word for word in words]
+    request = b"*%d\r\n" % len(encoded) + b"".join(
+        b"$%d\r\n%s\r\n" % (len(word), word) for word in encoded
     )
     with socket.create_connection((server.host, server.port), timeout=5) as connection:
         connection.sendall(request)
@@ -500,10 +512,12 @@ def _evalInRedis(
             kind, rest = line[:1], line[1:]
             if kind == b":":
                 return int(rest)
+            if kind == b"+":
+                return rest
             if kind == b"*":
                 return [read() for _ in range(int(rest))]
             if kind == b"$":
-                return reader.read(int(rest) + 2)[:-2]
+                return None if rest == b"-1" else reader.read(int(rest) + 2)[:-2]
             raise AssertionError(f"unexpected reply {line!r}")
 
         return read()
@@ -526,18 +540,35 @@ def _request(draw: st.DrawFn) -> tuple[Counter, ...]:
     )
 
 
+_LEDGER_IDS = ["L1", "L2", "L3", "L4"]
+
+
 @settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(
     batches=st.lists(
         st.tuples(
-            st.lists(_request(), min_size=1, max_size=6),
+            st.lists(
+                st.tuples(_request(), st.sampled_from([None, *_LEDGER_IDS])),
+                min_size=1,
+                max_size=6,
+            ),
             st.lists(
                 st.tuples(st.sampled_from("abcde"), st.integers(min_value=-20, max_value=20)),
                 max_size=3,
                 unique_by=lambda pair: pair[0],
             ),
+            st.lists(
+                st.tuples(
+                    st.sampled_from("abcd"),
+                    st.sampled_from(_LEDGER_IDS),
+                    st.integers(min_value=0, max_value=40),
+                ),
+                max_size=3,
+                unique_by=lambda triple: triple[:2],
+            ),
+            st.lists(st.tuples(st.sampled_from("abcd"), st.sampled_from(_LEDGER_IDS)), max_size=3),
         ),
         min_size=1,
         max_size=4,
@@ -545,13 +576,23 @@ def _request(draw: st.DrawFn) -> tuple[Counter, ...]:
 )
 def test_scriptAgreesWithItsTwin(
     redisServer: RedisServer,
-    batches: list[tuple[list[tuple[Counter, ...]], list[tuple[str, int]]]],
+    batches: list[
+        tuple[
+            list[tuple[tuple[Counter, ...], str | None]],
+            list[tuple[str, int]],
+            list[tuple[str, str, int]],
+            list[tuple[str, str]],
+        ]
+    ],
 ) -> None:
     """
     Random batches of requests over a few counters, each with settlements
-    riding on it (of the batch's counters or of others, existing or not):
-    the Lua script in Redis and the in-memory counters answer alike,
-    request by request, and leave the same counts.
+    riding on it (of the batch's counters or of others, existing or not),
+    and (decisions D12, amended) ledger ids on some requests, settlements
+    of budget members (present, swept or never made) and marks of recorded
+    rows: the Lua script in Redis and the in-memory counters answer alike,
+    request by request, and leave the same counts, members, leases (to
+    the clock's drift) and marks.
     """
     prefix = f"twin:{uuid.uuid4()}:"
     memory = MemoryCounters()
@@ -559,33 +600,62 @@ def test_scriptAgreesWithItsTwin(
     # are sometimes found.
     redisServer.command("SET", prefix + "a", "5")
     memory.counts[prefix + "a"] = 5
-    for batch, settlements in batches:
+    used: set[str] = set()
+    for batch, deltas, settlements, marks in batches:
         renamed = [
             tuple(
                 Counter(prefix + c.key, c.amount, c.limit, c.kind, c.scope, ttl=c.ttl)
                 for c in counters
             )
-            for counters in batch
+            for counters, _ in batch
         ]
         keys, arguments = _admitArguments(renamed)
-        adjustments: list[int] = []
-        for name, delta in settlements:
+
+        def indexOf(name: str, keys: list[str] = keys) -> int:
             if prefix + name not in keys:
                 keys.append(prefix + name)
-            adjustments += (keys.index(prefix + name) + 1, delta)
+            return keys.index(prefix + name) + 1
+
+        adjustments: list[int] = []
+        for name, delta in deltas:
+            adjustments += (indexOf(name), delta)
+        ledger = LedgerWork(
+            ",".join(ledgerID or "-" for _, ledgerID in batch),
+            ",".join(f"{indexOf(name)},{ledgerID},{cost}" for name, ledgerID, cost in settlements),
+            ",".join(f"{indexOf(name)},{ledgerID}" for name, ledgerID in marks),
+            "30000,300000",
+        )
+        used.update(keys)
         inRedis = parseAdmitReply(
             _evalInRedis(
                 redisServer,
                 _ADMIT_SCRIPT,
                 keys,
-                [packAdmitArguments(arguments), packAdmitArguments(adjustments)],
+                [
+                    packAdmitArguments(arguments),
+                    packAdmitArguments(adjustments),
+                    *ledger.arguments(),
+                ],
             )
         )
         inMemory: list[list[int]] = []
-        memory.admit(keys, arguments, adjustments).addCallback(inMemory.extend)
+        memory.admit(keys, arguments, adjustments, ledger).addCallback(inMemory.extend)
         assert inRedis == inMemory
     for key, value in memory.counts.items():
         assert counter(redisServer, key) == value
+    for key in used:
+        members = redisCall(redisServer, "HGETALL", key + ":members")
+        assert {
+            members[i].decode(): int(members[i + 1]) for i in range(0, len(members), 2)
+        } == memory.members.get(key, {})
+        for suffix, twin in ((":leases", memory.leases), (":recorded", memory.recordedAt)):
+            scores = redisCall(redisServer, "ZRANGE", key + suffix, "0", "-1", "WITHSCORES")
+            inRedisScores = {
+                scores[i].decode(): int(scores[i + 1]) for i in range(0, len(scores), 2)
+            }
+            assert set(inRedisScores) == set(twin.get(key, {}))
+            for ledgerID, score in inRedisScores.items():
+                assert abs(score - twin[key][ledgerID]) < 5000
 
 
 def test_scriptCountsExactlyToWhatADoubleHolds(redisServer: RedisServer) -> None:

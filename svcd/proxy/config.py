@@ -91,6 +91,13 @@ class ProxyConfig:
     # and the file that keeps them across a kill (None: memory only).
     usageOutboxMax: int = 100_000
     usageJournal: str | None = None
+    # Decisions D12, amended: how budget counters converge to the ledger
+    # (svcd.proxy.limits.limiter): the lease of a reservation in flight,
+    # how long a settled one stays counted before its row is recorded, and
+    # the time between reconciliations.
+    budgetLease: float = 30.0
+    budgetRecordGrace: float = 300.0
+    budgetReconcileInterval: float = 30.0
 
     @classmethod
     def fromEnvironment(
@@ -155,7 +162,27 @@ class ProxyConfig:
                 _asciiDigits(environ, "SVC_USAGE_OUTBOX_MAX"), "SVC_USAGE_OUTBOX_MAX", 100_000
             ),
             usageJournal=_usageJournal(environ, "SVC_USAGE_JOURNAL"),
+            **_budgetTiming(environ),
         )
+
+
+def _budgetTiming(environ: Mapping[str, str]) -> dict[str, float]:
+    """
+    SVC_BUDGET_LEASE (more than 0), SVC_BUDGET_RECORD_GRACE (at least the
+    lease: a settled reservation must outlive one in flight) and
+    SVC_BUDGET_RECONCILE_INTERVAL (durations: more than 0).
+    """
+    lease = config.duration(environ, "SVC_BUDGET_LEASE", 30.0)
+    if lease <= 0:
+        raise ConfigError("SVC_BUDGET_LEASE", "must be more than 0")
+    grace = config.duration(environ, "SVC_BUDGET_RECORD_GRACE", 300.0)
+    if grace < lease:
+        raise ConfigError("SVC_BUDGET_RECORD_GRACE", "must be at least SVC_BUDGET_LEASE")
+    return {
+        "budgetLease": lease,
+        "budgetRecordGrace": grace,
+        "budgetReconcileInterval": config.duration(environ, "SVC_BUDGET_RECONCILE_INTERVAL", 30.0),
+    }
 
 
 def _asciiDigits(environ: Mapping[str, str], name: str) -> Mapping[str, str]:

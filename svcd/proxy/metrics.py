@@ -188,6 +188,20 @@ class ProxyMetrics:
             ["reason"],
             registry=self.registry,
         )
+        self.uncheckedAdmissions = Counter(
+            "svc_proxy_unchecked_admissions",
+            "Requests let through without checking a limit or a budget (decisions D12,"
+            " amended), by reason: redis_unavailable (not connected to Redis), breaker_open"
+            " (Redis skipped after a failure), redis_failed (the call failed or missed its"
+            " deadline), spend_unknown (a budget left out: the ledger could not say its"
+            " spend)",
+            ["reason"],
+            registry=self.registry,
+        )
+        # Every reason exported from the start at 0, so that an alert on
+        # its rate sees the first one.
+        for reason in ("redis_unavailable", "breaker_open", "redis_failed", "spend_unknown"):
+            self.uncheckedAdmissions.labels(reason)
         self.processUp = processUpGauge(self.registry)
         # Route templates, known methods and status codes: a small, bounded
         # set of children, looked up once each.

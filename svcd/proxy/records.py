@@ -95,7 +95,11 @@ class Reservation:
     # budgets' counters.
     costKeys: tuple[str, ...] = ()
     cost: int = 0
-    # Decisions D12, amended: the ledger key of the request that holds it.
+    # Decisions D12, amended: the ledger row's key (the gateway's UUID v7),
+    # under which each budget counter holds this reservation as a member
+    # of its own, so that a lost settlement is released and a recorded row
+    # is not counted twice (L{svcd.proxy.limits.limiter}). None: a
+    # per-key delta, as before.
     ledgerID: str | None = None
 
 

@@ -161,6 +161,10 @@ def makeService(options: Options) -> LoggingRootService:
         limitBook,
         grpcAuth.getSpend,
         timeout=config.redisTimeout,
+        unchecked=metrics.uncheckedAdmissions,
+        lease=config.budgetLease,
+        recordGrace=config.budgetRecordGrace,
+        reconcileInterval=config.budgetReconcileInterval,
     )
     if isinstance(limiter, RedisRateLimiter):
         dependencies.append(Dependency("Redis", limiter.connected))
@@ -190,7 +194,7 @@ def makeService(options: Options) -> LoggingRootService:
             # The limiter learns which reservations' spend is in the ledger
             # (decisions D12, amended); a limiter without the method (before
             # the limiter's change is merged) is told nothing.
-            onRecorded=getattr(limiter, "recorded", None),
+            onRecorded=limiter.recorded,
         )
     edge = ProxyEdge(config, auth, limiter, metrics, reactor, tracer, forwarder, ledger=outbox)
     site = ProxySite(

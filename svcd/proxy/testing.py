@@ -6,7 +6,9 @@ the real L{RedisRateLimiter} logic without Redis).
 
 from __future__ import annotations
 
+import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -18,6 +20,10 @@ from svcd.common.pat import formatToken, newSecret
 from svcd.common.permissions import Permission
 from svcd.common.readiness import CheckFailed
 from svcd.proxy.records import AgentInfo, TokenInfo
+
+
+def _redisTime() -> int:
+    return int(time.time() * 1000)
 
 
 def newToken() -> str:
@@ -159,6 +165,13 @@ class MemoryCounters:
     _held: dict[Deferred[int], _HeldAnswers] = attrs.field(factory=dict, init=False, repr=False)
     started: bool = False
     stopped: bool = False
+    # Budget members (decisions D12, amended): by counter, ledger id ->
+    # amount, lease deadline and time recorded (ms of C{now}).
+    members: dict[str, dict[str, int]] = attrs.field(factory=dict)
+    leases: dict[str, dict[str, int]] = attrs.field(factory=dict)
+    recordedAt: dict[str, dict[str, int]] = attrs.field(factory=dict)
+    # Redis's TIME in ms, for leases.
+    now: Callable[[], int] = _redisTime
 
     def increment(self, key: str, hits: int, ttl: int) -> Deferred[int]:
         if self.reply is not None:
@@ -171,20 +184,45 @@ class MemoryCounters:
         return succeed(self.counts[key])
 
     def admit(
-        self, keys: list[str], arguments: list[int], adjustments: list[int] | None = None
+        self,
+        keys: list[str],
+        arguments: list[int],
+        adjustments: list[int] | None = None,
+        ledger: Any = None,
     ) -> Deferred[list[list[int]]]:
         """
         The admission script of decisions D11 and D12 (C{_ADMIT_SCRIPT}),
         step for step, over the dictionary: the settlements riding on it
-        first, then the requests.
+        first (deltas, then members' settlements, then marks of recorded
+        rows), then the requests.
         """
         if self.failure is not None:
             return fail(self.failure)
-        self.admissions.append((list(keys), list(arguments)))
+        if arguments != [0]:
+            self.admissions.append((list(keys), list(arguments)))
         pairs = list(adjustments or [])
         for index, delta in zip(pairs[::2], pairs[1::2], strict=True):
             if keys[index - 1] in self.counts:
                 self.counts[keys[index - 1]] += delta
+        ledgerIDs: list[str] = []
+        lease = 0
+        if ledger is not None:
+            timing = [int(word) for word in ledger.timing.split(",") if word]
+            lease, grace = [*timing, 0, 0][:2]
+            settled = [word for word in ledger.settlements.split(",") if word]
+            for p in range(0, len(settled), 3):
+                key, ledgerID, cost = keys[int(settled[p]) - 1], settled[p + 1], int(settled[p + 2])
+                if key in self.counts:
+                    held = self.members.setdefault(key, {}).get(ledgerID)
+                    self.counts[key] += cost - (held or 0)
+                    self.members[key][ledgerID] = cost
+                    self.leases.setdefault(key, {})[ledgerID] = self.now() + grace
+            marks = [word for word in ledger.marks.split(",") if word]
+            for p in range(0, len(marks), 2):
+                key, ledgerID = keys[int(marks[p]) - 1], marks[p + 1]
+                if ledgerID in self.members.get(key, {}):
+                    self.recordedAt.setdefault(key, {})[ledgerID] = self.now()
+            ledgerIDs = [word for word in ledger.ledgerIDs.split(",") if word]
         at = 1
         answers: list[list[int]] = []
         for _ in range(arguments[0]):
@@ -203,11 +241,15 @@ class MemoryCounters:
                     refused = position
                     break
             if not refused:
+                ledgerID = ledgerIDs[len(answers)] if len(answers) < len(ledgerIDs) else "-"
                 for key, amount, _, ttl in counters:
                     if amount > 0:
                         self.counts[key] = self.counts.get(key, 0) + amount
                         if ttl > 0:
                             self.ttls.setdefault(key, ttl)
+                    if ledgerID != "-" and ttl == 0:
+                        self.members.setdefault(key, {})[ledgerID] = amount
+                        self.leases.setdefault(key, {})[ledgerID] = self.now() + lease
             answers.append([refused, *(self.counts.get(key, 0) for key, _, _, _ in counters)])
         return succeed(answers)
 
@@ -234,6 +276,57 @@ class MemoryCounters:
             if key in self.counts:
                 self.counts[key] += delta
         return succeed(0)
+
+    def renew(self, keys: list[str], leaseMs: int, triples: str) -> Deferred[object]:
+        """
+        C{_RENEW_SCRIPT}: leases pushed, members gone made again.
+        """
+        if self.failure is not None:
+            return fail(self.failure)
+        words = [word for word in triples.split(",") if word]
+        made = 0
+        for p in range(0, len(words), 3):
+            key, ledgerID, amount = keys[int(words[p]) - 1], words[p + 1], int(words[p + 2])
+            if key not in self.counts:
+                continue
+            members = self.members.setdefault(key, {})
+            if ledgerID not in members:
+                members[ledgerID] = amount
+                self.counts[key] += amount
+                made += 1
+            self.leases.setdefault(key, {})[ledgerID] = self.now() + leaseMs
+        return succeed(made)
+
+    def reconcile(self, key: str, t0: int, spent: int, ttl: int) -> Deferred[tuple[int, int, int]]:
+        """
+        C{_RECONCILE_SCRIPT}: members whose lease passed or recorded before
+        C{t0} dropped, the counter set to C{spent} plus the others.
+        """
+        if self.failure is not None:
+            return fail(self.failure)
+        now = self.now()
+        members = self.members.setdefault(key, {})
+        leases = self.leases.setdefault(key, {})
+        recorded = self.recordedAt.setdefault(key, {})
+        for ledgerID, deadline in list(leases.items()):
+            if deadline <= now:
+                members.pop(ledgerID, None)
+                recorded.pop(ledgerID, None)
+                del leases[ledgerID]
+        for ledgerID, when in list(recorded.items()):
+            if when <= t0:
+                members.pop(ledgerID, None)
+                leases.pop(ledgerID, None)
+                del recorded[ledgerID]
+        before = self.counts.get(key, -1)
+        self.counts[key] = spent + sum(members.values())
+        self.ttls.setdefault(key, ttl)
+        return succeed((before, self.counts[key], len(members)))
+
+    def redisTime(self) -> Deferred[int]:
+        if self.failure is not None:
+            return fail(self.failure)
+        return succeed(self.now())
 
     def _heldAnswer(self, held: Deferred[int]) -> Deferred[int]:
         """
