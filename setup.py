@@ -46,7 +46,7 @@ setup(
     cmdclass={"build_py": BuildWithMigrations},
     install_requires=[
         # Bounded above: svc-proxy's HTTP edge relies on a few private names
-        # of Twisted Web (svcd/proxy/http/twistedprivate.py checks them at
+        # of Twisted Web (svcd/common/twistedprivate.py checks them at
         # start); the bound is the newest release they were checked with.
         "twisted>=25.5,<26.11",
         "klein>=24.8",

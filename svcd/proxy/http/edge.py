@@ -62,6 +62,7 @@ from svcd.common.permissions import Permission
 from svcd.common.readiness import Check, readinessReport
 from svcd.common.recent import RecentResult
 from svcd.common.tracing import activate, deactivate, parentFromHeaders, untracedProvider
+from svcd.common.twistedprivate import clientGone
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.forwarding.providers import Model, ProviderTable, modelsDocument
 from svcd.proxy.forwarding.upstream import Forwarder
@@ -78,7 +79,6 @@ from svcd.proxy.http.context import (
     newTraceID,
 )
 from svcd.proxy.http.paths import RouteTable, isCanonicalPath
-from svcd.proxy.http.twistedprivate import clientGone
 from svcd.proxy.limits.book import Applicable
 from svcd.proxy.limits.limiter import BUDGET, ORG, RateDecision, RateLimiter
 from svcd.proxy.limits.reservation import namedCap, outputCap, promptEstimate, worstCaseCost
