@@ -45,9 +45,10 @@ setup(
     package_data={"svcd": ["py.typed", "pb/auth/v1/*.pyi"]},
     cmdclass={"build_py": BuildWithMigrations},
     install_requires=[
-        # Bounded above: svc-proxy's HTTP edge relies on a few private names
-        # of Twisted Web (svcd/proxy/http/twistedprivate.py checks them at
-        # start); the bound is the newest release they were checked with.
+        # Bounded above: svc relies on a few private names of Twisted
+        # (svcd/common/twistedprivate.py checks them at start); the bound
+        # is the newest release they were checked with. The floor is
+        # tested too: dev/floor (run by CI) runs the unit tests on it.
         "twisted>=25.5,<26.11",
         "klein>=24.8",
         "treq>=24.9",

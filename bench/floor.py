@@ -36,5 +36,5 @@ if __name__ == "__main__":
     site.log = lambda request: None  # type: ignore[method-assign]
     # The proxy's accept queue (svcd.proxy.listening.BACKLOG), so that the
     # 256-connection rows compare like with like.
-    reactor.listenTCP(int(sys.argv[1]), site, backlog=511, interface="127.0.0.1")  # type: ignore[attr-defined]
-    reactor.run()  # type: ignore[attr-defined]
+    reactor.listenTCP(int(sys.argv[1]), site, backlog=511, interface="127.0.0.1")  # type: ignore[arg-type]
+    reactor.run()

@@ -872,7 +872,7 @@ def _ledgerHoldsEveryAnswer(stack: Stack, answered: int, connections: int = 32) 
             return False
         time.sleep(0.2)
     with psycopg.connect(stack.dsn, autocommit=True) as connection:
-        outcomes = dict(
+        outcomes: dict[str, int] = dict(
             connection.execute(
                 "SELECT outcome, count(*) FROM usage_ledger GROUP BY outcome"
             ).fetchall()

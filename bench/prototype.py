@@ -117,8 +117,8 @@ def serveProxy(port: int, authPort: int | None, redisPort: int) -> None:
     site = Site(app.resource())
     site.noisy = False
     site.log = lambda request: None  # type: ignore[method-assign]
-    reactor.listenTCP(port, site, backlog=511, interface="127.0.0.1")  # type: ignore[attr-defined]
-    reactor.run()  # type: ignore[attr-defined]
+    reactor.listenTCP(port, site, backlog=511, interface="127.0.0.1")  # type: ignore[arg-type]
+    reactor.run()
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -213,6 +214,59 @@ def test_grpcPortInUseStopsTheStart(migratedDSN: str, tmp_path: Path) -> None:
         assert "gRPC" in result.stdout + result.stderr
     finally:
         first.terminate()
+
+
+def test_httpPortInUseStopsTheStart(migratedDSN: str, tmp_path: Path) -> None:
+    """
+    An svc-auth whose HTTP port is taken stops at once with one line
+    naming the port, instead of running without its health and metrics
+    (the service of C{strports.service} raises when it cannot listen).
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        result = subprocess.run(
+            twistdCommand("svc-auth"),
+            env={**os.environ, **authEnvironment(migratedDSN, SVC_PORT=port)},
+            capture_output=True,
+            text=True,
+            timeout=Daemon.START_TIMEOUT,
+            check=False,
+        )
+    assert result.returncode == 1, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if "cannot start" in line]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("svc-auth: cannot start: ") and port in lines[0]
+
+
+def test_twistedWithoutAPrivateNameRefusesToStart(migratedDSN: str, tmp_path: Path) -> None:
+    """
+    Issue 29 item 5: a Twisted whose reactor no longer records the signal
+    that stopped it (what L{exitZeroOnStopSignals} clears) stops svc-auth
+    at start with one line naming the name, not with a SIGTERM that kills
+    it later. The missing name is simulated by a sitecustomize that deletes
+    it before twistd imports svc-auth.
+    """
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "sitecustomize.py").write_text(
+        "from twisted.internet.base import ReactorBase\ndel ReactorBase._exitSignal\n"
+    )
+    path = os.pathsep.join(filter(None, [str(shadow), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run(
+        twistdCommand("svc-auth"),
+        env={**os.environ, **authEnvironment(migratedDSN, PYTHONPATH=path)},
+        capture_output=True,
+        text=True,
+        timeout=Daemon.START_TIMEOUT,
+        check=False,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.startswith("svc-auth: Twisted "), result.stderr
+    assert "lacks ReactorBase._exitSignal," in result.stderr
+    assert "was tested with (25.5 to 26.10)" in result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
 
 
 def plaintextWarnings(daemon: Daemon) -> list[dict[str, object]]:

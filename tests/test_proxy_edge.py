@@ -353,7 +353,8 @@ async def test_metricsLabels(proxy: Harness) -> None:
 @pytest_twisted.ensureDeferred
 async def test_unknownPath(proxy: Harness, path: str) -> None:
     """
-    An unknown path is 404 NOT_FOUND in the envelope, not Klein's HTML.
+    An unknown path is 404 NOT_FOUND in the envelope, answered by the
+    edge's own chain (the C{unmatched} route), not a router's HTML page.
     """
     response, content = await proxy.request("GET", path)
     assertError(response, content, 404, "NOT_FOUND")

@@ -244,7 +244,8 @@ async def test_keepAliveAfterSmallBody(running: Running) -> None:
 async def test_notUTF8(running: Running, path: bytes, host: bytes) -> None:
     """
     A path or host that is not UTF-8 is an unknown path: 404 in the
-    envelope, with the standard headers, not Klein's plain-text 400.
+    envelope, with the standard headers, not a plain-text 400 (what a
+    Klein router answers, and the edge's once did).
     """
     client = await running.connect()
     assert client.transport is not None

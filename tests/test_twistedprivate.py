@@ -1,18 +1,25 @@
 """
-The fence around Twisted Web's private names (issue 24 item 2): every name
-the edge relies on exists on the installed Twisted, and a missing one is
-named by the check.
+The fence around Twisted's private names (issue 24 item 2, issue 29 item
+5): every name the edge and the daemons' lifecycle rely on exists on the
+installed Twisted, and a missing one is named by the check.
 """
 
 from __future__ import annotations
 
+import signal
+
 import pytest
+from twisted.internet import base, interfaces
+from twisted.internet.testing import MemoryReactor
 from twisted.web import http
 from twisted.web.http import HTTPChannel, Request
 
-from svcd.proxy.http import twistedprivate
-from svcd.proxy.http.twistedprivate import (
+from svcd.common import twistedprivate
+from svcd.common.lifecycle import exitZeroOnStopSignals
+from svcd.common.twistedprivate import (
     TwistedIncompatible,
+    exitSignal,
+    forgetExitSignal,
     missingNames,
     requireTwistedInternals,
 )
@@ -47,6 +54,12 @@ def test_installedTwistedHasEveryName() -> None:
             "_ChunkedTransferDecoder",
             "twisted.web.http._ChunkedTransferDecoder",
         ),
+        (base.ReactorBase, "_exitSignal", "ReactorBase._exitSignal"),
+        (
+            interfaces,
+            "_ISupportsExitSignalCapturing",
+            "twisted.internet.interfaces._ISupportsExitSignalCapturing",
+        ),
     ],
 )
 def test_missingNameIsReported(
@@ -62,3 +75,48 @@ def test_missingNameIsReported(
     monkeypatch.setattr(twistedprivate, "MISSING", tuple(missing))
     with pytest.raises(TwistedIncompatible, match=f"lacks {reported}, which"):
         requireTwistedInternals()
+
+
+class _Reactor(base.ReactorBase):
+    """
+    Twisted's reactor base with no waker (nothing here runs it).
+    """
+
+    def installWaker(self) -> None:
+        pass
+
+
+def test_exitSignalOfARealReactor() -> None:
+    """
+    A reactor records the signal that stopped it, where L{exitSignal}
+    reads it and L{forgetExitSignal} clears it.
+    """
+    reactor = _Reactor()
+    assert exitSignal(reactor) is None
+    reactor.sigTerm(signal.SIGTERM, None)
+    assert exitSignal(reactor) == signal.SIGTERM
+    forgetExitSignal(reactor)
+    assert exitSignal(reactor) is None
+
+
+@pytest.mark.parametrize(
+    ("number", "kept"),
+    [
+        (signal.SIGTERM, None),
+        (signal.SIGINT, None),
+        (signal.SIGHUP, signal.SIGHUP),
+        (None, None),
+    ],
+)
+def test_stopSignalsAreForgottenAfterShutdown(number: int | None, kept: int | None) -> None:
+    """
+    After shutdown, a stop by SIGTERM or SIGINT is forgotten (twistd then
+    exits with status 0); any other signal is kept, and twistd raises it
+    again.
+    """
+    reactor = MemoryReactor()
+    reactor._exitSignal = number  # type: ignore[attr-defined]
+    exitZeroOnStopSignals(reactor)
+    [(clear, args, kwargs)] = reactor.triggers["after"]["shutdown"]
+    clear(*args, **kwargs)
+    assert exitSignal(reactor) == kept

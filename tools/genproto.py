@@ -45,7 +45,7 @@ def generate(outputRoot: Path) -> list[Path]:
     )
     if status != 0:
         raise SystemExit(f"protoc failed with status {status}")
-    generated = []
+    generated: list[Path] = []
     for source in sources:
         stem = source[: -len(".proto")]
         generated.extend(Path(stem + suffix) for suffix in SUFFIXES)

@@ -15,10 +15,10 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry, Histogram
 from psycopg_pool import ConnectionPool
-from twisted.application.internet import StreamServerEndpointService
+from twisted.application import strports
 from twisted.application.service import IService, Service
 from twisted.internet.defer import Deferred
-from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint, TCP6ServerEndpoint
+from twisted.internet.endpoints import TCP4ClientEndpoint, quoteStringArgument
 from twisted.internet.interfaces import IReactorCore, IReactorTCP, IReactorThreads, IReactorTime
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.threads import deferToThreadPool
@@ -49,6 +49,7 @@ from svcd.common.tracing import (
     TracingService,
     tracerProvider,
 )
+from svcd.common.twistedprivate import TwistedIncompatible, requireTwistedInternals
 
 
 class Options(usage.Options):
@@ -239,13 +240,15 @@ def buildService(
         registry,
         docsBase=settings.errorDocsBase,
     )
-    endpointType = TCP6ServerEndpoint if ":" in settings.host else TCP4ServerEndpoint
-    http = StreamServerEndpointService(
-        endpointType(reactor, settings.port, interface=settings.host),
+    # strports.service, rather than a StreamServerEndpointService of our
+    # own: the service it makes fails the start at once, with the reason,
+    # when the port cannot be had (Twisted's public way to ask for that).
+    kind = "tcp6" if ":" in settings.host else "tcp"
+    http = strports.service(
+        f"{kind}:port={settings.port}:interface={quoteStringArgument(settings.host)}",
         OperationsSite(web.app.resource(), reactor=reactor),
+        reactor=reactor,
     )
-    # Fail the start at once, with the reason, when the port cannot be had.
-    http._raiseSynchronously = True
     http.setServiceParent(rootService)
 
 
@@ -256,6 +259,12 @@ def makeService(options: Options) -> IService:
     """
     from twisted.internet import reactor
 
+    try:
+        requireTwistedInternals()
+    except TwistedIncompatible as error:
+        sys.stderr.write(f"svc-auth: {error}\n")
+        sys.stderr.flush()
+        raise SystemExit(1) from None
     try:
         settings = AuthConfig.fromEnvironment(os.environ)
         tracing = TracingConfig.fromEnvironment(os.environ, "svc-auth")

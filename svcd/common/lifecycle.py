@@ -12,6 +12,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from svcd.common.twistedprivate import exitSignal, forgetExitSignal
+
 
 def exitZeroOnStopSignals(reactor: Any) -> None:
     """
@@ -22,13 +24,13 @@ def exitZeroOnStopSignals(reactor: Any) -> None:
     SIGTERM is the ordinary way to stop (systemd, container runtimes, the
     operator), and a completed graceful shutdown is a success, so the
     recorded signal is cleared after shutdown. twistd exposes no public
-    hook for this; the attribute is documented in
-    twisted.internet.base._ISupportsExitSignalCapturing.
+    hook for this: the reactor's private record of the signal is reached
+    through L{svcd.common.twistedprivate}, which checks it at import.
     """
 
     def clear() -> None:
-        if getattr(reactor, "_exitSignal", None) in (signal.SIGTERM, signal.SIGINT):
-            reactor._exitSignal = None
+        if exitSignal(reactor) in (signal.SIGTERM, signal.SIGINT):
+            forgetExitSignal(reactor)
 
     reactor.addSystemEventTrigger("after", "shutdown", clear)
 

@@ -30,11 +30,11 @@ from svcd.common.gcmetrics import watchCollector
 from svcd.common.lifecycle import exitZeroOnStopSignals, settleHeapWhenRunning
 from svcd.common.logs import LoggingRootService, daemonLogWriter, logSettings, makeObserver
 from svcd.common.tracing import TracingConfig, TracingService, tracerProvider
+from svcd.common.twistedprivate import TwistedIncompatible, requireTwistedInternals
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.forwarding.upstream import Forwarder
 from svcd.proxy.http.edge import ProxyEdge
 from svcd.proxy.http.site import ProtocolErrors, ProxySite
-from svcd.proxy.http.twistedprivate import TwistedIncompatible, requireTwistedInternals
 from svcd.proxy.limits.book import LimitBook
 from svcd.proxy.limits.limiter import RedisRateLimiter, makeRateLimiter
 from svcd.proxy.listening import ProxyPort

@@ -11,17 +11,18 @@ every route takes every method, and every other path is the C{unmatched}
 route, so 404 and 405 are answered by our own chain (with the envelope,
 the headers, metrics and the access log).
 
-Why not Klein, as svc-auth uses: a request rendered by Klein sits in a
-reference cycle until the cycle collector finds it. C{KleinResource.render}
-makes a closure that refers to itself (C{processing_failed}, which holds
-the request; twisted/klein pull request 101, open since 2016) and
+Why the edge does not route with Klein, as svc-auth still does (it once
+did): a request rendered by Klein sits in a reference cycle until the
+cycle collector finds it. C{KleinResource.render} makes a closure that
+refers to itself (C{processing_failed}, which holds the request;
+twisted/klein pull request 101, open since 2016) and
 werkzeug's matcher another (C{StateMachineMatcher.match._match}), so every
 request left some 50 objects for the collector, whose pauses then landed
-on the requests in flight (bench/README.rst, sixth round). The edge
-matched paths only with Klein, and answered everything through its own
-layers already; the canonical path leaves matching a dictionary lookup.
-A finished request is now freed by reference counting
-(tests/test_gc_cycles.py).
+on the requests in flight (bench/README.rst, sixth round). Klein only
+matched paths for the edge, which answered everything through its own
+layers already; the canonical path leaves matching a dictionary lookup,
+and the edge writes its answers itself (L{ProxyEdge.render}). A finished
+request is freed by reference counting (tests/test_gc_cycles.py).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from svcd.common.permissions import Permission
 from svcd.common.readiness import Check, readinessReport
 from svcd.common.recent import RecentResult
 from svcd.common.tracing import activate, deactivate, parentFromHeaders, untracedProvider
+from svcd.common.twistedprivate import clientGone
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.forwarding.providers import Model, ProviderTable, modelsDocument
 from svcd.proxy.forwarding.upstream import Forwarder
@@ -78,7 +80,6 @@ from svcd.proxy.http.context import (
     newTraceID,
 )
 from svcd.proxy.http.paths import RouteTable, isCanonicalPath
-from svcd.proxy.http.twistedprivate import clientGone
 from svcd.proxy.limits.book import Applicable
 from svcd.proxy.limits.limiter import BUDGET, ORG, RateDecision, RateLimiter
 from svcd.proxy.limits.reservation import namedCap, outputCap, promptEstimate, worstCaseCost
@@ -312,8 +313,8 @@ class ProxyEdge:
             request.setResponseCode(reply.status)
             headers = request.responseHeaders
             headers.setRawHeaders(b"Content-Type", [reply.contentType])
-            # A known length spares the chunked framing Klein's write would
-            # otherwise use.
+            # A known length spares the chunked framing Twisted's
+            # Request.write would otherwise use.
             headers.setRawHeaders(b"Content-Length", [b"%d" % len(reply.body)])
             # Twisted's "Server: TwistedWeb/<version>" tells attackers too much.
             headers.removeHeader(b"Server")

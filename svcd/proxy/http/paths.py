@@ -4,25 +4,27 @@ spelling of the same route could walk around (decisions D10).
 
 A front proxy (nginx, an API gateway, a WAF) often guards routes by their
 literal path: "deny /v1/internal/". Twisted Web splits the path on C{/}
-and percent-decodes each segment, and Klein joins the decoded segments
-back for werkzeug, which merges repeated slashes; so
-C{//v1/internal/auth-probe}, C{/v1/internal/auth%2Dprobe} and
-C{/v1%2Finternal%2Fauth-probe} all reached the auth probe, and a rule
-written on the literal path missed every one. The edge asks
-L{isCanonicalPath} about the raw path, once, before routing, and answers
+and percent-decodes each segment, and the Klein router the edge once
+used joined the decoded segments back for werkzeug, which merged
+repeated slashes; so C{//v1/internal/auth-probe},
+C{/v1/internal/auth%2Dprobe} and C{/v1%2Finternal%2Fauth-probe} all
+reached the auth probe, and a rule written on the literal path missed
+every one. The edge asks L{isCanonicalPath} about the raw path, once,
+before routing (with L{RouteTable}, on that same raw path), and answers
 any other spelling 404 NOT_FOUND.
 
 A canonical path (the part of the request target before C{?}):
 
   - starts with C{/} (origin form);
   - has no empty segment: no C{//}, and no trailing C{/} (no route ends
-    with one; werkzeug already answered C{/health/} 404, so this is
-    today's behaviour for the trailing slash, kept);
+    with one; C{/health/} was 404 under Klein's router too, and still
+    is);
   - has no dot segment (C{.} or C{..}), which RFC 3986 would remove;
   - has no percent-escape of an unreserved character (C{ALPHA DIGIT - . _
-    ~}), which RFC 3986 says to write unescaped, nor of C{/}, which Klein
-    would read as a separator, and no C{%} that does not start an escape
-    of two hex digits.
+    ~}), which RFC 3986 says to write unescaped, nor of C{/}, which
+    decodes into a separator inside one segment (a router that joins
+    decoded segments, as Klein's did, reads it as one), and no C{%} that
+    does not start an escape of two hex digits.
 
 Other escapes stay allowed and decoded as before: they spell characters
 no route name holds (C{%3A}, C{%20}, C{%25}), so they cannot reach a route

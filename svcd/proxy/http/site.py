@@ -91,7 +91,7 @@ Twisted's table lacks some (429 would be "Unknown Status"), so
 L{BodyLimitedRequest.setResponseCode} takes them from L{http.HTTPStatus}.
 
 Parts of this lean on private names of Twisted Web: every one of them is
-reached through L{svcd.proxy.http.twistedprivate}, which checks them at
+reached through L{svcd.common.twistedprivate}, which checks them at
 import so that a Twisted without one stops the daemon at start; the two
 private methods overridden here (C{_respondToBadRequestAndDisconnect},
 C{Request._cleanup}) are checked there too.
@@ -117,7 +117,7 @@ from twisted.web.server import Request, Site
 
 from svcd.common.clocks import Clock
 from svcd.common.errors import ApiError, ErrorCode
-from svcd.proxy.http.twistedprivate import (
+from svcd.common.twistedprivate import (
     answerAfterHeaders,
     bytesAfterRequest,
     dropBytesAfterRequest,

@@ -1,23 +1,31 @@
 """
-The private names of Twisted Web that svc-proxy relies on, reached only
-here, and checked when this module is imported.
+The private names of Twisted that svc relies on, reached only here, and
+checked when this module is imported.
 
-The edge answers refusals of Twisted's HTTP parser itself (decisions D10),
-drops a stranger's body unread and closes idle keep-alive connections with
-a lingering close. Twisted offers no public hook for any of this, so
-L{svcd.proxy.http.site} reads and sets a few of L{HTTPChannel}'s private
-attributes (one of them name-mangled) and overrides two private methods.
+svc-proxy's edge answers refusals of Twisted's HTTP parser itself
+(decisions D10), drops a stranger's body unread and closes idle keep-alive
+connections with a lingering close. Twisted offers no public hook for any
+of this, so L{svcd.proxy.http.site} reads and sets a few of
+L{HTTPChannel}'s private attributes (one of them name-mangled) and
+overrides two private methods. Both daemons end a stop by SIGTERM or
+SIGINT with status 0 (L{svcd.common.lifecycle.exitZeroOnStopSignals}),
+which only the reactor's private C{_exitSignal} allows: twistd re-raises
+the signal recorded there once the reactor has stopped.
+
 A Twisted release that renames one of them would not fail loudly: an
 overriding method would silently never run (refusals mislabelled, bodies
-held), a missing attribute would raise in the middle of a request.
+held), a missing attribute would raise in the middle of a request, a
+forgotten exit signal would go on killing the process with it.
 
 So every such access goes through a function of this module, and
 L{missingNames} is computed once, at import, on real Twisted objects;
-the tap calls L{requireTwistedInternals} before anything starts, and the
+both taps call L{requireTwistedInternals} before anything starts, and the
 daemon then refuses to start with one line naming what is missing and the
-Twisted versions it was tested with (also the upper bound of C{twisted}
-in setup.py). tests/test_hostile_http.py, tests/test_proxy_site.py and
-tests/test_proxy_strangers.py exercise each name over real sockets.
+Twisted versions it was tested with (also the bounds of C{twisted} in
+setup.py). tests/test_hostile_http.py, tests/test_proxy_site.py and
+tests/test_proxy_strangers.py exercise the HTTP names over real sockets;
+tests/test_auth_daemon.py and tests/test_proxy_daemon.py the exit signal,
+by stopping a real twistd with SIGTERM.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from typing import Any
 from twisted.web.http import HTTPChannel, Request
 
 # The Twisted releases this module's names were checked against; the
-# upper bound of twisted in setup.py follows the newest.
+# bounds of twisted in setup.py follow them.
 TESTED_TWISTED = "25.5 to 26.10"
 
 # HTTPChannel's name-mangled flag: the next line is the request line.
@@ -54,11 +62,16 @@ _OVERRIDDEN = (
 _REQUEST_ATTRIBUTES = ("_disconnected",)
 # Of the chunked body decoder that HTTPChannel keeps in _transferDecoder.
 _DECODER_ATTRIBUTES = ("_buffer", "dataCallback", "finishCallback")
+# The signal that stopped the reactor, on every reactor (ReactorBase), and
+# the interface by which twistd's runner recognises a reactor that records
+# it before reading it (twisted.application.app).
+_EXIT_SIGNAL = "_exitSignal"
+_EXIT_SIGNAL_INTERFACE = "_ISupportsExitSignalCapturing"
 
 
 class TwistedIncompatible(Exception):
     """
-    The installed Twisted lacks a private name svc-proxy relies on.
+    The installed Twisted lacks a private name svc relies on.
     """
 
 
@@ -91,6 +104,18 @@ def missingNames() -> list[str]:
             for name in _DECODER_ATTRIBUTES
             if not hasattr(decoder, name)
         ]
+    missing += _missingExitSignal()
+    return missing
+
+
+def _missingExitSignal() -> list[str]:
+    from twisted.internet import base, interfaces
+
+    missing: list[str] = []
+    if not hasattr(base.ReactorBase, _EXIT_SIGNAL):
+        missing.append(f"ReactorBase.{_EXIT_SIGNAL}")
+    if getattr(interfaces, _EXIT_SIGNAL_INTERFACE, None) is None:
+        missing.append(f"twisted.internet.interfaces.{_EXIT_SIGNAL_INTERFACE}")
     return missing
 
 
@@ -120,8 +145,8 @@ def requireTwistedInternals() -> None:
         import twisted
 
         raise TwistedIncompatible(
-            f"Twisted {twisted.__version__} lacks {', '.join(MISSING)}, which svc-proxy's "
-            f"HTTP edge relies on; install a Twisted svc-proxy was tested with "
+            f"Twisted {twisted.__version__} lacks {', '.join(MISSING)}, which svc relies "
+            f"on (svcd/common/twistedprivate.py); install a Twisted svc was tested with "
             f"({TESTED_TWISTED})"
         )
 
@@ -199,3 +224,20 @@ def clientGone(request: Any) -> bool:
     Whether the request's connection was lost.
     """
     return bool(request._disconnected)
+
+
+def exitSignal(reactor: Any) -> int | None:
+    """
+    The signal that stopped the reactor (which twistd raises again once
+    the reactor has stopped), or None.
+    """
+    number: int | None = getattr(reactor, _EXIT_SIGNAL)
+    return number
+
+
+def forgetExitSignal(reactor: Any) -> None:
+    """
+    Make twistd end the process normally, whatever signal stopped the
+    reactor.
+    """
+    setattr(reactor, _EXIT_SIGNAL, None)
