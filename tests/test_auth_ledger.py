@@ -18,7 +18,7 @@ import random
 import threading
 import uuid
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import psycopg
@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter
 from test_auth_usage import JUNE, microseconds, record, recordAnswer, usageRow
 from test_svcctl import document, svcctl
-from twisted.logger import Logger
+from twisted.logger import ILogObserver, Logger
 
 from svcd.auth.grpcservice import RejectedRowsLog
 from svcd.auth.migrations import migrate
@@ -120,7 +120,7 @@ def storedRollup(dsn: str, orgIDs: list[uuid.UUID]) -> dict[Group, tuple[int, ..
             " FROM usage_rollup WHERE org_id = ANY(%s)",
             (orgIDs,),
         ).fetchall()
-    return {tuple(row[:5]): tuple(int(each) for each in row[5:]) for row in rows}  # type: ignore[misc]
+    return {tuple(row[:5]): tuple(int(each) for each in row[5:]) for row in rows}
 
 
 def ledgerRollup(dsn: str, orgIDs: list[uuid.UUID]) -> dict[Group, tuple[int, ...]]:
@@ -135,7 +135,7 @@ def ledgerRollup(dsn: str, orgIDs: list[uuid.UUID]) -> dict[Group, tuple[int, ..
             " FROM usage_ledger WHERE org_id = ANY(%s) GROUP BY 1, 2, 3, 4, 5",
             (orgIDs,),
         ).fetchall()
-    return {tuple(row[:5]): tuple(int(each) for each in row[5:]) for row in rows}  # type: ignore[misc]
+    return {tuple(row[:5]): tuple(int(each) for each in row[5:]) for row in rows}
 
 
 def storedRow(dsn: str, ledgerID: str) -> tuple[Any, ...]:
@@ -179,7 +179,7 @@ def test_requestsSharingARequestIDAreEachOneRow(
             "SELECT org_id, count(*) FROM usage_ledger WHERE request_id = %s GROUP BY org_id",
             (shared,),
         ).fetchall()
-    assert dict(stored) == {first.orgID: 2, second.orgID: 1}  # type: ignore[arg-type]
+    assert {orgID: count for orgID, count in stored} == {first.orgID: 2, second.orgID: 1}
     spend = auth_pb2.GetSpendRequest(
         org_id=str(first.orgID),
         since_unix=int(JUNE.timestamp()),
@@ -211,7 +211,11 @@ def test_aKeySentAgainIsADuplicateWithTheSameContentAndAConflictWithOther(
     recorded, duplicates, rejected = recordAnswer(authService, [row, dearer, stolen, fresh])
     assert (recorded, duplicates) == (1, 1)
     assert rejected == [
-        (1, "conflict", "ledger_id is recorded with other content (prompt_tokens, cost_nano_usd differ)"),
+        (
+            1,
+            "conflict",
+            "ledger_id is recorded with other content (prompt_tokens, cost_nano_usd differ)",
+        ),
         (2, "conflict", "ledger_id is recorded with other content"),
     ]
     assert storedRow(migratedDSN, row.ledger_id) == (
@@ -347,7 +351,9 @@ contents = st.fixed_dictionaries(
         "startedAt": st.one_of(
             st.integers(MIDNIGHT - 2 * 86_400 * 10**6, MIDNIGHT + 2 * 86_400 * 10**6),
             st.sampled_from([MIDNIGHT - 1, MIDNIGHT, MIDNIGHT + 86_400 * 10**6 - 1]),
-        ).map(lambda us: datetime.datetime.fromtimestamp(0, UTC) + datetime.timedelta(microseconds=us)),
+        ).map(
+            lambda us: datetime.datetime.fromtimestamp(0, UTC) + datetime.timedelta(microseconds=us)
+        ),
         **{field: amounts for field in SUMMED},
     }
 )
@@ -451,7 +457,7 @@ def test_concurrentBatchesNeitherDeadlockNorMiscount(migratedDSN: str) -> None:
                     assert outcome.conflicts == [] and outcome.refused == []
                     with lock:
                         written[0] += outcome.recorded
-        except BaseException as error:  # noqa: BLE001 (reported below)
+        except BaseException as error:  # reported below
             failures.append(error)
 
     threads = [threading.Thread(target=writer, args=(seed,)) for seed in range(4)]
@@ -509,7 +515,10 @@ def spreadRows(appStore: Store) -> tuple[uuid.UUID, list[UsageRecord]]:
             startedAt=start
             + datetime.timedelta(
                 microseconds=generator.choice(
-                    [generator.randrange(5 * 86_400 * 10**6), generator.randrange(5) * 86_400 * 10**6]
+                    [
+                        generator.randrange(5 * 86_400 * 10**6),
+                        generator.randrange(5) * 86_400 * 10**6,
+                    ]
                 )
             ),
             promptTokens=generator.randrange(10**6),
@@ -533,7 +542,9 @@ bounds = st.one_of(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(since=bounds, until=bounds, agent=st.sampled_from(AGENTS))
 def test_spendAndReportsEqualAPlainSumForAnySpan(
     appStore: Store,
@@ -554,9 +565,7 @@ def test_spendAndReportsEqualAPlainSumForAnySpan(
     ofAgent = [row for row in inSpan if row.agentID == agent]
     assert appStore.spend(orgID, None, since, until) == sum(row.costNanoUSD for row in inSpan)
     if agent is not None:
-        assert appStore.spend(orgID, agent, since, until) == sum(
-            row.costNanoUSD for row in ofAgent
-        )
+        assert appStore.spend(orgID, agent, since, until) == sum(row.costNanoUSD for row in ofAgent)
     for by in REPORT_KEYS:
         assert appStore.usageSums(orgID, None, since, until, by) == plainSums(inSpan, by)
     if agent is not None:
@@ -683,9 +692,12 @@ def test_theMigrationKeysAndRollsUpALedgerHoldingRows(databaseDSN: str) -> None:
     assert migrate(databaseDSN) == ["0007_ledger_key_and_rollup.sql"]
 
     with psycopg.connect(databaseDSN, autocommit=True) as connection:
-        keys = dict(
-            connection.execute("SELECT request_id, ledger_id FROM usage_ledger").fetchall()  # type: ignore[arg-type]
-        )
+        keys: dict[str, uuid.UUID] = {
+            requestID: ledgerID
+            for requestID, ledgerID in connection.execute(
+                "SELECT request_id, ledger_id FROM usage_ledger"
+            ).fetchall()
+        }
     assert keys == {each.requestID: each.ledgerID for each in old}
     assert keys["legacy-request"] == keyOfRequestID("legacy-request")
     assert storedRollup(databaseDSN, orgs) == expectedRollup(old)
@@ -719,7 +731,7 @@ def test_rejectedRowsAreCountedAndLoggedOnceAMinutePerReason() -> None:
     counter = Counter("svc_auth_usage_rows_rejected", "rejected", ["reason"], registry=registry)
     logged: list[dict[str, Any]] = []
     rejects = RejectedRowsLog(counter, clock=lambda: now[0])
-    rejects.log = Logger(observer=logged.append)
+    rejects.log = Logger(observer=cast(ILogObserver, logged.append))
 
     def row(index: int, reason: str) -> RejectedRow:
         return RejectedRow(index, reason, f"detail {index}", uuid7Text(), f"org-{index}")
@@ -737,5 +749,9 @@ def test_rejectedRowsAreCountedAndLoggedOnceAMinutePerReason() -> None:
         ("invalid", 2, "org-4", "detail 4"),
     ]
     assert all(len(event["ledger_id"]) == 36 for event in logged)
-    assert registry.get_sample_value("svc_auth_usage_rows_rejected_total", {"reason": "invalid"}) == 4
-    assert registry.get_sample_value("svc_auth_usage_rows_rejected_total", {"reason": "conflict"}) == 1
+    assert (
+        registry.get_sample_value("svc_auth_usage_rows_rejected_total", {"reason": "invalid"}) == 4
+    )
+    assert (
+        registry.get_sample_value("svc_auth_usage_rows_rejected_total", {"reason": "conflict"}) == 1
+    )
