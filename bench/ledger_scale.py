@@ -257,6 +257,123 @@ def recordRate(
     return sum(len(batch) for batch in batches) / elapsed
 
 
+def usageRows(records: list[UsageRecord]) -> list[auth_pb2.UsageRow]:
+    return [
+        auth_pb2.UsageRow(
+            ledger_id=str(each.ledgerID),
+            request_id=each.requestID,
+            org_id=str(each.orgID),
+            agent_id=str(each.agentID),
+            token_id=str(each.tokenID),
+            model_requested=each.modelRequested,
+            model=each.model,
+            provider=each.provider,
+            upstream_model=each.upstreamModel,
+            outcome=each.outcome,
+            prompt_tokens=each.promptTokens,
+            cached_tokens=each.cachedTokens,
+            completion_tokens=each.completionTokens,
+            tokens_from=each.tokensFrom,
+            cost_nano_usd=each.costNanoUSD,
+            price_version=each.priceVersion,
+            started_at_us=int(each.startedAt.timestamp() * 10**6),
+            duration_us=each.durationUS,
+        )
+        for each in records
+    ]
+
+
+def grpcRecordRate(
+    stub: auth_pb2_grpc.AuthServiceStub,
+    orgID: uuid.UUID,
+    agents: list[uuid.UUID],
+    tokens: list[uuid.UUID],
+    now: datetime.datetime,
+    batches: int,
+    clients: int,
+) -> float:
+    """
+    Rows per second of C{batches} RecordUsage calls of 1,000 new rows,
+    C{clients} calls in flight at once (as that many proxies would send).
+    """
+    requests = [
+        auth_pb2.RecordUsageRequest(rows=usageRows(benchBatch(orgID, agents, tokens, now)))
+        for _ in range(batches)
+    ]
+    shares = [requests[index::clients] for index in range(clients)]
+
+    def send(share: list[auth_pb2.RecordUsageRequest]) -> None:
+        for request in share:
+            answer = stub.RecordUsage(request, timeout=60)
+            assert answer.recorded == BATCH and not answer.rejected, answer
+
+    threads = [threading.Thread(target=send, args=(share,)) for share in shares]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return BATCH * batches / (time.perf_counter() - started)
+
+
+def compareDaemons(
+    server: PostgresServer,
+    before: Path,
+    workdir: Path,
+    now: datetime.datetime,
+    batches: int,
+    rounds: int,
+    clients: list[int],
+) -> dict[str, float]:
+    """
+    RecordUsage rows/s of the code in C{before} (a tree of the commit
+    before the rollup, bfd08eb: its daemon on a database migrated as it
+    knew it, through 0006) and of this tree (on a database migrated fully),
+    both ledgers fresh, in alternating rounds.
+    """
+    daemons = {}
+    tenants = {}
+    for name, through, path in [
+        ("before", "0006_usage.sql", str(before)),
+        ("after", None, ""),
+    ]:
+        dsn = server.createDatabase(f"record_{name}")
+        migrate(dsn, through=through)
+        with psycopg.connect(dsn, autocommit=True) as connection:
+            store = Store(lambda: contextlib.nullcontext(connection))
+            orgID = store.createOrganization(name)
+            agents = [store.createAgent(orgID, f"agent-{n}").agentID for n in range(3)]
+        tenants[name] = (orgID, agents, [uuid.uuid4(), uuid.uuid4()])
+        overrides = {"SVC_LOG_LEVEL": "WARN"}
+        if path:
+            overrides["PYTHONPATH"] = path
+        daemons[name] = Daemon(
+            "svc-auth", authEnvironment(dsn, **overrides), workdir / f"auth-{name}.log"
+        ).start()
+    rates: dict[str, list[float]] = {}
+    try:
+        channels = {}
+        for name, daemon in daemons.items():
+            daemon.waitForHealth()
+            channels[name] = grpc.insecure_channel(
+                f"127.0.0.1:{daemon.environment['SVC_GRPC_PORT']}"
+            )
+        for _ in range(rounds):
+            for count in clients:
+                for name, channel in channels.items():
+                    stub = auth_pb2_grpc.AuthServiceStub(channel)
+                    orgID, agents, tokens = tenants[name]
+                    rates.setdefault(f"{name}_{count}", []).append(
+                        grpcRecordRate(stub, orgID, agents, tokens, now, batches, count)
+                    )
+        for channel in channels.values():
+            channel.close()
+    finally:
+        for daemon in daemons.values():
+            daemon.terminate()
+    return {key: statistics.median(values) for key, values in rates.items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
@@ -267,6 +384,11 @@ def main() -> int:
     parser.add_argument("--dsn", help="an empty database to use instead of a private server")
     parser.add_argument("--workdir", help="where the private server lives (default: /tmp)")
     parser.add_argument("--json", help="write the results there too")
+    parser.add_argument(
+        "--before",
+        help="a tree of the commit before the rollup (git archive bfd08eb | tar -x -C DIR):"
+        " compare RecordUsage through gRPC, its daemon against this tree's",
+    )
     arguments = parser.parse_args()
     results: dict[str, Any] = {"rows": arguments.rows}
 
@@ -380,45 +502,15 @@ def main() -> int:
                     }
                     print(f"record rows/s: {results['record_rows_per_s']}", flush=True)
 
-                    grpcRates = []
-                    for _ in range(arguments.rounds):
-                        requests = [
-                            auth_pb2.RecordUsageRequest(
-                                rows=[
-                                    auth_pb2.UsageRow(
-                                        ledger_id=str(each.ledgerID),
-                                        request_id=each.requestID,
-                                        org_id=str(each.orgID),
-                                        agent_id=str(each.agentID),
-                                        token_id=str(each.tokenID),
-                                        model_requested=each.modelRequested,
-                                        model=each.model,
-                                        provider=each.provider,
-                                        upstream_model=each.upstreamModel,
-                                        outcome=each.outcome,
-                                        prompt_tokens=each.promptTokens,
-                                        cached_tokens=each.cachedTokens,
-                                        completion_tokens=each.completionTokens,
-                                        tokens_from=each.tokensFrom,
-                                        cost_nano_usd=each.costNanoUSD,
-                                        price_version=each.priceVersion,
-                                        started_at_us=int(now.timestamp() * 10**6),
-                                        duration_us=each.durationUS,
-                                    )
-                                    for each in benchBatch(orgID, agents, tokens, now)
-                                ]
-                            )
-                            for _ in range(arguments.record_batches)
-                        ]
-                        started = time.perf_counter()
-                        for request in requests:
-                            answer = stub.RecordUsage(request, timeout=30)
-                            assert answer.recorded == BATCH and not answer.rejected
-                        grpcRates.append(BATCH * len(requests) / (time.perf_counter() - started))
-                    results["recordusage_grpc_rows_per_s"] = statistics.median(grpcRates)
+                    results["recordusage_grpc_rows_per_s_at_scale"] = statistics.median(
+                        grpcRecordRate(
+                            stub, orgID, agents, tokens, now, arguments.record_batches, 1
+                        )
+                        for _ in range(arguments.rounds)
+                    )
                     print(
-                        f"RecordUsage through gRPC: {results['recordusage_grpc_rows_per_s']:.0f}"
-                        " rows/s",
+                        "RecordUsage through gRPC at scale:"
+                        f" {results['recordusage_grpc_rows_per_s_at_scale']:.0f} rows/s",
                         flush=True,
                     )
                     after = stub.GetSpend(month, timeout=10)
@@ -436,6 +528,20 @@ def main() -> int:
                     results["getspend_after_nano_usd"] = after.cost_nano_usd
             finally:
                 daemon.terminate()
+            if arguments.before and server is not None:
+                results["recordusage_grpc_before_after"] = compareDaemons(
+                    server,
+                    Path(arguments.before),
+                    workdir,
+                    now,
+                    arguments.record_batches,
+                    arguments.rounds,
+                    [int(each) for each in arguments.writers.split(",")],
+                )
+                print(
+                    f"RecordUsage through gRPC: {results['recordusage_grpc_before_after']}",
+                    flush=True,
+                )
         finally:
             if server is not None:
                 server.destroy()

@@ -113,11 +113,15 @@ def expectedRollup(records: list[UsageRecord]) -> dict[Group, tuple[int, ...]]:
 
 
 def storedRollup(dsn: str, orgIDs: list[uuid.UUID]) -> dict[Group, tuple[int, ...]]:
+    """
+    The rollup's sums of each group, its slots added up.
+    """
     with psycopg.connect(dsn, autocommit=True) as connection:
         rows = connection.execute(
-            "SELECT org_id, day, agent_id, token_id, model, requests, prompt_tokens,"
-            " cached_tokens, completion_tokens, reasoning_tokens, cost_nano_usd"
-            " FROM usage_rollup WHERE org_id = ANY(%s)",
+            "SELECT org_id, day, agent_id, token_id, model, sum(requests), sum(prompt_tokens),"
+            " sum(cached_tokens), sum(completion_tokens), sum(reasoning_tokens),"
+            " sum(cost_nano_usd) FROM usage_rollup WHERE org_id = ANY(%s)"
+            " GROUP BY 1, 2, 3, 4, 5",
             (orgIDs,),
         ).fetchall()
     return {tuple(row[:5]): tuple(int(each) for each in row[5:]) for row in rows}

@@ -275,7 +275,12 @@ _ROLLUP_SUMS = (
     "cost_nano_usd",
 )
 # The rollup's key, in its unique constraint's order.
-_ROLLUP_KEY = "org_id, day, agent_id, token_id, model"
+_ROLLUP_KEY = "org_id, day, agent_id, token_id, model, slot"
+# How many rows (slots) one group of the rollup is striped over, and the
+# slot of a transaction: its id, which differs between transactions that
+# run at once, so that they rarely add to the same row (see the migration).
+ROLLUP_SLOTS = 8
+_SLOT = f"(txid_current() %% {ROLLUP_SLOTS})::smallint"
 
 # One statement records a batch of one organization and keeps its rollup
 # (decisions D12 amended).
@@ -288,7 +293,8 @@ _ROLLUP_KEY = "org_id, day, agent_id, token_id, model"
 # order of theirs, so that two transactions writing the same keys or
 # groups (two proxies, a batch resent while the first call still runs)
 # take their locks in the same order and wait for each other rather than
-# deadlock. Only rows the INSERT actually inserted come out of RETURNING,
+# deadlock; a transaction adds to one slot of each group (ROLLUP_SLOTS),
+# so that transactions at once seldom wait at all. Only rows the INSERT actually inserted come out of RETURNING,
 # so a duplicate adds nothing to the rollup; and the rollup is changed in
 # the rows' transaction, so it equals the ledger's sums at every commit.
 # The statement answers how many rows it inserted.
@@ -303,7 +309,7 @@ _RECORD_USAGE = (
     f" rolled AS (INSERT INTO usage_rollup AS rollup ({_ROLLUP_KEY}, requests,"
     f" {', '.join(_ROLLUP_SUMS)})"
     " SELECT org_id, (started_at AT TIME ZONE 'UTC')::date, agent_id, token_id, model,"
-    f" count(*), {', '.join(f'sum({name})' for name in _ROLLUP_SUMS)}"
+    f" {_SLOT}, count(*), {', '.join(f'sum({name})' for name in _ROLLUP_SUMS)}"
     " FROM inserted GROUP BY 1, 2, 3, 4, 5 ORDER BY 1, 2, 3, 4, 5"
     f" ON CONFLICT ({_ROLLUP_KEY}) DO UPDATE SET requests = rollup.requests + EXCLUDED.requests"
     + "".join(f", {name} = rollup.{name} + EXCLUDED.{name}" for name in _ROLLUP_SUMS)
