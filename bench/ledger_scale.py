@@ -69,7 +69,7 @@ from svcd.auth.store import (  # noqa: E402
     UsageRecord,
     ledgerBatch,
 )
-from svcd.common.ids import uuid7, uuid7Text  # noqa: E402
+from svcd.common.ids import uuid7Text  # noqa: E402
 from svcd.common.permissions import Permission  # noqa: E402
 from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc  # noqa: E402
 from svcd.testing.daemons import Daemon, authEnvironment  # noqa: E402
@@ -190,7 +190,7 @@ def benchBatch(
 ) -> list[UsageRecord]:
     return [
         UsageRecord(
-            ledgerID=uuid7(),
+            ledgerID=uuid7Text(),
             requestID=uuid7Text(),
             orgID=orgID,
             agentID=agents[index % 3],
@@ -260,7 +260,7 @@ def recordRate(
 def usageRows(records: list[UsageRecord]) -> list[auth_pb2.UsageRow]:
     return [
         auth_pb2.UsageRow(
-            ledger_id=str(each.ledgerID),
+            ledger_id=each.ledgerID,
             request_id=each.requestID,
             org_id=str(each.orgID),
             agent_id=str(each.agentID),

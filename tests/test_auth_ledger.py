@@ -41,7 +41,7 @@ from svcd.auth.usage import (
     RejectedRow,
     keyOfRequestID,
 )
-from svcd.common.ids import uuid7, uuid7Text
+from svcd.common.ids import uuid7Text
 from svcd.common.permissions import Permission
 from svcd.pb.auth.v1 import auth_pb2
 from svcd.testing.authservice import RunningAuthService
@@ -70,7 +70,7 @@ def appStore(migratedDSN: str) -> Iterator[Store]:
 
 def usageRecord(orgID: uuid.UUID, **changes: Any) -> UsageRecord:
     fields: dict[str, Any] = {
-        "ledgerID": uuid7(),
+        "ledgerID": uuid7Text(),
         "requestID": str(uuid.uuid4()),
         "orgID": orgID,
         "agentID": None,
@@ -387,7 +387,7 @@ def test_theRollupEqualsTheLedgersSumsAfterAnyBatches(
     recorded (computed in Python, and by PostgreSQL from the ledger).
     """
     orgs = [uuid.uuid4(), uuid.uuid4()]
-    ledger: dict[uuid.UUID, UsageRecord] = {}
+    ledger: dict[str, UsageRecord] = {}
     made: list[UsageRecord] = []
     for batch in batches:
         rows: list[UsageRecord] = []
@@ -696,8 +696,8 @@ def test_theMigrationKeysAndRollsUpALedgerHoldingRows(databaseDSN: str) -> None:
     assert migrate(databaseDSN) == ["0007_ledger_key_and_rollup.sql"]
 
     with psycopg.connect(databaseDSN, autocommit=True) as connection:
-        keys: dict[str, uuid.UUID] = {
-            requestID: ledgerID
+        keys: dict[str, str] = {
+            requestID: str(ledgerID)
             for requestID, ledgerID in connection.execute(
                 "SELECT request_id, ledger_id FROM usage_ledger"
             ).fetchall()

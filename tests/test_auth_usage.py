@@ -816,9 +816,9 @@ def test_checkBatchChecksEachRow() -> None:
     (converted,) = checked.records
     assert converted.startedAt == JUNE + datetime.timedelta(microseconds=1)
     assert (converted.agentID, converted.tokenID) == (None, None)
-    assert str(converted.ledgerID) == good.ledger_id
+    assert converted.ledgerID == good.ledger_id
     upper = usageRow(tenant, org_id=str(tenant.orgID).upper())
     assert usageRecord(upper).orgID == tenant.orgID
     requestID = str(uuid.uuid4())
     older = usageRow(tenant, ledger_id="", request_id=requestID.upper())
-    assert str(usageRecord(older).ledgerID) == requestID
+    assert usageRecord(older).ledgerID == requestID

@@ -515,7 +515,7 @@ class Authority:
                         index=batch.indices[position],
                         reason=reason,
                         detail=detail,
-                        ledgerID=str(record.ledgerID),
+                        ledgerID=record.ledgerID,
                         orgID=str(record.orgID),
                     )
                 )

@@ -215,11 +215,13 @@ class UsageRecord:
     One forwarded request as the ledger keeps it (decisions D12, the
     usage_ledger table of sql/0006_usage.sql and sql/0007): identifiers,
     names and numbers, never a message's content. Costs are nano-dollars.
-    C{ledgerID} is the key, made by the gateway; C{requestID} the client's
+    C{ledgerID} is the key, made by the gateway (a UUID in its canonical
+    lower-case text, as PostgreSQL and the JSON batch spell it; text is
+    cheaper than a L{uuid.UUID} per row); C{requestID} the client's
     request id, which many rows may share.
     """
 
-    ledgerID: uuid.UUID
+    ledgerID: str
     requestID: str
     orgID: uuid.UUID
     agentID: uuid.UUID | None
@@ -294,9 +296,10 @@ _SLOT = f"(txid_current() %% {ROLLUP_SLOTS})::smallint"
 # groups (two proxies, a batch resent while the first call still runs)
 # take their locks in the same order and wait for each other rather than
 # deadlock; a transaction adds to one slot of each group (ROLLUP_SLOTS),
-# so that transactions at once seldom wait at all. Only rows the INSERT actually inserted come out of RETURNING,
-# so a duplicate adds nothing to the rollup; and the rollup is changed in
-# the rows' transaction, so it equals the ledger's sums at every commit.
+# so that transactions at once seldom wait at all. Only rows the INSERT
+# actually inserted come out of RETURNING, so a duplicate adds nothing to
+# the rollup; and the rollup is changed in the rows' transaction, so it
+# equals the ledger's sums at every commit.
 # The statement answers how many rows it inserted.
 _RECORD_USAGE = (
     "WITH batch AS (SELECT * FROM jsonb_to_recordset(%s::jsonb) AS batch("
@@ -328,7 +331,7 @@ INSERT_USAGE_WITHOUT_ROLLUP = (
 
 def _ledgerObject(row: UsageRecord) -> dict[str, object]:
     return {
-        "ledger_id": str(row.ledgerID),
+        "ledger_id": row.ledgerID,
         "request_id": row.requestID,
         "org_id": str(row.orgID),
         "agent_id": None if row.agentID is None else str(row.agentID),
@@ -844,7 +847,7 @@ class Store:
     def _recordUsage(
         self, cursor: Cursor, rows: Sequence[UsageRecord], isolated: bool
     ) -> UsageWritten:
-        first: dict[uuid.UUID, int] = {}
+        first: dict[str, int] = {}
         repeated: list[int] = []
         for position, row in enumerate(rows):
             if row.ledgerID in first:
@@ -922,10 +925,13 @@ class Store:
             group = byOrganization[orgID]
             cursor.execute("SELECT set_config('svc.org_id', %s, true)", (str(orgID),))
             cursor.execute(
-                f"SELECT {_LEDGER_NAMES} FROM usage_ledger WHERE ledger_id = ANY(%s)",
+                f"SELECT {_LEDGER_NAMES} FROM usage_ledger WHERE ledger_id = ANY(%s::uuid[])",
                 ([rows[each].ledgerID for each in group],),
             )
-            stored = {row["ledger_id"]: row for row in cursor.fetchall()}
+            stored = {}
+            for row in cursor.fetchall():
+                row["ledger_id"] = str(row["ledger_id"])
+                stored[row["ledger_id"]] = row
             for position in group:
                 found = stored.get(rows[position].ledgerID)
                 if found is None:

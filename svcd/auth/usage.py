@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 
 from svcd.auth.store import USAGE_GROUPINGS, UsageRecord, UsageSums
-from svcd.common.ids import parseUUID
+from svcd.common.ids import canonicalUUID, parseUUID
 from svcd.common.money import formatDollars
 from svcd.pb.auth.v1 import auth_pb2
 
@@ -54,22 +54,6 @@ _END_OF_TIME_US = (
 LATEST_UNIX_SECOND = _END_OF_TIME_US // 10**6 - 1
 
 _NAME_FIELDS = ("model_requested", "model", "provider", "upstream_model", "price_version")
-_COUNT_FIELDS = (
-    "prompt_tokens",
-    "cached_tokens",
-    "completion_tokens",
-    "reasoning_tokens",
-    "cost_nano_usd",
-    "duration_us",
-)
-# The amounts the rollup and the reports add up.
-_SUMMED_FIELDS = (
-    "prompt_tokens",
-    "cached_tokens",
-    "completion_tokens",
-    "reasoning_tokens",
-    "cost_nano_usd",
-)
 
 # The most tokens of each kind, and the highest cost in nano-dollars, one
 # row may carry: 10^15 tokens is a billion times any model's context, and
@@ -82,6 +66,18 @@ MAXIMUM_ROW_AMOUNT = 10**15
 
 # The largest int64: what GetSpend and GetUsage's counts answer at most.
 INT64_MAX = 2**63 - 1
+
+# The numbers of a row, each at least 0 and at most its maximum: the
+# amounts the rollup and the reports add up at most MAXIMUM_ROW_AMOUNT, the
+# duration (never summed) whatever int64 holds.
+_COUNT_FIELDS: tuple[tuple[str, int], ...] = (
+    ("prompt_tokens", MAXIMUM_ROW_AMOUNT),
+    ("cached_tokens", MAXIMUM_ROW_AMOUNT),
+    ("completion_tokens", MAXIMUM_ROW_AMOUNT),
+    ("reasoning_tokens", MAXIMUM_ROW_AMOUNT),
+    ("cost_nano_usd", MAXIMUM_ROW_AMOUNT),
+    ("duration_us", INT64_MAX),
+)
 
 # Why a row of a RecordUsage batch is rejected.
 INVALID = "invalid"
@@ -117,7 +113,7 @@ def _uuidOrNone(text: str, field: str) -> uuid.UUID | None:
     return parsed
 
 
-def keyOfRequestID(requestID: str) -> uuid.UUID:
+def keyOfRequestID(requestID: str) -> str:
     """
     The ledger key of a row from a proxy older than ledger_id (decisions
     D12 amended): its request id when that is a UUID (proxies always made
@@ -125,10 +121,10 @@ def keyOfRequestID(requestID: str) -> uuid.UUID:
     rule gave the rows recorded before sql/0007 their ledger_id, so a batch
     sent again by an older proxy is found as the duplicate it is.
     """
-    parsed = parseUUID(requestID.lower())
-    if parsed is not None:
-        return parsed
-    return uuid.UUID(hashlib.md5(requestID.encode("utf-8"), usedforsecurity=False).hexdigest())
+    canonical = canonicalUUID(requestID)
+    if canonical is not None:
+        return canonical
+    return str(uuid.UUID(hashlib.md5(requestID.encode("utf-8"), usedforsecurity=False).hexdigest()))
 
 
 def usageRecord(row: auth_pb2.UsageRow) -> UsageRecord:
@@ -145,8 +141,10 @@ def usageRecord(row: auth_pb2.UsageRow) -> UsageRecord:
     if "\x00" in row.request_id:
         raise BadUsage("request_id contains a NUL character")
     if row.ledger_id:
-        ledgerID = _uuidOrNone(row.ledger_id, "ledger_id")
-        assert ledgerID is not None
+        canonical = canonicalUUID(row.ledger_id)
+        if canonical is None:
+            raise BadUsage("ledger_id is not a UUID")
+        ledgerID = canonical
     else:
         ledgerID = keyOfRequestID(row.request_id)
     if not row.org_id:
@@ -165,12 +163,12 @@ def usageRecord(row: auth_pb2.UsageRow) -> UsageRecord:
         raise BadUsage(f"outcome must be one of {', '.join(OUTCOMES)}")
     if row.tokens_from not in TOKENS_FROM:
         raise BadUsage(f"tokens_from must be one of {', '.join(TOKENS_FROM)}")
-    for field in _COUNT_FIELDS:
-        if getattr(row, field) < 0:
-            raise BadUsage(f"{field} must not be negative")
-    for field in _SUMMED_FIELDS:
-        if getattr(row, field) > MAXIMUM_ROW_AMOUNT:
-            raise BadUsage(f"{field} is more than {MAXIMUM_ROW_AMOUNT}")
+    for field, maximum in _COUNT_FIELDS:
+        number: int = getattr(row, field)
+        if not 0 <= number <= maximum:
+            if number < 0:
+                raise BadUsage(f"{field} must not be negative")
+            raise BadUsage(f"{field} is more than {maximum}")
     if not 0 <= row.started_at_us < _END_OF_TIME_US:
         raise BadUsage("started_at_us is not a time between 1970 and 9999")
     return UsageRecord(
