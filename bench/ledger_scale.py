@@ -4,7 +4,8 @@ GetSpend and reports read the rollup, and what keeping the rollup costs
 RecordUsage.
 
     python bench/ledger_scale.py [--rows 1000000] [--spend-calls 2000]
-        [--record-batches 40] [--writers 1,4] [--json FILE]
+        [--record-batches 40] [--rounds 3] [--writers 1,4] [--json FILE]
+        [--before DIR] [--migration-rows N] [--workdir DIR]
 
 Starts its own PostgreSQL (or uses --dsn, an empty database), migrates it,
 makes one organization (three agents, two tokens, four models), and loads
@@ -30,7 +31,10 @@ svc-auth` on loopback:
                  (the same INSERT in a CTE that also adds to the rollup),
                  alternating rounds so that drift hits both alike, by
                  --writers concurrent connections; then through the gRPC
-                 method itself (the new code only)
+                 method itself (the new code at scale; with --before, the
+                 daemon of bfd08eb against this tree's, fresh ledgers)
+    migration    with --migration-rows N, sql/0007 on a ledger of N rows
+                 written before it
 
 The private server runs with fsync off (svcd.testing.servers): commits cost
 no disk flush, so rows/s is the CPU's, a bound on both statements alike.
@@ -374,6 +378,33 @@ def compareDaemons(
     return {key: statistics.median(values) for key, values in rates.items()}
 
 
+def timeMigration(server: PostgresServer, count: int) -> dict[str, float]:
+    """
+    Seconds of sql/0007 on a ledger of C{count} rows written as before it
+    (keyed by request id), in a database of its own.
+    """
+    dsn = server.createDatabase("migration")
+    migrate(dsn, through="0006_usage.sql")
+    orgID = uuid.uuid4()
+    with psycopg.connect(dsn, autocommit=True) as connection:
+        for first in range(0, count, CHUNK):
+            connection.execute(
+                "INSERT INTO usage_ledger (request_id, org_id, agent_id, token_id,"
+                " model_requested, model, provider, upstream_model, stream, outcome,"
+                " prompt_tokens, cached_tokens, completion_tokens, reasoning_tokens,"
+                " tokens_from, cost_nano_usd, price_version, started_at, duration_us)"
+                " SELECT gen_random_uuid()::text, %s, NULL, NULL, 'fast', 'fast', 'bench',"
+                " 'upstream-model', false, 'ok', 500, 0, 200, 0, 'provider', 1000 + i %% 1000,"
+                " 'v', now() - i * interval '1 second', 1"
+                " FROM generate_series(%s::bigint, %s::bigint) AS i",
+                (orgID, first, min(first + CHUNK, count) - 1),
+            )
+        connection.execute("VACUUM ANALYZE usage_ledger")
+    started = time.perf_counter()
+    assert migrate(dsn) == ["0007_ledger_key_and_rollup.sql"]
+    return {"rows": float(count), "migration_s": time.perf_counter() - started}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
@@ -384,6 +415,12 @@ def main() -> int:
     parser.add_argument("--dsn", help="an empty database to use instead of a private server")
     parser.add_argument("--workdir", help="where the private server lives (default: /tmp)")
     parser.add_argument("--json", help="write the results there too")
+    parser.add_argument(
+        "--migration-rows",
+        type=int,
+        default=0,
+        help="also time sql/0007 on a ledger of that many rows written before it",
+    )
     parser.add_argument(
         "--before",
         help="a tree of the commit before the rollup (git archive bfd08eb | tar -x -C DIR):"
@@ -542,6 +579,9 @@ def main() -> int:
                     f"RecordUsage through gRPC: {results['recordusage_grpc_before_after']}",
                     flush=True,
                 )
+            if arguments.migration_rows and server is not None:
+                results["migration"] = timeMigration(server, arguments.migration_rows)
+                print(f"migration: {results['migration']}", flush=True)
         finally:
             if server is not None:
                 server.destroy()
