@@ -596,7 +596,8 @@ def test_sumsPastInt64NeverBreakAnAnswer(
     authService: RunningAuthService, owner: Store, migratedDSN: str
 ) -> None:
     """
-    9,300 rows at the most a row may carry sum past int64 (issue 28, item
+    9,300 rows at the most a row may carry (each amount at
+    MAXIMUM_ROW_AMOUNT, which is recorded) sum past int64 (issue 28, item
     8): GetSpend answers the largest int64 (past every budget, which is
     what the proxy needs to know), GetUsage clamps its token counts there
     and keeps cost_usd exact, and svcctl usage prints every sum exactly.
@@ -612,8 +613,11 @@ def test_sumsPastInt64NeverBreakAnAnswer(
                 tenant,
                 prompt_tokens=most,
                 cached_tokens=7,
+                completion_tokens=most,
+                reasoning_tokens=most,
                 cost_nano_usd=most,
                 started_at_us=microseconds(JUNE) + index,
+                duration_us=2**63 - 1,
             )
             for index in range(first, min(first + 1_000, count))
         ]
@@ -632,6 +636,8 @@ def test_sumsPastInt64NeverBreakAnAnswer(
     for each in (usage.rows[0], usage.total):
         assert each.requests == count
         assert each.prompt_tokens == INT64_MAX
+        assert each.completion_tokens == INT64_MAX
+        assert each.reasoning_tokens == INT64_MAX
         assert each.cached_tokens == 7 * count
         assert each.cost_usd == "9300000000.00"
     printed = document(

@@ -254,27 +254,6 @@ def test_aBadRowIsRejectedAndTheOthersRecorded(
     )
 
 
-def test_theLargestAmountsOfARowAreRecorded(
-    authService: RunningAuthService, owner: Store, migratedDSN: str
-) -> None:
-    """
-    Each token count and the cost may be MAXIMUM_ROW_AMOUNT exactly.
-    """
-    tenant = makeTenant(owner)
-    most = MAXIMUM_ROW_AMOUNT
-    row = usageRow(
-        tenant,
-        prompt_tokens=most,
-        cached_tokens=most,
-        completion_tokens=most,
-        reasoning_tokens=most,
-        cost_nano_usd=most,
-        duration_us=2**63 - 1,
-    )
-    assert record(authService, [row]) == (1, 0)
-    assert ledgerCount(migratedDSN) == 1
-
-
 def test_aBatchPastTheBoundIsRefused(
     authService: RunningAuthService, owner: Store, migratedDSN: str
 ) -> None:
