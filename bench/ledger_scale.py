@@ -24,7 +24,7 @@ svc-auth` on loopback:
     usage        `svcctl usage --org ORG --by model` for the month: the
                  whole command (a new Python process) and its query alone
     record       RecordUsage rows/s, before and after the rollup, on this
-                 server in one run: batches of 1,000 new rows (24 groups of
+                 server in one run: batches of 1,000 new rows (12 groups of
                  agent, token and model), each in its transaction as
                  svc_auth_app, with the statement of bfd08eb (INSERT ... ON
                  CONFLICT DO NOTHING, no rollup) and with Store.recordUsage's
@@ -46,6 +46,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -53,7 +54,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -219,31 +220,60 @@ def benchBatch(
     ]
 
 
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpuSeconds(pids: Iterable[int]) -> dict[int, float]:
+    """
+    The CPU time (user and system, all threads) each of C{pids} has used,
+    from /proc; a process gone is left out. CPU time, unlike wall time,
+    hardly moves with what else runs on a shared machine.
+    """
+    used = {}
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        used[pid] = (int(fields[11]) + int(fields[12])) / _TICKS
+    return used
+
+
+def cpuSpent(before: dict[int, float], after: dict[int, float]) -> float:
+    return sum(value - before.get(pid, 0.0) for pid, value in after.items())
+
+
 def recordRate(
     dsn: str,
     statement: str,
     batches: list[list[UsageRecord]],
     writers: int,
-) -> float:
+) -> tuple[float, float]:
     """
     Rows per second of C{statement} recording C{batches} (each in its own
     transaction in its organization's context, as Store.recordUsage does),
-    shared among C{writers} connections at once.
+    shared among C{writers} connections at once; and the CPU microseconds
+    per row that PostgreSQL's backends spent on them.
     """
     payloads = [ledgerBatch(batch) for batch in batches]
     orgID = str(batches[0][0].orgID)
     shares = [payloads[index::writers] for index in range(writers)]
     ready = threading.Barrier(writers + 1)
     failures: list[BaseException] = []
+    cpu: list[float] = []
 
     def write(share: list[str]) -> None:
         try:
             with applicationConnection(dsn) as connection:
+                row = connection.execute("SELECT pg_backend_pid()").fetchone()
+                assert row is not None
+                before = cpuSeconds([row[0]])
                 ready.wait()
                 for payload in share:
                     with connection.transaction():
                         connection.execute("SELECT set_config('svc.org_id', %s, true)", (orgID,))
                         connection.execute(statement, (payload,))
+                cpu.append(cpuSpent(before, cpuSeconds(before)))
         except BaseException as error:  # reported below
             failures.append(error)
             raise
@@ -258,7 +288,8 @@ def recordRate(
     elapsed = time.perf_counter() - started
     if failures:
         raise failures[0]
-    return sum(len(batch) for batch in batches) / elapsed
+    rows = sum(len(batch) for batch in batches)
+    return rows / elapsed, sum(cpu) / rows * 10**6
 
 
 def usageRows(records: list[UsageRecord]) -> list[auth_pb2.UsageRow]:
@@ -295,10 +326,13 @@ def grpcRecordRate(
     now: datetime.datetime,
     batches: int,
     clients: int,
-) -> float:
+    processes: Callable[[], list[int]] = list,
+) -> tuple[float, float]:
     """
     Rows per second of C{batches} RecordUsage calls of 1,000 new rows,
-    C{clients} calls in flight at once (as that many proxies would send).
+    C{clients} calls in flight at once (as that many proxies would send),
+    and the CPU microseconds per row spent by C{processes()} (svc-auth and
+    its database connections).
     """
     requests = [
         auth_pb2.RecordUsageRequest(rows=usageRows(benchBatch(orgID, agents, tokens, now)))
@@ -312,12 +346,33 @@ def grpcRecordRate(
             assert answer.recorded == BATCH and not answer.rejected, answer
 
     threads = [threading.Thread(target=send, args=(share,)) for share in shares]
+    before = cpuSeconds(processes())
     started = time.perf_counter()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    return BATCH * batches / (time.perf_counter() - started)
+    elapsed = time.perf_counter() - started
+    spent = cpuSpent(before, cpuSeconds(set(before) | set(processes())))
+    return BATCH * batches / elapsed, spent / (BATCH * batches) * 10**6
+
+
+def serverProcesses(daemon: Daemon, dsn: str) -> Callable[[], list[int]]:
+    """
+    The pids of svc-auth and of its PostgreSQL backends (those of its
+    database, but for the one asking).
+    """
+
+    def pids() -> list[int]:
+        assert daemon.process is not None
+        with psycopg.connect(dsn, autocommit=True) as connection:
+            rows = connection.execute(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+                " AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
+            ).fetchall()
+        return [daemon.process.pid, *(row[0] for row in rows)]
+
+    return pids
 
 
 def compareDaemons(
@@ -337,11 +392,13 @@ def compareDaemons(
     """
     daemons = {}
     tenants = {}
+    databases = {}
     for name, through, path in [
         ("before", "0006_usage.sql", str(before)),
         ("after", None, ""),
     ]:
         dsn = server.createDatabase(f"record_{name}")
+        databases[name] = dsn
         migrate(dsn, through=through)
         with psycopg.connect(dsn, autocommit=True) as connection:
             store = Store(lambda: contextlib.nullcontext(connection))
@@ -355,6 +412,7 @@ def compareDaemons(
             "svc-auth", authEnvironment(dsn, **overrides), workdir / f"auth-{name}.log"
         ).start()
     rates: dict[str, list[float]] = {}
+    costs: dict[str, list[float]] = {}
     try:
         channels = {}
         for name, daemon in daemons.items():
@@ -367,15 +425,24 @@ def compareDaemons(
                 for name, channel in channels.items():
                     stub = auth_pb2_grpc.AuthServiceStub(channel)
                     orgID, agents, tokens = tenants[name]
-                    rates.setdefault(f"{name}_{count}", []).append(
-                        grpcRecordRate(stub, orgID, agents, tokens, now, batches, count)
+                    rate, cost = grpcRecordRate(
+                        stub,
+                        orgID,
+                        agents,
+                        tokens,
+                        now,
+                        batches,
+                        count,
+                        serverProcesses(daemons[name], databases[name]),
                     )
+                    rates.setdefault(f"{name}_{count}_rows_per_s", []).append(rate)
+                    costs.setdefault(f"{name}_{count}_cpu_us_per_row", []).append(cost)
         for channel in channels.values():
             channel.close()
     finally:
         for daemon in daemons.values():
             daemon.terminate()
-    return {key: statistics.median(values) for key, values in rates.items()}
+    return {key: statistics.median(values) for key, values in [*rates.items(), *costs.items()]}
 
 
 def timeMigration(server: PostgresServer, count: int) -> dict[str, float]:
@@ -521,6 +588,7 @@ def main() -> int:
                     print(f"  its query: {results['usage_query_by_model']}", flush=True)
 
                     rates: dict[str, list[float]] = {}
+                    costs: dict[str, list[float]] = {}
                     for writers in (int(each) for each in arguments.writers.split(",")):
                         for _ in range(arguments.rounds):
                             for name, statement in [
@@ -531,18 +599,22 @@ def main() -> int:
                                     benchBatch(orgID, agents, tokens, now)
                                     for _ in range(arguments.record_batches)
                                 ]
-                                rates.setdefault(f"{name}_{writers}", []).append(
-                                    recordRate(dsn, statement, batches, writers)
-                                )
+                                rate, cost = recordRate(dsn, statement, batches, writers)
+                                rates.setdefault(f"{name}_{writers}", []).append(rate)
+                                costs.setdefault(f"{name}_{writers}", []).append(cost)
                     results["record_rows_per_s"] = {
                         key: statistics.median(values) for key, values in rates.items()
                     }
+                    results["record_backend_cpu_us_per_row"] = {
+                        key: statistics.median(values) for key, values in costs.items()
+                    }
+                    print(f"  backend CPU: {results['record_backend_cpu_us_per_row']}")
                     print(f"record rows/s: {results['record_rows_per_s']}", flush=True)
 
                     results["recordusage_grpc_rows_per_s_at_scale"] = statistics.median(
                         grpcRecordRate(
                             stub, orgID, agents, tokens, now, arguments.record_batches, 1
-                        )
+                        )[0]
                         for _ in range(arguments.rounds)
                     )
                     print(
