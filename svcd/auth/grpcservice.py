@@ -145,14 +145,6 @@ class AuthMetrics:
             ["reason"],
             registry=registry,
         )
-        self.usageRowsRejected = Counter(
-            "svc_auth_usage_rows_rejected_total",
-            "Usage rows RecordUsage did not record and never will, by reason: invalid (a"
-            " value the ledger cannot hold) or conflict (its key is recorded with other"
-            " content)",
-            ["reason"],
-            registry=registry,
-        )
         self._children = Children()
 
     def answered(self, method: str, code: str) -> None:
@@ -166,67 +158,6 @@ class AuthMetrics:
         Record C{seconds} in the C{result} series of C{duration}.
         """
         self._children.of(duration, result).observe(seconds)
-
-
-class RejectedRowsLog:
-    """
-    Counts the usage rows RecordUsage rejects in
-    svc_auth_usage_rows_rejected_total{reason} and logs them, at most one
-    warning per C{interval} per reason, with the count since the last line
-    and the ids of the latest row (its ledger and organization ids, the
-    reason and the detail; never anything else of the row). A proxy sets
-    rejected rows aside for good, so each one is money an operator should
-    look at; the throttle keeps a flood of them from flooding the log.
-
-    Called from grpcio's threads: the bookkeeping holds a lock.
-
-    @param clock: monotonic seconds.
-    """
-
-    log = Logger()
-
-    def __init__(
-        self, counter: Counter, clock: Callable[[], float] = time.monotonic, interval: float = 60.0
-    ) -> None:
-        self._counter = counter
-        self._clock = clock
-        self._interval = interval
-        self._children = Children()
-        self._lock = threading.Lock()
-        self._lastLogged: dict[str, float] = {}
-        self._unlogged: dict[str, int] = dict.fromkeys(REJECT_REASONS, 0)
-        for reason in REJECT_REASONS:
-            # Present from the start at 0, so that rate() sees the first one.
-            self._children.of(counter, reason)
-
-    def rejected(self, rows: Sequence[RejectedRow]) -> None:
-        """
-        Count C{rows}; log the latest of each reason unless a line for that
-        reason was logged in the last interval.
-        """
-        latest: dict[str, RejectedRow] = {}
-        for row in rows:
-            self._children.of(self._counter, row.reason).inc()
-            latest[row.reason] = row
-        now = self._clock()
-        for reason, row in latest.items():
-            with self._lock:
-                self._unlogged[reason] += sum(1 for each in rows if each.reason == reason)
-                last = self._lastLogged.get(reason)
-                if last is not None and now - last < self._interval:
-                    continue
-                self._lastLogged[reason] = now
-                count, self._unlogged[reason] = self._unlogged[reason], 0
-            self.log.warn(
-                "Rejected {rejected} usage row(s) as {reason} (see"
-                " svc_auth_usage_rows_rejected_total); the latest: ledger id {ledger_id} of"
-                " organization {org_id}: {detail}",
-                rejected=count,
-                reason=reason,
-                ledger_id=row.ledgerID,
-                org_id=row.orgID,
-                detail=row.detail,
-            )
 
 
 class RejectedRowsLog:
@@ -345,7 +276,6 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
         self._limits = limits
         self._budgets = budgets
         self._refusals = RefusalLog(metrics.refused)
-        self._rejectedRows = RejectedRowsLog(metrics.usageRowsRejected)
         self._rejectedRows = RejectedRowsLog(metrics.usageRowsRejected)
         self._durations = {
             "ValidateToken": metrics.validateToken,
