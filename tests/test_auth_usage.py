@@ -1,10 +1,13 @@
 """
-The usage ledger in svc-auth (decisions D12, sql/0006_usage.sql,
-svcd/auth/usage.py): RecordUsage commits a whole batch or nothing and is
-idempotent by request id, rows live under row-level security, GetSpend
-and GetUsage sum them to the nano-dollar, and svcctl usage prints the same
-sums as JSON or CSV; against a real grpcio server and a real PostgreSQL.
-The pure rules (rows, spans, dollars) are unit-tested at the end.
+The usage ledger in svc-auth (decisions D12 and D12 amended,
+sql/0006_usage.sql, sql/0007_ledger_key_and_rollup.sql, svcd/auth/usage.py):
+RecordUsage checks each row on its own, records the good ones in one
+transaction and is idempotent by ledger id, rows live under row-level
+security, GetSpend and GetUsage sum them to the nano-dollar, and svcctl
+usage prints the same sums as JSON or CSV; against a real grpcio server and
+a real PostgreSQL. The pure rules (rows, spans, dollars) are unit-tested at
+the end. The key, conflicts, the rollup and the migration of a ledger
+holding rows are tested in test_auth_ledger.py.
 """
 
 from __future__ import annotations
@@ -25,14 +28,16 @@ from test_svcctl import document, failure, svcctl
 from svcd.auth.migrations import migrate
 from svcd.auth.store import APPLICATION_ROLE, Store, UsageSums
 from svcd.auth.usage import (
+    MAXIMUM_ROW_AMOUNT,
     MAXIMUM_USAGE_BATCH,
     BadUsage,
+    checkBatch,
     parseMoment,
     reportCSV,
     reportSpan,
     usageRecord,
-    usageRecords,
 )
+from svcd.common.ids import uuid7Text
 from svcd.common.permissions import Permission
 from svcd.pb.auth.v1 import auth_pb2
 from svcd.testing.authservice import RunningAuthService
@@ -52,6 +57,7 @@ def usageRow(tenant: Tenant, **changes: Any) -> auth_pb2.UsageRow:
     A well-formed row of C{tenant}'s agent and token, with C{changes}.
     """
     fields: dict[str, Any] = {
+        "ledger_id": uuid7Text(),
         "request_id": str(uuid.uuid4()),
         "org_id": str(tenant.orgID),
         "agent_id": str(tenant.agentID),
@@ -77,8 +83,25 @@ def usageRow(tenant: Tenant, **changes: Any) -> auth_pb2.UsageRow:
 
 
 def record(service: RunningAuthService, rows: list[auth_pb2.UsageRow]) -> tuple[int, int]:
+    """
+    Record C{rows}, none of which may be rejected: (recorded, duplicates).
+    """
     answer = service.call("RecordUsage", auth_pb2.RecordUsageRequest(rows=rows))
+    assert list(answer.rejected) == []
     return answer.recorded, answer.duplicates
+
+
+def recordAnswer(
+    service: RunningAuthService, rows: list[auth_pb2.UsageRow]
+) -> tuple[int, int, list[tuple[int, str, str]]]:
+    """
+    Record C{rows}: (recorded, duplicates, [(index, reason, detail)] of the
+    rejected rows).
+    """
+    answer = service.call("RecordUsage", auth_pb2.RecordUsageRequest(rows=rows))
+    rejected = [(each.index, each.reason, each.detail) for each in answer.rejected]
+    assert answer.recorded + answer.duplicates + len(rejected) == len(rows)
+    return answer.recorded, answer.duplicates, rejected
 
 
 def ledgerCount(dsn: str) -> int:
@@ -102,8 +125,8 @@ def test_aBatchSentTwiceIsRecordedOnce(
 ) -> None:
     """
     Sending a batch again records nothing new: every row is a duplicate,
-    and the ledger holds one row per request id. A request id twice in one
-    batch is recorded once too.
+    and the ledger holds one row per ledger id. A row twice in one batch is
+    recorded once too.
     """
     tenant = makeTenant(owner)
     rows = [usageRow(tenant) for _ in range(5)]
@@ -134,13 +157,13 @@ def test_aRowKeepsEveryField(
             "SELECT org_id, agent_id, token_id, model_requested, model, provider,"
             " upstream_model, stream, outcome, prompt_tokens, cached_tokens,"
             " completion_tokens, reasoning_tokens, tokens_from, cost_nano_usd,"
-            " price_version, started_at, duration_us, recorded_at IS NOT NULL"
-            " FROM usage_ledger WHERE request_id = %s",
-            (full.request_id,),
+            " price_version, started_at, duration_us, recorded_at IS NOT NULL, request_id"
+            " FROM usage_ledger WHERE ledger_id = %s",
+            (full.ledger_id,),
         ).fetchone()
         empty = connection.execute(
-            "SELECT agent_id, token_id, price_version FROM usage_ledger WHERE request_id = %s",
-            (bare.request_id,),
+            "SELECT agent_id, token_id, price_version FROM usage_ledger WHERE ledger_id = %s",
+            (bare.ledger_id,),
         ).fetchone()
     assert stored == (
         tenant.orgID,
@@ -162,6 +185,7 @@ def test_aRowKeepsEveryField(
         started,
         250_000,
         True,
+        full.request_id,
     )
     assert empty == (None, None, "")
 
@@ -169,25 +193,32 @@ def test_aRowKeepsEveryField(
 @pytest.mark.parametrize(
     "changes, mentions",
     [
-        ({"org_id": "not-a-uuid"}, "rows[1].org_id"),
-        ({"org_id": ""}, "rows[1].org_id"),
-        ({"agent_id": "12345"}, "rows[1].agent_id"),
-        ({"token_id": "x" * 36}, "rows[1].token_id"),
-        ({"outcome": "fine"}, "rows[1].outcome"),
-        ({"tokens_from": "guess"}, "rows[1].tokens_from"),
-        ({"prompt_tokens": -1}, "rows[1].prompt_tokens"),
-        ({"reasoning_tokens": -5}, "rows[1].reasoning_tokens"),
-        ({"cost_nano_usd": -1}, "rows[1].cost_nano_usd"),
-        ({"duration_us": -1}, "rows[1].duration_us"),
-        ({"started_at_us": -1}, "rows[1].started_at_us"),
-        ({"started_at_us": 2**62}, "rows[1].started_at_us"),
-        ({"request_id": ""}, "rows[1].request_id"),
-        ({"request_id": "r" * 129}, "rows[1].request_id"),
-        ({"model": "m\x00"}, "rows[1].model"),
-        ({"provider": "p" * 257}, "rows[1].provider"),
+        ({"org_id": "not-a-uuid"}, "org_id"),
+        ({"org_id": ""}, "org_id"),
+        ({"agent_id": "12345"}, "agent_id"),
+        ({"token_id": "x" * 36}, "token_id"),
+        ({"ledger_id": "not-a-uuid"}, "ledger_id"),
+        ({"ledger_id": "{" + str(uuid.uuid4()) + "}"}, "ledger_id"),
+        ({"outcome": "fine"}, "outcome"),
+        ({"tokens_from": "guess"}, "tokens_from"),
+        ({"prompt_tokens": -1}, "prompt_tokens"),
+        ({"reasoning_tokens": -5}, "reasoning_tokens"),
+        ({"cost_nano_usd": -1}, "cost_nano_usd"),
+        ({"duration_us": -1}, "duration_us"),
+        ({"started_at_us": -1}, "started_at_us"),
+        ({"started_at_us": 2**62}, "started_at_us"),
+        ({"request_id": ""}, "request_id"),
+        ({"request_id": "r" * 129}, "request_id"),
+        ({"model": "m\x00"}, "model"),
+        ({"provider": "p" * 257}, "provider"),
+        ({"prompt_tokens": MAXIMUM_ROW_AMOUNT + 1}, "prompt_tokens"),
+        ({"cached_tokens": MAXIMUM_ROW_AMOUNT + 1}, "cached_tokens"),
+        ({"completion_tokens": 2**63 - 1}, "completion_tokens"),
+        ({"reasoning_tokens": MAXIMUM_ROW_AMOUNT + 1}, "reasoning_tokens"),
+        ({"cost_nano_usd": MAXIMUM_ROW_AMOUNT + 1}, "cost_nano_usd"),
     ],
 )
-def test_aBatchWithOneBadRowCommitsNothing(
+def test_aBadRowIsRejectedAndTheOthersRecorded(
     authService: RunningAuthService,
     owner: Store,
     migratedDSN: str,
@@ -195,15 +226,32 @@ def test_aBatchWithOneBadRowCommitsNothing(
     mentions: str,
 ) -> None:
     """
-    One bad row refuses the whole batch with INVALID_ARGUMENT naming the
-    row's index and field; the good rows around it are not recorded.
+    A row the ledger cannot hold is rejected as invalid, by its index,
+    with a detail naming the field, and counted by reason; the good rows
+    around it are recorded (one bad row never holds the others back). Sent
+    again, the good rows are duplicates and the bad one rejected again.
     """
     tenant = makeTenant(owner)
     rows = [usageRow(tenant), usageRow(tenant, **changes), usageRow(tenant)]
-    error = refusal(lambda: record(authService, rows))
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert mentions in (error.details() or "")
-    assert ledgerCount(migratedDSN) == 0
+    recorded, duplicates, rejected = recordAnswer(authService, rows)
+    assert (recorded, duplicates) == (2, 0)
+    ((index, reason, detail),) = rejected
+    assert (index, reason) == (1, "invalid")
+    assert detail.startswith(mentions), detail
+    assert ledgerCount(migratedDSN) == 2
+    assert recordAnswer(authService, rows) == (0, 2, rejected)
+    assert (
+        authService.registry.get_sample_value(
+            "svc_auth_usage_rows_rejected_total", {"reason": "invalid"}
+        )
+        == 2
+    )
+    assert (
+        authService.registry.get_sample_value(
+            "svc_auth_usage_rows_rejected_total", {"reason": "conflict"}
+        )
+        == 0
+    )
 
 
 def test_aBatchPastTheBoundIsRefused(
@@ -254,11 +302,12 @@ def test_rowsAreUnderRowLevelSecurity(
             with connection.transaction():
                 connection.execute("SELECT set_config('svc.org_id', %s, true)", (str(first.orgID),))
                 connection.execute(
-                    "INSERT INTO usage_ledger (request_id, org_id, model_requested, model,"
-                    " provider, upstream_model, stream, outcome, prompt_tokens, cached_tokens,"
-                    " completion_tokens, reasoning_tokens, tokens_from, cost_nano_usd,"
-                    " price_version, started_at, duration_us) VALUES ('x', %s, '', '', '', '',"
-                    " false, 'ok', 0, 0, 0, 0, 'provider', 0, '', now(), 0)",
+                    "INSERT INTO usage_ledger (ledger_id, request_id, org_id, model_requested,"
+                    " model, provider, upstream_model, stream, outcome, prompt_tokens,"
+                    " cached_tokens, completion_tokens, reasoning_tokens, tokens_from,"
+                    " cost_nano_usd, price_version, started_at, duration_us) VALUES"
+                    " (gen_random_uuid(), 'x', %s, '', '', '', '', false, 'ok', 0, 0, 0, 0,"
+                    " 'provider', 0, '', now(), 0)",
                     (second.orgID,),
                 )
         for statement in ("UPDATE usage_ledger SET cost_nano_usd = 0", "DELETE FROM usage_ledger"):
@@ -724,17 +773,31 @@ def test_costsAreExactDollars() -> None:
     assert lines[2].endswith(",0.000000001")
 
 
-def test_usageRecordsCheckTheBatch() -> None:
+def test_checkBatchChecksEachRow() -> None:
     """
-    A batch past the bound is refused before any row is read; a row's
-    start becomes an aware UTC time to the microsecond.
+    A batch past the bound is refused before any row is read; otherwise
+    each row is checked on its own, the bad ones listed by index with the
+    field at fault. A row's start becomes an aware UTC time to the
+    microsecond; its ledger id is its key, and without one (an older
+    proxy) its request id is, as a UUID.
     """
     tenant = Tenant(uuid.uuid4(), uuid.uuid4(), "", uuid.uuid4())
     with pytest.raises(BadUsage, match="at most"):
-        usageRecords([usageRow(tenant)] * (MAXIMUM_USAGE_BATCH + 1))
-    row = usageRow(tenant, started_at_us=microseconds(JUNE) + 1, agent_id="", token_id="")
-    converted = usageRecord(row, 0)
+        checkBatch([usageRow(tenant)] * (MAXIMUM_USAGE_BATCH + 1))
+    good = usageRow(tenant, started_at_us=microseconds(JUNE) + 1, agent_id="", token_id="")
+    bad = usageRow(tenant, outcome="fine", ledger_id="x" * 100)
+    checked = checkBatch([bad, good, bad])
+    assert checked.indices == [1]
+    assert [(each.index, each.reason, each.ledgerID) for each in checked.invalid] == [
+        (0, "invalid", repr("x" * 40)),
+        (2, "invalid", repr("x" * 40)),
+    ]
+    (converted,) = checked.records
     assert converted.startedAt == JUNE + datetime.timedelta(microseconds=1)
     assert (converted.agentID, converted.tokenID) == (None, None)
+    assert converted.ledgerID == good.ledger_id
     upper = usageRow(tenant, org_id=str(tenant.orgID).upper())
-    assert usageRecord(upper, 0).orgID == tenant.orgID
+    assert usageRecord(upper).orgID == tenant.orgID
+    requestID = str(uuid.uuid4())
+    older = usageRow(tenant, ledger_id="", request_id=requestID.upper())
+    assert usageRecord(older).ledgerID == requestID

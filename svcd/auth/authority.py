@@ -35,10 +35,18 @@ from svcd.auth.store import (
     StoreUnavailable,
     StoreValueRefused,
     TokenRecord,
-    UsageRecord,
     UsageSums,
 )
-from svcd.auth.usage import BadUsage, reportGrouping, reportSpan, unixMoment
+from svcd.auth.usage import (
+    CONFLICT,
+    INVALID,
+    BadUsage,
+    CheckedBatch,
+    RejectedRow,
+    reportGrouping,
+    reportSpan,
+    unixMoment,
+)
 from svcd.common.ids import parseUUID
 from svcd.common.pat import ParsedToken, formatToken, newSecret, parseToken
 from svcd.common.permissions import Permission
@@ -486,17 +494,33 @@ class Authority:
     # The usage ledger (decisions D12)
 
     def recordUsage(
-        self, records: list[UsageRecord], deadline: float | None = None
-    ) -> tuple[int, int]:
+        self, batch: CheckedBatch, deadline: float | None = None
+    ) -> tuple[int, int, list[RejectedRow]]:
         """
-        Record a batch of usage rows (already checked, L{svcd.auth.usage})
-        in one transaction; how many were recorded now and how many were
-        recorded already, once committed. A database failure is
-        L{TryAgain}: nothing was committed, and the batch may be sent
-        again as it is.
+        Record a checked batch of usage rows (L{svcd.auth.usage.checkBatch})
+        in one transaction: how many were recorded now, how many were
+        recorded already with the same content, and the rows rejected
+        (those the checks found invalid, the conflicts, and any the
+        database refused), in the batch's order, once committed. A
+        database failure is L{TryAgain}: nothing was committed, and the
+        batch may be sent again as it is.
         """
-        recorded = self._write(deadline, lambda: self._store.recordUsage(records), TryAgain)
-        return recorded, len(records) - recorded
+        written = self._write(deadline, lambda: self._store.recordUsage(batch.records), TryAgain)
+        rejected = list(batch.invalid)
+        for reason, rows in ((CONFLICT, written.conflicts), (INVALID, written.refused)):
+            for position, detail in rows:
+                record = batch.records[position]
+                rejected.append(
+                    RejectedRow(
+                        index=batch.indices[position],
+                        reason=reason,
+                        detail=detail,
+                        ledgerID=record.ledgerID,
+                        orgID=str(record.orgID),
+                    )
+                )
+        rejected.sort(key=lambda each: each.index)
+        return written.recorded, written.duplicates, rejected
 
     def spend(
         self,

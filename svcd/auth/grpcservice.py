@@ -18,6 +18,7 @@ INVALID_ARGUMENT naming the field (decisions D10).
 from __future__ import annotations
 
 import ipaddress
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
@@ -59,7 +60,16 @@ from svcd.auth.feed import (
 )
 from svcd.auth.limits import BudgetsTable, LimitsTable, budgetMessage, limitsMessage
 from svcd.auth.store import StoreUnavailable, TokenRecord
-from svcd.auth.usage import BadUsage, formatMoment, totalOf, usageRecords, usageSum
+from svcd.auth.usage import (
+    REJECT_REASONS,
+    BadUsage,
+    RejectedRow,
+    checkBatch,
+    clampInt64,
+    formatMoment,
+    totalOf,
+    usageSum,
+)
 from svcd.common.errors import rfc3339
 from svcd.common.ids import parseUUID
 from svcd.common.lifecycle import StartupError
@@ -127,6 +137,14 @@ class AuthMetrics:
             ["reason"],
             registry=registry,
         )
+        self.usageRowsRejected = Counter(
+            "svc_auth_usage_rows_rejected_total",
+            "Usage rows RecordUsage did not record and never will, by reason: invalid (a"
+            " value the ledger cannot hold) or conflict (its key is recorded with other"
+            " content)",
+            ["reason"],
+            registry=registry,
+        )
         self._children = Children()
 
     def answered(self, method: str, code: str) -> None:
@@ -140,6 +158,67 @@ class AuthMetrics:
         Record C{seconds} in the C{result} series of C{duration}.
         """
         self._children.of(duration, result).observe(seconds)
+
+
+class RejectedRowsLog:
+    """
+    Counts the usage rows RecordUsage rejects in
+    svc_auth_usage_rows_rejected_total{reason} and logs them, at most one
+    warning per C{interval} per reason, with the count since the last line
+    and the ids of the latest row (its ledger and organization ids, the
+    reason and the detail; never anything else of the row). A proxy sets
+    rejected rows aside for good, so each one is money an operator should
+    look at; the throttle keeps a flood of them from flooding the log.
+
+    Called from grpcio's threads: the bookkeeping holds a lock.
+
+    @param clock: monotonic seconds.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self, counter: Counter, clock: Callable[[], float] = time.monotonic, interval: float = 60.0
+    ) -> None:
+        self._counter = counter
+        self._clock = clock
+        self._interval = interval
+        self._children = Children()
+        self._lock = threading.Lock()
+        self._lastLogged: dict[str, float] = {}
+        self._unlogged: dict[str, int] = dict.fromkeys(REJECT_REASONS, 0)
+        for reason in REJECT_REASONS:
+            # Present from the start at 0, so that rate() sees the first one.
+            self._children.of(counter, reason)
+
+    def rejected(self, rows: Sequence[RejectedRow]) -> None:
+        """
+        Count C{rows}; log the latest of each reason unless a line for that
+        reason was logged in the last interval.
+        """
+        latest: dict[str, RejectedRow] = {}
+        for row in rows:
+            self._children.of(self._counter, row.reason).inc()
+            latest[row.reason] = row
+        now = self._clock()
+        for reason, row in latest.items():
+            with self._lock:
+                self._unlogged[reason] += sum(1 for each in rows if each.reason == reason)
+                last = self._lastLogged.get(reason)
+                if last is not None and now - last < self._interval:
+                    continue
+                self._lastLogged[reason] = now
+                count, self._unlogged[reason] = self._unlogged[reason], 0
+            self.log.warn(
+                "Rejected {rejected} usage row(s) as {reason} (see"
+                " svc_auth_usage_rows_rejected_total); the latest: ledger id {ledger_id} of"
+                " organization {org_id}: {detail}",
+                rejected=count,
+                reason=reason,
+                ledger_id=row.ledgerID,
+                org_id=row.orgID,
+                detail=row.detail,
+            )
 
 
 def _deadlineOf(context: grpc.ServicerContext) -> float | None:
@@ -197,6 +276,7 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
         self._limits = limits
         self._budgets = budgets
         self._refusals = RefusalLog(metrics.refused)
+        self._rejectedRows = RejectedRowsLog(metrics.usageRowsRejected)
         self._durations = {
             "ValidateToken": metrics.validateToken,
             "ValidateAgent": metrics.validateAgent,
@@ -378,26 +458,51 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
         self, request: auth_pb2.RecordUsageRequest, context: grpc.ServicerContext
     ) -> auth_pb2.RecordUsageResponse:
         """
-        Record a batch of usage rows (decisions D12): every row is checked
-        first (a bad one refuses the batch, naming its index and field, and
-        nothing is recorded), then all go in one transaction, and the
-        answer comes only after its commit. A failing database is
-        UNAVAILABLE, so the proxy keeps the rows and sends them again.
+        Record a batch of usage rows (decisions D12 and D12 amended): each
+        row is checked on its own, the good ones go in one transaction,
+        and the answer comes only after its commit, counting the rows
+        recorded now and the duplicates and listing the rows rejected
+        (invalid, or a conflict), which the proxy sets aside. A batch bad
+        as a whole (past MAXIMUM_USAGE_BATCH rows) is INVALID_ARGUMENT. A
+        failing database is UNAVAILABLE, so the proxy keeps the rows and
+        sends them again.
         """
 
         def record() -> auth_pb2.RecordUsageResponse:
             try:
-                records = usageRecords(request.rows)
+                batch = checkBatch(request.rows)
             except BadUsage as error:
                 raise InvalidArgument(str(error)) from None
-            recorded, duplicates = self._authority.recordUsage(records, _deadlineOf(context))
-            return auth_pb2.RecordUsageResponse(recorded=recorded, duplicates=duplicates)
+            recorded, duplicates, rejected = self._authority.recordUsage(
+                batch, _deadlineOf(context)
+            )
+            if rejected:
+                self._rejectedRows.rejected(rejected)
+            return auth_pb2.RecordUsageResponse(
+                recorded=recorded,
+                duplicates=duplicates,
+                rejected=[
+                    auth_pb2.RejectedUsageRow(
+                        index=each.index, reason=each.reason, detail=each.detail
+                    )
+                    for each in rejected
+                ],
+            )
 
         return self._answer("RecordUsage", context, record)
 
     def GetSpend(
         self, request: auth_pb2.GetSpendRequest, context: grpc.ServicerContext
     ) -> auth_pb2.GetSpendResponse:
+        """
+        What an organization or agent spent in a span (decisions D12). The
+        ledger's sum is exact and may pass int64 (issue 28, item 8); the
+        answer is then the largest int64, which is safe: a budget is at
+        most 9 * 10^15 nano-dollars (svcctl's ceiling), a thousandth of
+        that, so a spend so large is past every budget either way, and the
+        proxy refuses exactly as it would with the exact sum.
+        """
+
         def spend() -> auth_pb2.GetSpendResponse:
             cost = self._authority.spend(
                 request.org_id,
@@ -406,7 +511,7 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
                 request.until_unix,
                 _deadlineOf(context),
             )
-            return auth_pb2.GetSpendResponse(cost_nano_usd=cost)
+            return auth_pb2.GetSpendResponse(cost_nano_usd=clampInt64(cost))
 
         return self._answer("GetSpend", context, spend)
 

@@ -36,20 +36,26 @@ def migrationFiles() -> list[Traversable]:
     return sorted(files, key=lambda each: each.name)
 
 
-def _pending(connection: psycopg.Connection[object]) -> Iterator[Traversable]:
+def _pending(connection: psycopg.Connection[object], through: str | None) -> Iterator[Traversable]:
     applied = {
         row[0]  # type: ignore[index]
         for row in connection.execute("SELECT name FROM svc_schema_migrations").fetchall()
     }
     for migration in migrationFiles():
+        if through is not None and migration.name > through:
+            return
         if migration.name not in applied:
             yield migration
 
 
-def migrate(dsn: str) -> list[str]:
+def migrate(dsn: str, through: str | None = None) -> list[str]:
     """
     Apply every migration not yet applied; return the names applied now
     (empty on a second run).
+
+    @param through: the name of the last migration to apply, for tests
+        that need a database as an older release left it (a migration
+        must work on the data that release wrote); None for all.
     """
     appliedNow: list[str] = []
     with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as connection:
@@ -60,7 +66,7 @@ def migrate(dsn: str) -> list[str]:
                 " name text PRIMARY KEY,"
                 " applied_at timestamptz NOT NULL DEFAULT now())"
             )
-            for migration in list(_pending(connection)):
+            for migration in list(_pending(connection, through)):
                 connection.execute(migration.read_text(encoding="utf-8").encode("utf-8"))
                 connection.execute(
                     "INSERT INTO svc_schema_migrations (name) VALUES (%s)", (migration.name,)

@@ -209,14 +209,24 @@ def _budget(row: dict[str, Any]) -> BudgetRecord:
     )
 
 
-@attrs.frozen
+@attrs.define
 class UsageRecord:
     """
     One forwarded request as the ledger keeps it (decisions D12, the
-    usage_ledger table of sql/0006_usage.sql): identifiers, names and
-    numbers, never a message's content. Costs are nano-dollars.
+    usage_ledger table of sql/0006_usage.sql and sql/0007): identifiers,
+    names and numbers, never a message's content. Costs are nano-dollars.
+    C{ledgerID} is the key, made by the gateway (a UUID in its canonical
+    lower-case text, as PostgreSQL and the JSON batch spell it; text is
+    cheaper than a L{uuid.UUID} per row); C{requestID} the client's
+    request id, which many rows may share.
+
+    Not frozen, unlike the other records here: RecordUsage makes one per
+    row, a thousand a call, and a frozen instance costs three times as
+    much to make (about 1.4 us more a row, measured); nothing changes one
+    once it is made.
     """
 
+    ledgerID: str
     requestID: str
     orgID: uuid.UUID
     agentID: uuid.UUID | None
@@ -241,6 +251,7 @@ class UsageRecord:
 # The ledger's columns, in UsageRecord's order, with their types (see
 # Store.recordUsage).
 _LEDGER_COLUMNS = (
+    ("ledger_id", "uuid"),
     ("request_id", "text"),
     ("org_id", "uuid"),
     ("agent_id", "uuid"),
@@ -261,21 +272,71 @@ _LEDGER_COLUMNS = (
     ("started_at", "timestamptz"),
     ("duration_us", "bigint"),
 )
+_LEDGER_NAMES = ", ".join(name for name, _ in _LEDGER_COLUMNS)
+# The amounts the rollup sums (sql/0007_ledger_key_and_rollup.sql).
+_ROLLUP_SUMS = (
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    "reasoning_tokens",
+    "cost_nano_usd",
+)
+# The rollup's key, in its unique constraint's order.
+_ROLLUP_KEY = "org_id, day, agent_id, token_id, model, slot"
+# How many rows (slots) one group of the rollup is striped over, and the
+# slot of a transaction: its id, which differs between transactions that
+# run at once, so that they rarely add to the same row (see the migration).
+ROLLUP_SLOTS = 8
+_SLOT = f"(txid_current() %% {ROLLUP_SLOTS})::smallint"
 
+# One statement records a batch of one organization and keeps its rollup
+# (decisions D12 amended).
+#
 # The batch travels as one JSON array of objects, unpacked by PostgreSQL:
-# psycopg dumps one string in C, where arrays of 19 columns cost twice the
+# psycopg dumps one string in C, where arrays of 20 columns cost twice the
 # CPU per row in Python (measured: 27 against 14 µs).
-_INSERT_USAGE = (
-    f"INSERT INTO usage_ledger ({', '.join(name for name, _ in _LEDGER_COLUMNS)})"
-    f" SELECT {', '.join(name for name, _ in _LEDGER_COLUMNS)}"
+#
+# The rows go in in the order of their key, and the rollup's groups in the
+# order of theirs, so that two transactions writing the same keys or
+# groups (two proxies, a batch resent while the first call still runs)
+# take their locks in the same order and wait for each other rather than
+# deadlock; a transaction adds to one slot of each group (ROLLUP_SLOTS),
+# so that transactions at once seldom wait at all. Only rows the INSERT
+# actually inserted come out of RETURNING, so a duplicate adds nothing to
+# the rollup; and the rollup is changed in the rows' transaction, so it
+# equals the ledger's sums at every commit.
+# The statement answers how many rows it inserted.
+_RECORD_USAGE = (
+    "WITH batch AS (SELECT * FROM jsonb_to_recordset(%s::jsonb) AS batch("
+    + ", ".join(f"{name} {kind}" for name, kind in _LEDGER_COLUMNS)
+    + ")),"
+    f" inserted AS (INSERT INTO usage_ledger ({_LEDGER_NAMES})"
+    f" SELECT {_LEDGER_NAMES} FROM batch ORDER BY ledger_id"
+    " ON CONFLICT (ledger_id) DO NOTHING"
+    f" RETURNING org_id, started_at, agent_id, token_id, model, {', '.join(_ROLLUP_SUMS)}),"
+    f" rolled AS (INSERT INTO usage_rollup AS rollup ({_ROLLUP_KEY}, requests,"
+    f" {', '.join(_ROLLUP_SUMS)})"
+    " SELECT org_id, (started_at AT TIME ZONE 'UTC')::date, agent_id, token_id, model,"
+    f" {_SLOT}, count(*), {', '.join(f'sum({name})' for name in _ROLLUP_SUMS)}"
+    " FROM inserted GROUP BY 1, 2, 3, 4, 5 ORDER BY 1, 2, 3, 4, 5"
+    f" ON CONFLICT ({_ROLLUP_KEY}) DO UPDATE SET requests = rollup.requests + EXCLUDED.requests"
+    + "".join(f", {name} = rollup.{name} + EXCLUDED.{name}" for name in _ROLLUP_SUMS)
+    + ") SELECT count(*) AS inserted FROM inserted"
+)
+
+# The same without the rollup: the ledger's statement before sql/0007 (the
+# benchmark compares the two; svc-auth never runs it).
+INSERT_USAGE_WITHOUT_ROLLUP = (
+    f"INSERT INTO usage_ledger ({_LEDGER_NAMES}) SELECT {_LEDGER_NAMES}"
     " FROM jsonb_to_recordset(%s::jsonb) AS batch("
     + ", ".join(f"{name} {kind}" for name, kind in _LEDGER_COLUMNS)
-    + ") ON CONFLICT (request_id) DO NOTHING"
+    + ") ON CONFLICT (ledger_id) DO NOTHING"
 )
 
 
 def _ledgerObject(row: UsageRecord) -> dict[str, object]:
     return {
+        "ledger_id": row.ledgerID,
         "request_id": row.requestID,
         "org_id": str(row.orgID),
         "agent_id": None if row.agentID is None else str(row.agentID),
@@ -298,14 +359,124 @@ def _ledgerObject(row: UsageRecord) -> dict[str, object]:
     }
 
 
-# What a usage report may be grouped by, and the SQL of each key (a
-# constant: never the caller's text). A day is the UTC calendar day.
+def ledgerBatch(rows: Sequence[UsageRecord]) -> str:
+    """
+    Rows as the JSON array L{Store.recordUsage}'s statement unpacks.
+    """
+    # Compact: about 2 us a row less to write, and less for PostgreSQL to
+    # parse.
+    return json.dumps([_ledgerObject(each) for each in rows], separators=(",", ":"))
+
+
+# UsageRecord's attribute of each ledger column, for comparing a row sent
+# again with the row recorded.
+_RECORD_ATTRIBUTES = tuple(
+    zip(
+        (name for name, _ in _LEDGER_COLUMNS),
+        attrs.fields_dict(UsageRecord),
+        strict=True,
+    )
+)
+
+
+def _differences(sent: UsageRecord, stored: dict[str, Any]) -> list[str]:
+    """
+    The columns in which a recorded row differs from C{sent}.
+    """
+    return [
+        column
+        for column, attribute in _RECORD_ATTRIBUTES
+        if stored[column] != getattr(sent, attribute)
+    ]
+
+
+@attrs.frozen
+class UsageWritten:
+    """
+    What L{Store.recordUsage} did with a batch, once committed: how many
+    rows it recorded now, how many were recorded already with the same
+    content, and the rows it did not record, each by its position in the
+    batch with why (C{conflicts}: the key is recorded with other content;
+    C{refused}: the database refused a value).
+    """
+
+    recorded: int
+    duplicates: int
+    conflicts: list[tuple[int, str]]
+    refused: list[tuple[int, str]]
+
+
+# What a usage report may be grouped by, and the SQL of each key on the
+# ledger and on the rollup (constants: never the caller's text). A day is
+# the UTC calendar day.
 USAGE_GROUPINGS = {
     "day": "to_char(started_at AT TIME ZONE 'UTC', 'YYYY-MM-DD')",
     "model": "model",
     "agent": "coalesce(agent_id::text, '')",
     "token": "coalesce(token_id::text, '')",
 }
+_ROLLUP_GROUPINGS = {
+    "day": "to_char(day, 'YYYY-MM-DD')",
+    "model": "model",
+    "agent": "coalesce(agent_id::text, '')",
+    "token": "coalesce(token_id::text, '')",
+}
+
+
+@attrs.frozen
+class _SpanParts:
+    """
+    A span [since, until) as the rollup's whole UTC days [firstDay,
+    endDay) and the ledger's partial days at its edges (each [start, end),
+    possibly empty).
+    """
+
+    firstDay: datetime.date
+    endDay: datetime.date
+    edges: tuple[tuple[datetime.datetime, datetime.datetime], ...]
+
+
+def _spanParts(since: datetime.datetime, until: datetime.datetime) -> _SpanParts:
+    """
+    Split [since, until) into the whole UTC days the rollup answers and
+    the partial days at its edges, which only the ledger can: a day- or
+    month-aligned span (what the proxies ask) has no edges at all.
+    """
+    since = since.astimezone(datetime.UTC)
+    until = until.astimezone(datetime.UTC)
+    firstDay = since.date()
+    if since.time() != datetime.time(0):
+        if firstDay == datetime.date.max:
+            return _SpanParts(firstDay, firstDay, ((since, until),))
+        firstDay += datetime.timedelta(days=1)
+    endDay = until.date()
+    if firstDay >= endDay:
+        return _SpanParts(firstDay, firstDay, ((since, until),))
+    edges = []
+    head = _midnight(firstDay)
+    if since < head:
+        edges.append((since, head))
+    tail = _midnight(endDay)
+    if tail < until:
+        edges.append((tail, until))
+    return _SpanParts(firstDay, endDay, tuple(edges))
+
+
+def _refusalDetail(error: Exception) -> str:
+    """
+    Why the database refused a row, for the operator: the constraint or
+    column it names (which name the field), never the value.
+    """
+    if isinstance(error, psycopg.Error):
+        named = error.diag.constraint_name or error.diag.column_name
+        if named:
+            return f"the database refused the row ({named})"
+        return f"the database refused the row ({error.sqlstate or type(error).__name__})"
+    return f"the database refused the row ({type(error).__name__})"
+
+
+def _midnight(day: datetime.date) -> datetime.datetime:
+    return datetime.datetime(day.year, day.month, day.day, tzinfo=datetime.UTC)
 
 
 @attrs.frozen
@@ -642,36 +813,147 @@ class Store:
 
     # The usage ledger (decisions D12).
 
-    def recordUsage(self, rows: Sequence[UsageRecord]) -> int:
+    def recordUsage(self, rows: Sequence[UsageRecord]) -> UsageWritten:
         """
-        Record C{rows} in the ledger in one transaction; a row whose
-        request id is recorded already (or comes twice in C{rows}) is left
-        as it is. Returns how many rows were recorded now, once committed:
-        the caller may acknowledge them then, and not before.
+        Record C{rows} in the ledger, and their sums in the rollup, in one
+        transaction; the answer comes once it is committed, so the caller
+        may acknowledge the rows then, and not before.
 
-        Row-level security holds here too: the rows of each organization
-        are inserted in that organization's context (svc.org_id is set
-        anew, transaction-local, before each organization's statement), so
-        svc_auth_app never writes a row outside the context it names. Each
-        organization's rows go in one statement, as one JSON array unpacked
-        by PostgreSQL, rather than one round trip per row.
+        Each row is judged on its own by its key (decisions D12 amended): a
+        key not yet recorded is recorded; a key recorded with the same
+        content is a duplicate (a batch sent again); a key recorded with
+        other content is a conflict, and the row stays as first recorded.
+        A key recorded by another organization is invisible here (row-level
+        security) and so, as it must be, a conflict too. A key twice in
+        C{rows} is recorded from its first row, the second judged against
+        it.
+
+        Row-level security holds: the rows of each organization are
+        written in that organization's context (svc.org_id is set anew,
+        transaction-local, before each organization's statement), in the
+        order of the organizations' ids so that concurrent batches lock in
+        one order. Each organization's rows go in one statement (see
+        L{_RECORD_USAGE}); only when it inserted fewer rows than it was
+        given are the stored rows read back to tell duplicates from
+        conflicts.
+
+        Should the database refuse a value that the checks of
+        L{svcd.auth.usage} let through, the batch is recorded again with
+        each row in its own savepoint, and the refused rows are answered
+        in C{refused}: one bad row never holds the others back.
         """
-        byOrganization: dict[uuid.UUID, list[UsageRecord]] = {}
-        for row in rows:
-            byOrganization.setdefault(row.orgID, []).append(row)
-
-        def insert(cursor: Cursor) -> int:
-            recorded = 0
-            for orgID, group in byOrganization.items():
-                cursor.execute("SELECT set_config('svc.org_id', %s, true)", (str(orgID),))
-                batch = json.dumps([_ledgerObject(each) for each in group])
-                cursor.execute(_INSERT_USAGE, (batch,))
-                recorded += cursor.rowcount
-            return recorded
-
         if not rows:
-            return 0
-        return self._run("usage_record", insert)
+            return UsageWritten(0, 0, [], [])
+        try:
+            return self._run("usage_record", lambda cursor: self._recordUsage(cursor, rows, False))
+        except (StoreValueRefused, StoreRejected):
+            return self._run(
+                "usage_record_isolated", lambda cursor: self._recordUsage(cursor, rows, True)
+            )
+
+    def _recordUsage(
+        self, cursor: Cursor, rows: Sequence[UsageRecord], isolated: bool
+    ) -> UsageWritten:
+        first: dict[str, int] = {}
+        repeated: list[int] = []
+        for position, row in enumerate(rows):
+            if row.ledgerID in first:
+                repeated.append(position)
+            else:
+                first[row.ledgerID] = position
+        byOrganization: dict[uuid.UUID, list[int]] = {}
+        for position in first.values():
+            byOrganization.setdefault(rows[position].orgID, []).append(position)
+
+        inserted = 0
+        refused: dict[int, str] = {}
+        toCompare: list[int] = []
+        for orgID in sorted(byOrganization):
+            positions = byOrganization[orgID]
+            cursor.execute("SELECT set_config('svc.org_id', %s, true)", (str(orgID),))
+            if isolated:
+                done, bad = self._insertOneByOne(cursor, rows, positions)
+                refused.update(bad)
+                positions = [each for each in positions if each not in bad]
+            else:
+                cursor.execute(_RECORD_USAGE, (ledgerBatch([rows[each] for each in positions]),))
+                done = int(_one(cursor.fetchone())["inserted"])
+            inserted += done
+            if done < len(positions):
+                toCompare.extend(positions)
+        for position in repeated:
+            firstRefusal = refused.get(first[rows[position].ledgerID])
+            if firstRefusal is None:
+                toCompare.append(position)
+            else:
+                refused[position] = firstRefusal
+
+        # Rows just inserted compare equal to themselves; the others that
+        # match were recorded already: duplicates.
+        conflicts = self._conflicts(cursor, rows, toCompare)
+        return UsageWritten(
+            recorded=inserted,
+            duplicates=len(rows) - inserted - len(conflicts) - len(refused),
+            conflicts=conflicts,
+            refused=sorted(refused.items()),
+        )
+
+    def _insertOneByOne(
+        self, cursor: Cursor, rows: Sequence[UsageRecord], positions: list[int]
+    ) -> tuple[int, dict[int, str]]:
+        """
+        Insert each row in its own savepoint: how many were inserted, and
+        the rows the database refused with why.
+        """
+        inserted = 0
+        refused: dict[int, str] = {}
+        for position in positions:
+            try:
+                with cursor.connection.transaction():
+                    cursor.execute(_RECORD_USAGE, (ledgerBatch([rows[position]]),))
+                    inserted += int(_one(cursor.fetchone())["inserted"])
+            except (psycopg.DataError, psycopg.IntegrityError, UnicodeEncodeError) as error:
+                refused[position] = _refusalDetail(error)
+        return inserted, refused
+
+    def _conflicts(
+        self, cursor: Cursor, rows: Sequence[UsageRecord], positions: list[int]
+    ) -> list[tuple[int, str]]:
+        """
+        Compare the rows at C{positions} with the rows recorded under their
+        keys, each in its organization's context: the conflicts (no visible
+        row, or one with other content) with why, by position.
+        """
+        conflicts: list[tuple[int, str]] = []
+        byOrganization: dict[uuid.UUID, list[int]] = {}
+        for position in positions:
+            byOrganization.setdefault(rows[position].orgID, []).append(position)
+        for orgID in sorted(byOrganization):
+            group = byOrganization[orgID]
+            cursor.execute("SELECT set_config('svc.org_id', %s, true)", (str(orgID),))
+            cursor.execute(
+                f"SELECT {_LEDGER_NAMES} FROM usage_ledger WHERE ledger_id = ANY(%s::uuid[])",
+                ([rows[each].ledgerID for each in group],),
+            )
+            stored = {}
+            for row in cursor.fetchall():
+                row["ledger_id"] = str(row["ledger_id"])
+                stored[row["ledger_id"]] = row
+            for position in group:
+                found = stored.get(rows[position].ledgerID)
+                if found is None:
+                    conflicts.append((position, "ledger_id is recorded with other content"))
+                    continue
+                differences = _differences(rows[position], found)
+                if differences:
+                    conflicts.append(
+                        (
+                            position,
+                            "ledger_id is recorded with other content"
+                            f" ({', '.join(differences)} differ)",
+                        )
+                    )
+        return sorted(conflicts)
 
     def spend(
         self,
@@ -682,17 +964,37 @@ class Store:
     ) -> int:
         """
         The cost in nano-dollars of an organization's rows (or one of its
-        agents') that started in [since, until).
+        agents') that started in [since, until), exact (the sum may pass
+        int64; the caller clamps what it must).
+
+        The whole UTC days of the span come from the rollup, and only the
+        partial days at its edges from the ledger (L{_spanParts}): the
+        proxies ask whole days and months, which cost a few rollup rows per
+        day at any number of ledger rows.
         """
+        parts = _spanParts(since, until)
         agentCondition = "" if agentID is None else " AND agent_id = %(agent)s"
+        parameters: dict[str, Any] = {
+            "org": orgID,
+            "agent": agentID,
+            "firstDay": parts.firstDay,
+            "endDay": parts.endDay,
+        }
+        terms = [
+            "(SELECT coalesce(sum(cost_nano_usd), 0) FROM usage_rollup"
+            " WHERE org_id = %(org)s AND day >= %(firstDay)s AND day < %(endDay)s"
+            f"{agentCondition})"
+        ]
+        for index, (start, end) in enumerate(parts.edges):
+            parameters[f"start{index}"], parameters[f"end{index}"] = start, end
+            terms.append(
+                "(SELECT coalesce(sum(cost_nano_usd), 0) FROM usage_ledger"
+                f" WHERE org_id = %(org)s AND started_at >= %(start{index})s"
+                f" AND started_at < %(end{index})s{agentCondition})"
+            )
 
         def query(cursor: Cursor) -> int:
-            cursor.execute(
-                "SELECT coalesce(sum(cost_nano_usd), 0) AS cost FROM usage_ledger"
-                " WHERE org_id = %(org)s AND started_at >= %(since)s AND started_at < %(until)s"
-                + agentCondition,
-                {"org": orgID, "agent": agentID, "since": since, "until": until},
-            )
+            cursor.execute(f"SELECT {' + '.join(terms)} AS cost", parameters)
             return int(_one(cursor.fetchone())["cost"])
 
         return self._run("usage_spend", query, orgID=orgID)
@@ -709,22 +1011,46 @@ class Store:
         The sums of an organization's rows (or one of its agents') that
         started in [since, until), grouped by C{by} (a key of
         L{USAGE_GROUPINGS}) in the order of their key: the one query behind
-        both svcctl usage and GetUsage. Sums are exact (PostgreSQL sums
-        bigints as numeric).
+        both svcctl usage and GetUsage. Sums are exact (numeric in
+        PostgreSQL, integers here), at any size.
+
+        As L{spend}: the rollup for the span's whole UTC days, the ledger
+        for the partial days at its edges.
         """
-        key = USAGE_GROUPINGS[by]
+        parts = _spanParts(since, until)
         agentCondition = "" if agentID is None else " AND agent_id = %(agent)s"
+        parameters: dict[str, Any] = {
+            "org": orgID,
+            "agent": agentID,
+            "firstDay": parts.firstDay,
+            "endDay": parts.endDay,
+        }
+        sources = [
+            f"SELECT {_ROLLUP_GROUPINGS[by]} AS key, requests,"
+            " prompt_tokens AS prompt, cached_tokens AS cached,"
+            " completion_tokens AS completion, reasoning_tokens AS reasoning,"
+            " cost_nano_usd AS cost FROM usage_rollup"
+            " WHERE org_id = %(org)s AND day >= %(firstDay)s AND day < %(endDay)s"
+            f"{agentCondition}"
+        ]
+        for index, (start, end) in enumerate(parts.edges):
+            parameters[f"start{index}"], parameters[f"end{index}"] = start, end
+            sources.append(
+                f"SELECT {USAGE_GROUPINGS[by]} AS key, count(*) AS requests,"
+                " sum(prompt_tokens) AS prompt, sum(cached_tokens) AS cached,"
+                " sum(completion_tokens) AS completion, sum(reasoning_tokens) AS reasoning,"
+                " sum(cost_nano_usd) AS cost FROM usage_ledger"
+                f" WHERE org_id = %(org)s AND started_at >= %(start{index})s"
+                f" AND started_at < %(end{index})s{agentCondition} GROUP BY 1"
+            )
 
         def query(cursor: Cursor) -> list[UsageSums]:
             cursor.execute(
-                f"SELECT {key} AS key, count(*) AS requests,"
-                " sum(prompt_tokens) AS prompt, sum(cached_tokens) AS cached,"
-                " sum(completion_tokens) AS completion, sum(reasoning_tokens) AS reasoning,"
-                " sum(cost_nano_usd) AS cost"
-                " FROM usage_ledger"
-                " WHERE org_id = %(org)s AND started_at >= %(since)s AND started_at < %(until)s"
-                f"{agentCondition} GROUP BY 1 ORDER BY 1",
-                {"org": orgID, "agent": agentID, "since": since, "until": until},
+                "SELECT key, sum(requests) AS requests, sum(prompt) AS prompt,"
+                " sum(cached) AS cached, sum(completion) AS completion,"
+                " sum(reasoning) AS reasoning, sum(cost) AS cost"
+                f" FROM ({' UNION ALL '.join(sources)}) AS parts GROUP BY key ORDER BY key",
+                parameters,
             )
             return [
                 UsageSums(

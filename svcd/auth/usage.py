@@ -1,7 +1,8 @@
 """
-The usage ledger's rules outside SQL (decisions D12): what a usage row
-from svc-proxy must be before it is recorded, the span and grouping of a
-report, and a report as svcctl usage prints it. The SQL itself is in
+The usage ledger's rules outside SQL (decisions D12 and D12 amended): what
+a usage row from svc-proxy must be before it is recorded (each row checked
+on its own), the span and grouping of a report, and a report as svcctl
+usage prints it. The SQL itself is in
 L{svcd.auth.store} (C{recordUsage}, C{spend}, C{usageSums}), shared by
 svcctl and the gRPC methods.
 
@@ -12,14 +13,17 @@ from __future__ import annotations
 
 import csv
 import datetime
+import hashlib
 import io
 import re
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
+
 from svcd.auth.store import USAGE_GROUPINGS, UsageRecord, UsageSums
-from svcd.common.ids import parseUUID
+from svcd.common.ids import canonicalUUID, parseUUID
 from svcd.common.money import formatDollars
 from svcd.pb.auth.v1 import auth_pb2
 
@@ -50,14 +54,35 @@ _END_OF_TIME_US = (
 LATEST_UNIX_SECOND = _END_OF_TIME_US // 10**6 - 1
 
 _NAME_FIELDS = ("model_requested", "model", "provider", "upstream_model", "price_version")
-_COUNT_FIELDS = (
-    "prompt_tokens",
-    "cached_tokens",
-    "completion_tokens",
-    "reasoning_tokens",
-    "cost_nano_usd",
-    "duration_us",
+
+# The most tokens of each kind, and the highest cost in nano-dollars, one
+# row may carry: 10^15 tokens is a billion times any model's context, and
+# 10^15 nano-dollars is a million dollars for one request. A row past it is
+# rejected as invalid (no proxy can have meant it: issue 28, item 8).
+# Sums of rows are numeric in PostgreSQL and Python integers here, so no
+# number of rows can overflow them; what a gRPC answer carries as int64 is
+# clamped (L{clampInt64}).
+MAXIMUM_ROW_AMOUNT = 10**15
+
+# The largest int64: what GetSpend and GetUsage's counts answer at most.
+INT64_MAX = 2**63 - 1
+
+# The numbers of a row, each at least 0 and at most its maximum: the
+# amounts the rollup and the reports add up at most MAXIMUM_ROW_AMOUNT, the
+# duration (never summed) whatever int64 holds.
+_COUNT_FIELDS: tuple[tuple[str, int], ...] = (
+    ("prompt_tokens", MAXIMUM_ROW_AMOUNT),
+    ("cached_tokens", MAXIMUM_ROW_AMOUNT),
+    ("completion_tokens", MAXIMUM_ROW_AMOUNT),
+    ("reasoning_tokens", MAXIMUM_ROW_AMOUNT),
+    ("cost_nano_usd", MAXIMUM_ROW_AMOUNT),
+    ("duration_us", INT64_MAX),
 )
+
+# Why a row of a RecordUsage batch is rejected.
+INVALID = "invalid"
+CONFLICT = "conflict"
+REJECT_REASONS = (INVALID, CONFLICT)
 
 # Report columns, in the order of D12's JSON and of the CSV header.
 REPORT_COLUMNS = (
@@ -88,42 +113,66 @@ def _uuidOrNone(text: str, field: str) -> uuid.UUID | None:
     return parsed
 
 
-def usageRecord(row: auth_pb2.UsageRow, index: int) -> UsageRecord:
+def keyOfRequestID(requestID: str) -> str:
+    """
+    The ledger key of a row from a proxy older than ledger_id (decisions
+    D12 amended): its request id when that is a UUID (proxies always made
+    it one), else the UUID spelled by the MD5 of its UTF-8 bytes. The same
+    rule gave the rows recorded before sql/0007 their ledger_id, so a batch
+    sent again by an older proxy is found as the duplicate it is.
+    """
+    canonical = canonicalUUID(requestID)
+    if canonical is not None:
+        return canonical
+    return str(uuid.UUID(hashlib.md5(requestID.encode("utf-8"), usedforsecurity=False).hexdigest()))
+
+
+def usageRecord(row: auth_pb2.UsageRow) -> UsageRecord:
     """
     A row of a RecordUsage batch as the ledger keeps it.
 
-    @raise BadUsage: naming C{rows[index].<field>}, for a value the ledger
-        cannot hold or the proxy cannot have meant.
+    @raise BadUsage: naming the field, for a value the ledger cannot hold
+        or the proxy cannot have meant.
     """
-    where = f"rows[{index}]"
     if not row.request_id:
-        raise BadUsage(f"{where}.request_id is empty")
+        raise BadUsage("request_id is empty")
     if len(row.request_id) > MAXIMUM_REQUEST_ID_LENGTH:
-        raise BadUsage(f"{where}.request_id is longer than {MAXIMUM_REQUEST_ID_LENGTH} characters")
+        raise BadUsage(f"request_id is longer than {MAXIMUM_REQUEST_ID_LENGTH} characters")
     if "\x00" in row.request_id:
-        raise BadUsage(f"{where}.request_id contains a NUL character")
+        raise BadUsage("request_id contains a NUL character")
+    if row.ledger_id:
+        canonical = canonicalUUID(row.ledger_id)
+        if canonical is None:
+            raise BadUsage("ledger_id is not a UUID")
+        ledgerID = canonical
+    else:
+        ledgerID = keyOfRequestID(row.request_id)
     if not row.org_id:
-        raise BadUsage(f"{where}.org_id is empty")
-    orgID = _uuidOrNone(row.org_id, f"{where}.org_id")
+        raise BadUsage("org_id is empty")
+    orgID = _uuidOrNone(row.org_id, "org_id")
     assert orgID is not None
-    agentID = _uuidOrNone(row.agent_id, f"{where}.agent_id")
-    tokenID = _uuidOrNone(row.token_id, f"{where}.token_id")
+    agentID = _uuidOrNone(row.agent_id, "agent_id")
+    tokenID = _uuidOrNone(row.token_id, "token_id")
     for field in _NAME_FIELDS:
         value: str = getattr(row, field)
         if len(value) > MAXIMUM_NAME_LENGTH:
-            raise BadUsage(f"{where}.{field} is longer than {MAXIMUM_NAME_LENGTH} characters")
+            raise BadUsage(f"{field} is longer than {MAXIMUM_NAME_LENGTH} characters")
         if "\x00" in value:
-            raise BadUsage(f"{where}.{field} contains a NUL character")
+            raise BadUsage(f"{field} contains a NUL character")
     if row.outcome not in OUTCOMES:
-        raise BadUsage(f"{where}.outcome must be one of {', '.join(OUTCOMES)}")
+        raise BadUsage(f"outcome must be one of {', '.join(OUTCOMES)}")
     if row.tokens_from not in TOKENS_FROM:
-        raise BadUsage(f"{where}.tokens_from must be one of {', '.join(TOKENS_FROM)}")
-    for field in _COUNT_FIELDS:
-        if getattr(row, field) < 0:
-            raise BadUsage(f"{where}.{field} must not be negative")
+        raise BadUsage(f"tokens_from must be one of {', '.join(TOKENS_FROM)}")
+    for field, maximum in _COUNT_FIELDS:
+        number: int = getattr(row, field)
+        if not 0 <= number <= maximum:
+            if number < 0:
+                raise BadUsage(f"{field} must not be negative")
+            raise BadUsage(f"{field} is more than {maximum}")
     if not 0 <= row.started_at_us < _END_OF_TIME_US:
-        raise BadUsage(f"{where}.started_at_us is not a time between 1970 and 9999")
+        raise BadUsage("started_at_us is not a time between 1970 and 9999")
     return UsageRecord(
+        ledgerID=ledgerID,
         requestID=row.request_id,
         orgID=orgID,
         agentID=agentID,
@@ -146,16 +195,76 @@ def usageRecord(row: auth_pb2.UsageRow, index: int) -> UsageRecord:
     )
 
 
-def usageRecords(rows: Sequence[auth_pb2.UsageRow]) -> list[UsageRecord]:
+@attrs.frozen
+class RejectedRow:
     """
-    A whole RecordUsage batch, every row checked before any is recorded.
+    A row of a RecordUsage batch that is not recorded and never will be
+    (decisions D12 amended): C{reason} L{INVALID} or L{CONFLICT}, C{detail}
+    naming what is wrong (never a message's content, which a row never
+    holds anyway). C{ledgerID} and C{orgID} are the row's as sent, for the
+    log line; empty when absent.
+    """
 
-    @raise BadUsage: for a batch past L{MAXIMUM_USAGE_BATCH} rows, or the
-        first bad row.
+    index: int
+    reason: str
+    detail: str
+    ledgerID: str
+    orgID: str
+
+
+@attrs.frozen
+class CheckedBatch:
+    """
+    A RecordUsage batch with each row checked on its own: the rows the
+    ledger can hold (C{records}, each at C{indices[i]} of the batch) and
+    the others, rejected as L{INVALID}.
+    """
+
+    records: list[UsageRecord]
+    indices: list[int]
+    invalid: list[RejectedRow]
+
+
+def checkBatch(rows: Sequence[auth_pb2.UsageRow]) -> CheckedBatch:
+    """
+    Check every row of a RecordUsage batch on its own, so that one bad row
+    is set aside while the others are recorded (a bad row refusing the
+    whole batch stalled the proxy's queue for ever: issue 28, item 6).
+
+    @raise BadUsage: for a batch past L{MAXIMUM_USAGE_BATCH} rows, which is
+        bad as a whole.
     """
     if len(rows) > MAXIMUM_USAGE_BATCH:
         raise BadUsage(f"rows holds {len(rows)} rows; at most {MAXIMUM_USAGE_BATCH} per call")
-    return [usageRecord(row, index) for index, row in enumerate(rows)]
+    records: list[UsageRecord] = []
+    indices: list[int] = []
+    invalid: list[RejectedRow] = []
+    for index, row in enumerate(rows):
+        try:
+            records.append(usageRecord(row))
+        except BadUsage as error:
+            invalid.append(
+                RejectedRow(
+                    index=index,
+                    reason=INVALID,
+                    detail=str(error),
+                    ledgerID=_printable(row.ledger_id),
+                    orgID=_printable(row.org_id),
+                )
+            )
+        else:
+            indices.append(index)
+    return CheckedBatch(records, indices, invalid)
+
+
+def _printable(identifier: str) -> str:
+    """
+    An id from a row for a log line: as sent when it is an id at all,
+    else cut short with its odd characters escaped.
+    """
+    if len(identifier) <= 40 and identifier.isprintable() and identifier.isascii():
+        return identifier
+    return repr(identifier[:40])
 
 
 def unixMoment(seconds: int, field: str) -> datetime.datetime:
@@ -309,16 +418,27 @@ def reportCSV(sums: Sequence[UsageSums]) -> str:
     return output.getvalue()
 
 
+def clampInt64(value: int) -> int:
+    """
+    C{value}, or the largest int64 when it is larger: a sum of the ledger
+    is exact (numeric in PostgreSQL, an integer here) but an int64 field of
+    a gRPC answer cannot hold every sum. Sums are never negative.
+    """
+    return min(value, INT64_MAX)
+
+
 def usageSum(sums: UsageSums) -> auth_pb2.UsageSum:
     """
-    A report's row (or total) as GetUsage answers it.
+    A report's row (or total) as GetUsage answers it: the counts clamped
+    to int64 (L{clampInt64}: tokens past 9.2 * 10^18 answer that much),
+    cost_usd exact at any size, being a decimal string.
     """
     return auth_pb2.UsageSum(
         key=sums.key,
-        requests=sums.requests,
-        prompt_tokens=sums.promptTokens,
-        cached_tokens=sums.cachedTokens,
-        completion_tokens=sums.completionTokens,
-        reasoning_tokens=sums.reasoningTokens,
+        requests=clampInt64(sums.requests),
+        prompt_tokens=clampInt64(sums.promptTokens),
+        cached_tokens=clampInt64(sums.cachedTokens),
+        completion_tokens=clampInt64(sums.completionTokens),
+        reasoning_tokens=clampInt64(sums.reasoningTokens),
         cost_usd=formatDollars(sums.costNanoUSD),
     )
