@@ -743,7 +743,18 @@ def test_parseMoment() -> None:
     assert parseMoment("2025-06-01t02:00:00.5+02:00", "since") == JUNE + datetime.timedelta(
         microseconds=500_000
     )
-    for bad in ("2025-6-1", "2025-06-01T00:00:00", "2025-02-30", "now", "", "20250601"):
+    for bad in (
+        "2025-6-1",
+        "2025-06-01T00:00:00",
+        "2025-02-30",
+        "now",
+        "",
+        "20250601",
+        # Digits of other scripts (decisions D12 amended: ASCII only).
+        "２０２５-06-01",
+        "2025-06-01T0０:00:00Z",
+        "٢٠٢٥-06-01T00:00:00Z",
+    ):
         with pytest.raises(BadUsage, match="since"):
             parseMoment(bad, "since")
 

@@ -533,7 +533,9 @@ class Authority:
         """
         What an organization (or one of its agents) spent in [since,
         until), in nano-dollars: the proxy's way to take a budget's count
-        again when Redis lost it. No caller: only proxies reach the port.
+        again when Redis lost it, and to bring its count back to the ledger's.
+        No caller metadata: with mutual TLS, L{svcd.auth.callers} admits only
+        the subjects of SVC_GRPC_INTERNAL_SUBJECTS.
         """
         orgID = parseUUID(orgIDText.lower())
         if orgID is None:

@@ -94,7 +94,8 @@ REPORT_COLUMNS = (
     "cost_usd",
 )
 
-_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
+# ASCII digits only (decisions D12 amended): \d would take "２０２６".
+_DATE = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
 
 
 class BadUsage(ValueError):
@@ -293,6 +294,9 @@ def parseMoment(text: str, field: str) -> datetime.datetime:
         f"{field} must be a date (YYYY-MM-DD) or an RFC 3339 time such as"
         f" 2025-06-01T00:00:00Z, got {text!r}"
     )
+    if not stripped.isascii():
+        # Digits of other scripts ("２０２６-06-01") are not RFC 3339's.
+        raise problem
     if _DATE.fullmatch(stripped):
         try:
             return datetime.datetime.strptime(stripped, "%Y-%m-%d").replace(tzinfo=datetime.UTC)
