@@ -751,9 +751,9 @@ def test_parseMoment() -> None:
         "",
         "20250601",
         # Digits of other scripts (decisions D12 amended: ASCII only).
-        "２０２５-06-01",
-        "2025-06-01T0０:00:00Z",
-        "٢٠٢٥-06-01T00:00:00Z",
+        "\uff12\uff10\uff12\uff15-06-01",
+        "2025-06-01T0\uff10:00:00Z",
+        "\u0662\u0660\u0662\u0665-06-01T00:00:00Z",
     ):
         with pytest.raises(BadUsage, match="since"):
             parseMoment(bad, "since")

@@ -94,7 +94,7 @@ REPORT_COLUMNS = (
     "cost_usd",
 )
 
-# ASCII digits only (decisions D12 amended): \d would take "２０２６".
+# ASCII digits only (decisions D12 amended): \d would take full-width ones.
 _DATE = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
 
 
@@ -295,7 +295,7 @@ def parseMoment(text: str, field: str) -> datetime.datetime:
         f" 2025-06-01T00:00:00Z, got {text!r}"
     )
     if not stripped.isascii():
-        # Digits of other scripts ("２０２６-06-01") are not RFC 3339's.
+        # Digits of other scripts (full-width, Arabic-Indic) are not RFC 3339's.
         raise problem
     if _DATE.fullmatch(stripped):
         try:
