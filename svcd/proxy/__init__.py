@@ -17,6 +17,7 @@ through it, in the order of spec 4.1:
 
 Beside them: L{svcd.proxy.records}, the shapes every stage shares (a leaf:
 it imports none of the above); C{config} and C{metrics}, read by all; and
-the daemon's assembly, C{tap} (options, wiring) with C{service} and
-C{listening} (start, listen, drain, stop).
+the daemon: C{assembly} (the wiring, called by the tap and by the tests
+alike), C{tap} (options and what only a real process does) with
+C{service} and C{listening} (start, listen, drain, stop).
 """

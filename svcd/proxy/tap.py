@@ -7,16 +7,17 @@ with one line on stderr naming the variable and exit status 1; so does a
 port that cannot be bound (L{LoggingRootService}). A stop by SIGTERM or
 SIGINT that completes its graceful shutdown exits 0.
 
-The only module of svc-proxy that imports the global reactor; everything
-else is handed its reactor or clock.
+The proxy is wired in L{svcd.proxy.assembly}, which the tests use too;
+this module adds what only a real process does: logging, tracing's
+export, the collector's metrics, the stop signals and the heap settled at
+start. The only module of svc-proxy that imports the global reactor;
+everything else is handed its reactor or clock.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
-import time
 from collections.abc import Mapping
 from typing import NoReturn
 
@@ -31,19 +32,10 @@ from svcd.common.lifecycle import exitZeroOnStopSignals, settleHeapWhenRunning
 from svcd.common.logs import LoggingRootService, daemonLogWriter, logSettings, makeObserver
 from svcd.common.tracing import TracingConfig, TracingService, tracerProvider
 from svcd.common.twistedprivate import TwistedIncompatible, requireTwistedInternals
+from svcd.proxy.assembly import assembleProxy
 from svcd.proxy.config import ProxyConfig
-from svcd.proxy.forwarding.upstream import Forwarder
-from svcd.proxy.http.edge import ProxyEdge
-from svcd.proxy.http.site import ProtocolErrors, ProxySite
-from svcd.proxy.limits.book import LimitBook
-from svcd.proxy.limits.limiter import RedisRateLimiter, makeRateLimiter
-from svcd.proxy.listening import ProxyPort
 from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.service import ClosableAuthClient, Dependency, ProxyService
-from svcd.proxy.usage.outbox import JournalError, UsageJournal, UsageOutbox
-from svcd.proxy.validation.cache import CachingAuthClient, ValidationCache
-from svcd.proxy.validation.client import AuthClient, GrpcAuthClient, authChannel
-from svcd.proxy.validation.feed import ChangeFeed
+from svcd.proxy.usage.outbox import JournalError
 
 
 class Options(usage.Options):
@@ -111,113 +103,13 @@ def makeService(options: Options) -> LoggingRootService:
     tracer = provider.get_tracer("svcd.proxy")
 
     metrics = ProxyMetrics(CollectorRegistry())
+    # The collector's pauses are the process's: timed once per process.
     watchCollector(metrics.registry)
-    # Decisions D11: the limits rows, from the change feed, or from the
-    # validation answers while there is no live feed.
-    limitBook = LimitBook()
-    grpcAuth = GrpcAuthClient(
-        functools.partial(authChannel, config),
-        IReactorFromThreads(reactor),
-        reactor,
-        config.validateTimeout,
-        metrics,
-        tracer=tracer,
-        maxInFlight=config.authMaxInFlight,
-        queueTimeout=config.authQueueTimeout,
-        limitBook=limitBook,
-    )
-    auth: AuthClient = grpcAuth
-    service: ClosableAuthClient = grpcAuth
-    # What the proxy waits for before it listens (SVC_START_TIMEOUT).
-    dependencies = [Dependency("the gRPC channel to svc-auth", grpcAuth.channelReady)]
-    if config.authCacheSize:
-        # Decisions D8: validations from memory while svc-auth's change
-        # feed is live; SVC_AUTH_CACHE_SIZE=0 leaves the Phase 1 client.
-        cache = ValidationCache(
-            reactor,
-            time.time,
-            config.authCacheSize,
-            config.authCacheTTL,
-            config.authWrongSecretsPerSecond,
-        )
-        feed = ChangeFeed(
-            grpcAuth.openChangeFeed,
-            cache,
-            IReactorFromThreads(reactor),
-            reactor,
-            limitBook=limitBook,
-        )
-        limitBook.feedLive = feed.live
-        metrics.watchFeed(feed.live)
-        auth = service = CachingAuthClient(grpcAuth, cache, feed, metrics)
-        dependencies.append(Dependency("the change feed's first snapshot", feed.settled))
-    limiter = makeRateLimiter(
-        reactor,
-        reactor,
-        config.redis,
-        config.defaultRPM,
-        config.orgRPM,
-        metrics.ratelimitCircuitOpen,
-        limitBook,
-        grpcAuth.getSpend,
-        timeout=config.redisTimeout,
-        unchecked=metrics.uncheckedAdmissions,
-        lease=config.budgetLease,
-        recordGrace=config.budgetRecordGrace,
-        reconcileInterval=config.budgetReconcileInterval,
-    )
-    if isinstance(limiter, RedisRateLimiter):
-        dependencies.append(Dependency("Redis", limiter.connected))
-    forwarder = None
-    outbox = None
-    if config.providers is not None:
-        forwarder = Forwarder(
-            reactor, reactor, tuple(config.providers.providers.values()), metrics, tracer
-        )
-        # Decisions D12: each forwarded request's usage row waits here until
-        # svc-auth has committed it. Nothing forwarded, no ledger.
-        journal = None
-        if config.usageJournal:
-            journal = UsageJournal(config.usageJournal)
-            try:
-                # One process per journal (D12, amended): a second proxy
-                # naming it stops here, in one line, before anything starts.
-                journal.hold()
-            except JournalError as error:
-                _cannotStart(str(error))
-        outbox = UsageOutbox(
-            grpcAuth,
-            reactor,
-            metrics,
-            maxRows=config.usageOutboxMax,
-            journal=journal,
-            # The limiter learns which reservations' spend is in the ledger
-            # (decisions D12, amended); a limiter without the method (before
-            # the limiter's change is merged) is told nothing.
-            onRecorded=limiter.recorded,
-        )
-    edge = ProxyEdge(config, auth, limiter, metrics, reactor, tracer, forwarder, ledger=outbox)
-    site = ProxySite(
-        edge.resource(),
-        config.maxRequestBodyBytes,
-        reactor,
-        maxBufferedBodyBytes=config.maxBufferedBodyBytes,
-        bodyWanted=edge.bodyWanted,
-        protocolErrors=ProtocolErrors(metrics.protocolErrors, reactor),
-    )
-    ProxyService(
-        ProxyPort(reactor, config.host, config.port, config.reusePort),
-        edge,
-        site,
-        service,
-        limiter,
-        reactor,
-        config.shutdownTimeout,
-        forwarder,
-        startTimeout=config.startTimeout,
-        dependencies=dependencies,
-        ledger=outbox,
-    ).setServiceParent(root)  # type: ignore[no-untyped-call, unused-ignore]
+    try:
+        daemon = assembleProxy(config, reactor, metrics=metrics, tracer=tracer)
+    except JournalError as error:
+        _cannotStart(str(error))
+    daemon.service.setServiceParent(root)  # type: ignore[no-untyped-call, unused-ignore]
     exitZeroOnStopSignals(reactor)
     settleHeapWhenRunning(reactor)
     return root

@@ -362,40 +362,42 @@ async def listeningProxy(
     **siteOptions: float | None,
 ) -> tuple[Any, int]:
     """
-    A real svc-proxy service listening on a free loopback port, with the
+    A real svc-proxy service listening on a free loopback port, assembled
+    as the daemon is (L{svcd.proxy.assembly.assembleProxy}) around the
     in-memory auth client and counters: for tests that need real sockets
     (early 413, timeouts, hostile clients) but no other process. Returns
     the started L{ProxyService} and its port; stop it with stopService.
-    """
-    from svcd.proxy.config import ProxyConfig
-    from svcd.proxy.http.edge import ProxyEdge
-    from svcd.proxy.http.site import ProtocolErrors, ProxySite
-    from svcd.proxy.limits.limiter import RedisRateLimiter
-    from svcd.proxy.listening import ProxyPort
-    from svcd.proxy.metrics import ProxyMetrics
-    from svcd.proxy.service import ProxyService
 
-    config = ProxyConfig(authGrpcAddr="auth.test:9091", maxRequestBodyBytes=maxRequestBodyBytes)
-    limiter = RedisRateLimiter(counters, reactor, config.defaultRPM)
-    metrics = ProxyMetrics()
-    edge = ProxyEdge(config, auth, limiter, metrics, reactor)
-    site = ProxySite(
-        edge.resource(),
-        maxRequestBodyBytes,
-        reactor,
-        bodyWanted=edge.bodyWanted,
-        protocolErrors=ProtocolErrors(metrics.protocolErrors, reactor),
-        **siteOptions,  # type: ignore[arg-type]
-    )
-    service = ProxyService(
-        ProxyPort(reactor, "127.0.0.1", 0, reusePort=False),
-        edge,
-        site,
-        auth,
-        limiter,
-        reactor,
+    @param siteOptions: C{maxBufferedBodyBytes}, and the site's C{timeout}
+        (idle) and C{requestTimeout}.
+    """
+    from svcd.proxy.assembly import assembleProxy
+    from svcd.proxy.config import ProxyConfig
+    from svcd.proxy.http.site import DEFAULT_IDLE_TIMEOUT, DEFAULT_REQUEST_TIMEOUT
+
+    options = dict(siteOptions)
+    maxBufferedBodyBytes = options.pop("maxBufferedBodyBytes", None)
+    idleTimeout = options.pop("timeout", DEFAULT_IDLE_TIMEOUT)
+    requestTimeout = options.pop("requestTimeout", DEFAULT_REQUEST_TIMEOUT)
+    if options:
+        raise TypeError(f"unknown site options: {', '.join(sorted(options))}")
+    config = ProxyConfig(
+        authGrpcAddr="auth.test:9091",
+        host="127.0.0.1",
+        port=0,
+        maxRequestBodyBytes=maxRequestBodyBytes,
         shutdownTimeout=shutdownTimeout,
     )
+    if maxBufferedBodyBytes is not None:
+        config = attrs.evolve(config, maxBufferedBodyBytes=int(maxBufferedBodyBytes))
+    service = assembleProxy(
+        config,
+        reactor,
+        auth=auth,
+        counters=counters,
+        idleTimeout=idleTimeout,
+        requestTimeout=requestTimeout,
+    ).service
     service.startService()
     port: Any = await service.whenListening()
     return service, port.getHost().port

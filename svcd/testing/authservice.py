@@ -1,7 +1,8 @@
 """
-A real svc-auth AuthService on a loopback port, for tests: the grpcio
-server, a psycopg_pool pool acting as svc_auth_app, the validation cache
-and the change listener, exactly as the daemon wires them, minus twistd.
+A real svc-auth AuthService on a loopback port, for tests: the parts of
+L{svcd.auth.assembly.assembleAuth}, exactly as the daemon wires them,
+served by a grpcio server started and stopped synchronously, minus twistd
+and the reactor.
 """
 
 from __future__ import annotations
@@ -14,14 +15,9 @@ import grpc
 from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry
 
-from svcd.auth.admission import Bounds, Lane
-from svcd.auth.authority import Authority
-from svcd.auth.cache import ValidationCache
-from svcd.auth.feed import FEED_METHOD, ChangeHub, Snapshots
-from svcd.auth.grpcservice import SERVICE_NAME, AuthMetrics, AuthServicer, buildServer
-from svcd.auth.limits import BudgetsTable, LimitsTable
-from svcd.auth.listener import ChangeListener
-from svcd.auth.store import Store, connectionPool
+from svcd.auth.assembly import assembleAuth
+from svcd.auth.config import AuthConfig
+from svcd.auth.grpcservice import SERVICE_NAME, buildServer
 from svcd.pb.auth.v1 import auth_pb2_grpc
 
 
@@ -55,48 +51,47 @@ class RunningAuthService:
         feedStreams: int = 4,
         perPeer: int = 32,
     ) -> None:
-        self.registry = CollectorRegistry()
-        self.pool = connectionPool(
-            dsn, minimum=1, maximum=4, statementTimeout=2.0, applicationName="svc-auth-test"
+        settings = AuthConfig(
+            postgresDSN=dsn,
+            grpcHost="127.0.0.1",
+            grpcPort=0,
+            grpcWorkers=workers,
+            grpcMaxCallsPerPeer=perPeer,
+            feedStreams=feedStreams,
+            databasePoolMinimum=1,
+            databasePoolMaximum=4,
+            statementTimeout=2.0,
+            verifyConcurrency=coldSlots,
+            serviceName="svc-auth-test",
         )
-        self.store = Store(self.pool.connection)
-        self.cache = ValidationCache(time.monotonic)
-        self.limits = LimitsTable(time.monotonic)
-        self.budgets = BudgetsTable(time.monotonic)
-        self.authority = Authority(
-            self.store,
-            self.cache,
-            wallClock,
-            coldSlots=coldSlots,
+        # The daemon's assembly, with the tests' timings: a quick
+        # reconnection and beat of the listener, and every feed of a test
+        # (all from one peer, 127.0.0.1) admitted.
+        self.parts = parts = assembleAuth(
+            settings,
+            CollectorRegistry(),
+            wallClock=wallClock,
             coldWait=coldWait,
-            limits=self.limits,
-            budgets=self.budgets,
-        )
-        self.hub = ChangeHub(time.monotonic, maxStreams=feedStreams)
-        self.listener = ChangeListener(
-            dsn,
-            self.cache,
-            self.hub,
-            self.limits,
-            self.budgets,
+            feedStreamsPerPeer=feedStreams,
             reconnectDelay=0.2,
             beatInterval=0.05,
         )
+        self.registry = parts.registry
+        self.pool = parts.pool
+        self.store = parts.store
+        self.cache = parts.cache
+        self.limits = parts.limits
+        self.budgets = parts.budgets
+        self.authority = parts.authority
+        self.hub = parts.hub
+        self.listener = parts.listener
         self._listen = listen
         self.server, self.health, self.port = buildServer(
-            AuthServicer(
-                self.authority,
-                AuthMetrics(self.registry),
-                self.hub,
-                Snapshots(self.store.knownTokenIDs, time.monotonic),
-                self.limits,
-                self.budgets,
-            ),
-            "127.0.0.1",
-            0,
-            Bounds.standard(workers, perPeer).withLane(
-                FEED_METHOD, Lane("feed", total=feedStreams, perPeer=feedStreams)
-            ),
+            parts.servicer,
+            settings.grpcHost,
+            settings.grpcPort,
+            parts.bounds,
+            interceptors=parts.interceptors,
         )
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = auth_pb2_grpc.AuthServiceStub(self.channel)

@@ -43,7 +43,7 @@ from twisted.web.resource import IResource
 from twisted.web.server import NOT_DONE_YET, Request
 from zope.interface import implementer
 
-from svcd.common.clocks import Clock, asReactorTime
+from svcd.common.clocks import Clock
 from svcd.common.errors import (
     ApiError,
     ErrorCode,
@@ -60,8 +60,7 @@ from svcd.common.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from svcd.common.metrics import exposition
 from svcd.common.pat import isToken
 from svcd.common.permissions import Permission
-from svcd.common.readiness import Check, readinessReport
-from svcd.common.recent import RecentResult
+from svcd.common.readiness import Check, SharedReadiness
 from svcd.common.tracing import activate, deactivate, parentFromHeaders, untracedProvider
 from svcd.common.twistedprivate import clientGone
 from svcd.proxy.config import ProxyConfig
@@ -95,9 +94,6 @@ _NO_PARAMS: Mapping[str, str] = {}
 # before the answer (nginx's convention).
 _CLIENT_CLOSED = 499
 _SPAN_ERROR = Status(StatusCode.ERROR)
-# Decisions D10: /ready answers from a check at most this many seconds old,
-# one check at a time shared by every concurrent probe.
-READY_MAX_AGE = 0.25
 # At most one log line per this many seconds for settlements that passed
 # their reservation (each is counted in the metric all the same).
 OVERRUN_LOG_INTERVAL = 60.0
@@ -172,11 +168,11 @@ class ProxyEdge:
         self._idle: list[Deferred[None]] = []
         # Decisions D12, amended: overruns of a budget's worst case.
         self._overruns = ThrottledWarning(self.log, clock, OVERRUN_LOG_INTERVAL)
-        self._readinessChecks = (
-            Check("auth_grpc", auth.checkReachable),
-            Check("redis", limiter.checkReady),
+        self.readiness = SharedReadiness(
+            (Check("auth_grpc", auth.checkReachable), Check("redis", limiter.checkReady)),
+            clock,
+            encode=_dumps,
         )
-        self.readiness = RecentResult(self._checkReadiness, clock, READY_MAX_AGE)
 
         self.layers = self._globalLayers()
         self._chain = compose(self.layers, self.router)
@@ -819,17 +815,11 @@ class ProxyEdge:
     async def ready(self, ctx: RequestContext) -> Reply:
         """
         The readiness report, shared (decisions D10): a flood of anonymous
-        probes costs one check of each dependency per L{READY_MAX_AGE}.
+        probes costs one check of each dependency per
+        L{svcd.common.readiness.READY_MAX_AGE}.
         """
         status, body = await self.readiness.get()
         return Reply(status, body)
-
-    def _checkReadiness(self) -> Deferred[tuple[int, bytes]]:
-        async def check() -> tuple[int, bytes]:
-            status, body = await readinessReport(self._readinessChecks, asReactorTime(self._clock))
-            return status, _dumps(body)
-
-        return Deferred.fromCoroutine(check())
 
     async def metricsPage(self, ctx: RequestContext) -> Reply:
         return Reply(

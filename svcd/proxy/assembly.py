@@ -1,0 +1,270 @@
+"""
+svc-proxy assembled once: what its twistd plugin runs and what the tests
+start are wired here, and only here.
+
+L{assembleProxy} turns a L{ProxyConfig} into the proxy's service and the
+parts behind it: the client of svc-auth (with its validation cache and
+change feed), the limiter, the forwarder and the usage outbox, the edge,
+the site and the port. The tap adds what only a real process does
+(logging, tracing's export, the collector's metrics, the stop signals,
+the heap settled at start); a test passes what it fakes (an auth client,
+Redis counters in memory, shorter timers of the site) as arguments and
+gets the same wiring around them.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+import attrs
+from opentelemetry.trace import Tracer
+from twisted.internet.interfaces import IReactorFromThreads
+
+from svcd.proxy.config import ProxyConfig
+from svcd.proxy.forwarding.upstream import Forwarder
+from svcd.proxy.http.edge import ProxyEdge
+from svcd.proxy.http.site import (
+    DEFAULT_IDLE_TIMEOUT,
+    DEFAULT_REQUEST_TIMEOUT,
+    ProtocolErrors,
+    ProxySite,
+)
+from svcd.proxy.limits.book import LimitBook
+from svcd.proxy.limits.limiter import (
+    RateLimiter,
+    RedisCounters,
+    RedisRateLimiter,
+    makeRateLimiter,
+)
+from svcd.proxy.listening import ProxyPort
+from svcd.proxy.metrics import ProxyMetrics
+from svcd.proxy.service import ClosableAuthClient, Dependency, ProxyService
+from svcd.proxy.usage.outbox import UsageJournal, UsageOutbox, UsageSender
+from svcd.proxy.validation.cache import CachingAuthClient, LifecycleAuthClient, ValidationCache
+from svcd.proxy.validation.client import AuthClient, GrpcAuthClient, authChannel
+from svcd.proxy.validation.feed import ChangeFeed
+
+
+@attrs.frozen
+class ProxyDaemon:
+    """
+    svc-proxy assembled, not started: C{service} is what a parent starts
+    and stops; the rest are its parts, for the tests to reach.
+
+    @ivar auth: the auth client the edge asks (the caching one, when
+        there is a validation cache).
+    @ivar outbox: the usage outbox, when the proxy forwards.
+    """
+
+    service: ProxyService
+    edge: ProxyEdge
+    site: ProxySite
+    auth: AuthClient
+    limiter: RateLimiter
+    limitBook: LimitBook
+    metrics: ProxyMetrics
+    forwarder: Forwarder | None
+    outbox: UsageOutbox | None
+
+
+def assembleProxy(
+    config: ProxyConfig,
+    reactor: Any,
+    *,
+    metrics: ProxyMetrics | None = None,
+    tracer: Tracer | None = None,
+    auth: LifecycleAuthClient | None = None,
+    sender: UsageSender | None = None,
+    counters: RedisCounters | None = None,
+    idleTimeout: float | None = DEFAULT_IDLE_TIMEOUT,
+    requestTimeout: float | None = DEFAULT_REQUEST_TIMEOUT,
+) -> ProxyDaemon:
+    """
+    Wire svc-proxy for C{config}: it listens on C{config.host} and
+    C{config.port} once started.
+
+    The daemon passes C{metrics} and C{tracer} only; the other keyword
+    arguments are the tests' overrides.
+
+    @param metrics: where the proxy counts; by default, metrics on a
+        registry of their own.
+    @param tracer: makes the server span of each request and the client
+        span of each forwarded one; by default, spans that record nothing.
+    @param auth: answers validations and is started and closed with the
+        proxy, in place of the gRPC client of svc-auth and its cache and
+        change feed (and the proxy waits for none of them before it
+        listens).
+    @param sender: where usage rows go, in place of the gRPC client
+        (required with C{auth} when C{config.providers} is set).
+    @param counters: the limiter's counters, in place of a connection to
+        C{config.redis} (and the proxy does not wait for Redis before it
+        listens).
+    @param idleTimeout: seconds a quiet connection is kept.
+    @param requestTimeout: seconds a request may take to arrive.
+
+    @raise svcd.proxy.usage.outbox.JournalError: when the usage journal is
+        held by another process.
+    """
+    if metrics is None:
+        metrics = ProxyMetrics()
+    # Decisions D11: the limits rows, from the change feed, or from the
+    # validation answers while there is no live feed.
+    limitBook = LimitBook()
+    # What the proxy waits for before it listens (SVC_START_TIMEOUT).
+    dependencies: list[Dependency] = []
+    grpcAuth: GrpcAuthClient | None = None
+    client: AuthClient
+    service: ClosableAuthClient
+    if auth is None:
+        grpcAuth = GrpcAuthClient(
+            functools.partial(authChannel, config),
+            IReactorFromThreads(reactor),
+            reactor,
+            config.validateTimeout,
+            metrics,
+            tracer=tracer,
+            maxInFlight=config.authMaxInFlight,
+            queueTimeout=config.authQueueTimeout,
+            limitBook=limitBook,
+        )
+        client, service = _authClient(config, reactor, grpcAuth, metrics, limitBook, dependencies)
+    else:
+        client = service = auth
+    spend = None if grpcAuth is None else grpcAuth.getSpend
+    limiter: RateLimiter
+    if counters is None:
+        limiter = makeRateLimiter(
+            reactor,
+            reactor,
+            config.redis,
+            config.defaultRPM,
+            config.orgRPM,
+            metrics.ratelimitCircuitOpen,
+            limitBook,
+            spend,
+            timeout=config.redisTimeout,
+            unchecked=metrics.uncheckedAdmissions,
+            lease=config.budgetLease,
+            recordGrace=config.budgetRecordGrace,
+            reconcileInterval=config.budgetReconcileInterval,
+        )
+        if isinstance(limiter, RedisRateLimiter):
+            dependencies.append(Dependency("Redis", limiter.connected))
+    else:
+        limiter = RedisRateLimiter(
+            counters,
+            reactor,
+            config.defaultRPM,
+            config.orgRPM,
+            circuitOpen=metrics.ratelimitCircuitOpen,
+            book=limitBook,
+            spend=spend,
+            timeout=config.redisTimeout,
+            unchecked=metrics.uncheckedAdmissions,
+            lease=config.budgetLease,
+            recordGrace=config.budgetRecordGrace,
+            reconcileInterval=config.budgetReconcileInterval,
+        )
+    forwarder = None
+    outbox = None
+    if config.providers is not None:
+        forwarder = Forwarder(
+            reactor, reactor, tuple(config.providers.providers.values()), metrics, tracer
+        )
+        if sender is None:
+            if grpcAuth is None:
+                raise ValueError("a proxy that forwards with a given auth client needs a sender")
+            sender = grpcAuth
+        # Decisions D12: each forwarded request's usage row waits here until
+        # svc-auth has committed it. Nothing forwarded, no ledger.
+        journal = None
+        if config.usageJournal:
+            journal = UsageJournal(config.usageJournal)
+            # One process per journal (D12, amended): a second proxy naming
+            # it stops here, before anything starts.
+            journal.hold()
+        outbox = UsageOutbox(
+            sender,
+            reactor,
+            metrics,
+            maxRows=config.usageOutboxMax,
+            journal=journal,
+            # The limiter learns which reservations' spend is in the ledger
+            # (decisions D12, amended).
+            onRecorded=limiter.recorded,
+        )
+    edge = ProxyEdge(config, client, limiter, metrics, reactor, tracer, forwarder, ledger=outbox)
+    site = ProxySite(
+        edge.resource(),
+        config.maxRequestBodyBytes,
+        reactor,
+        timeout=idleTimeout,
+        requestTimeout=requestTimeout,
+        maxBufferedBodyBytes=config.maxBufferedBodyBytes,
+        bodyWanted=edge.bodyWanted,
+        protocolErrors=ProtocolErrors(metrics.protocolErrors, reactor),
+    )
+    proxy = ProxyService(
+        ProxyPort(reactor, config.host, config.port, config.reusePort),
+        edge,
+        site,
+        service,
+        limiter,
+        reactor,
+        config.shutdownTimeout,
+        forwarder,
+        startTimeout=config.startTimeout,
+        dependencies=dependencies,
+        ledger=outbox,
+    )
+    return ProxyDaemon(
+        service=proxy,
+        edge=edge,
+        site=site,
+        auth=client,
+        limiter=limiter,
+        limitBook=limitBook,
+        metrics=metrics,
+        forwarder=forwarder,
+        outbox=outbox,
+    )
+
+
+def _authClient(
+    config: ProxyConfig,
+    reactor: Any,
+    grpcAuth: GrpcAuthClient,
+    metrics: ProxyMetrics,
+    limitBook: LimitBook,
+    dependencies: list[Dependency],
+) -> tuple[AuthClient, ClosableAuthClient]:
+    """
+    The auth client the edge asks and the one the service starts and
+    closes: C{grpcAuth} itself, or the caching client in front of it with
+    its change feed (decisions D8; SVC_AUTH_CACHE_SIZE=0 leaves the Phase
+    1 client). Appends what the proxy waits for to C{dependencies}.
+    """
+    dependencies.append(Dependency("the gRPC channel to svc-auth", grpcAuth.channelReady))
+    if not config.authCacheSize:
+        return grpcAuth, grpcAuth
+    cache = ValidationCache(
+        reactor,
+        time.time,
+        config.authCacheSize,
+        config.authCacheTTL,
+        config.authWrongSecretsPerSecond,
+    )
+    feed = ChangeFeed(
+        grpcAuth.openChangeFeed,
+        cache,
+        IReactorFromThreads(reactor),
+        reactor,
+        limitBook=limitBook,
+    )
+    limitBook.feedLive = feed.live
+    metrics.watchFeed(feed.live)
+    caching = CachingAuthClient(grpcAuth, cache, feed, metrics)
+    dependencies.append(Dependency("the change feed's first snapshot", feed.settled))
+    return caching, caching
