@@ -44,10 +44,10 @@ from svcd.common.tracing import (
     tracerProvider,
     unsampledParent,
 )
+from svcd.limits.limiter import RedisRateLimiter
 from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.http.edge import ProxyEdge
-from svcd.proxy.limits.limiter import RedisRateLimiter
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.testing import FakeAuthClient, MemoryCounters, newToken
 from svcd.proxy.validation.client import GrpcAuthClient

@@ -28,15 +28,15 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.logger import ILogObserver, LogLevel, globalLogPublisher
 
-from svcd.pb.auth.v1 import auth_pb2
-from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.usage.outbox import (
+from svcd.ledger.outbox import (
     JOURNAL_MAGIC,
     JournalError,
     UsageJournal,
     UsageOutbox,
     checkJournalPath,
 )
+from svcd.pb.auth.v1 import auth_pb2
+from svcd.proxy.metrics import ProxyMetrics
 
 
 class StatusError(grpc.RpcError):  # type: ignore[misc]
@@ -935,7 +935,7 @@ def test_journalBoundedUnderSteadyLoad(tmp_path: Path) -> None:
 
 HOLDER = """
 import sys
-from svcd.proxy.usage.outbox import UsageJournal
+from svcd.ledger.outbox import UsageJournal
 try:
     UsageJournal(sys.argv[1]).open()
 except Exception as error:

@@ -31,16 +31,16 @@ from svcd.common.lifecycle import exitZeroOnStopSignals, settleHeapWhenRunning
 from svcd.common.logs import LoggingRootService, daemonLogWriter, logSettings, makeObserver
 from svcd.common.tracing import TracingConfig, TracingService, tracerProvider
 from svcd.common.twistedprivate import TwistedIncompatible, requireTwistedInternals
+from svcd.ledger.outbox import JournalError, UsageJournal, UsageOutbox
+from svcd.limits.book import LimitBook
+from svcd.limits.limiter import RedisRateLimiter, makeRateLimiter
+from svcd.providers.upstream import Forwarder
 from svcd.proxy.config import ProxyConfig
-from svcd.proxy.forwarding.upstream import Forwarder
 from svcd.proxy.http.edge import ProxyEdge
 from svcd.proxy.http.site import ProtocolErrors, ProxySite
-from svcd.proxy.limits.book import LimitBook
-from svcd.proxy.limits.limiter import RedisRateLimiter, makeRateLimiter
 from svcd.proxy.listening import ProxyPort
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.service import ClosableAuthClient, Dependency, ProxyService
-from svcd.proxy.usage.outbox import JournalError, UsageJournal, UsageOutbox
 from svcd.proxy.validation.cache import CachingAuthClient, ValidationCache
 from svcd.proxy.validation.client import AuthClient, GrpcAuthClient, authChannel
 from svcd.proxy.validation.feed import ChangeFeed

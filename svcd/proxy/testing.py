@@ -148,7 +148,7 @@ class _HeldAnswers:
 @attrs.define
 class MemoryCounters:
     """
-    L{svcd.proxy.limits.limiter.RedisCounters} in a dictionary; C{connected}
+    L{svcd.limits.limiter.RedisCounters} in a dictionary; C{connected}
     can be switched off to see the limiter fail open.
     """
 
@@ -367,10 +367,10 @@ async def listeningProxy(
     (early 413, timeouts, hostile clients) but no other process. Returns
     the started L{ProxyService} and its port; stop it with stopService.
     """
+    from svcd.limits.limiter import RedisRateLimiter
     from svcd.proxy.config import ProxyConfig
     from svcd.proxy.http.edge import ProxyEdge
     from svcd.proxy.http.site import ProtocolErrors, ProxySite
-    from svcd.proxy.limits.limiter import RedisRateLimiter
     from svcd.proxy.listening import ProxyPort
     from svcd.proxy.metrics import ProxyMetrics
     from svcd.proxy.service import ProxyService
@@ -403,7 +403,7 @@ async def listeningProxy(
 
 class MemoryLedger:
     """
-    L{svcd.proxy.usage.ledger.UsageLedger} in a list: the rows recorded, in
+    L{svcd.ledger.rows.UsageLedger} in a list: the rows recorded, in
     order, and a switch for a full outbox.
     """
 

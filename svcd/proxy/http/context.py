@@ -18,8 +18,10 @@ from opentelemetry.trace import INVALID_SPAN, Span
 from twisted.web.server import Request
 
 from svcd.common.errors import ApiError
+from svcd.limits.records import Reservation
+from svcd.providers.records import UpstreamRecord
 from svcd.proxy.http.chatbody import ChatRequest
-from svcd.proxy.records import AgentInfo, Reservation, TokenInfo, UpstreamRecord
+from svcd.proxy.records import AgentInfo, TokenInfo
 
 JSON = b"application/json"
 

@@ -64,9 +64,13 @@ from svcd.common.readiness import Check, readinessReport
 from svcd.common.recent import RecentResult
 from svcd.common.tracing import activate, deactivate, parentFromHeaders, untracedProvider
 from svcd.common.twistedprivate import clientGone
+from svcd.ledger.rows import CLIENT_GONE, OK, UPSTREAM_ERROR, UsageLedger, usageRow
+from svcd.limits.book import Applicable
+from svcd.limits.limiter import BUDGET, ORG, RateDecision, RateLimiter
+from svcd.limits.reservation import namedCap, outputCap, promptEstimate, worstCaseCost
+from svcd.providers.table import Model, ProviderTable, modelsDocument
+from svcd.providers.upstream import Forwarder
 from svcd.proxy.config import ProxyConfig
-from svcd.proxy.forwarding.providers import Model, ProviderTable, modelsDocument
-from svcd.proxy.forwarding.upstream import Forwarder
 from svcd.proxy.http.chatbody import ChatRequest, parseChatBody
 from svcd.proxy.http.context import (
     HTTP_METHODS,
@@ -80,11 +84,7 @@ from svcd.proxy.http.context import (
     newTraceID,
 )
 from svcd.proxy.http.paths import RouteTable, isCanonicalPath
-from svcd.proxy.limits.book import Applicable
-from svcd.proxy.limits.limiter import BUDGET, ORG, RateDecision, RateLimiter
-from svcd.proxy.limits.reservation import namedCap, outputCap, promptEstimate, worstCaseCost
 from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.usage.ledger import CLIENT_GONE, OK, UPSTREAM_ERROR, UsageLedger, usageRow
 from svcd.proxy.validation.client import AGENT_HEADER, AuthClient, agentHeaderInvalid
 
 _HEALTH_BODY = b'{"status":"ok","checks":{}}'

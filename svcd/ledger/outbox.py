@@ -2,7 +2,7 @@
 The proxy's side of the usage ledger (decisions D12): the rows of forwarded
 requests wait here, in order, until svc-auth has committed them.
 
-L{UsageOutbox} is the L{svcd.proxy.usage.ledger.UsageLedger} the edge
+L{UsageOutbox} is the L{svcd.ledger.rows.UsageLedger} the edge
 writes to. A row is journalled first (when C{SVC_USAGE_JOURNAL} names a
 file), then queued in memory; one RecordUsage call at a time carries the
 oldest rows (at most L{BATCH_ROWS}) to svc-auth, which answers only after
@@ -60,6 +60,7 @@ from typing import Any, Protocol
 
 import grpc
 from google.protobuf import json_format
+from prometheus_client import Counter, Gauge
 from twisted.internet.defer import CancelledError, Deferred, TimeoutError, succeed
 from twisted.internet.interfaces import IDelayedCall
 from twisted.logger import Logger
@@ -69,7 +70,6 @@ from svcd.common.clocks import Clock, asReactorTime
 from svcd.common.deferreds import timeoutDeferred
 from svcd.common.logthrottle import ThrottledWarning
 from svcd.pb.auth.v1 import auth_pb2
-from svcd.proxy.metrics import ProxyMetrics
 
 # Rows per RecordUsage call: svc-auth commits a batch in one transaction;
 # 500 rows are about 100 KB on the wire, far below gRPC's 4 MB limit.
@@ -114,6 +114,24 @@ class UsageSender(Protocol):
     def recordUsage(
         self, rows: Sequence[auth_pb2.UsageRow]
     ) -> Deferred[auth_pb2.RecordUsageResponse]: ...
+
+
+class OutboxMetrics(Protocol):
+    """
+    What the outbox counts, on the metrics of the daemon that holds it
+    (svc-proxy's L{svcd.proxy.metrics.ProxyMetrics} exports them as
+    C{svc_proxy_usage_outbox_rows}, C{svc_proxy_usage_rows_sent} and
+    C{svc_proxy_usage_rows_rejected}): a Protocol, so that this package
+    imports no daemon's metrics.
+    """
+
+    usageOutboxRows: Gauge
+    usageRowsSent: Counter
+
+    def usageRowRejected(self, reason: str) -> None:
+        """
+        Count one row svc-auth refused for good, by C{reason}.
+        """
 
 
 class JournalError(Exception):
@@ -568,7 +586,7 @@ def _invalidArgument(failure: Failure) -> bool:
 
 class UsageOutbox:
     """
-    L{svcd.proxy.usage.ledger.UsageLedger} that sends rows to svc-auth (see
+    L{svcd.ledger.rows.UsageLedger} that sends rows to svc-auth (see
     the module docstring).
 
     @param sender: RecordUsage.
@@ -591,7 +609,7 @@ class UsageOutbox:
         self,
         sender: UsageSender,
         clock: Clock,
-        metrics: ProxyMetrics,
+        metrics: OutboxMetrics,
         maxRows: int = OUTBOX_MAX_ROWS,
         journal: UsageJournal | None = None,
         batchRows: int = BATCH_ROWS,

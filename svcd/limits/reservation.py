@@ -32,16 +32,41 @@ can pass it (decisions D12, amended; L{worstCaseCost}):
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
-from svcd.proxy.forwarding.providers import Model
-from svcd.proxy.forwarding.upstream import attemptBody
-from svcd.proxy.http.chatbody import ChatRequest
-from svcd.proxy.limits.book import Applicable
+from svcd.limits.book import Applicable
+from svcd.providers.table import Model
+from svcd.providers.upstream import attemptBody
 
 DEFAULT_OUTPUT_CAP = 4096
 TOKENS_PER_MESSAGE = 4
 BYTES_PER_TOKEN = 3
+
+
+class ChatBody(Protocol):
+    """
+    What the worst case reads of a chat completion's request: svc-proxy's
+    parsed body (L{svcd.proxy.http.chatbody.ChatRequest}) is one. A
+    Protocol, so that the limits import nothing of a daemon.
+    """
+
+    @property
+    def document(self) -> Mapping[str, Any]:
+        """
+        The whole JSON object, as it is forwarded.
+        """
+
+    @property
+    def maxTokens(self) -> int | None: ...
+
+    @property
+    def maxCompletionTokens(self) -> int | None: ...
+
+    @property
+    def choices(self) -> int:
+        """
+        How many choices the answer has (C{n}), each up to the cap.
+        """
 
 
 def promptEstimate(messages: Sequence[Mapping[str, Any]]) -> int:
@@ -79,7 +104,7 @@ def outputCap(document: Mapping[str, Any], applicable: Applicable, modelCap: int
     return DEFAULT_OUTPUT_CAP
 
 
-def namedCap(chat: ChatRequest) -> int | None:
+def namedCap(chat: ChatBody) -> int | None:
     """
     The output cap the request named itself: the larger of
     C{max_completion_tokens} and C{max_tokens} when it names both (a
@@ -89,9 +114,7 @@ def namedCap(chat: ChatRequest) -> int | None:
     return max(caps) if caps else None
 
 
-def worstCaseCost(
-    chat: ChatRequest, attempts: Sequence[Model], cap: int, sentCap: int | None
-) -> int:
+def worstCaseCost(chat: ChatBody, attempts: Sequence[Model], cap: int, sentCap: int | None) -> int:
     """
     The most the answer to C{chat} can cost, in nano-dollars, whichever of
     C{attempts} answers it (decisions D12, amended): for each, its prompt
