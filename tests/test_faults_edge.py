@@ -43,7 +43,7 @@ from test_gateway_e2e import (
 )
 from test_hostile_gateway import exchange, parsed, rawChat
 
-from svcd.proxy.http.edge import READY_MAX_AGE
+from svcd.proxy.http.routes.ops import READY_MAX_AGE
 from svcd.testing.servers import PostgresServer
 
 # svc-proxy's readiness checker timeout (spec 4.2).

@@ -38,7 +38,7 @@ from test_gateway_e2e import (
 )
 
 from svcd.auth.authority import issueToken
-from svcd.proxy.http.edge import READY_MAX_AGE
+from svcd.proxy.http.routes.ops import READY_MAX_AGE
 from svcd.testing.servers import PostgresServer
 
 # The deadlines of one chat request through the proxy: ValidateToken and

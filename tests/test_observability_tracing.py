@@ -422,7 +422,7 @@ async def test_requestSpanReachesSvcAuth(
     servicer, port = recordingAuth
     traced = Traced(ratio)
     client = authClient(port, traced.provider)
-    traced.edge._auth = client
+    traced.edge.caller._auth = client
     try:
         response = await traced.request(
             "GET", "/v1/internal/auth-probe", chatHeaders(newToken(), str(uuid.uuid4()))

@@ -49,3 +49,27 @@ def test_packagesImportNoProxy() -> None:
         timeout=60,
     )
     assert json.loads(result.stdout) == []
+
+
+def test_proxyConfigIsALeaf() -> None:
+    """
+    svc-proxy's configuration is types and parsing: importing it loads no
+    other module of svcd.proxy, and neither Twisted nor gRPC (the
+    providers file and the journal's path are checked by the leaf modules
+    svcd.providers.table and svcd.ledger.journalfile).
+    """
+    probe = (
+        "import json, sys\n"
+        "import svcd.proxy.config\n"
+        "print(json.dumps(sorted(m for m in sys.modules"
+        " if m.startswith(('svcd.proxy', 'twisted', 'grpc')))))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    assert json.loads(result.stdout) == ["svcd.proxy", "svcd.proxy.config"]

@@ -28,13 +28,8 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.logger import ILogObserver, LogLevel, globalLogPublisher
 
-from svcd.ledger.outbox import (
-    JOURNAL_MAGIC,
-    JournalError,
-    UsageJournal,
-    UsageOutbox,
-    checkJournalPath,
-)
+from svcd.ledger.journalfile import JOURNAL_MAGIC, JournalError, checkJournalPath
+from svcd.ledger.outbox import UsageJournal, UsageOutbox
 from svcd.pb.auth.v1 import auth_pb2
 from svcd.proxy.metrics import ProxyMetrics
 

@@ -69,6 +69,7 @@ from twisted.python.failure import Failure
 from svcd.common.clocks import Clock, asReactorTime
 from svcd.common.deferreds import timeoutDeferred
 from svcd.common.logthrottle import ThrottledWarning
+from svcd.ledger.journalfile import JOURNAL_MAGIC, JournalError
 from svcd.pb.auth.v1 import auth_pb2
 
 # Rows per RecordUsage call: svc-auth commits a batch in one transaction;
@@ -134,13 +135,6 @@ class OutboxMetrics(Protocol):
         """
 
 
-class JournalError(Exception):
-    """
-    The journal cannot be used: not a journal of usage rows, not readable
-    or writable, or held by another process.
-    """
-
-
 # The journal file
 #
 # A magic line, then records: a header of the record's kind (one byte), its
@@ -151,7 +145,6 @@ class JournalError(Exception):
 # or its request id for a row without one, as every row of a journal
 # written before ledger ids): the oldest unacknowledged rows of the file,
 # in order.
-JOURNAL_MAGIC = b"svc-usage-journal 1\n"
 _HEADER = struct.Struct(">BII")
 _ACK_COUNT = struct.Struct(">I")
 _ROW = 1
@@ -168,29 +161,6 @@ def rowKey(row: auth_pb2.UsageRow) -> str:
     made before ledger ids (an old journal, an old proxy).
     """
     return row.ledger_id or row.request_id
-
-
-def checkJournalPath(path: str) -> None:
-    """
-    Refuse a path that cannot be a journal, before the daemon starts: its
-    directory must exist, and a file already there must be a journal.
-
-    @raise JournalError: saying why.
-    """
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise JournalError(f"the directory {directory!r} does not exist")
-    if os.path.isdir(path):
-        raise JournalError(f"{path!r} is a directory")
-    try:
-        with open(path, "rb") as existing:
-            start = existing.read(len(JOURNAL_MAGIC))
-    except FileNotFoundError:
-        return
-    except OSError as error:
-        raise JournalError(f"cannot read {path!r}: {error.strerror}") from None
-    if not JOURNAL_MAGIC.startswith(start):
-        raise JournalError(f"{path!r} is not a usage journal of svc-proxy")
 
 
 # The lock files this process holds, by (device, inode), each with its open

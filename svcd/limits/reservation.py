@@ -34,8 +34,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from svcd.common.errors import ApiError, FieldError, FieldErrorCode, validationError
 from svcd.limits.book import Applicable
-from svcd.providers.table import Model
+from svcd.providers.table import Model, ProviderTable
 from svcd.providers.upstream import attemptBody
 
 DEFAULT_OUTPUT_CAP = 4096
@@ -49,6 +50,9 @@ class ChatBody(Protocol):
     parsed body (L{svcd.proxy.http.chatbody.ChatRequest}) is one. A
     Protocol, so that the limits import nothing of a daemon.
     """
+
+    @property
+    def messages(self) -> Sequence[Mapping[str, Any]]: ...
 
     @property
     def document(self) -> Mapping[str, Any]:
@@ -133,3 +137,83 @@ def worstCaseCost(chat: ChatBody, attempts: Sequence[Model], cap: int, sentCap: 
         completion = min(sentCap, model.outputCeiling) if sentCap is not None else cap
         worst = max(worst, price.worstCase(len(body), completion * chat.choices))
     return worst
+
+
+def attemptsOf(
+    providers: ProviderTable, model: Model, orgID: str, budgeted: bool
+) -> tuple[Model, ...]:
+    """
+    The models a request may be answered by, in order: under a budget,
+    never one without a price (decisions D12, amended: never billed at
+    zero); the model asked for has one, or the request was refused
+    (L{modelRefusal}).
+    """
+    attempts = providers.attempts(model, orgID)
+    if budgeted:
+        attempts = tuple(attempt for attempt in attempts if attempt.price is not None)
+    return attempts
+
+
+def reserve(
+    chat: ChatBody, model: Model, providers: ProviderTable, orgID: str, applicable: Applicable
+) -> tuple[int, int, int | None, int]:
+    """
+    What a chat completion that will be forwarded to C{model} reserves at
+    admission (decisions D11, D12), as C{(prompt, cap, sentCap, cost)}:
+    its prompt's estimate and its output cap in tokens (the tokens it
+    reserves are their sum); the cap to send to the provider because the
+    request named none (under a budget only: the worst case holds only if
+    the provider is told the cap it assumes), else None; its worst-case
+    cost in nano-dollars (0 without a budget).
+    """
+    prompt = promptEstimate(chat.messages)
+    cap = outputCap(chat.document, applicable, model.maxOutputTokens)
+    sentCap = None
+    cost = 0
+    if applicable.budgeted:
+        named = namedCap(chat)
+        if named is None:
+            sentCap = cap
+        cost = worstCaseCost(chat, attemptsOf(providers, model, orgID, True), named or cap, sentCap)
+    return prompt, cap, sentCap, cost
+
+
+def estimateOf(chat: ChatBody, model: Model, applicable: Applicable) -> tuple[int, int]:
+    """
+    The prompt's estimate and the output cap of a request that reserved
+    nothing (no token limit nor budget applied to it): what its usage row
+    counts when no usage came (L{svcd.ledger.rows.usageRow}).
+    """
+    return (
+        promptEstimate(chat.messages),
+        outputCap(chat.document, applicable, model.maxOutputTokens),
+    )
+
+
+def modelRefusal(chat: ChatBody, model: Model, budgeted: bool) -> ApiError | None:
+    """
+    The 400 of a request its model cannot take (decisions D12, amended),
+    every rule at once: an output cap past the model's ceiling (its
+    C{max_output_tokens}, by default 1,048,576), and under a budget, a
+    model without a price (NO_PRICE: never billed at zero). None when
+    there is nothing to refuse.
+    """
+    errors: list[FieldError] = []
+    if budgeted and model.price is None:
+        errors.append(
+            FieldError(
+                "model", FieldErrorCode.NO_PRICE, "The model has no price, and a budget applies."
+            )
+        )
+    ceiling = model.outputCeiling
+    for field, cap in (
+        ("max_tokens", chat.maxTokens),
+        ("max_completion_tokens", chat.maxCompletionTokens),
+    ):
+        if cap is not None and cap > ceiling:
+            errors.append(
+                FieldError(
+                    field, FieldErrorCode.TOO_MANY, f"must be at most {ceiling} for this model"
+                )
+            )
+    return validationError(errors) if errors else None

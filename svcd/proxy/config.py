@@ -17,7 +17,7 @@ import attrs
 from svcd.common import config
 from svcd.common.config import ConfigError, RedisTarget, parseRedisURL
 from svcd.common.ids import parseUUID
-from svcd.ledger.outbox import JournalError, checkJournalPath
+from svcd.ledger.journalfile import JournalError, checkJournalPath
 from svcd.providers.table import ProviderTable, providersFromEnvironment
 
 # RFC 9110 token characters: what a header name may be made of.

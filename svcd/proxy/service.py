@@ -41,7 +41,7 @@ from twisted.python.failure import Failure
 from svcd.common.clocks import Clock, asReactorTime
 from svcd.common.deferreds import timeoutDeferred
 from svcd.common.lifecycle import notifySystemd, stopWithFailure
-from svcd.ledger.outbox import JournalError
+from svcd.ledger.journalfile import JournalError
 from svcd.limits.limiter import RateLimiter
 from svcd.proxy.http.edge import ProxyEdge
 from svcd.proxy.http.site import ProxySite

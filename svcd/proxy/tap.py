@@ -31,7 +31,8 @@ from svcd.common.lifecycle import exitZeroOnStopSignals, settleHeapWhenRunning
 from svcd.common.logs import LoggingRootService, daemonLogWriter, logSettings, makeObserver
 from svcd.common.tracing import TracingConfig, TracingService, tracerProvider
 from svcd.common.twistedprivate import TwistedIncompatible, requireTwistedInternals
-from svcd.ledger.outbox import JournalError, UsageJournal, UsageOutbox
+from svcd.ledger.journalfile import JournalError
+from svcd.ledger.outbox import UsageJournal, UsageOutbox
 from svcd.limits.book import LimitBook
 from svcd.limits.limiter import RedisRateLimiter, makeRateLimiter
 from svcd.providers.upstream import Forwarder
