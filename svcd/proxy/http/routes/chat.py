@@ -94,7 +94,11 @@ class ChatRoutes:
             applicable = self._admission.applicable(orgID, ctx.agentID)
             ctx.budgeted = applicable.budgeted
             if applicable.tokenLimited or applicable.budgeted:
-                tokens, cost = self._reserve(ctx, orgID, providers, applicable)
+                reserved = self._reserve(ctx, orgID, providers, applicable)
+                if reserved is not None:
+                    prompt, cap, ctx.sentCap, cost = reserved
+                    ctx.estimate = (prompt, cap)
+                    tokens = prompt + cap
         reservation = await self._admission.admit(
             orgID, ctx.agentID, ctx.responseHeaders, tokens, cost, ledgerID
         )
@@ -103,28 +107,27 @@ class ChatRoutes:
 
     def _reserve(
         self, ctx: RequestContext, orgID: str, providers: ProviderTable, applicable: Applicable
-    ) -> tuple[int, int]:
+    ) -> tuple[int, int, int | None, int] | None:
         """
-        The tokens and the worst-case cost (nano-dollars) a chat request
-        that will be forwarded reserves at admission (decisions D11, D12,
-        L{reserve}). A request that will be refused 400 reserves nothing.
+        What a chat request that will be forwarded reserves at admission
+        (decisions D11, D12): L{reserve}'s prompt, cap, cap sent and
+        worst-case cost. None for a request that will be refused 400 (or
+        501): it reserves nothing.
         """
         try:
             chat = ctx.chat = parseChatBody(bodyBytes(ctx.request))
         except ApiError as refused:
             ctx.chatError = refused
-            return 0, 0
+            return None
         model = providers.modelFor(chat.model, orgID)
         if model is None:
             # Not forwarded (501): nothing to reserve.
-            return 0, 0
+            return None
         refusal = modelRefusal(chat, model, applicable.budgeted)
         if refusal is not None:
             ctx.chatError = refusal
-            return 0, 0
-        prompt, cap, ctx.sentCap, cost = reserve(chat, model, providers, orgID, applicable)
-        ctx.estimate = (prompt, cap)
-        return prompt + cap, cost
+            return None
+        return reserve(chat, model, providers, orgID, applicable)
 
     def _settle(self, ctx: RequestContext, tokens: int) -> None:
         """
