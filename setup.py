@@ -65,7 +65,7 @@ setup(
         "opentelemetry-sdk>=1.25",
         "opentelemetry-exporter-otlp-proto-grpc>=1.25",
         "attrs>=23.1",
-        # The parser of provider answers (svcd/proxy/forwarding/http1.py):
+        # The parser of provider answers (svcd/providers/http1.py):
         # llhttp, Node's HTTP/1.1 parser, in C, strict by default; a
         # hand-written one was lenient where smuggling lives.
         "httptools>=0.6.2",

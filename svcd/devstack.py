@@ -52,8 +52,8 @@ import psycopg
 from psycopg import sql
 
 from svcd.common.config import ConfigError
-from svcd.proxy.forwarding.providers import VARIABLE as PROVIDERS_VARIABLE
-from svcd.proxy.forwarding.providers import providersFromEnvironment
+from svcd.providers.table import VARIABLE as PROVIDERS_VARIABLE
+from svcd.providers.table import providersFromEnvironment
 from svcd.testing.servers import PostgresServer, RedisServer, ServerError
 
 # The checkout this module belongs to: dev/gateway runs from there, and

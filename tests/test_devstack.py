@@ -36,7 +36,7 @@ import attrs
 import pytest
 
 from svcd.devstack import DEMO_MODEL, MODEL_SERVER, stopLeftovers
-from svcd.proxy.forwarding.providers import loadProviders
+from svcd.providers.table import loadProviders
 from svcd.testing.servers import freePort
 from svcd.testing.upstream import ScriptedUpstream
 

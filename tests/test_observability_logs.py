@@ -46,11 +46,11 @@ from svcd.common.logs import (
     eventFields,
 )
 from svcd.common.tracing import TracingConfig, activate, deactivate, tracerProvider
+from svcd.limits.limiter import RedisRateLimiter
 from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.http.edge import ProxyEdge
 from svcd.proxy.http.site import ProxySite
-from svcd.proxy.limits.limiter import RedisRateLimiter
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.testing import MemoryCounters, newToken
 from svcd.proxy.validation.client import GrpcAuthClient

@@ -44,10 +44,10 @@ from svcd.common.tracing import (
     tracerProvider,
     unsampledParent,
 )
+from svcd.limits.limiter import RedisRateLimiter
 from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.http.edge import ProxyEdge
-from svcd.proxy.limits.limiter import RedisRateLimiter
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.testing import FakeAuthClient, MemoryCounters, newToken
 from svcd.proxy.validation.client import GrpcAuthClient
@@ -422,7 +422,7 @@ async def test_requestSpanReachesSvcAuth(
     servicer, port = recordingAuth
     traced = Traced(ratio)
     client = authClient(port, traced.provider)
-    traced.edge._auth = client
+    traced.edge.caller._auth = client
     try:
         response = await traced.request(
             "GET", "/v1/internal/auth-probe", chatHeaders(newToken(), str(uuid.uuid4()))

@@ -1,6 +1,6 @@
 """
 The rate limiter's circuit breaker (decisions D10): the state machine of
-L{svcd.proxy.limits.breaker.CircuitBreaker} on a fake clock, then the limiter
+L{svcd.limits.breaker.CircuitBreaker} on a fake clock, then the limiter
 using it over in-memory counters (its gauge, its two log lines, the
 requests that skip Redis). The same against a real Redis frozen under
 load through a real proxy is in tests/test_faults_edge.py.
@@ -17,8 +17,8 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import Clock
 from twisted.logger import capturedLogs
 
-from svcd.proxy.limits.breaker import CircuitBreaker, Permit
-from svcd.proxy.limits.limiter import RateDecision, RedisRateLimiter
+from svcd.limits.breaker import CircuitBreaker, Permit
+from svcd.limits.limiter import RateDecision, RedisRateLimiter
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.testing import MemoryCounters
 

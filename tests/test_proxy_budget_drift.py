@@ -22,11 +22,12 @@ import pytest_twisted
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 
-from svcd.proxy.config import ProxyConfig, parseRedisURL
-from svcd.proxy.limits.book import LimitBook
-from svcd.proxy.limits.limiter import BUDGET, ORG, RateDecision, RedisLink, RedisRateLimiter
+from svcd.common.config import parseRedisURL
+from svcd.limits.book import LimitBook
+from svcd.limits.limiter import BUDGET, ORG, RateDecision, RedisLink, RedisRateLimiter
+from svcd.limits.records import Budget, Reservation
+from svcd.proxy.config import ProxyConfig
 from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.records import Budget, Reservation
 from svcd.proxy.testing import MemoryCounters
 from svcd.testing.servers import RedisServer
 from tests.test_proxy_limits import (
@@ -529,7 +530,7 @@ def test_renewalsEveryThirdOfALeaseInBoundedCalls(monkeypatch: pytest.MonkeyPatc
     the settled ones), in calls of a bounded number of members; a lost
     member is made again; nothing is renewed once all are settled.
     """
-    from svcd.proxy.limits import limiter as module
+    from svcd.limits import limiter as module
 
     monkeypatch.setattr(module, "_RENEWALS_PER_CALL", 2)
     counters = CountedRenewals()

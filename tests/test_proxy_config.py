@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from svcd.common.config import ConfigError
-from svcd.proxy.config import ProxyConfig, RedisTarget, parseOrgOverrides, parseRedisURL
+from svcd.common.config import ConfigError, RedisTarget, parseRedisURL
+from svcd.proxy.config import ProxyConfig, parseOrgOverrides
 from svcd.proxy.tap import Options
 
 BASE = {"SVC_AUTH_GRPC_ADDR": "127.0.0.1:9091"}

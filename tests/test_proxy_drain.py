@@ -31,11 +31,11 @@ from twisted.logger import LogEvent, formatEvent, globalLogPublisher
 from twisted.python.failure import Failure
 
 from svcd.common.errors import ApiError, ErrorCode
+from svcd.limits.limiter import RedisRateLimiter
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.http import site as sitemodule
 from svcd.proxy.http.edge import ProxyEdge
 from svcd.proxy.http.site import ProxySite, _unreadBytes
-from svcd.proxy.limits.limiter import RedisRateLimiter
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.records import TokenInfo
 from svcd.proxy.service import Dependency, ProxyService

@@ -24,9 +24,9 @@ from svcd.common.errors import ApiError, ErrorCode
 from svcd.common.ids import uuid7
 from svcd.common.permissions import Permission
 from svcd.common.readiness import CheckFailed
+from svcd.limits.limiter import DisabledRateLimiter, RedisRateLimiter
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.http.edge import ProxyEdge
-from svcd.proxy.limits.limiter import DisabledRateLimiter, RedisRateLimiter
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.records import TokenInfo
 from svcd.proxy.testing import FakeAuthClient, MemoryCounters, newToken

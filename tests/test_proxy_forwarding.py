@@ -1,5 +1,5 @@
 """
-The pieces of forwarding alone (svcd/proxy/forwarding/): the stream relay
+The pieces of forwarding alone (svcd/providers/): the stream relay
 with a fake transport and task.Clock, the bounded body reader, and the
 mapping of upstream answers to the gateway's errors. The whole path with
 real processes and the openai SDK is in test_gateway_forwarding.py.
@@ -25,15 +25,15 @@ from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
 
 from svcd.common.errors import ErrorCode
-from svcd.proxy.forwarding.providers import Model, Provider
-from svcd.proxy.forwarding.relay import (
+from svcd.providers.relay import (
     MAX_EVENT_BYTES,
     BodyReader,
     StreamFault,
     StreamRelay,
     Usage,
 )
-from svcd.proxy.forwarding.upstream import _refusal, attemptBody
+from svcd.providers.table import Model, Provider
+from svcd.providers.upstream import _refusal, attemptBody
 
 FIRST = 5.0
 IDLE = 2.0

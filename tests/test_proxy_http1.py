@@ -1,5 +1,5 @@
 """
-svc-proxy's HTTP/1.1 client for providers (svcd.proxy.forwarding.http1)
+svc-proxy's HTTP/1.1 client for providers (svcd.providers.http1)
 against a real server on a loopback port that answers each request with
 exactly the bytes a test scripts: framing (length, chunked, until close,
 no body, interim answers), connection reuse and its limits, bad answers,
@@ -37,7 +37,7 @@ from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone
 from twisted.web.http import PotentialDataLoss
 
-from svcd.proxy.forwarding.http1 import (
+from svcd.providers.http1 import (
     MAX_HEAD_BYTES,
     MAX_TRAILERS,
     BadAnswer,
@@ -678,10 +678,10 @@ async def test_refusalsAreUpstreamErrors(answer: bytes) -> None:
     from twisted.internet import reactor
 
     from svcd.common.errors import ApiError, ErrorCode
-    from svcd.proxy.forwarding.providers import Model, Provider
-    from svcd.proxy.forwarding.upstream import Forwarder
+    from svcd.providers.records import UpstreamRecord
+    from svcd.providers.table import Model, Provider
+    from svcd.providers.upstream import Forwarder
     from svcd.proxy.metrics import ProxyMetrics
-    from svcd.proxy.records import UpstreamRecord
 
     server = ScriptedServer()
     server.answer(answer)

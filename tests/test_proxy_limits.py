@@ -21,11 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from twisted.internet.defer import Deferred, fail, gatherResults, succeed
 
-from svcd.pb.auth.v1 import auth_pb2
-from svcd.proxy.config import parseRedisURL
-from svcd.proxy.http.chatbody import parseChatBody
-from svcd.proxy.limits.book import NO_LIMITS, Applicable, BudgetRow, LimitBook, LimitsRow
-from svcd.proxy.limits.limiter import (
+from svcd.common.config import parseRedisURL
+from svcd.limits.book import NO_LIMITS, Applicable, BudgetRow, LimitBook, LimitsRow
+from svcd.limits.limiter import (
     _ADMIT_SCRIPT,
     AGENT,
     BUDGET,
@@ -42,13 +40,15 @@ from svcd.proxy.limits.limiter import (
     packAdmitArguments,
     parseAdmitReply,
 )
-from svcd.proxy.limits.reservation import (
+from svcd.limits.records import Budget, Limits, Reservation
+from svcd.limits.reservation import (
     DEFAULT_OUTPUT_CAP,
     namedCap,
     outputCap,
     promptEstimate,
 )
-from svcd.proxy.records import Budget, Limits, Reservation
+from svcd.pb.auth.v1 import auth_pb2
+from svcd.proxy.http.chatbody import parseChatBody
 from svcd.proxy.testing import MemoryCounters
 from svcd.proxy.validation.client import limitsOf
 from svcd.proxy.validation.feed import limitsRowOf

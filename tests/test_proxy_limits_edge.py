@@ -26,15 +26,15 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import deferLater
 from twisted.logger import globalLogPublisher
 
+from svcd.limits.book import BudgetRow, LimitBook, LimitsRow
+from svcd.limits.limiter import RedisRateLimiter
+from svcd.limits.records import Budget, Limits
+from svcd.providers.table import providersFromEnvironment
+from svcd.providers.upstream import Forwarder
 from svcd.proxy.config import ProxyConfig
-from svcd.proxy.forwarding.providers import providersFromEnvironment
-from svcd.proxy.forwarding.upstream import Forwarder
 from svcd.proxy.http.edge import ProxyEdge
 from svcd.proxy.http.site import ProxySite
-from svcd.proxy.limits.book import BudgetRow, LimitBook, LimitsRow
-from svcd.proxy.limits.limiter import RedisRateLimiter
 from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.records import Budget, Limits
 from svcd.proxy.testing import FakeAuthClient, MemoryCounters, MemoryLedger
 from svcd.testing.upstream import ScriptedUpstream
 

@@ -16,10 +16,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from svcd.common.config import ConfigError
-from svcd.proxy.forwarding.providers import loadProviders
-from svcd.proxy.records import Usage
-from svcd.proxy.usage.ledger import usageRow
-from svcd.proxy.usage.prices import BadPrice, Price, formatDollars, parseDollars
+from svcd.ledger.rows import usageRow
+from svcd.providers.prices import BadPrice, Price, formatDollars, parseDollars
+from svcd.providers.records import Usage
+from svcd.providers.table import loadProviders
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """
-The providers file of decisions D9 (svcd.proxy.forwarding.providers): what
+The providers file of decisions D9 (svcd.providers.table): what
 a good file gives, the order in which fallbacks are tried, which models an
 organization sees, and one precise error per fault, naming the file and
 never a key. Hypothesis then checks that no input, however odd, fails with
@@ -23,14 +23,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from svcd.common.config import ConfigError
-from svcd.proxy.config import ProxyConfig
-from svcd.proxy.forwarding.providers import (
+from svcd.providers.table import (
     Model,
     Provider,
     ProviderTable,
     loadProviders,
     modelsDocument,
 )
+from svcd.proxy.config import ProxyConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 NOW = 1_700_000_000.75
@@ -845,7 +845,7 @@ def test_unreadableFile(tmp_path: Path) -> None:
     program = (
         "import sys\n"
         "from svcd.common.config import ConfigError\n"
-        "from svcd.proxy.forwarding.providers import loadProviders\n"
+        "from svcd.providers.table import loadProviders\n"
         "try:\n"
         "    loadProviders(sys.argv[1], {}, lambda: 0.0)\n"
         "except ConfigError as error:\n"

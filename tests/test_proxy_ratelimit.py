@@ -21,15 +21,16 @@ from twisted.internet.task import Clock, deferLater
 from twisted.logger import capturedLogs
 from twisted.python.failure import Failure
 
-from svcd.proxy.config import ProxyConfig, parseRedisURL
-from svcd.proxy.http.edge import ProxyEdge
-from svcd.proxy.limits.limiter import (
+from svcd.common.config import parseRedisURL
+from svcd.limits.limiter import (
     KEY_TTL_SECONDS,
     DisabledRateLimiter,
     RateDecision,
     RedisLink,
     RedisRateLimiter,
 )
+from svcd.proxy.config import ProxyConfig
+from svcd.proxy.http.edge import ProxyEdge
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.testing import FakeAuthClient
 from svcd.testing.servers import RedisServer

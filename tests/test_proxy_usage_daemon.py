@@ -23,9 +23,9 @@ from typing import Any
 import grpc
 import pytest
 
+from svcd.ledger.outbox import UsageJournal
 from svcd.pb.auth.v1 import auth_pb2
 from svcd.proxy.testing import newToken
-from svcd.proxy.usage.outbox import UsageJournal
 from svcd.testing.daemons import Daemon, twistdCommand
 from svcd.testing.fakeauth import LedgerAuth, servingAuth
 from svcd.testing.servers import freePort

@@ -19,9 +19,9 @@ import pytest
 import pytest_twisted
 from google.protobuf import json_format
 
+from svcd.ledger.outbox import UsageJournal, UsageOutbox
 from svcd.pb.auth.v1 import auth_pb2
 from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.usage.outbox import UsageJournal, UsageOutbox
 from svcd.proxy.validation.client import CHANNEL_OPTIONS, GrpcAuthClient
 from svcd.testing.fakeauth import LedgerAuth, servingAuth
 

@@ -28,15 +28,10 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.logger import ILogObserver, LogLevel, globalLogPublisher
 
+from svcd.ledger.journalfile import JOURNAL_MAGIC, JournalError, checkJournalPath
+from svcd.ledger.outbox import UsageJournal, UsageOutbox
 from svcd.pb.auth.v1 import auth_pb2
 from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.usage.outbox import (
-    JOURNAL_MAGIC,
-    JournalError,
-    UsageJournal,
-    UsageOutbox,
-    checkJournalPath,
-)
 
 
 class StatusError(grpc.RpcError):  # type: ignore[misc]
@@ -935,7 +930,7 @@ def test_journalBoundedUnderSteadyLoad(tmp_path: Path) -> None:
 
 HOLDER = """
 import sys
-from svcd.proxy.usage.outbox import UsageJournal
+from svcd.ledger.outbox import UsageJournal
 try:
     UsageJournal(sys.argv[1]).open()
 except Exception as error:

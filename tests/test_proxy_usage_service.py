@@ -13,10 +13,10 @@ import attrs
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 
+from svcd.limits.limiter import RedisRateLimiter
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.http.edge import ProxyEdge
 from svcd.proxy.http.site import ProxySite
-from svcd.proxy.limits.limiter import RedisRateLimiter
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.service import ProxyService
 from svcd.proxy.testing import FakeAuthClient, MemoryCounters

@@ -47,10 +47,10 @@ from test_gateway_e2e import (
 )
 
 from svcd.common.errors import ErrorCode, FieldErrorCode
+from svcd.limits.limiter import RedisRateLimiter
+from svcd.providers.table import Model, Provider, ProviderTable
 from svcd.proxy.config import ProxyConfig
-from svcd.proxy.forwarding.providers import Model, Provider, ProviderTable
 from svcd.proxy.http.edge import ProxyEdge
-from svcd.proxy.limits.limiter import RedisRateLimiter
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.testing import FakeAuthClient, MemoryCounters
 from svcd.testing.servers import PostgresServer

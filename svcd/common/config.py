@@ -9,7 +9,10 @@ tap turns into one line on stderr and a non-zero exit, never a traceback.
 from __future__ import annotations
 
 import re
+import urllib.parse
 from collections.abc import Mapping
+
+import attrs
 
 # ASCII digits only: \d also matches other scripts' digits, which float()
 # reads (a fullwidth "5s", U+FF15 "s", would be five seconds).
@@ -151,3 +154,44 @@ def flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
     if raw in _FALSE:
         return False
     raise ConfigError(name, f"must be true or false, got {raw!r}")
+
+
+@attrs.frozen
+class RedisTarget:
+    """
+    A Redis server, parsed from a URL such as REDIS_URL (where the limits
+    and budgets keep their counters, L{svcd.limits.limiter}).
+    """
+
+    host: str
+    port: int
+    db: int
+    password: str | None = attrs.field(default=None, repr=False)
+    username: str | None = None
+
+
+def parseRedisURL(url: str, name: str = "REDIS_URL") -> RedisTarget | None:
+    """
+    C{redis://[[user]:password@]host[:port][/db]}; empty means no Redis
+    (for svc-proxy: rate limiting is then a no-op and /ready reports redis
+    failed).
+    """
+    if not url:
+        return None
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port or 6379
+    except ValueError:
+        raise ConfigError(name, "must be a URL such as redis://host:6379/0") from None
+    if parts.scheme != "redis" or not parts.hostname:
+        raise ConfigError(name, "must be a URL such as redis://host:6379/0")
+    dbText = parts.path.lstrip("/") or "0"
+    if not (dbText.isascii() and dbText.isdigit()):
+        raise ConfigError(name, "the path must be a database number such as /0")
+    return RedisTarget(
+        host=parts.hostname,
+        port=port,
+        db=int(dbText),
+        password=urllib.parse.unquote(parts.password) if parts.password else None,
+        username=urllib.parse.unquote(parts.username) if parts.username else None,
+    )

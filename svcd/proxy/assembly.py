@@ -22,8 +22,16 @@ import attrs
 from opentelemetry.trace import Tracer
 from twisted.internet.interfaces import IReactorFromThreads
 
+from svcd.ledger.outbox import UsageJournal, UsageOutbox, UsageSender
+from svcd.limits.book import LimitBook
+from svcd.limits.limiter import (
+    RateLimiter,
+    RedisCounters,
+    RedisRateLimiter,
+    makeRateLimiter,
+)
+from svcd.providers.upstream import Forwarder
 from svcd.proxy.config import ProxyConfig
-from svcd.proxy.forwarding.upstream import Forwarder
 from svcd.proxy.http.edge import ProxyEdge
 from svcd.proxy.http.site import (
     DEFAULT_IDLE_TIMEOUT,
@@ -31,17 +39,9 @@ from svcd.proxy.http.site import (
     ProtocolErrors,
     ProxySite,
 )
-from svcd.proxy.limits.book import LimitBook
-from svcd.proxy.limits.limiter import (
-    RateLimiter,
-    RedisCounters,
-    RedisRateLimiter,
-    makeRateLimiter,
-)
 from svcd.proxy.listening import ProxyPort
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.service import ClosableAuthClient, Dependency, ProxyService
-from svcd.proxy.usage.outbox import UsageJournal, UsageOutbox, UsageSender
 from svcd.proxy.validation.cache import CachingAuthClient, LifecycleAuthClient, ValidationCache
 from svcd.proxy.validation.client import AuthClient, GrpcAuthClient, authChannel
 from svcd.proxy.validation.feed import ChangeFeed
@@ -104,7 +104,7 @@ def assembleProxy(
     @param idleTimeout: seconds a quiet connection is kept.
     @param requestTimeout: seconds a request may take to arrive.
 
-    @raise svcd.proxy.usage.outbox.JournalError: when the usage journal is
+    @raise svcd.ledger.journalfile.JournalError: when the usage journal is
         held by another process.
     """
     if metrics is None:

@@ -10,32 +10,18 @@ from __future__ import annotations
 
 import re
 import time
-import urllib.parse
 from collections.abc import Callable, Mapping
 
 import attrs
 
 from svcd.common import config
-from svcd.common.config import ConfigError
+from svcd.common.config import ConfigError, RedisTarget, parseRedisURL
 from svcd.common.ids import parseUUID
-from svcd.proxy.forwarding.providers import ProviderTable, providersFromEnvironment
-from svcd.proxy.usage.outbox import JournalError, checkJournalPath
+from svcd.ledger.journalfile import JournalError, checkJournalPath
+from svcd.providers.table import ProviderTable, providersFromEnvironment
 
 # RFC 9110 token characters: what a header name may be made of.
 _HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
-
-
-@attrs.frozen
-class RedisTarget:
-    """
-    Where the rate-limit counters live, parsed from REDIS_URL.
-    """
-
-    host: str
-    port: int
-    db: int
-    password: str | None = attrs.field(default=None, repr=False)
-    username: str | None = None
 
 
 @attrs.frozen
@@ -92,7 +78,7 @@ class ProxyConfig:
     usageOutboxMax: int = 100_000
     usageJournal: str | None = None
     # Decisions D12, amended: how budget counters converge to the ledger
-    # (svcd.proxy.limits.limiter): the lease of a reservation in flight,
+    # (svcd.limits.limiter): the lease of a reservation in flight,
     # how long a settled one stays counted before its row is recorded, and
     # the time between reconciliations.
     budgetLease: float = 30.0
@@ -252,32 +238,6 @@ def _grpcTLS(environ: Mapping[str, str]) -> GrpcTLS | None:
     if ca is None and cert is None:
         return None
     return GrpcTLS(rootCertificates=ca, certificateChain=cert, privateKey=key)
-
-
-def parseRedisURL(url: str, name: str = "REDIS_URL") -> RedisTarget | None:
-    """
-    C{redis://[[user]:password@]host[:port][/db]}; empty means no Redis
-    (rate limiting is then a no-op and /ready reports redis failed).
-    """
-    if not url:
-        return None
-    try:
-        parts = urllib.parse.urlsplit(url)
-        port = parts.port or 6379
-    except ValueError:
-        raise ConfigError(name, "must be a URL such as redis://host:6379/0") from None
-    if parts.scheme != "redis" or not parts.hostname:
-        raise ConfigError(name, "must be a URL such as redis://host:6379/0")
-    dbText = parts.path.lstrip("/") or "0"
-    if not (dbText.isascii() and dbText.isdigit()):
-        raise ConfigError(name, "the path must be a database number such as /0")
-    return RedisTarget(
-        host=parts.hostname,
-        port=port,
-        db=int(dbText),
-        password=urllib.parse.unquote(parts.password) if parts.password else None,
-        username=urllib.parse.unquote(parts.username) if parts.username else None,
-    )
 
 
 def parseOrgOverrides(text: str, name: str = "SVC_RATE_LIMIT_ORG_OVERRIDES") -> dict[str, int]:

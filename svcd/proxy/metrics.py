@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from svcd.common.metrics import BUCKETS, Children, processUpGauge
 
 if TYPE_CHECKING:
-    from svcd.proxy.records import Usage
+    from svcd.providers.records import Usage
 
 # A provider's answer takes seconds to minutes, not milliseconds.
 UPSTREAM_BUCKETS = (

@@ -41,10 +41,10 @@ from twisted.python.failure import Failure
 from svcd.common.clocks import Clock, asReactorTime
 from svcd.common.deferreds import timeoutDeferred
 from svcd.common.lifecycle import notifySystemd, stopWithFailure
+from svcd.ledger.journalfile import JournalError
+from svcd.limits.limiter import RateLimiter
 from svcd.proxy.http.edge import ProxyEdge
 from svcd.proxy.http.site import ProxySite
-from svcd.proxy.limits.limiter import RateLimiter
-from svcd.proxy.usage.outbox import JournalError
 
 # How often a starting proxy looks whether its dependencies are ready.
 READY_POLL_SECONDS = 0.02
@@ -76,7 +76,7 @@ class ClosableForwarder(Protocol):
 class ClosableLedger(Protocol):
     """
     The lifecycle part of the usage outbox
-    (L{svcd.proxy.usage.outbox.UsageOutbox}).
+    (L{svcd.ledger.outbox.UsageOutbox}).
     """
 
     @property

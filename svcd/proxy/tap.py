@@ -32,10 +32,10 @@ from svcd.common.lifecycle import exitZeroOnStopSignals, settleHeapWhenRunning
 from svcd.common.logs import LoggingRootService, daemonLogWriter, logSettings, makeObserver
 from svcd.common.tracing import TracingConfig, TracingService, tracerProvider
 from svcd.common.twistedprivate import TwistedIncompatible, requireTwistedInternals
+from svcd.ledger.journalfile import JournalError
 from svcd.proxy.assembly import assembleProxy
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.usage.outbox import JournalError
 
 
 class Options(usage.Options):

@@ -148,7 +148,7 @@ class _HeldAnswers:
 @attrs.define
 class MemoryCounters:
     """
-    L{svcd.proxy.limits.limiter.RedisCounters} in a dictionary; C{connected}
+    L{svcd.limits.limiter.RedisCounters} in a dictionary; C{connected}
     can be switched off to see the limiter fail open.
     """
 
@@ -405,7 +405,7 @@ async def listeningProxy(
 
 class MemoryLedger:
     """
-    L{svcd.proxy.usage.ledger.UsageLedger} in a list: the rows recorded, in
+    L{svcd.ledger.rows.UsageLedger} in a list: the rows recorded, in
     order, and a switch for a full outbox.
     """
 

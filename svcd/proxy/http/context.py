@@ -10,6 +10,7 @@ the answer (C{async def handler(ctx) -> Reply}).
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
@@ -18,10 +19,19 @@ from opentelemetry.trace import INVALID_SPAN, Span
 from twisted.web.server import Request
 
 from svcd.common.errors import ApiError
+from svcd.limits.records import Reservation
+from svcd.providers.records import UpstreamRecord
 from svcd.proxy.http.chatbody import ChatRequest
-from svcd.proxy.records import AgentInfo, Reservation, TokenInfo, UpstreamRecord
+from svcd.proxy.records import AgentInfo, TokenInfo
 
 JSON = b"application/json"
+
+
+def jsonBody(document: object) -> bytes:
+    """
+    C{document} as the compact UTF-8 JSON of an answer's body.
+    """
+    return json.dumps(document, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
 @attrs.define(slots=True)
@@ -36,7 +46,7 @@ class Reply:
     contentType: bytes = JSON
     headers: list[tuple[bytes, bytes]] = attrs.field(factory=list)
     # Written already, as a stream, status line and headers included
-    # (svcd.proxy.http.edge._ClientStream).
+    # (svcd.proxy.http.routes.chat._ClientStream).
     streamed: bool = False
 
 

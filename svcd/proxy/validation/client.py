@@ -29,11 +29,12 @@ from svcd.common.logthrottle import ThrottledWarning
 from svcd.common.pat import READINESS_SENTINEL
 from svcd.common.readiness import CheckFailed
 from svcd.common.tracing import traceMetadata
+from svcd.limits.book import LimitBook
+from svcd.limits.records import Budget, Limits
 from svcd.pb.auth.v1 import auth_pb2
 from svcd.proxy.config import ProxyConfig
-from svcd.proxy.limits.book import LimitBook
 from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.records import AgentInfo, Budget, Limits, TokenInfo
+from svcd.proxy.records import AgentInfo, TokenInfo
 from svcd.proxy.validation.feed import (
     FeedCall,
     budgetFromProto,

@@ -48,9 +48,9 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from svcd.common.clocks import Clock
+from svcd.limits.book import BudgetRow, LimitBook, LimitsRow
+from svcd.limits.records import BUDGET_PERIODS, Budget, Limits
 from svcd.pb.auth.v1 import auth_pb2
-from svcd.proxy.limits.book import BudgetRow, LimitBook, LimitsRow
-from svcd.proxy.records import BUDGET_PERIODS, Budget, Limits
 from svcd.proxy.validation.knowntokens import KnownTokens
 
 # How old the last message may be for the feed to count as live (D8).

@@ -11,7 +11,7 @@ which adds their number at once (see L{RedisRateLimiter}). The limiter
 fails open: with Redis unconfigured, down, or slower than its budget, the
 request goes on without X-RateLimit-* headers and a warning is logged.
 Failing open is also cheap (D10): after a counter call fails or misses its
-deadline, a circuit breaker (L{svcd.proxy.limits.breaker}) skips Redis for one
+deadline, a circuit breaker (L{svcd.limits.breaker}) skips Redis for one
 second, then lets one request try it, so a hung Redis costs one deadline
 per second instead of one per request.
 """
@@ -34,13 +34,13 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from svcd.common.clocks import Clock, asReactorTime
+from svcd.common.config import RedisTarget
 from svcd.common.deferreds import timeoutDeferred
 from svcd.common.logthrottle import ThrottledWarning
 from svcd.common.readiness import CheckFailed
-from svcd.proxy.config import RedisTarget
-from svcd.proxy.limits.book import NO_LIMITS, Applicable, LimitBook
-from svcd.proxy.limits.breaker import CircuitBreaker, Permit
-from svcd.proxy.records import Budget, Reservation
+from svcd.limits.book import NO_LIMITS, Applicable, LimitBook
+from svcd.limits.breaker import CircuitBreaker, Permit
+from svcd.limits.records import Budget, Reservation
 
 WINDOW_SECONDS = 60
 # Longer than the window so a counter outlives any clock skew between

@@ -21,12 +21,12 @@ cycle would make that order endless, so it is a fault at load.
 
 Our one extension of D9's shape is C{max_connections} (per provider,
 default 16): how many requests go to that provider at once, over as many
-persistent connections (L{svcd.proxy.forwarding.upstream}). Decisions D11
+persistent connections (L{svcd.providers.upstream}). Decisions D11
 add C{max_output_tokens} to a model (optional): the output cap its token
 reservation assumes when a request names none; decisions D12 add its
 C{price} (optional): C{{ input = "2.50", output = "10.00", cached_input =
 "1.25" }}, US dollars per million tokens as decimal strings, read exactly
-(L{svcd.proxy.usage.prices}). Decisions D12, amended, add C{cap_field}
+(L{svcd.providers.prices}). Decisions D12, amended, add C{cap_field}
 (optional): the key under which the gateway sends the output cap a budget
 assumed when the request named none, C{"max_completion_tokens"} (the
 default, OpenAI's) or C{"max_tokens"} (for providers that know only the
@@ -50,7 +50,7 @@ import attrs
 
 from svcd.common.config import ConfigError, parseDuration
 from svcd.common.ids import parseUUID
-from svcd.proxy.usage.prices import BadPrice, Price, parseDollars
+from svcd.providers.prices import BadPrice, Price, parseDollars
 
 __all__ = [
     "CAP_FIELDS",

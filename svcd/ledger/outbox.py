@@ -2,7 +2,7 @@
 The proxy's side of the usage ledger (decisions D12): the rows of forwarded
 requests wait here, in order, until svc-auth has committed them.
 
-L{UsageOutbox} is the L{svcd.proxy.usage.ledger.UsageLedger} the edge
+L{UsageOutbox} is the L{svcd.ledger.rows.UsageLedger} the edge
 writes to. A row is journalled first (when C{SVC_USAGE_JOURNAL} names a
 file), then queued in memory; one RecordUsage call at a time carries the
 oldest rows (at most L{BATCH_ROWS}) to svc-auth, which answers only after
@@ -60,6 +60,7 @@ from typing import Any, Protocol
 
 import grpc
 from google.protobuf import json_format
+from prometheus_client import Counter, Gauge
 from twisted.internet.defer import CancelledError, Deferred, TimeoutError, succeed
 from twisted.internet.interfaces import IDelayedCall
 from twisted.logger import Logger
@@ -68,8 +69,8 @@ from twisted.python.failure import Failure
 from svcd.common.clocks import Clock, asReactorTime
 from svcd.common.deferreds import timeoutDeferred
 from svcd.common.logthrottle import ThrottledWarning
+from svcd.ledger.journalfile import JOURNAL_MAGIC, JournalError
 from svcd.pb.auth.v1 import auth_pb2
-from svcd.proxy.metrics import ProxyMetrics
 
 # Rows per RecordUsage call: svc-auth commits a batch in one transaction;
 # 500 rows are about 100 KB on the wire, far below gRPC's 4 MB limit.
@@ -116,11 +117,22 @@ class UsageSender(Protocol):
     ) -> Deferred[auth_pb2.RecordUsageResponse]: ...
 
 
-class JournalError(Exception):
+class OutboxMetrics(Protocol):
     """
-    The journal cannot be used: not a journal of usage rows, not readable
-    or writable, or held by another process.
+    What the outbox counts, on the metrics of the daemon that holds it
+    (svc-proxy's L{svcd.proxy.metrics.ProxyMetrics} exports them as
+    C{svc_proxy_usage_outbox_rows}, C{svc_proxy_usage_rows_sent} and
+    C{svc_proxy_usage_rows_rejected}): a Protocol, so that this package
+    imports no daemon's metrics.
     """
+
+    usageOutboxRows: Gauge
+    usageRowsSent: Counter
+
+    def usageRowRejected(self, reason: str) -> None:
+        """
+        Count one row svc-auth refused for good, by C{reason}.
+        """
 
 
 # The journal file
@@ -133,7 +145,6 @@ class JournalError(Exception):
 # or its request id for a row without one, as every row of a journal
 # written before ledger ids): the oldest unacknowledged rows of the file,
 # in order.
-JOURNAL_MAGIC = b"svc-usage-journal 1\n"
 _HEADER = struct.Struct(">BII")
 _ACK_COUNT = struct.Struct(">I")
 _ROW = 1
@@ -150,29 +161,6 @@ def rowKey(row: auth_pb2.UsageRow) -> str:
     made before ledger ids (an old journal, an old proxy).
     """
     return row.ledger_id or row.request_id
-
-
-def checkJournalPath(path: str) -> None:
-    """
-    Refuse a path that cannot be a journal, before the daemon starts: its
-    directory must exist, and a file already there must be a journal.
-
-    @raise JournalError: saying why.
-    """
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise JournalError(f"the directory {directory!r} does not exist")
-    if os.path.isdir(path):
-        raise JournalError(f"{path!r} is a directory")
-    try:
-        with open(path, "rb") as existing:
-            start = existing.read(len(JOURNAL_MAGIC))
-    except FileNotFoundError:
-        return
-    except OSError as error:
-        raise JournalError(f"cannot read {path!r}: {error.strerror}") from None
-    if not JOURNAL_MAGIC.startswith(start):
-        raise JournalError(f"{path!r} is not a usage journal of svc-proxy")
 
 
 # The lock files this process holds, by (device, inode), each with its open
@@ -568,7 +556,7 @@ def _invalidArgument(failure: Failure) -> bool:
 
 class UsageOutbox:
     """
-    L{svcd.proxy.usage.ledger.UsageLedger} that sends rows to svc-auth (see
+    L{svcd.ledger.rows.UsageLedger} that sends rows to svc-auth (see
     the module docstring).
 
     @param sender: RecordUsage.
@@ -591,7 +579,7 @@ class UsageOutbox:
         self,
         sender: UsageSender,
         clock: Clock,
-        metrics: ProxyMetrics,
+        metrics: OutboxMetrics,
         maxRows: int = OUTBOX_MAX_ROWS,
         journal: UsageJournal | None = None,
         batchRows: int = BATCH_ROWS,

@@ -40,8 +40,8 @@ from twisted.web.http import PotentialDataLoss
 from zope.interface import implementer
 
 from svcd.common.clocks import Clock
-from svcd.proxy.forwarding.http1 import BadAnswer
-from svcd.proxy.records import Usage
+from svcd.providers.http1 import BadAnswer
+from svcd.providers.records import Usage
 
 # A non-streaming answer larger than this is refused (502): chat answers
 # are kilobytes; this bounds what one request can make the proxy hold.
@@ -85,7 +85,7 @@ def _detail(usage: dict[str, object], details: str, name: str, whole: int) -> in
 def _forgetTransport(protocol: Protocol) -> None:
     """
     Drop a body protocol's transport once its body has ended: the answer
-    that delivered it (L{svcd.proxy.forwarding.http1.UpstreamAnswer})
+    that delivered it (L{svcd.providers.http1.UpstreamAnswer})
     keeps the protocol, and the transport keeps the answer, so the three
     would wait in a reference cycle for the cycle collector (with a
     stream's relay, the client's whole request with them).

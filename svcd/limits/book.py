@@ -23,7 +23,7 @@ from typing import TypeVar
 
 import attrs
 
-from svcd.proxy.records import Budget, Limits
+from svcd.limits.records import Budget, Limits
 
 
 @attrs.frozen

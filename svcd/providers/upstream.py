@@ -16,7 +16,7 @@ key, C{X-Request-ID} and C{traceparent}: nothing else of the client's, never
 its token.
 
 Connections: a pool of persistent connections per provider
-(L{svcd.proxy.forwarding.http1}), on the reactor (no thread per request);
+(L{svcd.providers.http1}), on the reactor (no thread per request);
 at most C{max_connections} requests are in flight per provider, the others
 wait their turn within their deadline. Not treq, nor the C{Agent} it wraps:
 forwarding wants none of their cookie, redirect and decoding layers (no
@@ -76,11 +76,10 @@ from svcd.common.clocks import Clock, asReactorTime
 from svcd.common.deferreds import timeoutDeferred
 from svcd.common.errors import ApiError, ErrorCode
 from svcd.common.tracing import traceparentOf
-from svcd.proxy.forwarding.http1 import BadAnswer, ConnectionPool, UpstreamAnswer
-from svcd.proxy.forwarding.providers import Model, Provider
-from svcd.proxy.forwarding.relay import BodyReader, StreamFault, StreamRelay, usageOf
-from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.records import UpstreamRecord
+from svcd.providers.http1 import BadAnswer, ConnectionPool, UpstreamAnswer
+from svcd.providers.records import UpstreamRecord, Usage
+from svcd.providers.relay import BodyReader, StreamFault, StreamRelay, usageOf
+from svcd.providers.table import Model, Provider
 
 UPSTREAM_MODEL_HEADER = b"X-SVC-Upstream-Model"
 IDLE_CONNECTION_SECONDS = 4.0
@@ -149,6 +148,22 @@ def _broken(label: str) -> UpstreamFault:
     return UpstreamFault(ApiError(ErrorCode.UPSTREAM_ERROR), label)
 
 
+class UpstreamMetrics(Protocol):
+    """
+    What the forwarder counts, on the metrics of the daemon that uses it
+    (svc-proxy's L{svcd.proxy.metrics.ProxyMetrics} exports it as the
+    C{svc_proxy_upstream_*} series): a Protocol, so that this package
+    imports no daemon's metrics.
+    """
+
+    def observeUpstream(
+        self, provider: str, model: str, status: str, seconds: float, usage: Usage | None
+    ) -> None:
+        """
+        One request to a provider: its outcome, its duration, its tokens.
+        """
+
+
 class Forwarder:
     """
     Forwards chat completions to the providers of a providers file.
@@ -165,7 +180,7 @@ class Forwarder:
         reactor: Any,
         clock: Clock,
         providers: Sequence[Provider],
-        metrics: ProxyMetrics,
+        metrics: UpstreamMetrics,
         tracer: Tracer | None = None,
     ) -> None:
         self._clock = clock

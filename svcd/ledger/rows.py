@@ -15,8 +15,8 @@ from __future__ import annotations
 from typing import Protocol
 
 from svcd.pb.auth.v1 import auth_pb2
-from svcd.proxy.records import Usage
-from svcd.proxy.usage.prices import Price
+from svcd.providers.prices import Price
+from svcd.providers.records import Usage
 
 OK = "ok"
 UPSTREAM_ERROR = "upstream_error"

@@ -1,0 +1,219 @@
+"""
+How many tokens a chat completion reserves at admission (decisions D11).
+
+A token limit must hold before the answer exists, so the request reserves
+its worst case when it is admitted and is settled to the provider's usage
+when the answer ends. The worst case is the prompt's estimate plus the
+output cap:
+
+  - the prompt: the UTF-8 bytes of every message's content, divided by 3
+    and rounded up, plus 4 tokens per message (a tokenizer's typical ratio
+    for English is 4 bytes per token; 3 errs on the side of reserving
+    more, and the 4 per message stand for the role and framing);
+  - the output cap: the request's C{max_completion_tokens}, else its
+    C{max_tokens}, else the agent's or organization's C{max_output_tokens},
+    else the model's in the providers file, else L{DEFAULT_OUTPUT_CAP}.
+
+That estimate is what rpm and tpm count. A budget needs more: an upper
+bound of what the answer can cost, so that no number of requests at once
+can pass it (decisions D12, amended; L{worstCaseCost}):
+
+  - the output cap it assumes is sent to the provider when the request
+    named none (the edge passes it to the forwarder), each choice of
+    C{n} may be that long, and a request naming both caps is bounded by
+    the larger;
+  - the prompt is at most one token per byte of the body sent (a
+    byte-level tokenizer makes at most one token of a byte), so tools,
+    schemas, tool calls and digits are all counted;
+  - the price is that of the dearest model that may answer (the model
+    and its fallbacks, measured with each one's own body).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from svcd.common.errors import ApiError, FieldError, FieldErrorCode, validationError
+from svcd.limits.book import Applicable
+from svcd.providers.table import Model, ProviderTable
+from svcd.providers.upstream import attemptBody
+
+DEFAULT_OUTPUT_CAP = 4096
+TOKENS_PER_MESSAGE = 4
+BYTES_PER_TOKEN = 3
+
+
+class ChatBody(Protocol):
+    """
+    What the worst case reads of a chat completion's request: svc-proxy's
+    parsed body (L{svcd.proxy.http.chatbody.ChatRequest}) is one. A
+    Protocol, so that the limits import nothing of a daemon.
+    """
+
+    @property
+    def messages(self) -> Sequence[Mapping[str, Any]]: ...
+
+    @property
+    def document(self) -> Mapping[str, Any]:
+        """
+        The whole JSON object, as it is forwarded.
+        """
+
+    @property
+    def maxTokens(self) -> int | None: ...
+
+    @property
+    def maxCompletionTokens(self) -> int | None: ...
+
+    @property
+    def choices(self) -> int:
+        """
+        How many choices the answer has (C{n}), each up to the cap.
+        """
+
+
+def promptEstimate(messages: Sequence[Mapping[str, Any]]) -> int:
+    """
+    The prompt's tokens, estimated from its messages' contents.
+    """
+    contentBytes = 0
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            contentBytes += len(content.encode("utf-8", "surrogatepass"))
+    return -(-contentBytes // BYTES_PER_TOKEN) + TOKENS_PER_MESSAGE * len(messages)
+
+
+def _requested(document: Mapping[str, Any], name: str) -> int | None:
+    value = document.get(name)
+    # A boolean is an int in Python, never a token count.
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return None
+
+
+def outputCap(document: Mapping[str, Any], applicable: Applicable, modelCap: int | None) -> int:
+    """
+    The most tokens the answer may have, as far as the gateway can know.
+    """
+    for cap in (
+        _requested(document, "max_completion_tokens"),
+        _requested(document, "max_tokens"),
+        applicable.maxOutputTokens,
+        modelCap,
+    ):
+        if cap is not None:
+            return cap
+    return DEFAULT_OUTPUT_CAP
+
+
+def namedCap(chat: ChatBody) -> int | None:
+    """
+    The output cap the request named itself: the larger of
+    C{max_completion_tokens} and C{max_tokens} when it names both (a
+    provider may honour either), None when it names neither.
+    """
+    caps = [cap for cap in (chat.maxCompletionTokens, chat.maxTokens) if cap is not None]
+    return max(caps) if caps else None
+
+
+def worstCaseCost(chat: ChatBody, attempts: Sequence[Model], cap: int, sentCap: int | None) -> int:
+    """
+    The most the answer to C{chat} can cost, in nano-dollars, whichever of
+    C{attempts} answers it (decisions D12, amended): for each, its prompt
+    is the byte length of the body it is sent (L{attemptBody}, with
+    C{sentCap} added when the request named none), its answer C{n} choices
+    of the cap it is bound by (C{sentCap} as that model is sent it, else
+    the request's own C{cap}), at its price; the largest of those. Models
+    without a price count nothing (under a budget they are never tried).
+    """
+    worst = 0
+    for model in attempts:
+        price = model.price
+        if price is None:
+            continue
+        body = attemptBody(chat.document, model, sentCap)
+        completion = min(sentCap, model.outputCeiling) if sentCap is not None else cap
+        worst = max(worst, price.worstCase(len(body), completion * chat.choices))
+    return worst
+
+
+def attemptsOf(
+    providers: ProviderTable, model: Model, orgID: str, budgeted: bool
+) -> tuple[Model, ...]:
+    """
+    The models a request may be answered by, in order: under a budget,
+    never one without a price (decisions D12, amended: never billed at
+    zero); the model asked for has one, or the request was refused
+    (L{modelRefusal}).
+    """
+    attempts = providers.attempts(model, orgID)
+    if budgeted:
+        attempts = tuple(attempt for attempt in attempts if attempt.price is not None)
+    return attempts
+
+
+def reserve(
+    chat: ChatBody, model: Model, providers: ProviderTable, orgID: str, applicable: Applicable
+) -> tuple[int, int, int | None, int]:
+    """
+    What a chat completion that will be forwarded to C{model} reserves at
+    admission (decisions D11, D12), as C{(prompt, cap, sentCap, cost)}:
+    its prompt's estimate and its output cap in tokens (the tokens it
+    reserves are their sum); the cap to send to the provider because the
+    request named none (under a budget only: the worst case holds only if
+    the provider is told the cap it assumes), else None; its worst-case
+    cost in nano-dollars (0 without a budget).
+    """
+    prompt = promptEstimate(chat.messages)
+    cap = outputCap(chat.document, applicable, model.maxOutputTokens)
+    sentCap = None
+    cost = 0
+    if applicable.budgeted:
+        named = namedCap(chat)
+        if named is None:
+            sentCap = cap
+        cost = worstCaseCost(chat, attemptsOf(providers, model, orgID, True), named or cap, sentCap)
+    return prompt, cap, sentCap, cost
+
+
+def estimateOf(chat: ChatBody, model: Model, applicable: Applicable) -> tuple[int, int]:
+    """
+    The prompt's estimate and the output cap of a request that reserved
+    nothing (no token limit nor budget applied to it): what its usage row
+    counts when no usage came (L{svcd.ledger.rows.usageRow}).
+    """
+    return (
+        promptEstimate(chat.messages),
+        outputCap(chat.document, applicable, model.maxOutputTokens),
+    )
+
+
+def modelRefusal(chat: ChatBody, model: Model, budgeted: bool) -> ApiError | None:
+    """
+    The 400 of a request its model cannot take (decisions D12, amended),
+    every rule at once: an output cap past the model's ceiling (its
+    C{max_output_tokens}, by default 1,048,576), and under a budget, a
+    model without a price (NO_PRICE: never billed at zero). None when
+    there is nothing to refuse.
+    """
+    errors: list[FieldError] = []
+    if budgeted and model.price is None:
+        errors.append(
+            FieldError(
+                "model", FieldErrorCode.NO_PRICE, "The model has no price, and a budget applies."
+            )
+        )
+    ceiling = model.outputCeiling
+    for field, cap in (
+        ("max_tokens", chat.maxTokens),
+        ("max_completion_tokens", chat.maxCompletionTokens),
+    ):
+        if cap is not None and cap > ceiling:
+            errors.append(
+                FieldError(
+                    field, FieldErrorCode.TOO_MANY, f"must be at most {ceiling} for this model"
+                )
+            )
+    return validationError(errors) if errors else None

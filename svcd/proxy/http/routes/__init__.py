@@ -1,0 +1,16 @@
+"""
+The route families of svc-proxy's edge, one module each: a class that
+takes what its routes read and offers their own steps and handlers, which
+L{svcd.proxy.http.edge.ProxyEdge._routeTable} puts in order beside the
+shared steps (L{svcd.proxy.http.steps}).
+
+  - L{ops}: /health, /ready and /metrics;
+  - L{probes}: the auth probes;
+  - L{models}: GET /v1/models;
+  - L{chat}: POST /v1/chat/completions, forwarded to a provider.
+
+A new route family (/v1/embeddings, /v1/memories, decisions D13) is a new
+module here and its lines in the route table; what it reserves, settles
+and records lives with the limits (L{svcd.limits}) and the ledger
+(L{svcd.ledger}).
+"""

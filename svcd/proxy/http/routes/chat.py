@@ -1,0 +1,356 @@
+"""
+POST /v1/chat/completions (and its alias under /proxy): the chat body
+parsed and checked, forwarded to its model's provider (decisions D9), its
+reservation admitted and settled (D11, D12) and its usage row recorded
+(D12), however the answer ended.
+
+The policy lives with the limits and the ledger: what a chat completion
+reserves and when its model refuses it (L{svcd.limits.reservation}), the
+admission and settlement (L{svcd.limits.admission}), the row
+(L{svcd.ledger.rows}). This module is the route's glue between them and
+the request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from twisted.internet.defer import CancelledError
+from twisted.logger import Logger
+
+from svcd.common.clocks import Clock
+from svcd.common.errors import ApiError, ErrorCode
+from svcd.common.ids import uuid7Text
+from svcd.common.logbounds import loggedText
+from svcd.common.twistedprivate import clientGone
+from svcd.ledger.rows import CLIENT_GONE, OK, UPSTREAM_ERROR, UsageLedger, usageRow
+from svcd.limits.admission import Admission
+from svcd.limits.book import Applicable
+from svcd.limits.reservation import attemptsOf, estimateOf, modelRefusal, reserve
+from svcd.providers.table import Model, ProviderTable
+from svcd.providers.upstream import Forwarder
+from svcd.proxy.http.chatbody import ChatRequest, parseChatBody
+from svcd.proxy.http.context import Reply, RequestContext
+from svcd.proxy.http.steps import bodyBytes
+
+ErrorReply = Callable[[RequestContext, ApiError], Reply]
+StandardHeaders = Callable[[RequestContext, Reply], None]
+
+
+class ChatRoutes:
+    """
+    The chat route's own step (its rate limit, which reserves) and its
+    handler.
+
+    @param providers: the providers file; None is Phase 1 (501).
+    @param ledger: where each forwarded request's usage row goes.
+    @param errorReply: the edge's envelope of an error, for the event that
+        ends a broken stream.
+    @param standardHeaders: the edge's headers of every answer, for a
+        stream's first bytes.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        providers: ProviderTable | None,
+        forwarder: Forwarder | None,
+        ledger: UsageLedger | None,
+        admission: Admission,
+        clock: Clock,
+        errorReply: ErrorReply,
+        standardHeaders: StandardHeaders,
+    ) -> None:
+        self._providers = providers
+        self._forwarder = forwarder
+        self._ledger = ledger
+        self._admission = admission
+        self._clock = clock
+        self._errorReply = errorReply
+        self._standardHeaders = standardHeaders
+
+    async def rateLimit(self, ctx: RequestContext) -> None:
+        """
+        The chat route's rate limit (L{svcd.proxy.http.steps.CallerSteps.rateLimit})
+        that also reserves: the request gets its ledger key here, where it
+        is admitted for forwarding (decisions D12, amended), and reserves
+        its tokens when a token limit applies to it (D11) and its
+        worst-case cost when a budget does (D12). The body is parsed here
+        for that, once; a body that fails its rules (or names a cap past
+        its model's ceiling, or a model without a price under a budget)
+        reserves nothing, and its 400 still comes from the handler, after
+        the rate limit, in the spec's order.
+        """
+        orgID = ctx.orgID
+        assert orgID is not None
+        tokens = 0
+        cost = 0
+        ledgerID = None
+        providers = self._providers
+        if providers is not None:
+            ledgerID = ctx.ledgerID = uuid7Text()
+            applicable = self._admission.applicable(orgID, ctx.agentID)
+            ctx.budgeted = applicable.budgeted
+            if applicable.tokenLimited or applicable.budgeted:
+                reserved = self._reserve(ctx, orgID, providers, applicable)
+                if reserved is not None:
+                    prompt, cap, ctx.sentCap, cost = reserved
+                    ctx.estimate = (prompt, cap)
+                    tokens = prompt + cap
+        reservation = await self._admission.admit(
+            orgID, ctx.agentID, ctx.responseHeaders, tokens, cost, ledgerID
+        )
+        if reservation is not None:
+            ctx.reservation = reservation
+
+    def _reserve(
+        self, ctx: RequestContext, orgID: str, providers: ProviderTable, applicable: Applicable
+    ) -> tuple[int, int, int | None, int] | None:
+        """
+        What a chat request that will be forwarded reserves at admission
+        (decisions D11, D12): L{reserve}'s prompt, cap, cap sent and
+        worst-case cost. None for a request that will be refused 400 (or
+        501): it reserves nothing.
+        """
+        try:
+            chat = ctx.chat = parseChatBody(bodyBytes(ctx.request))
+        except ApiError as refused:
+            ctx.chatError = refused
+            return None
+        model = providers.modelFor(chat.model, orgID)
+        if model is None:
+            # Not forwarded (501): nothing to reserve.
+            return None
+        refusal = modelRefusal(chat, model, applicable.budgeted)
+        if refusal is not None:
+            ctx.chatError = refusal
+            return None
+        return reserve(chat, model, providers, orgID, applicable)
+
+    def _settle(self, ctx: RequestContext, tokens: int) -> None:
+        """
+        Correct this request's reservation to C{tokens} and no cost
+        (decisions D11, D12), once.
+        """
+        reservation, ctx.reservation = ctx.reservation, None
+        if reservation is not None:
+            self._admission.settle(reservation, tokens)
+
+    async def chatCompletions(self, ctx: RequestContext) -> Reply:
+        """
+        Parse and validate the body, log its metadata (never the messages),
+        then forward it to its model's provider (decisions D9): 501 when no
+        provider is configured (Phase 1) or the model is not one the
+        caller's organization may use.
+
+        A request refused here is never forwarded, and whatever it had
+        reserved is released (decisions D12, amended: a NO_PRICE 400 keeps
+        nothing).
+        """
+        try:
+            return await self._chatCompletions(ctx)
+        finally:
+            # Forwarded requests settle in _forward; this releases the
+            # reservation of every refusal before it (once: _settle).
+            if ctx.reservation is not None and not ctx.forwarded:
+                self._settle(ctx, 0)
+
+    async def _chatCompletions(self, ctx: RequestContext) -> Reply:
+        if ctx.chatError is not None:
+            raise ctx.chatError
+        chat = ctx.chat if ctx.chat is not None else parseChatBody(bodyBytes(ctx.request))
+        span = ctx.span
+        if span.is_recording():
+            # Metadata only, as in the log line: never a message's content.
+            span.set_attributes(
+                {
+                    "gen_ai.request.model": loggedText(chat.model),
+                    "svc.chat.message_count": len(chat.messages),
+                    "svc.chat.stream": chat.stream,
+                }
+            )
+        self.log.info(
+            "Chat completion request for {model} with {message_count} messages",
+            org_id=ctx.orgID,
+            request_id=ctx.requestID,
+            trace_id=ctx.traceID,
+            model=loggedText(chat.model),
+            message_count=len(chat.messages),
+            stream=chat.stream,
+        )
+        providers, forwarder = self._providers, self._forwarder
+        if providers is None or forwarder is None:
+            raise ApiError(ErrorCode.PROVIDER_NOT_CONFIGURED)
+        assert ctx.orgID is not None
+        model = providers.modelFor(chat.model, ctx.orgID)
+        if model is None:
+            # Never a hint that the model exists for another organization.
+            raise ApiError(ErrorCode.PROVIDER_NOT_CONFIGURED)
+        refusal = modelRefusal(chat, model, ctx.budgeted)
+        if refusal is not None:
+            raise refusal
+        ctx.forwarded = True
+        return await self._forward(ctx, chat, model, providers, forwarder)
+
+    async def _forward(
+        self,
+        ctx: RequestContext,
+        chat: ChatRequest,
+        model: Model,
+        providers: ProviderTable,
+        forwarder: Forwarder,
+    ) -> Reply:
+        """
+        Forward to the model's provider, then settle the request's
+        reservation and record its usage row, however it ended (decisions
+        D11, D12).
+        """
+        ledger = self._ledger
+        if ledger is not None and not ledger.hasRoom():
+            # Never an answer that goes unrecorded.
+            self._settle(ctx, 0)
+            raise ApiError(
+                ErrorCode.SERVICE_DEGRADED,
+                "The gateway cannot record usage right now; try again shortly.",
+            )
+        outcome = OK
+        try:
+            answer = await forwarder.forward(
+                chat.document,
+                attemptsOf(providers, model, ctx.orgID or "", ctx.budgeted),
+                ctx.requestID,
+                _ClientStream(self._standardHeaders, ctx),
+                lambda error: self.errorEvent(ctx, error),
+                ctx.upstream,
+                outputCap=ctx.sentCap,
+            )
+            if ctx.upstream.brokenMidStream:
+                # The stream went out, then ended with an error event.
+                outcome = UPSTREAM_ERROR
+        except ApiError:
+            outcome = UPSTREAM_ERROR
+            raise
+        except CancelledError:
+            outcome = CLIENT_GONE
+            raise
+        finally:
+            self._account(ctx, chat, model, providers, outcome)
+        return Reply(
+            answer.status,
+            answer.body,
+            contentType=answer.contentType,
+            headers=list(answer.headers),
+            streamed=answer.streamed,
+        )
+
+    def _account(
+        self,
+        ctx: RequestContext,
+        chat: ChatRequest,
+        model: Model,
+        providers: ProviderTable,
+        outcome: str,
+    ) -> None:
+        """
+        Settle the reservation: released when the answer failed before its
+        first byte; corrected to the provider's usage at the price of the
+        model that answered; kept when no usage came (a client gone before
+        it, a stream broken after its first byte). Then record the usage
+        row.
+        """
+        upstream = ctx.upstream
+        usage = upstream.usage
+        answered = providers.models.get(upstream.model or "") or model
+        if usage is not None:
+            reservation, ctx.reservation = ctx.reservation, None
+            self._admission.settleUsage(
+                reservation, usage, answered, ctx.orgID, ctx.requestID, ctx.ledgerID
+            )
+        elif outcome == UPSTREAM_ERROR and not upstream.brokenMidStream:
+            self._settle(ctx, 0)
+        if self._ledger is None:
+            return
+        estimate = ctx.estimate
+        if estimate is None:
+            estimate = estimateOf(
+                chat, model, self._admission.applicable(ctx.orgID or "", ctx.agentID)
+            )
+        token = ctx.token
+        self._ledger.record(
+            usageRow(
+                ledgerID=ctx.ledgerID,
+                requestID=ctx.requestID,
+                orgID=ctx.orgID or "",
+                agentID=ctx.agentID,
+                tokenID=token.tokenID if token is not None else None,
+                modelRequested=chat.model,
+                model=upstream.model,
+                provider=upstream.provider,
+                upstreamModel=upstream.upstreamModel,
+                stream=chat.stream,
+                outcome=outcome,
+                usage=usage,
+                afterFirstByte=upstream.brokenMidStream,
+                estimate=estimate,
+                price=answered.price,
+                startedAt=ctx.started,
+                endedAt=self._clock.seconds(),
+            )
+        )
+
+    def errorEvent(self, ctx: RequestContext, error: ApiError) -> bytes:
+        """
+        The one event that ends a stream after a fault (decisions D9):
+        C{data: {"error": ...}} with the envelope of spec section 7.
+        """
+        return b"data: " + self._errorReply(ctx, error).body + b"\n\n"
+
+
+class _ClientStream:
+    """
+    A request's response written as a stream (a relayed event stream): the
+    status line and every header the answer would carry (request and trace
+    ids, the time to this first byte, X-RateLimit-*), then each piece as it
+    comes, with the relay as the producer so a slow client pauses it.
+    """
+
+    def __init__(self, standardHeaders: StandardHeaders, ctx: RequestContext) -> None:
+        self._standardHeaders = standardHeaders
+        self._ctx = ctx
+        self._producing = False
+
+    def _gone(self) -> bool:
+        request: Any = self._ctx.request
+        return bool(request.finished or clientGone(request))
+
+    def begin(
+        self, status: int, contentType: bytes, headers: Sequence[tuple[bytes, bytes]]
+    ) -> None:
+        if self._gone():
+            return
+        request = self._ctx.request
+        request.setResponseCode(status)
+        outgoing = request.responseHeaders
+        outgoing.setRawHeaders(b"Content-Type", [contentType])
+        outgoing.setRawHeaders(b"Cache-Control", [b"no-cache"])
+        outgoing.removeHeader(b"Server")
+        reply = Reply(status, b"", contentType=contentType, headers=list(headers))
+        self._standardHeaders(self._ctx, reply)
+        for name, value in reply.headers:
+            outgoing.addRawHeader(name, value)
+
+    def write(self, data: bytes) -> None:
+        if not self._gone():
+            self._ctx.request.write(data)
+
+    def registerProducer(self, producer: Any) -> None:
+        if not self._gone():
+            self._ctx.request.registerProducer(producer, True)
+            self._producing = True
+
+    def unregisterProducer(self) -> None:
+        if self._producing and not self._gone():
+            self._ctx.request.unregisterProducer()
+        self._producing = False

@@ -1,0 +1,75 @@
+"""
+The packages a daemon needs to call providers and pay for it
+(svcd.providers, svcd.ledger, svcd.limits, issue 29) import nothing of
+svc-proxy: a daemon of Phase 4 (decisions D13) that imports them never
+imports svcd.proxy, its metrics, its configuration or its edge.
+
+In a fresh interpreter, since this test process has long imported the
+proxy.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Every module of the three packages, found on disk so that a new module
+# is checked without editing this list.
+MODULES = sorted(
+    ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+    for package in ("providers", "ledger", "limits")
+    for path in (ROOT / "svcd" / package).glob("*.py")
+)
+
+_PROBE = """
+import importlib, json, sys
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+proxy = [m for m in sys.modules if m == "svcd.proxy" or m.startswith("svcd.proxy.")]
+print(json.dumps(sorted(proxy)))
+"""
+
+
+def test_packagesImportNoProxy() -> None:
+    """
+    Importing every module of svcd.providers, svcd.ledger and svcd.limits
+    loads no module of svcd.proxy.
+    """
+    assert {"svcd.providers.upstream", "svcd.ledger.outbox", "svcd.limits.limiter"} <= set(MODULES)
+    result = subprocess.run(
+        [sys.executable, "-c", _PROBE, *MODULES],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    assert json.loads(result.stdout) == []
+
+
+def test_proxyConfigIsALeaf() -> None:
+    """
+    svc-proxy's configuration is types and parsing: importing it loads no
+    other module of svcd.proxy, and neither Twisted nor gRPC (the
+    providers file and the journal's path are checked by the leaf modules
+    svcd.providers.table and svcd.ledger.journalfile).
+    """
+    probe = (
+        "import json, sys\n"
+        "import svcd.proxy.config\n"
+        "print(json.dumps(sorted(m for m in sys.modules"
+        " if m.startswith(('svcd.proxy', 'twisted', 'grpc')))))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    assert json.loads(result.stdout) == ["svcd.proxy", "svcd.proxy.config"]
