@@ -18,7 +18,8 @@ svc-auth` on loopback:
     GetSpend     --spend-calls sequential calls through the gRPC method for
                  the current month (what a proxy asks after Redis lost a
                  budget's count), for the organization and for one agent:
-                 p50, p99, max
+                 p50, p99, max; then Store.spend's query alone, in this
+                 process, and its plan
     scan         for comparison, the sum the ledger alone gives (GetSpend's
                  query before the rollup), timed once
     usage        `svcctl usage --org ORG --by model` for the month: the
@@ -556,6 +557,28 @@ def main() -> int:
                         results[f"getspend_{name}"] = percentiles(samples)
                         print(f"GetSpend ({name}): {results[f'getspend_{name}']}", flush=True)
                     results["getspend_nano_usd"] = expected.cost_nano_usd
+                    # The query alone, in this process, as svc-auth runs it
+                    # (svc_auth_app, the organization's context): what the
+                    # database does, without gRPC and the machine's
+                    # scheduling around it.
+                    with applicationConnection(dsn) as connection:
+                        appStore = Store(lambda: contextlib.nullcontext(connection))
+                        samples = timed(
+                            lambda: appStore.spend(orgID, None, since, until),
+                            arguments.spend_calls,
+                        )
+                        results["spend_query"] = percentiles(samples)
+                        with connection.transaction():
+                            connection.execute(
+                                "SELECT set_config('svc.org_id', %s, true)", (str(orgID),)
+                            )
+                            plan = connection.execute(
+                                "EXPLAIN (ANALYZE, BUFFERS) SELECT coalesce(sum(cost_nano_usd), 0)"
+                                " FROM usage_rollup WHERE org_id = %s AND day >= %s AND day < %s",
+                                (orgID, since.date(), until.date()),
+                            ).fetchall()
+                        results["spend_plan"] = [row[0] for row in plan]
+                    print(f"  its query: {results['spend_query']}", flush=True)
 
                     command = [
                         sys.executable,

@@ -197,13 +197,15 @@ class RejectedRowsLog:
         reason was logged in the last interval.
         """
         latest: dict[str, RejectedRow] = {}
+        counts: dict[str, int] = {}
         for row in rows:
             self._children.of(self._counter, row.reason).inc()
             latest[row.reason] = row
+            counts[row.reason] = counts.get(row.reason, 0) + 1
         now = self._clock()
         for reason, row in latest.items():
             with self._lock:
-                self._unlogged[reason] += sum(1 for each in rows if each.reason == reason)
+                self._unlogged[reason] += counts[reason]
                 last = self._lastLogged.get(reason)
                 if last is not None and now - last < self._interval:
                     continue
