@@ -33,15 +33,8 @@ from typing import Any
 
 import attrs
 import pytest
-from test_gateway_e2e import (
-    Gateway,
-    assertEnvelope,
-    chat,
-    request,
-    unlimitedGateway,
-    waitFor,
-)
-from test_hostile_gateway import exchange, parsed, rawChat
+from gatewayfixtures import Gateway, assertEnvelope, chat, request, unlimitedGateway, waitFor
+from rawhttp import exchange, parsed, rawChat
 
 from svcd.proxy.http.edge import READY_MAX_AGE
 from svcd.testing.servers import PostgresServer

@@ -27,7 +27,7 @@ from pathlib import Path
 import attrs
 import pytest
 from authfixtures import Tenant
-from test_gateway_e2e import (
+from gatewayfixtures import (
     Answer,
     Gateway,
     assertEnvelope,

@@ -39,22 +39,24 @@ from pathlib import Path
 import psycopg
 import pytest
 from authfixtures import Tenant
-from test_gateway_ledger import (
+
+# Autouse: no test here straddles the end of a UTC day (a budget's period).
+from ledgerfixtures import (
     PRICE_A,
     Received,
     Stack,
     assertBudgetRefusal,
+    counter,
     nanoCost,
     orgRows,
     post,
     proxyEnvironment,
-    roomInTheDay,  # noqa: F401  (autouse: no test straddles a UTC day)
+    roomInTheDay,  # noqa: F401
     spend,
     startProxies,
     waitForRows,
     waitUntil,
 )
-from test_gateway_money import counter
 
 from svcd.auth.migrations import migrate
 from svcd.auth.store import Store

@@ -30,7 +30,7 @@ import grpc
 import psycopg
 import pytest
 from authfixtures import Tenant, makeTenant
-from test_gateway_e2e import CHAT_BODY, chat
+from gatewayfixtures import CHAT_BODY, chat
 
 from svcd.auth.authority import issueToken
 from svcd.auth.migrations import migrate

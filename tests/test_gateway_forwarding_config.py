@@ -15,7 +15,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from test_gateway_e2e import runningGateway
+from gatewayfixtures import runningGateway
 
 from svcd.testing.daemons import twistdCommand
 from svcd.testing.servers import PostgresServer, freePort

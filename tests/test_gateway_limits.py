@@ -33,7 +33,7 @@ import openai
 import psycopg
 import pytest
 from authfixtures import Tenant, makeTenant
-from test_gateway_e2e import Answer, chat, request
+from gatewayfixtures import Answer, chat, request
 
 from svcd.auth.migrations import migrate
 from svcd.auth.store import Store

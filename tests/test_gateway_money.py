@@ -31,10 +31,11 @@ from typing import Any
 import psycopg
 import pytest
 from authfixtures import Tenant
-from test_gateway_e2e import Answer, request
+from gatewayfixtures import Answer, request
 
 # Autouse: no test here straddles the end of a UTC day (a budget's period).
-from test_gateway_ledger import (
+# Autouse: no test here straddles the end of a UTC day (a budget's period).
+from ledgerfixtures import (
     PRICE_A,
     PRICE_B,
     PRICE_D,
@@ -42,6 +43,7 @@ from test_gateway_ledger import (
     Stack,
     assertBudgetRefusal,
     burst,
+    counter,
     headersOf,
     nanoCost,
     orgRows,
@@ -156,20 +158,6 @@ def ledgerKeys(dsn: str, orgID: uuid.UUID) -> list[tuple[str, str]]:
             (orgID,),
         ).fetchall()
     return [(str(requestID), str(ledgerID)) for requestID, ledgerID in rows]
-
-
-def counter(daemon: Daemon, name: str) -> float:
-    """
-    The sum of a counter's samples on the daemon's /metrics (0 when it has
-    none yet).
-    """
-    status, body = daemon.get("/metrics", timeout=5.0)
-    assert status == 200
-    total = 0.0
-    for line in body.decode().splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def sendWithRequestID(port: int, tenant: Tenant, requestID: str) -> Answer:

@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from test_gateway_e2e import Gateway, unlimitedGateway
+from gatewayfixtures import Gateway, unlimitedGateway
 
 from svcd.testing.flood import rssKiB
 from svcd.testing.servers import PostgresServer

@@ -33,8 +33,8 @@ from typing import Any
 import attrs
 import pytest
 from authfixtures import Tenant
+from gatewayfixtures import Gateway, runningGateway
 from prometheus_client.parser import text_string_to_metric_families
-from test_gateway_e2e import Gateway, runningGateway
 
 from svcd.common.pat import formatToken, newSecret
 from svcd.testing.servers import PostgresServer, freePort

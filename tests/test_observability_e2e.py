@@ -25,8 +25,8 @@ import attrs
 import grpc
 import pytest
 from authfixtures import secretOf
+from gatewayfixtures import PATIENT_AUTH, Answer, chat, runningGateway
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from test_gateway_e2e import PATIENT_AUTH, Answer, chat, runningGateway
 
 from svcd.auth.authority import issueToken
 from svcd.common.pat import formatToken, newSecret, parseToken

@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 import pytest
 from authfixtures import Tenant
-from test_gateway_e2e import CHAT_BODY, Gateway, assertEnvelope, chat, unlimitedGateway
+from gatewayfixtures import CHAT_BODY, Gateway, assertEnvelope, chat, unlimitedGateway
 
 from svcd.auth.authority import issueToken
 from svcd.testing.servers import PostgresServer

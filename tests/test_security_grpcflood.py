@@ -26,7 +26,7 @@ from typing import Any
 import attrs
 import pytest
 from authfixtures import Tenant
-from test_gateway_e2e import CHAT_BODY, Gateway, unlimitedGateway
+from gatewayfixtures import CHAT_BODY, Gateway, unlimitedGateway
 
 from svcd.testing.servers import PostgresServer
 

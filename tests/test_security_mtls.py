@@ -35,7 +35,7 @@ import psycopg
 import pytest
 import trustme
 from authfixtures import Tenant, makeTenant
-from test_gateway_e2e import assertEnvelope, chat, request
+from gatewayfixtures import assertEnvelope, chat, request
 
 from svcd.auth.migrations import migrate
 from svcd.auth.store import Store

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import schemathesis
 import yaml
+from gatewayfixtures import Gateway, assertCommonHeaders, assertEnvelope, request, unlimitedGateway
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
@@ -37,13 +38,6 @@ from schemathesis.checks import (
     response_headers_conformance,
     response_schema_conformance,
     status_code_conformance,
-)
-from test_gateway_e2e import (
-    Gateway,
-    assertCommonHeaders,
-    assertEnvelope,
-    request,
-    unlimitedGateway,
 )
 
 from svcd.common.errors import ErrorCode, FieldErrorCode

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from authfixtures import Tenant, makeTenant, secretOf
-from test_gateway_e2e import (
+from gatewayfixtures import (
     PATIENT_AUTH,
     Answer,
     Gateway,
