@@ -39,6 +39,10 @@ from rawhttp import exchange, parsed, rawChat
 from svcd.proxy.http.edge import READY_MAX_AGE
 from svcd.testing.servers import PostgresServer
 
+# Starts real daemons or processes (conftest.py, pytest.ini): left out of a
+# quick run, dev/test -m "not e2e".
+pytestmark = pytest.mark.e2e
+
 # svc-proxy's readiness checker timeout (spec 4.2).
 CHECK_TIMEOUT = 0.5
 # A fault shows on /ready at most this long after it happens: a shared

@@ -41,6 +41,10 @@ from svcd.auth.authority import issueToken
 from svcd.proxy.http.edge import READY_MAX_AGE
 from svcd.testing.servers import PostgresServer
 
+# Starts real daemons or processes (conftest.py, pytest.ini): left out of a
+# quick run, dev/test -m "not e2e".
+pytestmark = pytest.mark.e2e
+
 # The deadlines of one chat request through the proxy: ValidateToken and
 # ValidateAgent 50 ms each, the Redis counter 100 ms. A request may take
 # that plus scheduling slack on a busy 2-core machine, never more.

@@ -64,6 +64,10 @@ from svcd.testing.daemons import Daemon, authEnvironment
 from svcd.testing.servers import PostgresServer, RedisServer
 from svcd.testing.upstream import ScriptedUpstream
 
+# Starts real daemons or processes (conftest.py, pytest.ini): left out of a
+# quick run, dev/test -m "not e2e".
+pytestmark = pytest.mark.e2e
+
 CAP = 30
 # Answers at once, or after 20 s (long enough to kill the proxy that
 # waits for it), each at the most the request allows.

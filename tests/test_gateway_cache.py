@@ -42,6 +42,10 @@ from svcd.testing.relay import TcpRelay
 from svcd.testing.servers import PostgresServer, RedisServer, freePort
 from svcd.testing.waiting import waitUntil
 
+# Starts real daemons or processes (conftest.py, pytest.ini): left out of a
+# quick run, dev/test -m "not e2e".
+pytestmark = pytest.mark.e2e
+
 # D8's promise: every proxy sees a change within one second.
 PROMISE = 1.0
 # How long the feed may be silent before the proxy stops trusting it.

@@ -50,7 +50,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 # Each test finds its own requests by request id (forwardingfixtures).
-pytestmark = pytest.mark.usefixtures("emptyRequestLogs")
+pytestmark = [pytest.mark.usefixtures("emptyRequestLogs"), pytest.mark.e2e]
 
 
 # Clients that go away

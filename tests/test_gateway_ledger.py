@@ -85,6 +85,10 @@ from svcd.testing.daemons import Daemon, authEnvironment
 from svcd.testing.servers import PostgresServer, RedisServer, freePort
 from svcd.testing.upstream import ScriptedUpstream
 
+# Starts real daemons or processes (conftest.py, pytest.ini): left out of a
+# quick run, dev/test -m "not e2e".
+pytestmark = pytest.mark.e2e
+
 # Nine decimals, so that a cost falls between two nano-dollars and must be
 # rounded (half up).
 PRICE_C = {"input": "0.333333333", "output": "1.777777777", "cached_input": "0.1"}

@@ -62,6 +62,10 @@ from svcd.testing.daemons import Daemon, authEnvironment
 from svcd.testing.servers import PostgresServer, RedisServer
 from svcd.testing.upstream import ScriptedUpstream
 
+# Starts real daemons or processes (conftest.py, pytest.ini): left out of a
+# quick run, dev/test -m "not e2e".
+pytestmark = pytest.mark.e2e
+
 # The scripted upstream's answers whose usage is the most the request
 # allows (prompt: every byte of the body it received; completion: the cap
 # it received for each of its n choices), and twice that completion.

@@ -24,6 +24,10 @@ from gatewayfixtures import Gateway, unlimitedGateway
 from svcd.testing.flood import rssKiB
 from svcd.testing.servers import PostgresServer
 
+# Starts real daemons or processes (conftest.py, pytest.ini): left out of a
+# quick run, dev/test -m "not e2e".
+pytestmark = pytest.mark.e2e
+
 STRANGERS = 1000
 BODY_BYTES = 1024 * 1024 - 1
 # A smaller cap than the default, so that a few hundred connections pass it.

@@ -40,6 +40,10 @@ from svcd.common.pat import formatToken, newSecret
 from svcd.testing.servers import PostgresServer, freePort
 from svcd.testing.upstream import ScriptedUpstream
 
+# Starts real daemons or processes (conftest.py, pytest.ini): left out of a
+# quick run, dev/test -m "not e2e".
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = Path(__file__).with_name("gcprobe")
 FLOOR = ROOT / "bench" / "floor.py"

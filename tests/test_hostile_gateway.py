@@ -26,6 +26,10 @@ from rawhttp import exchange, parsed, rawChat
 
 from svcd.testing.servers import PostgresServer
 
+# Starts real daemons or processes (conftest.py, pytest.ini): left out of a
+# quick run, dev/test -m "not e2e".
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def gateway(

@@ -32,6 +32,10 @@ from svcd.auth.authority import issueToken
 from svcd.common.pat import formatToken, newSecret, parseToken
 from svcd.testing.servers import PostgresServer
 
+# Starts real daemons or processes (conftest.py, pytest.ini): left out of a
+# quick run, dev/test -m "not e2e".
+pytestmark = pytest.mark.e2e
+
 CONTENT = "distinctive-message-content-" + uuid.uuid4().hex
 INBOUND_TRACE = uuid.uuid4().hex
 INBOUND_PARENT = uuid.uuid4().hex[:16]

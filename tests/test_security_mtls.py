@@ -45,6 +45,10 @@ from svcd.testing.servers import PostgresServer, RedisServer, freePort
 from svcd.testing.upstream import ScriptedUpstream
 from svcd.testing.waiting import waitUntil
 
+# Starts real daemons or processes (conftest.py, pytest.ini): left out of a
+# quick run, dev/test -m "not e2e".
+pytestmark = pytest.mark.e2e
+
 
 @attrs.frozen
 class PEMs:

@@ -50,6 +50,10 @@ from svcd.proxy.testing import FakeAuthClient, MemoryCounters
 from svcd.testing.servers import PostgresServer
 from svcd.testing.upstream import ScriptedUpstream
 
+# Starts real daemons or processes (conftest.py, pytest.ini): left out of a
+# quick run, dev/test -m "not e2e".
+pytestmark = pytest.mark.e2e
+
 DOCUMENT = Path(__file__).parent.parent / "docs" / "openapi.yaml"
 # The cases test_schemathesisFindsNothing generates: enough to reach every
 # operation past authentication and both media types of relayed answers

@@ -29,6 +29,10 @@ from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
 from svcd.testing.servers import PostgresServer
 from svcd.testing.waiting import waitUntil
 
+# Starts real daemons or processes (conftest.py, pytest.ini): left out of a
+# quick run, dev/test -m "not e2e".
+pytestmark = pytest.mark.e2e
+
 ALL_PERMISSIONS = 1 | 2 | 4 | 8
 
 
