@@ -32,7 +32,6 @@ import pytest
 from authfixtures import Tenant, makeTenant
 from gatewayfixtures import Answer, request
 
-# Autouse: no test here straddles the end of a UTC day (a budget's period).
 from svcd.auth.store import Store
 from svcd.testing.daemons import Daemon
 from svcd.testing.servers import RedisServer, freePort
@@ -180,9 +179,9 @@ def post(
     )
 
 
-# The longest any test here takes, and more: none may straddle the end of
-# a UTC day (a month's end is one too), where the budgets of D12 start
-# again and a report by day splits.
+# The longest any test of the modules that use it takes, and more: none
+# may straddle the end of a UTC day (a month's end is one too), where the
+# budgets of D12 start again and a report by day splits.
 DAY_MARGIN_SECONDS = 120.0
 
 
@@ -190,7 +189,9 @@ DAY_MARGIN_SECONDS = 120.0
 def roomInTheDay() -> None:
     """
     Wait (at most L{DAY_MARGIN_SECONDS}) until the UTC day has at least
-    that long left, as test_gateway_limits does for the minute.
+    that long left, as test_gateway_limits does for the minute. Autouse
+    in the modules that import it (test_gateway_ledger, test_gateway_money,
+    test_gateway_budget_drift); this module is no plugin, so nowhere else.
     """
     left = 86400 - time.time() % 86400
     if left < DAY_MARGIN_SECONDS:
