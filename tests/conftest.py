@@ -159,14 +159,20 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
     """
-    With workers, schedule by group (see L{pytest_collection_modifyitems})
-    rather than test by test, whether the workers came from C{-n auto} or
-    C{-n 3}; an explicit C{--dist} other than C{load} is left alone.
+    With workers, check the private names of pytest-xdist this relies on
+    (L{xdistprivate}), then schedule by group (see
+    L{pytest_collection_modifyitems}) rather than test by test, whether the
+    workers came from C{-n auto} or C{-n 3}; an explicit C{--dist} other
+    than C{load} is left alone.
     """
-    try:
-        xdistprivate.requireXdistInternals()
-    except xdistprivate.XdistIncompatible as incompatible:
-        raise pytest.UsageError(str(incompatible)) from None
+    workers = getattr(config.option, "dist", "no") != "no"
+    if workers or hasattr(config, "workerinput"):
+        # Only runs on workers schedule by group; without them the groups
+        # are labels nobody reads.
+        try:
+            xdistprivate.requireXdistInternals()
+        except xdistprivate.XdistIncompatible as incompatible:
+            raise pytest.UsageError(str(incompatible)) from None
     if getattr(config.option, "dist", "no") == "load":
         config.option.dist = "loadgroup"
     workerInput = getattr(config, "workerinput", None)

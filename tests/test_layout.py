@@ -159,3 +159,15 @@ def test_aMissingNameStopsTheRunWithOneLine(monkeypatch: pytest.MonkeyPatch) -> 
     assert "tests/xdistprivate.py" in message
     assert xdistprivate.TESTED in message
     assert config.option.dist == "load"
+
+
+def test_withoutWorkersNothingIsChecked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """
+    A run without workers (C{-n 0}, C{-p no:xdist}) schedules nothing, so
+    a pytest-xdist that lacks a name does not stop it (as the line advises).
+    """
+    monkeypatch.setattr(xdistprivate, "missingNames", lambda: ["LoadGroupScheduling._pending_of"])
+    config = SimpleNamespace(
+        option=SimpleNamespace(dist="no"), addinivalue_line=lambda name, line: None
+    )
+    conftest.pytest_configure(cast(pytest.Config, config))
