@@ -34,7 +34,6 @@ from authfixtures import Tenant
 from gatewayfixtures import Answer, request
 
 # Autouse: no test here straddles the end of a UTC day (a budget's period).
-# Autouse: no test here straddles the end of a UTC day (a budget's period).
 from ledgerfixtures import (
     PRICE_A,
     PRICE_B,
