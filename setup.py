@@ -51,7 +51,6 @@ setup(
         # tested too: dev/floor (run by CI) runs the unit tests on it.
         "twisted>=25.5,<26.11",
         "klein>=24.8",
-        "treq>=24.9",
         "txredisapi>=1.4.10",
         # The generated modules under svcd/pb check these minimum versions.
         "grpcio>=1.85.1",
@@ -79,7 +78,9 @@ setup(
             "pytest>=8,<9.2",
             "pytest-twisted>=1.14",
             # dev/test runs the suite on several workers (-n auto; the
-            # scheduling by shared fixture is in tests/conftest.py).
+            # scheduling by shared fixture is in tests/conftest.py, and the
+            # private names of pytest-xdist it relies on are checked at
+            # start by tests/xdistprivate.py).
             "pytest-xdist>=3.6",
             "hypothesis>=6.100",
             # Pinned: the committed generated modules must equal what this
@@ -103,6 +104,10 @@ setup(
             # checks that the proxy's client accepts and refuses answers as it
             # does, and reads the same bodies.
             "h11>=0.14",
+            # The in-process tests' HTTP client (svc-proxy's edge, its
+            # operations site): only the tests use it; the proxy forwards
+            # with its own client (svcd/proxy/forwarding/http1.py says why).
+            "treq>=24.9",
         ],
     },
     entry_points={

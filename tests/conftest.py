@@ -47,14 +47,30 @@ base directory), its own reactor. What they share is the machine, and so:
     start more daemons at once on two cores.
   - Load. Tests about svc-auth's 50 ms deadline keep it; the gateways of
     the others use one a loaded machine meets (PATIENT_AUTH in
-    test_gateway_e2e.py), since a deadline missed by scheduling alone
+    gatewayfixtures.py), since a deadline missed by scheduling alone
     turns the answer they check into a 503. Tests that measure the gateway
     under load of their own making against its pace without it (a flood's
     effect on valid traffic's latency, throughput while Redis is frozen)
     are marked C{serial}: they run last, one after another, once every
-    other worker has stopped (L{_serialLast}), as they did before the suite
-    ran in parallel. Without workers (C{-n 0}, C{-p no:xdist}, one file)
-    every test runs in order in one process, as before.
+    other worker has stopped (L{xdistprivate.serialLastScheduling}), as
+    they did before the suite ran in parallel. Without workers (C{-n 0},
+    C{-p no:xdist}, one file) every test runs in order in one process, as
+    before.
+  - pytest-xdist's private names. The grouping and the serial group rely
+    on names pytest-xdist and pytest do not publish; they are reached only
+    through tests/xdistprivate.py, which L{pytest_configure} checks first:
+    a release that lacks one stops the run with one line saying which.
+
+End to end. Tests that start real daemons or processes (twistd, the
+scripted upstream, dev/gateway) are marked C{e2e} (pytest.ini), a module
+at a time with C{pytestmark}; C{dev/test -m "not e2e"} is the quick run.
+tests/e2eguard.py fails a test that starts one without the mark.
+
+Where things are. Fixtures every module may use are plugins listed in
+L{pytest_plugins}; helpers the modules share (the gateway harness of
+gatewayfixtures.py, the ledger stack of ledgerfixtures.py, svcctl and the
+feed of authhelpers.py, raw HTTP of rawhttp.py ...) are modules imported
+by name. No test module imports another (test_layout.py checks).
 """
 
 from __future__ import annotations
@@ -67,12 +83,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import xdistprivate
 
 from svcd.testing.servers import PostgresServer, RedisServer
 
-# Fixtures of svc-auth (migrated databases, tenants, a running AuthService),
-# and the scripted OpenAI-compatible upstream.
-pytest_plugins = ["authfixtures", "upstreamfixtures", "forwardingfixtures"]
+# The check that keeps the e2e marker honest (first: it must wrap
+# twistdCommand before any module imports it by name); fixtures of svc-auth
+# (migrated databases, tenants, a running AuthService), of the scripted
+# OpenAI-compatible upstream, and of the session's forwarding gateway.
+pytest_plugins = ["e2eguard", "authfixtures", "upstreamfixtures", "forwardingfixtures"]
 
 
 # A random UUID in a parameter: with dashes (any case, not the nil UUID)
@@ -140,10 +159,20 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
     """
-    With workers, schedule by group (see L{pytest_collection_modifyitems})
-    rather than test by test, whether the workers came from C{-n auto} or
-    C{-n 3}; an explicit C{--dist} other than C{load} is left alone.
+    With workers, check the private names of pytest-xdist this relies on
+    (L{xdistprivate}), then schedule by group (see
+    L{pytest_collection_modifyitems}) rather than test by test, whether the
+    workers came from C{-n auto} or C{-n 3}; an explicit C{--dist} other
+    than C{load} is left alone.
     """
+    workers = getattr(config.option, "dist", "no") != "no"
+    if workers or hasattr(config, "workerinput"):
+        # Only runs on workers schedule by group; without them the groups
+        # are labels nobody reads.
+        try:
+            xdistprivate.requireXdistInternals()
+        except xdistprivate.XdistIncompatible as incompatible:
+            raise pytest.UsageError(str(incompatible)) from None
     if getattr(config.option, "dist", "no") == "load":
         config.option.dist = "loadgroup"
     workerInput = getattr(config, "workerinput", None)
@@ -153,7 +182,7 @@ def pytest_configure(config: pytest.Config) -> None:
         # all the scheduler sees of the groups: without this, C{-n auto}
         # scheduled test by test (a module's gateway started on every
         # worker that ran one of its tests, the serial tests beside others).
-        config.option.loadgroup = True
+        xdistprivate.nameGroupsInNodeIDs(config)
     # xdist registers its marker; without xdist (-p no:xdist) the groups
     # are harmless labels, said here so that pytest does not warn of them.
     config.addinivalue_line("markers", "xdist_group(name): xdist's loadgroup scheduling group")
@@ -177,63 +206,11 @@ def pytest_configure_node(node: Any) -> None:
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """
     xdist's loadgroup scheduling, with the L{SERIAL} group run last and
-    alone (L{_serialLast}).
+    alone (L{xdistprivate.serialLastScheduling}).
     """
     if config.getvalue("dist") != "loadgroup":
         return None
-    return _serialLast(config, log)
-
-
-def _serialLast(config: pytest.Config, log: Any) -> Any:
-    """
-    A L{xdist.scheduler.LoadGroupScheduling} that holds the L{SERIAL} group
-    back until every other group has been handed out, then lets the other
-    workers finish and stop, and only then sends it to the one worker left:
-    the serial tests run one after another with nothing of this run beside
-    them. (xdist keeps each worker's last test until it has the next one or
-    is told to stop, so "finished" means stopped.)
-    """
-    # pytest-xdist ships no type information.
-    from xdist.scheduler import LoadGroupScheduling  # type: ignore[import-untyped]
-
-    class SerialLastScheduling(LoadGroupScheduling):  # type: ignore[misc]
-        _holder: Any = None
-
-        def _assign_work_unit(self, node: Any) -> None:
-            if SERIAL not in self.workqueue:
-                if self.workqueue:
-                    super()._assign_work_unit(node)
-                return
-            if len(self.workqueue) > 1:
-                self.workqueue.move_to_end(SERIAL)
-                super()._assign_work_unit(node)
-                return
-            if self._holder is None:
-                self._holder = node
-            self._startSerialWhenAlone()
-
-        def _startSerialWhenAlone(self) -> None:
-            others = [node for node in self.assigned_work if node is not self._holder]
-            for node in others:
-                if not node.shutting_down:
-                    node.shutdown()
-            if all(self._pending_of(self.assigned_work[node]) == 0 for node in others):
-                super()._assign_work_unit(self._holder)
-
-        def mark_test_complete(self, node: Any, item_index: int, duration: float = 0) -> None:
-            super().mark_test_complete(node, item_index, duration)
-            if self._holder is not None and SERIAL in self.workqueue:
-                self._startSerialWhenAlone()
-
-        def remove_node(self, node: Any) -> str | None:
-            crashed: str | None = super().remove_node(node)
-            if node is self._holder:
-                self._holder = None
-            elif self._holder is not None and SERIAL in self.workqueue:
-                self._startSerialWhenAlone()
-            return crashed
-
-    return SerialLastScheduling(config, log)
+    return xdistprivate.serialLastScheduling(config, log, SERIAL)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -258,12 +235,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _sharedFixtureGroup(item: pytest.Item) -> str | None:
     if item.get_closest_marker("serial") is not None:
         return SERIAL
-    info = getattr(item, "_fixtureinfo", None)
-    if info is None:
-        return None
     moduleGroup: str | None = None
     name: str
-    for name, definitions in info.name2fixturedefs.items():
+    for name, definitions in xdistprivate.fixtureDefinitions(item).items():
         if name in _PER_WORKER or not _ours(definitions[-1]):
             continue
         scope = definitions[-1].scope

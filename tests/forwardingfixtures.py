@@ -36,8 +36,8 @@ import attrs
 import openai
 import pytest
 from authfixtures import Tenant
+from gatewayfixtures import Answer, Gateway, chat, request, runningGateway
 from prometheus_client.parser import text_string_to_metric_families
-from test_gateway_e2e import Answer, Gateway, chat, request, runningGateway
 
 from svcd.common.ids import parseUUID
 from svcd.testing.servers import PostgresServer

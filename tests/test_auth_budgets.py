@@ -14,9 +14,7 @@ from typing import Any
 
 import pytest
 from authfixtures import makeTenant
-from test_auth_feed import FeedReader
-from test_auth_limits import validateAgent, validateToken
-from test_svcctl import document, failure, svcctl
+from authhelpers import FeedReader, document, failure, svcctl, validateAgent, validateToken
 
 from svcd.auth.limits import BudgetsTable, budgetChange, budgetMessage
 from svcd.auth.store import BudgetRecord, Store

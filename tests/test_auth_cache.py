@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from authfixtures import makeTenant
+from authhelpers import CountingVerifier
 
 import svcd.auth.authority
 from svcd.auth.authority import AGENT_NOT_ACTIVE
@@ -23,44 +24,6 @@ from svcd.common.pat import formatToken, newSecret
 from svcd.pb.auth.v1 import auth_pb2
 from svcd.testing.authservice import RunningAuthService
 from svcd.testing.waiting import waitUntil
-
-
-class CountingVerifier:
-    """
-    Wraps svcd.auth.authority.verifySecret to count argon2 verifications
-    and how many ran at once.
-    """
-
-    def __init__(
-        self,
-        real: Callable[[str, str], bool],
-        delay: float = 0.0,
-        gate: threading.Event | None = None,
-    ) -> None:
-        self._real = real
-        self._delay = delay
-        self._gate = gate
-        self._lock = threading.Lock()
-        self.calls = 0
-        self.running = 0
-        self.mostAtOnce = 0
-
-    def __call__(self, storedHash: str, secret: str) -> bool:
-        with self._lock:
-            self.calls += 1
-            self.running += 1
-            self.mostAtOnce = max(self.mostAtOnce, self.running)
-        try:
-            if self._delay:
-                time.sleep(self._delay)
-            if self._gate is not None:
-                # Held until the test opens the gate (bounded, so a broken
-                # test cannot hang the run).
-                self._gate.wait(10)
-            return self._real(storedHash, secret)
-        finally:
-            with self._lock:
-                self.running -= 1
 
 
 @pytest.fixture

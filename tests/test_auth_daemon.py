@@ -25,6 +25,10 @@ from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
 from svcd.testing.daemons import Daemon, authEnvironment, twistdCommand
 from svcd.testing.servers import PostgresServer
 
+# Starts real daemons or processes (conftest.py, pytest.ini): left out of a
+# quick run, dev/test -m "not e2e".
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture
 def authDaemon(migratedDSN: str, tmp_path: Path) -> Daemon:

@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 import pytest
 from authfixtures import makeTenant
-from test_auth_cache import CountingVerifier, waitUntil
+from authhelpers import CountingVerifier
 from twisted.logger import LogLevel, globalLogPublisher
 
 import svcd.auth.authority
@@ -31,6 +31,7 @@ from svcd.auth.store import AgentRecord, Store, TokenRecord
 from svcd.common.pat import formatToken, newSecret
 from svcd.pb.auth.v1 import auth_pb2
 from svcd.testing.authservice import RunningAuthService
+from svcd.testing.waiting import waitUntil
 
 
 class CountingLookups:

@@ -9,8 +9,6 @@ PostgreSQL. The hub's and the snapshots' own rules are unit-tested below.
 from __future__ import annotations
 
 import datetime
-import queue
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,8 +18,8 @@ import grpc
 import pytest
 import pytest_twisted
 from authfixtures import makeTenant, ownerStore
+from authhelpers import FeedReader, StreamFailed, document, svcctl
 from prometheus_client import CollectorRegistry
-from test_svcctl import document, svcctl
 
 from svcd.auth.admission import Bounds
 from svcd.auth.authority import issueToken
@@ -43,94 +41,6 @@ from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
 from svcd.testing.authservice import RunningAuthService
 from svcd.testing.servers import PostgresServer
 from svcd.testing.waiting import waitUntil
-
-
-class StreamFailed(Exception):
-    """
-    The stream ended with an error status before its snapshot was read.
-    """
-
-
-class FeedReader:
-    """
-    A WatchChanges stream read on a thread of its own into a queue, so a
-    test can wait for what it expects with a bounded deadline.
-    """
-
-    def __init__(self, service: RunningAuthService) -> None:
-        self.call: Any = service.stub.WatchChanges(auth_pb2.WatchChangesRequest(), timeout=60)
-        self.changes: queue.Queue[auth_pb2.Change | grpc.RpcError | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        try:
-            for change in self.call:
-                self.changes.put(change)
-        except grpc.RpcError as error:
-            self.changes.put(error)
-            return
-        self.changes.put(None)
-
-    def next(self, limit: float = 5.0) -> auth_pb2.Change | grpc.RpcError | None:
-        return self.changes.get(timeout=limit)
-
-    def snapshot(self) -> set[uuid.UUID]:
-        """
-        Read the snapshot at the start of the stream: the token ids, which
-        it returns, then every limits row and budget, kept in C{limits}
-        and C{budgets}.
-        """
-        ids: set[uuid.UUID] = set()
-        self.limits: dict[tuple[bytes, bytes], auth_pb2.Limits] = {}
-        self.budgets: dict[tuple[bytes, bytes], auth_pb2.Budget] = {}
-        while True:
-            change = self.next()
-            if isinstance(change, grpc.RpcError):
-                raise StreamFailed(change.code())
-            assert isinstance(change, auth_pb2.Change), change
-            kind = change.WhichOneof("kind")
-            if kind == "snapshot_complete":
-                assert change.snapshot_complete.token_count == len(ids)
-                return ids
-            if kind == "limits_changed":
-                row = change.limits_changed
-                assert row.HasField("limits")
-                self.limits[(row.org_id, row.agent_id)] = row.limits
-                continue
-            if kind == "budget_changed":
-                budget = change.budget_changed
-                assert budget.HasField("budget")
-                self.budgets[(budget.org_id, budget.agent_id)] = budget.budget
-                continue
-            assert kind == "known_token_ids", kind
-            assert not self.limits, "token ids after limits rows"
-            assert not self.budgets, "token ids after budgets"
-            raw = change.known_token_ids
-            ids.update(uuid.UUID(bytes=raw[at : at + 16]) for at in range(0, len(raw), 16))
-
-    def waitFor(self, kind: str, value: bytes | None = None, limit: float = 1.0) -> float:
-        """
-        Read until a change of C{kind} (with C{value}) arrives; return how
-        long that took, or fail after C{limit} seconds.
-        """
-        started = time.monotonic()
-        while True:
-            remaining = limit - (time.monotonic() - started)
-            assert remaining > 0, f"no {kind} within {limit}s"
-            try:
-                change = self.next(remaining)
-            except queue.Empty:
-                continue
-            assert isinstance(change, auth_pb2.Change), change
-            if change.WhichOneof("kind") == kind and (
-                value is None or getattr(change, kind) == value
-            ):
-                return time.monotonic() - started
-
-    def close(self) -> None:
-        self.call.cancel()
-        self._thread.join(5)
 
 
 @pytest.fixture

@@ -24,11 +24,10 @@ import attrs
 import psycopg
 import pytest
 from authfixtures import makeTenant
+from authhelpers import JUNE, document, microseconds, record, recordAnswer, svcctl, usageRow
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter
-from test_auth_usage import JUNE, microseconds, record, recordAnswer, usageRow
-from test_svcctl import document, svcctl
 from twisted.logger import ILogObserver, Logger
 
 from svcd.auth.grpcservice import RejectedRowsLog

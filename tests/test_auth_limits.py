@@ -13,25 +13,13 @@ import time
 import uuid
 
 from authfixtures import Tenant, makeTenant
-from test_svcctl import document, svcctl
+from authhelpers import document, svcctl, validateAgent, validateToken
 
 from svcd.auth.limits import LimitsTable, limitsChange, limitsMessage
 from svcd.auth.store import LimitsRecord, Store
 from svcd.pb.auth.v1 import auth_pb2
 from svcd.testing.authservice import RunningAuthService
 from svcd.testing.waiting import waitUntil
-
-
-def validateToken(service: RunningAuthService, tenant: Tenant) -> auth_pb2.ValidateTokenResponse:
-    return service.call("ValidateToken", auth_pb2.ValidateTokenRequest(access_token=tenant.token))
-
-
-def validateAgent(service: RunningAuthService, tenant: Tenant) -> auth_pb2.ValidateAgentResponse:
-    return service.call(
-        "ValidateAgent",
-        auth_pb2.ValidateAgentRequest(agent_id=str(tenant.agentID), org_id=str(tenant.orgID)),
-        bearer=tenant.token,
-    )
 
 
 def orgLimits(service: RunningAuthService, tenant: Tenant) -> auth_pb2.Limits | None:

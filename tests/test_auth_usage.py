@@ -23,7 +23,17 @@ import grpc
 import psycopg
 import pytest
 from authfixtures import Tenant, makeTenant, ownerStore
-from test_svcctl import document, failure, svcctl
+from authhelpers import (
+    JUNE,
+    UTC,
+    document,
+    failure,
+    microseconds,
+    record,
+    recordAnswer,
+    svcctl,
+    usageRow,
+)
 
 from svcd.auth.migrations import migrate
 from svcd.auth.store import APPLICATION_ROLE, Store, UsageSums
@@ -37,71 +47,11 @@ from svcd.auth.usage import (
     reportSpan,
     usageRecord,
 )
-from svcd.common.ids import uuid7Text
 from svcd.common.permissions import Permission
 from svcd.pb.auth.v1 import auth_pb2
 from svcd.testing.authservice import RunningAuthService
 from svcd.testing.servers import PostgresServer
 from svcd.testing.waiting import waitUntil
-
-UTC = datetime.UTC
-JUNE = datetime.datetime(2025, 6, 1, tzinfo=UTC)
-
-
-def microseconds(moment: datetime.datetime) -> int:
-    return int(moment.timestamp()) * 10**6 + moment.microsecond
-
-
-def usageRow(tenant: Tenant, **changes: Any) -> auth_pb2.UsageRow:
-    """
-    A well-formed row of C{tenant}'s agent and token, with C{changes}.
-    """
-    fields: dict[str, Any] = {
-        "ledger_id": uuid7Text(),
-        "request_id": str(uuid.uuid4()),
-        "org_id": str(tenant.orgID),
-        "agent_id": str(tenant.agentID),
-        "token_id": str(tenant.tokenID),
-        "model_requested": "fast",
-        "model": "fast",
-        "provider": "local",
-        "upstream_model": "llama-3.1-8b",
-        "stream": False,
-        "outcome": "ok",
-        "prompt_tokens": 100,
-        "cached_tokens": 10,
-        "completion_tokens": 50,
-        "reasoning_tokens": 5,
-        "tokens_from": "provider",
-        "cost_nano_usd": 1_234_567,
-        "price_version": "0123456789abcdef",
-        "started_at_us": microseconds(JUNE + datetime.timedelta(hours=1)),
-        "duration_us": 250_000,
-    }
-    fields.update(changes)
-    return auth_pb2.UsageRow(**fields)
-
-
-def record(service: RunningAuthService, rows: list[auth_pb2.UsageRow]) -> tuple[int, int]:
-    """
-    Record C{rows}, none of which may be rejected: (recorded, duplicates).
-    """
-    answer = service.call("RecordUsage", auth_pb2.RecordUsageRequest(rows=rows))
-    assert list(answer.rejected) == []
-    return answer.recorded, answer.duplicates
-
-
-def recordAnswer(
-    service: RunningAuthService, rows: list[auth_pb2.UsageRow]
-) -> tuple[int, int, list[tuple[int, str, str]]]:
-    """
-    Record C{rows}: (recorded, duplicates, [(index, reason, detail)] of the
-    rejected rows).
-    """
-    answer = service.call("RecordUsage", auth_pb2.RecordUsageRequest(rows=rows))
-    rejected = [(each.index, each.reason, each.detail) for each in answer.rejected]
-    assert answer.recorded + answer.duplicates + len(rejected) == len(rows)
-    return answer.recorded, answer.duplicates, rejected
 
 
 def ledgerCount(dsn: str) -> int:

@@ -40,6 +40,10 @@ from svcd.providers.table import loadProviders
 from svcd.testing.servers import freePort
 from svcd.testing.upstream import ScriptedUpstream
 
+# Starts real daemons or processes (conftest.py, pytest.ini): left out of a
+# quick run, dev/test -m "not e2e".
+pytestmark = pytest.mark.e2e
+
 CHECKOUT = Path(__file__).resolve().parents[1]
 README = CHECKOUT / "README.rst"
 

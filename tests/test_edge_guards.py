@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 import pytest_twisted
-from test_hostile_http import RawClient, head
+from rawhttp import RawClient, head
 from twisted.internet.endpoints import TCP4ClientEndpoint
 from twisted.internet.protocol import Factory
 from twisted.logger import globalLogPublisher
@@ -346,7 +346,7 @@ async def test_chatSpanModelIsBounded() -> None:
     The model on the chat span goes through the same bound as the log
     line.
     """
-    from test_observability_tracing import Traced, chatHeaders
+    from tracinghelpers import Traced, chatHeaders
 
     traced = Traced()
     token, _, agentID = traced.auth.addTenant()

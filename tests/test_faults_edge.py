@@ -33,18 +33,15 @@ from typing import Any
 
 import attrs
 import pytest
-from test_gateway_e2e import (
-    Gateway,
-    assertEnvelope,
-    chat,
-    request,
-    unlimitedGateway,
-    waitFor,
-)
-from test_hostile_gateway import exchange, parsed, rawChat
+from gatewayfixtures import Gateway, assertEnvelope, chat, request, unlimitedGateway, waitFor
+from rawhttp import exchange, parsed, rawChat
 
 from svcd.common.readiness import READY_MAX_AGE
 from svcd.testing.servers import PostgresServer
+
+# Starts real daemons or processes (conftest.py, pytest.ini): left out of a
+# quick run, dev/test -m "not e2e".
+pytestmark = pytest.mark.e2e
 
 # svc-proxy's readiness checker timeout (spec 4.2).
 CHECK_TIMEOUT = 0.5

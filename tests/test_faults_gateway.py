@@ -27,7 +27,7 @@ from pathlib import Path
 import attrs
 import pytest
 from authfixtures import Tenant
-from test_gateway_e2e import (
+from gatewayfixtures import (
     Answer,
     Gateway,
     assertEnvelope,
@@ -40,6 +40,10 @@ from test_gateway_e2e import (
 from svcd.auth.authority import issueToken
 from svcd.common.readiness import READY_MAX_AGE
 from svcd.testing.servers import PostgresServer
+
+# Starts real daemons or processes (conftest.py, pytest.ini): left out of a
+# quick run, dev/test -m "not e2e".
+pytestmark = pytest.mark.e2e
 
 # The deadlines of one chat request through the proxy: ValidateToken and
 # ValidateAgent 50 ms each, the Redis counter 100 ms. A request may take

@@ -39,28 +39,34 @@ from pathlib import Path
 import psycopg
 import pytest
 from authfixtures import Tenant
-from test_gateway_ledger import (
+
+# Autouse: no test here straddles the end of a UTC day (a budget's period).
+from ledgerfixtures import (
     PRICE_A,
     Received,
     Stack,
     assertBudgetRefusal,
+    counter,
     nanoCost,
     orgRows,
     post,
     proxyEnvironment,
-    roomInTheDay,  # noqa: F401  (autouse: no test straddles a UTC day)
+    roomInTheDay,  # noqa: F401
     spend,
     startProxies,
     waitForRows,
     waitUntil,
 )
-from test_gateway_money import counter
 
 from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
 from svcd.testing.daemons import Daemon, authEnvironment
 from svcd.testing.servers import PostgresServer, RedisServer
 from svcd.testing.upstream import ScriptedUpstream
+
+# Starts real daemons or processes (conftest.py, pytest.ini): left out of a
+# quick run, dev/test -m "not e2e".
+pytestmark = pytest.mark.e2e
 
 CAP = 30
 # Answers at once, or after 20 s (long enough to kill the proxy that

@@ -30,7 +30,7 @@ import grpc
 import psycopg
 import pytest
 from authfixtures import Tenant, makeTenant
-from test_gateway_e2e import CHAT_BODY, chat
+from gatewayfixtures import CHAT_BODY, chat
 
 from svcd.auth.authority import issueToken
 from svcd.auth.migrations import migrate
@@ -41,6 +41,10 @@ from svcd.testing.flood import floodMadeUp, rssKiB
 from svcd.testing.relay import TcpRelay
 from svcd.testing.servers import PostgresServer, RedisServer, freePort
 from svcd.testing.waiting import waitUntil
+
+# Starts real daemons or processes (conftest.py, pytest.ini): left out of a
+# quick run, dev/test -m "not e2e".
+pytestmark = pytest.mark.e2e
 
 # D8's promise: every proxy sees a change within one second.
 PROMISE = 1.0

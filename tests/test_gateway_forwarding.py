@@ -38,7 +38,7 @@ from forwardingfixtures import (
 )
 
 # Each test finds its own requests by request id (forwardingfixtures).
-pytestmark = pytest.mark.usefixtures("emptyRequestLogs")
+pytestmark = [pytest.mark.usefixtures("emptyRequestLogs"), pytest.mark.e2e]
 
 
 # Non-streaming

@@ -15,10 +15,14 @@ from pathlib import Path
 
 import openai
 import pytest
-from test_gateway_e2e import runningGateway
+from gatewayfixtures import runningGateway
 
 from svcd.testing.daemons import twistdCommand
 from svcd.testing.servers import PostgresServer, freePort
+
+# Starts real daemons or processes (conftest.py, pytest.ini): left out of a
+# quick run, dev/test -m "not e2e".
+pytestmark = pytest.mark.e2e
 
 
 def test_withoutProvidersFileAsPhase1(postgresServer: PostgresServer, tmp_path: Path) -> None:

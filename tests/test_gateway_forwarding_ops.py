@@ -45,12 +45,12 @@ from forwardingfixtures import (
     sseEvents,
     streamedContent,
 )
+from gatewayfixtures import request
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_gateway_e2e import request
 
 # Each test finds its own requests by request id (forwardingfixtures).
-pytestmark = pytest.mark.usefixtures("emptyRequestLogs")
+pytestmark = [pytest.mark.usefixtures("emptyRequestLogs"), pytest.mark.e2e]
 
 
 # Clients that go away

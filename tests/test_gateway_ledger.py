@@ -25,25 +25,19 @@ rows read from PostgreSQL as the schema owner, svcctl's output, gRPC):
 
 from __future__ import annotations
 
-import calendar
 import contextlib
 import csv
 import datetime
 import http.client
 import io
 import json
-import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from decimal import ROUND_HALF_UP, Decimal
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +47,34 @@ import openai
 import psycopg
 import pytest
 from authfixtures import Tenant, makeTenant
-from test_gateway_e2e import Answer, request
+from gatewayfixtures import Answer
+
+# Autouse: no test here straddles the end of a UTC day (a budget's period).
+from ledgerfixtures import (
+    PRICE_A,
+    PRICE_B,
+    PRICE_D,
+    WAIT,
+    Received,
+    Stack,
+    assertBudgetRefusal,
+    burst,
+    dollars,
+    headersOf,
+    ledgerRows,
+    monthEnd,
+    nanoCost,
+    orgRows,
+    post,
+    proxyEnvironment,
+    roomInTheDay,  # noqa: F401
+    spend,
+    startProxies,
+    svcctl,
+    svcctlDocument,
+    waitForRows,
+    waitUntil,
+)
 
 from svcd.auth.authority import issueToken
 from svcd.auth.migrations import migrate
@@ -64,19 +85,13 @@ from svcd.testing.daemons import Daemon, authEnvironment
 from svcd.testing.servers import PostgresServer, RedisServer, freePort
 from svcd.testing.upstream import ScriptedUpstream
 
-# Bounds on waits for what the daemons do on their own (rows reaching the
-# ledger, a budget reaching the proxies): far above what they take, a
-# guard against a hang on a loaded machine.
-WAIT = 60.0
+# Starts real daemons or processes (conftest.py, pytest.ini): left out of a
+# quick run, dev/test -m "not e2e".
+pytestmark = pytest.mark.e2e
 
-# The models of the providers file: gateway name -> (upstream model, price
-# in dollars per million tokens as the file writes it, or None).
-PRICE_A = {"input": "2.50", "output": "10.00", "cached_input": "1.25"}
-PRICE_B = {"input": "0.15", "output": "0.60"}
 # Nine decimals, so that a cost falls between two nano-dollars and must be
 # rounded (half up).
 PRICE_C = {"input": "0.333333333", "output": "1.777777777", "cached_input": "0.1"}
-PRICE_D = {"input": "9", "output": "9"}
 MODELS: dict[str, tuple[str, dict[str, str] | None]] = {
     # OpenAI's shape: cached and reasoning details.
     "detailed": ("usage:1234:321:1000:77", PRICE_A),
@@ -111,53 +126,6 @@ MESSAGE = "hello there"
 BUDGET_CONTENT = "x" * 63
 BUDGET_PROMPT, BUDGET_OUTPUT = 62 + 63 + 21, 100
 
-LEDGER_COLUMNS = (
-    "request_id",
-    "org_id",
-    "agent_id",
-    "token_id",
-    "model_requested",
-    "model",
-    "provider",
-    "upstream_model",
-    "stream",
-    "outcome",
-    "prompt_tokens",
-    "cached_tokens",
-    "completion_tokens",
-    "reasoning_tokens",
-    "tokens_from",
-    "cost_nano_usd",
-    "price_version",
-    "started_at",
-    "duration_us",
-)
-
-
-def nanoCost(price: Mapping[str, str] | None, prompt: int, cached: int, completion: int) -> int:
-    """
-    D12's cost in nano-dollars, rounded half up, computed in decimal.
-    """
-    if price is None:
-        return 0
-    inputPrice = Decimal(price["input"])
-    cachedPrice = Decimal(price.get("cached_input", price["input"]))
-    dollars = (
-        (prompt - cached) * inputPrice
-        + cached * cachedPrice
-        + completion * Decimal(price["output"])
-    ) / 10**6
-    return int((dollars * 10**9).to_integral_value(ROUND_HALF_UP))
-
-
-def dollars(nano: int) -> str:
-    """
-    Nano-dollars as D12's exact decimal string: at least two decimals, no
-    trailing zero beyond them.
-    """
-    whole, fraction = divmod(nano, 10**9)
-    return f"{whole}.{f'{fraction:09d}'.rstrip('0').ljust(2, '0')}"
-
 
 def promptEstimate(*contents: str) -> int:
     """
@@ -187,87 +155,10 @@ def providersFile(path: Path, upstream: ScriptedUpstream) -> Path:
     return path
 
 
-def svcctl(dsn: str, *words: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "svcd.auth.ctl", *words],
-        env={**os.environ, "POSTGRES_DSN": dsn},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
-def svcctlDocument(dsn: str, *words: str) -> dict[str, Any]:
-    result = svcctl(dsn, *words)
-    assert result.returncode == 0, result.stderr
-    assert result.stderr == ""
-    document: dict[str, Any] = json.loads(result.stdout)
-    return document
-
-
-def waitUntil(condition: Callable[[], bool], what: str, limit: float = WAIT) -> None:
-    deadline = time.monotonic() + limit
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: not within {limit} s"
-        time.sleep(0.05)
-
-
-def ledgerRows(dsn: str, where: str, parameters: tuple[Any, ...]) -> dict[str, dict[str, Any]]:
-    """
-    The ledger's rows matching C{where}, by request id, read as the schema
-    owner (who sees every organization's rows).
-    """
-    with psycopg.connect(dsn, autocommit=True) as connection:
-        cursor = connection.execute(
-            f"SELECT {', '.join(LEDGER_COLUMNS)} FROM usage_ledger WHERE {where}",
-            parameters,
-        )
-        return {
-            str(row[0]): dict(zip(LEDGER_COLUMNS, row, strict=True)) for row in cursor.fetchall()
-        }
-
-
-def orgRows(dsn: str, orgID: uuid.UUID) -> dict[str, dict[str, Any]]:
-    return ledgerRows(dsn, "org_id = %s", (orgID,))
-
-
-def waitForRows(dsn: str, orgID: uuid.UUID, count: int) -> dict[str, dict[str, Any]]:
-    """
-    The organization's rows once there are C{count} of them (never more).
-    """
-    rows: dict[str, dict[str, Any]] = {}
-
-    def arrived() -> bool:
-        nonlocal rows
-        rows = orgRows(dsn, orgID)
-        assert len(rows) <= count, (len(rows), count)
-        return len(rows) == count
-
-    waitUntil(arrived, f"{count} ledger rows")
-    return rows
-
-
-def headersOf(tenant: Tenant, agent: uuid.UUID | None = None) -> dict[str, str]:
-    return {
-        "Authorization": f"Bearer {tenant.token}",
-        "X-SVC-Agent-ID": str(agent or tenant.agentID),
-        "Content-Type": "application/json",
-    }
-
-
 def chatBody(model: str, content: str = MESSAGE, **extra: Any) -> bytes:
     return json.dumps(
         {"model": model, "messages": [{"role": "user", "content": content}], **extra}
     ).encode()
-
-
-def post(
-    port: int, tenant: Tenant, body: bytes, agent: uuid.UUID | None = None, timeout: float = 60
-) -> Answer:
-    return request(
-        port, "POST", "/v1/chat/completions", headersOf(tenant, agent), body, timeout=timeout
-    )
 
 
 def streamedUsage(answer: Answer) -> dict[str, Any] | None:
@@ -290,102 +181,6 @@ def gauge(daemon: Daemon, name: str) -> float:
         if line.startswith(name + " ") or line.startswith(name + "{"):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"no {name} in /metrics")
-
-
-# The longest any test here takes, and more: none may straddle the end of
-# a UTC day (a month's end is one too), where the budgets of D12 start
-# again and a report by day splits.
-DAY_MARGIN_SECONDS = 120.0
-
-
-@pytest.fixture(autouse=True)
-def roomInTheDay() -> None:
-    """
-    Wait (at most L{DAY_MARGIN_SECONDS}) until the UTC day has at least
-    that long left, as test_gateway_limits does for the minute.
-    """
-    left = 86400 - time.time() % 86400
-    if left < DAY_MARGIN_SECONDS:
-        time.sleep(left + 0.05)
-
-
-def monthEnd(now: float) -> int:
-    moment = datetime.datetime.fromtimestamp(now, datetime.UTC)
-    days = calendar.monthrange(moment.year, moment.month)[1]
-    start = datetime.datetime(moment.year, moment.month, 1, tzinfo=datetime.UTC)
-    return int((start + datetime.timedelta(days=days)).timestamp())
-
-
-@attrs.define
-class Stack:
-    dsn: str
-    redis: RedisServer
-    auth: Daemon
-    proxies: list[Daemon]
-    owner: Store
-    upstream: ScriptedUpstream
-    workdir: Path
-    markers: list[int] = attrs.Factory(lambda: [2000])
-
-    def tenant(self, name: str) -> Tenant:
-        return makeTenant(self.owner, name)
-
-    def budget(
-        self, tenant: Tenant, nano: int, agent: uuid.UUID | None = None, period: str = "month"
-    ) -> None:
-        where = ["--org", str(tenant.orgID)]
-        if agent is not None:
-            where += ["--agent", str(agent)]
-        printed = svcctlDocument(
-            self.dsn, "budget", "set", *where, "--usd", dollars(nano), "--period", period
-        )
-        assert printed["nano_usd"] == nano
-
-    def seenEverywhere(self) -> None:
-        """
-        Set a limits row of a marker organization and wait until both
-        proxies enforce it: the change feed carries changes in commit
-        order, so every budget set before it is known to them too.
-        """
-        self.markers[0] += 1
-        limit = str(self.markers[0])
-        marker = self.tenant(f"marker-{limit}")
-        svcctlDocument(self.dsn, "limits", "set", "--org", str(marker.orgID), "--rpm", limit)
-        for proxy in self.proxies:
-
-            def seen(port: int = proxy.httpPort) -> bool:
-                answer = request(
-                    port, "GET", "/v1/internal/auth-probe", headersOf(marker), timeout=10
-                )
-                return answer.headers.get("x-ratelimit-limit") == limit
-
-            waitUntil(seen, "the marker's limit on a proxy", 10)
-
-
-def startProxies(
-    count: int, common: Mapping[str, str], workdir: Path, name: str = "proxy"
-) -> list[Daemon]:
-    return [
-        Daemon(
-            "svc-proxy", {**common, "SVC_PORT": str(freePort())}, workdir / f"{name}-{n}.log"
-        ).start()
-        for n in range(count)
-    ]
-
-
-def proxyEnvironment(auth: Daemon, redis: RedisServer, providers: Path) -> dict[str, str]:
-    return {
-        "SVC_HOST": "127.0.0.1",
-        "SVC_AUTH_GRPC_ADDR": f"127.0.0.1:{auth.environment['SVC_GRPC_PORT']}",
-        "REDIS_URL": redis.url,
-        "SVC_PROVIDERS_FILE": str(providers),
-        # Cold validations on a loaded machine; these tests are about usage.
-        "SVC_AUTH_VALIDATE_TIMEOUT": "5s",
-        # Budgets exact, not failing open on a Redis call slowed past the
-        # 100 ms default by a loaded machine.
-        "SVC_REDIS_TIMEOUT": "5s",
-        "SVC_RATE_LIMIT_DEFAULT_RPM": "1000000",
-    }
 
 
 @pytest.fixture(scope="module")
@@ -756,56 +551,8 @@ def sentLength(model: str) -> int:
 assert sentLength("budgeted") == BUDGET_PROMPT
 
 
-@attrs.frozen
-class Received:
-    answer: Answer
-    at: float
-
-
-def burst(
-    stack: Stack, tenant: Tenant, body: bytes, count: int = 64, agent: uuid.UUID | None = None
-) -> list[Received]:
-    """
-    C{count} requests at once (one thread each), alternating between the
-    two proxies; each answer with the time it arrived.
-    """
-    ready = threading.Barrier(count)
-
-    def send(index: int) -> Received:
-        ready.wait(timeout=30)
-        answer = post(stack.proxies[index % 2].httpPort, tenant, body, agent)
-        return Received(answer, time.time())
-
-    with ThreadPoolExecutor(count) as pool:
-        return list(pool.map(send, range(count)))
-
-
 def dayEnd(now: float) -> int:
     return (int(now) // 86400 + 1) * 86400
-
-
-def assertBudgetRefusal(
-    received: Received, scope: str, periodEnd: Callable[[float], int] = monthEnd
-) -> None:
-    """
-    429 BUDGET_EXCEEDED, the scope in detail, Retry-After the seconds until
-    the period ends, the UTC month by default (within 2 s of when the
-    answer arrived).
-    """
-    answer = received.answer
-    assert answer.status == 429, answer.body
-    error = answer.json()["error"]
-    assert (error["code"], error["detail"]) == ("BUDGET_EXCEEDED", {"scope": scope})
-    assert error["request_id"] == answer.headers["x-request-id"]
-    expected = periodEnd(received.at) - received.at
-    assert abs(int(answer.headers["retry-after"]) - expected) <= 2, (
-        answer.headers["retry-after"],
-        expected,
-    )
-
-
-def spend(rows: Mapping[str, Mapping[str, Any]]) -> int:
-    return sum(int(row["cost_nano_usd"]) for row in rows.values())
 
 
 def test_anOrganizationsBudgetIsNeverPassed(stack: Stack) -> None:

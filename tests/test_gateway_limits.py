@@ -33,13 +33,17 @@ import openai
 import psycopg
 import pytest
 from authfixtures import Tenant, makeTenant
-from test_gateway_e2e import Answer, chat, request
+from gatewayfixtures import Answer, chat, request
 
 from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
 from svcd.testing.daemons import Daemon, authEnvironment
 from svcd.testing.servers import PostgresServer, RedisServer, freePort
 from svcd.testing.upstream import ScriptedUpstream
+
+# Starts real daemons or processes (conftest.py, pytest.ini): left out of a
+# quick run, dev/test -m "not e2e".
+pytestmark = pytest.mark.e2e
 
 # The scripted upstream's answer arrives after this many ms, so that every
 # request of a burst is in flight (and holds its reservation) at once, even

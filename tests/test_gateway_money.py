@@ -31,10 +31,10 @@ from typing import Any
 import psycopg
 import pytest
 from authfixtures import Tenant
-from test_gateway_e2e import Answer, request
+from gatewayfixtures import Answer, request
 
 # Autouse: no test here straddles the end of a UTC day (a budget's period).
-from test_gateway_ledger import (
+from ledgerfixtures import (
     PRICE_A,
     PRICE_B,
     PRICE_D,
@@ -42,6 +42,7 @@ from test_gateway_ledger import (
     Stack,
     assertBudgetRefusal,
     burst,
+    counter,
     headersOf,
     nanoCost,
     orgRows,
@@ -59,6 +60,10 @@ from svcd.auth.store import Store
 from svcd.testing.daemons import Daemon, authEnvironment
 from svcd.testing.servers import PostgresServer, RedisServer
 from svcd.testing.upstream import ScriptedUpstream
+
+# Starts real daemons or processes (conftest.py, pytest.ini): left out of a
+# quick run, dev/test -m "not e2e".
+pytestmark = pytest.mark.e2e
 
 # The scripted upstream's answers whose usage is the most the request
 # allows (prompt: every byte of the body it received; completion: the cap
@@ -156,20 +161,6 @@ def ledgerKeys(dsn: str, orgID: uuid.UUID) -> list[tuple[str, str]]:
             (orgID,),
         ).fetchall()
     return [(str(requestID), str(ledgerID)) for requestID, ledgerID in rows]
-
-
-def counter(daemon: Daemon, name: str) -> float:
-    """
-    The sum of a counter's samples on the daemon's /metrics (0 when it has
-    none yet).
-    """
-    status, body = daemon.get("/metrics", timeout=5.0)
-    assert status == 200
-    total = 0.0
-    for line in body.decode().splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def sendWithRequestID(port: int, tenant: Tenant, requestID: str) -> Answer:

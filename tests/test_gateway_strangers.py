@@ -19,10 +19,14 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from test_gateway_e2e import Gateway, unlimitedGateway
+from gatewayfixtures import Gateway, unlimitedGateway
 
 from svcd.testing.flood import rssKiB
 from svcd.testing.servers import PostgresServer
+
+# Starts real daemons or processes (conftest.py, pytest.ini): left out of a
+# quick run, dev/test -m "not e2e".
+pytestmark = pytest.mark.e2e
 
 STRANGERS = 1000
 BODY_BYTES = 1024 * 1024 - 1

@@ -33,12 +33,16 @@ from typing import Any
 import attrs
 import pytest
 from authfixtures import Tenant
+from gatewayfixtures import Gateway, runningGateway
 from prometheus_client.parser import text_string_to_metric_families
-from test_gateway_e2e import Gateway, runningGateway
 
 from svcd.common.pat import formatToken, newSecret
 from svcd.testing.servers import PostgresServer, freePort
 from svcd.testing.upstream import ScriptedUpstream
+
+# Starts real daemons or processes (conftest.py, pytest.ini): left out of a
+# quick run, dev/test -m "not e2e".
+pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = Path(__file__).with_name("gcprobe")

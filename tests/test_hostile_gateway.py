@@ -10,23 +10,25 @@ connection; never a 500, never a connection left hanging.
 from __future__ import annotations
 
 import re
-import socket
-import time
 from collections.abc import Iterator
 from http import HTTPStatus
 
 import pytest
-from test_gateway_e2e import (
+from gatewayfixtures import (
     PATIENT_AUTH,
-    Answer,
     Gateway,
     assertCommonHeaders,
     assertEnvelope,
     chat,
     unlimitedGateway,
 )
+from rawhttp import exchange, parsed, rawChat
 
 from svcd.testing.servers import PostgresServer
+
+# Starts real daemons or processes (conftest.py, pytest.ini): left out of a
+# quick run, dev/test -m "not e2e".
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
@@ -37,54 +39,6 @@ def gateway(
         postgresServer, tmp_path_factory.mktemp("hostile"), **PATIENT_AUTH
     ) as running:
         yield running
-
-
-def exchange(port: int, raw: bytes, timeout: float = 5.0) -> tuple[bytes, float]:
-    """
-    Send C{raw} on a fresh connection and read until the proxy closes it
-    (or C{timeout}, which fails the test: a hanging connection).
-    """
-    began = time.monotonic()
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as connection:
-        connection.sendall(raw)
-        received = b""
-        while True:
-            try:
-                chunk = connection.recv(65536)
-            except ConnectionResetError:
-                break
-            except TimeoutError:
-                pytest.fail(f"the connection hung; received {received[:200]!r}")
-            if not chunk:
-                break
-            received += chunk
-    return received, time.monotonic() - began
-
-
-def parsed(raw: bytes) -> Answer:
-    head, _, body = raw.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = {}
-    for line in lines[1:]:
-        name, _, value = line.partition(":")
-        headers[name.strip().lower()] = value.strip()
-    return Answer(int(lines[0].split()[1]), headers, body)
-
-
-def rawChat(gateway: Gateway, body: bytes, **extra: bytes) -> bytes:
-    tenant = gateway.tenants["main"]
-    headers = {
-        b"Host": b"gateway",
-        b"Authorization": f"Bearer {tenant.token}".encode(),
-        b"X-SVC-Agent-ID": str(tenant.agentID).encode(),
-        b"Content-Type": b"application/json",
-        b"Content-Length": str(len(body)).encode(),
-        b"Connection": b"close",
-    }
-    headers.update({name.replace("_", "-").encode(): value for name, value in extra.items()})
-    head = b"POST /v1/chat/completions HTTP/1.1\r\n"
-    head += b"".join(name + b": " + value + b"\r\n" for name, value in headers.items())
-    return head + b"\r\n" + body
 
 
 @pytest.mark.parametrize(

@@ -16,12 +16,8 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest_twisted
+from rawhttp import CHAT, Harness, head, sleep
 from twisted.internet.defer import Deferred
-from twisted.internet.endpoints import TCP4ClientEndpoint
-from twisted.internet.error import ConnectionDone
-from twisted.internet.protocol import Factory, Protocol
-from twisted.internet.task import deferLater
-from twisted.python.failure import Failure
 
 from svcd.proxy.http.site import (
     DEFAULT_IDLE_TIMEOUT,
@@ -31,91 +27,11 @@ from svcd.proxy.http.site import (
     reasonPhrase,
 )
 from svcd.proxy.records import TokenInfo
-from svcd.proxy.service import ProxyService
 from svcd.proxy.testing import FakeAuthClient, MemoryCounters, listeningProxy
 
 LIMIT = 4096
 IDLE = 0.6
 REQUEST_TIMEOUT = 1.0
-CHAT = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
-
-
-class RawClient(Protocol):
-    """
-    Sends what it is told and keeps everything the server writes; C{closed}
-    fires when the connection ends, and C{reason} says how.
-    """
-
-    def __init__(self) -> None:
-        self.received = b""
-        self.closed: Deferred[None] = Deferred()
-        self.closedAt: float | None = None
-        self.reason: Failure | None = None
-
-    def dataReceived(self, data: bytes) -> None:
-        self.received += data
-
-    def connectionLost(self, reason: Failure = Failure(ConnectionDone())) -> None:  # noqa: B008
-        self.closedAt = time.monotonic()
-        self.reason = reason
-        self.closed.callback(None)
-
-    def responses(self) -> list[tuple[int, dict[str, str], bytes]]:
-        """
-        The responses received, each framed by its Content-Length.
-        """
-        found = []
-        rest = self.received
-        while rest:
-            head, separator, rest = rest.partition(b"\r\n\r\n")
-            assert separator, f"a truncated response: {head!r}"
-            lines = head.decode("latin-1").split("\r\n")
-            headers = {}
-            for line in lines[1:]:
-                name, _, value = line.partition(":")
-                headers[name.strip().lower()] = value.strip()
-            length = int(headers.get("content-length", "0"))
-            body, rest = rest[:length], rest[length:]
-            found.append((int(lines[0].split()[1]), headers, body))
-        return found
-
-
-class Harness:
-    def __init__(self, service: ProxyService, port: int, auth: FakeAuthClient) -> None:
-        self.service = service
-        self.port = port
-        self.auth = auth
-        self.token, self.orgID, self.agentID = auth.addTenant()
-
-    async def connect(self) -> RawClient:
-        from twisted.internet import reactor
-
-        endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", self.port)
-        client: RawClient = await endpoint.connect(Factory.forProtocol(RawClient))
-        return client
-
-    def chatHead(self, length: int | None = None, **extra: str) -> bytes:
-        headers = {
-            "Authorization": f"Bearer {self.token}",
-            "X-SVC-Agent-ID": self.agentID,
-            "Content-Type": "application/json",
-            **extra,
-        }
-        if length is not None:
-            headers["Content-Length"] = str(length)
-        return head("POST", "/v1/chat/completions", headers)
-
-
-def head(method: str, path: str, headers: dict[str, str] | None = None) -> bytes:
-    lines = [f"{method} {path} HTTP/1.1", "Host: proxy.test"]
-    lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-
-
-async def sleep(seconds: float) -> None:
-    from twisted.internet import reactor
-
-    await deferLater(reactor, seconds, lambda: None)
 
 
 @pytest_twisted.async_yield_fixture

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_hostile_parsers import bodies, outcome, values
+from rawhttp import bodies, outcome, values
 
 from svcd.common.errors import ApiError
 from svcd.proxy.http.chatbody import parseChatBody

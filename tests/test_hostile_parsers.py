@@ -15,89 +15,10 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
+from rawhttp import FIELD_CODES, bodies, outcome
 
-from svcd.common.errors import ApiError
 from svcd.common.pat import PREFIX, SECRET_LENGTH, formatToken, newSecret, parseToken
-from svcd.proxy.http.chatbody import MAX_CONTENT_BYTES, MAX_MESSAGES, ROLES, parseChatBody
-
-FIELD_CODES = ("REQUIRED", "TOO_LONG", "TOO_MANY", "INVALID_ENUM", "INVALID_FORMAT")
-
-# JSON values of every kind, including the edge cases of each type.
-scalars = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(min_value=-(2**70), max_value=2**70),
-    st.floats(allow_nan=False, allow_infinity=False),
-    st.text(max_size=20),
-    st.sampled_from([*sorted(ROLES), "", "User", "user ", "user\u200b"]),
-)
-values = st.recursive(
-    scalars,
-    lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
-    ),
-    max_leaves=12,
-)
-
-
-def contents() -> st.SearchStrategy[Any]:
-    # Most contents are small; some sit on either side of the byte limit,
-    # in 1- to 4-byte characters.
-    near = st.tuples(
-        st.sampled_from(["a", "\u00e9", "\u20ac", "\U0001f600"]), st.integers(-2, 2)
-    ).map(lambda pair: pair[0] * (MAX_CONTENT_BYTES // len(pair[0].encode()) + pair[1]))
-    return st.one_of(values, near)
-
-
-messages = st.fixed_dictionaries(
-    {},
-    optional={
-        "role": st.one_of(st.sampled_from(sorted(ROLES)), values),
-        "content": contents(),
-        "name": values,
-    },
-)
-messageLists = st.one_of(
-    st.lists(st.one_of(messages, values), max_size=5),
-    st.integers(MAX_MESSAGES - 1, MAX_MESSAGES + 2).map(
-        lambda count: [{"role": "user", "content": "x"}] * count
-    ),
-    values,
-)
-models = st.one_of(
-    st.text(max_size=20),
-    st.integers(250, 260).map(lambda length: "m" * length),
-    values,
-)
-bodies = st.fixed_dictionaries(
-    {},
-    optional={
-        "model": models,
-        "messages": messageLists,
-        "stream": values,
-        "temperature": values,
-        "max_tokens": values,
-        "tools": values,
-    },
-)
-
-
-def outcome(body: bytes) -> tuple[str, set[str]]:
-    """
-    What the parser makes of C{body}: "ok", or the error code and the set
-    of field error codes. Anything else than an ApiError of 400 fails.
-    """
-    try:
-        parseChatBody(body)
-    except ApiError as error:
-        assert error.status == 400, error
-        assert error.code.value in ("INVALID_JSON", "VALIDATION_ERROR")
-        codes = {each.code.value for each in error.fieldErrors}
-        assert codes <= set(FIELD_CODES)
-        if error.code.value == "VALIDATION_ERROR":
-            assert codes, "a VALIDATION_ERROR without field errors"
-        return error.code.value, codes
-    return "ok", set()
+from svcd.proxy.http.chatbody import MAX_CONTENT_BYTES, MAX_MESSAGES, ROLES
 
 
 def encode(document: Any) -> bytes:

@@ -25,12 +25,16 @@ import attrs
 import grpc
 import pytest
 from authfixtures import secretOf
+from gatewayfixtures import PATIENT_AUTH, Answer, chat, runningGateway
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from test_gateway_e2e import PATIENT_AUTH, Answer, chat, runningGateway
 
 from svcd.auth.authority import issueToken
 from svcd.common.pat import formatToken, newSecret, parseToken
 from svcd.testing.servers import PostgresServer
+
+# Starts real daemons or processes (conftest.py, pytest.ini): left out of a
+# quick run, dev/test -m "not e2e".
+pytestmark = pytest.mark.e2e
 
 CONTENT = "distinctive-message-content-" + uuid.uuid4().hex
 INBOUND_TRACE = uuid.uuid4().hex

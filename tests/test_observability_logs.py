@@ -490,6 +490,7 @@ async def test_operationsSiteLogsStructuredDebugLine(captured: CapturedLines) ->
 # A daemonised proxy
 
 
+@pytest.mark.e2e
 def test_daemonisedProxyLogsJSONToLogfile(tmp_path: Path) -> None:
     """
     `twistd --logfile=... --pidfile=... svc-proxy` (daemonised, no -n)

@@ -30,6 +30,10 @@ from svcd.testing.fakeauth import servingAuth
 from svcd.testing.servers import freePort
 from svcd.testing.upstream import ScriptedUpstream
 
+# Starts real daemons or processes (conftest.py, pytest.ini): left out of a
+# quick run, dev/test -m "not e2e".
+pytestmark = pytest.mark.e2e
+
 SLOW_VALIDATE = 1.0
 
 

@@ -24,12 +24,10 @@ import pytest_twisted
 from hypothesis import given
 from hypothesis import strategies as st
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ParentBased
 from opentelemetry.trace import SpanKind, StatusCode
-from treq.testing import StubTreq
-from twisted.internet.task import Clock
+from tracinghelpers import Traced, chatHeaders, recordingProvider
 from twisted.logger import capturedLogs
 
 from svcd.common.config import ConfigError
@@ -44,16 +42,12 @@ from svcd.common.tracing import (
     tracerProvider,
     unsampledParent,
 )
-from svcd.limits.limiter import RedisRateLimiter
 from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
-from svcd.proxy.config import ProxyConfig
-from svcd.proxy.http.edge import ProxyEdge
 from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.testing import FakeAuthClient, MemoryCounters, newToken
+from svcd.proxy.testing import newToken
 from svcd.proxy.validation.client import GrpcAuthClient
 from svcd.testing.fakeauth import servingAuth
 
-NOW = 1_700_000_015.0
 INBOUND_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 INBOUND_PARENT = "00f067aa0ba902b7"
 CONTENT = "observability-tracing-secret-content-" + uuid.uuid4().hex
@@ -62,71 +56,9 @@ CHAT_BODY = json.dumps(
 ).encode()
 
 
-def recordingProvider(ratio: float = 1.0) -> tuple[TracerProvider, InMemorySpanExporter]:
-    """
-    A provider sampling C{ratio} of root spans, exporting synchronously
-    into memory.
-    """
-    provider = tracerProvider(TracingConfig("svc-test", "development", sampleRatio=ratio))
-    exporter = InMemorySpanExporter()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return provider, exporter
-
-
-class Traced:
-    """
-    A proxy edge (fake auth client, in-memory rate limiter) whose spans
-    land in C{exporter}.
-    """
-
-    def __init__(self, ratio: float = 1.0) -> None:
-        self.provider, self.exporter = recordingProvider(ratio)
-        clock = Clock()
-        clock.advance(NOW)
-        self.auth = FakeAuthClient()
-        config = ProxyConfig(authGrpcAddr="auth.test:9091")
-        limiter = RedisRateLimiter(MemoryCounters(), clock, 60, {})
-        self.edge = ProxyEdge(
-            config, self.auth, limiter, ProxyMetrics(), clock, self.provider.get_tracer("test")
-        )
-        self.stub = StubTreq(self.edge.resource())
-
-    async def request(
-        self, method: str, path: str, headers: dict[str, str] | None = None, body: bytes = b""
-    ) -> Any:
-        from twisted.internet import reactor
-        from twisted.internet.task import deferLater
-
-        pending = self.stub.request(
-            method, "http://proxy.test" + path, headers=headers or {}, data=body or None
-        )
-        outcome: list[Any] = []
-        pending.addBoth(lambda result: outcome.append(result) or result)
-        # An answer completed later by the real reactor (a real gRPC call)
-        # reaches StubTreq's in-memory client only when flushed.
-        while not outcome:
-            self.stub.flush()
-            await deferLater(reactor, 0.005, lambda: None)
-        response = await pending
-        await response.content()
-        return response
-
-    def spans(self) -> list[ReadableSpan]:
-        return list(self.exporter.get_finished_spans())
-
-
 def traceIDHeader(response: Any) -> str:
     [value] = response.headers.getRawHeaders("X-Trace-ID")
     return str(value.decode() if isinstance(value, bytes) else value)
-
-
-def chatHeaders(token: str, agentID: str, **extra: str) -> dict[str, str]:
-    return {
-        "Authorization": "Bearer " + token,
-        "X-SVC-Agent-ID": agentID,
-        "Content-Type": "application/json",
-        **extra,
-    }
 
 
 # Settings

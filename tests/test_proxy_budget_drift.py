@@ -19,6 +19,18 @@ from typing import Any
 
 import pytest
 import pytest_twisted
+from limitshelpers import (
+    AGENT_ID,
+    ORG_DAY,
+    ORG_ID,
+    WINDOW,
+    Ledger,
+    budgetBook,
+    counter,
+    fakeClock,
+    redisCall,
+    waitFor,
+)
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 
@@ -30,15 +42,6 @@ from svcd.proxy.config import ProxyConfig
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.testing import MemoryCounters
 from svcd.testing.servers import RedisServer
-from tests.test_proxy_limits import (
-    AGENT_ID,
-    ORG_DAY,
-    ORG_ID,
-    Ledger,
-    budgetBook,
-    redisCall,
-)
-from tests.test_proxy_ratelimit import WINDOW, counter, fakeClock, waitFor
 
 LEASE = 2.0
 GRACE = 4.0

@@ -26,6 +26,10 @@ from svcd.pb.auth.v1 import auth_pb2_grpc
 from svcd.testing.daemons import Daemon, twistdCommand
 from svcd.testing.servers import freePort
 
+# Starts real daemons or processes (conftest.py, pytest.ini): left out of a
+# quick run, dev/test -m "not e2e".
+pytestmark = pytest.mark.e2e
+
 
 def proxyEnvironment(**overrides: str) -> dict[str, str]:
     return {

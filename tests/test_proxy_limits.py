@@ -11,7 +11,6 @@ through real daemons is in tests/test_gateway_limits.py.
 
 from __future__ import annotations
 
-import socket
 import uuid
 from typing import Any
 
@@ -19,10 +18,24 @@ import pytest
 import pytest_twisted
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from twisted.internet.defer import Deferred, fail, gatherResults, succeed
+from limitshelpers import (
+    AGENT_ID,
+    DAY_END,
+    DAY_START,
+    ORG_DAY,
+    ORG_ID,
+    WINDOW,
+    Ledger,
+    budgetBook,
+    counter,
+    fakeClock,
+    redisCall,
+    waitFor,
+)
+from twisted.internet.defer import Deferred, gatherResults
 
 from svcd.common.config import parseRedisURL
-from svcd.limits.book import NO_LIMITS, Applicable, BudgetRow, LimitBook, LimitsRow
+from svcd.limits.book import NO_LIMITS, Applicable, LimitBook, LimitsRow
 from svcd.limits.limiter import (
     _ADMIT_SCRIPT,
     AGENT,
@@ -53,10 +66,7 @@ from svcd.proxy.testing import MemoryCounters
 from svcd.proxy.validation.client import limitsOf
 from svcd.proxy.validation.feed import limitsRowOf
 from svcd.testing.servers import RedisServer
-from tests.test_proxy_ratelimit import WINDOW, counter, fakeClock, waitFor
 
-ORG_ID = "5b0c1d2e-3f40-4a51-8b62-7c83d94ea5f6"
-AGENT_ID = "0a1b2c3d-4e5f-4061-8273-94a5b6c7d8e9"
 OTHER_AGENT = "1f2e3d4c-5b6a-4798-8a7b-6c5d4e3f2a1b"
 
 
@@ -494,35 +504,6 @@ def _evalInRedis(
     return redisCall(server, "EVAL", script, str(len(keys)), *keys, *map(str, arguments))
 
 
-def redisCall(server: RedisServer, *words: str | bytes) -> Any:
-    """
-    One command over a plain socket, with the reply read whole (RESP
-    integers, simple and bulk strings, nil and arrays).
-    """
-    encoded = [word.encode() if isinstance(word, str) else word for word in words]
-    request = b"*%d\r\n" % len(encoded) + b"".join(
-        b"$%d\r\n%s\r\n" % (len(word), word) for word in encoded
-    )
-    with socket.create_connection((server.host, server.port), timeout=5) as connection:
-        connection.sendall(request)
-        reader = connection.makefile("rb")
-
-        def read() -> Any:
-            line = reader.readline().rstrip(b"\r\n")
-            kind, rest = line[:1], line[1:]
-            if kind == b":":
-                return int(rest)
-            if kind == b"+":
-                return rest
-            if kind == b"*":
-                return [read() for _ in range(int(rest))]
-            if kind == b"$":
-                return None if rest == b"-1" else reader.read(int(rest) + 2)[:-2]
-            raise AssertionError(f"unexpected reply {line!r}")
-
-        return read()
-
-
 @st.composite
 def _request(draw: st.DrawFn) -> tuple[Counter, ...]:
     keys = draw(st.lists(st.sampled_from("abcd"), min_size=1, max_size=4, unique=True))
@@ -679,16 +660,8 @@ def test_scriptCountsExactlyToWhatADoubleHolds(redisServer: RedisServer) -> None
 # Budgets (decisions D12)
 
 
-def budgetBook(org: Budget | None = None, agent: Budget | None = None) -> LimitBook:
-    book = LimitBook()
-    book.replace([BudgetRow(ORG_ID, None, org), BudgetRow(ORG_ID, AGENT_ID, agent)])
-    return book
-
-
-# 2023-11-14T22:14:00Z, inside WINDOW's day and month.
-DAY_START, DAY_END = budgetPeriod("day", WINDOW)
+# 2023-11-14T22:14:00Z, inside WINDOW's month.
 MONTH_START, MONTH_END = budgetPeriod("month", WINDOW)
-ORG_DAY = f"budget:{ORG_ID}:day:{DAY_START}"
 AGENT_MONTH = f"budget:{ORG_ID}:month:{MONTH_START}:agent:{AGENT_ID}"
 
 
@@ -720,24 +693,6 @@ def test_budgetPeriods() -> None:
     assert budgetPeriod("month", 1_700_000_040) == (1_698_796_800, 1_701_388_800)
     december = 1_702_000_000  # 2023-12-08
     assert budgetPeriod("month", december) == (1_701_388_800, 1_704_067_200)
-
-
-class Ledger:
-    """
-    svc-auth's GetSpend, scripted: what each period has cost, and the
-    questions asked.
-    """
-
-    def __init__(self, spent: int = 0, failing: bool = False) -> None:
-        self.spent = spent
-        self.failing = failing
-        self.asked: list[tuple[str, str | None, int, int]] = []
-
-    def __call__(self, orgID: str, agentID: str | None, since: int, until: int) -> Deferred[int]:
-        self.asked.append((orgID, agentID, since, until))
-        if self.failing:
-            return fail(ConnectionError("svc-auth is away"))
-        return succeed(self.spent)
 
 
 async def budgetLimiter(redisURL: str, book: LimitBook, ledger: Ledger) -> RedisRateLimiter:

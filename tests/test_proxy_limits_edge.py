@@ -38,6 +38,10 @@ from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.testing import FakeAuthClient, MemoryCounters, MemoryLedger
 from svcd.testing.upstream import ScriptedUpstream
 
+# Starts real daemons or processes (conftest.py, pytest.ini): left out of a
+# quick run, dev/test -m "not e2e".
+pytestmark = pytest.mark.e2e
+
 
 async def waitFor(condition: Callable[[], bool], seconds: float = 10.0) -> None:
     from twisted.internet import reactor

@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import pytest_twisted
+from limitshelpers import WINDOW, counter, fakeClock, waitFor
 from treq.testing import StubTreq
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock, deferLater
@@ -35,18 +35,6 @@ from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.testing import FakeAuthClient
 from svcd.testing.servers import RedisServer
 
-WINDOW = 1_700_000_040  # a calendar minute: a multiple of 60
-
-
-async def waitFor(condition: Callable[[], bool], seconds: float = 10.0) -> None:
-    from twisted.internet import reactor
-
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not true within {seconds} s")
-        await deferLater(reactor, 0.02, lambda: None)
-
 
 async def connectedLimiter(
     url: str, clock: Any = None, defaultRPM: int = 60, orgRPM: dict[str, int] | None = None
@@ -62,16 +50,6 @@ async def connectedLimiter(
     limiter.start()
     await waitFor(lambda: link.connected)
     return limiter, link
-
-
-def fakeClock(at: float) -> Clock:
-    clock = Clock()
-    clock.advance(at)
-    return clock
-
-
-def counter(server: RedisServer, key: str) -> int:
-    return int(server.command("INCRBY", key, "0")[1:])
 
 
 @pytest_twisted.ensureDeferred

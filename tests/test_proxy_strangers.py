@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest_twisted
 from prometheus_client import CollectorRegistry, Counter
-from test_hostile_http import CHAT, Harness, RawClient, head, sleep
+from rawhttp import CHAT, Harness, RawClient, head, sleep
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.logger import LogEvent, globalLogPublisher

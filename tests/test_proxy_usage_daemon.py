@@ -31,6 +31,10 @@ from svcd.testing.fakeauth import LedgerAuth, servingAuth
 from svcd.testing.servers import freePort
 from svcd.testing.upstream import ScriptedUpstream
 
+# Starts real daemons or processes (conftest.py, pytest.ini): left out of a
+# quick run, dev/test -m "not e2e".
+pytestmark = pytest.mark.e2e
+
 # Bounds on waits for what the proxy does on its own: far above what it
 # takes, a guard against a hang on a loaded machine.
 WAIT = 30.0

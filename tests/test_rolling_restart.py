@@ -38,6 +38,10 @@ import pytest
 from svcd.testing import rolling
 from svcd.testing.servers import PostgresServer
 
+# Starts real daemons or processes (conftest.py, pytest.ini): left out of a
+# quick run, dev/test -m "not e2e".
+pytestmark = pytest.mark.e2e
+
 ROUNDS = 3
 
 

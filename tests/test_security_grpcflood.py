@@ -26,7 +26,7 @@ from typing import Any
 import attrs
 import pytest
 from authfixtures import Tenant
-from test_gateway_e2e import CHAT_BODY, Gateway, unlimitedGateway
+from gatewayfixtures import CHAT_BODY, Gateway, unlimitedGateway
 
 from svcd.testing.servers import PostgresServer
 
@@ -99,7 +99,7 @@ MINIMUM_RATIO = 0.5
 # The latencies and throughput measured here are judged against the
 # machine's own pace: with pytest-xdist's workers, these tests run last and
 # alone (tests/conftest.py).
-pytestmark = pytest.mark.serial
+pytestmark = [pytest.mark.serial, pytest.mark.e2e]
 
 
 @pytest.fixture(scope="module")

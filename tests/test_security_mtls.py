@@ -35,7 +35,7 @@ import psycopg
 import pytest
 import trustme
 from authfixtures import Tenant, makeTenant
-from test_gateway_e2e import assertEnvelope, chat, request
+from gatewayfixtures import assertEnvelope, chat, request
 
 from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
@@ -44,6 +44,10 @@ from svcd.testing.daemons import Daemon, authEnvironment, twistdCommand
 from svcd.testing.servers import PostgresServer, RedisServer, freePort
 from svcd.testing.upstream import ScriptedUpstream
 from svcd.testing.waiting import waitUntil
+
+# Starts real daemons or processes (conftest.py, pytest.ini): left out of a
+# quick run, dev/test -m "not e2e".
+pytestmark = pytest.mark.e2e
 
 
 @attrs.frozen

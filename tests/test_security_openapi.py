@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import schemathesis
 import yaml
+from gatewayfixtures import Gateway, assertCommonHeaders, assertEnvelope, request, unlimitedGateway
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
@@ -38,13 +39,6 @@ from schemathesis.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
-from test_gateway_e2e import (
-    Gateway,
-    assertCommonHeaders,
-    assertEnvelope,
-    request,
-    unlimitedGateway,
-)
 
 from svcd.common.errors import ErrorCode, FieldErrorCode
 from svcd.limits.limiter import RedisRateLimiter
@@ -55,6 +49,10 @@ from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.testing import FakeAuthClient, MemoryCounters
 from svcd.testing.servers import PostgresServer
 from svcd.testing.upstream import ScriptedUpstream
+
+# Starts real daemons or processes (conftest.py, pytest.ini): left out of a
+# quick run, dev/test -m "not e2e".
+pytestmark = pytest.mark.e2e
 
 DOCUMENT = Path(__file__).parent.parent / "docs" / "openapi.yaml"
 # The cases test_schemathesisFindsNothing generates: enough to reach every

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from authfixtures import Tenant, makeTenant, secretOf
-from test_gateway_e2e import (
+from gatewayfixtures import (
     PATIENT_AUTH,
     Answer,
     Gateway,
@@ -28,6 +28,10 @@ from test_gateway_e2e import (
 from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
 from svcd.testing.servers import PostgresServer
 from svcd.testing.waiting import waitUntil
+
+# Starts real daemons or processes (conftest.py, pytest.ini): left out of a
+# quick run, dev/test -m "not e2e".
+pytestmark = pytest.mark.e2e
 
 ALL_PERMISSIONS = 1 | 2 | 4 | 8
 

@@ -5,56 +5,15 @@ and exit 0, or one line on stderr and a non-zero exit.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import uuid
 from typing import Any
 
 import pytest
 from authfixtures import makeTenant, secretOf
+from authhelpers import document, failure, svcctl
 
 from svcd.auth.migrations import migrationFiles
 from svcd.auth.store import Store
-
-
-def svcctl(dsn: str | None, *arguments: str) -> subprocess.CompletedProcess[str]:
-    environment = {key: value for key, value in os.environ.items() if key != "POSTGRES_DSN"}
-    if dsn is not None:
-        environment["POSTGRES_DSN"] = dsn
-    return subprocess.run(
-        [sys.executable, "-m", "svcd.auth.ctl", *arguments],
-        capture_output=True,
-        text=True,
-        env=environment,
-        timeout=60,
-        check=False,
-    )
-
-
-def document(result: subprocess.CompletedProcess[str]) -> Any:
-    """
-    The one JSON document a successful command printed.
-    """
-    assert result.returncode == 0, result.stderr
-    assert result.stderr == ""
-    lines = result.stdout.splitlines()
-    assert len(lines) == 1, result.stdout
-    return json.loads(lines[0])
-
-
-def failure(result: subprocess.CompletedProcess[str]) -> str:
-    """
-    The one stderr line of a failed command, which printed nothing on
-    stdout.
-    """
-    assert result.returncode != 0
-    assert result.stdout == ""
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1, result.stderr
-    assert "Traceback" not in result.stderr
-    return lines[0]
 
 
 def test_migrateTwice(databaseDSN: str) -> None:

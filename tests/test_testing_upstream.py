@@ -31,6 +31,10 @@ from svcd.testing.upstream import (
     parseScript,
 )
 
+# Starts real daemons or processes (conftest.py, pytest.ini): left out of a
+# quick run, dev/test -m "not e2e".
+pytestmark = pytest.mark.e2e
+
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "Say hello to the test suite"},
