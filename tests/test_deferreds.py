@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 import pytest_twisted
+from twisted.internet.address import IPv4Address
 from twisted.internet.defer import Deferred, TimeoutError
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import Clock
@@ -52,7 +53,7 @@ def test_resultBeforeTheBudget() -> None:
 
 class _Notify(Protocol):
     def dataReceived(self, data: bytes) -> None:
-        self.factory.received(self, data)  # type: ignore[attr-defined]
+        self.factory.received(self, data)
 
 
 @pytest.fixture
@@ -65,7 +66,7 @@ def twoClients() -> Iterator[tuple[socket.socket, socket.socket, dict[str, objec
 
     state: dict[str, object] = {"connections": []}
 
-    class _Factory(Factory):
+    class _Factory(Factory[_Notify]):
         protocol = _Notify
 
         def received(self, protocol: Protocol, data: bytes) -> None:
@@ -73,8 +74,11 @@ def twoClients() -> Iterator[tuple[socket.socket, socket.socket, dict[str, objec
             if callable(handler):
                 handler(protocol, data)
 
-    port = reactor.listenTCP(0, _Factory(), interface="127.0.0.1")  # type: ignore[attr-defined]
+    # Twisted's stubs want a ServerFactory of their own protocol type; any
+    # IProtocolFactory does.
+    port = reactor.listenTCP(0, _Factory(), interface="127.0.0.1")  # type: ignore[arg-type]
     address = port.getHost()
+    assert isinstance(address, IPv4Address)
     first = socket.create_connection((address.host, address.port))
     second = socket.create_connection((address.host, address.port))
     try:
@@ -110,6 +114,6 @@ async def test_replyWaitingAfterABusyStretchIsInTime(
             work.callback(data)
 
     state["handler"] = handler
-    result = timeoutDeferred(work, 0.05, reactor)  # type: ignore[arg-type]
+    result = timeoutDeferred(work, 0.05, reactor)
     trigger.sendall(b"busy")
     assert await result == b"reply"

@@ -36,6 +36,7 @@ from forwardingfixtures import (
     sseEvents,
     streamedContent,
 )
+from openai.types.chat import ChatCompletion
 
 # Each test finds its own requests by request id (forwardingfixtures).
 pytestmark = [pytest.mark.usefixtures("emptyRequestLogs"), pytest.mark.e2e]
@@ -325,9 +326,11 @@ def test_gatewaysOwnRefusalIsAuthenticationError(forwarding: Forwarding) -> None
     with pytest.raises(openai.AuthenticationError) as raised:
         forwarding.client(token=bogus).chat.completions.create(model="fast", messages=messages())
     assert raised.value.status_code == 401
-    assert raised.value.body["code"] == "INVALID_TOKEN"
+    body = raised.value.body
+    assert isinstance(body, dict)
+    assert body["code"] == "INVALID_TOKEN"
     requestID = raised.value.response.headers["x-request-id"]
-    assert raised.value.body["request_id"] == requestID
+    assert body["request_id"] == requestID
     assert forwarding.receivedNothing(requestID)
 
 
@@ -370,6 +373,7 @@ def test_faultTriesTheFallback(
         if stream:
             assert streamedContent(list(parsed)) == echoContent()
         else:
+            assert isinstance(parsed, ChatCompletion)
             assert parsed.choices[0].message.content == echoContent()
         received = forwarding.received(requestID, count=len(before) + 1)
         assert [each.body["model"] for each in received] == [*before, "echo"]
@@ -392,6 +396,7 @@ def test_rejectedTriesNoFallback(forwarding: Forwarding, model: str) -> None:
             )
         assert raised.value.status_code == status
         body = raised.value.body
+        assert isinstance(body, dict)
         assert body["code"] == "UPSTREAM_REJECTED"
         received = forwarding.received(body["request_id"])
         assert [each.body["model"] for each in received] == [f"status:{status}"]
@@ -425,16 +430,16 @@ def test_allAttemptsFailLastOnesError(forwarding: Forwarding) -> None:
     client = forwarding.client()
     with pytest.raises(openai.RateLimitError) as limited:
         client.chat.completions.create(model="all-fail-429-last", messages=messages())
-    assertEnvelopeOf(limited.value, 429, "UPSTREAM_RATE_LIMITED", openai.RateLimitError)
+    body = assertEnvelopeOf(limited.value, 429, "UPSTREAM_RATE_LIMITED", openai.RateLimitError)
     assert limited.value.response.headers["retry-after"] == "7"
-    received = forwarding.received(limited.value.body["request_id"], count=2)
+    received = forwarding.received(body["request_id"], count=2)
     assert [each.body["model"] for each in received] == ["status:503", "status:429"]
 
     with pytest.raises(openai.InternalServerError) as failed:
         client.chat.completions.create(model="all-fail-503-last", messages=messages())
-    assertEnvelopeOf(failed.value, 502, "UPSTREAM_ERROR", openai.InternalServerError)
+    body = assertEnvelopeOf(failed.value, 502, "UPSTREAM_ERROR", openai.InternalServerError)
     assert "retry-after" not in failed.value.response.headers
-    received = forwarding.received(failed.value.body["request_id"], count=2)
+    received = forwarding.received(body["request_id"], count=2)
     assert [each.body["model"] for each in received] == ["status:429", "status:503"]
 
 
@@ -449,8 +454,8 @@ def test_fallbackOfAnotherOrganizationIsSkipped(forwarding: Forwarding) -> None:
     assert raw.headers["x-svc-upstream-model"] == "private"
     with pytest.raises(openai.InternalServerError) as raised:
         forwarding.client("other").chat.completions.create(model="to-private", messages=messages())
-    assertEnvelopeOf(raised.value, 502, "UPSTREAM_ERROR", openai.InternalServerError)
-    received = forwarding.received(raised.value.body["request_id"])
+    body = assertEnvelopeOf(raised.value, 502, "UPSTREAM_ERROR", openai.InternalServerError)
+    received = forwarding.received(body["request_id"])
     assert [each.body["model"] for each in received] == ["status:503"]
 
 
@@ -484,8 +489,10 @@ def test_closedMidStreamEndsWithOneErrorEvent(forwarding: Forwarding) -> None:
         for chunk in stream:
             seen.append(chunk)
     assert len(seen) == 3
-    assert raised.value.body["code"] == "UPSTREAM_ERROR"
-    assert raised.value.body["request_id"] == stream.response.headers["x-request-id"]
+    body = raised.value.body
+    assert isinstance(body, dict)
+    assert body["code"] == "UPSTREAM_ERROR"
+    assert body["request_id"] == stream.response.headers["x-request-id"]
 
 
 def test_stalledStreamEndsWithTimeoutEvent(forwarding: Forwarding) -> None:
@@ -505,7 +512,9 @@ def test_stalledStreamEndsWithTimeoutEvent(forwarding: Forwarding) -> None:
     assert time.monotonic() - started >= IMPATIENT_IDLE_TIMEOUT
     assert len(seen) == 1 and seen[0].choices[0].delta.role == "assistant"
     requestID = stream.response.headers["x-request-id"]
-    assert raised.value.body["code"] == "UPSTREAM_TIMEOUT"
-    assert raised.value.body["request_id"] == requestID
+    body = raised.value.body
+    assert isinstance(body, dict)
+    assert body["code"] == "UPSTREAM_TIMEOUT"
+    assert body["request_id"] == requestID
     (received,) = forwarding.received(requestID)
     assert received.outcome == "clientGone"

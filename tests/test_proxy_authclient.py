@@ -20,6 +20,7 @@ import grpc
 import pytest
 import pytest_twisted
 from twisted.internet.defer import CancelledError, Deferred, gatherResults
+from twisted.internet.interfaces import IReactorFromThreads
 from twisted.internet.task import deferLater
 
 from svcd.common.errors import ApiError
@@ -36,7 +37,7 @@ from svcd.testing.fakeauth import servingAuth
 Behaviour = Callable[[Any, grpc.ServicerContext], Any]
 
 
-class ScriptedAuthService(auth_pb2_grpc.AuthServiceServicer):  # type: ignore[misc]
+class ScriptedAuthService(auth_pb2_grpc.AuthServiceServicer):
     """
     An AuthService whose answers the test sets, recording what it was
     asked and with which metadata.
@@ -110,7 +111,9 @@ def makeClient(port: int, timeout: float = 0.05) -> tuple[GrpcAuthClient, ProxyM
     # not the TCP and HTTP/2 handshakes.
     grpc.channel_ready_future(channel).result(timeout=5)
     metrics = ProxyMetrics()
-    return GrpcAuthClient(lambda: channel, reactor, reactor, timeout, metrics), metrics
+    return GrpcAuthClient(
+        lambda: channel, IReactorFromThreads(reactor), reactor, timeout, metrics
+    ), metrics
 
 
 @pytest.fixture
@@ -323,7 +326,9 @@ async def test_validateTokenUnreachable() -> None:
     from twisted.internet import reactor
 
     channel = grpc.insecure_channel("127.0.0.1:1")
-    client = GrpcAuthClient(lambda: channel, reactor, reactor, 0.05, ProxyMetrics())
+    client = GrpcAuthClient(
+        lambda: channel, IReactorFromThreads(reactor), reactor, 0.05, ProxyMetrics()
+    )
     try:
         began = time.monotonic()
         error = await apiErrorOf(client.validateToken(newToken()))
@@ -353,7 +358,7 @@ async def test_channelMadeLazily(service: tuple[ScriptedAuthService, int]) -> No
         made.append(grpc.insecure_channel(f"127.0.0.1:{port}"))
         return made[-1]
 
-    client = GrpcAuthClient(factory, reactor, reactor, 1.0, ProxyMetrics())
+    client = GrpcAuthClient(factory, IReactorFromThreads(reactor), reactor, 1.0, ProxyMetrics())
     assert made == []
     client.start()
     await client.checkReachable()
@@ -364,7 +369,7 @@ async def test_channelMadeLazily(service: tuple[ScriptedAuthService, int]) -> No
         await client.checkReachable()
     assert len(made) == 1
 
-    unused = GrpcAuthClient(factory, reactor, reactor, 1.0, ProxyMetrics())
+    unused = GrpcAuthClient(factory, IReactorFromThreads(reactor), reactor, 1.0, ProxyMetrics())
     unused.close()
     error = await apiErrorOf(unused.validateToken(newToken()))
     assert error.code.value == "SERVICE_DEGRADED"
@@ -503,7 +508,11 @@ async def test_checkReachableDown() -> None:
     from twisted.internet import reactor
 
     client = GrpcAuthClient(
-        lambda: grpc.insecure_channel("127.0.0.1:1"), reactor, reactor, 0.05, ProxyMetrics()
+        lambda: grpc.insecure_channel("127.0.0.1:1"),
+        IReactorFromThreads(reactor),
+        reactor,
+        0.05,
+        ProxyMetrics(),
     )
     try:
         with pytest.raises(CheckFailed, match="UNAVAILABLE"):
@@ -580,7 +589,9 @@ async def test_mutualTLS(
         "SVC_AUTH_GRPC_TLS_KEY": str(certificates / "client.key"),
     }
     config = ProxyConfig.fromEnvironment(environ)
-    client = GrpcAuthClient(lambda: authChannel(config), reactor, reactor, 2.0, ProxyMetrics())
+    client = GrpcAuthClient(
+        lambda: authChannel(config), IReactorFromThreads(reactor), reactor, 2.0, ProxyMetrics()
+    )
     try:
         await client.checkReachable()
         assert len(servicer.calls) == 1
@@ -589,7 +600,9 @@ async def test_mutualTLS(
 
     del environ["SVC_AUTH_GRPC_TLS_CERT"], environ["SVC_AUTH_GRPC_TLS_KEY"]
     config = ProxyConfig.fromEnvironment(environ)
-    client = GrpcAuthClient(lambda: authChannel(config), reactor, reactor, 2.0, ProxyMetrics())
+    client = GrpcAuthClient(
+        lambda: authChannel(config), IReactorFromThreads(reactor), reactor, 2.0, ProxyMetrics()
+    )
     try:
         error = await apiErrorOf(client.validateToken(newToken()))
         assert error.code.value == "SERVICE_DEGRADED"
@@ -642,7 +655,13 @@ async def test_callsBeyondTheBoundWaitBeforeTheirDeadlineStarts(
     servicer.token = recorder
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     client = GrpcAuthClient(
-        lambda: channel, reactor, reactor, 1.0, ProxyMetrics(), maxInFlight=2, queueTimeout=10.0
+        lambda: channel,
+        IReactorFromThreads(reactor),
+        reactor,
+        1.0,
+        ProxyMetrics(),
+        maxInFlight=2,
+        queueTimeout=10.0,
     )
     try:
         began = time.monotonic()
@@ -673,7 +692,13 @@ async def test_aCallThatWaitsTooLongFailsClosed(
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     metrics = ProxyMetrics()
     client = GrpcAuthClient(
-        lambda: channel, reactor, reactor, 1.0, metrics, maxInFlight=1, queueTimeout=0.05
+        lambda: channel,
+        IReactorFromThreads(reactor),
+        reactor,
+        1.0,
+        metrics,
+        maxInFlight=1,
+        queueTimeout=0.05,
     )
     try:
         first = client.validateToken(newToken())
@@ -710,8 +735,12 @@ def test_callSlotsServeTheLaterStageFirst() -> None:
         "token-2": slots.acquire(0),
         "agent-2": slots.acquire(1),
     }
+
+    def serve(_: None, name: str) -> None:
+        served.append(name)
+
     for name, turn in waiters.items():
-        turn.addCallback(lambda _, name=name: served.append(name))
+        turn.addCallback(serve, name)
     waiters["agent-1"].cancel()
     waiters["agent-1"].addErrback(lambda failure: None)
     for _ in range(3):
@@ -752,10 +781,16 @@ async def test_aRequestsSecondCallGoesBeforeNewRequests(
     servicer.agent = agent
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     client = GrpcAuthClient(
-        lambda: channel, reactor, reactor, 1.0, ProxyMetrics(), maxInFlight=1, queueTimeout=5.0
+        lambda: channel,
+        IReactorFromThreads(reactor),
+        reactor,
+        1.0,
+        ProxyMetrics(),
+        maxInFlight=1,
+        queueTimeout=5.0,
     )
     try:
-        calls = [client.validateToken(newToken()) for _ in range(3)]
+        calls: list[Deferred[Any]] = [client.validateToken(newToken()) for _ in range(3)]
         calls.append(client.validateAgent(newToken(), str(uuid.uuid4()), orgID))
         await gatherResults(calls)
         assert order == ["token", "agent", "token", "token"]
@@ -810,12 +845,14 @@ async def test_agentValidationsShareOnlyIdenticalQuestions(
     # sharing, not the deadline).
     client, _ = makeClient(port, timeout=1.0)
     orgID, agentID = str(uuid.uuid4()), str(uuid.uuid4())
-    servicer.agent = lambda request, context: (
-        time.sleep(0.02),
-        auth_pb2.ValidateAgentResponse(
+
+    def agent(request: Any, context: grpc.ServicerContext) -> Any:
+        time.sleep(0.02)
+        return auth_pb2.ValidateAgentResponse(
             agent_id=request.agent_id, org_id=request.org_id, status="active"
-        ),
-    )[1]
+        )
+
+    servicer.agent = agent
     token, other = newToken(), newToken()
     asked = [
         client.validateAgent(token, agentID, orgID),
@@ -881,7 +918,9 @@ async def test_aCallSvcAuthCancelledIsSentOnceMore(
     servicer, port = service
     channel = authChannel(ProxyConfig(authGrpcAddr=f"127.0.0.1:{port}"))
     grpc.channel_ready_future(channel).result(timeout=5)
-    client = GrpcAuthClient(lambda: channel, reactor, reactor, 2.0, ProxyMetrics())
+    client = GrpcAuthClient(
+        lambda: channel, IReactorFromThreads(reactor), reactor, 2.0, ProxyMetrics()
+    )
     orgID = str(uuid.uuid4())
     cancelled = abortWith(grpc.StatusCode.CANCELLED, "svc-auth is stopping")
     try:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from svcd.testing.upstream import (
     DEFAULT_RETRY_AFTER,
@@ -35,7 +36,7 @@ from svcd.testing.upstream import (
 # quick run, dev/test -m "not e2e".
 pytestmark = pytest.mark.e2e
 
-MESSAGES = [
+MESSAGES: list[ChatCompletionMessageParam] = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "Say hello to the test suite"},
 ]
