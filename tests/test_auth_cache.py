@@ -6,6 +6,7 @@ one second, and bad tokens cannot be used to burn CPU.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import uuid
@@ -19,6 +20,7 @@ from authhelpers import CountingVerifier
 
 import svcd.auth.authority
 from svcd.auth.authority import AGENT_NOT_ACTIVE
+from svcd.auth.hashing import verifySecret
 from svcd.auth.store import Store
 from svcd.common.pat import formatToken, newSecret
 from svcd.pb.auth.v1 import auth_pb2
@@ -28,20 +30,23 @@ from svcd.testing.waiting import waitUntil
 
 @pytest.fixture
 def verifier(monkeypatch: pytest.MonkeyPatch) -> Iterator[CountingVerifier]:
-    counting = CountingVerifier(svcd.auth.authority.verifySecret)
+    counting = CountingVerifier(verifySecret)
     monkeypatch.setattr(svcd.auth.authority, "verifySecret", counting)
     yield counting
 
 
 def validate(service: RunningAuthService, token: str) -> auth_pb2.ValidateTokenResponse:
-    return service.call("ValidateToken", auth_pb2.ValidateTokenRequest(access_token=token))
+    response: auth_pb2.ValidateTokenResponse = service.call(
+        "ValidateToken", auth_pb2.ValidateTokenRequest(access_token=token)
+    )
+    return response
 
 
 def codeOf(call: Callable[[], object]) -> grpc.StatusCode:
     try:
         call()
     except grpc.RpcError as error:
-        return error.code()  # type: ignore[no-any-return]
+        return error.code()
     return grpc.StatusCode.OK
 
 
@@ -79,7 +84,7 @@ def test_repeatedWrongSecretRunsArgon2Once(
     assert verifier.calls == 2
     for _ in range(20):
         other = formatToken(tenant.tokenID, newSecret())
-        assert codeOf(lambda other=other: validate(authService, other)) == (
+        assert codeOf(functools.partial(validate, authService, other)) == (
             grpc.StatusCode.UNAUTHENTICATED
         )
     assert verifier.calls == 2
@@ -94,7 +99,7 @@ def test_unknownTokenIdsRunNoArgon2(
     """
     for _ in range(20):
         bearer = formatToken(uuid.uuid4(), newSecret())
-        assert codeOf(lambda bearer=bearer: validate(authService, bearer)) == (
+        assert codeOf(functools.partial(validate, authService, bearer)) == (
             grpc.StatusCode.UNAUTHENTICATED
         )
     assert verifier.calls == 0
@@ -112,7 +117,7 @@ def test_aStaleEntryIsReadAgainWithoutAColdSlot(
     yet connected).
     """
     gate = threading.Event()
-    held = CountingVerifier(svcd.auth.authority.verifySecret, gate=gate)
+    held = CountingVerifier(verifySecret, gate=gate)
     monkeypatch.setattr(svcd.auth.authority, "verifySecret", held)
     service = RunningAuthService(
         migratedDSN, coldSlots=2, coldWait=0.05, workers=24, listen=False
@@ -127,7 +132,7 @@ def test_aStaleEntryIsReadAgainWithoutAColdSlot(
         wrongs = [formatToken(victim.tokenID, newSecret()) for _ in range(2)]
         with ThreadPoolExecutor(2) as pool:
             calls = [
-                pool.submit(lambda bearer=bearer: codeOf(lambda: validate(service, bearer)))
+                pool.submit(codeOf, functools.partial(validate, service, bearer))
                 for bearer in wrongs
             ]
             waitUntil(lambda: held.running == 2, limit=5.0)
@@ -153,7 +158,7 @@ def test_coldVerificationsAreBounded(
     being answered at once.
     """
     gate = threading.Event()
-    held = CountingVerifier(svcd.auth.authority.verifySecret, gate=gate)
+    held = CountingVerifier(verifySecret, gate=gate)
     monkeypatch.setattr(svcd.auth.authority, "verifySecret", held)
     service = RunningAuthService(migratedDSN, coldSlots=2, coldWait=0.05, workers=24).start()
     try:
@@ -173,7 +178,7 @@ def test_coldVerificationsAreBounded(
         wrongs = [formatToken(victim.tokenID, newSecret()) for _ in range(16)]
         with ThreadPoolExecutor(16) as pool:
             calls = [
-                pool.submit(lambda bearer=bearer: codeOf(lambda: validate(service, bearer)))
+                pool.submit(codeOf, functools.partial(validate, service, bearer))
                 for bearer in wrongs
             ]
             waitUntil(lambda: held.running == 2, limit=5.0)
@@ -206,7 +211,7 @@ def test_burstOnAColdTokenRunsArgon2Once(
     the first instead of each queueing for a cold slot. A wrong secret in
     the same burst is still refused.
     """
-    slow = CountingVerifier(svcd.auth.authority.verifySecret, delay=0.05)
+    slow = CountingVerifier(verifySecret, delay=0.05)
     monkeypatch.setattr(svcd.auth.authority, "verifySecret", slow)
     service = RunningAuthService(migratedDSN, coldSlots=2, coldWait=0.25, workers=24).start()
     try:

@@ -80,7 +80,8 @@ def test_clientGoneMidStreamClosesUpstream(forwarding: Forwarding) -> None:
     requestID, gone = _leaveMidStream(forwarding)
     (received,) = forwarding.received(requestID)
     assert received.outcome == "clientGone"
-    assert received.ended is not None and received.ended - gone < 1.0, received.ended - gone
+    assert received.ended is not None
+    assert received.ended - gone < 1.0, received.ended - gone
 
 
 def test_clientGoneMidStreamIsNoFault(forwarding: Forwarding) -> None:
@@ -134,7 +135,8 @@ def test_clientGoneWhileWaitingClosesUpstream(forwarding: Forwarding) -> None:
     requestID, gone = _leaveWhileWaiting(forwarding, "slow-answer")
     (received,) = forwarding.received(requestID)
     assert received.outcome == "clientGone"
-    assert received.ended is not None and received.ended - gone < 1.0, received.ended - gone
+    assert received.ended is not None
+    assert received.ended - gone < 1.0, received.ended - gone
 
 
 def _upstreamRequestsCounted(counted: dict[tuple[str, Any], float]) -> dict[str, float]:
@@ -346,7 +348,7 @@ def test_modelOfOtherOrganizationsIsNotConfigured(forwarding: Forwarding) -> Non
     envelope and headers), and nothing is forwarded.
     """
     client = forwarding.client("other")
-    errors = []
+    errors: list[tuple[openai.InternalServerError, dict[str, Any]]] = []
     for model in ("private", "no-such-model"):
         with pytest.raises(openai.InternalServerError) as raised:
             client.chat.completions.create(model=model, messages=messages())
@@ -354,11 +356,11 @@ def test_modelOfOtherOrganizationsIsNotConfigured(forwarding: Forwarding) -> Non
             raised.value, 501, "PROVIDER_NOT_CONFIGURED", openai.InternalServerError
         )
         assert forwarding.receivedNothing(body["request_id"])
-        errors.append(raised.value)
-    private, unknown = errors
-    assert set(private.body) == set(unknown.body)
-    assert private.body["message"] == unknown.body["message"]
-    assert private.body.get("detail") == unknown.body.get("detail")
+        errors.append((raised.value, body))
+    (private, privateBody), (unknown, unknownBody) = errors
+    assert set(privateBody) == set(unknownBody)
+    assert privateBody["message"] == unknownBody["message"]
+    assert privateBody.get("detail") == unknownBody.get("detail")
     assert set(private.response.headers) == set(unknown.response.headers)
     assert len(private.response.content) == len(unknown.response.content)
 
@@ -371,7 +373,9 @@ def test_modelsNeedAToken(forwarding: Forwarding) -> None:
     bogus = f"svc_pat_{uuid.uuid4()}_{'a' * 43}"
     with pytest.raises(openai.AuthenticationError) as raised:
         forwarding.client(token=bogus).models.list()
-    assert raised.value.body["code"] == "INVALID_TOKEN"
+    body = raised.value.body
+    assert isinstance(body, dict)
+    assert body["code"] == "INVALID_TOKEN"
     answer = request(forwarding.gateway.port, "GET", "/v1/models")
     assert (answer.status, answer.code) == (401, "MISSING_TOKEN")
 
@@ -420,7 +424,9 @@ def test_accessLogAndMetrics(forwarding: Forwarding) -> None:
         assert (line["prompt_tokens"], line["completion_tokens"]) == (3, 10)
         assert isinstance(line["upstream_ms"], float | int) and line["upstream_ms"] >= 0
     for error, model, status in ((failed, "status:503", 502), (rejected, "status:400", 400)):
-        line = forwarding.accessLine(error.value.body["request_id"])
+        body = error.value.body
+        assert isinstance(body, dict)
+        line = forwarding.accessLine(body["request_id"])
         assert line["status"] == status
         assert (line["provider"], line["model"], line["upstream_model"]) == ("local", model, model)
         assert line["prompt_tokens"] is None and line["completion_tokens"] is None

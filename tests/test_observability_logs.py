@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import pytest
@@ -34,8 +34,9 @@ from twisted.application.service import Service
 from twisted.internet import task
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.endpoints import TCP4ServerEndpoint
+from twisted.internet.interfaces import IReactorFromThreads
 from twisted.internet.task import deferLater
-from twisted.logger import Logger, LogLevel, globalLogPublisher
+from twisted.logger import ILogObserver, Logger, LogLevel, globalLogPublisher
 
 from svcd.auth.web import AuthOperationsWeb, OperationsSite
 from svcd.common.logs import (
@@ -112,7 +113,7 @@ def test_fieldsFromContext() -> None:
     assert eventFields(event) == {"count": 3}
 
 
-class FailingOrSlowAuth(auth_pb2_grpc.AuthServiceServicer):  # type: ignore[misc]
+class FailingOrSlowAuth(auth_pb2_grpc.AuthServiceServicer):
     """
     ValidateToken fails with INTERNAL for tokens in C{failing}, else both
     calls answer OK.
@@ -150,7 +151,7 @@ async def liveProxy() -> Any:
     grpc.channel_ready_future(channel).result(timeout=5)
     metrics = ProxyMetrics()
     provider = tracerProvider(TracingConfig("svc-proxy", "development", 0.0))
-    auth = GrpcAuthClient(lambda: channel, reactor, reactor, 2.0, metrics)
+    auth = GrpcAuthClient(lambda: channel, IReactorFromThreads(reactor), reactor, 2.0, metrics)
     counters = MemoryCounters()
     limiter = RedisRateLimiter(counters, reactor, 60, {}, timeout=0.05)
     edge = ProxyEdge(
@@ -173,10 +174,11 @@ async def liveProxy() -> Any:
 
 
 async def probe(port: int, token: str) -> Any:
-    response = await treq.get(
-        f"http://127.0.0.1:{port}/v1/internal/auth-probe",
-        headers={"Authorization": "Bearer " + token, "X-SVC-Agent-ID": str(uuid.uuid4())},
-    )
+    headers: dict[bytes | str, bytes | str] = {
+        "Authorization": "Bearer " + token,
+        "X-SVC-Agent-ID": str(uuid.uuid4()),
+    }
+    response = await treq.get(f"http://127.0.0.1:{port}/v1/internal/auth-probe", headers=headers)
     await response.content()
     return response
 
@@ -418,9 +420,11 @@ class Recorded(Service):
 
     def stopService(self) -> Deferred[None]:
         super().stopService()
-        self._log.append("stop " + self.name)
+        name = self.name
+        assert name is not None
+        self._log.append("stop " + name)
         finished = self._finish if self._finish is not None else succeed(None)
-        return finished.addCallback(lambda _: self._log.append("stopped " + self.name))
+        return finished.addCallback(lambda _: self._log.append("stopped " + name))
 
 
 @pytest_twisted.ensureDeferred
@@ -601,9 +605,11 @@ def test_levelFilterAgreesWithTwisted(level: LogLevel) -> None:
 
     ours: list[dict[str, Any]] = []
     twisteds: list[dict[str, Any]] = []
-    mine = LevelFilter(ours.append, level)
+    # Twisted takes any callable as an observer; its annotations ask for
+    # the interface.
+    mine = LevelFilter(cast(ILogObserver, ours.append), level)
     reference = FilteringLogObserver(
-        twisteds.append, [LogLevelFilterPredicate(defaultLogLevel=level)]
+        cast(ILogObserver, twisteds.append), [LogLevelFilterPredicate(defaultLogLevel=level)]
     )
     events: list[dict[str, Any]] = [
         {"log_level": eventLevel, "log_namespace": namespace, "n": index}

@@ -27,15 +27,18 @@ import pytest
 import pytest_twisted
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from twisted.internet.address import IPv4Address
 from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.internet.error import ConnectionDone, ConnectionRefusedError
-from twisted.internet.protocol import Factory, Protocol
-from twisted.internet.task import deferLater
+from twisted.internet.interfaces import IStreamClientEndpoint
+from twisted.internet.protocol import Protocol, ServerFactory
+from twisted.internet.task import Clock, deferLater
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone
 from twisted.web.http import PotentialDataLoss
+from zope.interface import implementer
 
 from svcd.providers.http1 import (
     MAX_HEAD_BYTES,
@@ -82,7 +85,7 @@ class ScriptedConnection(Protocol):
         self.server.closed.append(self)
 
 
-class ScriptedServer(Factory):
+class ScriptedServer(ServerFactory):
     def __init__(self) -> None:
         self.script: Script = lambda connection, request: None
         self.requests: list[bytes] = []
@@ -112,8 +115,9 @@ class Body(Protocol):
         self.done.callback((b"".join(self.parts), reason))
 
 
-class FakeClock:
+class FakeClock(Clock):
     def __init__(self) -> None:
+        super().__init__()
         self.now = 1000.0
 
     def seconds(self) -> float:
@@ -125,12 +129,14 @@ def served() -> Iterator[tuple[ScriptedServer, ConnectionPool, FakeClock]]:
     from twisted.internet import reactor
 
     server = ScriptedServer()
-    port = reactor.listenTCP(0, server, interface="127.0.0.1")  # type: ignore[attr-defined]
+    port = reactor.listenTCP(0, server, interface="127.0.0.1")
+    address = port.getHost()
+    assert isinstance(address, IPv4Address)
     clock = FakeClock()
     pool = ConnectionPool(
         reactor,
         clock,
-        f"http://127.0.0.1:{port.getHost().port}/v1/chat/completions",
+        f"http://127.0.0.1:{address.port}/v1/chat/completions",
         {b"Content-Type": b"application/json", b"Authorization": b"Bearer k\r\nX-Evil: 1"},
         idleSeconds=4.0,
     )
@@ -283,7 +289,7 @@ async def test_serverClosingAnIdleConnection(served: Any) -> None:
     server, pool, _ = served
     server.answer(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
     await body(await pool.post(b"{}", {}))
-    server.connections[0].transport.loseConnection()  # type: ignore[union-attr]
+    server.connections[0].transport.loseConnection()
     await until(lambda: pool.idleConnections == 0)
     assert (await body(await pool.post(b"{}", {})))[0] == b"ok"
     assert len(server.connections) == 2
@@ -353,7 +359,7 @@ async def test_closedBeforeAnswering(served: Any) -> None:
     A server that closes without answering fails the request.
     """
     server, pool, _ = served
-    server.script = lambda connection, request: connection.transport.loseConnection()  # type: ignore[union-attr]
+    server.script = lambda connection, request: connection.transport.loseConnection()
     with pytest.raises(Exception) as raised:
         await pool.post(b"{}", {})
     assert not isinstance(raised.value, CancelledError)
@@ -716,6 +722,7 @@ async def test_refusalsAreUpstreamErrors(answer: bytes) -> None:
 # random answers, valid ones and their mutations, read by both.
 
 
+@implementer(IStreamClientEndpoint)
 class MemoryEndpoint:
     """
     Connects a pool's protocol to a StringTransport at once: the answer is

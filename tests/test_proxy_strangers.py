@@ -21,14 +21,15 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest_twisted
 from prometheus_client import CollectorRegistry, Counter
 from rawhttp import CHAT, Harness, RawClient, head, sleep
 from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import ITCPTransport
 from twisted.internet.task import Clock
-from twisted.logger import LogEvent, globalLogPublisher
+from twisted.logger import ILogObserver, LogEvent, globalLogPublisher
 
 from svcd.proxy.http.site import (
     LINGER_SECONDS,
@@ -184,9 +185,11 @@ async def test_bearerBodiesAreStillReadOnKeepAlive(proxy: StrangerHarness) -> No
     assert client.transport is not None
     for expected in (1, 2):
         client.transport.write(proxy.chatHead(len(CHAT)) + CHAT)
-        await eventually(
-            lambda count=expected: client.received.count(b"PROVIDER_NOT_CONFIGURED") == count
-        )
+
+        def answered(count: int = expected) -> bool:
+            return client.received.count(b"PROVIDER_NOT_CONFIGURED") == count
+
+        await eventually(answered)
     assert not client.closed.called
     assert proxy.site.bufferedBodyBytes == 0
     client.transport.loseConnection()
@@ -248,7 +251,8 @@ async def test_bodyOfAClientThatLeavesIsGivenBack(proxy: StrangerHarness) -> Non
     assert client.transport is not None
     client.transport.write(proxy.chatHead(LIMIT) + b"{" * 1000)
     await eventually(lambda: proxy.site.bufferedBodyBytes == LIMIT)
-    client.transport.abortConnection()
+    # A TCP connection's transport: Protocol.transport is typed ITransport.
+    cast(ITCPTransport, client.transport).abortConnection()
     await client.closed
     await eventually(lambda: proxy.site.bufferedBodyBytes == 0)
 
@@ -258,7 +262,8 @@ async def test_bodyOfAClientThatLeavesIsGivenBack(proxy: StrangerHarness) -> Non
     assert client.transport is not None
     client.transport.write(proxy.chatHead(len(CHAT)) + CHAT)
     await eventually(lambda: proxy.site.bufferedBodyBytes == len(CHAT))
-    client.transport.abortConnection()
+    # A TCP connection's transport: Protocol.transport is typed ITransport.
+    cast(ITCPTransport, client.transport).abortConnection()
     await client.closed
     await eventually(lambda: proxy.site.bufferedBodyBytes == 0)
     held.callback(TokenInfo(orgID=proxy.orgID, permissions=1))
@@ -277,7 +282,7 @@ async def test_chunkedBodiesCountAsTheyCome(proxy: StrangerHarness) -> None:
 
     client = await proxy.connect()
     assert client.transport is not None
-    client.transport.write(proxy.chatHead(**{"Transfer-Encoding": "chunked"}))
+    client.transport.write(proxy.chatHead(None, **{"Transfer-Encoding": "chunked"}))
     chunk = b"x" * 10_000
     for _ in range(10):
         if client.received:
@@ -330,7 +335,7 @@ async def test_parserRefusalsAreAnsweredAndCounted(proxy: StrangerHarness) -> No
         "bad_request_line": b"GET /health HTTP/9.9 extra\r\n\r\n",
         "bad_header": b"GET /health HTTP/1.1\r\nX-Nul: a\x00b\r\n\r\n",
         "bad_length": strangerHead(None, None, **{"Content-Length": "5, 5"}),
-        "bad_chunk": proxy.chatHead(**{"Transfer-Encoding": "chunked"}) + b"zz\r\nxx\r\n",
+        "bad_chunk": proxy.chatHead(None, **{"Transfer-Encoding": "chunked"}) + b"zz\r\nxx\r\n",
     }
     headersTooLarge = head("GET", "/health", {f"X-Many-{n}": "a" * 100 for n in range(200)})
     cases = [*attacks.items(), ("headers_too_large", headersTooLarge)]
@@ -358,7 +363,10 @@ def test_refusalsAreLoggedOncePerMinutePerReason() -> None:
     counter = Counter("svc_proxy_protocol_errors", "test", ["reason"], registry=CollectorRegistry())
     errors = ProtocolErrors(counter, clock)
     events: list[LogEvent] = []
-    globalLogPublisher.addObserver(events.append)
+    # Twisted takes any callable as an observer; its annotations ask for
+    # the interface.
+    observer = cast(ILogObserver, events.append)
+    globalLogPublisher.addObserver(observer)
     try:
         for _ in range(100):
             errors.refused("bad_header")
@@ -367,7 +375,7 @@ def test_refusalsAreLoggedOncePerMinutePerReason() -> None:
         clock.advance(60)
         errors.refused("bad_header")
     finally:
-        globalLogPublisher.removeObserver(events.append)
+        globalLogPublisher.removeObserver(observer)
     lines = [
         (event["reason"], event["count"])
         for event in events
@@ -427,5 +435,5 @@ class _Always(dict[str, int]):
         super().__init__()
         self._value = value
 
-    def get(self, key: str, default: Any = None) -> int:  # type: ignore[override]
+    def get(self, key: str, default: Any = None) -> int:
         return self._value - 1

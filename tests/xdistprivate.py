@@ -88,13 +88,21 @@ def missingNames(
     pytest lack. The arguments stand in for the real modules, for tests.
     """
     if scheduler is None:
-        import xdist.scheduler as scheduler  # type: ignore[import-untyped]
+        import xdist.scheduler  # type: ignore[import-untyped]
+
+        scheduler = xdist.scheduler
     if workermanage is None:
-        import xdist.workermanage as workermanage  # type: ignore[import-untyped]
+        import xdist.workermanage  # type: ignore[import-untyped]
+
+        workermanage = xdist.workermanage
     if remote is None:
-        import xdist.remote as remote  # type: ignore[import-untyped]
+        import xdist.remote  # type: ignore[import-untyped]
+
+        remote = xdist.remote
     if newhooks is None:
-        import xdist.newhooks as newhooks  # type: ignore[import-untyped]
+        import xdist.newhooks  # type: ignore[import-untyped]
+
+        newhooks = xdist.newhooks
     if fixtures is None:
         import _pytest.fixtures as fixtures
     if function is None:
