@@ -37,6 +37,7 @@ import openai
 import pytest
 from authfixtures import Tenant
 from gatewayfixtures import Answer, Gateway, chat, request, runningGateway
+from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
 from svcd.common.ids import parseUUID
@@ -405,7 +406,7 @@ def forwarding(
         keyed.stop()
 
 
-def messages(text: str = "hello there") -> list[dict[str, str]]:
+def messages(text: str = "hello there") -> list[ChatCompletionMessageParam]:
     return [{"role": "user", "content": f"{text} {CONTENT_MARKER}"}]
 
 
