@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from authfixtures import Tenant
@@ -134,7 +134,7 @@ class FeedReader:
             raw = change.known_token_ids
             ids.update(uuid.UUID(bytes=raw[at : at + 16]) for at in range(0, len(raw), 16))
 
-    def waitFor(self, kind: str, value: bytes | None = None, limit: float = 1.0) -> float:
+    def waitFor(self, kind: str, value: object = None, limit: float = 1.0) -> float:
         """
         Read until a change of C{kind} (with C{value}) arrives; return how
         long that took, or fail after C{limit} seconds.
@@ -159,14 +159,20 @@ class FeedReader:
 
 
 def validateToken(service: RunningAuthService, tenant: Tenant) -> auth_pb2.ValidateTokenResponse:
-    return service.call("ValidateToken", auth_pb2.ValidateTokenRequest(access_token=tenant.token))
+    return cast(
+        auth_pb2.ValidateTokenResponse,
+        service.call("ValidateToken", auth_pb2.ValidateTokenRequest(access_token=tenant.token)),
+    )
 
 
 def validateAgent(service: RunningAuthService, tenant: Tenant) -> auth_pb2.ValidateAgentResponse:
-    return service.call(
-        "ValidateAgent",
-        auth_pb2.ValidateAgentRequest(agent_id=str(tenant.agentID), org_id=str(tenant.orgID)),
-        bearer=tenant.token,
+    return cast(
+        auth_pb2.ValidateAgentResponse,
+        service.call(
+            "ValidateAgent",
+            auth_pb2.ValidateAgentRequest(agent_id=str(tenant.agentID), org_id=str(tenant.orgID)),
+            bearer=tenant.token,
+        ),
     )
 
 

@@ -80,7 +80,7 @@ def install() -> None:
     daemons.Daemon.start = _guarded(  # type: ignore[method-assign]
         daemons.Daemon.start, lambda daemon: f"a real {daemon.plugin} (Daemon.start)"
     )
-    daemons.twistdCommand = _guarded(  # type: ignore[assignment]
+    daemons.twistdCommand = _guarded(
         daemons.twistdCommand, lambda plugin: f"a real {plugin} (twistdCommand)"
     )
     upstream = svcd.testing.upstream.ScriptedUpstream

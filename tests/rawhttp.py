@@ -89,7 +89,8 @@ class Harness:
         from twisted.internet import reactor
 
         endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", self.port)
-        client: RawClient = await endpoint.connect(Factory.forProtocol(RawClient))
+        client = await endpoint.connect(Factory.forProtocol(RawClient))
+        assert isinstance(client, RawClient)
         return client
 
     def chatHead(self, length: int | None = None, **extra: str) -> bytes:

@@ -12,13 +12,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import grpc
 import pytest
 from prometheus_client import CollectorRegistry, Counter
-from twisted.logger import Logger, LogLevel
+from twisted.logger import ILogObserver, Logger, LogLevel
 
 from svcd.auth.admission import STANDARD_STREAMS, AdmissionInterceptor, Bounds, Lane, RefusalLog
 
@@ -135,7 +135,7 @@ def serve() -> Iterator[Callable[[Bounds], Served]]:
         counter = Counter("svc_auth_grpc_refused", "refused", ["reason"], registry=registry)
         logged: list[dict[str, Any]] = []
         refusals = RefusalLog(counter)
-        refusals.log = Logger(observer=logged.append)
+        refusals.log = Logger(observer=cast(ILogObserver, logged.append))
         answered: list[tuple[str, str]] = []
         interceptor = AdmissionInterceptor(
             bounds,
@@ -333,7 +333,7 @@ def test_refusalsAreLoggedOnceAMinutePerReasonWithTheirCount() -> None:
     counter = Counter("svc_auth_grpc_refused", "refused", ["reason"], registry=registry)
     logged: list[dict[str, Any]] = []
     refusals = RefusalLog(counter, clock=lambda: now[0])
-    refusals.log = Logger(observer=logged.append)
+    refusals.log = Logger(observer=cast(ILogObserver, logged.append))
 
     for _ in range(3):
         refusals.refused("peer")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import grpc
@@ -23,7 +23,7 @@ import pytest
 from authfixtures import Tenant, makeTenant, ownerStore
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from twisted.logger import LogLevel, globalLogPublisher
+from twisted.logger import ILogObserver, LogLevel, globalLogPublisher
 
 from svcd.auth.migrations import migrate
 from svcd.auth.store import Store, StoreValueRefused
@@ -114,7 +114,7 @@ def watched(postgresServer: PostgresServer) -> Iterator[Watched]:
 
     recorder = _Recorder(loud)
     logging.getLogger().addHandler(recorder)
-    globalLogPublisher.addObserver(observe)
+    globalLogPublisher.addObserver(cast(ILogObserver, observe))
     with postgresServer.temporaryDatabase() as dsn:
         migrate(dsn)
         owner, connection = ownerStore(dsn)
@@ -125,7 +125,7 @@ def watched(postgresServer: PostgresServer) -> Iterator[Watched]:
         finally:
             service.stop()
             connection.close()
-            globalLogPublisher.removeObserver(observe)
+            globalLogPublisher.removeObserver(cast(ILogObserver, observe))
             logging.getLogger().removeHandler(recorder)
 
 

@@ -274,7 +274,7 @@ def test_theFeedSendsEveryBudgetAtTheStartAndEachChangeWithinOneSecond(
                     printed["version"],
                 ),
             ).budget_changed
-            feed.waitFor("budget_changed", expected, limit=1.0)  # type: ignore[arg-type]
+            feed.waitFor("budget_changed", expected, limit=1.0)
     finally:
         feed.close()
 

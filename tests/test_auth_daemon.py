@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -31,10 +32,10 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture
-def authDaemon(migratedDSN: str, tmp_path: Path) -> Daemon:
+def authDaemon(migratedDSN: str, tmp_path: Path) -> Iterator[Daemon]:
     daemon = Daemon("svc-auth", authEnvironment(migratedDSN), tmp_path / "auth.log").start()
     daemon.waitForHealth()
-    yield daemon  # type: ignore[misc]
+    yield daemon
     daemon.terminate()
 
 

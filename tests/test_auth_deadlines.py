@@ -15,18 +15,18 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import pytest
 from authfixtures import makeTenant
 from authhelpers import CountingVerifier
-from twisted.logger import LogLevel, globalLogPublisher
+from twisted.logger import ILogObserver, LogLevel, globalLogPublisher
 
 import svcd.auth.authority
 from svcd.auth.authority import Authority, DeadlinePassed
 from svcd.auth.cache import ValidationCache
-from svcd.auth.hashing import hashSecret
+from svcd.auth.hashing import hashSecret, verifySecret
 from svcd.auth.store import AgentRecord, Store, TokenRecord
 from svcd.common.pat import formatToken, newSecret
 from svcd.pb.auth.v1 import auth_pb2
@@ -60,9 +60,9 @@ def loud() -> Iterator[list[dict[str, Any]]]:
         if event.get("log_level", LogLevel.info) > LogLevel.info:
             events.append(event)
 
-    globalLogPublisher.addObserver(observe)
+    globalLogPublisher.addObserver(cast(ILogObserver, observe))
     yield events
-    globalLogPublisher.removeObserver(observe)
+    globalLogPublisher.removeObserver(cast(ILogObserver, observe))
 
 
 def sample(service: RunningAuthService, name: str, **labels: str) -> float:
@@ -78,7 +78,7 @@ def expire(service: RunningAuthService, token: str, seconds: float) -> grpc.Stat
             auth_pb2.ValidateTokenRequest(access_token=token), timeout=seconds
         )
     except grpc.RpcError as error:
-        return error.code()  # type: ignore[no-any-return]
+        return error.code()
     return grpc.StatusCode.OK
 
 
@@ -98,7 +98,7 @@ def test_aCallPastItsDeadlineInTheColdQueueNeverReadsTheDatabase(
     then is dropped without reading its token: DEADLINE_EXCEEDED, counted,
     logged at info.
     """
-    slow = CountingVerifier(svcd.auth.authority.verifySecret, delay=1.5)
+    slow = CountingVerifier(verifySecret, delay=1.5)
     monkeypatch.setattr(svcd.auth.authority, "verifySecret", slow)
     service = RunningAuthService(migratedDSN, coldSlots=1, coldWait=3.0).start()
     lookups = CountingLookups(service.store)
@@ -145,7 +145,7 @@ def test_aCallPastItsDeadlineBehindASingleFlightIsDropped(
     for it (single flight) only until its own deadline, and is then dropped
     without a read or an argon2 run of its own.
     """
-    slow = CountingVerifier(svcd.auth.authority.verifySecret, delay=0.6)
+    slow = CountingVerifier(verifySecret, delay=0.6)
     monkeypatch.setattr(svcd.auth.authority, "verifySecret", slow)
     service = RunningAuthService(migratedDSN, coldSlots=4, coldWait=1.0).start()
     lookups = CountingLookups(service.store)
@@ -245,6 +245,6 @@ def test_aDeadlineAlreadyPassedReadsNothing(verifier: CountingVerifier) -> None:
 
 @pytest.fixture
 def verifier(monkeypatch: pytest.MonkeyPatch) -> Iterator[CountingVerifier]:
-    counting = CountingVerifier(svcd.auth.authority.verifySecret)
+    counting = CountingVerifier(verifySecret)
     monkeypatch.setattr(svcd.auth.authority, "verifySecret", counting)
     yield counting

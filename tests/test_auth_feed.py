@@ -20,6 +20,7 @@ import pytest_twisted
 from authfixtures import makeTenant, ownerStore
 from authhelpers import FeedReader, StreamFailed, document, svcctl
 from prometheus_client import CollectorRegistry
+from twisted.internet.interfaces import IReactorThreads
 
 from svcd.auth.admission import Bounds
 from svcd.auth.authority import issueToken
@@ -398,7 +399,7 @@ async def test_aStoppingServerEndsItsFeedsAtOnce(authService: RunningAuthService
         Snapshots(authService.store.knownTokenIDs, time.monotonic),
     )
     service = GrpcServerService(
-        reactor, servicer, "127.0.0.1", 0, Bounds.standard(8, 32), gracePeriod=10.0
+        IReactorThreads(reactor), servicer, "127.0.0.1", 0, Bounds.standard(8, 32), gracePeriod=10.0
     )
     service.privilegedStartService()
     service.startService()
@@ -502,6 +503,7 @@ def test_snapshotMessagesSendLimitsRowsBeforeTheEnd() -> None:
         "snapshot_complete",
     ]
     assert messages[1].limits_changed == limitsChange(rows[0].orgID, None, rows[0]).limits_changed
+    assert rows[1].agentID is not None
     assert messages[2].limits_changed.agent_id == rows[1].agentID.bytes
     assert messages[-1].snapshot_complete.token_count == 1
 

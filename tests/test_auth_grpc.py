@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import uuid
+from typing import cast
 
 import grpc
 import pytest
@@ -39,16 +40,22 @@ def statusOf(call: object) -> tuple[grpc.StatusCode, str]:
 
 
 def validateToken(service: RunningAuthService, token: str) -> auth_pb2.ValidateTokenResponse:
-    return service.call("ValidateToken", auth_pb2.ValidateTokenRequest(access_token=token))
+    return cast(
+        auth_pb2.ValidateTokenResponse,
+        service.call("ValidateToken", auth_pb2.ValidateTokenRequest(access_token=token)),
+    )
 
 
 def validateAgent(
     service: RunningAuthService, bearer: str | None, agentID: object, orgID: object
 ) -> auth_pb2.ValidateAgentResponse:
-    return service.call(
-        "ValidateAgent",
-        auth_pb2.ValidateAgentRequest(agent_id=str(agentID), org_id=str(orgID)),
-        bearer=bearer,
+    return cast(
+        auth_pb2.ValidateAgentResponse,
+        service.call(
+            "ValidateAgent",
+            auth_pb2.ValidateAgentRequest(agent_id=str(agentID), org_id=str(orgID)),
+            bearer=bearer,
+        ),
     )
 
 

@@ -59,7 +59,8 @@ class Proxy:
         from twisted.internet import reactor
 
         endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", self.port)
-        client: RawClient = await endpoint.connect(Factory.forProtocol(RawClient))
+        client = await endpoint.connect(Factory.forProtocol(RawClient))
+        assert isinstance(client, RawClient)
         assert client.transport is not None
         client.transport.write(raw)
         await client.closed
@@ -162,7 +163,7 @@ async def test_otherSpellingsAreNotFound(
     if b"orgs" in target:
         token, _, agentID = proxy.auth.addTenant(orgID=ORG)
         credentials = {"Authorization": f"Bearer {token}", "X-SVC-Agent-ID": agentID}
-    status, headers, body = await proxy.get(target, **credentials)
+    status, headers, body = await proxy.get(target, b"GET", **credentials)
     assert (status, envelopeCode(body)) == (404, "NOT_FOUND")
     assert json.loads(body)["error"]["request_id"] == headers["x-request-id"]
     assert proxy.auth.calls == []
@@ -188,13 +189,13 @@ async def test_canonicalPathsStillAnswer(proxy: Proxy) -> None:
         PROBE.encode() + b"?x=1&y=%2D//./..",
         b"/v1/orgs/" + proxy.orgID.encode() + b"/auth-probe",
     ):
-        status, _, body = await proxy.get(target, **credentials)
+        status, _, body = await proxy.get(target, b"GET", **credentials)
         assert status == 200, (target, body)
         assert json.loads(body)["org_id"] == proxy.orgID
     for target in (b"/health", b"/health?probe=1", b"/ready", b"/metrics?"):
         status, _, _ = await proxy.get(target)
         assert status == 200, target
-    status, _, body = await proxy.get(b"/v1/orgs/%3A/auth-probe", **credentials)
+    status, _, body = await proxy.get(b"/v1/orgs/%3A/auth-probe", b"GET", **credentials)
     assert (status, envelopeCode(body)) == (400, "VALIDATION_ERROR")
     status, _, body = await proxy.get(b"/v2/unknown")
     assert (status, envelopeCode(body)) == (404, "NOT_FOUND")
@@ -271,7 +272,7 @@ async def test_variableNotUTF8IsNotFound(proxy: Proxy) -> None:
     An org id whose escapes do not decode to UTF-8 is an unknown path:
     404 NOT_FOUND, without a call to svc-auth.
     """
-    status, _, body = await proxy.get(b"/v1/orgs/%FF/auth-probe", **proxy.credentials())
+    status, _, body = await proxy.get(b"/v1/orgs/%FF/auth-probe", b"GET", **proxy.credentials())
     assert (status, envelopeCode(body)) == (404, "NOT_FOUND")
     assert proxy.auth.calls == []
 

@@ -131,18 +131,18 @@ def concurrentGets(port: int, target: bytes, count: int, limit: float = 60.0) ->
     while len(statuses) < count:
         assert time.monotonic() < deadline, f"{len(statuses)} of {count} answered"
         for key, events in selector.select(timeout=1.0):
-            connection = key.fileobj
-            assert isinstance(connection, socket.socket)
+            ready = key.fileobj
+            assert isinstance(ready, socket.socket)
             if events & selectors.EVENT_WRITE:
-                connection.sendall(raw)
-                selector.modify(connection, selectors.EVENT_READ, key.data)
+                ready.sendall(raw)
+                selector.modify(ready, selectors.EVENT_READ, key.data)
                 continue
-            chunk = connection.recv(65536)
+            chunk = ready.recv(65536)
             if chunk:
                 key.data.extend(chunk)
                 continue
-            selector.unregister(connection)
-            connection.close()
+            selector.unregister(ready)
+            ready.close()
             statuses.append(int(bytes(key.data).split(b" ", 2)[1]))
     selector.close()
     return statuses

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import http.client
 import json
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -258,7 +260,7 @@ def test_aKilledProxysReservationsAreReleased(stack: Stack) -> None:
         "three held requests at the provider",
     )
     assert counted(stack, tenant) == 2 * quick + 3 * held
-    victim.signal(9)
+    victim.signal(signal.SIGKILL)
     assert victim.process is not None
     victim.process.wait(30)
     for thread in threads:
@@ -310,7 +312,7 @@ def test_anOldSnapshotAndSpendWhileRedisWasDownAreHealed(stack: Stack) -> None:
         >= unchecked + 3
     )
     for proxy in stack.proxies:
-        waitUntil(lambda port=proxy.httpPort: _redisBack(port), "the proxy's Redis again", 30)
+        waitUntil(functools.partial(_redisBack, proxy.httpPort), "the proxy's Redis again", 30)
     # A request through each proxy, so that both use the budget again.
     for proxy in stack.proxies:
         assert post(proxy.httpPort, tenant, body("quick")).status == 200

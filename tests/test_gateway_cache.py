@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import http.client
 import secrets
 import threading
@@ -97,6 +98,10 @@ def feedUp(proxy: Daemon) -> bool:
     return metricValue(proxy, "svc_proxy_auth_feed_up") == 1.0
 
 
+def feedDown(proxy: Daemon) -> bool:
+    return not feedUp(proxy)
+
+
 @contextlib.contextmanager
 def runningCluster(postgres: PostgresServer, workdir: Path) -> Iterator[Cluster]:
     name = f"cache_{secrets.token_hex(6)}"
@@ -134,7 +139,7 @@ def runningCluster(postgres: PostgresServer, workdir: Path) -> Iterator[Cluster]
         for daemon in (*auths, *proxies):
             daemon.waitForReady()
         for proxy in proxies:
-            waitUntil(lambda proxy=proxy: feedUp(proxy), limit=20.0, interval=0.05)
+            waitUntil(functools.partial(feedUp, proxy), limit=20.0, interval=0.05)
         yield cluster
     finally:
         for daemon in (*proxies, *cluster.auths):
@@ -394,9 +399,12 @@ def test_aNewTokenIsAcceptedByEveryProxyWithinOneSecond(cluster: Cluster) -> Non
         created = time.monotonic()
         token, record = issueToken(cluster.owner, orgID=base.orgID, permissions=1)
         newcomer = Tenant(base.orgID, base.agentID, token, record.tokenID)
+
+        def accepted(port: int) -> bool:
+            return chat(port, newcomer).status == ACCEPTED
+
         took = [
-            waitUntil(lambda port=port: chat(port, newcomer).status == ACCEPTED, PROMISE, 0.01)
-            for port in cluster.ports()
+            waitUntil(functools.partial(accepted, port), PROMISE, 0.01) for port in cluster.ports()
         ]
     assert time.monotonic() - created < 10
     print(f"\nnew token accepted after (s, per proxy): {took}")
@@ -539,7 +547,7 @@ def test_postgresRestartedFallsBackAndResumes(
         stoppedAt = time.monotonic()
         postgres.stop()
         fellBack = [
-            waitUntil(lambda proxy=proxy: not feedUp(proxy), limit=MAX_AGE + 0.5)
+            waitUntil(functools.partial(feedDown, proxy), limit=MAX_AGE + 0.5)
             for proxy in cluster.proxies
         ]
         postgres.start()
@@ -553,7 +561,7 @@ def test_postgresRestartedFallsBackAndResumes(
         # acceptance, and 401 once svc-auth answers.
         lags = assertRefusedWithinThePromise(load, "revoked", revokedAt, 401, failedClosed=True)
         for proxy in cluster.proxies:
-            waitUntil(lambda proxy=proxy: feedUp(proxy), limit=15.0, interval=0.05)
+            waitUntil(functools.partial(feedUp, proxy), limit=15.0, interval=0.05)
         hits = [
             metricValue(p, "svc_proxy_auth_cache_hits_total", call="token") for p in cluster.proxies
         ]

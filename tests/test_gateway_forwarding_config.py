@@ -48,15 +48,19 @@ def test_withoutProvidersFileAsPhase1(postgresServer: PostgresServer, tmp_path: 
                     model="gpt-4o", messages=[{"role": "user", "content": "hi"}], stream=stream
                 )
             assert raised.value.status_code == 501
-            assert raised.value.body["code"] == "PROVIDER_NOT_CONFIGURED"
+            body = raised.value.body
+            assert isinstance(body, dict)
+            assert body["code"] == "PROVIDER_NOT_CONFIGURED"
             headers = raised.value.response.headers
-            assert raised.value.body["request_id"] == headers["x-request-id"]
+            assert body["request_id"] == headers["x-request-id"]
             assert "x-svc-upstream-model" not in headers
             assert int(headers["x-ratelimit-limit"]) == 60
         with pytest.raises(openai.NotFoundError) as missing:
             client.models.list()
         assert missing.value.status_code == 404
-        assert missing.value.body["code"] == "NOT_FOUND"
+        missingBody = missing.value.body
+        assert isinstance(missingBody, dict)
+        assert missingBody["code"] == "NOT_FOUND"
 
 
 PROVIDER = '[[providers]]\nname = "local"\nbase_url = "http://127.0.0.1:9/v1"\n'

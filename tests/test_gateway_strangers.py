@@ -126,7 +126,7 @@ def drive(senders: list[Sender], pid: int, limit: float = 300.0) -> int:
     while live:
         assert time.monotonic() < deadline, "the connections did not finish in time"
         for key, events in selector.select(timeout=1):
-            sender: Sender = key.data
+            sender = key.data
             sender.handle(events)
             if sender.readingDone and not sender.sendingDone:
                 # The proxy has closed its side and still reads: go on
@@ -244,7 +244,7 @@ def test_bodiesOfTokenShapedBearersAreCapped(gateway: Gateway) -> None:
     while not all(holder.sendingDone for holder in holders):
         assert time.monotonic() < deadline
         for key, events in selector.select(timeout=1):
-            holder: Sender = key.data
+            holder = key.data
             holder.handle(events)
         peak = max(peak, rssKiB(pid))
     refusedBy = time.monotonic() + 10

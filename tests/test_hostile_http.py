@@ -14,10 +14,12 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
+from typing import cast
 
 import pytest_twisted
 from rawhttp import CHAT, Harness, head, sleep
 from twisted.internet.defer import Deferred
+from twisted.web.resource import IResource
 
 from svcd.proxy.http.site import (
     DEFAULT_IDLE_TIMEOUT,
@@ -53,7 +55,7 @@ def test_defaults() -> None:
     The daemon's site closes idle connections after 30 s (Twisted's default
     is 12 hours) and wants each request whole within 30 s.
     """
-    site = ProxySite(FakeResource(), LIMIT)
+    site = ProxySite(cast(IResource, FakeResource()), LIMIT)
     assert site.timeOut == DEFAULT_IDLE_TIMEOUT == 30.0
     assert site.requestTimeout == DEFAULT_REQUEST_TIMEOUT == 30.0
 
@@ -226,7 +228,7 @@ async def test_conflictingLengthsAreRefused(proxy: Harness) -> None:
     ):
         client = await proxy.connect()
         assert client.transport is not None
-        client.transport.write(proxy.chatHead(**headers) + CHAT)
+        client.transport.write(proxy.chatHead(None, **headers) + CHAT)
         await client.closed
         assert client.received.startswith(b"HTTP/1.1 400 "), (headers, client.received)
     assert proxy.auth.calls == []
@@ -270,7 +272,7 @@ async def test_chunkedBodyOverLimitAnsweredAtOnce(proxy: Harness) -> None:
     """
     client = await proxy.connect()
     assert client.transport is not None
-    client.transport.write(proxy.chatHead(**{"Transfer-Encoding": "chunked"}))
+    client.transport.write(proxy.chatHead(None, **{"Transfer-Encoding": "chunked"}))
     chunk = b"x" * 1000
     began = time.monotonic()
     sent = 0

@@ -59,7 +59,7 @@ def _value(any: Any) -> Any:
     return getattr(any, kind) if kind else None
 
 
-class Collector(trace_service_pb2_grpc.TraceServiceServicer):  # type: ignore[misc]
+class Collector(trace_service_pb2_grpc.TraceServiceServicer):
     """
     An OTLP gRPC trace collector keeping every span it is sent.
     """

@@ -37,7 +37,7 @@ pytestmark = pytest.mark.e2e
 SLOW_VALIDATE = 1.0
 
 
-class SlowAuth(auth_pb2_grpc.AuthServiceServicer):  # type: ignore[misc]
+class SlowAuth(auth_pb2_grpc.AuthServiceServicer):
     """
     ValidateToken takes about a second, then vouches for the token.
     """
@@ -341,8 +341,8 @@ def test_proxyFinishesAStreamInFlight(migratedDSN: str, redisURL: str, tmp_path:
     try:
         auth.waitForReady(60)
         proxy.waitForReady(60)
-        connection = http.client.HTTPConnection("127.0.0.1", proxy.httpPort, timeout=30)
-        connection.request(
+        httpConnection = http.client.HTTPConnection("127.0.0.1", proxy.httpPort, timeout=30)
+        httpConnection.request(
             "POST",
             "/v1/chat/completions",
             body=json.dumps(
@@ -359,7 +359,7 @@ def test_proxyFinishesAStreamInFlight(migratedDSN: str, redisURL: str, tmp_path:
                 "Content-Type": "application/json",
             },
         )
-        response = connection.getresponse()
+        response = httpConnection.getresponse()
         assert response.status == 200, response.read()
         first = response.readline()
         assert first.startswith(b"data: "), first
@@ -367,7 +367,7 @@ def test_proxyFinishesAStreamInFlight(migratedDSN: str, redisURL: str, tmp_path:
         proxy.signal(signal.SIGTERM)
         waitUntil(lambda: refused(proxy.httpPort), limit=5)
         rest = response.read()
-        connection.close()
+        httpConnection.close()
         events = [
             line[len(b"data: ") :]
             for line in (first + rest).splitlines()

@@ -16,7 +16,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from concurrent import futures
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import pytest
@@ -28,7 +28,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.trace.sampling import ParentBased
 from opentelemetry.trace import SpanKind, StatusCode
 from tracinghelpers import Traced, chatHeaders, recordingProvider
-from twisted.logger import capturedLogs
+from twisted.internet.interfaces import IReactorFromThreads
+from twisted.logger import ILogObserver, capturedLogs
 
 from svcd.common.config import ConfigError
 from svcd.common.errors import ApiError, ErrorCode
@@ -297,7 +298,7 @@ async def test_unsampledBuildsNoAttributes(monkeypatch: pytest.MonkeyPatch) -> N
 # The auth client's trace context
 
 
-class RecordingAuthService(auth_pb2_grpc.AuthServiceServicer):  # type: ignore[misc]
+class RecordingAuthService(auth_pb2_grpc.AuthServiceServicer):
     """
     Answers OK and records each call's metadata.
     """
@@ -330,7 +331,7 @@ def authClient(port: int, provider: TracerProvider | None) -> GrpcAuthClient:
     grpc.channel_ready_future(channel).result(timeout=5)
     return GrpcAuthClient(
         lambda: channel,
-        reactor,
+        IReactorFromThreads(reactor),
         reactor,
         2.0,
         ProxyMetrics(),
@@ -449,7 +450,7 @@ async def test_unsampledCallsCarryTheRequestsContext(
 # svc-auth's interceptor
 
 
-class ScriptedService(auth_pb2_grpc.AuthServiceServicer):  # type: ignore[misc]
+class ScriptedService(auth_pb2_grpc.AuthServiceServicer):
     """
     ValidateToken answers OK for "ok", INTERNAL for "fail", UNAUTHENTICATED
     otherwise; logs a line so the test sees the call's trace_id.
@@ -635,13 +636,13 @@ def test_callLogLine(intercepted: tuple[ScriptedService, Any, InMemorySpanExport
 
     from twisted.logger import globalLogPublisher
 
-    globalLogPublisher.addObserver(observe)
+    globalLogPublisher.addObserver(cast(ILogObserver, observe))
     try:
         with pytest.raises(grpc.RpcError):
             stub.ValidateToken(auth_pb2.ValidateTokenRequest(access_token="svc_pat_secret"))
         assert done.wait(5)
     finally:
-        globalLogPublisher.removeObserver(observe)
+        globalLogPublisher.removeObserver(cast(ILogObserver, observe))
     [line] = lines
     [span] = exporter.get_finished_spans()
     assert line["grpc_method"] == "svc.auth.v1.AuthService/ValidateToken"
@@ -709,7 +710,9 @@ async def test_serviceExportsOnlyWhenConfigured() -> None:
 
     settings = TracingConfig("svc-test", "development", 1.0, "127.0.0.1:4317")
     provider = tracerProvider(settings)
-    service = TracingService(reactor, reactor, provider, settings, processorFactory=factory)
+    service = TracingService(
+        IReactorFromThreads(reactor), reactor, provider, settings, processorFactory=factory
+    )
     assert made == []
     service.startService()
     assert made == ["127.0.0.1:4317"]
@@ -719,7 +722,11 @@ async def test_serviceExportsOnlyWhenConfigured() -> None:
 
     quiet = TracingConfig("svc-test", "development")
     service = TracingService(
-        reactor, reactor, tracerProvider(quiet), quiet, processorFactory=factory
+        IReactorFromThreads(reactor),
+        reactor,
+        tracerProvider(quiet),
+        quiet,
+        processorFactory=factory,
     )
     service.startService()
     await service.stopService()
@@ -764,7 +771,7 @@ async def test_stopDoesNotWaitForAStuckCollector() -> None:
     processor = StuckProcessor()
     settings = TracingConfig("svc-test", "development", 1.0, "127.0.0.1:1")
     service = TracingService(
-        reactor,
+        IReactorFromThreads(reactor),
         reactor,
         tracerProvider(settings),
         settings,

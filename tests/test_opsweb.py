@@ -53,7 +53,11 @@ class Harness:
     stub: StubTreq
 
     async def get(self, path: str, method: str = "GET") -> tuple[Any, bytes]:
-        response = await self.stub.request(method, "http://ops.test" + path)
+        # StubTreq sets request() and the others in its __init__ (setattr
+        # over treq.__all__); treq's types do not declare them.
+        response = await self.stub.request(  # type: ignore[attr-defined]
+            method, "http://ops.test" + path
+        )
         return response, await response.content()
 
 
@@ -223,6 +227,8 @@ def test_sharedReadinessEncodesOncePerRun() -> None:
     reports = [readiness.get() for _ in range(3)]
     results = [report.result for report in reports]
     assert results == [results[0]] * 3
-    status, body = results[0]
+    first = results[0]
+    assert isinstance(first, tuple)
+    status, body = first
     assert status == 503 and "é".encode() in body
     assert len(encoded) == 1 and readiness.calls == 1

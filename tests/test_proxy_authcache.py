@@ -470,7 +470,7 @@ def test_noRawTokenOrSecretIsKept(harness: Harness) -> None:
     secret = parseToken(token).secret  # type: ignore[union-attr]
     seen = repr(harness.cache._entries) + repr(list(harness.cache._entries))
     for entry in harness.cache._entries.values():
-        seen += repr(attrs.asdict(entry))  # type: ignore[call-overload]
+        seen += repr(attrs.asdict(entry))
     assert token not in seen and secret not in seen
 
 

@@ -11,15 +11,17 @@ import queue
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import grpc
 import pytest
 import pytest_twisted
 from authfixtures import makeTenant
+from twisted.internet.interfaces import IReactorFromThreads
 from twisted.internet.task import Clock, deferLater
-from twisted.logger import Logger, LogLevel
+from twisted.logger import ILogObserver, Logger, LogLevel
+from zope.interface import implementer
 
 from svcd.auth.store import Store
 from svcd.pb.auth.v1 import auth_pb2
@@ -57,6 +59,7 @@ class ScriptedCall:
             yield item
 
 
+@implementer(IReactorFromThreads)
 class PumpedReactor:
     """
     callFromThread queues the call; the test runs them on its own thread
@@ -66,8 +69,8 @@ class PumpedReactor:
     def __init__(self) -> None:
         self.calls: queue.Queue[tuple[Callable[..., object], tuple[Any, ...]]] = queue.Queue()
 
-    def callFromThread(self, function: Callable[..., object], *args: Any, **kwargs: Any) -> None:
-        self.calls.put((function, args))
+    def callFromThread(self, callable: Callable[..., object], *args: Any, **kwargs: Any) -> None:
+        self.calls.put((callable, args))
 
     def pumpUntil(self, condition: Callable[[], bool], limit: float = 5.0) -> None:
         deadline = time.monotonic() + limit
@@ -135,7 +138,7 @@ def harness() -> Iterator[FeedHarness]:
 
     events: list[dict[str, Any]] = []
     feed = ChangeFeed(openStream, consumer, reactor, clock, retryDelays=(0.01,))
-    feed.log = Logger(observer=events.append)
+    feed.log = Logger(observer=cast(ILogObserver, events.append))
     feed.start()
     yield FeedHarness(feed, clock, reactor, consumer, calls, events)
     feed.stop()
@@ -323,7 +326,7 @@ def test_aStreamThatServedIsFollowedAtOnce() -> None:
 
     reactor = PumpedReactor()
     feed = ChangeFeed(openStream, RecordingConsumer(), reactor, clock, retryDelays=(0.01, 60.0))
-    feed.log = Logger(observer=lambda event: None)
+    feed.log = Logger(observer=cast(ILogObserver, lambda event: None))
     feed.start()
     try:
         calls.get(timeout=5).fail(RuntimeError("connection refused"))
@@ -405,7 +408,9 @@ async def test_aRealFeedFromSvcAuth(authService: RunningAuthService, owner: Stor
 
     tenant = makeTenant(owner)
     consumer = RecordingConsumer()
-    feed = ChangeFeed(lambda: openChangeFeed(authService.channel), consumer, reactor, reactor)
+    feed = ChangeFeed(
+        lambda: openChangeFeed(authService.channel), consumer, IReactorFromThreads(reactor), reactor
+    )
     feed.start()
     try:
         await waitFor(lambda: bool(consumer.started))

@@ -299,8 +299,8 @@ def test_daemonised(tmp_path: Path, redisURL: str) -> None:
         server.stop(0)
 
 
-class _UnauthenticatedAuth(auth_pb2_grpc.AuthServiceServicer):  # type: ignore[misc]
-    def ValidateToken(self, request: object, context: grpc.ServicerContext) -> object:
+class _UnauthenticatedAuth(auth_pb2_grpc.AuthServiceServicer):
+    def ValidateToken(self, request: object, context: grpc.ServicerContext) -> None:
         context.abort(grpc.StatusCode.UNAUTHENTICATED, "not a token")
 
 

@@ -14,10 +14,11 @@ loopback sockets, and with a fake clock for the start:
 
 from __future__ import annotations
 
+import functools
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import pytest
@@ -27,7 +28,7 @@ from twisted.internet.endpoints import TCP4ClientEndpoint
 from twisted.internet.error import ConnectionDone
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import Clock, deferLater
-from twisted.logger import LogEvent, formatEvent, globalLogPublisher
+from twisted.logger import ILogObserver, LogEvent, formatEvent, globalLogPublisher
 from twisted.python.failure import Failure
 
 from svcd.common.errors import ApiError, ErrorCode
@@ -61,11 +62,11 @@ def logged() -> Iterator[list[str]]:
         if text:
             messages.append(text)
 
-    globalLogPublisher.addObserver(observe)
+    globalLogPublisher.addObserver(cast(ILogObserver, observe))
     try:
         yield messages
     finally:
-        globalLogPublisher.removeObserver(observe)
+        globalLogPublisher.removeObserver(cast(ILogObserver, observe))
 
 
 class Client(Protocol):
@@ -146,7 +147,8 @@ class Running:
         from twisted.internet import reactor
 
         endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", self.port)
-        client: Client = await endpoint.connect(Factory.forProtocol(Client))
+        client = await endpoint.connect(Factory.forProtocol(Client))
+        assert isinstance(client, Client)
         return client
 
     def probe(self, token: str | None = None) -> bytes:
@@ -416,7 +418,9 @@ def starting(names: tuple[str, ...], startTimeout: float = 5.0) -> Starting:
         clock,
         shutdownTimeout=1.0,
         startTimeout=startTimeout,
-        dependencies=[Dependency(name, lambda name=name: ready[name]) for name in names],
+        dependencies=[
+            Dependency(name, functools.partial(ready.__getitem__, name)) for name in names
+        ],
     )
     return Starting(service, port, clock, auth, ready)
 

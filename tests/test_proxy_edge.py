@@ -64,7 +64,9 @@ class Harness:
         headers: dict[str, str] | None = None,
         body: bytes | None = None,
     ) -> tuple[Any, bytes]:
-        response = await self.stub.request(
+        # StubTreq sets request() and the others in its __init__ (setattr
+        # over treq.__all__); treq's types do not declare them.
+        response = await self.stub.request(  # type: ignore[attr-defined]
             method, "http://proxy.test" + path, headers=headers or {}, data=body
         )
         content = await response.content()
@@ -274,7 +276,9 @@ async def test_metricsExposition(proxy: Harness) -> None:
     """
     response, content = await proxy.request("GET", "/metrics")
     assert response.code == 200
-    assert header(response, "Content-Type").startswith("text/plain")
+    contentType = header(response, "Content-Type")
+    assert contentType is not None
+    assert contentType.startswith("text/plain")
     text = content.decode()
     for name in (
         "svc_proxy_requests_total",
@@ -1157,7 +1161,8 @@ async def test_cancelledRequestCancelsAuthCall(proxy: Harness) -> None:
     cancelled: list[bool] = []
     pending: Deferred[TokenInfo] = Deferred(lambda _: cancelled.append(True))
     proxy.auth.tokens[token] = pending
-    request = proxy.stub.get(
+    # StubTreq's get(), like request(), is set in its __init__ (see above).
+    request = proxy.stub.get(  # type: ignore[attr-defined]
         "http://proxy.test" + PROBE,
         headers={"Authorization": "Bearer " + token, "X-SVC-Agent-ID": str(uuid.uuid4())},
     )

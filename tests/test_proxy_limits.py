@@ -73,6 +73,14 @@ OTHER_AGENT = "1f2e3d4c-5b6a-4798-8a7b-6c5d4e3f2a1b"
 # The book
 
 
+def decided(decisions: list[RateDecision | None]) -> list[RateDecision]:
+    """
+    The decisions of hits that each met a limit: none of them is None.
+    """
+    assert None not in decisions
+    return [d for d in decisions if d is not None]
+
+
 def test_bookWithoutRowsAppliesNothing() -> None:
     """
     An empty book answers the shared empty value, so the limiter keeps
@@ -405,11 +413,13 @@ async def test_tokensNeverPassTheLimitUnderConcurrency(
     clock = fakeClock(WINDOW + 30)
     replicas = [await limiterWith(redisURL, book, clock) for _ in range(2)]
     try:
-        decisions = await gatherResults(
-            [
-                Deferred.fromCoroutine(replicas[i % 2].hit(ORG_ID, AGENT_ID, tokens=700))
-                for i in range(64)
-            ]
+        decisions = decided(
+            await gatherResults(
+                [
+                    Deferred.fromCoroutine(replicas[i % 2].hit(ORG_ID, AGENT_ID, tokens=700))
+                    for i in range(64)
+                ]
+            )
         )
         admitted = [d for d in decisions if d.allowed]
         assert len(admitted) == 14
@@ -428,7 +438,7 @@ class HeldCounters(MemoryCounters):
 
     def __init__(self) -> None:
         super().__init__()
-        self.held: list[tuple[Deferred[list[list[int]]], list[int]]] = []
+        self.held: list[tuple[Deferred[None], list[int]]] = []
         self.alone: list[tuple[list[str], list[int]]] = []
 
     def admit(
@@ -440,10 +450,9 @@ class HeldCounters(MemoryCounters):
     ) -> Deferred[list[list[int]]]:
         answer: Deferred[list[list[int]]] = Deferred()
         super().admit(keys, arguments, adjustments, ledger).addCallback(answer.callback)
-        self.held.append((Deferred(), list(adjustments or [])))
-        held = self.held[-1][0]
-        held.addCallback(lambda _: answer)
-        return held
+        held: Deferred[None] = Deferred()
+        self.held.append((held, list(adjustments or [])))
+        return held.addCallback(lambda _: answer)
 
     def adjust(self, keys: list[str], deltas: list[int]) -> Deferred[object]:
         self.alone.append((list(keys), list(deltas)))
@@ -470,6 +479,7 @@ def test_settlementsRideOnTheNextAdmission() -> None:
     first = Deferred.fromCoroutine(limiter.hit(ORG_ID, AGENT_ID, tokens=300))
     assert counters.answerNext() == []
     decision = first.result
+    assert isinstance(decision, RateDecision)
     assert decision.reservation == Reservation((ORG_TOKENS,), 300)
     second = Deferred.fromCoroutine(limiter.hit(ORG_ID, AGENT_ID, tokens=200))
     # Settled while the second's call is in flight: nothing goes alone.
@@ -483,12 +493,17 @@ def test_settlementsRideOnTheNextAdmission() -> None:
     assert counters.counts[ORG_TOKENS] == 300 - 180 + 200 + 100
     # The last admission has ended: the next settlement waits a moment for
     # one to ride on, then goes alone.
-    limiter.settle(second.result.reservation, 50)
+    secondDecision = second.result
+    assert isinstance(secondDecision, RateDecision)
+    assert secondDecision.reservation is not None
+    limiter.settle(secondDecision.reservation, 50)
     assert counters.alone == []
     clock.advance(0.01)
     assert counters.alone == [([ORG_TOKENS], [-150])]
     assert counters.counts[ORG_TOKENS] == 420 - 150
-    assert third.result.allowed
+    thirdDecision = third.result
+    assert isinstance(thirdDecision, RateDecision)
+    assert thirdDecision.allowed
 
 
 # The Lua script and its Python twin
@@ -773,8 +788,10 @@ async def test_concurrentRequestsSeedOnce(redisURL: str, redisServer: RedisServe
     ledger = Ledger(spent=0)
     limiter = await budgetLimiter(redisURL, budgetBook(org=Budget(1000, "day")), ledger)
     try:
-        decisions = await gatherResults(
-            [Deferred.fromCoroutine(limiter.hit(ORG_ID, AGENT_ID, cost=100)) for _ in range(30)]
+        decisions = decided(
+            await gatherResults(
+                [Deferred.fromCoroutine(limiter.hit(ORG_ID, AGENT_ID, cost=100)) for _ in range(30)]
+            )
         )
         assert sum(1 for d in decisions if d.allowed) == 10
         assert len(ledger.asked) == 1

@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import pytest
@@ -24,7 +24,7 @@ import pytest_twisted
 import treq
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import deferLater
-from twisted.logger import globalLogPublisher
+from twisted.logger import ILogObserver, globalLogPublisher
 
 from svcd.limits.book import BudgetRow, LimitBook, LimitsRow
 from svcd.limits.limiter import RedisRateLimiter
@@ -35,6 +35,7 @@ from svcd.proxy.config import ProxyConfig
 from svcd.proxy.http.edge import ProxyEdge
 from svcd.proxy.http.site import ProxySite
 from svcd.proxy.metrics import ProxyMetrics
+from svcd.proxy.records import TokenInfo
 from svcd.proxy.testing import FakeAuthClient, MemoryCounters, MemoryLedger
 from svcd.testing.upstream import ScriptedUpstream
 
@@ -71,7 +72,7 @@ class Edge:
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
 
-    def headers(self) -> dict[str, str]:
+    def headers(self) -> dict[bytes | str, bytes | str]:
         return {
             "Authorization": "Bearer " + self.token,
             "X-SVC-Agent-ID": self.agentID,
@@ -115,11 +116,10 @@ class Edge:
         return response, json.loads(content) if not extra.get("stream") else {"raw": content}
 
     async def post(
-        self, body: bytes, headers: dict[str, str] | None = None
+        self, body: bytes, headers: dict[bytes | str, bytes | str] | None = None
     ) -> tuple[Any, dict[str, Any]]:
-        response = await treq.post(
-            self.url("/v1/chat/completions"), body, headers={**self.headers(), **(headers or {})}
-        )
+        merged: dict[bytes | str, bytes | str] = {**self.headers(), **(headers or {})}
+        response = await treq.post(self.url("/v1/chat/completions"), body, headers=merged)
         content = await response.content()
         return response, json.loads(content) if content.startswith(b"{") else {"raw": content}
 
@@ -835,11 +835,11 @@ async def test_anOverrunIsBilledAsReportedAndCounted(edge: Edge) -> None:
             events.append(event)
 
     edge.limit(orgBudget=Budget(nanoUSD=billed + reserved - 1, period="day"))
-    globalLogPublisher.addObserver(observe)
+    globalLogPublisher.addObserver(cast(ILogObserver, observe))
     try:
         response, answer = await edge.chat(model="over-cap")
     finally:
-        globalLogPublisher.removeObserver(observe)
+        globalLogPublisher.removeObserver(cast(ILogObserver, observe))
     assert response.code == 200
     assert answer["usage"]["completion_tokens"] == 200
     [row] = edge.ledger.rows
@@ -919,7 +919,9 @@ async def test_eachForwardedRequestRecordsOneRow(edge: Edge) -> None:
     usage = answer["usage"]
     assert row.request_id == header(response, "X-Request-ID")
     assert (row.org_id, row.agent_id) == (edge.orgID, edge.agentID)
-    assert row.token_id == edge.auth.tokens[edge.token].tokenID
+    info = edge.auth.tokens[edge.token]
+    assert isinstance(info, TokenInfo)
+    assert row.token_id == info.tokenID
     assert (row.model_requested, row.model, row.provider) == ("priced", "priced", "scripted")
     assert (row.upstream_model, row.stream, row.outcome) == ("echo", False, "ok")
     assert (row.prompt_tokens, row.completion_tokens) == (

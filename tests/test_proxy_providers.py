@@ -1025,7 +1025,7 @@ def _documents(draw: st.DrawFn) -> str:
     for number in range(count):
         model: dict[str, Any] = {"name": f"m{number}", "provider": draw(st.sampled_from(names))}
         later = [f"m{other}" for other in range(number + 1, count)]
-        if later and draw(st.booleans()):
+        if len(later) > 0 and draw(st.booleans()):
             model["fallbacks"] = draw(st.lists(st.sampled_from(later), unique=True))
         if draw(st.booleans()):
             model["orgs"] = draw(
@@ -1042,7 +1042,8 @@ def _documents(draw: st.DrawFn) -> str:
             table.pop(key, None)
         else:
             table[key] = draw(_ODD_VALUES[key] if change == "odd" else _anything)
-    top = draw(st.sampled_from([{}, {}, {}, {"other": 1}, {"providers": []}, {"models": {"a": 1}}]))
+    tops: list[dict[str, Any]] = [{}, {}, {}, {"other": 1}, {"providers": []}, {"models": {"a": 1}}]
+    top = draw(st.sampled_from(tops))
     return tomlDocument(providers, models, top)
 
 

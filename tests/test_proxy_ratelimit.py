@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import pytest_twisted
@@ -26,6 +26,7 @@ from svcd.limits.limiter import (
     KEY_TTL_SECONDS,
     DisabledRateLimiter,
     RateDecision,
+    RedisCounters,
     RedisLink,
     RedisRateLimiter,
 )
@@ -292,7 +293,10 @@ async def _pumped(stub: StubTreq, pending: Deferred[Any]) -> Any:
 
 
 async def _get(stub: StubTreq, path: str, headers: dict[str, str]) -> tuple[Any, bytes]:
-    response = await _pumped(stub, stub.get("http://proxy.test" + path, headers=headers))
+    # StubTreq sets get() and the others in its __init__ (setattr over
+    # treq.__all__); treq's types do not declare them.
+    request = stub.get("http://proxy.test" + path, headers=headers)  # type: ignore[attr-defined]
+    response = await _pumped(stub, request)
     content = await _pumped(stub, response.content())
     return response, content
 
@@ -340,7 +344,8 @@ async def test_concurrentHitsShareCalls(redisURL: str, redisServer: RedisServer)
     target = parseRedisURL(redisURL)
     assert target is not None
     link = CountingLink(RedisLink(reactor, target))
-    limiter = RedisRateLimiter(link, fakeClock(WINDOW + 1), 40)
+    # CountingLink has only what a limiter without a book calls (increment).
+    limiter = RedisRateLimiter(cast(RedisCounters, link), fakeClock(WINDOW + 1), 40)
     limiter.start()
     await waitFor(lambda: link.connected)
     orgID = str(uuid.uuid4())
@@ -393,6 +398,7 @@ def remaining(pending: Deferred[RateDecision | None]) -> int | str:
     pending.addBoth(outcome.append)
     assert outcome, "still pending"
     if isinstance(outcome[0], Failure):
+        assert outcome[0].type is not None
         return outcome[0].type.__name__
     assert outcome[0] is not None
     return int(outcome[0].remaining)

@@ -18,6 +18,7 @@ import grpc
 import pytest
 import pytest_twisted
 from google.protobuf import json_format
+from twisted.internet.interfaces import IReactorFromThreads
 
 from svcd.ledger.outbox import UsageJournal, UsageOutbox
 from svcd.pb.auth.v1 import auth_pb2
@@ -48,7 +49,7 @@ async def ledger() -> AsyncIterator[tuple[LedgerAuth, GrpcAuthClient, ProxyMetri
         metrics = ProxyMetrics()
         client = GrpcAuthClient(
             lambda: grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS),
-            reactor,
+            IReactorFromThreads(reactor),
             reactor,
             2.0,
             metrics,
@@ -201,7 +202,7 @@ async def test_poisonRowSetAsideOthersRecorded(wholeBatch: bool, tmp_path: Path)
         metrics = ProxyMetrics()
         client = GrpcAuthClient(
             lambda: grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS),
-            reactor,
+            IReactorFromThreads(reactor),
             reactor,
             2.0,
             metrics,

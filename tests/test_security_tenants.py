@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from typing import cast
 
 import grpc
 import pytest
@@ -283,8 +284,9 @@ def test_validationAnswersCarryOnlyTheCallersOwnLimits(
     try:
 
         def tokenAnswer() -> auth_pb2.ValidateTokenResponse:
-            return stub.ValidateToken(
-                auth_pb2.ValidateTokenRequest(access_token=a.token), timeout=5
+            return cast(
+                auth_pb2.ValidateTokenResponse,
+                stub.ValidateToken(auth_pb2.ValidateTokenRequest(access_token=a.token), timeout=5),
             )
 
         # svc-auth hears changes in commit order: once A's row shows, B's

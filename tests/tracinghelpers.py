@@ -64,11 +64,18 @@ class Traced:
         from twisted.internet import reactor
         from twisted.internet.task import deferLater
 
-        pending = self.stub.request(
+        # StubTreq sets request() and the others in its __init__ (setattr
+        # over treq.__all__); treq's types do not declare them.
+        pending = self.stub.request(  # type: ignore[attr-defined]
             method, "http://proxy.test" + path, headers=headers or {}, data=body or None
         )
         outcome: list[Any] = []
-        pending.addBoth(lambda result: outcome.append(result) or result)
+
+        def keep(result: Any) -> Any:
+            outcome.append(result)
+            return result
+
+        pending.addBoth(keep)
         # An answer completed later by the real reactor (a real gRPC call)
         # reaches StubTreq's in-memory client only when flushed.
         while not outcome:
