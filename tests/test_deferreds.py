@@ -66,7 +66,7 @@ def twoClients() -> Iterator[tuple[socket.socket, socket.socket, dict[str, objec
 
     state: dict[str, object] = {"connections": []}
 
-    class _Factory(Factory[_Notify]):
+    class _Factory(Factory):
         protocol = _Notify
 
         def received(self, protocol: Protocol, data: bytes) -> None:
