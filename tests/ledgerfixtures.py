@@ -12,6 +12,7 @@ rather than another test module.
 from __future__ import annotations
 
 import calendar
+import contextlib
 import datetime
 import json
 import os
@@ -20,7 +21,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
@@ -32,9 +33,10 @@ import pytest
 from authfixtures import Tenant, makeTenant
 from gatewayfixtures import Answer, request
 
+from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
-from svcd.testing.daemons import Daemon
-from svcd.testing.servers import RedisServer, freePort
+from svcd.testing.daemons import Daemon, authEnvironment
+from svcd.testing.servers import PostgresServer, RedisServer, freePort
 from svcd.testing.upstream import ScriptedUpstream
 
 # Bounds on waits for what the daemons do on their own (rows reaching the
@@ -337,3 +339,46 @@ def counter(daemon: Daemon, name: str) -> float:
         if line.startswith(name + " ") or line.startswith(name + "{"):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+@contextlib.contextmanager
+def runningStack(
+    postgresServer: PostgresServer,
+    workdir: Path,
+    providersFile: Callable[[Path, ScriptedUpstream], Path],
+    proxySettings: Mapping[str, str] | None = None,
+) -> Iterator[Stack]:
+    """
+    The end-to-end stack of the ledger's modules: a database of its own on
+    C{postgresServer}, migrated; a Redis and the scripted upstream of its
+    own; svc-auth and two proxies reading the providers file that
+    C{providersFile} writes, with C{proxySettings} on top of
+    L{proxyEnvironment}. Torn down in reverse; no daemon may have logged a
+    traceback.
+    """
+    name = f"{workdir.name}_{uuid.uuid4().hex[:12]}".replace("-", "_").lower()
+    dsn = postgresServer.createDatabase(name)
+    migrate(dsn)
+    redis = RedisServer.create(workdir / "redis")
+    redis.start()
+    upstream = ScriptedUpstream(workdir / "upstream").start()
+    connection = psycopg.connect(dsn, autocommit=True)
+    owner = Store(lambda: contextlib.nullcontext(connection))
+    providers = providersFile(workdir / "providers.toml", upstream)
+    auth = Daemon("svc-auth", authEnvironment(dsn), workdir / "auth.log").start()
+    proxies: list[Daemon] = []
+    try:
+        environment = {**proxyEnvironment(auth, redis, providers), **(proxySettings or {})}
+        proxies = startProxies(2, environment, workdir)
+        for daemon in [auth, *proxies]:
+            daemon.waitForReady()
+        yield Stack(dsn, redis, auth, proxies, owner, upstream, workdir)
+    finally:
+        for daemon in reversed([auth, *proxies]):
+            daemon.terminate()
+        upstream.stop()
+        redis.destroy()
+        connection.close()
+        postgresServer.dropDatabase(name)
+    for daemon in [auth, *proxies]:
+        assert "Traceback" not in daemon.output(), daemon.output()

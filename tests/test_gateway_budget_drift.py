@@ -38,7 +38,6 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import psycopg
 import pytest
 from authfixtures import Tenant
 
@@ -52,17 +51,13 @@ from ledgerfixtures import (
     nanoCost,
     orgRows,
     post,
-    proxyEnvironment,
     roomInTheDay,  # noqa: F401
+    runningStack,
     spend,
-    startProxies,
     waitForRows,
     waitUntil,
 )
 
-from svcd.auth.migrations import migrate
-from svcd.auth.store import Store
-from svcd.testing.daemons import Daemon, authEnvironment
 from svcd.testing.servers import PostgresServer, RedisServer
 from svcd.testing.upstream import ScriptedUpstream
 
@@ -79,6 +74,11 @@ MODELS = {
 }
 # The proxies' budget settings, in seconds: healing within a few seconds.
 LEASE, RECONCILE, GRACE = 2, 1, 4
+BUDGET_SETTINGS = {
+    "SVC_BUDGET_LEASE": f"{LEASE}s",
+    "SVC_BUDGET_RECONCILE_INTERVAL": f"{RECONCILE}s",
+    "SVC_BUDGET_RECORD_GRACE": f"{GRACE}s",
+}
 # The bound on healing: the lease, a reconciliation, and room for a
 # loaded machine.
 HEALED_WITHIN = 60.0
@@ -112,38 +112,10 @@ def providersFile(path: Path, upstream: ScriptedUpstream) -> Path:
 def stack(
     postgresServer: PostgresServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
-    workdir = tmp_path_factory.mktemp("drift")
-    name = f"drift_{uuid.uuid4().hex[:12]}"
-    dsn = postgresServer.createDatabase(name)
-    migrate(dsn)
-    redis = RedisServer.create(workdir / "redis")
-    redis.start()
-    upstream = ScriptedUpstream(workdir / "upstream").start()
-    connection = psycopg.connect(dsn, autocommit=True)
-    owner = Store(lambda: contextlib.nullcontext(connection))
-    providers = providersFile(workdir / "providers.toml", upstream)
-    auth = Daemon("svc-auth", authEnvironment(dsn), workdir / "auth.log").start()
-    environment = {
-        **proxyEnvironment(auth, redis, providers),
-        "SVC_BUDGET_LEASE": f"{LEASE}s",
-        "SVC_BUDGET_RECONCILE_INTERVAL": f"{RECONCILE}s",
-        "SVC_BUDGET_RECORD_GRACE": f"{GRACE}s",
-    }
-    proxies: list[Daemon] = []
-    try:
-        proxies = startProxies(2, environment, workdir)
-        for daemon in [auth, *proxies]:
-            daemon.waitForReady()
-        yield Stack(dsn, redis, auth, proxies, owner, upstream, workdir)
-    finally:
-        for daemon in reversed([auth, *proxies]):
-            daemon.terminate()
-        upstream.stop()
-        redis.destroy()
-        connection.close()
-        postgresServer.dropDatabase(name)
-    for daemon in [auth, *proxies]:
-        assert "Traceback" not in daemon.output(), daemon.output()
+    with runningStack(
+        postgresServer, tmp_path_factory.mktemp("drift"), providersFile, BUDGET_SETTINGS
+    ) as running:
+        yield running
 
 
 def body(model: str) -> bytes:

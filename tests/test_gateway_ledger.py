@@ -36,7 +36,6 @@ import signal
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -68,8 +67,8 @@ from ledgerfixtures import (
     post,
     proxyEnvironment,
     roomInTheDay,  # noqa: F401
+    runningStack,
     spend,
-    startProxies,
     svcctl,
     svcctlDocument,
     waitForRows,
@@ -187,32 +186,8 @@ def gauge(daemon: Daemon, name: str) -> float:
 def stack(
     postgresServer: PostgresServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
-    workdir = tmp_path_factory.mktemp("ledger")
-    name = f"ledger_{uuid.uuid4().hex[:12]}"
-    dsn = postgresServer.createDatabase(name)
-    migrate(dsn)
-    redis = RedisServer.create(workdir / "redis")
-    redis.start()
-    upstream = ScriptedUpstream(workdir / "upstream").start()
-    connection = psycopg.connect(dsn, autocommit=True)
-    owner = Store(lambda: contextlib.nullcontext(connection))
-    providers = providersFile(workdir / "providers.toml", upstream)
-    auth = Daemon("svc-auth", authEnvironment(dsn), workdir / "auth.log").start()
-    proxies: list[Daemon] = []
-    try:
-        proxies = startProxies(2, proxyEnvironment(auth, redis, providers), workdir)
-        for daemon in [auth, *proxies]:
-            daemon.waitForReady()
-        yield Stack(dsn, redis, auth, proxies, owner, upstream, workdir)
-    finally:
-        for daemon in reversed([auth, *proxies]):
-            daemon.terminate()
-        upstream.stop()
-        redis.destroy()
-        connection.close()
-        postgresServer.dropDatabase(name)
-    for daemon in [auth, *proxies]:
-        assert "Traceback" not in daemon.output(), daemon.output()
+    with runningStack(postgresServer, tmp_path_factory.mktemp("ledger"), providersFile) as running:
+        yield running
 
 
 # 1. One row per forwarded request, exact.

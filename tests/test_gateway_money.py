@@ -20,7 +20,6 @@ C{svcctl budget}. What is checked, from outside the gateway only:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 import uuid
@@ -47,18 +46,14 @@ from ledgerfixtures import (
     nanoCost,
     orgRows,
     post,
-    proxyEnvironment,
     roomInTheDay,  # noqa: F401
+    runningStack,
     spend,
-    startProxies,
     waitForRows,
     waitUntil,
 )
 
-from svcd.auth.migrations import migrate
-from svcd.auth.store import Store
-from svcd.testing.daemons import Daemon, authEnvironment
-from svcd.testing.servers import PostgresServer, RedisServer
+from svcd.testing.servers import PostgresServer
 from svcd.testing.upstream import ScriptedUpstream
 
 # Starts real daemons or processes (conftest.py, pytest.ini): left out of a
@@ -122,32 +117,8 @@ def providersFile(path: Path, upstream: ScriptedUpstream) -> Path:
 def stack(
     postgresServer: PostgresServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
-    workdir = tmp_path_factory.mktemp("money")
-    name = f"money_{uuid.uuid4().hex[:12]}"
-    dsn = postgresServer.createDatabase(name)
-    migrate(dsn)
-    redis = RedisServer.create(workdir / "redis")
-    redis.start()
-    upstream = ScriptedUpstream(workdir / "upstream").start()
-    connection = psycopg.connect(dsn, autocommit=True)
-    owner = Store(lambda: contextlib.nullcontext(connection))
-    providers = providersFile(workdir / "providers.toml", upstream)
-    auth = Daemon("svc-auth", authEnvironment(dsn), workdir / "auth.log").start()
-    proxies: list[Daemon] = []
-    try:
-        proxies = startProxies(2, proxyEnvironment(auth, redis, providers), workdir)
-        for daemon in [auth, *proxies]:
-            daemon.waitForReady()
-        yield Stack(dsn, redis, auth, proxies, owner, upstream, workdir)
-    finally:
-        for daemon in reversed([auth, *proxies]):
-            daemon.terminate()
-        upstream.stop()
-        redis.destroy()
-        connection.close()
-        postgresServer.dropDatabase(name)
-    for daemon in [auth, *proxies]:
-        assert "Traceback" not in daemon.output(), daemon.output()
+    with runningStack(postgresServer, tmp_path_factory.mktemp("money"), providersFile) as running:
+        yield running
 
 
 def ledgerKeys(dsn: str, orgID: uuid.UUID) -> list[tuple[str, str]]:
