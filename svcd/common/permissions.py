@@ -12,8 +12,9 @@ class Permission(enum.IntFlag):
     Bits of the int64 permission bitmap.
 
     The auth-probe routes need a valid token and an active agent but no
-    bit; the chat routes need ProxyChatCompletion; GetUsage needs
-    UsageRead.
+    bit; the chat routes need ProxyChatCompletion, the embeddings route
+    ProxyEmbeddings, the memory routes MemoryRead or MemoryWrite; GetUsage
+    needs UsageRead.
     """
 
     ProxyChatCompletion = 1
@@ -23,6 +24,11 @@ class Permission(enum.IntFlag):
     # Decisions D12: the gRPC method GetUsage, the usage sums of the
     # token's own organization.
     UsageRead = 16
+    # Decisions D13: POST /v1/embeddings; reading the agent's memories
+    # (list, get, search); writing them (add, change, delete, observe).
+    ProxyEmbeddings = 32
+    MemoryRead = 64
+    MemoryWrite = 128
 
 
 def parsePermissions(text: str) -> int:

@@ -24,6 +24,12 @@ CLIENT_GONE = "client_gone"
 FROM_PROVIDER = "provider"
 FROM_RESERVATION = "reservation"
 
+# What a row's call was (decisions D13): the column C{kind}.
+CHAT = "chat"
+EMBEDDING = "embedding"
+EXTRACTION = "extraction"
+KINDS = (CHAT, EMBEDDING, EXTRACTION)
+
 
 class UsageLedger(Protocol):
     """
@@ -61,6 +67,8 @@ def usageRow(
     price: Price | None,
     startedAt: float,
     endedAt: float,
+    kind: str = CHAT,
+    parentRequestID: str | None = None,
 ) -> auth_pb2.UsageRow:
     """
     The ledger row of one forwarded request, keyed by C{ledgerID} (the
@@ -71,6 +79,10 @@ def usageRow(
     stream that failed C{afterFirstByte}) the reservation's C{estimate}
     (prompt, output cap), as the token limits kept it (D11). Its cost is
     those tokens at C{price}, the price of the model that answered.
+
+    C{kind} says what the call was (one of L{KINDS}, decisions D13), and
+    C{parentRequestID} the request it was made for, when another request
+    caused it (a recall's embedding, a worker's extraction).
     """
     if usage is not None:
         prompt, cached = usage.promptTokens, usage.cachedTokens
@@ -103,4 +115,6 @@ def usageRow(
         price_version=price.version if price is not None else "",
         started_at_us=round(startedAt * 1_000_000),
         duration_us=max(0, round((endedAt - startedAt) * 1_000_000)),
+        kind=kind,
+        parent_request_id=parentRequestID or "",
     )
