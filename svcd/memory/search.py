@@ -1,0 +1,74 @@
+"""
+A search of one scope (decisions D13): the vectors from the replica's
+cache (L{svcd.memory.vectors}), loaded from PostgreSQL on a miss, the
+memories themselves read by id afterwards.
+
+Runs on a grpcio thread, as every call of svc-memory: the load on a miss
+blocks that thread only, and the product releases the GIL.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from prometheus_client import Histogram
+
+from svcd.memory.records import Embedding, MemoryRecord, Scope
+from svcd.memory.store import MemoryStore
+from svcd.memory.vectors import ScopeKey, ScopeVectors, VectorCache, normalised
+
+
+class Searcher:
+    """
+    @param searchSeconds: svc_memory_search_duration_seconds, by whether
+        the scope was cached (C{cache="hit"}) or loaded (C{"miss"}).
+    """
+
+    def __init__(
+        self, store: MemoryStore, cache: VectorCache, searchSeconds: Histogram | None = None
+    ) -> None:
+        self._store = store
+        self._cache = cache
+        self._searchSeconds = searchSeconds
+
+    def vectorsOf(self, key: ScopeKey, scope: Scope) -> tuple[ScopeVectors, bool]:
+        """
+        The vectors of C{key}, and whether they came from the cache.
+        """
+        cached = self._cache.lookup(key)
+        if cached is not None:
+            return cached, True
+        load = self._cache.beginLoad(key)
+        try:
+            rows = self._store.scopeRows(scope, key.model, key.dimensions)
+            loaded = ScopeVectors.fromRows(key.dimensions, rows)
+        except BaseException:
+            self._cache.abandonLoad(load)
+            raise
+        return self._cache.finishLoad(load, loaded), False
+
+    def search(
+        self, scope: Scope, embedding: Embedding, k: int, minScore: float | None
+    ) -> list[tuple[MemoryRecord, float]]:
+        """
+        The C{k} memories of C{scope} made by C{embedding}'s model whose
+        vectors are most similar to it (cosine), best first, ties newest
+        first; only those scoring at least C{minScore} when given.
+        """
+        started = time.perf_counter()
+        key = ScopeKey(
+            scope.orgID, scope.agentID, scope.subject, embedding.model, embedding.dimensions
+        )
+        vectors, cached = self.vectorsOf(key, scope)
+        hits = vectors.search(normalised(embedding.vector), k, minScore)
+        records: dict[uuid.UUID, MemoryRecord] = {
+            each.memoryID: each
+            for each in self._store.memoriesByID(scope, [hit.memoryID for hit in hits])
+        }
+        if self._searchSeconds is not None:
+            self._searchSeconds.labels(cache="hit" if cached else "miss").observe(
+                time.perf_counter() - started
+            )
+        # A memory deleted since the ranking is not in the read: dropped.
+        return [(records[hit.memoryID], hit.score) for hit in hits if hit.memoryID in records]
