@@ -18,6 +18,7 @@ from authfixtures import Tenant, makeTenant
 from svcd.auth.store import Store
 from svcd.memory.records import Embedding, Scope
 from svcd.memory.store import APPLICATION_ROLE, MemoryStore, connectionPool
+from svcd.testing.memoryservice import RunningMemoryService
 
 MODEL = "embed-test"
 
@@ -74,3 +75,15 @@ def globex(owner: Store) -> Tenant:
 
 def secondAgent(owner: Store, tenant: Tenant) -> uuid.UUID:
     return owner.createAgent(tenant.orgID, "second").agentID
+
+
+@pytest.fixture
+def memoryService(migratedDSN: str) -> Iterator[RunningMemoryService]:
+    """
+    A running MemoryService (one replica) on the test's database.
+    """
+    service = RunningMemoryService(migratedDSN).start()
+    try:
+        yield service
+    finally:
+        service.stop()

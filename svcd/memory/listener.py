@@ -15,6 +15,12 @@ change of a scope this replica caches (or is loading) is read: the rows
 of one packet of notifications in one query per organization, in that
 organization's context, as svc_memory_app.
 
+A replica's own writes wait for their changes to be applied here before
+they are answered (read your writes): the writer sends a sync marker,
+C{sync:<nonce>}, after its commit, and since PostgreSQL delivers
+notifications in commit order, once the marker is heard every change of
+the write has been applied (L{svcd.memory.search.Searcher.settle}).
+
 It also counts, every C{waitingInterval} seconds, the observations
 waiting for the worker (svc_memory_observations_waiting): a query that
 needs a connection and a thread, which this one has.
@@ -162,8 +168,12 @@ class MemoryListener:
                 self._waiting(store.observationsWaiting())
             wait = max(0.0, min(nextBeat, nextCount) - self._monotonic())
             changes: list[tuple[str, Triple, uuid.UUID]] = []
+            syncs: list[str] = []
             for notification in list(connection.notifies(timeout=wait, stop_after=1)):
                 payload = notification.payload
+                if payload.startswith("sync:"):
+                    syncs.append(payload[len("sync:") :])
+                    continue
                 if payload.startswith("beat:"):
                     if payload.startswith(f"beat:{nonce}:"):
                         lastBack = self._monotonic()
@@ -175,6 +185,9 @@ class MemoryListener:
                 changes.append(parsed)
             if changes:
                 self._apply(changes, store)
+            # After the changes heard before them, which are applied now.
+            for nonce in syncs:
+                self._cache.heardSync(nonce)
             if self._monotonic() - lastBack > self._beatTimeout:
                 raise _BeatsStopped(f"no beat came back for {self._beatTimeout}s")
 

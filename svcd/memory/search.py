@@ -48,6 +48,25 @@ class Searcher:
             raise
         return self._cache.finishLoad(load, loaded), False
 
+    def settle(self, scope: Scope, timeout: float = 1.0) -> None:
+        """
+        After a write to C{scope} through this replica has committed:
+        return once this replica's cache holds it (read your writes), or
+        after C{timeout} (it will, by the listener's promise). Without a
+        cached copy of the scope there is nothing to wait for.
+        """
+        if not self._cache.isListening() or not self._cache.watches(
+            scope.orgID, scope.agentID, scope.subject
+        ):
+            return
+        nonce = uuid.uuid4().hex
+        heard = self._cache.expectSync(nonce)
+        try:
+            self._store.notifySync(nonce)
+            heard.wait(timeout)
+        finally:
+            self._cache.forgetSync(nonce)
+
     def search(
         self, scope: Scope, embedding: Embedding, k: int, minScore: float | None
     ) -> list[tuple[MemoryRecord, float]]:

@@ -283,6 +283,19 @@ class MemoryStore:
         """
         self._run("ping", lambda cursor: cursor.execute("SELECT 1"), None)
 
+    def notifySync(self, nonce: str) -> None:
+        """
+        Send the sync marker C{nonce} on the change listeners' channel,
+        after a write has committed (L{svcd.memory.listener}).
+        """
+        self._run(
+            "memory_sync",
+            lambda cursor: cursor.execute(
+                "SELECT pg_notify('svc_memory_changes', %s)", (f"sync:{nonce}",)
+            ),
+            None,
+        )
+
     # Memories.
 
     def add(

@@ -339,6 +339,7 @@ class VectorCache:
         self._loads: dict[ScopeKey, list[_Load]] = {}
         self._listening = False
         self._epoch = 0
+        self._syncs: dict[str, threading.Event] = {}
 
     @property
     def totalBytes(self) -> int:
@@ -475,6 +476,29 @@ class VectorCache:
 
     def _reportSize(self) -> None:
         self._metrics.size(sum(self._bytes.values()), len(self._scopes))
+
+    # A replica's own writes.
+
+    def expectSync(self, nonce: str) -> threading.Event:
+        """
+        An event set once the listener hears the sync marker C{nonce}
+        (L{svcd.memory.listener}): every change committed before the
+        marker was sent has then been applied.
+        """
+        event = threading.Event()
+        with self._lock:
+            self._syncs[nonce] = event
+        return event
+
+    def heardSync(self, nonce: str) -> None:
+        with self._lock:
+            event = self._syncs.pop(nonce, None)
+        if event is not None:
+            event.set()
+
+    def forgetSync(self, nonce: str) -> None:
+        with self._lock:
+            self._syncs.pop(nonce, None)
 
     # The listener's changes.
 
