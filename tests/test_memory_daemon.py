@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import psycopg
@@ -141,12 +142,12 @@ def test_sigtermDrainsACallInFlight(memoryDaemon: Daemon, migratedDSN: str, acme
     assert "gRPC server stopped" in memoryDaemon.output()
 
 
-def _waitingOnLock(connection: psycopg.Connection[object]) -> bool:
+def _waitingOnLock(connection: psycopg.Connection[Any]) -> bool:
     row = connection.execute(
         "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
         " AND application_name = 'svc-memory'"
     ).fetchone()
-    return row is not None and row[0] == 1
+    return row is not None and int(row[0]) == 1
 
 
 def test_badConfigurationIsOneLine() -> None:
