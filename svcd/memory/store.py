@@ -396,6 +396,66 @@ class MemoryStore:
 
         return self._run("memory_list", query, scope.orgID)
 
+    def listForOperator(
+        self,
+        orgID: uuid.UUID,
+        agentID: uuid.UUID,
+        subject: str | None,
+        limit: int,
+        after: uuid.UUID | None = None,
+    ) -> tuple[list[MemoryRecord], bool]:
+        """
+        svcctl memory list: as L{listMemories}, over every subject of the
+        agent when C{subject} is None.
+
+        @raise MemoryNotFound: C{after} names no memory of the agent (or
+            of the subject).
+        """
+
+        def query(cursor: Cursor) -> tuple[list[MemoryRecord], bool]:
+            conditions = ["org_id = %s", "agent_id = %s"]
+            values: list[object] = [orgID, agentID]
+            if subject is not None:
+                conditions.append("subject = %s")
+                values.append(subject)
+            where = " AND ".join(conditions)
+            if after is not None:
+                cursor.execute(
+                    f"SELECT created_at, id FROM memories WHERE id = %s AND {where}",
+                    (after, *values),
+                )
+                anchor = cursor.fetchone()
+                if anchor is None:
+                    raise MemoryNotFound("no such id")
+                where += " AND (created_at, id) < (%s, %s)"
+                values += [anchor["created_at"], anchor["id"]]
+            cursor.execute(
+                f"SELECT {_MEMORY_COLUMNS} FROM memories WHERE {where}"
+                " ORDER BY created_at DESC, id DESC LIMIT %s",
+                (*values, limit + 1),
+            )
+            rows = [_memory(row) for row in cursor.fetchall()]
+            return rows[:limit], len(rows) > limit
+
+        return self._run("memory_list_operator", query, orgID)
+
+    def subjectOf(self, orgID: uuid.UUID, agentID: uuid.UUID, memoryID: uuid.UUID) -> str | None:
+        """
+        The subject of one of the agent's memories, or None when the agent
+        has no memory with this id (svcctl memory show and delete without
+        --subject).
+        """
+
+        def query(cursor: Cursor) -> str | None:
+            cursor.execute(
+                "SELECT subject FROM memories WHERE id = %s AND org_id = %s AND agent_id = %s",
+                (memoryID, orgID, agentID),
+            )
+            row = cursor.fetchone()
+            return None if row is None else str(row["subject"])
+
+        return self._run("memory_subject", query, orgID)
+
     def update(
         self,
         scope: Scope,
