@@ -74,6 +74,15 @@ setup(
         # grpcio threads search in parallel; by hand in Python it would
         # cost a float object per component.
         "numpy>=1.26",
+        # svc-memory runs numpy's BLAS one thread per search (svcd/memory/
+        # tap.py): grpcio's threads already search in parallel, and
+        # OpenBLAS's own threads, spinning beside them, made a search of
+        # 1,000 memories take 12 ms instead of 0.09 ms on the loaded 2-core
+        # machine. threadpoolctl (scikit-learn's) sets that at run time,
+        # whatever BLAS numpy was built with and whenever numpy was
+        # imported; an environment variable would have to precede numpy's
+        # import.
+        "threadpoolctl>=3.1",
     ],
     extras_require={
         "test": [

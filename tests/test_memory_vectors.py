@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy
 from hypothesis import given, settings
@@ -24,6 +25,7 @@ from svcd.memory.vectors import (
     ScopeVectors,
     VectorCache,
     normalised,
+    parallelProduct,
 )
 
 ORG, AGENT = uuid.uuid4(), uuid.uuid4()
@@ -270,3 +272,24 @@ def test_nothingIsCachedWhileNotListening() -> None:
     assert cache.lookup(key()) is loaded
     cache.notListening()
     assert cache.lookup(key()) is None and cache.totalBytes == 0
+
+
+def test_aSplitProductRanksAsOne() -> None:
+    """
+    A large scope's product split into blocks over threads gives the very
+    scores, and so the very ranking, of one product.
+    """
+    generator = numpy.random.default_rng(3)
+    matrix = generator.standard_normal((1001, 16)).astype("<f4")
+    rows = ScopeRows(
+        ids=b"".join(uuid.uuid4().bytes for _ in range(1001)),
+        createdMicros=list(range(1001)),
+        vectors=matrix.tobytes(),
+    )
+    scope = ScopeVectors.fromRows(16, rows)
+    query = normalised(generator.standard_normal(16).astype("<f4").tobytes())
+    with ThreadPoolExecutor(2) as executor:
+        split = parallelProduct(executor, 3, threshold=100)
+        assert scope.search(query, 20, product=split) == scope.search(query, 20)
+        scores = split(scope._view.matrix[:1001], query)
+        assert numpy.allclose(scores, scope._view.matrix[:1001] @ query, atol=1e-6)

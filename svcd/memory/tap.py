@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from prometheus_client import CollectorRegistry
+from threadpoolctl import threadpool_limits
 from twisted.application.service import IService
 from twisted.internet.interfaces import IReactorCore, IReactorTime
 from twisted.logger import LogLevel
@@ -64,6 +65,10 @@ def buildService(
     tracing = tracing or TracingConfig(settings.serviceName, settings.environment)
     provider = tracerProvider(tracing)
     TracingService(reactor, reactor, provider, tracing).setServiceParent(rootService)
+    # One BLAS thread per search: grpcio's threads are the parallelism
+    # (and a large scope's blocks, svcd/memory/search.py); OpenBLAS's own
+    # threads beside them only spin (setup.py says what that cost).
+    threadpool_limits(limits=1, user_api="blas")
     registry = CollectorRegistry(auto_describe=True)
     processUpGauge(registry)
     # The collector's pauses are the process's: timed once per process.

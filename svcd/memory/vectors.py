@@ -50,6 +50,7 @@ import collections
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Executor
 
 import attrs
 import numpy
@@ -184,18 +185,28 @@ class ScopeVectors:
         arrays = (view.matrix, view.high, view.low, view.created, view.alive)
         return sum(int(each.nbytes) for each in arrays) + SCOPE_OVERHEAD_BYTES
 
-    def search(self, query: Floats, k: int, minScore: float | None = None) -> list[Hit]:
+    def search(
+        self,
+        query: Floats,
+        k: int,
+        minScore: float | None = None,
+        product: Callable[[Floats, Floats], Floats] | None = None,
+    ) -> list[Hit]:
         """
         The C{k} memories most similar to C{query} (normalised), best
         first; ties (equal scores) newest first, then by id, descending.
         Every memory whose score reaches the k-th is considered before the
         cut, so ties at the edge are broken by age, never by position.
+
+        @param product: computes C{matrix @ query} (L{parallelProduct}
+            splits a large one over threads); numpy's own by default.
         """
         view = self._view
         count = view.count
         if count == 0 or k < 1:
             return []
-        scores = view.matrix[:count] @ query
+        matrix = view.matrix[:count]
+        scores = matrix @ query if product is None else product(matrix, query)
         valid = view.alive[:count].copy()
         if minScore is not None:
             valid &= scores >= numpy.float32(minScore)
@@ -290,6 +301,38 @@ class ScopeVectors:
         fresh.created[:size] = view.created[live]
         fresh.alive[:size] = True
         return attrs.evolve(fresh, count=size, dead=0)
+
+
+def parallelProduct(
+    executor: Executor, workers: int, threshold: int
+) -> Callable[[Floats, Floats], Floats]:
+    """
+    C{matrix @ query}, split into C{workers} blocks of rows computed at
+    once (one on the calling thread) when the matrix has C{threshold} rows
+    or more. numpy releases the GIL in the product, so the blocks run on
+    several cores; BLAS itself runs one thread per call in svc-memory
+    (svcd/memory/tap.py). Below the threshold one product is quicker than
+    handing work to threads.
+    """
+
+    def product(matrix: Floats, query: Floats) -> Floats:
+        rows = int(matrix.shape[0])
+        if workers < 2 or rows < threshold:
+            whole: Floats = matrix @ query
+            return whole
+        scores = numpy.empty(rows, dtype=numpy.float32)
+        step = -(-rows // workers)
+
+        def block(start: int) -> None:
+            numpy.matmul(matrix[start : start + step], query, out=scores[start : start + step])
+
+        pending = [executor.submit(block, start) for start in range(step, rows, step)]
+        block(0)
+        for each in pending:
+            each.result()
+        return scores
+
+    return product
 
 
 @attrs.define
