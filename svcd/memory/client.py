@@ -309,7 +309,7 @@ class MemoryClient:
     ) -> Deferred[memory_pb2.SearchResponse]:
         """
         @param timeout: this call's deadline (context assembly has a short
-            one of its own, SVC_MEMORY_TIMEOUT).
+            one of its own, decisions D13).
         """
         request = memory_pb2.SearchRequest(
             scope=scopeMessage(scope), query=embeddingMessage(query), k=k
