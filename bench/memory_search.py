@@ -16,7 +16,8 @@ development machine: p50 at most 1 ms, 3 ms and 25 ms; cache bytes per
 memory at most 1.2 x 768 x 4 = 3,686.
 
 Client and server share this machine's cores; the figures are a floor of
-what svc-memory does alone. Prints a table, and JSON with --json FILE.
+what svc-memory does alone. Prints a table, and JSON with --json FILE;
+exits 1 when the cache's bytes per memory pass the bound.
 """
 
 from __future__ import annotations
@@ -216,6 +217,11 @@ def main() -> int:
         print(f"{key}: {value}")
     if arguments.json:
         Path(arguments.json).write_text(json.dumps({"search": rows, **extra}, indent=2) + "\n")
+    bound = 1.2 * DIMENSIONS * 4
+    over = [row for row in rows if float(str(row["cache_bytes_per_memory"])) > bound]
+    if over:
+        print(f"cache bytes per memory above the bound of {bound:.0f}: {over}")
+        return 1
     return 0
 
 
