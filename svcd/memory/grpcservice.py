@@ -14,6 +14,11 @@ grpcio's INTERNAL with a traceback. svc-auth's server module is typed
 for its own servicer, so the few lines that build and host a server are
 written again here around the same parts.
 
+A write (add, a new content, a delete) through a replica that caches the
+scope is answered only once its change is in that cache
+(L{svcd.memory.search.Searcher.settle}): a caller reads its own writes;
+other replicas follow within a second.
+
 Nothing here logs a memory's content or an observation's messages.
 """
 
