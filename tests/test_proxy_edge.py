@@ -1203,4 +1203,6 @@ def test_middlewareOrder() -> None:
         },
         "/v1/chat/completions": {"POST": chat},
         "/proxy/v1/chat/completions": {"POST": chat},
+        # Decisions D13: the same steps, in the same order.
+        "/v1/embeddings": {"POST": chat},
     }

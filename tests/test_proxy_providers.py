@@ -340,7 +340,10 @@ def test_proxyConfig(tmp_path: Path) -> None:
 # reported (after "SVC_PROVIDERS_FILE: <path>: ").
 _LONG = "m" * 129
 _PROVIDER_KEYS = "name, base_url, api_key_env, timeout, idle_timeout, max_connections"
-_MODEL_KEYS = "name, provider, upstream_model, orgs, fallbacks, max_output_tokens, price, cap_field"
+_MODEL_KEYS = (
+    "name, provider, upstream_model, orgs, fallbacks, max_output_tokens, price, cap_field,"
+    " kind, dimensions"
+)
 _NAME_RULE = "letters, digits, '.', '_' and '-', starting with a letter or digit"
 _MODEL_RULE = "letters, digits and . _ : / @ + -, starting with a letter or digit"
 CONTENT_FAULTS: list[tuple[str, list[dict[str, Any]], list[dict[str, Any]], str]] = [
