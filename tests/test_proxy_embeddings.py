@@ -288,7 +288,8 @@ async def test_anAnswerIsRelayedAsTheProviderGaveIt(edge: Edge) -> None:
     gateway's headers. (The scripted vectors of texts that share words
     are near.)
     """
-    document = {"model": "embed", "input": ["the cat sat", "the cat ran"], "user": "u-1", "x": [1]}
+    inputs = ["the cat sat", "the cat ran"]
+    document = {"model": "embed", "input": inputs, "user": "u-1", "x": [1]}
     response, answer = await edge.post("/v1/embeddings", json.dumps(document).encode())
     assert response.code == 200, answer
     assert header(response, "Content-Type") == "application/json"
@@ -303,9 +304,7 @@ async def test_anAnswerIsRelayedAsTheProviderGaveIt(edge: Edge) -> None:
     assert answer["object"] == "list" and answer["model"] == "echo"
     vectors = [each["embedding"] for each in answer["data"]]
     assert [each["index"] for each in answer["data"]] == [0, 1]
-    assert vectors == [
-        embeddingOf(text, DEFAULT_EMBEDDING_DIMENSIONS)[0] for text in document["input"]
-    ]
+    assert vectors == [embeddingOf(text, DEFAULT_EMBEDDING_DIMENSIONS)[0] for text in inputs]
     assert cosine(vectors[0], vectors[1]) > 0.5
     assert answer["usage"] == {"prompt_tokens": 6, "total_tokens": 6}
 

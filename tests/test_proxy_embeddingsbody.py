@@ -259,7 +259,7 @@ def test_validBodiesParse(
     """
     Any body within the rules parses, its inputs as sent.
     """
-    document = {"model": model, "input": inputs}
+    document: dict[str, Any] = {"model": model, "input": inputs}
     if encoding is not None:
         document["encoding_format"] = encoding
     if dimensions is not None:
