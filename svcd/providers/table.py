@@ -154,7 +154,8 @@ class Provider:
     One OpenAI-compatible endpoint.
 
     @ivar baseURL: C{http(s)://host[:port][/path]} without a trailing
-        slash; requests go to C{<baseURL>/chat/completions}.
+        slash; requests go to C{<baseURL>/chat/completions} and
+        C{<baseURL>/embeddings} (D13).
     @ivar apiKey: read at load from the variable named C{apiKeyEnv}, sent
         as C{Authorization: Bearer}; None for a provider without a key.
         Never in a repr, a log line, an error or a span.
