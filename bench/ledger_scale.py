@@ -35,7 +35,7 @@ svc-auth` on loopback:
                  method itself (the new code at scale; with --before, the
                  daemon of bfd08eb against this tree's, fresh ledgers)
     migration    with --migration-rows N, sql/0007 on a ledger of N rows
-                 written before it
+                 written before it, then sql/0008 (the kinds) after it
 
 The private server runs with fsync off (svcd.testing.servers): commits cost
 no disk flush, so rows/s is the CPU's, a bound on both statements alike.
@@ -449,7 +449,8 @@ def compareDaemons(
 def timeMigration(server: PostgresServer, count: int) -> dict[str, float]:
     """
     Seconds of sql/0007 on a ledger of C{count} rows written as before it
-    (keyed by request id), in a database of its own.
+    (keyed by request id), in a database of its own; then of sql/0008 (the
+    kinds, decisions D13) on the ledger and rollup 0007 left.
     """
     dsn = server.createDatabase("migration")
     migrate(dsn, through="0006_usage.sql")
@@ -469,8 +470,17 @@ def timeMigration(server: PostgresServer, count: int) -> dict[str, float]:
             )
         connection.execute("VACUUM ANALYZE usage_ledger")
     started = time.perf_counter()
-    assert migrate(dsn) == ["0007_ledger_key_and_rollup.sql"]
-    return {"rows": float(count), "migration_s": time.perf_counter() - started}
+    assert migrate(dsn, through="0007_ledger_key_and_rollup.sql") == [
+        "0007_ledger_key_and_rollup.sql"
+    ]
+    keyed = time.perf_counter() - started
+    started = time.perf_counter()
+    assert migrate(dsn, through="0008_usage_kind.sql") == ["0008_usage_kind.sql"]
+    return {
+        "rows": float(count),
+        "migration_s": keyed,
+        "kind_migration_s": time.perf_counter() - started,
+    }
 
 
 def main() -> int:

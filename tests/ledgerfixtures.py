@@ -76,6 +76,8 @@ LEDGER_COLUMNS = (
     "price_version",
     "started_at",
     "duration_us",
+    "kind",
+    "parent_request_id",
 )
 
 

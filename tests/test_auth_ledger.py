@@ -1,13 +1,15 @@
 """
 The ledger keyed by the gateway and its rollup (decisions D12 amended,
-sql/0007_ledger_key_and_rollup.sql, svcd/auth/store.py), against a real
-PostgreSQL and, where the answer's shape matters, a real grpcio server:
-requests sharing a request id are each one row; a key sent again is a
-duplicate with the same content and a conflict with other content (another
-organization's key included); the rollup equals the ledger's sums after
-any batches, concurrent ones included; GetSpend and the reports equal a
-plain sum over the rows for any span; sums past int64 never break an
-answer; and the migration works on a ledger that holds rows.
+sql/0007_ledger_key_and_rollup.sql, svcd/auth/store.py) and its kinds
+(decisions D13, sql/0008_usage_kind.sql), against a real PostgreSQL and,
+where the answer's shape matters, a real grpcio server: requests sharing a
+request id are each one row; a key sent again is a duplicate with the same
+content and a conflict with other content (another organization's key, or
+another kind or parent, included); rows of each kind are summed by kind;
+the rollup equals the ledger's sums by kind after any batches, concurrent
+ones included; GetSpend and the reports equal a plain sum over the rows
+for any span; sums past int64 never break an answer; and the migrations
+work on a ledger that holds rows.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from svcd.auth.migrations import migrate
 from svcd.auth.store import APPLICATION_ROLE, Store, UsageRecord, UsageSums
 from svcd.auth.usage import (
     INT64_MAX,
+    KINDS,
     LATEST_UNIX_SECOND,
     MAXIMUM_ROW_AMOUNT,
     RejectedRow,
@@ -94,7 +97,7 @@ def usageRecord(orgID: uuid.UUID, **changes: Any) -> UsageRecord:
     return UsageRecord(**fields)
 
 
-Group = tuple[uuid.UUID, datetime.date, uuid.UUID | None, uuid.UUID | None, str]
+Group = tuple[uuid.UUID, datetime.date, uuid.UUID | None, uuid.UUID | None, str, str]
 
 
 def expectedRollup(records: list[UsageRecord]) -> dict[Group, tuple[int, ...]]:
@@ -104,7 +107,7 @@ def expectedRollup(records: list[UsageRecord]) -> dict[Group, tuple[int, ...]]:
     sums: dict[Group, list[int]] = {}
     for each in records:
         key = (each.orgID, each.startedAt.astimezone(UTC).date(), each.agentID, each.tokenID)
-        group = sums.setdefault((*key, each.model), [0] * 6)
+        group = sums.setdefault((*key, each.model, each.kind), [0] * 6)
         group[0] += 1
         for index, field in enumerate(SUMMED, 1):
             group[index] += getattr(each, field)
@@ -117,13 +120,13 @@ def storedRollup(dsn: str, orgIDs: list[uuid.UUID]) -> dict[Group, tuple[int, ..
     """
     with psycopg.connect(dsn, autocommit=True) as connection:
         rows = connection.execute(
-            "SELECT org_id, day, agent_id, token_id, model, sum(requests), sum(prompt_tokens),"
-            " sum(cached_tokens), sum(completion_tokens), sum(reasoning_tokens),"
-            " sum(cost_nano_usd) FROM usage_rollup WHERE org_id = ANY(%s)"
-            " GROUP BY 1, 2, 3, 4, 5",
+            "SELECT org_id, day, agent_id, token_id, model, kind, sum(requests),"
+            " sum(prompt_tokens), sum(cached_tokens), sum(completion_tokens),"
+            " sum(reasoning_tokens), sum(cost_nano_usd) FROM usage_rollup"
+            " WHERE org_id = ANY(%s) GROUP BY 1, 2, 3, 4, 5, 6",
             (orgIDs,),
         ).fetchall()
-    return {tuple(row[:5]): tuple(int(each) for each in row[5:]) for row in rows}
+    return {tuple(row[:6]): tuple(int(each) for each in row[6:]) for row in rows}
 
 
 def ledgerRollup(dsn: str, orgIDs: list[uuid.UUID]) -> dict[Group, tuple[int, ...]]:
@@ -133,12 +136,12 @@ def ledgerRollup(dsn: str, orgIDs: list[uuid.UUID]) -> dict[Group, tuple[int, ..
     with psycopg.connect(dsn, autocommit=True) as connection:
         rows = connection.execute(
             "SELECT org_id, (started_at AT TIME ZONE 'UTC')::date, agent_id, token_id, model,"
-            " count(*), sum(prompt_tokens), sum(cached_tokens), sum(completion_tokens),"
+            " kind, count(*), sum(prompt_tokens), sum(cached_tokens), sum(completion_tokens),"
             " sum(reasoning_tokens), sum(cost_nano_usd)"
-            " FROM usage_ledger WHERE org_id = ANY(%s) GROUP BY 1, 2, 3, 4, 5",
+            " FROM usage_ledger WHERE org_id = ANY(%s) GROUP BY 1, 2, 3, 4, 5, 6",
             (orgIDs,),
         ).fetchall()
-    return {tuple(row[:5]): tuple(int(each) for each in row[5:]) for row in rows}
+    return {tuple(row[:6]): tuple(int(each) for each in row[6:]) for row in rows}
 
 
 def storedRow(dsn: str, ledgerID: str) -> tuple[Any, ...]:
@@ -291,6 +294,156 @@ def test_aRowTheDatabaseRefusesIsSetAsideAlone(appStore: Store, migratedDSN: str
     assert storedRollup(migratedDSN, [orgID]) == expectedRollup(good)
 
 
+# Kinds (decisions D13)
+
+
+def storedKinds(dsn: str, ledgerIDs: list[str]) -> dict[str, tuple[str, str | None]]:
+    """
+    The kind and parent request id of each row, by ledger id.
+    """
+    with psycopg.connect(dsn, autocommit=True) as connection:
+        rows = connection.execute(
+            "SELECT ledger_id::text, kind, parent_request_id FROM usage_ledger"
+            " WHERE ledger_id = ANY(%s::uuid[])",
+            (ledgerIDs,),
+        ).fetchall()
+    return {ledgerID: (kind, parent) for ledgerID, kind, parent in rows}
+
+
+def test_rowsOfEachKindAreRecordedAndSummedByKind(
+    authService: RunningAuthService, owner: Store, migratedDSN: str
+) -> None:
+    """
+    Rows of each kind are recorded with their kind and parent request id
+    (an empty parent is NULL); a row without a kind (a proxy older than
+    the field) is chat. GetUsage by kind sums each kind from the rollup,
+    exactly, keyed by the kind; GetSpend counts every kind; another
+    organization's rows, of the same kinds on the same day, are in none of
+    the sums.
+    """
+    tenant = makeTenant(
+        owner, "a", permissions=int(Permission.ProxyChatCompletion | Permission.UsageRead)
+    )
+    other = makeTenant(owner, "b")
+    chat = usageRow(tenant, kind="chat", cost_nano_usd=1_000)
+    older = usageRow(tenant, cost_nano_usd=20_000)
+    assert older.kind == ""
+    recall = usageRow(
+        tenant,
+        kind="embedding",
+        parent_request_id=chat.request_id,
+        prompt_tokens=7,
+        cached_tokens=0,
+        completion_tokens=0,
+        reasoning_tokens=0,
+        cost_nano_usd=300,
+    )
+    embedded = usageRow(tenant, kind="embedding", completion_tokens=0, cost_nano_usd=4_000)
+    extracted = usageRow(
+        tenant, kind="extraction", parent_request_id="observation-1", cost_nano_usd=50_000
+    )
+    mine = [chat, older, recall, embedded, extracted]
+    theirs = [usageRow(other, kind=kind, cost_nano_usd=10**9) for kind in KINDS]
+    assert record(authService, [*mine, *theirs]) == (8, 0)
+
+    assert storedKinds(migratedDSN, [each.ledger_id for each in mine]) == {
+        chat.ledger_id: ("chat", None),
+        older.ledger_id: ("chat", None),
+        recall.ledger_id: ("embedding", chat.request_id),
+        embedded.ledger_id: ("embedding", None),
+        extracted.ledger_id: ("extraction", "observation-1"),
+    }
+    answer = authService.call(
+        "GetUsage",
+        auth_pb2.GetUsageRequest(since="2025-06-01", until="2025-07-01", by="kind"),
+        bearer=tenant.token,
+    )
+    assert answer.by == "kind"
+    assert [
+        (
+            each.key,
+            each.requests,
+            each.prompt_tokens,
+            each.cached_tokens,
+            each.completion_tokens,
+            each.reasoning_tokens,
+            each.cost_usd,
+        )
+        for each in answer.rows
+    ] == [
+        ("chat", 2, 200, 20, 100, 10, "0.000021"),
+        ("embedding", 2, 107, 10, 0, 5, "0.0000043"),
+        ("extraction", 1, 100, 10, 50, 5, "0.00005"),
+    ]
+    assert (answer.total.requests, answer.total.cost_usd) == (5, "0.0000753")
+    spend = auth_pb2.GetSpendRequest(
+        org_id=str(tenant.orgID),
+        since_unix=int(JUNE.timestamp()),
+        until_unix=int((JUNE + DAY).timestamp()),
+    )
+    assert authService.call("GetSpend", spend).cost_nano_usd == 75_300
+    assert storedRollup(migratedDSN, [tenant.orgID, other.orgID]) == ledgerRollup(
+        migratedDSN, [tenant.orgID, other.orgID]
+    )
+
+
+def test_aRowSentAgainAsAnotherKindOrForAnotherParentIsAConflict(
+    authService: RunningAuthService, owner: Store, migratedDSN: str
+) -> None:
+    """
+    A kind and a parent are part of a row's content: a key sent again with
+    another kind, or another parent (one added, changed or taken away), is
+    rejected as a conflict naming the column, and the row stays as first
+    recorded, its cost counted once under its first kind. A row sent again
+    by an older proxy (no kind) matches a chat row, and the same row with
+    its kind now spelled "chat" is a duplicate too.
+    """
+    tenant = makeTenant(owner)
+    embedded = usageRow(tenant, kind="embedding", parent_request_id="parent-1")
+    older = usageRow(tenant)
+    assert record(authService, [embedded, older]) == (2, 0)
+
+    def changed(row: auth_pb2.UsageRow, **fields: str) -> auth_pb2.UsageRow:
+        copy = auth_pb2.UsageRow()
+        copy.CopyFrom(row)
+        for name, value in fields.items():
+            setattr(copy, name, value)
+        return copy
+
+    batch = [
+        changed(embedded, kind="chat"),
+        changed(embedded, kind="extraction"),
+        changed(embedded, parent_request_id="parent-2"),
+        changed(embedded, parent_request_id=""),
+        changed(older, parent_request_id="parent-1"),
+        changed(older, kind="embedding"),
+        embedded,
+        changed(older, kind="chat"),
+    ]
+    recorded, duplicates, rejected = recordAnswer(authService, batch)
+    assert (recorded, duplicates) == (0, 2)
+    detail = "ledger_id is recorded with other content ({} differ)"
+    assert rejected == [
+        (0, "conflict", detail.format("kind")),
+        (1, "conflict", detail.format("kind")),
+        (2, "conflict", detail.format("parent_request_id")),
+        (3, "conflict", detail.format("parent_request_id")),
+        (4, "conflict", detail.format("parent_request_id")),
+        (5, "conflict", detail.format("kind")),
+    ]
+    assert storedKinds(migratedDSN, [embedded.ledger_id, older.ledger_id]) == {
+        embedded.ledger_id: ("embedding", "parent-1"),
+        older.ledger_id: ("chat", None),
+    }
+    assert ledgerRollup(migratedDSN, [tenant.orgID]) == storedRollup(migratedDSN, [tenant.orgID])
+    assert {
+        group[5]: sums[0] for group, sums in storedRollup(migratedDSN, [tenant.orgID]).items()
+    } == {
+        "embedding": 1,
+        "chat": 1,
+    }
+
+
 # The rollup
 
 
@@ -349,6 +502,8 @@ contents = st.fixed_dictionaries(
         "agentID": st.sampled_from(AGENTS),
         "tokenID": st.sampled_from(TOKENS),
         "model": st.sampled_from(["fast", "slow"]),
+        "kind": st.sampled_from(KINDS),
+        "parentRequestID": st.sampled_from([None, "0190c6a2-0000-7000-8000-000000000001"]),
         # Two days either side of a midnight, its last and first
         # microseconds included.
         "startedAt": st.one_of(
@@ -361,11 +516,14 @@ contents = st.fixed_dictionaries(
     }
 )
 # A row of a batch: a new one, or one recorded before (by its position in
-# the rows made so far) sent again as it was, with another cost, or under
-# another organization.
+# the rows made so far) sent again as it was, with another cost, under
+# another organization, as another kind, or with another parent.
 actions = st.one_of(
     st.tuples(st.just("new"), contents),
-    st.tuples(st.sampled_from(["same", "changed", "stolen"]), st.integers(0, 10_000)),
+    st.tuples(
+        st.sampled_from(["same", "changed", "stolen", "rekinded", "reparented"]),
+        st.integers(0, 10_000),
+    ),
 )
 
 
@@ -379,11 +537,13 @@ def test_theRollupEqualsTheLedgersSumsAfterAnyBatches(
     appStore: Store, migratedDSN: str, batches: list[list[tuple[str, Any]]]
 ) -> None:
     """
-    After any batches of new rows, rows sent again, rows sent again with
-    other content and keys taken by another organization, each row is
-    recorded, a duplicate or a conflict exactly as a plain model of the
-    ledger says, and the rollup holds exactly the sums of the rows
-    recorded (computed in Python, and by PostgreSQL from the ledger).
+    After any batches of new rows of every kind, rows sent again, rows sent
+    again with other content (another cost, kind or parent) and keys taken
+    by another organization, each row is recorded, a duplicate or a
+    conflict exactly as a plain model of the ledger says, and the rollup
+    holds exactly the sums of the rows recorded by organization, day,
+    agent, token, model and kind (computed in Python, and by PostgreSQL
+    from the ledger).
     """
     orgs = [uuid.uuid4(), uuid.uuid4()]
     ledger: dict[str, UsageRecord] = {}
@@ -404,6 +564,12 @@ def test_theRollupEqualsTheLedgersSumsAfterAnyBatches(
                     row = attrs.evolve(row, costNanoUSD=cost)
                 elif kind == "stolen":
                     row = attrs.evolve(row, orgID=orgs[1] if row.orgID == orgs[0] else orgs[0])
+                elif kind == "rekinded":
+                    row = attrs.evolve(row, kind=KINDS[(KINDS.index(row.kind) + 1) % len(KINDS)])
+                elif kind == "reparented":
+                    row = attrs.evolve(
+                        row, parentRequestID=None if row.parentRequestID else row.requestID
+                    )
             rows.append(row)
         expected = {"recorded": 0, "duplicates": 0, "conflicts": []}
         for position, row in enumerate(rows):
@@ -443,6 +609,7 @@ def test_concurrentBatchesNeitherDeadlockNorMiscount(migratedDSN: str) -> None:
             model=generator.choice(["fast", "slow", "other"]),
             startedAt=JUNE + datetime.timedelta(hours=generator.randrange(-30, 30)),
             costNanoUSD=generator.randrange(10**6),
+            kind=generator.choice(KINDS),
         )
         for _ in range(2_000)
     ]
@@ -483,6 +650,7 @@ REPORT_KEYS = {
     "model": lambda row: row.model,
     "agent": lambda row: "" if row.agentID is None else str(row.agentID),
     "token": lambda row: "" if row.tokenID is None else str(row.tokenID),
+    "kind": lambda row: row.kind,
 }
 
 
@@ -504,7 +672,8 @@ def plainSums(rows: list[UsageRecord], by: str) -> list[UsageSums]:
 def spreadRows(appStore: Store) -> tuple[uuid.UUID, list[UsageRecord]]:
     """
     400 rows of one organization over May 30 to June 3 2025 at random
-    microseconds (some exactly at midnight), and a few of another.
+    microseconds (some exactly at midnight), of every kind, and a few of
+    another organization.
     """
     orgID = uuid.uuid4()
     generator = random.Random(12)
@@ -526,11 +695,14 @@ def spreadRows(appStore: Store) -> tuple[uuid.UUID, list[UsageRecord]]:
             ),
             promptTokens=generator.randrange(10**6),
             costNanoUSD=generator.randrange(10**9),
+            kind=generator.choice(KINDS),
         )
         for _ in range(400)
     ]
     appStore.recordUsage(rows)
-    appStore.recordUsage([usageRecord(uuid.uuid4(), startedAt=JUNE) for _ in range(5)])
+    appStore.recordUsage(
+        [usageRecord(uuid.uuid4(), startedAt=JUNE, kind=kind) for kind in KINDS for _ in range(2)]
+    )
     return orgID, rows
 
 
@@ -696,9 +868,12 @@ def test_theMigrationKeysAndRollsUpALedgerHoldingRows(databaseDSN: str) -> None:
                 " tokens_from, cost_nano_usd, price_version, started_at, duration_us)"
                 " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s,"
                 " %s, %s)",
-                [attrs.astuple(each)[1:] for each in old],
+                [attrs.astuple(each)[1:20] for each in old],
             )
-    assert migrate(databaseDSN) == ["0007_ledger_key_and_rollup.sql"]
+    assert migrate(databaseDSN, through="0007_ledger_key_and_rollup.sql") == [
+        "0007_ledger_key_and_rollup.sql"
+    ]
+    migrate(databaseDSN)
 
     with psycopg.connect(databaseDSN, autocommit=True) as connection:
         keys: dict[str, str] = {
@@ -723,6 +898,101 @@ def test_theMigrationKeysAndRollsUpALedgerHoldingRows(databaseDSN: str) -> None:
             each.costNanoUSD for each in [*old, *sharing] if each.orgID == orgs[0]
         )
     assert storedRollup(databaseDSN, orgs) == expectedRollup([*old, *sharing])
+
+
+def test_theKindMigrationKeepsALedgerHoldingRowsAndItsSums(databaseDSN: str) -> None:
+    """
+    On a ledger and rollup written before sql/0008 (as sql/0007 left them):
+    every row becomes chat with no parent, every rollup group chat with
+    the same sums; the rollup's key holds the kind, so rows of other kinds
+    in the same organization, day, agent, token and model are summed apart
+    while the existing groups keep adding up; the old rows sent again are
+    duplicates; both tables stay under forced row-level security, and the
+    new columns' checks hold for rows written from now on.
+    """
+    assert migrate(databaseDSN, through="0007_ledger_key_and_rollup.sql")[-1] == (
+        "0007_ledger_key_and_rollup.sql"
+    )
+    orgs = [uuid.uuid4(), uuid.uuid4()]
+    generator = random.Random(8)
+    old = [
+        usageRecord(
+            generator.choice(orgs),
+            agentID=generator.choice(AGENTS),
+            model=generator.choice(["fast", "slow"]),
+            startedAt=JUNE + datetime.timedelta(minutes=generator.randrange(-3000, 3000)),
+            costNanoUSD=generator.randrange(10**9),
+        )
+        for _ in range(200)
+    ]
+    with psycopg.connect(databaseDSN, autocommit=True) as connection:
+        with connection.cursor() as cursor:
+            cursor.executemany(
+                "INSERT INTO usage_ledger (ledger_id, request_id, org_id, agent_id, token_id,"
+                " model_requested, model, provider, upstream_model, stream, outcome,"
+                " prompt_tokens, cached_tokens, completion_tokens, reasoning_tokens,"
+                " tokens_from, cost_nano_usd, price_version, started_at, duration_us)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s,"
+                " %s, %s, %s)",
+                [attrs.astuple(each)[:20] for each in old],
+            )
+        # The rollup as sql/0007 builds it from a ledger.
+        connection.execute(
+            "INSERT INTO usage_rollup (org_id, day, agent_id, token_id, model, requests,"
+            " prompt_tokens, cached_tokens, completion_tokens, reasoning_tokens, cost_nano_usd)"
+            " SELECT org_id, (started_at AT TIME ZONE 'UTC')::date, agent_id, token_id, model,"
+            " count(*), sum(prompt_tokens), sum(cached_tokens), sum(completion_tokens),"
+            " sum(reasoning_tokens), sum(cost_nano_usd) FROM usage_ledger GROUP BY 1, 2, 3, 4, 5"
+        )
+    assert migrate(databaseDSN, through="0008_usage_kind.sql") == ["0008_usage_kind.sql"]
+
+    assert storedKinds(databaseDSN, [each.ledgerID for each in old]) == {
+        each.ledgerID: ("chat", None) for each in old
+    }
+    assert storedRollup(databaseDSN, orgs) == expectedRollup(old)
+    with psycopg.connect(databaseDSN, autocommit=True) as connection:
+        security = connection.execute(
+            "SELECT relname, relrowsecurity, relforcerowsecurity FROM pg_class"
+            " WHERE relname IN ('usage_ledger', 'usage_rollup') ORDER BY relname"
+        ).fetchall()
+        key = connection.execute(
+            "SELECT pg_get_constraintdef(oid) FROM pg_constraint WHERE conname = 'usage_rollup_key'"
+        ).fetchone()
+    assert security == [("usage_ledger", True, True), ("usage_rollup", True, True)]
+    assert key == (
+        "UNIQUE NULLS NOT DISTINCT (org_id, day, agent_id, token_id, model, kind, slot)",
+    )
+
+    with applicationStore(databaseDSN) as store:
+        again = store.recordUsage(old)
+        assert (again.recorded, again.duplicates, again.conflicts) == (0, len(old), [])
+        sameGroups = [
+            attrs.evolve(each, ledgerID=uuid7Text(), kind=kind, parentRequestID=each.requestID)
+            for each in old[:20]
+            for kind in KINDS
+        ]
+        written = store.recordUsage(sameGroups)
+        assert (written.recorded, written.conflicts, written.refused) == (60, [], [])
+        assert store.usageSums(orgs[0], None, JUNE - 5 * DAY, JUNE + 5 * DAY, "kind") == (
+            plainSums([each for each in [*old, *sameGroups] if each.orgID == orgs[0]], "kind")
+        )
+    assert storedRollup(databaseDSN, orgs) == expectedRollup([*old, *sameGroups])
+    assert ledgerRollup(databaseDSN, orgs) == expectedRollup([*old, *sameGroups])
+
+    with psycopg.connect(databaseDSN, autocommit=True) as connection:
+        for column, value, check in [
+            ("kind", "summary", "usage_ledger_kind_check"),
+            ("parent_request_id", "", "usage_ledger_parent_request_id_check"),
+            ("parent_request_id", "p" * 129, "usage_ledger_parent_request_id_check"),
+        ]:
+            with pytest.raises(psycopg.errors.CheckViolation) as refused:
+                connection.execute(
+                    f"UPDATE usage_ledger SET {column} = %s WHERE ledger_id = %s",
+                    (value, old[0].ledgerID),
+                )
+            assert refused.value.diag.constraint_name == check
+        with pytest.raises(psycopg.errors.CheckViolation):
+            connection.execute("UPDATE usage_rollup SET kind = 'summary'")
 
 
 # The log

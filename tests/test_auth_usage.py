@@ -1,11 +1,12 @@
 """
 The usage ledger in svc-auth (decisions D12 and D12 amended,
-sql/0006_usage.sql, sql/0007_ledger_key_and_rollup.sql, svcd/auth/usage.py):
-RecordUsage checks each row on its own, records the good ones in one
-transaction and is idempotent by ledger id, rows live under row-level
-security, GetSpend and GetUsage sum them to the nano-dollar, and svcctl
-usage prints the same sums as JSON or CSV; against a real grpcio server and
-a real PostgreSQL. The pure rules (rows, spans, dollars) are unit-tested at
+sql/0006_usage.sql, sql/0007_ledger_key_and_rollup.sql, svcd/auth/usage.py;
+the kinds of decisions D13, sql/0008_usage_kind.sql): RecordUsage checks
+each row on its own, records the good ones in one transaction and is
+idempotent by ledger id, rows live under row-level security, GetSpend and
+GetUsage sum them to the nano-dollar, and svcctl usage prints the same
+sums as JSON or CSV, grouped by day, model, agent, token or kind; against
+a real grpcio server and a real PostgreSQL. The pure rules (rows, spans, dollars) are unit-tested at
 the end. The key, conflicts, the rollup and the migration of a ledger
 holding rows are tested in test_auth_ledger.py.
 """
@@ -38,6 +39,7 @@ from authhelpers import (
 from svcd.auth.migrations import migrate
 from svcd.auth.store import APPLICATION_ROLE, Store, UsageSums
 from svcd.auth.usage import (
+    KINDS,
     MAXIMUM_ROW_AMOUNT,
     MAXIMUM_USAGE_BATCH,
     BadUsage,
@@ -48,6 +50,7 @@ from svcd.auth.usage import (
     usageRecord,
 )
 from svcd.common.permissions import Permission
+from svcd.ledger import rows as proxyRows
 from svcd.pb.auth.v1 import auth_pb2
 from svcd.testing.authservice import RunningAuthService
 from svcd.testing.servers import PostgresServer
@@ -94,11 +97,20 @@ def test_aRowKeepsEveryField(
 ) -> None:
     """
     Every field of a row is stored as sent, the start as a timestamp to
-    the microsecond, and empty agent and token ids as NULL.
+    the microsecond, and empty agent and token ids as NULL; an empty kind
+    (a proxy older than the field) as chat, an empty parent request id as
+    NULL.
     """
     tenant = makeTenant(owner)
     started = JUNE + datetime.timedelta(seconds=7, microseconds=123456)
-    full = usageRow(tenant, stream=True, outcome="client_gone", tokens_from="reservation")
+    full = usageRow(
+        tenant,
+        stream=True,
+        outcome="client_gone",
+        tokens_from="reservation",
+        kind="extraction",
+        parent_request_id="p" * 128,
+    )
     full.started_at_us = microseconds(started)
     bare = usageRow(tenant, agent_id="", token_id="", price_version="", cost_nano_usd=0)
     assert record(authService, [full, bare]) == (2, 0)
@@ -107,12 +119,13 @@ def test_aRowKeepsEveryField(
             "SELECT org_id, agent_id, token_id, model_requested, model, provider,"
             " upstream_model, stream, outcome, prompt_tokens, cached_tokens,"
             " completion_tokens, reasoning_tokens, tokens_from, cost_nano_usd,"
-            " price_version, started_at, duration_us, recorded_at IS NOT NULL, request_id"
-            " FROM usage_ledger WHERE ledger_id = %s",
+            " price_version, started_at, duration_us, recorded_at IS NOT NULL, request_id,"
+            " kind, parent_request_id FROM usage_ledger WHERE ledger_id = %s",
             (full.ledger_id,),
         ).fetchone()
         empty = connection.execute(
-            "SELECT agent_id, token_id, price_version FROM usage_ledger WHERE ledger_id = %s",
+            "SELECT agent_id, token_id, price_version, kind, parent_request_id"
+            " FROM usage_ledger WHERE ledger_id = %s",
             (bare.ledger_id,),
         ).fetchone()
     assert stored == (
@@ -136,8 +149,10 @@ def test_aRowKeepsEveryField(
         250_000,
         True,
         full.request_id,
+        "extraction",
+        "p" * 128,
     )
-    assert empty == (None, None, "")
+    assert empty == (None, None, "", "chat", None)
 
 
 @pytest.mark.parametrize(
@@ -166,6 +181,11 @@ def test_aRowKeepsEveryField(
         ({"completion_tokens": 2**63 - 1}, "completion_tokens"),
         ({"reasoning_tokens": MAXIMUM_ROW_AMOUNT + 1}, "reasoning_tokens"),
         ({"cost_nano_usd": MAXIMUM_ROW_AMOUNT + 1}, "cost_nano_usd"),
+        ({"kind": "summary"}, "kind"),
+        ({"kind": "Chat"}, "kind"),
+        ({"kind": " chat"}, "kind"),
+        ({"parent_request_id": "r" * 129}, "parent_request_id"),
+        ({"parent_request_id": "parent\x00"}, "parent_request_id"),
     ],
 )
 def test_aBadRowIsRejectedAndTheOthersRecorded(
@@ -372,8 +392,9 @@ def reported(
 ) -> Iterator[tuple[Tenant, Tenant, uuid.UUID, list[auth_pb2.UsageRow]]]:
     """
     An organization with a UsageRead token and a second agent, rows over
-    two days and two models in June 2025 (one on June 30), and another
-    organization with rows of its own.
+    two days, two models and every kind in June 2025 (one on June 30; one
+    from a proxy older than kinds, so chat), and another organization with
+    rows of its own.
     """
     tenant = makeTenant(
         owner, "acme", permissions=int(Permission.ProxyChatCompletion | Permission.UsageRead)
@@ -386,6 +407,7 @@ def reported(
         usageRow(
             tenant,
             model="slow",
+            kind="embedding",
             cost_nano_usd=7,
             prompt_tokens=1000,
             cached_tokens=0,
@@ -395,12 +417,16 @@ def reported(
             tenant,
             agent_id=str(secondAgent),
             token_id="",
+            kind="extraction",
+            parent_request_id="observation-1",
             cost_nano_usd=250_000_000,
             reasoning_tokens=0,
             started_at_us=microseconds(JUNE + day + datetime.timedelta(hours=23)),
         ),
-        usageRow(tenant, cost_nano_usd=99, started_at_us=microseconds(JUNE + 29 * day)),
-        usageRow(other, cost_nano_usd=10**12, started_at_us=microseconds(JUNE)),
+        usageRow(
+            tenant, kind="chat", cost_nano_usd=99, started_at_us=microseconds(JUNE + 29 * day)
+        ),
+        usageRow(other, kind="embedding", cost_nano_usd=10**12, started_at_us=microseconds(JUNE)),
     ]
     record(authService, rows)
     yield tenant, other, secondAgent, rows
@@ -446,6 +472,7 @@ KEYS = {
     "model": lambda row: row.model,
     "agent": lambda row: row.agent_id,
     "token": lambda row: row.token_id,
+    "kind": lambda row: row.kind or "chat",
 }
 
 
@@ -654,6 +681,65 @@ def test_svcctlUsageOfOneAgent(
     assert "no agent" in line
 
 
+def test_svcctlUsageByKind(
+    migratedDSN: str,
+    reported: tuple[Tenant, Tenant, uuid.UUID, list[auth_pb2.UsageRow]],
+) -> None:
+    """
+    svcctl usage --by kind prints one row per kind in June, keyed by the
+    kind (the row without one counted as chat), as JSON and as CSV; the
+    other organization's embedding, on the same day, is not in the sums;
+    --agent narrows them to that agent's kinds.
+    """
+    tenant, _, secondAgent, _ = reported
+    org = str(tenant.orgID)
+    span = ("--since", "2025-06-01", "--until", "2025-07-01", "--by", "kind")
+    printed = document(svcctl(migratedDSN, "usage", "--org", org, *span))
+    assert printed["by"] == "kind"
+    assert printed["rows"] == [
+        {
+            "key": "chat",
+            "requests": 2,
+            "prompt_tokens": 200,
+            "cached_tokens": 20,
+            "completion_tokens": 100,
+            "reasoning_tokens": 10,
+            "cost_usd": "1.500000099",
+        },
+        {
+            "key": "embedding",
+            "requests": 1,
+            "prompt_tokens": 1000,
+            "cached_tokens": 0,
+            "completion_tokens": 50,
+            "reasoning_tokens": 5,
+            "cost_usd": "0.000000007",
+        },
+        {
+            "key": "extraction",
+            "requests": 1,
+            "prompt_tokens": 100,
+            "cached_tokens": 10,
+            "completion_tokens": 50,
+            "reasoning_tokens": 0,
+            "cost_usd": "0.25",
+        },
+    ]
+    assert printed["total"]["cost_usd"] == "1.750000106"
+    result = svcctl(migratedDSN, "usage", "--org", org, *span, "--format", "csv")
+    assert result.returncode == 0 and result.stderr == ""
+    assert result.stdout.splitlines() == [
+        "key,requests,prompt_tokens,cached_tokens,completion_tokens,reasoning_tokens,cost_usd",
+        "chat,2,200,20,100,10,1.500000099",
+        "embedding,1,1000,0,50,5,0.000000007",
+        "extraction,1,100,10,50,0,0.25",
+    ]
+    ofAgent = document(
+        svcctl(migratedDSN, "usage", "--org", org, "--agent", str(secondAgent), *span)
+    )
+    assert [(each["key"], each["requests"]) for each in ofAgent["rows"]] == [("extraction", 1)]
+
+
 @pytest.mark.parametrize(
     "arguments, mentions, code",
     [
@@ -740,7 +826,8 @@ def test_checkBatchChecksEachRow() -> None:
     each row is checked on its own, the bad ones listed by index with the
     field at fault. A row's start becomes an aware UTC time to the
     microsecond; its ledger id is its key, and without one (an older
-    proxy) its request id is, as a UUID.
+    proxy) its request id is, as a UUID. Without a kind it is chat, and
+    without a parent request id it has none (None).
     """
     tenant = Tenant(uuid.uuid4(), uuid.uuid4(), "", uuid.uuid4())
     with pytest.raises(BadUsage, match="at most"):
@@ -762,3 +849,19 @@ def test_checkBatchChecksEachRow() -> None:
     requestID = str(uuid.uuid4())
     older = usageRow(tenant, ledger_id="", request_id=requestID.upper())
     assert usageRecord(older).ledgerID == requestID
+    assert (converted.kind, converted.parentRequestID) == ("chat", None)
+    recall = usageRow(tenant, kind="embedding", parent_request_id="parent-1")
+    assert (usageRecord(recall).kind, usageRecord(recall).parentRequestID) == (
+        "embedding",
+        "parent-1",
+    )
+
+
+def test_svcAuthKnowsTheKindsTheProxyWrites() -> None:
+    """
+    svc-auth keeps its own list of kinds (it imports nothing of the
+    proxy's ledger side), and it is the proxy's, in the same order; chat
+    first, the default of both.
+    """
+    assert KINDS == proxyRows.KINDS
+    assert KINDS[0] == proxyRows.CHAT

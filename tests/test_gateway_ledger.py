@@ -477,6 +477,9 @@ def test_oneExactRowPerForwardedRequest(stack: Stack) -> None:
             "reasoning_tokens": reasoning,
             "tokens_from": fields["tokens_from"],
             "cost_nano_usd": nanoCost(fields["price"], prompt, cached, completion),
+            # A chat completion a client made itself (decisions D13).
+            "kind": "chat",
+            "parent_request_id": None,
         }
         assert {key: row[key] for key in expected} == expected, name
         assert client.before <= row["started_at"] <= client.after, name

@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 from twisted.internet.testing import MemoryReactor
 
-from svcd.common.lifecycle import GC_THRESHOLD, notifySystemd, settleHeap, settleHeapWhenRunning
+from svcd.common.lifecycle import (
+    GC_THRESHOLD,
+    notifySystemd,
+    settleHeap,
+    settleHeapWhenRunning,
+    stopWithFailure,
+)
 
 
 @pytest.fixture
@@ -70,3 +76,29 @@ def test_notifySystemd(tmp_path: Path) -> None:
         assert listeningAbstract.recv(100) == b"READY=1"
     assert not notifySystemd("READY=1", {})
     assert not notifySystemd("READY=1", {"NOTIFY_SOCKET": str(tmp_path / "nobody")})
+
+
+def test_stopWithFailureBeforeTheReactorRuns(capsys: pytest.CaptureFixture[str]) -> None:
+    """
+    A failure found while twistd starts the services (before the reactor
+    runs) stops the reactor once it runs, instead of calling reactor.stop()
+    at once (which raises ReactorNotRunning there); the exit with status 1
+    follows the shutdown either way.
+    """
+    reactor = MemoryReactor()
+    stopWithFailure(reactor, "svc-x: cannot start: the reason")
+    assert not reactor.hasStopped
+    assert reactor.whenRunningHooks == [(reactor.stop, (), {})]
+    [(exit, args, _)] = reactor.triggers["after"]["shutdown"]
+    assert args == (1,) and getattr(exit, "__name__", "") == "_exit"
+
+
+def test_stopWithFailureWhileRunning() -> None:
+    """
+    Once the reactor runs, the stop is immediate.
+    """
+    reactor = MemoryReactor()
+    reactor.running = True
+    stopWithFailure(reactor, "svc-x: cannot go on")
+    assert reactor.hasStopped
+    assert reactor.whenRunningHooks == []

@@ -1,7 +1,7 @@
 """
 The usage ledger's way out of a real C{twistd -n svc-proxy} (decisions
 D12): with a providers file (a scripted upstream) and a stand-in svc-auth
-whose RecordUsage keeps rows by request id (L{LedgerAuth}), each answered
+whose RecordUsage keeps rows by ledger key (L{LedgerAuth}), each answered
 request's row reaches svc-auth; rows still waiting at SIGTERM are sent
 before the proxy exits; and with SVC_USAGE_JOURNAL, rows a kill -9 left
 unacknowledged are sent by the next start.
@@ -118,7 +118,7 @@ def test_answeredRequestsReachTheLedger(
         proxy.waitForHealth()
         requestIDs = [chat(proxy) for _ in range(3)]
         waitUntil(lambda: servicer.recorded() == requestIDs, "the rows at svc-auth", proxy)
-        row = servicer.rows[requestIDs[0]]
+        row = servicer.rowOf(requestIDs[0])
         assert (row.org_id, row.model, row.provider, row.outcome) == (
             servicer.orgID,
             "echo",

@@ -1,7 +1,7 @@
 """
 The usage outbox over a real gRPC link (decisions D12): the real
 GrpcAuthClient.recordUsage against a real grpcio server whose RecordUsage
-keeps rows by request id (L{svcd.testing.fakeauth.LedgerAuth}). Every row
+keeps rows by ledger key (L{svcd.testing.fakeauth.LedgerAuth}). Every row
 arrives exactly once and in order, also when the server fails the first
 attempts with UNAVAILABLE, and when it hangs past the client's deadline
 (the batch is sent again; the late commit makes the retry a duplicate).
@@ -173,6 +173,54 @@ async def test_recordUsageDeadlineAndCancel(ledger: Any) -> None:
         await call
     response = await client.recordUsage([row(3)])
     assert (response.recorded, response.duplicates) == (1, 0)
+
+
+@pytest_twisted.ensureDeferred
+async def test_theStandInKeysRowsByLedgerIDAndKeepsEveryField(patientLedger: Any) -> None:
+    """
+    The stand-in svc-auth that proxy tests assert on behaves as the real
+    one (decisions D12 amended): rows sharing a request id under their own
+    ledger ids are each recorded, with every field as sent (kind and
+    parent_request_id included, decisions D13); a row sent again as it was
+    is a duplicate, and with another kind a conflict that leaves the row
+    as first recorded; a row without a ledger id is keyed by its request
+    id.
+    """
+    servicer, client, _ = patientLedger
+    shared = "0190c6a2-0000-7000-8000-000000000777"
+    chat = auth_pb2.UsageRow(
+        ledger_id="0190c6a2-0000-7000-8000-0000000000c1",
+        request_id=shared,
+        org_id=servicer.orgID,
+        outcome="ok",
+        kind="chat",
+    )
+    recall = auth_pb2.UsageRow(
+        ledger_id="0190c6a2-0000-7000-8000-0000000000c2",
+        request_id=shared,
+        org_id=servicer.orgID,
+        outcome="ok",
+        kind="embedding",
+        parent_request_id=shared,
+    )
+    response = await client.recordUsage([chat, recall])
+    assert (response.recorded, response.duplicates, list(response.rejected)) == (2, 0, [])
+    assert servicer.recorded() == [shared, shared]
+    assert servicer.rowsOf(shared) == [chat, recall]
+    assert (servicer.rowsOf(shared)[1].kind, servicer.rowsOf(shared)[1].parent_request_id) == (
+        "embedding",
+        shared,
+    )
+
+    other = auth_pb2.UsageRow()
+    other.CopyFrom(recall)
+    other.kind = "extraction"
+    response = await client.recordUsage([recall, other, row(1), row(1)])
+    assert (response.recorded, response.duplicates) == (1, 2)
+    assert [(each.index, each.reason) for each in response.rejected] == [(1, "conflict")]
+    assert servicer.rowsOf(shared)[1].kind == "embedding"
+    assert servicer.rowOf(row(1).request_id) == row(1)
+    assert servicer.recorded() == [shared, shared, row(1).request_id]
 
 
 class RejectingAuth(LedgerAuth):

@@ -213,12 +213,15 @@ def _budget(row: dict[str, Any]) -> BudgetRecord:
 class UsageRecord:
     """
     One forwarded request as the ledger keeps it (decisions D12, the
-    usage_ledger table of sql/0006_usage.sql and sql/0007): identifiers,
-    names and numbers, never a message's content. Costs are nano-dollars.
-    C{ledgerID} is the key, made by the gateway (a UUID in its canonical
-    lower-case text, as PostgreSQL and the JSON batch spell it; text is
-    cheaper than a L{uuid.UUID} per row); C{requestID} the client's
-    request id, which many rows may share.
+    usage_ledger table of sql/0006_usage.sql, sql/0007 and sql/0008):
+    identifiers, names and numbers, never a message's content. Costs are
+    nano-dollars. C{ledgerID} is the key, made by the gateway (a UUID in
+    its canonical lower-case text, as PostgreSQL and the JSON batch spell
+    it; text is cheaper than a L{uuid.UUID} per row); C{requestID} the
+    client's request id, which many rows may share. C{kind} is what the
+    call was (chat, embedding, extraction: decisions D13) and
+    C{parentRequestID} the request it was made for, None for a call a
+    client made itself; both default to what every row was before D13.
 
     Not frozen, unlike the other records here: RecordUsage makes one per
     row, a thousand a call, and a frozen instance costs three times as
@@ -246,6 +249,8 @@ class UsageRecord:
     priceVersion: str
     startedAt: datetime.datetime
     durationUS: int
+    kind: str = "chat"
+    parentRequestID: str | None = None
 
 
 # The ledger's columns, in UsageRecord's order, with their types (see
@@ -271,6 +276,8 @@ _LEDGER_COLUMNS = (
     ("price_version", "text"),
     ("started_at", "timestamptz"),
     ("duration_us", "bigint"),
+    ("kind", "text"),
+    ("parent_request_id", "text"),
 )
 _LEDGER_NAMES = ", ".join(name for name, _ in _LEDGER_COLUMNS)
 # The amounts the rollup sums (sql/0007_ledger_key_and_rollup.sql).
@@ -281,8 +288,9 @@ _ROLLUP_SUMS = (
     "reasoning_tokens",
     "cost_nano_usd",
 )
-# The rollup's key, in its unique constraint's order.
-_ROLLUP_KEY = "org_id, day, agent_id, token_id, model, slot"
+# The rollup's key, in its unique constraint's order (kind since
+# sql/0008_usage_kind.sql).
+_ROLLUP_KEY = "org_id, day, agent_id, token_id, model, kind, slot"
 # How many rows (slots) one group of the rollup is striped over, and the
 # slot of a transaction: its id, which differs between transactions that
 # run at once, so that they rarely add to the same row (see the migration).
@@ -313,12 +321,13 @@ _RECORD_USAGE = (
     f" inserted AS (INSERT INTO usage_ledger ({_LEDGER_NAMES})"
     f" SELECT {_LEDGER_NAMES} FROM batch ORDER BY ledger_id"
     " ON CONFLICT (ledger_id) DO NOTHING"
-    f" RETURNING org_id, started_at, agent_id, token_id, model, {', '.join(_ROLLUP_SUMS)}),"
+    " RETURNING org_id, started_at, agent_id, token_id, model, kind,"
+    f" {', '.join(_ROLLUP_SUMS)}),"
     f" rolled AS (INSERT INTO usage_rollup AS rollup ({_ROLLUP_KEY}, requests,"
     f" {', '.join(_ROLLUP_SUMS)})"
-    " SELECT org_id, (started_at AT TIME ZONE 'UTC')::date, agent_id, token_id, model,"
+    " SELECT org_id, (started_at AT TIME ZONE 'UTC')::date, agent_id, token_id, model, kind,"
     f" {_SLOT}, count(*), {', '.join(f'sum({name})' for name in _ROLLUP_SUMS)}"
-    " FROM inserted GROUP BY 1, 2, 3, 4, 5 ORDER BY 1, 2, 3, 4, 5"
+    " FROM inserted GROUP BY 1, 2, 3, 4, 5, 6 ORDER BY 1, 2, 3, 4, 5, 6"
     f" ON CONFLICT ({_ROLLUP_KEY}) DO UPDATE SET requests = rollup.requests + EXCLUDED.requests"
     + "".join(f", {name} = rollup.{name} + EXCLUDED.{name}" for name in _ROLLUP_SUMS)
     + ") SELECT count(*) AS inserted FROM inserted"
@@ -356,6 +365,8 @@ def _ledgerObject(row: UsageRecord) -> dict[str, object]:
         "price_version": row.priceVersion,
         "started_at": row.startedAt.isoformat(),
         "duration_us": row.durationUS,
+        "kind": row.kind,
+        "parent_request_id": row.parentRequestID,
     }
 
 
@@ -408,18 +419,21 @@ class UsageWritten:
 
 # What a usage report may be grouped by, and the SQL of each key on the
 # ledger and on the rollup (constants: never the caller's text). A day is
-# the UTC calendar day.
+# the UTC calendar day; a kind is chat, embedding or extraction (decisions
+# D13).
 USAGE_GROUPINGS = {
     "day": "to_char(started_at AT TIME ZONE 'UTC', 'YYYY-MM-DD')",
     "model": "model",
     "agent": "coalesce(agent_id::text, '')",
     "token": "coalesce(token_id::text, '')",
+    "kind": "kind",
 }
 _ROLLUP_GROUPINGS = {
     "day": "to_char(day, 'YYYY-MM-DD')",
     "model": "model",
     "agent": "coalesce(agent_id::text, '')",
     "token": "coalesce(token_id::text, '')",
+    "kind": "kind",
 }
 
 

@@ -35,6 +35,10 @@ MAXIMUM_USAGE_BATCH = 1000
 
 OUTCOMES = ("ok", "upstream_error", "client_gone")
 TOKENS_FROM = ("provider", "reservation")
+# What a row's call was (decisions D13); a row without one comes from a
+# proxy older than the field, which only forwarded chat completions.
+KINDS = ("chat", "embedding", "extraction")
+DEFAULT_KIND = "chat"
 
 # The longest request id, and the longest name (model, provider, price
 # version) a row may hold, in characters: the proxy cuts a client's model
@@ -141,6 +145,14 @@ def usageRecord(row: auth_pb2.UsageRow) -> UsageRecord:
         raise BadUsage(f"request_id is longer than {MAXIMUM_REQUEST_ID_LENGTH} characters")
     if "\x00" in row.request_id:
         raise BadUsage("request_id contains a NUL character")
+    # The parent is a request id too, with its bounds; empty is none.
+    if len(row.parent_request_id) > MAXIMUM_REQUEST_ID_LENGTH:
+        raise BadUsage(f"parent_request_id is longer than {MAXIMUM_REQUEST_ID_LENGTH} characters")
+    if "\x00" in row.parent_request_id:
+        raise BadUsage("parent_request_id contains a NUL character")
+    kind = row.kind or DEFAULT_KIND
+    if kind not in KINDS:
+        raise BadUsage(f"kind must be one of {', '.join(KINDS)}")
     if row.ledger_id:
         canonical = canonicalUUID(row.ledger_id)
         if canonical is None:
@@ -193,6 +205,8 @@ def usageRecord(row: auth_pb2.UsageRow) -> UsageRecord:
         priceVersion=row.price_version,
         startedAt=_EPOCH + datetime.timedelta(microseconds=row.started_at_us),
         durationUS=row.duration_us,
+        kind=kind,
+        parentRequestID=row.parent_request_id or None,
     )
 
 
@@ -343,7 +357,7 @@ def reportGrouping(by: str | None) -> str:
     """
     What a report is grouped by; C{day} by default.
 
-    @raise BadUsage: for anything but day, model, agent or token.
+    @raise BadUsage: for anything but day, model, agent, token or kind.
     """
     if not by:
         return "day"

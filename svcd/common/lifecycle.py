@@ -87,7 +87,13 @@ def stopWithFailure(reactor: Any, line: str) -> None:
         sys.__stderr__.write(line + "\n")
         sys.__stderr__.flush()
     reactor.addSystemEventTrigger("after", "shutdown", os._exit, 1)
-    reactor.stop()
+    if reactor.running:
+        reactor.stop()
+    else:
+        # Found while twistd starts the services, before the reactor runs
+        # (an unusable journal): reactor.stop() would raise
+        # ReactorNotRunning there. Stop as soon as it runs instead.
+        reactor.callWhenRunning(reactor.stop)
 
 
 def notifySystemd(state: str, environ: Mapping[str, str] | None = None) -> bool:
