@@ -8,7 +8,8 @@ C{openai.BadRequestError}, a fallback, 501 for a model of the other kind
 on either route, 403 without C{ProxyEmbeddings}, NO_PRICE under a budget,
 and the usage row the proxy sends: kind C{embedding}, the answer's prompt
 tokens, read from the proxy's journal (C{SVC_USAGE_JOURNAL}), where each
-row is written before it is queued for svc-auth.
+row is written before it is queued for svc-auth, then as svc-auth commits
+it in the ledger.
 
 The tokens are made with C{svcctl token create --permissions
 ProxyChatCompletion,ProxyEmbeddings}, as an operator makes them. The edge
@@ -29,6 +30,7 @@ from typing import Any
 
 import attrs
 import openai
+import psycopg
 import pytest
 from authfixtures import Tenant
 from authhelpers import document, svcctl
@@ -391,7 +393,9 @@ def test_theRowSentIsOfKindEmbedding(embedder: Embedder) -> None:
     """
     Each forwarded embeddings request sends one usage row to svc-auth:
     kind embedding, no parent request, the model, the answer's prompt
-    tokens and no completion tokens, its cost at the input price.
+    tokens and no completion tokens, its cost at the input price; svc-auth
+    commits it with kind embedding in the ledger, and a chat request's row
+    with kind chat.
     """
     raw = embedder.client().embeddings.with_raw_response.create(model="embed-priced", input=TEXTS)
     answer = raw.parse()
@@ -406,6 +410,23 @@ def test_theRowSentIsOfKindEmbedding(embedder: Embedder) -> None:
         model="chat", messages=[{"role": "user", "content": "hi"}]
     )
     assert rowOf(embedder, chat.headers["x-request-id"]).kind == "chat"
+    # svc-auth commits both with their kind (the ledger's column).
+    requestIDs = (raw.headers["x-request-id"], chat.headers["x-request-id"])
+    committed: dict[str, tuple[Any, ...]] = {}
+
+    def inTheLedger() -> bool:
+        with psycopg.connect(embedder.gateway.dsn, autocommit=True) as connection:
+            rows = connection.execute(
+                "SELECT request_id, kind, parent_request_id, prompt_tokens, completion_tokens"
+                " FROM usage_ledger WHERE request_id = ANY(%s)",
+                (list(requestIDs),),
+            ).fetchall()
+        committed.update({str(each[0]): tuple(each[1:]) for each in rows})
+        return len(committed) == 2
+
+    waitFor(inTheLedger, 30)
+    assert committed[requestIDs[0]] == ("embedding", None, answer.usage.prompt_tokens, 0)
+    assert committed[requestIDs[1]][:2] == ("chat", None)
 
 
 def test_theProxyLogsNoInput(embedder: Embedder) -> None:
