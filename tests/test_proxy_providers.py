@@ -26,6 +26,7 @@ from svcd.common.config import ConfigError
 from svcd.providers.table import (
     CHAT,
     EMBEDDING,
+    MemoryConfig,
     Model,
     Provider,
     ProviderTable,
@@ -794,7 +795,10 @@ def test_contentFault(
 @pytest.mark.parametrize(
     ("top", "problem"),
     [
-        ({"provider": []}, 'unknown key "provider" (expected providers, models)'),
+        (
+            {"provider": []},
+            'unknown key "provider" (expected providers, models, memory)',
+        ),
         ({"providers": "local"}, "providers must be written as [[providers]] tables, got a string"),
         (
             {"providers": {"name": "x"}},
@@ -1260,3 +1264,130 @@ def test_aBaseURLEndingWithTheEmbeddingsPathIsRefused(tmp_path: Path) -> None:
         'provider "local": base_url must not end with /embeddings: the proxy appends it'
         " (write the base, such as http://127.0.0.1:8000/v1)"
     )
+
+
+# Decisions D13: the [memory] table.
+MEMORY_MODELS = [FAST, EMBED]
+
+
+def loadMemory(tmp_path: Path, memory: Any) -> ProviderTable:
+    path = writeFile(tmp_path, tomlDocument([LOCAL], MEMORY_MODELS, {"memory": memory}))
+    return loadProviders(path, {}, clock)
+
+
+def test_noMemoryTable(tmp_path: Path) -> None:
+    """
+    Without a [memory] table memory is off: the table has no settings.
+    """
+    assert load(tmp_path, [LOCAL], MEMORY_MODELS).memory is None
+
+
+def test_memoryDefaults(tmp_path: Path) -> None:
+    """
+    Only embedding_model is required; every other setting has D13's
+    default.
+    """
+    table = loadMemory(tmp_path, {"embedding_model": "embed"})
+    memory = table.memory
+    assert memory == MemoryConfig(embeddingModel=table.models["embed"])
+    assert (
+        memory.extractionModel,
+        memory.recallK,
+        memory.minScore,
+        memory.maxContextTokens,
+        memory.dedupeScore,
+        memory.recallMode,
+    ) == (None, 5, 0.25, 1000, 0.92, "vector")
+
+
+def test_memoryEverySetting(tmp_path: Path) -> None:
+    table = loadMemory(
+        tmp_path,
+        {
+            "embedding_model": "embed",
+            "extraction_model": "fast",
+            "recall_k": 50,
+            "min_score": -1,
+            "max_context_tokens": 1,
+            "dedupe_score": 1.0,
+            "recall_mode": "vector",
+        },
+    )
+    assert table.memory == MemoryConfig(
+        embeddingModel=table.models["embed"],
+        extractionModel=table.models["fast"],
+        recallK=50,
+        minScore=-1.0,
+        maxContextTokens=1,
+        dedupeScore=1.0,
+    )
+    assert isinstance(table.memory.minScore, float)
+
+
+@pytest.mark.parametrize(
+    ("memory", "problem"),
+    [
+        ("embed", "memory must be written as a [memory] table, got a string"),
+        ({}, "[memory]: embedding_model is required (an embedding model's name)"),
+        (
+            {"embedding_model": "embed", "recal_k": 3},
+            '[memory]: unknown key "recal_k" (expected embedding_model, extraction_model,'
+            " recall_k, min_score, max_context_tokens, dedupe_score, recall_mode)",
+        ),
+        (
+            {"embedding_model": 3},
+            "[memory]: embedding_model must be a model's name, got an integer",
+        ),
+        (
+            {"embedding_model": "nope"},
+            '[memory]: embedding_model "nope" is not a model of this file',
+        ),
+        (
+            {"embedding_model": "fast"},
+            '[memory]: embedding_model "fast" is a chat model; it must be an embedding model',
+        ),
+        (
+            {"embedding_model": "embed", "extraction_model": "embed"},
+            '[memory]: extraction_model "embed" is an embedding model; it must be a chat model',
+        ),
+        (
+            {"embedding_model": "embed", "recall_k": 0},
+            "[memory]: recall_k must be from 1 to 50, got 0",
+        ),
+        (
+            {"embedding_model": "embed", "recall_k": 5.0},
+            "[memory]: recall_k must be an integer, got a float",
+        ),
+        (
+            {"embedding_model": "embed", "recall_k": True},
+            "[memory]: recall_k must be an integer, got a boolean",
+        ),
+        (
+            {"embedding_model": "embed", "max_context_tokens": 1_000_001},
+            "[memory]: max_context_tokens must be from 1 to 1,000,000, got 1000001",
+        ),
+        (
+            {"embedding_model": "embed", "min_score": 1.5},
+            "[memory]: min_score must be from -1 to 1, got 1.5",
+        ),
+        (
+            {"embedding_model": "embed", "min_score": math.nan},
+            "[memory]: min_score must be from -1 to 1, got nan",
+        ),
+        (
+            {"embedding_model": "embed", "dedupe_score": "0.9"},
+            "[memory]: dedupe_score must be a number, got a string",
+        ),
+        (
+            {"embedding_model": "embed", "recall_mode": "hybrid"},
+            '[memory]: recall_mode must be "vector", got "hybrid"',
+        ),
+    ],
+)
+def test_memoryFault(tmp_path: Path, memory: Any, problem: str) -> None:
+    """
+    Each fault of the [memory] table stops the proxy at start with one
+    line naming it, like the rest of the file.
+    """
+    path = writeFile(tmp_path, tomlDocument([LOCAL], MEMORY_MODELS, {"memory": memory}))
+    assert fault(path) == problem

@@ -39,6 +39,10 @@ makes, the most a request may ask for. An embedding model's fallbacks are
 embedding models and a chat model's chat models; its price needs no
 C{output} (embeddings have no output tokens); C{max_output_tokens} and
 C{cap_field}, which bound an answer's output, are for chat models only.
+They also add the optional C{[memory]} table (L{MemoryConfig}): the
+embedding model that memory uses (required in the table; without the
+table, memory is off), the worker's extraction model, and recall's
+settings, each checked here like the rest of the file.
 """
 
 from __future__ import annotations
@@ -108,7 +112,24 @@ _VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
 _HOST_NAME = re.compile(r"[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)*\.?")
 _TOML_POSITION = re.compile(r"(.*?)\s*(\((?:at line \d+, column \d+|at end of document)\))", re.S)
 
-_TOP_KEYS = ("providers", "models")
+_TOP_KEYS = ("providers", "models", "memory")
+# Decisions D13: the [memory] table's keys and their defaults.
+_MEMORY_KEYS = (
+    "embedding_model",
+    "extraction_model",
+    "recall_k",
+    "min_score",
+    "max_context_tokens",
+    "dedupe_score",
+    "recall_mode",
+)
+# The most memories a recall may ask for: POST /v1/memories/search's k.
+MAX_RECALL_K = 50
+# Far above any context window, low enough that no estimate overflows.
+MAX_CONTEXT_TOKENS = 1_000_000
+VECTOR = "vector"
+# The modes D13 names for recall; only "vector" is built so far.
+RECALL_MODES = (VECTOR,)
 _PROVIDER_KEYS = ("name", "base_url", "api_key_env", "timeout", "idle_timeout", "max_connections")
 # The largest output cap a model may declare (D11): far above any model's.
 MAX_OUTPUT_TOKENS = 10_000_000
@@ -241,6 +262,34 @@ class Model:
 
 
 @attrs.frozen
+class MemoryConfig:
+    """
+    The providers file's C{[memory]} table (decisions D13): the models
+    memory uses and how recall behaves, the same for every organization.
+
+    @ivar embeddingModel: the C{kind = "embedding"} model that embeds
+        every memory and every query; memory is off without it.
+    @ivar extractionModel: the chat model the worker asks for memories, or
+        None (then an observation's user text is its one memory).
+    @ivar recallK: how many memories a recall asks for.
+    @ivar minScore: the least cosine similarity a recalled memory has.
+    @ivar maxContextTokens: the most tokens (D11's estimate) the message of
+        recalled memories may take.
+    @ivar dedupeScore: the similarity at or above which the worker's new
+        memory replaces the scope's nearest one instead of adding to it.
+    @ivar recallMode: how recall ranks: C{"vector"}.
+    """
+
+    embeddingModel: Model
+    extractionModel: Model | None = None
+    recallK: int = 5
+    minScore: float = 0.25
+    maxContextTokens: int = 1000
+    dedupeScore: float = 0.92
+    recallMode: str = VECTOR
+
+
+@attrs.frozen
 class ProviderTable:
     """
     The checked content of the providers file.
@@ -256,6 +305,8 @@ class ProviderTable:
     models: Mapping[str, Model]
     path: str
     loadedAt: int
+    # Decisions D13: the [memory] table, None when the file has none.
+    memory: MemoryConfig | None = None
     # The fallback order of each model, before any org filtering, worked
     # out once here rather than on each request.
     _chains: Mapping[str, tuple[Model, ...]] = attrs.field(init=False, repr=False, eq=False)
@@ -507,7 +558,88 @@ class _Checker:
         cycle = _fallbackCycle(models)
         if cycle is not None:
             raise self.fault("fallbacks form a cycle: " + " -> ".join(map(_quote, cycle)))
-        return ProviderTable(providers=providers, models=models, path=self._path, loadedAt=loadedAt)
+        memory = self.memory(document, models)
+        return ProviderTable(
+            providers=providers, models=models, path=self._path, loadedAt=loadedAt, memory=memory
+        )
+
+    def memory(self, document: dict[str, Any], models: Mapping[str, Model]) -> MemoryConfig | None:
+        """
+        The C{[memory]} table (decisions D13), checked against the models
+        it names; None when the file has none.
+        """
+        table = document.get("memory")
+        if table is None:
+            return None
+        if not isinstance(table, dict):
+            raise self.fault(f"memory must be written as a [memory] table, got {_kind(table)}")
+        where = "[memory]: "
+        self.refuseUnknownKeys(table, _MEMORY_KEYS, where)
+        embedding = self.memoryModel(table, "embedding_model", EMBEDDING, models, where)
+        if embedding is None:
+            raise self.fault(f"{where}embedding_model is required (an embedding model's name)")
+        mode = table.get("recall_mode", VECTOR)
+        if mode not in RECALL_MODES:
+            raise self.fault(
+                f'{where}recall_mode must be "{VECTOR}", got '
+                + (_quote(mode) if isinstance(mode, str) else _kind(mode))
+            )
+        return MemoryConfig(
+            embeddingModel=embedding,
+            extractionModel=self.memoryModel(table, "extraction_model", CHAT, models, where),
+            recallK=self.boundedInteger(table, "recall_k", 5, 1, MAX_RECALL_K, where),
+            minScore=self.score(table, "min_score", 0.25, where),
+            maxContextTokens=self.boundedInteger(
+                table, "max_context_tokens", 1000, 1, MAX_CONTEXT_TOKENS, where
+            ),
+            dedupeScore=self.score(table, "dedupe_score", 0.92, where),
+            recallMode=mode,
+        )
+
+    def memoryModel(
+        self,
+        table: dict[str, Any],
+        key: str,
+        kind: str,
+        models: Mapping[str, Model],
+        where: str,
+    ) -> Model | None:
+        value = table.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            raise self.fault(f"{where}{key} must be a model's name, got {_kind(value)}")
+        model = models.get(value)
+        if model is None:
+            raise self.fault(f"{where}{key} {_quote(value)} is not a model of this file")
+        if model.kind != kind:
+            raise self.fault(
+                f"{where}{key} {_quote(value)} is {_article(model.kind)} model;"
+                f" it must be {_article(kind)} model"
+            )
+        return model
+
+    def boundedInteger(
+        self, table: dict[str, Any], key: str, default: int, least: int, most: int, where: str
+    ) -> int:
+        value = table.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise self.fault(f"{where}{key} must be an integer, got {_kind(value)}")
+        if not least <= value <= most:
+            raise self.fault(f"{where}{key} must be from {least} to {most:,}, got {_show(value)}")
+        return value
+
+    def score(self, table: dict[str, Any], key: str, default: float, where: str) -> float:
+        """
+        A cosine similarity: a number from -1 to 1 (an integer is taken as
+        the number it is).
+        """
+        value = table.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.fault(f"{where}{key} must be a number, got {_kind(value)}")
+        if not -1.0 <= value <= 1.0:
+            raise self.fault(f"{where}{key} must be from -1 to 1, got {_show(value)}")
+        return float(value)
 
     def refuseUnknownKeys(self, table: dict[str, Any], known: tuple[str, ...], where: str) -> None:
         for key in table:
