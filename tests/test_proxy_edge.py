@@ -1193,6 +1193,7 @@ def test_middlewareOrder() -> None:
         for route in edge.routes
     }
     chat = ["bodySizeLimit", "contentType", "tokenAuth", "agentVerify", "rateLimit"]
+    plain = ["tokenAuth", "agentVerify", "rateLimit"]
     assert steps == {
         "/health": {"GET": []},
         "/ready": {"GET": []},
@@ -1205,7 +1206,11 @@ def test_middlewareOrder() -> None:
         "/proxy/v1/chat/completions": {"POST": chat},
         # Decisions D13: the same steps, in the same order.
         "/v1/embeddings": {"POST": chat},
-        "/v1/memories": {"POST": chat},
+        # Decisions D13: the memory routes, a body's bounds first where
+        # they have one.
+        "/v1/memories": {"POST": chat, "GET": plain, "DELETE": plain},
+        "/v1/memories/search": {"POST": chat},
+        "/v1/memories/{id}": {"GET": plain, "PATCH": chat, "DELETE": plain},
     }
 
 

@@ -88,6 +88,11 @@ class RequestContext:
     # The same of an embeddings body (decisions D13).
     embeddings: EmbeddingsRequest | None = None
     embeddingsError: ApiError | None = None
+    # The same of a memory route's body (decisions D13: the memory routes
+    # that embed reserve at their rate limit step): the parsed body, or why
+    # it was refused.
+    memoryBody: object | None = None
+    memoryError: ApiError | None = None
     # The tokens (and cost) this request holds until it is settled
     # (decisions D11, D12).
     reservation: Reservation | None = None

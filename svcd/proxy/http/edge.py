@@ -75,13 +75,15 @@ from svcd.proxy.http.context import (
     Reply,
     RequestContext,
     Route,
+    Step,
     jsonBody,
     newTraceID,
 )
+from svcd.proxy.http.memorybody import parseAddBody, parsePatchBody, parseSearchBody
 from svcd.proxy.http.paths import RouteTable, isCanonicalPath
 from svcd.proxy.http.routes.chat import ChatRoutes
 from svcd.proxy.http.routes.embeddings import EmbeddingsRoutes
-from svcd.proxy.http.routes.memories import MemoryRoutes
+from svcd.proxy.http.routes.memories import MemoryRoutes, addTexts, changeTexts, searchTexts
 from svcd.proxy.http.routes.models import ModelRoutes
 from svcd.proxy.http.routes.ops import OperationsRoutes
 from svcd.proxy.http.routes.probes import ProbeRoutes
@@ -287,19 +289,43 @@ class ProxyEdge:
     def _memoryRoutes(self) -> tuple[Route, ...]:
         """
         Decisions D13: the memory routes, each through the token (with
-        MemoryRead to read, MemoryWrite to write), the agent and the rate
-        limit (which reserves the texts a route embeds); a route with a
-        body checks its size and type first, as chat does.
+        MemoryRead to read and search, MemoryWrite to write), the agent
+        and the rate limit, which reserves what a route embeds; a route
+        with a body checks its size and type first, as chat does.
         """
         caller, memory = self.caller, self.memory
-        write = (
-            caller.bodySizeLimit,
-            caller.contentType,
-            caller.tokenAuth(Permission.MemoryWrite),
-            caller.agentVerify,
-            memory.rateLimit,
+
+        def steps(permission: Permission, rateLimit: Step, body: bool = False) -> list[Step]:
+            bounds = [caller.bodySizeLimit, caller.contentType] if body else []
+            return [*bounds, caller.tokenAuth(permission), caller.agentVerify, rateLimit]
+
+        read, write = Permission.MemoryRead, Permission.MemoryWrite
+        plain = caller.rateLimit
+        adding = memory.reservingRateLimit(parseAddBody, addTexts)
+        changing = memory.reservingRateLimit(parsePatchBody, changeTexts)
+        searching = memory.reservingRateLimit(parseSearchBody, searchTexts)
+        return (
+            Route(
+                "/v1/memories",
+                {
+                    "POST": Pipeline(steps(write, adding, body=True), memory.add),
+                    "GET": Pipeline(steps(read, plain), memory.listMemories),
+                    "DELETE": Pipeline(steps(write, plain), memory.deleteScope),
+                },
+            ),
+            Route(
+                "/v1/memories/search",
+                {"POST": Pipeline(steps(read, searching, body=True), memory.search)},
+            ),
+            Route(
+                "/v1/memories/{id}",
+                {
+                    "GET": Pipeline(steps(read, plain), memory.getMemory),
+                    "PATCH": Pipeline(steps(write, changing, body=True), memory.change),
+                    "DELETE": Pipeline(steps(write, plain), memory.delete),
+                },
+            ),
         )
-        return (Route("/v1/memories", {"POST": Pipeline(write, memory.add)}),)
 
     # Routing and writing the answer.
 
