@@ -83,7 +83,11 @@ FORWARDED_PATHS = (*CHAT_PATHS, EMBEDDINGS_PATH)
 # The memory routes that embed (decisions D13): a provider's fault is
 # answered as on the forwarded routes, so their 429 may be
 # UPSTREAM_RATE_LIMITED too.
-MEMORY_EMBEDDING_PATHS = ("/v1/memories", "/v1/memories/{id}", "/v1/memories/search")
+MEMORY_EMBEDDING_OPERATIONS = (
+    ("/v1/memories", "post"),
+    ("/v1/memories/{id}", "patch"),
+    ("/v1/memories/search", "post"),
+)
 EVENT_STREAM = "text/event-stream"
 
 # The live gateway's models besides the document's example ones (which the
@@ -223,7 +227,8 @@ def test_everyResponseHasTheStandardHeaders(document: dict[str, Any]) -> None:
     Every documented response requires X-Request-ID, X-Trace-ID and
     X-Response-Time; protected routes' answers after the rate-limit step
     document X-RateLimit-*, and a 429 requires them and Retry-After, except
-    on the forwarded routes (chat and embeddings): there a 429 may also be
+    on the forwarded routes (chat and embeddings) and the memory routes that
+    embed (adding, changing, searching): there a 429 may also be
     UPSTREAM_RATE_LIMITED (D9), which carries the provider's Retry-After
     only when it sent one, and X-RateLimit-* only as any answer after the
     rate-limit step does, so they are documented there without being
@@ -237,7 +242,9 @@ def test_everyResponseHasTheStandardHeaders(document: dict[str, Any]) -> None:
         if protected and status in ("200", "400", "429", "4XX", "501", "502", "504"):
             assert set(RATE_LIMIT_HEADERS) <= set(headers), (path, status)
         if status == "429":
-            required = path not in (*FORWARDED_PATHS, *MEMORY_EMBEDDING_PATHS)
+            required = (
+                path not in FORWARDED_PATHS and (path, method) not in MEMORY_EMBEDDING_OPERATIONS
+            )
             for name in (*RATE_LIMIT_HEADERS, "Retry-After"):
                 assert resolve(document, headers[name]).get("required", False) is required
             if not required:
