@@ -103,7 +103,7 @@ def _failure(failed: MemoryCallFailed, afterField: bool = False) -> ApiError:
             )
         return ApiError(ErrorCode.NOT_FOUND, "No memory has this id.")
     if isinstance(failed, MemoryForbidden):
-        # Decisions D4, rule 2: another tenant's is 403, never 404.
+        # The spec's rule 2: another tenant's is 403, never 404.
         return ApiError(
             ErrorCode.INSUFFICIENT_PERMISSIONS,
             "The memory is not this agent's (or this subject's).",
