@@ -39,6 +39,14 @@ the gateway saw an unexpected status):
               64 float32 values in base64, as the openai SDK asks for them,
               with its usage) -> 200; its requests/s are compared with the
               forward row's in the same run
+    memory-add
+              POST /v1/memories (decisions D13) of one short content: the
+              proxy embeds it with that upstream's fixed embedding (a
+              ledger row of kind embedding) and stores it in svc-memory
+              (started for this row, on the same PostgreSQL), each request
+              in the next of 1,024 subjects so that the adds spread over
+              as many scopes -> 201; its requests/s are compared with the
+              embed row's in the same run
     forward-limits
               the forward row for a second tenant whose organization has
               limits rows of requests and tokens per minute and whose agent
@@ -110,7 +118,7 @@ from svcd.auth.migrations import migrate  # noqa: E402
 from svcd.auth.store import Store  # noqa: E402
 from svcd.common.pat import formatToken, newSecret, parseToken  # noqa: E402
 from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc  # noqa: E402
-from svcd.testing.daemons import Daemon, authEnvironment  # noqa: E402
+from svcd.testing.daemons import Daemon, authEnvironment, memoryEnvironment  # noqa: E402
 from svcd.testing.servers import PostgresServer, RedisServer, freePort  # noqa: E402
 
 LOAD_SCRIPT = Path(__file__).with_name("load.lua")
@@ -120,6 +128,10 @@ _FORWARDING = ("upstream", "forward", "upstream-stream", "stream")
 # Forwarded rows compared with the forward row: under limits rows, or
 # another route (decisions D13).
 _EMBEDDED = ("embed",)
+# Rows on svc-memory (decisions D13), compared with the embed row.
+_MEMORY = ("memory-add",)
+MEMORY_CONTENT = "the user likes green tea in the morning"
+MEMORY_SUBJECTS = 1024
 # Forwarded rows under limits rows, compared with the forward row.
 _LIMITED = ("forward-limits", "forward-budget")
 PRICED_MODEL = "bench-priced"
@@ -291,6 +303,10 @@ kind = "embedding"
 name = "{PRICED_MODEL}"
 provider = "nginx"
 price = {{ input = "2.50", output = "10.00", cached_input = "1.25" }}
+
+# Used only where SVC_MEMORY_GRPC_ADDR is set (the memory rows).
+[memory]
+embedding_model = "{EMBEDDING_MODEL}"
 """
     )
     return path
@@ -395,6 +411,7 @@ def runningStack(
     withCeiling: bool = False,
     withPhase1: bool = False,
     withForwarding: bool = False,
+    withMemory: bool = False,
 ) -> Iterator[Stack]:
     """
     PostgreSQL, Redis, svc-auth, one group of svc-proxy processes per
@@ -411,8 +428,9 @@ def runningStack(
             store = Store(lambda: contextlib.nullcontext(connection))
             orgID = store.createOrganization("bench")
             agent = store.createAgent(orgID, "bench-agent")
-            # ProxyChatCompletion and ProxyEmbeddings (the embed row).
-            token, _ = issueToken(store, orgID=orgID, permissions=33)
+            # ProxyChatCompletion and ProxyEmbeddings (the embed row),
+            # MemoryRead and MemoryWrite (the memory rows).
+            token, _ = issueToken(store, orgID=orgID, permissions=1 + 32 + 64 + 128)
             spread = [issueToken(store, orgID=orgID, permissions=1)[0] for _ in range(SPREAD)]
             limitedOrgID = store.createOrganization("bench-limited")
             limitedAgent = store.createAgent(limitedOrgID, "bench-limited-agent")
@@ -448,6 +466,20 @@ def runningStack(
         stack.callback(auth.terminate)
         auth.waitForReady()
         _validateAll(auth, [*spread, limitedToken, budgetedToken])
+
+        memory: Daemon | None = None
+        if withMemory:
+            # No cap in the way: the adds of a run stay far below it.
+            memory = Daemon(
+                "svc-memory",
+                memoryEnvironment(dsn, SVC_LOG_LEVEL=logLevel, SVC_MEMORY_MAX_PER_SCOPE="1000000"),
+                workdir / "memory.log",
+            ).start()
+            stack.callback(memory.terminate)
+            memory.waitForReady()
+            forwardingEnvironment["SVC_MEMORY_GRPC_ADDR"] = (
+                f"127.0.0.1:{memory.environment['SVC_GRPC_PORT']}"
+            )
 
         groups: dict[tuple[int, bool], list[Daemon]] = {}
         for workers, phase1 in (
@@ -511,6 +543,7 @@ def runningStack(
 
         yield Stack(
             auth=auth,
+            memory=memory,
             nginx=nginx,
             nginxURL=f"http://127.0.0.1:{nginxPort}",
             ceiling=ceiling,
@@ -535,6 +568,7 @@ def runningStack(
 @attrs.frozen
 class Stack:
     auth: Daemon
+    memory: Daemon | None
     nginx: subprocess.Popen[bytes] | None
     nginxURL: str
     ceiling: subprocess.Popen[bytes] | None
@@ -569,6 +603,8 @@ class Stack:
         if row == "prototype":
             return {name: process.pid for name, process in self.prototype.items()}
         pids = {"svc-auth": _pid(self.auth)}
+        if row in _MEMORY and self.memory is not None:
+            pids["svc-memory"] = _pid(self.memory)
         for index, proxy in enumerate(self.proxies[workers, _variant(row)[1]]):
             pids[f"proxy{index + 1}"] = _pid(proxy)
         return pids
@@ -619,6 +655,11 @@ class Stack:
             environment["SVC_BENCH_MODEL"] = EMBEDDING_MODEL
             environment["SVC_BENCH_INPUT"] = EMBEDDING_INPUT
             return f"{base}/v1/embeddings", environment, 200
+        if row == "memory-add":
+            environment = _wrkEnvironment("POST", self.token, self.agentID)
+            environment["SVC_BENCH_CONTENT"] = MEMORY_CONTENT
+            environment["SVC_BENCH_SUBJECTS"] = str(MEMORY_SUBJECTS)
+            return f"{base}/v1/memories", environment, 201
         if row == "forward-limits":
             environment = _wrkEnvironment("POST", self.limitedToken, self.limitedAgentID)
             environment["SVC_BENCH_MODEL"] = FORWARDED_MODEL
@@ -641,7 +682,7 @@ class Stack:
         raise SystemExit(
             f"unknown row {row!r}: use floor, ceiling, prototype, chat, spread, probe,"
             " rejected, chat-phase1, spread-phase1, upstream, forward, upstream-stream,"
-            " stream, forward-limits, forward-budget or embed"
+            " stream, forward-limits, forward-budget, embed or memory-add"
         )
 
 
@@ -960,7 +1001,8 @@ def main() -> int:
         "--rows",
         default=(
             "floor,ceiling,prototype,chat,spread,probe,rejected,chat-phase1,spread-phase1,"
-            "upstream,forward,upstream-stream,stream,forward-limits,forward-budget,embed"
+            "upstream,forward,upstream-stream,stream,forward-limits,forward-budget,embed,"
+            "memory-add"
         ),
     )
     parser.add_argument("--log-level", default="INFO", help="SVC_LOG_LEVEL of the daemons")
@@ -1003,9 +1045,10 @@ def main() -> int:
             withCeiling="ceiling" in rows,
             withPhase1=any(row.endswith(_PHASE1) for row in rows),
             withForwarding=any(
-                row in (*_FORWARDING, *_LIMITED, *_EMBEDDED)
+                row in (*_FORWARDING, *_LIMITED, *_EMBEDDED, *_MEMORY)
                 for row in [*rows, *([arguments.soak_row] if arguments.soak else [])]
             ),
+            withMemory=any(row in _MEMORY for row in rows),
         ) as stack:
             if arguments.soak:
                 return soak(stack, arguments.soak, arguments.soak_row)
@@ -1081,6 +1124,21 @@ def main() -> int:
             print(
                 f"{each['row']} at {each['connections']} connections, {each['workers']}"
                 f" worker(s): {each['rps'] / forwardRPS:.1%} of the forward row's requests/s"
+            )
+    # The memory rows against the embed row's mean: what storing adds to
+    # embedding.
+    embedRuns: dict[tuple[int, int], list[float]] = {}
+    for each in results:
+        if each["row"] == "embed":
+            embedRuns.setdefault((each["connections"], each["workers"]), []).append(each["rps"])
+    for each in results:
+        runs = embedRuns.get((each["connections"], each["workers"]))
+        if each["row"] in _MEMORY and runs:
+            embedRPS = sum(runs) / len(runs)
+            each["ratio_to_embed"] = each["rps"] / embedRPS
+            print(
+                f"{each['row']} at {each['connections']} connections, {each['workers']}"
+                f" worker(s): {each['rps'] / embedRPS:.1%} of the embed row's requests/s"
             )
     for forwarded, alone, what in (
         ("forward", "upstream", "added p50 latency"),

@@ -13,6 +13,11 @@
 --   SVC_BENCH_STREAM  "true": the chat body asks for a stream
 --   SVC_BENCH_INPUT   optional: an embeddings body of this one input
 --                     (decisions D13) instead of the chat body
+--   SVC_BENCH_CONTENT optional: a memory's body of this content (decisions
+--                     D13, POST /v1/memories) instead of the chat body
+--   SVC_BENCH_SUBJECTS optional: each request carries the next of this many
+--                     X-SVC-Memory-Subject values in turn (bench-1 ...), so
+--                     that adds spread over that many scopes
 
 local method = os.getenv("SVC_BENCH_METHOD") or "POST"
 local token = os.getenv("SVC_BENCH_TOKEN") or ""
@@ -21,10 +26,14 @@ local tokensFile = os.getenv("SVC_BENCH_TOKENS_FILE") or ""
 local model = os.getenv("SVC_BENCH_MODEL") or "demo"
 local stream = os.getenv("SVC_BENCH_STREAM") or "false"
 local input = os.getenv("SVC_BENCH_INPUT") or ""
+local content = os.getenv("SVC_BENCH_CONTENT") or ""
+local subjects = tonumber(os.getenv("SVC_BENCH_SUBJECTS") or "0") or 0
 
 wrk.method = method
 if method == "POST" then
-  if input ~= "" then
+  if content ~= "" then
+    wrk.body = '{"content":"' .. content .. '"}'
+  elseif input ~= "" then
     wrk.body = '{"model":"' .. model .. '","input":"' .. input .. '"}'
   else
     wrk.body = '{"model":"' .. model .. '","messages":[{"role":"user","content":"hello"}],'
@@ -56,10 +65,17 @@ function init(args)
       table.insert(requests, wrk.format())
     end
     nextRequest = offset % #requests
+  elseif subjects > 0 then
+    requests = {}
+    for index = 1, subjects do
+      wrk.headers["X-SVC-Memory-Subject"] = "bench-" .. index
+      table.insert(requests, wrk.format())
+    end
+    nextRequest = offset % #requests
   end
 end
 
-if tokensFile ~= "" then
+if tokensFile ~= "" or subjects > 0 then
   function request()
     nextRequest = nextRequest % #requests + 1
     return requests[nextRequest]

@@ -15,9 +15,12 @@ Without C{SVC_PROVIDERS_FILE} in the environment it also runs the
 project's scripted model server (L{svcd.testing.upstream}) on a free
 loopback port, writes C{.data/providers.toml} with two models answered by
 it, the chat model C{demo} and the embedding model C{demo-embed}
-(decisions D13), and gives that file to svc-proxy alone: the printed
-commands then get a model's answer, with usage, and vectors, on the first
-run. With
+(decisions D13), with a C{[memory]} table naming C{demo-embed}, and gives
+that file to svc-proxy alone: the printed commands then get a model's
+answer, with usage, vectors, and a memory stored and found, on the first
+run. Whenever the providers file has a C{[memory]} table, C{twistd -n
+svc-memory} runs too, on the same database, and svc-proxy is given its
+address. With
 C{SVC_PROVIDERS_FILE} set (even empty: no provider, every chat request
 answers 501), svc-proxy gets the variable as it is and no model server
 runs. The daemons themselves never assume a providers file (decisions D9).
@@ -55,7 +58,7 @@ from psycopg import sql
 
 from svcd.common.config import ConfigError
 from svcd.common.permissions import parsePermissions
-from svcd.providers.table import CHAT, EMBEDDING, providersFromEnvironment
+from svcd.providers.table import CHAT, EMBEDDING, ProviderTable, providersFromEnvironment
 from svcd.providers.table import VARIABLE as PROVIDERS_VARIABLE
 from svcd.testing.servers import PostgresServer, RedisServer, ServerError
 
@@ -78,9 +81,11 @@ DEMO_UPSTREAM_MODEL = "echo"
 DEMO_EMBEDDING_MODEL = "demo-embed"
 DEMO_EMBEDDING_DIMENSIONS = 64
 MODEL_SERVER = "model server"
-# The demo token's permissions: chat and embeddings. A token remembered in
-# demo.json without them all is replaced by a new one.
-DEMO_PERMISSIONS = "ProxyChatCompletion,ProxyEmbeddings"
+# The demo token's permissions: chat, embeddings and memories. A token
+# remembered in demo.json without them all is replaced by a new one.
+DEMO_PERMISSIONS = "ProxyChatCompletion,ProxyEmbeddings,MemoryRead,MemoryWrite"
+# The subject of the printed memory commands (decisions D13).
+DEMO_SUBJECT = "demo-user"
 
 # svc-proxy's deadline on its calls to svc-auth here, unless the developer
 # sets SVC_AUTH_VALIDATE_TIMEOUT. The daemons' default, 50 ms, is sized for
@@ -97,6 +102,9 @@ environment variables:
   SVC_PROXY_PORT       svc-proxy's HTTP port (default 8080)
   SVC_AUTH_PORT        svc-auth's HTTP port for /health, /ready, /metrics (default 8081)
   SVC_AUTH_GRPC_PORT   svc-auth's gRPC port (default 9091)
+  SVC_MEMORY_PORT      svc-memory's HTTP port (default 8082), when the
+                       providers file has a [memory] table
+  SVC_MEMORY_GRPC_PORT svc-memory's gRPC port (default 9092)
   SVC_HOST             the address both daemons listen on (default 127.0.0.1)
   SVC_AUTH_VALIDATE_TIMEOUT
                        svc-proxy's deadline on calls to svc-auth (default
@@ -107,7 +115,10 @@ environment variables:
                        the first one (and its first embedding model, if
                        any). Unset: the scripted model server of the tests
                        answers the models "demo" and "demo-embed"
-                       (.data/providers.toml).
+                       (.data/providers.toml), and memory is on with
+                       "demo-embed" (svc-memory runs beside the others).
+                       With a file of your own, svc-memory runs when the
+                       file has a [memory] table.
                        Set but empty: no provider, chat requests answer 501
   Every other variable is passed on to both daemons (SVC_LOG_FORMAT=text
   for readable logs, SVC_LOG_LEVEL=DEBUG, ...).
@@ -148,6 +159,8 @@ class Settings:
     proxyPort: int
     authPort: int
     authGrpcPort: int
+    memoryPort: int
+    memoryGrpcPort: int
     postgresDSN: str | None
     redisURL: str | None
     # No SVC_PROVIDERS_FILE at all (an empty one is a choice: no provider).
@@ -160,6 +173,8 @@ class Settings:
             proxyPort=_port(environ, "SVC_PROXY_PORT", 8080),
             authPort=_port(environ, "SVC_AUTH_PORT", 8081),
             authGrpcPort=_port(environ, "SVC_AUTH_GRPC_PORT", 9091),
+            memoryPort=_port(environ, "SVC_MEMORY_PORT", 8082),
+            memoryGrpcPort=_port(environ, "SVC_MEMORY_GRPC_PORT", 9092),
             postgresDSN=environ.get("POSTGRES_DSN", "").strip() or None,
             redisURL=environ.get("REDIS_URL", "").strip() or None,
             scriptedModelServer=PROVIDERS_VARIABLE not in environ,
@@ -567,6 +582,11 @@ class DevStack:
             f'upstream_model = "{DEMO_UPSTREAM_MODEL}"   # vectors near for texts sharing words\n'
             'kind = "embedding"\n'
             f"dimensions = {DEMO_EMBEDDING_DIMENSIONS}\n"
+            "\n"
+            "# Memory (decisions D13): svc-memory runs beside the others, and the\n"
+            "# proxy embeds memories and queries with this model.\n"
+            "[memory]\n"
+            f'embedding_model = "{DEMO_EMBEDDING_MODEL}"\n'
         )
         os.replace(temporary, path)
         say(
@@ -596,6 +616,21 @@ class DevStack:
             },
             f"http://127.0.0.1:{settings.authPort}/ready",
         )
+        memory = self._memoryWanted()
+        if memory:
+            # Decisions D13: the memories, on the same database.
+            memoryEnvironment = {
+                **base,
+                "SVC_PORT": str(settings.memoryPort),
+                "SVC_GRPC_PORT": str(settings.memoryGrpcPort),
+                "POSTGRES_DSN": dsn,
+            }
+            self._startDaemon(
+                twistd,
+                "svc-memory",
+                memoryEnvironment,
+                f"http://127.0.0.1:{settings.memoryPort}/ready",
+            )
         if self.proxyAvailable():
             proxyEnvironment = {
                 **base,
@@ -608,6 +643,10 @@ class DevStack:
             proxyEnvironment.setdefault("SVC_AUTH_VALIDATE_TIMEOUT", VALIDATE_TIMEOUT)
             if self._writtenProviders is not None:
                 proxyEnvironment[PROVIDERS_VARIABLE] = str(self._writtenProviders)
+            if memory:
+                proxyEnvironment.setdefault(
+                    "SVC_MEMORY_GRPC_ADDR", f"127.0.0.1:{settings.memoryGrpcPort}"
+                )
             self._startDaemon(
                 twistd,
                 "svc-proxy",
@@ -616,6 +655,28 @@ class DevStack:
             )
         else:
             say("svcd/proxy/tap.py does not exist yet: running svc-auth only")
+
+    def _providers(self) -> ProviderTable | None:
+        """
+        The providers file the proxy reads (SVC_PROVIDERS_FILE, or the one
+        written for the model server), None without one or when it cannot
+        be read (the proxy then says why, and stops).
+        """
+        environ = self._environ
+        if self._writtenProviders is not None:
+            environ = {**environ, PROVIDERS_VARIABLE: str(self._writtenProviders)}
+        try:
+            return providersFromEnvironment(environ, time.time)
+        except ConfigError:
+            return None
+
+    def _memoryWanted(self) -> bool:
+        """
+        Whether to run svc-memory: the providers file has a [memory] table
+        (decisions D13), and the proxy exists to use it.
+        """
+        table = self._providers()
+        return self.proxyAvailable() and table is not None and table.memory is not None
 
     @staticmethod
     def proxyAvailable() -> bool:
@@ -721,6 +782,18 @@ class DevStack:
                 "",
                 f"  curl -i {proxy}/v1/embeddings{headers} -d '{texts % embeddingModel}'",
             ]
+        if embeddingModel is not None and self._memoryWanted():
+            # Decisions D13: a memory told, then found.
+            subject = f' -H "X-SVC-Memory-Subject: {DEMO_SUBJECT}"'
+            told = '{"content":"The user likes green tea in the morning."}'
+            asked = '{"query":"What does the user drink in the morning?","k":3}'
+            lines += [
+                "",
+                "Store a memory about a user of the demo agent, then search for it:",
+                "",
+                f"  curl -i {proxy}/v1/memories{headers}{subject} -d '{told}'",
+                f"  curl -i {proxy}/v1/memories/search{headers}{subject} -d '{asked}'",
+            ]
         if model is not None:
             lines += ["", 'With the openai Python SDK: README.rst, "Quick start".']
         lines += ["", "Ctrl-C stops everything.", ""]
@@ -734,14 +807,7 @@ class DevStack:
         one (a chat request then answers 501; no embeddings command is
         printed).
         """
-        environ = self._environ
-        if self._writtenProviders is not None:
-            environ = {**environ, PROVIDERS_VARIABLE: str(self._writtenProviders)}
-        try:
-            table = providersFromEnvironment(environ, time.time)
-        except ConfigError:
-            # The proxy has read it already; it would not have started.
-            return None, None
+        table = self._providers()
         if table is None:
             return None, None
         models = table.modelsFor(orgID)

@@ -203,6 +203,9 @@ class Runs:
                     "SVC_PROXY_PORT": str(proxyPort),
                     "SVC_AUTH_PORT": str(authPort),
                     "SVC_AUTH_GRPC_PORT": str(grpcPort),
+                    # svc-memory's, when the providers file turns memory on.
+                    "SVC_MEMORY_PORT": str(freePort()),
+                    "SVC_MEMORY_GRPC_PORT": str(freePort()),
                     **environment,
                 },
                 cwd=CHECKOUT,
@@ -346,7 +349,7 @@ def test_printedCommandGetsTheModelsAnswerWithUsage(firstRun: GatewayRun) -> Non
     The first printed command, run as printed, answers 200 with the
     model's answer and its usage, from the model "demo".
     """
-    plain, _, _ = firstRun.printedCommands()
+    plain, *_ = firstRun.printedCommands()
     assert plain.startswith(f"curl -i http://127.0.0.1:{firstRun.proxyPort}/v1/chat/completions")
     status, headers, answer = parseResponse(runCurl(plain))
     assert status == 200, answer
@@ -363,7 +366,7 @@ def test_printedStreamingCommandEndsWithUsageAndDone(firstRun: GatewayRun) -> No
     the usage event it asks for, then data: [DONE]; without
     stream_options the same events come without the usage event.
     """
-    _, streaming, _ = firstRun.printedCommands()
+    _, streaming, *_ = firstRun.printedCommands()
     assert streaming.startswith("curl -N ") and '"stream":true' in streaming
     assert INCLUDE_USAGE in streaming
     *chunks, usage, done = streamEvents(runCurl(streaming))
@@ -390,7 +393,7 @@ def test_printedEmbeddingsCommandGetsVectors(firstRun: GatewayRun) -> None:
     text (the scripted server's: texts that share words are near) and the
     usage; the demo token has ProxyEmbeddings.
     """
-    *_, embeddings = firstRun.printedCommands()
+    _, _, embeddings, *_ = firstRun.printedCommands()
     assert embeddings.startswith(f"curl -i http://127.0.0.1:{firstRun.proxyPort}/v1/embeddings")
     status, headers, answer = parseResponse(runCurl(embeddings))
     assert status == 200, answer
@@ -401,7 +404,29 @@ def test_printedEmbeddingsCommandGetsVectors(firstRun: GatewayRun) -> None:
     ]
     assert answer["usage"] == {"prompt_tokens": 9, "total_tokens": 9}
     demo = json.loads((firstRun.dataDirectory / "demo.json").read_text())
-    assert demo["permissions"] == 33
+    # ProxyChatCompletion, ProxyEmbeddings, MemoryRead and MemoryWrite.
+    assert demo["permissions"] == 1 + 32 + 64 + 128
+
+
+@needsCurl
+def test_printedMemoryCommandsStoreAndFind(firstRun: GatewayRun) -> None:
+    """
+    Decisions D13: on the first run svc-memory runs beside the others and
+    memory is on (the written providers file has a [memory] table naming
+    "demo-embed"); the printed commands, run as printed, store a memory
+    of a subject (201) and the search finds it first.
+    """
+    *_, store, search = firstRun.printedCommands()
+    assert store.startswith(f"curl -i http://127.0.0.1:{firstRun.proxyPort}/v1/memories ")
+    assert "X-SVC-Memory-Subject: " in store
+    status, _, memory = parseResponse(runCurl(store))
+    assert status == 201, memory
+    assert memory["object"] == "memory"
+    assert memory["content"] == json.loads(shlex.split(store)[-1])["content"]
+    status, _, found = parseResponse(runCurl(search))
+    assert status == 200, found
+    assert found["data"][0]["memory"]["id"] == memory["id"]
+    assert "svc-memory" in firstRun.recorded()
 
 
 def readmeSDKProgram() -> str:
@@ -465,7 +490,8 @@ def test_ctrlCStopsTheModelServerAndAKilledRunsIsStoppedNextTime(
     killed = runs.start(sharedServers, ports)
     killed.waitForAnnouncement()
     left = killed.recorded()
-    assert set(left) == {MODEL_SERVER, "svc-auth", "svc-proxy"}
+    # svc-memory too: the written providers file turns memory on.
+    assert set(left) == {MODEL_SERVER, "svc-auth", "svc-memory", "svc-proxy"}
     killed.process.kill()
     killed.process.wait()
     for name, entry in left.items():

@@ -14,7 +14,9 @@ Stop: the listener closes, every open connection is drained by the site
 C{Connection: close}, idle keep-alive connections are closed once their
 client is quiet), and only once the last client connection has closed (or
 SVC_SHUTDOWN_TIMEOUT has passed and they are closed by force) do the gRPC
-channel, the Redis connection and the providers' pool close. No request is
+channel, the Redis connection and the providers' pool close (and the
+channel to svc-memory, when memory is on: made at start, but never waited
+for, since memory never fails a request that does not use it). No request is
 ever answered 503 because the proxy itself is stopping.
 
 The usage ledger (decisions D12), when there is one: its journal is read

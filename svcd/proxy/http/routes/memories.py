@@ -182,10 +182,10 @@ class MemoryRoutes:
                 else:
                     ctx.memoryBody = body
                     texts = textsOf(body)
+                    applicable = self._admission.applicable(orgID, ctx.agentID)
+                    ctx.budgeted = applicable.budgeted
                     if texts:
                         ledgerID = ctx.ledgerID = uuid7Text()
-                        applicable = self._admission.applicable(orgID, ctx.agentID)
-                        ctx.budgeted = applicable.budgeted
                         if embeddingRefusal(model, applicable.budgeted) is None and (
                             applicable.tokenLimited or applicable.budgeted
                         ):
