@@ -239,3 +239,52 @@ async def test_theWorkersQueueThroughTheClient(client: MemoryClient, acme: Tenan
     assert (await client.completeObservation(str(acme.orgID), held.id, "worker-b")).completed
     with pytest.raises(MemoryNotFound):
         await client.completeObservation(str(acme.orgID), held.id, "worker-b")
+
+
+@pytest_twisted.ensureDeferred
+async def test_callsPastTheBoundWaitTheirTurn(slowServer: str, acme: Tenant) -> None:
+    """
+    With maxInFlight, calls past the bound wait for a turn instead of
+    being sent (svc-memory would refuse them): the waiting one is sent once
+    a slot frees, with what is left of its deadline; one that gets no turn
+    within its deadline is MemoryUnavailable, and one cancelled while it
+    waits leaves the queue.
+    """
+    from twisted.internet import reactor
+
+    client = MemoryClient(
+        lambda: memoryChannel(slowServer),
+        IReactorFromThreads(reactor),
+        timeout=5.0,
+        maxInFlight=1,
+        clock=reactor,
+    )
+    try:
+        scope, query = scopeOf(acme), embedding([1.0])
+        started = time.monotonic()
+        first = client.search(scope, query, k=1)
+        second = client.search(scope, query, k=1)
+        late = client.search(scope, query, k=1, timeout=0.5)
+        cancelled = client.search(scope, query, k=1)
+        cancelled.cancel()
+        with pytest.raises(CancelledError):
+            await cancelled
+        with pytest.raises(MemoryUnavailable) as raised:
+            await late
+        assert raised.value.code is None and "no turn" in raised.value.details
+        assert 0.45 < time.monotonic() - started < 1.9
+        # The slow server answers an empty message after two seconds: the
+        # first call, then the second, one after the other.
+        await first
+        assert 1.9 < time.monotonic() - started < 3.9
+        await second
+        assert time.monotonic() - started > 3.9
+    finally:
+        client.close()
+
+
+def test_aBoundNeedsAClock() -> None:
+    from twisted.internet import reactor
+
+    with pytest.raises(ValueError):
+        MemoryClient(lambda: None, IReactorFromThreads(reactor), maxInFlight=1)

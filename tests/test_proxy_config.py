@@ -120,6 +120,9 @@ def test_everyVariable(tmp_path: Path) -> None:
         ("SVC_MEMORY_GRPC_TLS_CA", "/no/such/ca.pem"),
         ("SVC_MEMORY_TIMEOUT", "0ms"),
         ("SVC_MEMORY_TIMEOUT", "soon"),
+        ("SVC_MEMORY_MAX_IN_FLIGHT", "0"),
+        ("SVC_MEMORY_MAX_IN_FLIGHT", "many"),
+        ("SVC_MEMORY_MAX_IN_FLIGHT", "\uff18"),
     ],
 )
 def test_badValue(variable: str, value: str) -> None:
@@ -171,6 +174,7 @@ def test_memoryVariables(tmp_path: Path) -> None:
     )
     plain = ProxyConfig.fromEnvironment({**BASE, "SVC_PROVIDERS_FILE": str(providers)})
     assert (plain.memoryGrpcAddr, plain.memoryTLS, plain.memoryTimeout) == (None, None, 0.3)
+    assert plain.memoryMaxInFlight == 8
     assert plain.memory is None
     withoutTable = ProxyConfig.fromEnvironment(
         {
@@ -180,8 +184,10 @@ def test_memoryVariables(tmp_path: Path) -> None:
             "SVC_MEMORY_GRPC_TLS_CERT": str(pem),
             "SVC_MEMORY_GRPC_TLS_KEY": str(pem),
             "SVC_MEMORY_TIMEOUT": "150ms",
+            "SVC_MEMORY_MAX_IN_FLIGHT": "12",
         }
     )
+    assert withoutTable.memoryMaxInFlight == 12
     assert withoutTable.memoryGrpcAddr == "memory.internal:9092"
     assert withoutTable.memoryTLS is not None
     assert withoutTable.memoryTLS.certificateChain == b"PEM"

@@ -25,8 +25,8 @@ from typing import Any, TypeVar
 import attrs
 import grpc
 from opentelemetry import trace
-from twisted.internet.defer import Deferred, fail
-from twisted.internet.interfaces import IReactorFromThreads
+from twisted.internet.defer import Deferred, DeferredSemaphore, TimeoutError, fail
+from twisted.internet.interfaces import IReactorFromThreads, IReactorTime
 from twisted.logger import Logger
 
 from svcd.common.grpcdefer import deferredFromFuture
@@ -166,6 +166,14 @@ class MemoryClient:
         the first call or L{start}.
     @param timeout: each call's deadline in seconds, unless the call names
         its own.
+    @param maxInFlight: at most this many calls at once; the others wait
+        their turn here, within their own deadline (what they waited is
+        taken from it), and fail L{MemoryUnavailable} when none comes in
+        time. svc-memory refuses a connection's calls past its
+        C{SVC_GRPC_MAX_CALLS_PER_PEER} (16 by default) at once, so a busy
+        proxy that sent them all would be refused rather than served a
+        moment later. None: no bound here. Needs C{clock}.
+    @param clock: measures the wait for a turn (the reactor).
     """
 
     log = Logger()
@@ -175,10 +183,16 @@ class MemoryClient:
         channelFactory: Callable[[], Any],
         reactor: IReactorFromThreads,
         timeout: float = DEFAULT_TIMEOUT,
+        maxInFlight: int | None = None,
+        clock: IReactorTime | None = None,
     ) -> None:
+        if maxInFlight is not None and clock is None:
+            raise ValueError("a bound on calls in flight needs a clock")
         self._channelFactory = channelFactory
         self._reactor = reactor
         self._timeout = timeout
+        self._slots = DeferredSemaphore(maxInFlight) if maxInFlight is not None else None
+        self._clock = clock
         self._channel: Any = None
         self._methods: dict[str, Any] = {}
         self._closed = False
@@ -218,15 +232,44 @@ class MemoryClient:
             )
 
     def _call(self, name: str, request: Any, timeout: float | None = None) -> Deferred[Any]:
+        deadline = self._timeout if timeout is None else timeout
+        if self._slots is None:
+            return self._send(name, request, deadline)
+        return Deferred.fromCoroutine(self._inTurn(name, request, deadline, self._slots))
+
+    async def _inTurn(
+        self, name: str, request: Any, deadline: float, slots: DeferredSemaphore
+    ) -> Any:
+        """
+        Send the call once a slot is free, with what is left of its
+        deadline. The span's context is the caller's still: a coroutine runs
+        in the context it was made in.
+        """
+        assert self._clock is not None
+        turn = slots.acquire()
+        if not turn.called:
+            began = self._clock.seconds()
+            turn.addTimeout(deadline, self._clock)
+            try:
+                await turn
+            except TimeoutError:
+                raise MemoryUnavailable(
+                    None, f"no turn for a call to svc-memory within {deadline}s"
+                ) from None
+            deadline -= self._clock.seconds() - began
+        try:
+            return await self._send(name, request, deadline)
+        finally:
+            slots.release()
+
+    def _send(self, name: str, request: Any, timeout: float) -> Deferred[Any]:
         try:
             self._connect()
         except RuntimeError as error:
             return fail(MemoryUnavailable(None, str(error)))
         spanContext = trace.get_current_span().get_span_context()
         metadata = traceMetadata(spanContext) if spanContext.is_valid else None
-        future = self._methods[name].future(
-            request, timeout=self._timeout if timeout is None else timeout, metadata=metadata
-        )
+        future = self._methods[name].future(request, timeout=timeout, metadata=metadata)
         called: Deferred[Any] = deferredFromFuture(self._reactor, future)
 
         def failed(failure: Any) -> Any:

@@ -224,6 +224,8 @@ def assembleProxy(
             functools.partial(memoryChannel, config.memoryGrpcAddr, _clientTLS(config.memoryTLS)),
             IReactorFromThreads(reactor),
             DEFAULT_TIMEOUT,
+            maxInFlight=config.memoryMaxInFlight,
+            clock=reactor,
         )
     edge = ProxyEdge(
         config,

@@ -44,11 +44,14 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import grpc
 from twisted.logger import Logger
 
 from svcd.common.clocks import Clock
 from svcd.common.errors import ApiError, ErrorCode, FieldError, FieldErrorCode, validationError
 from svcd.common.ids import uuid7Text
+from svcd.common.logbounds import loggedText
+from svcd.common.logthrottle import ThrottledWarning
 from svcd.limits.admission import Admission
 from svcd.memory.client import (
     MemoryCallFailed,
@@ -57,6 +60,7 @@ from svcd.memory.client import (
     MemoryFull,
     MemoryInvalid,
     MemoryNotFound,
+    MemoryUnavailable,
 )
 from svcd.memory.records import Embedding, InvalidMemory, Scope, checkEmbedding
 from svcd.pb.memory.v1 import memory_pb2
@@ -80,6 +84,15 @@ from svcd.proxy.http.steps import bodyBytes, memorySubject
 B = TypeVar("B")
 
 _SCORE_DIGITS = 6
+# The statuses whose details gRPC or the client wrote (a transport's fault,
+# a deadline, a bound), not svc-memory's code.
+_TRANSPORT_CODES = (
+    None,
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.CANCELLED,
+)
 
 
 def _unavailable() -> ApiError:
@@ -151,6 +164,8 @@ class MemoryRoutes:
         self._embedder = embedder
         self._admission = admission
         self._clock = clock
+        # svc-memory down or overloaded: every memory request notices.
+        self._unavailable = ThrottledWarning(self.log, clock)
 
     # Steps.
 
@@ -301,6 +316,26 @@ class MemoryRoutes:
         except InvalidMemory:
             raise _badVectors() from None
 
+    def _refused(
+        self, ctx: RequestContext, failed: MemoryCallFailed, afterField: bool = False
+    ) -> ApiError:
+        """
+        The answer to a failed call (L{_failure}); a call svc-memory did
+        not answer is also logged, at most once per ten seconds, with its
+        gRPC status and svc-memory's words (never content).
+        """
+        if isinstance(failed, MemoryUnavailable):
+            code = failed.code
+            self._unavailable.warn(
+                "svc-memory did not answer: {code}: {details}",
+                code=code.name if code is not None else None,
+                # gRPC's own words, or the client's; an error svc-memory
+                # wrote itself is left out, lest it quote a value.
+                details=loggedText(failed.details) if code in _TRANSPORT_CODES else None,
+                request_id=ctx.requestID,
+            )
+        return _failure(failed, afterField)
+
     def _logged(self, ctx: RequestContext, operation: str, **fields: object) -> None:
         """
         One line per memory operation: ids, counts and lengths, never a
@@ -338,7 +373,7 @@ class MemoryRoutes:
                     scope, body.content, embedding, body.metadataJSON, "api", ctx.requestID
                 )
             except MemoryCallFailed as failed:
-                raise _failure(failed) from None
+                raise self._refused(ctx, failed) from None
             return Reply(201, jsonBody(memoryJSON(memory)))
         finally:
             self._release(ctx)
@@ -365,7 +400,7 @@ class MemoryRoutes:
         try:
             answer = await client.queueObservations([observation])
         except MemoryCallFailed as failed:
-            raise _failure(failed) from None
+            raise self._refused(ctx, failed) from None
         [queued] = answer.queued
         return Reply(
             202, jsonBody({"object": "memory.observation", "id": queued.id, "status": "queued"})
@@ -381,7 +416,7 @@ class MemoryRoutes:
         try:
             answer = await client.listMemories(scope, page.limit, page.after or "")
         except MemoryCallFailed as failed:
-            raise _failure(failed, afterField=True) from None
+            raise self._refused(ctx, failed, afterField=True) from None
         data = [memoryJSON(memory) for memory in answer.memories]
         return Reply(
             200,
@@ -406,7 +441,7 @@ class MemoryRoutes:
         try:
             memory = await client.getMemory(scope, memoryID)
         except MemoryCallFailed as failed:
-            raise _failure(failed) from None
+            raise self._refused(ctx, failed) from None
         return Reply(200, jsonBody(memoryJSON(memory)))
 
     async def change(self, ctx: RequestContext) -> Reply:
@@ -427,7 +462,7 @@ class MemoryRoutes:
             try:
                 current = await client.getMemory(scope, memoryID)
             except MemoryCallFailed as failed:
-                raise _failure(failed) from None
+                raise self._refused(ctx, failed) from None
             content = change.content if change.content != current.content else None
             self._logged(
                 ctx,
@@ -447,7 +482,7 @@ class MemoryRoutes:
                     scope, memoryID, content, change.metadataJSON, embedding
                 )
             except MemoryCallFailed as failed:
-                raise _failure(failed) from None
+                raise self._refused(ctx, failed) from None
             return Reply(200, jsonBody(memoryJSON(memory)))
         finally:
             self._release(ctx)
@@ -463,7 +498,7 @@ class MemoryRoutes:
         try:
             answer = await client.deleteMemory(scope, memoryID)
         except MemoryCallFailed as failed:
-            raise _failure(failed) from None
+            raise self._refused(ctx, failed) from None
         return Reply(200, jsonBody({"id": answer.id, "object": "memory", "deleted": True}))
 
     async def deleteScope(self, ctx: RequestContext) -> Reply:
@@ -476,7 +511,7 @@ class MemoryRoutes:
         try:
             answer = await client.deleteScope(scope)
         except MemoryCallFailed as failed:
-            raise _failure(failed) from None
+            raise self._refused(ctx, failed) from None
         self._logged(
             ctx,
             "delete scope",
@@ -506,7 +541,7 @@ class MemoryRoutes:
             try:
                 answer = await client.search(scope, query, search.k, search.minScore)
             except MemoryCallFailed as failed:
-                raise _failure(failed) from None
+                raise self._refused(ctx, failed) from None
             data: list[dict[str, Any]] = [
                 {"memory": memoryJSON(each.memory), "score": round(each.score, _SCORE_DIGITS)}
                 for each in answer.results
