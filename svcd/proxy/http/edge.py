@@ -141,6 +141,9 @@ class ProxyEdge:
     @ivar embedder: how the gateway embeds texts for itself and pays for
         it (decisions D13: memories, queries, recall), None without a
         providers file.
+    @ivar memoryClient: the client of svc-memory when memory is on (both
+        the client and C{config.memory}), else None: for the route
+        families that use memory (the memory routes, recall).
     """
 
     log = Logger()
@@ -200,6 +203,7 @@ class ProxyEdge:
         # both its address and the providers file's [memory] table are
         # given.
         memoryConfig = config.memory
+        self.memoryClient = memory if memoryConfig is not None else None
         self.memory = MemoryRoutes(
             memoryConfig if memory is not None else None,
             memory if memoryConfig is not None else None,
