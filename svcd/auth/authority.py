@@ -342,11 +342,12 @@ class Authority:
         """
         self._inTime(deadline)
         if cached is not None and self._digester.same(cached.secretDigest, digest):
-            # An entry gone stale (no listener vouched for it) whose secret
-            # its digest proves: what is left is a read of the row, which
-            # is not the work the cold slots bound (argon2), and a flood of
-            # wrong secrets holding every slot must not refuse a token in
-            # use. Only a stored hash that changed meanwhile needs a slot.
+            # An entry gone stale (no listener vouched for it, or a change
+            # was announced for it) whose secret its digest proves: what is
+            # left is a read of the row, which is not the work the cold
+            # slots bound (argon2), and a flood of wrong secrets holding
+            # every slot must not refuse a token in use. Only a stored hash
+            # that changed meanwhile needs a slot.
             record, epoch, readAt = self._readToken(parsed, deadline)
             if record.secretHash == cached.record.secretHash:
                 self._cache.rememberToken(CachedToken(record, digest, readAt), epoch)
