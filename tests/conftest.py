@@ -91,7 +91,13 @@ from svcd.testing.servers import PostgresServer, RedisServer
 # twistdCommand before any module imports it by name); fixtures of svc-auth
 # (migrated databases, tenants, a running AuthService), of the scripted
 # OpenAI-compatible upstream, and of the session's forwarding gateway.
-pytest_plugins = ["e2eguard", "authfixtures", "upstreamfixtures", "forwardingfixtures"]
+pytest_plugins = [
+    "e2eguard",
+    "authfixtures",
+    "upstreamfixtures",
+    "forwardingfixtures",
+    "memoryfixtures",
+]
 
 
 # A random UUID in a parameter: with dashes (any case, not the nil UUID)

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 
 from svcd.auth.config import AuthConfig
+from svcd.memory.config import MemoryConfig
 from svcd.proxy.config import ProxyConfig
 
 ETC = Path(__file__).resolve().parents[1] / "etc"
-UNITS = ("svc-auth", "svc-proxy", "svc-proxy@")
+UNITS = ("svc-auth", "svc-proxy", "svc-proxy@", "svc-memory")
 
 
 def readEnvironmentFile(path: Path) -> dict[str, str]:
@@ -83,6 +84,9 @@ def test_exampleEnvironmentsAreValid() -> None:
     assert auth.environment == "production" and auth.grpcHost == "127.0.0.1"
     proxy = ProxyConfig.fromEnvironment(readEnvironmentFile(ETC / "svc" / "svc-proxy.env"))
     assert proxy.authGrpcAddr == "127.0.0.1:9091"
+    memory = MemoryConfig.fromEnvironment(readEnvironmentFile(ETC / "svc" / "svc-memory.env"))
+    assert memory.environment == "production" and memory.grpcHost == "127.0.0.1"
+    assert (memory.port, memory.grpcPort) == (8082, 9092)
 
 
 def test_exampleProvidersFileIsValid(tmp_path: Path) -> None:

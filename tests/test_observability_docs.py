@@ -22,6 +22,8 @@ from svcd.common.gcmetrics import CollectorMetrics
 from svcd.common.logs import logSettings
 from svcd.common.metrics import processUpGauge
 from svcd.common.tracing import TracingConfig
+from svcd.memory.config import MemoryConfig
+from svcd.memory.grpcservice import MemoryMetrics
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.metrics import ProxyMetrics
 
@@ -81,6 +83,10 @@ def _proxy() -> ProxyConfig:
     return ProxyConfig.fromEnvironment({"SVC_AUTH_GRPC_ADDR": "auth:9091"})
 
 
+def _memory() -> MemoryConfig:
+    return MemoryConfig.fromEnvironment({"POSTGRES_DSN": "postgresql://svc@db/svc"})
+
+
 def _auth() -> AuthConfig:
     return AuthConfig.fromEnvironment({"POSTGRES_DSN": "postgresql://svc@db/svc"})
 
@@ -112,6 +118,8 @@ def _auth() -> AuthConfig:
         ("SVC_AUTH_VERIFY_CONCURRENCY", lambda: _auth().verifyConcurrency),
         ("OTEL_SAMPLE_RATIO", lambda: TracingConfig.fromEnvironment({}, "x").sampleRatio),
         ("SVC_LOG_FORMAT", lambda: logSettings({})[0]),
+        ("SVC_MEMORY_MAX_PER_SCOPE", lambda: _memory().maxPerScope),
+        ("SVC_MEMORY_CACHE_MB", lambda: _memory().cacheBytes // 2**20),
     ],
 )
 def test_documentedDefaultIsTheCodes(variable: str, actual: object) -> None:
@@ -153,7 +161,7 @@ def test_otherDefaults() -> None:
 
 def exportedSeries() -> set[str]:
     """
-    The names of the series both daemons export, as the text format writes
+    The names of the series the daemons export, as the text format writes
     them (a counter's with C{_total}).
     """
     proxy = ProxyMetrics().registry
@@ -163,8 +171,10 @@ def exportedSeries() -> set[str]:
     DenialLog(auth)
     processUpGauge(auth)
     auth.register(CollectorMetrics())
+    memory = CollectorRegistry()
+    MemoryMetrics(memory)
     names = set()
-    for registry in (proxy, auth):
+    for registry in (proxy, auth, memory):
         for family in registry.collect():
             names.add(family.name + ("_total" if family.type == "counter" else ""))
     return names
@@ -172,7 +182,7 @@ def exportedSeries() -> set[str]:
 
 def test_everySeriesIsDocumented() -> None:
     """
-    Each series of svc-proxy and svc-auth is named in the list of metrics
+    Each series of svc-proxy, svc-auth and svc-memory is named in the list of metrics
     of docs/operations.rst (or its section on forwarding).
     """
     documented = set(re.findall(r"``(svc_[a-z0-9_]+)(?:\{[a-z_,]*\})?``", OPERATIONS))

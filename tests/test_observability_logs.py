@@ -39,6 +39,7 @@ from twisted.internet.task import deferLater
 from twisted.logger import ILogObserver, Logger, LogLevel, globalLogPublisher
 
 from svcd.auth.web import AuthOperationsWeb, OperationsSite
+from svcd.authclient.connection import AuthConnection
 from svcd.common.logs import (
     REQUEST_ID,
     JSONLinesObserver,
@@ -151,7 +152,9 @@ async def liveProxy() -> Any:
     grpc.channel_ready_future(channel).result(timeout=5)
     metrics = ProxyMetrics()
     provider = tracerProvider(TracingConfig("svc-proxy", "development", 0.0))
-    auth = GrpcAuthClient(lambda: channel, IReactorFromThreads(reactor), reactor, 2.0, metrics)
+    auth = GrpcAuthClient(
+        AuthConnection(lambda: channel, IReactorFromThreads(reactor), reactor), 2.0, metrics
+    )
     counters = MemoryCounters()
     limiter = RedisRateLimiter(counters, reactor, 60, {}, timeout=0.05)
     edge = ProxyEdge(

@@ -31,6 +31,7 @@ from tracinghelpers import Traced, chatHeaders, recordingProvider
 from twisted.internet.interfaces import IReactorFromThreads
 from twisted.logger import ILogObserver, capturedLogs
 
+from svcd.authclient.connection import AuthConnection
 from svcd.common.config import ConfigError
 from svcd.common.errors import ApiError, ErrorCode
 from svcd.common.tracing import (
@@ -329,14 +330,13 @@ def authClient(port: int, provider: TracerProvider | None) -> GrpcAuthClient:
 
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     grpc.channel_ready_future(channel).result(timeout=5)
-    return GrpcAuthClient(
+    connection = AuthConnection(
         lambda: channel,
         IReactorFromThreads(reactor),
         reactor,
-        2.0,
-        ProxyMetrics(),
         tracer=provider.get_tracer("test") if provider is not None else None,
     )
+    return GrpcAuthClient(connection, 2.0, ProxyMetrics())
 
 
 @pytest.mark.parametrize("ratio", [1.0, 0.0])

@@ -1,8 +1,10 @@
 """
 The packages a daemon needs to call providers and pay for it
-(svcd.providers, svcd.ledger, svcd.limits, issue 29) import nothing of
-svc-proxy: a daemon of Phase 4 (decisions D13) that imports them never
-imports svcd.proxy, its metrics, its configuration or its edge.
+(svcd.providers, svcd.ledger with its sender, svcd.limits, and
+svcd.authclient, the connection to svc-auth the sender rides on; issue
+29) import nothing of svc-proxy: a daemon of Phase 4 (decisions D13) that
+imports them never imports svcd.proxy, its metrics, its configuration or
+its edge.
 
 In a fresh interpreter, since this test process has long imported the
 proxy.
@@ -17,11 +19,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Every module of the three packages, found on disk so that a new module
+# Every module of the four packages, found on disk so that a new module
 # is checked without editing this list.
 MODULES = sorted(
     ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-    for package in ("providers", "ledger", "limits")
+    for package in ("providers", "ledger", "limits", "authclient")
     for path in (ROOT / "svcd" / package).glob("*.py")
 )
 
@@ -36,10 +38,16 @@ print(json.dumps(sorted(proxy)))
 
 def test_packagesImportNoProxy() -> None:
     """
-    Importing every module of svcd.providers, svcd.ledger and svcd.limits
-    loads no module of svcd.proxy.
+    Importing every module of svcd.providers, svcd.ledger, svcd.limits
+    and svcd.authclient loads no module of svcd.proxy.
     """
-    assert {"svcd.providers.upstream", "svcd.ledger.outbox", "svcd.limits.limiter"} <= set(MODULES)
+    assert {
+        "svcd.providers.upstream",
+        "svcd.ledger.outbox",
+        "svcd.ledger.sender",
+        "svcd.limits.limiter",
+        "svcd.authclient.connection",
+    } <= set(MODULES)
     result = subprocess.run(
         [sys.executable, "-c", _PROBE, *MODULES],
         cwd=ROOT,

@@ -51,3 +51,28 @@ def test_serviceIsDeclaredInPackageSvcAuthV1() -> None:
     assert streaming == {"WatchChanges"}
     request = auth_pb2.ValidateTokenRequest.DESCRIPTOR
     assert [field.name for field in request.fields] == ["access_token"]
+
+
+def test_memoryServiceIsDeclaredInPackageSvcMemoryV1() -> None:
+    """
+    svc-memory's service is svc.memory.v1.MemoryService (decisions D13),
+    every method unary.
+    """
+    from svcd.pb.memory.v1 import memory_pb2
+
+    service = memory_pb2.DESCRIPTOR.services_by_name["MemoryService"]
+    assert service.full_name == "svc.memory.v1.MemoryService"
+    assert {method.name for method in service.methods} == {
+        "AddMemory",
+        "GetMemory",
+        "ListMemories",
+        "UpdateMemory",
+        "DeleteMemory",
+        "DeleteScope",
+        "Search",
+        "QueueObservations",
+        "ClaimObservations",
+        "CompleteObservation",
+        "ReleaseObservation",
+    }
+    assert not any(m.server_streaming or m.client_streaming for m in service.methods)

@@ -23,6 +23,9 @@ from twisted.internet.defer import CancelledError, Deferred, gatherResults
 from twisted.internet.interfaces import IReactorFromThreads
 from twisted.internet.task import deferLater
 
+from svcd.authclient.channel import authChannel
+from svcd.authclient.connection import AuthConnection
+from svcd.authclient.slots import CallSlots
 from svcd.common.errors import ApiError
 from svcd.common.pat import READINESS_SENTINEL
 from svcd.common.readiness import CheckFailed
@@ -31,7 +34,7 @@ from svcd.proxy.config import ProxyConfig
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.records import AgentInfo, TokenInfo
 from svcd.proxy.testing import newToken
-from svcd.proxy.validation.client import GrpcAuthClient, authChannel
+from svcd.proxy.validation.client import GrpcAuthClient
 from svcd.testing.fakeauth import servingAuth
 
 Behaviour = Callable[[Any, grpc.ServicerContext], Any]
@@ -103,17 +106,27 @@ def service() -> Iterator[tuple[ScriptedAuthService, int]]:
         yield servicer, port
 
 
-def makeClient(port: int, timeout: float = 0.05) -> tuple[GrpcAuthClient, ProxyMetrics]:
+def clientOn(
+    channelFactory: Callable[[], Any], timeout: float, metrics: ProxyMetrics, **slots: Any
+) -> GrpcAuthClient:
+    """
+    The proxy's validation client on a connection of its own to the
+    channel C{channelFactory} makes; C{slots} are the connection's
+    C{maxInFlight} and C{queueTimeout}.
+    """
     from twisted.internet import reactor
 
+    connection = AuthConnection(channelFactory, IReactorFromThreads(reactor), reactor, **slots)
+    return GrpcAuthClient(connection, timeout, metrics)
+
+
+def makeClient(port: int, timeout: float = 0.05) -> tuple[GrpcAuthClient, ProxyMetrics]:
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     # Connected before the test, so a 50 ms deadline measures the call,
     # not the TCP and HTTP/2 handshakes.
     grpc.channel_ready_future(channel).result(timeout=5)
     metrics = ProxyMetrics()
-    return GrpcAuthClient(
-        lambda: channel, IReactorFromThreads(reactor), reactor, timeout, metrics
-    ), metrics
+    return clientOn(lambda: channel, timeout, metrics), metrics
 
 
 @pytest.fixture
@@ -323,12 +336,8 @@ async def test_validateTokenUnreachable() -> None:
     """
     Nobody listening: 503 SERVICE_DEGRADED, quickly.
     """
-    from twisted.internet import reactor
-
     channel = grpc.insecure_channel("127.0.0.1:1")
-    client = GrpcAuthClient(
-        lambda: channel, IReactorFromThreads(reactor), reactor, 0.05, ProxyMetrics()
-    )
+    client = clientOn(lambda: channel, 0.05, ProxyMetrics())
     try:
         began = time.monotonic()
         error = await apiErrorOf(client.validateToken(newToken()))
@@ -348,8 +357,6 @@ async def test_channelMadeLazily(service: tuple[ScriptedAuthService, int]) -> No
     The channel is made at start (or first use), not at construction:
     twistd builds the service before it forks to daemonise.
     """
-    from twisted.internet import reactor
-
     servicer, port = service
     servicer.token = abortWith(grpc.StatusCode.UNAUTHENTICATED)
     made: list[Any] = []
@@ -358,7 +365,7 @@ async def test_channelMadeLazily(service: tuple[ScriptedAuthService, int]) -> No
         made.append(grpc.insecure_channel(f"127.0.0.1:{port}"))
         return made[-1]
 
-    client = GrpcAuthClient(factory, IReactorFromThreads(reactor), reactor, 1.0, ProxyMetrics())
+    client = clientOn(factory, 1.0, ProxyMetrics())
     assert made == []
     client.start()
     await client.checkReachable()
@@ -369,7 +376,7 @@ async def test_channelMadeLazily(service: tuple[ScriptedAuthService, int]) -> No
         await client.checkReachable()
     assert len(made) == 1
 
-    unused = GrpcAuthClient(factory, IReactorFromThreads(reactor), reactor, 1.0, ProxyMetrics())
+    unused = clientOn(factory, 1.0, ProxyMetrics())
     unused.close()
     error = await apiErrorOf(unused.validateToken(newToken()))
     assert error.code.value == "SERVICE_DEGRADED"
@@ -505,12 +512,8 @@ async def test_checkReachableDown() -> None:
     """
     Nobody listening: the check fails with UNAVAILABLE.
     """
-    from twisted.internet import reactor
-
-    client = GrpcAuthClient(
+    client = clientOn(
         lambda: grpc.insecure_channel("127.0.0.1:1"),
-        IReactorFromThreads(reactor),
-        reactor,
         0.05,
         ProxyMetrics(),
     )
@@ -578,8 +581,6 @@ async def test_mutualTLS(
     With SVC_AUTH_GRPC_TLS_CA, _CERT and _KEY the channel does mutual TLS;
     with the CA alone the server refuses the client, which fails closed.
     """
-    from twisted.internet import reactor
-
     servicer, port = mutualTLSService
     servicer.token = abortWith(grpc.StatusCode.UNAUTHENTICATED)
     environ = {
@@ -589,9 +590,7 @@ async def test_mutualTLS(
         "SVC_AUTH_GRPC_TLS_KEY": str(certificates / "client.key"),
     }
     config = ProxyConfig.fromEnvironment(environ)
-    client = GrpcAuthClient(
-        lambda: authChannel(config), IReactorFromThreads(reactor), reactor, 2.0, ProxyMetrics()
-    )
+    client = clientOn(lambda: authChannel(config.authGrpcAddr, config.authTLS), 2.0, ProxyMetrics())
     try:
         await client.checkReachable()
         assert len(servicer.calls) == 1
@@ -600,9 +599,7 @@ async def test_mutualTLS(
 
     del environ["SVC_AUTH_GRPC_TLS_CERT"], environ["SVC_AUTH_GRPC_TLS_KEY"]
     config = ProxyConfig.fromEnvironment(environ)
-    client = GrpcAuthClient(
-        lambda: authChannel(config), IReactorFromThreads(reactor), reactor, 2.0, ProxyMetrics()
-    )
+    client = clientOn(lambda: authChannel(config.authGrpcAddr, config.authTLS), 2.0, ProxyMetrics())
     try:
         error = await apiErrorOf(client.validateToken(newToken()))
         assert error.code.value == "SERVICE_DEGRADED"
@@ -648,16 +645,12 @@ async def test_callsBeyondTheBoundWaitBeforeTheirDeadlineStarts(
     its deadline, so that a loaded machine cannot make it miss it: at 30
     ms against 50 ms it did, with both cores busy.)
     """
-    from twisted.internet import reactor
-
     servicer, port = service
     recorder = ConcurrencyRecorder(0.3, str(uuid.uuid4()))
     servicer.token = recorder
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    client = GrpcAuthClient(
+    client = clientOn(
         lambda: channel,
-        IReactorFromThreads(reactor),
-        reactor,
         1.0,
         ProxyMetrics(),
         maxInFlight=2,
@@ -683,18 +676,14 @@ async def test_aCallThatWaitsTooLongFailsClosed(
     and fails closed: 503 SERVICE_DEGRADED for ValidateToken, 503
     AUTH_UNAVAILABLE for ValidateAgent, counted as queue_timeout.
     """
-    from twisted.internet import reactor
-
     servicer, port = service
     recorder = ConcurrencyRecorder(0.3, str(uuid.uuid4()))
     servicer.token = recorder
     servicer.agent = agentOK()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     metrics = ProxyMetrics()
-    client = GrpcAuthClient(
+    client = clientOn(
         lambda: channel,
-        IReactorFromThreads(reactor),
-        reactor,
         1.0,
         metrics,
         maxInFlight=1,
@@ -724,8 +713,6 @@ def test_callSlotsServeTheLaterStageFirst() -> None:
     come first served within a stage; a cancelled waiter is skipped, and a
     slot nobody waits for becomes free again.
     """
-    from svcd.proxy.validation.client import CallSlots
-
     slots = CallSlots(1)
     assert slots.acquire(0).called
     served: list[str] = []
@@ -760,8 +747,6 @@ async def test_aRequestsSecondCallGoesBeforeNewRequests(
     is in flight, two more ValidateToken calls and then one ValidateAgent
     call queue; the ValidateAgent call is sent next.
     """
-    from twisted.internet import reactor
-
     servicer, port = service
     orgID = str(uuid.uuid4())
     order: list[str] = []
@@ -780,10 +765,8 @@ async def test_aRequestsSecondCallGoesBeforeNewRequests(
     servicer.token = token
     servicer.agent = agent
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    client = GrpcAuthClient(
+    client = clientOn(
         lambda: channel,
-        IReactorFromThreads(reactor),
-        reactor,
         1.0,
         ProxyMetrics(),
         maxInFlight=1,
@@ -913,14 +896,10 @@ async def test_aCallSvcAuthCancelledIsSentOnceMore(
     ValidateToken and ValidateAgent alike, since both only read. No other
     failure is retried, and a call cancelled twice fails closed.
     """
-    from twisted.internet import reactor
-
     servicer, port = service
-    channel = authChannel(ProxyConfig(authGrpcAddr=f"127.0.0.1:{port}"))
+    channel = authChannel(f"127.0.0.1:{port}")
     grpc.channel_ready_future(channel).result(timeout=5)
-    client = GrpcAuthClient(
-        lambda: channel, IReactorFromThreads(reactor), reactor, 2.0, ProxyMetrics()
-    )
+    client = clientOn(lambda: channel, 2.0, ProxyMetrics())
     orgID = str(uuid.uuid4())
     cancelled = abortWith(grpc.StatusCode.CANCELLED, "svc-auth is stopping")
     try:

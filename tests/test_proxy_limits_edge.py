@@ -7,6 +7,12 @@ a forwarded request does to the token counters: reserved at admission,
 settled to the provider's usage, released when the answer failed before
 its first byte, kept when the client left; requests that are not
 forwarded reserve nothing.
+
+One scripted upstream serves the whole module (a process per test cost
+about 2.5 s each on a loaded machine, a hundred seconds of the end-to-end
+run for tests whose own calls take a tenth of a second); each test's proxy
+reaches it under a path prefix of its own (L{UpstreamOfTest}), so a test's
+request log never holds another test's requests.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -37,7 +43,7 @@ from svcd.proxy.http.site import ProxySite
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.records import TokenInfo
 from svcd.proxy.testing import FakeAuthClient, MemoryCounters, MemoryLedger
-from svcd.testing.upstream import ScriptedUpstream
+from svcd.testing.upstream import RecordedRequest, ScriptedUpstream
 
 # Starts real daemons or processes (conftest.py, pytest.ini): left out of a
 # quick run, dev/test -m "not e2e".
@@ -54,6 +60,43 @@ async def waitFor(condition: Callable[[], bool], seconds: float = 10.0) -> None:
         await deferLater(reactor, 0.02, lambda: None)
 
 
+@pytest.fixture(scope="module")
+def moduleUpstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ScriptedUpstream]:
+    """
+    The scripted upstream of every test of this module (they then run on
+    one worker, conftest.py).
+    """
+    upstream = ScriptedUpstream(tmp_path_factory.mktemp("upstream")).start()
+    yield upstream
+    upstream.stop()
+
+
+@attrs.frozen
+class UpstreamOfTest:
+    """
+    The module's scripted upstream as one test sees it: under a path prefix
+    of the test's own, so that its log holds this test's requests only (a
+    request of an earlier test, however late, has another prefix).
+    """
+
+    upstream: ScriptedUpstream
+    prefix: str
+
+    @property
+    def baseURL(self) -> str:
+        return self.upstream.baseURLUnder(self.prefix)
+
+    def requests(self) -> list[RecordedRequest]:
+        """
+        This test's requests, oldest first (L{ScriptedUpstream.requests}).
+        """
+        mine = f"/{self.prefix}/"
+        return [request for request in self.upstream.requests() if request.path.startswith(mine)]
+
+    def clearRequests(self) -> None:
+        self.upstream.clearRequests()
+
+
 @attrs.define
 class Edge:
     port: int
@@ -65,7 +108,7 @@ class Edge:
     orgID: str
     agentID: str
     ledger: MemoryLedger
-    upstream: ScriptedUpstream
+    upstream: UpstreamOfTest
     # The ledger id each call of the limiter's hit() was given.
     ledgerIDs: list[str | None]
 
@@ -125,9 +168,14 @@ class Edge:
 
 
 @pytest_twisted.async_yield_fixture
-async def edge(tmp_path: Path, scriptedUpstream: ScriptedUpstream) -> AsyncIterator[Edge]:
+async def edge(tmp_path: Path, moduleUpstream: ScriptedUpstream) -> AsyncIterator[Edge]:
     from twisted.internet import reactor
     from twisted.internet.endpoints import TCP4ServerEndpoint
+
+    # Emptied for each test, so that the log does not grow over the module
+    # (the earlier tests' requests are under prefixes of their own anyway).
+    moduleUpstream.clearRequests()
+    scriptedUpstream = UpstreamOfTest(moduleUpstream, f"test-{uuid.uuid4().hex}")
 
     providersFile = tmp_path / "providers.toml"
     providersFile.write_text(

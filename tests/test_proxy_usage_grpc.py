@@ -1,17 +1,20 @@
 """
 The usage outbox over a real gRPC link (decisions D12): the real
-GrpcAuthClient.recordUsage against a real grpcio server whose RecordUsage
+LedgerSender.recordUsage against a real grpcio server whose RecordUsage
 keeps rows by ledger key (L{svcd.testing.fakeauth.LedgerAuth}). Every row
 arrives exactly once and in order, also when the server fails the first
 attempts with UNAVAILABLE, and when it hangs past the client's deadline
 (the batch is sent again; the late commit makes the retry a duplicate).
+And the sender shares the proxy's one channel to svc-auth, and its slots,
+with the validations.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +22,17 @@ import grpc
 import pytest
 import pytest_twisted
 from google.protobuf import json_format
+from twisted.internet.defer import Deferred, gatherResults
 from twisted.internet.interfaces import IReactorFromThreads
 
+from svcd.authclient.channel import CHANNEL_OPTIONS
+from svcd.authclient.connection import AuthConnection
 from svcd.ledger.outbox import UsageJournal, UsageOutbox
+from svcd.ledger.sender import LedgerSender
 from svcd.pb.auth.v1 import auth_pb2
 from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.validation.client import CHANNEL_OPTIONS, GrpcAuthClient
+from svcd.proxy.testing import newToken
+from svcd.proxy.validation.client import GrpcAuthClient
 from svcd.testing.fakeauth import LedgerAuth, servingAuth
 
 # Each test's bound on the flush that waits for every row: far above what
@@ -49,43 +57,48 @@ SHORT_USAGE_TIMEOUT = 0.3
 PATIENT_USAGE_TIMEOUT = 5.0
 
 
+@contextlib.contextmanager
+def ledgerSender(port: int, usageTimeout: float) -> Iterator[LedgerSender]:
+    """
+    The ledger's sender on a started connection of its own to svc-auth on
+    C{port}.
+    """
+    from twisted.internet import reactor
+
+    connection = AuthConnection(
+        lambda: grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS),
+        IReactorFromThreads(reactor),
+        reactor,
+    )
+    connection.start()
+    try:
+        yield LedgerSender(connection, usageTimeout=usageTimeout)
+    finally:
+        connection.close()
+
+
 @contextlib.asynccontextmanager
 async def ledgerClient(
     usageTimeout: float,
-) -> AsyncIterator[tuple[LedgerAuth, GrpcAuthClient, ProxyMetrics]]:
-    from twisted.internet import reactor
-
+) -> AsyncIterator[tuple[LedgerAuth, LedgerSender, ProxyMetrics]]:
     servicer = LedgerAuth()
-    with servingAuth(servicer, workers=8) as port:
-        metrics = ProxyMetrics()
-        client = GrpcAuthClient(
-            lambda: grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS),
-            IReactorFromThreads(reactor),
-            reactor,
-            2.0,
-            metrics,
-            usageTimeout=usageTimeout,
-        )
-        client.start()
-        try:
-            yield servicer, client, metrics
-        finally:
-            client.close()
+    with servingAuth(servicer, workers=8) as port, ledgerSender(port, usageTimeout) as sender:
+        yield servicer, sender, ProxyMetrics()
 
 
 @pytest_twisted.async_yield_fixture
-async def ledger() -> AsyncIterator[tuple[LedgerAuth, GrpcAuthClient, ProxyMetrics]]:
+async def ledger() -> AsyncIterator[tuple[LedgerAuth, LedgerSender, ProxyMetrics]]:
     async with ledgerClient(SHORT_USAGE_TIMEOUT) as parts:
         yield parts
 
 
 @pytest_twisted.async_yield_fixture
-async def patientLedger() -> AsyncIterator[tuple[LedgerAuth, GrpcAuthClient, ProxyMetrics]]:
+async def patientLedger() -> AsyncIterator[tuple[LedgerAuth, LedgerSender, ProxyMetrics]]:
     async with ledgerClient(PATIENT_USAGE_TIMEOUT) as parts:
         yield parts
 
 
-def outboxOf(client: GrpcAuthClient, metrics: ProxyMetrics) -> UsageOutbox:
+def outboxOf(client: LedgerSender, metrics: ProxyMetrics) -> UsageOutbox:
     from twisted.internet import reactor
 
     outbox = UsageOutbox(client, reactor, metrics, firstRetry=0.05, lastRetry=0.5)
@@ -271,40 +284,28 @@ async def test_poisonRowSetAsideOthersRecorded(wholeBatch: bool, tmp_path: Path)
     servicer = RejectingAuth(wholeBatch)
     path = tmp_path / "usage.journal"
     poisoned = {250, 777}
-    with servingAuth(servicer, workers=8) as port:
+    with servingAuth(servicer, workers=8) as port, ledgerSender(port, 5.0) as client:
         metrics = ProxyMetrics()
-        client = GrpcAuthClient(
-            lambda: grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS),
-            IReactorFromThreads(reactor),
+        outbox = UsageOutbox(
+            client,
             reactor,
-            2.0,
             metrics,
-            usageTimeout=5.0,
+            journal=UsageJournal(str(path)),
+            firstRetry=0.05,
+            lastRetry=0.5,
         )
-        client.start()
-        try:
-            outbox = UsageOutbox(
-                client,
-                reactor,
-                metrics,
-                journal=UsageJournal(str(path)),
-                firstRetry=0.05,
-                lastRetry=0.5,
-            )
-            outbox.start()
-            for number in range(1, 1201):
-                made = row(number)
-                if number in poisoned:
-                    made.prompt_tokens = -number
-                outbox.record(made)
-            assert await outbox.flush(FLUSH_BOUND) == 0
-            assert outbox.waiting == 0 and outbox.hasRoom()
-            # Forwarding was never blocked: a row recorded now goes too.
-            outbox.record(row(1201))
-            assert await outbox.flush(FLUSH_BOUND) == 0
-            assert outbox.close() == 0
-        finally:
-            client.close()
+        outbox.start()
+        for number in range(1, 1201):
+            made = row(number)
+            if number in poisoned:
+                made.prompt_tokens = -number
+            outbox.record(made)
+        assert await outbox.flush(FLUSH_BOUND) == 0
+        assert outbox.waiting == 0 and outbox.hasRoom()
+        # Forwarding was never blocked: a row recorded now goes too.
+        outbox.record(row(1201))
+        assert await outbox.flush(FLUSH_BOUND) == 0
+        assert outbox.close() == 0
     assert servicer.recorded() == [
         row(number).request_id for number in range(1, 1202) if number not in poisoned
     ]
@@ -325,3 +326,88 @@ async def test_poisonRowSetAsideOthersRecorded(wholeBatch: bool, tmp_path: Path)
     restarted = UsageJournal(str(path))
     assert restarted.open() == []
     restarted.close()
+
+
+class ArrivalsAuth(LedgerAuth):
+    """
+    L{LedgerAuth} that notes which method each call was, in the order the
+    calls arrive, and answers GetSpend with a fixed spend.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.arrived: list[str] = []
+
+    def ValidateToken(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self.arrived.append("ValidateToken")
+        return super().ValidateToken(request, context)
+
+    def ValidateAgent(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self.arrived.append("ValidateAgent")
+        return super().ValidateAgent(request, context)
+
+    def RecordUsage(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self.arrived.append("RecordUsage")
+        return super().RecordUsage(request, context)
+
+    def GetSpend(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self.arrived.append("GetSpend")
+        return auth_pb2.GetSpendResponse(cost_nano_usd=42)
+
+
+@pytest_twisted.ensureDeferred
+async def test_validationsAndLedgerShareOneChannelAndItsSlots() -> None:
+    """
+    The proxy's validation client and the ledger's sender on one
+    connection with one slot, as the proxy wires them: while a
+    ValidateToken call is in flight, a RecordUsage batch, a second
+    ValidateToken, a ValidateAgent and a GetSpend queue, in that order.
+    The later stage goes first (ValidateAgent, then GetSpend), then the
+    first stage in its order (the batch, then the new token). One channel
+    is made, and only the validations are counted in
+    svc_proxy_auth_validate_duration_seconds.
+    """
+    from twisted.internet import reactor
+
+    servicer = ArrivalsAuth()
+    made: list[Any] = []
+    metrics = ProxyMetrics()
+    with servingAuth(servicer) as port:
+
+        def channel() -> Any:
+            made.append(grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS))
+            return made[-1]
+
+        connection = AuthConnection(
+            channel, IReactorFromThreads(reactor), reactor, maxInFlight=1, queueTimeout=10.0
+        )
+        validation = GrpcAuthClient(connection, 5.0, metrics)
+        sender = LedgerSender(connection)
+        validation.start()
+        try:
+            calls: list[Deferred[Any]] = [
+                validation.validateToken(newToken()),
+                sender.recordUsage([row(1)]),
+                validation.validateToken(newToken()),
+                validation.validateAgent(newToken(), str(uuid.uuid4()), servicer.orgID),
+                sender.getSpend(servicer.orgID, None, 0, 60),
+            ]
+            answers = await gatherResults(calls)
+        finally:
+            validation.close()
+    assert servicer.arrived == [
+        "ValidateToken",
+        "ValidateAgent",
+        "GetSpend",
+        "RecordUsage",
+        "ValidateToken",
+    ]
+    assert answers[1].recorded == 1
+    assert answers[4] == 42
+    assert len(made) == 1
+    assert (
+        metrics.registry.get_sample_value(
+            "svc_proxy_auth_validate_duration_seconds_count", {"result": "ok"}
+        )
+        == 3
+    )

@@ -51,6 +51,7 @@ from svcd.common.errors import rfc3339
 from svcd.common.ids import parseUUID
 from svcd.common.money import BadDollars, formatDollars, parseDollars
 from svcd.common.permissions import Permission, parsePermissions
+from svcd.memory.ctl import MemoryCommandError, addMemoryCommands, runMemory
 
 
 class CommandError(Exception):
@@ -171,8 +172,8 @@ def buildParser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="svcctl",
         description="Operate the svc gateway's database: migrations, organizations, "
-        "agents, tokens, limits, budgets, usage and memory settings. Prints one JSON "
-        "document on stdout.",
+        "agents, tokens, limits, budgets, usage, memories and memory settings. Prints one "
+        "JSON document on stdout.",
     )
     parser.add_argument(
         "--dsn",
@@ -297,10 +298,7 @@ def buildParser() -> argparse.ArgumentParser:
     usage.add_argument("--by", choices=tuple(USAGE_GROUPINGS), default="day")
     usage.add_argument("--format", choices=("json", "csv"), default="json")
 
-    memory = commands.add_parser("memory", help="agents' memory").add_subparsers(
-        dest="action", required=True, parser_class=_Parser
-    )
-    _addMemorySettings(memory)
+    _addMemorySettings(addMemoryCommands(commands, _Parser, _uuid))
     return parser
 
 
@@ -446,6 +444,11 @@ def run(arguments: argparse.Namespace, dsn: str) -> dict[str, Any] | str:
         if command == ("memory", "settings"):
             return _memorySettings(store, arguments)
 
+        if arguments.command == "memory":
+            return runMemory(
+                arguments, connection, lambda orgID, agentID: _requireAgent(store, orgID, agentID)
+            )
+
     raise CommandError(f"unknown command {command}")
 
 
@@ -575,7 +578,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # until): the operator's mistake, as argparse's are.
         sys.stderr.write(f"svcctl: error: {error}\n")
         return 2
-    except CommandError as error:
+    except (CommandError, MemoryCommandError) as error:
         sys.stderr.write(f"svcctl: error: {error}\n")
         return 1
     except (StoreUnavailable, StoreRejected, StoreValueRefused) as error:

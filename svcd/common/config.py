@@ -157,6 +157,19 @@ def flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
 
 
 @attrs.frozen
+class GrpcTLS:
+    """
+    Client side of mutual TLS on a gRPC link, to svc-auth for instance
+    (decisions D1, L{svcd.authclient.channel}): the PEM bytes read at
+    start, so a wrong path stops the daemon at once.
+    """
+
+    rootCertificates: bytes | None
+    certificateChain: bytes | None
+    privateKey: bytes | None = attrs.field(repr=False)
+
+
+@attrs.frozen
 class RedisTarget:
     """
     A Redis server, parsed from a URL such as REDIS_URL (where the limits

@@ -9,10 +9,11 @@ reactor thread with C{callFromThread}, so no thread pool is involved and the
 reactor never blocks: measured about 1.7 times faster than C{deferToThread}
 around the blocking stub.
 
-So svc-proxy's unary calls to svc-auth do not go through C{deferToThread}
-(a synchronous stub in a thread pool): a pool thread held per call in
-flight would make the pool the limit on concurrent validations, and
-cancelling such a Deferred would leave its thread blocked in the stub.
+So the unary calls to svc-auth (L{svcd.authclient.connection}, svc-proxy's
+and any daemon's) do not go through C{deferToThread} (a synchronous stub
+in a thread pool): a pool thread held per call in flight would make the
+pool the limit on concurrent validations, and cancelling such a Deferred
+would leave its thread blocked in the stub.
 Why, in full, and where threads are used instead (the change feed, a
 server-streaming call read on its own thread): docs/design.rst, section
 "Threads, the reactor and grpcio".

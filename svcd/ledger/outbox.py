@@ -107,7 +107,7 @@ DETAIL_CHARS = 500
 class UsageSender(Protocol):
     """
     Where batches of rows go: svc-auth's RecordUsage
-    (L{svcd.proxy.validation.client.GrpcAuthClient.recordUsage}). The
+    (L{svcd.ledger.sender.LedgerSender.recordUsage}). The
     Deferred fires once svc-auth has committed every row of the batch that
     it does not list as rejected.
     """

@@ -10,17 +10,19 @@ through it, in the order of spec 4.1:
     C{probes}, C{models}, C{chat}); C{context} is the request's state
     along the steps; C{paths} and C{chatbody} are the rules for the path
     and the chat body.
-  - L{svcd.proxy.validation}: who calls. The gRPC client of svc-auth, the
-    shared calls, the change feed, the known token ids and the cache that
-    answers from memory while the feed is live (D8).
+  - L{svcd.proxy.validation}: who calls. The validation client of
+    svc-auth, the shared calls, the change feed, the known token ids and
+    the cache that answers from memory while the feed is live (D8).
 
 How much a caller may (the limit book, the admission script in Redis, the
 breaker, the reservation), where the request goes (the providers file, the
 HTTP/1.1 client of the providers, the relay of answers) and where its
-record goes (the usage row, the outbox and its journal) are packages of
-their own, which any daemon that calls providers imports without this
-one: L{svcd.limits} (D5, D10, D11, D12), L{svcd.providers} (D9) and
-L{svcd.ledger} (D12).
+record goes (the usage row, the outbox and its journal, the sender of
+RecordUsage and GetSpend) are packages of their own, which any daemon
+that calls providers imports without this one: L{svcd.limits} (D5, D10,
+D11, D12), L{svcd.providers} (D9) and L{svcd.ledger} (D12); so is the
+connection to svc-auth (L{svcd.authclient}), one per proxy, which the
+validations, the ledger's sender and the change feed share.
 
 Beside them: L{svcd.proxy.records}, who calls, in shapes every stage
 shares (a leaf: it imports none of the above); C{config}, types and

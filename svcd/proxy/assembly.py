@@ -22,7 +22,10 @@ import attrs
 from opentelemetry.trace import Tracer
 from twisted.internet.interfaces import IReactorFromThreads
 
+from svcd.authclient.channel import authChannel
+from svcd.authclient.connection import AuthConnection
 from svcd.ledger.outbox import UsageJournal, UsageOutbox, UsageSender
+from svcd.ledger.sender import LedgerSender
 from svcd.limits.book import LimitBook
 from svcd.limits.limiter import (
     RateLimiter,
@@ -43,7 +46,7 @@ from svcd.proxy.listening import ProxyPort
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.service import ClosableAuthClient, Dependency, ProxyService
 from svcd.proxy.validation.cache import CachingAuthClient, LifecycleAuthClient, ValidationCache
-from svcd.proxy.validation.client import AuthClient, GrpcAuthClient, authChannel
+from svcd.proxy.validation.client import AuthClient, GrpcAuthClient
 from svcd.proxy.validation.feed import ChangeFeed
 
 
@@ -96,8 +99,9 @@ def assembleProxy(
         proxy, in place of the gRPC client of svc-auth and its cache and
         change feed (and the proxy waits for none of them before it
         listens).
-    @param sender: where usage rows go, in place of the gRPC client
-        (required with C{auth} when C{config.providers} is set).
+    @param sender: where usage rows go, in place of the ledger's sender
+        on the connection to svc-auth (required with C{auth} when
+        C{config.providers} is set).
     @param counters: the limiter's counters, in place of a connection to
         C{config.redis} (and the proxy does not wait for Redis before it
         listens).
@@ -115,24 +119,28 @@ def assembleProxy(
     # What the proxy waits for before it listens (SVC_START_TIMEOUT).
     dependencies: list[Dependency] = []
     grpcAuth: GrpcAuthClient | None = None
+    # The ledger's calls, on the same connection as the validations.
+    ledgerSender: LedgerSender | None = None
     client: AuthClient
     service: ClosableAuthClient
     if auth is None:
-        grpcAuth = GrpcAuthClient(
-            functools.partial(authChannel, config),
+        # The one channel to svc-auth and its slots, shared by the
+        # validations, the change feed and the ledger's sender; started and
+        # closed with the validation client.
+        connection = AuthConnection(
+            functools.partial(authChannel, config.authGrpcAddr, config.authTLS),
             IReactorFromThreads(reactor),
             reactor,
-            config.validateTimeout,
-            metrics,
             tracer=tracer,
             maxInFlight=config.authMaxInFlight,
             queueTimeout=config.authQueueTimeout,
-            limitBook=limitBook,
         )
+        grpcAuth = GrpcAuthClient(connection, config.validateTimeout, metrics, limitBook=limitBook)
+        ledgerSender = LedgerSender(connection)
         client, service = _authClient(config, reactor, grpcAuth, metrics, limitBook, dependencies)
     else:
         client = service = auth
-    spend = None if grpcAuth is None else grpcAuth.getSpend
+    spend = None if ledgerSender is None else ledgerSender.getSpend
     limiter: RateLimiter
     if counters is None:
         limiter = makeRateLimiter(
@@ -174,9 +182,9 @@ def assembleProxy(
             reactor, reactor, tuple(config.providers.providers.values()), metrics, tracer
         )
         if sender is None:
-            if grpcAuth is None:
+            if ledgerSender is None:
                 raise ValueError("a proxy that forwards with a given auth client needs a sender")
-            sender = grpcAuth
+            sender = ledgerSender
         # Decisions D12: each forwarded request's usage row waits here until
         # svc-auth has committed it. Nothing forwarded, no ledger.
         journal = None

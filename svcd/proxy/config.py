@@ -15,25 +15,13 @@ from collections.abc import Callable, Mapping
 import attrs
 
 from svcd.common import config
-from svcd.common.config import ConfigError, RedisTarget, parseRedisURL
+from svcd.common.config import ConfigError, GrpcTLS, RedisTarget, parseRedisURL
 from svcd.common.ids import parseUUID
 from svcd.ledger.journalfile import JournalError, checkJournalPath
 from svcd.providers.table import ProviderTable, providersFromEnvironment
 
 # RFC 9110 token characters: what a header name may be made of.
 _HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
-
-
-@attrs.frozen
-class GrpcTLS:
-    """
-    Client side of mutual TLS on the link to svc-auth (decisions D1): the
-    PEM bytes read at start, so a wrong path stops the daemon at once.
-    """
-
-    rootCertificates: bytes | None
-    certificateChain: bytes | None
-    privateKey: bytes | None = attrs.field(repr=False)
 
 
 @attrs.frozen

@@ -1,5 +1,5 @@
 """
-Running svc-auth and svc-proxy as real processes (C{twistd -n ...}) for
+Running svc-auth, svc-proxy and svc-memory as real processes (C{twistd -n ...}) for
 end-to-end tests and the benchmark.
 """
 
@@ -148,6 +148,20 @@ class Daemon:
 def authEnvironment(dsn: str, **overrides: str) -> dict[str, str]:
     """
     The environment of an svc-auth on free loopback ports.
+    """
+    return {
+        "POSTGRES_DSN": dsn,
+        "SVC_HOST": "127.0.0.1",
+        "SVC_PORT": str(freePort()),
+        "SVC_GRPC_PORT": str(freePort()),
+        "SVC_SHUTDOWN_TIMEOUT": "5s",
+        **overrides,
+    }
+
+
+def memoryEnvironment(dsn: str, **overrides: str) -> dict[str, str]:
+    """
+    The environment of an svc-memory on free loopback ports.
     """
     return {
         "POSTGRES_DSN": dsn,

@@ -1,6 +1,6 @@
 """
-twistd plugins of the svc gateway: C{twistd -n svc-auth} and
-C{twistd -n svc-proxy}.
+twistd plugins of the svc gateway: C{twistd -n svc-auth},
+C{twistd -n svc-proxy} and C{twistd -n svc-memory}.
 
 Each plugin is one statement; options and makeService live in
 svcd.<part>.tap and are imported only when the plugin is used, so
@@ -21,4 +21,11 @@ svcProxy = ServiceMaker(
     "svcd.proxy.tap",
     "svc proxy: the public HTTP edge of the gateway",
     "svc-proxy",
+)
+
+svcMemory = ServiceMaker(
+    "svc-memory",
+    "svcd.memory.tap",
+    "svc memory service: gRPC svc.memory.v1.MemoryService plus /health, /ready, /metrics",
+    "svc-memory",
 )

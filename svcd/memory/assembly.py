@@ -1,0 +1,265 @@
+"""
+svc-memory assembled once (decisions D13): what its twistd plugin runs and
+what the tests start are wired here, and only here, in two layers as
+svc-auth's are (L{svcd.auth.assembly}):
+
+ - L{assembleMemory}: the parts beneath the ports (the connection pool,
+   the store, the cache of vectors and its listener, the searcher, the
+   servicer, the gRPC bounds and interceptors), wired with no reactor.
+   L{svcd.testing.memoryservice.RunningMemoryService} serves them from a
+   grpcio server of its own.
+ - L{assembleMemoryDaemon}: those parts as Twisted services (the
+   database, gRPC, the operations port of L{svcd.common.opsweb}), which
+   C{twistd -n svc-memory} runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import grpc
+from opentelemetry.trace import Tracer
+from prometheus_client import CollectorRegistry
+from psycopg_pool import ConnectionPool
+from twisted.application import strports
+from twisted.application.service import IService, Service
+from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.endpoints import quoteStringArgument
+from twisted.internet.interfaces import IReactorThreads
+from twisted.internet.threads import deferToThreadPool
+from twisted.logger import Logger
+from twisted.python.threadpool import ThreadPool
+
+from svcd.auth.admission import Bounds
+from svcd.auth.assembly import _tcpCheck
+from svcd.auth.callers import InternalCallersInterceptor, InternalSubjects
+from svcd.common.readiness import Check, CheckFailed
+from svcd.common.tracing import ServerTracingInterceptor
+from svcd.memory.callers import MemoryDenialLog
+from svcd.memory.config import MemoryConfig
+from svcd.memory.grpcservice import (
+    METHODS,
+    SERVICE_NAME,
+    MemoryGrpcService,
+    MemoryMetrics,
+    MemoryServicer,
+)
+from svcd.memory.listener import MemoryListener
+from svcd.memory.search import Searcher
+from svcd.memory.store import MemoryStore, connectionPool
+from svcd.memory.vectors import VectorCache
+from svcd.memory.web import MemoryOperationsSite, MemoryOperationsWeb
+
+
+@attrs.frozen
+class MemoryParts:
+    """
+    svc-memory beneath its ports; nothing started, nothing bound.
+    """
+
+    settings: MemoryConfig
+    registry: CollectorRegistry
+    metrics: MemoryMetrics
+    pool: ConnectionPool
+    store: MemoryStore
+    cache: VectorCache
+    listener: MemoryListener
+    searcher: Searcher
+    servicer: MemoryServicer
+    bounds: Bounds
+    interceptors: tuple[grpc.ServerInterceptor, ...]
+
+
+def assembleMemory(
+    settings: MemoryConfig,
+    registry: CollectorRegistry,
+    *,
+    tracer: Tracer | None = None,
+    logCalls: bool = False,
+    reconnectDelay: float = 1.0,
+    beatInterval: float = 0.25,
+    waitingInterval: float = 5.0,
+) -> MemoryParts:
+    """
+    Wire svc-memory's parts from C{settings}, its metrics on C{registry}.
+    The keyword arguments after C{logCalls} are the tests' overrides.
+    """
+    metrics = MemoryMetrics(registry)
+    pool = connectionPool(
+        settings.postgresDSN,
+        minimum=settings.databasePoolMinimum,
+        maximum=settings.databasePoolMaximum,
+        statementTimeout=settings.statementTimeout,
+        applicationName=settings.serviceName,
+    )
+    store = MemoryStore(pool.connection, metrics.queryDuration, dropDeadConnections=pool.check)
+    cache = VectorCache(settings.cacheBytes, metrics.cacheMetrics())
+    listener = MemoryListener(
+        settings.postgresDSN,
+        cache,
+        waiting=metrics.observationsWaiting.set,
+        reconnectDelay=reconnectDelay,
+        beatInterval=beatInterval,
+        waitingInterval=waitingInterval,
+    )
+    searcher = Searcher(store, cache, metrics.searchSeconds)
+    servicer = MemoryServicer(store, searcher, metrics, settings.maxPerScope)
+    interceptors: list[grpc.ServerInterceptor] = []
+    if settings.internalSubjects is not None:
+        # Every method: only the proxies and the workers call svc-memory.
+        interceptors.append(
+            InternalCallersInterceptor(
+                InternalSubjects(settings.internalSubjects),
+                MemoryDenialLog(metrics.internalDenied, METHODS),
+                answered=metrics.answered,
+                methods=METHODS,
+                service=SERVICE_NAME,
+            )
+        )
+    if tracer is not None:
+        interceptors.append(ServerTracingInterceptor(tracer, logCalls=logCalls))
+    bounds = Bounds.standard(settings.grpcWorkers, settings.grpcMaxCallsPerPeer)
+    return MemoryParts(
+        settings=settings,
+        registry=registry,
+        metrics=metrics,
+        pool=pool,
+        store=store,
+        cache=cache,
+        listener=listener,
+        searcher=searcher,
+        servicer=servicer,
+        bounds=bounds,
+        interceptors=tuple(interceptors),
+    )
+
+
+class MemoryDatabaseService(Service):
+    """
+    Owns the database side: the pool (opened without waiting, so that
+    svc-memory starts, and /ready says why it is not ready, while
+    PostgreSQL is down), the change listener, and the thread pool of the
+    HTTP side's checks.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        reactor: IReactorThreads,
+        pool: ConnectionPool,
+        listener: MemoryListener,
+        threads: ThreadPool,
+    ) -> None:
+        self._reactor = reactor
+        self._pool = pool
+        self._listener = listener
+        self.threads = threads
+
+    def startService(self) -> None:
+        super().startService()
+        self.threads.start()
+        self._pool.open(wait=False)
+        self._listener.start()
+
+    def stopService(self) -> Deferred[None]:
+        super().stopService()
+
+        def close() -> None:
+            self._listener.stop()
+            self._pool.close(timeout=5.0)
+
+        closing: Deferred[None] = deferToThreadPool(self._reactor, self.threads, close)
+
+        def stopThreads(result: object) -> object:
+            self.threads.stop()
+            self.log.info("Database pool closed")
+            return result
+
+        closing.addBoth(stopThreads)
+        return closing
+
+
+@attrs.frozen
+class MemoryDaemon:
+    """
+    svc-memory as Twisted services, in the order they start (and the
+    reverse of the order they stop: the HTTP port closes, then gRPC calls
+    drain, then the listener and the pool close).
+    """
+
+    parts: MemoryParts
+    database: MemoryDatabaseService
+    grpc: MemoryGrpcService
+    web: MemoryOperationsWeb
+    http: IService
+
+    @property
+    def services(self) -> tuple[IService, ...]:
+        return (self.database, self.grpc, self.http)
+
+    def setServiceParent(self, parent: Any) -> None:
+        for service in self.services:
+            service.setServiceParent(parent)
+
+
+def assembleMemoryDaemon(
+    reactor: Any,
+    settings: MemoryConfig,
+    registry: CollectorRegistry,
+    *,
+    tracer: Tracer | None = None,
+    logCalls: bool = False,
+) -> MemoryDaemon:
+    """
+    svc-memory's service tree: /ready checks postgres, grpc and listener
+    (the cache is current only while it hears changes).
+    """
+    parts = assembleMemory(settings, registry, tracer=tracer, logCalls=logCalls)
+    threads = ThreadPool(minthreads=1, maxthreads=4, name="svc-memory-db")
+    database = MemoryDatabaseService(reactor, parts.pool, parts.listener, threads)
+    grpcService = MemoryGrpcService(
+        reactor,
+        parts.servicer,
+        settings.grpcHost,
+        settings.grpcPort,
+        bounds=parts.bounds,
+        gracePeriod=settings.shutdownTimeout,
+        tls=settings.tls,
+        interceptors=parts.interceptors,
+    )
+
+    def postgresCheck() -> Deferred[None]:
+        return deferToThreadPool(reactor, threads, parts.store.ping)
+
+    def grpcCheck() -> Deferred[None]:
+        if grpcService.port is None:
+            raise CheckFailed("gRPC server is not started")
+        return _tcpCheck(reactor, settings.grpcHost, grpcService.port)
+
+    def listenerCheck() -> Deferred[None]:
+        if not parts.cache.isListening():
+            return fail(
+                CheckFailed("not hearing memory changes: searches read PostgreSQL each time")
+            )
+        return succeed(None)
+
+    web = MemoryOperationsWeb(
+        reactor,
+        [
+            Check("postgres", postgresCheck),
+            Check("grpc", grpcCheck),
+            # Not critical: without it searches are slower, never wrong.
+            Check("listener", listenerCheck, critical=False),
+        ],
+        registry,
+        docsBase=settings.errorDocsBase,
+    )
+    kind = "tcp6" if ":" in settings.host else "tcp"
+    http = strports.service(
+        f"{kind}:port={settings.port}:interface={quoteStringArgument(settings.host)}",
+        MemoryOperationsSite(web.resource(), reactor=reactor),
+        reactor=reactor,
+    )
+    return MemoryDaemon(parts, database, grpcService, web, http)

@@ -1,0 +1,373 @@
+"""
+The client of svc-memory for svc-proxy and svc-worker (decisions D13):
+every MemoryService method as a Deferred, over one shared channel.
+
+As the proxy's client of svc-auth (L{svcd.proxy.validation.client}):
+grpcio's future API bridged to the reactor with C{callFromThread}
+(L{svcd.common.grpcdefer.deferredFromFuture}), never a thread held per
+call; a deadline on every call, given to grpcio itself (C{timeout=}), so
+that it ends on time whatever the reactor does; cancelling a Deferred
+cancels its call. The channel is made by a factory at the first call (or
+L{MemoryClient.start}), never before twistd forks, and carries the
+current span's trace context.
+
+Refusals come back as L{MemoryCallFailed} subclasses, one per status of
+memory.proto, so that the proxy maps each to its HTTP answer (D13): 404,
+403, 409 MEMORY_FULL, 400, and 503 SERVICE_DEGRADED for anything that is
+no answer (unreachable, deadline, overloaded).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import attrs
+import grpc
+from opentelemetry import trace
+from twisted.internet.defer import Deferred, fail
+from twisted.internet.interfaces import IReactorFromThreads
+from twisted.logger import Logger
+
+from svcd.common.grpcdefer import deferredFromFuture
+from svcd.common.tracing import traceMetadata
+from svcd.memory.records import Embedding, Scope
+from svcd.pb.memory.v1 import memory_pb2
+
+_SERVICE = "/svc.memory.v1.MemoryService/"
+
+# How long a call may take, unless the caller says otherwise: a search of a
+# scope not yet cached loads it from PostgreSQL first.
+DEFAULT_TIMEOUT = 2.0
+
+# As the proxy's channel to svc-auth: reconnect within a second of
+# svc-memory's return, notice a dead host between calls, and fail a call
+# made while the channel is down at once (no wait_for_ready).
+CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 2_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+)
+
+T = TypeVar("T")
+
+
+class MemoryCallFailed(Exception):
+    """
+    A call to svc-memory did not answer OK; C{code} is its gRPC status
+    (None for a failure without one) and C{details} the server's words.
+    """
+
+    def __init__(self, code: grpc.StatusCode | None, details: str) -> None:
+        super().__init__(f"{code.name if code else 'no status'}: {details}")
+        self.code = code
+        self.details = details
+
+
+class MemoryNotFound(MemoryCallFailed):
+    """
+    No memory (or observation) has this id (404).
+    """
+
+
+class MemoryForbidden(MemoryCallFailed):
+    """
+    The id is another organization's, agent's or subject's (403).
+    """
+
+
+class MemoryFull(MemoryCallFailed):
+    """
+    The scope holds SVC_MEMORY_MAX_PER_SCOPE memories (409 MEMORY_FULL).
+    """
+
+
+class MemoryInvalid(MemoryCallFailed):
+    """
+    A value svc-memory refused; C{details} names the field (400).
+    """
+
+
+class MemoryUnavailable(MemoryCallFailed):
+    """
+    No answer: unreachable, past the deadline, overloaded, or its database
+    down (503 SERVICE_DEGRADED).
+    """
+
+
+_FAILURES: dict[grpc.StatusCode, type[MemoryCallFailed]] = {
+    grpc.StatusCode.NOT_FOUND: MemoryNotFound,
+    grpc.StatusCode.PERMISSION_DENIED: MemoryForbidden,
+    grpc.StatusCode.FAILED_PRECONDITION: MemoryFull,
+    grpc.StatusCode.INVALID_ARGUMENT: MemoryInvalid,
+}
+
+
+def failureOf(error: BaseException) -> MemoryCallFailed:
+    """
+    The L{MemoryCallFailed} of a failed call's exception.
+    """
+    if isinstance(error, grpc.Call):
+        code = error.code()
+        details = error.details() or ""
+        return _FAILURES.get(code, MemoryUnavailable)(code, details)
+    return MemoryUnavailable(None, type(error).__name__)
+
+
+@attrs.frozen
+class ClientTLS:
+    """
+    TLS of the channel to svc-memory: the CA that signed its certificate
+    and, for mutual TLS, this client's certificate and key (PEM).
+    """
+
+    rootCertificates: bytes | None
+    certificateChain: bytes | None = None
+    privateKey: bytes | None = attrs.field(default=None, repr=False)
+
+
+def memoryChannel(address: str, tls: ClientTLS | None = None) -> Any:
+    """
+    A channel to svc-memory at C{address} (a target grpcio accepts, such
+    as C{host:port} or C{ipv4:a:port,b:port}): plaintext without C{tls}.
+    """
+    if tls is None:
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=tls.rootCertificates,
+        private_key=tls.privateKey,
+        certificate_chain=tls.certificateChain,
+    )
+    return grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+
+
+def scopeMessage(scope: Scope) -> memory_pb2.Scope:
+    return memory_pb2.Scope(
+        org_id=str(scope.orgID), agent_id=str(scope.agentID), subject=scope.subject
+    )
+
+
+def embeddingMessage(embedding: Embedding) -> memory_pb2.Embedding:
+    return memory_pb2.Embedding(model=embedding.model, vector=embedding.vector)
+
+
+class MemoryClient:
+    """
+    MemoryService's methods as Deferreds; each fails with a
+    L{MemoryCallFailed}, or L{twisted.internet.defer.CancelledError} when
+    its caller cancelled it.
+
+    @param channelFactory: makes the one channel (L{memoryChannel}), at
+        the first call or L{start}.
+    @param timeout: each call's deadline in seconds, unless the call names
+        its own.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        channelFactory: Callable[[], Any],
+        reactor: IReactorFromThreads,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> None:
+        self._channelFactory = channelFactory
+        self._reactor = reactor
+        self._timeout = timeout
+        self._channel: Any = None
+        self._methods: dict[str, Any] = {}
+        self._closed = False
+
+    def start(self) -> None:
+        """
+        Make the channel now and ask it to connect, so that the first call
+        does not pay for the handshakes.
+        """
+        self._connect()
+        grpc.channel_ready_future(self._channel)
+
+    def close(self) -> None:
+        """
+        Close the channel; calls in flight end CANCELLED.
+        """
+        self._closed = True
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    def _connect(self) -> None:
+        if self._closed:
+            raise RuntimeError("the client of svc-memory is closed")
+        if self._channel is not None:
+            return
+        channel = self._channel = self._channelFactory()
+        service = memory_pb2.DESCRIPTOR.services_by_name["MemoryService"]
+        for method in service.methods:
+            requestType = getattr(memory_pb2, method.input_type.name)
+            responseType = getattr(memory_pb2, method.output_type.name)
+            self._methods[method.name] = channel.unary_unary(
+                _SERVICE + method.name,
+                request_serializer=requestType.SerializeToString,
+                response_deserializer=responseType.FromString,
+                _registered_method=True,
+            )
+
+    def _call(self, name: str, request: Any, timeout: float | None = None) -> Deferred[Any]:
+        try:
+            self._connect()
+        except RuntimeError as error:
+            return fail(MemoryUnavailable(None, str(error)))
+        spanContext = trace.get_current_span().get_span_context()
+        metadata = traceMetadata(spanContext) if spanContext.is_valid else None
+        future = self._methods[name].future(
+            request, timeout=self._timeout if timeout is None else timeout, metadata=metadata
+        )
+        called: Deferred[Any] = deferredFromFuture(self._reactor, future)
+
+        def failed(failure: Any) -> Any:
+            if isinstance(failure.value, grpc.RpcError):
+                raise failureOf(failure.value)
+            return failure
+
+        return called.addErrback(failed)
+
+    # Memories.
+
+    def addMemory(
+        self,
+        scope: Scope,
+        content: str,
+        embedding: Embedding,
+        metadataJSON: str = "",
+        source: str = "api",
+        sourceRequestID: str = "",
+    ) -> Deferred[memory_pb2.Memory]:
+        return self._call(
+            "AddMemory",
+            memory_pb2.AddMemoryRequest(
+                scope=scopeMessage(scope),
+                content=content,
+                metadata_json=metadataJSON,
+                source=source,
+                source_request_id=sourceRequestID,
+                embedding=embeddingMessage(embedding),
+            ),
+        )
+
+    def getMemory(self, scope: Scope, memoryID: str) -> Deferred[memory_pb2.Memory]:
+        return self._call(
+            "GetMemory", memory_pb2.GetMemoryRequest(scope=scopeMessage(scope), id=memoryID)
+        )
+
+    def listMemories(
+        self, scope: Scope, limit: int = 20, after: str = ""
+    ) -> Deferred[memory_pb2.ListMemoriesResponse]:
+        return self._call(
+            "ListMemories",
+            memory_pb2.ListMemoriesRequest(scope=scopeMessage(scope), limit=limit, after=after),
+        )
+
+    def updateMemory(
+        self,
+        scope: Scope,
+        memoryID: str,
+        content: str | None = None,
+        metadataJSON: str | None = None,
+        embedding: Embedding | None = None,
+    ) -> Deferred[memory_pb2.Memory]:
+        request = memory_pb2.UpdateMemoryRequest(scope=scopeMessage(scope), id=memoryID)
+        if content is not None:
+            request.content = content
+        if metadataJSON is not None:
+            request.metadata_json = metadataJSON
+        if embedding is not None:
+            request.embedding.CopyFrom(embeddingMessage(embedding))
+        return self._call("UpdateMemory", request)
+
+    def deleteMemory(
+        self, scope: Scope, memoryID: str
+    ) -> Deferred[memory_pb2.DeleteMemoryResponse]:
+        return self._call(
+            "DeleteMemory", memory_pb2.DeleteMemoryRequest(scope=scopeMessage(scope), id=memoryID)
+        )
+
+    def deleteScope(self, scope: Scope) -> Deferred[memory_pb2.DeleteScopeResponse]:
+        return self._call("DeleteScope", memory_pb2.DeleteScopeRequest(scope=scopeMessage(scope)))
+
+    def search(
+        self,
+        scope: Scope,
+        query: Embedding,
+        k: int,
+        minScore: float | None = None,
+        timeout: float | None = None,
+    ) -> Deferred[memory_pb2.SearchResponse]:
+        """
+        @param timeout: this call's deadline (context assembly has a short
+            one of its own, decisions D13).
+        """
+        request = memory_pb2.SearchRequest(
+            scope=scopeMessage(scope), query=embeddingMessage(query), k=k
+        )
+        if minScore is not None:
+            request.min_score = minScore
+        return self._call("Search", request, timeout)
+
+    # Observations.
+
+    def queueObservations(
+        self, observations: Sequence[memory_pb2.Observation]
+    ) -> Deferred[memory_pb2.QueueObservationsResponse]:
+        """
+        Queue observations; fires once svc-memory has committed them (and
+        may be sent again: each is queued once per request id).
+        """
+        return self._call(
+            "QueueObservations", memory_pb2.QueueObservationsRequest(observations=observations)
+        )
+
+    def claimObservations(
+        self, owner: str, limit: int, leaseSeconds: float
+    ) -> Deferred[memory_pb2.ClaimObservationsResponse]:
+        return self._call(
+            "ClaimObservations",
+            memory_pb2.ClaimObservationsRequest(
+                owner=owner, limit=limit, lease_seconds=leaseSeconds
+            ),
+        )
+
+    def completeObservation(
+        self, orgID: str, observationID: str, owner: str
+    ) -> Deferred[memory_pb2.CompleteObservationResponse]:
+        return self._call(
+            "CompleteObservation",
+            memory_pb2.CompleteObservationRequest(org_id=orgID, id=observationID, owner=owner),
+        )
+
+    def releaseObservation(
+        self,
+        orgID: str,
+        observationID: str,
+        owner: str,
+        retryAfter: float,
+        countAttempt: bool,
+        failed: bool = False,
+        reason: str = "",
+    ) -> Deferred[memory_pb2.ReleaseObservationResponse]:
+        return self._call(
+            "ReleaseObservation",
+            memory_pb2.ReleaseObservationRequest(
+                org_id=orgID,
+                id=observationID,
+                owner=owner,
+                retry_after_seconds=retryAfter,
+                count_attempt=countAttempt,
+                failed=failed,
+                reason=reason,
+            ),
+        )

@@ -1,0 +1,643 @@
+"""
+The gRPC face of svc-memory: the svc.memory.v1.MemoryService servicer,
+with the standard health service and server reflection, hosted by a twistd
+service so that the gRPC server starts and stops with the reactor.
+
+Built as svc-auth's is (L{svcd.auth.grpcservice}): grpcio runs the
+methods in its own thread pool, where the blocking work belongs (the
+database, a scope's load on a cache miss, the search's product, which
+releases the GIL); calls are admitted within L{svcd.auth.admission}'s
+bounds (at once and per client connection, refused RESOURCE_EXHAUSTED
+past them, never queued); requests are parsed here, so that one protobuf
+cannot parse (a string that is not UTF-8) is INVALID_ARGUMENT rather than
+grpcio's INTERNAL with a traceback. svc-auth's server module is typed
+for its own servicer, so the few lines that build and host a server are
+written again here around the same parts.
+
+A write (add, a new content, a delete) through a replica that caches the
+scope is answered only once its change is in that cache
+(L{svcd.memory.search.Searcher.settle}): a caller reads its own writes;
+other replicas follow within a second.
+
+Nothing here logs a memory's content or an observation's messages.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from twisted.application.service import Service
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import IReactorThreads
+from twisted.internet.threads import deferToThreadPool
+from twisted.logger import Logger
+
+from svcd.auth.admission import AdmissionInterceptor, Bounds, RefusalLog
+from svcd.auth.grpcservice import GrpcBindError, ServerTLS, isLoopback
+from svcd.common.errors import rfc3339
+from svcd.common.metrics import BUCKETS, Children
+from svcd.memory.records import (
+    MAX_REASON_CHARACTERS,
+    InvalidMemory,
+    MemoryRecord,
+    NewObservation,
+    Scope,
+    checkContent,
+    checkEmbedding,
+    checkMetadata,
+    checkObservedMessages,
+    checkRequestID,
+    checkScope,
+    checkSource,
+    checkUUID,
+)
+from svcd.memory.search import Searcher
+from svcd.memory.store import (
+    MemoryForbidden,
+    MemoryNotFound,
+    MemoryStore,
+    ObservationRelease,
+    ScopeFull,
+    StoreRejected,
+    StoreUnavailable,
+    StoreValueRefused,
+)
+from svcd.memory.vectors import CacheMetrics
+from svcd.pb.memory.v1 import memory_pb2
+
+SERVICE_NAME = "svc.memory.v1.MemoryService"
+METHODS = tuple(
+    method.name for method in memory_pb2.DESCRIPTOR.services_by_name["MemoryService"].methods
+)
+
+# The details of FAILED_PRECONDITION for a full scope (409 MEMORY_FULL).
+SCOPE_FULL = "memory scope is full"
+DEFAULT_LIST_LIMIT = 20
+MAX_LIST_LIMIT = 100
+MAX_K = 100
+MAX_OBSERVATIONS_PER_CALL = 500
+MAX_CLAIM = 100
+MAX_LEASE_SECONDS = 3600.0
+MAX_RETRY_AFTER_SECONDS = 86_400.0
+
+Response = TypeVar("Response")
+
+
+class MemoryMetrics:
+    """
+    What svc-memory publishes (docs/operations.rst, "Metrics").
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "svc_memory_grpc_requests_total",
+            "MemoryService calls answered, by method and status code",
+            ["method", "code"],
+            registry=registry,
+        )
+        self.refused = Counter(
+            "svc_memory_grpc_refused_total",
+            "gRPC calls refused before their work: past a bound on calls at once (peer,"
+            " total; answered RESOURCE_EXHAUSTED) or past their deadline (deadline)",
+            ["reason"],
+            registry=registry,
+        )
+        self.searchSeconds = Histogram(
+            "svc_memory_search_duration_seconds",
+            "Time of one Search, by whether the scope's vectors were cached (hit) or"
+            " loaded from PostgreSQL (miss)",
+            ["cache"],
+            buckets=BUCKETS,
+            registry=registry,
+        )
+        self.cacheBytes = Gauge(
+            "svc_memory_cache_bytes",
+            "Bytes of vectors, ids and times the replica's cache holds",
+            registry=registry,
+        )
+        self.cacheScopes = Gauge(
+            "svc_memory_cache_scopes", "Scopes the replica's cache holds", registry=registry
+        )
+        self.cacheHits = Counter(
+            "svc_memory_cache_hits_total", "Searches of a cached scope", registry=registry
+        )
+        self.cacheMisses = Counter(
+            "svc_memory_cache_misses_total",
+            "Searches whose scope was loaded from PostgreSQL",
+            registry=registry,
+        )
+        self.cacheEvictions = Counter(
+            "svc_memory_cache_evictions_total",
+            "Scopes dropped from the cache to stay within SVC_MEMORY_CACHE_MB",
+            registry=registry,
+        )
+        self.observationsWaiting = Gauge(
+            "svc_memory_observations_waiting",
+            "Observations waiting for svc-worker, over every organization",
+            registry=registry,
+        )
+        self.internalDenied = Counter(
+            "svc_memory_internal_calls_denied_total",
+            "Calls answered PERMISSION_DENIED because the client certificate is not named"
+            " in SVC_GRPC_INTERNAL_SUBJECTS",
+            ["method"],
+            registry=registry,
+        )
+        self.queryDuration = Histogram(
+            "svc_db_query_duration_seconds",
+            "Time of one database transaction, by operation",
+            ["operation"],
+            buckets=BUCKETS,
+            registry=registry,
+        )
+        self._children = Children()
+
+    def answered(self, method: str, code: str) -> None:
+        self._children.of(self.requests, method, code).inc()
+
+    def cacheMetrics(self) -> CacheMetrics:
+        def size(total: int, scopes: int) -> None:
+            self.cacheBytes.set(total)
+            self.cacheScopes.set(scopes)
+
+        return CacheMetrics(
+            hit=self.cacheHits.inc,
+            miss=self.cacheMisses.inc,
+            evicted=self.cacheEvictions.inc,
+            size=size,
+        )
+
+
+class _Refusal(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+
+
+def _memoryMessage(record: MemoryRecord) -> memory_pb2.Memory:
+    return memory_pb2.Memory(
+        id=str(record.memoryID),
+        org_id=str(record.orgID),
+        agent_id=str(record.agentID),
+        subject=record.subject,
+        content=record.content,
+        metadata_json=record.metadata,
+        source=record.source,
+        source_request_id=record.sourceRequestID or "",
+        created_at=rfc3339(record.createdAt),
+        updated_at=rfc3339(record.updatedAt),
+        embedding_model=record.embeddingModel,
+        dimensions=record.dimensions,
+    )
+
+
+def _scope(message: memory_pb2.Scope) -> Scope:
+    return checkScope(message.org_id, message.agent_id, message.subject)
+
+
+def _embedding(request: Message, field: str) -> Any:
+    if not request.HasField(field):
+        raise InvalidMemory(field, "is required")
+    embedding = getattr(request, field)
+    return checkEmbedding(embedding.model, embedding.vector)
+
+
+def _bounded(field: str, value: float, lowest: float, highest: float) -> float:
+    if not lowest <= value <= highest:
+        raise InvalidMemory(field, f"must be from {lowest:g} to {highest:g}")
+    return value
+
+
+def _owner(owner: str) -> str:
+    if not 1 <= len(owner) <= 200 or not owner.isprintable():
+        raise InvalidMemory("owner", "must be 1 to 200 printable characters")
+    return owner
+
+
+class MemoryServicer:
+    """
+    Maps requests to L{MemoryStore} and L{Searcher}, and their refusals to
+    status codes (see memory.proto).
+
+    @param maxPerScope: SVC_MEMORY_MAX_PER_SCOPE.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self, store: MemoryStore, searcher: Searcher, metrics: MemoryMetrics, maxPerScope: int
+    ) -> None:
+        self._store = store
+        self._searcher = searcher
+        self.metrics = metrics
+        self._maxPerScope = maxPerScope
+
+    def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
+        """
+        MemoryService's unary handlers by method name, each parsing the
+        request's bytes itself.
+        """
+        handlers = {}
+        for method in memory_pb2.DESCRIPTOR.services_by_name["MemoryService"].methods:
+            requestType = getattr(memory_pb2, method.input_type.name)
+            responseType = getattr(memory_pb2, method.output_type.name)
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                self._handler(method.name, requestType, getattr(self, method.name)),
+                request_deserializer=None,
+                response_serializer=responseType.SerializeToString,
+            )
+        return handlers
+
+    def _handler(
+        self,
+        method: str,
+        requestType: type[Message],
+        work: Callable[[Any], Message],
+    ) -> Callable[[bytes, grpc.ServicerContext], Message]:
+        def answer(raw: bytes, context: grpc.ServicerContext) -> Message:
+            code = grpc.StatusCode.OK
+            try:
+                remaining = context.time_remaining()
+                if remaining is not None and remaining <= 0:
+                    raise _Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed")
+                try:
+                    request = requestType.FromString(raw)
+                except DecodeError:
+                    raise _Refusal(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"the request is not a valid {requestType.DESCRIPTOR.name}"
+                        " (broken wire format, or a string that is not UTF-8)",
+                    ) from None
+                return work(request)
+            except _Refusal as refusal:
+                code, details = refusal.code, str(refusal)
+            except InvalidMemory as invalid:
+                code, details = grpc.StatusCode.INVALID_ARGUMENT, str(invalid)
+            except MemoryNotFound:
+                code, details = grpc.StatusCode.NOT_FOUND, "no such id"
+            except MemoryForbidden:
+                code, details = (
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    "the id belongs to another organization, agent or subject",
+                )
+            except ScopeFull:
+                code, details = grpc.StatusCode.FAILED_PRECONDITION, SCOPE_FULL
+            except StoreRejected:
+                code, details = (
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "agent_id: not an agent of the organization",
+                )
+            except StoreValueRefused as refused:
+                code, details = grpc.StatusCode.INVALID_ARGUMENT, str(refused)
+            except StoreUnavailable as unavailable:
+                self.log.warn("{method} failed: {problem}", method=method, problem=str(unavailable))
+                code, details = grpc.StatusCode.UNAVAILABLE, "database unavailable"
+            except Exception:
+                self.log.failure("Unexpected failure in {method}", method=method)
+                code, details = grpc.StatusCode.INTERNAL, "internal error"
+            finally:
+                self.metrics.answered(method, code.name)
+            context.abort(code, details)
+            raise AssertionError("context.abort returned")
+
+        return answer
+
+    # Memories.
+
+    def AddMemory(self, request: memory_pb2.AddMemoryRequest) -> memory_pb2.Memory:
+        scope = _scope(request.scope)
+        content = checkContent(request.content)
+        metadata = checkMetadata(request.metadata_json)
+        source = checkSource(request.source or "api")
+        sourceRequestID = checkRequestID("source_request_id", request.source_request_id, False)
+        embedding = _embedding(request, "embedding")
+        record = self._store.add(
+            scope, content, metadata, source, sourceRequestID, embedding, self._maxPerScope
+        )
+        self._searcher.settle(scope)
+        return _memoryMessage(record)
+
+    def GetMemory(self, request: memory_pb2.GetMemoryRequest) -> memory_pb2.Memory:
+        scope = _scope(request.scope)
+        return _memoryMessage(self._store.get(scope, checkUUID("id", request.id)))
+
+    def ListMemories(
+        self, request: memory_pb2.ListMemoriesRequest
+    ) -> memory_pb2.ListMemoriesResponse:
+        scope = _scope(request.scope)
+        limit = request.limit or DEFAULT_LIST_LIMIT
+        _bounded("limit", limit, 1, MAX_LIST_LIMIT)
+        after = checkUUID("after", request.after) if request.after else None
+        records, more = self._store.listMemories(scope, int(limit), after)
+        return memory_pb2.ListMemoriesResponse(
+            memories=[_memoryMessage(each) for each in records], has_more=more
+        )
+
+    def UpdateMemory(self, request: memory_pb2.UpdateMemoryRequest) -> memory_pb2.Memory:
+        scope = _scope(request.scope)
+        memoryID = checkUUID("id", request.id)
+        content = metadata = embedding = None
+        if request.HasField("content"):
+            content = checkContent(request.content)
+            embedding = _embedding(request, "embedding")
+        elif request.HasField("embedding"):
+            raise InvalidMemory("embedding", "is given only with a new content")
+        if request.HasField("metadata_json"):
+            metadata = checkMetadata(request.metadata_json)
+        if content is None and metadata is None:
+            raise InvalidMemory("content", "nothing to change: give content or metadata_json")
+        record = self._store.update(scope, memoryID, content, metadata, embedding)
+        if embedding is not None:
+            self._searcher.settle(scope)
+        return _memoryMessage(record)
+
+    def DeleteMemory(
+        self, request: memory_pb2.DeleteMemoryRequest
+    ) -> memory_pb2.DeleteMemoryResponse:
+        scope = _scope(request.scope)
+        memoryID = checkUUID("id", request.id)
+        self._store.delete(scope, memoryID)
+        self._searcher.settle(scope)
+        return memory_pb2.DeleteMemoryResponse(id=str(memoryID))
+
+    def DeleteScope(self, request: memory_pb2.DeleteScopeRequest) -> memory_pb2.DeleteScopeResponse:
+        scope = _scope(request.scope)
+        memories, observations = self._store.deleteScope(scope)
+        self._searcher.settle(scope)
+        return memory_pb2.DeleteScopeResponse(
+            memories_deleted=memories, observations_deleted=observations
+        )
+
+    def Search(self, request: memory_pb2.SearchRequest) -> memory_pb2.SearchResponse:
+        scope = _scope(request.scope)
+        query = _embedding(request, "query")
+        k = int(_bounded("k", request.k, 1, MAX_K))
+        minScore = None
+        if request.HasField("min_score"):
+            minScore = _bounded("min_score", request.min_score, -1.0, 1.0)
+        results = self._searcher.search(scope, query, k, minScore)
+        return memory_pb2.SearchResponse(
+            results=[
+                memory_pb2.ScoredMemory(memory=_memoryMessage(record), score=score)
+                for record, score in results
+            ]
+        )
+
+    # Observations.
+
+    def QueueObservations(
+        self, request: memory_pb2.QueueObservationsRequest
+    ) -> memory_pb2.QueueObservationsResponse:
+        if not 1 <= len(request.observations) <= MAX_OBSERVATIONS_PER_CALL:
+            raise InvalidMemory(
+                "observations", f"must hold 1 to {MAX_OBSERVATIONS_PER_CALL} observations"
+            )
+        batch = []
+        for index, observation in enumerate(request.observations):
+            try:
+                requestID = checkRequestID("request_id", observation.request_id, True)
+                assert requestID is not None
+                batch.append(
+                    NewObservation(
+                        _scope(observation.scope),
+                        requestID,
+                        checkObservedMessages(
+                            [(each.role, each.content) for each in observation.messages]
+                        ),
+                    )
+                )
+            except InvalidMemory as invalid:
+                raise InvalidMemory(
+                    f"observations[{index}].{invalid.field}", invalid.problem
+                ) from None
+        orgs = {each.requestID: each.scope.orgID for each in batch}
+        return memory_pb2.QueueObservationsResponse(
+            queued=[
+                memory_pb2.QueuedObservation(
+                    request_id=each.requestID,
+                    org_id=str(orgs[each.requestID]),
+                    id=str(each.observationID),
+                    queued_now=each.queuedNow,
+                )
+                for each in self._store.queueObservations(batch)
+            ]
+        )
+
+    def ClaimObservations(
+        self, request: memory_pb2.ClaimObservationsRequest
+    ) -> memory_pb2.ClaimObservationsResponse:
+        owner = _owner(request.owner)
+        limit = int(_bounded("limit", request.limit, 1, MAX_CLAIM))
+        lease = _bounded("lease_seconds", request.lease_seconds, 1.0, MAX_LEASE_SECONDS)
+        claimed = self._store.claimObservations(owner, lease, limit)
+        return memory_pb2.ClaimObservationsResponse(
+            observations=[
+                memory_pb2.ClaimedObservation(
+                    id=str(each.observationID),
+                    scope=memory_pb2.Scope(
+                        org_id=str(each.scope.orgID),
+                        agent_id=str(each.scope.agentID),
+                        subject=each.scope.subject,
+                    ),
+                    request_id=each.requestID,
+                    messages=[
+                        memory_pb2.ObservedMessage(role=message.role, content=message.content)
+                        for message in each.messages
+                    ],
+                    attempts=each.attempts,
+                    lease_expires_at=rfc3339(each.leaseExpiresAt),
+                )
+                for each in claimed
+            ]
+        )
+
+    def CompleteObservation(
+        self, request: memory_pb2.CompleteObservationRequest
+    ) -> memory_pb2.CompleteObservationResponse:
+        orgID, observationID = _observation(request.org_id, request.id)
+        completed = self._store.completeObservation(orgID, observationID, _owner(request.owner))
+        return memory_pb2.CompleteObservationResponse(completed=completed)
+
+    def ReleaseObservation(
+        self, request: memory_pb2.ReleaseObservationRequest
+    ) -> memory_pb2.ReleaseObservationResponse:
+        orgID, observationID = _observation(request.org_id, request.id)
+        if len(request.reason) > MAX_REASON_CHARACTERS:
+            raise InvalidMemory("reason", f"must be at most {MAX_REASON_CHARACTERS} characters")
+        release = ObservationRelease(
+            retryAfter=_bounded(
+                "retry_after_seconds", request.retry_after_seconds, 0.0, MAX_RETRY_AFTER_SECONDS
+            ),
+            countAttempt=request.count_attempt,
+            failed=request.failed,
+            reason=request.reason,
+        )
+        released = self._store.releaseObservation(
+            orgID, observationID, _owner(request.owner), release
+        )
+        return memory_pb2.ReleaseObservationResponse(released=released)
+
+
+def _observation(orgText: str, idText: str) -> tuple[uuid.UUID, uuid.UUID]:
+    return checkUUID("org_id", orgText), checkUUID("id", idText)
+
+
+class MemoryGrpcService(Service):
+    """
+    Hosts svc-memory's grpcio server as a twistd service, as svc-auth's
+    L{svcd.auth.grpcservice.GrpcServerService} does: bound in
+    privilegedStartService (after twistd daemonises: grpcio must not cross
+    a fork), started with the reactor, and on stop refusing new calls and
+    letting those in flight finish for up to C{gracePeriod} seconds,
+    without blocking the reactor.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        reactor: IReactorThreads,
+        servicer: MemoryServicer,
+        host: str,
+        port: int,
+        bounds: Bounds,
+        gracePeriod: float,
+        tls: ServerTLS | None = None,
+        interceptors: Sequence[grpc.ServerInterceptor] = (),
+    ) -> None:
+        self._reactor = reactor
+        self._servicer = servicer
+        self._host = host
+        self._requestedPort = port
+        self._bounds = bounds
+        self._gracePeriod = gracePeriod
+        self._tls = tls
+        self._interceptors = tuple(interceptors)
+        self._server: grpc.Server | None = None
+        self._health: health.HealthServicer | None = None
+        self.port: int | None = None
+
+    def privilegedStartService(self) -> None:
+        super().privilegedStartService()
+        self._server, self._health, self.port = buildServer(
+            self._servicer,
+            self._host,
+            self._requestedPort,
+            self._bounds,
+            self._tls,
+            self._interceptors,
+        )
+
+    def startService(self) -> None:
+        super().startService()
+        assert self._server is not None and self._health is not None
+        self._server.start()
+        for name in ("", SERVICE_NAME):
+            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.log.info(
+            "gRPC MemoryService listening on {host}:{port}", host=self._host, port=self.port
+        )
+        if self._tls is None and not isLoopback(self._host):
+            self.log.warn(
+                "gRPC is plaintext on {host}, an address other hosts can reach: memories"
+                " cross the network in clear. Set SVC_GRPC_TLS_CERT, SVC_GRPC_TLS_KEY and"
+                " SVC_GRPC_TLS_CLIENT_CA, or SVC_GRPC_HOST=127.0.0.1",
+                host=self._host,
+            )
+
+    def stopService(self) -> Deferred[Any]:
+        super().stopService()
+        server, self._server = self._server, None
+        if server is None:
+            return succeed(None)
+        if self._health is not None:
+            self._health.enter_graceful_shutdown()
+        stopped = server.stop(self._gracePeriod)
+        waiting: Deferred[Any] = deferToThreadPool(
+            self._reactor, self._reactor.getThreadPool(), stopped.wait, self._gracePeriod + 1.0
+        )
+
+        def logged(result: object) -> object:
+            self.log.info("gRPC server stopped")
+            return result
+
+        return waiting.addCallback(logged)
+
+
+def buildServer(
+    servicer: MemoryServicer,
+    host: str,
+    port: int,
+    bounds: Bounds,
+    tls: ServerTLS | None = None,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
+) -> tuple[grpc.Server, health.HealthServicer, int]:
+    """
+    A grpcio server, bound but not started, serving MemoryService, health
+    and reflection; with its health servicer and bound port. Sized and
+    admitted as svc-auth's (L{svcd.auth.grpcservice.buildServer}).
+
+    @raise GrpcBindError: when the address cannot be bound.
+    """
+    admission = AdmissionInterceptor(
+        bounds,
+        RefusalLog(servicer.metrics.refused),
+        answered=servicer.metrics.answered,
+        countedService=SERVICE_NAME,
+    )
+    server = grpc.server(
+        futures.ThreadPoolExecutor(
+            max_workers=bounds.threads, thread_name_prefix="svc-memory-grpc"
+        ),
+        interceptors=[admission, *interceptors],
+        maximum_concurrent_rpcs=bounds.threads,
+        options=[
+            ("grpc.max_concurrent_streams", bounds.streamsPerConnection),
+            ("grpc.so_reuseport", 0),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+            ("grpc.http2.max_ping_strikes", 0),
+            # A batch of observations (500 of up to 64 messages of 16 KiB)
+            # may exceed grpcio's default of 4 MiB.
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+        ],
+    )
+    handlers = servicer.handlers()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+    healthServicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(healthServicer, server)
+    reflection.enable_server_reflection(
+        (
+            SERVICE_NAME,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
+        server,
+    )
+    address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    try:
+        if tls is None:
+            bound = server.add_insecure_port(address)
+        else:
+            credentials = grpc.ssl_server_credentials(
+                [(tls.privateKey, tls.certificate)],
+                root_certificates=tls.clientCA,
+                require_client_auth=tls.clientCA is not None,
+            )
+            bound = server.add_secure_port(address, credentials)
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise GrpcBindError(
+            f"cannot listen for gRPC on {address} (in use, or not an address of this host)"
+        )
+    return server, healthServicer, bound

@@ -1,0 +1,216 @@
+"""
+svc-memory's change listener: one thread with its own PostgreSQL
+connection, LISTENing on svc_memory_changes (sql/0009_memory.sql), keeping
+the replica's cache of vectors (L{svcd.memory.vectors.VectorCache})
+current with what every replica, and svcctl, adds, changes and deletes.
+
+Built like svc-auth's (L{svcd.auth.listener}): it tells the cache when it
+starts and stops hearing changes (the cache keeps nothing while it does
+not), and about every C{beatInterval} seconds it sends itself a beat on
+the channel; a connection whose beats stop coming back is presumed dead
+and made anew.
+
+A notification names a memory and its scope, never its content. Only a
+change of a scope this replica caches (or is loading) is read: the rows
+of one packet of notifications in one query per organization, in that
+organization's context, as svc_memory_app.
+
+A replica's own writes wait for their changes to be applied here before
+they are answered (read your writes): the writer sends a sync marker,
+C{sync:<nonce>}, after its commit, and since PostgreSQL delivers
+notifications in commit order, once the marker is heard every change of
+the write has been applied (L{svcd.memory.search.Searcher.settle}).
+
+It also counts, every C{waitingInterval} seconds, the observations
+waiting for the worker (svc_memory_observations_waiting): a query that
+needs a connection and a thread, which this one has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+import psycopg
+from twisted.logger import Logger
+
+from svcd.common.ids import parseUUID
+from svcd.memory.store import APPLICATION_ROLE, CachedRow, MemoryStore, StoreUnavailable
+from svcd.memory.vectors import VectorCache
+
+CHANNEL = "svc_memory_changes"
+
+_STATEMENT_TIMEOUT_MS = 5_000
+
+Triple = tuple[uuid.UUID, uuid.UUID, str]
+
+
+class _BeatsStopped(Exception):
+    pass
+
+
+def parsePayload(payload: str) -> tuple[str, Triple, uuid.UUID] | None:
+    """
+    C{<op>:<org_id>:<agent_id>:<id>:<subject>} as its parts, or None when
+    it is not one (the subject comes last: it may hold colons).
+    """
+    parts = payload.split(":", 4)
+    if len(parts) != 5 or parts[0] not in ("insert", "update", "delete"):
+        return None
+    orgID, agentID, memoryID = (parseUUID(each) for each in parts[1:4])
+    if orgID is None or agentID is None or memoryID is None:
+        return None
+    return parts[0], (orgID, agentID, parts[4]), memoryID
+
+
+class MemoryListener:
+    """
+    @param waiting: told the count of waiting observations now and then.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        dsn: str,
+        cache: VectorCache,
+        waiting: Callable[[int], None] = lambda count: None,
+        reconnectDelay: float = 1.0,
+        beatInterval: float = 0.25,
+        beatTimeout: float = 5.0,
+        waitingInterval: float = 5.0,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._dsn = dsn
+        self._cache = cache
+        self._waiting = waiting
+        self._reconnectDelay = reconnectDelay
+        self._beatInterval = beatInterval
+        self._beatTimeout = beatTimeout
+        self._waitingInterval = waitingInterval
+        self._monotonic = monotonic
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._stopping.clear()
+        self._thread = threading.Thread(
+            target=self._run, name="svc-memory-change-listener", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """
+        Ask the thread to finish and wait for it (blocking).
+        """
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _run(self) -> None:
+        connectedBefore = False
+        while not self._stopping.is_set():
+            try:
+                with psycopg.connect(
+                    self._dsn,
+                    autocommit=True,
+                    connect_timeout=3,
+                    application_name="svc-memory-listener",
+                    keepalives=1,
+                    keepalives_idle=5,
+                    keepalives_interval=2,
+                    keepalives_count=3,
+                ) as connection:
+                    connection.execute(f"SET ROLE {APPLICATION_ROLE}")
+                    connection.execute(f"SET statement_timeout = {_STATEMENT_TIMEOUT_MS}")
+                    store = MemoryStore(lambda: contextlib.nullcontext(connection))
+                    connection.execute(f"LISTEN {CHANNEL}")
+                    # After LISTEN: every change committed from now on is
+                    # heard, so the cache may keep what it loads.
+                    self._cache.listening()
+                    self.log.info("Listening for memory changes")
+                    connectedBefore = True
+                    self._drain(connection, store)
+            except (psycopg.Error, StoreUnavailable, _BeatsStopped) as error:
+                self._cache.notListening()
+                if connectedBefore:
+                    self.log.warn(
+                        "Memory change listener lost its database connection ({error});"
+                        " searches read PostgreSQL until it is back",
+                        error=type(error).__name__,
+                    )
+                    connectedBefore = False
+                self._stopping.wait(self._reconnectDelay)
+        self._cache.notListening()
+
+    def _drain(self, connection: psycopg.Connection[object], store: MemoryStore) -> None:
+        """
+        Beat, count the waiting observations now and then, and apply each
+        packet of notifications, until asked to stop or the connection
+        fails. (See L{svcd.auth.listener.ChangeListener._drain} for why
+        each C{notifies()} call is read whole before anything is queried.)
+        """
+        nonce = uuid.uuid4().hex
+        number = 0
+        lastBack = nextBeat = nextCount = self._monotonic()
+        while not self._stopping.is_set():
+            now = self._monotonic()
+            if now >= nextBeat:
+                number += 1
+                nextBeat = now + self._beatInterval
+                connection.execute("SELECT pg_notify(%s, %s)", (CHANNEL, f"beat:{nonce}:{number}"))
+            if now >= nextCount:
+                nextCount = now + self._waitingInterval
+                self._waiting(store.observationsWaiting())
+            wait = max(0.0, min(nextBeat, nextCount) - self._monotonic())
+            changes: list[tuple[str, Triple, uuid.UUID]] = []
+            syncs: list[str] = []
+            for notification in list(connection.notifies(timeout=wait, stop_after=1)):
+                payload = notification.payload
+                if payload.startswith("sync:"):
+                    syncs.append(payload[len("sync:") :])
+                    continue
+                if payload.startswith("beat:"):
+                    if payload.startswith(f"beat:{nonce}:"):
+                        lastBack = self._monotonic()
+                    continue
+                parsed = parsePayload(payload)
+                if parsed is None:
+                    self.log.warn("Ignoring a malformed memory change notification")
+                    continue
+                changes.append(parsed)
+            if changes:
+                self._apply(changes, store)
+            # After the changes heard before them, which are applied now.
+            for nonce in syncs:
+                self._cache.heardSync(nonce)
+            if self._monotonic() - lastBack > self._beatTimeout:
+                raise _BeatsStopped(f"no beat came back for {self._beatTimeout}s")
+
+    def _apply(self, changes: list[tuple[str, Triple, uuid.UUID]], store: MemoryStore) -> None:
+        """
+        Hand one packet's changes of watched scopes to the cache, each
+        memory as it is now: a deleted one as gone (ids are never used
+        again), an added or changed one read anew (gone if deleted since).
+        """
+        watched = [each for each in changes if self._cache.watches(*each[1])]
+        if not watched:
+            return
+        deleted = {memoryID for operation, _, memoryID in watched if operation == "delete"}
+        toRead: dict[uuid.UUID, set[uuid.UUID]] = {}
+        for _, triple, memoryID in watched:
+            if memoryID not in deleted:
+                toRead.setdefault(triple[0], set()).add(memoryID)
+        rows: dict[uuid.UUID, CachedRow] = {}
+        for orgID, memoryIDs in toRead.items():
+            rows.update(store.rowsForCache(orgID, memoryIDs))
+        self._cache.apply(
+            [
+                (triple, memoryID, None if memoryID in deleted else rows.get(memoryID))
+                for _, triple, memoryID in watched
+            ]
+        )

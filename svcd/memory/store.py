@@ -1,0 +1,830 @@
+"""
+All SQL of svc-memory (sql/0009_memory.sql).
+
+As in svc-auth's store (L{svcd.auth.store}), every method blocks and so
+runs off the reactor thread (grpcio's server threads, the change
+listener's thread, the HTTP side's database pool, svcctl), and each call
+is one transaction that first names its organization with
+C{set_config('svc.org_id', ..., true)}; row-level security, forced on both
+tables for the role svc_memory_app, does the rest. A query in the wrong
+organization's context finds nothing, and a write there is refused by the
+database itself.
+
+Ids of other organizations' rows cannot be seen, yet a memory of another
+organization or agent must be answered "forbidden" rather than "not
+found" (decisions D13): L{MemoryForbidden} comes from
+C{svc_memory_exists(id)}, which answers whether an id exists at all and
+nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, TypeVar
+
+import attrs
+import psycopg
+from prometheus_client import Histogram
+from psycopg.rows import dict_row
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from svcd.auth.store import StoreRejected, StoreUnavailable, StoreValueRefused
+from svcd.common.ids import uuid7
+from svcd.memory.records import (
+    ClaimedObservation,
+    Embedding,
+    MemoryRecord,
+    NewObservation,
+    QueuedObservation,
+    Scope,
+    messagesFromJSON,
+    messagesJSON,
+)
+
+__all__ = [
+    "APPLICATION_ROLE",
+    "MemoryForbidden",
+    "MemoryNotFound",
+    "MemoryStore",
+    "ScopeFull",
+    "StoreRejected",
+    "StoreUnavailable",
+    "StoreValueRefused",
+]
+
+T = TypeVar("T")
+
+ConnectionSource = Callable[[], AbstractContextManager[psycopg.Connection[Any]]]
+Cursor = psycopg.Cursor[dict[str, Any]]
+
+APPLICATION_ROLE = "svc_memory_app"
+
+# An arbitrary constant naming "a memory scope" in the key of the
+# advisory lock that serialises adds to one scope (L{MemoryStore.add}).
+_SCOPE_LOCK_SEED = 0x5EC_0913
+
+
+class MemoryNotFound(Exception):
+    """
+    No memory (or observation) has this id, in any organization.
+    """
+
+
+class MemoryForbidden(Exception):
+    """
+    The id exists, but belongs to another organization, agent or subject.
+    """
+
+
+class ScopeFull(Exception):
+    """
+    The scope holds SVC_MEMORY_MAX_PER_SCOPE memories already.
+    """
+
+
+def connectionPool(
+    dsn: str,
+    *,
+    minimum: int,
+    maximum: int,
+    statementTimeout: float,
+    applicationName: str,
+) -> ConnectionPool:
+    """
+    svc-memory's pool of autocommit connections, not yet opened: each acts
+    as svc_memory_app, whatever role the DSN logs in as, and no statement
+    runs longer than C{statementTimeout}.
+    """
+    statementTimeoutMs = int(statementTimeout * 1000)
+
+    def configure(connection: psycopg.Connection[Any]) -> None:
+        connection.execute(f"SET ROLE {APPLICATION_ROLE}")
+        connection.execute(f"SET statement_timeout = {statementTimeoutMs}")
+
+    return ConnectionPool(
+        dsn,
+        min_size=minimum,
+        max_size=maximum,
+        kwargs={"autocommit": True, "connect_timeout": 3, "application_name": applicationName},
+        configure=configure,
+        timeout=2.0,
+        name=applicationName,
+        open=False,
+    )
+
+
+_MEMORY_COLUMNS = (
+    "id, org_id, agent_id, subject, content, metadata::text AS metadata, source,"
+    " source_request_id, embedding_model, dimensions, created_at, updated_at"
+)
+
+
+def _memory(row: dict[str, Any]) -> MemoryRecord:
+    return MemoryRecord(
+        memoryID=row["id"],
+        orgID=row["org_id"],
+        agentID=row["agent_id"],
+        subject=row["subject"],
+        content=row["content"],
+        # PostgreSQL's spelling of jsonb puts spaces after separators; the
+        # compact one is what the size rule counts.
+        metadata=json.dumps(json.loads(row["metadata"]), separators=(",", ":"), ensure_ascii=False),
+        source=row["source"],
+        sourceRequestID=row["source_request_id"],
+        embeddingModel=row["embedding_model"],
+        dimensions=row["dimensions"],
+        createdAt=row["created_at"],
+        updatedAt=row["updated_at"],
+    )
+
+
+@attrs.frozen
+class CachedRow:
+    """
+    What a replica's cache of vectors holds of one memory (L{svcd.memory.vectors}).
+
+    @ivar createdMicros: C{created_at} in microseconds since the epoch, the
+        tie-break of a search.
+    """
+
+    memoryID: uuid.UUID
+    agentID: uuid.UUID
+    subject: str
+    model: str
+    dimensions: int
+    createdMicros: int
+    vector: bytes = attrs.field(repr=False)
+
+
+@attrs.frozen
+class ScopeRows:
+    """
+    Every vector of one scope and model: C{ids} 16 bytes per memory (the
+    UUIDs' bytes, big-endian), C{createdMicros} one int each, C{vectors}
+    C{dimensions} float32 components each, little-endian; all in the same
+    order.
+    """
+
+    ids: bytes = attrs.field(repr=False)
+    createdMicros: list[int] = attrs.field(repr=False)
+    vectors: bytes = attrs.field(repr=False)
+
+    @property
+    def count(self) -> int:
+        return len(self.ids) // 16
+
+
+_MICROS = "(extract(epoch FROM created_at) * 1000000)::bigint AS created_micros"
+
+
+@attrs.frozen
+class ObservationRelease:
+    """
+    How a worker hands back an observation it claimed but did not finish.
+
+    @ivar retryAfter: seconds until it may be claimed again.
+    @ivar countAttempt: whether this was a failed attempt (False for a
+        refusal by a limit or a budget, which is no fault of the
+        observation, decisions D13).
+    @ivar failed: keep it as failed: no more attempts.
+    @ivar reason: why, for operators (never content).
+    """
+
+    retryAfter: float
+    countAttempt: bool
+    failed: bool
+    reason: str
+
+
+class MemoryStore:
+    """
+    The tenant-scoped queries of svc-memory over a source of connections
+    that act as svc_memory_app.
+
+    @param connections: returns a context manager yielding an autocommit
+        connection; a psycopg_pool pool's C{connection} method for the
+        daemon, one plain connection for svcctl and the listener.
+    @param queryDuration: svc_db_query_duration_seconds, or None.
+    @param dropDeadConnections: the pool's C{check}, called when a
+        connection is found dead before a transaction did anything.
+    """
+
+    def __init__(
+        self,
+        connections: ConnectionSource,
+        queryDuration: Histogram | None = None,
+        dropDeadConnections: Callable[[], None] | None = None,
+    ) -> None:
+        self._connections = connections
+        self._queryDuration = queryDuration
+        self._dropDeadConnections = dropDeadConnections
+
+    def _run(
+        self,
+        operation: str,
+        body: Callable[[Cursor], T],
+        orgID: uuid.UUID | None,
+        *,
+        binary: bool = False,
+    ) -> T:
+        """
+        Run C{body} in one transaction in C{orgID}'s context (None: no
+        organization, in which row-level security shows no row).
+
+        A pooled connection found dead on the first statement, before
+        C{body} did anything, is replaced once, as svc-auth's store does.
+        """
+        started = time.perf_counter()
+        try:
+            for attempt in (1, 2):
+                bodyStarted = False
+                try:
+                    with self._connections() as connection, connection.transaction():
+                        cursor = connection.cursor(row_factory=dict_row, binary=binary)
+                        cursor.execute(
+                            "SELECT set_config('svc.org_id', %s, true)",
+                            (str(orgID) if orgID else "",),
+                        )
+                        bodyStarted = True
+                        return body(cursor)
+                except psycopg.OperationalError:
+                    if bodyStarted or attempt == 2:
+                        raise
+                    if self._dropDeadConnections is not None:
+                        self._dropDeadConnections()
+            raise AssertionError("unreachable")
+        except psycopg.IntegrityError as error:
+            raise StoreRejected(
+                f"the database refused {operation}: {type(error).__name__}"
+            ) from error
+        except (psycopg.DataError, UnicodeEncodeError) as error:
+            raise StoreValueRefused(
+                f"the database cannot hold a value of {operation}: {type(error).__name__}"
+            ) from error
+        except psycopg.Error as error:
+            raise StoreUnavailable(
+                f"database error during {operation}: {type(error).__name__}"
+            ) from error
+        except PoolTimeout as error:
+            raise StoreUnavailable(f"no database connection for {operation}") from error
+        finally:
+            if self._queryDuration is not None:
+                self._queryDuration.labels(operation=operation).observe(
+                    time.perf_counter() - started
+                )
+
+    def ping(self) -> None:
+        """
+        A trivial round trip, for readiness.
+        """
+        self._run("ping", lambda cursor: cursor.execute("SELECT 1"), None)
+
+    def notifySync(self, nonce: str) -> None:
+        """
+        Send the sync marker C{nonce} on the change listeners' channel,
+        after a write has committed (L{svcd.memory.listener}).
+        """
+        self._run(
+            "memory_sync",
+            lambda cursor: cursor.execute(
+                "SELECT pg_notify('svc_memory_changes', %s)", (f"sync:{nonce}",)
+            ),
+            None,
+        )
+
+    # Memories.
+
+    def add(
+        self,
+        scope: Scope,
+        content: str,
+        metadata: str,
+        source: str,
+        sourceRequestID: str | None,
+        embedding: Embedding,
+        maxPerScope: int,
+    ) -> MemoryRecord:
+        """
+        Store a new memory (values already checked by
+        L{svcd.memory.records}).
+
+        The scope's cap holds under concurrency: adds to one scope take a
+        transaction-scoped advisory lock on the scope before they count
+        it, so two adds at C{maxPerScope - 1} run one after the other and
+        the second finds the scope full. (Adds to other scopes do not wait,
+        but for the rare collision of two scopes' 64-bit hashes.)
+
+        @raise ScopeFull: the scope holds C{maxPerScope} memories already.
+        @raise StoreRejected: the agent is not one of the organization's.
+        """
+        memoryID = uuid7()
+
+        def insert(cursor: Cursor) -> MemoryRecord:
+            _lockScope(cursor, scope)
+            cursor.execute(
+                "SELECT count(*) AS held FROM memories"
+                " WHERE org_id = %s AND agent_id = %s AND subject = %s",
+                (scope.orgID, scope.agentID, scope.subject),
+            )
+            if _one(cursor.fetchone())["held"] >= maxPerScope:
+                raise ScopeFull(f"the scope holds {maxPerScope} memories already")
+            cursor.execute(
+                "INSERT INTO memories (id, org_id, agent_id, subject, content, metadata, source,"
+                " source_request_id, embedding_model, dimensions, vector)"
+                " VALUES (%s, %s, %s, %s, %s, %s::jsonb, %s, %s, %s, %s, %s)"
+                f" RETURNING {_MEMORY_COLUMNS}",
+                (
+                    memoryID,
+                    scope.orgID,
+                    scope.agentID,
+                    scope.subject,
+                    content,
+                    metadata,
+                    source,
+                    sourceRequestID,
+                    embedding.model,
+                    embedding.dimensions,
+                    embedding.vector,
+                ),
+            )
+            return _memory(_one(cursor.fetchone()))
+
+        return self._run("memory_add", insert, scope.orgID)
+
+    def get(self, scope: Scope, memoryID: uuid.UUID) -> MemoryRecord:
+        """
+        @raise MemoryNotFound: no memory has this id.
+        @raise MemoryForbidden: it is another scope's.
+        """
+
+        def query(cursor: Cursor) -> MemoryRecord:
+            return _memory(_inScope(cursor, scope, memoryID, _MEMORY_COLUMNS))
+
+        return self._run("memory_get", query, scope.orgID)
+
+    def listMemories(
+        self, scope: Scope, limit: int, after: uuid.UUID | None = None
+    ) -> tuple[list[MemoryRecord], bool]:
+        """
+        Up to C{limit} memories of the scope, newest first (by creation,
+        then id), after the memory C{after} when given; and whether more
+        follow.
+
+        @raise MemoryNotFound: C{after} names no memory.
+        @raise MemoryForbidden: C{after} is another scope's.
+        """
+
+        def query(cursor: Cursor) -> tuple[list[MemoryRecord], bool]:
+            condition = ""
+            parameters: tuple[object, ...] = ()
+            if after is not None:
+                anchor = _inScope(cursor, scope, after, "created_at, id")
+                condition = " AND (created_at, id) < (%s, %s)"
+                parameters = (anchor["created_at"], anchor["id"])
+            cursor.execute(
+                f"SELECT {_MEMORY_COLUMNS} FROM memories"
+                " WHERE org_id = %s AND agent_id = %s AND subject = %s"
+                f"{condition} ORDER BY created_at DESC, id DESC LIMIT %s",
+                (scope.orgID, scope.agentID, scope.subject, *parameters, limit + 1),
+            )
+            rows = [_memory(row) for row in cursor.fetchall()]
+            return rows[:limit], len(rows) > limit
+
+        return self._run("memory_list", query, scope.orgID)
+
+    def listForOperator(
+        self,
+        orgID: uuid.UUID,
+        agentID: uuid.UUID,
+        subject: str | None,
+        limit: int,
+        after: uuid.UUID | None = None,
+    ) -> tuple[list[MemoryRecord], bool]:
+        """
+        svcctl memory list: as L{listMemories}, over every subject of the
+        agent when C{subject} is None.
+
+        @raise MemoryNotFound: C{after} names no memory of the agent (or
+            of the subject).
+        """
+
+        def query(cursor: Cursor) -> tuple[list[MemoryRecord], bool]:
+            conditions = ["org_id = %s", "agent_id = %s"]
+            values: list[object] = [orgID, agentID]
+            if subject is not None:
+                conditions.append("subject = %s")
+                values.append(subject)
+            where = " AND ".join(conditions)
+            if after is not None:
+                cursor.execute(
+                    f"SELECT created_at, id FROM memories WHERE id = %s AND {where}",
+                    (after, *values),
+                )
+                anchor = cursor.fetchone()
+                if anchor is None:
+                    raise MemoryNotFound("no such id")
+                where += " AND (created_at, id) < (%s, %s)"
+                values += [anchor["created_at"], anchor["id"]]
+            cursor.execute(
+                f"SELECT {_MEMORY_COLUMNS} FROM memories WHERE {where}"
+                " ORDER BY created_at DESC, id DESC LIMIT %s",
+                (*values, limit + 1),
+            )
+            rows = [_memory(row) for row in cursor.fetchall()]
+            return rows[:limit], len(rows) > limit
+
+        return self._run("memory_list_operator", query, orgID)
+
+    def subjectOf(self, orgID: uuid.UUID, agentID: uuid.UUID, memoryID: uuid.UUID) -> str | None:
+        """
+        The subject of one of the agent's memories, or None when the agent
+        has no memory with this id (svcctl memory show and delete without
+        --subject).
+        """
+
+        def query(cursor: Cursor) -> str | None:
+            cursor.execute(
+                "SELECT subject FROM memories WHERE id = %s AND org_id = %s AND agent_id = %s",
+                (memoryID, orgID, agentID),
+            )
+            row = cursor.fetchone()
+            return None if row is None else str(row["subject"])
+
+        return self._run("memory_subject", query, orgID)
+
+    def update(
+        self,
+        scope: Scope,
+        memoryID: uuid.UUID,
+        content: str | None,
+        metadata: str | None,
+        embedding: Embedding | None,
+    ) -> MemoryRecord:
+        """
+        Change a memory's content (with the C{embedding} of the new
+        content), its metadata, or both; C{updated_at} becomes now.
+
+        @raise MemoryNotFound: no memory has this id.
+        @raise MemoryForbidden: it is another scope's.
+        """
+        assignments = ["updated_at = now()"]
+        values: list[object] = []
+        if content is not None:
+            assignments.append("content = %s")
+            values.append(content)
+        if metadata is not None:
+            assignments.append("metadata = %s::jsonb")
+            values.append(metadata)
+        if embedding is not None:
+            assignments += ["embedding_model = %s", "dimensions = %s", "vector = %s"]
+            values += [embedding.model, embedding.dimensions, embedding.vector]
+
+        def change(cursor: Cursor) -> MemoryRecord:
+            cursor.execute(
+                f"UPDATE memories SET {', '.join(assignments)}"
+                " WHERE id = %s AND org_id = %s AND agent_id = %s AND subject = %s"
+                f" RETURNING {_MEMORY_COLUMNS}",
+                (*values, memoryID, scope.orgID, scope.agentID, scope.subject),
+            )
+            row = cursor.fetchone()
+            if row is None:
+                _refuse(cursor, "svc_memory_exists", memoryID)
+            return _memory(_one(row))
+
+        return self._run("memory_update", change, scope.orgID)
+
+    def delete(self, scope: Scope, memoryID: uuid.UUID) -> None:
+        """
+        Forget a memory: its row and vector leave the table at commit.
+
+        @raise MemoryNotFound: no memory has this id.
+        @raise MemoryForbidden: it is another scope's.
+        """
+
+        def remove(cursor: Cursor) -> None:
+            cursor.execute(
+                "DELETE FROM memories"
+                " WHERE id = %s AND org_id = %s AND agent_id = %s AND subject = %s RETURNING id",
+                (memoryID, scope.orgID, scope.agentID, scope.subject),
+            )
+            if cursor.fetchone() is None:
+                _refuse(cursor, "svc_memory_exists", memoryID)
+
+        self._run("memory_delete", remove, scope.orgID)
+
+    def deleteScope(self, scope: Scope) -> tuple[int, int]:
+        """
+        Forget every memory of the scope and drop its observations not yet
+        processed; how many of each.
+        """
+        return self._run(
+            "memory_delete_scope", lambda cursor: _deleteScope(cursor, scope), scope.orgID
+        )
+
+    def purge(self, orgID: uuid.UUID, agentID: uuid.UUID) -> tuple[int, int]:
+        """
+        Forget every memory and observation of an agent, in every subject
+        (svcctl memory purge without --subject).
+        """
+
+        def remove(cursor: Cursor) -> tuple[int, int]:
+            cursor.execute(
+                "DELETE FROM memories WHERE org_id = %s AND agent_id = %s", (orgID, agentID)
+            )
+            memories = cursor.rowcount
+            cursor.execute(
+                "DELETE FROM memory_observations WHERE org_id = %s AND agent_id = %s",
+                (orgID, agentID),
+            )
+            return memories, cursor.rowcount
+
+        return self._run("memory_purge", remove, orgID)
+
+    def memoriesByID(self, scope: Scope, memoryIDs: Sequence[uuid.UUID]) -> list[MemoryRecord]:
+        """
+        The memories of the scope among C{memoryIDs}, in no order: a
+        search's results, read after the search (one deleted meanwhile is
+        simply missing).
+        """
+        if not memoryIDs:
+            return []
+
+        def query(cursor: Cursor) -> list[MemoryRecord]:
+            cursor.execute(
+                f"SELECT {_MEMORY_COLUMNS} FROM memories WHERE id = ANY(%s)"
+                " AND org_id = %s AND agent_id = %s AND subject = %s",
+                (list(memoryIDs), scope.orgID, scope.agentID, scope.subject),
+            )
+            return [_memory(row) for row in cursor.fetchall()]
+
+        return self._run("memory_by_id", query, scope.orgID)
+
+    def scopeRows(self, scope: Scope, model: str, dimensions: int) -> ScopeRows:
+        """
+        Every vector of the scope made by C{model} with C{dimensions}
+        components: a cache's load on a miss. Read in binary, so that ids
+        and vectors arrive as bytes, never a Python object per component.
+        """
+
+        def query(cursor: Cursor) -> ScopeRows:
+            cursor.execute(
+                f"SELECT uuid_send(id) AS id, {_MICROS}, vector FROM memories"
+                " WHERE org_id = %s AND agent_id = %s AND subject = %s"
+                " AND embedding_model = %s AND dimensions = %s",
+                (scope.orgID, scope.agentID, scope.subject, model, dimensions),
+            )
+            ids, created, vectors = [], [], []
+            for row in cursor:
+                ids.append(row["id"])
+                created.append(row["created_micros"])
+                vectors.append(row["vector"])
+            return ScopeRows(b"".join(ids), created, b"".join(vectors))
+
+        return self._run("memory_scope_vectors", query, scope.orgID, binary=True)
+
+    def rowsForCache(
+        self, orgID: uuid.UUID, memoryIDs: Iterable[uuid.UUID]
+    ) -> dict[uuid.UUID, CachedRow]:
+        """
+        The current state of some memories of one organization, for the
+        change listener: those still there, by id (one deleted since its
+        notification is missing).
+        """
+        wanted = list(memoryIDs)
+
+        def query(cursor: Cursor) -> dict[uuid.UUID, CachedRow]:
+            cursor.execute(
+                f"SELECT id, agent_id, subject, embedding_model, dimensions, {_MICROS}, vector"
+                " FROM memories WHERE id = ANY(%s)",
+                (wanted,),
+            )
+            return {
+                row["id"]: CachedRow(
+                    memoryID=row["id"],
+                    agentID=row["agent_id"],
+                    subject=row["subject"],
+                    model=row["embedding_model"],
+                    dimensions=row["dimensions"],
+                    createdMicros=row["created_micros"],
+                    vector=bytes(row["vector"]),
+                )
+                for row in cursor.fetchall()
+            }
+
+        return self._run("memory_cache_rows", query, orgID, binary=True)
+
+    # Observations.
+
+    def queueObservations(self, observations: Sequence[NewObservation]) -> list[QueuedObservation]:
+        """
+        Queue each observation unless its organization has one with the
+        same request id already: a batch sent again queues nothing twice.
+        All of them in one transaction, in their organizations' contexts
+        one after the other; answered only once committed.
+        """
+        if not observations:
+            return []
+
+        def insert(cursor: Cursor) -> list[QueuedObservation]:
+            queued: list[QueuedObservation] = []
+            currentOrg: uuid.UUID | None = None
+            # One organization's observations together, in a stable order.
+            for observation in sorted(
+                observations, key=lambda each: (str(each.scope.orgID), each.requestID)
+            ):
+                if observation.scope.orgID != currentOrg:
+                    currentOrg = observation.scope.orgID
+                    cursor.execute("SELECT set_config('svc.org_id', %s, true)", (str(currentOrg),))
+                cursor.execute(
+                    "INSERT INTO memory_observations"
+                    " (id, org_id, agent_id, subject, request_id, messages)"
+                    " VALUES (%s, %s, %s, %s, %s, %s::jsonb)"
+                    " ON CONFLICT (org_id, request_id) DO NOTHING RETURNING id",
+                    (
+                        uuid7(),
+                        observation.scope.orgID,
+                        observation.scope.agentID,
+                        observation.scope.subject,
+                        observation.requestID,
+                        messagesJSON(observation.messages),
+                    ),
+                )
+                row = cursor.fetchone()
+                if row is not None:
+                    queued.append(QueuedObservation(observation.requestID, row["id"], True))
+                    continue
+                cursor.execute(
+                    "SELECT id FROM memory_observations WHERE org_id = %s AND request_id = %s",
+                    (observation.scope.orgID, observation.requestID),
+                )
+                queued.append(
+                    QueuedObservation(observation.requestID, _one(cursor.fetchone())["id"], False)
+                )
+            return queued
+
+        return self._run("observation_queue", insert, None)
+
+    def claimObservations(
+        self, owner: str, leaseSeconds: float, limit: int
+    ) -> list[ClaimedObservation]:
+        """
+        Lease up to C{limit} due observations of any organization to
+        C{owner} (C{svc_claim_observations}, sql/0009_memory.sql).
+        """
+
+        def claim(cursor: Cursor) -> list[ClaimedObservation]:
+            cursor.execute(
+                "SELECT * FROM svc_claim_observations(%s, %s, %s)", (owner, leaseSeconds, limit)
+            )
+            return [
+                ClaimedObservation(
+                    observationID=row["id"],
+                    scope=Scope(row["org_id"], row["agent_id"], row["subject"]),
+                    requestID=row["request_id"],
+                    messages=messagesFromJSON(row["messages"]),
+                    attempts=row["attempts"],
+                    leaseExpiresAt=row["lease_expires_at"],
+                )
+                for row in cursor.fetchall()
+            ]
+
+        return self._run("observation_claim", claim, None)
+
+    def completeObservation(self, orgID: uuid.UUID, observationID: uuid.UUID, owner: str) -> bool:
+        """
+        A processed observation is deleted. False when C{owner} no longer
+        holds its lease (it ran out and another worker may hold it now):
+        the row is left to that worker.
+
+        @raise MemoryNotFound: no observation has this id (done already,
+            or dropped).
+        @raise MemoryForbidden: it is another organization's.
+        """
+
+        def remove(cursor: Cursor) -> bool:
+            cursor.execute(
+                "DELETE FROM memory_observations WHERE id = %s AND org_id = %s"
+                " AND lease_owner = %s RETURNING id",
+                (observationID, orgID, owner),
+            )
+            if cursor.fetchone() is not None:
+                return True
+            cursor.execute("SELECT 1 FROM memory_observations WHERE id = %s", (observationID,))
+            if cursor.fetchone() is not None:
+                return False
+            _refuse(cursor, "svc_observation_exists", observationID)
+            raise AssertionError("unreachable")
+
+        return self._run("observation_complete", remove, orgID)
+
+    def releaseObservation(
+        self,
+        orgID: uuid.UUID,
+        observationID: uuid.UUID,
+        owner: str,
+        release: ObservationRelease,
+    ) -> bool:
+        """
+        Hand back a claimed observation: waiting again after
+        C{release.retryAfter} seconds, or failed for good. False when
+        C{owner} no longer holds its lease.
+
+        @raise MemoryNotFound: no observation has this id.
+        @raise MemoryForbidden: it is another organization's.
+        """
+
+        def hand(cursor: Cursor) -> bool:
+            cursor.execute(
+                "UPDATE memory_observations SET lease_owner = NULL, lease_expires_at = NULL,"
+                " attempts = attempts + %s, state = %s, reason = %s,"
+                " next_attempt_at = now() + make_interval(secs => %s), updated_at = now()"
+                " WHERE id = %s AND org_id = %s AND lease_owner = %s RETURNING id",
+                (
+                    1 if release.countAttempt else 0,
+                    "failed" if release.failed else "waiting",
+                    release.reason or None,
+                    release.retryAfter,
+                    observationID,
+                    orgID,
+                    owner,
+                ),
+            )
+            if cursor.fetchone() is not None:
+                return True
+            cursor.execute("SELECT 1 FROM memory_observations WHERE id = %s", (observationID,))
+            if cursor.fetchone() is not None:
+                return False
+            _refuse(cursor, "svc_observation_exists", observationID)
+            raise AssertionError("unreachable")
+
+        return self._run("observation_release", hand, orgID)
+
+    def observationsWaiting(self) -> int:
+        """
+        How many observations wait, over every organization.
+        """
+
+        def query(cursor: Cursor) -> int:
+            cursor.execute("SELECT svc_observations_waiting() AS waiting")
+            return int(_one(cursor.fetchone())["waiting"])
+
+        return self._run("observations_waiting", query, None)
+
+
+def _one(row: dict[str, Any] | None) -> dict[str, Any]:
+    if row is None:
+        raise StoreUnavailable("a statement that returns a row returned none")
+    return row
+
+
+def _lockScope(cursor: Cursor, scope: Scope) -> None:
+    cursor.execute(
+        "SELECT pg_advisory_xact_lock(hashtextextended(%s, %s))",
+        (f"{scope.orgID}:{scope.agentID}:{scope.subject}", _SCOPE_LOCK_SEED),
+    )
+
+
+def _inScope(cursor: Cursor, scope: Scope, memoryID: uuid.UUID, columns: str) -> dict[str, Any]:
+    """
+    The row of memory C{memoryID} of the scope.
+
+    @raise MemoryNotFound: no memory has this id.
+    @raise MemoryForbidden: it exists, in another scope.
+    """
+    cursor.execute(
+        f"SELECT {columns} FROM memories"
+        " WHERE id = %s AND org_id = %s AND agent_id = %s AND subject = %s",
+        (memoryID, scope.orgID, scope.agentID, scope.subject),
+    )
+    row = cursor.fetchone()
+    if row is None:
+        _refuse(cursor, "svc_memory_exists", memoryID)
+    return _one(row)
+
+
+def _refuse(cursor: Cursor, existence: str, identifier: uuid.UUID) -> None:
+    """
+    Raise why an id was not found in the caller's scope: it exists
+    elsewhere (L{MemoryForbidden}) or nowhere (L{MemoryNotFound}).
+    """
+    cursor.execute(f"SELECT {existence}(%s) AS found", (identifier,))
+    if _one(cursor.fetchone())["found"]:
+        raise MemoryForbidden("the id belongs to another organization, agent or subject")
+    raise MemoryNotFound("no such id")
+
+
+def _deleteScope(cursor: Cursor, scope: Scope) -> tuple[int, int]:
+    cursor.execute(
+        "DELETE FROM memories WHERE org_id = %s AND agent_id = %s AND subject = %s",
+        (scope.orgID, scope.agentID, scope.subject),
+    )
+    memories = cursor.rowcount
+    cursor.execute(
+        "DELETE FROM memory_observations WHERE org_id = %s AND agent_id = %s AND subject = %s",
+        (scope.orgID, scope.agentID, scope.subject),
+    )
+    return memories, cursor.rowcount

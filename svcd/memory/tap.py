@@ -1,0 +1,121 @@
+"""
+twistd plugin body of svc-memory: C{twistd -n svc-memory}.
+
+All configuration comes from the environment (see docs/operations.rst); the only
+command-line options are twistd's own. The daemon is wired in
+L{svcd.memory.assembly}, which the tests use too; this module adds what only
+a real process does: logging, tracing's export, the collector's metrics,
+the stop signals, the heap settled at start and systemd's notification.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from threadpoolctl import threadpool_limits
+from twisted.application.service import IService
+from twisted.internet.interfaces import IReactorCore, IReactorTime
+from twisted.logger import LogLevel
+from twisted.python import usage
+
+from svcd.common.config import ConfigError
+from svcd.common.gcmetrics import watchCollector
+from svcd.common.lifecycle import exitZeroOnStopSignals, notifySystemd, settleHeapWhenRunning
+from svcd.common.logs import LoggingRootService, daemonLogWriter, logSettings, makeObserver
+from svcd.common.metrics import processUpGauge
+from svcd.common.tracing import TracingConfig, TracingService, tracerProvider
+from svcd.common.twistedprivate import TwistedIncompatible, requireTwistedInternals
+from svcd.memory.assembly import assembleMemoryDaemon
+from svcd.memory.config import MemoryConfig
+
+
+class Options(usage.Options):
+    """
+    svc-memory takes its configuration from the environment, not from
+    options; see README.rst for the variables.
+    """
+
+    synopsis = "[twistd options] svc-memory"
+    longdesc = (
+        "Runs the svc memory service: gRPC svc.memory.v1.MemoryService on "
+        "SVC_GRPC_HOST:SVC_GRPC_PORT (default 127.0.0.1:9092) and /health, "
+        "/ready, /metrics on SVC_HOST:SVC_PORT (default 0.0.0.0:8082). "
+        "Configuration comes from the environment; POSTGRES_DSN is required."
+    )
+
+
+def buildService(
+    reactor: Any,
+    settings: MemoryConfig,
+    rootService: LoggingRootService,
+    tracing: TracingConfig | None = None,
+    logCalls: bool = False,
+) -> None:
+    """
+    svc-memory's service tree under C{rootService}: tracing first, then the
+    daemon of L{assembleMemoryDaemon}, so that a stop (one child at a time,
+    in reverse order) first closes the HTTP port, then drains gRPC calls,
+    then closes the pool, and last flushes the spans of the drained calls.
+
+    @param logCalls: log one DEBUG line per gRPC call.
+    """
+    tracing = tracing or TracingConfig(settings.serviceName, settings.environment)
+    provider = tracerProvider(tracing)
+    TracingService(reactor, reactor, provider, tracing).setServiceParent(rootService)
+    # One BLAS thread per search: grpcio's threads are the parallelism
+    # (and a large scope's blocks, svcd/memory/search.py); OpenBLAS's own
+    # threads beside them only spin (setup.py says what that cost).
+    threadpool_limits(limits=1, user_api="blas")
+    registry = CollectorRegistry(auto_describe=True)
+    processUpGauge(registry)
+    # The collector's pauses are the process's: timed once per process.
+    watchCollector(registry)
+    assembleMemoryDaemon(
+        reactor,
+        settings,
+        registry,
+        tracer=provider.get_tracer("svcd.memory"),
+        logCalls=logCalls,
+    ).setServiceParent(rootService)
+
+
+def makeService(options: Options) -> IService:
+    """
+    Build svc-memory from the environment; a bad or missing variable stops
+    here with one line on stderr naming it.
+    """
+    from twisted.internet import reactor
+
+    try:
+        requireTwistedInternals()
+    except TwistedIncompatible as error:
+        sys.stderr.write(f"svc-memory: {error}\n")
+        sys.stderr.flush()
+        raise SystemExit(1) from None
+    try:
+        settings = MemoryConfig.fromEnvironment(os.environ)
+        tracing = TracingConfig.fromEnvironment(os.environ, "svc-memory")
+        logFormat, level = logSettings(os.environ)
+    except ConfigError as error:
+        sys.stderr.write(f"svc-memory: configuration error: {error}\n")
+        raise SystemExit(1) from None
+    twistdOptions = getattr(options, "parent", None)
+    assert IReactorCore.providedBy(reactor) and IReactorTime.providedBy(reactor)
+    writer = daemonLogWriter(twistdOptions)
+    root = LoggingRootService(
+        makeObserver(logFormat, level, writer, service=tracing.serviceName),
+        daemonName="svc-memory",
+        level=level,
+        writer=writer,
+        clock=reactor,
+    )
+    buildService(reactor, settings, root, tracing, logCalls=level <= LogLevel.debug)
+    exitZeroOnStopSignals(reactor)
+    settleHeapWhenRunning(reactor)
+    # Both ports serve once the reactor runs: a unit of Type=notify
+    # (etc/systemd) is started then.
+    reactor.callWhenRunning(notifySystemd, "READY=1")
+    return root

@@ -1,0 +1,592 @@
+"""
+Exact vector search over a replica's cache of scopes (decisions D13).
+
+What is cached. A I{scope key} is an organization, agent, subject, the
+embedding model and the number of dimensions: a search compares a query
+only with the memories that model made at that size. Each cached scope is
+a L{ScopeVectors}: one contiguous float32 matrix of the memories' vectors,
+each row scaled to length 1, beside their ids (two uint64 columns) and
+creation times (int64 microseconds). A search is then one BLAS
+matrix-vector product (the cosine similarity of every memory at once),
+one partition for the top k and one small sort: no approximate index, so
+recall is 1.0, and the time depends on the scope's size alone, never on
+other tenants' data.
+
+Bounded. L{VectorCache} holds scopes up to C{maxBytes} (SVC_MEMORY_CACHE_MB),
+least recently searched out first, loaded from PostgreSQL on a miss. Its
+bytes are the arrays' own (L{ScopeVectors.nbytes}): 4 per dimension, 25
+per memory for the id, the time and the liveness flag, the spare rows
+kept for growth (at most one in 16) and rows of forgotten memories not
+yet compacted away (at most one in 16), plus a fixed amount per scope.
+
+Kept current. The change listener (L{svcd.memory.listener}) hands every
+change of a memory of a cached scope to L{VectorCache.apply}, so what any
+replica adds, changes or deletes is found, or gone, here within a second.
+While the listener is not connected nothing is cached (searches read the
+scope from PostgreSQL each time): losing it costs speed, never
+correctness.
+
+Threads and locks. Searches run on grpcio's threads, the listener on its
+own, and neither waits for the other:
+
+ - writers (the listener, a load being installed) hold the cache's lock,
+   one at a time, for the time of a few row copies; they never change a
+   row a search may be reading. A memory added goes into a spare row past
+   the end and becomes visible when the scope's I{view} (arrays and row
+   count, one immutable object) is replaced; a memory changed or deleted
+   only has its row marked dead (one byte), and a changed one is added
+   anew. Growing or compacting makes new arrays and a new view.
+ - a search takes the cache's lock only to find the scope, then reads the
+   view it found without any lock: numpy's product releases the GIL, so
+   searches of several scopes, or of one, run on several cores, and a
+   search never stalls a notification (nor the reverse). A search that
+   raced a delete may rank the deleted memory; the memories are then read
+   from PostgreSQL by id, in the scope, and a deleted one is not there.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Executor
+
+import attrs
+import numpy
+import numpy.typing
+
+from svcd.memory.store import CachedRow, ScopeRows
+
+Floats = numpy.typing.NDArray[numpy.float32]
+
+# What a scope costs besides its arrays (the Python objects around them).
+SCOPE_OVERHEAD_BYTES = 1024
+# Bytes of one memory besides its vector: two uint64 halves of the id, an
+# int64 creation time and a bool.
+ROW_EXTRA_BYTES = 8 + 8 + 8 + 1
+
+
+@attrs.frozen
+class ScopeKey:
+    orgID: uuid.UUID
+    agentID: uuid.UUID
+    subject: str
+    model: str
+    dimensions: int
+
+    @property
+    def triple(self) -> tuple[uuid.UUID, uuid.UUID, str]:
+        return (self.orgID, self.agentID, self.subject)
+
+
+def normalised(vector: bytes) -> Floats:
+    """
+    A vector of little-endian float32 bytes as a float32 array of length 1
+    (the caller checked it is finite and not zero).
+    """
+    components = numpy.frombuffer(vector, dtype="<f4").astype(numpy.float32)
+    norm = numpy.float32(numpy.linalg.norm(components.astype(numpy.float64)))
+    result: Floats = components / norm
+    return result
+
+
+def _split(memoryID: uuid.UUID) -> tuple[int, int]:
+    value = memoryID.int
+    return value >> 64, value & 0xFFFF_FFFF_FFFF_FFFF
+
+
+@attrs.frozen
+class _View:
+    """
+    What a search reads of a scope: arrays and how many of their rows are
+    filled. Never changed once published, except that a row may be marked
+    dead in C{alive}.
+    """
+
+    matrix: Floats
+    high: numpy.typing.NDArray[numpy.uint64]
+    low: numpy.typing.NDArray[numpy.uint64]
+    created: numpy.typing.NDArray[numpy.int64]
+    alive: numpy.typing.NDArray[numpy.bool_]
+    count: int
+    dead: int
+
+    @property
+    def capacity(self) -> int:
+        return int(self.matrix.shape[0])
+
+
+def _emptyView(capacity: int, dimensions: int) -> _View:
+    return _View(
+        matrix=numpy.empty((capacity, dimensions), dtype=numpy.float32),
+        high=numpy.empty(capacity, dtype=numpy.uint64),
+        low=numpy.empty(capacity, dtype=numpy.uint64),
+        created=numpy.empty(capacity, dtype=numpy.int64),
+        alive=numpy.zeros(capacity, dtype=numpy.bool_),
+        count=0,
+        dead=0,
+    )
+
+
+def _roomFor(rows: int) -> int:
+    """
+    The capacity to allocate for C{rows} rows: one spare in 16, so growth
+    copies rarely and the spare rows cost at most 1/16 of the cache.
+    """
+    return rows + rows // 16 + 1
+
+
+@attrs.frozen
+class Hit:
+    memoryID: uuid.UUID
+    score: float
+
+
+class ScopeVectors:
+    """
+    The vectors of one scope key. L{search} may run on any thread at any
+    time; the other methods are called under L{VectorCache}'s lock.
+    """
+
+    def __init__(self, dimensions: int, view: _View) -> None:
+        self.dimensions = dimensions
+        self._view = view
+
+    @classmethod
+    def fromRows(cls, dimensions: int, rows: ScopeRows) -> ScopeVectors:
+        """
+        A scope loaded from PostgreSQL: vectors normalised in one pass.
+        """
+        count = rows.count
+        view = _emptyView(_roomFor(count), dimensions)
+        if count:
+            matrix = numpy.frombuffer(rows.vectors, dtype="<f4").reshape(count, dimensions)
+            norms = numpy.linalg.norm(matrix.astype(numpy.float64), axis=1)
+            view.matrix[:count] = matrix / norms[:, None]
+            ids = numpy.frombuffer(rows.ids, dtype=">u8").reshape(count, 2)
+            view.high[:count] = ids[:, 0]
+            view.low[:count] = ids[:, 1]
+            view.created[:count] = numpy.asarray(rows.createdMicros, dtype=numpy.int64)
+            view.alive[:count] = True
+        return cls(dimensions, attrs.evolve(view, count=count))
+
+    @property
+    def count(self) -> int:
+        """
+        The memories it holds (live rows).
+        """
+        view = self._view
+        return view.count - view.dead
+
+    @property
+    def nbytes(self) -> int:
+        view = self._view
+        arrays = (view.matrix, view.high, view.low, view.created, view.alive)
+        return sum(int(each.nbytes) for each in arrays) + SCOPE_OVERHEAD_BYTES
+
+    def search(
+        self,
+        query: Floats,
+        k: int,
+        minScore: float | None = None,
+        product: Callable[[Floats, Floats], Floats] | None = None,
+    ) -> list[Hit]:
+        """
+        The C{k} memories most similar to C{query} (normalised), best
+        first; ties (equal scores) newest first, then by id, descending.
+        Every memory whose score reaches the k-th is considered before the
+        cut, so ties at the edge are broken by age, never by position.
+
+        @param product: computes C{matrix @ query} (L{parallelProduct}
+            splits a large one over threads); numpy's own by default.
+        """
+        view = self._view
+        count = view.count
+        if count == 0 or k < 1:
+            return []
+        matrix = view.matrix[:count]
+        scores = matrix @ query if product is None else product(matrix, query)
+        valid = view.alive[:count].copy()
+        if minScore is not None:
+            valid &= scores >= numpy.float32(minScore)
+        candidates = numpy.flatnonzero(valid)
+        if candidates.size == 0:
+            return []
+        if candidates.size > k:
+            chosen = scores[candidates]
+            # The k-th largest score; every candidate at or above it.
+            threshold = numpy.partition(chosen, chosen.size - k)[chosen.size - k]
+            candidates = candidates[chosen >= threshold]
+        order = numpy.lexsort(
+            (
+                view.low[candidates],
+                view.high[candidates],
+                view.created[candidates],
+                scores[candidates],
+            )
+        )[::-1][:k]
+        picked = candidates[order]
+        return [
+            Hit(uuid.UUID(int=(int(high) << 64) | int(low)), float(score))
+            for high, low, score in zip(
+                view.high[picked], view.low[picked], scores[picked], strict=True
+            )
+        ]
+
+    # Writers, under the cache's lock.
+
+    def _find(self, memoryID: uuid.UUID) -> int | None:
+        view = self._view
+        high, low = _split(memoryID)
+        count = view.count
+        found = numpy.flatnonzero(
+            (view.high[:count] == numpy.uint64(high))
+            & (view.low[:count] == numpy.uint64(low))
+            & view.alive[:count]
+        )
+        return int(found[0]) if found.size else None
+
+    def remove(self, memoryIDs: Iterable[uuid.UUID]) -> int:
+        """
+        Mark the rows of these memories dead; how many were here.
+        """
+        removed = 0
+        for memoryID in memoryIDs:
+            row = self._find(memoryID)
+            if row is not None:
+                self._view.alive[row] = False
+                self._view = attrs.evolve(self._view, dead=self._view.dead + 1)
+                removed += 1
+        if removed:
+            self._compactIfWasteful()
+        return removed
+
+    def upsert(self, memoryID: uuid.UUID, createdMicros: int, vector: Floats) -> None:
+        """
+        Hold this memory with this (normalised) vector: its old row, if
+        any, marked dead, and a new row appended.
+        """
+        self.remove([memoryID])
+        view = self._view
+        if view.count == view.capacity:
+            view = self._copied(view, _roomFor(view.count - view.dead + 1))
+        row = view.count
+        high, low = _split(memoryID)
+        view.matrix[row] = vector
+        view.high[row] = high
+        view.low[row] = low
+        view.created[row] = createdMicros
+        view.alive[row] = True
+        # Published last: a search sees the row only once it is written.
+        self._view = attrs.evolve(view, count=row + 1)
+
+    def _compactIfWasteful(self) -> None:
+        view = self._view
+        if view.dead > max(16, (view.count - view.dead) // 16):
+            self._view = self._copied(view, _roomFor(view.count - view.dead))
+
+    def _copied(self, view: _View, capacity: int) -> _View:
+        """
+        The live rows of C{view} in new arrays of C{capacity} rows, in
+        their order; the old arrays stay as they are for searches still
+        reading them.
+        """
+        live = numpy.flatnonzero(view.alive[: view.count])
+        fresh = _emptyView(max(capacity, live.size), self.dimensions)
+        size = int(live.size)
+        fresh.matrix[:size] = view.matrix[live]
+        fresh.high[:size] = view.high[live]
+        fresh.low[:size] = view.low[live]
+        fresh.created[:size] = view.created[live]
+        fresh.alive[:size] = True
+        return attrs.evolve(fresh, count=size, dead=0)
+
+
+def parallelProduct(
+    executor: Executor, workers: int, threshold: int
+) -> Callable[[Floats, Floats], Floats]:
+    """
+    C{matrix @ query}, split into C{workers} blocks of rows computed at
+    once (one on the calling thread) when the matrix has C{threshold} rows
+    or more. numpy releases the GIL in the product, so the blocks run on
+    several cores; BLAS itself runs one thread per call in svc-memory
+    (svcd/memory/tap.py). Below the threshold one product is quicker than
+    handing work to threads.
+    """
+
+    def product(matrix: Floats, query: Floats) -> Floats:
+        rows = int(matrix.shape[0])
+        if workers < 2 or rows < threshold:
+            whole: Floats = matrix @ query
+            return whole
+        scores = numpy.empty(rows, dtype=numpy.float32)
+        step = -(-rows // workers)
+
+        def block(start: int) -> None:
+            numpy.matmul(matrix[start : start + step], query, out=scores[start : start + step])
+
+        pending = [executor.submit(block, start) for start in range(step, rows, step)]
+        block(0)
+        for each in pending:
+            each.result()
+        return scores
+
+    return product
+
+
+@attrs.define
+class _Load:
+    """
+    A load of one scope key in progress: the changes heard meanwhile, to
+    apply to what it read before it is installed.
+    """
+
+    key: ScopeKey
+    epoch: int
+    changes: list[tuple[uuid.UUID, CachedRow | None]] = attrs.Factory(list)
+
+
+class CacheMetrics:
+    """
+    What L{VectorCache} reports: a callable per event (Prometheus
+    children, or nothing in tests).
+    """
+
+    def __init__(
+        self,
+        hit: Callable[[], None] = lambda: None,
+        miss: Callable[[], None] = lambda: None,
+        evicted: Callable[[], None] = lambda: None,
+        size: Callable[[int, int], None] = lambda bytes_, scopes: None,
+    ) -> None:
+        self.hit = hit
+        self.miss = miss
+        self.evicted = evicted
+        self.size = size
+
+
+class VectorCache:
+    """
+    Scopes' vectors by L{ScopeKey}, at most C{maxBytes} of them, least
+    recently searched out first.
+    """
+
+    def __init__(self, maxBytes: int, metrics: CacheMetrics | None = None) -> None:
+        self.maxBytes = maxBytes
+        self._metrics = metrics or CacheMetrics()
+        self._lock = threading.Lock()
+        self._scopes: collections.OrderedDict[ScopeKey, ScopeVectors] = collections.OrderedDict()
+        self._bytes: dict[ScopeKey, int] = {}
+        self._byTriple: dict[tuple[uuid.UUID, uuid.UUID, str], set[ScopeKey]] = {}
+        self._loads: dict[ScopeKey, list[_Load]] = {}
+        self._listening = False
+        self._epoch = 0
+        self._syncs: dict[str, threading.Event] = {}
+
+    @property
+    def totalBytes(self) -> int:
+        with self._lock:
+            return sum(self._bytes.values())
+
+    def scopeCount(self) -> int:
+        with self._lock:
+            return len(self._scopes)
+
+    def isListening(self) -> bool:
+        return self._listening
+
+    # The listener's state.
+
+    def listening(self) -> None:
+        """
+        The listener hears every change from now on: cache again, from
+        empty (changes may have been missed before).
+        """
+        with self._lock:
+            self._clear()
+            self._listening = True
+
+    def notListening(self) -> None:
+        """
+        The listener lost PostgreSQL: forget everything and cache nothing
+        until it is back.
+        """
+        with self._lock:
+            self._clear()
+            self._listening = False
+
+    def _clear(self) -> None:
+        self._epoch += 1
+        self._scopes.clear()
+        self._bytes.clear()
+        self._byTriple.clear()
+        self._loads.clear()
+        self._reportSize()
+
+    # Searches.
+
+    def lookup(self, key: ScopeKey) -> ScopeVectors | None:
+        with self._lock:
+            scope = self._scopes.get(key)
+            if scope is not None:
+                self._scopes.move_to_end(key)
+        if scope is None:
+            self._metrics.miss()
+        else:
+            self._metrics.hit()
+        return scope
+
+    def beginLoad(self, key: ScopeKey) -> _Load | None:
+        """
+        A token for a load of C{key} about to read PostgreSQL, or None
+        when nothing may be cached now (the listener is down).
+        """
+        with self._lock:
+            if not self._listening:
+                return None
+            load = _Load(key, self._epoch)
+            self._loads.setdefault(key, []).append(load)
+            self._byTriple.setdefault(key.triple, set()).add(key)
+            return load
+
+    def finishLoad(self, load: _Load | None, loaded: ScopeVectors) -> ScopeVectors:
+        """
+        Install what a load read, with the changes heard since it began;
+        the scope to search (installed, or just for this search when the
+        listener went down meanwhile or it is larger than the whole
+        cache).
+        """
+        if load is None:
+            return loaded
+        with self._lock:
+            pending = self._loads.get(load.key, [])
+            if load in pending:
+                pending.remove(load)
+                if not pending:
+                    del self._loads[load.key]
+            self._forgetTripleIfUnused(load.key)
+            if load.epoch != self._epoch or not self._listening:
+                return loaded
+            for memoryID, row in load.changes:
+                _applyTo(loaded, memoryID, row)
+            installed = self._scopes.get(load.key)
+            if installed is not None:
+                # Another search loaded it first, and it has been kept
+                # current since.
+                return installed
+            size = loaded.nbytes
+            if size > self.maxBytes:
+                return loaded
+            self._scopes[load.key] = loaded
+            self._bytes[load.key] = size
+            self._byTriple.setdefault(load.key.triple, set()).add(load.key)
+            self._evictBeyond(self.maxBytes, keep=load.key)
+            self._reportSize()
+            return loaded
+
+    def abandonLoad(self, load: _Load | None) -> None:
+        if load is None:
+            return
+        with self._lock:
+            pending = self._loads.get(load.key, [])
+            if load in pending:
+                pending.remove(load)
+                if not pending:
+                    del self._loads[load.key]
+            self._forgetTripleIfUnused(load.key)
+
+    def _forgetTripleIfUnused(self, key: ScopeKey) -> None:
+        if key in self._scopes or key in self._loads:
+            return
+        keys = self._byTriple.get(key.triple)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._byTriple[key.triple]
+
+    def _evictBeyond(self, limit: int, keep: ScopeKey | None = None) -> None:
+        total = sum(self._bytes.values())
+        for key in list(self._scopes):
+            if total <= limit:
+                return
+            if key == keep:
+                continue
+            total -= self._bytes.pop(key)
+            del self._scopes[key]
+            self._forgetTripleIfUnused(key)
+            self._metrics.evicted()
+
+    def _reportSize(self) -> None:
+        self._metrics.size(sum(self._bytes.values()), len(self._scopes))
+
+    # A replica's own writes.
+
+    def expectSync(self, nonce: str) -> threading.Event:
+        """
+        An event set once the listener hears the sync marker C{nonce}
+        (L{svcd.memory.listener}): every change committed before the
+        marker was sent has then been applied.
+        """
+        event = threading.Event()
+        with self._lock:
+            self._syncs[nonce] = event
+        return event
+
+    def heardSync(self, nonce: str) -> None:
+        with self._lock:
+            event = self._syncs.pop(nonce, None)
+        if event is not None:
+            event.set()
+
+    def forgetSync(self, nonce: str) -> None:
+        with self._lock:
+            self._syncs.pop(nonce, None)
+
+    # The listener's changes.
+
+    def watches(self, orgID: uuid.UUID, agentID: uuid.UUID, subject: str) -> bool:
+        """
+        Whether a scope key of this organization, agent and subject is
+        cached or being loaded: only then is a change worth reading.
+        """
+        with self._lock:
+            return (orgID, agentID, subject) in self._byTriple
+
+    def apply(
+        self,
+        changes: Sequence[tuple[tuple[uuid.UUID, uuid.UUID, str], uuid.UUID, CachedRow | None]],
+    ) -> None:
+        """
+        Apply changes heard by the listener, in order: each names a
+        memory's organization, agent and subject, its id, and its row as
+        it is now (None: deleted). A memory leaves every scope key of its
+        subject but the one of its row's model and size, where it is
+        added or replaced.
+        """
+        with self._lock:
+            touched = False
+            for triple, memoryID, row in changes:
+                for key in self._byTriple.get(triple, ()):
+                    target = row is not None and row.model == key.model
+                    target = target and row is not None and row.dimensions == key.dimensions
+                    change = row if target else None
+                    for load in self._loads.get(key, ()):
+                        load.changes.append((memoryID, change))
+                    scope = self._scopes.get(key)
+                    if scope is not None:
+                        _applyTo(scope, memoryID, change)
+                        size = scope.nbytes
+                        if size != self._bytes[key]:
+                            self._bytes[key] = size
+                            touched = True
+            if touched:
+                self._evictBeyond(self.maxBytes)
+                self._reportSize()
+
+
+def _applyTo(scope: ScopeVectors, memoryID: uuid.UUID, row: CachedRow | None) -> None:
+    if row is None:
+        scope.remove([memoryID])
+    else:
+        scope.upsert(memoryID, row.createdMicros, normalised(row.vector))

@@ -1,0 +1,89 @@
+"""
+Fixtures and helpers for tests of svc-memory (decisions D13): a store on a
+migrated database, tenants to hold memories, vectors made from numbers,
+and a running MemoryService. Loaded for every test module by
+tests/conftest.py (pytest_plugins).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator, Sequence
+
+import numpy
+import psycopg
+import pytest
+from authfixtures import Tenant, makeTenant
+
+from svcd.auth.store import Store
+from svcd.memory.records import Embedding, Scope
+from svcd.memory.store import APPLICATION_ROLE, MemoryStore, connectionPool
+from svcd.testing.memoryservice import RunningMemoryService
+
+MODEL = "embed-test"
+
+
+def vectorBytes(values: Sequence[float]) -> bytes:
+    """
+    A vector's wire and table form: float32 components, little-endian.
+    """
+    return numpy.asarray(values, dtype="<f4").tobytes()
+
+
+def embedding(values: Sequence[float], model: str = MODEL) -> Embedding:
+    return Embedding(model, vectorBytes(values))
+
+
+def scopeOf(tenant: Tenant, subject: str = "") -> Scope:
+    return Scope(tenant.orgID, tenant.agentID, subject)
+
+
+def appConnection(dsn: str) -> psycopg.Connection[object]:
+    """
+    A plain connection acting as svc_memory_app, the role row-level
+    security applies to.
+    """
+    connection = psycopg.connect(dsn, autocommit=True)
+    connection.execute(f"SET ROLE {APPLICATION_ROLE}")
+    return connection
+
+
+@pytest.fixture
+def memoryStore(migratedDSN: str) -> Iterator[MemoryStore]:
+    """
+    svc-memory's store on a small pool of its own, as the daemon has it.
+    """
+    pool = connectionPool(
+        migratedDSN, minimum=1, maximum=8, statementTimeout=5.0, applicationName="memory-test"
+    )
+    pool.open(wait=True)
+    try:
+        yield MemoryStore(pool.connection, dropDeadConnections=pool.check)
+    finally:
+        pool.close(timeout=5)
+
+
+@pytest.fixture
+def acme(owner: Store) -> Tenant:
+    return makeTenant(owner, "acme")
+
+
+@pytest.fixture
+def globex(owner: Store) -> Tenant:
+    return makeTenant(owner, "globex")
+
+
+def secondAgent(owner: Store, tenant: Tenant) -> uuid.UUID:
+    return owner.createAgent(tenant.orgID, "second").agentID
+
+
+@pytest.fixture
+def memoryService(migratedDSN: str) -> Iterator[RunningMemoryService]:
+    """
+    A running MemoryService (one replica) on the test's database.
+    """
+    service = RunningMemoryService(migratedDSN).start()
+    try:
+        yield service
+    finally:
+        service.stop()

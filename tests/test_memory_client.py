@@ -1,0 +1,241 @@
+"""
+The client of svc-memory (svcd/memory/client.py) against the real
+MemoryService: Deferreds fired on the reactor thread, each refusal as its
+own exception (what the proxy maps to D13's HTTP answers), deadlines and
+cancellation against a server that never answers, and the worker's queue.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+import pytest
+import pytest_twisted
+from authfixtures import Tenant
+from memoryfixtures import embedding, scopeOf
+from twisted.internet.defer import CancelledError
+from twisted.internet.interfaces import IReactorFromThreads
+from twisted.internet.task import deferLater
+
+from svcd.memory.client import (
+    MemoryClient,
+    MemoryForbidden,
+    MemoryFull,
+    MemoryInvalid,
+    MemoryNotFound,
+    MemoryUnavailable,
+    memoryChannel,
+)
+from svcd.pb.memory.v1 import memory_pb2
+from svcd.testing.memoryservice import RunningMemoryService
+from svcd.testing.servers import freePort
+
+
+def clientOf(address: str, timeout: float = 5.0) -> MemoryClient:
+    from twisted.internet import reactor
+
+    return MemoryClient(
+        lambda: memoryChannel(address), IReactorFromThreads(reactor), timeout=timeout
+    )
+
+
+@pytest.fixture
+def client(memoryService: RunningMemoryService) -> Iterator[MemoryClient]:
+    made = clientOf(memoryService.address)
+    made.start()
+    yield made
+    made.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_memoriesThroughTheClient(client: MemoryClient, acme: Tenant) -> None:
+    """
+    Add, get, list, update, search, delete and delete the scope through
+    the Deferred API; each result arrives on the reactor thread.
+    """
+    scope = scopeOf(acme, "u")
+    added = await client.addMemory(scope, "speaks French", embedding([1.0, 0.0]), '{"a":1}')
+    assert threading.current_thread() is threading.main_thread()
+    assert (added.content, added.metadata_json) == ("speaks French", '{"a":1}')
+    assert (await client.getMemory(scope, added.id)) == added
+    second = await client.addMemory(scope, "lives in Lyon", embedding([0.0, 1.0]))
+    listed = await client.listMemories(scope, limit=10)
+    assert [each.id for each in listed.memories] == [second.id, added.id]
+    found = await client.search(scope, embedding([0.1, 1.0]), k=1)
+    assert [(each.memory.id, round(each.score, 3)) for each in found.results] == [
+        (second.id, 0.995)
+    ]
+    changed = await client.updateMemory(scope, added.id, metadataJSON='{"b":2}')
+    assert (changed.content, changed.metadata_json) == ("speaks French", '{"b":2}')
+    assert (await client.deleteMemory(scope, second.id)).id == second.id
+    emptied = await client.deleteScope(scope)
+    assert (emptied.memories_deleted, emptied.observations_deleted) == (1, 0)
+
+
+@pytest_twisted.ensureDeferred
+async def test_refusalsAreTheirOwnExceptions(
+    migratedDSN: str, acme: Tenant, globex: Tenant
+) -> None:
+    """
+    NOT_FOUND, PERMISSION_DENIED, FAILED_PRECONDITION (a full scope) and
+    INVALID_ARGUMENT each fail the Deferred with their own exception,
+    carrying the server's details.
+    """
+    service = RunningMemoryService(migratedDSN, maxPerScope=1).start()
+    client = clientOf(service.address)
+    try:
+        scope = scopeOf(acme)
+        added = await client.addMemory(scope, "only one", embedding([1.0]))
+        with pytest.raises(MemoryNotFound):
+            await client.getMemory(scope, "018f0000-0000-7000-8000-000000000000")
+        with pytest.raises(MemoryForbidden):
+            await client.deleteMemory(scopeOf(globex), added.id)
+        with pytest.raises(MemoryFull):
+            await client.addMemory(scope, "a second", embedding([1.0]))
+        with pytest.raises(MemoryInvalid) as invalid:
+            await client.search(scope, embedding([1.0]), k=1000)
+        assert invalid.value.details.startswith("k")
+        assert invalid.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        client.close()
+        service.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_anUnreachableServiceIsUnavailable(acme: Tenant) -> None:
+    """
+    Nothing listening: the call fails at once with L{MemoryUnavailable}
+    (the proxy's 503), not after its deadline.
+    """
+    client = clientOf(f"127.0.0.1:{freePort()}", timeout=30.0)
+    try:
+        started = time.monotonic()
+        with pytest.raises(MemoryUnavailable) as raised:
+            await client.getMemory(scopeOf(acme), "018f0000-0000-7000-8000-000000000000")
+        assert raised.value.code == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - started < 10
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def silentServer() -> Iterator[str]:
+    """
+    A TCP port that accepts connections and never says a word: a hung
+    svc-memory.
+    """
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    try:
+        yield f"127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.close()
+
+
+@pytest.fixture
+def slowServer() -> Iterator[str]:
+    """
+    A grpcio server whose Search takes two seconds: a svc-memory stuck on
+    its database.
+    """
+
+    def slowly(request: bytes, context: grpc.ServicerContext) -> bytes:
+        time.sleep(2.0)
+        return b""
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "svc.memory.v1.MemoryService",
+                {"Search": grpc.unary_unary_rpc_method_handler(slowly)},
+            ),
+        )
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(0).wait(5)
+
+
+@pytest_twisted.ensureDeferred
+async def test_aHungServiceMeetsTheDeadline(slowServer: str, acme: Tenant) -> None:
+    """
+    The call's own deadline ends it (DEADLINE_EXCEEDED, as
+    L{MemoryUnavailable}) while the reactor keeps running.
+    """
+    from twisted.internet import reactor
+
+    client = clientOf(slowServer, timeout=0.5)
+    try:
+        started = time.monotonic()
+        call = client.search(scopeOf(acme), embedding([1.0]), k=1)
+        ticked = await deferLater(reactor, 0.05, time.monotonic)
+        assert ticked - started < 0.25
+        with pytest.raises(MemoryUnavailable) as raised:
+            await call
+        assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert 0.45 < time.monotonic() - started < 1.9
+    finally:
+        client.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_cancellingCancelsTheCall(silentServer: str, acme: Tenant) -> None:
+    """
+    Cancelling the Deferred (the proxy's client went away) ends the call
+    at once with CancelledError, long before its deadline.
+    """
+    from twisted.internet import reactor
+
+    client = clientOf(silentServer, timeout=30.0)
+    try:
+        call = client.getMemory(scopeOf(acme), "018f0000-0000-7000-8000-000000000000")
+        await deferLater(reactor, 0.05, lambda: None)
+        started = time.monotonic()
+        call.cancel()
+        with pytest.raises(CancelledError):
+            await call
+        assert time.monotonic() - started < 1
+    finally:
+        client.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_theWorkersQueueThroughTheClient(client: MemoryClient, acme: Tenant) -> None:
+    """
+    An observation queued (twice: once), claimed under a lease, released
+    with its attempt counted, claimed again, and completed: gone.
+    """
+    observation = memory_pb2.Observation(
+        scope=memory_pb2.Scope(org_id=str(acme.orgID), agent_id=str(acme.agentID)),
+        request_id="req-42",
+        messages=[
+            memory_pb2.ObservedMessage(role="user", content="my cat is Tom"),
+            memory_pb2.ObservedMessage(role="assistant", content="Nice cat"),
+        ],
+    )
+    queued = await client.queueObservations([observation])
+    again = await client.queueObservations([observation])
+    assert queued.queued[0].id == again.queued[0].id and not again.queued[0].queued_now
+    claimed = await client.claimObservations("worker-a", 10, 60.0)
+    [held] = claimed.observations
+    assert [each.content for each in held.messages] == ["my cat is Tom", "Nice cat"]
+    assert (await client.claimObservations("worker-b", 10, 60.0)).observations == []
+    released = await client.releaseObservation(
+        str(acme.orgID), held.id, "worker-a", retryAfter=0.0, countAttempt=True, reason="x"
+    )
+    assert released.released
+    [again2] = (await client.claimObservations("worker-b", 10, 60.0)).observations
+    assert again2.attempts == 1
+    assert (await client.completeObservation(str(acme.orgID), held.id, "worker-b")).completed
+    with pytest.raises(MemoryNotFound):
+        await client.completeObservation(str(acme.orgID), held.id, "worker-b")

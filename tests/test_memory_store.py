@@ -1,0 +1,359 @@
+"""
+svc-memory's store against a real PostgreSQL (sql/0009_memory.sql,
+decisions D13): memories kept, listed, changed and forgotten in their
+scope; the scope's cap under concurrency; row-level security enforced by
+the database itself; observations queued once per request id and leased.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import psycopg
+import pytest
+from authfixtures import Tenant
+from memoryfixtures import MODEL, appConnection, embedding, scopeOf, secondAgent, vectorBytes
+
+from svcd.auth.store import Store, StoreRejected
+from svcd.memory.records import NewObservation, ObservedMessage, Scope
+from svcd.memory.store import (
+    MemoryForbidden,
+    MemoryNotFound,
+    MemoryStore,
+    ObservationRelease,
+    ScopeFull,
+)
+
+
+def add(
+    store: MemoryStore, scope: Scope, content: str, values: list[float] | None = None
+) -> uuid.UUID:
+    record = store.add(
+        scope, content, "{}", "api", None, embedding(values or [1.0, 0.0]), maxPerScope=100
+    )
+    return record.memoryID
+
+
+def test_addThenGetGivesTheMemoryBack(memoryStore: MemoryStore, acme: Tenant) -> None:
+    """
+    A memory added is read back with its content, metadata, source, model
+    and dimensions, and its two timestamps equal.
+    """
+    scope = scopeOf(acme, "user-1")
+    added = memoryStore.add(
+        scope,
+        "likes tea",
+        '{"b":1,"a":"x"}',
+        "extracted",
+        "req-1",
+        embedding([0.5, 0.5, 0.0]),
+        maxPerScope=10,
+    )
+    got = memoryStore.get(scope, added.memoryID)
+    assert got == added
+    assert (got.content, got.metadata, got.source, got.sourceRequestID) == (
+        "likes tea",
+        '{"a":"x","b":1}',
+        "extracted",
+        "req-1",
+    )
+    assert (got.embeddingModel, got.dimensions, got.subject) == (MODEL, 3, "user-1")
+    assert got.createdAt == got.updatedAt
+    assert got.memoryID.version == 7
+
+
+def test_anotherScopesIdIsForbiddenAnUnknownOneNotFound(
+    memoryStore: MemoryStore, owner: Store, acme: Tenant, globex: Tenant
+) -> None:
+    """
+    An id of another organization, another agent or another subject is
+    refused as forbidden, by get, update and delete alike; an id nobody
+    holds is not found; the memory itself is untouched.
+    """
+    scope = scopeOf(acme, "u")
+    memoryID = add(memoryStore, scope, "secret plan")
+    strangers = [
+        scopeOf(globex, "u"),
+        Scope(acme.orgID, secondAgent(owner, acme), "u"),
+        scopeOf(acme, "v"),
+    ]
+    for stranger in strangers:
+        with pytest.raises(MemoryForbidden):
+            memoryStore.get(stranger, memoryID)
+        with pytest.raises(MemoryForbidden):
+            memoryStore.update(stranger, memoryID, "changed", None, embedding([0.0, 1.0]))
+        with pytest.raises(MemoryForbidden):
+            memoryStore.delete(stranger, memoryID)
+        with pytest.raises(MemoryForbidden):
+            memoryStore.listMemories(stranger, 10, after=memoryID)
+    unknown = uuid.uuid4()
+    for call in (
+        lambda: memoryStore.get(scope, unknown),
+        lambda: memoryStore.delete(scope, unknown),
+        lambda: memoryStore.update(scope, unknown, None, "{}", None),
+        lambda: memoryStore.listMemories(scope, 10, after=unknown),
+    ):
+        with pytest.raises(MemoryNotFound):
+            call()
+    assert memoryStore.get(scope, memoryID).content == "secret plan"
+
+
+def test_listIsNewestFirstAndPagesWithAfter(memoryStore: MemoryStore, acme: Tenant) -> None:
+    """
+    A scope's memories list newest first; C{after} continues past the
+    memory it names, and C{has_more} says whether another page follows.
+    Other subjects' memories never appear.
+    """
+    scope = scopeOf(acme)
+    ids = [add(memoryStore, scope, f"fact {number}") for number in range(5)]
+    add(memoryStore, scopeOf(acme, "other"), "not mine")
+    first, more = memoryStore.listMemories(scope, 2)
+    assert [each.memoryID for each in first] == [ids[4], ids[3]] and more
+    second, more = memoryStore.listMemories(scope, 2, after=first[-1].memoryID)
+    assert [each.memoryID for each in second] == [ids[2], ids[1]] and more
+    third, more = memoryStore.listMemories(scope, 2, after=second[-1].memoryID)
+    assert [each.memoryID for each in third] == [ids[0]] and not more
+
+
+def test_updateChangesContentVectorAndMetadata(memoryStore: MemoryStore, acme: Tenant) -> None:
+    """
+    An update changes what it names (metadata alone keeps the content and
+    vector; content comes with its new vector) and moves updated_at on.
+    """
+    scope = scopeOf(acme)
+    memoryID = add(memoryStore, scope, "old", [1.0, 0.0])
+    onlyMetadata = memoryStore.update(scope, memoryID, None, '{"k":"v"}', None)
+    assert (onlyMetadata.content, onlyMetadata.metadata) == ("old", '{"k":"v"}')
+    changed = memoryStore.update(scope, memoryID, "new", None, embedding([0.0, 1.0, 0.0], "m2"))
+    assert (changed.content, changed.metadata, changed.embeddingModel, changed.dimensions) == (
+        "new",
+        '{"k":"v"}',
+        "m2",
+        3,
+    )
+    assert changed.updatedAt > changed.createdAt
+    rows = memoryStore.rowsForCache(acme.orgID, [memoryID])
+    assert rows[memoryID].vector == vectorBytes([0.0, 1.0, 0.0])
+
+
+def test_theCapHoldsUnderConcurrentAdds(memoryStore: MemoryStore, acme: Tenant) -> None:
+    """
+    Eight adds at once to a scope one short of its cap: exactly one is
+    stored, the others are refused as full, and the scope holds exactly
+    the cap. Another subject of the same agent is not affected.
+    """
+    scope = scopeOf(acme, "capped")
+    cap = 5
+    for number in range(cap - 1):
+        memoryStore.add(scope, f"m{number}", "{}", "api", None, embedding([1.0]), cap)
+    start = threading.Barrier(8)
+    outcomes: list[str] = []
+    lock = threading.Lock()
+
+    def adder(number: int) -> None:
+        start.wait()
+        try:
+            memoryStore.add(scope, f"racer {number}", "{}", "api", None, embedding([1.0]), cap)
+            outcome = "stored"
+        except ScopeFull:
+            outcome = "full"
+        with lock:
+            outcomes.append(outcome)
+
+    threads = [threading.Thread(target=adder, args=(number,)) for number in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert sorted(outcomes) == ["full"] * 7 + ["stored"]
+    memories, _ = memoryStore.listMemories(scope, 100)
+    assert len(memories) == cap
+    with pytest.raises(ScopeFull):
+        memoryStore.add(scope, "one more", "{}", "api", None, embedding([1.0]), cap)
+    memoryStore.add(scopeOf(acme, "elsewhere"), "fine", "{}", "api", None, embedding([1.0]), cap)
+
+
+def test_anAgentOfAnotherOrganizationIsRefused(
+    memoryStore: MemoryStore, acme: Tenant, globex: Tenant
+) -> None:
+    """
+    A memory cannot name another organization's agent: the foreign key
+    refuses it, row-level security or not.
+    """
+    with pytest.raises(StoreRejected):
+        add(memoryStore, Scope(acme.orgID, globex.agentID), "misfiled")
+
+
+def test_deleteScopeForgetsMemoriesAndObservations(memoryStore: MemoryStore, acme: Tenant) -> None:
+    """
+    Deleting a scope removes its memories and waiting observations, says
+    how many of each, and leaves other subjects alone.
+    """
+    scope, other = scopeOf(acme, "a"), scopeOf(acme, "b")
+    for number in range(3):
+        add(memoryStore, scope, f"fact {number}")
+    kept = add(memoryStore, other, "other subject")
+    memoryStore.queueObservations(
+        [NewObservation(scope, "req-1", (ObservedMessage("user", "hello"),))]
+    )
+    assert memoryStore.deleteScope(scope) == (3, 1)
+    assert memoryStore.listMemories(scope, 10) == ([], False)
+    assert memoryStore.get(other, kept).content == "other subject"
+    assert memoryStore.deleteScope(scope) == (0, 0)
+
+
+def test_forgettingLeavesTheTextNowhere(
+    memoryStore: MemoryStore, migratedDSN: str, acme: Tenant
+) -> None:
+    """
+    A deleted memory's text is in no table of the database afterwards: no
+    history, no soft delete, no copy.
+    """
+    scope = scopeOf(acme)
+    marker = "forget-me-" + uuid.uuid4().hex
+    memoryID = add(memoryStore, scope, marker)
+    assert _tablesHolding(migratedDSN, marker) == ["memories"]
+    memoryStore.delete(scope, memoryID)
+    assert _tablesHolding(migratedDSN, marker) == []
+    with pytest.raises(MemoryNotFound):
+        memoryStore.get(scope, memoryID)
+
+
+def _tablesHolding(dsn: str, text: str) -> list[str]:
+    with psycopg.connect(dsn, autocommit=True) as connection:
+        tables = [
+            row[0]
+            for row in connection.execute(
+                "SELECT tablename FROM pg_tables WHERE schemaname = 'public' ORDER BY 1"
+            ).fetchall()
+        ]
+        return [
+            table
+            for table in tables
+            if connection.execute(
+                f'SELECT count(*) FROM "{table}" AS row WHERE row::text LIKE %s',
+                (f"%{text}%",),
+            ).fetchone()
+            != (0,)
+        ]
+
+
+def test_theDatabaseRefusesTheWrongOrganizationsContext(
+    memoryStore: MemoryStore, migratedDSN: str, acme: Tenant, globex: Tenant
+) -> None:
+    """
+    Row-level security, in PostgreSQL itself: as svc_memory_app in
+    globex's context, acme's memory is invisible to SELECT, UPDATE and
+    DELETE, and an INSERT of a row of acme's is refused; with no context
+    at all nothing is visible.
+    """
+    memoryID = add(memoryStore, scopeOf(acme), "acme's")
+    with appConnection(migratedDSN) as connection:
+        with connection.transaction():
+            connection.execute("SELECT set_config('svc.org_id', %s, true)", (str(globex.orgID),))
+            assert connection.execute("SELECT count(*) FROM memories").fetchone() == (0,)
+            changed = connection.execute(
+                "UPDATE memories SET content = 'stolen' WHERE id = %s", (memoryID,)
+            )
+            assert changed.rowcount == 0
+            deleted = connection.execute("DELETE FROM memories WHERE id = %s", (memoryID,))
+            assert deleted.rowcount == 0
+        with pytest.raises(psycopg.errors.InsufficientPrivilege, match="row-level security"):
+            with connection.transaction():
+                connection.execute(
+                    "SELECT set_config('svc.org_id', %s, true)", (str(globex.orgID),)
+                )
+                connection.execute(
+                    "INSERT INTO memory_observations (id, org_id, agent_id, request_id, messages)"
+                    " VALUES (%s, %s, %s, 'r', '[]')",
+                    (uuid.uuid4(), acme.orgID, acme.agentID),
+                )
+        assert connection.execute("SELECT count(*) FROM memories").fetchone() == (0,)
+        # svc_memory_app cannot read svc-auth's tables at all.
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            connection.execute("SELECT count(*) FROM tokens")
+    assert memoryStore.get(scopeOf(acme), memoryID).content == "acme's"
+
+
+def test_observationsQueueOncePerRequestID(memoryStore: MemoryStore, acme: Tenant) -> None:
+    """
+    Queueing a batch twice queues each observation once: the second call
+    answers the same ids, marked as queued before.
+    """
+    scope = scopeOf(acme, "s")
+    batch = [
+        NewObservation(scope, "req-a", (ObservedMessage("user", "I live in Lyon"),)),
+        NewObservation(
+            scope,
+            "req-b",
+            (ObservedMessage("user", "hi"), ObservedMessage("assistant", "hello")),
+        ),
+    ]
+    first = memoryStore.queueObservations(batch)
+    again = memoryStore.queueObservations(batch)
+    assert [each.queuedNow for each in first] == [True, True]
+    assert [each.queuedNow for each in again] == [False, False]
+    assert [each.observationID for each in first] == [each.observationID for each in again]
+    assert memoryStore.observationsWaiting() == 2
+
+
+def test_claimLeasesCompleteDeletesReleaseRequeues(
+    memoryStore: MemoryStore, acme: Tenant, globex: Tenant
+) -> None:
+    """
+    A claim leases due observations of every organization to one owner
+    (a second claim gets none of them); completing deletes one; releasing
+    one makes it due again later with its attempt counted, or kept as
+    failed; a stranger's complete is refused.
+    """
+    memoryStore.queueObservations(
+        [
+            NewObservation(scopeOf(acme), "a", (ObservedMessage("user", "one"),)),
+            NewObservation(scopeOf(globex), "g", (ObservedMessage("user", "two"),)),
+        ]
+    )
+    claimed = memoryStore.claimObservations("worker-1", 60.0, 10)
+    assert sorted(each.requestID for each in claimed) == ["a", "g"]
+    assert memoryStore.claimObservations("worker-2", 60.0, 10) == []
+    byRequest = {each.requestID: each for each in claimed}
+    acmeOne, globexOne = byRequest["a"], byRequest["g"]
+    assert acmeOne.messages == (ObservedMessage("user", "one"),)
+    with pytest.raises(MemoryForbidden):
+        memoryStore.completeObservation(globex.orgID, acmeOne.observationID, "worker-1")
+    assert not memoryStore.completeObservation(acme.orgID, acmeOne.observationID, "worker-2")
+    assert memoryStore.completeObservation(acme.orgID, acmeOne.observationID, "worker-1")
+    with pytest.raises(MemoryNotFound):
+        memoryStore.completeObservation(acme.orgID, acmeOne.observationID, "worker-1")
+    released = memoryStore.releaseObservation(
+        globex.orgID,
+        globexOne.observationID,
+        "worker-1",
+        ObservationRelease(retryAfter=0.0, countAttempt=True, failed=False, reason="bad json"),
+    )
+    assert released
+    again = memoryStore.claimObservations("worker-2", 60.0, 10)
+    assert [(each.requestID, each.attempts) for each in again] == [("g", 1)]
+    memoryStore.releaseObservation(
+        globex.orgID,
+        globexOne.observationID,
+        "worker-2",
+        ObservationRelease(retryAfter=0.0, countAttempt=True, failed=True, reason="gave up"),
+    )
+    assert memoryStore.claimObservations("worker-3", 60.0, 10) == []
+    assert memoryStore.observationsWaiting() == 0
+
+
+def test_anExpiredLeaseReturnsTheObservation(memoryStore: MemoryStore, acme: Tenant) -> None:
+    """
+    An observation whose lease ran out (its worker died) is claimed again
+    by the next worker, and the first can no longer complete it.
+    """
+    memoryStore.queueObservations(
+        [NewObservation(scopeOf(acme), "r", (ObservedMessage("user", "x"),))]
+    )
+    [first] = memoryStore.claimObservations("dead-worker", 0.0, 1)
+    [second] = memoryStore.claimObservations("live-worker", 60.0, 1)
+    assert first.observationID == second.observationID
+    assert not memoryStore.completeObservation(acme.orgID, first.observationID, "dead-worker")
+    assert memoryStore.completeObservation(acme.orgID, first.observationID, "live-worker")

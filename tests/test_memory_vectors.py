@@ -1,0 +1,295 @@
+"""
+The cache of vectors and its exact search (svcd/memory/vectors.py,
+decisions D13), without a database: the ranking against brute force,
+ties, the byte accounting, the bound, and changes heard while a scope
+loads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from memoryfixtures import vectorBytes
+
+from svcd.memory.store import CachedRow, ScopeRows
+from svcd.memory.vectors import (
+    ROW_EXTRA_BYTES,
+    SCOPE_OVERHEAD_BYTES,
+    CacheMetrics,
+    ScopeKey,
+    ScopeVectors,
+    VectorCache,
+    normalised,
+    parallelProduct,
+)
+
+ORG, AGENT = uuid.uuid4(), uuid.uuid4()
+
+
+def rowsOf(
+    vectors: list[list[float]], created: list[int] | None = None
+) -> tuple[ScopeRows, list[uuid.UUID]]:
+    ids = [uuid.uuid4() for _ in vectors]
+    return (
+        ScopeRows(
+            ids=b"".join(each.bytes for each in ids),
+            createdMicros=created or list(range(len(vectors))),
+            vectors=b"".join(vectorBytes(each) for each in vectors),
+        ),
+        ids,
+    )
+
+
+def bruteForce(
+    vectors: list[list[float]], created: list[int], ids: list[uuid.UUID], query: list[float]
+) -> list[tuple[float, int, uuid.UUID]]:
+    """
+    Every memory's cosine similarity in float64, from scratch.
+    """
+    q = numpy.asarray(query, dtype=numpy.float64)
+    out = []
+    for vector, moment, memoryID in zip(vectors, created, ids, strict=True):
+        v = numpy.asarray(vector, dtype=numpy.float32).astype(numpy.float64)
+        out.append((float(v @ q / numpy.linalg.norm(v) / numpy.linalg.norm(q)), moment, memoryID))
+    return out
+
+
+component = st.integers(-4, 4).map(float)
+
+
+@st.composite
+def scopes(draw: st.DrawFn) -> tuple[list[list[float]], list[int], list[float], int]:
+    dimensions = draw(st.integers(1, 6))
+    vector = st.lists(component, min_size=dimensions, max_size=dimensions).filter(
+        lambda each: any(each)
+    )
+    vectors = draw(st.lists(vector, min_size=1, max_size=40))
+    created = draw(st.lists(st.integers(0, 5), min_size=len(vectors), max_size=len(vectors)))
+    return vectors, created, draw(vector), draw(st.integers(1, 12))
+
+
+@settings(max_examples=300, deadline=None)
+@given(scopes())
+def test_searchIsExactAgainstBruteForce(
+    case: tuple[list[list[float]], list[int], list[float], int],
+) -> None:
+    """
+    Recall 1.0: the top k of a search are the k best by exact cosine
+    similarity (scores within float32 rounding), in order, and every
+    memory the search leaves out scores no higher than the last it kept.
+    Integer components make many ties, which come out newest first: among
+    results of equal score, creation times never increase.
+    """
+    vectors, created, query, k = case
+    rows, ids = rowsOf(vectors, created)
+    scope = ScopeVectors.fromRows(len(query), rows)
+    hits = scope.search(normalised(vectorBytes(query)), k)
+    exact = {
+        memoryID: (score, moment)
+        for score, moment, memoryID in bruteForce(vectors, created, ids, query)
+    }
+    assert len(hits) == min(k, len(vectors))
+    assert len({hit.memoryID for hit in hits}) == len(hits)
+    for hit in hits:
+        assert abs(hit.score - exact[hit.memoryID][0]) < 1e-5
+    for earlier, later in itertools.pairwise(hits):
+        assert earlier.score >= later.score
+        if earlier.score == later.score:
+            assert exact[earlier.memoryID][1] >= exact[later.memoryID][1]
+    kept = {hit.memoryID for hit in hits}
+    last = hits[-1].score
+    for memoryID, (score, _) in exact.items():
+        if memoryID not in kept:
+            assert score <= last + 1e-5
+
+
+def test_tiesAreNewestFirst() -> None:
+    """
+    Memories with the very same vector rank by creation, newest first,
+    whichever order they were loaded in.
+    """
+    rows, ids = rowsOf([[1.0, 0.0]] * 4, created=[20, 40, 10, 30])
+    scope = ScopeVectors.fromRows(2, rows)
+    hits = scope.search(normalised(vectorBytes([1.0, 0.0])), 3)
+    assert [hit.memoryID for hit in hits] == [ids[1], ids[3], ids[0]]
+
+
+def test_minScoreLeavesOutWorseMemories() -> None:
+    """
+    With a minimum score, memories scoring below it are not returned,
+    however few remain.
+    """
+    rows, ids = rowsOf([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]])
+    scope = ScopeVectors.fromRows(2, rows)
+    hits = scope.search(normalised(vectorBytes([1.0, 0.1])), 5, minScore=0.0)
+    assert [hit.memoryID for hit in hits] == [ids[0], ids[1]]
+    assert scope.search(normalised(vectorBytes([1.0, 0.0])), 5, minScore=1.5) == []
+
+
+def test_upsertAndRemoveKeepTheSearchExact() -> None:
+    """
+    A memory added, changed or removed after loading is searched as if
+    the scope had been loaded with it; compaction after many removals
+    changes no answer.
+    """
+    rows, ids = rowsOf([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+    scope = ScopeVectors.fromRows(3, rows)
+    added = uuid.uuid4()
+    scope.upsert(added, 99, normalised(vectorBytes([0.0, 0.0, 1.0])))
+    assert scope.search(normalised(vectorBytes([0.0, 0.0, 1.0])), 1)[0].memoryID == added
+    scope.upsert(ids[0], 0, normalised(vectorBytes([0.0, 0.0, 2.0])))
+    top = scope.search(normalised(vectorBytes([0.0, 0.0, 1.0])), 2)
+    assert [hit.memoryID for hit in top] == [added, ids[0]]
+    assert scope.count == 3
+    scope.remove([added, ids[1]])
+    assert [hit.memoryID for hit in scope.search(normalised(vectorBytes([0, 1, 1])), 5)] == [ids[0]]
+    many = [uuid.uuid4() for _ in range(100)]
+    for number, memoryID in enumerate(many):
+        scope.upsert(memoryID, number, normalised(vectorBytes([1.0, float(number), 0.0])))
+    scope.remove(many[:90])
+    assert scope.count == 11
+    hits = scope.search(normalised(vectorBytes([0.0, 1.0, 0.0])), 3)
+    assert [hit.memoryID for hit in hits] == [many[99], many[98], many[97]]
+
+
+def test_bytesPerMemoryStayWithinTheBound() -> None:
+    """
+    The cache's accounting is the arrays' own bytes, and a scope of 768
+    dimensions costs at most 1.2 x 4 x 768 bytes per memory: loaded, grown
+    one memory at a time, and after removals short of compaction.
+    """
+    dimensions = 768
+    generator = numpy.random.default_rng(7)
+    count = 2000
+    matrix = generator.standard_normal((count, dimensions)).astype("<f4")
+    rows = ScopeRows(
+        ids=b"".join(uuid.uuid4().bytes for _ in range(count)),
+        createdMicros=list(range(count)),
+        vectors=matrix.tobytes(),
+    )
+    bound = 1.2 * 4 * dimensions
+    scope = ScopeVectors.fromRows(dimensions, rows)
+    arrays = (4 * dimensions + ROW_EXTRA_BYTES) * (count + count // 16 + 1) + SCOPE_OVERHEAD_BYTES
+    assert scope.nbytes == arrays
+    assert scope.nbytes / scope.count <= bound
+    added = []
+    for number in range(1500):
+        memoryID = uuid.uuid4()
+        added.append(memoryID)
+        scope.upsert(memoryID, count + number, normalised(matrix[number].tobytes()))
+        assert scope.nbytes / scope.count <= bound, number
+    removed = 0
+    for memoryID in added:
+        scope.remove([memoryID])
+        removed += 1
+        assert scope.nbytes / scope.count <= bound, removed
+
+
+def key(subject: str = "", model: str = "m", dimensions: int = 2) -> ScopeKey:
+    return ScopeKey(ORG, AGENT, subject, model, dimensions)
+
+
+def row(memoryID: uuid.UUID, vector: list[float], created: int = 0, model: str = "m") -> CachedRow:
+    return CachedRow(memoryID, AGENT, "", model, len(vector), created, vectorBytes(vector))
+
+
+def test_theCacheEvictsTheLeastRecentlySearched() -> None:
+    """
+    Past its bound the cache drops the scope searched least recently; a
+    scope larger than the whole bound is searched but never kept.
+    """
+    events: list[str] = []
+    metrics = CacheMetrics(
+        hit=lambda: events.append("hit"),
+        miss=lambda: events.append("miss"),
+        evicted=lambda: events.append("evicted"),
+    )
+    one = ScopeVectors.fromRows(2, rowsOf([[1.0, 0.0]])[0])
+    cache = VectorCache(maxBytes=int(one.nbytes * 2.5), metrics=metrics)
+    cache.listening()
+    for subject in ("a", "b"):
+        cache.finishLoad(
+            cache.beginLoad(key(subject)), ScopeVectors.fromRows(2, rowsOf([[1.0, 0.0]])[0])
+        )
+    assert cache.lookup(key("a")) is not None
+    cache.finishLoad(cache.beginLoad(key("c")), ScopeVectors.fromRows(2, rowsOf([[1.0, 0.0]])[0]))
+    assert cache.lookup(key("b")) is None
+    assert cache.lookup(key("a")) is not None and cache.lookup(key("c")) is not None
+    assert events.count("evicted") == 1
+    huge = ScopeVectors.fromRows(2, rowsOf([[1.0, 0.0]] * 200)[0])
+    assert cache.finishLoad(cache.beginLoad(key("huge")), huge) is huge
+    assert cache.lookup(key("huge")) is None
+    assert cache.totalBytes <= cache.maxBytes
+
+
+def test_changesHeardDuringALoadAreApplied() -> None:
+    """
+    A change of a scope heard while the scope is being loaded is applied
+    to what the load read before it is installed; one heard after, to the
+    installed scope; one for another model's key leaves it alone, except
+    that a memory whose model changed leaves the old model's key.
+    """
+    cache = VectorCache(maxBytes=10**9)
+    cache.listening()
+    assert not cache.watches(ORG, AGENT, "")
+    load = cache.beginLoad(key())
+    assert cache.watches(ORG, AGENT, "")
+    rows, ids = rowsOf([[1.0, 0.0], [0.0, 1.0]])
+    late = uuid.uuid4()
+    triple = (ORG, AGENT, "")
+    cache.apply([(triple, ids[0], None), (triple, late, row(late, [1.0, 1.0], 5))])
+    scope = cache.finishLoad(load, ScopeVectors.fromRows(2, rows))
+    assert cache.lookup(key()) is scope
+    query = normalised(vectorBytes([1.0, 0.0]))
+    assert [hit.memoryID for hit in scope.search(query, 5)] == [late, ids[1]]
+    cache.apply([(triple, ids[1], row(ids[1], [1.0, 0.0, 0.0], model="other"))])
+    assert [hit.memoryID for hit in scope.search(query, 5)] == [late]
+
+
+def test_nothingIsCachedWhileNotListening() -> None:
+    """
+    Until the listener hears changes, and again once it loses them, loads
+    are searched but not kept; a load begun before the listener lost its
+    connection is not kept either.
+    """
+    cache = VectorCache(maxBytes=10**9)
+    loaded = ScopeVectors.fromRows(2, rowsOf([[1.0, 0.0]])[0])
+    assert cache.beginLoad(key()) is None
+    assert cache.finishLoad(None, loaded) is loaded
+    assert cache.lookup(key()) is None
+    cache.listening()
+    load = cache.beginLoad(key())
+    cache.notListening()
+    cache.listening()
+    cache.finishLoad(load, loaded)
+    assert cache.lookup(key()) is None
+    cache.finishLoad(cache.beginLoad(key()), loaded)
+    assert cache.lookup(key()) is loaded
+    cache.notListening()
+    assert cache.lookup(key()) is None and cache.totalBytes == 0
+
+
+def test_aSplitProductRanksAsOne() -> None:
+    """
+    A large scope's product split into blocks over threads gives the very
+    scores, and so the very ranking, of one product.
+    """
+    generator = numpy.random.default_rng(3)
+    matrix = generator.standard_normal((1001, 16)).astype("<f4")
+    rows = ScopeRows(
+        ids=b"".join(uuid.uuid4().bytes for _ in range(1001)),
+        createdMicros=list(range(1001)),
+        vectors=matrix.tobytes(),
+    )
+    scope = ScopeVectors.fromRows(16, rows)
+    query = normalised(generator.standard_normal(16).astype("<f4").tobytes())
+    with ThreadPoolExecutor(2) as executor:
+        split = parallelProduct(executor, 3, threshold=100)
+        assert scope.search(query, 20, product=split) == scope.search(query, 20)
+        scores = split(scope._view.matrix[:1001], query)
+        assert numpy.allclose(scores, scope._view.matrix[:1001] @ query, atol=1e-6)
