@@ -34,6 +34,11 @@ the gateway saw an unexpected status):
     upstream-stream, stream
               the same with "stream": true: nginx answers a fixed event
               stream (7 events), the proxy relays it -> 200
+    embed     POST /v1/embeddings (decisions D13) of one input, forwarded to
+              that upstream, which answers a fixed embedding (one vector of
+              64 float32 values in base64, as the openai SDK asks for them,
+              with its usage) -> 200; its requests/s are compared with the
+              forward row's in the same run
     forward-limits
               the forward row for a second tenant whose organization has
               limits rows of requests and tokens per minute and whose agent
@@ -75,11 +80,13 @@ holds one for each answer wrk read.
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import json
 import os
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -110,12 +117,18 @@ LOAD_SCRIPT = Path(__file__).with_name("load.lua")
 # Rows answered by the fast local upstream, without the gateway.
 _UPSTREAM = ("upstream", "upstream-stream")
 _FORWARDING = ("upstream", "forward", "upstream-stream", "stream")
+# Forwarded rows compared with the forward row: under limits rows, or
+# another route (decisions D13).
+_EMBEDDED = ("embed",)
 # Forwarded rows under limits rows, compared with the forward row.
 _LIMITED = ("forward-limits", "forward-budget")
 PRICED_MODEL = "bench-priced"
 # Limits rows of the forward-limits row's tenant: never reached.
 _HIGH = 1_000_000_000
 FORWARDED_MODEL = "bench-fast"
+EMBEDDING_MODEL = "bench-embed"
+# The embed row's input: a short sentence, as the chat rows' message is.
+EMBEDDING_INPUT = "hello there"
 ANSWER = json.dumps(
     {
         "id": "chatcmpl-bench",
@@ -133,6 +146,25 @@ ANSWER = json.dumps(
     },
     separators=(",", ":"),
 )
+
+
+def _embeddingAnswer() -> str:
+    """
+    The fixed answer of nginx's embeddings route: one vector of 64 float32
+    values (a unit vector's worth of varied ones), base64 as OpenAI writes
+    it, and the usage.
+    """
+    values = [((index * 37) % 64 - 31.5) / 256 for index in range(64)]
+    vector = base64.b64encode(struct.pack("<64f", *values)).decode("ascii")
+    return json.dumps(
+        {
+            "object": "list",
+            "data": [{"object": "embedding", "index": 0, "embedding": vector}],
+            "model": "bench-upstream-embed",
+            "usage": {"prompt_tokens": 2, "total_tokens": 2},
+        },
+        separators=(",", ":"),
+    )
 
 
 def _streamAnswer() -> str:
@@ -159,7 +191,8 @@ def _streamAnswer() -> str:
 def _nginxConfig(workdir: Path, port: int) -> str:
     """
     nginx answering POST .../chat/completions with a fixed answer: JSON
-    under /v1, an event stream under /stream/v1.
+    under /v1, an event stream under /stream/v1; and POST /v1/embeddings
+    with a fixed embedding.
     """
     temp = workdir / "nginx-temp"
     temp.mkdir(exist_ok=True)
@@ -191,6 +224,10 @@ http {{
     location = /stream/v1/chat/completions {{
       default_type text/event-stream;
       return 200 {quoted(_streamAnswer())};
+    }}
+    location = /v1/embeddings {{
+      default_type application/json;
+      return 200 {quoted(_embeddingAnswer())};
     }}
   }}
 }}
@@ -244,6 +281,11 @@ provider = "nginx"
 [[models]]
 name = "{FORWARDED_MODEL}-stream"
 provider = "nginx-stream"
+
+[[models]]
+name = "{EMBEDDING_MODEL}"
+provider = "nginx"
+kind = "embedding"
 
 [[models]]
 name = "{PRICED_MODEL}"
@@ -369,7 +411,8 @@ def runningStack(
             store = Store(lambda: contextlib.nullcontext(connection))
             orgID = store.createOrganization("bench")
             agent = store.createAgent(orgID, "bench-agent")
-            token, _ = issueToken(store, orgID=orgID, permissions=1)
+            # ProxyChatCompletion and ProxyEmbeddings (the embed row).
+            token, _ = issueToken(store, orgID=orgID, permissions=33)
             spread = [issueToken(store, orgID=orgID, permissions=1)[0] for _ in range(SPREAD)]
             limitedOrgID = store.createOrganization("bench-limited")
             limitedAgent = store.createAgent(limitedOrgID, "bench-limited-agent")
@@ -571,6 +614,11 @@ class Stack:
             environment = _wrkEnvironment("POST", self.token, self.agentID)
             environment["SVC_BENCH_MODEL"] = FORWARDED_MODEL
             return f"{base}/v1/chat/completions", environment, 200
+        if row == "embed":
+            environment = _wrkEnvironment("POST", self.token, self.agentID)
+            environment["SVC_BENCH_MODEL"] = EMBEDDING_MODEL
+            environment["SVC_BENCH_INPUT"] = EMBEDDING_INPUT
+            return f"{base}/v1/embeddings", environment, 200
         if row == "forward-limits":
             environment = _wrkEnvironment("POST", self.limitedToken, self.limitedAgentID)
             environment["SVC_BENCH_MODEL"] = FORWARDED_MODEL
@@ -593,7 +641,7 @@ class Stack:
         raise SystemExit(
             f"unknown row {row!r}: use floor, ceiling, prototype, chat, spread, probe,"
             " rejected, chat-phase1, spread-phase1, upstream, forward, upstream-stream,"
-            " stream, forward-limits or forward-budget"
+            " stream, forward-limits, forward-budget or embed"
         )
 
 
@@ -912,7 +960,7 @@ def main() -> int:
         "--rows",
         default=(
             "floor,ceiling,prototype,chat,spread,probe,rejected,chat-phase1,spread-phase1,"
-            "upstream,forward,upstream-stream,stream,forward-limits,forward-budget"
+            "upstream,forward,upstream-stream,stream,forward-limits,forward-budget,embed"
         ),
     )
     parser.add_argument("--log-level", default="INFO", help="SVC_LOG_LEVEL of the daemons")
@@ -955,7 +1003,7 @@ def main() -> int:
             withCeiling="ceiling" in rows,
             withPhase1=any(row.endswith(_PHASE1) for row in rows),
             withForwarding=any(
-                row in (*_FORWARDING, *_LIMITED)
+                row in (*_FORWARDING, *_LIMITED, *_EMBEDDED)
                 for row in [*rows, *([arguments.soak_row] if arguments.soak else [])]
             ),
         ) as stack:
@@ -1028,7 +1076,7 @@ def main() -> int:
     for each in results:
         runs = forwardRuns.get((each["connections"], each["workers"]))
         forwardRPS = sum(runs) / len(runs) if runs else None
-        if each["row"] in _LIMITED and forwardRPS:
+        if each["row"] in (*_LIMITED, *_EMBEDDED) and forwardRPS:
             each["ratio_to_forward"] = each["rps"] / forwardRPS
             print(
                 f"{each['row']} at {each['connections']} connections, {each['workers']}"

@@ -11,6 +11,8 @@
 --                     SVC_BENCH_TOKEN
 --   SVC_BENCH_MODEL   the chat body's model ("demo" by default)
 --   SVC_BENCH_STREAM  "true": the chat body asks for a stream
+--   SVC_BENCH_INPUT   optional: an embeddings body of this one input
+--                     (decisions D13) instead of the chat body
 
 local method = os.getenv("SVC_BENCH_METHOD") or "POST"
 local token = os.getenv("SVC_BENCH_TOKEN") or ""
@@ -18,11 +20,16 @@ local agent = os.getenv("SVC_BENCH_AGENT") or ""
 local tokensFile = os.getenv("SVC_BENCH_TOKENS_FILE") or ""
 local model = os.getenv("SVC_BENCH_MODEL") or "demo"
 local stream = os.getenv("SVC_BENCH_STREAM") or "false"
+local input = os.getenv("SVC_BENCH_INPUT") or ""
 
 wrk.method = method
 if method == "POST" then
-  wrk.body = '{"model":"' .. model .. '","messages":[{"role":"user","content":"hello"}],'
-    .. '"stream":' .. stream .. '}'
+  if input ~= "" then
+    wrk.body = '{"model":"' .. model .. '","input":"' .. input .. '"}'
+  else
+    wrk.body = '{"model":"' .. model .. '","messages":[{"role":"user","content":"hello"}],'
+      .. '"stream":' .. stream .. '}'
+  end
   wrk.headers["Content-Type"] = "application/json"
 end
 if token ~= "" then

@@ -13,9 +13,11 @@ plain and streaming.
 
 Without C{SVC_PROVIDERS_FILE} in the environment it also runs the
 project's scripted model server (L{svcd.testing.upstream}) on a free
-loopback port, writes C{.data/providers.toml} with one model, C{demo},
-answered by it, and gives that file to svc-proxy alone: the printed
-commands then get a model's answer, with usage, on the first run. With
+loopback port, writes C{.data/providers.toml} with two models answered by
+it, the chat model C{demo} and the embedding model C{demo-embed}
+(decisions D13), and gives that file to svc-proxy alone: the printed
+commands then get a model's answer, with usage, and vectors, on the first
+run. With
 C{SVC_PROVIDERS_FILE} set (even empty: no provider, every chat request
 answers 501), svc-proxy gets the variable as it is and no model server
 runs. The daemons themselves never assume a providers file (decisions D9).
@@ -52,8 +54,9 @@ import psycopg
 from psycopg import sql
 
 from svcd.common.config import ConfigError
+from svcd.common.permissions import parsePermissions
+from svcd.providers.table import CHAT, EMBEDDING, providersFromEnvironment
 from svcd.providers.table import VARIABLE as PROVIDERS_VARIABLE
-from svcd.providers.table import providersFromEnvironment
 from svcd.testing.servers import PostgresServer, RedisServer, ServerError
 
 # The checkout this module belongs to: dev/gateway runs from there, and
@@ -70,7 +73,14 @@ DEMO_DATABASE = "svc"
 # normal answer describing the request, with usage.
 DEMO_MODEL = "demo"
 DEMO_UPSTREAM_MODEL = "echo"
+# The embedding model of that file (decisions D13): the scripted server's
+# vectors, under which texts that share words are near, of this length.
+DEMO_EMBEDDING_MODEL = "demo-embed"
+DEMO_EMBEDDING_DIMENSIONS = 64
 MODEL_SERVER = "model server"
+# The demo token's permissions: chat and embeddings. A token remembered in
+# demo.json without them all is replaced by a new one.
+DEMO_PERMISSIONS = "ProxyChatCompletion,ProxyEmbeddings"
 
 # svc-proxy's deadline on its calls to svc-auth here, unless the developer
 # sets SVC_AUTH_VALIDATE_TIMEOUT. The daemons' default, 50 ms, is sized for
@@ -94,8 +104,10 @@ environment variables:
                        does nothing else)
   SVC_PROVIDERS_FILE   a providers file: svc-proxy forwards chat requests to
                        its models, and the commands printed at the end use
-                       the first one. Unset: the scripted model server of
-                       the tests answers the model "demo" (.data/providers.toml).
+                       the first one (and its first embedding model, if
+                       any). Unset: the scripted model server of the tests
+                       answers the models "demo" and "demo-embed"
+                       (.data/providers.toml).
                        Set but empty: no provider, chat requests answer 501
   Every other variable is passed on to both daemons (SVC_LOG_FORMAT=text
   for readable logs, SVC_LOG_LEVEL=DEBUG, ...).
@@ -442,7 +454,12 @@ class DevStack:
             demo["agent_id"] = field(created, "agent_id")
             writePrivateJSON(path, demo)
             say(f"created the demo agent {demo['agent_id']}")
-        if "token" not in demo or _expired(demo.get("expires_at")):
+        wanted = parsePermissions(DEMO_PERMISSIONS)
+        if (
+            "token" not in demo
+            or _expired(demo.get("expires_at"))
+            or demo.get("permissions") != wanted
+        ):
             created = self._svcctl(
                 "token",
                 "create",
@@ -453,14 +470,25 @@ class DevStack:
                 "--name",
                 "demo",
                 "--permissions",
-                "ProxyChatCompletion",
+                DEMO_PERMISSIONS,
                 dsn=dsn,
             )
+            replaced = demo.get("token_id") if "token" in demo else None
             demo["token"] = field(created, "token")
             demo["token_id"] = field(created, "token_id")
             demo["expires_at"] = created.get("expires_at")
+            demo["permissions"] = created.get("permissions")
             writePrivateJSON(path, demo)
             say(f"created the demo token {demo['token_id']} (saved in {path})")
+            if isinstance(replaced, str) and replaced:
+                # An older run's token (expired, or without a permission
+                # the demo needs now): nobody has it any more.
+                try:
+                    self._svcctl("token", "revoke", replaced, dsn=dsn)
+                except DevStackError as error:
+                    say(f"could not revoke the demo token it replaces, {replaced}: {error}")
+                else:
+                    say(f"revoked the demo token it replaces, {replaced}")
         return demo
 
     def _startModelServer(self) -> Path:
@@ -468,7 +496,7 @@ class DevStack:
         Run the scripted model server of the tests on a free loopback port,
         as a child stopped with the daemons (after svc-proxy, which was
         started after it), and write the providers file that sends the demo
-        model to it; return the file's path.
+        models (chat and embedding) to it; return the file's path.
         """
         directory = self._settings.dataDirectory / "model-server"
         directory.mkdir(exist_ok=True)
@@ -484,6 +512,8 @@ class DevStack:
                 "0",
                 "--port-file",
                 str(portFile),
+                "--embedding-dimensions",
+                str(DEMO_EMBEDDING_DIMENSIONS),
             ],
             env=self._environ,
             cwd=CHECKOUT,
@@ -530,11 +560,19 @@ class DevStack:
             f'name = "{DEMO_MODEL}"\n'
             'provider = "scripted"\n'
             f'upstream_model = "{DEMO_UPSTREAM_MODEL}"   # an answer that describes the request\n'
+            "\n"
+            "[[models]]\n"
+            f'name = "{DEMO_EMBEDDING_MODEL}"\n'
+            'provider = "scripted"\n'
+            f'upstream_model = "{DEMO_UPSTREAM_MODEL}"   # vectors near for texts sharing words\n'
+            'kind = "embedding"\n'
+            f"dimensions = {DEMO_EMBEDDING_DIMENSIONS}\n"
         )
         os.replace(temporary, path)
         say(
-            f"model server: the scripted one of the tests on 127.0.0.1:{port} answers the model "
-            f'"{DEMO_MODEL}" (providers file {path}; SVC_PROVIDERS_FILE names your own)'
+            f"model server: the scripted one of the tests on 127.0.0.1:{port} answers the models "
+            f'"{DEMO_MODEL}" and "{DEMO_EMBEDDING_MODEL}" (providers file {path};'
+            " SVC_PROVIDERS_FILE names your own)"
         )
         return path
 
@@ -647,7 +685,7 @@ class DevStack:
         ]
         if self.proxyAvailable():
             lines.append(f"  svc-proxy  {proxy}")
-        model = self._demoModel(str(demo["org_id"]))
+        model, embeddingModel = self._demoModels(str(demo["org_id"]))
         headers = (
             f' -H "Authorization: Bearer {demo["token"]}"'
             f' -H "X-SVC-Agent-ID: {demo["agent_id"]}"'
@@ -673,17 +711,28 @@ class DevStack:
                 f"Stream the answer of {model} (its usage comes last):",
                 "",
                 f"  curl -N {proxy}/v1/chat/completions{headers} -d '{body % (model, streaming)}'",
-                "",
-                'With the openai Python SDK: README.rst, "Quick start".',
             ]
+        if embeddingModel is not None:
+            # Decisions D13: the embeddings route, with two texts.
+            texts = '{"model":"%s","input":["the cat sat on the mat","the cat ran"]}'
+            lines += [
+                "",
+                f"Embed two texts with {embeddingModel} (one vector each, its usage last):",
+                "",
+                f"  curl -i {proxy}/v1/embeddings{headers} -d '{texts % embeddingModel}'",
+            ]
+        if model is not None:
+            lines += ["", 'With the openai Python SDK: README.rst, "Quick start".']
         lines += ["", "Ctrl-C stops everything.", ""]
         print("\n".join(lines), flush=True)
 
-    def _demoModel(self, orgID: str) -> str | None:
+    def _demoModels(self, orgID: str) -> tuple[str | None, str | None]:
         """
-        The first model of the providers file (SVC_PROVIDERS_FILE, or the
-        one written for the model server) the demo organization may use, or
-        None without one (the gateway then answers 501).
+        The first chat model and the first embedding model (decisions D13)
+        of the providers file (SVC_PROVIDERS_FILE, or the one written for
+        the model server) the demo organization may use, each None without
+        one (a chat request then answers 501; no embeddings command is
+        printed).
         """
         environ = self._environ
         if self._writtenProviders is not None:
@@ -692,11 +741,13 @@ class DevStack:
             table = providersFromEnvironment(environ, time.time)
         except ConfigError:
             # The proxy has read it already; it would not have started.
-            return None
+            return None, None
         if table is None:
-            return None
+            return None, None
         models = table.modelsFor(orgID)
-        return models[0].name if models else None
+        chat = next((model.name for model in models if model.kind == CHAT), None)
+        embedding = next((model.name for model in models if model.kind == EMBEDDING), None)
+        return chat, embedding
 
     # Running and stopping.
 

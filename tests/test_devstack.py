@@ -35,10 +35,16 @@ from typing import Any
 import attrs
 import pytest
 
-from svcd.devstack import DEMO_MODEL, MODEL_SERVER, stopLeftovers
+from svcd.devstack import (
+    DEMO_EMBEDDING_DIMENSIONS,
+    DEMO_EMBEDDING_MODEL,
+    DEMO_MODEL,
+    MODEL_SERVER,
+    stopLeftovers,
+)
 from svcd.providers.table import loadProviders
 from svcd.testing.servers import freePort
-from svcd.testing.upstream import ScriptedUpstream
+from svcd.testing.upstream import ScriptedUpstream, embeddingOf
 
 # Starts real daemons or processes (conftest.py, pytest.ini): left out of a
 # quick run, dev/test -m "not e2e".
@@ -302,8 +308,9 @@ needsCurl = pytest.mark.skipif(
 def test_firstRunSaysItRunsTheModelServer(firstRun: GatewayRun) -> None:
     """
     Without SVC_PROVIDERS_FILE, dev/gateway says in one line that the
-    scripted model server answers the model "demo", naming its address and
-    the providers file it wrote under .data; that file sends "demo" there;
+    scripted model server answers the models "demo" and "demo-embed",
+    naming its address and the providers file it wrote under .data; that
+    file sends both there, the second an embedding model (decisions D13);
     processes.json names the server with its command line, so that a
     killed run's server is stopped by the next.
     """
@@ -314,17 +321,20 @@ def test_firstRunSaysItRunsTheModelServer(firstRun: GatewayRun) -> None:
         re.escape(PREFIX + "model server: the scripted one of the tests on 127.0.0.1:")
         + r"(\d+)"
         + re.escape(
-            f' answers the model "{DEMO_MODEL}" (providers file {providersFile};'
-            " SVC_PROVIDERS_FILE names your own)"
+            f' answers the models "{DEMO_MODEL}" and "{DEMO_EMBEDDING_MODEL}" (providers file'
+            f" {providersFile}; SVC_PROVIDERS_FILE names your own)"
         ),
         line,
     )
     assert match is not None, line
     port = int(match.group(1))
     table = loadProviders(str(providersFile), {}, time.time)
-    [model] = table.modelsFor("00000000-0000-4000-8000-000000000000")
-    assert model.name == DEMO_MODEL
+    model, embedding = table.modelsFor("00000000-0000-4000-8000-000000000000")
+    assert (model.name, model.kind) == (DEMO_MODEL, "chat")
+    assert (embedding.name, embedding.kind) == (DEMO_EMBEDDING_MODEL, "embedding")
+    assert embedding.dimensions == DEMO_EMBEDDING_DIMENSIONS
     assert model.provider.baseURL == f"http://127.0.0.1:{port}/v1"
+    assert embedding.provider is model.provider
     entry = firstRun.recorded()[MODEL_SERVER]
     assert "svcd.testing.upstream" in entry["command"]
     assert _commandLine(entry["pid"]) == entry["command"]
@@ -336,7 +346,7 @@ def test_printedCommandGetsTheModelsAnswerWithUsage(firstRun: GatewayRun) -> Non
     The first printed command, run as printed, answers 200 with the
     model's answer and its usage, from the model "demo".
     """
-    plain, _ = firstRun.printedCommands()
+    plain, _, _ = firstRun.printedCommands()
     assert plain.startswith(f"curl -i http://127.0.0.1:{firstRun.proxyPort}/v1/chat/completions")
     status, headers, answer = parseResponse(runCurl(plain))
     assert status == 200, answer
@@ -353,7 +363,7 @@ def test_printedStreamingCommandEndsWithUsageAndDone(firstRun: GatewayRun) -> No
     the usage event it asks for, then data: [DONE]; without
     stream_options the same events come without the usage event.
     """
-    _, streaming = firstRun.printedCommands()
+    _, streaming, _ = firstRun.printedCommands()
     assert streaming.startswith("curl -N ") and '"stream":true' in streaming
     assert INCLUDE_USAGE in streaming
     *chunks, usage, done = streamEvents(runCurl(streaming))
@@ -370,6 +380,28 @@ def test_printedStreamingCommandEndsWithUsageAndDone(firstRun: GatewayRun) -> No
     assert done == "[DONE]"
     assert all(json.loads(chunk)["choices"] for chunk in chunks)
     assert all(json.loads(chunk).get("usage") is None for chunk in chunks)
+
+
+@needsCurl
+def test_printedEmbeddingsCommandGetsVectors(firstRun: GatewayRun) -> None:
+    """
+    Decisions D13: the printed embeddings command, run as printed, answers
+    200 from the model "demo-embed" with one vector of its dimensions per
+    text (the scripted server's: texts that share words are near) and the
+    usage; the demo token has ProxyEmbeddings.
+    """
+    *_, embeddings = firstRun.printedCommands()
+    assert embeddings.startswith(f"curl -i http://127.0.0.1:{firstRun.proxyPort}/v1/embeddings")
+    status, headers, answer = parseResponse(runCurl(embeddings))
+    assert status == 200, answer
+    assert headers["x-svc-upstream-model"] == DEMO_EMBEDDING_MODEL
+    texts = json.loads(shlex.split(embeddings)[-1])["input"]
+    assert [item["embedding"] for item in answer["data"]] == [
+        embeddingOf(text, DEMO_EMBEDDING_DIMENSIONS)[0] for text in texts
+    ]
+    assert answer["usage"] == {"prompt_tokens": 9, "total_tokens": 9}
+    demo = json.loads((firstRun.dataDirectory / "demo.json").read_text())
+    assert demo["permissions"] == 33
 
 
 def readmeSDKProgram() -> str:
@@ -392,8 +424,8 @@ def test_readmeSDKProgramGetsAnswersWithUsage(firstRun: GatewayRun) -> None:
     """
     The openai SDK program of README's Quick start, run from the directory
     that holds .data (as from the checkout) with the run's port in place of
-    8080, lists the model "demo", prints its answer with the usage, and
-    streams it with the usage chunk last.
+    8080, lists the models "demo" and "demo-embed", prints its answer with
+    the usage, and streams it with the usage chunk last.
     """
     program = readmeSDKProgram()
     assert 'base_url="http://127.0.0.1:8080/v1"' in program
@@ -409,7 +441,7 @@ def test_readmeSDKProgramGetsAnswersWithUsage(firstRun: GatewayRun) -> None:
     )
     assert result.returncode == 0, result.stderr
     models, answer, *streamed, usage = result.stdout.splitlines()
-    assert models == f"['{DEMO_MODEL}']"
+    assert models == f"['{DEMO_MODEL}', '{DEMO_EMBEDDING_MODEL}']"
     usageText = "completion_tokens=10, prompt_tokens=1, total_tokens=11"
     assert answer.startswith(ECHO_CONTENT + " CompletionUsage(" + usageText)
     # The role chunk's empty content, a word per chunk (its space kept),
@@ -442,7 +474,7 @@ def test_ctrlCStopsTheModelServerAndAKilledRunsIsStoppedNextTime(
         assert _commandLine(entry["pid"]) == entry["command"], (name, _commandLine(entry["pid"]))
 
     second = runs.start(sharedServers, ports)
-    plain, _ = second.printedCommands()
+    plain, *_ = second.printedCommands()
     for name, entry in left.items():
         assert _commandLine(entry["pid"]) != entry["command"], name
         stopped = f"stopping {name} left running by an earlier run (pid {entry['pid']})"

@@ -114,10 +114,14 @@ def test_exampleProvidersFileIsValid(tmp_path: Path) -> None:
     assert fast is not None and fast.upstreamModel == "llama-3.1-8b"
     assert [model.name for model in providers.attempts(fast, org)] == ["fast", "hosted"]
     assert providers.providers["openai"].apiKey == "sk-example"
+    # Decisions D13: the embedding model answers the embeddings route only.
+    embed = providers.modelFor("embed", org, "embedding")
+    assert embed is not None and embed.dimensions == 1536
+    assert providers.modelFor("embed", org) is None
     text = example.read_text()
     for key in (
         "name", "base_url", "api_key_env", "timeout", "idle_timeout", "max_connections",
-        "provider", "upstream_model", "orgs", "fallbacks",
+        "provider", "upstream_model", "orgs", "fallbacks", "kind", "dimensions",
     ):  # fmt: skip
         assert re.search(rf"^(# )?{key} = ", text, re.M), key
     allowList = tmp_path / "providers.toml"

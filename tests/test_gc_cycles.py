@@ -36,7 +36,9 @@ from authfixtures import Tenant
 from gatewayfixtures import Gateway, runningGateway
 from prometheus_client.parser import text_string_to_metric_families
 
+from svcd.auth.authority import issueToken
 from svcd.common.pat import formatToken, newSecret
+from svcd.common.permissions import Permission
 from svcd.testing.servers import PostgresServer, freePort
 from svcd.testing.upstream import ScriptedUpstream
 
@@ -53,6 +55,7 @@ REQUESTS = 300
 WARMUP = 30
 
 CHAT = "/v1/chat/completions"
+EMBEDDINGS = "/v1/embeddings"
 
 
 def probeEnvironment(directory: Path) -> dict[str, str]:
@@ -125,6 +128,10 @@ def _chatBody(model: str, stream: bool = False) -> bytes:
     return json.dumps(document).encode()
 
 
+def _embeddingsBody() -> bytes:
+    return json.dumps({"model": "embedded", "input": ["hi", "hello there"]}).encode()
+
+
 def _providersFile(path: Path, upstream: ScriptedUpstream) -> Path:
     path.write_text(
         f"""
@@ -136,6 +143,12 @@ base_url = {json.dumps(upstream.baseURL)}
 name = "forwarded"
 provider = "local"
 upstream_model = "echo"
+
+[[models]]
+name = "embedded"
+provider = "local"
+upstream_model = "echo"
+kind = "embedding"
 """
     )
     return path
@@ -147,10 +160,16 @@ class Measured:
     proxy: Probed
     floor: Probed
     tenant: Tenant
+    # Tokens of the main and other tenants with ProxyEmbeddings too.
+    embeddingTokens: dict[str, str]
 
-    def headers(self, wrongSecret: bool = False, tokenLimited: bool = False) -> dict[str, str]:
+    def headers(
+        self, wrongSecret: bool = False, tokenLimited: bool = False, embeddings: bool = False
+    ) -> dict[str, str]:
         tenant = self.gateway.tenants["other"] if tokenLimited else self.tenant
         token = tenant.token
+        if embeddings:
+            token = self.embeddingTokens["other" if tokenLimited else "main"]
         if wrongSecret:
             token = formatToken(tenant.tokenID, newSecret())
         return {
@@ -184,12 +203,21 @@ def measured(
             },
         ) as gateway:
             assert gateway.proxy.process is not None
+            embeddingTokens = {
+                name: issueToken(
+                    gateway.owner,
+                    orgID=gateway.tenants[name].orgID,
+                    permissions=Permission.ProxyChatCompletion | Permission.ProxyEmbeddings,
+                )[0]
+                for name in ("main", "other")
+            }
             _limitTokens(gateway)
             yield Measured(
                 gateway,
                 Probed(gateway.proxy.process.pid, gateway.port, workdir / "probe-proxy"),
                 Probed(floor.pid, floorPort, workdir / "probe-floor"),
                 gateway.tenants["main"],
+                embeddingTokens,
             )
     finally:
         floor.terminate()
@@ -254,6 +282,8 @@ def floorPerRequest(measured: Measured) -> float:
     ("body", "variant", "expected"),
     [
         pytest.param(_chatBody("demo"), "", 501, id="501"),
+        pytest.param(_embeddingsBody(), "embeddings", 200, id="embed"),
+        pytest.param(_embeddingsBody(), "embeddings tokenLimited", 200, id="embed-tokens"),
         pytest.param(_chatBody("forwarded"), "", 200, id="forward"),
         pytest.param(_chatBody("forwarded", stream=True), "", 200, id="stream"),
         pytest.param(_chatBody("forwarded"), "tokenLimited", 200, id="forward-tokens"),
@@ -267,15 +297,19 @@ def test_requestsLeaveNothingToTheCollector(
     """
     A chat request answered 501, forwarded, relayed as a stream (also with
     a token limit, whose reservation each settles), or refused by svc-auth
-    (a wrong secret) leaves the collector nothing: the window finds fewer
+    (a wrong secret), and an embeddings request forwarded (decisions D13;
+    also with a token limit) leave the collector nothing: the window finds fewer
     objects than it had requests (a request in a cycle would leave at least
     one; a quiet daemon's windows find none at all), and so far fewer than
     the bare Klein handler's requests leave.
     """
     headers = measured.headers(
-        wrongSecret=variant == "wrongSecret", tokenLimited=variant == "tokenLimited"
+        wrongSecret="wrongSecret" in variant,
+        tokenLimited="tokenLimited" in variant,
+        embeddings="embeddings" in variant,
     )
-    perRequest, found = measured.proxy.perRequest(CHAT, headers, body, expected)
+    path = EMBEDDINGS if "embeddings" in variant else CHAT
+    perRequest, found = measured.proxy.perRequest(path, headers, body, expected)
     assert found["objects"] < REQUESTS, (perRequest, floorPerRequest, found)
     assert perRequest <= floorPerRequest, (perRequest, floorPerRequest, found)
 

@@ -116,6 +116,10 @@ def test_everyVariable(tmp_path: Path) -> None:
         ("SVC_AUTH_VALIDATE_TIMEOUT", "\u0661\u0660\u0660ms"),
         ("SVC_ENV", "qa"),
         ("SVC_AUTH_GRPC_TLS_CA", "/no/such/ca.pem"),
+        ("SVC_MEMORY_GRPC_ADDR", "has space:1"),
+        ("SVC_MEMORY_GRPC_TLS_CA", "/no/such/ca.pem"),
+        ("SVC_MEMORY_TIMEOUT", "0ms"),
+        ("SVC_MEMORY_TIMEOUT", "soon"),
     ],
 )
 def test_badValue(variable: str, value: str) -> None:
@@ -150,6 +154,51 @@ def test_clientCertificateNeedsKey(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as caught:
         ProxyConfig.fromEnvironment({**BASE, "SVC_AUTH_GRPC_TLS_KEY": str(pem)})
     assert caught.value.variable == "SVC_AUTH_GRPC_TLS_CERT"
+
+
+def test_memoryVariables(tmp_path: Path) -> None:
+    """
+    Decisions D13: memory is on only with both SVC_MEMORY_GRPC_ADDR and
+    the providers file's [memory] table; svc-memory's client TLS has
+    variables of its own, and SVC_MEMORY_TIMEOUT defaults to 300 ms.
+    """
+    pem = tmp_path / "x.pem"
+    pem.write_bytes(b"PEM")
+    providers = tmp_path / "providers.toml"
+    providers.write_text(
+        '[[providers]]\nname = "local"\nbase_url = "http://127.0.0.1:9/v1"\n'
+        '[[models]]\nname = "embed"\nprovider = "local"\nkind = "embedding"\n'
+    )
+    plain = ProxyConfig.fromEnvironment({**BASE, "SVC_PROVIDERS_FILE": str(providers)})
+    assert (plain.memoryGrpcAddr, plain.memoryTLS, plain.memoryTimeout) == (None, None, 0.3)
+    assert plain.memory is None
+    withoutTable = ProxyConfig.fromEnvironment(
+        {
+            **BASE,
+            "SVC_PROVIDERS_FILE": str(providers),
+            "SVC_MEMORY_GRPC_ADDR": "memory.internal:9092",
+            "SVC_MEMORY_GRPC_TLS_CERT": str(pem),
+            "SVC_MEMORY_GRPC_TLS_KEY": str(pem),
+            "SVC_MEMORY_TIMEOUT": "150ms",
+        }
+    )
+    assert withoutTable.memoryGrpcAddr == "memory.internal:9092"
+    assert withoutTable.memoryTLS is not None
+    assert withoutTable.memoryTLS.certificateChain == b"PEM"
+    assert withoutTable.memoryTimeout == pytest.approx(0.15)
+    assert withoutTable.authTLS is None
+    assert withoutTable.memory is None
+    with providers.open("a") as more:
+        more.write('[memory]\nembedding_model = "embed"\n')
+    on = ProxyConfig.fromEnvironment(
+        {**BASE, "SVC_PROVIDERS_FILE": str(providers), "SVC_MEMORY_GRPC_ADDR": "m:9092"}
+    )
+    assert on.memory is not None and on.memory.embeddingModel.name == "embed"
+    off = ProxyConfig.fromEnvironment({**BASE, "SVC_PROVIDERS_FILE": str(providers)})
+    assert off.memory is None
+    with pytest.raises(ConfigError) as caught:
+        ProxyConfig.fromEnvironment({**BASE, "SVC_MEMORY_GRPC_TLS_CERT": str(pem)})
+    assert caught.value.variable == "SVC_MEMORY_GRPC_TLS_KEY"
 
 
 def test_redisURL() -> None:

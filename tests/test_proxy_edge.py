@@ -1203,4 +1203,33 @@ def test_middlewareOrder() -> None:
         },
         "/v1/chat/completions": {"POST": chat},
         "/proxy/v1/chat/completions": {"POST": chat},
+        # Decisions D13: the same steps, in the same order.
+        "/v1/embeddings": {"POST": chat},
     }
+
+
+# Decisions D13: POST /v1/embeddings without a providers file
+
+
+@pytest_twisted.ensureDeferred
+async def test_embeddingsWithoutProvidersAnswer501(proxy: Harness) -> None:
+    """
+    Without a providers file the embeddings route behaves as chat does in
+    Phase 1: a valid body passes every step (with ProxyEmbeddings) and
+    gets 501 PROVIDER_NOT_CONFIGURED with X-RateLimit-*; a bad body is
+    still its 400; a token without ProxyEmbeddings is 403 before the body.
+    """
+    token, _, agentID = proxy.auth.addTenant(permissions=Permission.ProxyEmbeddings)
+    body = json.dumps({"model": "embed", "input": ["hello"]}).encode()
+    response, content = await proxy.chat(token, agentID, body=body, path="/v1/embeddings")
+    assertError(response, content, 501, "PROVIDER_NOT_CONFIGURED")
+    assert header(response, "X-RateLimit-Limit") == "60"
+    bad = json.dumps({"model": "embed", "input": [1, 2]}).encode()
+    response, content = await proxy.chat(token, agentID, body=bad, path="/v1/embeddings")
+    error = assertError(response, content, 400, "VALIDATION_ERROR")
+    assert [each["field"] for each in error["field_errors"]] == ["input"]
+    chatOnly, _, chatAgent = proxy.auth.addTenant()
+    response, content = await proxy.chat(chatOnly, chatAgent, body=b"{", path="/v1/embeddings")
+    assertError(response, content, 403, "INSUFFICIENT_PERMISSIONS")
+    labels = {"route": "/v1/embeddings", "method": "POST", "code": "501"}
+    assert metricValue(proxy, "svc_proxy_requests_total", labels) == 1

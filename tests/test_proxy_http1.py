@@ -185,6 +185,34 @@ async def test_requestAsWritten(served: Any) -> None:
     assert sent == b'{"a":1}'
 
 
+@pytest_twisted.ensureDeferred
+async def test_anotherPathOnTheSameConnections(served: Any) -> None:
+    """
+    Decisions D13: a request may name another path of the same server
+    (embeddings beside chat completions); it goes out with that request
+    line and the same fixed headers, over the same pooled connection. A
+    target that could end the request line early is refused before
+    anything is sent.
+    """
+    server, pool, _ = served
+    server.answer(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+    for target in (b"/v1/embeddings", None, b"/v1/embeddings"):
+        answer = await pool.post(b"{}", {}, target)
+        assert (answer.code, (await body(answer))[0]) == (200, b"ok")
+    lines = [request.split(b"\r\n") for request in server.requests]
+    assert [each[0] for each in lines] == [
+        b"POST /v1/embeddings HTTP/1.1",
+        b"POST /v1/chat/completions HTTP/1.1",
+        b"POST /v1/embeddings HTTP/1.1",
+    ]
+    assert lines[0][1:4] == lines[1][1:4]
+    assert len(server.connections) == 1
+    for bad in (b"/v1/x HTTP/1.1\r\nX-Evil: 1", b"v1/embeddings", b"/v1/\xe9"):
+        with pytest.raises(ValueError):
+            pool.post(b"{}", {}, bad)
+    assert len(server.requests) == 3
+
+
 @pytest.mark.parametrize(
     "answer, content, end",
     [

@@ -1,6 +1,7 @@
 """
 Limits rows in svc-proxy (decisions D11), piece by piece: the book of rows
-and where it learns them, the reservation of a chat request, and the
+and where it learns them, the reservation of a chat request (and of an
+embeddings request, decisions D13), and the
 admission script against a real Redis: every counter of a request
 checked and counted at once, a refused request counting against none,
 exact across two limiters sharing Redis, token reservations cut to
@@ -56,12 +57,19 @@ from svcd.limits.limiter import (
 from svcd.limits.records import Budget, Limits, Reservation
 from svcd.limits.reservation import (
     DEFAULT_OUTPUT_CAP,
+    embeddingsRefusal,
+    inputsEstimate,
     namedCap,
     outputCap,
     promptEstimate,
+    reserveEmbeddings,
 )
 from svcd.pb.auth.v1 import auth_pb2
+from svcd.providers.prices import Price
+from svcd.providers.table import EMBEDDING, Model, Provider, ProviderTable
+from svcd.providers.upstream import embeddingsBody
 from svcd.proxy.http.chatbody import parseChatBody
+from svcd.proxy.http.embeddingsbody import parseEmbeddingsBody
 from svcd.proxy.testing import MemoryCounters
 from svcd.proxy.validation.client import limitsOf
 from svcd.proxy.validation.feed import limitsRowOf
@@ -828,3 +836,83 @@ def test_namedCapIsTheLargerOfBoth() -> None:
     assert namedCap(parseChatBody(body + b', "max_tokens": 9}')) == 9
     assert namedCap(parseChatBody(body + b', "max_completion_tokens": 9, "max_tokens": 30}')) == 30
     assert namedCap(parseChatBody(body + b', "max_completion_tokens": 40, "max_tokens": 30}')) == 40
+
+
+# Decisions D13: what an embeddings request reserves
+
+
+def _embeddingsTable() -> ProviderTable:
+    provider = Provider("local", "http://127.0.0.1:8000/v1")
+    models = {
+        "cheap": Model(
+            "cheap",
+            provider,
+            "e",
+            fallbacks=("dear", "free"),
+            price=Price(input=20_000_000, output=0, cachedInput=20_000_000),
+            kind=EMBEDDING,
+            dimensions=64,
+        ),
+        "dear": Model(
+            "dear",
+            provider,
+            "a-much-longer-upstream-name",
+            price=Price(input=130_000_000, output=0, cachedInput=130_000_000),
+            kind=EMBEDDING,
+        ),
+        "free": Model("free", provider, "f", kind=EMBEDDING),
+    }
+    return ProviderTable(providers={"local": provider}, models=models, path="p", loadedAt=0)
+
+
+def test_anEmbeddingsReservationIsTheInputsEstimate() -> None:
+    """
+    Without a budget, an embeddings request reserves its inputs' estimate
+    (each input's bytes / 3, rounded up: no tokens per message, no
+    output) and no cost.
+    """
+    table = _embeddingsTable()
+    body = parseEmbeddingsBody(b'{"model": "cheap", "input": ["abcd", "\\u00e9", "x"]}')
+    tokenLimited = Applicable(Limits(tpm=1000), None)
+    assert inputsEstimate(body.inputs) == 2 + 1 + 1
+    assert reserveEmbeddings(body, table.models["cheap"], table, ORG_ID, tokenLimited) == (4, 0)
+
+
+def test_anEmbeddingsBudgetReservesTheDearestBodyAtItsInputPrice() -> None:
+    """
+    Under a budget the worst case is a token per byte of the body each
+    priced model that may answer is sent (its own upstream name in it),
+    at its input price, the dearest of those; an unpriced fallback is
+    never tried, so it counts nothing.
+    """
+    table = _embeddingsTable()
+    raw = b'{"model": "cheap", "input": ["hello there", "general kenobi"]}'
+    body = parseEmbeddingsBody(raw)
+    budgeted = Applicable(None, None, orgBudget=Budget(10**9, "day"))
+    sentToDear = embeddingsBody(body.document, table.models["dear"])
+    assert sentToDear.startswith(b'{"model":"a-much-longer-upstream-name",')
+    tokens, cost = reserveEmbeddings(body, table.models["cheap"], table, ORG_ID, budgeted)
+    assert (tokens, cost) == (inputsEstimate(body.inputs), len(sentToDear) * 130)
+
+
+def test_whatAnEmbeddingModelRefuses() -> None:
+    """
+    Under a budget a model without a price is NO_PRICE on model; dimensions
+    past the model's own are TOO_MANY on dimensions; both at once when
+    both hold; nothing otherwise (a model without dimensions takes any).
+    """
+    table = _embeddingsTable()
+    wide = parseEmbeddingsBody(b'{"model": "free", "input": "x", "dimensions": 65}')
+    refused = embeddingsRefusal(wide, table.models["free"], budgeted=True)
+    assert refused is not None
+    assert [(each.field, each.code.value) for each in refused.fieldErrors] == [
+        ("model", "NO_PRICE")
+    ]
+    refused = embeddingsRefusal(wide, table.models["cheap"], budgeted=False)
+    assert refused is not None
+    assert [(each.field, each.code.value) for each in refused.fieldErrors] == [
+        ("dimensions", "TOO_MANY")
+    ]
+    assert embeddingsRefusal(wide, table.models["free"], budgeted=False) is None
+    exact = parseEmbeddingsBody(b'{"model": "cheap", "input": "x", "dimensions": 64}')
+    assert embeddingsRefusal(exact, table.models["cheap"], budgeted=True) is None

@@ -24,6 +24,9 @@ from hypothesis import strategies as st
 
 from svcd.common.config import ConfigError
 from svcd.providers.table import (
+    CHAT,
+    EMBEDDING,
+    MemoryConfig,
     Model,
     Provider,
     ProviderTable,
@@ -340,7 +343,10 @@ def test_proxyConfig(tmp_path: Path) -> None:
 # reported (after "SVC_PROVIDERS_FILE: <path>: ").
 _LONG = "m" * 129
 _PROVIDER_KEYS = "name, base_url, api_key_env, timeout, idle_timeout, max_connections"
-_MODEL_KEYS = "name, provider, upstream_model, orgs, fallbacks, max_output_tokens, price, cap_field"
+_MODEL_KEYS = (
+    "name, provider, upstream_model, orgs, fallbacks, max_output_tokens, price, cap_field,"
+    " kind, dimensions"
+)
 _NAME_RULE = "letters, digits, '.', '_' and '-', starting with a letter or digit"
 _MODEL_RULE = "letters, digits and . _ : / @ + -, starting with a letter or digit"
 CONTENT_FAULTS: list[tuple[str, list[dict[str, Any]], list[dict[str, Any]], str]] = [
@@ -789,7 +795,10 @@ def test_contentFault(
 @pytest.mark.parametrize(
     ("top", "problem"),
     [
-        ({"provider": []}, 'unknown key "provider" (expected providers, models)'),
+        (
+            {"provider": []},
+            'unknown key "provider" (expected providers, models, memory)',
+        ),
         ({"providers": "local"}, "providers must be written as [[providers]] tables, got a string"),
         (
             {"providers": {"name": "x"}},
@@ -977,6 +986,7 @@ _ODD_VALUES = {
             "http://@h",
             "ftp://h",
             "http://h/chat/completions",
+            "http://h/v1/embeddings",
             "http://h/?",
             "http://",
             "http://é.example",
@@ -992,6 +1002,10 @@ _ODD_VALUES = {
     "orgs": st.lists(st.sampled_from([ORG, ORG.upper(), "acme", ORG.replace("-", "")]), max_size=3),
     "fallbacks": st.lists(st.sampled_from(["m0", "m1", "m2", "m3", "nope", ""]), max_size=17),
     "provider": st.sampled_from(["nope", "", "LOCAL"]),
+    # Decisions D13: an embedding model among chat ones (its fallbacks, a
+    # chat model's fallback), and odd kinds and lengths.
+    "kind": st.sampled_from(["embedding", "chat", "Embedding", ""]),
+    "dimensions": st.integers(-(2**70), 2**70),
     "surplus": _anything,
     "api_key": st.just(KEY),
 }
@@ -1099,3 +1113,281 @@ def test_onlyConfigErrors(tmp_path: Path, content: str) -> None:
         assert len(chain) <= len(table.models)
         assert (chain[:1] == (model,)) == model.allows(ORG)
         assert all(candidate.allows(ORG) for candidate in chain)
+
+
+# Decisions D13: embedding models.
+
+EMBED = {"name": "embed", "provider": "local", "kind": "embedding"}
+
+
+def test_embeddingModels(tmp_path: Path) -> None:
+    """
+    kind is "chat" unless the file says "embedding"; an embedding model
+    may give its dimensions and a price without output (0: it has no
+    output tokens); fallbacks of an embedding model are embedding models.
+    Each route finds only the models of its kind.
+    """
+    table = load(
+        tmp_path,
+        [LOCAL],
+        [
+            FAST,
+            {**FAST, "name": "chatty", "kind": "chat"},
+            {**EMBED, "dimensions": 1536, "price": {"input": "0.02"}, "fallbacks": ["spare"]},
+            {**EMBED, "name": "spare", "upstream_model": "nomic-embed-text"},
+        ],
+    )
+    fast, chatty, embed, spare = (
+        table.models[name] for name in ("fast", "chatty", "embed", "spare")
+    )
+    assert (fast.kind, chatty.kind, embed.kind) == (CHAT, CHAT, EMBEDDING)
+    assert (fast.dimensions, embed.dimensions, spare.dimensions) == (None, 1536, None)
+    assert embed.price is not None
+    assert (embed.price.input, embed.price.output, embed.price.cachedInput) == (
+        20_000_000,
+        0,
+        20_000_000,
+    )
+    assert table.attempts(embed, ORG) == (embed, spare)
+    assert table.modelFor("embed", ORG, EMBEDDING) is embed
+    assert table.modelFor("embed", ORG) is None
+    assert table.modelFor("fast", ORG) is fast
+    assert table.modelFor("fast", ORG, EMBEDDING) is None
+    assert fast.provider.embeddingsURL == "http://127.0.0.1:8000/v1/embeddings"
+
+
+def test_theModelsListHoldsEveryKind(tmp_path: Path) -> None:
+    """
+    GET /v1/models lists embedding models beside chat models, in the same
+    shape (OpenAI's list says nothing of a model's kind either).
+    """
+    table = load(tmp_path, [LOCAL], [FAST, EMBED])
+    assert modelsDocument(table, ORG)["data"] == [
+        {"id": "fast", "object": "model", "created": 1_700_000_000, "owned_by": "local"},
+        {"id": "embed", "object": "model", "created": 1_700_000_000, "owned_by": "local"},
+    ]
+
+
+EMBEDDING_FAULTS: list[tuple[str, list[dict[str, Any]], str]] = [
+    (
+        "kind not a string",
+        [{**FAST, "kind": 1}],
+        'model "fast": kind must be a string, got an integer',
+    ),
+    (
+        "unknown kind",
+        [{**FAST, "kind": "completion"}],
+        'model "fast": kind must be "chat" or "embedding", got "completion"',
+    ),
+    (
+        "dimensions of a chat model",
+        [{**FAST, "dimensions": 64}],
+        'model "fast": dimensions is for embedding models only (kind = "embedding")',
+    ),
+    (
+        "dimensions zero",
+        [{**EMBED, "dimensions": 0}],
+        'model "embed": dimensions must be from 1 to 65536, got 0',
+    ),
+    (
+        "dimensions too many",
+        [{**EMBED, "dimensions": 65537}],
+        'model "embed": dimensions must be from 1 to 65536, got 65537',
+    ),
+    (
+        "dimensions a float",
+        [{**EMBED, "dimensions": 64.0}],
+        'model "embed": dimensions must be an integer, got a float',
+    ),
+    (
+        "dimensions a boolean",
+        [{**EMBED, "dimensions": True}],
+        'model "embed": dimensions must be an integer, got a boolean',
+    ),
+    (
+        "an output cap on an embedding model",
+        [{**EMBED, "max_output_tokens": 100}],
+        'model "embed": max_output_tokens bounds a chat answer\'s output; an embedding model'
+        " has none (leave it out)",
+    ),
+    (
+        "a cap field on an embedding model",
+        [{**EMBED, "cap_field": "max_tokens"}],
+        'model "embed": cap_field bounds a chat answer\'s output; an embedding model'
+        " has none (leave it out)",
+    ),
+    (
+        "a chat fallback of an embedding model",
+        [{**EMBED, "fallbacks": ["fast"]}, FAST],
+        'model "embed": fallback "fast" is a chat model, and a fallback of an embedding'
+        " model must be one too",
+    ),
+    (
+        "an embedding fallback of a chat model",
+        [{**FAST, "fallbacks": ["embed"]}, EMBED],
+        'model "fast": fallback "embed" is an embedding model, and a fallback of a chat'
+        " model must be one too",
+    ),
+    (
+        "a chat price without output",
+        [{**FAST, "price": {"input": "1"}}],
+        'model "fast": price.output is required',
+    ),
+    (
+        "an embedding price without input",
+        [{**EMBED, "price": {"output": "1"}}],
+        'model "embed": price.input is required',
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("models", "problem"),
+    [case[1:] for case in EMBEDDING_FAULTS],
+    ids=[case[0] for case in EMBEDDING_FAULTS],
+)
+def test_embeddingModelFault(tmp_path: Path, models: list[dict[str, Any]], problem: str) -> None:
+    """
+    Each fault of an embedding model (or of a kind) stops the proxy with
+    one line, as every other fault of the file.
+    """
+    assert documentFault(tmp_path, [LOCAL], models) == problem
+
+
+def test_aBaseURLEndingWithTheEmbeddingsPathIsRefused(tmp_path: Path) -> None:
+    """
+    The proxy appends /embeddings as it appends /chat/completions: a base
+    URL that already ends with it is a fault.
+    """
+    provider = {**LOCAL, "base_url": "http://127.0.0.1:8000/v1/embeddings/"}
+    assert documentFault(tmp_path, [provider], [EMBED]) == (
+        'provider "local": base_url must not end with /embeddings: the proxy appends it'
+        " (write the base, such as http://127.0.0.1:8000/v1)"
+    )
+
+
+# Decisions D13: the [memory] table.
+MEMORY_MODELS = [FAST, EMBED]
+
+
+def loadMemory(tmp_path: Path, memory: Any) -> ProviderTable:
+    path = writeFile(tmp_path, tomlDocument([LOCAL], MEMORY_MODELS, {"memory": memory}))
+    return loadProviders(path, {}, clock)
+
+
+def test_noMemoryTable(tmp_path: Path) -> None:
+    """
+    Without a [memory] table memory is off: the table has no settings.
+    """
+    assert load(tmp_path, [LOCAL], MEMORY_MODELS).memory is None
+
+
+def test_memoryDefaults(tmp_path: Path) -> None:
+    """
+    Only embedding_model is required; every other setting has D13's
+    default.
+    """
+    table = loadMemory(tmp_path, {"embedding_model": "embed"})
+    memory = table.memory
+    assert memory == MemoryConfig(embeddingModel=table.models["embed"])
+    assert (
+        memory.extractionModel,
+        memory.recallK,
+        memory.minScore,
+        memory.maxContextTokens,
+        memory.dedupeScore,
+        memory.recallMode,
+    ) == (None, 5, 0.25, 1000, 0.92, "vector")
+
+
+def test_memoryEverySetting(tmp_path: Path) -> None:
+    table = loadMemory(
+        tmp_path,
+        {
+            "embedding_model": "embed",
+            "extraction_model": "fast",
+            "recall_k": 50,
+            "min_score": -1,
+            "max_context_tokens": 1,
+            "dedupe_score": 1.0,
+            "recall_mode": "vector",
+        },
+    )
+    assert table.memory == MemoryConfig(
+        embeddingModel=table.models["embed"],
+        extractionModel=table.models["fast"],
+        recallK=50,
+        minScore=-1.0,
+        maxContextTokens=1,
+        dedupeScore=1.0,
+    )
+    assert isinstance(table.memory.minScore, float)
+
+
+@pytest.mark.parametrize(
+    ("memory", "problem"),
+    [
+        ("embed", "memory must be written as a [memory] table, got a string"),
+        ({}, "[memory]: embedding_model is required (an embedding model's name)"),
+        (
+            {"embedding_model": "embed", "recal_k": 3},
+            '[memory]: unknown key "recal_k" (expected embedding_model, extraction_model,'
+            " recall_k, min_score, max_context_tokens, dedupe_score, recall_mode)",
+        ),
+        (
+            {"embedding_model": 3},
+            "[memory]: embedding_model must be a model's name, got an integer",
+        ),
+        (
+            {"embedding_model": "nope"},
+            '[memory]: embedding_model "nope" is not a model of this file',
+        ),
+        (
+            {"embedding_model": "fast"},
+            '[memory]: embedding_model "fast" is a chat model; it must be an embedding model',
+        ),
+        (
+            {"embedding_model": "embed", "extraction_model": "embed"},
+            '[memory]: extraction_model "embed" is an embedding model; it must be a chat model',
+        ),
+        (
+            {"embedding_model": "embed", "recall_k": 0},
+            "[memory]: recall_k must be from 1 to 50, got 0",
+        ),
+        (
+            {"embedding_model": "embed", "recall_k": 5.0},
+            "[memory]: recall_k must be an integer, got a float",
+        ),
+        (
+            {"embedding_model": "embed", "recall_k": True},
+            "[memory]: recall_k must be an integer, got a boolean",
+        ),
+        (
+            {"embedding_model": "embed", "max_context_tokens": 1_000_001},
+            "[memory]: max_context_tokens must be from 1 to 1,000,000, got 1000001",
+        ),
+        (
+            {"embedding_model": "embed", "min_score": 1.5},
+            "[memory]: min_score must be from -1 to 1, got 1.5",
+        ),
+        (
+            {"embedding_model": "embed", "min_score": math.nan},
+            "[memory]: min_score must be from -1 to 1, got nan",
+        ),
+        (
+            {"embedding_model": "embed", "dedupe_score": "0.9"},
+            "[memory]: dedupe_score must be a number, got a string",
+        ),
+        (
+            {"embedding_model": "embed", "recall_mode": "hybrid"},
+            '[memory]: recall_mode must be "vector", got "hybrid"',
+        ),
+    ],
+)
+def test_memoryFault(tmp_path: Path, memory: Any, problem: str) -> None:
+    """
+    Each fault of the [memory] table stops the proxy at start with one
+    line naming it, like the rest of the file.
+    """
+    path = writeFile(tmp_path, tomlDocument([LOCAL], MEMORY_MODELS, {"memory": memory}))
+    assert fault(path) == problem

@@ -24,7 +24,15 @@ from typing import Any
 import pytest
 import schemathesis
 import yaml
-from gatewayfixtures import Gateway, assertCommonHeaders, assertEnvelope, request, unlimitedGateway
+from authfixtures import makeTenant
+from gatewayfixtures import (
+    Gateway,
+    assertCommonHeaders,
+    assertEnvelope,
+    request,
+    unlimitedGateway,
+    waitFor,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
@@ -41,6 +49,7 @@ from schemathesis.checks import (
 )
 
 from svcd.common.errors import ErrorCode, FieldErrorCode
+from svcd.common.permissions import Permission
 from svcd.limits.limiter import RedisRateLimiter
 from svcd.providers.table import Model, Provider, ProviderTable
 from svcd.proxy.config import ProxyConfig
@@ -63,9 +72,14 @@ DOCUMENT = Path(__file__).parent.parent / "docs" / "openapi.yaml"
 # loaded; that long run, or a longer one, is bench/fuzz.py's, which sets
 # this variable.
 SCHEMATHESIS_EXAMPLES = int(os.environ.get("SVC_SCHEMATHESIS_EXAMPLES", "600"))
+# A token that may chat and embed.
+BOTH_PERMISSIONS = int(Permission.ProxyChatCompletion | Permission.ProxyEmbeddings)
 STANDARD_HEADERS = ("X-Request-ID", "X-Trace-ID", "X-Response-Time")
 RATE_LIMIT_HEADERS = ("X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset")
 CHAT_PATHS = ("/v1/chat/completions", "/proxy/v1/chat/completions")
+EMBEDDINGS_PATH = "/v1/embeddings"
+# The routes forwarded to a provider (decisions D9, D13).
+FORWARDED_PATHS = (*CHAT_PATHS, EMBEDDINGS_PATH)
 EVENT_STREAM = "text/event-stream"
 
 # The live gateway's models besides the document's example ones (which the
@@ -85,6 +99,17 @@ FAULT_MODELS = {
     "stalled": "stall-stream",
 }
 STALLING_MODEL = "stalled"
+
+# The live gateway's embedding models besides the document's example ones
+# (decisions D13), each a fault of the scripted upstream, with what the
+# gateway answers.
+EMBEDDING_FAULT_MODELS = {
+    "embed-rejected": ("status:422", 422, "UPSTREAM_REJECTED"),
+    "embed-limited": ("status:429", 429, "UPSTREAM_RATE_LIMITED"),
+    "embed-failing": ("status:500", 502, "UPSTREAM_ERROR"),
+}
+# The length of the example embedding models' vectors in the providers file.
+EMBEDDING_DIMENSIONS = 64
 
 # What each model answers (D9), without and with "stream": true: the
 # status and the error code, or for a 200 the media type, "(cut)" marking a
@@ -170,8 +195,8 @@ def test_everyErrorCodeIsDocumented(document: dict[str, Any]) -> None:
     FieldErrorCode, and every status an error code answers with appears in
     the document (404 and 405, which any path or method may get, in the
     description). UPSTREAM_REJECTED answers with the provider's own 4xx
-    (D9), so the chat routes document it under the range "4XX", which is
-    why status keys are not all integers.
+    (D9), so the forwarded routes (chat and embeddings) document it under
+    the range "4XX", which is why status keys are not all integers.
     """
     schemas = document["components"]["schemas"]
     assert set(schemas["Error"]["properties"]["code"]["enum"]) == {code.value for code in ErrorCode}
@@ -184,7 +209,7 @@ def test_everyErrorCodeIsDocumented(document: dict[str, Any]) -> None:
             assert f"{code.status} {code.value}" in document["info"]["description"]
         else:
             assert code.status in statuses, code
-    for path in CHAT_PATHS:
+    for path in FORWARDED_PATHS:
         rejected = resolve(document, document["paths"][path]["post"]["responses"]["4XX"])
         assert ErrorCode.UPSTREAM_REJECTED.value in rejected["description"], path
 
@@ -194,11 +219,11 @@ def test_everyResponseHasTheStandardHeaders(document: dict[str, Any]) -> None:
     Every documented response requires X-Request-ID, X-Trace-ID and
     X-Response-Time; protected routes' answers after the rate-limit step
     document X-RateLimit-*, and a 429 requires them and Retry-After, except
-    on the chat routes: there a 429 may also be UPSTREAM_RATE_LIMITED (D9),
-    which carries the provider's Retry-After only when it sent one, and
-    X-RateLimit-* only as any answer after the rate-limit step does, so
-    they are documented there without being required. A chat 200 requires
-    X-SVC-Upstream-Model.
+    on the forwarded routes (chat and embeddings): there a 429 may also be
+    UPSTREAM_RATE_LIMITED (D9), which carries the provider's Retry-After
+    only when it sent one, and X-RateLimit-* only as any answer after the
+    rate-limit step does, so they are documented there without being
+    required. A forwarded route's 200 requires X-SVC-Upstream-Model.
     """
     for path, method, status, response in responsesOf(document):
         headers = response["headers"]
@@ -208,13 +233,13 @@ def test_everyResponseHasTheStandardHeaders(document: dict[str, Any]) -> None:
         if protected and status in ("200", "400", "429", "4XX", "501", "502", "504"):
             assert set(RATE_LIMIT_HEADERS) <= set(headers), (path, status)
         if status == "429":
-            required = path not in CHAT_PATHS
+            required = path not in FORWARDED_PATHS
             for name in (*RATE_LIMIT_HEADERS, "Retry-After"):
                 assert resolve(document, headers[name]).get("required", False) is required
             if not required:
                 for code in (ErrorCode.RATE_LIMITED, ErrorCode.UPSTREAM_RATE_LIMITED):
                     assert code.value in response["description"], (path, code)
-        if path in CHAT_PATHS and status == "200":
+        if path in FORWARDED_PATHS and status == "200":
             assert resolve(document, headers["X-SVC-Upstream-Model"])["required"] is True
 
 
@@ -231,6 +256,15 @@ def exampleModels(document: dict[str, Any]) -> set[str]:
     return named | {example["value"]["model"] for example in chat["examples"].values()}
 
 
+def exampleEmbeddingModels(document: dict[str, Any]) -> set[str]:
+    """
+    The models the document's embeddings request examples name.
+    """
+    body = document["components"]["requestBodies"]["Embeddings"]["content"]["application/json"]
+    named = set(resolve(document, body["schema"])["properties"]["model"]["examples"])
+    return named | {example["value"]["model"] for example in body["examples"].values()}
+
+
 @pytest.fixture(scope="module")
 def liveUpstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ScriptedUpstream]:
     """
@@ -242,10 +276,13 @@ def liveUpstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ScriptedU
     upstream.stop()
 
 
-def providersFile(path: Path, upstream: ScriptedUpstream, echoModels: set[str]) -> Path:
+def providersFile(
+    path: Path, upstream: ScriptedUpstream, echoModels: set[str], embeddingModels: set[str]
+) -> Path:
     """
     A providers file offering C{echoModels} (answered normally) and
-    L{FAULT_MODELS} on C{upstream}.
+    L{FAULT_MODELS} on C{upstream}, and the embedding models
+    C{embeddingModels} (answered normally) and L{EMBEDDING_FAULT_MODELS}.
     """
     lines = [
         "[[providers]]",
@@ -268,6 +305,18 @@ def providersFile(path: Path, upstream: ScriptedUpstream, echoModels: set[str]) 
             f'provider = "{provider}"',
             f'upstream_model = "{script}"',
         ]
+    embeddings = {name: "echo" for name in embeddingModels} | {
+        name: script for name, (script, _, _) in EMBEDDING_FAULT_MODELS.items()
+    }
+    for name, script in embeddings.items():
+        lines += [
+            "[[models]]",
+            f'name = "{name}"',
+            'provider = "scripted"',
+            f'upstream_model = "{script}"',
+            'kind = "embedding"',
+            f"dimensions = {EMBEDDING_DIMENSIONS}",
+        ]
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -283,7 +332,12 @@ def liveGateway(
     # that a busy 2-core machine meets: this run looks for contract
     # violations, not for timeouts.
     workdir = tmp_path_factory.mktemp("schemathesis")
-    providers = providersFile(workdir / "providers.toml", liveUpstream, exampleModels(document))
+    providers = providersFile(
+        workdir / "providers.toml",
+        liveUpstream,
+        exampleModels(document),
+        exampleEmbeddingModels(document),
+    )
     with unlimitedGateway(
         postgresServer,
         workdir,
@@ -554,3 +608,89 @@ def test_undocumentedMethodsAre405(liveGateway: Gateway, document: dict[str, Any
                 assertCommonHeaders(answer)
             else:
                 assertEnvelope(answer, 405, "METHOD_NOT_ALLOWED")
+
+
+def test_embeddingsAnswersConformToTheDocument(
+    liveGateway: Gateway, document: dict[str, Any]
+) -> None:
+    """
+    Decisions D13: what POST /v1/embeddings answers passes schemathesis's
+    checks against the document, for a token with ProxyEmbeddings: each
+    request example relayed (floats and base64), each upstream fault
+    mapped (UPSTREAM_REJECTED, UPSTREAM_RATE_LIMITED, UPSTREAM_ERROR), a
+    refused body (a token array), a chat model (501), dimensions past the
+    model's (400); then generated positive bodies (asking for the example
+    models) meet the same checks, and some are relayed.
+    """
+    schema = schemathesis.openapi.from_path(DOCUMENT)
+    tenant = makeTenant(liveGateway.owner, "embedder", permissions=BOTH_PERMISSIONS)
+    credentials = {
+        "Authorization": f"Bearer {tenant.token}",
+        "X-SVC-Agent-ID": str(tenant.agentID),
+    }
+
+    def usable() -> bool:
+        answer = request(liveGateway.port, "GET", "/v1/internal/auth-probe", credentials)
+        return answer.status == 200
+
+    # A token made anywhere works everywhere within a second (D8).
+    waitFor(usable, 10)
+    operation = schema[EMBEDDINGS_PATH]["POST"]
+    baseURL = f"http://127.0.0.1:{liveGateway.port}"
+    examples = document["components"]["requestBodies"]["Embeddings"]["content"]["application/json"][
+        "examples"
+    ]
+    cases: list[tuple[dict[str, Any], int, str | None]] = [
+        (example["value"], 200, None) for example in examples.values()
+    ]
+    cases += [
+        ({"model": model, "input": "hello"}, status, code)
+        for model, (_, status, code) in EMBEDDING_FAULT_MODELS.items()
+    ]
+    chatModel = sorted(exampleModels(document))[0]
+    cases += [
+        ({"model": "embed", "input": [1, 2, 3]}, 400, "VALIDATION_ERROR"),
+        ({"model": chatModel, "input": "hello"}, 501, "PROVIDER_NOT_CONFIGURED"),
+        (
+            {"model": "embed", "input": "x", "dimensions": EMBEDDING_DIMENSIONS + 1},
+            400,
+            "VALIDATION_ERROR",
+        ),
+    ]
+    for body, status, code in cases:
+        case = operation.Case(headers=credentials, body=body, media_type="application/json")
+        response = case.call_and_validate(base_url=baseURL, checks=CHECKS, timeout=10)
+        assert response.status_code == status, (body, response.text)
+        if code is not None:
+            assert response.json()["error"]["code"] == code, body
+        else:
+            assert _header(response, "X-SVC-Upstream-Model") == body["model"]
+
+    seen: Counter[int] = Counter()
+    models = sorted(exampleEmbeddingModels(document))
+
+    def withModel(case: Any, model: str) -> Any:
+        if isinstance(case.body, dict):
+            case.body = {**case.body, "model": model}
+        return case
+
+    @settings(
+        max_examples=60,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        derandomize=True,
+    )
+    @given(
+        st.builds(
+            withModel,
+            operation.as_strategy(GenerationMode.POSITIVE, headers=credentials),
+            st.sampled_from(models),
+        )
+    )
+    def run(case: Any) -> None:
+        response = case.call_and_validate(base_url=baseURL, checks=CHECKS, timeout=10)
+        seen[response.status_code] += 1
+
+    run()
+    assert seen[200], seen

@@ -12,23 +12,28 @@ or need an API key start their own.
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import socket
+import struct
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from svcd.testing.upstream import (
+    DEFAULT_EMBEDDING_DIMENSIONS,
     DEFAULT_RETRY_AFTER,
     ConnectionCounts,
     RecordedRequest,
     Script,
     ScriptedUpstream,
     ScriptError,
+    embeddingOf,
     parseScript,
 )
 
@@ -752,3 +757,123 @@ def test_eventsRespectBackpressure(upstream: ScriptedUpstream) -> None:
     assert b"".join(chunks).count(b'"content": "event ') == count
     (record,) = upstream.waitUntilEnded()
     assert (record.outcome, record.eventsSent) == ("finished", count + 3)
+
+
+# Embeddings (decisions D13)
+
+
+def _cosine(left: list[float], right: list[float]) -> float:
+    return sum(a * b for a, b in zip(left, right, strict=True))
+
+
+def _postEmbeddings(upstream: ScriptedUpstream, body: object) -> tuple[int, dict[str, object]]:
+    connection = http.client.HTTPConnection(upstream.host, upstream.port, timeout=10)
+    try:
+        connection.request(
+            "POST",
+            "/v1/embeddings",
+            body=json.dumps(body),
+            headers={"Content-Type": "application/json"},
+        )
+        answer = connection.getresponse()
+        return answer.status, json.loads(answer.read())
+    finally:
+        connection.close()
+
+
+def test_embeddingsThroughTheSDK(client: openai.OpenAI) -> None:
+    """
+    The SDK's embeddings.create works against the scripted upstream, in
+    both encodings (the SDK asks for base64 unless told otherwise, and
+    decodes it): one unit vector per input, in order, of the default 64
+    dimensions, the same in both; texts that share words are near, texts
+    that share none are not; prompt_tokens counts the inputs' words.
+    """
+    texts = ["the cat sat on the mat", "the cat ran", "quantum chromodynamics"]
+    decoded = client.embeddings.create(model="text-embedding-3-small", input=texts)
+    floats = client.embeddings.create(
+        model="text-embedding-3-small", input=texts, encoding_format="float"
+    )
+    assert decoded.object == "list" and decoded.model == "text-embedding-3-small"
+    assert [item.index for item in decoded.data] == [0, 1, 2]
+    vectors = [item.embedding for item in decoded.data]
+    assert vectors == [item.embedding for item in floats.data]
+    assert vectors == [embeddingOf(text, DEFAULT_EMBEDDING_DIMENSIONS)[0] for text in texts]
+    assert all(len(vector) == 64 for vector in vectors)
+    assert all(abs(_cosine(vector, vector) - 1) < 1e-6 for vector in vectors)
+    assert _cosine(vectors[0], vectors[1]) > 0.5
+    assert abs(_cosine(vectors[0], vectors[2])) < 0.3
+    assert (decoded.usage.prompt_tokens, decoded.usage.total_tokens) == (11, 11)
+
+
+def test_embeddingsAreDeterministicAndHonourDimensions(client: openai.OpenAI) -> None:
+    """
+    The same text always has the same vector; a request's dimensions sets
+    its length; base64 is the little-endian float32 bytes of the vector.
+    """
+    first = client.embeddings.create(model="m", input="Hello, world", dimensions=8)
+    second = client.embeddings.create(model="m", input="hello WORLD", dimensions=8)
+    assert first.data[0].embedding == second.data[0].embedding
+    assert len(first.data[0].embedding) == 8
+    raw = client.embeddings.create(
+        model="m", input="Hello, world", dimensions=8, encoding_format="base64"
+    )
+    relayed: object = raw.data[0].embedding
+    assert relayed == base64.b64encode(embeddingOf("hello world", 8)[1]).decode()
+    assert list(struct.unpack("<8f", base64.b64decode(str(relayed)))) == first.data[0].embedding
+
+
+def test_theDefaultDimensionsAreConfigurable(tmp_path: Path) -> None:
+    """
+    --embedding-dimensions sets the length of vectors when a request names
+    none.
+    """
+    upstream = ScriptedUpstream(tmp_path / "wide", embeddingDimensions=256).start()
+    try:
+        status, answer = _postEmbeddings(upstream, {"model": "m", "input": "x"})
+        assert status == 200
+        data = answer["data"]
+        assert isinstance(data, list) and len(data[0]["embedding"]) == 256
+    finally:
+        upstream.stop()
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        ({"model": "status:503", "input": "x"}, 503),
+        ({"model": "status:400", "input": "x"}, 400),
+        ({"model": "m", "input": [1, 2, 3]}, 400),
+        ({"model": "m", "input": []}, 400),
+        ({"model": "m", "input": "x", "dimensions": 0}, 400),
+        ({"model": "m", "input": "x", "encoding_format": "hex"}, 400),
+        ({"model": "events:3", "input": "x"}, 400),
+    ],
+    ids=["503", "400", "token array", "no input", "dimensions 0", "hex", "events"],
+)
+def test_embeddingsFaults(upstream: ScriptedUpstream, body: object, status: int) -> None:
+    """
+    The grammar's faults apply to embeddings; what OpenAI would refuse
+    (or the scripted server cannot make) is a 400 in OpenAI's shape.
+    """
+    answered, answer = _postEmbeddings(upstream, body)
+    assert answered == status
+    assert "error" in answer
+
+
+def test_embeddingsUsageDirectives(upstream: ScriptedUpstream) -> None:
+    """
+    usage:<prompt>:<completion> sets prompt_tokens, no-usage leaves the
+    usage out, usage-at-cap counts a token per byte of the body, and
+    usage-over-cap:3 three times that; "stream": true is ignored.
+    """
+    upstream.clearRequests()
+    _, shaped = _postEmbeddings(upstream, {"model": "usage:42:0", "input": "x"})
+    assert shaped["usage"] == {"prompt_tokens": 42, "total_tokens": 42}
+    _, bare = _postEmbeddings(upstream, {"model": "no-usage", "input": "x", "stream": True})
+    assert "usage" not in bare and bare["object"] == "list"
+    _, atCap = _postEmbeddings(upstream, {"model": "usage-at-cap", "input": "x"})
+    _, overCap = _postEmbeddings(upstream, {"model": "usage-over-cap:3", "input": "x"})
+    lengths = [each.bodyLength for each in upstream.requests()[2:]]
+    assert atCap["usage"] == {"prompt_tokens": lengths[0], "total_tokens": lengths[0]}
+    assert overCap["usage"] == {"prompt_tokens": 3 * lengths[1], "total_tokens": 3 * lengths[1]}

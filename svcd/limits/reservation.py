@@ -27,6 +27,15 @@ can pass it (decisions D12, amended; L{worstCaseCost}):
     schemas, tool calls and digits are all counted;
   - the price is that of the dearest model that may answer (the model
     and its fallbacks, measured with each one's own body).
+
+An embeddings request (decisions D13) has no output: it reserves its
+inputs' estimate (L{inputsEstimate}: D11's bytes / 3 per input, no
+tokens per message, no cap), which is what rpm and tpm count, and under
+a budget a worst case bounded the same way as a chat prompt's: one token
+per byte of the body sent, at the dearest input price of the model and
+its fallbacks (L{reserveEmbeddings}). The estimate alone would not bound
+the cost: a tokenizer may make a token of every byte (and some add a
+token or two per input), three times the estimate.
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ from typing import Any, Protocol
 from svcd.common.errors import ApiError, FieldError, FieldErrorCode, validationError
 from svcd.limits.book import Applicable
 from svcd.providers.table import Model, ProviderTable
-from svcd.providers.upstream import attemptBody
+from svcd.providers.upstream import attemptBody, embeddingsBody
 
 DEFAULT_OUTPUT_CAP = 4096
 TOKENS_PER_MESSAGE = 4
@@ -216,4 +225,85 @@ def modelRefusal(chat: ChatBody, model: Model, budgeted: bool) -> ApiError | Non
                     field, FieldErrorCode.TOO_MANY, f"must be at most {ceiling} for this model"
                 )
             )
+    return validationError(errors) if errors else None
+
+
+class EmbeddingsBody(Protocol):
+    """
+    What the reservation reads of an embeddings request (decisions D13):
+    svc-proxy's parsed body
+    (L{svcd.proxy.http.embeddingsbody.EmbeddingsRequest}) is one.
+    """
+
+    @property
+    def inputs(self) -> Sequence[str]: ...
+
+    @property
+    def document(self) -> Mapping[str, Any]:
+        """
+        The whole JSON object, as it is forwarded.
+        """
+
+    @property
+    def dimensions(self) -> int | None: ...
+
+
+def inputsEstimate(inputs: Sequence[str]) -> int:
+    """
+    The tokens of an embeddings request's inputs, estimated by D11's rule
+    for each: its UTF-8 bytes divided by 3, rounded up.
+    """
+    total = 0
+    for text in inputs:
+        total += -(-len(text.encode("utf-8", "surrogatepass")) // BYTES_PER_TOKEN)
+    return total
+
+
+def reserveEmbeddings(
+    embeddings: EmbeddingsBody,
+    model: Model,
+    providers: ProviderTable,
+    orgID: str,
+    applicable: Applicable,
+) -> tuple[int, int]:
+    """
+    What an embeddings request that will be forwarded to C{model} reserves
+    at admission (decisions D11, D12, D13), as C{(tokens, cost)}: its
+    inputs' estimate, and under a budget its worst-case cost in
+    nano-dollars (else 0): for each model that may answer (priced ones
+    only, L{attemptsOf}), one token per byte of the body it is sent at its
+    input price, the largest of those.
+    """
+    cost = 0
+    if applicable.budgeted:
+        for attempt in attemptsOf(providers, model, orgID, True):
+            price = attempt.price
+            assert price is not None
+            body = embeddingsBody(embeddings.document, attempt)
+            cost = max(cost, price.worstCase(len(body), 0))
+    return inputsEstimate(embeddings.inputs), cost
+
+
+def embeddingsRefusal(embeddings: EmbeddingsBody, model: Model, budgeted: bool) -> ApiError | None:
+    """
+    The 400 of an embeddings request its model cannot take, every rule at
+    once: under a budget, a model without a price (NO_PRICE, as for chat:
+    never billed at zero); C{dimensions} past the model's own, when the
+    providers file gives them (a model cannot make longer vectors than
+    its own). None when there is nothing to refuse.
+    """
+    errors: list[FieldError] = []
+    if budgeted and model.price is None:
+        errors.append(
+            FieldError(
+                "model", FieldErrorCode.NO_PRICE, "The model has no price, and a budget applies."
+            )
+        )
+    wanted, own = embeddings.dimensions, model.dimensions
+    if wanted is not None and own is not None and wanted > own:
+        errors.append(
+            FieldError(
+                "dimensions", FieldErrorCode.TOO_MANY, f"must be at most {own} for this model"
+            )
+        )
     return validationError(errors) if errors else None

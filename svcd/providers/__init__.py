@@ -1,8 +1,8 @@
 """
 Calling OpenAI-compatible providers (decisions D9), for any daemon that
-needs to: svc-proxy forwards its clients' chat completions through it, and
-a daemon of Phase 4 (decisions D13) calls providers as an organization
-with the same client. It imports nothing of svc-proxy (a test checks it).
+needs to: svc-proxy forwards its clients' chat completions and embeddings
+(decisions D13) through it, and a daemon of Phase 4 calls providers as an
+organization with the same client. It imports nothing of svc-proxy (a test checks it).
 
   - L{svcd.providers.table}: the providers file, read and checked at
     start: providers, models, fallbacks and prices;

@@ -116,6 +116,9 @@ MAX_TRAILERS = 64
 
 _NO_BODY = frozenset({204, 304})
 _VERSIONS = frozenset({"1.0", "1.1"})
+# A request target of ours: an absolute path of visible ASCII, which no
+# byte of can end the request line early.
+_TARGET = re.compile(rb"/[\x21-\x7e]*")
 # Bytes no reason phrase may hold (RFC 9112 section 4).
 _CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 
@@ -553,7 +556,8 @@ class ConnectionPool:
     The connections to one provider's base URL, and the requests sent over
     them.
 
-    @param url: the full URL requests are sent to (C{https://host/v1/chat/completions}).
+    @param url: the full URL requests are sent to (C{https://host/v1/chat/completions})
+        unless L{post} names another path on the same server.
     @param fixedHeaders: headers every request carries (C{Content-Type},
         C{Authorization}), written once into the request head.
     @param idleSeconds: how long an idle connection may be used again.
@@ -595,27 +599,46 @@ class ConnectionPool:
         self._endpoint = endpoint
         self._clock = clock
         self._idleSeconds = idleSeconds
-        self._head = b"POST %s HTTP/1.1\r\nHost: %s\r\n%s" % (
-            target.encode("ascii"),
+        # The head after the request line: the same for every path.
+        self._fixed = b"Host: %s\r\n%s" % (
             hostHeader.encode("idna"),
             b"".join(
                 name + b": " + _sanitized(value) + b"\r\n" for name, value in fixedHeaders.items()
             ),
         )
+        self._target = target.encode("ascii")
+        # The whole head of each path requests were sent to, made once.
+        self._heads: dict[bytes, bytes] = {}
+        self._head = self._headOf(self._target)
         self._idle: list[_Connection] = []
         self._all: set[_Connection] = set()
         self._factory = Factory.forProtocol(lambda: _Connection(self))
         self._closing = False
 
-    def post(self, body: bytes, headers: Mapping[bytes, bytes]) -> Deferred[UpstreamAnswer]:
+    def _headOf(self, target: bytes) -> bytes:
+        head = self._heads.get(target)
+        if head is None:
+            if not _TARGET.fullmatch(target):
+                raise ValueError(f"not a request target: {target!r}")
+            head = self._heads[target] = b"POST %s HTTP/1.1\r\n%s" % (target, self._fixed)
+        return head
+
+    def post(
+        self, body: bytes, headers: Mapping[bytes, bytes], target: bytes | None = None
+    ) -> Deferred[UpstreamAnswer]:
         """
         POST C{body} with C{headers} (besides the fixed ones); fires with
         the answer once its head is read, or fails (the connection could
         not be made, or broke, or the answer is unreadable).
+
+        @param target: the path to post to (C{/v1/embeddings}), when not
+            the URL's: the connections are the server's, whatever the path
+            (decisions D13: a provider's chat completions and embeddings
+            share its pool).
         """
         data = b"".join(
             (
-                self._head,
+                self._head if target is None else self._headOf(target),
                 *(name + b": " + _sanitized(value) + b"\r\n" for name, value in headers.items()),
                 b"Content-Length: %d\r\n\r\n" % len(body),
                 body,

@@ -72,6 +72,22 @@ def usageOf(document: object) -> Usage | None:
     return Usage(prompt, completion, cached, reasoning)
 
 
+def embeddingUsageOf(document: object) -> Usage | None:
+    """
+    The C{usage} of an OpenAI-shaped embeddings answer (decisions D13):
+    C{prompt_tokens} (and C{total_tokens}, the same), no completion.
+    """
+    if not isinstance(document, dict):
+        return None
+    usage = document.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    prompt = usage.get("prompt_tokens")
+    if not _count(prompt):
+        return None
+    return Usage(prompt, 0)
+
+
 def _count(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 

@@ -32,6 +32,17 @@ assumed when the request named none, C{"max_completion_tokens"} (the
 default, OpenAI's) or C{"max_tokens"} (for providers that know only the
 older key); and make C{max_output_tokens} (default
 L{DEFAULT_MAX_OUTPUT_TOKENS}) the largest cap a request may name.
+Decisions D13 add a model's C{kind} (C{"chat"}, the default, or
+C{"embedding"}: a model answers only the route of its kind) and, for an
+embedding model, C{dimensions} (optional): the length of the vectors it
+makes, the most a request may ask for. An embedding model's fallbacks are
+embedding models and a chat model's chat models; its price needs no
+C{output} (embeddings have no output tokens); C{max_output_tokens} and
+C{cap_field}, which bound an answer's output, are for chat models only.
+They also add the optional C{[memory]} table (L{MemoryConfig}): the
+embedding model that memory uses (required in the table; without the
+table, memory is off), the worker's extraction model, and recall's
+settings, each checked here like the rest of the file.
 """
 
 from __future__ import annotations
@@ -54,9 +65,12 @@ from svcd.providers.prices import BadPrice, Price, parseDollars
 
 __all__ = [
     "CAP_FIELDS",
+    "CHAT",
     "DEFAULT_MAX_OUTPUT_TOKENS",
+    "EMBEDDING",
     "MAX_COMPLETION_TOKENS",
     "MAX_TOKENS",
+    "MODEL_KINDS",
     "VARIABLE",
     "Model",
     "Provider",
@@ -98,7 +112,24 @@ _VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
 _HOST_NAME = re.compile(r"[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)*\.?")
 _TOML_POSITION = re.compile(r"(.*?)\s*(\((?:at line \d+, column \d+|at end of document)\))", re.S)
 
-_TOP_KEYS = ("providers", "models")
+_TOP_KEYS = ("providers", "models", "memory")
+# Decisions D13: the [memory] table's keys and their defaults.
+_MEMORY_KEYS = (
+    "embedding_model",
+    "extraction_model",
+    "recall_k",
+    "min_score",
+    "max_context_tokens",
+    "dedupe_score",
+    "recall_mode",
+)
+# The most memories a recall may ask for: POST /v1/memories/search's k.
+MAX_RECALL_K = 50
+# Far above any context window, low enough that no estimate overflows.
+MAX_CONTEXT_TOKENS = 1_000_000
+VECTOR = "vector"
+# The modes D13 names for recall; only "vector" is built so far.
+RECALL_MODES = (VECTOR,)
 _PROVIDER_KEYS = ("name", "base_url", "api_key_env", "timeout", "idle_timeout", "max_connections")
 # The largest output cap a model may declare (D11): far above any model's.
 MAX_OUTPUT_TOKENS = 10_000_000
@@ -110,6 +141,13 @@ DEFAULT_MAX_OUTPUT_TOKENS = 1_048_576
 MAX_COMPLETION_TOKENS = "max_completion_tokens"
 MAX_TOKENS = "max_tokens"
 CAP_FIELDS = (MAX_COMPLETION_TOKENS, MAX_TOKENS)
+# Decisions D13: what a model answers, the route that may name it.
+CHAT = "chat"
+EMBEDDING = "embedding"
+MODEL_KINDS = (CHAT, EMBEDDING)
+# The longest vectors an embedding model may declare: far above any
+# model's (OpenAI's largest is 3,072).
+MAX_DIMENSIONS = 65_536
 _MODEL_KEYS = (
     "name",
     "provider",
@@ -119,7 +157,11 @@ _MODEL_KEYS = (
     "max_output_tokens",
     "price",
     "cap_field",
+    "kind",
+    "dimensions",
 )
+# The keys that bound a chat answer's output, meaningless for embeddings.
+_CHAT_ONLY_KEYS = ("max_output_tokens", "cap_field")
 _PRICE_KEYS = ("input", "output", "cached_input")
 # Unknown keys that look like someone putting a key in the file.
 _SECRET_LIKE = frozenset(
@@ -133,7 +175,8 @@ class Provider:
     One OpenAI-compatible endpoint.
 
     @ivar baseURL: C{http(s)://host[:port][/path]} without a trailing
-        slash; requests go to C{<baseURL>/chat/completions}.
+        slash; requests go to C{<baseURL>/chat/completions} and
+        C{<baseURL>/embeddings} (D13).
     @ivar apiKey: read at load from the variable named C{apiKeyEnv}, sent
         as C{Authorization: Bearer}; None for a provider without a key.
         Never in a repr, a log line, an error or a span.
@@ -158,6 +201,13 @@ class Provider:
         Where chat completions of this provider are sent (D9).
         """
         return self.baseURL + "/chat/completions"
+
+    @property
+    def embeddingsURL(self) -> str:
+        """
+        Where embeddings requests of this provider are sent (D13).
+        """
+        return self.baseURL + "/embeddings"
 
 
 def _ownName(model: Model) -> str:
@@ -188,6 +238,10 @@ class Model:
     price: Price | None = None
     # The key its provider takes the output cap under (D12, amended).
     capField: str = MAX_COMPLETION_TOKENS
+    # What it answers (D13): CHAT or EMBEDDING, the route that may name it.
+    kind: str = CHAT
+    # An embedding model's vector length, when the file gives it (D13).
+    dimensions: int | None = None
 
     @property
     def outputCeiling(self) -> int:
@@ -208,6 +262,34 @@ class Model:
 
 
 @attrs.frozen
+class MemoryConfig:
+    """
+    The providers file's C{[memory]} table (decisions D13): the models
+    memory uses and how recall behaves, the same for every organization.
+
+    @ivar embeddingModel: the C{kind = "embedding"} model that embeds
+        every memory and every query; memory is off without it.
+    @ivar extractionModel: the chat model the worker asks for memories, or
+        None (then an observation's user text is its one memory).
+    @ivar recallK: how many memories a recall asks for.
+    @ivar minScore: the least cosine similarity a recalled memory has.
+    @ivar maxContextTokens: the most tokens (D11's estimate) the message of
+        recalled memories may take.
+    @ivar dedupeScore: the similarity at or above which the worker's new
+        memory replaces the scope's nearest one instead of adding to it.
+    @ivar recallMode: how recall ranks: C{"vector"}.
+    """
+
+    embeddingModel: Model
+    extractionModel: Model | None = None
+    recallK: int = 5
+    minScore: float = 0.25
+    maxContextTokens: int = 1000
+    dedupeScore: float = 0.92
+    recallMode: str = VECTOR
+
+
+@attrs.frozen
 class ProviderTable:
     """
     The checked content of the providers file.
@@ -223,6 +305,8 @@ class ProviderTable:
     models: Mapping[str, Model]
     path: str
     loadedAt: int
+    # Decisions D13: the [memory] table, None when the file has none.
+    memory: MemoryConfig | None = None
     # The fallback order of each model, before any org filtering, worked
     # out once here rather than on each request.
     _chains: Mapping[str, tuple[Model, ...]] = attrs.field(init=False, repr=False, eq=False)
@@ -231,14 +315,16 @@ class ProviderTable:
         chains = {name: _chain(model, self.models) for name, model in self.models.items()}
         object.__setattr__(self, "_chains", chains)
 
-    def modelFor(self, name: str, orgID: str) -> Model | None:
+    def modelFor(self, name: str, orgID: str, kind: str = CHAT) -> Model | None:
         """
-        The model a client named, or None when the file does not list it
-        or lists it for other organizations only: both answer 501
-        PROVIDER_NOT_CONFIGURED, never a hint that it exists elsewhere.
+        The model a client named on the route of C{kind}, or None when the
+        file does not list it, lists it for other organizations only, or
+        lists it with another kind (D13: a chat route naming an embedding
+        model, or the reverse): all answer 501 PROVIDER_NOT_CONFIGURED,
+        never a hint that it exists elsewhere.
         """
         model = self.models.get(name)
-        if model is None or not model.allows(orgID):
+        if model is None or model.kind != kind or not model.allows(orgID):
             return None
         return model
 
@@ -462,10 +548,98 @@ class _Checker:
                     raise self.fault(
                         f"model {_quote(model.name)}: fallback {_quote(fallback)} is not defined"
                     )
+                if models[fallback].kind != model.kind:
+                    # D13: a fallback answers the same route, so the same kind.
+                    raise self.fault(
+                        f"model {_quote(model.name)}: fallback {_quote(fallback)} is"
+                        f" {_article(models[fallback].kind)} model, and a fallback of"
+                        f" {_article(model.kind)} model must be one too"
+                    )
         cycle = _fallbackCycle(models)
         if cycle is not None:
             raise self.fault("fallbacks form a cycle: " + " -> ".join(map(_quote, cycle)))
-        return ProviderTable(providers=providers, models=models, path=self._path, loadedAt=loadedAt)
+        memory = self.memory(document, models)
+        return ProviderTable(
+            providers=providers, models=models, path=self._path, loadedAt=loadedAt, memory=memory
+        )
+
+    def memory(self, document: dict[str, Any], models: Mapping[str, Model]) -> MemoryConfig | None:
+        """
+        The C{[memory]} table (decisions D13), checked against the models
+        it names; None when the file has none.
+        """
+        table = document.get("memory")
+        if table is None:
+            return None
+        if not isinstance(table, dict):
+            raise self.fault(f"memory must be written as a [memory] table, got {_kind(table)}")
+        where = "[memory]: "
+        self.refuseUnknownKeys(table, _MEMORY_KEYS, where)
+        embedding = self.memoryModel(table, "embedding_model", EMBEDDING, models, where)
+        if embedding is None:
+            raise self.fault(f"{where}embedding_model is required (an embedding model's name)")
+        mode = table.get("recall_mode", VECTOR)
+        if mode not in RECALL_MODES:
+            raise self.fault(
+                f'{where}recall_mode must be "{VECTOR}", got '
+                + (_quote(mode) if isinstance(mode, str) else _kind(mode))
+            )
+        return MemoryConfig(
+            embeddingModel=embedding,
+            extractionModel=self.memoryModel(table, "extraction_model", CHAT, models, where),
+            recallK=self.boundedInteger(table, "recall_k", 5, 1, MAX_RECALL_K, where),
+            minScore=self.score(table, "min_score", 0.25, where),
+            maxContextTokens=self.boundedInteger(
+                table, "max_context_tokens", 1000, 1, MAX_CONTEXT_TOKENS, where
+            ),
+            dedupeScore=self.score(table, "dedupe_score", 0.92, where),
+            recallMode=mode,
+        )
+
+    def memoryModel(
+        self,
+        table: dict[str, Any],
+        key: str,
+        kind: str,
+        models: Mapping[str, Model],
+        where: str,
+    ) -> Model | None:
+        value = table.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            raise self.fault(f"{where}{key} must be a model's name, got {_kind(value)}")
+        model = models.get(value)
+        if model is None:
+            raise self.fault(f"{where}{key} {_quote(value)} is not a model of this file")
+        if model.kind != kind:
+            raise self.fault(
+                f"{where}{key} {_quote(value)} is {_article(model.kind)} model;"
+                f" it must be {_article(kind)} model"
+            )
+        return model
+
+    def boundedInteger(
+        self, table: dict[str, Any], key: str, default: int, least: int, most: int, where: str
+    ) -> int:
+        value = table.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise self.fault(f"{where}{key} must be an integer, got {_kind(value)}")
+        if not least <= value <= most:
+            raise self.fault(f"{where}{key} must be from {least} to {most:,}, got {_show(value)}")
+        return value
+
+    def score(self, table: dict[str, Any], key: str, default: float, where: str) -> float:
+        """
+        A cosine similarity: a number from -1 to 1 (an integer is taken as
+        the number it is).
+        """
+        value = table.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.fault(f"{where}{key} must be a number, got {_kind(value)}")
+        if not -1.0 <= value <= 1.0:
+            raise self.fault(f"{where}{key} must be from -1 to 1, got {_show(value)}")
+        return float(value)
 
     def refuseUnknownKeys(self, table: dict[str, Any], known: tuple[str, ...], where: str) -> None:
         for key in table:
@@ -601,11 +775,12 @@ class _Checker:
         if port is not None and not (port.isdigit() and len(port) <= 5 and 1 <= int(port) <= 65535):
             raise self.fault(f"{where}base_url has a port that is not a number from 1 to 65535")
         baseURL = f"{scheme.lower()}://{authority}/{path}".rstrip("/")
-        if baseURL.lower().endswith("/chat/completions"):
-            raise self.fault(
-                f"{where}base_url must not end with /chat/completions: the proxy appends it "
-                "(write the base, such as http://127.0.0.1:8000/v1)"
-            )
+        for route in ("/chat/completions", "/embeddings"):
+            if baseURL.lower().endswith(route):
+                raise self.fault(
+                    f"{where}base_url must not end with {route}: the proxy appends it "
+                    "(write the base, such as http://127.0.0.1:8000/v1)"
+                )
         return baseURL
 
     def apiKey(self, table: dict[str, Any], where: str) -> tuple[str | None, str | None]:
@@ -690,6 +865,18 @@ class _Checker:
         upstreamModel = self.text(
             table, "upstream_model", where, _MODEL_NAME, MAX_UPSTREAM_MODEL, _MODEL_NAME_RULE
         )
+        kind = self.modelKind(table, where)
+        if kind == EMBEDDING:
+            for key in _CHAT_ONLY_KEYS:
+                if key in table:
+                    raise self.fault(
+                        f"{where}{key} bounds a chat answer's output; an embedding model"
+                        " has none (leave it out)"
+                    )
+        elif "dimensions" in table:
+            raise self.fault(
+                f'{where}dimensions is for embedding models only (kind = "{EMBEDDING}")'
+            )
         return Model(
             name=name,
             provider=provider,
@@ -697,9 +884,33 @@ class _Checker:
             orgs=self.orgs(table, where),
             fallbacks=self.fallbacks(table, where),
             maxOutputTokens=self.maxOutputTokens(table, where),
-            price=self.price(table, where),
+            price=self.price(table, where, outputRequired=kind == CHAT),
             capField=self.capField(table, where),
+            kind=kind,
+            dimensions=self.dimensions(table, where),
         )
+
+    def modelKind(self, table: dict[str, Any], where: str) -> str:
+        value = table.get("kind")
+        if value is None:
+            return CHAT
+        if not isinstance(value, str):
+            raise self.fault(f"{where}kind must be a string, got {_kind(value)}")
+        if value not in MODEL_KINDS:
+            raise self.fault(f'{where}kind must be "{CHAT}" or "{EMBEDDING}", got {_quote(value)}')
+        return value
+
+    def dimensions(self, table: dict[str, Any], where: str) -> int | None:
+        value = table.get("dimensions")
+        if value is None:
+            return None
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise self.fault(f"{where}dimensions must be an integer, got {_kind(value)}")
+        if not 1 <= value <= MAX_DIMENSIONS:
+            raise self.fault(
+                f"{where}dimensions must be from 1 to {MAX_DIMENSIONS}, got {_show(value)}"
+            )
+        return value
 
     def capField(self, table: dict[str, Any], where: str) -> str:
         value = table.get("cap_field")
@@ -714,7 +925,12 @@ class _Checker:
             )
         return value
 
-    def price(self, table: dict[str, Any], where: str) -> Price | None:
+    def price(self, table: dict[str, Any], where: str, outputRequired: bool = True) -> Price | None:
+        """
+        The model's price; C{output} may be left out (as 0) where
+        C{outputRequired} is false: an embedding model's answer has no
+        output tokens (D13).
+        """
         value = table.get("price")
         if value is None:
             return None
@@ -738,12 +954,12 @@ class _Checker:
                 dollars[key] = parseDollars(text)
             except BadPrice as bad:
                 raise self.fault(f"{where}price.{key} {bad}") from None
-        for required in ("input", "output"):
+        for required in ("input", "output") if outputRequired else ("input",):
             if required not in dollars:
                 raise self.fault(f"{where}price.{required} is required")
         return Price(
             input=dollars["input"],
-            output=dollars["output"],
+            output=dollars.get("output", 0),
             cachedInput=dollars.get("cached_input", dollars["input"]),
         )
 
@@ -801,6 +1017,14 @@ class _Checker:
             twice = next(entry for entry in entries if entries.count(entry) > 1)
             raise self.fault(f"{where}fallbacks: {_quote(twice)} is listed twice")
         return tuple(entries)
+
+
+def _article(kind: str) -> str:
+    """
+    C{kind} with its indefinite article, for an error: "a chat", "an
+    embedding".
+    """
+    return f"an {kind}" if kind[0] in "aeiou" else f"a {kind}"
 
 
 def _splitAuthority(authority: str) -> tuple[str, str | None]:

@@ -1,8 +1,15 @@
 """
-Forwarding a chat completion to its provider (decisions D9): the request
-sent upstream, the persistent connections it goes over, every upstream
-fault mapped to the gateway's error, fallbacks, usage, metrics and the
-upstream client span.
+Forwarding a chat completion to its provider (decisions D9), or an
+embeddings request (D13: the same path, to C{<base_url>/embeddings}, never
+streamed; L{EMBEDDINGS}): the request sent upstream, the persistent
+connections it goes over, every upstream fault mapped to the gateway's
+error, fallbacks, usage, metrics and the upstream client span.
+
+What differs between the two is an L{Operation}: the path appended to the
+provider's base URL, how the body sent is made from the client's object,
+where the answer's usage is, whether it may stream. Everything else (the
+headers, the timeouts, the fault mapping below, the fallbacks, the pool of
+connections and its bound per provider, which both share) is one code.
 
 What is sent: the client's JSON object, with C{model} replaced by the
 model's C{upstream_model} and every other key kept; for a stream,
@@ -58,6 +65,7 @@ import json
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 import attrs
 from opentelemetry import trace
@@ -78,7 +86,13 @@ from svcd.common.errors import ApiError, ErrorCode
 from svcd.common.tracing import traceparentOf
 from svcd.providers.http1 import BadAnswer, ConnectionPool, UpstreamAnswer
 from svcd.providers.records import UpstreamRecord, Usage
-from svcd.providers.relay import BodyReader, StreamFault, StreamRelay, usageOf
+from svcd.providers.relay import (
+    BodyReader,
+    StreamFault,
+    StreamRelay,
+    embeddingUsageOf,
+    usageOf,
+)
 from svcd.providers.table import Model, Provider
 
 UPSTREAM_MODEL_HEADER = b"X-SVC-Upstream-Model"
@@ -120,6 +134,27 @@ class Answer:
     contentType: bytes = _JSON
     headers: list[tuple[bytes, bytes]] = attrs.field(factory=list)
     streamed: bool = False
+
+
+@attrs.frozen
+class Operation:
+    """
+    What a request asks of a provider: a chat completion (L{CHAT_COMPLETIONS},
+    decisions D9) or embeddings (L{EMBEDDINGS}, D13).
+
+    @ivar path: appended to the provider's base URL.
+    @ivar spanName: the name of the upstream client span.
+    @ivar body: the body sent to a model for the client's object, with the
+        output cap a budget assumed (or None), as L{attemptBody}.
+    @ivar usage: the usage of a whole answer's parsed JSON.
+    @ivar streams: whether C{"stream": true} asks for a stream.
+    """
+
+    path: str
+    spanName: str
+    body: Callable[[Mapping[str, Any], Model, int | None], bytes]
+    usage: Callable[[object], Usage | None]
+    streams: bool
 
 
 class UpstreamFault(Exception):
@@ -205,6 +240,7 @@ class Forwarder:
         errorEvent: Callable[[ApiError], bytes],
         record: UpstreamRecord,
         outputCap: int | None = None,
+        operation: Operation | None = None,
     ) -> Answer:
         """
         Forward C{document} (the client's JSON object) to the first of
@@ -214,18 +250,21 @@ class Forwarder:
         @param outputCap: the output cap to send with each attempt (under
             that attempt's model's C{cap_field}, see L{attemptBody}), or
             None to send the client's object as it is.
+        @param operation: what is asked; a chat completion by default.
         @raise ApiError: the last attempt's fault, when none answered.
         """
-        stream = document.get("stream") is True
+        if operation is None:
+            operation = CHAT_COMPLETIONS
+        stream = operation.streams and document.get("stream") is True
         fault: UpstreamFault | None = None
         for model in attempts:
-            body = attemptBody(document, model, outputCap)
+            body = operation.body(document, model, outputCap)
             try:
                 if stream:
                     return await self._stream(
                         model, body, document, requestID, client, errorEvent, record
                     )
-                return await self._complete(model, body, requestID, record)
+                return await self._complete(model, body, requestID, record, operation)
             except UpstreamFault as failed:
                 fault = failed
                 if not failed.fallback:
@@ -236,7 +275,7 @@ class Forwarder:
     # One attempt.
 
     def _begin(
-        self, model: Model, requestID: str, record: UpstreamRecord
+        self, model: Model, requestID: str, record: UpstreamRecord, operation: Operation
     ) -> tuple[_Link, dict[bytes, bytes], Span | None]:
         link = self._links[model.provider.name]
         record.provider = model.provider.name
@@ -245,18 +284,18 @@ class Forwarder:
         record.usage = None
         # Content-Type and Authorization are the pool's own (_Link).
         headers = {b"X-Request-ID": requestID.encode("ascii")}
-        span = self._span(model)
+        span = self._span(model, operation)
         spanContext = (span or trace.get_current_span()).get_span_context()
         if spanContext.is_valid:
             headers[b"traceparent"] = traceparentOf(spanContext).encode("ascii")
         return link, headers, span
 
-    def _span(self, model: Model) -> Span | None:
+    def _span(self, model: Model, operation: Operation) -> Span | None:
         current = trace.get_current_span()
         if self._tracer is None or not current.is_recording():
             return None
         return self._tracer.start_span(
-            "POST chat/completions",
+            operation.spanName,
             kind=SpanKind.CLIENT,
             attributes={
                 "http.request.method": "POST",
@@ -290,16 +329,21 @@ class Forwarder:
             span.end()
 
     async def _complete(
-        self, model: Model, body: bytes, requestID: str, record: UpstreamRecord
+        self,
+        model: Model,
+        body: bytes,
+        requestID: str,
+        record: UpstreamRecord,
+        operation: Operation,
     ) -> Answer:
         """
         A non-streaming attempt: the whole answer within C{timeout}.
         """
-        link, headers, span = self._begin(model, requestID, record)
+        link, headers, span = self._begin(model, requestID, record, operation)
         began = time.perf_counter()
         label = "cancelled"
         try:
-            work = Deferred.fromCoroutine(link.exchange(body, headers))
+            work = Deferred.fromCoroutine(link.exchange(body, headers, link.target(operation)))
             try:
                 response, answer = await timeoutDeferred(
                     work, model.provider.timeout, asReactorTime(self._clock)
@@ -313,7 +357,7 @@ class Forwarder:
                 parsed = json.loads(answer)
             except ValueError:
                 raise _broken("invalid") from None
-            record.usage = usageOf(parsed)
+            record.usage = operation.usage(parsed)
             return Answer(200, answer, headers=[(UPSTREAM_MODEL_HEADER, _ascii(model.name))])
         except UpstreamFault as fault:
             label = fault.label
@@ -336,7 +380,7 @@ class Forwarder:
         then a fault allows a fallback), then every event relayed as it
         comes, each within C{idle_timeout} of the one before.
         """
-        link, headers, span = self._begin(model, requestID, record)
+        link, headers, span = self._begin(model, requestID, record, CHAT_COMPLETIONS)
         began = time.perf_counter()
         provider = model.provider
         side = _StreamSide(client, model.name, errorEvent)
@@ -473,6 +517,9 @@ class _Link:
     provider: Provider
     pool: ConnectionPool = attrs.field(init=False)
     slots: DeferredSemaphore = attrs.field(init=False)
+    # The request target of each operation but chat completions (the
+    # pool's own), by its path.
+    targets: dict[str, bytes] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         fixed = {b"Content-Type": _JSON}
@@ -481,18 +528,35 @@ class _Link:
         self.pool = ConnectionPool(
             self.reactor,
             self.clock,
-            self.provider.baseURL.rstrip("/") + "/chat/completions",
+            self.provider.baseURL.rstrip("/") + CHAT_COMPLETIONS.path,
             fixed,
             IDLE_CONNECTION_SECONDS,
         )
         self.slots = DeferredSemaphore(self.provider.maxConnections)
 
-    def send(self, body: bytes, headers: Mapping[bytes, bytes]) -> Deferred[UpstreamAnswer]:
+    def target(self, operation: Operation) -> bytes | None:
         """
-        POST C{body}; fires with the answer, its body unread. Failures to
-        connect or to get an answer become L{UpstreamFault}s.
+        Where C{operation} is posted on this provider's server: None for
+        chat completions (the pool's URL), else the base URL's path with
+        the operation's appended.
         """
-        sending = self.pool.post(body, headers)
+        if operation is CHAT_COMPLETIONS:
+            return None
+        target = self.targets.get(operation.path)
+        if target is None:
+            path = urlsplit(self.provider.baseURL).path.rstrip("/") + operation.path
+            target = self.targets[operation.path] = path.encode("ascii")
+        return target
+
+    def send(
+        self, body: bytes, headers: Mapping[bytes, bytes], target: bytes | None = None
+    ) -> Deferred[UpstreamAnswer]:
+        """
+        POST C{body} (to C{target}, else to chat completions); fires with
+        the answer, its body unread. Failures to connect or to get an
+        answer become L{UpstreamFault}s.
+        """
+        sending = self.pool.post(body, headers, target)
 
         def failed(failure: Any) -> Any:
             if failure.check(CancelledError, UpstreamFault):
@@ -507,14 +571,14 @@ class _Link:
         return sending.addErrback(failed)
 
     async def exchange(
-        self, body: bytes, headers: Mapping[bytes, bytes]
+        self, body: bytes, headers: Mapping[bytes, bytes], target: bytes | None = None
     ) -> tuple[UpstreamAnswer, bytes]:
         """
         A whole exchange within a turn: the response and its whole body.
         """
         await self.slots.acquire()
         try:
-            response = await self.send(body, headers)
+            response = await self.send(body, headers, target)
             reader = BodyReader()
             response.deliverBody(reader)
             try:
@@ -577,6 +641,31 @@ def attemptBody(document: Mapping[str, Any], model: Model, outputCap: int | None
     if outputCap is not None:
         outgoing[model.capField] = min(outputCap, model.outputCeiling)
     return json.dumps(outgoing, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def embeddingsBody(
+    document: Mapping[str, Any], model: Model, outputCap: int | None = None
+) -> bytes:
+    """
+    The body sent to C{model}'s provider for the client's embeddings object
+    C{document} (decisions D13): C{model} replaced by its C{upstream_model},
+    every other key kept. An embedding has no output, so no cap is ever
+    added (C{outputCap} is ignored).
+
+    A budget's worst case is measured with this very function, as a chat
+    completion's is with L{attemptBody}.
+    """
+    outgoing = dict(document)
+    outgoing["model"] = model.upstreamModel
+    return json.dumps(outgoing, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+CHAT_COMPLETIONS = Operation(
+    "/chat/completions", "POST chat/completions", attemptBody, usageOf, streams=True
+)
+EMBEDDINGS = Operation(
+    "/embeddings", "POST embeddings", embeddingsBody, embeddingUsageOf, streams=False
+)
 
 
 def _wantsUsage(document: Mapping[str, Any]) -> bool:

@@ -7,9 +7,10 @@ through it, in the order of spec 4.1:
     table, whose order reads off L{svcd.proxy.http.edge.ProxyEdge};
     C{steps} the steps every route shares (the body, the caller, the
     per-minute limit); C{routes} one module per route family (C{ops},
-    C{probes}, C{models}, C{chat}); C{context} is the request's state
-    along the steps; C{paths} and C{chatbody} are the rules for the path
-    and the chat body.
+    C{probes}, C{models}, C{chat}, C{embeddings}); C{context} is the
+    request's state along the steps; C{paths}, C{chatbody} and
+    C{embeddingsbody} are the rules for the path, the chat body and the
+    embeddings body (D13).
   - L{svcd.proxy.validation}: who calls. The validation client of
     svc-auth, the shared calls, the change feed, the known token ids and
     the cache that answers from memory while the feed is live (D8).

@@ -18,7 +18,7 @@ from svcd.common import config
 from svcd.common.config import ConfigError, GrpcTLS, RedisTarget, parseRedisURL
 from svcd.common.ids import parseUUID
 from svcd.ledger.journalfile import JournalError, checkJournalPath
-from svcd.providers.table import ProviderTable, providersFromEnvironment
+from svcd.providers.table import MemoryConfig, ProviderTable, providersFromEnvironment
 
 # RFC 9110 token characters: what a header name may be made of.
 _HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
@@ -72,6 +72,24 @@ class ProxyConfig:
     budgetLease: float = 30.0
     budgetRecordGrace: float = 300.0
     budgetReconcileInterval: float = 30.0
+    # Decisions D13: where svc-memory answers (an address list like
+    # SVC_AUTH_GRPC_ADDR; None: memory is off), its client TLS, and the
+    # time a recall's embedding and search have together.
+    memoryGrpcAddr: str | None = None
+    memoryTLS: GrpcTLS | None = None
+    memoryTimeout: float = 0.3
+
+    @property
+    def memory(self) -> MemoryConfig | None:
+        """
+        The providers file's [memory] settings when memory is on (decisions
+        D13): both SVC_MEMORY_GRPC_ADDR and a [memory] table are given.
+        None otherwise: the memory routes answer 501 MEMORY_NOT_CONFIGURED
+        and chat completions are as before.
+        """
+        if self.memoryGrpcAddr is None or self.providers is None:
+            return None
+        return self.providers.memory
 
     @classmethod
     def fromEnvironment(
@@ -92,6 +110,12 @@ class ProxyConfig:
             port=config.port(_asciiDigits(environ, "SVC_PORT"), "SVC_PORT", 8080),
             reusePort=config.flag(environ, "SVC_REUSE_PORT", False),
             authTLS=_grpcTLS(environ),
+            memoryGrpcAddr=_optionalGrpcAddress(environ, "SVC_MEMORY_GRPC_ADDR"),
+            memoryTLS=_grpcTLS(
+                environ,
+                ("SVC_MEMORY_GRPC_TLS_CA", "SVC_MEMORY_GRPC_TLS_CERT", "SVC_MEMORY_GRPC_TLS_KEY"),
+            ),
+            memoryTimeout=config.duration(environ, "SVC_MEMORY_TIMEOUT", 0.3),
             redis=parseRedisURL(config.text(environ, "REDIS_URL", "")),
             validateTimeout=config.duration(environ, "SVC_AUTH_VALIDATE_TIMEOUT", 0.05),
             authMaxInFlight=config.positiveInteger(environ, "SVC_AUTH_MAX_IN_FLIGHT", 16),
@@ -172,7 +196,18 @@ def _asciiDigits(environ: Mapping[str, str], name: str) -> Mapping[str, str]:
 
 
 def _grpcAddress(environ: Mapping[str, str], name: str) -> str:
-    value = config.required(environ, name)
+    return _checkedGrpcAddress(name, config.required(environ, name))
+
+
+def _optionalGrpcAddress(environ: Mapping[str, str], name: str) -> str | None:
+    """
+    An address that may be left unset or empty (None then).
+    """
+    value = config.text(environ, name, "")
+    return _checkedGrpcAddress(name, value) if value else None
+
+
+def _checkedGrpcAddress(name: str, value: str) -> str:
     if any(character.isspace() for character in value) or "/" in value.split(":", 1)[0]:
         raise ConfigError(name, f"must be a host:port address, got {value!r}")
     return value
@@ -211,18 +246,28 @@ def _readPEM(environ: Mapping[str, str], name: str) -> bytes | None:
         raise ConfigError(name, f"cannot read {path!r}: {error.strerror}") from None
 
 
-def _grpcTLS(environ: Mapping[str, str]) -> GrpcTLS | None:
+def _grpcTLS(
+    environ: Mapping[str, str],
+    names: tuple[str, str, str] = (
+        "SVC_AUTH_GRPC_TLS_CA",
+        "SVC_AUTH_GRPC_TLS_CERT",
+        "SVC_AUTH_GRPC_TLS_KEY",
+    ),
+) -> GrpcTLS | None:
     """
-    SVC_AUTH_GRPC_TLS_CA, _CERT and _KEY: all unset means plaintext; a
-    client certificate needs its key and the other way round.
+    The variables C{names} of a CA, a client certificate and its key
+    (SVC_AUTH_GRPC_TLS_* for svc-auth, SVC_MEMORY_GRPC_TLS_* for
+    svc-memory): all unset means plaintext; a client certificate needs its
+    key and the other way round.
     """
-    ca = _readPEM(environ, "SVC_AUTH_GRPC_TLS_CA")
-    cert = _readPEM(environ, "SVC_AUTH_GRPC_TLS_CERT")
-    key = _readPEM(environ, "SVC_AUTH_GRPC_TLS_KEY")
+    caName, certName, keyName = names
+    ca = _readPEM(environ, caName)
+    cert = _readPEM(environ, certName)
+    key = _readPEM(environ, keyName)
     if cert is not None and key is None:
-        raise ConfigError("SVC_AUTH_GRPC_TLS_KEY", "is required when SVC_AUTH_GRPC_TLS_CERT is set")
+        raise ConfigError(keyName, f"is required when {certName} is set")
     if key is not None and cert is None:
-        raise ConfigError("SVC_AUTH_GRPC_TLS_CERT", "is required when SVC_AUTH_GRPC_TLS_KEY is set")
+        raise ConfigError(certName, f"is required when {keyName} is set")
     if ca is None and cert is None:
         return None
     return GrpcTLS(rootCertificates=ca, certificateChain=cert, privateKey=key)

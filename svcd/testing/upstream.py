@@ -10,6 +10,7 @@ run as processes; an upstream running on the test's own reactor would not
 answer while the test thread blocks. Run it as::
 
     python -m svcd.testing.upstream --port 0 --port-file PATH [--api-key KEY]
+        [--embedding-dimensions N]
 
 It listens on 127.0.0.1 only, writes its ports to C{PATH} once listening
 (JSON: C{{"port": API port, "controlPort": control port}}), logs nothing but
@@ -25,6 +26,8 @@ Routes of the API port
     one server can stand for several providers: C{/v1/chat/completions} and
     C{/other/v1/chat/completions} behave alike, and the request log tells
     them apart by C{path}.
+  - C{POST <any prefix>/embeddings}: OpenAI's embeddings answer (decisions
+    D13; see "Embeddings" below), with the same grammar of C{model}.
   - C{GET <any prefix>/models}: the OpenAI list shape, naming a few models
     of the grammar.
   - Anything else: 404 (or 405 for a known path with another method) with
@@ -122,6 +125,35 @@ How it is delivered (any of these, with any of the above):
     C{usage-at-cap}, with C{completion_tokens} that many times (default 2)
     more than the request allows: a provider that ignored its cap.
 
+Embeddings
+==========
+
+C{POST .../embeddings} answers C{{"object": "list", "data": [{"object":
+"embedding", "index", "embedding"}], "model", "usage": {"prompt_tokens",
+"total_tokens"}}}, one vector per input (C{input}: a string or an array
+of strings; anything else is a 400), in order. The vectors are
+deterministic and texts that share words are near: a hashed bag of words
+(L{embeddingOf}: each word, lower-cased, adds +1 or -1 at a place of the
+vector chosen by its hash), L2-normalised, so the cosine of two texts
+grows with the words they share and is about 0 for texts that share none.
+Their length is the request's C{dimensions} when it names one (1 to
+L{MAX_EMBEDDING_DIMENSIONS}), else the server's C{--embedding-dimensions}
+(default L{DEFAULT_EMBEDDING_DIMENSIONS}). C{"encoding_format": "base64"}
+gives each vector as the base64 of its little-endian float32 values, as
+OpenAI does; C{"float"} (the default) as numbers, the same float32 values.
+C{prompt_tokens} is the number of whitespace-separated words of all the
+inputs.
+
+The directives of C{model} apply as they do to a non-streaming chat
+completion (C{status}, C{reset}, C{slow}, C{hold}, C{not-json},
+C{close-mid-stream}, C{stall-stream}, C{never-ending}, C{no-usage}, and
+C{usage:<prompt>:<completion>}, whose prompt is the answer's
+C{prompt_tokens}), except C{events} and C{bytes} (a 400). C{usage-at-cap}
+makes C{prompt_tokens} the request body's length in bytes, the most a
+byte-level tokenizer could count (an embedding has no cap), and
+C{usage-over-cap:<factor>} that many times more. C{"stream": true} is
+ignored: embeddings never stream.
+
 Routes of the control port
 ==========================
 
@@ -159,11 +191,15 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import base64
 import contextlib
+import hashlib
 import itertools
 import json
+import math
 import os
 import re
+import struct
 import subprocess
 import sys
 import tempfile
@@ -216,6 +252,11 @@ EVENTS_PER_TURN = 64
 # The size of one events:<n> content delta, and of a bytes:<n> stream delta.
 EVENT_CONTENT_SIZE = 300
 BYTES_DELTA_SIZE = 256
+
+# The vector length of an embeddings answer when the request names none,
+# and the longest one a request may ask for.
+DEFAULT_EMBEDDING_DIMENSIONS = 64
+MAX_EMBEDDING_DIMENSIONS = 4096
 
 # How long ScriptedUpstream waits for the process to listen, and to stop.
 # Generous: a loaded machine can take seconds to import Twisted.
@@ -463,6 +504,29 @@ def echoContent(body: object) -> tuple[str, int]:
     last = len(texts[-1]) if texts else 0
     content = f"Scripted answer to {len(messages)} messages; the last has {last} characters."
     return content, sum(len(text.split()) for text in texts)
+
+
+_WORD = re.compile(r"\w+")
+
+
+def embeddingOf(text: str, dimensions: int) -> tuple[list[float], bytes]:
+    """
+    The scripted embedding of C{text}: a hashed bag of its words (each
+    word, lower-cased, adds +1 or -1 at a place chosen by its BLAKE2b
+    hash; a text without a word counts as one word, itself),
+    L2-normalised, as float32 values and as their little-endian bytes
+    (what C{"encoding_format": "base64"} encodes).
+    """
+    vector = [0.0] * dimensions
+    for word in _WORD.findall(text.lower()) or [text]:
+        digest = hashlib.blake2b(word.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+        place = int.from_bytes(digest[:4], "little") % dimensions
+        vector[place] += 1.0 if digest[4] & 1 else -1.0
+    norm = math.sqrt(sum(value * value for value in vector))
+    if norm:
+        vector = [value / norm for value in vector]
+    packed = struct.pack(f"<{dimensions}f", *vector)
+    return list(struct.unpack(f"<{dimensions}f", packed)), packed
 
 
 @attrs.define
@@ -851,28 +915,82 @@ class _Answer:
         self._player.start()
 
 
+class _EmbeddingsAnswer(_Answer):
+    """
+    The answer to one embeddings request: the script's delivery (and
+    faults) as for a non-streaming chat completion, the whole answer an
+    embeddings list (see "Embeddings" in the module's docstring).
+    """
+
+    def __init__(
+        self,
+        reactor: IReactorTime,
+        clock: Callable[[], float],
+        request: Request,
+        record: RequestRecord,
+        script: Script,
+        answerNumber: int,
+        inputs: list[str],
+        dimensions: int,
+        encoding: str,
+    ) -> None:
+        super().__init__(reactor, clock, request, record, script, answerNumber)
+        # Embeddings never stream, whatever the request says.
+        self._stream = False
+        self._includeUsage = False
+        self._inputs = inputs
+        self._dimensions = dimensions
+        self._encoding = encoding
+
+    def _answerWhole(self) -> None:
+        data = []
+        for index, text in enumerate(self._inputs):
+            values, packed = embeddingOf(text, self._dimensions)
+            vector: object = (
+                base64.b64encode(packed).decode("ascii") if self._encoding == "base64" else values
+            )
+            data.append({"object": "embedding", "index": index, "embedding": vector})
+        answer: dict[str, object] = {"object": "list", "data": data, "model": self._model}
+        if self._script.usage:
+            counts = self._script.counts
+            prompt = (
+                counts[0] if counts is not None else sum(len(text.split()) for text in self._inputs)
+            )
+            answer["usage"] = {"prompt_tokens": prompt, "total_tokens": prompt}
+        encoded = json.dumps(answer).encode()
+        self._startAnswer(200, b"application/json")
+        if self._script.kind != "never-ending":
+            self._request.setHeader(b"content-length", b"%d" % len(encoded))
+        self._afterHold(lambda: self._writeWhole(encoded))
+
+
 class UpstreamResource(Resource):
     """
-    The API port's one resource: chat completions and models under any
-    prefix, every request recorded.
+    The API port's one resource: chat completions, embeddings and models
+    under any prefix, every request recorded.
     """
 
     isLeaf = True
 
     def __init__(
-        self, reactor: IReactorTime, clock: Callable[[], float], apiKey: str | None
+        self,
+        reactor: IReactorTime,
+        clock: Callable[[], float],
+        apiKey: str | None,
+        embeddingDimensions: int = DEFAULT_EMBEDDING_DIMENSIONS,
     ) -> None:
         super().__init__()
         self._reactor = reactor
         self._clock = clock
         self._apiKey = apiKey
+        self._embeddingDimensions = embeddingDimensions
         self.records: list[RequestRecord] = []
         self._numbers = itertools.count(1)
 
     def render(self, request: Request) -> bytes | int:
         record = self._record(request)
         path = request.path
-        if path.endswith(b"/chat/completions"):
+        if path.endswith((b"/chat/completions", b"/embeddings")):
             allowed = b"POST"
         elif path.endswith(b"/models"):
             allowed = b"GET"
@@ -889,6 +1007,8 @@ class UpstreamResource(Resource):
                 )
         if allowed == b"GET":
             return self._models(request, record)
+        if path.endswith(b"/embeddings"):
+            return self._embeddings(request, record)
         return self._chatCompletion(request, record)
 
     def _record(self, request: Request) -> RequestRecord:
@@ -967,6 +1087,69 @@ class UpstreamResource(Resource):
         answer.start()
         return NOT_DONE_YET
 
+    def _embeddings(self, request: Request, record: RequestRecord) -> bytes | int:
+        body = record.body
+        if not isinstance(body, dict):
+            message = "We could not parse the JSON body of your request."
+            return self._error(request, record, 400, message, None)
+        model = body.get("model")
+        if not isinstance(model, str):
+            return self._error(request, record, 400, "You must provide a model parameter.", None)
+        try:
+            script = parseScript(model)
+            if script.kind in ("events", "bytes"):
+                raise ScriptError(f"{script.kind} is for chat completions")
+            if script.capFactor:
+                counts = (record.bodyLength * script.capFactor, 0)
+                script = attrs.evolve(script, counts=counts)
+            inputs = _embeddingInputs(body.get("input"))
+            dimensions = _embeddingDimensions(body.get("dimensions"), self._embeddingDimensions)
+            encoding = body.get("encoding_format") or "float"
+            if encoding not in ("float", "base64"):
+                raise ScriptError(f"encoding_format must be float or base64, not {encoding!r}")
+        except ScriptError as error:
+            return self._error(request, record, 400, f"Bad request for {model!r}: {error}", None)
+        answer = _EmbeddingsAnswer(
+            self._reactor,
+            self._clock,
+            request,
+            record,
+            script,
+            record.number,
+            inputs,
+            dimensions,
+            encoding,
+        )
+        answer.start()
+        return NOT_DONE_YET
+
+
+def _embeddingInputs(value: object) -> list[str]:
+    """
+    The inputs of an embeddings request: a string, or an array of strings.
+
+    @raise ScriptError: for anything else (token arrays included).
+    """
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(item, str) for item in value):
+        return list(value)
+    raise ScriptError("input must be a string or a non-empty array of strings")
+
+
+def _embeddingDimensions(value: object, default: int) -> int:
+    if value is None:
+        return default
+    if (
+        not isinstance(value, int)
+        or isinstance(value, bool)
+        or not 1 <= value <= MAX_EMBEDDING_DIMENSIONS
+    ):
+        raise ScriptError(
+            f"dimensions must be a whole number from 1 to {MAX_EMBEDDING_DIMENSIONS}, not {value!r}"
+        )
+    return value
+
 
 class ControlResource(Resource):
     """
@@ -1039,13 +1222,14 @@ async def serve(
     controlPort: int,
     portFile: Path,
     apiKey: str | None,
+    embeddingDimensions: int = DEFAULT_EMBEDDING_DIMENSIONS,
 ) -> None:
     """
     Listen on 127.0.0.1 (API and control ports), write the ports to
     C{portFile} (atomically: a reader never sees half of it), and run until
     the reactor stops.
     """
-    upstream = UpstreamResource(IReactorTime(reactor), clock, apiKey)
+    upstream = UpstreamResource(IReactorTime(reactor), clock, apiKey, embeddingDimensions)
     apiFactory = CountingFactory(QuietSite(upstream))
     control = QuietSite(ControlResource(upstream, apiFactory))
     # listenTCP rather than an endpoint: endpoints import TLS, which would
@@ -1068,7 +1252,8 @@ async def serve(
 def main(argv: Sequence[str] | None = None) -> None:
     """
     The command line: C{python -m svcd.testing.upstream --port 0
-    --port-file PATH [--control-port 0] [--api-key KEY]}.
+    --port-file PATH [--control-port 0] [--api-key KEY]
+    [--embedding-dimensions N]}.
     """
     parser = argparse.ArgumentParser(
         prog="python -m svcd.testing.upstream",
@@ -1078,6 +1263,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--control-port", type=int, default=0, help="control port (0: any)")
     parser.add_argument("--port-file", type=Path, required=True, help="where to write the ports")
     parser.add_argument("--api-key", default=None, help="the key expected as Bearer token")
+    parser.add_argument(
+        "--embedding-dimensions",
+        type=int,
+        choices=range(1, MAX_EMBEDDING_DIMENSIONS + 1),
+        default=DEFAULT_EMBEDDING_DIMENSIONS,
+        metavar="N",
+        help="the length of embeddings when a request names none"
+        f" (default {DEFAULT_EMBEDDING_DIMENSIONS})",
+    )
     arguments = parser.parse_args(argv)
     errorsOnly = LogLevelFilterPredicate(defaultLogLevel=LogLevel.error)
     globalLogBeginner.beginLoggingTo(
@@ -1096,6 +1290,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 arguments.control_port,
                 arguments.port_file,
                 arguments.api_key,
+                arguments.embedding_dimensions,
             )
         )
     )
@@ -1190,13 +1385,21 @@ class ScriptedUpstream:
         upstream.stop()
     """
 
-    def __init__(self, baseDirectory: Path | None = None, apiKey: str | None = None) -> None:
+    def __init__(
+        self,
+        baseDirectory: Path | None = None,
+        apiKey: str | None = None,
+        embeddingDimensions: int | None = None,
+    ) -> None:
         """
         @param baseDirectory: where the port file and C{upstream.log} (the
             process's stderr) go; a new temporary directory when L{None}.
         @param apiKey: when given, the key every API request must carry as
             C{Authorization: Bearer <key>}.
+        @param embeddingDimensions: the length of embeddings when a request
+            names none; L{DEFAULT_EMBEDDING_DIMENSIONS} when L{None}.
         """
+        self.embeddingDimensions = embeddingDimensions
         if baseDirectory is None:
             baseDirectory = Path(tempfile.mkdtemp(prefix="scripted-upstream-"))
         self.baseDirectory = Path(os.path.abspath(baseDirectory))
@@ -1271,6 +1474,8 @@ class ScriptedUpstream:
         ]
         if self.apiKey is not None:
             command += ["--api-key", self.apiKey]
+        if self.embeddingDimensions is not None:
+            command += ["--embedding-dimensions", str(self.embeddingDimensions)]
         with self.logFile.open("ab") as log:
             self._process = subprocess.Popen(
                 command,

@@ -150,15 +150,15 @@ def _isNumber(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def parseChatBody(body: bytes) -> ChatRequest:
+def parseJSONObject(body: bytes) -> dict[str, Any]:
     """
-    Parse and validate a chat body.
-
-    A JSON C{null} counts as a missing field.
+    The JSON object of a request's body, by the rules every body of the
+    edge follows (decisions D10): the chat body's and the embeddings
+    body's (L{svcd.proxy.http.embeddingsbody}).
 
     @raise ApiError: 400 INVALID_JSON when the body is not UTF-8 JSON, or
-        holds a number that is not finite or a lone surrogate (decisions
-        D10); 400 VALIDATION_ERROR listing every failed rule otherwise.
+        holds a number that is not finite or a lone surrogate; 400
+        VALIDATION_ERROR on C{body} when it is JSON but not an object.
     """
     try:
         document = json.loads(
@@ -177,9 +177,13 @@ def parseChatBody(body: bytes) -> ChatRequest:
         raise ApiError(ErrorCode.INVALID_JSON)
     if not isinstance(document, dict):
         raise validationError([FieldError("body", _FORMAT, "must be a JSON object")])
+    return document
 
-    errors: list[FieldError] = []
 
+def checkModel(document: dict[str, Any], errors: list[FieldError]) -> None:
+    """
+    The rules of C{model}, which every body that names one follows.
+    """
     model = document.get("model")
     if model is None:
         errors.append(FieldError("model", _REQUIRED, "is required"))
@@ -193,6 +197,22 @@ def parseChatBody(body: bytes) -> ChatRequest:
                 f"must be at most {MAX_MODEL_CHARACTERS} characters",
             )
         )
+
+
+def parseChatBody(body: bytes) -> ChatRequest:
+    """
+    Parse and validate a chat body.
+
+    A JSON C{null} counts as a missing field.
+
+    @raise ApiError: 400 INVALID_JSON when the body is not UTF-8 JSON, or
+        holds a number that is not finite or a lone surrogate (decisions
+        D10); 400 VALIDATION_ERROR listing every failed rule otherwise.
+    """
+    document = parseJSONObject(body)
+    errors: list[FieldError] = []
+    checkModel(document, errors)
+    model = document.get("model")
 
     messages = document.get("messages")
     if messages is None or (isinstance(messages, list) and not messages):
@@ -222,7 +242,7 @@ def parseChatBody(body: bytes) -> ChatRequest:
     maxCompletionTokens = _checkCap(document, "max_completion_tokens", errors)
     choices = document.get("n")
     if choices is not None:
-        if not _isInteger(choices):
+        if not isInteger(choices):
             errors.append(FieldError("n", _FORMAT, "must be an integer"))
         elif choices < 1:
             errors.append(FieldError("n", _FORMAT, "must be at least 1"))
@@ -246,7 +266,7 @@ def parseChatBody(body: bytes) -> ChatRequest:
     )
 
 
-def _isInteger(value: object) -> bool:
+def isInteger(value: object) -> bool:
     # A boolean is an int in Python, never a count.
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -261,7 +281,7 @@ def _checkCap(document: dict[str, Any], name: str, errors: list[FieldError]) -> 
     value = document.get(name)
     if value is None:
         return None
-    if not _isInteger(value):
+    if not isInteger(value):
         errors.append(FieldError(name, _FORMAT, "must be an integer"))
         return None
     if value < 1:

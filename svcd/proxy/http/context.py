@@ -22,6 +22,7 @@ from svcd.common.errors import ApiError
 from svcd.limits.records import Reservation
 from svcd.providers.records import UpstreamRecord
 from svcd.proxy.http.chatbody import ChatRequest
+from svcd.proxy.http.embeddingsbody import EmbeddingsRequest
 from svcd.proxy.records import AgentInfo, TokenInfo
 
 JSON = b"application/json"
@@ -84,6 +85,9 @@ class RequestContext:
     # answer, in the spec's order).
     chat: ChatRequest | None = None
     chatError: ApiError | None = None
+    # The same of an embeddings body (decisions D13).
+    embeddings: EmbeddingsRequest | None = None
+    embeddingsError: ApiError | None = None
     # The tokens (and cost) this request holds until it is settled
     # (decisions D11, D12).
     reservation: Reservation | None = None

@@ -78,6 +78,7 @@ from svcd.proxy.http.context import (
 )
 from svcd.proxy.http.paths import RouteTable, isCanonicalPath
 from svcd.proxy.http.routes.chat import ChatRoutes
+from svcd.proxy.http.routes.embeddings import EmbeddingsRoutes
 from svcd.proxy.http.routes.models import ModelRoutes
 from svcd.proxy.http.routes.ops import OperationsRoutes
 from svcd.proxy.http.routes.probes import ProbeRoutes
@@ -175,6 +176,8 @@ class ProxyEdge:
             self.errorReply,
             self._addStandardHeaders,
         )
+        # Decisions D13: embeddings, forwarded and metered as chat is.
+        self.embeddings = EmbeddingsRoutes(providers, forwarder, ledger, admission, clock)
 
         self.layers = self._globalLayers()
         self._chain = compose(self.layers, self.router)
@@ -215,6 +218,17 @@ class ProxyEdge:
             ),
             handler=chat.chatCompletions,
         )
+        embeddings = self.embeddings
+        embeddingsRoute = Pipeline(
+            steps=(
+                caller.bodySizeLimit,
+                caller.contentType,
+                caller.tokenAuth(Permission.ProxyEmbeddings),
+                caller.agentVerify,
+                embeddings.rateLimit,
+            ),
+            handler=embeddings.embeddings,
+        )
         routes: tuple[Route, ...] = (
             Route("/health", {"GET": Pipeline((), ops.health)}),
             Route("/ready", {"GET": Pipeline((), ops.ready)}),
@@ -236,6 +250,7 @@ class ProxyEdge:
             ),
             Route("/v1/chat/completions", {"POST": chatCompletions}),
             Route("/proxy/v1/chat/completions", {"POST": chatCompletions}),
+            Route("/v1/embeddings", {"POST": embeddingsRoute}),
         )
         if self.models is not None:
             routes += (Route("/v1/models", {"GET": Pipeline(callerSteps, self.models.modelsList)}),)
@@ -555,10 +570,10 @@ class ProxyEdge:
     def bodyWanted(self, request: Request) -> bool:
         """
         Whether the site should read C{request}'s body, from its headers
-        alone (decisions D10): only the chat route reads a body, and only
-        after the bearer token, so a request without an Authorization of
-        the token's shape is answered (413, 415, then 401, as its steps
-        order them) without its body ever being held.
+        alone (decisions D10): only the chat and embeddings routes read a
+        body, and only after the bearer token, so a request without an
+        Authorization of the token's shape is answered (413, 415, then
+        401, as its steps order them) without its body ever being held.
         """
         try:
             bearerToken(request)

@@ -7,9 +7,11 @@ shared steps (L{svcd.proxy.http.steps}).
   - L{ops}: /health, /ready and /metrics;
   - L{probes}: the auth probes;
   - L{models}: GET /v1/models;
-  - L{chat}: POST /v1/chat/completions, forwarded to a provider.
+  - L{chat}: POST /v1/chat/completions, forwarded to a provider;
+  - L{embeddings}: POST /v1/embeddings, forwarded to a provider (decisions
+    D13).
 
-A new route family (/v1/embeddings, /v1/memories, decisions D13) is a new
+A new route family (/v1/memories, decisions D13) is a new
 module here and its lines in the route table; what it reserves, settles
 and records lives with the limits (L{svcd.limits}) and the ledger
 (L{svcd.ledger}).

@@ -1,0 +1,309 @@
+"""
+POST /v1/embeddings (decisions D13): the embeddings body parsed and
+checked, forwarded to its model's provider as chat completions are
+(decisions D9: C{<base_url>/embeddings}, the same headers, timeouts, fault
+mapping and fallbacks; never streamed), its reservation admitted and
+settled (D11, D12) and its usage row recorded (D12), of kind
+C{embedding}, however the answer ended.
+
+The route's steps are the chat route's, in the same order (body size,
+content type, token with C{ProxyEmbeddings}, agent, rate limit, then the
+body); only the model's kind, what is reserved and the row differ. What
+an embeddings request reserves and when its model refuses it is
+L{svcd.limits.reservation}'s (L{reserveEmbeddings}, L{embeddingsRefusal});
+the answer is relayed as the provider gave it, float or base64 vectors
+alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from twisted.internet.defer import CancelledError
+from twisted.internet.interfaces import IPushProducer
+from twisted.logger import Logger
+
+from svcd.common.clocks import Clock
+from svcd.common.errors import ApiError, ErrorCode
+from svcd.common.ids import uuid7Text
+from svcd.common.logbounds import loggedText
+from svcd.ledger.rows import CLIENT_GONE, EMBEDDING, OK, UPSTREAM_ERROR, UsageLedger, usageRow
+from svcd.limits.admission import Admission
+from svcd.limits.book import Applicable
+from svcd.limits.reservation import (
+    attemptsOf,
+    embeddingsRefusal,
+    inputsEstimate,
+    reserveEmbeddings,
+)
+from svcd.providers.table import EMBEDDING as EMBEDDING_MODEL
+from svcd.providers.table import Model, ProviderTable
+from svcd.providers.upstream import EMBEDDINGS, Forwarder
+from svcd.proxy.http.context import Reply, RequestContext
+from svcd.proxy.http.embeddingsbody import EmbeddingsRequest, parseEmbeddingsBody
+from svcd.proxy.http.steps import bodyBytes
+
+
+class EmbeddingsRoutes:
+    """
+    The embeddings route's own step (its rate limit, which reserves) and
+    its handler.
+
+    @param providers: the providers file; None answers 501, as chat does
+        without one.
+    @param ledger: where each forwarded request's usage row goes.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        providers: ProviderTable | None,
+        forwarder: Forwarder | None,
+        ledger: UsageLedger | None,
+        admission: Admission,
+        clock: Clock,
+    ) -> None:
+        self._providers = providers
+        self._forwarder = forwarder
+        self._ledger = ledger
+        self._admission = admission
+        self._clock = clock
+
+    async def rateLimit(self, ctx: RequestContext) -> None:
+        """
+        The per-minute limit that also reserves, as the chat route's
+        (L{svcd.proxy.http.routes.chat.ChatRoutes.rateLimit}): the ledger
+        key is made here, and the inputs' estimate is reserved when a
+        token limit applies (D11), their worst-case cost when a budget
+        does (D12). A body that fails its rules, or that its model cannot
+        take, reserves nothing; its 400 comes from the handler, after the
+        rate limit.
+        """
+        orgID = ctx.orgID
+        assert orgID is not None
+        tokens = 0
+        cost = 0
+        ledgerID = None
+        providers = self._providers
+        if providers is not None:
+            ledgerID = ctx.ledgerID = uuid7Text()
+            applicable = self._admission.applicable(orgID, ctx.agentID)
+            ctx.budgeted = applicable.budgeted
+            if applicable.tokenLimited or applicable.budgeted:
+                reserved = self._reserve(ctx, orgID, providers, applicable)
+                if reserved is not None:
+                    tokens, cost = reserved
+                    ctx.estimate = (tokens, 0)
+        reservation = await self._admission.admit(
+            orgID, ctx.agentID, ctx.responseHeaders, tokens, cost, ledgerID
+        )
+        if reservation is not None:
+            ctx.reservation = reservation
+
+    def _reserve(
+        self, ctx: RequestContext, orgID: str, providers: ProviderTable, applicable: Applicable
+    ) -> tuple[int, int] | None:
+        """
+        The tokens and worst-case cost of a request that will be forwarded;
+        None for one that will be refused (400 or 501).
+        """
+        try:
+            embeddings = ctx.embeddings = parseEmbeddingsBody(bodyBytes(ctx.request))
+        except ApiError as refused:
+            ctx.embeddingsError = refused
+            return None
+        model = providers.modelFor(embeddings.model, orgID, EMBEDDING_MODEL)
+        if model is None:
+            return None
+        refusal = embeddingsRefusal(embeddings, model, applicable.budgeted)
+        if refusal is not None:
+            ctx.embeddingsError = refusal
+            return None
+        return reserveEmbeddings(embeddings, model, providers, orgID, applicable)
+
+    def _settle(self, ctx: RequestContext, tokens: int) -> None:
+        """
+        Correct this request's reservation to C{tokens} and no cost, once.
+        """
+        reservation, ctx.reservation = ctx.reservation, None
+        if reservation is not None:
+            self._admission.settle(reservation, tokens)
+
+    async def embeddings(self, ctx: RequestContext) -> Reply:
+        """
+        Parse and validate the body, log its metadata (never an input),
+        then forward it to its model's provider: 501 without a providers
+        file, or for a model that is not an embedding model the caller's
+        organization may use.
+
+        A request refused here is never forwarded, and whatever it had
+        reserved is released.
+        """
+        try:
+            return await self._embeddings(ctx)
+        finally:
+            if ctx.reservation is not None and not ctx.forwarded:
+                self._settle(ctx, 0)
+
+    async def _embeddings(self, ctx: RequestContext) -> Reply:
+        if ctx.embeddingsError is not None:
+            raise ctx.embeddingsError
+        embeddings = ctx.embeddings
+        if embeddings is None:
+            embeddings = parseEmbeddingsBody(bodyBytes(ctx.request))
+        span = ctx.span
+        if span.is_recording():
+            # Metadata only, as in the log line: never an input.
+            span.set_attributes(
+                {
+                    "gen_ai.request.model": loggedText(embeddings.model),
+                    "svc.embeddings.input_count": len(embeddings.inputs),
+                }
+            )
+        self.log.info(
+            "Embeddings request for {model} with {input_count} inputs",
+            org_id=ctx.orgID,
+            request_id=ctx.requestID,
+            trace_id=ctx.traceID,
+            model=loggedText(embeddings.model),
+            input_count=len(embeddings.inputs),
+            encoding_format=embeddings.encodingFormat,
+        )
+        providers, forwarder = self._providers, self._forwarder
+        if providers is None or forwarder is None:
+            raise ApiError(ErrorCode.PROVIDER_NOT_CONFIGURED)
+        assert ctx.orgID is not None
+        model = providers.modelFor(embeddings.model, ctx.orgID, EMBEDDING_MODEL)
+        if model is None:
+            # Not listed, another organization's, or a chat model: never a
+            # hint of which.
+            raise ApiError(ErrorCode.PROVIDER_NOT_CONFIGURED)
+        refusal = embeddingsRefusal(embeddings, model, ctx.budgeted)
+        if refusal is not None:
+            raise refusal
+        ctx.forwarded = True
+        return await self._forward(ctx, embeddings, model, providers, forwarder)
+
+    async def _forward(
+        self,
+        ctx: RequestContext,
+        embeddings: EmbeddingsRequest,
+        model: Model,
+        providers: ProviderTable,
+        forwarder: Forwarder,
+    ) -> Reply:
+        """
+        Forward to the model's provider, then settle the reservation and
+        record the usage row, however it ended.
+        """
+        ledger = self._ledger
+        if ledger is not None and not ledger.hasRoom():
+            # Never an answer that goes unrecorded.
+            self._settle(ctx, 0)
+            raise ApiError(
+                ErrorCode.SERVICE_DEGRADED,
+                "The gateway cannot record usage right now; try again shortly.",
+            )
+        outcome = OK
+        try:
+            answer = await forwarder.forward(
+                embeddings.document,
+                attemptsOf(providers, model, ctx.orgID or "", ctx.budgeted),
+                ctx.requestID,
+                _NEVER_STREAMED,
+                _noErrorEvent,
+                ctx.upstream,
+                operation=EMBEDDINGS,
+            )
+        except ApiError:
+            outcome = UPSTREAM_ERROR
+            raise
+        except CancelledError:
+            outcome = CLIENT_GONE
+            raise
+        finally:
+            self._account(ctx, embeddings, model, providers, outcome)
+        return Reply(
+            answer.status, answer.body, contentType=answer.contentType, headers=list(answer.headers)
+        )
+
+    def _account(
+        self,
+        ctx: RequestContext,
+        embeddings: EmbeddingsRequest,
+        model: Model,
+        providers: ProviderTable,
+        outcome: str,
+    ) -> None:
+        """
+        Settle the reservation (to the provider's prompt tokens at the
+        price of the model that answered; released after a fault; kept
+        when no usage came), then record the row, of kind C{embedding},
+        with no completion tokens.
+        """
+        upstream = ctx.upstream
+        usage = upstream.usage
+        answered = providers.models.get(upstream.model or "") or model
+        if usage is not None:
+            reservation, ctx.reservation = ctx.reservation, None
+            self._admission.settleUsage(
+                reservation, usage, answered, ctx.orgID, ctx.requestID, ctx.ledgerID
+            )
+        elif outcome == UPSTREAM_ERROR:
+            self._settle(ctx, 0)
+        if self._ledger is None:
+            return
+        estimate = ctx.estimate
+        if estimate is None:
+            estimate = (inputsEstimate(embeddings.inputs), 0)
+        token = ctx.token
+        self._ledger.record(
+            usageRow(
+                ledgerID=ctx.ledgerID,
+                requestID=ctx.requestID,
+                orgID=ctx.orgID or "",
+                agentID=ctx.agentID,
+                tokenID=token.tokenID if token is not None else None,
+                modelRequested=embeddings.model,
+                model=upstream.model,
+                provider=upstream.provider,
+                upstreamModel=upstream.upstreamModel,
+                stream=False,
+                outcome=outcome,
+                usage=usage,
+                estimate=estimate,
+                price=answered.price,
+                startedAt=ctx.started,
+                endedAt=self._clock.seconds(),
+                kind=EMBEDDING,
+            )
+        )
+
+
+class _NeverStreamed:
+    """
+    The client stream of a request that is never streamed: the forwarder
+    writes to one only for a chat completion that asked for a stream.
+    """
+
+    def begin(
+        self, status: int, contentType: bytes, headers: Sequence[tuple[bytes, bytes]]
+    ) -> None:
+        raise AssertionError("an embeddings answer is never streamed")
+
+    def write(self, data: bytes) -> None:
+        raise AssertionError("an embeddings answer is never streamed")
+
+    def registerProducer(self, producer: IPushProducer) -> None:
+        raise AssertionError("an embeddings answer is never streamed")
+
+    def unregisterProducer(self) -> None:
+        raise AssertionError("an embeddings answer is never streamed")
+
+
+_NEVER_STREAMED = _NeverStreamed()
+
+
+def _noErrorEvent(error: ApiError) -> bytes:
+    raise AssertionError("an embeddings answer is never streamed")
