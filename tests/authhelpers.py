@@ -103,12 +103,13 @@ class FeedReader:
     def snapshot(self) -> set[uuid.UUID]:
         """
         Read the snapshot at the start of the stream: the token ids, which
-        it returns, then every limits row and budget, kept in C{limits}
-        and C{budgets}.
+        it returns, then every limits row, budget and memory settings row,
+        kept in C{limits}, C{budgets} and C{memorySettings}.
         """
         ids: set[uuid.UUID] = set()
         self.limits: dict[tuple[bytes, bytes], auth_pb2.Limits] = {}
         self.budgets: dict[tuple[bytes, bytes], auth_pb2.Budget] = {}
+        self.memorySettings: dict[tuple[bytes, bytes], auth_pb2.MemorySettings] = {}
         while True:
             change = self.next()
             if isinstance(change, grpc.RpcError):
@@ -128,9 +129,15 @@ class FeedReader:
                 assert budget.HasField("budget")
                 self.budgets[(budget.org_id, budget.agent_id)] = budget.budget
                 continue
+            if kind == "memory_settings_changed":
+                settings = change.memory_settings_changed
+                assert settings.HasField("settings")
+                self.memorySettings[(settings.org_id, settings.agent_id)] = settings.settings
+                continue
             assert kind == "known_token_ids", kind
             assert not self.limits, "token ids after limits rows"
             assert not self.budgets, "token ids after budgets"
+            assert not self.memorySettings, "token ids after memory settings"
             raw = change.known_token_ids
             ids.update(uuid.UUID(bytes=raw[at : at + 16]) for at in range(0, len(raw), 16))
 

@@ -14,7 +14,7 @@ from authfixtures import makeTenant, secretOf
 from svcd.auth.migrations import migrate, migrationFiles
 from svcd.auth.store import APPLICATION_ROLE, Store, StoreRejected
 
-TENANT_TABLES = ("organizations", "users", "agents", "tokens", "limits")
+TENANT_TABLES = ("organizations", "users", "agents", "tokens", "limits", "memory_settings")
 
 
 def test_migrateIsIdempotent(databaseDSN: str) -> None:

@@ -46,7 +46,7 @@ from svcd.auth.callers import DenialLog, InternalCallersInterceptor, InternalSub
 from svcd.auth.config import AuthConfig
 from svcd.auth.feed import FEED_METHOD, ChangeHub, Snapshots
 from svcd.auth.grpcservice import AuthMetrics, AuthServicer, GrpcServerService
-from svcd.auth.limits import BudgetsTable, LimitsTable
+from svcd.auth.limits import BudgetsTable, LimitsTable, MemorySettingsTable
 from svcd.auth.listener import ChangeListener
 from svcd.auth.store import Store, connectionPool
 from svcd.auth.web import AuthOperationsWeb, OperationsSite
@@ -76,6 +76,7 @@ class AuthParts:
     cache: ValidationCache
     limits: LimitsTable
     budgets: BudgetsTable
+    memorySettings: MemorySettingsTable
     authority: Authority
     hub: ChangeHub
     listener: ChangeListener
@@ -132,6 +133,7 @@ def assembleAuth(
     cache = ValidationCache(time.monotonic)
     limits = LimitsTable(time.monotonic)
     budgets = BudgetsTable(time.monotonic)
+    memorySettings = MemorySettingsTable(time.monotonic)
     authority = Authority(
         store,
         cache,
@@ -140,6 +142,7 @@ def assembleAuth(
         coldWait=coldWait,
         limits=limits,
         budgets=budgets,
+        memorySettings=memorySettings,
     )
     hub = ChangeHub(time.monotonic, maxStreams=settings.feedStreams)
     listener = ChangeListener(
@@ -150,6 +153,7 @@ def assembleAuth(
         budgets,
         reconnectDelay=reconnectDelay,
         beatInterval=beatInterval,
+        memorySettings=memorySettings,
     )
     servicer = AuthServicer(
         authority,
@@ -158,6 +162,7 @@ def assembleAuth(
         Snapshots(store.knownTokenIDs, time.monotonic),
         limits,
         budgets,
+        memorySettings,
     )
     interceptors: list[grpc.ServerInterceptor] = []
     if settings.internalSubjects is not None:
@@ -184,6 +189,7 @@ def assembleAuth(
         cache=cache,
         limits=limits,
         budgets=budgets,
+        memorySettings=memorySettings,
         authority=authority,
         hub=hub,
         listener=listener,

@@ -26,10 +26,11 @@ from twisted.logger import Logger
 
 from svcd.auth.cache import CachedAgent, CachedToken, ValidationCache
 from svcd.auth.hashing import SecretDigester, hashSecret, verifySecret
-from svcd.auth.limits import BudgetsTable, LimitsTable, RowTable
+from svcd.auth.limits import BudgetsTable, LimitsTable, MemorySettingsTable, RowTable
 from svcd.auth.store import (
     BudgetRecord,
     LimitsRecord,
+    MemorySettingsRecord,
     Store,
     StoreRejected,
     StoreUnavailable,
@@ -61,7 +62,7 @@ LATEST_EXPIRY = datetime.datetime(9999, 12, 31, 23, 59, 59, tzinfo=datetime.UTC)
 
 _T = TypeVar("_T")
 K = TypeVar("K", bound=Hashable)
-_Row = TypeVar("_Row", LimitsRecord, BudgetRecord)
+_Row = TypeVar("_Row", LimitsRecord, BudgetRecord, MemorySettingsRecord)
 
 
 def issueToken(
@@ -230,6 +231,8 @@ class Authority:
     @param monotonic: the clock of deadlines.
     @param limits: the table of limits validation answers carry, if any.
     @param budgets: the table of budgets validation answers carry, if any.
+    @param memorySettings: the table of memory settings validation answers
+        carry, if any.
     """
 
     log = Logger()
@@ -245,10 +248,12 @@ class Authority:
         monotonic: Callable[[], float] = time.monotonic,
         limits: LimitsTable | None = None,
         budgets: BudgetsTable | None = None,
+        memorySettings: MemorySettingsTable | None = None,
     ) -> None:
         self._store = store
         self._limits = limits
         self._budgets = budgets
+        self._memorySettings = memorySettings
         self._monotonic = monotonic
         self._cache = cache
         self._wallClock = wallClock
@@ -342,11 +347,12 @@ class Authority:
         """
         self._inTime(deadline)
         if cached is not None and self._digester.same(cached.secretDigest, digest):
-            # An entry gone stale (no listener vouched for it) whose secret
-            # its digest proves: what is left is a read of the row, which
-            # is not the work the cold slots bound (argon2), and a flood of
-            # wrong secrets holding every slot must not refuse a token in
-            # use. Only a stored hash that changed meanwhile needs a slot.
+            # An entry gone stale (no listener vouched for it, or a change
+            # was announced for it) whose secret its digest proves: what is
+            # left is a read of the row, which is not the work the cold
+            # slots bound (argon2), and a flood of wrong secrets holding
+            # every slot must not refuse a token in use. Only a stored hash
+            # that changed meanwhile needs a slot.
             record, epoch, readAt = self._readToken(parsed, deadline)
             if record.secretHash == cached.record.secretHash:
                 self._cache.rememberToken(CachedToken(record, digest, readAt), epoch)
@@ -474,6 +480,20 @@ class Authority:
         if self._budgets is None:
             return None
         return self._rowOf(self._budgets, self._store.budget, orgID, agentID, deadline)
+
+    def memorySettingsOf(
+        self, orgID: uuid.UUID, agentID: uuid.UUID | None, deadline: float | None = None
+    ) -> MemorySettingsRecord | None:
+        """
+        The memory settings row of an organization (C{agentID} None) or of
+        one of its agents as it is now (decisions D13), exactly as
+        L{limitsOf} finds a limits row.
+        """
+        if self._memorySettings is None:
+            return None
+        return self._rowOf(
+            self._memorySettings, self._store.memorySettings, orgID, agentID, deadline
+        )
 
     def _rowOf(
         self,

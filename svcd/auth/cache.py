@@ -13,6 +13,14 @@ re-read; re-reading costs a query, never an argon2 verification, because
 the entry remembers which secret digest it was verified with and which
 stored hash that was checked against.
 
+A change announced for a token, and a read that such an announcement
+overtook, leave the token's entry untrusted but not forgotten: the row is
+read again before the entry answers, yet its secret stays verified (the
+stored hash of a token never changes). Dropping it instead made the next
+call of a token in use run argon2 again and queue for a cold slot, where a
+flood of wrong secrets got it refused; and every new token's own INSERT
+notification, when it came after the first read, did that.
+
 All methods are called from grpcio's server threads and the listener
 thread, so every access holds one lock; each holds it for a few dict
 operations only.
@@ -20,6 +28,7 @@ operations only.
 
 from __future__ import annotations
 
+import math
 import threading
 import uuid
 from collections import OrderedDict
@@ -28,6 +37,10 @@ from collections.abc import Callable
 import attrs
 
 from svcd.auth.store import TokenRecord
+
+# The readAt of an entry no read vouches for any more: never fresh, kept
+# for its secret digest (see the module docstring).
+_UNVOUCHED = -math.inf
 
 
 @attrs.frozen
@@ -133,11 +146,19 @@ class ValidationCache:
             return entry, self._fresh(entry.readAt)
 
     def rememberToken(self, entry: CachedToken, epoch: int) -> None:
+        """
+        Remember a verified token read at C{epoch}. If an invalidation came
+        since, the read may predate the change it announced: the entry is
+        kept untrusted, unless the token has an entry already.
+        """
+        tokenID = entry.record.tokenID
         with self._lock:
             if epoch != self._epoch:
-                return
-            self._tokens[entry.record.tokenID] = entry
-            self._tokens.move_to_end(entry.record.tokenID)
+                if tokenID in self._tokens:
+                    return
+                entry = attrs.evolve(entry, readAt=_UNVOUCHED)
+            self._tokens[tokenID] = entry
+            self._tokens.move_to_end(tokenID)
             while len(self._tokens) > self._maximumEntries:
                 self._tokens.popitem(last=False)
 
@@ -161,9 +182,16 @@ class ValidationCache:
                 self._wrongSecrets.popitem(last=False)
 
     def forgetToken(self, tokenID: uuid.UUID) -> None:
+        """
+        The token changed: its entry is no longer trusted, and its next
+        call reads the row again (a revocation then shows), but keeps the
+        digest that spares argon2.
+        """
         with self._lock:
             self._epoch += 1
-            self._tokens.pop(tokenID, None)
+            entry = self._tokens.get(tokenID)
+            if entry is not None:
+                self._tokens[tokenID] = attrs.evolve(entry, readAt=_UNVOUCHED)
 
     # Agents
 

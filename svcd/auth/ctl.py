@@ -28,16 +28,17 @@ from typing import Any, NoReturn
 
 import psycopg
 
-from svcd.auth.authority import issueToken
 from svcd.auth.migrations import migrate
 from svcd.auth.store import (
     AGENT_STATUSES,
     BUDGET_PERIODS,
     LARGEST_LIMIT,
     LIMIT_FIELDS,
+    MEMORY_SETTINGS,
     USAGE_GROUPINGS,
     BudgetRecord,
     LimitsRecord,
+    MemorySettingsRecord,
     Store,
     StoreRejected,
     StoreUnavailable,
@@ -123,6 +124,26 @@ def _budgetAmount(text: str) -> int:
     return nano
 
 
+# A memory setting as svcctl takes and prints it, and as the table holds
+# it (None: inherit).
+_SWITCHES: dict[str, bool | None] = {"on": True, "off": False, "inherit": None}
+
+
+def _switch(text: str) -> bool | None:
+    """
+    The value of --recall or --observe. (argparse names the flag in its
+    message.)
+    """
+    try:
+        return _SWITCHES[text.strip().lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"must be on, off or inherit; got {text!r}") from None
+
+
+def _switchName(value: bool | None) -> str:
+    return "inherit" if value is None else "on" if value else "off"
+
+
 def _moment(what: str) -> Callable[[str], str]:
     """
     A report's bound, checked as the command line is read and kept as
@@ -150,8 +171,8 @@ def buildParser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="svcctl",
         description="Operate the svc gateway's database: migrations, organizations, "
-        "agents, tokens, limits, budgets, usage and memories. Prints one JSON document on "
-        "stdout.",
+        "agents, tokens, limits, budgets, usage, memories and memory settings. Prints one "
+        "JSON document on stdout.",
     )
     parser.add_argument(
         "--dsn",
@@ -276,8 +297,42 @@ def buildParser() -> argparse.ArgumentParser:
     usage.add_argument("--by", choices=tuple(USAGE_GROUPINGS), default="day")
     usage.add_argument("--format", choices=("json", "csv"), default="json")
 
-    addMemoryCommands(commands, _Parser, _uuid)
+    _addMemorySettings(addMemoryCommands(commands, _Parser, _uuid))
     return parser
+
+
+def _addMemorySettings(memory: Any) -> None:
+    """
+    Add C{svcctl memory settings} (decisions D13) to the subcommands of
+    C{svcctl memory}.
+    """
+    settings = memory.add_parser(
+        "settings",
+        help="show or set whether memory is recalled and observed for an organization "
+        "or one of its agents",
+    )
+    settings.add_argument("--org", required=True, type=_uuid("--org"))
+    settings.add_argument(
+        "--agent",
+        type=_uuid("--agent"),
+        help="an agent of the organization, whose settings win over its organization's; "
+        "without it, the organization's own",
+    )
+    meanings = {
+        "recall": "memories recalled into the prompts of chat completions",
+        "observe": "answered exchanges kept to make memories from",
+    }
+    for field in MEMORY_SETTINGS:
+        settings.add_argument(
+            "--" + field,
+            dest=field,
+            type=_switch,
+            help=meanings[field] + " (inherit: the organization's, for an agent; off, for an "
+            "organization)",
+            # Absent from the namespace unless given: not given keeps it.
+            default=argparse.SUPPRESS,
+            metavar="on|off|inherit",
+        )
 
 
 def _timestamp(moment: datetime.datetime | None) -> str | None:
@@ -349,6 +404,10 @@ def run(arguments: argparse.Namespace, dsn: str) -> dict[str, Any] | str:
                 expiresAt = datetime.datetime.fromtimestamp(
                     time.time() + arguments.expires_in, datetime.UTC
                 ).replace(microsecond=0)
+            # Imported for this command only: argon2 and the validation
+            # machinery are a quarter of a second of every svcctl start.
+            from svcd.auth.authority import issueToken
+
             token, record = issueToken(
                 store,
                 orgID=arguments.org,
@@ -384,6 +443,9 @@ def run(arguments: argparse.Namespace, dsn: str) -> dict[str, Any] | str:
 
         if arguments.command == "usage":
             return _usage(store, arguments)
+
+        if command == ("memory", "settings"):
+            return _memorySettings(store, arguments)
 
         if arguments.command == "memory":
             return runMemory(
@@ -462,6 +524,27 @@ def _budgetDocument(
         "usd": None if row is None else formatDollars(row.nanoUSD),
         "nano_usd": None if row is None else row.nanoUSD,
         "period": None if row is None else row.period,
+        "version": None if row is None else row.version,
+    }
+
+
+def _memorySettings(store: Store, arguments: argparse.Namespace) -> dict[str, Any]:
+    """
+    svcctl memory settings (decisions D13): set what is given, then print
+    the row as stored; with nothing given, only print it.
+    """
+    orgID, agentID = arguments.org, arguments.agent
+    changes = {field: getattr(arguments, field) for field in MEMORY_SETTINGS if field in arguments}
+    _requireAgent(store, orgID, agentID)
+    if changes:
+        row: MemorySettingsRecord | None = store.setMemorySettings(orgID, agentID, changes)
+    else:
+        row = store.memorySettings(orgID, agentID)
+    return {
+        "org_id": str(orgID),
+        "agent_id": _id(agentID),
+        "recall": _switchName(None if row is None else row.recall),
+        "observe": _switchName(None if row is None else row.observe),
         "version": None if row is None else row.version,
     }
 

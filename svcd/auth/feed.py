@@ -1,14 +1,15 @@
 """
-The change feed of svc-auth (decisions D8, D11, D12): every token, agent,
-limits and budget change, and heartbeats, streamed to each svc-proxy that validates
-from memory.
+The change feed of svc-auth (decisions D8, D11, D12, D13): every token,
+agent, limits, budget and memory settings change, and heartbeats,
+streamed to each svc-proxy that validates from memory.
 
 Where the news comes from: the change listener (L{svcd.auth.listener})
 hears PostgreSQL's notifications of every token, agent and limits change,
 those made with svcctl straight in the database included, and tells the
-L{ChangeHub}, which hands each change to every open stream. A limits
-or budget change goes out as the row itself, re-read by the listener when it heard
-of the change (or as its absence, when it was cleared). The listener
+L{ChangeHub}, which hands each change to every open stream. A limits,
+budget or memory settings change goes out as the row itself, re-read by
+the listener when it heard of the change (or as its absence, when it was
+cleared). The listener
 also sends itself a I{beat} through PostgreSQL's notification queue about
 ten times a second; PostgreSQL delivers notifications in commit order, so
 when a beat comes back, every change committed before it was sent has
@@ -25,7 +26,8 @@ at once, as the gRPC server begins its stop, and refuses new ones
 left open it would hold the gRPC server's stop for its whole grace period
 while its proxy stayed on a replica that is leaving. A new stream starts
 with a snapshot of the token ids that may be accepted and of every limits
-row and budget (from svc-auth's tables, L{svcd.auth.limits}), all read
+row, budget and memory settings row (from svc-auth's tables,
+L{svcd.auth.limits}), all read
 after the stream was registered, so that every change applied before the
 read is in the snapshot and every later one arrives as a change. (A
 change applied between the registration and the read comes twice: in the
@@ -45,8 +47,8 @@ from collections.abc import Callable, Iterable, Iterator
 
 from twisted.logger import Logger
 
-from svcd.auth.limits import budgetChange, limitsChange
-from svcd.auth.store import BudgetRecord, LimitsRecord
+from svcd.auth.limits import budgetChange, limitsChange, memorySettingsChange
+from svcd.auth.store import BudgetRecord, LimitsRecord, MemorySettingsRecord
 from svcd.pb.auth.v1 import auth_pb2
 
 # The feed's gRPC method, which the server's bounds give a lane of its own.
@@ -209,6 +211,15 @@ class ChangeHub:
         """
         self._broadcast(budgetChange(orgID, agentID, row))
 
+    def memorySettingsChanged(
+        self, orgID: uuid.UUID, agentID: uuid.UUID | None, row: MemorySettingsRecord | None
+    ) -> None:
+        """
+        The memory settings of C{(orgID, agentID)} are now C{row} (None:
+        there is no row).
+        """
+        self._broadcast(memorySettingsChange(orgID, agentID, row))
+
     def heartbeat(self) -> None:
         """
         Every change committed before the beat just heard was handed on.
@@ -313,11 +324,14 @@ class Snapshots:
 
 
 def snapshotMessages(
-    ids: bytes, limits: Iterable[LimitsRecord] = (), budgets: Iterable[BudgetRecord] = ()
+    ids: bytes,
+    limits: Iterable[LimitsRecord] = (),
+    budgets: Iterable[BudgetRecord] = (),
+    memorySettings: Iterable[MemorySettingsRecord] = (),
 ) -> Iterator[auth_pb2.Change]:
     """
-    The start of a stream: C{ids} in chunks, then every limits row and
-    every budget, then the snapshot's end.
+    The start of a stream: C{ids} in chunks, then every limits row, every
+    budget and every memory settings row, then the snapshot's end.
     """
     chunk = 16 * SNAPSHOT_CHUNK_IDS
     for offset in range(0, len(ids), chunk):
@@ -326,4 +340,6 @@ def snapshotMessages(
         yield limitsChange(row.orgID, row.agentID, row)
     for budget in budgets:
         yield budgetChange(budget.orgID, budget.agentID, budget)
+    for settings in memorySettings:
+        yield memorySettingsChange(settings.orgID, settings.agentID, settings)
     yield auth_pb2.Change(snapshot_complete=auth_pb2.SnapshotComplete(token_count=len(ids) // 16))

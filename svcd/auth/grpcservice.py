@@ -58,7 +58,14 @@ from svcd.auth.feed import (
     TooManyStreams,
     snapshotMessages,
 )
-from svcd.auth.limits import BudgetsTable, LimitsTable, budgetMessage, limitsMessage
+from svcd.auth.limits import (
+    BudgetsTable,
+    LimitsTable,
+    MemorySettingsTable,
+    budgetMessage,
+    limitsMessage,
+    memorySettingsMessage,
+)
 from svcd.auth.store import StoreUnavailable, TokenRecord
 from svcd.auth.usage import (
     REJECT_REASONS,
@@ -270,6 +277,7 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
         snapshots: Snapshots | None = None,
         limits: LimitsTable | None = None,
         budgets: BudgetsTable | None = None,
+        memorySettings: MemorySettingsTable | None = None,
     ) -> None:
         self._authority = authority
         self._metrics = metrics
@@ -277,6 +285,7 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
         self._snapshots = snapshots
         self._limits = limits
         self._budgets = budgets
+        self._memorySettings = memorySettings
         self._refusals = RefusalLog(metrics.refused)
         self._rejectedRows = RejectedRowsLog(metrics.usageRowsRejected)
         self._durations = {
@@ -391,6 +400,9 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
             budget = self._authority.budgetOf(caller.orgID, None, deadline)
             if budget is not None:
                 answer.org_budget.CopyFrom(budgetMessage(budget))
+            settings = self._authority.memorySettingsOf(caller.orgID, None, deadline)
+            if settings is not None:
+                answer.org_memory_settings.CopyFrom(memorySettingsMessage(settings))
             return answer
 
         return self._answer("ValidateToken", context, validate, self._metrics.validateToken)
@@ -416,6 +428,9 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
             budget = self._authority.budgetOf(orgID, agentID, deadline)
             if budget is not None:
                 answer.agent_budget.CopyFrom(budgetMessage(budget))
+            settings = self._authority.memorySettingsOf(orgID, agentID, deadline)
+            if settings is not None:
+                answer.agent_memory_settings.CopyFrom(memorySettingsMessage(settings))
             return answer
 
         return self._answer("ValidateAgent", context, validate, self._metrics.validateAgent)
@@ -545,8 +560,8 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
     ) -> Iterator[auth_pb2.Change]:
         """
         The change feed of decisions D8 (see L{svcd.auth.feed}): a snapshot
-        of the token ids that may be accepted, of every limits row and of
-        every budget, then
+        of the token ids that may be accepted, of every limits row, of
+        every budget and of every memory settings row, then
         every change and a heartbeat about every 100 ms, until the client
         goes away or the listener loses PostgreSQL (UNAVAILABLE: start
         over).
@@ -580,7 +595,8 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
             # L{svcd.auth.feed}); the table is current while the hub serves.
             limits = self._limits.rows() if self._limits is not None else ()
             budgets = self._budgets.rows() if self._budgets is not None else ()
-            yield from snapshotMessages(ids, limits, budgets)
+            settings = self._memorySettings.rows() if self._memorySettings is not None else ()
+            yield from snapshotMessages(ids, limits, budgets, settings)
             while context.is_active():
                 change = stream.next(timeout=0.5)
                 if change is None:

@@ -1,16 +1,18 @@
 """
-svc-auth's tables of limits (decisions D11) and of budgets (decisions
-D12): every limits row and every budget of every organization, in memory,
-so that each ValidateToken and ValidateAgent answer carries its
-organization's or agent's row and budget as they are now, and each change
-feed stream can start with every row and budget, without a query. Both
-are a L{RowTable}: rows keyed by (organization, agent or None).
+svc-auth's tables of limits (decisions D11), of budgets (decisions D12)
+and of memory settings (decisions D13): every limits row, every budget
+and every memory settings row of every organization, in memory, so that
+each ValidateToken and ValidateAgent answer carries its organization's or
+agent's rows as they are now, and each change feed stream can start with
+every row, without a query. Each is a L{RowTable}: rows keyed by
+(organization, agent or None).
 
 How they stay current: the change listener (L{svcd.auth.listener}) loads
 each whole table each time it starts listening (again: notifications may
 have been missed while it was not), and on each notification of a limits
-row (sql/0005_limits.sql) or a budget (sql/0006_usage.sql) re-reads that
-row and puts it here before handing it to the change feed. While the listener is not listening, the
+row (sql/0005_limits.sql), a budget (sql/0006_usage.sql) or a memory
+settings row (sql/0010_memory_settings.sql) re-reads that row and puts it
+here before handing it to the change feed. While the listener is not listening, the
 table vouches for nothing: a lookup says so, and the caller reads the row
 from the database, which is then remembered for at most C{untrustedTTL}
 seconds (as L{svcd.auth.cache} does for tokens), so that a change still
@@ -28,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Generic, Protocol, TypeVar
 
-from svcd.auth.store import BudgetRecord, LimitsRecord
+from svcd.auth.store import BudgetRecord, LimitsRecord, MemorySettingsRecord
 from svcd.pb.auth.v1 import auth_pb2
 
 Key = tuple[uuid.UUID, uuid.UUID | None]
@@ -47,7 +49,7 @@ R = TypeVar("R", bound=_Row)
 
 class RowTable(Generic[R]):
     """
-    Every row of one kind (limits, budgets), by (organization, agent or
+    Every row of one kind (limits, budgets, memory settings), by (organization, agent or
     None).
 
     @param monotonic: a monotonic clock in seconds.
@@ -178,6 +180,12 @@ class BudgetsTable(RowTable[BudgetRecord]):
     """
 
 
+class MemorySettingsTable(RowTable[MemorySettingsRecord]):
+    """
+    Every memory settings row (decisions D13).
+    """
+
+
 def limitsMessage(row: LimitsRecord) -> auth_pb2.Limits:
     """
     A row as the gRPC API carries it: unset values absent.
@@ -227,3 +235,31 @@ def budgetChange(
     if row is not None:
         changed.budget.CopyFrom(budgetMessage(row))
     return auth_pb2.Change(budget_changed=changed)
+
+
+def memorySettingsMessage(row: MemorySettingsRecord) -> auth_pb2.MemorySettings:
+    """
+    A memory settings row as the gRPC API carries it: a switch that
+    inherits absent.
+    """
+    message = auth_pb2.MemorySettings(version=row.version)
+    if row.recall is not None:
+        message.recall = row.recall
+    if row.observe is not None:
+        message.observe = row.observe
+    return message
+
+
+def memorySettingsChange(
+    orgID: uuid.UUID, agentID: uuid.UUID | None, row: MemorySettingsRecord | None
+) -> auth_pb2.Change:
+    """
+    The change feed's message for the memory settings of C{(orgID,
+    agentID)}: the row, or none when there is none.
+    """
+    changed = auth_pb2.MemorySettingsChanged(
+        org_id=orgID.bytes, agent_id=agentID.bytes if agentID is not None else b""
+    )
+    if row is not None:
+        changed.settings.CopyFrom(memorySettingsMessage(row))
+    return auth_pb2.Change(memory_settings_changed=changed)

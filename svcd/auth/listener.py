@@ -3,15 +3,15 @@ The change listener: one dedicated thread with its own PostgreSQL
 connection, LISTENing on svc_auth_changes, dropping cache entries as
 tokens and agents change (sql/0003_change_notifications.sql,
 sql/0004_change_feed.sql), keeping the table of limits current
-(sql/0005_limits.sql, L{svcd.auth.limits}) and of budgets
-(sql/0006_usage.sql) and handing every change to the change feed
-(L{svcd.auth.feed.ChangeHub}).
+(sql/0005_limits.sql, L{svcd.auth.limits}), of budgets
+(sql/0006_usage.sql) and of memory settings (sql/0010_memory_settings.sql)
+and handing every change to the change feed (L{svcd.auth.feed.ChangeHub}).
 
-It reports its state to the cache and the tables of limits and budgets:
+It reports its state to the cache and the tables of rows:
 while it is connected, cached entries and the tables are trusted; while
 it is not, they live at most one second. So losing the listener costs
-speed, never correctness. Each time it starts listening it loads both
-whole tables again, since changes may have been missed while it was not.
+speed, never correctness. Each time it starts listening it loads every
+whole table again, since changes may have been missed while it was not.
 
 Beats: about every C{beatInterval} seconds the listener sends a
 notification to itself on the same channel (C{beat:<nonce>:<n>}).
@@ -38,7 +38,7 @@ from twisted.logger import Logger
 
 from svcd.auth.cache import ValidationCache
 from svcd.auth.feed import ChangeHub
-from svcd.auth.limits import BudgetsTable, LimitsTable
+from svcd.auth.limits import BudgetsTable, LimitsTable, MemorySettingsTable
 from svcd.auth.store import APPLICATION_ROLE, Store, StoreUnavailable
 from svcd.common.ids import parseUUID
 
@@ -60,6 +60,8 @@ class ChangeListener:
     @param hub: the change feed to hand changes and heartbeats to, if any.
     @param limits: the table of limits to load and keep current, if any.
     @param budgets: the table of budgets to load and keep current, if any.
+    @param memorySettings: the table of memory settings to load and keep
+        current, if any.
     @param reconnectDelay: seconds between attempts while the database is
         unreachable.
     @param beatInterval: seconds between beats; also how often the thread
@@ -81,12 +83,14 @@ class ChangeListener:
         beatLag: float = 0.25,
         beatTimeout: float = 5.0,
         monotonic: Callable[[], float] = time.monotonic,
+        memorySettings: MemorySettingsTable | None = None,
     ) -> None:
         self._dsn = dsn
         self._cache = cache
         self._hub = hub
         self._limits = limits
         self._budgets = budgets
+        self._memorySettings = memorySettings
         self._reconnectDelay = reconnectDelay
         self._beatInterval = beatInterval
         self._beatLag = beatLag
@@ -140,10 +144,14 @@ class ChangeListener:
                         self._limits.replace(store.allLimits())
                     if self._budgets is not None:
                         self._budgets.replace(store.allBudgets())
+                    if self._memorySettings is not None:
+                        self._memorySettings.replace(store.allMemorySettings())
                     self._cache.listening()
                     if self._hub is not None:
                         self._hub.listenerUp()
-                    self.log.info("Listening for token, agent, limits and budget changes")
+                    self.log.info(
+                        "Listening for token, agent, limits, budget and memory settings changes"
+                    )
                     connectedBefore = True
                     self._drain(connection, store)
             except (psycopg.Error, StoreUnavailable, _BeatsStopped) as error:
@@ -163,6 +171,8 @@ class ChangeListener:
             self._limits.notCurrent()
         if self._budgets is not None:
             self._budgets.notCurrent()
+        if self._memorySettings is not None:
+            self._memorySettings.notCurrent()
         self._cache.notListening()
         if self._hub is not None:
             self._hub.listenerDown()
@@ -226,7 +236,7 @@ class ChangeListener:
 
     def _apply(self, payload: str, store: Store) -> None:
         kind, _, identifier = payload.partition(":")
-        if kind in ("limits", "budget"):
+        if kind in ("limits", "budget", "memory_settings"):
             self._applyRow(kind, identifier, store)
             return
         parsed: uuid.UUID | None = parseUUID(identifier)
@@ -244,7 +254,8 @@ class ChangeListener:
 
     def _applyRow(self, kind: str, identifiers: str, store: Store) -> None:
         """
-        A limits row or a budget changed (C{<org_id>:<agent_id or empty>}):
+        A limits row, a budget or a memory settings row changed
+        (C{<org_id>:<agent_id or empty>}):
         re-read it, put it in its table, then hand it to the feed, so that a
         stream that starts from the table meanwhile misses nothing.
 
@@ -265,6 +276,15 @@ class ChangeListener:
                 self._limits.put(orgID, agentID, row)
             if self._hub is not None:
                 self._hub.limitsChanged(orgID, agentID, row)
+            return
+        if kind == "memory_settings":
+            if self._memorySettings is None and self._hub is None:
+                return
+            settings = store.memorySettings(orgID, agentID)
+            if self._memorySettings is not None:
+                self._memorySettings.put(orgID, agentID, settings)
+            if self._hub is not None:
+                self._hub.memorySettingsChanged(orgID, agentID, settings)
             return
         if self._budgets is None and self._hub is None:
             return

@@ -209,6 +209,39 @@ def _budget(row: dict[str, Any]) -> BudgetRecord:
     )
 
 
+@attrs.frozen
+class MemorySettingsRecord:
+    """
+    The memory settings of an organization (C{agentID} None) or of one of
+    its agents (decisions D13): C{recall} and C{observe} each True (on),
+    False (off) or None (inherit: an agent's from its organization, an
+    organization's from the default, off); C{version} grows with every
+    change of any row.
+    """
+
+    orgID: uuid.UUID
+    agentID: uuid.UUID | None
+    recall: bool | None
+    observe: bool | None
+    version: int
+
+
+# The settings of a row: svcctl's names and the columns'.
+MEMORY_SETTINGS = ("recall", "observe")
+
+_MEMORY_SETTINGS_COLUMNS = "org_id, agent_id, recall, observe, version"
+
+
+def _memorySettings(row: dict[str, Any]) -> MemorySettingsRecord:
+    return MemorySettingsRecord(
+        orgID=row["org_id"],
+        agentID=row["agent_id"],
+        recall=row["recall"],
+        observe=row["observe"],
+        version=row["version"],
+    )
+
+
 @attrs.define
 class UsageRecord:
     """
@@ -824,6 +857,86 @@ class Store:
             return _optional(_budget, cursor.fetchone())
 
         return self._run("budget_clear", delete, orgID=orgID)
+
+    # Memory settings (decisions D13), shaped as limits are.
+
+    def allMemorySettings(self) -> list[MemorySettingsRecord]:
+        """
+        Every memory settings row of every organization
+        (sql/0010_memory_settings.sql): svc-auth's table of memory settings
+        is loaded from this.
+        """
+
+        def query(cursor: Cursor) -> list[MemorySettingsRecord]:
+            cursor.execute(f"SELECT {_MEMORY_SETTINGS_COLUMNS} FROM svc_memory_settings_rows()")
+            return [_memorySettings(row) for row in cursor.fetchall()]
+
+        return self._run("memory_settings_all", query)
+
+    def memorySettings(
+        self, orgID: uuid.UUID, agentID: uuid.UUID | None = None
+    ) -> MemorySettingsRecord | None:
+        """
+        The memory settings row of an organization (C{agentID} None) or of
+        one of its agents, read in the organization's context; None when
+        there is none.
+        """
+        condition, parameters = _rowIs(orgID, agentID)
+
+        def query(cursor: Cursor) -> MemorySettingsRecord | None:
+            cursor.execute(
+                f"SELECT {_MEMORY_SETTINGS_COLUMNS} FROM memory_settings WHERE {condition}",
+                parameters,
+            )
+            return _optional(_memorySettings, cursor.fetchone())
+
+        return self._run("memory_settings_lookup", query, orgID=orgID)
+
+    def setMemorySettings(
+        self,
+        orgID: uuid.UUID,
+        agentID: uuid.UUID | None,
+        changes: Mapping[str, bool | None],
+    ) -> MemorySettingsRecord:
+        """
+        Create or change the memory settings row of an organization
+        (C{agentID} None) or of one of its agents, as L{setLimits} does.
+
+        @param changes: the settings to change, by L{MEMORY_SETTINGS} name,
+            each True (on), False (off) or None (inherit); the others stay
+            as they are (inherit, for a new row). The row's version is
+            taken anew even when nothing changes.
+        @raise StoreRejected: the agent is not one of this organization's
+            (or the organization does not exist).
+        """
+        unknown = set(changes) - set(MEMORY_SETTINGS)
+        if unknown:
+            raise ValueError(f"not memory settings: {sorted(unknown)}")
+        # Column names come from MEMORY_SETTINGS only, never from the caller.
+        updates = ", ".join(
+            f"{field} = CASE WHEN %({field}_given)s THEN EXCLUDED.{field}"
+            f" ELSE memory_settings.{field} END"
+            for field in MEMORY_SETTINGS
+        )
+        target = "(org_id) WHERE agent_id IS NULL"
+        if agentID is not None:
+            target = "(org_id, agent_id) WHERE agent_id IS NOT NULL"
+        parameters: dict[str, Any] = {"org_id": orgID, "agent_id": agentID}
+        for field in MEMORY_SETTINGS:
+            parameters[field] = changes.get(field)
+            parameters[f"{field}_given"] = field in changes
+
+        def upsert(cursor: Cursor) -> MemorySettingsRecord:
+            cursor.execute(
+                "INSERT INTO memory_settings (org_id, agent_id, recall, observe)"
+                " VALUES (%(org_id)s, %(agent_id)s, %(recall)s, %(observe)s)"
+                f" ON CONFLICT {target} DO UPDATE SET {updates}"
+                f" RETURNING {_MEMORY_SETTINGS_COLUMNS}",
+                parameters,
+            )
+            return _memorySettings(_one(cursor.fetchone()))
+
+        return self._run("memory_settings_set", upsert, orgID=orgID)
 
     # The usage ledger (decisions D12).
 

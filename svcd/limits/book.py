@@ -1,6 +1,7 @@
 """
 The limits rows of every organization and agent, as this proxy knows them
-(decisions D11).
+(decisions D11), with their budgets (decisions D12) and memory settings
+(decisions D13).
 
 Where they come from: with the validation cache on, svc-auth's change feed
 sends every row at the start of a stream and each set, change or clear
@@ -13,7 +14,9 @@ feed is live, so an answer read before a change cannot undo it.
 
 What applies to a request: its organization's row (whose C{rpm} wins over
 the environment's C{SVC_RATE_LIMIT_ORG_OVERRIDES} and
-C{SVC_RATE_LIMIT_DEFAULT_RPM}) and its agent's row, on top (L{Applicable}).
+C{SVC_RATE_LIMIT_DEFAULT_RPM}) and its agent's row, on top (L{Applicable});
+and whether memory is recalled and observed for it (L{LimitBook.memoryFor}):
+its agent's setting, else its organization's, else off.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import TypeVar
 
 import attrs
 
-from svcd.limits.records import Budget, Limits
+from svcd.limits.records import Budget, Limits, MemorySettings
 
 
 @attrs.frozen
@@ -48,6 +51,23 @@ class BudgetRow:
     orgID: str
     agentID: str | None
     budget: Budget | None
+
+
+@attrs.frozen
+class MemorySettingsRow:
+    """
+    The memory settings of an organization or agent as the feed carries
+    them (decisions D13): C{agentID} None for the organization's own;
+    C{settings} None when there is no row.
+    """
+
+    orgID: str
+    agentID: str | None
+    settings: MemorySettings | None
+
+
+# What the feed fills the book with.
+BookRow = LimitsRow | BudgetRow | MemorySettingsRow
 
 
 @attrs.frozen
@@ -89,8 +109,13 @@ class Applicable:
 
 
 NO_LIMITS = Applicable(None, None)
+
+# memoryFor's answers, (recall, observe), made once and indexed by the two
+# switches, so that a lookup makes no tuple.
+MEMORY_OFF = (False, False)
+_MEMORY_ANSWERS = ((MEMORY_OFF, (False, True)), ((True, False), (True, True)))
 _Key = TypeVar("_Key", str, tuple[str, str])
-_Value = TypeVar("_Value", Limits, Budget)
+_Value = TypeVar("_Value", Limits, Budget, MemorySettings)
 
 
 def _never() -> bool:
@@ -99,9 +124,9 @@ def _never() -> bool:
 
 class LimitBook:
     """
-    The limits rows and budgets known to this proxy, by organization and
-    by (organization, agent); read on every request, so a lookup is at
-    most four dict gets (none while the book is empty).
+    The limits rows, budgets and memory settings known to this proxy, by
+    organization and by (organization, agent); read on every request, so
+    a lookup is at most four dict gets (none while the book is empty).
 
     @ivar feedLive: whether the change feed is live now (then answers are
         not learned from); without a feed, never.
@@ -112,6 +137,10 @@ class LimitBook:
         self._agents: dict[tuple[str, str], Limits] = {}
         self._orgBudgets: dict[str, Budget] = {}
         self._agentBudgets: dict[tuple[str, str], Budget] = {}
+        # Decisions D13: by organization, and by organization then agent
+        # (no tuple key to make for a lookup). Only rows that set something.
+        self._orgMemory: dict[str, MemorySettings] = {}
+        self._agentMemory: dict[str, dict[str, MemorySettings]] = {}
         self.feedLive: Callable[[], bool] = _never
 
     def applicable(self, orgID: str, agentID: str | None) -> Applicable:
@@ -129,40 +158,85 @@ class LimitBook:
             return NO_LIMITS
         return Applicable(org, agent, orgBudget, agentBudget)
 
+    def memoryFor(self, orgID: str, agentID: str | None) -> tuple[bool, bool]:
+        """
+        Whether memory is recalled and observed for a request of C{orgID}
+        and its agent C{agentID} (decisions D13), as C{(recall,
+        observe)}: each the agent's setting, else its organization's,
+        else off. Read on every chat request: while no organization has a
+        setting, one truth test; otherwise at most three dict gets, and
+        never an allocation.
+        """
+        if not (self._orgMemory or self._agentMemory):
+            return MEMORY_OFF
+        recall = observe = False
+        org = self._orgMemory.get(orgID)
+        if org is not None:
+            recall, observe = org.recall is True, org.observe is True
+        if agentID is not None:
+            agents = self._agentMemory.get(orgID)
+            agent = agents.get(agentID) if agents is not None else None
+            if agent is not None:
+                if agent.recall is not None:
+                    recall = agent.recall
+                if agent.observe is not None:
+                    observe = agent.observe
+        return _MEMORY_ANSWERS[recall][observe]
+
     def __len__(self) -> int:
-        return len(self._orgs) + len(self._agents) + len(self._orgBudgets) + len(self._agentBudgets)
+        return (
+            len(self._orgs)
+            + len(self._agents)
+            + len(self._orgBudgets)
+            + len(self._agentBudgets)
+            + len(self._orgMemory)
+            + sum(len(agents) for agents in self._agentMemory.values())
+        )
 
     # From the change feed.
 
-    def replace(self, rows: Iterable[LimitsRow | BudgetRow]) -> None:
+    def replace(self, rows: Iterable[BookRow]) -> None:
         """
-        A feed session began with these rows and budgets: they are all
-        there is.
+        A feed session began with these rows, budgets and memory settings:
+        they are all there is.
         """
         orgs: dict[str, Limits] = {}
         agents: dict[tuple[str, str], Limits] = {}
         orgBudgets: dict[str, Budget] = {}
         agentBudgets: dict[tuple[str, str], Budget] = {}
+        orgMemory: dict[str, MemorySettings] = {}
+        agentMemory: dict[str, dict[str, MemorySettings]] = {}
         for row in rows:
             if isinstance(row, LimitsRow):
                 _set(orgs, agents, row.orgID, row.agentID, row.limits)
-            else:
+            elif isinstance(row, BudgetRow):
                 _set(orgBudgets, agentBudgets, row.orgID, row.agentID, row.budget)
+            else:
+                _setMemory(orgMemory, agentMemory, row.orgID, row.agentID, row.settings)
         self._orgs, self._agents = orgs, agents
         self._orgBudgets, self._agentBudgets = orgBudgets, agentBudgets
+        self._orgMemory, self._agentMemory = orgMemory, agentMemory
 
-    def changed(self, row: LimitsRow | BudgetRow) -> None:
+    def changed(self, row: BookRow) -> None:
         """
-        One row or budget was set, changed or cleared.
+        One row, budget or memory settings row was set, changed or cleared.
         """
         if isinstance(row, LimitsRow):
             _set(self._orgs, self._agents, row.orgID, row.agentID, row.limits)
-        else:
+        elif isinstance(row, BudgetRow):
             _set(self._orgBudgets, self._agentBudgets, row.orgID, row.agentID, row.budget)
+        else:
+            _setMemory(self._orgMemory, self._agentMemory, row.orgID, row.agentID, row.settings)
 
     # From validation answers.
 
-    def learnOrg(self, orgID: str, limits: Limits | None, budget: Budget | None = None) -> None:
+    def learnOrg(
+        self,
+        orgID: str,
+        limits: Limits | None,
+        budget: Budget | None = None,
+        memory: MemorySettings | None = None,
+    ) -> None:
         """
         ValidateToken answered with these of C{orgID} (None: it has none);
         taken only while the feed is not live.
@@ -170,9 +244,15 @@ class LimitBook:
         if not self.feedLive():
             _put(self._orgs, orgID, limits)
             _put(self._orgBudgets, orgID, budget)
+            _setMemory(self._orgMemory, self._agentMemory, orgID, None, memory)
 
     def learnAgent(
-        self, orgID: str, agentID: str, limits: Limits | None, budget: Budget | None = None
+        self,
+        orgID: str,
+        agentID: str,
+        limits: Limits | None,
+        budget: Budget | None = None,
+        memory: MemorySettings | None = None,
     ) -> None:
         """
         ValidateAgent answered with these of C{agentID}; taken only while
@@ -181,6 +261,7 @@ class LimitBook:
         if not self.feedLive():
             _put(self._agents, (orgID, agentID), limits)
             _put(self._agentBudgets, (orgID, agentID), budget)
+            _setMemory(self._orgMemory, self._agentMemory, orgID, agentID, memory)
 
 
 def _set(
@@ -201,3 +282,31 @@ def _put(rows: dict[_Key, _Value], key: _Key, value: _Value | None) -> None:
         rows.pop(key, None)
     else:
         rows[key] = value
+
+
+def _setMemory(
+    orgs: dict[str, MemorySettings],
+    agents: dict[str, dict[str, MemorySettings]],
+    orgID: str,
+    agentID: str | None,
+    settings: MemorySettings | None,
+) -> None:
+    """
+    Keep C{settings} of C{(orgID, agentID)}, or forget them when they set
+    nothing (no row, or both inherit: the same answer for every lookup,
+    and an empty book keeps L{LimitBook.memoryFor}'s shortcut).
+    """
+    if settings is not None and settings.recall is None and settings.observe is None:
+        settings = None
+    if agentID is None:
+        _put(orgs, orgID, settings)
+        return
+    ofOrg = agents.get(orgID)
+    if settings is not None:
+        if ofOrg is None:
+            ofOrg = agents[orgID] = {}
+        ofOrg[agentID] = settings
+    elif ofOrg is not None:
+        ofOrg.pop(agentID, None)
+        if not ofOrg:
+            del agents[orgID]

@@ -1,6 +1,7 @@
 """
 The shapes of limits and budgets (decisions D11, D12): the rows the limit
-book holds (L{Limits}, L{Budget}) and what an admitted request reserved
+book holds (L{Limits}, L{Budget}, and the memory settings of decisions
+D13, L{MemorySettings}) and what an admitted request reserved
 (L{Reservation}).
 
 A leaf module on purpose: it imports nothing of the gateway, so the
@@ -61,4 +62,18 @@ class Budget:
 
     nanoUSD: int
     period: str
+    version: int = 0
+
+
+@attrs.frozen
+class MemorySettings:
+    """
+    The memory settings of an organization or of one of its agents
+    (decisions D13): C{recall} and C{observe} each True (on), False (off)
+    or None (inherit: an agent's from its organization's, an
+    organization's from the default, off).
+    """
+
+    recall: bool | None = None
+    observe: bool | None = None
     version: int = 0

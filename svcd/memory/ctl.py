@@ -56,14 +56,16 @@ def _limit(text: str) -> int:
 
 def addMemoryCommands(
     commands: Any, parserClass: type[argparse.ArgumentParser], uuidOf: Callable[[str], Any]
-) -> None:
+) -> Any:
     """
-    Add C{svcctl memory ...} to svcctl's subcommands.
+    Add C{svcctl memory ...} to svcctl's subcommands; return the
+    subcommands of C{svcctl memory}, to which svcctl adds C{settings}
+    (L{svcd.auth.ctl}: the settings are svc-auth's tables, not these).
 
     @param uuidOf: svcctl's parser of a UUID option, by option name.
     """
     memory = commands.add_parser(
-        "memory", help="agents' memories (svc-memory): list, show, delete, purge"
+        "memory", help="agents' memories (svc-memory): list, show, delete, purge; settings"
     ).add_subparsers(dest="action", required=True, parser_class=parserClass)
     listing = memory.add_parser("list", help="an agent's memories, newest first")
     show = memory.add_parser("show", help="one memory")
@@ -83,6 +85,7 @@ def addMemoryCommands(
         each.add_argument("--id", required=True, type=uuidOf("--id"), dest="memory_id")
     listing.add_argument("--limit", type=_limit, default=100, help=f"1 to {MAX_LIST}; 100")
     listing.add_argument("--after", type=uuidOf("--after"), help="a memory id: list past it")
+    return memory
 
 
 def memoryDocument(record: MemoryRecord) -> dict[str, Any]:

@@ -82,6 +82,7 @@ class RunningAuthService:
         self.cache = parts.cache
         self.limits = parts.limits
         self.budgets = parts.budgets
+        self.memorySettings = parts.memorySettings
         self.authority = parts.authority
         self.hub = parts.hub
         self.listener = parts.listener

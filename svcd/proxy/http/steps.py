@@ -20,10 +20,15 @@ from svcd.common.ids import canonicalUUID
 from svcd.common.pat import isToken
 from svcd.common.permissions import Permission
 from svcd.limits.admission import Admission
+from svcd.limits.book import MEMORY_OFF, LimitBook
 from svcd.proxy.http.context import RequestContext, Step
 from svcd.proxy.validation.client import AGENT_HEADER, AuthClient, agentHeaderInvalid
 
 _AGENT_HEADER = AGENT_HEADER.encode("ascii")
+
+# Decisions D13: a request's own say over memory; "off" is its one value.
+MEMORY_HEADER = "X-SVC-Memory"
+_MEMORY_HEADER = MEMORY_HEADER.encode("ascii")
 
 # Decisions D13: whose memories within the agent (an end user the agent
 # serves); absent, the agent's own ("").
@@ -199,3 +204,40 @@ def bearerToken(request: Request) -> str:
     if not isToken(token):
         raise ApiError(ErrorCode.INVALID_TOKEN)
     return token
+
+
+def memoryOff(request: Request) -> bool:
+    """
+    Whether the request turned memory off for itself with C{X-SVC-Memory:
+    off} (decisions D13). C{off} (in any case, with surrounding spaces)
+    is the header's one value: a request cannot turn on what its
+    organization and agent have off.
+
+    @raise ApiError: 400 VALIDATION_ERROR naming the header for any other
+        value, an empty one, or the header given twice.
+    """
+    values = request.requestHeaders.getRawHeaders(_MEMORY_HEADER)
+    if values is None:
+        return False
+    if len(values) == 1 and values[0].strip().lower() == b"off":
+        return True
+    raise validationError(
+        [FieldError(MEMORY_HEADER, FieldErrorCode.INVALID_ENUM, "must be off when given")]
+    )
+
+
+def requestMemory(
+    request: Request, book: LimitBook, orgID: str, agentID: str | None
+) -> tuple[bool, bool]:
+    """
+    Whether memory is recalled and observed for this request, as C{(recall,
+    observe)}: both off when the request says C{X-SVC-Memory: off}, else
+    its agent's and organization's settings (L{LimitBook.memoryFor}).
+
+    @raise ApiError: 400 VALIDATION_ERROR for a bad C{X-SVC-Memory}
+        (L{memoryOff}), checked first, so that a request with a bad header
+        is refused whatever the settings.
+    """
+    if memoryOff(request):
+        return MEMORY_OFF
+    return book.memoryFor(orgID, agentID)

@@ -24,7 +24,7 @@ from svcd.common.pat import READINESS_SENTINEL
 from svcd.common.readiness import CheckFailed
 from svcd.common.tracing import traceMetadata
 from svcd.limits.book import LimitBook
-from svcd.limits.records import Budget, Limits
+from svcd.limits.records import Budget, Limits, MemorySettings
 from svcd.pb.auth.v1 import auth_pb2
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.records import AgentInfo, TokenInfo
@@ -32,6 +32,7 @@ from svcd.proxy.validation.feed import (
     FeedCall,
     budgetFromProto,
     limitsFromProto,
+    memorySettingsFromProto,
     openChangeFeed,
 )
 from svcd.proxy.validation.sharedcalls import SharedCalls
@@ -228,7 +229,10 @@ class GrpcAuthClient:
             raise ApiError(ErrorCode.SERVICE_DEGRADED)
         if self._limitBook is not None:
             self._limitBook.learnOrg(
-                str(orgID), limitsOf(response, "org_limits"), budgetOf(response, "org_budget")
+                str(orgID),
+                limitsOf(response, "org_limits"),
+                budgetOf(response, "org_budget"),
+                memorySettingsOf(response, "org_memory_settings"),
             )
         return TokenInfo(
             orgID=str(orgID),
@@ -276,6 +280,7 @@ class GrpcAuthClient:
                 agentID,
                 limitsOf(response, "agent_limits"),
                 budgetOf(response, "agent_budget"),
+                memorySettingsOf(response, "agent_memory_settings"),
             )
         return AgentInfo(agentID=agentID, orgID=orgID, status=response.status)
 
@@ -330,3 +335,13 @@ def budgetOf(message: Any, field: str) -> Budget | None:
     message has none.
     """
     return budgetFromProto(getattr(message, field)) if message.HasField(field) else None
+
+
+def memorySettingsOf(message: Any, field: str) -> MemorySettings | None:
+    """
+    The memory settings in C{message}'s C{field} (decisions D13), or None
+    when the message has none.
+    """
+    if not message.HasField(field):
+        return None
+    return memorySettingsFromProto(getattr(message, field))

@@ -48,8 +48,8 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from svcd.common.clocks import Clock
-from svcd.limits.book import BudgetRow, LimitBook, LimitsRow
-from svcd.limits.records import BUDGET_PERIODS, Budget, Limits
+from svcd.limits.book import BookRow, BudgetRow, LimitBook, LimitsRow, MemorySettingsRow
+from svcd.limits.records import BUDGET_PERIODS, Budget, Limits, MemorySettings
 from svcd.pb.auth.v1 import auth_pb2
 from svcd.proxy.validation.knowntokens import KnownTokens
 
@@ -59,6 +59,9 @@ MAX_AGE = 0.5
 # The feed is not trusted while the last message applied was read longer
 # ago than this: the reactor is that far behind.
 MAX_LAG = 1.0
+
+# The messages the limit book takes (decisions D11, D12, D13).
+_BOOK_KINDS = ("limits_changed", "budget_changed", "memory_settings_changed")
 
 # Waits between attempts to open the stream: quick at first (a restarted
 # svc-auth is back in moments), never longer than a second.
@@ -155,7 +158,8 @@ class ChangeFeed:
     ) -> None:
         self._openStream = openStream
         self._consumer = consumer
-        # Decisions D11: the limits rows the feed carries.
+        # Decisions D11, D12 and D13: the limits rows, budgets and memory
+        # settings the feed carries.
         self._limitBook = limitBook
         self._reactor = reactor
         self._clock = clock
@@ -307,14 +311,14 @@ class ChangeFeed:
         snapshot arrived.
         """
         chunks: list[bytes] | None = []
-        limitRows: list[LimitsRow | BudgetRow] = []
+        limitRows: list[BookRow] = []
         for change in call:
             receivedAt = self._lastRead = self._clock.seconds()
             kind = change.WhichOneof("kind")
             if chunks is not None:
                 if kind == "known_token_ids":
                     chunks.append(change.known_token_ids)
-                elif kind in ("limits_changed", "budget_changed"):
+                elif kind in _BOOK_KINDS:
                     row = rowOf(change)
                     if row is not None:
                         limitRows.append(row)
@@ -334,16 +338,14 @@ class ChangeFeed:
                 self._reactor.callFromThread(self._tokenChanged, change.token_changed, receivedAt)
             elif kind == "agent_changed":
                 self._reactor.callFromThread(self._agentChanged, change.agent_changed, receivedAt)
-            elif kind in ("limits_changed", "budget_changed"):
+            elif kind in _BOOK_KINDS:
                 row = rowOf(change)
                 if row is not None:
                     self._reactor.callFromThread(self._limitsChanged, row, receivedAt)
 
     # The reactor thread.
 
-    def _started(
-        self, known: KnownTokens, limitRows: list[LimitsRow | BudgetRow], receivedAt: float
-    ) -> None:
+    def _started(self, known: KnownTokens, limitRows: list[BookRow], receivedAt: float) -> None:
         if self._stopping.is_set():
             return
         self._consumer.feedStarted(known)
@@ -391,7 +393,7 @@ class ChangeFeed:
             self._consumer.agentChanged(agentID)
             self._touched(receivedAt)
 
-    def _limitsChanged(self, row: LimitsRow | BudgetRow, receivedAt: float) -> None:
+    def _limitsChanged(self, row: BookRow, receivedAt: float) -> None:
         if self._inSession:
             if self._limitBook is not None:
                 self._limitBook.changed(row)
@@ -440,13 +442,39 @@ class ChangeFeed:
         self._wasLive = live
 
 
-def rowOf(change: auth_pb2.Change) -> LimitsRow | BudgetRow | None:
+def rowOf(change: auth_pb2.Change) -> BookRow | None:
     """
-    A C{limits_changed} or C{budget_changed} message as a row of the book.
+    A C{limits_changed}, C{budget_changed} or C{memory_settings_changed}
+    message as a row of the book.
     """
     if change.HasField("limits_changed"):
         return limitsRowOf(change.limits_changed)
+    if change.HasField("memory_settings_changed"):
+        return memorySettingsRowOf(change.memory_settings_changed)
     return budgetRowOf(change.budget_changed)
+
+
+def memorySettingsRowOf(change: auth_pb2.MemorySettingsChanged) -> MemorySettingsRow | None:
+    """
+    A C{memory_settings_changed} message as a row of the book; None when
+    its ids are not 16 bytes.
+    """
+    ids = _idsOf(change.org_id, change.agent_id)
+    if ids is None:
+        return None
+    settings = memorySettingsFromProto(change.settings) if change.HasField("settings") else None
+    return MemorySettingsRow(*ids, settings)
+
+
+def memorySettingsFromProto(settings: auth_pb2.MemorySettings) -> MemorySettings:
+    """
+    Memory settings off the wire: a switch absent there inherits.
+    """
+    return MemorySettings(
+        recall=settings.recall if settings.HasField("recall") else None,
+        observe=settings.observe if settings.HasField("observe") else None,
+        version=settings.version,
+    )
 
 
 def budgetRowOf(change: auth_pb2.BudgetChanged) -> BudgetRow | None:

@@ -13,7 +13,7 @@ class ValidateTokenRequest(_message.Message):
     def __init__(self, access_token: _Optional[str] = ...) -> None: ...
 
 class ValidateTokenResponse(_message.Message):
-    __slots__ = ("org_id", "permissions", "agent_id", "user_id", "token_id", "expires_at", "org_limits", "org_budget")
+    __slots__ = ("org_id", "permissions", "agent_id", "user_id", "token_id", "expires_at", "org_limits", "org_budget", "org_memory_settings")
     ORG_ID_FIELD_NUMBER: _ClassVar[int]
     PERMISSIONS_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class ValidateTokenResponse(_message.Message):
     EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     ORG_LIMITS_FIELD_NUMBER: _ClassVar[int]
     ORG_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    ORG_MEMORY_SETTINGS_FIELD_NUMBER: _ClassVar[int]
     org_id: str
     permissions: int
     agent_id: str
@@ -30,7 +31,8 @@ class ValidateTokenResponse(_message.Message):
     expires_at: str
     org_limits: Limits
     org_budget: Budget
-    def __init__(self, org_id: _Optional[str] = ..., permissions: _Optional[int] = ..., agent_id: _Optional[str] = ..., user_id: _Optional[str] = ..., token_id: _Optional[str] = ..., expires_at: _Optional[str] = ..., org_limits: _Optional[_Union[Limits, _Mapping]] = ..., org_budget: _Optional[_Union[Budget, _Mapping]] = ...) -> None: ...
+    org_memory_settings: MemorySettings
+    def __init__(self, org_id: _Optional[str] = ..., permissions: _Optional[int] = ..., agent_id: _Optional[str] = ..., user_id: _Optional[str] = ..., token_id: _Optional[str] = ..., expires_at: _Optional[str] = ..., org_limits: _Optional[_Union[Limits, _Mapping]] = ..., org_budget: _Optional[_Union[Budget, _Mapping]] = ..., org_memory_settings: _Optional[_Union[MemorySettings, _Mapping]] = ...) -> None: ...
 
 class ValidateAgentRequest(_message.Message):
     __slots__ = ("agent_id", "org_id")
@@ -41,18 +43,20 @@ class ValidateAgentRequest(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., org_id: _Optional[str] = ...) -> None: ...
 
 class ValidateAgentResponse(_message.Message):
-    __slots__ = ("agent_id", "org_id", "status", "agent_limits", "agent_budget")
+    __slots__ = ("agent_id", "org_id", "status", "agent_limits", "agent_budget", "agent_memory_settings")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     ORG_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     AGENT_LIMITS_FIELD_NUMBER: _ClassVar[int]
     AGENT_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    AGENT_MEMORY_SETTINGS_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     org_id: str
     status: str
     agent_limits: Limits
     agent_budget: Budget
-    def __init__(self, agent_id: _Optional[str] = ..., org_id: _Optional[str] = ..., status: _Optional[str] = ..., agent_limits: _Optional[_Union[Limits, _Mapping]] = ..., agent_budget: _Optional[_Union[Budget, _Mapping]] = ...) -> None: ...
+    agent_memory_settings: MemorySettings
+    def __init__(self, agent_id: _Optional[str] = ..., org_id: _Optional[str] = ..., status: _Optional[str] = ..., agent_limits: _Optional[_Union[Limits, _Mapping]] = ..., agent_budget: _Optional[_Union[Budget, _Mapping]] = ..., agent_memory_settings: _Optional[_Union[MemorySettings, _Mapping]] = ...) -> None: ...
 
 class Budget(_message.Message):
     __slots__ = ("nano_usd", "period", "version")
@@ -63,6 +67,16 @@ class Budget(_message.Message):
     period: str
     version: int
     def __init__(self, nano_usd: _Optional[int] = ..., period: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class MemorySettings(_message.Message):
+    __slots__ = ("recall", "observe", "version")
+    RECALL_FIELD_NUMBER: _ClassVar[int]
+    OBSERVE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    recall: bool
+    observe: bool
+    version: int
+    def __init__(self, recall: _Optional[bool] = ..., observe: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
 
 class Limits(_message.Message):
     __slots__ = ("rpm", "tpm", "max_output_tokens", "version")
@@ -147,7 +161,7 @@ class WatchChangesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Change(_message.Message):
-    __slots__ = ("known_token_ids", "snapshot_complete", "token_changed", "agent_changed", "heartbeat", "limits_changed", "budget_changed")
+    __slots__ = ("known_token_ids", "snapshot_complete", "token_changed", "agent_changed", "heartbeat", "limits_changed", "budget_changed", "memory_settings_changed")
     KNOWN_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_COMPLETE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_CHANGED_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +169,7 @@ class Change(_message.Message):
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     LIMITS_CHANGED_FIELD_NUMBER: _ClassVar[int]
     BUDGET_CHANGED_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_SETTINGS_CHANGED_FIELD_NUMBER: _ClassVar[int]
     known_token_ids: bytes
     snapshot_complete: SnapshotComplete
     token_changed: bytes
@@ -162,7 +177,18 @@ class Change(_message.Message):
     heartbeat: Heartbeat
     limits_changed: LimitsChanged
     budget_changed: BudgetChanged
-    def __init__(self, known_token_ids: _Optional[bytes] = ..., snapshot_complete: _Optional[_Union[SnapshotComplete, _Mapping]] = ..., token_changed: _Optional[bytes] = ..., agent_changed: _Optional[bytes] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., limits_changed: _Optional[_Union[LimitsChanged, _Mapping]] = ..., budget_changed: _Optional[_Union[BudgetChanged, _Mapping]] = ...) -> None: ...
+    memory_settings_changed: MemorySettingsChanged
+    def __init__(self, known_token_ids: _Optional[bytes] = ..., snapshot_complete: _Optional[_Union[SnapshotComplete, _Mapping]] = ..., token_changed: _Optional[bytes] = ..., agent_changed: _Optional[bytes] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., limits_changed: _Optional[_Union[LimitsChanged, _Mapping]] = ..., budget_changed: _Optional[_Union[BudgetChanged, _Mapping]] = ..., memory_settings_changed: _Optional[_Union[MemorySettingsChanged, _Mapping]] = ...) -> None: ...
+
+class MemorySettingsChanged(_message.Message):
+    __slots__ = ("org_id", "agent_id", "settings")
+    ORG_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    org_id: bytes
+    agent_id: bytes
+    settings: MemorySettings
+    def __init__(self, org_id: _Optional[bytes] = ..., agent_id: _Optional[bytes] = ..., settings: _Optional[_Union[MemorySettings, _Mapping]] = ...) -> None: ...
 
 class BudgetChanged(_message.Message):
     __slots__ = ("org_id", "agent_id", "budget")

@@ -138,9 +138,11 @@ class AuthServiceServicer:
     def WatchChanges(self, request, context):
         """The change feed that lets svc-proxy answer validations from memory
         (decisions D8). A stream begins with every token id this service may
-        accept (known_token_ids, in one or more messages) and every limits
-        row (limits_changed), then snapshot_complete, and goes on with every
-        token, agent and limits change,
+        accept (known_token_ids, in one or more messages), every limits row
+        (limits_changed), every budget (budget_changed) and every memory
+        settings row (memory_settings_changed), then snapshot_complete, and
+        goes on with every token, agent, limits, budget and memory settings
+        change,
         those made with svcctl straight in PostgreSQL included, and a
         heartbeat about every 100 ms. A heartbeat vouches that every change
         committed before it was sent came before it on the stream; when this
