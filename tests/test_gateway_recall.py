@@ -1,0 +1,537 @@
+"""
+Recall in chat completions end to end (decisions D13, issue 32): real
+svc-auth, svc-memory and svc-proxy daemons over PostgreSQL and Redis,
+driven with the C{openai} SDK; the scripted upstream answers chat (and
+records the body it received: the assembled messages) and embeddings
+(hashed bags of words: texts sharing words are near).
+
+The memories are stored straight into svc-memory over gRPC, with the
+scripted upstream's own vectors under the [memory] model's name, so these
+tests need nothing of the memory routes.
+
+Five proxies share svc-auth, svc-memory and the database: C{memory}, where
+recall works (a generous SVC_MEMORY_TIMEOUT, so that a loaded machine does
+not make it time out); and one per fault, each at SVC_MEMORY_TIMEOUT=300ms:
+C{slow} (its embedding model answers after 20 s), C{failing} (its
+embedding model answers 500), C{down} (SVC_MEMORY_GRPC_ADDR where nothing
+listens: svc-memory down) and C{unreachable} (an address that does not
+answer at all). Each test works in an organization of its own, since the
+settings are per organization and agent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import grpc
+import openai
+import psycopg
+import pytest
+from authfixtures import Tenant, makeTenant
+from gatewayfixtures import request, waitFor
+
+from svcd.auth.migrations import migrate
+from svcd.auth.store import Store
+from svcd.common.permissions import Permission
+from svcd.pb.memory.v1 import memory_pb2, memory_pb2_grpc
+from svcd.proxy.recall import HEADING
+from svcd.testing.daemons import Daemon, authEnvironment, memoryEnvironment
+from svcd.testing.servers import PostgresServer, RedisServer, freePort
+from svcd.testing.upstream import (
+    DEFAULT_EMBEDDING_DIMENSIONS,
+    RecordedRequest,
+    ScriptedUpstream,
+    embeddingOf,
+)
+
+# Starts real daemons (conftest.py, pytest.ini): left out of a quick run.
+pytestmark = pytest.mark.e2e
+
+# Never written anywhere but in a memory's content: no daemon's log may
+# hold it, though recall put it in prompts.
+MARKER = "zebracorn" + uuid.uuid4().hex[:12]
+
+# The fault proxies' SVC_MEMORY_TIMEOUT, and the slow embedding's delay: an
+# answer that waited for the embedding would take that long.
+FAULT_TIMEOUT_MS = 300
+SLOW_EMBEDDING_MS = 20_000
+# A bound on what a recall out of time may take, reactor lateness on a
+# loaded machine included: far below SLOW_EMBEDDING_MS.
+FAULT_BOUND_MS = 2_000
+
+PROVIDERS = """
+[[providers]]
+name = "scripted"
+base_url = "{base}"
+
+[[models]]
+name = "chat"
+provider = "scripted"
+upstream_model = "echo"
+price = {{ input = "1", output = "2" }}
+
+[[models]]
+name = "embed"
+provider = "scripted"
+upstream_model = "{embedding}"
+kind = "embedding"
+price = {{ input = "0.5" }}
+
+[memory]
+embedding_model = "embed"
+recall_k = 3
+max_context_tokens = 200
+"""
+
+
+@attrs.frozen
+class Stack:
+    dsn: str
+    owner: Store
+    auth: Daemon
+    memory: Daemon
+    proxies: dict[str, Daemon]
+    upstream: ScriptedUpstream
+
+    def tenant(self, name: str) -> Tenant:
+        return makeTenant(
+            self.owner,
+            f"{name}-{uuid.uuid4().hex[:8]}",
+            permissions=int(Permission.ProxyChatCompletion),
+        )
+
+    def client(
+        self,
+        tenant: Tenant,
+        proxy: str = "memory",
+        headers: dict[str, str] | None = None,
+        agent: uuid.UUID | None = None,
+    ) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"http://127.0.0.1:{self.proxies[proxy].httpPort}/v1",
+            api_key=tenant.token,
+            default_headers={"X-SVC-Agent-ID": str(agent or tenant.agentID), **(headers or {})},
+            max_retries=0,
+            timeout=60,
+        )
+
+    def remember(self, tenant: Tenant, *contents: str, subject: str = "") -> None:
+        """
+        Store C{contents} as memories of C{tenant}'s agent (and
+        C{subject}), embedded as the proxy's [memory] model would.
+        """
+        address = f"127.0.0.1:{self.memory.environment['SVC_GRPC_PORT']}"
+        with grpc.insecure_channel(address) as channel:
+            stub = memory_pb2_grpc.MemoryServiceStub(channel)
+            for content in contents:
+                _, vector = embeddingOf(content, DEFAULT_EMBEDDING_DIMENSIONS)
+                stub.AddMemory(
+                    memory_pb2.AddMemoryRequest(
+                        scope=memory_pb2.Scope(
+                            org_id=str(tenant.orgID), agent_id=str(tenant.agentID), subject=subject
+                        ),
+                        content=content,
+                        source="api",
+                        embedding=memory_pb2.Embedding(model="embed", vector=vector),
+                    ),
+                    timeout=30,
+                )
+
+    def recallOn(self, tenant: Tenant, agent: bool | None = None, org: bool | None = True) -> None:
+        """
+        Set the organization's and the agent's recall switches (None:
+        inherit).
+        """
+        self.owner.setMemorySettings(tenant.orgID, None, {"recall": org})
+        self.owner.setMemorySettings(tenant.orgID, tenant.agentID, {"recall": agent})
+
+    def proxyLines(self, proxy: str = "memory") -> list[dict[str, Any]]:
+        return [
+            json.loads(line)
+            for line in self.proxies[proxy].output().splitlines()
+            if line.startswith("{")
+        ]
+
+    def accessLine(self, requestID: str, proxy: str = "memory") -> dict[str, Any]:
+        found: list[dict[str, Any]] = []
+
+        def logged() -> bool:
+            found[:] = [
+                line
+                for line in self.proxyLines(proxy)
+                if line.get("request_id") == requestID and "status" in line
+            ]
+            return bool(found)
+
+        waitFor(logged, 10)
+        return found[0]
+
+    def rows(self, requestID: str, count: int) -> list[dict[str, Any]]:
+        """
+        The ledger rows of C{requestID} (its own and those it caused),
+        once there are C{count}.
+        """
+        found: list[dict[str, Any]] = []
+
+        def recorded() -> bool:
+            with psycopg.connect(self.dsn, autocommit=True) as connection:
+                cursor = connection.execute(
+                    "SELECT kind, parent_request_id, model, outcome, prompt_tokens,"
+                    " completion_tokens, cost_nano_usd FROM usage_ledger WHERE request_id = %s",
+                    (requestID,),
+                )
+                names = [column.name for column in cursor.description or ()]
+                found[:] = [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+            return len(found) >= count
+
+        waitFor(recorded, 30)
+        assert len(found) == count, found
+        return found
+
+    def received(self, requestID: str, path: str) -> list[RecordedRequest]:
+        return [
+            each
+            for each in self.upstream.requests()
+            if each.path.endswith(path) and each.header("x-request-id") == requestID
+        ]
+
+    def chatReceived(self, requestID: str) -> RecordedRequest:
+        found: list[RecordedRequest] = []
+
+        def arrived() -> bool:
+            found[:] = self.received(requestID, "/chat/completions")
+            return bool(found) and found[0].ended is not None
+
+        waitFor(arrived, 10)
+        [chat] = found
+        return chat
+
+
+def startProxy(
+    name: str,
+    workdir: Path,
+    auth: Daemon,
+    redis: RedisServer,
+    providers: Path,
+    memoryAddress: str,
+    timeout: str,
+) -> Daemon:
+    environment = {
+        "SVC_HOST": "127.0.0.1",
+        "SVC_PORT": str(freePort()),
+        "SVC_AUTH_GRPC_ADDR": f"127.0.0.1:{auth.environment['SVC_GRPC_PORT']}",
+        "REDIS_URL": redis.url,
+        "SVC_PROVIDERS_FILE": str(providers),
+        "SVC_AUTH_VALIDATE_TIMEOUT": "5s",
+        "SVC_RATE_LIMIT_DEFAULT_RPM": "1000000",
+        "SVC_SHUTDOWN_TIMEOUT": "5s",
+        "SVC_MEMORY_GRPC_ADDR": memoryAddress,
+        "SVC_MEMORY_TIMEOUT": timeout,
+        # Every line the proxy can write, for the content check.
+        "SVC_LOG_LEVEL": "DEBUG",
+    }
+    return Daemon("svc-proxy", environment, workdir / f"proxy-{name}.log").start()
+
+
+@pytest.fixture(scope="module")
+def stack(
+    postgresServer: PostgresServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    workdir = tmp_path_factory.mktemp("recall")
+    name = f"recall_{uuid.uuid4().hex[:12]}"
+    dsn = postgresServer.createDatabase(name)
+    migrate(dsn)
+    redis = RedisServer.create(workdir / "redis")
+    redis.start()
+    upstream = ScriptedUpstream(workdir / "upstream").start()
+    connection = psycopg.connect(dsn, autocommit=True)
+    owner = Store(lambda: contextlib.nullcontext(connection))
+    daemons: list[Daemon] = []
+    try:
+        auth = Daemon("svc-auth", authEnvironment(dsn), workdir / "auth.log").start()
+        daemons.append(auth)
+        memory = Daemon(
+            "svc-memory", memoryEnvironment(dsn, SVC_LOG_LEVEL="DEBUG"), workdir / "memory.log"
+        ).start()
+        daemons.append(memory)
+        memoryAddress = f"127.0.0.1:{memory.environment['SVC_GRPC_PORT']}"
+        files = {}
+        for kind, embedding in (
+            ("memory", "echo"),
+            ("slow", f"slow:{SLOW_EMBEDDING_MS}"),
+            ("failing", "status:500"),
+        ):
+            files[kind] = workdir / f"providers-{kind}.toml"
+            files[kind].write_text(PROVIDERS.format(base=upstream.baseURL, embedding=embedding))
+        fault = f"{FAULT_TIMEOUT_MS}ms"
+        proxies = {
+            "memory": startProxy(
+                "memory", workdir, auth, redis, files["memory"], memoryAddress, "30s"
+            ),
+            "slow": startProxy("slow", workdir, auth, redis, files["slow"], memoryAddress, fault),
+            "failing": startProxy(
+                "failing", workdir, auth, redis, files["failing"], memoryAddress, fault
+            ),
+            "down": startProxy(
+                "down", workdir, auth, redis, files["memory"], f"127.0.0.1:{freePort()}", fault
+            ),
+            # TEST-NET-1 (RFC 5737): routed nowhere, so nothing ever answers.
+            "unreachable": startProxy(
+                "unreachable", workdir, auth, redis, files["memory"], "192.0.2.1:9092", fault
+            ),
+        }
+        daemons += proxies.values()
+        for daemon in daemons:
+            daemon.waitForReady()
+        yield Stack(dsn, owner, auth, memory, proxies, upstream)
+    finally:
+        for daemon in reversed(daemons):
+            daemon.terminate()
+        upstream.stop()
+        redis.destroy()
+        connection.close()
+        postgresServer.dropDatabase(name)
+    for daemon in daemons:
+        assert "Traceback" not in daemon.output(), daemon.output()
+
+
+def ask(
+    client: openai.OpenAI, messages: list[dict[str, Any]], stream: bool = False
+) -> tuple[dict[str, str], str]:
+    """
+    A chat completion through the SDK: the answer's headers (lower-case
+    names) and its text (a stream's deltas joined).
+    """
+    raw = client.chat.completions.with_raw_response.create(
+        model="chat",
+        messages=messages,  # type: ignore[arg-type]
+        stream=stream,
+    )
+    headers = {name.lower(): value for name, value in raw.headers.items()}
+    parsed: Any = raw.parse()
+    if stream:
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in parsed if chunk.choices)
+    else:
+        text = parsed.choices[0].message.content or ""
+    return headers, text
+
+
+def waitForRecall(stack: Stack, client: openai.OpenAI, on: bool) -> None:
+    """
+    Wait for a settings change to reach the proxy (the change feed, within
+    a second): until an answer carries X-SVC-Memories (or no longer does).
+    """
+
+    def reached() -> bool:
+        headers, _ = ask(client, [{"role": "user", "content": "hello"}])
+        return ("x-svc-memories" in headers) is on
+
+    waitFor(reached, 15)
+
+
+def memoryLines(content: str) -> list[str]:
+    lines = content.split("\n")
+    assert lines[0] == HEADING
+    return lines[1:]
+
+
+def test_recallAssemblesTheMemories(stack: Stack) -> None:
+    """
+    With recall on, the provider receives one system message of the
+    memories near the last user message, after the leading system and
+    developer messages, best first, each on one line; the answer says how
+    many (X-SVC-Memories); the query's embedding is one ledger row of kind
+    embedding whose parent is the chat's request id; the access log says
+    memories and memory_ms.
+    """
+    tenant = stack.tenant("assembles")
+    stack.remember(
+        tenant,
+        f"the user drinks green tea every morning {MARKER}",
+        "the user\nlikes green apples",
+        "quantum chromodynamics lecture notes",
+    )
+    stack.recallOn(tenant)
+    client = stack.client(tenant)
+    waitForRecall(stack, client, on=True)
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "developer", "content": "Answer in English."},
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "hi"},
+        {"role": "user", "content": "which green tea does the user drink every morning"},
+    ]
+    headers, _ = ask(client, messages)
+    requestID = headers["x-request-id"]
+    assert headers["x-svc-memories"] == "2"
+    sent = stack.chatReceived(requestID).body
+    assert sent["messages"][:2] == messages[:2]
+    assert sent["messages"][3:] == messages[2:]
+    inserted = sent["messages"][2]
+    assert inserted["role"] == "system"
+    assert memoryLines(inserted["content"]) == [
+        f"- the user drinks green tea every morning {MARKER}",
+        "- the user likes green apples",
+    ]
+    [embedded] = stack.received(requestID, "/embeddings")
+    assert embedded.body["input"] == ["which green tea does the user drink every morning"]
+    byKind = {row["kind"]: row for row in stack.rows(requestID, 2)}
+    assert byKind["embedding"]["parent_request_id"] == requestID
+    assert byKind["embedding"]["model"] == "embed"
+    assert byKind["embedding"]["outcome"] == "ok"
+    assert byKind["chat"]["parent_request_id"] is None
+    line = stack.accessLine(requestID)
+    assert line["memories"] == 2
+    assert 0 <= line["memory_ms"] < 30_000
+
+
+def test_recallInStreams(stack: Stack) -> None:
+    """
+    A stream recalls alike: the header is among the stream's first bytes,
+    and the provider receives the assembled messages (here the message of
+    memories goes first: the request has no system message).
+    """
+    tenant = stack.tenant("streams")
+    stack.remember(tenant, "the user owns a red bicycle")
+    stack.recallOn(tenant)
+    client = stack.client(tenant)
+    waitForRecall(stack, client, on=True)
+    headers, text = ask(client, [{"role": "user", "content": "which bicycle"}], stream=True)
+    assert text.startswith("Scripted answer to 2 messages")
+    assert headers["x-svc-memories"] == "1"
+    sent = stack.chatReceived(headers["x-request-id"]).body
+    assert sent["stream"] is True
+    first, user = sent["messages"]
+    assert memoryLines(first["content"]) == ["- the user owns a red bicycle"]
+    assert user == {"role": "user", "content": "which bicycle"}
+
+
+def test_settingsAndHeader(stack: Stack) -> None:
+    """
+    Recall follows the settings, an agent's winning over its
+    organization's, and X-SVC-Memory: off turns it off for one request:
+    without recall, no embedding, no header and the messages as sent.
+    """
+    tenant = stack.tenant("settings")
+    stack.remember(tenant, "the user speaks Italian")
+    question = [{"role": "user", "content": "what does the user speak"}]
+    client = stack.client(tenant)
+    # Organization on, agent off: off.
+    stack.recallOn(tenant, org=True, agent=False)
+    headers, _ = ask(client, question)
+    assert "x-svc-memories" not in headers
+    assert stack.received(headers["x-request-id"], "/embeddings") == []
+    assert stack.chatReceived(headers["x-request-id"]).body["messages"] == question
+    # Organization off, agent on: on.
+    stack.recallOn(tenant, org=False, agent=True)
+    waitForRecall(stack, client, on=True)
+    headers, _ = ask(client, question)
+    assert headers["x-svc-memories"] == "1"
+    # The request's own off.
+    headers, _ = ask(stack.client(tenant, headers={"X-SVC-Memory": "off"}), question)
+    assert "x-svc-memories" not in headers
+    assert stack.received(headers["x-request-id"], "/embeddings") == []
+    assert stack.chatReceived(headers["x-request-id"]).body["messages"] == question
+    # Any other value is refused, nothing forwarded.
+    with pytest.raises(openai.BadRequestError) as refused:
+        ask(stack.client(tenant, headers={"X-SVC-Memory": "on"}), question)
+    assert refused.value.body["code"] == "VALIDATION_ERROR"  # type: ignore[index]
+    # Both off again: off.
+    stack.recallOn(tenant, org=None, agent=None)
+    waitForRecall(stack, client, on=False)
+
+
+def test_subjectsAndNothingToRecall(stack: Stack) -> None:
+    """
+    A subject's memories are recalled for that subject only; a request
+    without a user message's text recalls nothing (0, no embedding); a
+    bad subject header is 400.
+    """
+    tenant = stack.tenant("subjects")
+    stack.remember(tenant, "the user collects stamps", subject="user-1")
+    stack.recallOn(tenant)
+    client = stack.client(tenant)
+    waitForRecall(stack, client, on=True)
+    question = [{"role": "user", "content": "what does the user collect"}]
+    headers, _ = ask(stack.client(tenant, headers={"X-SVC-Memory-Subject": "user-1"}), question)
+    assert headers["x-svc-memories"] == "1"
+    headers, _ = ask(stack.client(tenant, headers={"X-SVC-Memory-Subject": "user-2"}), question)
+    assert headers["x-svc-memories"] == "0"
+    headers, _ = ask(client, question)
+    assert headers["x-svc-memories"] == "0"
+    headers, _ = ask(client, [{"role": "system", "content": "Say hello."}])
+    assert headers["x-svc-memories"] == "0"
+    assert stack.received(headers["x-request-id"], "/embeddings") == []
+    with pytest.raises(openai.BadRequestError):
+        ask(stack.client(tenant, headers={"X-SVC-Memory-Subject": "no spaces"}), question)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("proxy", ["slow", "failing", "down", "unreachable"])
+def test_faultsNeverBlock(stack: Stack, proxy: str, stream: bool) -> None:
+    """
+    The embedding model slow past SVC_MEMORY_TIMEOUT or failing,
+    svc-memory down or its address unreachable: the chat is answered as if
+    memory were off (the messages as sent), with X-SVC-Memories:
+    unavailable, the recall taking no longer than its deadline.
+    """
+    tenant = stack.tenant(f"{proxy}-{stream}")
+    stack.recallOn(tenant)
+    client = stack.client(tenant, proxy=proxy)
+    question = [{"role": "user", "content": "what does the user like"}]
+
+    def reached() -> bool:
+        headers, _ = ask(client, question)
+        return "x-svc-memories" in headers
+
+    waitFor(reached, 15)
+    started = time.monotonic()
+    headers, text = ask(client, question, stream=stream)
+    elapsed = (time.monotonic() - started) * 1000
+    assert headers["x-svc-memories"] == "unavailable"
+    assert text.startswith("Scripted answer to 1 messages")
+    requestID = headers["x-request-id"]
+    assert stack.chatReceived(requestID).body["messages"] == question
+    line = stack.accessLine(requestID, proxy)
+    assert line["status"] == 200
+    assert line["memories"] is None
+    assert line["memory_ms"] < FAULT_BOUND_MS
+    assert elapsed < SLOW_EMBEDDING_MS / 2
+    if proxy == "slow":
+        # Out of time, not failed: the deadline passed.
+        assert line["memory_ms"] >= FAULT_TIMEOUT_MS * 0.9
+
+
+def test_recallMetrics(stack: Stack) -> None:
+    """
+    svc_proxy_memory_recalls_total counts each recall by outcome.
+    """
+
+    def count(proxy: str, outcome: str) -> float:
+        answer = request(stack.proxies[proxy].httpPort, "GET", "/metrics")
+        for line in answer.body.decode().splitlines():
+            if line.startswith(f'svc_proxy_memory_recalls_total{{outcome="{outcome}"}}'):
+                return float(line.split()[-1])
+        raise AssertionError(f"no series for {outcome}")
+
+    assert count("memory", "ok") >= 1
+    assert count("memory", "empty") >= 1
+    assert count("slow", "timeout") >= 1
+    assert count("failing", "error") >= 1
+    assert count("down", "error") >= 1
+
+
+def test_memoryContentNeverLogged(stack: Stack) -> None:
+    """
+    The marker stored in a memory, which recall put in prompts above, is
+    in no daemon's log (run last in this module).
+    """
+    for daemon in (stack.auth, stack.memory, *stack.proxies.values()):
+        assert MARKER not in daemon.output(), daemon.plugin
