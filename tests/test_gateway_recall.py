@@ -22,10 +22,15 @@ settings are per organization and agent.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
+import shutil
+import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -90,10 +95,39 @@ recall_k = 3
 max_context_tokens = 200
 """
 
+# The money test's provider answers the most each request allows (every
+# byte of the body a prompt token, the output cap it was sent), and the
+# embedding is the dear part: a recall's embedding costs thousands of times
+# what its chat does, so a reservation without it would admit far more.
+MONEY_PROVIDERS = """
+[[providers]]
+name = "scripted"
+base_url = "{base}"
+
+[[models]]
+name = "chat"
+provider = "scripted"
+upstream_model = "usage-at-cap"
+max_output_tokens = 8
+price = {{ input = "1", output = "1" }}
+
+[[models]]
+name = "embed"
+provider = "scripted"
+upstream_model = "usage-at-cap"
+kind = "embedding"
+price = {{ input = "100000" }}
+
+[memory]
+embedding_model = "embed"
+max_context_tokens = 200
+"""
+
 
 @attrs.frozen
 class Stack:
     dsn: str
+    redis: RedisServer
     owner: Store
     auth: Daemon
     memory: Daemon
@@ -222,6 +256,7 @@ def startProxy(
     providers: Path,
     memoryAddress: str,
     timeout: str,
+    **more: str,
 ) -> Daemon:
     environment = {
         "SVC_HOST": "127.0.0.1",
@@ -236,6 +271,7 @@ def startProxy(
         "SVC_MEMORY_TIMEOUT": timeout,
         # Every line the proxy can write, for the content check.
         "SVC_LOG_LEVEL": "DEBUG",
+        **more,
     }
     return Daemon("svc-proxy", environment, workdir / f"proxy-{name}.log").start()
 
@@ -270,6 +306,8 @@ def stack(
         ):
             files[kind] = workdir / f"providers-{kind}.toml"
             files[kind].write_text(PROVIDERS.format(base=upstream.baseURL, embedding=embedding))
+        files["money"] = workdir / "providers-money.toml"
+        files["money"].write_text(MONEY_PROVIDERS.format(base=upstream.baseURL))
         fault = f"{FAULT_TIMEOUT_MS}ms"
         proxies = {
             "memory": startProxy(
@@ -282,6 +320,16 @@ def stack(
             "down": startProxy(
                 "down", workdir, auth, redis, files["memory"], f"127.0.0.1:{freePort()}", fault
             ),
+            "money": startProxy(
+                "money",
+                workdir,
+                auth,
+                redis,
+                files["money"],
+                memoryAddress,
+                "30s",
+                SVC_BUDGET_RECONCILE_INTERVAL="1s",
+            ),
             # TEST-NET-1 (RFC 5737): routed nowhere, so nothing ever answers.
             "unreachable": startProxy(
                 "unreachable", workdir, auth, redis, files["memory"], "192.0.2.1:9092", fault
@@ -290,7 +338,7 @@ def stack(
         daemons += proxies.values()
         for daemon in daemons:
             daemon.waitForReady()
-        yield Stack(dsn, owner, auth, memory, proxies, upstream)
+        yield Stack(dsn, redis, owner, auth, memory, proxies, upstream)
     finally:
         for daemon in reversed(daemons):
             daemon.terminate()
@@ -423,15 +471,24 @@ def test_settingsAndHeader(stack: Stack) -> None:
     stack.remember(tenant, "the user speaks Italian")
     question = [{"role": "user", "content": "what does the user speak"}]
     client = stack.client(tenant)
-    # Organization on, agent off: off.
-    stack.recallOn(tenant, org=True, agent=False)
+    # Another agent of the organization, which inherits: it shows when the
+    # organization's setting has reached the proxy.
+    other = stack.client(
+        tenant, agent=stack.owner.createAgent(tenant.orgID, "settings-other").agentID
+    )
+    # Organization on, agent off: off. (The agent's row first: the change
+    # feed keeps the commit order.)
+    stack.owner.setMemorySettings(tenant.orgID, tenant.agentID, {"recall": False})
+    stack.owner.setMemorySettings(tenant.orgID, None, {"recall": True})
+    waitForRecall(stack, other, on=True)
     headers, _ = ask(client, question)
     assert "x-svc-memories" not in headers
     assert stack.received(headers["x-request-id"], "/embeddings") == []
     assert stack.chatReceived(headers["x-request-id"]).body["messages"] == question
     # Organization off, agent on: on.
-    stack.recallOn(tenant, org=False, agent=True)
-    waitForRecall(stack, client, on=True)
+    stack.owner.setMemorySettings(tenant.orgID, tenant.agentID, {"recall": True})
+    stack.owner.setMemorySettings(tenant.orgID, None, {"recall": False})
+    waitForRecall(stack, other, on=False)
     headers, _ = ask(client, question)
     assert headers["x-svc-memories"] == "1"
     # The request's own off.
@@ -507,6 +564,145 @@ def test_faultsNeverBlock(stack: Stack, proxy: str, stream: bool) -> None:
     if proxy == "slow":
         # Out of time, not failed: the deadline passed.
         assert line["memory_ms"] >= FAULT_TIMEOUT_MS * 0.9
+
+
+def redisCLI(redis: RedisServer, *words: str) -> str:
+    cli = shutil.which("redis-cli")
+    assert cli is not None, "redis-cli (Debian's redis-tools, beside redis-server)"
+    done = subprocess.run(
+        [cli, "-h", "127.0.0.1", "-p", str(redis.port), "--raw", *words],
+        capture_output=True,
+        text=True,
+        timeout=10,
+        check=True,
+    )
+    return done.stdout.strip()
+
+
+def budgetCounter(stack: Stack, tenant: Tenant) -> int | None:
+    """
+    The Redis count of the organization's monthly budget.
+    """
+    today = datetime.datetime.now(datetime.UTC)
+    start = datetime.datetime(today.year, today.month, 1, tzinfo=datetime.UTC)
+    value = redisCLI(stack.redis, "GET", f"budget:{tenant.orgID}:month:{int(start.timestamp())}")
+    return int(value) if value else None
+
+
+def orgSpend(stack: Stack, tenant: Tenant) -> tuple[int, int]:
+    """
+    The organization's rows in the ledger and their total cost.
+    """
+    with psycopg.connect(stack.dsn, autocommit=True) as connection:
+        count, total = connection.execute(
+            "SELECT count(*), coalesce(sum(cost_nano_usd), 0) FROM usage_ledger WHERE org_id = %s",
+            (tenant.orgID,),
+        ).fetchone() or (0, 0)
+    return int(count), int(total)
+
+
+def test_aBudgetCountsTheRecallsEmbedding(stack: Stack) -> None:
+    """
+    Decisions D12 amended and D13: a recall's embedding is the
+    organization's spend, reserved with its chat at admission and settled
+    with it. The provider answers each call at its worst case and the
+    embedding is the dear part: a budget of three and a half recalling
+    requests admits three of twelve sent at once (were the embedding not
+    reserved, each would reserve a thousandth of what it costs, and all
+    twelve would pass), and the ledger (chat and embedding rows)
+    stays within it. The budget's counter then equals the ledger: the
+    embedding, held under the chat's reservation until the chat's row is
+    recorded, is counted once.
+    """
+    question = {
+        "model": "chat",
+        "messages": [{"role": "user", "content": "which tea does the user like"}],
+    }
+    body = json.dumps(question).encode()
+
+    def post(tenant: Tenant) -> Any:
+        return request(
+            stack.proxies["money"].httpPort,
+            "POST",
+            "/v1/chat/completions",
+            {
+                "Authorization": f"Bearer {tenant.token}",
+                "X-SVC-Agent-ID": str(tenant.agentID),
+                "Content-Type": "application/json",
+            },
+            body,
+            timeout=60,
+        )
+
+    # What one recalling request costs, at the worst its provider answers.
+    probe = stack.tenant("money-probe")
+    stack.remember(probe, "the user likes jasmine tea")
+    stack.recallOn(probe)
+    stack.owner.setBudget(probe.orgID, None, 10**15, "month")
+
+    def probed() -> bool:
+        return bool(post(probe).headers.get("x-svc-memories") == "1")
+
+    waitFor(probed, 15)
+    requestID = post(probe).headers["x-request-id"]
+    costs = {row["kind"]: row["cost_nano_usd"] for row in stack.rows(requestID, 2)}
+    each = costs["chat"] + costs["embedding"]
+    assert costs["embedding"] > 1000 * costs["chat"], costs
+
+    tenant = stack.tenant("money")
+    stack.remember(tenant, "the user likes jasmine tea")
+    stack.recallOn(tenant)
+    # Room for three and a half: the reservation is a little more than
+    # what a request costs (the message of memories at its bound).
+    budget = 3 * each + each // 2
+    stack.owner.setBudget(tenant.orgID, None, budget, "month")
+    # The budget has reached the proxy once a limits row set after it has
+    # (the change feed keeps the commit order), which the auth probe's
+    # X-RateLimit-Limit shows without spending anything.
+    stack.owner.setLimits(tenant.orgID, None, {"rpm": 12345})
+
+    def seen() -> bool:
+        answer = request(
+            stack.proxies["money"].httpPort,
+            "GET",
+            "/v1/internal/auth-probe",
+            {"Authorization": f"Bearer {tenant.token}", "X-SVC-Agent-ID": str(tenant.agentID)},
+        )
+        return bool(answer.headers.get("x-ratelimit-limit") == "12345")
+
+    waitFor(seen, 15)
+    ready = threading.Barrier(12)
+
+    def send(_: int) -> Any:
+        ready.wait(timeout=30)
+        return post(tenant)
+
+    with ThreadPoolExecutor(12) as pool:
+        answers = list(pool.map(send, range(12)))
+    admitted = [answer for answer in answers if answer.status == 200]
+    for answer in answers:
+        if answer.status != 200:
+            assert answer.status == 429, answer.body
+            assert answer.json()["error"]["code"] == "BUDGET_EXCEEDED"
+    assert len(admitted) == 3, [answer.status for answer in answers]
+    assert all(answer.headers["x-svc-memories"] == "1" for answer in admitted)
+    rows = 0
+    total = 0
+
+    def recorded() -> bool:
+        nonlocal rows, total
+        rows, total = orgSpend(stack, tenant)
+        return rows == 2 * len(admitted)
+
+    waitFor(recorded, 30)
+    assert total <= budget
+    # Counted once: the counter comes to the ledger's total and stays
+    # there through reconciliations (every second on this proxy).
+    waitFor(lambda: budgetCounter(stack, tenant) == total, 15)
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        assert budgetCounter(stack, tenant) == total
+        time.sleep(0.2)
 
 
 def test_recallMetrics(stack: Stack) -> None:
