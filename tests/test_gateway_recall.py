@@ -218,7 +218,8 @@ class Stack:
             with psycopg.connect(self.dsn, autocommit=True) as connection:
                 cursor = connection.execute(
                     "SELECT kind, parent_request_id, model, outcome, prompt_tokens,"
-                    " completion_tokens, cost_nano_usd FROM usage_ledger WHERE request_id = %s",
+                    " completion_tokens, cost_nano_usd, memories FROM usage_ledger"
+                    " WHERE request_id = %s",
                     (requestID,),
                 )
                 names = [column.name for column in cursor.description or ()]
@@ -435,6 +436,7 @@ def test_recallAssemblesTheMemories(stack: Stack) -> None:
     assert byKind["embedding"]["model"] == "embed"
     assert byKind["embedding"]["outcome"] == "ok"
     assert byKind["chat"]["parent_request_id"] is None
+    assert (byKind["chat"]["memories"], byKind["embedding"]["memories"]) == (2, None)
     line = stack.accessLine(requestID)
     assert line["memories"] == 2
     assert 0 <= line["memory_ms"] < 30_000
@@ -561,6 +563,14 @@ def test_faultsNeverBlock(stack: Stack, proxy: str, stream: bool) -> None:
     assert line["memories"] is None
     assert line["memory_ms"] < FAULT_BOUND_MS
     assert elapsed < SLOW_EMBEDDING_MS / 2
+    # The chat's row says no memory went in; the embedding's, how it ended
+    # (cancelled at the deadline, failed, or made before svc-memory failed).
+    byKind = {row["kind"]: row for row in stack.rows(requestID, 2)}
+    assert byKind["chat"]["memories"] == 0
+    assert byKind["embedding"]["outcome"] == {
+        "slow": "client_gone",
+        "failing": "upstream_error",
+    }.get(proxy, "ok")
     if proxy == "slow":
         # Out of time, not failed: the deadline passed.
         assert line["memory_ms"] >= FAULT_TIMEOUT_MS * 0.9

@@ -380,6 +380,7 @@ class ChatRoutes:
                 price=answered.price,
                 startedAt=ctx.started,
                 endedAt=self._clock.seconds(),
+                memories=_injected(ctx.recall),
             )
         )
 
@@ -389,6 +390,16 @@ class ChatRoutes:
         C{data: {"error": ...}} with the envelope of spec section 7.
         """
         return b"data: " + self._errorReply(ctx, error).body + b"\n\n"
+
+
+def _injected(recall: Recall | None) -> int | None:
+    """
+    The row's C{memories} (decisions D13): None without recall, else the
+    memories the prompt got (0 after a fault).
+    """
+    if recall is None:
+        return None
+    return recall.count or 0
 
 
 class _ClientStream:
