@@ -13,6 +13,10 @@
 --   SVC_BENCH_STREAM  "true": the chat body asks for a stream
 --   SVC_BENCH_INPUT   optional: an embeddings body of this one input
 --                     (decisions D13) instead of the chat body
+--   SVC_BENCH_VARY    "true": each request's message is another text
+--                     ("hello <n>", n counting per thread from its own
+--                     start), so that nothing of one request's recall
+--                     (decisions D13) answers the next
 
 local method = os.getenv("SVC_BENCH_METHOD") or "POST"
 local token = os.getenv("SVC_BENCH_TOKEN") or ""
@@ -21,6 +25,7 @@ local tokensFile = os.getenv("SVC_BENCH_TOKENS_FILE") or ""
 local model = os.getenv("SVC_BENCH_MODEL") or "demo"
 local stream = os.getenv("SVC_BENCH_STREAM") or "false"
 local input = os.getenv("SVC_BENCH_INPUT") or ""
+local vary = os.getenv("SVC_BENCH_VARY") or "false"
 
 wrk.method = method
 if method == "POST" then
@@ -59,7 +64,14 @@ function init(args)
   end
 end
 
-if tokensFile ~= "" then
+if vary == "true" then
+  function request()
+    counter = (counter or offset * 1000000) + 1
+    return wrk.format(nil, nil, nil,
+      '{"model":"' .. model .. '","messages":[{"role":"user","content":"hello '
+        .. counter .. '"}],"stream":' .. stream .. '}')
+  end
+elseif tokensFile ~= "" then
   function request()
     nextRequest = nextRequest % #requests + 1
     return requests[nextRequest]
