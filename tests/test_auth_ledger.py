@@ -413,7 +413,7 @@ def test_memoriesAreRecordedAndPartOfARowsContent(
         (4, "invalid", "memories must be between 0 and 100"),
     ]
     with psycopg.connect(migratedDSN, autocommit=True) as connection:
-        stored = dict(
+        stored: dict[str, int | None] = dict(
             connection.execute(
                 "SELECT ledger_id::text, memories FROM usage_ledger WHERE org_id = %s",
                 (tenant.orgID,),
