@@ -59,6 +59,17 @@ the gateway saw an unexpected status):
               model with a price: each request's worst-case cost reserved
               in the same Redis script call, settled to its cost, and its
               ledger row priced -> 200
+    forward-recall
+              the forward row for a fourth tenant with recall on (decisions
+              D13: context assembly): svc-memory runs beside (started only
+              for this row, and then every proxy has memory configured),
+              the agent's scope holds 1,000 memories, each request's
+              message is another text (bench/load.lua, SVC_BENCH_VARY), its
+              embedding is nginx's fixed one, and the 5 best memories go
+              into the prompt forwarded to nginx -> 200; compared with the
+              forward row's requests/s in the same run, and in the
+              1-connection pass with its p50; the recalls' outcomes are
+              printed (every one should be ok)
 
 With the forwarding rows, a 1-connection pass of upstream, forward,
 upstream-stream and stream follows: the gateway's added latency (p50 of
@@ -92,6 +103,7 @@ import base64
 import contextlib
 import json
 import os
+import random
 import shutil
 import socket
 import struct
@@ -118,6 +130,7 @@ from svcd.auth.migrations import migrate  # noqa: E402
 from svcd.auth.store import Store  # noqa: E402
 from svcd.common.pat import formatToken, newSecret, parseToken  # noqa: E402
 from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc  # noqa: E402
+from svcd.pb.memory.v1 import memory_pb2, memory_pb2_grpc  # noqa: E402
 from svcd.testing.daemons import Daemon, authEnvironment, memoryEnvironment  # noqa: E402
 from svcd.testing.servers import PostgresServer, RedisServer, freePort  # noqa: E402
 
@@ -134,6 +147,11 @@ MEMORY_CONTENT = "the user likes green tea in the morning"
 MEMORY_SUBJECTS = 1024
 # Forwarded rows under limits rows, compared with the forward row.
 _LIMITED = ("forward-limits", "forward-budget")
+# The forwarded row with recall (decisions D13), compared with the forward
+# row; its scope's memories, and how many go into each prompt.
+_RECALLED = ("forward-recall",)
+RECALL_MEMORIES = 1000
+RECALL_K = 5
 PRICED_MODEL = "bench-priced"
 # Limits rows of the forward-limits row's tenant: never reached.
 _HIGH = 1_000_000_000
@@ -273,6 +291,12 @@ def startNginx(stack: contextlib.ExitStack, workdir: Path) -> tuple[int, subproc
 
 
 def _providersFile(workdir: Path, nginxPort: int) -> Path:
+    """
+    The providers file: nginx's routes as models, and the [memory] table of
+    the memory rows (used only where SVC_MEMORY_GRPC_ADDR is set; every
+    memory scores at least -1, so each recall of the forward-recall row
+    injects the C{RECALL_K} best).
+    """
     path = workdir / "providers.toml"
     path.write_text(
         f"""
@@ -307,9 +331,37 @@ price = {{ input = "2.50", output = "10.00", cached_input = "1.25" }}
 # Used only where SVC_MEMORY_GRPC_ADDR is set (the memory rows).
 [memory]
 embedding_model = "{EMBEDDING_MODEL}"
+recall_k = {RECALL_K}
+min_score = -1
 """
     )
     return path
+
+
+def _remember(address: str, orgID: str, agentID: str) -> None:
+    """
+    Store the forward-recall row's memories in its agent's scope: short
+    sentences, each with a vector of its own (64 float32 values, as nginx's
+    embedding), under the [memory] model's name.
+    """
+    generator = random.Random(13)
+    with grpc.insecure_channel(address) as channel:
+        stub = memory_pb2_grpc.MemoryServiceStub(channel)
+        for index in range(RECALL_MEMORIES):
+            values = [generator.gauss(0, 1) for _ in range(64)]
+            norm = sum(value * value for value in values) ** 0.5
+            stub.AddMemory(
+                memory_pb2.AddMemoryRequest(
+                    scope=memory_pb2.Scope(org_id=orgID, agent_id=agentID),
+                    content=f"memory {index}: the user mentioned a preference worth keeping",
+                    source="api",
+                    embedding=memory_pb2.Embedding(
+                        model=EMBEDDING_MODEL,
+                        vector=struct.pack("<64f", *(value / norm for value in values)),
+                    ),
+                ),
+                timeout=30,
+            )
 
 
 # Rows served by one process of their own, whatever --workers says.
@@ -442,6 +494,10 @@ def runningStack(
             budgetedToken, _ = issueToken(store, orgID=budgetedOrgID, permissions=1)
             # A million dollars a month: never reached.
             store.setBudget(budgetedOrgID, None, 10**15, "month")
+            recallOrgID = store.createOrganization("bench-recall")
+            recallAgent = store.createAgent(recallOrgID, "bench-recall-agent")
+            recallToken, _ = issueToken(store, orgID=recallOrgID, permissions=1)
+            store.setMemorySettings(recallOrgID, None, {"recall": True})
         parsed = parseToken(token)
         spreadFile = workdir / "tokens.txt"
         spreadFile.write_text("".join(each + "\n" for each in spread))
@@ -465,8 +521,7 @@ def runningStack(
         ).start()
         stack.callback(auth.terminate)
         auth.waitForReady()
-        _validateAll(auth, [*spread, limitedToken, budgetedToken])
-
+        _validateAll(auth, [*spread, limitedToken, budgetedToken, recallToken])
         memory: Daemon | None = None
         if withMemory:
             # No cap in the way: the adds of a run stay far below it.
@@ -477,9 +532,10 @@ def runningStack(
             ).start()
             stack.callback(memory.terminate)
             memory.waitForReady()
-            forwardingEnvironment["SVC_MEMORY_GRPC_ADDR"] = (
-                f"127.0.0.1:{memory.environment['SVC_GRPC_PORT']}"
-            )
+            memoryAddress = f"127.0.0.1:{memory.environment['SVC_GRPC_PORT']}"
+            # The forward-recall row's scope.
+            _remember(memoryAddress, str(recallOrgID), str(recallAgent.agentID))
+            forwardingEnvironment["SVC_MEMORY_GRPC_ADDR"] = memoryAddress
 
         groups: dict[tuple[int, bool], list[Daemon]] = {}
         for workers, phase1 in (
@@ -497,7 +553,8 @@ def runningStack(
                         "SVC_AUTH_GRPC_ADDR": f"127.0.0.1:{auth.environment['SVC_GRPC_PORT']}",
                         "REDIS_URL": redis.url,
                         "SVC_RATE_LIMIT_ORG_OVERRIDES": (
-                            f"{orgID}=1000000000,{budgetedOrgID}=1000000000"
+                            f"{orgID}=1000000000,{budgetedOrgID}=1000000000,"
+                            f"{recallOrgID}=1000000000"
                         ),
                         "SVC_LOG_LEVEL": logLevel,
                         **forwardingEnvironment,
@@ -561,6 +618,8 @@ def runningStack(
             limitedAgentID=str(limitedAgent.agentID),
             budgetedToken=budgetedToken,
             budgetedAgentID=str(budgetedAgent.agentID),
+            recallToken=recallToken,
+            recallAgentID=str(recallAgent.agentID),
             dsn=dsn,
         )
 
@@ -586,6 +645,8 @@ class Stack:
     limitedAgentID: str
     budgetedToken: str
     budgetedAgentID: str
+    recallToken: str
+    recallAgentID: str
     dsn: str
 
     def pids(self, row: str, workers: int) -> dict[str, int]:
@@ -668,6 +729,11 @@ class Stack:
             environment = _wrkEnvironment("POST", self.budgetedToken, self.budgetedAgentID)
             environment["SVC_BENCH_MODEL"] = PRICED_MODEL
             return f"{base}/v1/chat/completions", environment, 200
+        if row == "forward-recall":
+            environment = _wrkEnvironment("POST", self.recallToken, self.recallAgentID)
+            environment["SVC_BENCH_MODEL"] = FORWARDED_MODEL
+            environment["SVC_BENCH_VARY"] = "true"
+            return f"{base}/v1/chat/completions", environment, 200
         if row == "stream":
             environment = _wrkEnvironment("POST", self.token, self.agentID)
             environment["SVC_BENCH_MODEL"] = FORWARDED_MODEL + "-stream"
@@ -682,7 +748,7 @@ class Stack:
         raise SystemExit(
             f"unknown row {row!r}: use floor, ceiling, prototype, chat, spread, probe,"
             " rejected, chat-phase1, spread-phase1, upstream, forward, upstream-stream,"
-            " stream, forward-limits, forward-budget, embed or memory-add"
+            " stream, forward-limits, forward-budget, forward-recall, embed or memory-add"
         )
 
 
@@ -736,6 +802,25 @@ def _startScript(
 def _pid(daemon: Daemon) -> int:
     assert daemon.process is not None
     return daemon.process.pid
+
+
+def _recalls(stack: Stack, workerCounts: list[int]) -> dict[str, float]:
+    """
+    svc_proxy_memory_recalls_total by outcome, summed over every proxy.
+    """
+    counts: dict[str, float] = {}
+    for workers in workerCounts:
+        for proxy in stack.proxies[workers, False]:
+            for family in text_string_to_metric_families(proxy.get("/metrics")[1].decode()):
+                for sample in family.samples:
+                    if sample.name == "svc_proxy_memory_recalls_total":
+                        outcome = sample.labels["outcome"]
+                        counts[outcome] = counts.get(outcome, 0.0) + sample.value
+    return counts
+
+
+def _recallsSince(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {outcome: count - before.get(outcome, 0.0) for outcome, count in after.items()}
 
 
 def _wrkEnvironment(method: str, bearer: str, agentID: str) -> dict[str, str]:
@@ -1045,10 +1130,13 @@ def main() -> int:
             withCeiling="ceiling" in rows,
             withPhase1=any(row.endswith(_PHASE1) for row in rows),
             withForwarding=any(
-                row in (*_FORWARDING, *_LIMITED, *_EMBEDDED, *_MEMORY)
+                row in (*_FORWARDING, *_LIMITED, *_EMBEDDED, *_MEMORY, *_RECALLED)
                 for row in [*rows, *([arguments.soak_row] if arguments.soak else [])]
             ),
-            withMemory=any(row in _MEMORY for row in rows),
+            withMemory=any(
+                row in (*_MEMORY, *_RECALLED)
+                for row in [*rows, *([arguments.soak_row] if arguments.soak else [])]
+            ),
         ) as stack:
             if arguments.soak:
                 return soak(stack, arguments.soak, arguments.soak_row)
@@ -1066,11 +1154,13 @@ def main() -> int:
                                 arguments.warmup,
                             )
                         )
+            recallsBefore = _recalls(stack, workerCounts)
             latency = {
                 row: _measure(stack, row, 1, 1, arguments.duration, arguments.warmup)
-                for row in _FORWARDING
+                for row in (*_FORWARDING, *_RECALLED)
                 if row in rows
             }
+            recalls = _recallsSince(recallsBefore, _recalls(stack, workerCounts))
             validateRate, validateErrors = validateTokenDirect(stack, arguments.duration, 16)
 
     floors = {each["connections"]: each["rps"] for each in results if each["row"] == "floor"}
@@ -1119,7 +1209,7 @@ def main() -> int:
     for each in results:
         runs = forwardRuns.get((each["connections"], each["workers"]))
         forwardRPS = sum(runs) / len(runs) if runs else None
-        if each["row"] in (*_LIMITED, *_EMBEDDED) and forwardRPS:
+        if each["row"] in (*_LIMITED, *_EMBEDDED, *_RECALLED) and forwardRPS:
             each["ratio_to_forward"] = each["rps"] / forwardRPS
             print(
                 f"{each['row']} at {each['connections']} connections, {each['workers']}"
@@ -1142,6 +1232,7 @@ def main() -> int:
             )
     for forwarded, alone, what in (
         ("forward", "upstream", "added p50 latency"),
+        ("forward-recall", "forward", "p50 added by recall"),
         ("stream", "upstream-stream", "added p50 time to the first event"),
     ):
         if forwarded in latency and alone in latency:
@@ -1150,6 +1241,11 @@ def main() -> int:
                 f"1 connection: {forwarded} p50 {latency[forwarded]['p50_ms']:.2f} ms,"
                 f" {alone} p50 {latency[alone]['p50_ms']:.2f} ms: {what} {added:.2f} ms"
             )
+    if recalls:
+        print(
+            "recalls in the 1-connection pass (svc_proxy_memory_recalls_total): "
+            + ", ".join(f"{outcome} {count:.0f}" for outcome, count in sorted(recalls.items()))
+        )
     print(
         f"svc-auth ValidateToken directly (cached token, 16 in flight): {validateRate:.0f} calls/s,"
         f" {validateErrors} failed"

@@ -18,6 +18,10 @@
 --   SVC_BENCH_SUBJECTS optional: each request carries the next of this many
 --                     X-SVC-Memory-Subject values in turn (bench-1 ...), so
 --                     that adds spread over that many scopes
+--   SVC_BENCH_VARY    "true": each request's message is another text
+--                     ("hello <n>", n counting per thread from its own
+--                     start), so that nothing of one request's recall
+--                     (decisions D13) answers the next
 
 local method = os.getenv("SVC_BENCH_METHOD") or "POST"
 local token = os.getenv("SVC_BENCH_TOKEN") or ""
@@ -28,6 +32,7 @@ local stream = os.getenv("SVC_BENCH_STREAM") or "false"
 local input = os.getenv("SVC_BENCH_INPUT") or ""
 local content = os.getenv("SVC_BENCH_CONTENT") or ""
 local subjects = tonumber(os.getenv("SVC_BENCH_SUBJECTS") or "0") or 0
+local vary = os.getenv("SVC_BENCH_VARY") or "false"
 
 wrk.method = method
 if method == "POST" then
@@ -75,7 +80,14 @@ function init(args)
   end
 end
 
-if tokensFile ~= "" or subjects > 0 then
+if vary == "true" then
+  function request()
+    counter = (counter or offset * 1000000) + 1
+    return wrk.format(nil, nil, nil,
+      '{"model":"' .. model .. '","messages":[{"role":"user","content":"hello '
+        .. counter .. '"}],"stream":' .. stream .. '}')
+  end
+elseif tokensFile ~= "" or subjects > 0 then
   function request()
     nextRequest = nextRequest % #requests + 1
     return requests[nextRequest]

@@ -387,6 +387,51 @@ def test_rowsOfEachKindAreRecordedAndSummedByKind(
     )
 
 
+def test_memoriesAreRecordedAndPartOfARowsContent(
+    authService: RunningAuthService, owner: Store, migratedDSN: str
+) -> None:
+    """
+    A chat row's C{memories} (decisions D13: how many memories a recall put
+    in its prompt) is recorded, absent is NULL (recall off, or a proxy
+    older than the field), 0 is 0; a key sent again with another count is
+    a conflict naming the column; a count past 100 or below 0 is refused
+    as invalid, the batch's other rows recorded.
+    """
+    tenant = makeTenant(owner)
+    recalled, failed, off = usageRow(tenant), usageRow(tenant), usageRow(tenant)
+    recalled.memories = 3
+    failed.memories = 0
+    tooMany, negative = usageRow(tenant), usageRow(tenant)
+    tooMany.memories = 101
+    negative.memories = -1
+    recorded, duplicates, rejected = recordAnswer(
+        authService, [recalled, failed, off, tooMany, negative]
+    )
+    assert (recorded, duplicates) == (3, 0)
+    assert rejected == [
+        (3, "invalid", "memories must be between 0 and 100"),
+        (4, "invalid", "memories must be between 0 and 100"),
+    ]
+    with psycopg.connect(migratedDSN, autocommit=True) as connection:
+        stored: dict[str, int | None] = dict(
+            connection.execute(
+                "SELECT ledger_id::text, memories FROM usage_ledger WHERE org_id = %s",
+                (tenant.orgID,),
+            ).fetchall()
+        )
+    assert stored == {recalled.ledger_id: 3, failed.ledger_id: 0, off.ledger_id: None}
+    again = auth_pb2.UsageRow()
+    again.CopyFrom(recalled)
+    again.memories = 2
+    notAgain = auth_pb2.UsageRow()
+    notAgain.CopyFrom(recalled)
+    notAgain.ClearField("memories")
+    recorded, duplicates, rejected = recordAnswer(authService, [again, notAgain, recalled])
+    assert (recorded, duplicates) == (0, 1)
+    detail = "ledger_id is recorded with other content (memories differ)"
+    assert rejected == [(0, "conflict", detail), (1, "conflict", detail)]
+
+
 def test_aRowSentAgainAsAnotherKindOrForAnotherParentIsAConflict(
     authService: RunningAuthService, owner: Store, migratedDSN: str
 ) -> None:
@@ -962,6 +1007,9 @@ def test_theKindMigrationKeepsALedgerHoldingRowsAndItsSums(databaseDSN: str) -> 
     assert key == (
         "UNIQUE NULLS NOT DISTINCT (org_id, day, agent_id, token_id, model, kind, slot)",
     )
+    # The store writes the columns of every later migration too
+    # (sql/0012_usage_memories.sql).
+    migrate(databaseDSN)
 
     with applicationStore(databaseDSN) as store:
         again = store.recordUsage(old)

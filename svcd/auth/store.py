@@ -284,6 +284,9 @@ class UsageRecord:
     durationUS: int
     kind: str = "chat"
     parentRequestID: str | None = None
+    # Decisions D13: memories a recall put in a chat's prompt; None
+    # without recall (sql/0012_usage_memories.sql).
+    memories: int | None = None
 
 
 # The ledger's columns, in UsageRecord's order, with their types (see
@@ -311,6 +314,7 @@ _LEDGER_COLUMNS = (
     ("duration_us", "bigint"),
     ("kind", "text"),
     ("parent_request_id", "text"),
+    ("memories", "integer"),
 )
 _LEDGER_NAMES = ", ".join(name for name, _ in _LEDGER_COLUMNS)
 # The amounts the rollup sums (sql/0007_ledger_key_and_rollup.sql).
@@ -400,6 +404,7 @@ def _ledgerObject(row: UsageRecord) -> dict[str, object]:
         "duration_us": row.durationUS,
         "kind": row.kind,
         "parent_request_id": row.parentRequestID,
+        "memories": row.memories,
     }
 
 

@@ -45,6 +45,9 @@ DEFAULT_KIND = "chat"
 # name to 256 where it logs it, and a request id is a UUID.
 MAXIMUM_REQUEST_ID_LENGTH = 128
 MAXIMUM_NAME_LENGTH = 256
+# Decisions D13: the memories one recall may put in a prompt are at most
+# svc-memory's k (recall_k is at most 50).
+MAXIMUM_MEMORIES = 100
 
 _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
 # The first microsecond past what a timestamp (and Python) can hold.
@@ -150,6 +153,9 @@ def usageRecord(row: auth_pb2.UsageRow) -> UsageRecord:
         raise BadUsage(f"parent_request_id is longer than {MAXIMUM_REQUEST_ID_LENGTH} characters")
     if "\x00" in row.parent_request_id:
         raise BadUsage("parent_request_id contains a NUL character")
+    memories = row.memories if row.HasField("memories") else None
+    if memories is not None and not 0 <= memories <= MAXIMUM_MEMORIES:
+        raise BadUsage(f"memories must be between 0 and {MAXIMUM_MEMORIES}")
     kind = row.kind or DEFAULT_KIND
     if kind not in KINDS:
         raise BadUsage(f"kind must be one of {', '.join(KINDS)}")
@@ -207,6 +213,7 @@ def usageRecord(row: auth_pb2.UsageRow) -> UsageRecord:
         durationUS=row.duration_us,
         kind=kind,
         parentRequestID=row.parent_request_id or None,
+        memories=memories,
     )
 
 

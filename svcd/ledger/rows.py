@@ -69,6 +69,7 @@ def usageRow(
     endedAt: float,
     kind: str = CHAT,
     parentRequestID: str | None = None,
+    memories: int | None = None,
 ) -> auth_pb2.UsageRow:
     """
     The ledger row of one forwarded request, keyed by C{ledgerID} (the
@@ -83,6 +84,8 @@ def usageRow(
     C{kind} says what the call was (one of L{KINDS}, decisions D13), and
     C{parentRequestID} the request it was made for, when another request
     caused it (a recall's embedding, a worker's extraction).
+    C{memories} is how many memories a recall put in a chat's prompt (0
+    when it found none or failed), None when recall was off for it.
     """
     if usage is not None:
         prompt, cached = usage.promptTokens, usage.cachedTokens
@@ -94,7 +97,7 @@ def usageRow(
     else:
         (prompt, completion), cached, reasoning = estimate, 0, 0
         tokensFrom = FROM_RESERVATION
-    return auth_pb2.UsageRow(
+    row = auth_pb2.UsageRow(
         ledger_id=ledgerID,
         request_id=requestID,
         org_id=orgID,
@@ -118,3 +121,6 @@ def usageRow(
         kind=kind,
         parent_request_id=parentRequestID or "",
     )
+    if memories is not None:
+        row.memories = memories
+    return row

@@ -157,12 +157,17 @@ class Admission:
         orgID: str | None,
         requestID: str,
         ledgerID: str,
+        plus: tuple[int, int] = (0, 0),
     ) -> None:
         """
         Settle C{reservation} (if any) to the provider's C{usage}, at the
         price of the model that C{answered} (nothing without a price). A
         cost past the reservation's worst case is billed as the provider
         reported it, and counted and logged (L{_overrun}).
+
+        @param plus: tokens and nano-dollars of a call the request made
+            beside its answer under the same reservation (decisions D13: a
+            recall's embedding), added to the settlement.
         """
         if reservation is None:
             return
@@ -171,10 +176,10 @@ class Admission:
             price.cost(usage.promptTokens, usage.cachedTokens, usage.completionTokens)
             if price is not None
             else 0
-        )
+        ) + plus[1]
         if reservation.costKeys and cost > reservation.cost:
             self._overrun(orgID, requestID, ledgerID, reservation.cost, cost, answered)
-        self.settle(reservation, usage.promptTokens + usage.completionTokens, cost)
+        self.settle(reservation, usage.promptTokens + usage.completionTokens + plus[0], cost)
 
     def _overrun(
         self,

@@ -127,7 +127,13 @@ def namedCap(chat: ChatBody) -> int | None:
     return max(caps) if caps else None
 
 
-def worstCaseCost(chat: ChatBody, attempts: Sequence[Model], cap: int, sentCap: int | None) -> int:
+def worstCaseCost(
+    chat: ChatBody,
+    attempts: Sequence[Model],
+    cap: int,
+    sentCap: int | None,
+    extraBytes: int = 0,
+) -> int:
     """
     The most the answer to C{chat} can cost, in nano-dollars, whichever of
     C{attempts} answers it (decisions D12, amended): for each, its prompt
@@ -136,6 +142,8 @@ def worstCaseCost(chat: ChatBody, attempts: Sequence[Model], cap: int, sentCap: 
     of the cap it is bound by (C{sentCap} as that model is sent it, else
     the request's own C{cap}), at its price; the largest of those. Models
     without a price count nothing (under a budget they are never tried).
+    C{extraBytes} are bytes the gateway may add to the body before it is
+    sent (decisions D13: a recall's message of memories, at its bound).
     """
     worst = 0
     for model in attempts:
@@ -144,7 +152,7 @@ def worstCaseCost(chat: ChatBody, attempts: Sequence[Model], cap: int, sentCap: 
             continue
         body = attemptBody(chat.document, model, sentCap)
         completion = min(sentCap, model.outputCeiling) if sentCap is not None else cap
-        worst = max(worst, price.worstCase(len(body), completion * chat.choices))
+        worst = max(worst, price.worstCase(len(body) + extraBytes, completion * chat.choices))
     return worst
 
 
@@ -164,7 +172,12 @@ def attemptsOf(
 
 
 def reserve(
-    chat: ChatBody, model: Model, providers: ProviderTable, orgID: str, applicable: Applicable
+    chat: ChatBody,
+    model: Model,
+    providers: ProviderTable,
+    orgID: str,
+    applicable: Applicable,
+    extraBytes: int = 0,
 ) -> tuple[int, int, int | None, int]:
     """
     What a chat completion that will be forwarded to C{model} reserves at
@@ -173,7 +186,8 @@ def reserve(
     reserves are their sum); the cap to send to the provider because the
     request named none (under a budget only: the worst case holds only if
     the provider is told the cap it assumes), else None; its worst-case
-    cost in nano-dollars (0 without a budget).
+    cost in nano-dollars (0 without a budget), with C{extraBytes} the
+    gateway may add to the body (L{worstCaseCost}).
     """
     prompt = promptEstimate(chat.messages)
     cap = outputCap(chat.document, applicable, model.maxOutputTokens)
@@ -183,7 +197,9 @@ def reserve(
         named = namedCap(chat)
         if named is None:
             sentCap = cap
-        cost = worstCaseCost(chat, attemptsOf(providers, model, orgID, True), named or cap, sentCap)
+        cost = worstCaseCost(
+            chat, attemptsOf(providers, model, orgID, True), named or cap, sentCap, extraBytes
+        )
     return prompt, cap, sentCap, cost
 
 

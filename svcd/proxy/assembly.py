@@ -237,6 +237,7 @@ def assembleProxy(
         forwarder,
         ledger=outbox,
         memory=memory,
+        limitBook=limitBook,
     )
     site = ProxySite(
         edge.resource(),

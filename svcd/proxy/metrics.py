@@ -202,6 +202,18 @@ class ProxyMetrics:
         # its rate sees the first one.
         for reason in ("redis_unavailable", "breaker_open", "redis_failed", "spend_unknown"):
             self.uncheckedAdmissions.labels(reason)
+        self.memoryRecalls = Counter(
+            "svc_proxy_memory_recalls",
+            "Recalls of chat completions (decisions D13), by outcome: ok (memories"
+            " injected), empty (none found at or above min_score, or none fits"
+            " max_context_tokens), timeout (SVC_MEMORY_TIMEOUT passed), error (the"
+            " embedding or svc-memory failed); after a timeout or an error the request"
+            " went on without memories",
+            ["outcome"],
+            registry=self.registry,
+        )
+        for outcome in ("ok", "empty", "timeout", "error"):
+            self.memoryRecalls.labels(outcome)
         self.processUp = processUpGauge(self.registry)
         # Route templates, known methods and status codes: a small, bounded
         # set of children, looked up once each.
@@ -231,6 +243,9 @@ class ProxyMetrics:
 
     def usageRowRejected(self, reason: str) -> None:
         self._children.of(self.usageRowsRejected, reason).inc()
+
+    def memoryRecall(self, outcome: str) -> None:
+        self._children.of(self.memoryRecalls, outcome).inc()
 
     def limitRefusal(self, limit: str, scope: str) -> None:
         self._children.of(self.limitRefusals, limit, scope).inc()

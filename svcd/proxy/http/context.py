@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 from opentelemetry.trace import INVALID_SPAN, Span
@@ -24,6 +25,9 @@ from svcd.providers.records import UpstreamRecord
 from svcd.proxy.http.chatbody import ChatRequest
 from svcd.proxy.http.embeddingsbody import EmbeddingsRequest
 from svcd.proxy.records import AgentInfo, TokenInfo
+
+if TYPE_CHECKING:
+    from svcd.proxy.recall import Recall
 
 JSON = b"application/json"
 
@@ -108,6 +112,8 @@ class RequestContext:
     budgeted: bool = False
     sentCap: int | None = None
     forwarded: bool = False
+    # Decisions D13: a chat completion's recall, when recall is on for it.
+    recall: Recall | None = None
 
 
 Step = Callable[[RequestContext], Awaitable[None]]

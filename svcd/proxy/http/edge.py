@@ -62,6 +62,7 @@ from svcd.common.tracing import activate, deactivate, parentFromHeaders, untrace
 from svcd.common.twistedprivate import clientGone
 from svcd.ledger.rows import UsageLedger
 from svcd.limits.admission import Admission
+from svcd.limits.book import LimitBook
 from svcd.limits.limiter import RateLimiter
 from svcd.memory.client import MemoryClient
 from svcd.providers.embedder import Embedder
@@ -89,6 +90,7 @@ from svcd.proxy.http.routes.ops import OperationsRoutes
 from svcd.proxy.http.routes.probes import ProbeRoutes
 from svcd.proxy.http.steps import CallerSteps, bearerToken
 from svcd.proxy.metrics import ProxyMetrics
+from svcd.proxy.recall import Recaller
 from svcd.proxy.validation.client import AuthClient
 
 _UNMATCHED = "unmatched"
@@ -137,6 +139,9 @@ class ProxyEdge:
     @param memory: the client of svc-memory (decisions D13), given when
         memory is on (C{config.memory}); the memory routes answer 501
         MEMORY_NOT_CONFIGURED without it.
+    @param limitBook: the limiter's book, whose memory settings say which
+        chat completions recall (decisions D13); by default an empty one
+        (no recall).
 
     @ivar embedder: how the gateway embeds texts for itself and pays for
         it (decisions D13: memories, queries, recall), None without a
@@ -159,6 +164,7 @@ class ProxyEdge:
         forwarder: Forwarder | None = None,
         ledger: UsageLedger | None = None,
         memory: MemoryClient | None = None,
+        limitBook: LimitBook | None = None,
     ) -> None:
         self._tracer = tracer if tracer is not None else untracedProvider().get_tracer(__name__)
         self._metrics = metrics
@@ -183,6 +189,25 @@ class ProxyEdge:
         # forwarded request's usage row goes.
         providers = config.providers
         self.models = ModelRoutes(providers) if providers is not None else None
+        # Decisions D13: embeddings, forwarded and metered as chat is.
+        self.embeddings = EmbeddingsRoutes(providers, forwarder, ledger, admission, clock)
+        self.embedder = (
+            Embedder(providers, forwarder, admission, ledger, clock)
+            if providers is not None and forwarder is not None
+            else None
+        )
+        # Decisions D13: context assembly, when memory is on.
+        recaller = None
+        if config.memory is not None and memory is not None and self.embedder is not None:
+            recaller = Recaller(
+                config.memory,
+                memory,
+                self.embedder,
+                limitBook if limitBook is not None else LimitBook(),
+                clock,
+                config.memoryTimeout,
+                metrics,
+            )
         self.chat = ChatRoutes(
             providers,
             forwarder,
@@ -191,13 +216,7 @@ class ProxyEdge:
             clock,
             self.errorReply,
             self._addStandardHeaders,
-        )
-        # Decisions D13: embeddings, forwarded and metered as chat is.
-        self.embeddings = EmbeddingsRoutes(providers, forwarder, ledger, admission, clock)
-        self.embedder = (
-            Embedder(providers, forwarder, admission, ledger, clock)
-            if providers is not None and forwarder is not None
-            else None
+            recaller,
         )
         # Decisions D13: the memory routes, on svc-memory; off (501) unless
         # both its address and the providers file's [memory] table are
@@ -595,6 +614,11 @@ class ProxyEdge:
                 prompt_tokens=usage.promptTokens if usage is not None else None,
                 completion_tokens=usage.completionTokens if usage is not None else None,
             )
+        recall = ctx.recall
+        if recall is not None:
+            # Decisions D13: how many memories the prompt got (None:
+            # unavailable) and what finding them took; never their content.
+            fields.update(memories=recall.count, memory_ms=round(recall.milliseconds, 3))
         self.log.info("{method} {route} {status}", **fields)
         return reply
 

@@ -201,7 +201,7 @@ class BudgetChanged(_message.Message):
     def __init__(self, org_id: _Optional[bytes] = ..., agent_id: _Optional[bytes] = ..., budget: _Optional[_Union[Budget, _Mapping]] = ...) -> None: ...
 
 class UsageRow(_message.Message):
-    __slots__ = ("request_id", "org_id", "agent_id", "token_id", "model_requested", "model", "provider", "upstream_model", "stream", "outcome", "prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens", "tokens_from", "cost_nano_usd", "price_version", "started_at_us", "duration_us", "ledger_id", "kind", "parent_request_id")
+    __slots__ = ("request_id", "org_id", "agent_id", "token_id", "model_requested", "model", "provider", "upstream_model", "stream", "outcome", "prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens", "tokens_from", "cost_nano_usd", "price_version", "started_at_us", "duration_us", "ledger_id", "kind", "parent_request_id", "memories")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ORG_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +224,7 @@ class UsageRow(_message.Message):
     LEDGER_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     PARENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMORIES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     org_id: str
     agent_id: str
@@ -246,7 +247,8 @@ class UsageRow(_message.Message):
     ledger_id: str
     kind: str
     parent_request_id: str
-    def __init__(self, request_id: _Optional[str] = ..., org_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., token_id: _Optional[str] = ..., model_requested: _Optional[str] = ..., model: _Optional[str] = ..., provider: _Optional[str] = ..., upstream_model: _Optional[str] = ..., stream: _Optional[bool] = ..., outcome: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ..., tokens_from: _Optional[str] = ..., cost_nano_usd: _Optional[int] = ..., price_version: _Optional[str] = ..., started_at_us: _Optional[int] = ..., duration_us: _Optional[int] = ..., ledger_id: _Optional[str] = ..., kind: _Optional[str] = ..., parent_request_id: _Optional[str] = ...) -> None: ...
+    memories: int
+    def __init__(self, request_id: _Optional[str] = ..., org_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., token_id: _Optional[str] = ..., model_requested: _Optional[str] = ..., model: _Optional[str] = ..., provider: _Optional[str] = ..., upstream_model: _Optional[str] = ..., stream: _Optional[bool] = ..., outcome: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ..., tokens_from: _Optional[str] = ..., cost_nano_usd: _Optional[int] = ..., price_version: _Optional[str] = ..., started_at_us: _Optional[int] = ..., duration_us: _Optional[int] = ..., ledger_id: _Optional[str] = ..., kind: _Optional[str] = ..., parent_request_id: _Optional[str] = ..., memories: _Optional[int] = ...) -> None: ...
 
 class RecordUsageRequest(_message.Message):
     __slots__ = ("rows",)

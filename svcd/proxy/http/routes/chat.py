@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
 from twisted.internet.defer import CancelledError
 from twisted.logger import Logger
 
@@ -27,12 +28,20 @@ from svcd.common.twistedprivate import clientGone
 from svcd.ledger.rows import CLIENT_GONE, OK, UPSTREAM_ERROR, UsageLedger, usageRow
 from svcd.limits.admission import Admission
 from svcd.limits.book import Applicable
-from svcd.limits.reservation import attemptsOf, estimateOf, modelRefusal, reserve
+from svcd.limits.reservation import (
+    attemptsOf,
+    estimateOf,
+    modelRefusal,
+    promptEstimate,
+    reserve,
+)
+from svcd.providers.embedder import EmbeddingCall
 from svcd.providers.table import Model, ProviderTable
 from svcd.providers.upstream import Forwarder
 from svcd.proxy.http.chatbody import ChatRequest, parseChatBody
 from svcd.proxy.http.context import Reply, RequestContext
 from svcd.proxy.http.steps import bodyBytes
+from svcd.proxy.recall import MEMORIES_HEADER, Recall, Recaller
 
 ErrorReply = Callable[[RequestContext, ApiError], Reply]
 StandardHeaders = Callable[[RequestContext, Reply], None]
@@ -49,6 +58,8 @@ class ChatRoutes:
         ends a broken stream.
     @param standardHeaders: the edge's headers of every answer, for a
         stream's first bytes.
+    @param recaller: context assembly (decisions D13), when memory is
+        configured; None: requests are forwarded as they came.
     """
 
     log = Logger()
@@ -62,6 +73,7 @@ class ChatRoutes:
         clock: Clock,
         errorReply: ErrorReply,
         standardHeaders: StandardHeaders,
+        recaller: Recaller | None = None,
     ) -> None:
         self._providers = providers
         self._forwarder = forwarder
@@ -70,6 +82,7 @@ class ChatRoutes:
         self._clock = clock
         self._errorReply = errorReply
         self._standardHeaders = standardHeaders
+        self._recaller = recaller
 
     async def rateLimit(self, ctx: RequestContext) -> None:
         """
@@ -82,6 +95,11 @@ class ChatRoutes:
         its model's ceiling, or a model without a price under a budget)
         reserves nothing, and its 400 still comes from the handler, after
         the rate limit, in the spec's order.
+
+        With memory configured (decisions D13), the recall is planned here
+        too (L{Recaller.plan}: its settings, its headers, its query), and
+        what it may add is part of the one reservation: the message of
+        memories at its bound and the query's embedding.
         """
         orgID = ctx.orgID
         assert orgID is not None
@@ -93,12 +111,12 @@ class ChatRoutes:
             ledgerID = ctx.ledgerID = uuid7Text()
             applicable = self._admission.applicable(orgID, ctx.agentID)
             ctx.budgeted = applicable.budgeted
-            if applicable.tokenLimited or applicable.budgeted:
+            if applicable.tokenLimited or applicable.budgeted or self._recaller is not None:
                 reserved = self._reserve(ctx, orgID, providers, applicable)
                 if reserved is not None:
-                    prompt, cap, ctx.sentCap, cost = reserved
+                    prompt, cap, ctx.sentCap, cost, recallTokens = reserved
                     ctx.estimate = (prompt, cap)
-                    tokens = prompt + cap
+                    tokens = prompt + cap + recallTokens
         reservation = await self._admission.admit(
             orgID, ctx.agentID, ctx.responseHeaders, tokens, cost, ledgerID
         )
@@ -107,12 +125,14 @@ class ChatRoutes:
 
     def _reserve(
         self, ctx: RequestContext, orgID: str, providers: ProviderTable, applicable: Applicable
-    ) -> tuple[int, int, int | None, int] | None:
+    ) -> tuple[int, int, int | None, int, int] | None:
         """
         What a chat request that will be forwarded reserves at admission
         (decisions D11, D12): L{reserve}'s prompt, cap, cap sent and
-        worst-case cost. None for a request that will be refused 400 (or
-        501): it reserves nothing.
+        worst-case cost (the recall's embedding and message of memories
+        included), and the tokens its recall may add (D13). None for a
+        request that will be refused 400 (or 501), or that reserves
+        nothing (no token limit nor budget).
         """
         try:
             chat = ctx.chat = parseChatBody(bodyBytes(ctx.request))
@@ -127,16 +147,39 @@ class ChatRoutes:
         if refusal is not None:
             ctx.chatError = refusal
             return None
-        return reserve(chat, model, providers, orgID, applicable)
+        recaller = self._recaller
+        plan = None
+        if recaller is not None:
+            try:
+                plan = recaller.plan(
+                    ctx.request, orgID, ctx.agentID, chat.messages, applicable.budgeted
+                )
+            except ApiError as refused:
+                # A bad X-SVC-Memory or X-SVC-Memory-Subject: the handler's
+                # 400, with nothing reserved.
+                ctx.chatError = refused
+                return None
+            if plan is not None:
+                ctx.recall = Recall(plan)
+        if not (applicable.tokenLimited or applicable.budgeted):
+            return None
+        if plan is None:
+            return (*reserve(chat, model, providers, orgID, applicable), 0)
+        prompt, cap, sentCap, cost = reserve(
+            chat, model, providers, orgID, applicable, plan.extraBodyBytes()
+        )
+        if applicable.budgeted:
+            cost += plan.embeddingCost(providers, orgID, applicable)
+        return prompt, cap, sentCap, cost, plan.reserveTokens()
 
-    def _settle(self, ctx: RequestContext, tokens: int) -> None:
+    def _settle(self, ctx: RequestContext, tokens: int, cost: int = 0) -> None:
         """
-        Correct this request's reservation to C{tokens} and no cost
+        Correct this request's reservation to C{tokens} and C{cost}
         (decisions D11, D12), once.
         """
         reservation, ctx.reservation = ctx.reservation, None
         if reservation is not None:
-            self._admission.settle(reservation, tokens)
+            self._admission.settle(reservation, tokens, cost)
 
     async def chatCompletions(self, ctx: RequestContext) -> Reply:
         """
@@ -215,6 +258,9 @@ class ChatRoutes:
                 ErrorCode.SERVICE_DEGRADED,
                 "The gateway cannot record usage right now; try again shortly.",
             )
+        recall = ctx.recall
+        if recall is not None:
+            chat = await self._recall(ctx, chat, recall)
         outcome = OK
         try:
             answer = await forwarder.forward(
@@ -245,6 +291,40 @@ class ChatRoutes:
             streamed=answer.streamed,
         )
 
+    async def _recall(self, ctx: RequestContext, chat: ChatRequest, recall: Recall) -> ChatRequest:
+        """
+        The request as it is forwarded (decisions D13): with the message of
+        recalled memories when there are any, else as it came; the
+        answer's C{X-SVC-Memories} says which. A fault or timeout of the
+        recall is no fault of the request's: it goes on without memories.
+        """
+        recaller = self._recaller
+        assert recaller is not None and ctx.orgID is not None
+        token = ctx.token
+        call = EmbeddingCall(
+            orgID=ctx.orgID,
+            agentID=ctx.agentID,
+            tokenID=token.tokenID if token is not None else None,
+            requestID=ctx.requestID,
+            parentRequestID=ctx.requestID,
+        )
+        try:
+            messages = await recaller.recall(recall, chat.messages, call, ctx.budgeted)
+        except CancelledError:
+            # The client went away while recalling: nothing is forwarded,
+            # and the reservation keeps what the embedding's row counts.
+            self._settle(ctx, *recall.charge)
+            raise
+        ctx.responseHeaders.append((MEMORIES_HEADER, recall.header))
+        if messages is None:
+            return chat
+        if ctx.estimate is not None:
+            # Decisions D11: the reservation counts the assembled messages,
+            # and so does a row that keeps it.
+            ctx.estimate = (promptEstimate(messages), ctx.estimate[1])
+        document = {**chat.document, "messages": messages}
+        return attrs.evolve(chat, messages=messages, document=document)
+
     def _account(
         self,
         ctx: RequestContext,
@@ -263,13 +343,16 @@ class ChatRoutes:
         upstream = ctx.upstream
         usage = upstream.usage
         answered = providers.models.get(upstream.model or "") or model
+        # Decisions D13: a recall's embedding is settled with the chat, under
+        # its reservation (docs/design.rst, D13 "Context assembly").
+        plus = ctx.recall.charge if ctx.recall is not None else (0, 0)
         if usage is not None:
             reservation, ctx.reservation = ctx.reservation, None
             self._admission.settleUsage(
-                reservation, usage, answered, ctx.orgID, ctx.requestID, ctx.ledgerID
+                reservation, usage, answered, ctx.orgID, ctx.requestID, ctx.ledgerID, plus
             )
         elif outcome == UPSTREAM_ERROR and not upstream.brokenMidStream:
-            self._settle(ctx, 0)
+            self._settle(ctx, *plus)
         if self._ledger is None:
             return
         estimate = ctx.estimate
@@ -297,6 +380,7 @@ class ChatRoutes:
                 price=answered.price,
                 startedAt=ctx.started,
                 endedAt=self._clock.seconds(),
+                memories=_injected(ctx.recall),
             )
         )
 
@@ -306,6 +390,16 @@ class ChatRoutes:
         C{data: {"error": ...}} with the envelope of spec section 7.
         """
         return b"data: " + self._errorReply(ctx, error).body + b"\n\n"
+
+
+def _injected(recall: Recall | None) -> int | None:
+    """
+    The row's C{memories} (decisions D13): None without recall, else the
+    memories the prompt got (0 after a fault).
+    """
+    if recall is None:
+        return None
+    return recall.count or 0
 
 
 class _ClientStream:

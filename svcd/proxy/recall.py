@@ -1,0 +1,453 @@
+"""
+Context assembly (decisions D13): a chat completion's agent's memories in
+its prompt, within a token bound, never blocking its answer.
+
+The route (L{svcd.proxy.http.routes.chat}) asks two things of this module:
+
+  - at its rate-limit step, L{Recaller.plan}: whether the request recalls
+    (memory configured, the org's or agent's C{recall} on, no
+    C{X-SVC-Memory: off}), its query (the last user message's text) and
+    its scope; and what that may add to the request's reservation
+    (L{RecallPlan.reserveTokens}, L{RecallPlan.extraBodyBytes},
+    L{RecallPlan.embeddingCost}), reserved with the chat's own admission:
+    one Redis script call per request stays the rule;
+  - in its handler, L{Recaller.recall}: the query embedded (one ledger row
+    of kind C{embedding} whose parent is the chat's request id) and the
+    scope searched, both within C{SVC_MEMORY_TIMEOUT}; the memories
+    assembled into one system message (L{memoryMessage}, L{assemble}).
+    Any fault or timeout is an answer without memories (C{unavailable}),
+    never an error of the chat's.
+
+The money (docs/design.rst, D13 "Context assembly"): the embedding reserves
+nothing of its own; the chat's reservation holds its worst case, and the
+chat's settlement counts what the embedding's row counts
+(L{Recall.charge}), so the budget counter holds it under the chat's
+member until the chat's row is recorded.
+
+Memory content, like message content, is never logged nor put on a span.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import attrs
+from twisted.internet.defer import CancelledError, Deferred, TimeoutError
+from twisted.logger import Logger
+
+from svcd.common.clocks import Clock, asReactorTime
+from svcd.common.errors import ApiError
+from svcd.ledger.rows import CLIENT_GONE, OK, UPSTREAM_ERROR
+from svcd.limits.book import Applicable, LimitBook
+from svcd.limits.reservation import BYTES_PER_TOKEN, TOKENS_PER_MESSAGE, inputsEstimate
+from svcd.memory.client import MemoryClient
+from svcd.memory.records import Embedding, Scope
+from svcd.providers.embedder import Embedder, EmbeddingCall, embeddingRefusal, reserveTexts
+from svcd.providers.records import UpstreamRecord
+from svcd.providers.table import EMBEDDING, MemoryConfig, Model, ProviderTable
+from svcd.proxy.http.steps import memorySubject, requestMemory
+
+# Decisions D13: the answer's header, N memories injected or "unavailable".
+MEMORIES_HEADER = b"X-SVC-Memories"
+UNAVAILABLE = "unavailable"
+
+# The metric's outcomes (svc_proxy_memory_recalls_total{outcome}).
+RECALL_OK = "ok"
+RECALL_EMPTY = "empty"
+RECALL_TIMEOUT = "timeout"
+RECALL_ERROR = "error"
+RECALL_OUTCOMES = (RECALL_OK, RECALL_EMPTY, RECALL_TIMEOUT, RECALL_ERROR)
+
+# Decisions D13: the query is at most the first 8,000 characters of the
+# last user message's text.
+MAX_QUERY_CHARACTERS = 8000
+
+# The first line of the message of memories: what the model is told they
+# are. Counted in max_context_tokens with the lines that follow it.
+HEADING = (
+    "Memories the gateway recalled for this conversation, most relevant first"
+    " (they may be incomplete or out of date):"
+)
+
+# Line breaks, other control characters and the Unicode line and
+# paragraph separators: each run becomes one space, so that a memory stays
+# one line of the list. Also what bounds the bytes a memory adds to the
+# body (L{extraBodyBytes}): what is left escapes in JSON to two bytes at
+# most per byte (a quote or a backslash), never to six (C{\\u0001}).
+_FLATTEN = re.compile("[\x00-\x1f\x7f\u2028\u2029]+")
+
+# The framing of the inserted message in the forwarded JSON, past its
+# content: C{,{"role":"system","content":""}}, with room to spare.
+_MESSAGE_FRAMING_BYTES = 64
+
+_LEADING_ROLES = frozenset({"system", "developer"})
+
+
+def messageText(content: object) -> str:
+    """
+    The text of a message's C{content}: the string itself, or its text
+    parts (C{{"type": "text", "text": ...}}) joined by newlines; "" for
+    anything else (an image, audio, nothing).
+    """
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = [
+            part["text"]
+            for part in content
+            if isinstance(part, dict)
+            and part.get("type") == "text"
+            and isinstance(part.get("text"), str)
+        ]
+        return "\n".join(texts)
+    return ""
+
+
+def recallQuery(messages: Sequence[Mapping[str, Any]]) -> str | None:
+    """
+    A recall's query (decisions D13): the text of the last C{user}
+    message, its first L{MAX_QUERY_CHARACTERS} characters; None when there
+    is no user message or its text is empty or blank (then nothing is
+    recalled).
+    """
+    for message in reversed(messages):
+        if message.get("role") == "user":
+            text = messageText(message.get("content"))[:MAX_QUERY_CHARACTERS]
+            return text if text.strip() else None
+    return None
+
+
+def _estimate(contentBytes: int) -> int:
+    # Decisions D11's estimate of one message of this many content bytes.
+    return -(-contentBytes // BYTES_PER_TOKEN) + TOKENS_PER_MESSAGE
+
+
+def memoryMessage(contents: Sequence[str], maxTokens: int) -> tuple[dict[str, str] | None, int]:
+    """
+    The system message of recalled memories and how many it holds: the
+    L{HEADING}, then C{- <content>} per memory (line breaks and other
+    control characters flattened to a space), in the order given (best
+    first), stopping at the first memory that would take the message's
+    D11 estimate past C{maxTokens}. No message (None, 0) when not one
+    memory fits.
+    """
+    lines = [HEADING]
+    size = len(HEADING.encode("utf-8"))
+    for content in contents:
+        line = "- " + _FLATTEN.sub(" ", content).strip()
+        # The line and the newline before it.
+        added = len(line.encode("utf-8", "surrogatepass")) + 1
+        if _estimate(size + added) > maxTokens:
+            break
+        lines.append(line)
+        size += added
+    count = len(lines) - 1
+    if not count:
+        return None, 0
+    return {"role": "system", "content": "\n".join(lines)}, count
+
+
+def assemble(messages: Sequence[dict[str, Any]], message: dict[str, str]) -> list[dict[str, Any]]:
+    """
+    C{messages} with C{message} inserted after the leading system and
+    developer messages (first when there are none).
+    """
+    at = 0
+    for each in messages:
+        if each.get("role") not in _LEADING_ROLES:
+            break
+        at += 1
+    return [*messages[:at], message, *messages[at:]]
+
+
+def extraBodyBytes(maxTokens: int) -> int:
+    """
+    The most bytes the message of memories adds to a forwarded body, for
+    a budget's worst case (decisions D12, amended): a message within
+    C{maxTokens} holds at most 3 bytes per token past its framing, each
+    escaped in JSON to two bytes at most (L{_FLATTEN} leaves no control
+    character), plus the message's framing.
+    """
+    return 2 * BYTES_PER_TOKEN * max(0, maxTokens - TOKENS_PER_MESSAGE) + _MESSAGE_FRAMING_BYTES
+
+
+@attrs.frozen
+class RecallPlan:
+    """
+    A chat request that recalls, as its rate-limit step found it.
+
+    @ivar query: the text to embed; None when the request has no user
+        text (then nothing is recalled, and its answer says 0).
+    @ivar model: the embedding model, one the organization may use; None
+        when it may not use it now (then the recall is C{unavailable}
+        without a call).
+    """
+
+    query: str | None = attrs.field(repr=False)
+    scope: Scope
+    model: Model | None
+    maxTokens: int
+
+    @property
+    def recalls(self) -> bool:
+        """
+        Whether the handler embeds and searches.
+        """
+        return self.query is not None and self.model is not None
+
+    def reserveTokens(self) -> int:
+        """
+        What the recall adds to the request's D11 reservation: the message
+        of memories at its bound and the query's estimate (its embedding
+        is counted in the chat's tokens too).
+        """
+        if self.query is None or self.model is None:
+            return 0
+        return self.maxTokens + inputsEstimate((self.query,))
+
+    def extraBodyBytes(self) -> int:
+        """
+        The most bytes the message of memories adds to the forwarded body.
+        """
+        return extraBodyBytes(self.maxTokens) if self.recalls else 0
+
+    def embeddingCost(self, providers: ProviderTable, orgID: str, applicable: Applicable) -> int:
+        """
+        The embedding's worst-case cost under a budget (0 without one).
+        """
+        if self.query is None or self.model is None:
+            return 0
+        return reserveTexts((self.query,), self.model, providers, orgID, applicable)[1]
+
+
+@attrs.define
+class Recall:
+    """
+    A request's recall as it goes: planned at the rate-limit step, made in
+    the handler, read by the settlement, the ledger row and the access log.
+
+    @ivar count: memories injected; None after a fault or timeout
+        (C{unavailable}).
+    @ivar outcome: the metric's (L{RECALL_OUTCOMES}); None before the
+        recall ends, or when it made no call (no query).
+    @ivar milliseconds: the time the embedding and the search took.
+    @ivar charge: the tokens and nano-dollars the embedding's ledger row
+        counts, which the chat's settlement adds to its own (decisions
+        D12, amended; docs/design.rst, D13 "Context assembly"); set
+        however the recall ended, the client's cancellation included.
+    """
+
+    plan: RecallPlan
+    count: int | None = 0
+    outcome: str | None = None
+    milliseconds: float = 0.0
+    charge: tuple[int, int] = (0, 0)
+
+    @property
+    def header(self) -> bytes:
+        """
+        The value of the answer's C{X-SVC-Memories}.
+        """
+        return b"unavailable" if self.count is None else b"%d" % self.count
+
+
+def embeddingCharge(
+    providers: ProviderTable,
+    model: Model,
+    record: UpstreamRecord,
+    outcome: str,
+    estimate: int,
+) -> tuple[int, int]:
+    """
+    The tokens and cost of an embedding's ledger row, as
+    L{svcd.ledger.rows.usageRow} counts them for the row
+    L{svcd.providers.embedder.accountEmbedding} records: the provider's
+    prompt tokens when usage came; nothing after a fault (an embeddings
+    answer has no first byte to fail after); else (cancelled) the texts'
+    estimate. At the price of the model that answered.
+    """
+    usage = record.usage
+    if usage is not None:
+        prompt, cached = usage.promptTokens, usage.cachedTokens
+    elif outcome == UPSTREAM_ERROR:
+        return 0, 0
+    else:
+        prompt, cached = estimate, 0
+    price = (providers.models.get(record.model or "") or model).price
+    return prompt, price.cost(prompt, cached, 0) if price is not None else 0
+
+
+class RecallMetrics(Protocol):
+    def memoryRecall(self, outcome: str) -> None:
+        """
+        Count one recall by outcome (L{RECALL_OUTCOMES}).
+        """
+
+
+class Recaller:
+    """
+    Plans and makes the recalls of chat completions.
+
+    @param config: the providers file's C{[memory]} table.
+    @param client: svc-memory's client.
+    @param embedder: how the gateway embeds the query and pays for it.
+    @param book: the memory settings (L{LimitBook.memoryFor}).
+    @param timeout: C{SVC_MEMORY_TIMEOUT}: the seconds the embedding and
+        the search have together.
+    @param metrics: counts recalls by outcome.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        config: MemoryConfig,
+        client: MemoryClient,
+        embedder: Embedder,
+        book: LimitBook,
+        clock: Clock,
+        timeout: float,
+        metrics: RecallMetrics,
+    ) -> None:
+        self._config = config
+        self._client = client
+        self._embedder = embedder
+        self._book = book
+        self._clock = clock
+        self._timeout = timeout
+        self._metrics = metrics
+
+    def plan(
+        self,
+        request: Any,
+        orgID: str,
+        agentID: str | None,
+        messages: Sequence[Mapping[str, Any]],
+        budgeted: bool,
+    ) -> RecallPlan | None:
+        """
+        Whether this request recalls, and what: None when recall is off
+        for it (its settings, or C{X-SVC-Memory: off}).
+
+        @raise ApiError: 400 VALIDATION_ERROR for a bad C{X-SVC-Memory} or
+            C{X-SVC-Memory-Subject}, whatever the settings.
+        """
+        recall, _ = requestMemory(request, self._book, orgID, agentID)
+        subject = memorySubject(request)
+        if not recall or agentID is None:
+            return None
+        config = self._config
+        model: Model | None = self._embedder.providers.modelFor(
+            config.embeddingModel.name, orgID, EMBEDDING
+        )
+        if model is not None and embeddingRefusal(model, budgeted) is not None:
+            # Under a budget, an embedding model without a price is never
+            # billed at zero: no recall (unavailable), the chat goes on.
+            model = None
+        return RecallPlan(
+            recallQuery(messages),
+            Scope(uuid.UUID(orgID), uuid.UUID(agentID), subject),
+            model,
+            config.maxContextTokens,
+        )
+
+    async def recall(
+        self,
+        recall: Recall,
+        messages: list[dict[str, Any]],
+        call: EmbeddingCall,
+        budgeted: bool,
+    ) -> list[dict[str, Any]] | None:
+        """
+        Embed the plan's query, search its scope and assemble C{messages}
+        with what was found: the messages to forward, or None to forward
+        the request's own. Fills C{recall} as it goes. Never fails but for
+        the caller's own cancellation (L{CancelledError}: the client
+        gone).
+        """
+        plan = recall.plan
+        query, model = plan.query, plan.model
+        if query is None:
+            return None
+        if model is None:
+            recall.count, recall.outcome = None, RECALL_ERROR
+            self._metrics.memoryRecall(RECALL_ERROR)
+            return None
+        started = self._clock.seconds()
+        record = UpstreamRecord()
+        embedOutcome: list[str] = []
+        work = Deferred.fromCoroutine(
+            self._search(plan, query, model, call, budgeted, record, embedOutcome)
+        )
+        # One deadline for both calls: when it passes, the call in flight
+        # is cancelled (the embedding's forward, or the gRPC search).
+        work.addTimeout(self._timeout, asReactorTime(self._clock))
+        contents: Sequence[str] = ()
+        try:
+            contents = await work
+        except TimeoutError:
+            recall.outcome = RECALL_TIMEOUT
+        except CancelledError:
+            raise
+        except Exception as error:
+            recall.outcome = RECALL_ERROR
+            self.log.info(
+                "Recall failed ({error_type}); the request goes on without memories",
+                error_type=type(error).__name__,
+                org_id=call.orgID,
+                request_id=call.parentRequestID,
+            )
+        finally:
+            # However it ended, the client's cancellation included: the
+            # chat's settlement counts what the embedding's row counts.
+            recall.charge = embeddingCharge(
+                self._embedder.providers,
+                model,
+                record,
+                embedOutcome[0] if embedOutcome else CLIENT_GONE,
+                inputsEstimate((query,)),
+            )
+            recall.milliseconds = (self._clock.seconds() - started) * 1000
+        if recall.outcome is not None:
+            recall.count = None
+            self._metrics.memoryRecall(recall.outcome)
+            return None
+        message, count = memoryMessage(contents, plan.maxTokens)
+        recall.count = count
+        recall.outcome = RECALL_EMPTY if message is None else RECALL_OK
+        self._metrics.memoryRecall(recall.outcome)
+        return None if message is None else assemble(messages, message)
+
+    async def _search(
+        self,
+        plan: RecallPlan,
+        query: str,
+        model: Model,
+        call: EmbeddingCall,
+        budgeted: bool,
+        record: UpstreamRecord,
+        embedOutcome: list[str],
+    ) -> list[str]:
+        try:
+            embedded = await self._embedder.embed(
+                model, (query,), call, budgeted=budgeted, record=record
+            )
+        except ApiError:
+            embedOutcome.append(UPSTREAM_ERROR)
+            raise
+        except CancelledError:
+            embedOutcome.append(CLIENT_GONE)
+            raise
+        embedOutcome.append(OK)
+        config = self._config
+        found = await self._client.search(
+            plan.scope,
+            Embedding(embedded.model, embedded.vectors[0]),
+            config.recallK,
+            config.minScore,
+            timeout=self._timeout,
+        )
+        return [scored.memory.content for scored in found.results]

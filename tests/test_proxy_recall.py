@@ -1,0 +1,470 @@
+"""
+Context assembly's rules as units (decisions D13, L{svcd.proxy.recall}):
+the query, the message of memories (heading, order, flattening, the token
+bound), where it goes, the header's value, the bound on the bytes it adds
+to a budget's worst case, and a recall out of time with a fake clock.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, cast
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.task import Clock
+from twisted.web.test.requesthelper import DummyRequest
+
+from svcd.common.errors import ApiError
+from svcd.limits.book import LimitBook, MemorySettingsRow
+from svcd.limits.records import MemorySettings
+from svcd.limits.reservation import promptEstimate
+from svcd.memory.client import MemoryClient, MemoryUnavailable
+from svcd.memory.records import Scope
+from svcd.providers.embedder import Embedded, Embedder, EmbeddingCall
+from svcd.providers.prices import Price
+from svcd.providers.records import UpstreamRecord, Usage
+from svcd.providers.table import MemoryConfig, Model, Provider, ProviderTable
+from svcd.proxy.recall import (
+    HEADING,
+    MAX_QUERY_CHARACTERS,
+    RECALL_ERROR,
+    RECALL_OK,
+    RECALL_TIMEOUT,
+    Recall,
+    Recaller,
+    RecallPlan,
+    assemble,
+    embeddingCharge,
+    extraBodyBytes,
+    memoryMessage,
+    recallQuery,
+)
+
+ORG = str(uuid.uuid4())
+AGENT = str(uuid.uuid4())
+
+
+# The query.
+
+
+def test_queryIsTheLastUserMessagesText() -> None:
+    """
+    The query is the last user message's text, whatever follows it; text
+    parts are joined by newlines, other parts left out.
+    """
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": "first"},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "one"},
+                {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+                {"type": "text", "text": "two"},
+            ],
+        },
+        {"role": "assistant", "content": "an answer"},
+        {"role": "tool", "content": "a tool's result"},
+    ]
+    assert recallQuery(messages) == "one\ntwo"
+
+
+def test_queryIsBounded() -> None:
+    """
+    At most the first 8,000 characters (not bytes) of the text.
+    """
+    text = "é" * (MAX_QUERY_CHARACTERS + 10)
+    assert recallQuery([{"role": "user", "content": text}]) == "é" * MAX_QUERY_CHARACTERS
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [],
+        [{"role": "system", "content": "You are terse."}],
+        [{"role": "assistant", "content": "hello"}],
+        [{"role": "user", "content": "   \n"}],
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+        [{"role": "user", "content": "earlier"}, {"role": "user", "content": None}],
+    ],
+    ids=["nothing", "system", "assistant", "blank", "image", "last-without-text"],
+)
+def test_noQueryWithoutUserText(messages: list[dict[str, Any]]) -> None:
+    """
+    No user message, or a last one without text: no query (no recall).
+    """
+    assert recallQuery(messages) is None
+
+
+# The message of memories.
+
+
+def test_messageHeadingOrderAndLines() -> None:
+    """
+    The heading, then one line "- <content>" per memory in the order given
+    (best first); line breaks and other control characters become one
+    space.
+    """
+    message, count = memoryMessage(
+        ["likes tea", "lives in\r\nRome", "tabs\tand\x00nul", "ends with a newline\n"], 1000
+    )
+    assert count == 4
+    assert message == {
+        "role": "system",
+        "content": "\n".join(
+            [
+                HEADING,
+                "- likes tea",
+                "- lives in Rome",
+                "- tabs and nul",
+                "- ends with a newline",
+            ]
+        ),
+    }
+
+
+def test_messageStopsAtTheFirstMemoryPastTheBound() -> None:
+    """
+    Memories go in until the first that would take the message's D11
+    estimate past the bound; a shorter one after it is not added.
+    """
+    short = "a" * 30
+    long = "b" * 3000
+    whole, _ = memoryMessage([short, short], 10_000)
+    assert whole is not None
+    bound = promptEstimate([whole])
+    message, count = memoryMessage([short, short, long, short], bound)
+    assert (message, count) == (whole, 2)
+    # One byte less: the second no longer fits.
+    message, count = memoryMessage([short, short], bound - 1)
+    assert count == 1
+    assert message is not None and promptEstimate([message]) <= bound - 1
+
+
+def test_noMessageWhenNothingFits() -> None:
+    """
+    Nothing found, or not one memory within the bound: no message.
+    """
+    assert memoryMessage([], 1000) == (None, 0)
+    assert memoryMessage(["x" * 300], 20) == (None, 0)
+
+
+@given(
+    contents=st.lists(st.text(max_size=200), max_size=8),
+    bound=st.integers(min_value=1, max_value=400),
+)
+def test_messageWithinItsBound(contents: list[str], bound: int) -> None:
+    """
+    Whatever the memories, the message's D11 estimate is within the bound
+    and each content is on one line.
+    """
+    message, count = memoryMessage(contents, bound)
+    if message is None:
+        assert count == 0
+        return
+    assert promptEstimate([message]) <= bound
+    lines = message["content"].split("\n")
+    assert lines[0] == HEADING
+    assert len(lines) == count + 1
+    assert all(line.startswith("- ") for line in lines[1:])
+
+
+@given(
+    contents=st.lists(
+        st.text(alphabet=st.sampled_from('"\\\x01\n\u2028é😀a'), max_size=300), max_size=6
+    ),
+    bound=st.integers(min_value=1, max_value=300),
+)
+def test_bytesAddedWithinTheBudgetsBound(contents: list[str], bound: int) -> None:
+    """
+    The bytes the message adds to the forwarded JSON body (as the
+    forwarder writes it) are within what a budget's worst case reserves
+    for it, whatever characters the memories hold (quotes, backslashes
+    and control characters escape to more bytes in JSON).
+    """
+    messages = [{"role": "user", "content": "hello"}]
+    message, _ = memoryMessage(contents, bound)
+    if message is None:
+        return
+
+    def length(document: object) -> int:
+        return len(json.dumps(document, ensure_ascii=False, separators=(",", ":")).encode())
+
+    added = length({"messages": assemble(messages, message)}) - length({"messages": messages})
+    assert added <= extraBodyBytes(bound)
+
+
+# Where it goes.
+
+
+def test_insertedAfterTheLeadingSystemAndDeveloperMessages() -> None:
+    """
+    After the leading system and developer messages; a system message
+    later in the conversation stays where it is.
+    """
+    memories = {"role": "system", "content": "memories"}
+    messages = [
+        {"role": "system", "content": "a"},
+        {"role": "developer", "content": "b"},
+        {"role": "user", "content": "c"},
+        {"role": "system", "content": "d"},
+    ]
+    assert assemble(messages, memories) == [*messages[:2], memories, *messages[2:]]
+
+
+def test_insertedFirstWithoutLeadingSystemMessages() -> None:
+    memories = {"role": "system", "content": "memories"}
+    messages = [{"role": "user", "content": "c"}, {"role": "system", "content": "d"}]
+    assert assemble(messages, memories) == [memories, *messages]
+    onlySystem = [{"role": "system", "content": "a"}]
+    assert assemble(onlySystem, memories) == [*onlySystem, memories]
+
+
+def test_header() -> None:
+    """
+    X-SVC-Memories: the count injected, or "unavailable" after a fault.
+    """
+    plan = RecallPlan("q", Scope(uuid.UUID(ORG), uuid.UUID(AGENT)), None, 100)
+    assert Recall(plan).header == b"0"
+    assert Recall(plan, count=3).header == b"3"
+    assert Recall(plan, count=None).header == b"unavailable"
+
+
+# The plan and the recall, with fakes for the calls.
+
+# Two and four dollars per million tokens.
+PRICE = Price(input=2 * 10**9, output=4 * 10**9, cachedInput=2 * 10**9)
+
+
+def _providers() -> ProviderTable:
+    provider = Provider(name="scripted", baseURL="http://127.0.0.1:1/v1")
+    embed = Model(
+        name="embed", provider=provider, upstreamModel="embed", kind="embedding", price=PRICE
+    )
+    return ProviderTable(
+        providers={"scripted": provider}, models={"embed": embed}, path="p", loadedAt=0
+    )
+
+
+class _FakeEmbedder:
+    """
+    An embedder whose one call is a Deferred the test fires (or never).
+    """
+
+    def __init__(self) -> None:
+        self.providers = _providers()
+        self.calls: list[tuple[str, ...]] = []
+        self.cancelled = False
+        self.answer: Deferred[Embedded] = Deferred(self._cancel)
+
+    def _cancel(self, _: object) -> None:
+        self.cancelled = True
+
+    def embed(
+        self,
+        model: Model,
+        texts: tuple[str, ...],
+        call: EmbeddingCall,
+        *,
+        budgeted: bool,
+        record: UpstreamRecord,
+    ) -> Deferred[Embedded]:
+        self.calls.append(texts)
+        self.record = record
+        return self.answer
+
+
+class _FakeMemory:
+    def __init__(self) -> None:
+        self.answer: Deferred[Any] = Deferred(self._cancel)
+        self.cancelled = False
+
+    def _cancel(self, _: object) -> None:
+        self.cancelled = True
+
+    def search(self, *args: object, **kwargs: object) -> Deferred[Any]:
+        return self.answer
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.outcomes: list[str] = []
+
+    def memoryRecall(self, outcome: str) -> None:
+        self.outcomes.append(outcome)
+
+
+def _recaller(
+    book: LimitBook | None = None,
+) -> tuple[Recaller, _FakeEmbedder, _FakeMemory, Clock, _Metrics]:
+    embedder, memory, clock, metrics = _FakeEmbedder(), _FakeMemory(), Clock(), _Metrics()
+    config = MemoryConfig(embeddingModel=embedder.providers.models["embed"], recallK=2)
+    if book is None:
+        book = LimitBook()
+        book.changed(MemorySettingsRow(ORG, None, MemorySettings(recall=True)))
+    recaller = Recaller(
+        config,
+        cast(MemoryClient, memory),
+        cast(Embedder, embedder),
+        book,
+        clock,
+        0.3,
+        metrics,
+    )
+    return recaller, embedder, memory, clock, metrics
+
+
+def _request(**headers: str) -> DummyRequest:
+    request = DummyRequest([b""])
+    for name, value in headers.items():
+        request.requestHeaders.setRawHeaders(name.replace("_", "-"), [value])
+    return request
+
+
+QUESTION = [{"role": "user", "content": "what tea"}]
+
+
+def test_planFollowsSettingsAndHeaders() -> None:
+    """
+    No plan when recall is off or the request says X-SVC-Memory: off; a
+    bad header is 400 whatever the settings; the subject is the header's.
+    """
+    recaller, *_ = _recaller(book=LimitBook())
+    assert recaller.plan(_request(), ORG, AGENT, QUESTION, False) is None
+    with pytest.raises(ApiError):
+        recaller.plan(_request(X_SVC_Memory="sometimes"), ORG, AGENT, QUESTION, False)
+    recaller, *_ = _recaller()
+    assert recaller.plan(_request(X_SVC_Memory="off"), ORG, AGENT, QUESTION, False) is None
+    with pytest.raises(ApiError):
+        recaller.plan(_request(X_SVC_Memory_Subject="a b"), ORG, AGENT, QUESTION, False)
+    plan = recaller.plan(_request(X_SVC_Memory_Subject="user-1"), ORG, AGENT, QUESTION, False)
+    assert plan is not None
+    assert (plan.query, plan.scope.subject, plan.recalls) == ("what tea", "user-1", True)
+    assert plan.reserveTokens() == plan.maxTokens + 3
+
+
+def test_recallAssemblesWhatIsFound() -> None:
+    """
+    The query embedded, the scope searched: the messages with the memories,
+    the count, the outcome counted, and the charge the embedding's row
+    counts (the provider's tokens at the model's price).
+    """
+    recaller, embedder, memory, clock, metrics = _recaller()
+    plan = recaller.plan(_request(), ORG, AGENT, QUESTION, False)
+    assert plan is not None
+    recall = Recall(plan)
+    done = Deferred.fromCoroutine(
+        recaller.recall(recall, QUESTION, EmbeddingCall(ORG, AGENT, None, "r"), False)
+    )
+    assert embedder.calls == [("what tea",)]
+    embedder.record.usage = Usage(promptTokens=7, completionTokens=0)
+    embedder.answer.callback(Embedded("embed", (b"\0" * 8,), 7))
+    found = Deferred.fromCoroutine(_found("green tea", "black tea"))
+    memory.answer.callback(found.result)
+    clock.advance(0.1)
+    messages: Any = done.result
+    assert messages[1] == QUESTION[0]
+    assert messages[0]["content"].split("\n")[1:] == ["- green tea", "- black tea"]
+    assert (recall.count, recall.outcome, recall.charge) == (2, RECALL_OK, (7, PRICE.cost(7, 0, 0)))
+    assert recall.milliseconds == pytest.approx(0.0)
+    assert metrics.outcomes == [RECALL_OK]
+
+
+async def _found(*contents: str) -> Any:
+    from svcd.pb.memory.v1 import memory_pb2
+
+    return memory_pb2.SearchResponse(
+        results=[
+            memory_pb2.ScoredMemory(memory=memory_pb2.Memory(content=content), score=0.9)
+            for content in contents
+        ]
+    )
+
+
+@pytest.mark.parametrize("stage", ["embedding", "search"])
+def test_recallOutOfTimeCancelsItsCall(stage: str) -> None:
+    """
+    At SVC_MEMORY_TIMEOUT the call in flight is cancelled (the embedding's
+    or the search's): no messages to forward, unavailable, counted
+    timeout; a cancelled embedding is charged its estimate, as its row
+    counts it.
+    """
+    recaller, embedder, memory, clock, metrics = _recaller()
+    plan = recaller.plan(_request(), ORG, AGENT, QUESTION, False)
+    assert plan is not None
+    recall = Recall(plan)
+    done = Deferred.fromCoroutine(
+        recaller.recall(recall, QUESTION, EmbeddingCall(ORG, AGENT, None, "r"), False)
+    )
+    if stage == "search":
+        embedder.record.usage = Usage(promptTokens=5, completionTokens=0)
+        embedder.answer.callback(Embedded("embed", (b"\0" * 8,), 5))
+    clock.advance(0.29)
+    assert not done.called
+    clock.advance(0.02)
+    assert done.result is None
+    assert (recall.count, recall.outcome, recall.header) == (None, RECALL_TIMEOUT, b"unavailable")
+    assert metrics.outcomes == [RECALL_TIMEOUT]
+    if stage == "embedding":
+        assert embedder.cancelled and not memory.cancelled
+        # The row of a cancelled call counts the query's estimate.
+        assert recall.charge == (3, PRICE.cost(3, 0, 0))
+    else:
+        assert memory.cancelled
+        assert recall.charge == (5, PRICE.cost(5, 0, 0))
+
+
+def test_recallFaultIsNoFault() -> None:
+    """
+    svc-memory failing: no memories, unavailable, counted error.
+    """
+    recaller, embedder, memory, _, metrics = _recaller()
+    plan = recaller.plan(_request(), ORG, AGENT, QUESTION, False)
+    assert plan is not None
+    recall = Recall(plan)
+    done = Deferred.fromCoroutine(
+        recaller.recall(recall, QUESTION, EmbeddingCall(ORG, AGENT, None, "r"), False)
+    )
+    embedder.answer.callback(Embedded("embed", (b"\0" * 8,), None))
+    memory.answer.errback(MemoryUnavailable(None, "down"))
+    assert done.result is None
+    assert (recall.count, recall.outcome) == (None, RECALL_ERROR)
+    assert metrics.outcomes == [RECALL_ERROR]
+
+
+def test_clientGoneCancelsTheRecall() -> None:
+    """
+    The client's cancellation is not swallowed: the recall's Deferred
+    fails with CancelledError, its embedding cancelled and charged.
+    """
+    recaller, embedder, _, _, metrics = _recaller()
+    plan = recaller.plan(_request(), ORG, AGENT, QUESTION, False)
+    assert plan is not None
+    recall = Recall(plan)
+    done = Deferred.fromCoroutine(
+        recaller.recall(recall, QUESTION, EmbeddingCall(ORG, AGENT, None, "r"), False)
+    )
+    done.cancel()
+    assert embedder.cancelled
+    failures: list[Any] = []
+    done.addErrback(failures.append)
+    assert failures and failures[0].check(CancelledError)
+    assert recall.charge == (3, PRICE.cost(3, 0, 0))
+    assert metrics.outcomes == []
+
+
+def test_embeddingChargeMirrorsTheRow() -> None:
+    """
+    Usage: its prompt tokens at the price of the model that answered; a
+    fault: nothing; no usage otherwise: the estimate.
+    """
+    providers = _providers()
+    model = providers.models["embed"]
+    record = UpstreamRecord()
+    assert embeddingCharge(providers, model, record, "upstream_error", 9) == (0, 0)
+    assert embeddingCharge(providers, model, record, "client_gone", 9) == (9, PRICE.cost(9, 0, 0))
+    record.usage = Usage(promptTokens=4, completionTokens=0)
+    assert embeddingCharge(providers, model, record, "ok", 9) == (4, PRICE.cost(4, 0, 0))
