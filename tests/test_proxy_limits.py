@@ -72,7 +72,7 @@ from svcd.proxy.http.chatbody import parseChatBody
 from svcd.proxy.http.embeddingsbody import parseEmbeddingsBody
 from svcd.proxy.testing import MemoryCounters
 from svcd.proxy.validation.client import limitsOf
-from svcd.proxy.validation.feed import limitsRowOf
+from svcd.authclient.feed import limitsRowOf
 from svcd.testing.servers import RedisServer
 
 OTHER_AGENT = "1f2e3d4c-5b6a-4798-8a7b-6c5d4e3f2a1b"

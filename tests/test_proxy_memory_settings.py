@@ -38,7 +38,7 @@ from svcd.proxy.assembly import ProxyDaemon, assembleProxy
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.http.steps import MEMORY_HEADER, requestMemory
 from svcd.proxy.testing import MemoryCounters
-from svcd.proxy.validation.feed import memorySettingsFromProto, memorySettingsRowOf, rowOf
+from svcd.authclient.feed import memorySettingsFromProto, memorySettingsRowOf, rowOf
 from svcd.testing.authservice import RunningAuthService
 
 OTHER_AGENT = str(uuid.uuid4())

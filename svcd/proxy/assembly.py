@@ -47,7 +47,7 @@ from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.service import ClosableAuthClient, Dependency, ProxyService
 from svcd.proxy.validation.cache import CachingAuthClient, LifecycleAuthClient, ValidationCache
 from svcd.proxy.validation.client import AuthClient, GrpcAuthClient
-from svcd.proxy.validation.feed import ChangeFeed
+from svcd.authclient.feed import ChangeFeed
 
 
 @attrs.frozen

@@ -28,7 +28,7 @@ from svcd.limits.records import Budget, Limits, MemorySettings
 from svcd.pb.auth.v1 import auth_pb2
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.records import AgentInfo, TokenInfo
-from svcd.proxy.validation.feed import (
+from svcd.authclient.feed import (
     FeedCall,
     budgetFromProto,
     limitsFromProto,
