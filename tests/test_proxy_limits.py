@@ -315,6 +315,36 @@ async def test_tokensReservedThenSettled(redisURL: str, redisServer: RedisServer
 
 
 @pytest_twisted.ensureDeferred
+async def test_aCallThatCountsNoRequest(redisURL: str, redisServer: RedisServer) -> None:
+    """
+    svc-worker's calls (decisions D13) count against token limits, never
+    against a requests limit: with the org's and agent's rpm spent, such a
+    call is still admitted and reserves its tokens, is refused as a token
+    limit past tpm, and counts no request; with no token limit nor budget
+    it is not even a call to Redis (no decision, nothing counted).
+    """
+    book = bookOf(org=Limits(rpm=1, tpm=1000), agent=Limits(rpm=1))
+    limiter = await limiterWith(redisURL, book)
+    try:
+        assert (await limiter.hit(ORG_ID, AGENT_ID)) is not None
+        spent = await limiter.hit(ORG_ID, AGENT_ID)
+        assert spent is not None and spent.refusedBy == (REQUESTS, ORG)
+        worker = await limiter.hit(ORG_ID, AGENT_ID, tokens=600, countRequest=False)
+        assert worker is not None and worker.allowed
+        assert worker.reservation == Reservation((ORG_TOKENS,), 600)
+        refused = await limiter.hit(ORG_ID, AGENT_ID, tokens=600, countRequest=False)
+        assert refused is not None and refused.refusedBy == (TOKENS, ORG)
+        assert counter(redisServer, ORG_REQUESTS) == 1
+        assert counter(redisServer, AGENT_REQUESTS) == 1
+        assert counter(redisServer, ORG_TOKENS) == 600
+        book.replace([LimitsRow(ORG_ID, None, Limits(rpm=1))])
+        assert (await limiter.hit(ORG_ID, AGENT_ID, tokens=600, countRequest=False)) is None
+        assert counter(redisServer, ORG_REQUESTS) == 1
+    finally:
+        await limiter.stop()
+
+
+@pytest_twisted.ensureDeferred
 async def test_reservationLargerThanTheLimitIsCutToIt(
     redisURL: str, redisServer: RedisServer
 ) -> None:

@@ -290,9 +290,12 @@ price = {{ input = "2.50", output = "10.00" }}
         tokens: int = 0,
         cost: int = 0,
         ledgerID: str | None = None,
+        countRequest: bool = True,
     ) -> Any:
         ledgerIDs.append(ledgerID)
-        return await hit(orgID, agentID, tokens, cost, ledgerID=ledgerID)
+        return await hit(
+            orgID, agentID, tokens, cost, ledgerID=ledgerID, countRequest=countRequest
+        )
 
     limiter.hit = spiedHit  # type: ignore[method-assign]
     forwarder = Forwarder(reactor, reactor, tuple(providers.providers.values()), metrics)
