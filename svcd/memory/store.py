@@ -35,6 +35,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from svcd.auth.store import StoreRejected, StoreUnavailable, StoreValueRefused
 from svcd.common.ids import uuid7
 from svcd.memory.records import (
+    EXTRACTED,
     ClaimedObservation,
     Embedding,
     MemoryRecord,
@@ -318,6 +319,14 @@ class MemoryStore:
         the second finds the scope full. (Adds to other scopes do not wait,
         but for the rare collision of two scopes' 64-bit hashes.)
 
+        An extracted memory (svc-worker's, decisions D13) is added once:
+        when the scope holds one made from the same request
+        (C{sourceRequestID}) with the same content, that one is answered
+        and nothing is added, so that an observation processed again never
+        stores a fact twice (sql/0011_memory_extracted_index.sql). Checked
+        under the scope's lock, so two workers adding it at once add it
+        once.
+
         @raise ScopeFull: the scope holds C{maxPerScope} memories already.
         @raise StoreRejected: the agent is not one of the organization's.
         """
@@ -325,6 +334,17 @@ class MemoryStore:
 
         def insert(cursor: Cursor) -> MemoryRecord:
             _lockScope(cursor, scope)
+            if source == EXTRACTED and sourceRequestID:
+                cursor.execute(
+                    f"SELECT {_MEMORY_COLUMNS} FROM memories"
+                    " WHERE org_id = %s AND source = 'extracted' AND source_request_id = %s"
+                    " AND agent_id = %s AND subject = %s AND content = %s"
+                    " ORDER BY created_at, id LIMIT 1",
+                    (scope.orgID, sourceRequestID, scope.agentID, scope.subject, content),
+                )
+                row = cursor.fetchone()
+                if row is not None:
+                    return _memory(row)
             cursor.execute(
                 "SELECT count(*) AS held FROM memories"
                 " WHERE org_id = %s AND agent_id = %s AND subject = %s",
