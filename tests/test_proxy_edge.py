@@ -1205,6 +1205,7 @@ def test_middlewareOrder() -> None:
         "/proxy/v1/chat/completions": {"POST": chat},
         # Decisions D13: the same steps, in the same order.
         "/v1/embeddings": {"POST": chat},
+        "/v1/memories": {"POST": chat},
     }
 
 

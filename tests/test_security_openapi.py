@@ -80,6 +80,10 @@ CHAT_PATHS = ("/v1/chat/completions", "/proxy/v1/chat/completions")
 EMBEDDINGS_PATH = "/v1/embeddings"
 # The routes forwarded to a provider (decisions D9, D13).
 FORWARDED_PATHS = (*CHAT_PATHS, EMBEDDINGS_PATH)
+# The memory routes that embed (decisions D13): a provider's fault is
+# answered as on the forwarded routes, so their 429 may be
+# UPSTREAM_RATE_LIMITED too.
+MEMORY_EMBEDDING_PATHS = ("/v1/memories", "/v1/memories/{id}", "/v1/memories/search")
 EVENT_STREAM = "text/event-stream"
 
 # The live gateway's models besides the document's example ones (which the
@@ -233,7 +237,7 @@ def test_everyResponseHasTheStandardHeaders(document: dict[str, Any]) -> None:
         if protected and status in ("200", "400", "429", "4XX", "501", "502", "504"):
             assert set(RATE_LIMIT_HEADERS) <= set(headers), (path, status)
         if status == "429":
-            required = path not in FORWARDED_PATHS
+            required = path not in (*FORWARDED_PATHS, *MEMORY_EMBEDDING_PATHS)
             for name in (*RATE_LIMIT_HEADERS, "Retry-After"):
                 assert resolve(document, headers[name]).get("required", False) is required
             if not required:

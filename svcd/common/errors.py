@@ -82,6 +82,20 @@ class ErrorCode(str, enum.Enum):
         501,
         "No LLM provider is configured for this gateway.",
     )
+    # Decisions D13: the memory routes without svc-memory's address, the
+    # providers file's [memory] table, or an embedding model the caller's
+    # organization may use; and a scope that holds SVC_MEMORY_MAX_PER_SCOPE
+    # memories already.
+    MEMORY_NOT_CONFIGURED = (
+        "MEMORY_NOT_CONFIGURED",
+        501,
+        "Memory is not configured for this gateway.",
+    )
+    MEMORY_FULL = (
+        "MEMORY_FULL",
+        409,
+        "This agent and subject hold as many memories as allowed; delete some first.",
+    )
     UPSTREAM_REJECTED = (
         "UPSTREAM_REJECTED",
         400,

@@ -24,6 +24,7 @@ from twisted.internet.interfaces import IReactorFromThreads
 
 from svcd.authclient.channel import authChannel
 from svcd.authclient.connection import AuthConnection
+from svcd.common.config import GrpcTLS
 from svcd.ledger.outbox import UsageJournal, UsageOutbox, UsageSender
 from svcd.ledger.sender import LedgerSender
 from svcd.limits.book import LimitBook
@@ -33,6 +34,7 @@ from svcd.limits.limiter import (
     RedisRateLimiter,
     makeRateLimiter,
 )
+from svcd.memory.client import DEFAULT_TIMEOUT, ClientTLS, MemoryClient, memoryChannel
 from svcd.providers.upstream import Forwarder
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.http.edge import ProxyEdge
@@ -59,6 +61,8 @@ class ProxyDaemon:
     @ivar auth: the auth client the edge asks (the caching one, when
         there is a validation cache).
     @ivar outbox: the usage outbox, when the proxy forwards.
+    @ivar memory: the client of svc-memory, when memory is on (decisions
+        D13).
     """
 
     service: ProxyService
@@ -70,6 +74,7 @@ class ProxyDaemon:
     metrics: ProxyMetrics
     forwarder: Forwarder | None
     outbox: UsageOutbox | None
+    memory: MemoryClient | None = None
 
 
 def assembleProxy(
@@ -81,6 +86,7 @@ def assembleProxy(
     auth: LifecycleAuthClient | None = None,
     sender: UsageSender | None = None,
     counters: RedisCounters | None = None,
+    memory: MemoryClient | None = None,
     idleTimeout: float | None = DEFAULT_IDLE_TIMEOUT,
     requestTimeout: float | None = DEFAULT_REQUEST_TIMEOUT,
 ) -> ProxyDaemon:
@@ -105,6 +111,9 @@ def assembleProxy(
     @param counters: the limiter's counters, in place of a connection to
         C{config.redis} (and the proxy does not wait for Redis before it
         listens).
+    @param memory: the client of svc-memory, in place of one on a channel
+        to C{config.memoryGrpcAddr}; used only when memory is on
+        (C{config.memory}).
     @param idleTimeout: seconds a quiet connection is kept.
     @param requestTimeout: seconds a request may take to arrive.
 
@@ -203,7 +212,30 @@ def assembleProxy(
             # (decisions D12, amended).
             onRecorded=limiter.recorded,
         )
-    edge = ProxyEdge(config, client, limiter, metrics, reactor, tracer, forwarder, ledger=outbox)
+    # Decisions D13: svc-memory, when memory is on. Its channel is made at
+    # start (after twistd forks), as svc-auth's is; the proxy waits for it
+    # neither to listen nor to be ready: memory never fails a request that
+    # does not use it.
+    if config.memory is None:
+        memory = None
+    elif memory is None:
+        assert config.memoryGrpcAddr is not None
+        memory = MemoryClient(
+            functools.partial(memoryChannel, config.memoryGrpcAddr, _clientTLS(config.memoryTLS)),
+            IReactorFromThreads(reactor),
+            DEFAULT_TIMEOUT,
+        )
+    edge = ProxyEdge(
+        config,
+        client,
+        limiter,
+        metrics,
+        reactor,
+        tracer,
+        forwarder,
+        ledger=outbox,
+        memory=memory,
+    )
     site = ProxySite(
         edge.resource(),
         config.maxRequestBodyBytes,
@@ -226,6 +258,7 @@ def assembleProxy(
         startTimeout=config.startTimeout,
         dependencies=dependencies,
         ledger=outbox,
+        memory=memory,
     )
     return ProxyDaemon(
         service=proxy,
@@ -237,7 +270,17 @@ def assembleProxy(
         metrics=metrics,
         forwarder=forwarder,
         outbox=outbox,
+        memory=memory,
     )
+
+
+def _clientTLS(tls: GrpcTLS | None) -> ClientTLS | None:
+    """
+    The memory client's TLS of C{SVC_MEMORY_GRPC_TLS_*}.
+    """
+    if tls is None:
+        return None
+    return ClientTLS(tls.rootCertificates, tls.certificateChain, tls.privateKey)
 
 
 def _authClient(

@@ -89,6 +89,17 @@ class ClosableLedger(Protocol):
     def close(self) -> int: ...
 
 
+class ClosableMemoryClient(Protocol):
+    """
+    The lifecycle part of the client of svc-memory
+    (L{svcd.memory.client.MemoryClient}).
+    """
+
+    def start(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class ServerPort(Protocol):
     """
     Where the proxy listens, bound before it listens
@@ -142,6 +153,7 @@ class ProxyService(Service):
         startTimeout: float = 5.0,
         dependencies: Sequence[Dependency] = (),
         ledger: ClosableLedger | None = None,
+        memory: ClosableMemoryClient | None = None,
     ) -> None:
         self._port = port
         self._edge = edge
@@ -155,6 +167,7 @@ class ProxyService(Service):
         self._startTimeout = startTimeout
         self._dependencies = tuple(dependencies)
         self._ledger = ledger
+        self._memory = memory
         self._starting: Deferred[None] | None = None
         self._listening: IListeningPort | None = None
         self._waitingForPort: list[Deferred[IListeningPort]] = []
@@ -170,6 +183,9 @@ class ProxyService(Service):
         super().startService()
         self._port.bind()
         self._auth.start()
+        if self._memory is not None:
+            # Not a dependency: the proxy listens and is ready without it.
+            self._memory.start()
         self._limiter.start()
         if self._ledger is not None:
             try:
@@ -251,6 +267,8 @@ class ProxyService(Service):
         if self._ledger is not None:
             await self._flushLedger(self._ledger)
         self._auth.close()
+        if self._memory is not None:
+            self._memory.close()
         await self._limiter.stop()
         if self._forwarder is not None:
             await self._forwarder.close()

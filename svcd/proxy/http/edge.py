@@ -63,6 +63,8 @@ from svcd.common.twistedprivate import clientGone
 from svcd.ledger.rows import UsageLedger
 from svcd.limits.admission import Admission
 from svcd.limits.limiter import RateLimiter
+from svcd.memory.client import MemoryClient
+from svcd.providers.embedder import Embedder
 from svcd.providers.upstream import Forwarder
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.http.context import (
@@ -79,6 +81,7 @@ from svcd.proxy.http.context import (
 from svcd.proxy.http.paths import RouteTable, isCanonicalPath
 from svcd.proxy.http.routes.chat import ChatRoutes
 from svcd.proxy.http.routes.embeddings import EmbeddingsRoutes
+from svcd.proxy.http.routes.memories import MemoryRoutes
 from svcd.proxy.http.routes.models import ModelRoutes
 from svcd.proxy.http.routes.ops import OperationsRoutes
 from svcd.proxy.http.routes.probes import ProbeRoutes
@@ -129,6 +132,13 @@ class ProxyEdge:
         D12), None for none.
     @param tracer: makes the server span of each request; by default one
         that records nothing but still makes (or continues) trace ids.
+    @param memory: the client of svc-memory (decisions D13), given when
+        memory is on (C{config.memory}); the memory routes answer 501
+        MEMORY_NOT_CONFIGURED without it.
+
+    @ivar embedder: how the gateway embeds texts for itself and pays for
+        it (decisions D13: memories, queries, recall), None without a
+        providers file.
     """
 
     log = Logger()
@@ -143,6 +153,7 @@ class ProxyEdge:
         tracer: Tracer | None = None,
         forwarder: Forwarder | None = None,
         ledger: UsageLedger | None = None,
+        memory: MemoryClient | None = None,
     ) -> None:
         self._tracer = tracer if tracer is not None else untracedProvider().get_tracer(__name__)
         self._metrics = metrics
@@ -178,6 +189,22 @@ class ProxyEdge:
         )
         # Decisions D13: embeddings, forwarded and metered as chat is.
         self.embeddings = EmbeddingsRoutes(providers, forwarder, ledger, admission, clock)
+        self.embedder = (
+            Embedder(providers, forwarder, admission, ledger, clock)
+            if providers is not None and forwarder is not None
+            else None
+        )
+        # Decisions D13: the memory routes, on svc-memory; off (501) unless
+        # both its address and the providers file's [memory] table are
+        # given.
+        memoryConfig = config.memory
+        self.memory = MemoryRoutes(
+            memoryConfig if memory is not None else None,
+            memory if memoryConfig is not None else None,
+            self.embedder,
+            admission,
+            clock,
+        )
 
         self.layers = self._globalLayers()
         self._chain = compose(self.layers, self.router)
@@ -251,10 +278,28 @@ class ProxyEdge:
             Route("/v1/chat/completions", {"POST": chatCompletions}),
             Route("/proxy/v1/chat/completions", {"POST": chatCompletions}),
             Route("/v1/embeddings", {"POST": embeddingsRoute}),
+            *self._memoryRoutes(),
         )
         if self.models is not None:
             routes += (Route("/v1/models", {"GET": Pipeline(callerSteps, self.models.modelsList)}),)
         return routes
+
+    def _memoryRoutes(self) -> tuple[Route, ...]:
+        """
+        Decisions D13: the memory routes, each through the token (with
+        MemoryRead to read, MemoryWrite to write), the agent and the rate
+        limit (which reserves the texts a route embeds); a route with a
+        body checks its size and type first, as chat does.
+        """
+        caller, memory = self.caller, self.memory
+        write = (
+            caller.bodySizeLimit,
+            caller.contentType,
+            caller.tokenAuth(Permission.MemoryWrite),
+            caller.agentVerify,
+            memory.rateLimit,
+        )
+        return (Route("/v1/memories", {"POST": Pipeline(write, memory.add)}),)
 
     # Routing and writing the answer.
 

@@ -9,6 +9,7 @@ order; a route family's own steps live in its module
 
 from __future__ import annotations
 
+import re
 from io import BytesIO
 from typing import IO
 
@@ -28,6 +29,12 @@ _AGENT_HEADER = AGENT_HEADER.encode("ascii")
 # Decisions D13: a request's own say over memory; "off" is its one value.
 MEMORY_HEADER = "X-SVC-Memory"
 _MEMORY_HEADER = MEMORY_HEADER.encode("ascii")
+
+# Decisions D13: whose memories within the agent (an end user the agent
+# serves); absent, the agent's own ("").
+MEMORY_SUBJECT_HEADER = "X-SVC-Memory-Subject"
+_MEMORY_SUBJECT_HEADER = MEMORY_SUBJECT_HEADER.encode("ascii")
+_SUBJECT = re.compile(rb"[A-Za-z0-9._:@-]{1,128}")
 
 
 class CallerSteps:
@@ -127,6 +134,32 @@ class CallerSteps:
         reservation = await self._admission.admit(ctx.orgID, ctx.agentID, ctx.responseHeaders)
         if reservation is not None:
             ctx.reservation = reservation
+
+
+def memorySubject(request: Request) -> str:
+    """
+    The memory subject of a request (decisions D13): the header
+    C{X-SVC-Memory-Subject}, 1 to 128 characters of C{A-Za-z0-9._:@-}, or
+    "" without it. The memory routes and a chat completion's recall read
+    it alike.
+
+    @raise ApiError: 400 VALIDATION_ERROR naming the header for any other
+        value (empty, too long, another character, the header twice).
+    """
+    values = request.requestHeaders.getRawHeaders(_MEMORY_SUBJECT_HEADER)
+    if values is None:
+        return ""
+    if len(values) != 1 or _SUBJECT.fullmatch(values[0]) is None:
+        raise validationError(
+            [
+                FieldError(
+                    MEMORY_SUBJECT_HEADER,
+                    FieldErrorCode.INVALID_FORMAT,
+                    "must be 1 to 128 characters of A-Z, a-z, 0-9 and . _ : @ -",
+                )
+            ]
+        )
+    return values[0].decode("ascii")
 
 
 def requestBody(request: Request) -> IO[bytes]:

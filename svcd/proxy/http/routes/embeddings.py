@@ -17,17 +17,14 @@ alike.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from twisted.internet.defer import CancelledError
-from twisted.internet.interfaces import IPushProducer
 from twisted.logger import Logger
 
 from svcd.common.clocks import Clock
 from svcd.common.errors import ApiError, ErrorCode
 from svcd.common.ids import uuid7Text
 from svcd.common.logbounds import loggedText
-from svcd.ledger.rows import CLIENT_GONE, EMBEDDING, OK, UPSTREAM_ERROR, UsageLedger, usageRow
+from svcd.ledger.rows import CLIENT_GONE, OK, UPSTREAM_ERROR, UsageLedger
 from svcd.limits.admission import Admission
 from svcd.limits.book import Applicable
 from svcd.limits.reservation import (
@@ -35,6 +32,13 @@ from svcd.limits.reservation import (
     embeddingsRefusal,
     inputsEstimate,
     reserveEmbeddings,
+)
+from svcd.providers.embedder import (
+    NEVER_STREAMED,
+    EmbeddingCall,
+    accountEmbedding,
+    ledgerFull,
+    noErrorEvent,
 )
 from svcd.providers.table import EMBEDDING as EMBEDDING_MODEL
 from svcd.providers.table import Model, ProviderTable
@@ -195,24 +199,22 @@ class EmbeddingsRoutes:
     ) -> Reply:
         """
         Forward to the model's provider, then settle the reservation and
-        record the usage row, however it ended.
+        record the usage row, however it ended (L{accountEmbedding}, which
+        the gateway's own embeddings share, L{svcd.providers.embedder}).
         """
         ledger = self._ledger
         if ledger is not None and not ledger.hasRoom():
             # Never an answer that goes unrecorded.
             self._settle(ctx, 0)
-            raise ApiError(
-                ErrorCode.SERVICE_DEGRADED,
-                "The gateway cannot record usage right now; try again shortly.",
-            )
+            raise ledgerFull()
         outcome = OK
         try:
             answer = await forwarder.forward(
                 embeddings.document,
                 attemptsOf(providers, model, ctx.orgID or "", ctx.budgeted),
                 ctx.requestID,
-                _NEVER_STREAMED,
-                _noErrorEvent,
+                NEVER_STREAMED,
+                noErrorEvent,
                 ctx.upstream,
                 operation=EMBEDDINGS,
             )
@@ -237,73 +239,30 @@ class EmbeddingsRoutes:
         outcome: str,
     ) -> None:
         """
-        Settle the reservation (to the provider's prompt tokens at the
-        price of the model that answered; released after a fault; kept
-        when no usage came), then record the row, of kind C{embedding},
-        with no completion tokens.
+        Settle the reservation and record the row of kind C{embedding}
+        (L{accountEmbedding}); the row counts the inputs' estimate when no
+        usage came.
         """
-        upstream = ctx.upstream
-        usage = upstream.usage
-        answered = providers.models.get(upstream.model or "") or model
-        if usage is not None:
-            reservation, ctx.reservation = ctx.reservation, None
-            self._admission.settleUsage(
-                reservation, usage, answered, ctx.orgID, ctx.requestID, ctx.ledgerID
-            )
-        elif outcome == UPSTREAM_ERROR:
-            self._settle(ctx, 0)
-        if self._ledger is None:
-            return
+        reservation, ctx.reservation = ctx.reservation, None
         estimate = ctx.estimate
-        if estimate is None:
-            estimate = (inputsEstimate(embeddings.inputs), 0)
         token = ctx.token
-        self._ledger.record(
-            usageRow(
-                ledgerID=ctx.ledgerID,
-                requestID=ctx.requestID,
+        accountEmbedding(
+            self._admission,
+            self._ledger,
+            providers,
+            call=EmbeddingCall(
                 orgID=ctx.orgID or "",
                 agentID=ctx.agentID,
                 tokenID=token.tokenID if token is not None else None,
-                modelRequested=embeddings.model,
-                model=upstream.model,
-                provider=upstream.provider,
-                upstreamModel=upstream.upstreamModel,
-                stream=False,
-                outcome=outcome,
-                usage=usage,
-                estimate=estimate,
-                price=answered.price,
-                startedAt=ctx.started,
-                endedAt=self._clock.seconds(),
-                kind=EMBEDDING,
-            )
+                requestID=ctx.requestID,
+                ledgerID=ctx.ledgerID,
+            ),
+            reservation=reservation,
+            record=ctx.upstream,
+            model=model,
+            modelRequested=embeddings.model,
+            outcome=outcome,
+            estimate=estimate[0] if estimate is not None else inputsEstimate(embeddings.inputs),
+            startedAt=ctx.started,
+            endedAt=self._clock.seconds(),
         )
-
-
-class _NeverStreamed:
-    """
-    The client stream of a request that is never streamed: the forwarder
-    writes to one only for a chat completion that asked for a stream.
-    """
-
-    def begin(
-        self, status: int, contentType: bytes, headers: Sequence[tuple[bytes, bytes]]
-    ) -> None:
-        raise AssertionError("an embeddings answer is never streamed")
-
-    def write(self, data: bytes) -> None:
-        raise AssertionError("an embeddings answer is never streamed")
-
-    def registerProducer(self, producer: IPushProducer) -> None:
-        raise AssertionError("an embeddings answer is never streamed")
-
-    def unregisterProducer(self) -> None:
-        raise AssertionError("an embeddings answer is never streamed")
-
-
-_NEVER_STREAMED = _NeverStreamed()
-
-
-def _noErrorEvent(error: ApiError) -> bytes:
-    raise AssertionError("an embeddings answer is never streamed")

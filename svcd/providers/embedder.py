@@ -1,0 +1,438 @@
+"""
+The gateway embedding texts for itself, as an organization, and paying for
+it (decisions D13): a memory's content or a search's query on svc-proxy's
+memory routes, the last user message of a recall, the memories a worker
+extracted.
+
+One component for every such call (L{Embedder}), so that each is forwarded,
+settled and recorded alike, and alike with a client's own C{POST
+/v1/embeddings} (whose route shares L{accountEmbedding}):
+
+  - forwarded through the L{Forwarder} with the L{EMBEDDINGS} operation
+    (decisions D9's headers, timeouts, fault mapping and fallbacks): C{{"model",
+    "input": [...], "encoding_format": "base64"}}, never streamed;
+  - the answer's base64 vectors decoded into float32 bytes, little-endian,
+    as svc-memory stores and searches them (L{decodeVectors}): never a
+    Python float per component;
+  - the reservation the caller made at its admission (or none) settled to
+    the provider's C{usage.prompt_tokens} at the price of the model that
+    answered, released after a fault (D11, D12);
+  - one ledger row of kind C{embedding} (D12, D13), with the request it
+    was made for as C{parent_request_id} when another request caused it.
+
+What the caller reserves beforehand is L{reserveTexts} (the texts' D11
+estimate; under a budget, the worst case of
+L{svcd.limits.reservation.reserveEmbeddings}), made at the caller's own
+admission step so that one request costs one Redis script call.
+
+Cancelling L{Embedder.embed} (a recall out of time, a client gone) cancels
+the forward; the row is then recorded C{client_gone}, like any cancelled
+forward's. It imports nothing of svc-proxy, so that svc-worker can use it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import struct
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.interfaces import IPushProducer
+
+from svcd.common.clocks import Clock, asReactorTime
+from svcd.common.errors import ApiError, ErrorCode
+from svcd.common.ids import uuid7Text
+from svcd.ledger.rows import CLIENT_GONE, EMBEDDING, OK, UPSTREAM_ERROR, UsageLedger, usageRow
+from svcd.limits.admission import Admission
+from svcd.limits.book import Applicable
+from svcd.limits.records import Reservation
+from svcd.limits.reservation import (
+    attemptsOf,
+    embeddingsRefusal,
+    inputsEstimate,
+    reserveEmbeddings,
+)
+from svcd.providers.records import UpstreamRecord
+from svcd.providers.table import Model, ProviderTable
+from svcd.providers.upstream import EMBEDDINGS, Forwarder
+
+BASE64 = "base64"
+
+
+@attrs.frozen
+class EmbeddingCall:
+    """
+    Whose call it is and what it is recorded under.
+
+    @ivar requestID: the request id of the row (the client-visible id of
+        the request that embeds, or one of the caller's own).
+    @ivar ledgerID: the row's key, the one the caller's reservation was
+        admitted under (decisions D12, amended); empty for a new one (a
+        call that reserved nothing).
+    @ivar parentRequestID: the request this call was made for, when another
+        request caused it (a recall's chat completion, a worker's
+        observation); None for a request of the client's own.
+    """
+
+    orgID: str
+    agentID: str | None
+    tokenID: str | None
+    requestID: str
+    ledgerID: str = ""
+    parentRequestID: str | None = None
+
+
+@attrs.frozen
+class Embedded:
+    """
+    The vectors of a call's texts, in the texts' order.
+
+    @ivar model: the name (in the providers file) of the model that made
+        them: the model asked for, or the fallback that answered in its
+        place, whose vectors are comparable only with its own.
+    @ivar vectors: each text's float32 components, little-endian.
+    @ivar promptTokens: the provider's count, None when it gave none.
+    """
+
+    model: str
+    vectors: tuple[bytes, ...] = attrs.field(repr=False)
+    promptTokens: int | None
+
+    @property
+    def dimensions(self) -> int:
+        return len(self.vectors[0]) // 4 if self.vectors else 0
+
+
+@attrs.frozen
+class _Texts:
+    """
+    The gateway's embeddings request for C{inputs}, in the shape the
+    reservation reads (L{svcd.limits.reservation.EmbeddingsBody}).
+    """
+
+    inputs: Sequence[str]
+    document: Mapping[str, Any]
+    dimensions: int | None = None
+
+
+def embeddingsRequest(model: Model, texts: Sequence[str]) -> _Texts:
+    """
+    What is forwarded for C{texts}: the model's name (the forwarder puts
+    its C{upstream_model} in its place), the texts, base64 vectors.
+    """
+    return _Texts(
+        tuple(texts), {"model": model.name, "input": list(texts), "encoding_format": BASE64}
+    )
+
+
+def reserveTexts(
+    texts: Sequence[str],
+    model: Model,
+    providers: ProviderTable,
+    orgID: str,
+    applicable: Applicable,
+) -> tuple[int, int]:
+    """
+    What embedding C{texts} with C{model} reserves at the caller's
+    admission, as C{(tokens, cost)}: the texts' D11 estimate, and under a
+    budget its worst-case cost (L{reserveEmbeddings}) of the very body
+    L{Embedder.embed} sends.
+    """
+    return reserveEmbeddings(embeddingsRequest(model, texts), model, providers, orgID, applicable)
+
+
+def embeddingRefusal(model: Model, budgeted: bool) -> ApiError | None:
+    """
+    Why C{model} cannot embed for the gateway now: under a budget, a model
+    without a price (never billed at zero); None when it can.
+    """
+    return embeddingsRefusal(embeddingsRequest(model, ()), model, budgeted)
+
+
+def accountEmbedding(
+    admission: Admission,
+    ledger: UsageLedger | None,
+    providers: ProviderTable,
+    *,
+    call: EmbeddingCall,
+    reservation: Reservation | None,
+    record: UpstreamRecord,
+    model: Model,
+    modelRequested: str,
+    outcome: str,
+    estimate: int,
+    startedAt: float,
+    endedAt: float,
+) -> None:
+    """
+    Settle one forwarded embeddings request and record its row, however it
+    ended (C{outcome}): the reservation settled to the provider's prompt
+    tokens at the price of the model that answered; released after a
+    fault without usage; kept otherwise (a cancelled call: the limiter's
+    lease ends it, and the row counts the C{estimate}, as the token limits
+    kept it). Then the row, of kind C{embedding}, with no completion
+    tokens, under C{call.ledgerID}.
+
+    The caller gives up C{reservation}: it is settled here or never.
+    """
+    usage = record.usage
+    answered = providers.models.get(record.model or "") or model
+    if usage is not None:
+        admission.settleUsage(
+            reservation, usage, answered, call.orgID, call.requestID, call.ledgerID
+        )
+    elif outcome == UPSTREAM_ERROR and reservation is not None:
+        admission.settle(reservation, 0)
+    if ledger is None:
+        return
+    ledger.record(
+        usageRow(
+            ledgerID=call.ledgerID,
+            requestID=call.requestID,
+            orgID=call.orgID,
+            agentID=call.agentID,
+            tokenID=call.tokenID,
+            modelRequested=modelRequested,
+            model=record.model,
+            provider=record.provider,
+            upstreamModel=record.upstreamModel,
+            stream=False,
+            outcome=outcome,
+            usage=usage,
+            estimate=(estimate, 0),
+            price=answered.price,
+            startedAt=startedAt,
+            endedAt=endedAt,
+            kind=EMBEDDING,
+            parentRequestID=call.parentRequestID,
+        )
+    )
+
+
+def ledgerFull() -> ApiError:
+    """
+    The 503 of a call that would go unrecorded: the ledger's outbox is full
+    (decisions D12: never an answer without its record).
+    """
+    return ApiError(
+        ErrorCode.SERVICE_DEGRADED,
+        "The gateway cannot record usage right now; try again shortly.",
+    )
+
+
+class Embedder:
+    """
+    Embeds texts for the gateway, as an organization, and pays for it (see
+    the module docstring).
+
+    @param providers: the providers file, which names the models and
+        their prices and fallbacks.
+    @param forwarder: the providers' client.
+    @param admission: settles the callers' reservations.
+    @param ledger: where each call's row goes; None records none.
+    @param clock: the rows' times and the calls' timeouts.
+    """
+
+    def __init__(
+        self,
+        providers: ProviderTable,
+        forwarder: Forwarder,
+        admission: Admission,
+        ledger: UsageLedger | None,
+        clock: Clock,
+    ) -> None:
+        self.providers = providers
+        self._forwarder = forwarder
+        self._admission = admission
+        self._ledger = ledger
+        self._clock = clock
+
+    def embed(
+        self,
+        model: Model,
+        texts: Sequence[str],
+        call: EmbeddingCall,
+        *,
+        reservation: Reservation | None = None,
+        budgeted: bool = False,
+        record: UpstreamRecord | None = None,
+        timeout: float | None = None,
+    ) -> Deferred[Embedded]:
+        """
+        Embed C{texts} (one or more, none empty) with C{model} (one the
+        organization may use, looked up by the caller) for C{call}.
+
+        Cancelling the Deferred cancels the forward; the row is recorded
+        C{client_gone}.
+
+        @param reservation: what the caller's admission reserved for this
+            call (L{reserveTexts}), under C{call.ledgerID}; settled here.
+        @param budgeted: whether a budget applies to the caller (then
+            fallbacks without a price are never tried).
+        @param record: filled with what the forward did (provider, model,
+            usage, time), for the caller's access log; one of its own by
+            default.
+        @param timeout: seconds the call may take before it is cancelled
+            and fails with L{twisted.internet.defer.TimeoutError}; None
+            for the providers' own timeouts only.
+
+        @return: a Deferred of the vectors (L{Embedded}); it fails with
+            L{ApiError}: the provider's fault as decisions D9 maps it (after
+            the fallbacks), 502 UPSTREAM_ERROR for an answer without
+            usable vectors, 503 SERVICE_DEGRADED when the ledger has no
+            room (nothing is forwarded then).
+        """
+        if not texts:
+            raise ValueError("nothing to embed")
+        if not call.ledgerID:
+            call = attrs.evolve(call, ledgerID=uuid7Text())
+        work = Deferred.fromCoroutine(
+            self._embed(
+                model,
+                texts,
+                call,
+                reservation,
+                budgeted,
+                record if record is not None else UpstreamRecord(),
+            )
+        )
+        if timeout is not None:
+            # Cancelling the forward ends it at once (Deferred.cancel fires
+            # what does not fire itself), so the row is recorded before the
+            # caller sees the TimeoutError.
+            work.addTimeout(timeout, asReactorTime(self._clock))
+        return work
+
+    async def _embed(
+        self,
+        model: Model,
+        texts: Sequence[str],
+        call: EmbeddingCall,
+        reservation: Reservation | None,
+        budgeted: bool,
+        record: UpstreamRecord,
+    ) -> Embedded:
+        ledger = self._ledger
+        if ledger is not None and not ledger.hasRoom():
+            if reservation is not None:
+                self._admission.settle(reservation, 0)
+            raise ledgerFull()
+        request = embeddingsRequest(model, texts)
+        startedAt = self._clock.seconds()
+        outcome = OK
+        try:
+            answer = await self._forwarder.forward(
+                request.document,
+                attemptsOf(self.providers, model, call.orgID, budgeted),
+                call.requestID,
+                NEVER_STREAMED,
+                noErrorEvent,
+                record,
+                operation=EMBEDDINGS,
+            )
+        except ApiError:
+            outcome = UPSTREAM_ERROR
+            raise
+        except CancelledError:
+            outcome = CLIENT_GONE
+            raise
+        finally:
+            accountEmbedding(
+                self._admission,
+                ledger,
+                self.providers,
+                call=call,
+                reservation=reservation,
+                record=record,
+                model=model,
+                modelRequested=model.name,
+                outcome=outcome,
+                estimate=inputsEstimate(texts),
+                startedAt=startedAt,
+                endedAt=self._clock.seconds(),
+            )
+        usage = record.usage
+        return Embedded(
+            record.model or model.name,
+            decodeVectors(answer.body, len(texts)),
+            usage.promptTokens if usage is not None else None,
+        )
+
+
+def decodeVectors(body: bytes, count: int) -> tuple[bytes, ...]:
+    """
+    The C{count} vectors of an OpenAI-shaped embeddings answer, in the
+    order of their C{index}, as float32 bytes, little-endian: base64
+    strings decoded as they are (the bytes OpenAI encodes), arrays of
+    numbers (a provider that ignored C{encoding_format}) packed.
+
+    @raise ApiError: 502 UPSTREAM_ERROR when the answer does not hold
+        exactly one non-empty vector per text, all of one length.
+    """
+    try:
+        document = json.loads(body)
+        data = document["data"]
+        if not isinstance(data, list) or len(data) != count:
+            raise ValueError("not one vector per text")
+        vectors: list[bytes | None] = [None] * count
+        for item in data:
+            index = item["index"]
+            if not isinstance(index, int) or not 0 <= index < count or vectors[index] is not None:
+                raise ValueError("bad index")
+            vectors[index] = _vectorBytes(item["embedding"])
+        lengths = {len(vector) for vector in vectors if vector is not None}
+        if len(lengths) != 1 or 0 in lengths:
+            raise ValueError("vectors of several lengths")
+    except (ValueError, KeyError, TypeError, binascii.Error, struct.error):
+        raise ApiError(
+            ErrorCode.UPSTREAM_ERROR, "The model provider's embeddings could not be read."
+        ) from None
+    return tuple(vector for vector in vectors if vector is not None)
+
+
+def _vectorBytes(embedding: object) -> bytes:
+    if isinstance(embedding, str):
+        raw = base64.b64decode(embedding, validate=True)
+        if len(raw) % 4:
+            raise ValueError("not float32 components")
+        return raw
+    if isinstance(embedding, list) and all(
+        isinstance(each, (int, float)) and not isinstance(each, bool) for each in embedding
+    ):
+        return struct.pack(f"<{len(embedding)}f", *embedding)
+    raise ValueError("not a vector")
+
+
+class _NeverStreamed:
+    """
+    The client stream of a request that is never streamed: the forwarder
+    writes to one only for a chat completion that asked for a stream.
+    """
+
+    def begin(
+        self, status: int, contentType: bytes, headers: Sequence[tuple[bytes, bytes]]
+    ) -> None:
+        raise AssertionError("an embeddings answer is never streamed")
+
+    def write(self, data: bytes) -> None:
+        raise AssertionError("an embeddings answer is never streamed")
+
+    def registerProducer(self, producer: IPushProducer) -> None:
+        raise AssertionError("an embeddings answer is never streamed")
+
+    def unregisterProducer(self) -> None:
+        raise AssertionError("an embeddings answer is never streamed")
+
+
+NEVER_STREAMED = _NeverStreamed()
+
+
+def noErrorEvent(error: ApiError) -> bytes:
+    """
+    The error event of a stream, which an embeddings answer never is.
+    """
+    raise AssertionError("an embeddings answer is never streamed")

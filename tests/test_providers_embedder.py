@@ -1,0 +1,373 @@
+"""
+The gateway's own embeddings (decisions D13, L{svcd.providers.embedder}),
+against the scripted upstream process: what is forwarded, the vectors
+decoded into float32 bytes, the reservation settled, the one ledger row of
+kind embedding (with its parent), faults and fallbacks as decisions D9,
+and a call cancelled or out of time recorded client_gone.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import pytest_twisted
+from twisted.internet.defer import CancelledError, TimeoutError, succeed
+from twisted.internet.task import deferLater
+
+from svcd.common.errors import ApiError, ErrorCode
+from svcd.limits.admission import Admission
+from svcd.limits.book import LimitBook, LimitsRow
+from svcd.limits.limiter import RedisRateLimiter
+from svcd.limits.records import Limits, Reservation
+from svcd.limits.reservation import inputsEstimate
+from svcd.providers.embedder import (
+    Embedder,
+    EmbeddingCall,
+    decodeVectors,
+    reserveTexts,
+)
+from svcd.providers.table import ProviderTable, providersFromEnvironment
+from svcd.providers.upstream import Forwarder
+from svcd.proxy.metrics import ProxyMetrics
+from svcd.proxy.testing import MemoryCounters, MemoryLedger
+from svcd.testing.upstream import DEFAULT_EMBEDDING_DIMENSIONS, ScriptedUpstream, embeddingOf
+
+# Starts the scripted upstream process (conftest.py, pytest.ini).
+pytestmark = pytest.mark.e2e
+
+ORG = "0190f0a0-0000-7000-8000-000000000001"
+AGENT = "0190f0a0-0000-7000-8000-000000000002"
+DIMENSIONS = DEFAULT_EMBEDDING_DIMENSIONS
+
+PROVIDERS = """
+[[providers]]
+name = "scripted"
+base_url = "{base}"
+
+[[providers]]
+name = "other"
+base_url = "{other}"
+
+[[models]]
+name = "embed"
+provider = "scripted"
+upstream_model = "echo"
+kind = "embedding"
+dimensions = {dimensions}
+price = {{ input = "0.02" }}
+
+[[models]]
+name = "embed-failing"
+provider = "scripted"
+upstream_model = "status:503"
+kind = "embedding"
+fallbacks = ["embed-spare"]
+
+[[models]]
+name = "embed-spare"
+provider = "other"
+upstream_model = "echo"
+kind = "embedding"
+
+[[models]]
+name = "embed-rejected"
+provider = "scripted"
+upstream_model = "status:400"
+kind = "embedding"
+fallbacks = ["embed-spare"]
+
+[[models]]
+name = "embed-slow"
+provider = "scripted"
+upstream_model = "slow:5000"
+kind = "embedding"
+"""
+
+
+async def waitFor(condition: Callable[[], bool], seconds: float = 10.0) -> None:
+    from twisted.internet import reactor
+
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not true within {seconds} s")
+        await deferLater(reactor, 0.02, lambda: None)
+
+
+@attrs.define
+class Harness:
+    embedder: Embedder
+    providers: ProviderTable
+    admission: Admission
+    counters: MemoryCounters
+    book: LimitBook
+    ledger: MemoryLedger
+    upstream: ScriptedUpstream
+    forwarder: Forwarder
+
+    def tokensCounted(self) -> int:
+        return sum(count for key, count in self.counters.counts.items() if key.endswith(":tokens"))
+
+    async def reserve(self, texts: list[str]) -> tuple[Reservation, str]:
+        """
+        Admit a call for C{texts} under a token limit, as a route's rate
+        limit step does: its reservation and ledger id.
+        """
+        self.book.replace([LimitsRow(ORG, None, Limits(tpm=100_000))])
+        model = self.providers.models["embed"]
+        tokens, cost = reserveTexts(
+            texts, model, self.providers, ORG, self.admission.applicable(ORG, AGENT)
+        )
+        ledgerID = "0190f0a0-0000-7000-8000-0000000000aa"
+        reservation = await self.admission.admit(ORG, AGENT, [], tokens, cost, ledgerID)
+        assert reservation is not None
+        return reservation, ledgerID
+
+
+@pytest.fixture
+def harness(tmp_path: Path, scriptedUpstream: ScriptedUpstream) -> Iterator[Harness]:
+    from twisted.internet import reactor
+
+    providersFile = tmp_path / "providers.toml"
+    providersFile.write_text(
+        PROVIDERS.format(
+            base=scriptedUpstream.baseURL,
+            other=scriptedUpstream.baseURLUnder("other"),
+            dimensions=DIMENSIONS,
+        )
+    )
+    providers = providersFromEnvironment({"SVC_PROVIDERS_FILE": str(providersFile)}, time.time)
+    assert providers is not None
+    metrics = ProxyMetrics()
+    counters = MemoryCounters()
+    book = LimitBook()
+    limiter = RedisRateLimiter(counters, reactor, 60, book=book, spend=lambda *_: succeed(0))
+    admission = Admission(limiter, metrics, reactor)
+    forwarder = Forwarder(reactor, reactor, tuple(providers.providers.values()), metrics)
+    ledger = MemoryLedger()
+    embedder = Embedder(providers, forwarder, admission, ledger, reactor)
+    yield Harness(
+        embedder, providers, admission, counters, book, ledger, scriptedUpstream, forwarder
+    )
+    forwarder.close()
+
+
+def call(**fields: Any) -> EmbeddingCall:
+    return EmbeddingCall(
+        **{
+            "orgID": ORG,
+            "agentID": AGENT,
+            "tokenID": "0190f0a0-0000-7000-8000-000000000003",
+            "requestID": "0190f0a0-0000-7000-8000-000000000004",
+            **fields,
+        }
+    )
+
+
+@pytest_twisted.ensureDeferred
+async def test_textsAreEmbeddedSettledAndRecorded(harness: Harness) -> None:
+    """
+    The texts are forwarded in one request asking for base64; the vectors
+    come back as the provider's float32 bytes, in the texts' order; the
+    reservation made under the call's ledger id is settled to the
+    provider's prompt tokens; one row of kind embedding is recorded under
+    that ledger id, with the parent request id.
+    """
+    texts = ["the cat sat", "a dog ran far"]
+    reservation, ledgerID = await harness.reserve(texts)
+    assert harness.tokensCounted() == inputsEstimate(texts)
+    embedded = await harness.embedder.embed(
+        harness.providers.models["embed"],
+        texts,
+        call(ledgerID=ledgerID, parentRequestID="parent-1"),
+        reservation=reservation,
+    )
+    [received] = harness.upstream.requests()
+    assert received.path == "/v1/embeddings"
+    assert received.body == {"model": "echo", "input": texts, "encoding_format": "base64"}
+    assert embedded.model == "embed"
+    assert embedded.vectors == tuple(embeddingOf(text, DIMENSIONS)[1] for text in texts)
+    assert embedded.dimensions == DIMENSIONS
+    assert embedded.promptTokens == 7
+    await waitFor(lambda: harness.tokensCounted() == 7)
+    [row] = harness.ledger.rows
+    assert (row.ledger_id, row.request_id, row.parent_request_id) == (
+        ledgerID,
+        "0190f0a0-0000-7000-8000-000000000004",
+        "parent-1",
+    )
+    assert (row.kind, row.outcome, row.model_requested, row.model, row.stream) == (
+        "embedding",
+        "ok",
+        "embed",
+        "embed",
+        False,
+    )
+    assert (row.org_id, row.agent_id, row.token_id) == (
+        ORG,
+        AGENT,
+        "0190f0a0-0000-7000-8000-000000000003",
+    )
+    assert (row.prompt_tokens, row.completion_tokens, row.tokens_from) == (7, 0, "provider")
+    assert row.cost_nano_usd == 7 * 20
+
+
+@pytest_twisted.ensureDeferred
+async def test_aCallWithoutReservationHasALedgerIDOfItsOwn(harness: Harness) -> None:
+    """
+    A call that reserved nothing gets a ledger id of its own, and no
+    parent when none is given.
+    """
+    await harness.embedder.embed(harness.providers.models["embed"], ["one"], call())
+    [row] = harness.ledger.rows
+    assert len(row.ledger_id) == 36 and row.parent_request_id == ""
+
+
+@pytest_twisted.ensureDeferred
+async def test_aFallbackAnswersInPlaceOfAFailingModel(harness: Harness) -> None:
+    """
+    A fault that allows fallbacks tries them (decisions D9): the vectors
+    are the fallback's, named after it (its vectors compare with its own
+    only), and the row says which model answered.
+    """
+    embedded = await harness.embedder.embed(
+        harness.providers.models["embed-failing"], ["the cat"], call()
+    )
+    assert embedded.model == "embed-spare"
+    [row] = harness.ledger.rows
+    assert (row.model_requested, row.model, row.outcome) == ("embed-failing", "embed-spare", "ok")
+
+
+@pytest_twisted.ensureDeferred
+async def test_aRefusalIsTheProvidersFault(harness: Harness) -> None:
+    """
+    The provider's own 4xx is UPSTREAM_REJECTED with no fallback tried;
+    the reservation is released and the row records the fault, no
+    tokens.
+    """
+    reservation, ledgerID = await harness.reserve(["the cat"])
+    with pytest.raises(ApiError) as raised:
+        await harness.embedder.embed(
+            harness.providers.models["embed-rejected"],
+            ["the cat"],
+            call(ledgerID=ledgerID),
+            reservation=reservation,
+        )
+    assert raised.value.code is ErrorCode.UPSTREAM_REJECTED
+    assert len(harness.upstream.requests()) == 1
+    await waitFor(lambda: harness.tokensCounted() == 0)
+    [row] = harness.ledger.rows
+    assert (row.outcome, row.prompt_tokens, row.ledger_id) == ("upstream_error", 0, ledgerID)
+
+
+@pytest_twisted.ensureDeferred
+async def test_aCancelledCallIsRecordedClientGone(harness: Harness) -> None:
+    """
+    Cancelling the call mid-flight cancels the forward, and the row is
+    recorded client_gone with the texts' estimate (as the limits kept
+    it).
+    """
+    texts = ["the cat sat on the mat"]
+    embedding = harness.embedder.embed(harness.providers.models["embed-slow"], texts, call())
+    await waitFor(lambda: len(harness.upstream.requests()) == 1)
+    embedding.cancel()
+    with pytest.raises(CancelledError):
+        await embedding
+    [row] = harness.ledger.rows
+    assert (row.outcome, row.tokens_from, row.prompt_tokens) == (
+        "client_gone",
+        "reservation",
+        inputsEstimate(texts),
+    )
+
+
+@pytest_twisted.ensureDeferred
+async def test_aCallOutOfTimeIsCancelled(harness: Harness) -> None:
+    """
+    With a timeout, a call the provider does not answer in time fails
+    with TimeoutError at the timeout, and its row is client_gone.
+    """
+    began = time.monotonic()
+    with pytest.raises(TimeoutError):
+        await harness.embedder.embed(
+            harness.providers.models["embed-slow"], ["the cat"], call(), timeout=0.2
+        )
+    assert time.monotonic() - began < 3
+    [row] = harness.ledger.rows
+    assert row.outcome == "client_gone"
+
+
+@pytest_twisted.ensureDeferred
+async def test_aFullLedgerRefusesBeforeForwarding(harness: Harness) -> None:
+    """
+    When the ledger has no room, the call is 503 SERVICE_DEGRADED, its
+    reservation released, nothing forwarded nor recorded.
+    """
+    reservation, ledgerID = await harness.reserve(["the cat"])
+    harness.ledger.full = True
+    with pytest.raises(ApiError) as raised:
+        await harness.embedder.embed(
+            harness.providers.models["embed"],
+            ["the cat"],
+            call(ledgerID=ledgerID),
+            reservation=reservation,
+        )
+    assert raised.value.code is ErrorCode.SERVICE_DEGRADED
+    assert harness.upstream.requests() == []
+    assert harness.ledger.rows == []
+    await waitFor(lambda: harness.tokensCounted() == 0)
+
+
+def answer(data: list[dict[str, Any]]) -> bytes:
+    return json.dumps({"object": "list", "data": data}).encode()
+
+
+def test_vectorsAreDecodedInIndexOrder() -> None:
+    """
+    Base64 vectors are their bytes; an answer of numbers (a provider that
+    ignored encoding_format) is packed as little-endian float32; the
+    order is the answer's index, whatever the order of its items.
+    """
+    first = struct.pack("<2f", 1.0, 0.5)
+    second = struct.pack("<2f", -1.0, 0.25)
+    decoded = decodeVectors(
+        answer(
+            [
+                {"index": 1, "embedding": [-1.0, 0.25]},
+                {"index": 0, "embedding": base64.b64encode(first).decode()},
+            ]
+        ),
+        2,
+    )
+    assert decoded == (first, second)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        [],
+        [{"index": 0, "embedding": "AAAA"}, {"index": 0, "embedding": "AAAA"}],
+        [{"index": 0, "embedding": "AAAAAAAA"}, {"index": 1, "embedding": "AAAA"}],
+        [{"index": 0, "embedding": "AAA"}, {"index": 1, "embedding": "AAAA"}],
+        [{"index": 0, "embedding": ""}, {"index": 1, "embedding": ""}],
+        [{"index": 0, "embedding": [True]}, {"index": 1, "embedding": [1]}],
+        [{"index": 2, "embedding": "AAAA"}, {"index": 1, "embedding": "AAAA"}],
+        [{"embedding": "AAAA"}, {"index": 1, "embedding": "AAAA"}],
+    ],
+)
+def test_unusableVectorsAreTheProvidersFault(data: list[dict[str, Any]]) -> None:
+    """
+    Anything but one non-empty vector per text, all of one length, is 502
+    UPSTREAM_ERROR.
+    """
+    with pytest.raises(ApiError) as raised:
+        decodeVectors(answer(data), 2)
+    assert raised.value.code is ErrorCode.UPSTREAM_ERROR
