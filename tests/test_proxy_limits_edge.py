@@ -290,12 +290,9 @@ price = {{ input = "2.50", output = "10.00" }}
         tokens: int = 0,
         cost: int = 0,
         ledgerID: str | None = None,
-        countRequest: bool = True,
     ) -> Any:
         ledgerIDs.append(ledgerID)
-        return await hit(
-            orgID, agentID, tokens, cost, ledgerID=ledgerID, countRequest=countRequest
-        )
+        return await hit(orgID, agentID, tokens, cost, ledgerID=ledgerID)
 
     limiter.hit = spiedHit  # type: ignore[method-assign]
     forwarder = Forwarder(reactor, reactor, tuple(providers.providers.values()), metrics)

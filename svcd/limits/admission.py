@@ -108,9 +108,12 @@ class Admission:
         @raise ApiError: 429 RATE_LIMITED or BUDGET_EXCEEDED, with
             Retry-After, past a limit.
         """
-        decision = await self._limiter.hit(
-            orgID, agentID, tokens, cost, ledgerID=ledgerID, countRequest=countRequest
-        )
+        if countRequest:
+            decision = await self._limiter.hit(orgID, agentID, tokens, cost, ledgerID=ledgerID)
+        else:
+            decision = await self._limiter.hit(
+                orgID, agentID, tokens, cost, ledgerID=ledgerID, countRequest=False
+            )
         if decision is None:
             return None
         headers.extend(decision.headers())
