@@ -24,9 +24,9 @@ from twisted.logger import ILogObserver, Logger, LogLevel
 from zope.interface import implementer
 
 from svcd.auth.store import Store
-from svcd.pb.auth.v1 import auth_pb2
 from svcd.authclient.feed import ChangeFeed, FeedNotLive, openChangeFeed
 from svcd.authclient.knowntokens import KnownTokens
+from svcd.pb.auth.v1 import auth_pb2
 from svcd.testing.authservice import RunningAuthService
 
 

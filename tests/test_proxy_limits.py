@@ -35,6 +35,7 @@ from limitshelpers import (
 )
 from twisted.internet.defer import Deferred, gatherResults
 
+from svcd.authclient.feed import limitsRowOf
 from svcd.common.config import parseRedisURL
 from svcd.limits.book import NO_LIMITS, Applicable, LimitBook, LimitsRow
 from svcd.limits.limiter import (
@@ -72,7 +73,6 @@ from svcd.proxy.http.chatbody import parseChatBody
 from svcd.proxy.http.embeddingsbody import parseEmbeddingsBody
 from svcd.proxy.testing import MemoryCounters
 from svcd.proxy.validation.client import limitsOf
-from svcd.authclient.feed import limitsRowOf
 from svcd.testing.servers import RedisServer
 
 OTHER_AGENT = "1f2e3d4c-5b6a-4798-8a7b-6c5d4e3f2a1b"
@@ -329,16 +329,16 @@ async def test_aCallThatCountsNoRequest(redisURL: str, redisServer: RedisServer)
         assert (await limiter.hit(ORG_ID, AGENT_ID)) is not None
         spent = await limiter.hit(ORG_ID, AGENT_ID)
         assert spent is not None and spent.refusedBy == (REQUESTS, ORG)
-        worker = await limiter.hit(ORG_ID, AGENT_ID, tokens=600, countRequest=False)
+        worker = await limiter.hitTokens(ORG_ID, AGENT_ID, 600, 0)
         assert worker is not None and worker.allowed
         assert worker.reservation == Reservation((ORG_TOKENS,), 600)
-        refused = await limiter.hit(ORG_ID, AGENT_ID, tokens=600, countRequest=False)
+        refused = await limiter.hitTokens(ORG_ID, AGENT_ID, 600, 0)
         assert refused is not None and refused.refusedBy == (TOKENS, ORG)
         assert counter(redisServer, ORG_REQUESTS) == 1
         assert counter(redisServer, AGENT_REQUESTS) == 1
         assert counter(redisServer, ORG_TOKENS) == 600
         book.replace([LimitsRow(ORG_ID, None, Limits(rpm=1))])
-        assert (await limiter.hit(ORG_ID, AGENT_ID, tokens=600, countRequest=False)) is None
+        assert (await limiter.hitTokens(ORG_ID, AGENT_ID, 600, 0)) is None
         assert counter(redisServer, ORG_REQUESTS) == 1
     finally:
         await limiter.stop()

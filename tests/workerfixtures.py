@@ -134,13 +134,17 @@ class WorkerRig:
         """
         return "\n".join(each.output() for each in (self.auth, self.memory, *self.workers))
 
-    def queue(self, requests: dict[str, str], subject: str = "", tenant: Tenant | None = None) -> None:
+    def queue(
+        self, requests: dict[str, str], subject: str = "", tenant: Tenant | None = None
+    ) -> None:
         """
         Queue one observation per request id, each with the user's text
         given and an answer, as the proxy queues them.
         """
         tenant = tenant or self.tenant
-        scope = memory_pb2.Scope(org_id=str(tenant.orgID), agent_id=str(tenant.agentID), subject=subject)
+        scope = memory_pb2.Scope(
+            org_id=str(tenant.orgID), agent_id=str(tenant.agentID), subject=subject
+        )
         observations = [
             memory_pb2.Observation(
                 scope=scope,
@@ -157,7 +161,9 @@ class WorkerRig:
         ) as channel:
             for start in range(0, len(observations), 500):
                 memory_pb2_grpc.MemoryServiceStub(channel).QueueObservations(
-                    memory_pb2.QueueObservationsRequest(observations=observations[start : start + 500]),
+                    memory_pb2.QueueObservationsRequest(
+                        observations=observations[start : start + 500]
+                    ),
                     timeout=30,
                 )
 

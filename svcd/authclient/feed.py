@@ -55,11 +55,11 @@ from twisted.internet.interfaces import IReactorFromThreads
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
+from svcd.authclient.knowntokens import KnownTokens
 from svcd.common.clocks import Clock
 from svcd.limits.book import BookRow, BudgetRow, LimitBook, LimitsRow, MemorySettingsRow
 from svcd.limits.records import BUDGET_PERIODS, Budget, Limits, MemorySettings
 from svcd.pb.auth.v1 import auth_pb2
-from svcd.authclient.knowntokens import KnownTokens
 
 # How old the last message may be for the feed to count as live (D8).
 MAX_AGE = 0.5

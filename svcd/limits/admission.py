@@ -111,9 +111,7 @@ class Admission:
         if countRequest:
             decision = await self._limiter.hit(orgID, agentID, tokens, cost, ledgerID=ledgerID)
         else:
-            decision = await self._limiter.hit(
-                orgID, agentID, tokens, cost, ledgerID=ledgerID, countRequest=False
-            )
+            decision = await self._limiter.hitTokens(orgID, agentID, tokens, cost, ledgerID)
         if decision is None:
             return None
         headers.extend(decision.headers())

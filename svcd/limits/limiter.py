@@ -485,7 +485,6 @@ class RateLimiter(Protocol):
         tokens: int = 0,
         cost: int = 0,
         ledgerID: str | None = None,
-        countRequest: bool = True,
     ) -> RateDecision | None:
         """
         Count one request of C{orgID} by C{agentID}, reserving C{tokens}
@@ -496,12 +495,22 @@ class RateLimiter(Protocol):
         organization's (D5). With C{ledgerID} (the request's ledger row
         key, decisions D12 amended) each budget holds the reservation as a
         member of its own until the ledger has the row.
+        """
 
-        With C{countRequest} False the call is checked and counted against
-        token limits and budgets only, never against a requests limit
-        (svc-worker's provider calls, decisions D13: the organization's
-        requests per minute are its clients' requests); C{None} at once,
-        without Redis, when neither applies.
+    async def hitTokens(
+        self,
+        orgID: str,
+        agentID: str | None,
+        tokens: int,
+        cost: int,
+        ledgerID: str | None = None,
+    ) -> RateDecision | None:
+        """
+        As L{hit}, for a call checked and counted against token limits and
+        budgets only, never against a requests limit (svc-worker's provider
+        calls, decisions D13: the organization's requests per minute are
+        its clients' requests); C{None} at once, without Redis, when
+        neither applies.
         """
 
     def applicable(self, orgID: str, agentID: str | None) -> Applicable:
@@ -965,7 +974,27 @@ class RedisRateLimiter:
         tokens: int = 0,
         cost: int = 0,
         ledgerID: str | None = None,
-        countRequest: bool = True,
+    ) -> RateDecision | None:
+        return await self._hit(orgID, agentID, tokens, cost, ledgerID, True)
+
+    async def hitTokens(
+        self,
+        orgID: str,
+        agentID: str | None,
+        tokens: int,
+        cost: int,
+        ledgerID: str | None = None,
+    ) -> RateDecision | None:
+        return await self._hit(orgID, agentID, tokens, cost, ledgerID, False)
+
+    async def _hit(
+        self,
+        orgID: str,
+        agentID: str | None,
+        tokens: int,
+        cost: int,
+        ledgerID: str | None,
+        countRequest: bool,
     ) -> RateDecision | None:
         now = self._clock.seconds()
         windowStart = int(now) // WINDOW_SECONDS * WINDOW_SECONDS
@@ -1873,10 +1902,19 @@ class DisabledRateLimiter:
         tokens: int = 0,
         cost: int = 0,
         ledgerID: str | None = None,
-        countRequest: bool = True,
     ) -> RateDecision | None:
         self._notConfigured.warn("REDIS_URL is not configured; rate limiting is off")
         return None
+
+    async def hitTokens(
+        self,
+        orgID: str,
+        agentID: str | None,
+        tokens: int,
+        cost: int,
+        ledgerID: str | None = None,
+    ) -> RateDecision | None:
+        return await self.hit(orgID, agentID, tokens, cost, ledgerID)
 
     def applicable(self, orgID: str, agentID: str | None) -> Applicable:
         return NO_LIMITS

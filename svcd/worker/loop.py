@@ -59,7 +59,7 @@ def backoff(attempts: int) -> float:
     The wait after an observation's C{attempts}-th failed attempt: 1 s,
     2 s, 4 s ... at most 5 min.
     """
-    return min(FIRST_BACKOFF * 2 ** max(attempts - 1, 0), LAST_BACKOFF)
+    return min(FIRST_BACKOFF * float(2 ** max(attempts - 1, 0)), LAST_BACKOFF)
 
 
 def leaseOwner(serviceName: str) -> str:
@@ -144,7 +144,7 @@ class ObservationLoop:
                 await self._pause(self._pollInterval)
                 continue
             claimed = await self._claim(min(free, MAX_CLAIM))
-            if not self._running:
+            if self._stopRequested():
                 # Stopped while the claim was under way: hand them back.
                 for observation in claimed:
                     self._handle(observation, start=False)
@@ -153,6 +153,12 @@ class ObservationLoop:
                 self._handle(observation)
             if len(claimed) < min(free, MAX_CLAIM):
                 await self._pause(self._pollInterval)
+
+    def _stopRequested(self) -> bool:
+        """
+        Has L{stop} been called (while the loop awaited)?
+        """
+        return not self._running
 
     async def _claim(self, limit: int) -> list[Observation]:
         self._claiming = self._memory.claimObservations(self.owner, limit, self._lease)
@@ -308,9 +314,9 @@ class ObservationLoop:
         if self._claiming is not None:
             self._claiming.cancel()
         self._wakeUp()
-        return Deferred.fromCoroutine(self._stop(timeout))
+        return Deferred.fromCoroutine(self._stop(seconds=timeout))
 
-    async def _stop(self, timeout: float) -> None:
+    async def _stop(self, seconds: float) -> None:
         if self._done is not None:
             await self._done
         if not self._handling:
@@ -318,12 +324,12 @@ class ObservationLoop:
         self.log.info(
             "Stopping: {count} observation(s) in hand get {seconds} s to finish",
             count=len(self._handling),
-            seconds=round(timeout / 2, 3),
+            seconds=round(seconds / 2, 3),
         )
         emptied: Deferred[None] = Deferred()
         self._emptied = emptied
         try:
-            await timeoutDeferred(emptied, timeout / 2, asReactorTime(self._clock))
+            await timeoutDeferred(emptied, seconds / 2, asReactorTime(self._clock))
             return
         except TimeoutError:
             self._emptied = None

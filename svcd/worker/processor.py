@@ -62,11 +62,11 @@ from svcd.memory.client import (
 )
 from svcd.memory.records import EXTRACTED, Embedding, Scope
 from svcd.providers.embedder import (
-    EmbeddingCall,
+    NEVER_STREAMED,
     Embedder,
+    EmbeddingCall,
     embeddingRefusal,
     noErrorEvent,
-    NEVER_STREAMED,
     reserveTexts,
 )
 from svcd.providers.records import UpstreamRecord
@@ -416,7 +416,9 @@ class ObservationProcessor:
 
     # svc-memory.
 
-    async def _store(self, observation: Observation, content: str, embedding: Embedding) -> str | None:
+    async def _store(
+        self, observation: Observation, content: str, embedding: Embedding
+    ) -> str | None:
         """
         Merge one memory into the scope: the nearest at or above
         C{dedupe_score} takes its content, else it is added.
@@ -449,7 +451,9 @@ class ObservationProcessor:
         except MemoryFull:
             raise FailedAttempt("the memory scope is full", final=True) from None
         except MemoryUnavailable as error:
-            raise Deferral(BUSY_DEFERRAL, f"svc-memory did not answer ({_memoryReason(error)})") from None
+            raise Deferral(
+                BUSY_DEFERRAL, f"svc-memory did not answer ({_memoryReason(error)})"
+            ) from None
         except MemoryCallFailed as error:
             raise FailedAttempt(f"svc-memory refused a memory ({_memoryReason(error)})") from None
         self._metrics.wrote("added")
@@ -475,7 +479,9 @@ class ObservationProcessor:
                     pass
             return LOST
         except MemoryUnavailable as error:
-            raise Deferral(BUSY_DEFERRAL, f"svc-memory did not answer ({_memoryReason(error)})") from None
+            raise Deferral(
+                BUSY_DEFERRAL, f"svc-memory did not answer ({_memoryReason(error)})"
+            ) from None
         return outcome if completed.completed else LOST
 
 
