@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -25,7 +27,7 @@ from workerfixtures import (
     waitUntil,
 )
 
-from svcd.testing.daemons import Daemon
+from svcd.testing.daemons import Daemon, twistdCommand
 from svcd.testing.servers import PostgresServer
 
 # Starts real daemons (conftest.py, pytest.ini): left out of a quick run.
@@ -96,6 +98,29 @@ def test_withoutAnExtractionModelTheUsersTextIsTheMemory(
         assert [(row["kind"], row["parent_request_id"]) for row in rig.ledger()] == [
             ("embedding", requestID)
         ]
+
+
+def test_processingAgainNeverAddsAMemoryTwice(
+    postgresServer: PostgresServer, tmp_path: Path
+) -> None:
+    """
+    An observation processed, then queued and processed again (as after a
+    crash between its memories and its completion): its facts are each
+    still one memory, the same ids, updated in place (the search finds
+    each at similarity 1, at or above dedupe_score).
+    """
+    with runningWorkerRig(postgresServer, tmp_path) as rig:
+        worker = rig.startWorker()
+        [requestID] = newRequestIDs(1)
+        rig.queue({requestID: factsOf(requestID, 3)})
+        rig.waitForDrained()
+        first = {each["content"]: each["id"] for each in rig.memories()}
+        assert sorted(first) == expectedFacts([requestID], 3)
+        rig.queue({requestID: factsOf(requestID, 3)})
+        rig.waitForDrained()
+        again = {each["content"]: each["id"] for each in rig.memories()}
+        assert again == first
+        assert rig.metric(worker, 'svc_worker_memories_total{action="updated"}') == 3
 
 
 def test_killedMidBatchAndRestartedStoresEachFactOnce(
@@ -299,3 +324,35 @@ def test_failuresBackOffThenEndFailed(postgresServer: PostgresServer, tmp_path: 
 def _state(rig: WorkerRig) -> str | None:
     rows = rig.observations()
     return rows[0]["state"] if rows else None
+
+
+def test_refusesToStartWithoutMemory(tmp_path: Path) -> None:
+    """
+    A providers file without a [memory] table: C{twistd -n svc-worker}
+    exits 1 at once with one line naming the variable and the file.
+    """
+    providers = tmp_path / "providers.toml"
+    providers.write_text(
+        '[[providers]]\nname = "p"\nbase_url = "http://127.0.0.1:9/v1"\n\n'
+        '[[models]]\nname = "m"\nprovider = "p"\n'
+    )
+    environment = {
+        **{key: value for key, value in os.environ.items() if not key.startswith("SVC_")},
+        "SVC_MEMORY_GRPC_ADDR": "127.0.0.1:9092",
+        "SVC_AUTH_GRPC_ADDR": "127.0.0.1:9091",
+        "SVC_PROVIDERS_FILE": str(providers),
+    }
+    result = subprocess.run(
+        twistdCommand("svc-worker"),
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 1
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("svc-worker: configuration error: SVC_PROVIDERS_FILE: ")
+    assert "has no [memory] table" in lines[0]
