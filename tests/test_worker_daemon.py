@@ -356,3 +356,49 @@ def test_refusesToStartWithoutMemory(tmp_path: Path) -> None:
     assert len(lines) == 1, lines
     assert lines[0].startswith("svc-worker: configuration error: SVC_PROVIDERS_FILE: ")
     assert "has no [memory] table" in lines[0]
+
+
+def test_daemonised(postgresServer: PostgresServer, tmp_path: Path) -> None:
+    """
+    Daemonised (no -n, with --pidfile and --logfile), svc-worker makes its
+    channels and its feed's thread after the fork: it becomes ready,
+    processes an observation, logs JSON lines to its log file, and stops on
+    SIGTERM, removing its pidfile.
+    """
+    with runningWorkerRig(postgresServer, tmp_path / "rig") as rig:
+        pidFile, logFile = tmp_path / "worker.pid", tmp_path / "worker.log"
+        environment = rig.workerEnvironment(SVC_LOG_LEVEL="INFO")
+        command = [
+            *twistdCommand("svc-worker")[:3],
+            "--pidfile",
+            str(pidFile),
+            "--logfile",
+            str(logFile),
+            "svc-worker",
+        ]
+        variables = {k: v for k, v in os.environ.items() if not k.startswith("SVC_")}
+        launched = subprocess.run(
+            command, env={**variables, **environment}, cwd=tmp_path, timeout=60, check=False
+        )
+        assert launched.returncode == 0
+        daemon = Daemon("svc-worker", environment, tmp_path / "unused.log")
+        try:
+            waitUntil(lambda: _ready(daemon), "the daemonised worker ready", 60)
+            [requestID] = newRequestIDs(1)
+            rig.queue({requestID: factsOf(requestID)})
+            rig.waitForDrained()
+            assert rig.contents() == expectedFacts([requestID])
+            os.kill(int(pidFile.read_text()), signal.SIGTERM)
+            waitUntil(lambda: not pidFile.exists(), "the pidfile removed", 20)
+            messages = [json.loads(line)["message"] for line in logFile.read_text().splitlines()]
+            assert "svc-worker stopped" in messages
+        finally:
+            if pidFile.exists():
+                os.kill(int(pidFile.read_text()), signal.SIGKILL)
+
+
+def _ready(daemon: Daemon) -> bool:
+    try:
+        return daemon.get("/ready", timeout=2)[0] == 200
+    except OSError:
+        return False
