@@ -402,3 +402,24 @@ def _ready(daemon: Daemon) -> bool:
         return daemon.get("/ready", timeout=2)[0] == 200
     except OSError:
         return False
+
+
+def test_processingIsCutBeforeTheLeaseEnds(postgresServer: PostgresServer, tmp_path: Path) -> None:
+    """
+    A model slower than the lease allows: the observation's processing is
+    cut at 80 % of SVC_WORKER_LEASE (before another worker could claim it),
+    its call cancelled (the row recorded client_gone) and the attempt
+    counted, with a reason saying so.
+    """
+    with runningWorkerRig(postgresServer, tmp_path, extractor="slow:20000") as rig:
+        rig.startWorker(SVC_WORKER_LEASE="5s", SVC_WORKER_MAX_ATTEMPTS="1")
+        [requestID] = newRequestIDs(1)
+        rig.queue({requestID: factsOf(requestID)})
+        waitUntil(lambda: _state(rig) == "failed", "the observation failed", 30)
+        [row] = rig.observations()
+        assert row["attempts"] == 1
+        assert row["reason"] == "processing took longer than SVC_WORKER_LEASE allows"
+        waitUntil(lambda: len(rig.ledger()) == 1, "the extraction's row")
+        [extraction] = rig.ledger()
+        assert (extraction["kind"], extraction["outcome"]) == ("extraction", "client_gone")
+        assert 3.5 <= extraction["duration_us"] / 1e6 < 5.0
