@@ -52,6 +52,9 @@ LAST_BACKOFF = 300.0
 # What an observation leaves of its lease unused: time to release it and
 # for the release to reach svc-memory before the lease runs out.
 LEASE_MARGIN = 0.2
+# A starting worker waits for the change feed's first snapshot; only a
+# wait longer than this is worth a warning.
+START_GRACE = 5.0
 
 
 def backoff(attempts: int) -> float:
@@ -106,6 +109,7 @@ class ObservationLoop:
         self._pollInterval = pollInterval
         self._ready = ready
         self._running = False
+        self._startedAt = 0.0
         self._wake: Deferred[None] | None = None
         self._sleep: IDelayedCall | None = None
         self._claiming: Deferred[Any] | None = None
@@ -127,6 +131,7 @@ class ObservationLoop:
 
     def start(self) -> None:
         self._running = True
+        self._startedAt = self._clock.seconds()
         self._done = Deferred.fromCoroutine(self._run())
         self._done.addErrback(lambda failure: self.log.failure("svc-worker's loop failed", failure))
 
@@ -137,10 +142,11 @@ class ObservationLoop:
                 await self._pause(None)
                 continue
             if not self._ready():
-                self._notReady.warn(
-                    "Not claiming observations: svc-auth's change feed is not live (limits"
-                    " and budgets unknown) or the ledger's outbox is full"
-                )
+                if self._clock.seconds() - self._startedAt >= START_GRACE:
+                    self._notReady.warn(
+                        "Not claiming observations: svc-auth's change feed is not live"
+                        " (limits and budgets unknown) or the ledger's outbox is full"
+                    )
                 await self._pause(self._pollInterval)
                 continue
             claimed = await self._claim(min(free, MAX_CLAIM))
