@@ -86,6 +86,8 @@ def test_stopWithFailureBeforeTheReactorRuns(capsys: pytest.CaptureFixture[str])
     follows the shutdown either way.
     """
     reactor = MemoryReactor()
+    # Twisted 25.5's MemoryReactor starts with hasStopped set.
+    reactor.hasStopped = False
     stopWithFailure(reactor, "svc-x: cannot start: the reason")
     assert not reactor.hasStopped
     assert reactor.whenRunningHooks == [(reactor.stop, (), {})]
@@ -98,7 +100,7 @@ def test_stopWithFailureWhileRunning() -> None:
     Once the reactor runs, the stop is immediate.
     """
     reactor = MemoryReactor()
-    reactor.running = True
+    reactor.running, reactor.hasStopped = True, False
     stopWithFailure(reactor, "svc-x: cannot go on")
     assert reactor.hasStopped
     assert reactor.whenRunningHooks == []

@@ -28,7 +28,6 @@ from typing import Any, NoReturn
 
 import psycopg
 
-from svcd.auth.authority import issueToken
 from svcd.auth.migrations import migrate
 from svcd.auth.store import (
     AGENT_STATUSES,
@@ -405,6 +404,10 @@ def run(arguments: argparse.Namespace, dsn: str) -> dict[str, Any] | str:
                 expiresAt = datetime.datetime.fromtimestamp(
                     time.time() + arguments.expires_in, datetime.UTC
                 ).replace(microsecond=0)
+            # Imported for this command only: argon2 and the validation
+            # machinery are a quarter of a second of every svcctl start.
+            from svcd.auth.authority import issueToken
+
             token, record = issueToken(
                 store,
                 orgID=arguments.org,

@@ -17,7 +17,6 @@ import uuid
 from typing import Any
 
 import attrs
-import numpy
 
 from svcd.common.ids import parseUUID
 
@@ -229,6 +228,11 @@ def checkEmbedding(model: str, vector: bytes) -> Embedding:
     dimensions = len(vector) // 4
     if dimensions > MAX_DIMENSIONS:
         raise InvalidMemory("embedding.vector", f"must have at most {MAX_DIMENSIONS} components")
+    # Imported here, not at the top: svcctl reads this module for its
+    # memory commands, and numpy would add a fifth of a second to every
+    # svcctl command (the daemon has it imported long before).
+    import numpy
+
     components = numpy.frombuffer(vector, dtype="<f4")
     if not bool(numpy.isfinite(components).all()):
         raise InvalidMemory("embedding.vector", "must have finite components")
