@@ -16,9 +16,10 @@ import pytest
 from svcd.auth.config import AuthConfig
 from svcd.memory.config import MemoryConfig
 from svcd.proxy.config import ProxyConfig
+from svcd.worker.config import WorkerConfig
 
 ETC = Path(__file__).resolve().parents[1] / "etc"
-UNITS = ("svc-auth", "svc-proxy", "svc-proxy@", "svc-memory")
+UNITS = ("svc-auth", "svc-proxy", "svc-proxy@", "svc-memory", "svc-worker")
 
 
 def readEnvironmentFile(path: Path) -> dict[str, str]:
@@ -87,6 +88,23 @@ def test_exampleEnvironmentsAreValid() -> None:
     memory = MemoryConfig.fromEnvironment(readEnvironmentFile(ETC / "svc" / "svc-memory.env"))
     assert memory.environment == "production" and memory.grpcHost == "127.0.0.1"
     assert (memory.port, memory.grpcPort) == (8082, 9092)
+    # svc-worker's names the example providers file, whose [memory] table it
+    # needs, and a journal under systemd's StateDirectory.
+    workerEnvironment = readEnvironmentFile(ETC / "svc" / "svc-worker.env")
+    assert workerEnvironment["SVC_PROVIDERS_FILE"] == "/etc/svc/providers.toml"
+    assert workerEnvironment["SVC_USAGE_JOURNAL"].startswith("/var/lib/svc/")
+    worker = WorkerConfig.fromEnvironment(
+        {
+            **workerEnvironment,
+            "SVC_PROVIDERS_FILE": str(ETC / "svc" / "providers.toml"),
+            "SVC_USAGE_JOURNAL": "",
+            "OPENAI_API_KEY": "sk-example",
+        }
+    )
+    assert worker.environment == "production" and worker.port == 8083
+    assert (worker.memoryGrpcAddr, worker.authGrpcAddr) == ("127.0.0.1:9092", "127.0.0.1:9091")
+    assert worker.memory.embeddingModel.name == "embed"
+    assert worker.memory.extractionModel is not None
 
 
 def test_exampleProvidersFileIsValid(tmp_path: Path) -> None:

@@ -174,6 +174,58 @@ def test_theCapHoldsUnderConcurrentAdds(memoryStore: MemoryStore, acme: Tenant) 
     memoryStore.add(scopeOf(acme, "elsewhere"), "fine", "{}", "api", None, embedding([1.0]), cap)
 
 
+def test_anExtractedMemoryIsAddedOncePerRequestAndContent(
+    memoryStore: MemoryStore, acme: Tenant
+) -> None:
+    """
+    svc-worker's adds are idempotent (decisions D13): an extracted memory
+    added again from the same request with the same content, at once from
+    eight threads too, is the memory first added (same id), one row;
+    another content, another request, another subject or the API's
+    source each make a memory of their own.
+    """
+    scope = scopeOf(acme, "user-1")
+
+    def extracted(content: str, request: str = "req-1", where: Scope = scope) -> uuid.UUID:
+        record = memoryStore.add(
+            where, content, "{}", "extracted", request, embedding([1.0, 0.0]), maxPerScope=100
+        )
+        return record.memoryID
+
+    first = extracted("lives in Paris")
+    assert extracted("lives in Paris") == first
+    start = threading.Barrier(8)
+    ids: list[uuid.UUID] = []
+
+    def racer() -> None:
+        start.wait()
+        ids.append(extracted("likes tea"))
+
+    threads = [threading.Thread(target=racer) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert len(ids) == 8 and len(set(ids)) == 1
+    others = {
+        extracted("lives in Rome"),
+        extracted("lives in Paris", "req-2"),
+        extracted("lives in Paris", where=scopeOf(acme, "user-2")),
+        memoryStore.add(
+            scope, "lives in Paris", "{}", "api", "req-1", embedding([1.0, 0.0]), 100
+        ).memoryID,
+    }
+    assert len(others) == 4 and not others & {first, ids[0]}
+    memories, _ = memoryStore.listMemories(scope, 100)
+    assert sorted(each.content for each in memories) == [
+        "likes tea",
+        "lives in Paris",
+        "lives in Paris",
+        "lives in Paris",
+        "lives in Rome",
+    ]
+
+
 def test_anAgentOfAnotherOrganizationIsRefused(
     memoryStore: MemoryStore, acme: Tenant, globex: Tenant
 ) -> None:

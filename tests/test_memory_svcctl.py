@@ -15,7 +15,7 @@ from memoryfixtures import embedding, scopeOf
 
 from svcd.auth.store import Store
 from svcd.memory.records import NewObservation, ObservedMessage, Scope
-from svcd.memory.store import MemoryStore
+from svcd.memory.store import MemoryStore, ObservationRelease
 from svcd.testing.memoryservice import RunningMemoryService
 
 
@@ -141,3 +141,67 @@ def test_aDeleteReachesEveryReplica(
             time.sleep(0.01)
     finally:
         service.stop()
+
+
+def test_jobsListRetryAndDrop(
+    memoryStore: MemoryStore, migratedDSN: str, owner: Store, acme: Tenant, globex: Tenant
+) -> None:
+    """
+    svcctl memory jobs lists the organization's observations not yet done
+    (waiting first, failed last) with their attempts, reason and next
+    attempt, never their content; retry makes a failed one due now with
+    its attempts from zero; drop deletes one; another organization's job
+    is no job of this one.
+    """
+    org = str(acme.orgID)
+    queued = memoryStore.queueObservations(
+        [
+            NewObservation(
+                scopeOf(acme, subject), f"req-{subject}", (ObservedMessage("user", "secret fact"),)
+            )
+            for subject in ("alice", "bob")
+        ]
+    )
+    alice, bob = (each.observationID for each in queued)
+    claimed = memoryStore.claimObservations("worker-1", 60, 10)
+    assert alice in {each.observationID for each in claimed}
+    memoryStore.releaseObservation(
+        acme.orgID, alice, "worker-1", ObservationRelease(0, True, True, "extraction: bad answer")
+    )
+    printed = svcctl(migratedDSN, "memory", "jobs", "--org", org)
+    assert "secret fact" not in printed.stdout
+    listed = document(printed)["data"]
+    assert [(each["id"], each["state"], each["attempts"]) for each in listed] == [
+        (str(bob), "waiting", 0),
+        (str(alice), "failed", 1),
+    ]
+    assert listed[1]["reason"] == "extraction: bad answer"
+    assert set(listed[0]) == {
+        "id",
+        "agent_id",
+        "subject",
+        "state",
+        "attempts",
+        "reason",
+        "next_attempt_at",
+    }
+    assert listed[0]["agent_id"] == str(acme.agentID) and listed[0]["subject"] == "bob"
+    retried = document(
+        svcctl(migratedDSN, "memory", "jobs", "retry", "--org", org, "--id", str(alice))
+    )
+    assert (retried["state"], retried["attempts"], retried["reason"]) == ("waiting", 0, None)
+    assert document(
+        svcctl(migratedDSN, "memory", "jobs", "drop", "--org", org, "--id", str(bob))
+    ) == {"id": str(bob), "dropped": True}
+    assert [
+        each["id"] for each in document(svcctl(migratedDSN, "memory", "jobs", "--org", org))["data"]
+    ] == [str(alice)]
+    other = svcctl(
+        migratedDSN, "memory", "jobs", "drop", "--org", str(globex.orgID), "--id", str(alice)
+    )
+    assert other.returncode != 0 and f"no job {alice}" in other.stderr
+    assert document(svcctl(migratedDSN, "memory", "jobs", "--org", str(globex.orgID))) == {
+        "data": []
+    }
+    missing = svcctl(migratedDSN, "memory", "jobs", "retry", "--org", org)
+    assert missing.returncode != 0 and "--id" in missing.stderr

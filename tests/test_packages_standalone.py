@@ -4,7 +4,8 @@ The packages a daemon needs to call providers and pay for it
 svcd.authclient, the connection to svc-auth the sender rides on; issue
 29) import nothing of svc-proxy: a daemon of Phase 4 (decisions D13) that
 imports them never imports svcd.proxy, its metrics, its configuration or
-its edge.
+its edge; nor does svc-worker itself (svcd.worker), which is such a
+daemon.
 
 In a fresh interpreter, since this test process has long imported the
 proxy.
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # is checked without editing this list.
 MODULES = sorted(
     ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-    for package in ("providers", "ledger", "limits", "authclient")
+    for package in ("providers", "ledger", "limits", "authclient", "worker")
     for path in (ROOT / "svcd" / package).glob("*.py")
 )
 
@@ -38,8 +39,8 @@ print(json.dumps(sorted(proxy)))
 
 def test_packagesImportNoProxy() -> None:
     """
-    Importing every module of svcd.providers, svcd.ledger, svcd.limits
-    and svcd.authclient loads no module of svcd.proxy.
+    Importing every module of svcd.providers, svcd.ledger, svcd.limits,
+    svcd.authclient and svcd.worker loads no module of svcd.proxy.
     """
     assert {
         "svcd.providers.upstream",
@@ -47,6 +48,8 @@ def test_packagesImportNoProxy() -> None:
         "svcd.ledger.sender",
         "svcd.limits.limiter",
         "svcd.authclient.connection",
+        "svcd.authclient.feed",
+        "svcd.worker.tap",
     } <= set(MODULES)
     result = subprocess.run(
         [sys.executable, "-c", _PROBE, *MODULES],

@@ -1,6 +1,6 @@
 """
 The proxy's validation cache (svcd/proxy/validation/cache.py, decisions D8) and
-its Bloom filter of known token ids (svcd/proxy/validation/knowntokens.py), alone,
+its Bloom filter of known token ids (svcd/authclient/knowntokens.py), alone,
 with an in-memory svc-auth, a switchable feed and task.Clock. The same
 rules against real svc-auth replicas and proxies are in
 test_gateway_cache.py.
@@ -20,14 +20,14 @@ from hypothesis import strategies as st
 from twisted.internet.defer import Deferred, fail
 from twisted.internet.task import Clock
 
+from svcd.authclient.feed import FeedNotLive
+from svcd.authclient.knowntokens import MINIMUM_CAPACITY, KnownTokens
 from svcd.common.errors import ApiError, ErrorCode
 from svcd.common.pat import formatToken, newSecret, parseToken
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.records import AgentInfo, TokenInfo
 from svcd.proxy.testing import FakeAuthClient
 from svcd.proxy.validation.cache import CachingAuthClient, ValidationCache
-from svcd.proxy.validation.feed import FeedNotLive
-from svcd.proxy.validation.knowntokens import MINIMUM_CAPACITY, KnownTokens
 
 LAG = 1.5
 TTL = 60.0

@@ -1,5 +1,5 @@
 """
-The proxy's end of svc-auth's change feed (svcd/proxy/validation/feed.py): when
+The proxy's end of svc-auth's change feed (svcd/authclient/feed.py): when
 it is live, what reaches the cache, reconnection and its logging. First
 with scripted streams, a task.Clock and a reactor whose callFromThread
 queue the test pumps; then against a real grpcio svc-auth and PostgreSQL.
@@ -24,9 +24,9 @@ from twisted.logger import ILogObserver, Logger, LogLevel
 from zope.interface import implementer
 
 from svcd.auth.store import Store
+from svcd.authclient.feed import ChangeFeed, FeedNotLive, openChangeFeed
+from svcd.authclient.knowntokens import KnownTokens
 from svcd.pb.auth.v1 import auth_pb2
-from svcd.proxy.validation.feed import ChangeFeed, FeedNotLive, openChangeFeed
-from svcd.proxy.validation.knowntokens import KnownTokens
 from svcd.testing.authservice import RunningAuthService
 
 

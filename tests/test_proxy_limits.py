@@ -35,6 +35,7 @@ from limitshelpers import (
 )
 from twisted.internet.defer import Deferred, gatherResults
 
+from svcd.authclient.feed import limitsRowOf
 from svcd.common.config import parseRedisURL
 from svcd.limits.book import NO_LIMITS, Applicable, LimitBook, LimitsRow
 from svcd.limits.limiter import (
@@ -72,7 +73,6 @@ from svcd.proxy.http.chatbody import parseChatBody
 from svcd.proxy.http.embeddingsbody import parseEmbeddingsBody
 from svcd.proxy.testing import MemoryCounters
 from svcd.proxy.validation.client import limitsOf
-from svcd.proxy.validation.feed import limitsRowOf
 from svcd.testing.servers import RedisServer
 
 OTHER_AGENT = "1f2e3d4c-5b6a-4798-8a7b-6c5d4e3f2a1b"
@@ -310,6 +310,36 @@ async def test_tokensReservedThenSettled(redisURL: str, redisServer: RedisServer
         assert counter(redisServer, ORG_TOKENS) == 170
         limiter.settle(second.reservation, 0)
         await waitFor(lambda: counter(redisServer, ORG_TOKENS) == 120)
+    finally:
+        await limiter.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_aCallThatCountsNoRequest(redisURL: str, redisServer: RedisServer) -> None:
+    """
+    svc-worker's calls (decisions D13) count against token limits, never
+    against a requests limit: with the org's and agent's rpm spent, such a
+    call is still admitted and reserves its tokens, is refused as a token
+    limit past tpm, and counts no request; with no token limit nor budget
+    it is not even a call to Redis (no decision, nothing counted).
+    """
+    book = bookOf(org=Limits(rpm=1, tpm=1000), agent=Limits(rpm=1))
+    limiter = await limiterWith(redisURL, book)
+    try:
+        assert (await limiter.hit(ORG_ID, AGENT_ID)) is not None
+        spent = await limiter.hit(ORG_ID, AGENT_ID)
+        assert spent is not None and spent.refusedBy == (REQUESTS, ORG)
+        worker = await limiter.hitTokens(ORG_ID, AGENT_ID, 600, 0)
+        assert worker is not None and worker.allowed
+        assert worker.reservation == Reservation((ORG_TOKENS,), 600)
+        refused = await limiter.hitTokens(ORG_ID, AGENT_ID, 600, 0)
+        assert refused is not None and refused.refusedBy == (TOKENS, ORG)
+        assert counter(redisServer, ORG_REQUESTS) == 1
+        assert counter(redisServer, AGENT_REQUESTS) == 1
+        assert counter(redisServer, ORG_TOKENS) == 600
+        book.replace([LimitsRow(ORG_ID, None, Limits(rpm=1))])
+        assert (await limiter.hitTokens(ORG_ID, AGENT_ID, 600, 0)) is None
+        assert counter(redisServer, ORG_REQUESTS) == 1
     finally:
         await limiter.stop()
 

@@ -30,6 +30,7 @@ from twisted.web.server import Request
 
 import svcd.limits.book
 from svcd.auth.store import Store
+from svcd.authclient.feed import memorySettingsFromProto, memorySettingsRowOf, rowOf
 from svcd.common.errors import ApiError, envelope
 from svcd.limits.book import MEMORY_OFF, BudgetRow, LimitBook, LimitsRow, MemorySettingsRow
 from svcd.limits.records import Budget, Limits, MemorySettings
@@ -38,7 +39,6 @@ from svcd.proxy.assembly import ProxyDaemon, assembleProxy
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.http.steps import MEMORY_HEADER, requestMemory
 from svcd.proxy.testing import MemoryCounters
-from svcd.proxy.validation.feed import memorySettingsFromProto, memorySettingsRowOf, rowOf
 from svcd.testing.authservice import RunningAuthService
 
 OTHER_AGENT = str(uuid.uuid4())

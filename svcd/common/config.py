@@ -208,3 +208,89 @@ def parseRedisURL(url: str, name: str = "REDIS_URL") -> RedisTarget | None:
         password=urllib.parse.unquote(parts.password) if parts.password else None,
         username=urllib.parse.unquote(parts.username) if parts.username else None,
     )
+
+
+# Clients of the gateway's gRPC services (svc-proxy and svc-worker): where
+# svc-auth and svc-memory answer, and the client side of their TLS.
+
+
+def grpcAddress(environ: Mapping[str, str], name: str) -> str:
+    """
+    A required gRPC target: C{host:port}, or an address list grpcio takes
+    (C{ipv4:a:port,b:port}).
+    """
+    return _checkedGrpcAddress(name, required(environ, name))
+
+
+def optionalGrpcAddress(environ: Mapping[str, str], name: str) -> str | None:
+    """
+    An address that may be left unset or empty (None then).
+    """
+    value = text(environ, name, "")
+    return _checkedGrpcAddress(name, value) if value else None
+
+
+def _checkedGrpcAddress(name: str, value: str) -> str:
+    if any(character.isspace() for character in value) or "/" in value.split(":", 1)[0]:
+        raise ConfigError(name, f"must be a host:port address, got {value!r}")
+    return value
+
+
+def _readPEM(environ: Mapping[str, str], name: str) -> bytes | None:
+    path = text(environ, name, "")
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as pemFile:
+            return pemFile.read()
+    except OSError as error:
+        raise ConfigError(name, f"cannot read {path!r}: {error.strerror}") from None
+
+
+def grpcTLS(
+    environ: Mapping[str, str],
+    names: tuple[str, str, str] = (
+        "SVC_AUTH_GRPC_TLS_CA",
+        "SVC_AUTH_GRPC_TLS_CERT",
+        "SVC_AUTH_GRPC_TLS_KEY",
+    ),
+) -> GrpcTLS | None:
+    """
+    The variables C{names} of a CA, a client certificate and its key
+    (SVC_AUTH_GRPC_TLS_* for svc-auth, SVC_MEMORY_GRPC_TLS_* for
+    svc-memory): all unset means plaintext; a client certificate needs its
+    key and the other way round.
+    """
+    caName, certName, keyName = names
+    ca = _readPEM(environ, caName)
+    cert = _readPEM(environ, certName)
+    key = _readPEM(environ, keyName)
+    if cert is not None and key is None:
+        raise ConfigError(keyName, f"is required when {certName} is set")
+    if key is not None and cert is None:
+        raise ConfigError(certName, f"is required when {keyName} is set")
+    if ca is None and cert is None:
+        return None
+    return GrpcTLS(rootCertificates=ca, certificateChain=cert, privateKey=key)
+
+
+def budgetTiming(environ: Mapping[str, str]) -> dict[str, float]:
+    """
+    How budget counters converge to the ledger (decisions D12, amended), for
+    any daemon that admits provider calls: SVC_BUDGET_LEASE (more than 0),
+    SVC_BUDGET_RECORD_GRACE (at least the lease: a settled reservation must
+    outlive one in flight) and SVC_BUDGET_RECONCILE_INTERVAL (durations:
+    more than 0), as the keyword arguments C{budgetLease},
+    C{budgetRecordGrace} and C{budgetReconcileInterval}.
+    """
+    lease = duration(environ, "SVC_BUDGET_LEASE", 30.0)
+    if lease <= 0:
+        raise ConfigError("SVC_BUDGET_LEASE", "must be more than 0")
+    grace = duration(environ, "SVC_BUDGET_RECORD_GRACE", 300.0)
+    if grace < lease:
+        raise ConfigError("SVC_BUDGET_RECORD_GRACE", "must be at least SVC_BUDGET_LEASE")
+    return {
+        "budgetLease": lease,
+        "budgetRecordGrace": grace,
+        "budgetReconcileInterval": duration(environ, "SVC_BUDGET_RECONCILE_INTERVAL", 30.0),
+    }

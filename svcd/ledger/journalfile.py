@@ -9,8 +9,11 @@ no gRPC and no Twisted.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
-__all__ = ["JOURNAL_MAGIC", "JournalError", "checkJournalPath"]
+from svcd.common.config import ConfigError
+
+__all__ = ["JOURNAL_MAGIC", "JournalError", "checkJournalPath", "journalFromEnvironment"]
 
 # The first line of every journal file (the format is described in
 # svcd.ledger.outbox).
@@ -45,3 +48,21 @@ def checkJournalPath(path: str) -> None:
         raise JournalError(f"cannot read {path!r}: {error.strerror}") from None
     if not JOURNAL_MAGIC.startswith(start):
         raise JournalError(f"{path!r} is not a usage journal of svc-proxy")
+
+
+def journalFromEnvironment(environ: Mapping[str, str], name: str) -> str | None:
+    """
+    The journal's path named by the variable C{name} (C{SVC_USAGE_JOURNAL}),
+    or None when unset or empty.
+
+    @raise ConfigError: when the path cannot be a journal (no such
+        directory, a directory, another kind of file).
+    """
+    path = environ.get(name, "").strip()
+    if not path:
+        return None
+    try:
+        checkJournalPath(path)
+    except JournalError as error:
+        raise ConfigError(name, str(error)) from None
+    return path

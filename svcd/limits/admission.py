@@ -91,6 +91,7 @@ class Admission:
         tokens: int = 0,
         cost: int = 0,
         ledgerID: str | None = None,
+        countRequest: bool = True,
     ) -> Reservation | None:
         """
         Count one request of C{orgID} (and C{agentID}) reserving C{tokens}
@@ -98,12 +99,19 @@ class Admission:
         X-RateLimit-* headers of its answer to C{headers}, whatever the
         decision.
 
+        @param countRequest: False for a call that counts against token
+            limits and budgets only, never a requests limit (svc-worker's,
+            decisions D13).
+
         @return: what the request holds until it is settled, or None when
             it holds nothing.
         @raise ApiError: 429 RATE_LIMITED or BUDGET_EXCEEDED, with
             Retry-After, past a limit.
         """
-        decision = await self._limiter.hit(orgID, agentID, tokens, cost, ledgerID=ledgerID)
+        if countRequest:
+            decision = await self._limiter.hit(orgID, agentID, tokens, cost, ledgerID=ledgerID)
+        else:
+            decision = await self._limiter.hitTokens(orgID, agentID, tokens, cost, ledgerID)
         if decision is None:
             return None
         headers.extend(decision.headers())

@@ -497,6 +497,22 @@ class RateLimiter(Protocol):
         member of its own until the ledger has the row.
         """
 
+    async def hitTokens(
+        self,
+        orgID: str,
+        agentID: str | None,
+        tokens: int,
+        cost: int,
+        ledgerID: str | None = None,
+    ) -> RateDecision | None:
+        """
+        As L{hit}, for a call checked and counted against token limits and
+        budgets only, never against a requests limit (svc-worker's provider
+        calls, decisions D13: the organization's requests per minute are
+        its clients' requests); C{None} at once, without Redis, when
+        neither applies.
+        """
+
     def applicable(self, orgID: str, agentID: str | None) -> Applicable:
         """
         The limits rows that apply to a request of C{orgID} by C{agentID}.
@@ -959,8 +975,34 @@ class RedisRateLimiter:
         cost: int = 0,
         ledgerID: str | None = None,
     ) -> RateDecision | None:
+        return await self._hit(orgID, agentID, tokens, cost, ledgerID, True)
+
+    async def hitTokens(
+        self,
+        orgID: str,
+        agentID: str | None,
+        tokens: int,
+        cost: int,
+        ledgerID: str | None = None,
+    ) -> RateDecision | None:
+        return await self._hit(orgID, agentID, tokens, cost, ledgerID, False)
+
+    async def _hit(
+        self,
+        orgID: str,
+        agentID: str | None,
+        tokens: int,
+        cost: int,
+        ledgerID: str | None,
+        countRequest: bool,
+    ) -> RateDecision | None:
         now = self._clock.seconds()
         windowStart = int(now) // WINDOW_SECONDS * WINDOW_SECONDS
+        if not countRequest:
+            reserving = self._book.applicable(orgID, agentID)
+            if not (reserving.tokenLimited or reserving.budgeted):
+                # Nothing that counts such a call: no check was skipped.
+                return None
         if not self._counters.connected:
             self._unavailable.warn("Redis is not connected; rate limiting is off until it is back")
             self._uncheckedAdmission(UNCHECKED_REDIS_UNAVAILABLE)
@@ -971,7 +1013,7 @@ class RedisRateLimiter:
                 # Not a key the script's packing can carry: a per-key delta.
                 ledgerID = None
             return await self._admit(
-                orgID, agentID, tokens, cost, applicable, now, windowStart, ledgerID
+                orgID, agentID, tokens, cost, applicable, now, windowStart, ledgerID, countRequest
             )
         count = await self._join(f"ratelimit:{orgID}:{windowStart}", None)
         if self._news is not None:
@@ -1001,8 +1043,11 @@ class RedisRateLimiter:
         now: float,
         windowStart: int,
         ledgerID: str | None = None,
+        countRequest: bool = True,
     ) -> RateDecision | None:
-        counters = self._countersOf(orgID, agentID, tokens, cost, applicable, now, windowStart)
+        counters = self._countersOf(
+            orgID, agentID, tokens, cost, applicable, now, windowStart, countRequest
+        )
         spendUnknown = False
         for _ in range(_SEED_ATTEMPTS):
             counts: list[int] | _Unchecked = await self._join(f"admit:{orgID}", counters, ledgerID)
@@ -1031,6 +1076,9 @@ class RedisRateLimiter:
                 # that budget (fail open, as for Redis), the next tries again.
                 counters = tuple(c for c in counters if c.key != unseeded.key)
                 spendUnknown = True
+                if not counters:
+                    # A call that counts no request had that budget alone.
+                    break
         self._uncheckedAdmission(UNCHECKED_SPEND_UNKNOWN)
         return None
 
@@ -1043,10 +1091,12 @@ class RedisRateLimiter:
         applicable: Applicable,
         now: float,
         windowStart: int,
+        countRequest: bool = True,
     ) -> tuple[Counter, ...]:
         """
         The counters of one request, in the order a refusal is reported:
-        the organization's requests, tokens and budget, then its agent's.
+        the organization's requests, tokens and budget, then its agent's
+        (without the requests counters when not C{countRequest}).
         A reservation larger than a whole C{tpm} is cut to it, so that such
         a request still runs in an otherwise empty minute; a worst-case
         cost larger than a budget is refused (it could pass it).
@@ -1056,7 +1106,7 @@ class RedisRateLimiter:
         tpms = [row.tpm for row in (org, agent) if row is not None and row.tpm is not None]
         reserved = min(tokens, *tpms) if tpms else 0
         orgKey = f"ratelimit:{orgID}:{windowStart}"
-        counters = [Counter(orgKey, 1, rpm, REQUESTS, ORG)]
+        counters = [Counter(orgKey, 1, rpm, REQUESTS, ORG)] if countRequest else []
         if org is not None and org.tpm is not None:
             counters.append(Counter(orgKey + ":tokens", reserved, org.tpm, TOKENS, ORG))
         if applicable.orgBudget is not None:
@@ -1064,7 +1114,7 @@ class RedisRateLimiter:
             self._used(budget, orgID, None, now)
             counters.append(budget)
         agentKey = f"{orgKey}:agent:{agentID}"
-        if agent is not None and agent.rpm is not None:
+        if countRequest and agent is not None and agent.rpm is not None:
             counters.append(Counter(agentKey, 1, agent.rpm, REQUESTS, AGENT))
         if agent is not None and agent.tpm is not None:
             counters.append(Counter(agentKey + ":tokens", reserved, agent.tpm, TOKENS, AGENT))
@@ -1807,7 +1857,10 @@ def _decision(
         else:
             costKeys.append(counter.key)
             cost = counter.amount
-    assert requests is not None, "the organization's requests counter is always there"
+    if requests is None:
+        # A call that counts no request (svc-worker's): the headers, which
+        # nobody reads, describe the token limit.
+        requests = tokens if tokens is not None else (0, 0)
     reservation = None
     if not refused and (tokenKeys or costKeys):
         reservation = Reservation(tuple(tokenKeys), reserved, tuple(costKeys), cost)
@@ -1852,6 +1905,16 @@ class DisabledRateLimiter:
     ) -> RateDecision | None:
         self._notConfigured.warn("REDIS_URL is not configured; rate limiting is off")
         return None
+
+    async def hitTokens(
+        self,
+        orgID: str,
+        agentID: str | None,
+        tokens: int,
+        cost: int,
+        ledgerID: str | None = None,
+    ) -> RateDecision | None:
+        return await self.hit(orgID, agentID, tokens, cost, ledgerID)
 
     def applicable(self, orgID: str, agentID: str | None) -> Applicable:
         return NO_LIMITS

@@ -1,7 +1,10 @@
 """
 svcctl memory list|show|delete|purge (decisions D13): operators read and
 forget an agent's memories, straight in PostgreSQL like every svcctl
-command (L{svcd.auth.ctl}), which registers these.
+command (L{svcd.auth.ctl}), which registers these; and svcctl memory jobs
+[retry|drop]: the observations svc-worker has not done yet (waiting or
+failed, with their attempts and reason, never their content), made due
+again or dropped.
 
 Unlike svcctl's other commands, which act as the schema owner, these run
 as svc_memory_app in the named organization's row-level security context
@@ -29,7 +32,13 @@ import psycopg
 
 from svcd.common.errors import rfc3339
 from svcd.memory.records import SUBJECT_PATTERN, MemoryRecord, Scope
-from svcd.memory.store import APPLICATION_ROLE, MemoryForbidden, MemoryNotFound, MemoryStore
+from svcd.memory.store import (
+    APPLICATION_ROLE,
+    MemoryForbidden,
+    MemoryNotFound,
+    MemoryStore,
+    ObservationJob,
+)
 
 MAX_LIST = 1000
 
@@ -85,6 +94,16 @@ def addMemoryCommands(
         each.add_argument("--id", required=True, type=uuidOf("--id"), dest="memory_id")
     listing.add_argument("--limit", type=_limit, default=100, help=f"1 to {MAX_LIST}; 100")
     listing.add_argument("--after", type=uuidOf("--after"), help="a memory id: list past it")
+    jobs = memory.add_parser(
+        "jobs",
+        help="observations svc-worker has not done yet (never their content); retry makes"
+        " one due now with its attempts from zero, drop deletes it",
+    )
+    jobs.add_argument("operation", nargs="?", choices=("retry", "drop"))
+    jobs.add_argument("--org", required=True, type=uuidOf("--org"))
+    jobs.add_argument("--agent", type=uuidOf("--agent"), help="only this agent's (listing)")
+    jobs.add_argument("--id", type=uuidOf("--id"), dest="job_id", help="the job (retry, drop)")
+    jobs.add_argument("--limit", type=_limit, default=100, help=f"1 to {MAX_LIST}; 100")
     return memory
 
 
@@ -118,6 +137,8 @@ def runMemory(
         organization exists and the agent is one of its own (raising its
         error otherwise).
     """
+    if arguments.action == "jobs":
+        return _jobs(arguments, connection, requireAgent)
     orgID, agentID, subject = arguments.org, arguments.agent, arguments.subject
     requireAgent(orgID, agentID)
     # From here on as the service's role, in the organization's context.
@@ -164,3 +185,50 @@ def runMemory(
             + ("" if subject is None else f" and subject {subject!r}")
         ) from None
     return {"id": str(memoryID), "object": "memory", "deleted": True}
+
+
+def jobDocument(job: ObservationJob) -> dict[str, Any]:
+    """
+    A job as svcctl prints it (decisions D13): never the observation's
+    messages.
+    """
+    return {
+        "id": str(job.observationID),
+        "agent_id": str(job.agentID),
+        "subject": job.subject,
+        "state": job.state,
+        "attempts": job.attempts,
+        "reason": job.reason,
+        "next_attempt_at": rfc3339(job.nextAttemptAt),
+    }
+
+
+def _jobs(
+    arguments: argparse.Namespace,
+    connection: psycopg.Connection[Any],
+    requireAgent: Callable[[uuid.UUID, uuid.UUID | None], None],
+) -> dict[str, Any]:
+    """
+    svcctl memory jobs [retry|drop], as svc_memory_app in the
+    organization's context.
+    """
+    orgID: uuid.UUID = arguments.org
+    operation = arguments.operation
+    if operation is None and arguments.job_id is not None:
+        raise MemoryCommandError("--id is for retry and drop; the listing takes --agent")
+    if operation is not None and arguments.job_id is None:
+        raise MemoryCommandError(f"jobs {operation} needs --id")
+    requireAgent(orgID, arguments.agent if operation is None else None)
+    connection.execute(f"SET ROLE {APPLICATION_ROLE}")
+    store = MemoryStore(lambda: contextlib.nullcontext(connection))
+    if operation is None:
+        jobs = store.listJobs(orgID, arguments.agent, arguments.limit)
+        return {"data": [jobDocument(each) for each in jobs]}
+    jobID: uuid.UUID = arguments.job_id
+    try:
+        if operation == "retry":
+            return jobDocument(store.retryJob(orgID, jobID))
+        store.dropJob(orgID, jobID)
+    except MemoryNotFound:
+        raise MemoryCommandError(f"no job {jobID} of organization {orgID}") from None
+    return {"id": str(jobID), "dropped": True}

@@ -35,7 +35,10 @@ MAX_REQUEST_ID_CHARACTERS = 200
 MAX_OBSERVED_MESSAGES = 64
 MAX_OBSERVED_MESSAGE_BYTES = 16 * 1024
 OBSERVED_ROLES = ("user", "assistant")
-SOURCES = ("api", "extracted")
+# Where a memory came from: a caller of the API, or svc-worker.
+API = "api"
+EXTRACTED = "extracted"
+SOURCES = (API, EXTRACTED)
 MAX_REASON_CHARACTERS = 500
 
 

@@ -19,6 +19,7 @@ nothing else.
 
 from __future__ import annotations
 
+import datetime
 import json
 import time
 import uuid
@@ -35,6 +36,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from svcd.auth.store import StoreRejected, StoreUnavailable, StoreValueRefused
 from svcd.common.ids import uuid7
 from svcd.memory.records import (
+    EXTRACTED,
     ClaimedObservation,
     Embedding,
     MemoryRecord,
@@ -182,6 +184,22 @@ _MICROS = "(extract(epoch FROM created_at) * 1000000)::bigint AS created_micros"
 
 
 @attrs.frozen
+class ObservationJob:
+    """
+    An observation not yet done, as an operator sees it (svcctl memory
+    jobs): never its messages.
+    """
+
+    observationID: uuid.UUID
+    agentID: uuid.UUID
+    subject: str
+    state: str
+    attempts: int
+    reason: str | None
+    nextAttemptAt: datetime.datetime
+
+
+@attrs.frozen
 class ObservationRelease:
     """
     How a worker hands back an observation it claimed but did not finish.
@@ -318,6 +336,14 @@ class MemoryStore:
         the second finds the scope full. (Adds to other scopes do not wait,
         but for the rare collision of two scopes' 64-bit hashes.)
 
+        An extracted memory (svc-worker's, decisions D13) is added once:
+        when the scope holds one made from the same request
+        (C{sourceRequestID}) with the same content, that one is answered
+        and nothing is added, so that an observation processed again never
+        stores a fact twice (sql/0011_memory_extracted_index.sql). Checked
+        under the scope's lock, so two workers adding it at once add it
+        once.
+
         @raise ScopeFull: the scope holds C{maxPerScope} memories already.
         @raise StoreRejected: the agent is not one of the organization's.
         """
@@ -325,6 +351,17 @@ class MemoryStore:
 
         def insert(cursor: Cursor) -> MemoryRecord:
             _lockScope(cursor, scope)
+            if source == EXTRACTED and sourceRequestID:
+                cursor.execute(
+                    f"SELECT {_MEMORY_COLUMNS} FROM memories"
+                    " WHERE org_id = %s AND source = 'extracted' AND source_request_id = %s"
+                    " AND agent_id = %s AND subject = %s AND content = %s"
+                    " ORDER BY created_at, id LIMIT 1",
+                    (scope.orgID, sourceRequestID, scope.agentID, scope.subject, content),
+                )
+                row = cursor.fetchone()
+                if row is not None:
+                    return _memory(row)
             cursor.execute(
                 "SELECT count(*) AS held FROM memories"
                 " WHERE org_id = %s AND agent_id = %s AND subject = %s",
@@ -762,6 +799,89 @@ class MemoryStore:
             raise AssertionError("unreachable")
 
         return self._run("observation_release", hand, orgID)
+
+    # Jobs, for operators (svcctl memory jobs).
+
+    def listJobs(
+        self, orgID: uuid.UUID, agentID: uuid.UUID | None, limit: int
+    ) -> list[ObservationJob]:
+        """
+        The organization's observations not yet done (waiting or failed),
+        the next due first, failed ones last: never their messages.
+        """
+
+        def query(cursor: Cursor) -> list[ObservationJob]:
+            cursor.execute(
+                "SELECT id, agent_id, subject, state, attempts, reason, next_attempt_at"
+                " FROM memory_observations WHERE org_id = %s"
+                " AND (%s::uuid IS NULL OR agent_id = %s::uuid)"
+                " ORDER BY state = 'failed', next_attempt_at, id LIMIT %s",
+                (orgID, agentID, agentID, limit),
+            )
+            return [
+                ObservationJob(
+                    observationID=row["id"],
+                    agentID=row["agent_id"],
+                    subject=row["subject"],
+                    state=row["state"],
+                    attempts=row["attempts"],
+                    reason=row["reason"],
+                    nextAttemptAt=row["next_attempt_at"],
+                )
+                for row in cursor.fetchall()
+            ]
+
+        return self._run("observation_jobs", query, orgID)
+
+    def retryJob(self, orgID: uuid.UUID, observationID: uuid.UUID) -> ObservationJob:
+        """
+        Make an observation due now with its attempts counted from zero
+        again (a failed one waits again). A lease a worker holds is left to
+        it: the worker's own release decides what comes next.
+
+        @raise MemoryNotFound: the organization has no such observation.
+        """
+
+        def update(cursor: Cursor) -> ObservationJob:
+            cursor.execute(
+                "UPDATE memory_observations SET state = 'waiting', attempts = 0,"
+                " reason = NULL, next_attempt_at = now(), updated_at = now()"
+                " WHERE id = %s AND org_id = %s"
+                " RETURNING id, agent_id, subject, state, attempts, reason, next_attempt_at",
+                (observationID, orgID),
+            )
+            row = cursor.fetchone()
+            if row is None:
+                raise MemoryNotFound("no such observation")
+            return ObservationJob(
+                observationID=row["id"],
+                agentID=row["agent_id"],
+                subject=row["subject"],
+                state=row["state"],
+                attempts=row["attempts"],
+                reason=row["reason"],
+                nextAttemptAt=row["next_attempt_at"],
+            )
+
+        return self._run("observation_retry", update, orgID)
+
+    def dropJob(self, orgID: uuid.UUID, observationID: uuid.UUID) -> None:
+        """
+        Delete an observation, processed or not (a worker holding it finds
+        it gone when it completes, and removes the memories it added).
+
+        @raise MemoryNotFound: the organization has no such observation.
+        """
+
+        def delete(cursor: Cursor) -> None:
+            cursor.execute(
+                "DELETE FROM memory_observations WHERE id = %s AND org_id = %s RETURNING id",
+                (observationID, orgID),
+            )
+            if cursor.fetchone() is None:
+                raise MemoryNotFound("no such observation")
+
+        self._run("observation_drop", delete, orgID)
 
     def observationsWaiting(self) -> int:
         """

@@ -24,6 +24,7 @@ from twisted.internet.interfaces import IReactorFromThreads
 
 from svcd.authclient.channel import authChannel
 from svcd.authclient.connection import AuthConnection
+from svcd.authclient.feed import ChangeFeed
 from svcd.common.config import GrpcTLS
 from svcd.ledger.outbox import UsageJournal, UsageOutbox, UsageSender
 from svcd.ledger.sender import LedgerSender
@@ -49,7 +50,6 @@ from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.service import ClosableAuthClient, Dependency, ProxyService
 from svcd.proxy.validation.cache import CachingAuthClient, LifecycleAuthClient, ValidationCache
 from svcd.proxy.validation.client import AuthClient, GrpcAuthClient
-from svcd.proxy.validation.feed import ChangeFeed
 
 
 @attrs.frozen

@@ -15,9 +15,18 @@ from collections.abc import Callable, Mapping
 import attrs
 
 from svcd.common import config
-from svcd.common.config import ConfigError, GrpcTLS, RedisTarget, parseRedisURL
+from svcd.common.config import (
+    ConfigError,
+    GrpcTLS,
+    RedisTarget,
+    budgetTiming,
+    grpcAddress,
+    grpcTLS,
+    optionalGrpcAddress,
+    parseRedisURL,
+)
 from svcd.common.ids import parseUUID
-from svcd.ledger.journalfile import JournalError, checkJournalPath
+from svcd.ledger.journalfile import journalFromEnvironment
 from svcd.providers.table import MemoryConfig, ProviderTable, providersFromEnvironment
 
 # RFC 9110 token characters: what a header name may be made of.
@@ -112,13 +121,13 @@ class ProxyConfig:
             has a value we cannot use.
         """
         return cls(
-            authGrpcAddr=_grpcAddress(environ, "SVC_AUTH_GRPC_ADDR"),
+            authGrpcAddr=grpcAddress(environ, "SVC_AUTH_GRPC_ADDR"),
             host=config.text(environ, "SVC_HOST", "0.0.0.0") or "0.0.0.0",
             port=config.port(_asciiDigits(environ, "SVC_PORT"), "SVC_PORT", 8080),
             reusePort=config.flag(environ, "SVC_REUSE_PORT", False),
-            authTLS=_grpcTLS(environ),
-            memoryGrpcAddr=_optionalGrpcAddress(environ, "SVC_MEMORY_GRPC_ADDR"),
-            memoryTLS=_grpcTLS(
+            authTLS=grpcTLS(environ),
+            memoryGrpcAddr=optionalGrpcAddress(environ, "SVC_MEMORY_GRPC_ADDR"),
+            memoryTLS=grpcTLS(
                 environ,
                 ("SVC_MEMORY_GRPC_TLS_CA", "SVC_MEMORY_GRPC_TLS_CERT", "SVC_MEMORY_GRPC_TLS_KEY"),
             ),
@@ -169,28 +178,9 @@ class ProxyConfig:
             usageOutboxMax=config.positiveInteger(
                 _asciiDigits(environ, "SVC_USAGE_OUTBOX_MAX"), "SVC_USAGE_OUTBOX_MAX", 100_000
             ),
-            usageJournal=_usageJournal(environ, "SVC_USAGE_JOURNAL"),
-            **_budgetTiming(environ),
+            usageJournal=journalFromEnvironment(environ, "SVC_USAGE_JOURNAL"),
+            **budgetTiming(environ),
         )
-
-
-def _budgetTiming(environ: Mapping[str, str]) -> dict[str, float]:
-    """
-    SVC_BUDGET_LEASE (more than 0), SVC_BUDGET_RECORD_GRACE (at least the
-    lease: a settled reservation must outlive one in flight) and
-    SVC_BUDGET_RECONCILE_INTERVAL (durations: more than 0).
-    """
-    lease = config.duration(environ, "SVC_BUDGET_LEASE", 30.0)
-    if lease <= 0:
-        raise ConfigError("SVC_BUDGET_LEASE", "must be more than 0")
-    grace = config.duration(environ, "SVC_BUDGET_RECORD_GRACE", 300.0)
-    if grace < lease:
-        raise ConfigError("SVC_BUDGET_RECORD_GRACE", "must be at least SVC_BUDGET_LEASE")
-    return {
-        "budgetLease": lease,
-        "budgetRecordGrace": grace,
-        "budgetReconcileInterval": config.duration(environ, "SVC_BUDGET_RECONCILE_INTERVAL", 30.0),
-    }
 
 
 def _asciiDigits(environ: Mapping[str, str], name: str) -> Mapping[str, str]:
@@ -205,82 +195,11 @@ def _asciiDigits(environ: Mapping[str, str], name: str) -> Mapping[str, str]:
     return environ
 
 
-def _grpcAddress(environ: Mapping[str, str], name: str) -> str:
-    return _checkedGrpcAddress(name, config.required(environ, name))
-
-
-def _optionalGrpcAddress(environ: Mapping[str, str], name: str) -> str | None:
-    """
-    An address that may be left unset or empty (None then).
-    """
-    value = config.text(environ, name, "")
-    return _checkedGrpcAddress(name, value) if value else None
-
-
-def _checkedGrpcAddress(name: str, value: str) -> str:
-    if any(character.isspace() for character in value) or "/" in value.split(":", 1)[0]:
-        raise ConfigError(name, f"must be a host:port address, got {value!r}")
-    return value
-
-
 def _headerName(environ: Mapping[str, str], name: str, default: str) -> str:
     value = config.text(environ, name, default) or default
     if not _HEADER_NAME.match(value):
         raise ConfigError(name, f"must be an HTTP header name, got {value!r}")
     return value
-
-
-def _usageJournal(environ: Mapping[str, str], name: str) -> str | None:
-    """
-    The journal's path, or None when unset or empty; refused when it cannot
-    be a journal (no such directory, a directory, another kind of file).
-    """
-    path = config.text(environ, name, "")
-    if not path:
-        return None
-    try:
-        checkJournalPath(path)
-    except JournalError as error:
-        raise ConfigError(name, str(error)) from None
-    return path
-
-
-def _readPEM(environ: Mapping[str, str], name: str) -> bytes | None:
-    path = config.text(environ, name, "")
-    if not path:
-        return None
-    try:
-        with open(path, "rb") as pemFile:
-            return pemFile.read()
-    except OSError as error:
-        raise ConfigError(name, f"cannot read {path!r}: {error.strerror}") from None
-
-
-def _grpcTLS(
-    environ: Mapping[str, str],
-    names: tuple[str, str, str] = (
-        "SVC_AUTH_GRPC_TLS_CA",
-        "SVC_AUTH_GRPC_TLS_CERT",
-        "SVC_AUTH_GRPC_TLS_KEY",
-    ),
-) -> GrpcTLS | None:
-    """
-    The variables C{names} of a CA, a client certificate and its key
-    (SVC_AUTH_GRPC_TLS_* for svc-auth, SVC_MEMORY_GRPC_TLS_* for
-    svc-memory): all unset means plaintext; a client certificate needs its
-    key and the other way round.
-    """
-    caName, certName, keyName = names
-    ca = _readPEM(environ, caName)
-    cert = _readPEM(environ, certName)
-    key = _readPEM(environ, keyName)
-    if cert is not None and key is None:
-        raise ConfigError(keyName, f"is required when {certName} is set")
-    if key is not None and cert is None:
-        raise ConfigError(certName, f"is required when {keyName} is set")
-    if ca is None and cert is None:
-        return None
-    return GrpcTLS(rootCertificates=ca, certificateChain=cert, privateKey=key)
 
 
 def parseOrgOverrides(text: str, name: str = "SVC_RATE_LIMIT_ORG_OVERRIDES") -> dict[str, int]:

@@ -125,6 +125,18 @@ How it is delivered (any of these, with any of the above):
     C{usage-at-cap}, with C{completion_tokens} that many times (default 2)
     more than the request allows: a provider that ignored its cap.
 
+Extraction
+==========
+
+svc-worker's extraction request (decisions D13: C{"response_format":
+{"type": "json_object"}}, the project's extraction prompt as the first
+message, the conversation as JSON in the second) is answered, for C{echo},
+with the content C{{"memories": [...]}}: each sentence of the user's turns
+that says something of the user (it has a word of the first person
+singular: I, me, my, ...) and is no question, in order, at most 20
+(L{extractionContent}). The other kinds answer as usual (C{bytes:10} gives
+an answer whose content is not the JSON asked for).
+
 Embeddings
 ==========
 
@@ -506,6 +518,52 @@ def echoContent(body: object) -> tuple[str, int]:
     return content, sum(len(text.split()) for text in texts)
 
 
+# A sentence: text up to its end mark (or the end). A statement about the
+# user: one with a word of the first person singular.
+_SENTENCE = re.compile(r"[^.!?\n]+[.!?]*")
+_FIRST_PERSON = re.compile(r"\b(i|i'm|i've|i'd|i'll|me|my|mine|myself)\b", re.IGNORECASE)
+
+
+def extractionContent(body: object) -> str | None:
+    """
+    The answer of the scripted model to svc-worker's extraction request
+    (decisions D13: C{response_format} a JSON object, the extraction
+    prompt first, the conversation as JSON in the next message), or None
+    for any other request: C{{"memories": [...]}} holding each sentence of
+    the user's turns that says something of the user (a word of the first
+    person singular) and is no question, trimmed, in order, at most 20.
+    """
+    from svcd.worker.extraction import MAX_MEMORIES, PROMPT_FIRST_LINE
+
+    if not isinstance(body, dict) or body.get("response_format") != {"type": "json_object"}:
+        return None
+    messages = body.get("messages")
+    if not isinstance(messages, list) or len(messages) < 2:
+        return None
+    first, second = messages[0], messages[1]
+    if not (
+        isinstance(first, dict)
+        and isinstance(first.get("content"), str)
+        and first["content"].startswith(PROMPT_FIRST_LINE)
+        and isinstance(second, dict)
+        and isinstance(second.get("content"), str)
+    ):
+        return None
+    try:
+        turns = json.loads(second["content"])["conversation"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    memories: list[str] = []
+    for turn in turns if isinstance(turns, list) else []:
+        if not isinstance(turn, dict) or turn.get("role") != "user":
+            continue
+        for sentence in _SENTENCE.findall(str(turn.get("content", ""))):
+            sentence = sentence.strip()
+            if sentence and not sentence.endswith("?") and _FIRST_PERSON.search(sentence):
+                memories.append(sentence)
+    return json.dumps({"memories": memories[:MAX_MEMORIES]})
+
+
 _WORD = re.compile(r"\w+")
 
 
@@ -757,6 +815,9 @@ class _Answer:
             text = "y" * count
             size = BYTES_DELTA_SIZE
             return [text[start : start + size] for start in range(0, count, size)], promptTokens
+        extracted = extractionContent(self._body)
+        if extracted is not None:
+            return [extracted], promptTokens
         return re.findall(r"\S+\s*", content), promptTokens
 
     def _usage(self, content: str, promptTokens: int) -> dict[str, object]:

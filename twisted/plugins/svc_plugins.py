@@ -1,6 +1,6 @@
 """
 twistd plugins of the svc gateway: C{twistd -n svc-auth},
-C{twistd -n svc-proxy} and C{twistd -n svc-memory}.
+C{twistd -n svc-proxy}, C{twistd -n svc-memory} and C{twistd -n svc-worker}.
 
 Each plugin is one statement; options and makeService live in
 svcd.<part>.tap and are imported only when the plugin is used, so
@@ -28,4 +28,11 @@ svcMemory = ServiceMaker(
     "svcd.memory.tap",
     "svc memory service: gRPC svc.memory.v1.MemoryService plus /health, /ready, /metrics",
     "svc-memory",
+)
+
+svcWorker = ServiceMaker(
+    "svc-worker",
+    "svcd.worker.tap",
+    "svc worker: observations become memories, paid for by the organization",
+    "svc-worker",
 )

@@ -63,14 +63,14 @@ import attrs
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.python.failure import Failure
 
+from svcd.authclient.feed import FeedNotLive
+from svcd.authclient.knowntokens import KnownTokens
 from svcd.common.clocks import Clock
 from svcd.common.errors import ApiError, ErrorCode
 from svcd.common.pat import PREFIX
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.records import AgentInfo, TokenInfo
 from svcd.proxy.validation.client import AuthClient
-from svcd.proxy.validation.feed import FeedNotLive
-from svcd.proxy.validation.knowntokens import KnownTokens
 
 # Decisions D7: a change reaches every svc-auth replica within one second;
 # half a second more for the call's own way.
@@ -340,7 +340,7 @@ class LifecycleAuthClient(AuthClient, Protocol):
 
 class Feed(Protocol):
     """
-    What the client needs of the change feed (L{svcd.proxy.validation.feed.ChangeFeed}).
+    What the client needs of the change feed (L{svcd.authclient.feed.ChangeFeed}).
     """
 
     def start(self) -> None: ...

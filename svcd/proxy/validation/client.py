@@ -16,6 +16,13 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.logger import Logger
 
 from svcd.authclient.connection import AuthConnection, AuthMethod, resultLabel, statusOf
+from svcd.authclient.feed import (
+    FeedCall,
+    budgetFromProto,
+    limitsFromProto,
+    memorySettingsFromProto,
+    openChangeFeed,
+)
 from svcd.authclient.slots import FIRST_STAGE, LATER_STAGE
 from svcd.common.errors import ApiError, ErrorCode, FieldError, FieldErrorCode, validationError
 from svcd.common.ids import parseUUID
@@ -28,13 +35,6 @@ from svcd.limits.records import Budget, Limits, MemorySettings
 from svcd.pb.auth.v1 import auth_pb2
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.records import AgentInfo, TokenInfo
-from svcd.proxy.validation.feed import (
-    FeedCall,
-    budgetFromProto,
-    limitsFromProto,
-    memorySettingsFromProto,
-    openChangeFeed,
-)
 from svcd.proxy.validation.sharedcalls import SharedCalls
 
 # The request header naming the calling agent.

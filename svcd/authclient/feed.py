@@ -1,7 +1,14 @@
 """
-svc-auth's change feed as svc-proxy holds it (decisions D8): the stream of
-every token and agent change that lets the proxy answer validations from
-memory, and the judge of whether that memory may be trusted right now.
+svc-auth's change feed as a daemon holds it (decisions D8): the stream of
+every token and agent change that lets svc-proxy answer validations from
+memory, and of the limits rows, budgets and memory settings (D11, D12,
+D13) that svc-proxy and svc-worker admit their provider calls by; and the
+judge of whether what it told may be trusted right now.
+
+Here, beside the connection to svc-auth, rather than in svc-proxy, so that
+svc-worker (decisions D13) learns limits and budgets by the very code the
+proxy does: a worker passes no consumer of token changes, only the limit
+book (L{ChangeFeed}'s C{consumer} is then L{IGNORE_TOKENS}).
 
 The stream is a grpcio server-streaming call, whose messages can only be
 read by blocking on an iterator, so it is read on a thread of its own
@@ -42,16 +49,17 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
+import attrs
 from twisted.internet.defer import Deferred, fail
 from twisted.internet.interfaces import IReactorFromThreads
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
+from svcd.authclient.knowntokens import KnownTokens
 from svcd.common.clocks import Clock
 from svcd.limits.book import BookRow, BudgetRow, LimitBook, LimitsRow, MemorySettingsRow
 from svcd.limits.records import BUDGET_PERIODS, Budget, Limits, MemorySettings
 from svcd.pb.auth.v1 import auth_pb2
-from svcd.proxy.validation.knowntokens import KnownTokens
 
 # How old the last message may be for the feed to count as live (D8).
 MAX_AGE = 0.5
@@ -95,6 +103,39 @@ class FeedConsumer(Protocol):
         """
         An agent was created or changed status (its 16-byte id).
         """
+
+
+@attrs.frozen
+class FeedMeaning:
+    """
+    What a live feed, and a feed that is not, mean to the daemon that holds
+    it: the words of its log lines when the feed comes and goes.
+    """
+
+    live: str
+    down: str
+
+
+VALIDATIONS = FeedMeaning("validating from memory", "validating every request over gRPC")
+
+
+class _IgnoreTokens:
+    """
+    The consumer of a daemon that validates no token (svc-worker): the
+    snapshot's ids and the changes of tokens and agents are dropped.
+    """
+
+    def feedStarted(self, known: KnownTokens) -> None:
+        pass
+
+    def tokenChanged(self, tokenID: bytes) -> None:
+        pass
+
+    def agentChanged(self, agentID: bytes) -> None:
+        pass
+
+
+IGNORE_TOKENS: FeedConsumer = _IgnoreTokens()
 
 
 class FeedCall(Protocol):
@@ -141,6 +182,11 @@ class ChangeFeed:
     @param clock: the time source of C{live}, on both threads (its
         C{seconds} must be safe to call from any thread, as the reactor's
         is).
+    @param limitBook: filled with the limits rows, budgets and memory
+        settings the feed carries.
+    @param threadName: the name of the thread that reads the stream.
+    @param meaning: what the feed's coming and going means to the daemon,
+        in its log lines (svc-proxy's validations by default).
     """
 
     log = Logger()
@@ -155,9 +201,13 @@ class ChangeFeed:
         maxLag: float = MAX_LAG,
         retryDelays: Sequence[float] = RETRY_DELAYS,
         limitBook: LimitBook | None = None,
+        threadName: str = "svc-proxy-change-feed",
+        meaning: FeedMeaning | None = None,
     ) -> None:
         self._openStream = openStream
         self._consumer = consumer
+        self._threadName = threadName
+        self._meaning = meaning if meaning is not None else VALIDATIONS
         # Decisions D11, D12 and D13: the limits rows, budgets and memory
         # settings the feed carries.
         self._limitBook = limitBook
@@ -195,7 +245,7 @@ class ChangeFeed:
         Open the feed on a thread of its own, and watch its liveness.
         """
         self._stopping.clear()
-        self._thread = threading.Thread(target=self._run, name="svc-proxy-change-feed", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=self._threadName, daemon=True)
         self._thread.start()
         self._watchdog.start(self._maxAge / 2, now=False)
 
@@ -356,16 +406,17 @@ class ChangeFeed:
         if self._downSince is not None and self._everLive:
             self.log.info(
                 "Change feed from svc-auth is back after {seconds} s and {attempts} attempts;"
-                " validating from memory again ({known_tokens} known token ids)",
+                " {consequence} again ({known_tokens} known token ids)",
                 seconds=round(self._clock.seconds() - self._downSince, 3),
                 attempts=self._failedAttempts + 1,
                 known_tokens=len(known),
+                consequence=self._meaning.live,
             )
         elif not self._everLive:
             self.log.info(
-                "Change feed from svc-auth is live; validating from memory"
-                " ({known_tokens} known token ids)",
+                "Change feed from svc-auth is live; {consequence} ({known_tokens} known token ids)",
                 known_tokens=len(known),
+                consequence=self._meaning.live,
             )
         self._everLive = True
         self._wasLive = True
@@ -409,9 +460,9 @@ class ChangeFeed:
             self._failedAttempts = 0
             if self._everLive:
                 self.log.warn(
-                    "Change feed from svc-auth lost ({reason}); validating every request"
-                    " over gRPC until it is back",
+                    "Change feed from svc-auth lost ({reason}); {consequence} until it is back",
                     reason=reason,
+                    consequence=self._meaning.down,
                 )
         else:
             self._failedAttempts += 1
@@ -428,15 +479,16 @@ class ChangeFeed:
             self._downSince = self._clock.seconds()
             self._failedAttempts = 0
             self.log.warn(
-                "Change feed from svc-auth is silent (nothing for {max_age} s); validating"
-                " every request over gRPC until it speaks again",
+                "Change feed from svc-auth is silent (nothing for {max_age} s); {consequence}"
+                " until it speaks again",
                 max_age=self._maxAge,
+                consequence=self._meaning.down,
             )
         elif live and not self._wasLive and self._downSince is not None:
             self.log.info(
-                "Change feed from svc-auth speaks again after {seconds} s;"
-                " validating from memory again",
+                "Change feed from svc-auth speaks again after {seconds} s; {consequence} again",
                 seconds=round(self._clock.seconds() - self._downSince, 3),
+                consequence=self._meaning.live,
             )
             self._downSince = None
         self._wasLive = live

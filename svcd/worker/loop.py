@@ -1,0 +1,346 @@
+"""
+svc-worker's loop (decisions D13): claim due observations from svc-memory
+under a lease, process a bounded number at once, and hand back what could
+not be finished.
+
+  - At most C{concurrency} observations are in hand at once; a claim asks
+    for as many as there are free places (at most 100), so nothing claimed
+    waits in the worker while its lease runs.
+  - A claim that finds nothing due, or fails, is tried again after
+    C{pollInterval}; one that filled every place is followed by the next as
+    soon as a place is free.
+  - Nothing is claimed while C{ready} says no: while svc-auth's change feed
+    is not live the worker does not know the limits and budgets it must
+    admit its calls by (it has no validation answers to learn them from,
+    as the proxy has), nor while the ledger's outbox is full.
+  - Each observation has until its lease's end, less a margin, to finish;
+    past that it is cut (its calls cancelled) and released as a failed
+    attempt, so that two workers never process one observation at once.
+  - Released: a L{Deferral} waits its C{retryAfter} with no attempt
+    counted; a L{FailedAttempt} waits 1 s doubled per attempt, at most
+    5 min, and is kept as failed at C{maxAttempts} (or at once when no
+    attempt can mend it).
+  - L{ObservationLoop.stop} (SIGTERM) claims nothing more, lets what is in
+    hand finish for half the time it is given, then cancels the rest and
+    releases it, due at once and with no attempt counted.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from twisted.internet.defer import CancelledError, Deferred, DeferredList, TimeoutError
+from twisted.internet.interfaces import IDelayedCall
+from twisted.logger import Logger
+
+from svcd.common.clocks import Clock, asReactorTime
+from svcd.common.deferreds import timeoutDeferred
+from svcd.common.ids import uuid7Text
+from svcd.common.logthrottle import ThrottledWarning
+from svcd.memory.client import MemoryCallFailed, MemoryClient
+from svcd.worker.config import MAX_CLAIM
+from svcd.worker.metrics import DEFERRED, FAILED, RELEASED, RETRY, WorkerMetrics
+from svcd.worker.processor import Deferral, FailedAttempt, Observation, ObservationProcessor
+
+# A failed attempt's backoff (decisions D13): 1 s doubled per attempt.
+FIRST_BACKOFF = 1.0
+LAST_BACKOFF = 300.0
+# What an observation leaves of its lease unused: time to release it and
+# for the release to reach svc-memory before the lease runs out.
+LEASE_MARGIN = 0.2
+# A starting worker waits for the change feed's first snapshot; only a
+# wait longer than this is worth a warning.
+START_GRACE = 5.0
+
+
+def backoff(attempts: int) -> float:
+    """
+    The wait after an observation's C{attempts}-th failed attempt: 1 s,
+    2 s, 4 s ... at most 5 min.
+    """
+    return min(FIRST_BACKOFF * float(2 ** max(attempts - 1, 0)), LAST_BACKOFF)
+
+
+def leaseOwner(serviceName: str) -> str:
+    """
+    The name this process holds its leases under: the host, the process
+    and a random part, so that a restarted worker (same host and perhaps
+    the same pid) never takes a dead one's leases for its own.
+    """
+    return f"{serviceName}@{socket.gethostname()}:{os.getpid()}:{uuid7Text()[-12:]}"[:200]
+
+
+class ObservationLoop:
+    """
+    Claims and processes observations (see the module docstring).
+
+    @param ready: whether the worker may claim now (the change feed is live,
+        the ledger has room).
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        memory: MemoryClient,
+        processor: ObservationProcessor,
+        metrics: WorkerMetrics,
+        clock: Clock,
+        owner: str,
+        *,
+        lease: float,
+        maxAttempts: int,
+        concurrency: int,
+        pollInterval: float,
+        ready: Callable[[], bool],
+    ) -> None:
+        self._memory = memory
+        self._processor = processor
+        self._metrics = metrics
+        self._clock = clock
+        self.owner = owner
+        self._lease = lease
+        self._maxAttempts = maxAttempts
+        self._concurrency = concurrency
+        self._pollInterval = pollInterval
+        self._ready = ready
+        self._running = False
+        self._startedAt = 0.0
+        self._wake: Deferred[None] | None = None
+        self._sleep: IDelayedCall | None = None
+        self._claiming: Deferred[Any] | None = None
+        self._done: Deferred[None] | None = None
+        # Observations in hand: the Deferred of each one's processing.
+        self._inHand: dict[str, Deferred[str]] = {}
+        self._handling: dict[str, Deferred[None]] = {}
+        # Fired when the last observation in hand ends (a stop waits).
+        self._emptied: Deferred[None] | None = None
+        # The last claim: None before the first, else its error (or "").
+        self.lastClaimError: str | None = None
+        self._claimFailing = ThrottledWarning(self.log, clock, 30.0)
+        self._notReady = ThrottledWarning(self.log, clock, 30.0)
+        metrics.inFlight.set_function(lambda: len(self._handling))
+
+    @property
+    def inHand(self) -> int:
+        return len(self._handling)
+
+    def start(self) -> None:
+        self._running = True
+        self._startedAt = self._clock.seconds()
+        self._done = Deferred.fromCoroutine(self._run())
+        self._done.addErrback(lambda failure: self.log.failure("svc-worker's loop failed", failure))
+
+    async def _run(self) -> None:
+        while self._running:
+            free = self._concurrency - len(self._handling)
+            if free <= 0:
+                await self._pause(None)
+                continue
+            if not self._ready():
+                if self._clock.seconds() - self._startedAt >= START_GRACE:
+                    self._notReady.warn(
+                        "Not claiming observations: svc-auth's change feed is not live"
+                        " (limits and budgets unknown) or the ledger's outbox is full"
+                    )
+                await self._pause(self._pollInterval)
+                continue
+            claimed = await self._claim(min(free, MAX_CLAIM))
+            if self._stopRequested():
+                # Stopped while the claim was under way: hand them back.
+                for observation in claimed:
+                    self._handle(observation, start=False)
+                break
+            for observation in claimed:
+                self._handle(observation)
+            if len(claimed) < min(free, MAX_CLAIM):
+                await self._pause(self._pollInterval)
+
+    def _stopRequested(self) -> bool:
+        """
+        Has L{stop} been called (while the loop awaited)?
+        """
+        return not self._running
+
+    async def _claim(self, limit: int) -> list[Observation]:
+        self._claiming = self._memory.claimObservations(self.owner, limit, self._lease)
+        try:
+            answer = await self._claiming
+        except CancelledError:
+            return []
+        except MemoryCallFailed as error:
+            self.lastClaimError = str(error)
+            self._claimFailing.warn(
+                "Claiming observations from svc-memory failed ({error}); trying again",
+                error=str(error),
+            )
+            return []
+        finally:
+            self._claiming = None
+        self.lastClaimError = ""
+        return [Observation.fromClaim(each) for each in answer.observations]
+
+    async def _pause(self, seconds: float | None) -> None:
+        """
+        Wait C{seconds} (None: until an observation ends), or until woken.
+        """
+        wake: Deferred[None] = Deferred()
+        self._wake = wake
+        if seconds is not None:
+            self._sleep = self._clock.callLater(seconds, self._wakeUp)
+        try:
+            await wake
+        finally:
+            if self._sleep is not None and self._sleep.active():
+                self._sleep.cancel()
+            self._sleep = None
+
+    def _wakeUp(self) -> None:
+        wake, self._wake = self._wake, None
+        if wake is not None and not wake.called:
+            wake.callback(None)
+
+    # One observation.
+
+    def _handle(self, observation: Observation, start: bool = True) -> None:
+        began = time.perf_counter()
+        if start:
+            work = Deferred.fromCoroutine(self._processor.process(observation))
+        else:
+            work = Deferred()
+            work.cancel()
+        bounded = timeoutDeferred(
+            work, max(self._lease * (1 - LEASE_MARGIN), 1.0), asReactorTime(self._clock)
+        )
+        self._inHand[observation.observationID] = bounded
+        handling = Deferred.fromCoroutine(self._finish(observation, bounded, began))
+        self._handling[observation.observationID] = handling
+
+    async def _finish(self, observation: Observation, work: Deferred[str], began: float) -> None:
+        outcome = RELEASED
+        try:
+            try:
+                outcome = await work
+            except Deferral as deferral:
+                outcome = DEFERRED
+                await self._release(observation, deferral.retryAfter, False, False, deferral.reason)
+            except FailedAttempt as failed:
+                outcome = await self._failed(observation, failed.reason, failed.final)
+            except TimeoutError:
+                outcome = await self._failed(
+                    observation, "processing took longer than SVC_WORKER_LEASE allows", False
+                )
+            except CancelledError:
+                outcome = RELEASED
+                await self._release(observation, 0.0, False, False, "handed back at a stop")
+            except Exception:
+                self.log.failure(
+                    "Fault processing observation {observation_id}",
+                    observation_id=observation.observationID,
+                    org_id=observation.orgID,
+                )
+                outcome = await self._failed(observation, "internal error of svc-worker", False)
+        finally:
+            del self._inHand[observation.observationID]
+            del self._handling[observation.observationID]
+            self._metrics.observed(outcome, time.perf_counter() - began)
+            self.log.debug(
+                "Observation {observation_id} {outcome}",
+                observation_id=observation.observationID,
+                org_id=observation.orgID,
+                request_id=observation.requestID,
+                outcome=outcome,
+            )
+            self._wakeUp()
+            if not self._handling and self._emptied is not None:
+                emptied, self._emptied = self._emptied, None
+                emptied.callback(None)
+
+    async def _failed(self, observation: Observation, reason: str, final: bool) -> str:
+        attempts = observation.attempts + 1
+        failed = final or attempts >= self._maxAttempts
+        await self._release(observation, backoff(attempts), True, failed, reason)
+        if failed:
+            self.log.warn(
+                "Observation {observation_id} failed after {attempts} attempt(s): {reason}",
+                observation_id=observation.observationID,
+                org_id=observation.orgID,
+                attempts=attempts,
+                reason=reason,
+            )
+            return FAILED
+        return RETRY
+
+    async def _release(
+        self,
+        observation: Observation,
+        retryAfter: float,
+        countAttempt: bool,
+        failed: bool,
+        reason: str,
+    ) -> None:
+        """
+        Hand the observation back to svc-memory. When that fails, its lease
+        runs out and it is claimed again (as if this attempt never was).
+        """
+        try:
+            await self._memory.releaseObservation(
+                observation.orgID,
+                observation.observationID,
+                self.owner,
+                retryAfter,
+                countAttempt,
+                failed,
+                reason[:500],
+            )
+        except MemoryCallFailed as error:
+            self.log.warn(
+                "Observation {observation_id} could not be released ({error}); it returns"
+                " when its lease ends",
+                observation_id=observation.observationID,
+                org_id=observation.orgID,
+                error=str(error),
+            )
+
+    # Stopping.
+
+    def stop(self, timeout: float) -> Deferred[None]:
+        """
+        Claim nothing more; let the observations in hand finish for half of
+        C{timeout}, then cancel and release the rest.
+
+        @return: fires once every observation is completed or released
+            (or its release failed).
+        """
+        self._running = False
+        if self._claiming is not None:
+            self._claiming.cancel()
+        self._wakeUp()
+        return Deferred.fromCoroutine(self._stop(seconds=timeout))
+
+    async def _stop(self, seconds: float) -> None:
+        if self._done is not None:
+            await self._done
+        if not self._handling:
+            return
+        self.log.info(
+            "Stopping: {count} observation(s) in hand get {seconds} s to finish",
+            count=len(self._handling),
+            seconds=round(seconds / 2, 3),
+        )
+        emptied: Deferred[None] = Deferred()
+        self._emptied = emptied
+        try:
+            await timeoutDeferred(emptied, seconds / 2, asReactorTime(self._clock))
+            return
+        except TimeoutError:
+            self._emptied = None
+        left = list(self._inHand.values())
+        self.log.info("Releasing {count} unfinished observation(s)", count=len(left))
+        for work in left:
+            work.cancel()
+        await DeferredList(list(self._handling.values()), consumeErrors=True)

@@ -1,0 +1,489 @@
+"""
+One observation, from its claim to its completion (decisions D13): what
+svc-worker does with each, and what it pays for each step.
+
+  1. With an C{extraction_model}, a chat completion asks it for the
+     memories (L{svcd.worker.extraction}); without one, the user's text is
+     the one memory.
+  2. One embeddings call embeds them all (L{svcd.providers.embedder}, the
+     gateway's own embeddings, as the proxy's recall makes them).
+  3. For each, the scope's nearest memory at or above C{dedupe_score}
+     takes the new content (same id), else it is added (source
+     C{extracted}, the observation's request id).
+  4. The observation is completed (svc-memory deletes it).
+
+Each provider call is the organization's (decisions D11, D12, D12
+amended): admitted against its and its agent's token limits and budgets
+(never a requests limit: rpm counts clients' requests, and a worker
+draining a backlog must not lock the organization's clients out), with
+the true worst case reserved (the prompt's bytes, the output cap sent
+upstream under the model's C{cap_field}), settled to the provider's usage,
+and recorded as one ledger row of kind C{extraction} or C{embedding} whose
+parent is the observation's request id.
+
+How an observation can end other than completed is an exception of this
+module, which the loop (L{svcd.worker.loop}) turns into svc-memory's
+release: L{Deferral} (a limit's or a budget's refusal, a full ledger,
+svc-memory unreachable: waits, no attempt counted) or L{FailedAttempt}
+(counted, backed off, kept as failed after the last).
+
+At least once, never twice: each step may run again after a crash (the
+lease runs out and another claim takes the observation). Extraction and
+embedding run again and are paid again (they happened again); a memory
+already stored is found by the search (score 1 to itself) and takes the
+same content, and svc-memory adds an extracted memory once per request and
+content whatever the search says (sql/0011_memory_extracted_index.sql).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+from twisted.internet.defer import CancelledError
+from twisted.logger import Logger
+
+from svcd.common.clocks import Clock
+from svcd.common.errors import ApiError, ErrorCode
+from svcd.common.ids import uuid7Text
+from svcd.ledger.rows import CLIENT_GONE, EXTRACTION, OK, UPSTREAM_ERROR, UsageLedger, usageRow
+from svcd.limits.admission import Admission
+from svcd.limits.book import Applicable
+from svcd.limits.records import Reservation
+from svcd.limits.reservation import attemptsOf, outputCap, promptEstimate, worstCaseCost
+from svcd.memory.client import (
+    MemoryCallFailed,
+    MemoryClient,
+    MemoryFull,
+    MemoryNotFound,
+    MemoryUnavailable,
+)
+from svcd.memory.records import EXTRACTED, Embedding, Scope
+from svcd.providers.embedder import (
+    NEVER_STREAMED,
+    Embedder,
+    EmbeddingCall,
+    embeddingRefusal,
+    noErrorEvent,
+    reserveTexts,
+)
+from svcd.providers.records import UpstreamRecord
+from svcd.providers.table import MemoryConfig, Model, ProviderTable
+from svcd.providers.upstream import CHAT_COMPLETIONS, Forwarder
+from svcd.worker.extraction import BadExtraction, Turn, extractionRequest, memoriesOf, userText
+from svcd.worker.metrics import DONE, EMPTY, LOST, WorkerMetrics
+
+# The longest a refusal makes an observation wait (decisions D13): a
+# budget's Retry-After runs to the end of its day or month.
+MAX_DEFERRAL = 300.0
+# How long an observation waits when the ledger has no room for its rows,
+# or svc-memory did not answer.
+BUSY_DEFERRAL = 5.0
+
+
+class Deferral(Exception):
+    """
+    The observation must wait C{retryAfter} seconds through no fault of its
+    own: not charged, not lost, no attempt counted (decisions D13).
+    """
+
+    def __init__(self, retryAfter: float, reason: str) -> None:
+        super().__init__(reason)
+        self.retryAfter = min(max(retryAfter, 0.0), MAX_DEFERRAL)
+        self.reason = reason
+
+
+class FailedAttempt(Exception):
+    """
+    An attempt failed (a provider's fault, an answer not as decided, a
+    value svc-memory refused): counted, and tried again after a backoff,
+    unless C{final} (no attempt can mend it, as a full scope).
+
+    @ivar reason: for operators (svcctl memory jobs); never content.
+    """
+
+    def __init__(self, reason: str, final: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.final = final
+
+
+@attrs.frozen
+class Observation:
+    """
+    A claimed observation (svc-memory's C{ClaimedObservation}).
+
+    @ivar attempts: failed attempts before this claim.
+    """
+
+    observationID: str
+    orgID: str
+    agentID: str
+    subject: str
+    requestID: str
+    turns: tuple[Turn, ...] = attrs.field(repr=False)
+    attempts: int
+
+    @property
+    def scope(self) -> Scope:
+        return Scope(uuid.UUID(self.orgID), uuid.UUID(self.agentID), self.subject)
+
+    @classmethod
+    def fromClaim(cls, claimed: Any) -> Observation:
+        """
+        From svc-memory's C{ClaimedObservation} message.
+        """
+        return cls(
+            observationID=claimed.id,
+            orgID=claimed.scope.org_id,
+            agentID=claimed.scope.agent_id,
+            subject=claimed.scope.subject,
+            requestID=claimed.request_id,
+            turns=tuple(Turn(each.role, each.content) for each in claimed.messages),
+            attempts=claimed.attempts,
+        )
+
+
+@attrs.frozen
+class _ChatBody:
+    """
+    The extraction request in the shape the worst case reads
+    (L{svcd.limits.reservation.ChatBody}).
+    """
+
+    document: Mapping[str, Any]
+    maxTokens: int | None = None
+    maxCompletionTokens: int | None = None
+    choices: int = 1
+
+    @property
+    def messages(self) -> Sequence[Mapping[str, Any]]:
+        messages: Sequence[Mapping[str, Any]] = self.document["messages"]
+        return messages
+
+
+def _apiReason(error: ApiError) -> str:
+    """
+    An operator's reason for a provider's fault: the code and the
+    gateway's own message, never the provider's words (which may quote
+    content).
+    """
+    return f"{error.code.value}: {error.message}"
+
+
+def _retryAfter(error: ApiError) -> float:
+    for name, value in error.headers:
+        if name.lower() == "retry-after" and value.isascii() and value.isdigit():
+            return float(value)
+    return BUSY_DEFERRAL
+
+
+class ObservationProcessor:
+    """
+    Turns one claimed observation into memories (see the module docstring).
+
+    @param owner: the name the worker's leases are held under.
+    @param memory: svc-memory's client.
+    @param providers: the providers file, with its C{[memory]} table.
+    @param forwarder: the providers' client (the extraction's chat
+        completion).
+    @param embedder: the gateway's own embeddings.
+    @param admission: the limits and budgets of each provider call.
+    @param ledger: where each call's row goes.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        owner: str,
+        memory: MemoryClient,
+        providers: ProviderTable,
+        forwarder: Forwarder,
+        embedder: Embedder,
+        admission: Admission,
+        ledger: UsageLedger,
+        metrics: WorkerMetrics,
+        clock: Clock,
+    ) -> None:
+        memoryConfig = providers.memory
+        if memoryConfig is None:
+            raise ValueError("svc-worker needs the providers file's [memory] table")
+        self._owner = owner
+        self._memory = memory
+        self._providers = providers
+        self._settings: MemoryConfig = memoryConfig
+        self._forwarder = forwarder
+        self._embedder = embedder
+        self._admission = admission
+        self._ledger = ledger
+        self._metrics = metrics
+        self._clock = clock
+
+    async def process(self, observation: Observation) -> str:
+        """
+        Extract, embed, store and complete C{observation}.
+
+        @return: its outcome: L{DONE}, L{EMPTY} (nothing to remember) or
+            L{LOST} (its lease had passed to another worker, or it was
+            dropped or forgotten meanwhile).
+        @raise Deferral: it must wait.
+        @raise FailedAttempt: this attempt failed.
+        """
+        applicable = self._admission.applicable(observation.orgID, observation.agentID)
+        extraction = self._settings.extractionModel
+        if extraction is None:
+            text = userText(observation.turns)
+            memories = [text] if text else []
+        else:
+            memories = await self._extract(observation, extraction, applicable)
+        added: list[str] = []
+        if memories:
+            embedded = await self._embed(observation, memories, applicable)
+            for content, vector in zip(memories, embedded.vectors, strict=True):
+                memoryID = await self._store(
+                    observation, content, Embedding(embedded.model, vector)
+                )
+                if memoryID is not None:
+                    added.append(memoryID)
+        return await self._complete(observation, added, DONE if memories else EMPTY)
+
+    # The provider calls.
+
+    def _refuseWithoutRoom(self) -> None:
+        if not self._ledger.hasRoom():
+            raise Deferral(BUSY_DEFERRAL, "the ledger's outbox is full")
+
+    async def _admit(
+        self, observation: Observation, tokens: int, cost: int, ledgerID: str
+    ) -> Reservation | None:
+        try:
+            return await self._admission.admit(
+                observation.orgID,
+                observation.agentID,
+                [],
+                tokens,
+                cost,
+                ledgerID=ledgerID,
+                countRequest=False,
+            )
+        except ApiError as refusal:
+            raise Deferral(_retryAfter(refusal), _apiReason(refusal)) from None
+
+    async def _extract(
+        self, observation: Observation, model: Model, applicable: Applicable
+    ) -> list[str]:
+        """
+        Ask the extraction model for the observation's memories, as the
+        organization: admitted, settled, one row of kind C{extraction}.
+        """
+        self._refuseWithoutRoom()
+        budgeted = applicable.budgeted
+        attempts = attemptsOf(self._providers, model, observation.orgID, budgeted)
+        if not attempts:
+            raise FailedAttempt(
+                "the extraction model has no price (and a budget applies) or is not open"
+                " to this organization",
+                final=True,
+            )
+        document = extractionRequest(model.name, observation.turns)
+        chat = _ChatBody(document)
+        # The cap is always sent (under each model's cap_field), so that
+        # what tpm reserves and what a budget assumes both bound the answer.
+        cap = outputCap(document, applicable, model.maxOutputTokens)
+        prompt = promptEstimate(chat.messages)
+        cost = worstCaseCost(chat, attempts, cap, cap) if budgeted else 0
+        ledgerID = uuid7Text()
+        reservation = await self._admit(observation, prompt + cap, cost, ledgerID)
+        record = UpstreamRecord()
+        startedAt = self._clock.seconds()
+        outcome = OK
+        try:
+            answer = await self._forwarder.forward(
+                document,
+                attempts,
+                ledgerID,
+                NEVER_STREAMED,
+                noErrorEvent,
+                record,
+                outputCap=cap,
+                operation=CHAT_COMPLETIONS,
+            )
+        except ApiError as fault:
+            outcome = UPSTREAM_ERROR
+            raise FailedAttempt(f"extraction: {_apiReason(fault)}") from None
+        except CancelledError:
+            outcome = CLIENT_GONE
+            raise
+        finally:
+            self._account(
+                observation, model, reservation, record, outcome, (prompt, cap), startedAt, ledgerID
+            )
+        try:
+            return memoriesOf(answer.body)
+        except BadExtraction as bad:
+            raise FailedAttempt(f"extraction: {bad}") from None
+
+    def _account(
+        self,
+        observation: Observation,
+        model: Model,
+        reservation: Reservation | None,
+        record: UpstreamRecord,
+        outcome: str,
+        estimate: tuple[int, int],
+        startedAt: float,
+        ledgerID: str,
+    ) -> None:
+        """
+        Settle the extraction's reservation and record its row, however it
+        ended (as the proxy's chat route does): to the provider's usage at
+        the price of the model that answered; released after a fault with
+        no usage; kept otherwise (a cancelled call: the limiter's lease
+        ends it, and the row counts the estimate).
+        """
+        usage = record.usage
+        answered = self._providers.models.get(record.model or "") or model
+        if usage is not None:
+            self._admission.settleUsage(
+                reservation, usage, answered, observation.orgID, ledgerID, ledgerID
+            )
+        elif outcome == UPSTREAM_ERROR and reservation is not None:
+            self._admission.settle(reservation, 0)
+        self._ledger.record(
+            usageRow(
+                ledgerID=ledgerID,
+                requestID=ledgerID,
+                orgID=observation.orgID,
+                agentID=observation.agentID,
+                tokenID=None,
+                modelRequested=model.name,
+                model=record.model,
+                provider=record.provider,
+                upstreamModel=record.upstreamModel,
+                stream=False,
+                outcome=outcome,
+                usage=usage,
+                estimate=estimate,
+                price=answered.price,
+                startedAt=startedAt,
+                endedAt=self._clock.seconds(),
+                kind=EXTRACTION,
+                parentRequestID=observation.requestID,
+            )
+        )
+
+    async def _embed(
+        self, observation: Observation, texts: list[str], applicable: Applicable
+    ) -> Any:
+        """
+        Embed the memories in one call, as the organization (one row of kind
+        C{embedding}, by the gateway's embedder).
+        """
+        self._refuseWithoutRoom()
+        model = self._settings.embeddingModel
+        budgeted = applicable.budgeted
+        refusal = embeddingRefusal(model, budgeted)
+        if refusal is not None or not attemptsOf(
+            self._providers, model, observation.orgID, budgeted
+        ):
+            raise FailedAttempt(
+                "the embedding model has no price (and a budget applies) or is not open"
+                " to this organization",
+                final=True,
+            )
+        tokens, cost = reserveTexts(texts, model, self._providers, observation.orgID, applicable)
+        ledgerID = uuid7Text()
+        reservation = await self._admit(observation, tokens, cost, ledgerID)
+        call = EmbeddingCall(
+            observation.orgID,
+            observation.agentID,
+            None,
+            requestID=ledgerID,
+            ledgerID=ledgerID,
+            parentRequestID=observation.requestID,
+        )
+        try:
+            return await self._embedder.embed(
+                model, texts, call, reservation=reservation, budgeted=budgeted
+            )
+        except ApiError as fault:
+            if fault.code is ErrorCode.SERVICE_DEGRADED:
+                raise Deferral(BUSY_DEFERRAL, "the ledger's outbox is full") from None
+            raise FailedAttempt(f"embedding: {_apiReason(fault)}") from None
+
+    # svc-memory.
+
+    async def _store(
+        self, observation: Observation, content: str, embedding: Embedding
+    ) -> str | None:
+        """
+        Merge one memory into the scope: the nearest at or above
+        C{dedupe_score} takes its content, else it is added.
+
+        @return: the id of a memory added, None for one updated.
+        """
+        scope = observation.scope
+        try:
+            found = await self._memory.search(
+                scope, embedding, k=1, minScore=self._settings.dedupeScore
+            )
+            if found.results:
+                nearest = found.results[0].memory
+                try:
+                    await self._memory.updateMemory(
+                        scope, nearest.id, content=content, embedding=embedding
+                    )
+                    self._metrics.wrote("updated")
+                    return None
+                except MemoryNotFound:
+                    # Deleted since the search: add it instead.
+                    pass
+            added = await self._memory.addMemory(
+                scope,
+                content,
+                embedding,
+                source=EXTRACTED,
+                sourceRequestID=observation.requestID,
+            )
+        except MemoryFull:
+            raise FailedAttempt("the memory scope is full", final=True) from None
+        except MemoryUnavailable as error:
+            raise Deferral(
+                BUSY_DEFERRAL, f"svc-memory did not answer ({_memoryReason(error)})"
+            ) from None
+        except MemoryCallFailed as error:
+            raise FailedAttempt(f"svc-memory refused a memory ({_memoryReason(error)})") from None
+        self._metrics.wrote("added")
+        memoryID: str = added.id
+        return memoryID
+
+    async def _complete(self, observation: Observation, added: list[str], outcome: str) -> str:
+        """
+        Complete the observation (svc-memory deletes it). When it is no
+        longer there (a purge or a drop while it was processed), the
+        memories added for it go too, so that nothing forgotten comes back;
+        when another worker holds it now, that worker completes it.
+        """
+        try:
+            completed = await self._memory.completeObservation(
+                observation.orgID, observation.observationID, self._owner
+            )
+        except MemoryNotFound:
+            for memoryID in added:
+                try:
+                    await self._memory.deleteMemory(observation.scope, memoryID)
+                except MemoryNotFound:
+                    pass
+            return LOST
+        except MemoryUnavailable as error:
+            raise Deferral(
+                BUSY_DEFERRAL, f"svc-memory did not answer ({_memoryReason(error)})"
+            ) from None
+        return outcome if completed.completed else LOST
+
+
+def _memoryReason(error: MemoryCallFailed) -> str:
+    return error.code.name if error.code is not None else error.details

@@ -1,0 +1,425 @@
+"""
+svc-worker as operators run it (decisions D13, issue 33): C{twistd -n
+svc-worker} beside real svc-auth and svc-memory daemons, Redis and the
+scripted model server. Observations queued as the proxy queues them
+become memories, each fact once however the worker is stopped, killed or
+doubled; every provider call is a ledger row of the organization; a
+budget's refusal makes an observation wait uncharged; failures back off
+and end failed; content never reaches a log.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+from authhelpers import document, svcctl
+from workerfixtures import (
+    WorkerRig,
+    factsOf,
+    newRequestIDs,
+    runningWorkerRig,
+    waitUntil,
+)
+
+from svcd.testing.daemons import Daemon, twistdCommand
+from svcd.testing.servers import PostgresServer
+
+# Starts real daemons (conftest.py, pytest.ini): left out of a quick run.
+pytestmark = pytest.mark.e2e
+
+
+def expectedFacts(requestIDs: list[str], count: int = 2) -> list[str]:
+    return sorted(f"My fact number {n} is {each}-{n}." for each in requestIDs for n in range(count))
+
+
+def test_observationsBecomeMemoriesPaidByTheOrganization(
+    postgresServer: PostgresServer, tmp_path: Path
+) -> None:
+    """
+    Observations queued become the memories the extraction model found in
+    the user's turns (the question left out), source C{extracted} with the
+    observation's request id; the observations are gone; each observation
+    made one ledger row of kind C{extraction} and one of kind
+    C{embedding}, both with the observation's request id as parent; the
+    metrics count them done; /ready reports the feed, svc-memory and Redis;
+    no memory's content is in any log.
+    """
+    with runningWorkerRig(postgresServer, tmp_path) as rig:
+        worker = rig.startWorker()
+        status, body = worker.get("/ready")
+        assert status == 200, body
+        assert set(json.loads(body)["checks"]) == {"auth_feed", "memory", "redis"}
+        requestIDs = newRequestIDs(3)
+        rig.queue({each: factsOf(each) for each in requestIDs})
+        rig.waitForDrained()
+        memories = rig.memories()
+        assert sorted(each["content"] for each in memories) == expectedFacts(requestIDs)
+        assert {each["source"] for each in memories} == {"extracted"}
+        assert {each["source_request_id"] for each in memories} == set(requestIDs)
+        waitUntil(lambda: len(rig.ledger()) == 6, "six ledger rows")
+        rows = rig.ledger()
+        assert sorted((row["kind"], row["parent_request_id"]) for row in rows) == sorted(
+            (kind, each) for each in requestIDs for kind in ("extraction", "embedding")
+        )
+        assert {row["outcome"] for row in rows} == {"ok"}
+        assert all(row["cost_nano_usd"] > 0 for row in rows)
+        assert {row["model"] for row in rows} == {"extractor", "embedder"}
+        assert rig.metric(worker, 'svc_worker_observations_total{outcome="done"}') == 3
+        assert rig.metric(worker, "svc_worker_observation_seconds_count") == 3
+        assert rig.metric(worker, 'svc_worker_memories_total{action="added"}') == 6
+        status, _ = rig.memory.get("/metrics")
+        assert "svc_memory_observations_waiting" in rig.memory.get("/metrics")[1].decode()
+        logs = rig.logs()
+        for memory in memories:
+            assert memory["content"] not in logs
+        assert "My fact number" not in logs
+
+
+def test_withoutAnExtractionModelTheUsersTextIsTheMemory(
+    postgresServer: PostgresServer, tmp_path: Path
+) -> None:
+    """
+    Without an extraction_model the user's text is the one memory, and
+    the only provider call is the embedding (one row).
+    """
+    with runningWorkerRig(postgresServer, tmp_path, extraction=False) as rig:
+        rig.startWorker()
+        [requestID] = newRequestIDs(1)
+        rig.queue({requestID: "I prefer tea to coffee."})
+        rig.waitForDrained()
+        assert rig.contents() == ["I prefer tea to coffee."]
+        waitUntil(lambda: len(rig.ledger()) == 1, "one ledger row")
+        assert [(row["kind"], row["parent_request_id"]) for row in rig.ledger()] == [
+            ("embedding", requestID)
+        ]
+
+
+def test_processingAgainNeverAddsAMemoryTwice(
+    postgresServer: PostgresServer, tmp_path: Path
+) -> None:
+    """
+    An observation processed, then queued and processed again (as after a
+    crash between its memories and its completion): its facts are each
+    still one memory, the same ids, updated in place (the search finds
+    each at similarity 1, at or above dedupe_score).
+    """
+    with runningWorkerRig(postgresServer, tmp_path) as rig:
+        worker = rig.startWorker()
+        [requestID] = newRequestIDs(1)
+        rig.queue({requestID: factsOf(requestID, 3)})
+        rig.waitForDrained()
+        first = {each["content"]: each["id"] for each in rig.memories()}
+        assert sorted(first) == expectedFacts([requestID], 3)
+        rig.queue({requestID: factsOf(requestID, 3)})
+        rig.waitForDrained()
+        again = {each["content"]: each["id"] for each in rig.memories()}
+        assert again == first
+        assert rig.metric(worker, 'svc_worker_memories_total{action="updated"}') == 3
+
+
+def test_killedMidBatchAndRestartedStoresEachFactOnce(
+    postgresServer: PostgresServer, tmp_path: Path
+) -> None:
+    """
+    A worker C{kill -9}ed while it holds a batch (the model slow, so that
+    some observations are done and others in hand), then started again:
+    once its leases have run out, every observation is processed and every
+    fact is stored exactly once.
+    """
+    with runningWorkerRig(postgresServer, tmp_path, extractor="slow:300") as rig:
+        worker = rig.startWorker(SVC_WORKER_LEASE="5s", SVC_WORKER_CONCURRENCY="4")
+        requestIDs = newRequestIDs(12)
+        rig.queue({each: factsOf(each) for each in requestIDs})
+        waitUntil(lambda: 2 <= len(rig.memories()), "some memories stored")
+        assert rig.observations(), "every observation was done before the kill"
+        worker.signal(signal.SIGKILL)
+        assert worker.process is not None and worker.process.wait(10) == -signal.SIGKILL
+        rig.startWorker("restarted", SVC_WORKER_LEASE="5s", SVC_WORKER_CONCURRENCY="4")
+        rig.waitForDrained(seconds=90)
+        contents = [each["content"] for each in rig.memories()]
+        assert sorted(contents) == expectedFacts(requestIDs)
+
+
+def test_twoWorkersNeverProcessAnObservationTwice(
+    postgresServer: PostgresServer, tmp_path: Path
+) -> None:
+    """
+    Two workers drain one queue together: each observation's extraction
+    is asked for once (one extraction row per observation, no more), both
+    workers did some, and every fact is stored once.
+    """
+    with runningWorkerRig(postgresServer, tmp_path, extractor="slow:50") as rig:
+        first = rig.startWorker("first", SVC_WORKER_CONCURRENCY="4")
+        second = rig.startWorker("second", SVC_WORKER_CONCURRENCY="4")
+        requestIDs = newRequestIDs(40)
+        rig.queue({each: factsOf(each) for each in requestIDs})
+        rig.waitForDrained(seconds=120)
+        assert sorted(each["content"] for each in rig.memories()) == expectedFacts(requestIDs)
+        waitUntil(lambda: len(rig.ledger()) == 80, "eighty ledger rows")
+        extractions = [
+            row["parent_request_id"] for row in rig.ledger() if row["kind"] == "extraction"
+        ]
+        assert sorted(extractions) == sorted(requestIDs)
+        done = [
+            rig.metric(each, 'svc_worker_observations_total{outcome="done"}')
+            for each in (first, second)
+        ]
+        assert sum(done) == 40 and all(done), done
+
+
+def test_sigtermFinishesWhatItHolds(postgresServer: PostgresServer, tmp_path: Path) -> None:
+    """
+    SIGTERM while observations are in hand: the worker finishes them (or
+    hands them back, due at once and with no attempt counted) within its
+    stop timeout and exits 0; nothing stays leased to it, and a worker
+    started after it stores every fact once.
+    """
+    with runningWorkerRig(postgresServer, tmp_path, extractor="slow:400") as rig:
+        worker = rig.startWorker(SVC_WORKER_CONCURRENCY="4", SVC_SHUTDOWN_TIMEOUT="4s")
+        requestIDs = newRequestIDs(8)
+        rig.queue({each: factsOf(each) for each in requestIDs})
+        waitUntil(
+            lambda: rig.metric(worker, "svc_worker_observations_in_flight") > 0,
+            "observations in hand",
+        )
+        worker.signal(signal.SIGTERM)
+        assert worker.process is not None and worker.process.wait(20) == 0
+        waiting = rig.observations()
+        assert all(row["lease_owner"] is None for row in waiting), waiting
+        assert all(row["attempts"] == 0 for row in waiting), waiting
+        rig.startWorker("after")
+        rig.waitForDrained()
+        assert sorted(each["content"] for each in rig.memories()) == expectedFacts(requestIDs)
+
+
+def test_aBudgetsRefusalWaitsUnchargedAndUncounted(
+    postgresServer: PostgresServer, tmp_path: Path
+) -> None:
+    """
+    An organization whose day's budget cannot hold the extraction's worst
+    case: the observation is refused, released with no attempt counted and
+    its reason, due again after the refusal's Retry-After (at most 5
+    minutes), with no ledger row and no memory. Once the budget is raised
+    and the job retried (svcctl memory jobs retry), it is processed.
+    """
+
+    def tinyBudget(rig: WorkerRig) -> None:
+        document(
+            svcctl(
+                rig.dsn,
+                "budget",
+                "set",
+                "--org",
+                str(rig.tenant.orgID),
+                "--usd",
+                "0.000001",
+                "--period",
+                "day",
+            )
+        )
+
+    with runningWorkerRig(postgresServer, tmp_path, prepare=tinyBudget) as rig:
+        worker = rig.startWorker()
+        [requestID] = newRequestIDs(1)
+        rig.queue({requestID: factsOf(requestID)})
+        waitUntil(
+            lambda: rig.metric(worker, 'svc_worker_observations_total{outcome="deferred"}') >= 1,
+            "a deferral",
+        )
+        [row] = rig.observations()
+        assert (row["state"], row["attempts"], row["lease_owner"]) == ("waiting", 0, None)
+        assert row["reason"].startswith("BUDGET_EXCEEDED")
+        wait = (row["next_attempt_at"] - row["now"]).total_seconds()
+        midnight = (row["now"] + datetime.timedelta(days=1)).replace(
+            hour=0, minute=0, second=0, microsecond=0
+        )
+        assert 0 < wait <= min(300, (midnight - row["now"]).total_seconds() + 1)
+        assert rig.ledger() == [] and rig.memories() == []
+        document(
+            svcctl(
+                rig.dsn,
+                "budget",
+                "set",
+                "--org",
+                str(rig.tenant.orgID),
+                "--usd",
+                "100",
+                "--period",
+                "day",
+            )
+        )
+        # The feed carries the new budget to the worker within a second: the
+        # job is made due again until a claim finds the budget raised.
+        retryUntilProcessed(rig, worker)
+        assert rig.contents() == expectedFacts([requestID])
+        assert rig.metric(worker, 'svc_worker_observations_total{outcome="retry"}') == 0
+        assert {row["kind"] for row in rig.ledger()} <= {"extraction", "embedding"}
+
+
+def retryUntilProcessed(rig: WorkerRig, worker: Daemon) -> None:
+    """
+    svcctl memory jobs retry the one waiting job, again after each new
+    deferral, until it is processed (bounded).
+    """
+    deferrals = [rig.metric(worker, 'svc_worker_observations_total{outcome="deferred"}')]
+
+    def retry() -> None:
+        for row in rig.observations():
+            svcctl(
+                rig.dsn,
+                "memory",
+                "jobs",
+                "retry",
+                "--org",
+                str(rig.tenant.orgID),
+                "--id",
+                str(row["id"]),
+            )
+
+    def processed() -> bool:
+        if not rig.observations():
+            return True
+        now = rig.metric(worker, 'svc_worker_observations_total{outcome="deferred"}')
+        if now > deferrals[0]:
+            deferrals[0] = now
+            retry()
+        return False
+
+    retry()
+    waitUntil(processed, "the job processed once the budget was raised", 30)
+
+
+def test_failuresBackOffThenEndFailed(postgresServer: PostgresServer, tmp_path: Path) -> None:
+    """
+    An extraction model whose answer is not {"memories": [...]}: each
+    attempt fails and is counted, the next due 1 s, then 2 s ... later,
+    and at SVC_WORKER_MAX_ATTEMPTS the observation is kept as failed with
+    its reason (never content); each attempt's call is in the ledger.
+    """
+    with runningWorkerRig(postgresServer, tmp_path, extractor="bytes:10") as rig:
+        worker = rig.startWorker(SVC_WORKER_MAX_ATTEMPTS="3")
+        [requestID] = newRequestIDs(1)
+        rig.queue({requestID: factsOf(requestID)})
+        waitUntil(lambda: _state(rig) == "failed", "the observation failed", 30)
+        [row] = rig.observations()
+        assert row["attempts"] == 3
+        assert row["reason"] == "extraction: the answer's text is not JSON"
+        assert rig.metric(worker, 'svc_worker_observations_total{outcome="retry"}') == 2
+        assert rig.metric(worker, 'svc_worker_observations_total{outcome="failed"}') == 1
+        waitUntil(lambda: len(rig.ledger()) == 3, "three ledger rows")
+        extractions = [row for row in rig.ledger() if row["kind"] == "extraction"]
+        assert len(extractions) == 3 and rig.memories() == []
+        starts = sorted(row["started_at"] for row in extractions)
+        # Backoff: 1 s after the first failure, 2 s after the second.
+        assert (starts[1] - starts[0]).total_seconds() >= 1.0
+        assert (starts[2] - starts[1]).total_seconds() >= 2.0
+
+
+def _state(rig: WorkerRig) -> str | None:
+    rows = rig.observations()
+    return rows[0]["state"] if rows else None
+
+
+def test_refusesToStartWithoutMemory(tmp_path: Path) -> None:
+    """
+    A providers file without a [memory] table: C{twistd -n svc-worker}
+    exits 1 at once with one line naming the variable and the file.
+    """
+    providers = tmp_path / "providers.toml"
+    providers.write_text(
+        '[[providers]]\nname = "p"\nbase_url = "http://127.0.0.1:9/v1"\n\n'
+        '[[models]]\nname = "m"\nprovider = "p"\n'
+    )
+    environment = {
+        **{key: value for key, value in os.environ.items() if not key.startswith("SVC_")},
+        "SVC_MEMORY_GRPC_ADDR": "127.0.0.1:9092",
+        "SVC_AUTH_GRPC_ADDR": "127.0.0.1:9091",
+        "SVC_PROVIDERS_FILE": str(providers),
+    }
+    result = subprocess.run(
+        twistdCommand("svc-worker"),
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 1
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("svc-worker: configuration error: SVC_PROVIDERS_FILE: ")
+    assert "has no [memory] table" in lines[0]
+
+
+def test_daemonised(postgresServer: PostgresServer, tmp_path: Path) -> None:
+    """
+    Daemonised (no -n, with --pidfile and --logfile), svc-worker makes its
+    channels and its feed's thread after the fork: it becomes ready,
+    processes an observation, logs JSON lines to its log file, and stops on
+    SIGTERM, removing its pidfile.
+    """
+    with runningWorkerRig(postgresServer, tmp_path / "rig") as rig:
+        pidFile, logFile = tmp_path / "worker.pid", tmp_path / "worker.log"
+        environment = rig.workerEnvironment(SVC_LOG_LEVEL="INFO")
+        command = [
+            *twistdCommand("svc-worker")[:3],
+            "--pidfile",
+            str(pidFile),
+            "--logfile",
+            str(logFile),
+            "svc-worker",
+        ]
+        variables = {k: v for k, v in os.environ.items() if not k.startswith("SVC_")}
+        launched = subprocess.run(
+            command, env={**variables, **environment}, cwd=tmp_path, timeout=60, check=False
+        )
+        assert launched.returncode == 0
+        daemon = Daemon("svc-worker", environment, tmp_path / "unused.log")
+        try:
+            waitUntil(lambda: _ready(daemon), "the daemonised worker ready", 60)
+            [requestID] = newRequestIDs(1)
+            rig.queue({requestID: factsOf(requestID)})
+            rig.waitForDrained()
+            assert rig.contents() == expectedFacts([requestID])
+            os.kill(int(pidFile.read_text()), signal.SIGTERM)
+            waitUntil(lambda: not pidFile.exists(), "the pidfile removed", 20)
+            messages = [json.loads(line)["message"] for line in logFile.read_text().splitlines()]
+            assert "svc-worker stopped" in messages
+        finally:
+            if pidFile.exists():
+                os.kill(int(pidFile.read_text()), signal.SIGKILL)
+
+
+def _ready(daemon: Daemon) -> bool:
+    try:
+        return daemon.get("/ready", timeout=2)[0] == 200
+    except OSError:
+        return False
+
+
+def test_processingIsCutBeforeTheLeaseEnds(postgresServer: PostgresServer, tmp_path: Path) -> None:
+    """
+    A model slower than the lease allows: the observation's processing is
+    cut at 80 % of SVC_WORKER_LEASE (before another worker could claim it),
+    its call cancelled (the row recorded client_gone) and the attempt
+    counted, with a reason saying so.
+    """
+    with runningWorkerRig(postgresServer, tmp_path, extractor="slow:20000") as rig:
+        rig.startWorker(SVC_WORKER_LEASE="5s", SVC_WORKER_MAX_ATTEMPTS="1")
+        [requestID] = newRequestIDs(1)
+        rig.queue({requestID: factsOf(requestID)})
+        waitUntil(lambda: _state(rig) == "failed", "the observation failed", 30)
+        [row] = rig.observations()
+        assert row["attempts"] == 1
+        assert row["reason"] == "processing took longer than SVC_WORKER_LEASE allows"
+        waitUntil(lambda: len(rig.ledger()) == 1, "the extraction's row")
+        [extraction] = rig.ledger()
+        assert (extraction["kind"], extraction["outcome"]) == ("extraction", "client_gone")
+        assert 3.5 <= extraction["duration_us"] / 1e6 < 5.0

@@ -1,0 +1,281 @@
+"""
+The harness of svc-worker's end-to-end tests (decisions D13): real svc-auth,
+svc-memory and svc-worker daemons (twistd processes) on a private
+PostgreSQL and Redis, the scripted model server answering extraction and
+embeddings, observations queued through svc-memory's QueueObservations as
+the proxy queues them, and what the tests read back (memories, waiting
+observations, ledger rows) read as the schema owner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import grpc
+import psycopg
+from authfixtures import Tenant, makeTenant
+from ledgerfixtures import ledgerRows
+
+from svcd.auth.migrations import migrate
+from svcd.auth.store import Store
+from svcd.pb.memory.v1 import memory_pb2, memory_pb2_grpc
+from svcd.testing.daemons import Daemon, authEnvironment, memoryEnvironment
+from svcd.testing.servers import PostgresServer, RedisServer, freePort
+from svcd.testing.upstream import ScriptedUpstream
+
+PROVIDERS = """
+[[providers]]
+name = "scripted"
+base_url = "{base}"
+
+[[models]]
+name = "extractor"
+provider = "scripted"
+upstream_model = "{extractor}"
+price = {{ input = "1.00", output = "2.00" }}
+
+[[models]]
+name = "embedder"
+provider = "scripted"
+upstream_model = "echo"
+kind = "embedding"
+dimensions = 64
+price = {{ input = "0.02" }}
+
+[memory]
+embedding_model = "embedder"
+{extraction}
+dedupe_score = 0.92
+"""
+
+
+def providersFile(
+    path: Path, upstream: ScriptedUpstream, extractor: str = "echo", extraction: bool = True
+) -> Path:
+    """
+    A providers file whose [memory] table names the scripted models: the
+    extraction model answers as C{extractor} (a script of
+    L{svcd.testing.upstream}), or there is none.
+    """
+    path.write_text(
+        PROVIDERS.format(
+            base=upstream.baseURL,
+            extractor=extractor,
+            extraction='extraction_model = "extractor"' if extraction else "",
+        )
+    )
+    return path
+
+
+def waitUntil(condition: Callable[[], bool], what: str, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {seconds} s: {what}"
+        time.sleep(0.05)
+
+
+@attrs.define
+class WorkerRig:
+    """
+    A running stack for the worker: svc-auth, svc-memory, Redis, the
+    scripted upstream, and the workers the test starts.
+    """
+
+    dsn: str
+    redis: RedisServer
+    auth: Daemon
+    memory: Daemon
+    upstream: ScriptedUpstream
+    workdir: Path
+    owner: Store
+    tenant: Tenant
+    providers: Path
+    workers: list[Daemon] = attrs.Factory(list)
+
+    def workerEnvironment(self, **overrides: str) -> dict[str, str]:
+        return {
+            "SVC_HOST": "127.0.0.1",
+            "SVC_PORT": str(freePort()),
+            "SVC_AUTH_GRPC_ADDR": f"127.0.0.1:{self.auth.environment['SVC_GRPC_PORT']}",
+            "SVC_MEMORY_GRPC_ADDR": f"127.0.0.1:{self.memory.environment['SVC_GRPC_PORT']}",
+            "REDIS_URL": self.redis.url,
+            "SVC_PROVIDERS_FILE": str(self.providers),
+            "SVC_WORKER_POLL_INTERVAL": "100ms",
+            "SVC_SHUTDOWN_TIMEOUT": "5s",
+            "SVC_LOG_LEVEL": "DEBUG",
+            **overrides,
+        }
+
+    def startWorker(self, name: str = "worker", ready: bool = True, **overrides: str) -> Daemon:
+        """
+        Start one svc-worker (its log in C{name}.log); by default wait until
+        /ready (the change feed live, a claim answered).
+        """
+        daemon = Daemon(
+            "svc-worker", self.workerEnvironment(**overrides), self.workdir / f"{name}.log"
+        ).start()
+        self.workers.append(daemon)
+        if ready:
+            daemon.waitForReady()
+        return daemon
+
+    def logs(self) -> str:
+        """
+        Every daemon's log, for the assertion that content never reaches
+        one.
+        """
+        return "\n".join(each.output() for each in (self.auth, self.memory, *self.workers))
+
+    def queue(
+        self, requests: dict[str, str], subject: str = "", tenant: Tenant | None = None
+    ) -> None:
+        """
+        Queue one observation per request id, each with the user's text
+        given and an answer, as the proxy queues them.
+        """
+        tenant = tenant or self.tenant
+        scope = memory_pb2.Scope(
+            org_id=str(tenant.orgID), agent_id=str(tenant.agentID), subject=subject
+        )
+        observations = [
+            memory_pb2.Observation(
+                scope=scope,
+                request_id=requestID,
+                messages=[
+                    memory_pb2.ObservedMessage(role="user", content=text),
+                    memory_pb2.ObservedMessage(role="assistant", content="Noted."),
+                ],
+            )
+            for requestID, text in requests.items()
+        ]
+        with grpc.insecure_channel(
+            f"127.0.0.1:{self.memory.environment['SVC_GRPC_PORT']}"
+        ) as channel:
+            for start in range(0, len(observations), 500):
+                memory_pb2_grpc.MemoryServiceStub(channel).QueueObservations(
+                    memory_pb2.QueueObservationsRequest(
+                        observations=observations[start : start + 500]
+                    ),
+                    timeout=30,
+                )
+
+    def query(self, sql: str, parameters: tuple[Any, ...]) -> list[dict[str, Any]]:
+        with psycopg.connect(self.dsn, autocommit=True) as connection:
+            cursor = connection.execute(sql, parameters)
+            names = [column.name for column in cursor.description or ()]
+            return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+
+    def memories(self, tenant: Tenant | None = None, subject: str = "") -> list[dict[str, Any]]:
+        tenant = tenant or self.tenant
+        return self.query(
+            "SELECT id, content, source, source_request_id, embedding_model, created_at,"
+            " updated_at FROM memories WHERE org_id = %s AND agent_id = %s AND subject = %s"
+            " ORDER BY created_at, id",
+            (tenant.orgID, tenant.agentID, subject),
+        )
+
+    def contents(self, tenant: Tenant | None = None, subject: str = "") -> list[str]:
+        return sorted(each["content"] for each in self.memories(tenant, subject))
+
+    def observations(self, tenant: Tenant | None = None) -> list[dict[str, Any]]:
+        tenant = tenant or self.tenant
+        return self.query(
+            "SELECT id, request_id, state, attempts, reason, next_attempt_at, lease_owner,"
+            " lease_expires_at, now() AS now FROM memory_observations WHERE org_id = %s"
+            " ORDER BY request_id",
+            (tenant.orgID,),
+        )
+
+    def ledger(self, tenant: Tenant | None = None) -> list[dict[str, Any]]:
+        tenant = tenant or self.tenant
+        return list(ledgerRows(self.dsn, "org_id = %s", (tenant.orgID,)).values())
+
+    def waitForDrained(self, tenant: Tenant | None = None, seconds: float = 60.0) -> None:
+        waitUntil(lambda: not self.observations(tenant), "every observation processed", seconds)
+
+    def metric(self, worker: Daemon, line: str) -> float:
+        """
+        The value of the series named exactly C{line} on C{worker}'s
+        /metrics (0 when absent).
+        """
+        text = worker.get("/metrics")[1].decode()
+        for each in text.splitlines():
+            name, _, value = each.rpartition(" ")
+            if name == line:
+                return float(value)
+        return 0.0
+
+
+@contextlib.contextmanager
+def runningWorkerRig(
+    postgres: PostgresServer,
+    workdir: Path,
+    extractor: str = "echo",
+    extraction: bool = True,
+    prepare: Callable[[WorkerRig], None] | None = None,
+) -> Iterator[WorkerRig]:
+    """
+    The stack, without a worker (the test starts its own, after
+    C{prepare} has set budgets or limits if it needs to).
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    dsn = postgres.createDatabase(f"worker_{secrets.token_hex(6)}")
+    migrate(dsn)
+    redis = RedisServer.create(workdir / "redis")
+    redis.start()
+    connection = psycopg.connect(dsn, autocommit=True)
+    owner = Store(lambda: contextlib.nullcontext(connection))
+    tenant = makeTenant(owner, "main")
+    upstream = ScriptedUpstream(workdir / "upstream").start()
+    auth = Daemon("svc-auth", authEnvironment(dsn), workdir / "auth.log").start()
+    memory = Daemon("svc-memory", memoryEnvironment(dsn), workdir / "memory.log").start()
+    rig = WorkerRig(
+        dsn=dsn,
+        redis=redis,
+        auth=auth,
+        memory=memory,
+        upstream=upstream,
+        workdir=workdir,
+        owner=owner,
+        tenant=tenant,
+        providers=providersFile(workdir / "providers.toml", upstream, extractor, extraction),
+    )
+    try:
+        auth.waitForReady()
+        memory.waitForReady()
+        if prepare is not None:
+            prepare(rig)
+        yield rig
+    finally:
+        for worker in rig.workers:
+            worker.terminate()
+        memory.terminate()
+        auth.terminate()
+        upstream.stop()
+        redis.stop()
+        connection.close()
+
+
+def newRequestIDs(count: int) -> list[str]:
+    return [str(uuid.uuid4()) for _ in range(count)]
+
+
+def factsOf(requestID: str, count: int = 2) -> str:
+    """
+    A user's turn stating C{count} facts particular to C{requestID}, and a
+    question (which extraction leaves out).
+    """
+    facts = " ".join(f"My fact number {n} is {requestID}-{n}." for n in range(count))
+    return f"{facts} What do you think?"
+
+
+def asJSON(value: Any) -> str:
+    return json.dumps(value, default=str, sort_keys=True)
