@@ -253,8 +253,23 @@ class UsageJournal:
 
     log = Logger()
 
-    def __init__(self, path: str, compactBytes: int = COMPACT_JOURNAL_BYTES) -> None:
+    def __init__(
+        self,
+        path: str,
+        compactBytes: int = COMPACT_JOURNAL_BYTES,
+        rowType: Any = auth_pb2.UsageRow,
+        keyOf: Callable[[Any], str] = rowKey,
+        magic: bytes = JOURNAL_MAGIC,
+    ) -> None:
+        # rowType, keyOf and magic make the same journal carry another
+        # record that must reach a daemon at least once (svc-proxy's
+        # observations for svc-memory, decisions D13): a protobuf message
+        # class, the record's idempotence key, and a first line of its own
+        # so that one kind of journal is never read as the other.
         self.path = path
+        self._rowType = rowType
+        self._keyOf = keyOf
+        self._magic = magic
         self._compactBytes = compactBytes
         self._fd: int | None = None
         self._size = 0
@@ -274,7 +289,7 @@ class UsageJournal:
         The part of the file a compaction would drop: rows acknowledged,
         the acknowledgement records.
         """
-        return self._size - len(JOURNAL_MAGIC) - self._waitingBytes
+        return self._size - len(self._magic) - self._waitingBytes
 
     @property
     def rejectsPath(self) -> str:
@@ -298,7 +313,7 @@ class UsageJournal:
         """
         holdJournalLock(self.path)
 
-    def open(self) -> list[auth_pb2.UsageRow]:
+    def open(self) -> list[Any]:
         """
         Take the journal's lock, read the journal, rewrite it with only the
         rows not acknowledged and open it for appending.
@@ -319,17 +334,17 @@ class UsageJournal:
         self._rewrite(rows)
         return rows
 
-    def _replay(self, data: bytes) -> list[auth_pb2.UsageRow]:
+    def _replay(self, data: bytes) -> list[Any]:
         if not data:
             return []
-        if not data.startswith(JOURNAL_MAGIC):
-            if JOURNAL_MAGIC.startswith(data):
+        if not data.startswith(self._magic):
+            if self._magic.startswith(data):
                 # Killed while the first compaction wrote its magic line.
                 return []
             raise JournalError(f"{self.path!r} is not a usage journal of svc-proxy")
-        rows: list[auth_pb2.UsageRow] = []
+        rows: list[Any] = []
         acknowledged = 0
-        offset = len(JOURNAL_MAGIC)
+        offset = len(self._magic)
         while offset < len(data):
             parsed = self._recordAt(data, offset)
             if parsed is None:
@@ -346,7 +361,7 @@ class UsageJournal:
                 break
             kind, payload, offset = parsed
             if kind == _ROW:
-                rows.append(auth_pb2.UsageRow.FromString(payload))
+                rows.append(self._rowType.FromString(payload))
             elif kind == _ACK:
                 count = _ACK_COUNT.unpack_from(payload)[0]
                 lastKey = payload[_ACK_COUNT.size :].decode("utf-8", "replace")
@@ -354,7 +369,7 @@ class UsageJournal:
                 # The key is the ledger id; a journal written before ledger
                 # ids names the request id, and its rows have no ledger id,
                 # so rowKey gives the request id for them.
-                if 0 < count and end <= len(rows) and rowKey(rows[end - 1]) == lastKey:
+                if 0 < count and end <= len(rows) and self._keyOf(rows[end - 1]) == lastKey:
                     acknowledged = end
                 else:
                     # Never drop a row on a doubtful acknowledgement: sent
@@ -389,7 +404,7 @@ class UsageJournal:
             return None
         return kind, payload, start + length
 
-    def _rewrite(self, rows: Sequence[auth_pb2.UsageRow]) -> None:
+    def _rewrite(self, rows: Sequence[Any]) -> None:
         """
         Replace the journal with one holding C{rows}, atomically: a reader
         (the next start) sees the old file or the new one, never a mix.
@@ -400,7 +415,7 @@ class UsageJournal:
         C{rows} (the outbox passes every row it holds unacknowledged).
         """
         records = [_record(_ROW, row.SerializeToString()) for row in rows]
-        content = JOURNAL_MAGIC + b"".join(records)
+        content = self._magic + b"".join(records)
         temporary = self.path + ".compacting"
         directory = os.path.dirname(os.path.abspath(self.path))
         try:
@@ -424,9 +439,9 @@ class UsageJournal:
         self._fd = appending
         self._size = len(content)
         self._waiting = deque(len(record) for record in records)
-        self._waitingBytes = len(content) - len(JOURNAL_MAGIC)
+        self._waitingBytes = len(content) - len(self._magic)
 
-    def append(self, row: auth_pb2.UsageRow) -> None:
+    def append(self, row: Any) -> None:
         """
         Add C{row}, written to the kernel before this returns.
 
@@ -463,7 +478,7 @@ class UsageJournal:
             raise
         self._size += len(record)
 
-    def compactIfLarge(self, waiting: Sequence[auth_pb2.UsageRow] = ()) -> bool:
+    def compactIfLarge(self, waiting: Sequence[Any] = ()) -> bool:
         """
         Rewrite the journal with only C{waiting} (every row the outbox
         holds unacknowledged, oldest first) once its acknowledged part has
@@ -479,7 +494,7 @@ class UsageJournal:
         self._rewrite(waiting)
         return True
 
-    def reject(self, row: auth_pb2.UsageRow, reason: str, detail: str, when: float) -> None:
+    def reject(self, row: Any, reason: str, detail: str, when: float) -> None:
         """
         Set C{row} aside in the rejects file: one JSON line with the row
         (protobuf's JSON mapping, which C{json_format.ParseDict} reads
@@ -577,7 +592,7 @@ class UsageOutbox:
 
     def __init__(
         self,
-        sender: UsageSender,
+        sender: UsageSender | None,
         clock: Clock,
         metrics: OutboxMetrics,
         maxRows: int = OUTBOX_MAX_ROWS,
@@ -588,8 +603,21 @@ class UsageOutbox:
         random: Callable[[], float] = random.random,
         linger: float = LINGER_SECONDS,
         onRecorded: Callable[[Sequence[str]], None] | None = None,
+        send: Callable[[Sequence[Any]], Deferred[Any]] | None = None,
+        keyOf: Callable[[Any], str] = rowKey,
+        describe: Callable[[Any], str] | None = None,
     ) -> None:
-        self._sender = sender
+        # send, keyOf and describe carry another kind of record (svc-proxy's
+        # observations, decisions D13): the call that commits a batch, the
+        # record's idempotence key, and what the log may say of a record set
+        # aside (an observation's content must never be logged).
+        if send is None:
+            if sender is None:
+                raise TypeError("UsageOutbox needs a sender or send")
+            send = sender.recordUsage
+        self._send = send
+        self._keyOf = keyOf
+        self._describe = describe if describe is not None else _rowJSON
         self._onRecorded = onRecorded
         self._linger = linger
         self._lingering: IDelayedCall | None = None
@@ -605,7 +633,7 @@ class UsageOutbox:
         self._random = random
         # Every row not yet acknowledged, oldest first; the batch in flight
         # (or waiting to be tried again) is its first self._batch rows.
-        self._queue: deque[auth_pb2.UsageRow] = deque()
+        self._queue: deque[Any] = deque()
         self._batch = 0
         # After svc-auth failed a batch with INVALID_ARGUMENT: how many rows
         # at the head of the queue hold the row it refuses. Batches are then
@@ -646,7 +674,7 @@ class UsageOutbox:
     def hasRoom(self) -> bool:
         return len(self._queue) < self._maxRows
 
-    def record(self, row: auth_pb2.UsageRow) -> None:
+    def record(self, row: Any) -> None:
         journal = self._journal
         if journal is not None:
             try:
@@ -722,9 +750,9 @@ class UsageOutbox:
         self._call = call
         call.addCallbacks(self._acknowledged, self._failed)
 
-    def _callSender(self, batch: list[auth_pb2.UsageRow]) -> Deferred[Any]:
+    def _callSender(self, batch: list[Any]) -> Deferred[Any]:
         try:
-            return self._sender.recordUsage(batch)
+            return self._send(batch)
         except Exception as error:
             failed: Deferred[Any] = Deferred()
             failed.errback(error)
@@ -789,7 +817,7 @@ class UsageOutbox:
             try:
                 # After the rejects file: a kill in between sends the
                 # refused rows again, and they are refused again.
-                journal.acknowledge(count, rowKey(batch[-1]))
+                journal.acknowledge(count, self._keyOf(batch[-1]))
                 journal.compactIfLarge(self._queue)
             except (OSError, JournalError) as error:
                 # The rows will be sent again at the next start: harmless.
@@ -815,7 +843,7 @@ class UsageOutbox:
         else:
             self._fireEmptied()
 
-    def _setAside(self, row: auth_pb2.UsageRow, reason: str, detail: str) -> None:
+    def _setAside(self, row: Any, reason: str, detail: str) -> None:
         """
         Keep C{row}, which svc-auth will never record, where an operator
         finds it: the rejects file beside the journal, or without one (or
@@ -834,16 +862,16 @@ class UsageOutbox:
                     " {ledger_id} rejected by svc-auth ({reason}: {detail}): {row}",
                     path=journal.rejectsPath,
                     error=str(error),
-                    ledger_id=rowKey(row),
+                    ledger_id=self._keyOf(row),
                     reason=reason,
                     detail=detail,
-                    row=_rowJSON(row),
+                    row=self._describe(row),
                 )
             else:
                 self._rejecting.warn(
                     "svc-auth rejected usage row {ledger_id} ({reason}: {detail}); set aside"
                     " in {path}",
-                    ledger_id=rowKey(row),
+                    ledger_id=self._keyOf(row),
                     request_id=row.request_id,
                     reason=reason,
                     detail=detail,
@@ -854,11 +882,11 @@ class UsageOutbox:
         self.log.error(
             "svc-auth rejected usage row {ledger_id} ({reason}: {detail}); without"
             " SVC_USAGE_JOURNAL it is kept only here: {row}",
-            ledger_id=rowKey(row),
+            ledger_id=self._keyOf(row),
             request_id=row.request_id,
             reason=reason,
             detail=detail,
-            row=_rowJSON(row),
+            row=self._describe(row),
         )
 
     def _failed(self, failure: Failure) -> None:
