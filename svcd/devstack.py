@@ -20,7 +20,10 @@ that file to svc-proxy alone: the printed commands then get a model's
 answer, with usage, vectors, and a memory stored and found, on the first
 run. Whenever the providers file has a C{[memory]} table, C{twistd -n
 svc-memory} runs too, on the same database, and svc-proxy is given its
-address. With
+address, and so does C{twistd -n svc-worker}, which turns the observations
+queued in svc-memory into memories; the demo agent then has recall and
+observe on, so that the printed commands tell the gateway a fact and find
+it recalled into the next answer. With
 C{SVC_PROVIDERS_FILE} set (even empty: no provider, every chat request
 answers 501), svc-proxy gets the variable as it is and no model server
 runs. The daemons themselves never assume a providers file (decisions D9).
@@ -81,11 +84,20 @@ DEMO_UPSTREAM_MODEL = "echo"
 DEMO_EMBEDDING_MODEL = "demo-embed"
 DEMO_EMBEDDING_DIMENSIONS = 64
 MODEL_SERVER = "model server"
-# The demo token's permissions: chat, embeddings and memories. A token
-# remembered in demo.json without them all is replaced by a new one.
+# The demo token's permissions: those of every route of svc-proxy (chat,
+# embeddings, memories; the auth probes need none). A token remembered in
+# demo.json without them all is replaced by a new one.
 DEMO_PERMISSIONS = "ProxyChatCompletion,ProxyEmbeddings,MemoryRead,MemoryWrite"
 # The subject of the printed memory commands (decisions D13).
 DEMO_SUBJECT = "demo-user"
+# The fact the printed commands tell the gateway and the question that
+# recalls it, of a subject of their own, so that the memory stored by the
+# commands before them is not recalled too. The scripted extraction keeps
+# the user's sentences in the first person; the scripted embeddings make
+# texts sharing words ("I", "drink", "morning") near.
+DEMO_FACT_SUBJECT = "demo-tea-drinker"
+DEMO_FACT = "I drink green tea every morning."
+DEMO_QUESTION = "What do I drink in the morning?"
 
 # svc-proxy's deadline on its calls to svc-auth here, unless the developer
 # sets SVC_AUTH_VALIDATE_TIMEOUT. The daemons' default, 50 ms, is sized for
@@ -105,7 +117,9 @@ environment variables:
   SVC_MEMORY_PORT      svc-memory's HTTP port (default 8082), when the
                        providers file has a [memory] table
   SVC_MEMORY_GRPC_PORT svc-memory's gRPC port (default 9092)
-  SVC_HOST             the address both daemons listen on (default 127.0.0.1)
+  SVC_WORKER_PORT      svc-worker's HTTP port for /health, /ready, /metrics
+                       (default 8083); the worker runs beside svc-memory
+  SVC_HOST             the address the daemons listen on (default 127.0.0.1)
   SVC_AUTH_VALIDATE_TIMEOUT
                        svc-proxy's deadline on calls to svc-auth (default
                        here 1s: the daemons' 50ms is meant for a server that
@@ -116,11 +130,12 @@ environment variables:
                        any). Unset: the scripted model server of the tests
                        answers the models "demo" and "demo-embed"
                        (.data/providers.toml), and memory is on with
-                       "demo-embed" (svc-memory runs beside the others).
-                       With a file of your own, svc-memory runs when the
+                       "demo-embed" (svc-memory and svc-worker run beside
+                       the others).
+                       With a file of your own, they run when the
                        file has a [memory] table.
                        Set but empty: no provider, chat requests answer 501
-  Every other variable is passed on to both daemons (SVC_LOG_FORMAT=text
+  Every other variable is passed on to every daemon (SVC_LOG_FORMAT=text
   for readable logs, SVC_LOG_LEVEL=DEBUG, ...).
 """
 
@@ -161,6 +176,7 @@ class Settings:
     authGrpcPort: int
     memoryPort: int
     memoryGrpcPort: int
+    workerPort: int
     postgresDSN: str | None
     redisURL: str | None
     # No SVC_PROVIDERS_FILE at all (an empty one is a choice: no provider).
@@ -175,6 +191,7 @@ class Settings:
             authGrpcPort=_port(environ, "SVC_AUTH_GRPC_PORT", 9091),
             memoryPort=_port(environ, "SVC_MEMORY_PORT", 8082),
             memoryGrpcPort=_port(environ, "SVC_MEMORY_GRPC_PORT", 9092),
+            workerPort=_port(environ, "SVC_WORKER_PORT", 8083),
             postgresDSN=environ.get("POSTGRES_DSN", "").strip() or None,
             redisURL=environ.get("REDIS_URL", "").strip() or None,
             scriptedModelServer=PROVIDERS_VARIABLE not in environ,
@@ -364,6 +381,8 @@ class DevStack:
         demo = self._demoTenant(dsn)
         if settings.scriptedModelServer:
             self._writtenProviders = self._startModelServer()
+        if self._memoryWanted():
+            self._demoMemorySettings(dsn, demo)
         self._startDaemons(dsn, redisURL)
         self._waitUntilReady()
         self._announce(demo)
@@ -506,6 +525,33 @@ class DevStack:
                     say(f"revoked the demo token it replaces, {replaced}")
         return demo
 
+    def _demoMemorySettings(self, dsn: str, demo: dict[str, Any]) -> None:
+        """
+        Turn recall and observe on for the demo agent (decisions D13), so
+        that what the printed commands tell the gateway becomes a memory
+        and comes back in the next answer. Once per demo tenant, noted in
+        demo.json: a developer who turns them off with C{svcctl memory
+        settings} afterwards is not overruled at the next run.
+        """
+        if demo.get("memory_settings") == "on":
+            return
+        self._svcctl(
+            "memory",
+            "settings",
+            "--org",
+            demo["org_id"],
+            "--agent",
+            demo["agent_id"],
+            "--recall",
+            "on",
+            "--observe",
+            "on",
+            dsn=dsn,
+        )
+        demo["memory_settings"] = "on"
+        writePrivateJSON(self._settings.dataDirectory / "demo.json", demo)
+        say("turned recall and observe on for the demo agent")
+
     def _startModelServer(self) -> Path:
         """
         Run the scripted model server of the tests on a free loopback port,
@@ -583,10 +629,14 @@ class DevStack:
             'kind = "embedding"\n'
             f"dimensions = {DEMO_EMBEDDING_DIMENSIONS}\n"
             "\n"
-            "# Memory (decisions D13): svc-memory runs beside the others, and the\n"
-            "# proxy embeds memories and queries with this model.\n"
+            "# Memory (decisions D13): svc-memory and svc-worker run beside the\n"
+            "# others; the proxy and the worker embed memories and queries with\n"
+            "# the embedding model, and the worker asks the chat model for the\n"
+            "# memories an exchange holds (the scripted server answers with the\n"
+            "# user's sentences that say something of the user).\n"
             "[memory]\n"
             f'embedding_model = "{DEMO_EMBEDDING_MODEL}"\n'
+            f'extraction_model = "{DEMO_MODEL}"\n'
         )
         os.replace(temporary, path)
         say(
@@ -653,8 +703,39 @@ class DevStack:
                 proxyEnvironment,
                 f"http://127.0.0.1:{settings.proxyPort}/ready",
             )
+            if memory:
+                self._startWorker(twistd, base, redisURL)
         else:
             say("svcd/proxy/tap.py does not exist yet: running svc-auth only")
+
+    def _startWorker(self, twistd: str, base: Mapping[str, str], redisURL: str) -> None:
+        """
+        Run C{twistd -n svc-worker} (decisions D13): it claims the
+        observations queued in svc-memory, asks the extraction model for
+        their memories and stores them, its calls limited and recorded
+        through svc-auth as the proxy's are. Started last, so stopped
+        first: it hands its claims back to a svc-memory still running.
+        """
+        settings = self._settings
+        environment = {
+            **base,
+            "SVC_PORT": str(settings.workerPort),
+            "SVC_MEMORY_GRPC_ADDR": f"127.0.0.1:{settings.memoryGrpcPort}",
+            "SVC_AUTH_GRPC_ADDR": f"127.0.0.1:{settings.authGrpcPort}",
+            "REDIS_URL": redisURL,
+        }
+        for name in ("SVC_GRPC_PORT", "POSTGRES_DSN", "SVC_USAGE_JOURNAL"):
+            # The worker holds no database connection; a journal is one
+            # process's (the proxy's, when the developer names one).
+            environment.pop(name, None)
+        if self._writtenProviders is not None:
+            environment[PROVIDERS_VARIABLE] = str(self._writtenProviders)
+        self._startDaemon(
+            twistd,
+            "svc-worker",
+            environment,
+            f"http://127.0.0.1:{settings.workerPort}/ready",
+        )
 
     def _providers(self) -> ProviderTable | None:
         """
@@ -793,6 +874,30 @@ class DevStack:
                 "",
                 f"  curl -i {proxy}/v1/memories{headers}{subject} -d '{told}'",
                 f"  curl -i {proxy}/v1/memories/search{headers}{subject} -d '{asked}'",
+            ]
+        if model is not None and embeddingModel is not None and self._memoryWanted():
+            # Decisions D13: a fact told in a conversation, queued for
+            # svc-worker (which asks the extraction model for its memories),
+            # then recalled into a chat completion (X-SVC-Memories: how
+            # many), then listed.
+            subject = f' -H "X-SVC-Memory-Subject: {DEMO_FACT_SUBJECT}"'
+            compact = (",", ":")
+            told = json.dumps(
+                {"messages": [{"role": "user", "content": DEMO_FACT}]}, separators=compact
+            )
+            asked = json.dumps(
+                {"model": model, "messages": [{"role": "user", "content": DEMO_QUESTION}]},
+                separators=compact,
+            )
+            lines += [
+                "",
+                "Tell the gateway a fact (svc-worker makes a memory of it within a second or so),",
+                "ask about it (X-SVC-Memories: 1, the memory recalled into the prompt),"
+                " then list the memories:",
+                "",
+                f"  curl -i {proxy}/v1/memories{headers}{subject} -d '{told}'",
+                f"  curl -i {proxy}/v1/chat/completions{headers}{subject} -d '{asked}'",
+                f"  curl {proxy}/v1/memories{headers}{subject}",
             ]
         if model is not None:
             lines += ["", 'With the openai Python SDK: README.rst, "Quick start".']

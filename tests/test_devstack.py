@@ -38,6 +38,7 @@ import pytest
 from svcd.devstack import (
     DEMO_EMBEDDING_DIMENSIONS,
     DEMO_EMBEDDING_MODEL,
+    DEMO_FACT,
     DEMO_MODEL,
     MODEL_SERVER,
     stopLeftovers,
@@ -60,6 +61,10 @@ START_LIMIT = 240.0
 # dev/gateway gives each daemon 15 s after SIGTERM, then the servers.
 STOP_LIMIT = 90.0
 COMMAND_LIMIT = 60.0
+# How long svc-worker may take to make a memory of an observation: about a
+# second on an idle machine (its poll interval, an extraction and an
+# embedding), much more on a loaded one.
+WORKER_LIMIT = 60.0
 
 PREFIX = "dev/gateway: "
 ANNOUNCED = "Ctrl-C stops everything."
@@ -206,6 +211,8 @@ class Runs:
                     # svc-memory's, when the providers file turns memory on.
                     "SVC_MEMORY_PORT": str(freePort()),
                     "SVC_MEMORY_GRPC_PORT": str(freePort()),
+                    # svc-worker's, which runs beside svc-memory.
+                    "SVC_WORKER_PORT": str(freePort()),
                     **environment,
                 },
                 cwd=CHECKOUT,
@@ -263,14 +270,17 @@ def firstRun(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayRun]:
 def runCurl(command: str, body: Callable[[str], str] = lambda body: body) -> str:
     """
     Run a printed curl command as a shell would split it, its C{-d} body
-    first passed through C{body}; return its stdout.
+    (if any) first passed through C{body}; return its stdout.
     """
     arguments = shlex.split(command)
     assert arguments[0] == "curl", command
-    data = arguments.index("-d") + 1
-    arguments[data] = body(arguments[data])
+    if "-d" in arguments:
+        data = arguments.index("-d") + 1
+        arguments[data] = body(arguments[data])
     result = subprocess.run(
-        [shutil.which("curl") or "curl", *arguments[1:]],
+        # --silent: no progress meter on stderr (the printed command
+        # shows one on a terminal).
+        [shutil.which("curl") or "curl", "--silent", *arguments[1:]],
         env=environmentOfTheTests(),
         capture_output=True,
         timeout=COMMAND_LIMIT,
@@ -338,6 +348,10 @@ def test_firstRunSaysItRunsTheModelServer(firstRun: GatewayRun) -> None:
     assert embedding.dimensions == DEMO_EMBEDDING_DIMENSIONS
     assert model.provider.baseURL == f"http://127.0.0.1:{port}/v1"
     assert embedding.provider is model.provider
+    # svc-worker asks the chat model for memories (decisions D13).
+    assert table.memory is not None
+    assert table.memory.embeddingModel is embedding
+    assert table.memory.extractionModel is model
     entry = firstRun.recorded()[MODEL_SERVER]
     assert "svcd.testing.upstream" in entry["command"]
     assert _commandLine(entry["pid"]) == entry["command"]
@@ -416,7 +430,7 @@ def test_printedMemoryCommandsStoreAndFind(firstRun: GatewayRun) -> None:
     "demo-embed"); the printed commands, run as printed, store a memory
     of a subject (201) and the search finds it first.
     """
-    *_, store, search = firstRun.printedCommands()
+    _, _, _, store, search, *_ = firstRun.printedCommands()
     assert store.startswith(f"curl -i http://127.0.0.1:{firstRun.proxyPort}/v1/memories ")
     assert "X-SVC-Memory-Subject: " in store
     status, _, memory = parseResponse(runCurl(store))
@@ -427,6 +441,53 @@ def test_printedMemoryCommandsStoreAndFind(firstRun: GatewayRun) -> None:
     assert status == 200, found
     assert found["data"][0]["memory"]["id"] == memory["id"]
     assert "svc-memory" in firstRun.recorded()
+
+
+@needsCurl
+def test_printedCommandsTellAFactThatIsRecalled(firstRun: GatewayRun) -> None:
+    """
+    Issue 33, "The first run remembers": svc-worker runs beside svc-memory,
+    the demo agent has recall and observe on, and the last three printed
+    commands, run as printed and in order, queue the fact told (202), which
+    the worker turns into a memory through the scripted extraction (waited
+    for by listing, with a bounded limit); the question then has the
+    memory recalled into its prompt (X-SVC-Memories: 1, and the scripted
+    answer counts the message it was given besides the question); the list
+    shows the one memory, extracted, of the fact's words.
+    """
+    *_, tell, ask, listing = firstRun.printedCommands()
+    assert "svc-worker" in firstRun.recorded()
+    proxy = f"curl -i http://127.0.0.1:{firstRun.proxyPort}"
+    assert tell.startswith(f"{proxy}/v1/memories ") and '"messages"' in tell
+    assert ask.startswith(f"{proxy}/v1/chat/completions ")
+    assert listing.startswith(f"curl http://127.0.0.1:{firstRun.proxyPort}/v1/memories ")
+    assert "-d" not in shlex.split(listing)
+
+    status, _, queued = parseResponse(runCurl(tell))
+    assert status == 202, queued
+    assert (queued["object"], queued["status"]) == ("memory.observation", "queued")
+
+    deadline = time.monotonic() + WORKER_LIMIT
+    while not (memories := json.loads(runCurl(listing))["data"]):
+        assert time.monotonic() < deadline, "svc-worker made no memory of the fact told"
+        time.sleep(0.1)
+
+    status, headers, answer = parseResponse(runCurl(ask))
+    assert status == 200, answer
+    assert headers["x-svc-memories"] == "1"
+    question = json.loads(shlex.split(ask)[-1])["messages"][-1]["content"]
+    # The recalled memories' message, then the question.
+    assert answer["choices"][0]["message"]["content"] == (
+        f"Scripted answer to 2 messages; the last has {len(question)} characters."
+    )
+
+    # The question was observed too; a question states nothing, so it
+    # adds no memory.
+    listed = json.loads(runCurl(listing))
+    assert [(memory["content"], memory["source"]) for memory in listed["data"]] == [
+        (DEMO_FACT, "extracted")
+    ]
+    assert listed["data"][0]["id"] == memories[0]["id"]
 
 
 def readmeSDKProgram() -> str:
@@ -491,7 +552,7 @@ def test_ctrlCStopsTheModelServerAndAKilledRunsIsStoppedNextTime(
     killed.waitForAnnouncement()
     left = killed.recorded()
     # svc-memory too: the written providers file turns memory on.
-    assert set(left) == {MODEL_SERVER, "svc-auth", "svc-memory", "svc-proxy"}
+    assert set(left) == {MODEL_SERVER, "svc-auth", "svc-memory", "svc-proxy", "svc-worker"}
     killed.process.kill()
     killed.process.wait()
     for name, entry in left.items():
