@@ -152,10 +152,12 @@ def completionText(body: Mapping[str, Any]) -> str:
     return ""
 
 
-# The first line of an observation journal (SVC_MEMORY_JOURNAL): its own,
-# so that a usage journal is never read as one, nor the reverse.
+# The first line of an observation journal (the memory journal D13 names;
+# its variable is not read yet): its own, so that a usage journal is never
+# read as one, nor the reverse.
 OBSERVATION_JOURNAL_MAGIC = b"svc-memory-journal 1\n"
-# SVC_MEMORY_OUTBOX_MAX's default: an observation is at most some 1 MiB
+# The observations held at most (a bound the configuration will take): an
+# observation is at most some 1 MiB
 # (64 messages of 16 KiB), usually a few KiB; 10,000 of them bound what a
 # proxy holds while svc-memory is away.
 OBSERVATION_OUTBOX_MAX = 10_000
