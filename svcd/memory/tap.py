@@ -10,24 +10,19 @@ the stop signals, the heap settled at start and systemd's notification.
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 from threadpoolctl import threadpool_limits
 from twisted.application.service import IService
-from twisted.internet.interfaces import IReactorCore, IReactorTime
 from twisted.logger import LogLevel
 from twisted.python import usage
 
-from svcd.common.config import ConfigError
+from svcd.common.daemonstart import daemonAssembled, startDaemon
 from svcd.common.gcmetrics import watchCollector
-from svcd.common.lifecycle import exitZeroOnStopSignals, notifySystemd, settleHeapWhenRunning
-from svcd.common.logs import LoggingRootService, daemonLogWriter, logSettings, makeObserver
+from svcd.common.logs import LoggingRootService
 from svcd.common.metrics import processUpGauge
 from svcd.common.tracing import TracingConfig, TracingService, tracerProvider
-from svcd.common.twistedprivate import TwistedIncompatible, requireTwistedInternals
 from svcd.memory.assembly import assembleMemoryDaemon
 from svcd.memory.config import MemoryConfig
 
@@ -89,33 +84,9 @@ def makeService(options: Options) -> IService:
     """
     from twisted.internet import reactor
 
-    try:
-        requireTwistedInternals()
-    except TwistedIncompatible as error:
-        sys.stderr.write(f"svc-memory: {error}\n")
-        sys.stderr.flush()
-        raise SystemExit(1) from None
-    try:
-        settings = MemoryConfig.fromEnvironment(os.environ)
-        tracing = TracingConfig.fromEnvironment(os.environ, "svc-memory")
-        logFormat, level = logSettings(os.environ)
-    except ConfigError as error:
-        sys.stderr.write(f"svc-memory: configuration error: {error}\n")
-        raise SystemExit(1) from None
-    twistdOptions = getattr(options, "parent", None)
-    assert IReactorCore.providedBy(reactor) and IReactorTime.providedBy(reactor)
-    writer = daemonLogWriter(twistdOptions)
-    root = LoggingRootService(
-        makeObserver(logFormat, level, writer, service=tracing.serviceName),
-        daemonName="svc-memory",
-        level=level,
-        writer=writer,
-        clock=reactor,
+    start = startDaemon("svc-memory", options, reactor, MemoryConfig.fromEnvironment)
+    buildService(
+        reactor, start.config, start.root, start.tracing, logCalls=start.level <= LogLevel.debug
     )
-    buildService(reactor, settings, root, tracing, logCalls=level <= LogLevel.debug)
-    exitZeroOnStopSignals(reactor)
-    settleHeapWhenRunning(reactor)
-    # Both ports serve once the reactor runs: a unit of Type=notify
-    # (etc/systemd) is started then.
-    reactor.callWhenRunning(notifySystemd, "READY=1")
-    return root
+    daemonAssembled(reactor)
+    return start.root

@@ -10,21 +10,16 @@ signals, the heap settled at start and systemd's notification.
 
 from __future__ import annotations
 
-import os
-import sys
-from typing import Any, NoReturn
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 from twisted.application.service import IService
-from twisted.internet.interfaces import IReactorCore, IReactorFromThreads, IReactorTime
+from twisted.internet.interfaces import IReactorFromThreads
 from twisted.python import usage
 
-from svcd.common.config import ConfigError
+from svcd.common.daemonstart import cannotStart, daemonAssembled, startDaemon
 from svcd.common.gcmetrics import watchCollector
-from svcd.common.lifecycle import exitZeroOnStopSignals, notifySystemd, settleHeapWhenRunning
-from svcd.common.logs import LoggingRootService, daemonLogWriter, logSettings, makeObserver
-from svcd.common.tracing import TracingConfig, TracingService, tracerProvider
-from svcd.common.twistedprivate import TwistedIncompatible, requireTwistedInternals
+from svcd.common.tracing import TracingService, tracerProvider
 from svcd.ledger.journalfile import JournalError
 from svcd.worker.assembly import assembleWorkerDaemon
 from svcd.worker.config import WorkerConfig
@@ -46,13 +41,6 @@ class Options(usage.Options):
     )
 
 
-def _cannotStart(reason: str) -> NoReturn:
-    stderr = sys.__stderr__ or sys.stderr
-    stderr.write(f"svc-worker: {reason}\n")
-    stderr.flush()
-    raise SystemExit(1)
-
-
 def makeService(options: Options) -> IService:
     """
     Build svc-worker from the environment; a bad or missing variable stops
@@ -60,26 +48,8 @@ def makeService(options: Options) -> IService:
     """
     from twisted.internet import reactor
 
-    try:
-        requireTwistedInternals()
-    except TwistedIncompatible as error:
-        _cannotStart(str(error))
-    try:
-        config = WorkerConfig.fromEnvironment(os.environ)
-        tracing = TracingConfig.fromEnvironment(os.environ, "svc-worker")
-        logFormat, level = logSettings(os.environ)
-    except ConfigError as error:
-        _cannotStart(f"configuration error: {error}")
-    twistdOptions = getattr(options, "parent", None)
-    assert IReactorCore.providedBy(reactor) and IReactorTime.providedBy(reactor)
-    writer = daemonLogWriter(twistdOptions)
-    root = LoggingRootService(
-        makeObserver(logFormat, level, writer, service=tracing.serviceName),
-        daemonName="svc-worker",
-        level=level,
-        writer=writer,
-        clock=reactor,
-    )
+    start = startDaemon("svc-worker", options, reactor, WorkerConfig.fromEnvironment)
+    root, tracing = start.root, start.tracing
     # Added first, stopped last: flushes the spans of what the worker did.
     provider = tracerProvider(tracing)
     reactorAny: Any = reactor
@@ -91,12 +61,10 @@ def makeService(options: Options) -> IService:
     watchCollector(registry)
     try:
         daemon = assembleWorkerDaemon(
-            reactor, config, registry, tracer=provider.get_tracer("svcd.worker")
+            reactor, start.config, registry, tracer=provider.get_tracer("svcd.worker")
         )
     except JournalError as error:
-        _cannotStart(f"cannot start: {error}")
+        cannotStart("svc-worker", f"cannot start: {error}")
     daemon.setServiceParent(root)
-    exitZeroOnStopSignals(reactor)
-    settleHeapWhenRunning(reactor)
-    reactor.callWhenRunning(notifySystemd, "READY=1")
+    daemonAssembled(reactor)
     return root
