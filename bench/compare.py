@@ -13,7 +13,8 @@ Each SPEC gets its own svc-auth and svc-proxy (a revision's code from a
 temporary git worktree, first on their PYTHONPATH) on one shared
 PostgreSQL, Redis and tenant. The rounds alternate the floor and every
 SPEC; each line gives requests/s, p50, p99, the ratio to the floor of that
-round, and per process the CPU time and context switches per request, then
+round, and per process the CPU time (and svc-proxy's reactor thread's, the
+one that bounds what a proxy serves) and context switches per request, then
 the cycle collector's collections per second and pauses in svc-proxy
 during that row, by generation (svc_python_gc_pause_seconds).
 
@@ -21,8 +22,11 @@ during that row, by generation (svc_python_gc_pause_seconds).
 answered by a local nginx, as in bench/gateway.py), and stream the same
 with "stream": true (nginx answering a fixed event stream);
 forward-limits and forward-budget are bench/gateway.py's rows of the
-same names (limits rows; a budget and a priced model); --connections
-1,32 measures every row, the floor included, at each count in turn.
+same names (limits rows; a budget and a priced model), and so is
+forward-recall (recall on, decisions D13: one svc-memory, shared by every
+SPEC's proxy, holding the row's 1,000 memories; its CPU per request is
+printed with the row's); --connections 1,32 measures every row, the floor
+included, at each count in turn.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from gateway import (  # noqa: E402
     gcCells,
     gcDuring,
     gcPauses,
+    reactorCPUSeconds,
     runningStack,
     runWrk,
     summarize,
@@ -55,7 +60,7 @@ from svcd.testing.daemons import Daemon, authEnvironment  # noqa: E402
 from svcd.testing.servers import freePort  # noqa: E402
 
 # The rows forwarded to nginx (bench/gateway.py says what each is).
-FORWARDED = ("forward", "stream", "forward-limits", "forward-budget")
+FORWARDED = ("forward", "stream", "forward-limits", "forward-budget", "forward-recall")
 
 
 @attrs.frozen
@@ -119,22 +124,29 @@ def _measureSpec(
     expected: int,
     floor: dict[str, float],
     duration: float,
+    memory: Daemon | None = None,
 ) -> dict[str, dict[str, Any]]:
     """
     One row of one SPEC: wrk, then a line with its figures; returns what
-    the cycle collector did meanwhile (L{gcDuring}).
+    the cycle collector did meanwhile (L{gcDuring}). C{memory}: svc-memory,
+    whose CPU the row's recalls cost too.
     """
     pids = {"svc-auth": auth.process.pid, "svc-proxy": proxy.process.pid}  # type: ignore[union-attr]
+    if memory is not None:
+        pids["svc-memory"] = memory.process.pid  # type: ignore[union-attr]
     cpu = {name: cpuSeconds(pid) for name, pid in pids.items()}
+    reactorCPU = reactorCPUSeconds(pids["svc-proxy"])
     switches = {name: contextSwitches(pid) for name, pid in pids.items()}
     pauses = gcPauses([proxy])
     raw = runWrk(proxy.url("/v1/chat/completions"), connections, duration, environment)
     collector = gcDuring(pauses, gcPauses([proxy]), raw["duration_us"] / 1e6)
     result = summarize(row, connections, expected, raw)
     requests = max(1, raw["requests"])
+    reactorCost = (reactorCPUSeconds(pids["svc-proxy"]) - reactorCPU) / requests * 1e6
     costs = " ".join(
         f"{name} {(cpuSeconds(pid) - cpu[name]) / requests * 1e6:.0f} µs"
-        f" {(contextSwitches(pid) - switches[name]) / requests:.1f} cs"
+        + (f" (reactor thread {reactorCost:.0f})" if name == "svc-proxy" else "")
+        + f" {(contextSwitches(pid) - switches[name]) / requests:.1f} cs"
         for name, pid in pids.items()
     )
     print(
@@ -192,8 +204,8 @@ def main() -> int:
     rows = [row.strip() for row in arguments.rows.split(",") if row.strip()]
     if not rows or set(rows) - {"chat", *FORWARDED}:
         raise SystemExit(
-            "compare.py: --rows takes chat, forward, stream, forward-limits and"
-            f" forward-budget, got {arguments.rows!r}"
+            "compare.py: --rows takes chat, forward, stream, forward-limits,"
+            f" forward-budget and forward-recall, got {arguments.rows!r}"
         )
     specs = [Spec.parse(each) for each in arguments.specs]
     connectionCounts = [int(each) for each in arguments.connections.split(",")]
@@ -221,7 +233,13 @@ def main() -> int:
     ):
         scratch = Path(scratchName)
         shared = stack.enter_context(
-            runningStack(scratch, "INFO", [1], withForwarding=bool(set(FORWARDED) & set(rows)))
+            runningStack(
+                scratch,
+                "INFO",
+                [1],
+                withForwarding=bool(set(FORWARDED) & set(rows)),
+                withMemory="forward-recall" in rows,
+            )
         )
         base = shared.proxies[1, False][0]
         dsn = shared.auth.environment["POSTGRES_DSN"]
@@ -252,7 +270,7 @@ def main() -> int:
                     ],
                     **{
                         name: base.environment[name]
-                        for name in ("SVC_PROVIDERS_FILE",)
+                        for name in ("SVC_PROVIDERS_FILE", "SVC_MEMORY_GRPC_ADDR")
                         if name in base.environment
                     },
                     **extra,
@@ -298,6 +316,7 @@ def main() -> int:
                             expected,
                             floor,
                             arguments.duration,
+                            shared.memory if row == "forward-recall" else None,
                         )
                         for generation, each in collector.items():
                             key = (spec.label, row, connections, generation)

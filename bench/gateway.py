@@ -664,7 +664,7 @@ class Stack:
         if row == "prototype":
             return {name: process.pid for name, process in self.prototype.items()}
         pids = {"svc-auth": _pid(self.auth)}
-        if row in _MEMORY and self.memory is not None:
+        if row in (*_MEMORY, *_RECALLED) and self.memory is not None:
             pids["svc-memory"] = _pid(self.memory)
         for index, proxy in enumerate(self.proxies[workers, _variant(row)[1]]):
             pids[f"proxy{index + 1}"] = _pid(proxy)
@@ -969,6 +969,16 @@ def cpuSeconds(pid: int) -> float:
     User plus system CPU time of process C{pid} (all its threads) so far.
     """
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def reactorCPUSeconds(pid: int) -> float:
+    """
+    User plus system CPU time of process C{pid}'s main thread so far: a
+    Twisted daemon's reactor thread, the one that bounds what one process
+    can serve (its other threads, grpcio's, run beside it).
+    """
+    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
