@@ -655,6 +655,11 @@ def test_aBudgetCountsTheRecallsEmbedding(stack: Stack) -> None:
 
     waitFor(probed, 15)
     requestID = post(probe).headers["x-request-id"]
+    # The body a budget measured at admission is not the one sent once
+    # memories went in: the provider receives the assembled messages.
+    sent = stack.chatReceived(requestID).body
+    assert memoryLines(sent["messages"][0]["content"]) == ["- the user likes jasmine tea"]
+    assert sent["messages"][1:] == question["messages"]
     costs = {row["kind"]: row["cost_nano_usd"] for row in stack.rows(requestID, 2)}
     each = costs["chat"] + costs["embedding"]
     assert costs["embedding"] > 1000 * costs["chat"], costs

@@ -619,6 +619,48 @@ async def test_aRequestThatWouldPassTheBudgetIsRefused(
     assert forwarded.body == json.loads(sent)
 
 
+class _CountingJSON:
+    """
+    The json module as svcd.providers.upstream sees it, counting the
+    bodies it serializes (attemptBody's json.dumps).
+    """
+
+    def __init__(self) -> None:
+        self.dumped = 0
+
+    def dumps(self, *args: Any, **kwargs: Any) -> str:
+        self.dumped += 1
+        return json.dumps(*args, **kwargs)
+
+    def loads(self, *args: Any, **kwargs: Any) -> Any:
+        return json.loads(*args, **kwargs)
+
+
+@pytest_twisted.ensureDeferred
+async def test_aBudgetsMeasuredBodyIsTheBodySent(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """
+    Under a budget the body the reservation measured is the body sent,
+    serialized once per request (not once to measure and again to
+    forward); without one, once when forwarded.
+    """
+    from svcd.providers import upstream
+
+    counting = _CountingJSON()
+    monkeypatch.setattr(upstream, "json", counting)
+    edge.limit(orgBudget=Budget(nanoUSD=10**9, period="day"))
+    response, _ = await edge.chat(model="priced")
+    assert response.code == 200
+    [forwarded] = edge.upstream.requests()
+    assert forwarded.body == json.loads(PRICED_SENT)
+    assert counting.dumped == 1
+    edge.limit()
+    response, _ = await edge.chat(model="priced")
+    assert response.code == 200
+    assert counting.dumped == 2
+
+
 @pytest_twisted.ensureDeferred
 async def test_theCapIsSentUnderABudgetOnly(edge: Edge) -> None:
     """

@@ -133,6 +133,7 @@ def worstCaseCost(
     cap: int,
     sentCap: int | None,
     extraBytes: int = 0,
+    bodies: dict[str, bytes] | None = None,
 ) -> int:
     """
     The most the answer to C{chat} can cost, in nano-dollars, whichever of
@@ -144,6 +145,8 @@ def worstCaseCost(
     without a price count nothing (under a budget they are never tried).
     C{extraBytes} are bytes the gateway may add to the body before it is
     sent (decisions D13: a recall's message of memories, at its bound).
+    C{bodies}, when given, gets each body measured, by model name, so that
+    the forwarder sends it without serializing the request again.
     """
     worst = 0
     for model in attempts:
@@ -151,6 +154,8 @@ def worstCaseCost(
         if price is None:
             continue
         body = attemptBody(chat.document, model, sentCap)
+        if bodies is not None:
+            bodies[model.name] = body
         completion = min(sentCap, model.outputCeiling) if sentCap is not None else cap
         worst = max(worst, price.worstCase(len(body) + extraBytes, completion * chat.choices))
     return worst
@@ -178,6 +183,7 @@ def reserve(
     orgID: str,
     applicable: Applicable,
     extraBytes: int = 0,
+    bodies: dict[str, bytes] | None = None,
 ) -> tuple[int, int, int | None, int]:
     """
     What a chat completion that will be forwarded to C{model} reserves at
@@ -187,7 +193,7 @@ def reserve(
     request named none (under a budget only: the worst case holds only if
     the provider is told the cap it assumes), else None; its worst-case
     cost in nano-dollars (0 without a budget), with C{extraBytes} the
-    gateway may add to the body (L{worstCaseCost}).
+    gateway may add to the body (L{worstCaseCost}, which fills C{bodies}).
     """
     prompt = promptEstimate(chat.messages)
     cap = outputCap(chat.document, applicable, model.maxOutputTokens)
@@ -198,7 +204,12 @@ def reserve(
         if named is None:
             sentCap = cap
         cost = worstCaseCost(
-            chat, attemptsOf(providers, model, orgID, True), named or cap, sentCap, extraBytes
+            chat,
+            attemptsOf(providers, model, orgID, True),
+            named or cap,
+            sentCap,
+            extraBytes,
+            bodies,
         )
     return prompt, cap, sentCap, cost
 

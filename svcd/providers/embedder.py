@@ -358,23 +358,41 @@ class Embedder:
         usage = record.usage
         return Embedded(
             record.model or model.name,
-            decodeVectors(answer.body, len(texts)),
+            vectorsOf(answer.document, len(texts)),
             usage.promptTokens if usage is not None else None,
         )
 
 
 def decodeVectors(body: bytes, count: int) -> tuple[bytes, ...]:
     """
-    The C{count} vectors of an OpenAI-shaped embeddings answer, in the
-    order of their C{index}, as float32 bytes, little-endian: base64
-    strings decoded as they are (the bytes OpenAI encodes), arrays of
-    numbers (a provider that ignored C{encoding_format}) packed.
+    The C{count} vectors of an OpenAI-shaped embeddings answer's body
+    (L{vectorsOf}).
+
+    @raise ApiError: 502 UPSTREAM_ERROR when it is not JSON, or as
+        L{vectorsOf}.
+    """
+    try:
+        document = json.loads(body)
+    except ValueError:
+        raise _unreadable() from None
+    return vectorsOf(document, count)
+
+
+def vectorsOf(document: object, count: int) -> tuple[bytes, ...]:
+    """
+    The C{count} vectors of an OpenAI-shaped embeddings answer, parsed
+    (the forwarder's L{svcd.providers.upstream.Answer.document}: the body
+    is not parsed twice), in the order of their C{index}, as float32
+    bytes, little-endian: base64 strings decoded as they are (the bytes
+    OpenAI encodes), arrays of numbers (a provider that ignored
+    C{encoding_format}) packed.
 
     @raise ApiError: 502 UPSTREAM_ERROR when the answer does not hold
         exactly one non-empty vector per text, all of one length.
     """
     try:
-        document = json.loads(body)
+        if not isinstance(document, dict):
+            raise ValueError("not an object")
         data = document["data"]
         if not isinstance(data, list) or len(data) != count:
             raise ValueError("not one vector per text")
@@ -388,10 +406,12 @@ def decodeVectors(body: bytes, count: int) -> tuple[bytes, ...]:
         if len(lengths) != 1 or 0 in lengths:
             raise ValueError("vectors of several lengths")
     except (ValueError, KeyError, TypeError, binascii.Error, struct.error):
-        raise ApiError(
-            ErrorCode.UPSTREAM_ERROR, "The model provider's embeddings could not be read."
-        ) from None
+        raise _unreadable() from None
     return tuple(vector for vector in vectors if vector is not None)
+
+
+def _unreadable() -> ApiError:
+    return ApiError(ErrorCode.UPSTREAM_ERROR, "The model provider's embeddings could not be read.")
 
 
 def _vectorBytes(embedding: object) -> bytes:

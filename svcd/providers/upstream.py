@@ -127,6 +127,11 @@ class Answer:
     """
     A non-streaming answer for the client (a streamed one has already been
     written when C{streamed} is set).
+
+    @ivar document: a whole answer's JSON as the forwarder parsed it (for
+        its usage), so that a caller reading more of it (the gateway's own
+        embeddings, L{svcd.providers.embedder}) does not parse it again;
+        None for a stream.
     """
 
     status: int
@@ -134,6 +139,7 @@ class Answer:
     contentType: bytes = _JSON
     headers: list[tuple[bytes, bytes]] = attrs.field(factory=list)
     streamed: bool = False
+    document: object = attrs.field(default=None, repr=False, eq=False)
 
 
 @attrs.frozen
@@ -241,6 +247,7 @@ class Forwarder:
         record: UpstreamRecord,
         outputCap: int | None = None,
         operation: Operation | None = None,
+        bodies: Mapping[str, bytes] | None = None,
     ) -> Answer:
         """
         Forward C{document} (the client's JSON object) to the first of
@@ -251,6 +258,10 @@ class Forwarder:
             that attempt's model's C{cap_field}, see L{attemptBody}), or
             None to send the client's object as it is.
         @param operation: what is asked; a chat completion by default.
+        @param bodies: attempts' bodies already made, by model name, as
+            C{operation.body(document, model, outputCap)} makes them (a
+            budget's reservation measured them, decisions D12 amended):
+            sent as they are rather than serialized again.
         @raise ApiError: the last attempt's fault, when none answered.
         """
         if operation is None:
@@ -258,7 +269,8 @@ class Forwarder:
         stream = operation.streams and document.get("stream") is True
         fault: UpstreamFault | None = None
         for model in attempts:
-            body = operation.body(document, model, outputCap)
+            made = bodies.get(model.name) if bodies is not None else None
+            body = made if made is not None else operation.body(document, model, outputCap)
             try:
                 if stream:
                     return await self._stream(
@@ -358,7 +370,12 @@ class Forwarder:
             except ValueError:
                 raise _broken("invalid") from None
             record.usage = operation.usage(parsed)
-            return Answer(200, answer, headers=[(UPSTREAM_MODEL_HEADER, _ascii(model.name))])
+            return Answer(
+                200,
+                answer,
+                headers=[(UPSTREAM_MODEL_HEADER, _ascii(model.name))],
+                document=parsed,
+            )
         except UpstreamFault as fault:
             label = fault.label
             raise

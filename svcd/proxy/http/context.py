@@ -112,6 +112,9 @@ class RequestContext:
     budgeted: bool = False
     sentCap: int | None = None
     forwarded: bool = False
+    # The bodies a budget's reservation measured, by model name: what each
+    # attempt is sent, serialized once (None: made when forwarded).
+    sentBodies: dict[str, bytes] | None = None
     # Decisions D13: a chat completion's recall, when recall is on for it.
     recall: Recall | None = None
 

@@ -163,10 +163,13 @@ class ChatRoutes:
                 ctx.recall = Recall(plan)
         if not (applicable.tokenLimited or applicable.budgeted):
             return None
+        # Under a budget, the bodies measured are the bodies sent: serialized
+        # once (L{worstCaseCost}).
+        bodies = ctx.sentBodies = {} if applicable.budgeted else None
         if plan is None:
-            return (*reserve(chat, model, providers, orgID, applicable), 0)
+            return (*reserve(chat, model, providers, orgID, applicable, bodies=bodies), 0)
         prompt, cap, sentCap, cost = reserve(
-            chat, model, providers, orgID, applicable, plan.extraBodyBytes()
+            chat, model, providers, orgID, applicable, plan.extraBodyBytes(), bodies
         )
         if applicable.budgeted:
             cost += plan.embeddingCost(providers, orgID, applicable)
@@ -271,6 +274,7 @@ class ChatRoutes:
                 lambda error: self.errorEvent(ctx, error),
                 ctx.upstream,
                 outputCap=ctx.sentCap,
+                bodies=ctx.sentBodies,
             )
             if ctx.upstream.brokenMidStream:
                 # The stream went out, then ended with an error event.
@@ -318,6 +322,8 @@ class ChatRoutes:
         ctx.responseHeaders.append((MEMORIES_HEADER, recall.header))
         if messages is None:
             return chat
+        # Not the body the reservation measured any more.
+        ctx.sentBodies = None
         if ctx.estimate is not None:
             # Decisions D11: the reservation counts the assembled messages,
             # and so does a row that keeps it.
