@@ -253,6 +253,17 @@ class Recall:
         """
         return b"unavailable" if self.count is None else b"%d" % self.count
 
+    @property
+    def injected(self) -> int:
+        """
+        The C{memories} of the chat's ledger row and access log line
+        (decisions D13: the memories injected): 0 after a fault, as when
+        none were found. Both record the same number; what went wrong is
+        the answer's C{unavailable}, the metric's outcome and the access
+        log's C{memory_outcome}.
+        """
+        return self.count or 0
+
 
 def embeddingCharge(
     providers: ProviderTable,

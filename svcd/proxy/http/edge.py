@@ -616,9 +616,15 @@ class ProxyEdge:
             )
         recall = ctx.recall
         if recall is not None:
-            # Decisions D13: how many memories the prompt got (None:
-            # unavailable) and what finding them took; never their content.
-            fields.update(memories=recall.count, memory_ms=round(recall.milliseconds, 3))
+            # Decisions D13: how many memories the prompt got (0 after a
+            # fault, as the ledger row says), how the recall ended (the
+            # metric's outcome; None when it made no call) and what finding
+            # them took; never their content.
+            fields.update(
+                memories=recall.injected,
+                memory_outcome=recall.outcome,
+                memory_ms=round(recall.milliseconds, 3),
+            )
         self.log.info("{method} {route} {status}", **fields)
         return reply
 

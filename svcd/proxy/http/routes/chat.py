@@ -401,11 +401,9 @@ class ChatRoutes:
 def _injected(recall: Recall | None) -> int | None:
     """
     The row's C{memories} (decisions D13): None without recall, else the
-    memories the prompt got (0 after a fault).
+    memories the prompt got (0 after a fault, L{Recall.injected}).
     """
-    if recall is None:
-        return None
-    return recall.count or 0
+    return None if recall is None else recall.injected
 
 
 class _ClientStream:
