@@ -440,6 +440,7 @@ def test_recallAssemblesTheMemories(stack: Stack) -> None:
     line = stack.accessLine(requestID)
     assert (line["memories"], line["memory_outcome"]) == (2, "ok")
     assert 0 <= line["memory_ms"] < 30_000
+    assert 0 <= line["memory_embedding_ms"] <= line["memory_ms"]
 
 
 def test_recallInStreams(stack: Stack) -> None:
@@ -530,7 +531,11 @@ def test_subjectsAndNothingToRecall(stack: Stack) -> None:
     assert stack.received(headers["x-request-id"], "/embeddings") == []
     # Nothing was asked of memory: no outcome.
     line = stack.accessLine(headers["x-request-id"])
-    assert (line["memories"], line["memory_outcome"]) == (0, None)
+    assert (line["memories"], line["memory_outcome"], line["memory_embedding_ms"]) == (
+        0,
+        None,
+        None,
+    )
     with pytest.raises(openai.BadRequestError):
         ask(stack.client(tenant, headers={"X-SVC-Memory-Subject": "no spaces"}), question)
 

@@ -361,6 +361,7 @@ def test_recallAssemblesWhatIsFound() -> None:
     )
     assert embedder.calls == [("what tea",)]
     embedder.record.usage = Usage(promptTokens=7, completionTokens=0)
+    embedder.record.upstreamMilliseconds = 0.4
     embedder.answer.callback(Embedded("embed", (b"\0" * 8,), 7))
     found = Deferred.fromCoroutine(_found("green tea", "black tea"))
     memory.answer.callback(found.result)
@@ -370,6 +371,8 @@ def test_recallAssemblesWhatIsFound() -> None:
     assert messages[0]["content"].split("\n")[1:] == ["- green tea", "- black tea"]
     assert (recall.count, recall.outcome, recall.charge) == (2, RECALL_OK, (7, PRICE.cost(7, 0, 0)))
     assert recall.milliseconds == pytest.approx(0.0)
+    # The embedding's exchange, for the access log.
+    assert recall.embeddingMilliseconds == 0.4
     assert metrics.outcomes == [RECALL_OK]
 
 

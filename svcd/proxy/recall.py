@@ -234,6 +234,10 @@ class Recall:
     @ivar outcome: the metric's (L{RECALL_OUTCOMES}); None before the
         recall ends, or when it made no call (no query).
     @ivar milliseconds: the time the embedding and the search took.
+    @ivar embeddingMilliseconds: of those, the embedding's exchange with
+        its provider (None when none was made), so that the access log
+        says where a recall's time went: the rest is the search and the
+        gateway's own work around both.
     @ivar charge: the tokens and nano-dollars the embedding's ledger row
         counts, which the chat's settlement adds to its own (decisions
         D12, amended; docs/design.rst, D13 "Context assembly"); set
@@ -244,6 +248,7 @@ class Recall:
     count: int | None = 0
     outcome: str | None = None
     milliseconds: float = 0.0
+    embeddingMilliseconds: float | None = None
     charge: tuple[int, int] = (0, 0)
 
     @property
@@ -422,6 +427,7 @@ class Recaller:
                 inputsEstimate((query,)),
             )
             recall.milliseconds = (self._clock.seconds() - started) * 1000
+            recall.embeddingMilliseconds = record.upstreamMilliseconds
         if recall.outcome is not None:
             recall.count = None
             self._metrics.memoryRecall(recall.outcome)

@@ -618,12 +618,14 @@ class ProxyEdge:
         if recall is not None:
             # Decisions D13: how many memories the prompt got (0 after a
             # fault, as the ledger row says), how the recall ended (the
-            # metric's outcome; None when it made no call) and what finding
-            # them took; never their content.
+            # metric's outcome; None when it made no call), what finding
+            # them took and, of that, the embedding's exchange; never their
+            # content.
             fields.update(
                 memories=recall.injected,
                 memory_outcome=recall.outcome,
                 memory_ms=round(recall.milliseconds, 3),
+                memory_embedding_ms=recall.embeddingMilliseconds,
             )
         self.log.info("{method} {route} {status}", **fields)
         return reply
