@@ -7,12 +7,12 @@ cancellation against a server that never answers, and the worker's queue.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
 
+import attrs
 import grpc
 import pytest
 import pytest_twisted
@@ -123,19 +123,47 @@ async def test_anUnreachableServiceIsUnavailable(acme: Tenant) -> None:
         client.close()
 
 
+@attrs.frozen
+class HungServer:
+    """
+    A grpcio server whose GetMemory never answers until the test ends: a
+    hung svc-memory. C{entered} is set once a call is in its handler, so
+    that a test cancels a call known to be in flight (a bare listening
+    socket would not do: grpcio gives up its HTTP/2 handshake after the
+    channel's 100 ms connect timeout, failing the call before a loaded
+    machine got round to cancelling it).
+    """
+
+    address: str
+    entered: threading.Event
+
+
 @pytest.fixture
-def silentServer() -> Iterator[str]:
-    """
-    A TCP port that accepts connections and never says a word: a hung
-    svc-memory.
-    """
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)
+def hungServer() -> Iterator[HungServer]:
+    entered = threading.Event()
+    release = threading.Event()
+
+    def hang(request: bytes, context: grpc.ServicerContext) -> bytes:
+        entered.set()
+        release.wait(30)
+        return b""
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "svc.memory.v1.MemoryService",
+                {"GetMemory": grpc.unary_unary_rpc_method_handler(hang)},
+            ),
+        )
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
     try:
-        yield f"127.0.0.1:{listener.getsockname()[1]}"
+        yield HungServer(f"127.0.0.1:{port}", entered)
     finally:
-        listener.close()
+        release.set()
+        server.stop(0).wait(5)
 
 
 @pytest.fixture
@@ -189,17 +217,21 @@ async def test_aHungServiceMeetsTheDeadline(slowServer: str, acme: Tenant) -> No
 
 
 @pytest_twisted.ensureDeferred
-async def test_cancellingCancelsTheCall(silentServer: str, acme: Tenant) -> None:
+async def test_cancellingCancelsTheCall(hungServer: HungServer, acme: Tenant) -> None:
     """
-    Cancelling the Deferred (the proxy's client went away) ends the call
-    at once with CancelledError, long before its deadline.
+    Cancelling the Deferred (the proxy's client went away) ends a call in
+    flight at once with CancelledError, long before its deadline.
     """
     from twisted.internet import reactor
 
-    client = clientOf(silentServer, timeout=30.0)
+    client = clientOf(hungServer.address, timeout=30.0)
     try:
         call = client.getMemory(scopeOf(acme), "018f0000-0000-7000-8000-000000000000")
-        await deferLater(reactor, 0.05, lambda: None)
+        waited = time.monotonic()
+        while not hungServer.entered.is_set():
+            assert time.monotonic() - waited < 10, "the call never reached the server"
+            await deferLater(reactor, 0.01, lambda: None)
+        assert not call.called
         started = time.monotonic()
         call.cancel()
         with pytest.raises(CancelledError):
