@@ -409,3 +409,60 @@ def test_anExpiredLeaseReturnsTheObservation(memoryStore: MemoryStore, acme: Ten
     assert first.observationID == second.observationID
     assert not memoryStore.completeObservation(acme.orgID, first.observationID, "dead-worker")
     assert memoryStore.completeObservation(acme.orgID, first.observationID, "live-worker")
+
+
+def test_onlyTheClaimHoldingALeaseRenewsIt(
+    memoryStore: MemoryStore, acme: Tenant, globex: Tenant
+) -> None:
+    """
+    Each claim has a token of its own. The claim holding the lease renews
+    it (to the seconds asked, from now), even once it ran out if no claim
+    took it since; a later claim, even under the same owner, makes the
+    first claim's renewal, completion and release refused (False), and
+    only the new token completes. A renewal in another organization's name
+    is refused (row-level security); one of a deleted observation is
+    NOT_FOUND.
+    """
+    memoryStore.queueObservations(
+        [NewObservation(scopeOf(acme), "r", (ObservedMessage("user", "x"),))]
+    )
+    [first] = memoryStore.claimObservations("worker-1", 0.0, 1)
+    assert first.leaseToken is not None
+    renewed = memoryStore.renewObservationLease(
+        acme.orgID, first.observationID, "worker-1", first.leaseToken, 120.0
+    )
+    assert renewed is not None and renewed > first.leaseExpiresAt
+    assert memoryStore.claimObservations("worker-1", 60.0, 1) == []
+    with pytest.raises(MemoryForbidden):
+        memoryStore.renewObservationLease(
+            globex.orgID, first.observationID, "worker-1", first.leaseToken, 60.0
+        )
+    # The lease runs out at once; the same owner claims it again: a new token.
+    assert memoryStore.renewObservationLease(
+        acme.orgID, first.observationID, "worker-1", first.leaseToken, 0.0
+    )
+    [second] = memoryStore.claimObservations("worker-1", 60.0, 1)
+    assert second.leaseToken not in (None, first.leaseToken)
+    assert (
+        memoryStore.renewObservationLease(
+            acme.orgID, first.observationID, "worker-1", first.leaseToken, 60.0
+        )
+        is None
+    )
+    assert not memoryStore.completeObservation(
+        acme.orgID, first.observationID, "worker-1", first.leaseToken
+    )
+    assert not memoryStore.releaseObservation(
+        acme.orgID,
+        first.observationID,
+        "worker-1",
+        ObservationRelease(retryAfter=0.0, countAttempt=True, failed=False, reason="late"),
+        first.leaseToken,
+    )
+    assert memoryStore.completeObservation(
+        acme.orgID, second.observationID, "worker-1", second.leaseToken
+    )
+    with pytest.raises(MemoryNotFound):
+        memoryStore.renewObservationLease(
+            acme.orgID, second.observationID, "worker-1", second.leaseToken, 60.0
+        )

@@ -74,5 +74,6 @@ def test_memoryServiceIsDeclaredInPackageSvcMemoryV1() -> None:
         "ClaimObservations",
         "CompleteObservation",
         "ReleaseObservation",
+        "RenewObservationLease",
     }
     assert not any(m.server_streaming or m.client_streaming for m in service.methods)

@@ -385,11 +385,27 @@ class MemoryClient:
         )
 
     def completeObservation(
-        self, orgID: str, observationID: str, owner: str
+        self, orgID: str, observationID: str, owner: str, leaseToken: str = ""
     ) -> Deferred[memory_pb2.CompleteObservationResponse]:
         return self._call(
             "CompleteObservation",
-            memory_pb2.CompleteObservationRequest(org_id=orgID, id=observationID, owner=owner),
+            memory_pb2.CompleteObservationRequest(
+                org_id=orgID, id=observationID, owner=owner, lease_token=leaseToken
+            ),
+        )
+
+    def renewObservationLease(
+        self, orgID: str, observationID: str, owner: str, leaseToken: str, leaseSeconds: float
+    ) -> Deferred[memory_pb2.RenewObservationLeaseResponse]:
+        return self._call(
+            "RenewObservationLease",
+            memory_pb2.RenewObservationLeaseRequest(
+                org_id=orgID,
+                id=observationID,
+                owner=owner,
+                lease_token=leaseToken,
+                lease_seconds=leaseSeconds,
+            ),
         )
 
     def releaseObservation(
@@ -401,6 +417,7 @@ class MemoryClient:
         countAttempt: bool,
         failed: bool = False,
         reason: str = "",
+        leaseToken: str = "",
     ) -> Deferred[memory_pb2.ReleaseObservationResponse]:
         return self._call(
             "ReleaseObservation",
@@ -412,5 +429,6 @@ class MemoryClient:
                 count_attempt=countAttempt,
                 failed=failed,
                 reason=reason,
+                lease_token=leaseToken,
             ),
         )

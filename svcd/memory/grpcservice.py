@@ -454,6 +454,7 @@ class MemoryServicer:
                     ],
                     attempts=each.attempts,
                     lease_expires_at=rfc3339(each.leaseExpiresAt),
+                    lease_token=str(each.leaseToken) if each.leaseToken else "",
                 )
                 for each in claimed
             ]
@@ -463,7 +464,9 @@ class MemoryServicer:
         self, request: memory_pb2.CompleteObservationRequest
     ) -> memory_pb2.CompleteObservationResponse:
         orgID, observationID = _observation(request.org_id, request.id)
-        completed = self._store.completeObservation(orgID, observationID, _owner(request.owner))
+        completed = self._store.completeObservation(
+            orgID, observationID, _owner(request.owner), _leaseToken(request.lease_token, False)
+        )
         return memory_pb2.CompleteObservationResponse(completed=completed)
 
     def ReleaseObservation(
@@ -481,13 +484,42 @@ class MemoryServicer:
             reason=request.reason,
         )
         released = self._store.releaseObservation(
-            orgID, observationID, _owner(request.owner), release
+            orgID,
+            observationID,
+            _owner(request.owner),
+            release,
+            _leaseToken(request.lease_token, False),
         )
         return memory_pb2.ReleaseObservationResponse(released=released)
+
+    def RenewObservationLease(
+        self, request: memory_pb2.RenewObservationLeaseRequest
+    ) -> memory_pb2.RenewObservationLeaseResponse:
+        orgID, observationID = _observation(request.org_id, request.id)
+        owner = _owner(request.owner)
+        token = _leaseToken(request.lease_token, True)
+        assert token is not None
+        lease = _bounded("lease_seconds", request.lease_seconds, 1.0, MAX_LEASE_SECONDS)
+        expiresAt = self._store.renewObservationLease(orgID, observationID, owner, token, lease)
+        if expiresAt is None:
+            return memory_pb2.RenewObservationLeaseResponse(renewed=False)
+        return memory_pb2.RenewObservationLeaseResponse(
+            renewed=True, lease_expires_at=rfc3339(expiresAt)
+        )
 
 
 def _observation(orgText: str, idText: str) -> tuple[uuid.UUID, uuid.UUID]:
     return checkUUID("org_id", orgText), checkUUID("id", idText)
+
+
+def _leaseToken(text: str, required: bool) -> uuid.UUID | None:
+    """
+    A claim's lease token; empty is None (any claim of the owner) where
+    it is not C{required}: workers from before tokens name none.
+    """
+    if not text and not required:
+        return None
+    return checkUUID("lease_token", text)
 
 
 class MemoryGrpcService(Service):

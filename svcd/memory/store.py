@@ -725,17 +725,24 @@ class MemoryStore:
                     messages=messagesFromJSON(row["messages"]),
                     attempts=row["attempts"],
                     leaseExpiresAt=row["lease_expires_at"],
+                    leaseToken=row["lease_token"],
                 )
                 for row in cursor.fetchall()
             ]
 
         return self._run("observation_claim", claim, None)
 
-    def completeObservation(self, orgID: uuid.UUID, observationID: uuid.UUID, owner: str) -> bool:
+    def completeObservation(
+        self,
+        orgID: uuid.UUID,
+        observationID: uuid.UUID,
+        owner: str,
+        leaseToken: uuid.UUID | None = None,
+    ) -> bool:
         """
-        A processed observation is deleted. False when C{owner} no longer
-        holds its lease (it ran out and another worker may hold it now):
-        the row is left to that worker.
+        A processed observation is deleted. False when C{owner} (and, given
+        C{leaseToken}, that claim) no longer holds its lease (it ran out
+        and another claim may hold it now): the row is left to that claim.
 
         @raise MemoryNotFound: no observation has this id (done already,
             or dropped).
@@ -745,8 +752,8 @@ class MemoryStore:
         def remove(cursor: Cursor) -> bool:
             cursor.execute(
                 "DELETE FROM memory_observations WHERE id = %s AND org_id = %s"
-                " AND lease_owner = %s RETURNING id",
-                (observationID, orgID, owner),
+                " AND lease_owner = %s AND (%s::uuid IS NULL OR lease_token = %s) RETURNING id",
+                (observationID, orgID, owner, leaseToken, leaseToken),
             )
             if cursor.fetchone() is not None:
                 return True
@@ -764,11 +771,13 @@ class MemoryStore:
         observationID: uuid.UUID,
         owner: str,
         release: ObservationRelease,
+        leaseToken: uuid.UUID | None = None,
     ) -> bool:
         """
         Hand back a claimed observation: waiting again after
         C{release.retryAfter} seconds, or failed for good. False when
-        C{owner} no longer holds its lease.
+        C{owner} (and, given C{leaseToken}, that claim) no longer holds its
+        lease.
 
         @raise MemoryNotFound: no observation has this id.
         @raise MemoryForbidden: it is another organization's.
@@ -777,9 +786,10 @@ class MemoryStore:
         def hand(cursor: Cursor) -> bool:
             cursor.execute(
                 "UPDATE memory_observations SET lease_owner = NULL, lease_expires_at = NULL,"
-                " attempts = attempts + %s, state = %s, reason = %s,"
+                " lease_token = NULL, attempts = attempts + %s, state = %s, reason = %s,"
                 " next_attempt_at = now() + make_interval(secs => %s), updated_at = now()"
-                " WHERE id = %s AND org_id = %s AND lease_owner = %s RETURNING id",
+                " WHERE id = %s AND org_id = %s AND lease_owner = %s"
+                " AND (%s::uuid IS NULL OR lease_token = %s) RETURNING id",
                 (
                     1 if release.countAttempt else 0,
                     "failed" if release.failed else "waiting",
@@ -788,6 +798,8 @@ class MemoryStore:
                     observationID,
                     orgID,
                     owner,
+                    leaseToken,
+                    leaseToken,
                 ),
             )
             if cursor.fetchone() is not None:
@@ -799,6 +811,53 @@ class MemoryStore:
             raise AssertionError("unreachable")
 
         return self._run("observation_release", hand, orgID)
+
+    def renewObservationLease(
+        self,
+        orgID: uuid.UUID,
+        observationID: uuid.UUID,
+        owner: str,
+        leaseToken: uuid.UUID,
+        leaseSeconds: float,
+    ) -> datetime.datetime | None:
+        """
+        Extend the lease of an observation still being processed to
+        C{leaseSeconds} from now, if the claim named by C{owner} and
+        C{leaseToken} still holds it (sql/0013_observation_lease_token.sql).
+        In the organization's context: a worker renews only the rows of
+        the organization it names, as it completes and releases them.
+
+        A lease that ran out is renewed too when no claim took it since
+        (the token is unchanged): nobody else has worked on it. A claim
+        racing this renewal locks the row first or waits for it; either
+        way one of them sees the other's token.
+
+        @return: when the renewed lease ends; None when the lease is no
+            longer this claim's (the worker must abandon the observation).
+        @raise MemoryNotFound: no observation has this id (done, dropped
+            or forgotten).
+        @raise MemoryForbidden: it is another organization's.
+        """
+
+        def renew(cursor: Cursor) -> datetime.datetime | None:
+            cursor.execute(
+                "UPDATE memory_observations"
+                " SET lease_expires_at = now() + make_interval(secs => %s)"
+                " WHERE id = %s AND org_id = %s AND lease_owner = %s AND lease_token = %s"
+                " AND state = 'waiting' RETURNING lease_expires_at",
+                (leaseSeconds, observationID, orgID, owner, leaseToken),
+            )
+            row = cursor.fetchone()
+            if row is not None:
+                expiresAt: datetime.datetime = row["lease_expires_at"]
+                return expiresAt
+            cursor.execute("SELECT 1 FROM memory_observations WHERE id = %s", (observationID,))
+            if cursor.fetchone() is not None:
+                return None
+            _refuse(cursor, "svc_observation_exists", observationID)
+            raise AssertionError("unreachable")
+
+        return self._run("observation_renew", renew, orgID)
 
     # Jobs, for operators (svcctl memory jobs).
 

@@ -73,6 +73,7 @@ from svcd.providers.records import UpstreamRecord
 from svcd.providers.table import MemoryConfig, Model, ProviderTable
 from svcd.providers.upstream import CHAT_COMPLETIONS, Forwarder
 from svcd.worker.extraction import BadExtraction, Turn, extractionRequest, memoriesOf, userText
+from svcd.worker.lease import ObservationLease
 from svcd.worker.metrics import DONE, EMPTY, LOST, WorkerMetrics
 
 # The longest a refusal makes an observation wait (decisions D13): a
@@ -125,6 +126,7 @@ class Observation:
     requestID: str
     turns: tuple[Turn, ...] = attrs.field(repr=False)
     attempts: int
+    leaseToken: str = ""
 
     @property
     def scope(self) -> Scope:
@@ -143,6 +145,7 @@ class Observation:
             requestID=claimed.request_id,
             turns=tuple(Turn(each.role, each.content) for each in claimed.messages),
             attempts=claimed.attempts,
+            leaseToken=claimed.lease_token,
         )
 
 
@@ -222,15 +225,20 @@ class ObservationProcessor:
         self._metrics = metrics
         self._clock = clock
 
-    async def process(self, observation: Observation) -> str:
+    async def process(self, observation: Observation, lease: ObservationLease | None = None) -> str:
         """
         Extract, embed, store and complete C{observation}.
 
+        @param lease: its lease, held (renewed when late) before the
+            embeddings call and before each memory is stored; None: not
+            checked (a caller that holds no lease).
         @return: its outcome: L{DONE}, L{EMPTY} (nothing to remember) or
             L{LOST} (its lease had passed to another worker, or it was
             dropped or forgotten meanwhile).
         @raise Deferral: it must wait.
         @raise FailedAttempt: this attempt failed.
+        @raise LeaseLost: another claim holds it now: nothing was stored.
+        @raise LeaseUnrenewable: svc-memory did not renew its lease.
         """
         applicable = self._admission.applicable(observation.orgID, observation.agentID)
         extraction = self._settings.extractionModel
@@ -241,8 +249,12 @@ class ObservationProcessor:
             memories = await self._extract(observation, extraction, applicable)
         added: list[str] = []
         if memories:
+            if lease is not None:
+                await lease.hold()
             embedded = await self._embed(observation, memories, applicable)
             for content, vector in zip(memories, embedded.vectors, strict=True):
+                if lease is not None:
+                    await lease.hold()
                 memoryID = await self._store(
                     observation, content, Embedding(embedded.model, vector)
                 )
@@ -469,7 +481,7 @@ class ObservationProcessor:
         """
         try:
             completed = await self._memory.completeObservation(
-                observation.orgID, observation.observationID, self._owner
+                observation.orgID, observation.observationID, self._owner, observation.leaseToken
             )
         except MemoryNotFound:
             for memoryID in added:

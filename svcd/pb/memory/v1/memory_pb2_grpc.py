@@ -108,6 +108,11 @@ class MemoryServiceStub:
                 request_serializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.ReleaseObservationRequest.SerializeToString,
                 response_deserializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.ReleaseObservationResponse.FromString,
                 _registered_method=True)
+        self.RenewObservationLease = channel.unary_unary(
+                '/svc.memory.v1.MemoryService/RenewObservationLease',
+                request_serializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.RenewObservationLeaseRequest.SerializeToString,
+                response_deserializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.RenewObservationLeaseResponse.FromString,
+                _registered_method=True)
 
 
 class MemoryServiceServicer:
@@ -197,8 +202,8 @@ class MemoryServiceServicer:
 
     def ClaimObservations(self, request, context):
         """svc-worker's claim: due observations of any organization, leased to
-        `owner` for `lease_seconds`; an observation whose lease runs out is
-        claimed again by the next claim.
+        `owner` for `lease_seconds`, each under a new lease token; an
+        observation whose lease runs out is claimed again by the next claim.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -206,7 +211,8 @@ class MemoryServiceServicer:
 
     def CompleteObservation(self, request, context):
         """A processed observation is deleted (its lease must still be the
-        owner's: `completed` false otherwise).
+        owner's, and the claim's when lease_token is given: `completed` false
+        otherwise).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -215,6 +221,16 @@ class MemoryServiceServicer:
     def ReleaseObservation(self, request, context):
         """Hands a claimed observation back: due again after retry_after_seconds,
         its attempt counted or not, or kept as failed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenewObservationLease(self, request, context):
+        """Extends the lease of an observation still being processed to
+        lease_seconds from now. Only the claim that holds it can (its owner and
+        lease token): `renewed` false once another claim took it, and the
+        worker must then abandon it without storing anything.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -277,6 +293,11 @@ def add_MemoryServiceServicer_to_server(servicer, server):
                     servicer.ReleaseObservation,
                     request_deserializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.ReleaseObservationRequest.FromString,
                     response_serializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.ReleaseObservationResponse.SerializeToString,
+            ),
+            'RenewObservationLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewObservationLease,
+                    request_deserializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.RenewObservationLeaseRequest.FromString,
+                    response_serializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.RenewObservationLeaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -595,6 +616,33 @@ class MemoryService:
             '/svc.memory.v1.MemoryService/ReleaseObservation',
             svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.ReleaseObservationRequest.SerializeToString,
             svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.ReleaseObservationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewObservationLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/svc.memory.v1.MemoryService/RenewObservationLease',
+            svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.RenewObservationLeaseRequest.SerializeToString,
+            svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.RenewObservationLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
