@@ -75,5 +75,6 @@ def test_memoryServiceIsDeclaredInPackageSvcMemoryV1() -> None:
         "CompleteObservation",
         "ReleaseObservation",
         "RenewObservationLease",
+        "StoreObservation",
     }
     assert not any(m.server_streaming or m.client_streaming for m in service.methods)

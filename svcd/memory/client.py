@@ -394,6 +394,42 @@ class MemoryClient:
             ),
         )
 
+    def storeObservation(
+        self,
+        orgID: str,
+        observationID: str,
+        owner: str,
+        leaseToken: str,
+        leaseSeconds: float,
+        scope: Scope,
+        requestID: str,
+        memories: Sequence[tuple[str, Embedding]],
+        dedupeScore: float,
+    ) -> Deferred[memory_pb2.StoreObservationResponse]:
+        """
+        Merge an observation's memories into its scope and complete it, in
+        one call (memory.proto's StoreObservation).
+        """
+        return self._call(
+            "StoreObservation",
+            memory_pb2.StoreObservationRequest(
+                org_id=orgID,
+                id=observationID,
+                owner=owner,
+                lease_token=leaseToken,
+                lease_seconds=leaseSeconds,
+                scope=scopeMessage(scope),
+                request_id=requestID,
+                memories=[
+                    memory_pb2.ExtractedMemory(
+                        content=content, embedding=embeddingMessage(embedding)
+                    )
+                    for content, embedding in memories
+                ],
+                dedupe_score=dedupeScore,
+            ),
+        )
+
     def renewObservationLease(
         self, orgID: str, observationID: str, owner: str, leaseToken: str, leaseSeconds: float
     ) -> Deferred[memory_pb2.RenewObservationLeaseResponse]:

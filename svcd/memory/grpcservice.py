@@ -45,6 +45,7 @@ from svcd.auth.grpcservice import GrpcBindError, ServerTLS, isLoopback
 from svcd.common.errors import rfc3339
 from svcd.common.metrics import BUCKETS, Children
 from svcd.memory.records import (
+    EXTRACTED,
     MAX_REASON_CHARACTERS,
     InvalidMemory,
     MemoryRecord,
@@ -87,6 +88,9 @@ MAX_OBSERVATIONS_PER_CALL = 500
 MAX_CLAIM = 100
 MAX_LEASE_SECONDS = 3600.0
 MAX_RETRY_AFTER_SECONDS = 86_400.0
+# svc-worker stores at most this many memories of one observation
+# (decisions D13: an extraction answers at most 20).
+MAX_STORED_PER_OBSERVATION = 20
 
 Response = TypeVar("Response")
 
@@ -506,6 +510,105 @@ class MemoryServicer:
         return memory_pb2.RenewObservationLeaseResponse(
             renewed=True, lease_expires_at=rfc3339(expiresAt)
         )
+
+    def StoreObservation(
+        self, request: memory_pb2.StoreObservationRequest
+    ) -> memory_pb2.StoreObservationResponse:
+        """
+        svc-worker's last step for one observation (memory.proto): one call
+        where it made one or two per memory and one more, each a gRPC round
+        trip on both sides (bench/worker_drain.py measured the drain's
+        rate bounded by them).
+
+        Each memory is still its own transaction (the add's scope lock and
+        cap, the update's row), in the order given, as the worker made
+        them; the lease, renewed first, keeps another claim off the
+        observation meanwhile, and the idempotent add of extracted memories
+        makes a repeat harmless.
+        """
+        orgID, observationID = _observation(request.org_id, request.id)
+        owner = _owner(request.owner)
+        token = _leaseToken(request.lease_token, True)
+        assert token is not None
+        lease = _bounded("lease_seconds", request.lease_seconds, 1.0, MAX_LEASE_SECONDS)
+        scope = _scope(request.scope)
+        if scope.orgID != orgID:
+            raise InvalidMemory("scope.org_id", "must be org_id")
+        requestID = checkRequestID("request_id", request.request_id, True)
+        if len(request.memories) > MAX_STORED_PER_OBSERVATION:
+            raise InvalidMemory(
+                "memories", f"must hold at most {MAX_STORED_PER_OBSERVATION} memories"
+            )
+        dedupeScore = _bounded("dedupe_score", request.dedupe_score, -1.0, 1.0)
+        memories = []
+        for index, each in enumerate(request.memories):
+            try:
+                memories.append((checkContent(each.content), _embedding(each, "embedding")))
+            except InvalidMemory as invalid:
+                raise InvalidMemory(f"memories[{index}].{invalid.field}", invalid.problem) from None
+        if self._store.renewObservationLease(orgID, observationID, owner, token, lease) is None:
+            return memory_pb2.StoreObservationResponse(stored=False)
+        stored = _Stored()
+        try:
+            for content, embedding in memories:
+                self._merge(scope, requestID, content, embedding, dedupeScore, stored)
+            completed = self._store.completeObservation(orgID, observationID, owner, token)
+        except MemoryNotFound:
+            # Forgotten or dropped meanwhile: so are the memories it made.
+            self._forget(scope, stored.added)
+            raise
+        return memory_pb2.StoreObservationResponse(
+            stored=completed,
+            added_ids=[str(each) for each in stored.added],
+            updated=stored.updated,
+        )
+
+    def _merge(
+        self,
+        scope: Scope,
+        requestID: str | None,
+        content: str,
+        embedding: Any,
+        dedupeScore: float,
+        stored: _Stored,
+    ) -> None:
+        """
+        The scope's nearest memory at or above C{dedupeScore} takes
+        C{content}, else it is added (as the worker did by Search, then
+        UpdateMemory or AddMemory).
+        """
+        found = self._searcher.search(scope, embedding, 1, dedupeScore)
+        if found:
+            nearest, _ = found[0]
+            try:
+                self._store.update(scope, nearest.memoryID, content, None, embedding)
+                self._searcher.settle(scope)
+                stored.updated += 1
+                return
+            except MemoryNotFound:
+                pass
+        record = self._store.add(
+            scope, content, checkMetadata(""), EXTRACTED, requestID, embedding, self._maxPerScope
+        )
+        self._searcher.settle(scope)
+        stored.added.append(record.memoryID)
+
+    def _forget(self, scope: Scope, memoryIDs: Sequence[uuid.UUID]) -> None:
+        for memoryID in memoryIDs:
+            try:
+                self._store.delete(scope, memoryID)
+            except MemoryNotFound:
+                pass
+
+
+class _Stored:
+    """
+    What L{MemoryServicer.StoreObservation} did so far.
+    """
+
+    def __init__(self) -> None:
+        self.added: list[uuid.UUID] = []
+        self.updated = 0
 
 
 def _observation(orgText: str, idText: str) -> tuple[uuid.UUID, uuid.UUID]:

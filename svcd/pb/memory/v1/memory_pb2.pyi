@@ -296,6 +296,46 @@ class RenewObservationLeaseRequest(_message.Message):
     lease_seconds: float
     def __init__(self, org_id: _Optional[str] = ..., id: _Optional[str] = ..., owner: _Optional[str] = ..., lease_token: _Optional[str] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
+class ExtractedMemory(_message.Message):
+    __slots__ = ("content", "embedding")
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    content: str
+    embedding: Embedding
+    def __init__(self, content: _Optional[str] = ..., embedding: _Optional[_Union[Embedding, _Mapping]] = ...) -> None: ...
+
+class StoreObservationRequest(_message.Message):
+    __slots__ = ("org_id", "id", "owner", "lease_token", "lease_seconds", "scope", "request_id", "memories", "dedupe_score")
+    ORG_ID_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMORIES_FIELD_NUMBER: _ClassVar[int]
+    DEDUPE_SCORE_FIELD_NUMBER: _ClassVar[int]
+    org_id: str
+    id: str
+    owner: str
+    lease_token: str
+    lease_seconds: float
+    scope: Scope
+    request_id: str
+    memories: _containers.RepeatedCompositeFieldContainer[ExtractedMemory]
+    dedupe_score: float
+    def __init__(self, org_id: _Optional[str] = ..., id: _Optional[str] = ..., owner: _Optional[str] = ..., lease_token: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., scope: _Optional[_Union[Scope, _Mapping]] = ..., request_id: _Optional[str] = ..., memories: _Optional[_Iterable[_Union[ExtractedMemory, _Mapping]]] = ..., dedupe_score: _Optional[float] = ...) -> None: ...
+
+class StoreObservationResponse(_message.Message):
+    __slots__ = ("stored", "added_ids", "updated")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    ADDED_IDS_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_FIELD_NUMBER: _ClassVar[int]
+    stored: bool
+    added_ids: _containers.RepeatedScalarFieldContainer[str]
+    updated: int
+    def __init__(self, stored: _Optional[bool] = ..., added_ids: _Optional[_Iterable[str]] = ..., updated: _Optional[int] = ...) -> None: ...
+
 class RenewObservationLeaseResponse(_message.Message):
     __slots__ = ("renewed", "lease_expires_at")
     RENEWED_FIELD_NUMBER: _ClassVar[int]

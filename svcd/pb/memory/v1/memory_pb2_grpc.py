@@ -113,6 +113,11 @@ class MemoryServiceStub:
                 request_serializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.RenewObservationLeaseRequest.SerializeToString,
                 response_deserializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.RenewObservationLeaseResponse.FromString,
                 _registered_method=True)
+        self.StoreObservation = channel.unary_unary(
+                '/svc.memory.v1.MemoryService/StoreObservation',
+                request_serializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.StoreObservationRequest.SerializeToString,
+                response_deserializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.StoreObservationResponse.FromString,
+                _registered_method=True)
 
 
 class MemoryServiceServicer:
@@ -236,6 +241,21 @@ class MemoryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StoreObservation(self, request, context):
+        """svc-worker's last step for one observation, in one call instead of a
+        Search and an AddMemory or UpdateMemory per memory and a
+        CompleteObservation: the claim's lease is renewed (to lease_seconds),
+        then each memory takes the content of the scope's nearest memory at or
+        above dedupe_score (same id) or is added (source "extracted", the
+        observation's request id), then the observation is completed. Nothing
+        is stored, and `stored` is false, when the lease is no longer the
+        claim's. NOT_FOUND when the observation is gone (dropped or
+        forgotten), the memories added by this call deleted again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MemoryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -298,6 +318,11 @@ def add_MemoryServiceServicer_to_server(servicer, server):
                     servicer.RenewObservationLease,
                     request_deserializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.RenewObservationLeaseRequest.FromString,
                     response_serializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.RenewObservationLeaseResponse.SerializeToString,
+            ),
+            'StoreObservation': grpc.unary_unary_rpc_method_handler(
+                    servicer.StoreObservation,
+                    request_deserializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.StoreObservationRequest.FromString,
+                    response_serializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.StoreObservationResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -643,6 +668,33 @@ class MemoryService:
             '/svc.memory.v1.MemoryService/RenewObservationLease',
             svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.RenewObservationLeaseRequest.SerializeToString,
             svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.RenewObservationLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StoreObservation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/svc.memory.v1.MemoryService/StoreObservation',
+            svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.StoreObservationRequest.SerializeToString,
+            svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.StoreObservationResponse.FromString,
             options,
             channel_credentials,
             insecure,
