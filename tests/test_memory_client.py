@@ -332,6 +332,27 @@ async def test_storeObservationMergesAndCompletesUnderTheLease(
     contents = sorted(each.content for each in (await client.listMemories(scope)).memories)
     assert contents == ["I keep many bees.", "I live in Lyon."]
 
+    # Two near memories of one observation: one memory, the later content
+    # (as if the first had been stored before the second was searched).
+    twins = await claimOne("req-store-twins")
+    stored = await client.storeObservation(
+        str(acme.orgID),
+        twins.id,
+        "worker-a",
+        twins.lease_token,
+        60.0,
+        scope,
+        "req-store-twins",
+        [
+            ("I own a red car.", embedding([0.0, 0.0, 1.0])),
+            ("I own a red bike.", embedding([0.0, 0.01, 0.99])),
+        ],
+        0.9,
+    )
+    assert stored.stored and len(stored.added_ids) == 1 and stored.updated == 0
+    contents = sorted(each.content for each in (await client.listMemories(scope)).memories)
+    assert contents == ["I keep many bees.", "I live in Lyon.", "I own a red bike."]
+
     gone = await claimOne("req-store-3")
     await client.deleteScope(scopeOf(acme, "merge"))
     with pytest.raises(MemoryNotFound):

@@ -226,6 +226,47 @@ def test_anExtractedMemoryIsAddedOncePerRequestAndContent(
     ]
 
 
+def test_anObservationsMemoriesAreAddedTogetherOncePerContent(
+    memoryStore: MemoryStore, acme: Tenant
+) -> None:
+    """
+    addExtracted adds an observation's memories in one transaction, each
+    once per request and content: the same content twice in one call, or
+    again in a later call (or once added by add), is the memory first
+    added. A batch the scope's cap cannot hold adds none of them.
+    """
+    scope = scopeOf(acme, "batch")
+    single = memoryStore.add(
+        scope, "likes tea", "{}", "extracted", "req-1", embedding([1.0, 0.0]), maxPerScope=100
+    )
+    first = memoryStore.addExtracted(
+        scope,
+        "req-1",
+        [
+            ("lives in Paris", embedding([0.0, 1.0])),
+            ("likes tea", embedding([1.0, 0.0])),
+            ("lives in Paris", embedding([0.0, 1.0])),
+        ],
+        maxPerScope=100,
+    )
+    assert first[1].memoryID == single.memoryID
+    assert first[0].memoryID == first[2].memoryID
+    assert {each.source for each in first} == {"extracted"}
+    again = memoryStore.addExtracted(
+        scope, "req-1", [("lives in Paris", embedding([0.0, 1.0]))], maxPerScope=100
+    )
+    assert again[0].memoryID == first[0].memoryID
+    with pytest.raises(ScopeFull):
+        memoryStore.addExtracted(
+            scope,
+            "req-2",
+            [("new one", embedding([1.0, 1.0])), ("another", embedding([1.0, -1.0]))],
+            maxPerScope=3,
+        )
+    memories, _ = memoryStore.listMemories(scope, 100)
+    assert sorted(each.content for each in memories) == ["likes tea", "lives in Paris"]
+
+
 def test_anAgentOfAnotherOrganizationIsRefused(
     memoryStore: MemoryStore, acme: Tenant, globex: Tenant
 ) -> None:

@@ -29,7 +29,9 @@ from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import Any, TypeVar
 
+import attrs
 import grpc
+import numpy
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -45,8 +47,8 @@ from svcd.auth.grpcservice import GrpcBindError, ServerTLS, isLoopback
 from svcd.common.errors import rfc3339
 from svcd.common.metrics import BUCKETS, Children
 from svcd.memory.records import (
-    EXTRACTED,
     MAX_REASON_CHARACTERS,
+    Embedding,
     InvalidMemory,
     MemoryRecord,
     NewObservation,
@@ -520,11 +522,13 @@ class MemoryServicer:
         trip on both sides (bench/worker_drain.py measured the drain's
         rate bounded by them).
 
-        Each memory is still its own transaction (the add's scope lock and
-        cap, the update's row), in the order given, as the worker made
-        them; the lease, renewed first, keeps another claim off the
-        observation meanwhile, and the idempotent add of extracted memories
-        makes a repeat harmless.
+        The lease is renewed first (nothing is written for a claim that
+        lost it); the memories are planned as the worker's calls would have
+        stored them (L{_plan}), then the updates are written one each, the
+        additions in one transaction (L{MemoryStore.addExtracted}), the
+        cache settled once, and the observation completed. The lease keeps
+        another claim off the observation meanwhile, and the idempotent add
+        of extracted memories makes a repeat harmless.
         """
         orgID, observationID = _observation(request.org_id, request.id)
         owner = _owner(request.owner)
@@ -548,50 +552,77 @@ class MemoryServicer:
                 raise InvalidMemory(f"memories[{index}].{invalid.field}", invalid.problem) from None
         if self._store.renewObservationLease(orgID, observationID, owner, token, lease) is None:
             return memory_pb2.StoreObservationResponse(stored=False)
-        stored = _Stored()
+        writes = self._plan(scope, memories, dedupeScore)
+        added: list[uuid.UUID] = []
+        updated = 0
         try:
-            for content, embedding in memories:
-                self._merge(scope, requestID, content, embedding, dedupeScore, stored)
+            adds = []
+            for write in writes:
+                if write.target is not None:
+                    try:
+                        self._store.update(
+                            scope, write.target, write.content, None, write.embedding
+                        )
+                        updated += 1
+                        continue
+                    except MemoryNotFound:
+                        # Deleted since the search: added instead.
+                        pass
+                adds.append((write.content, write.embedding))
+            if adds:
+                assert requestID is not None
+                records = self._store.addExtracted(scope, requestID, adds, self._maxPerScope)
+                added = [each.memoryID for each in records]
+            if writes:
+                self._searcher.settle(scope)
             completed = self._store.completeObservation(orgID, observationID, owner, token)
         except MemoryNotFound:
             # Forgotten or dropped meanwhile: so are the memories it made.
-            self._forget(scope, stored.added)
+            self._forget(scope, added)
             raise
         return memory_pb2.StoreObservationResponse(
-            stored=completed,
-            added_ids=[str(each) for each in stored.added],
-            updated=stored.updated,
+            stored=completed, added_ids=[str(each) for each in added], updated=updated
         )
 
-    def _merge(
-        self,
-        scope: Scope,
-        requestID: str | None,
-        content: str,
-        embedding: Any,
-        dedupeScore: float,
-        stored: _Stored,
-    ) -> None:
+    def _plan(
+        self, scope: Scope, memories: Sequence[tuple[str, Embedding]], dedupeScore: float
+    ) -> list[_Write]:
         """
-        The scope's nearest memory at or above C{dedupeScore} takes
-        C{content}, else it is added (as the worker did by Search, then
-        UpdateMemory or AddMemory).
+        What each memory becomes, as if each were stored before the next
+        was searched (as the worker did by Search, then UpdateMemory or
+        AddMemory, each call waiting for the cache): the scope's nearest
+        memory at or above C{dedupeScore} takes its content, unless one of
+        this observation's earlier memories is at least as near, which then
+        takes it instead; else it is added. All are then written together,
+        and the cache settled once.
         """
-        found = self._searcher.search(scope, embedding, 1, dedupeScore)
-        if found:
-            nearest, _ = found[0]
-            try:
-                self._store.update(scope, nearest.memoryID, content, None, embedding)
-                self._searcher.settle(scope)
-                stored.updated += 1
-                return
-            except MemoryNotFound:
-                pass
-        record = self._store.add(
-            scope, content, checkMetadata(""), EXTRACTED, requestID, embedding, self._maxPerScope
-        )
-        self._searcher.settle(scope)
-        stored.added.append(record.memoryID)
+        writes: list[_Write] = []
+        for content, embedding in memories:
+            unit = _unit(embedding)
+            earlier, earlierScore = -1, -2.0
+            for index, write in enumerate(writes):
+                score = float(numpy.dot(unit, write.unit))
+                if score > earlierScore:
+                    earlier, earlierScore = index, score
+            found = self._searcher.search(scope, embedding, 1, dedupeScore)
+            foundScore = found[0][1] if found else -2.0
+            if earlier >= 0 and earlierScore >= dedupeScore and earlierScore >= foundScore:
+                writes[earlier] = attrs.evolve(
+                    writes[earlier], content=content, embedding=embedding, unit=unit
+                )
+                continue
+            if found:
+                target = found[0][0].memoryID
+                same = [index for index, write in enumerate(writes) if write.target == target]
+                if same:
+                    writes[same[0]] = attrs.evolve(
+                        writes[same[0]], content=content, embedding=embedding, unit=unit
+                    )
+                else:
+                    writes.append(_Write(target, content, embedding, unit))
+                continue
+            writes.append(_Write(None, content, embedding, unit))
+        return writes
 
     def _forget(self, scope: Scope, memoryIDs: Sequence[uuid.UUID]) -> None:
         for memoryID in memoryIDs:
@@ -601,14 +632,23 @@ class MemoryServicer:
                 pass
 
 
-class _Stored:
+@attrs.frozen
+class _Write:
     """
-    What L{MemoryServicer.StoreObservation} did so far.
+    One write of L{MemoryServicer.StoreObservation}: C{target} takes the
+    content (None: added).
     """
 
-    def __init__(self) -> None:
-        self.added: list[uuid.UUID] = []
-        self.updated = 0
+    target: uuid.UUID | None
+    content: str
+    embedding: Embedding
+    unit: Any = attrs.field(repr=False)
+
+
+def _unit(embedding: Embedding) -> Any:
+    vector = numpy.frombuffer(embedding.vector, dtype="<f4").astype(numpy.float64)
+    norm = float(numpy.linalg.norm(vector))
+    return vector / norm if norm else vector
 
 
 def _observation(orgText: str, idText: str) -> tuple[uuid.UUID, uuid.UUID]:

@@ -392,6 +392,77 @@ class MemoryStore:
 
         return self._run("memory_add", insert, scope.orgID)
 
+    def addExtracted(
+        self,
+        scope: Scope,
+        sourceRequestID: str,
+        memories: Sequence[tuple[str, Embedding]],
+        maxPerScope: int,
+    ) -> list[MemoryRecord]:
+        """
+        Add svc-worker's new memories of one observation (source
+        C{extracted}) in one transaction, as L{add} adds one: under the
+        scope's lock, once per request and content (a memory the scope
+        already holds from this request with this content is answered
+        instead), within the scope's cap. One lock, one look-up of the
+        request's memories and one count for all of them, where an add
+        each took its own transaction (bench/worker_drain.py).
+
+        @return: the records, in the order given.
+        @raise ScopeFull: the scope cannot hold them all: none is added.
+        @raise StoreRejected: the agent is not one of the organization's.
+        """
+
+        def insert(cursor: Cursor) -> list[MemoryRecord]:
+            _lockScope(cursor, scope)
+            cursor.execute(
+                f"SELECT {_MEMORY_COLUMNS} FROM memories"
+                " WHERE org_id = %s AND source = 'extracted' AND source_request_id = %s"
+                " AND agent_id = %s AND subject = %s ORDER BY created_at DESC, id DESC",
+                (scope.orgID, sourceRequestID, scope.agentID, scope.subject),
+            )
+            # The oldest of each content last, so that it wins, as add's
+            # LIMIT 1 of the oldest does.
+            held = {row["content"]: _memory(row) for row in cursor.fetchall()}
+            cursor.execute(
+                "SELECT count(*) AS held FROM memories"
+                " WHERE org_id = %s AND agent_id = %s AND subject = %s",
+                (scope.orgID, scope.agentID, scope.subject),
+            )
+            count = _one(cursor.fetchone())["held"]
+            records = []
+            for content, embedding in memories:
+                if content in held:
+                    records.append(held[content])
+                    continue
+                if count >= maxPerScope:
+                    raise ScopeFull(f"the scope holds {maxPerScope} memories already")
+                cursor.execute(
+                    "INSERT INTO memories (id, org_id, agent_id, subject, content, metadata,"
+                    " source, source_request_id, embedding_model, dimensions, vector)"
+                    " VALUES (%s, %s, %s, %s, %s, '{}'::jsonb, %s, %s, %s, %s, %s)"
+                    f" RETURNING {_MEMORY_COLUMNS}",
+                    (
+                        uuid7(),
+                        scope.orgID,
+                        scope.agentID,
+                        scope.subject,
+                        content,
+                        EXTRACTED,
+                        sourceRequestID,
+                        embedding.model,
+                        embedding.dimensions,
+                        embedding.vector,
+                    ),
+                )
+                record = _memory(_one(cursor.fetchone()))
+                held[content] = record
+                records.append(record)
+                count += 1
+            return records
+
+        return self._run("memory_add_extracted", insert, scope.orgID)
+
     def get(self, scope: Scope, memoryID: uuid.UUID) -> MemoryRecord:
         """
         @raise MemoryNotFound: no memory has this id.

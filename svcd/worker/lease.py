@@ -13,16 +13,13 @@ moment another claim holds it, so that nothing is stored twice.
     refuses (another claim holds the lease, or the observation was done,
     dropped or forgotten) marks the lease lost: the loop cancels the work,
     and neither releases nor completes it.
-  - Before a step that pays (the embeddings call) or stores (each memory),
-    the processor asks L{ObservationLease.hold}: when less than half the
-    lease is left by the reckoning (the periodic renewal is late: the
-    worker was paused, svc-memory slow), it renews first and waits for
-    the answer. A lost lease raises L{LeaseLost} there, before anything is
-    stored. So a memory is only stored while half a lease is still the
-    claim's; one memory's search and add take far less (each bounded by
-    C{SVC_WORKER_MEMORY_TIMEOUT}), and svc-memory's idempotent add of
-    extracted memories (sql/0011_memory_extracted_index.sql) remains the
-    backstop.
+  - Before the step that pays (the embeddings call) the processor asks
+    L{ObservationLease.hold}: when less than half the lease is left by the
+    reckoning (the periodic renewal is late: the worker was paused,
+    svc-memory slow), it renews first and waits for the answer, and a lost
+    lease raises L{LeaseLost} there. The step that stores
+    (svc-memory's C{StoreObservation}) renews the lease itself, for the
+    claim's token, before it writes anything.
 """
 
 from __future__ import annotations
