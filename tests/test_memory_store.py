@@ -16,7 +16,14 @@ from authfixtures import Tenant
 from memoryfixtures import MODEL, appConnection, embedding, scopeOf, secondAgent, vectorBytes
 
 from svcd.auth.store import Store, StoreRejected
-from svcd.memory.records import NewObservation, ObservedMessage, Scope
+from svcd.memory.records import (
+    ClaimedObservation,
+    Embedding,
+    MemoryRecord,
+    NewObservation,
+    ObservedMessage,
+    Scope,
+)
 from svcd.memory.store import (
     MemoryForbidden,
     MemoryNotFound,
@@ -226,45 +233,77 @@ def test_anExtractedMemoryIsAddedOncePerRequestAndContent(
     ]
 
 
-def test_anObservationsMemoriesAreAddedTogetherOncePerContent(
+def test_anObservationsMemoriesAreStoredWithItsCompletionOncePerContent(
     memoryStore: MemoryStore, acme: Tenant
 ) -> None:
     """
-    addExtracted adds an observation's memories in one transaction, each
-    once per request and content: the same content twice in one call, or
-    again in a later call (or once added by add), is the memory first
-    added. A batch the scope's cap cannot hold adds none of them.
+    storeExtracted adds an observation's memories and deletes the
+    observation in one transaction, for the claim holding its lease: each
+    memory once per request and content (the same content twice in one
+    call, or one added before by add, is the memory first added). For a
+    stale token nothing is added and the observation stays; for a batch
+    the scope's cap cannot hold, nothing is added and the observation
+    stays; for an observation gone, MemoryNotFound.
     """
     scope = scopeOf(acme, "batch")
+
+    def claimed(requestID: str) -> ClaimedObservation:
+        memoryStore.queueObservations(
+            [NewObservation(scope, requestID, (ObservedMessage("user", "x"),))]
+        )
+        [held] = memoryStore.claimObservations("worker-1", 60.0, 1)
+        assert held.leaseToken is not None
+        return held
+
+    def store(
+        held: ClaimedObservation,
+        memories: list[tuple[str, Embedding]],
+        token: uuid.UUID | None = None,
+        cap: int = 100,
+    ) -> list[MemoryRecord] | None:
+        return memoryStore.storeExtracted(
+            acme.orgID,
+            held.observationID,
+            "worker-1",
+            token or held.leaseToken or uuid.uuid4(),
+            scope,
+            held.requestID,
+            memories,
+            cap,
+        )
+
     single = memoryStore.add(
         scope, "likes tea", "{}", "extracted", "req-1", embedding([1.0, 0.0]), maxPerScope=100
     )
-    first = memoryStore.addExtracted(
-        scope,
-        "req-1",
+    first = claimed("req-1")
+    assert store(first, [("lives in Paris", embedding([0.0, 1.0]))], token=uuid.uuid4()) is None
+    assert memoryStore.listMemories(scope, 100)[0] == [single]
+    records = store(
+        first,
         [
             ("lives in Paris", embedding([0.0, 1.0])),
             ("likes tea", embedding([1.0, 0.0])),
             ("lives in Paris", embedding([0.0, 1.0])),
         ],
-        maxPerScope=100,
     )
-    assert first[1].memoryID == single.memoryID
-    assert first[0].memoryID == first[2].memoryID
-    assert {each.source for each in first} == {"extracted"}
-    again = memoryStore.addExtracted(
-        scope, "req-1", [("lives in Paris", embedding([0.0, 1.0]))], maxPerScope=100
-    )
-    assert again[0].memoryID == first[0].memoryID
+    assert records is not None
+    assert records[1].memoryID == single.memoryID
+    assert records[0].memoryID == records[2].memoryID
+    assert {each.source for each in records} == {"extracted"}
+    with pytest.raises(MemoryNotFound):
+        store(first, [("lives in Paris", embedding([0.0, 1.0]))])
+    second = claimed("req-2")
     with pytest.raises(ScopeFull):
-        memoryStore.addExtracted(
-            scope,
-            "req-2",
+        store(
+            second,
             [("new one", embedding([1.0, 1.0])), ("another", embedding([1.0, -1.0]))],
-            maxPerScope=3,
+            cap=3,
         )
+    assert memoryStore.observationsWaiting() == 1
     memories, _ = memoryStore.listMemories(scope, 100)
     assert sorted(each.content for each in memories) == ["likes tea", "lives in Paris"]
+    assert store(second, []) == []
+    assert memoryStore.observationsWaiting() == 0
 
 
 def test_anAgentOfAnotherOrganizationIsRefused(

@@ -522,13 +522,16 @@ class MemoryServicer:
         trip on both sides (bench/worker_drain.py measured the drain's
         rate bounded by them).
 
-        The lease is renewed first (nothing is written for a claim that
-        lost it); the memories are planned as the worker's calls would have
-        stored them (L{_plan}), then the updates are written one each, the
-        additions in one transaction (L{MemoryStore.addExtracted}), the
-        cache settled once, and the observation completed. The lease keeps
-        another claim off the observation meanwhile, and the idempotent add
-        of extracted memories makes a repeat harmless.
+        The memories are planned as the worker's calls would have stored
+        them (L{_plan}). Updates of memories the scope holds (rare in a
+        drain: a fact said again) come first, one transaction each, after
+        a renewal of the lease (nothing is written for a claim that lost
+        it). Then the additions and the observation's completion are one
+        transaction that locks the observation's row for the claim
+        (L{MemoryStore.storeExtracted}): added only while the lease is the
+        claim's, completed with them or not at all, and a purge meanwhile
+        either deletes them too or makes this NOT_FOUND with nothing
+        added. The cache is settled once, after.
         """
         orgID, observationID = _observation(request.org_id, request.id)
         owner = _owner(request.owner)
@@ -550,38 +553,32 @@ class MemoryServicer:
                 memories.append((checkContent(each.content), _embedding(each, "embedding")))
             except InvalidMemory as invalid:
                 raise InvalidMemory(f"memories[{index}].{invalid.field}", invalid.problem) from None
-        if self._store.renewObservationLease(orgID, observationID, owner, token, lease) is None:
-            return memory_pb2.StoreObservationResponse(stored=False)
         writes = self._plan(scope, memories, dedupeScore)
-        added: list[uuid.UUID] = []
+        updates = [write for write in writes if write.target is not None]
+        if updates and (
+            self._store.renewObservationLease(orgID, observationID, owner, token, lease) is None
+        ):
+            return memory_pb2.StoreObservationResponse(stored=False)
+        adds = [(write.content, write.embedding) for write in writes if write.target is None]
         updated = 0
-        try:
-            adds = []
-            for write in writes:
-                if write.target is not None:
-                    try:
-                        self._store.update(
-                            scope, write.target, write.content, None, write.embedding
-                        )
-                        updated += 1
-                        continue
-                    except MemoryNotFound:
-                        # Deleted since the search: added instead.
-                        pass
+        for write in updates:
+            assert write.target is not None
+            try:
+                self._store.update(scope, write.target, write.content, None, write.embedding)
+                updated += 1
+            except MemoryNotFound:
+                # Deleted since the search: added instead.
                 adds.append((write.content, write.embedding))
-            if adds:
-                assert requestID is not None
-                records = self._store.addExtracted(scope, requestID, adds, self._maxPerScope)
-                added = [each.memoryID for each in records]
-            if writes:
-                self._searcher.settle(scope)
-            completed = self._store.completeObservation(orgID, observationID, owner, token)
-        except MemoryNotFound:
-            # Forgotten or dropped meanwhile: so are the memories it made.
-            self._forget(scope, added)
-            raise
+        assert requestID is not None
+        records = self._store.storeExtracted(
+            orgID, observationID, owner, token, scope, requestID, adds, self._maxPerScope
+        )
+        if writes:
+            self._searcher.settle(scope)
+        if records is None:
+            return memory_pb2.StoreObservationResponse(stored=False, updated=updated)
         return memory_pb2.StoreObservationResponse(
-            stored=completed, added_ids=[str(each) for each in added], updated=updated
+            stored=True, added_ids=[str(each.memoryID) for each in records], updated=updated
         )
 
     def _plan(
@@ -623,13 +620,6 @@ class MemoryServicer:
                 continue
             writes.append(_Write(None, content, embedding, unit))
         return writes
-
-    def _forget(self, scope: Scope, memoryIDs: Sequence[uuid.UUID]) -> None:
-        for memoryID in memoryIDs:
-            try:
-                self._store.delete(scope, memoryID)
-            except MemoryNotFound:
-                pass
 
 
 @attrs.frozen

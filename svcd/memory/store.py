@@ -392,76 +392,63 @@ class MemoryStore:
 
         return self._run("memory_add", insert, scope.orgID)
 
-    def addExtracted(
+    def storeExtracted(
         self,
+        orgID: uuid.UUID,
+        observationID: uuid.UUID,
+        owner: str,
+        leaseToken: uuid.UUID,
         scope: Scope,
         sourceRequestID: str,
         memories: Sequence[tuple[str, Embedding]],
         maxPerScope: int,
-    ) -> list[MemoryRecord]:
+    ) -> list[MemoryRecord] | None:
         """
-        Add svc-worker's new memories of one observation (source
-        C{extracted}) in one transaction, as L{add} adds one: under the
-        scope's lock, once per request and content (a memory the scope
-        already holds from this request with this content is answered
-        instead), within the scope's cap. One lock, one look-up of the
-        request's memories and one count for all of them, where an add
+        svc-worker's new memories of one observation (source C{extracted})
+        added and the observation completed, in one transaction, while
+        the claim named by C{owner} and C{leaseToken} holds its lease.
+
+        The observation's row is locked first (a claim, whose
+        C{FOR UPDATE SKIP LOCKED} passes a locked row by, cannot take it
+        meanwhile), so the memories are added only if the lease is the
+        claim's, and the observation is deleted with them or not at all.
+        A purge or a scope's deletion deletes observations before memories
+        (L{_deleteScope}): it either waits for this transaction and then
+        deletes its memories, or deletes the observation first and this
+        one finds it gone.
+
+        Each memory is added as L{add} adds one: under the scope's lock,
+        once per request and content (one the scope already holds from this
+        request with this content is answered instead), within the cap.
+        One lock, one look-up and one count for all of them, where an add
         each took its own transaction (bench/worker_drain.py).
 
-        @return: the records, in the order given.
-        @raise ScopeFull: the scope cannot hold them all: none is added.
-        @raise StoreRejected: the agent is not one of the organization's.
+        @return: the records, in the order given; None when the lease is
+            no longer the claim's (nothing added).
+        @raise MemoryNotFound: the observation is gone (dropped or
+            forgotten): nothing added.
+        @raise MemoryForbidden: it is another organization's.
+        @raise ScopeFull: the scope cannot hold them all: nothing added.
         """
 
-        def insert(cursor: Cursor) -> list[MemoryRecord]:
+        def store(cursor: Cursor) -> list[MemoryRecord] | None:
             _lockScope(cursor, scope)
             cursor.execute(
-                f"SELECT {_MEMORY_COLUMNS} FROM memories"
-                " WHERE org_id = %s AND source = 'extracted' AND source_request_id = %s"
-                " AND agent_id = %s AND subject = %s ORDER BY created_at DESC, id DESC",
-                (scope.orgID, sourceRequestID, scope.agentID, scope.subject),
+                "SELECT id FROM memory_observations WHERE id = %s AND org_id = %s"
+                " AND lease_owner = %s AND lease_token = %s FOR UPDATE",
+                (observationID, orgID, owner, leaseToken),
             )
-            # The oldest of each content last, so that it wins, as add's
-            # LIMIT 1 of the oldest does.
-            held = {row["content"]: _memory(row) for row in cursor.fetchall()}
-            cursor.execute(
-                "SELECT count(*) AS held FROM memories"
-                " WHERE org_id = %s AND agent_id = %s AND subject = %s",
-                (scope.orgID, scope.agentID, scope.subject),
-            )
-            count = _one(cursor.fetchone())["held"]
-            records = []
-            for content, embedding in memories:
-                if content in held:
-                    records.append(held[content])
-                    continue
-                if count >= maxPerScope:
-                    raise ScopeFull(f"the scope holds {maxPerScope} memories already")
-                cursor.execute(
-                    "INSERT INTO memories (id, org_id, agent_id, subject, content, metadata,"
-                    " source, source_request_id, embedding_model, dimensions, vector)"
-                    " VALUES (%s, %s, %s, %s, %s, '{}'::jsonb, %s, %s, %s, %s, %s)"
-                    f" RETURNING {_MEMORY_COLUMNS}",
-                    (
-                        uuid7(),
-                        scope.orgID,
-                        scope.agentID,
-                        scope.subject,
-                        content,
-                        EXTRACTED,
-                        sourceRequestID,
-                        embedding.model,
-                        embedding.dimensions,
-                        embedding.vector,
-                    ),
-                )
-                record = _memory(_one(cursor.fetchone()))
-                held[content] = record
-                records.append(record)
-                count += 1
+            if cursor.fetchone() is None:
+                cursor.execute("SELECT 1 FROM memory_observations WHERE id = %s", (observationID,))
+                if cursor.fetchone() is not None:
+                    return None
+                _refuse(cursor, "svc_observation_exists", observationID)
+                raise AssertionError("unreachable")
+            records = _addExtracted(cursor, scope, sourceRequestID, memories, maxPerScope)
+            cursor.execute("DELETE FROM memory_observations WHERE id = %s", (observationID,))
             return records
 
-        return self._run("memory_add_extracted", insert, scope.orgID)
+        return self._run("observation_store", store, orgID)
 
     def get(self, scope: Scope, memoryID: uuid.UUID) -> MemoryRecord:
         """
@@ -640,15 +627,16 @@ class MemoryStore:
         """
 
         def remove(cursor: Cursor) -> tuple[int, int]:
-            cursor.execute(
-                "DELETE FROM memories WHERE org_id = %s AND agent_id = %s", (orgID, agentID)
-            )
-            memories = cursor.rowcount
+            # Observations first, as _deleteScope.
             cursor.execute(
                 "DELETE FROM memory_observations WHERE org_id = %s AND agent_id = %s",
                 (orgID, agentID),
             )
-            return memories, cursor.rowcount
+            observations = cursor.rowcount
+            cursor.execute(
+                "DELETE FROM memories WHERE org_id = %s AND agent_id = %s", (orgID, agentID)
+            )
+            return cursor.rowcount, observations
 
         return self._run("memory_purge", remove, orgID)
 
@@ -1067,14 +1055,77 @@ def _refuse(cursor: Cursor, existence: str, identifier: uuid.UUID) -> None:
     raise MemoryNotFound("no such id")
 
 
-def _deleteScope(cursor: Cursor, scope: Scope) -> tuple[int, int]:
+def _addExtracted(
+    cursor: Cursor,
+    scope: Scope,
+    sourceRequestID: str,
+    memories: Sequence[tuple[str, Embedding]],
+    maxPerScope: int,
+) -> list[MemoryRecord]:
+    """
+    The additions of L{MemoryStore.storeExtracted}, under the scope's lock
+    (taken by the caller).
+    """
+    if not memories:
+        return []
     cursor.execute(
-        "DELETE FROM memories WHERE org_id = %s AND agent_id = %s AND subject = %s",
+        f"SELECT {_MEMORY_COLUMNS} FROM memories"
+        " WHERE org_id = %s AND source = 'extracted' AND source_request_id = %s"
+        " AND agent_id = %s AND subject = %s ORDER BY created_at DESC, id DESC",
+        (scope.orgID, sourceRequestID, scope.agentID, scope.subject),
+    )
+    # The oldest of each content last, so that it wins, as add's LIMIT 1 of
+    # the oldest does.
+    held = {row["content"]: _memory(row) for row in cursor.fetchall()}
+    cursor.execute(
+        "SELECT count(*) AS held FROM memories"
+        " WHERE org_id = %s AND agent_id = %s AND subject = %s",
         (scope.orgID, scope.agentID, scope.subject),
     )
-    memories = cursor.rowcount
+    count = _one(cursor.fetchone())["held"]
+    records = []
+    for content, embedding in memories:
+        if content in held:
+            records.append(held[content])
+            continue
+        if count >= maxPerScope:
+            raise ScopeFull(f"the scope holds {maxPerScope} memories already")
+        cursor.execute(
+            "INSERT INTO memories (id, org_id, agent_id, subject, content, metadata,"
+            " source, source_request_id, embedding_model, dimensions, vector)"
+            " VALUES (%s, %s, %s, %s, %s, '{}'::jsonb, %s, %s, %s, %s, %s)"
+            f" RETURNING {_MEMORY_COLUMNS}",
+            (
+                uuid7(),
+                scope.orgID,
+                scope.agentID,
+                scope.subject,
+                content,
+                EXTRACTED,
+                sourceRequestID,
+                embedding.model,
+                embedding.dimensions,
+                embedding.vector,
+            ),
+        )
+        record = _memory(_one(cursor.fetchone()))
+        held[content] = record
+        records.append(record)
+        count += 1
+    return records
+
+
+def _deleteScope(cursor: Cursor, scope: Scope) -> tuple[int, int]:
+    # Observations first: a worker storing one of them holds its row (see
+    # MemoryStore.storeExtracted), so this waits for it and then deletes
+    # its memories too, or deletes the observation before it stores.
     cursor.execute(
         "DELETE FROM memory_observations WHERE org_id = %s AND agent_id = %s AND subject = %s",
         (scope.orgID, scope.agentID, scope.subject),
     )
-    return memories, cursor.rowcount
+    observations = cursor.rowcount
+    cursor.execute(
+        "DELETE FROM memories WHERE org_id = %s AND agent_id = %s AND subject = %s",
+        (scope.orgID, scope.agentID, scope.subject),
+    )
+    return cursor.rowcount, observations
