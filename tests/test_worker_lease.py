@@ -228,6 +228,7 @@ def test_theLoopCutsAnObservationWhoseLeaseWasLost() -> None:
     clock.pump([10.0] * 5)
     assert loop.inHand == 1 and processor.cancelled == []
     assert len(memory.named("renew")) == 5
+    assert metrics.leaseRenewals._value.get() == 5
     clock.advance(10.0)
     assert processor.cancelled == ["obs-1"] and loop.inHand == 0
     assert memory.named("release") == []

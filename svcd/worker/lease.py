@@ -67,6 +67,7 @@ class ObservationLease:
         (the loop cancels the observation's work).
     @param onUnrenewable: called once when the lease ran out by the
         reckoning with no renewal answered (the loop cuts the work).
+    @param onRenewed: called after each renewal (the metric counts it).
     """
 
     log = Logger()
@@ -83,6 +84,7 @@ class ObservationLease:
         claimedAt: float,
         onLost: Callable[[], None] = lambda: None,
         onUnrenewable: Callable[[], None] = lambda: None,
+        onRenewed: Callable[[], None] = lambda: None,
     ) -> None:
         self._memory = memory
         self._clock = clock
@@ -97,6 +99,7 @@ class ObservationLease:
         self.renewals = 0
         self._onLost = onLost
         self._onUnrenewable = onUnrenewable
+        self._onRenewed = onRenewed
         self._timer: IDelayedCall | None = None
         self._renewing: Deferred[None] | None = None
         self._stopped = False
@@ -197,6 +200,7 @@ class ObservationLease:
             self._lose()
             raise LeaseLost()
         self.renewals += 1
+        self._onRenewed()
         self.endsAt = max(self.endsAt, sentAt + self.seconds)
 
     def _lose(self) -> None:

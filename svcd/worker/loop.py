@@ -125,7 +125,6 @@ class ObservationLoop:
         self._done: Deferred[None] | None = None
         # Observations in hand: the Deferred of each one's processing.
         self._inHand: dict[str, Deferred[str]] = {}
-        self._leases: dict[str, ObservationLease] = {}
         self._handling: dict[str, Deferred[None]] = {}
         # Fired when the last observation in hand ends (a stop waits).
         self._emptied: Deferred[None] | None = None
@@ -231,8 +230,8 @@ class ObservationLoop:
             claimedAt,
             onLost=lambda: self._cut(identifier),
             onUnrenewable=lambda: self._cut(identifier),
+            onRenewed=self._metrics.renewed,
         )
-        self._leases[identifier] = lease
         if start:
             work = Deferred.fromCoroutine(self._processor.process(observation, lease))
             lease.keepAlive()
@@ -310,8 +309,6 @@ class ObservationLoop:
                 )
         finally:
             lease.stop()
-            del self._leases[observation.observationID]
-            self._metrics.renewed(lease.renewals)
             del self._inHand[observation.observationID]
             del self._handling[observation.observationID]
             self._metrics.observed(outcome, time.perf_counter() - began)

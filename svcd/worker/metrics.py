@@ -181,12 +181,11 @@ class WorkerMetrics:
         self._children.of(self.observations, outcome).inc()
         self.observationSeconds.observe(seconds)
 
-    def renewed(self, count: int) -> None:
+    def renewed(self) -> None:
         """
-        An observation ended after C{count} renewals of its lease.
+        The lease of an observation in hand was renewed.
         """
-        if count:
-            self.leaseRenewals.inc(count)
+        self.leaseRenewals.inc()
 
     def wrote(self, action: str) -> None:
         self._children.of(self.memoriesWritten, action).inc()
