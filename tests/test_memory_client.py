@@ -274,6 +274,135 @@ async def test_theWorkersQueueThroughTheClient(client: MemoryClient, acme: Tenan
 
 
 @pytest_twisted.ensureDeferred
+async def test_storeObservationMergesAndCompletesUnderTheLease(
+    client: MemoryClient, acme: Tenant
+) -> None:
+    """
+    StoreObservation, for the claim holding the lease: each memory is
+    added (source extracted, the observation's request id), or takes the
+    place of a near one at or above dedupe_score; the observation is
+    completed. For a claim whose lease passed to another (a stale token),
+    nothing is stored (stored false); for an observation gone meanwhile it
+    is NOT_FOUND and the memories it added are deleted again. The lease is
+    renewed only for its own token.
+    """
+    scope = scopeOf(acme, "merge")
+
+    async def claimOne(requestID: str) -> memory_pb2.ClaimedObservation:
+        await client.queueObservations(
+            [
+                memory_pb2.Observation(
+                    scope=memory_pb2.Scope(
+                        org_id=str(acme.orgID), agent_id=str(acme.agentID), subject="merge"
+                    ),
+                    request_id=requestID,
+                    messages=[memory_pb2.ObservedMessage(role="user", content="facts")],
+                )
+            ]
+        )
+        [held] = (await client.claimObservations("worker-a", 10, 60.0)).observations
+        return held
+
+    held = await claimOne("req-store-1")
+    renewed = await client.renewObservationLease(
+        str(acme.orgID), held.id, "worker-a", held.lease_token, 120.0
+    )
+    assert renewed.renewed and renewed.lease_expires_at > held.lease_expires_at
+    stale = await client.renewObservationLease(
+        str(acme.orgID), held.id, "worker-a", "0190c0de-0000-7000-8000-0000000000aa", 60.0
+    )
+    assert not stale.renewed
+    stored = await client.storeObservation(
+        str(acme.orgID),
+        held.id,
+        "worker-a",
+        "0190c0de-0000-7000-8000-0000000000aa",
+        60.0,
+        scope,
+        "req-store-1",
+        [("I keep bees.", embedding([1.0, 0.0, 0.0]))],
+        0.9,
+    )
+    assert not stored.stored and not stored.added_ids
+    assert (await client.listMemories(scope)).memories == []
+    stored = await client.storeObservation(
+        str(acme.orgID),
+        held.id,
+        "worker-a",
+        held.lease_token,
+        60.0,
+        scope,
+        "req-store-1",
+        [
+            ("I keep bees.", embedding([1.0, 0.0, 0.0])),
+            ("I live in Lyon.", embedding([0.0, 1.0, 0.0])),
+        ],
+        0.9,
+    )
+    assert stored.stored and len(stored.added_ids) == 2 and stored.updated == 0
+    listed = (await client.listMemories(scope)).memories
+    assert sorted(each.content for each in listed) == ["I keep bees.", "I live in Lyon."]
+    assert {(each.source, each.source_request_id) for each in listed} == {
+        ("extracted", "req-store-1")
+    }
+    with pytest.raises(MemoryNotFound):
+        await client.completeObservation(str(acme.orgID), held.id, "worker-a")
+
+    again = await claimOne("req-store-2")
+    stored = await client.storeObservation(
+        str(acme.orgID),
+        again.id,
+        "worker-a",
+        again.lease_token,
+        60.0,
+        scope,
+        "req-store-2",
+        [("I keep many bees.", embedding([0.99, 0.01, 0.0]))],
+        0.9,
+    )
+    assert stored.stored and not stored.added_ids and stored.updated == 1
+    contents = sorted(each.content for each in (await client.listMemories(scope)).memories)
+    assert contents == ["I keep many bees.", "I live in Lyon."]
+
+    # Two near memories of one observation: one memory, the later content
+    # (as if the first had been stored before the second was searched).
+    twins = await claimOne("req-store-twins")
+    stored = await client.storeObservation(
+        str(acme.orgID),
+        twins.id,
+        "worker-a",
+        twins.lease_token,
+        60.0,
+        scope,
+        "req-store-twins",
+        [
+            ("I own a red car.", embedding([0.0, 0.0, 1.0])),
+            ("I own a red bike.", embedding([0.0, 0.01, 0.99])),
+        ],
+        0.9,
+    )
+    assert stored.stored and len(stored.added_ids) == 1 and stored.updated == 0
+    contents = sorted(each.content for each in (await client.listMemories(scope)).memories)
+    assert contents == ["I keep many bees.", "I live in Lyon.", "I own a red bike."]
+
+    gone = await claimOne("req-store-3")
+    await client.deleteScope(scopeOf(acme, "merge"))
+    with pytest.raises(MemoryNotFound):
+        await client.storeObservation(
+            str(acme.orgID),
+            gone.id,
+            "worker-a",
+            gone.lease_token,
+            60.0,
+            scope,
+            "req-store-3",
+            [("I keep wasps.", embedding([0.0, 0.0, 1.0]))],
+            0.9,
+        )
+    assert (await client.listMemories(scope)).memories == []
+
+
+@pytest_twisted.ensureDeferred
 async def test_callsPastTheBoundWaitTheirTurn(slowServer: str, acme: Tenant) -> None:
     """
     With maxInFlight, calls past the bound wait for a turn instead of

@@ -385,11 +385,63 @@ class MemoryClient:
         )
 
     def completeObservation(
-        self, orgID: str, observationID: str, owner: str
+        self, orgID: str, observationID: str, owner: str, leaseToken: str = ""
     ) -> Deferred[memory_pb2.CompleteObservationResponse]:
         return self._call(
             "CompleteObservation",
-            memory_pb2.CompleteObservationRequest(org_id=orgID, id=observationID, owner=owner),
+            memory_pb2.CompleteObservationRequest(
+                org_id=orgID, id=observationID, owner=owner, lease_token=leaseToken
+            ),
+        )
+
+    def storeObservation(
+        self,
+        orgID: str,
+        observationID: str,
+        owner: str,
+        leaseToken: str,
+        leaseSeconds: float,
+        scope: Scope,
+        requestID: str,
+        memories: Sequence[tuple[str, Embedding]],
+        dedupeScore: float,
+    ) -> Deferred[memory_pb2.StoreObservationResponse]:
+        """
+        Merge an observation's memories into its scope and complete it, in
+        one call (memory.proto's StoreObservation).
+        """
+        return self._call(
+            "StoreObservation",
+            memory_pb2.StoreObservationRequest(
+                org_id=orgID,
+                id=observationID,
+                owner=owner,
+                lease_token=leaseToken,
+                lease_seconds=leaseSeconds,
+                scope=scopeMessage(scope),
+                request_id=requestID,
+                memories=[
+                    memory_pb2.ExtractedMemory(
+                        content=content, embedding=embeddingMessage(embedding)
+                    )
+                    for content, embedding in memories
+                ],
+                dedupe_score=dedupeScore,
+            ),
+        )
+
+    def renewObservationLease(
+        self, orgID: str, observationID: str, owner: str, leaseToken: str, leaseSeconds: float
+    ) -> Deferred[memory_pb2.RenewObservationLeaseResponse]:
+        return self._call(
+            "RenewObservationLease",
+            memory_pb2.RenewObservationLeaseRequest(
+                org_id=orgID,
+                id=observationID,
+                owner=owner,
+                lease_token=leaseToken,
+                lease_seconds=leaseSeconds,
+            ),
         )
 
     def releaseObservation(
@@ -401,6 +453,7 @@ class MemoryClient:
         countAttempt: bool,
         failed: bool = False,
         reason: str = "",
+        leaseToken: str = "",
     ) -> Deferred[memory_pb2.ReleaseObservationResponse]:
         return self._call(
             "ReleaseObservation",
@@ -412,5 +465,6 @@ class MemoryClient:
                 count_attempt=countAttempt,
                 failed=failed,
                 reason=reason,
+                lease_token=leaseToken,
             ),
         )
