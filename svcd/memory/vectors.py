@@ -51,6 +51,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
+from typing import Protocol, TypeVar, cast
 
 import attrs
 import numpy
@@ -67,6 +68,43 @@ SCOPE_OVERHEAD_BYTES = 1024
 ROW_EXTRA_BYTES = 8 + 8 + 8 + 1
 
 
+Triple = tuple[uuid.UUID, uuid.UUID, str]
+
+
+class CacheKey(Protocol):
+    """
+    What the cache holds an entry by: a key of one organization, agent and
+    subject (its I{triple}) that says which memories of it its entry
+    holds.
+    """
+
+    @property
+    def triple(self) -> Triple: ...
+
+    def holds(self, row: CachedRow) -> bool:
+        """
+        Whether a memory as it now is belongs in this key's entry.
+        """
+
+
+class CachedScope(Protocol):
+    """
+    An entry of the cache: a scope's vectors (L{ScopeVectors}) or its text
+    index (L{svcd.memory.text.ScopeText}).
+    """
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def applyChange(self, memoryID: uuid.UUID, row: CachedRow | None) -> None:
+        """
+        Hold the memory as it now is (C{row}), or no longer (None).
+        """
+
+
+Entry = TypeVar("Entry", bound=CachedScope)
+
+
 @attrs.frozen
 class ScopeKey:
     orgID: uuid.UUID
@@ -76,8 +114,11 @@ class ScopeKey:
     dimensions: int
 
     @property
-    def triple(self) -> tuple[uuid.UUID, uuid.UUID, str]:
+    def triple(self) -> Triple:
         return (self.orgID, self.agentID, self.subject)
+
+    def holds(self, row: CachedRow) -> bool:
+        return row.model == self.model and row.dimensions == self.dimensions
 
 
 def normalised(vector: bytes) -> Floats:
@@ -139,8 +180,14 @@ def _roomFor(rows: int) -> int:
 
 @attrs.frozen
 class Hit:
+    """
+    One memory of a ranking: its id, its score, and its creation time (in
+    microseconds), which breaks ties when rankings are fused.
+    """
+
     memoryID: uuid.UUID
     score: float
+    createdMicros: int = 0
 
 
 class ScopeVectors:
@@ -228,13 +275,23 @@ class ScopeVectors:
         )[::-1][:k]
         picked = candidates[order]
         return [
-            Hit(uuid.UUID(int=(int(high) << 64) | int(low)), float(score))
-            for high, low, score in zip(
-                view.high[picked], view.low[picked], scores[picked], strict=True
+            Hit(uuid.UUID(int=(int(high) << 64) | int(low)), float(score), int(created))
+            for high, low, created, score in zip(
+                view.high[picked],
+                view.low[picked],
+                view.created[picked],
+                scores[picked],
+                strict=True,
             )
         ]
 
     # Writers, under the cache's lock.
+
+    def applyChange(self, memoryID: uuid.UUID, row: CachedRow | None) -> None:
+        if row is None:
+            self.remove([memoryID])
+        else:
+            self.upsert(memoryID, row.createdMicros, normalised(row.vector))
 
     def _find(self, memoryID: uuid.UUID) -> int | None:
         view = self._view
@@ -342,7 +399,7 @@ class _Load:
     apply to what it read before it is installed.
     """
 
-    key: ScopeKey
+    key: CacheKey
     epoch: int
     changes: list[tuple[uuid.UUID, CachedRow | None]] = attrs.Factory(list)
 
@@ -368,18 +425,19 @@ class CacheMetrics:
 
 class VectorCache:
     """
-    Scopes' vectors by L{ScopeKey}, at most C{maxBytes} of them, least
-    recently searched out first.
+    Scopes' vectors by L{ScopeKey}, and their text indexes by
+    L{svcd.memory.text.TextKey} (decisions D13, "Hybrid search"), at most
+    C{maxBytes} of them together, least recently searched out first.
     """
 
     def __init__(self, maxBytes: int, metrics: CacheMetrics | None = None) -> None:
         self.maxBytes = maxBytes
         self._metrics = metrics or CacheMetrics()
         self._lock = threading.Lock()
-        self._scopes: collections.OrderedDict[ScopeKey, ScopeVectors] = collections.OrderedDict()
-        self._bytes: dict[ScopeKey, int] = {}
-        self._byTriple: dict[tuple[uuid.UUID, uuid.UUID, str], set[ScopeKey]] = {}
-        self._loads: dict[ScopeKey, list[_Load]] = {}
+        self._scopes: collections.OrderedDict[CacheKey, CachedScope] = collections.OrderedDict()
+        self._bytes: dict[CacheKey, int] = {}
+        self._byTriple: dict[Triple, set[CacheKey]] = {}
+        self._loads: dict[CacheKey, list[_Load]] = {}
         self._listening = False
         self._epoch = 0
         self._syncs: dict[str, threading.Event] = {}
@@ -426,7 +484,7 @@ class VectorCache:
 
     # Searches.
 
-    def lookup(self, key: ScopeKey) -> ScopeVectors | None:
+    def lookup(self, key: CacheKey) -> CachedScope | None:
         with self._lock:
             scope = self._scopes.get(key)
             if scope is not None:
@@ -437,7 +495,7 @@ class VectorCache:
             self._metrics.hit()
         return scope
 
-    def beginLoad(self, key: ScopeKey) -> _Load | None:
+    def beginLoad(self, key: CacheKey) -> _Load | None:
         """
         A token for a load of C{key} about to read PostgreSQL, or None
         when nothing may be cached now (the listener is down).
@@ -450,7 +508,7 @@ class VectorCache:
             self._byTriple.setdefault(key.triple, set()).add(key)
             return load
 
-    def finishLoad(self, load: _Load | None, loaded: ScopeVectors) -> ScopeVectors:
+    def finishLoad(self, load: _Load | None, loaded: Entry) -> Entry:
         """
         Install what a load read, with the changes heard since it began;
         the scope to search (installed, or just for this search when the
@@ -469,12 +527,12 @@ class VectorCache:
             if load.epoch != self._epoch or not self._listening:
                 return loaded
             for memoryID, row in load.changes:
-                _applyTo(loaded, memoryID, row)
+                loaded.applyChange(memoryID, row)
             installed = self._scopes.get(load.key)
             if installed is not None:
                 # Another search loaded it first, and it has been kept
-                # current since.
-                return installed
+                # current since (the key says it is of the same kind).
+                return cast(Entry, installed)
             size = loaded.nbytes
             if size > self.maxBytes:
                 return loaded
@@ -496,7 +554,7 @@ class VectorCache:
                     del self._loads[load.key]
             self._forgetTripleIfUnused(load.key)
 
-    def _forgetTripleIfUnused(self, key: ScopeKey) -> None:
+    def _forgetTripleIfUnused(self, key: CacheKey) -> None:
         if key in self._scopes or key in self._loads:
             return
         keys = self._byTriple.get(key.triple)
@@ -505,7 +563,7 @@ class VectorCache:
             if not keys:
                 del self._byTriple[key.triple]
 
-    def _evictBeyond(self, limit: int, keep: ScopeKey | None = None) -> None:
+    def _evictBeyond(self, limit: int, keep: CacheKey | None = None) -> None:
         total = sum(self._bytes.values())
         for key in list(self._scopes):
             if total <= limit:
@@ -555,27 +613,26 @@ class VectorCache:
 
     def apply(
         self,
-        changes: Sequence[tuple[tuple[uuid.UUID, uuid.UUID, str], uuid.UUID, CachedRow | None]],
+        changes: Sequence[tuple[Triple, uuid.UUID, CachedRow | None]],
     ) -> None:
         """
         Apply changes heard by the listener, in order: each names a
         memory's organization, agent and subject, its id, and its row as
-        it is now (None: deleted). A memory leaves every scope key of its
-        subject but the one of its row's model and size, where it is
-        added or replaced.
+        it is now (None: deleted). A memory leaves every key of its
+        subject that does not hold it (L{CacheKey.holds}: the vectors of
+        another model or size), and is added or replaced in those that do
+        (its model's vectors, and the subject's text index).
         """
         with self._lock:
             touched = False
             for triple, memoryID, row in changes:
                 for key in self._byTriple.get(triple, ()):
-                    target = row is not None and row.model == key.model
-                    target = target and row is not None and row.dimensions == key.dimensions
-                    change = row if target else None
+                    change = row if row is not None and key.holds(row) else None
                     for load in self._loads.get(key, ()):
                         load.changes.append((memoryID, change))
                     scope = self._scopes.get(key)
                     if scope is not None:
-                        _applyTo(scope, memoryID, change)
+                        scope.applyChange(memoryID, change)
                         size = scope.nbytes
                         if size != self._bytes[key]:
                             self._bytes[key] = size
@@ -583,10 +640,3 @@ class VectorCache:
             if touched:
                 self._evictBeyond(self.maxBytes)
                 self._reportSize()
-
-
-def _applyTo(scope: ScopeVectors, memoryID: uuid.UUID, row: CachedRow | None) -> None:
-    if row is None:
-        scope.remove([memoryID])
-    else:
-        scope.upsert(memoryID, row.createdMicros, normalised(row.vector))
