@@ -121,15 +121,28 @@ class ScopeKey:
         return row.model == self.model and row.dimensions == self.dimensions
 
 
+def normalisedRows(matrix: Floats) -> Floats:
+    """
+    Each row of C{matrix} scaled to length 1 (the caller checked they are
+    finite and not zero): the length summed in float64 along the row and
+    rounded to float32, then a float32 division. One rule for a scope
+    loaded whole and a memory heard alone (L{normalised}), so that one
+    vector is the same bits either way and equal vectors tie exactly
+    (ties come newest first).
+    """
+    wide = matrix.astype(numpy.float64)
+    norms = numpy.sqrt((wide * wide).sum(axis=1)).astype(numpy.float32)
+    result: Floats = matrix.astype(numpy.float32) / norms[:, None]
+    return result
+
+
 def normalised(vector: bytes) -> Floats:
     """
     A vector of little-endian float32 bytes as a float32 array of length 1
     (the caller checked it is finite and not zero).
     """
-    components = numpy.frombuffer(vector, dtype="<f4").astype(numpy.float32)
-    norm = numpy.float32(numpy.linalg.norm(components.astype(numpy.float64)))
-    result: Floats = components / norm
-    return result
+    components = numpy.frombuffer(vector, dtype="<f4").reshape(1, -1)
+    return normalisedRows(components)[0]
 
 
 def _split(memoryID: uuid.UUID) -> tuple[int, int]:
@@ -209,8 +222,7 @@ class ScopeVectors:
         view = _emptyView(_roomFor(count), dimensions)
         if count:
             matrix = numpy.frombuffer(rows.vectors, dtype="<f4").reshape(count, dimensions)
-            norms = numpy.linalg.norm(matrix.astype(numpy.float64), axis=1)
-            view.matrix[:count] = matrix / norms[:, None]
+            view.matrix[:count] = normalisedRows(matrix)
             ids = numpy.frombuffer(rows.ids, dtype=">u8").reshape(count, 2)
             view.high[:count] = ids[:, 0]
             view.low[:count] = ids[:, 1]
