@@ -119,14 +119,23 @@ class Gateway:
         }
 
     def call(self, path: str, body: dict[str, Any], subject: str) -> tuple[int, Any]:
-        self._connection.request(
-            "POST",
-            path,
-            json.dumps(body),
-            {**self._headers, "X-SVC-Memory-Subject": subject},
-        )
-        response = self._connection.getresponse()
-        return response.status, json.loads(response.read())
+        """
+        POST C{body}; a 503 (svc-auth or svc-memory slow to answer on a
+        loaded machine) is tried again, up to 20 times, 0.5 s apart.
+        """
+        for _ in range(20):
+            self._connection.request(
+                "POST",
+                path,
+                json.dumps(body),
+                {**self._headers, "X-SVC-Memory-Subject": subject},
+            )
+            response = self._connection.getresponse()
+            answer = json.loads(response.read())
+            if response.status != 503:
+                break
+            time.sleep(0.5)
+        return response.status, answer
 
 
 @contextlib.contextmanager

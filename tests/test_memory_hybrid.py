@@ -25,6 +25,7 @@ from bm25reference import Document, bm25Ranking, fusedRanking
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from memoryfixtures import MODEL, appConnection, vectorBytes
+from psycopg.rows import dict_row
 
 from svcd.memory.text import TextKey
 from svcd.pb.memory.v1 import memory_pb2
@@ -64,13 +65,13 @@ def scopeRows(dsn: str, tenant: Tenant, subject: str) -> list[dict[str, Any]]:
     """
     with appConnection(dsn) as connection:
         connection.execute("SELECT set_config('svc.org_id', %s, false)", (str(tenant.orgID),))
-        cursor = connection.execute(
+        cursor = connection.cursor(row_factory=dict_row)
+        cursor.execute(
             "SELECT id, content, created_at, embedding_model, vector FROM memories"
             " WHERE org_id = %s AND agent_id = %s AND subject = %s",
             (tenant.orgID, tenant.agentID, subject),
         )
-        names = [column.name for column in cursor.description or ()]
-        return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+        return cursor.fetchall()
 
 
 def cosineRanking(rows: list[dict[str, Any]]) -> list[uuid.UUID]:
@@ -186,6 +187,7 @@ def test_servedRankingsAreBM25AndItsFusion(
             add(content, paletteIndex)
         served(memoryService, where, "text", "warm")
         misses = memoryService.registry.get_sample_value("svc_memory_cache_misses_total")
+        assert misses is not None
         for change in changes:
             if change[0] == "add":
                 add(change[1], change[2], change[3])

@@ -281,12 +281,13 @@ class _FakeMemory:
     def __init__(self) -> None:
         self.answer: Deferred[Any] = Deferred(self._cancel)
         self.cancelled = False
+        self.searches: list[tuple[tuple[object, ...], dict[str, object]]] = []
 
     def _cancel(self, _: object) -> None:
         self.cancelled = True
 
     def search(self, *args: object, **kwargs: object) -> Deferred[Any]:
-        self.searches = getattr(self, "searches", []) + [(args, kwargs)]
+        self.searches.append((args, kwargs))
         return self.answer
 
 
@@ -382,7 +383,7 @@ def test_textRecallEmbedsNothing() -> None:
     no embedding (no call, nothing reserved for it, nothing charged) and
     no min_score (a cosine bound, D13: vector mode only).
     """
-    recaller, embedder, memory, clock, metrics = _recaller(mode="text")
+    recaller, embedder, memory, _, metrics = _recaller(mode="text")
     plan = recaller.plan(_request(), ORG, AGENT, QUESTION, False)
     assert plan is not None and plan.recalls and not plan.embeds
     assert plan.reserveTokens() == plan.maxTokens
@@ -406,7 +407,7 @@ def test_hybridRecallEmbedsAndFuses() -> None:
     recall_mode = "hybrid": the query embedded (and charged) as in vector
     mode, the search asked for both rankings fused, without min_score.
     """
-    recaller, embedder, memory, clock, metrics = _recaller(mode="hybrid")
+    recaller, embedder, memory, _, _ = _recaller(mode="hybrid")
     plan = recaller.plan(_request(), ORG, AGENT, QUESTION, False)
     assert plan is not None and plan.embeds
     assert plan.reserveTokens() == plan.maxTokens + 3

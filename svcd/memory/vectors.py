@@ -96,6 +96,12 @@ class CachedScope(Protocol):
     @property
     def nbytes(self) -> int: ...
 
+    @property
+    def count(self) -> int:
+        """
+        The memories it holds.
+        """
+
     def applyChange(self, memoryID: uuid.UUID, row: CachedRow | None) -> None:
         """
         Hold the memory as it now is (C{row}), or no longer (None).
@@ -142,7 +148,8 @@ def normalised(vector: bytes) -> Floats:
     (the caller checked it is finite and not zero).
     """
     components = numpy.frombuffer(vector, dtype="<f4").reshape(1, -1)
-    return normalisedRows(components)[0]
+    result: Floats = normalisedRows(components)[0]
+    return result
 
 
 def _split(memoryID: uuid.UUID) -> tuple[int, int]:
