@@ -65,11 +65,12 @@ the gateway saw an unexpected status):
               for this row, and then every proxy has memory configured),
               the agent's scope holds 1,000 memories, each request's
               message is another text (bench/load.lua, SVC_BENCH_VARY), its
-              embedding is nginx's fixed one, and the 5 best memories go
-              into the prompt forwarded to nginx -> 200; compared with the
-              forward row's requests/s in the same run, and in the
-              1-connection pass with its p50; the recalls' outcomes are
-              printed (every one should be ok)
+              embedding is nginx's fixed one, and the 5 best memories
+              (ranked by --recall-mode: vector, text or hybrid; vector by
+              default) go into the prompt forwarded to nginx -> 200;
+              compared with the forward row's requests/s in the same run,
+              and in the 1-connection pass with its p50; the recalls'
+              outcomes are printed (every one should be ok)
 
 With the forwarding rows, a 1-connection pass of upstream, forward,
 upstream-stream and stream follows: the gateway's added latency (p50 of
