@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from svcd.memory.store import CachedRow, ScopeRows, ScopeTexts
 from svcd.memory.text import ScopeText, TextKey, fuse, queryWords, words
-from svcd.memory.vectors import Hit, ScopeKey, ScopeVectors, VectorCache
+from svcd.memory.vectors import Hit, Ranking, ScopeKey, ScopeVectors, VectorCache
 
 ORG, AGENT = uuid.uuid4(), uuid.uuid4()
 
@@ -181,14 +181,16 @@ def test_fusionIsReciprocalRank() -> None:
     created = {a: 1, b: 2, c: 3, d: 4}
     vector = [Hit(a, 0.9, 1), Hit(b, 0.8, 2), Hit(c, 0.1, 3)]
     text = [Hit(b, 7.0, 2), Hit(a, 3.0, 1), Hit(d, 1.0, 4)]
-    fused = fuse([vector, text], 10)
+    fused = fuse([Ranking.fromHits(vector), Ranking.fromHits(text)], 10).hits()
     assert [(hit.memoryID, hit.score) for hit in fused] == fusedRanking(
         [[a, b, c], [b, a, d]], dict(created)
     )
     # a and b tie (1/61 + 1/62): b is newer; c and d tie (1/63): d is newer.
     assert [hit.memoryID for hit in fused] == [b, a, d, c]
     deep = [Hit(uuid.uuid4(), 1.0, number) for number in range(150)]
-    assert {hit.memoryID for hit in fuse([deep], 150)} == {hit.memoryID for hit in deep[:100]}
+    assert {hit.memoryID for hit in fuse([Ranking.fromHits(deep)], 150).hits()} == {
+        hit.memoryID for hit in deep[:100]
+    }
 
 
 def cachedRow(memoryID: uuid.UUID, content: str, created: int, model: str = "m") -> CachedRow:

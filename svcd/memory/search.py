@@ -21,7 +21,7 @@ from svcd.memory.records import Embedding, MemoryRecord, Scope
 from svcd.memory.store import MemoryStore
 from svcd.memory.text import FUSED_DEPTH, ScopeText, TextKey, fuse
 from svcd.memory.vectors import (
-    Hit,
+    Ranking,
     ScopeKey,
     ScopeVectors,
     VectorCache,
@@ -147,7 +147,7 @@ class Searcher:
         """
         started = time.perf_counter()
         cached = True
-        rankings: list[list[Hit]] = []
+        rankings: list[Ranking] = []
         if mode != TEXT:
             assert embedding is not None
             key = ScopeKey(
@@ -155,7 +155,7 @@ class Searcher:
             )
             vectors, cached = self.vectorsOf(key, scope)
             rankings.append(
-                vectors.search(
+                vectors.rank(
                     normalised(embedding.vector),
                     k if mode == VECTOR else FUSED_DEPTH,
                     minScore if mode == VECTOR else None,
@@ -165,8 +165,8 @@ class Searcher:
         if mode != VECTOR:
             index, textCached = self.textOf(scope)
             cached = cached and textCached
-            rankings.append(index.search(text, k if mode == TEXT else FUSED_DEPTH))
-        hits = fuse(rankings, k) if mode == HYBRID else rankings[0]
+            rankings.append(index.rank(text, k if mode == TEXT else FUSED_DEPTH))
+        hits = (fuse(rankings, k) if mode == HYBRID else rankings[0]).hits()
         records: dict[uuid.UUID, MemoryRecord] = {
             each.memoryID: each
             for each in self._store.memoriesByID(scope, [hit.memoryID for hit in hits])

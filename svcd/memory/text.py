@@ -51,7 +51,7 @@ import numpy
 import numpy.typing
 
 from svcd.memory.store import CachedRow, ScopeTexts
-from svcd.memory.vectors import SCOPE_OVERHEAD_BYTES, Hit
+from svcd.memory.vectors import SCOPE_OVERHEAD_BYTES, Hit, Ranking, rankingOf
 
 K1 = 1.2
 B = 0.75
@@ -276,17 +276,23 @@ class ScopeText:
 
     def search(self, text: str, k: int) -> list[Hit]:
         """
+        L{rank}'s memories as L{Hit}s.
+        """
+        return self.rank(text, k).hits()
+
+    def rank(self, text: str, k: int) -> Ranking:
+        """
         The C{k} memories of the scope that best match C{text} by BM25,
         best first, ties newest first; none sharing no word with it.
         """
         query = queryWords(text)
         if k < 1 or not query:
-            return []
+            return Ranking([], [], [])
         with self._lock:
             count = self._count
             live = self._count - self._dead
             if live == 0:
-                return []
+                return Ranking([], [], [])
             averageLength = self._totalLength / live
             scores = numpy.zeros(count, dtype=numpy.float64)
             matched = numpy.zeros(count, dtype=numpy.bool_)
@@ -320,20 +326,9 @@ class ScopeText:
                 )
             )[::-1][:k]
             picked = candidates[order]
-            return [
-                Hit(
-                    uuid.UUID(int=(int(high) << 64) | int(low)),
-                    float(score),
-                    int(created),
-                )
-                for high, low, created, score in zip(
-                    self._high[picked],
-                    self._low[picked],
-                    self._created[picked],
-                    scores[picked],
-                    strict=True,
-                )
-            ]
+            return rankingOf(
+                self._high[picked], self._low[picked], self._created[picked], scores[picked]
+            )
 
     def _postings(self, termID: int) -> tuple[Ints, Ints]:
         built = self._built
@@ -524,22 +519,21 @@ class ScopeText:
         self._pendingPostingCount = 0
 
 
-def fuse(rankings: Sequence[Sequence[Hit]], k: int) -> list[Hit]:
+def fuse(rankings: Sequence[Ranking], k: int) -> Ranking:
     """
     Reciprocal-rank fusion (decisions D13): each memory scores the sum,
     over the rankings, of 1 / (RRF_CONSTANT + its rank there), its rank
     counted from 1 among each ranking's first FUSED_DEPTH; the C{k} best,
     ties newest first, then by id, descending.
     """
-    scores: dict[uuid.UUID, float] = {}
-    created: dict[uuid.UUID, int] = {}
+    scores: dict[int, float] = {}
+    created: dict[int, int] = {}
     for ranking in rankings:
-        for rank, hit in enumerate(ranking[:FUSED_DEPTH], start=1):
-            scores[hit.memoryID] = scores.get(hit.memoryID, 0.0) + 1.0 / (RRF_CONSTANT + rank)
-            created[hit.memoryID] = hit.createdMicros
-    best = sorted(
-        scores,
-        key=lambda memoryID: (scores[memoryID], created[memoryID], memoryID.int),
-        reverse=True,
-    )[:k]
-    return [Hit(memoryID, scores[memoryID], created[memoryID]) for memoryID in best]
+        depth = min(FUSED_DEPTH, len(ranking.keys))
+        for rank, key, moment in zip(
+            range(1, depth + 1), ranking.keys[:depth], ranking.createdMicros[:depth], strict=True
+        ):
+            scores[key] = scores.get(key, 0.0) + 1.0 / (RRF_CONSTANT + rank)
+            created[key] = moment
+    best = sorted(scores, key=lambda key: (scores[key], created[key], key), reverse=True)[:k]
+    return Ranking(best, [scores[key] for key in best], [created[key] for key in best])
