@@ -5,7 +5,7 @@ hybrid search over conversations with known evidence, loaded and searched
 through the gateway.
 
     python bench/retrieval.py [--embedder minilm|hashed] [--embedder-python PATH]
-        [--conversations 25] [--seed 7] [--json FILE]
+        [--conversations 10] [--seed 7] [--json FILE]
 
 Starts, on this machine, its own PostgreSQL and Redis, `twistd -n
 svc-auth`, `twistd -n svc-memory`, `twistd -n svc-proxy` and an embedder
@@ -251,7 +251,7 @@ def main() -> int:
         help="the Python that runs bench/embedder.py (minilm needs torch and"
         " sentence-transformers there)",
     )
-    parser.add_argument("--conversations", type=int, default=25)
+    parser.add_argument("--conversations", type=int, default=10)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--json", type=Path, help="also write the results here")
     arguments = parser.parse_args()

@@ -16,12 +16,18 @@ holds, shuffled together:
   - paraphrase facts: a fact asked about with (almost) none of its words
     ("I can't stand cilantro" / "Which herb do I dislike?"): only a model
     that knows meaning finds them;
-  - small talk, most of the turns.
+  - small talk, most of the turns, some of it naming the conversation's
+    people ("I had coffee with Oksana today") without saying anything
+    asked about.
 
-Every fact is asked about once. The proportions (by default 12 entity
-facts, 4 paraphrase facts and 40 turns of small talk per conversation)
-are a choice: the recall of each mode is reported per kind of question
-too, so that a reader can weigh them otherwise.
+Every fact is asked about once. The proportions (by default 40 entity
+facts, 8 paraphrase facts and 150 turns of small talk per conversation,
+about 200 turns, as long conversations are) are a choice: the recall of
+each mode is reported per kind of question too, so that a reader can
+weigh them otherwise. A first version with 16 facts among 56 turns was
+too easy for a real embedder (every question's fact was the only one of
+its kind): the many facts of each kind here are what makes the names,
+places and dates matter.
 """
 
 from __future__ import annotations
@@ -157,6 +163,15 @@ SMALL_TALK = (
     "I'm saving up for something nice.",
     "Okay, sounds good.",
 )
+# Small talk that names someone of the conversation.
+NAMED_SMALL_TALK = (
+    "I had coffee with {name} today.",
+    "{name} says hi.",
+    "{name} sent me a funny video.",
+    "I ran into {name} at the supermarket.",
+    "{name} was in a bad mood this morning.",
+    "I still owe {name} a call.",
+)
 
 
 @attrs.frozen
@@ -177,7 +192,7 @@ def _date(generator: random.Random) -> str:
 
 
 def conversation(
-    generator: random.Random, entityFacts: int = 12, paraphraseFacts: int = 4, smallTalk: int = 40
+    generator: random.Random, entityFacts: int = 40, paraphraseFacts: int = 8, smallTalk: int = 150
 ) -> Conversation:
     facts: list[tuple[str, str, str]] = []
     names = generator.sample(NAMES, entityFacts + 4)
@@ -201,7 +216,12 @@ def conversation(
     turns: list[tuple[str, int | None]] = [
         (fact, number) for number, (fact, _, _) in enumerate(facts)
     ]
-    turns += [(generator.choice(SMALL_TALK), None) for _ in range(smallTalk)]
+    for _ in range(smallTalk):
+        if generator.random() < 0.2:
+            line = generator.choice(NAMED_SMALL_TALK).format(name=generator.choice(names))
+        else:
+            line = generator.choice(SMALL_TALK)
+        turns.append((line, None))
     generator.shuffle(turns)
     where = {number: index for index, (_, number) in enumerate(turns) if number is not None}
     return Conversation(
