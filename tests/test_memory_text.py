@@ -9,6 +9,7 @@ the fusion of rankings, and the index's place in the cache.
 from __future__ import annotations
 
 import math
+import threading
 import uuid
 
 import pytest
@@ -229,3 +230,46 @@ def test_theCacheKeepsTheIndexCurrentAndCountsItsBytes() -> None:
     cache.finishLoad(cache.beginLoad(vectorKey), vectors)
     assert cache.lookup(key) is None
     assert cache.lookup(vectorKey) is vectors
+
+
+def test_searchesBesideChangesSeeWholeChanges() -> None:
+    """
+    Searches on other threads while changes (and the rebuilds they cause)
+    are applied never fail and never see a memory half added: every
+    memory of this test holds the query's word, so each ranking holds
+    exactly the memories present at some moment, with no duplicate. After
+    the changes the ranking is the reference's.
+    """
+    index = ScopeText.fromRows(textRows([]))
+    documents: dict[uuid.UUID, Document] = {}
+    stop = threading.Event()
+    problems: list[str] = []
+
+    def search() -> None:
+        while not stop.is_set():
+            hits = index.search("tea", 100)
+            ids = [hit.memoryID for hit in hits]
+            if len(set(ids)) != len(ids) or any(hit.score <= 0 for hit in hits):
+                problems.append(f"{len(ids)} ids, {len(set(ids))} distinct")
+
+    threads = [threading.Thread(target=search) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        for number in range(600):
+            memoryID = uuid.uuid4()
+            content = f"tea number {number} " + "green " * (number % 5)
+            documents[memoryID] = Document(memoryID, number, content)
+            index.upsert(memoryID, number, content)
+            if number % 3 == 0:
+                gone = list(documents)[number % len(documents)]
+                del documents[gone]
+                index.remove([gone])
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(10)
+    assert problems == []
+    assert (
+        served(index, "tea green", 100) == bm25Ranking(list(documents.values()), "tea green")[:100]
+    )
