@@ -345,18 +345,25 @@ class MemoryClient:
     def search(
         self,
         scope: Scope,
-        query: Embedding,
+        query: Embedding | None,
         k: int,
         minScore: float | None = None,
         timeout: float | None = None,
+        mode: str = "vector",
+        text: str = "",
     ) -> Deferred[memory_pb2.SearchResponse]:
         """
+        @param query: the query embedded; None in C{"text"} mode, which
+            needs none.
         @param timeout: this call's deadline (context assembly has a short
             one of its own, decisions D13).
+        @param mode: C{"vector"}, C{"text"} or C{"hybrid"} (decisions D13,
+            "Hybrid search"); C{text}, the query's text, is what the last
+            two rank by.
         """
-        request = memory_pb2.SearchRequest(
-            scope=scopeMessage(scope), query=embeddingMessage(query), k=k
-        )
+        request = memory_pb2.SearchRequest(scope=scopeMessage(scope), k=k, mode=mode, text=text)
+        if query is not None:
+            request.query.CopyFrom(embeddingMessage(query))
         if minScore is not None:
             request.min_score = minScore
         return self._call("Search", request, timeout)

@@ -62,7 +62,7 @@ from svcd.memory.records import (
     checkSource,
     checkUUID,
 )
-from svcd.memory.search import Searcher
+from svcd.memory.search import MODES, TEXT, VECTOR, Searcher
 from svcd.memory.store import (
     MemoryForbidden,
     MemoryNotFound,
@@ -86,6 +86,9 @@ SCOPE_FULL = "memory scope is full"
 DEFAULT_LIST_LIMIT = 20
 MAX_LIST_LIMIT = 100
 MAX_K = 100
+# The most characters of a text or hybrid search's query (a recall's query
+# is a message's first 8,000).
+MAX_QUERY_CHARACTERS = 8000
 MAX_OBSERVATIONS_PER_CALL = 500
 MAX_CLAIM = 100
 MAX_LEASE_SECONDS = 3600.0
@@ -384,12 +387,19 @@ class MemoryServicer:
 
     def Search(self, request: memory_pb2.SearchRequest) -> memory_pb2.SearchResponse:
         scope = _scope(request.scope)
-        query = _embedding(request, "query")
+        mode = request.mode or VECTOR
+        if mode not in MODES:
+            raise InvalidMemory("mode", "must be one of " + ", ".join(MODES))
+        query = _embedding(request, "query") if mode != TEXT else None
+        if mode != VECTOR and not 1 <= len(request.text) <= MAX_QUERY_CHARACTERS:
+            raise InvalidMemory(
+                "text", f"must be 1 to {MAX_QUERY_CHARACTERS:,} characters in {mode} mode"
+            )
         k = int(_bounded("k", request.k, 1, MAX_K))
         minScore = None
         if request.HasField("min_score"):
             minScore = _bounded("min_score", request.min_score, -1.0, 1.0)
-        results = self._searcher.search(scope, query, k, minScore)
+        results = self._searcher.search(scope, query, k, minScore, mode, request.text)
         return memory_pb2.SearchResponse(
             results=[
                 memory_pb2.ScoredMemory(memory=_memoryMessage(record), score=score)

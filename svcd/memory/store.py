@@ -147,7 +147,8 @@ def _memory(row: dict[str, Any]) -> MemoryRecord:
 @attrs.frozen
 class CachedRow:
     """
-    What a replica's cache of vectors holds of one memory (L{svcd.memory.vectors}).
+    What a replica's cache holds of one memory: its vector
+    (L{svcd.memory.vectors}) and its words (L{svcd.memory.text}).
 
     @ivar createdMicros: C{created_at} in microseconds since the epoch, the
         tie-break of a search.
@@ -160,6 +161,7 @@ class CachedRow:
     dimensions: int
     createdMicros: int
     vector: bytes = attrs.field(repr=False)
+    content: str = attrs.field(repr=False)
 
 
 @attrs.frozen
@@ -174,6 +176,23 @@ class ScopeRows:
     ids: bytes = attrs.field(repr=False)
     createdMicros: list[int] = attrs.field(repr=False)
     vectors: bytes = attrs.field(repr=False)
+
+    @property
+    def count(self) -> int:
+        return len(self.ids) // 16
+
+
+@attrs.frozen
+class ScopeTexts:
+    """
+    Every memory of one scope (any embedding model's), for its text index:
+    C{ids} as in L{ScopeRows}, C{createdMicros} and C{contents} in the same
+    order.
+    """
+
+    ids: bytes = attrs.field(repr=False)
+    createdMicros: list[int] = attrs.field(repr=False)
+    contents: list[str] = attrs.field(repr=False)
 
     @property
     def count(self) -> int:
@@ -682,6 +701,27 @@ class MemoryStore:
 
         return self._run("memory_scope_vectors", query, scope.orgID, binary=True)
 
+    def scopeTexts(self, scope: Scope) -> ScopeTexts:
+        """
+        Every memory's content of the scope, whatever model embedded it: a
+        text index's load on a miss (decisions D13, "Hybrid search").
+        """
+
+        def query(cursor: Cursor) -> ScopeTexts:
+            cursor.execute(
+                f"SELECT uuid_send(id) AS id, {_MICROS}, content FROM memories"
+                " WHERE org_id = %s AND agent_id = %s AND subject = %s",
+                (scope.orgID, scope.agentID, scope.subject),
+            )
+            ids, created, contents = [], [], []
+            for row in cursor:
+                ids.append(row["id"])
+                created.append(row["created_micros"])
+                contents.append(row["content"])
+            return ScopeTexts(b"".join(ids), created, contents)
+
+        return self._run("memory_scope_texts", query, scope.orgID, binary=True)
+
     def rowsForCache(
         self, orgID: uuid.UUID, memoryIDs: Iterable[uuid.UUID]
     ) -> dict[uuid.UUID, CachedRow]:
@@ -694,8 +734,8 @@ class MemoryStore:
 
         def query(cursor: Cursor) -> dict[uuid.UUID, CachedRow]:
             cursor.execute(
-                f"SELECT id, agent_id, subject, embedding_model, dimensions, {_MICROS}, vector"
-                " FROM memories WHERE id = ANY(%s)",
+                f"SELECT id, agent_id, subject, embedding_model, dimensions, {_MICROS}, vector,"
+                " content FROM memories WHERE id = ANY(%s)",
                 (wanted,),
             )
             return {
@@ -707,6 +747,7 @@ class MemoryStore:
                     dimensions=row["dimensions"],
                     createdMicros=row["created_micros"],
                     vector=bytes(row["vector"]),
+                    content=row["content"],
                 )
                 for row in cursor.fetchall()
             }

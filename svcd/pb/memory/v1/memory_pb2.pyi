@@ -137,16 +137,20 @@ class DeleteScopeResponse(_message.Message):
     def __init__(self, memories_deleted: _Optional[int] = ..., observations_deleted: _Optional[int] = ...) -> None: ...
 
 class SearchRequest(_message.Message):
-    __slots__ = ("scope", "query", "k", "min_score")
+    __slots__ = ("scope", "query", "k", "min_score", "mode", "text")
     SCOPE_FIELD_NUMBER: _ClassVar[int]
     QUERY_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     MIN_SCORE_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
     scope: Scope
     query: Embedding
     k: int
     min_score: float
-    def __init__(self, scope: _Optional[_Union[Scope, _Mapping]] = ..., query: _Optional[_Union[Embedding, _Mapping]] = ..., k: _Optional[int] = ..., min_score: _Optional[float] = ...) -> None: ...
+    mode: str
+    text: str
+    def __init__(self, scope: _Optional[_Union[Scope, _Mapping]] = ..., query: _Optional[_Union[Embedding, _Mapping]] = ..., k: _Optional[int] = ..., min_score: _Optional[float] = ..., mode: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
 class ScoredMemory(_message.Message):
     __slots__ = ("memory", "score")
