@@ -65,11 +65,12 @@ the gateway saw an unexpected status):
               for this row, and then every proxy has memory configured),
               the agent's scope holds 1,000 memories, each request's
               message is another text (bench/load.lua, SVC_BENCH_VARY), its
-              embedding is nginx's fixed one, and the 5 best memories go
-              into the prompt forwarded to nginx -> 200; compared with the
-              forward row's requests/s in the same run, and in the
-              1-connection pass with its p50; the recalls' outcomes are
-              printed (every one should be ok)
+              embedding is nginx's fixed one, and the 5 best memories
+              (ranked by --recall-mode: vector, text or hybrid; vector by
+              default) go into the prompt forwarded to nginx -> 200;
+              compared with the forward row's requests/s in the same run,
+              and in the 1-connection pass with its p50; the recalls'
+              outcomes are printed (every one should be ok)
 
 With the forwarding rows, a 1-connection pass of upstream, forward,
 upstream-stream and stream follows: the gateway's added latency (p50 of
@@ -290,12 +291,12 @@ def startNginx(stack: contextlib.ExitStack, workdir: Path) -> tuple[int, subproc
             time.sleep(0.05)
 
 
-def _providersFile(workdir: Path, nginxPort: int) -> Path:
+def _providersFile(workdir: Path, nginxPort: int, recallMode: str = "vector") -> Path:
     """
     The providers file: nginx's routes as models, and the [memory] table of
     the memory rows (used only where SVC_MEMORY_GRPC_ADDR is set; every
     memory scores at least -1, so each recall of the forward-recall row
-    injects the C{RECALL_K} best).
+    injects the C{RECALL_K} best), recalling by C{recallMode} (--recall-mode).
     """
     path = workdir / "providers.toml"
     path.write_text(
@@ -333,6 +334,7 @@ price = {{ input = "2.50", output = "10.00", cached_input = "1.25" }}
 embedding_model = "{EMBEDDING_MODEL}"
 recall_k = {RECALL_K}
 min_score = -1
+recall_mode = "{recallMode}"
 """
     )
     return path
@@ -464,6 +466,7 @@ def runningStack(
     withPhase1: bool = False,
     withForwarding: bool = False,
     withMemory: bool = False,
+    recallMode: str = "vector",
 ) -> Iterator[Stack]:
     """
     PostgreSQL, Redis, svc-auth, one group of svc-proxy processes per
@@ -512,7 +515,9 @@ def runningStack(
         forwardingEnvironment: dict[str, str] = {}
         if withForwarding:
             nginxPort, nginx = startNginx(stack, workdir)
-            forwardingEnvironment["SVC_PROVIDERS_FILE"] = str(_providersFile(workdir, nginxPort))
+            forwardingEnvironment["SVC_PROVIDERS_FILE"] = str(
+                _providersFile(workdir, nginxPort, recallMode)
+            )
 
         auth = Daemon(
             "svc-auth",
@@ -1115,6 +1120,12 @@ def main() -> int:
     parser.add_argument(
         "--proxy-env", action="append", default=[], metavar="NAME=VALUE", help="for svc-proxy"
     )
+    parser.add_argument(
+        "--recall-mode",
+        default="vector",
+        choices=("vector", "text", "hybrid"),
+        help="[memory].recall_mode of the forward-recall row (decisions D13)",
+    )
     arguments = parser.parse_args()
     connectionCounts = [int(each) for each in arguments.connections.split(",")]
     workerCounts = [int(each) for each in arguments.workers.split(",")]
@@ -1147,6 +1158,7 @@ def main() -> int:
                 row in (*_MEMORY, *_RECALLED)
                 for row in [*rows, *([arguments.soak_row] if arguments.soak else [])]
             ),
+            recallMode=arguments.recall_mode,
         ) as stack:
             if arguments.soak:
                 return soak(stack, arguments.soak, arguments.soak_row)

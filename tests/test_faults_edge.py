@@ -246,14 +246,14 @@ def test_readyShowsAFrozenAuthWithinASecond(privateGateway: Gateway) -> None:
     with ReadyPoller(gateway.port) as poller:
         waitFor(lambda: len(poller.answers) >= 5, 5)
         frozen = time.monotonic()
-        gateway.auth.signal(signal.SIGSTOP)
+        gateway.auth.freeze()
         try:
             waitFor(
                 lambda: poller.firstFailure("auth_grpc", frozen) is not None,
                 FAULT_VISIBLE + SLACK,
             )
         finally:
-            gateway.auth.signal(signal.SIGCONT)
+            gateway.auth.thaw()
         seen = poller.firstFailure("auth_grpc", frozen)
         assert seen is not None
         # The answer that said so began at `seen` and took the check's

@@ -309,8 +309,10 @@ def test_authKilledFrozenAndRestartedMidLoad(faultyGateway: Gateway) -> None:
     with Load(gateway.port, gateway.tenants["main"]) as load:
         waitForSamples(load, 0)
 
+        # Samples count from once every thread is stopped (SIGSTOP lands
+        # late on a loaded machine: Daemon.freeze).
+        auth.freeze()
         frozen = time.monotonic()
-        auth.signal(signal.SIGSTOP)
         try:
             took, status, body = timedReady(gateway.port)
             assert status == 503 and took < READY_BUDGET, (took, body)
@@ -318,7 +320,7 @@ def test_authKilledFrozenAndRestartedMidLoad(faultyGateway: Gateway) -> None:
             assert isinstance(checks, dict) and checks["auth_grpc"]["status"] == "failed"
             waitForSamples(load, time.monotonic(), count=20)
         finally:
-            auth.signal(signal.SIGCONT)
+            auth.thaw()
         thawed = time.monotonic()
         frozenSamples = load.between(frozen + 0.1, thawed)
         assert frozenSamples and {sample.status for sample in frozenSamples} == {503}

@@ -7,12 +7,12 @@ cancellation against a server that never answers, and the worker's queue.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
 
+import attrs
 import grpc
 import pytest
 import pytest_twisted
@@ -123,19 +123,47 @@ async def test_anUnreachableServiceIsUnavailable(acme: Tenant) -> None:
         client.close()
 
 
+@attrs.frozen
+class HungServer:
+    """
+    A grpcio server whose GetMemory never answers until the test ends: a
+    hung svc-memory. C{entered} is set once a call is in its handler, so
+    that a test cancels a call known to be in flight (a bare listening
+    socket would not do: grpcio gives up its HTTP/2 handshake after the
+    channel's 100 ms connect timeout, failing the call before a loaded
+    machine got round to cancelling it).
+    """
+
+    address: str
+    entered: threading.Event
+
+
 @pytest.fixture
-def silentServer() -> Iterator[str]:
-    """
-    A TCP port that accepts connections and never says a word: a hung
-    svc-memory.
-    """
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)
+def hungServer() -> Iterator[HungServer]:
+    entered = threading.Event()
+    release = threading.Event()
+
+    def hang(request: bytes, context: grpc.ServicerContext) -> bytes:
+        entered.set()
+        release.wait(30)
+        return b""
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "svc.memory.v1.MemoryService",
+                {"GetMemory": grpc.unary_unary_rpc_method_handler(hang)},
+            ),
+        )
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
     try:
-        yield f"127.0.0.1:{listener.getsockname()[1]}"
+        yield HungServer(f"127.0.0.1:{port}", entered)
     finally:
-        listener.close()
+        release.set()
+        server.stop(0).wait(5)
 
 
 @pytest.fixture
@@ -189,17 +217,21 @@ async def test_aHungServiceMeetsTheDeadline(slowServer: str, acme: Tenant) -> No
 
 
 @pytest_twisted.ensureDeferred
-async def test_cancellingCancelsTheCall(silentServer: str, acme: Tenant) -> None:
+async def test_cancellingCancelsTheCall(hungServer: HungServer, acme: Tenant) -> None:
     """
-    Cancelling the Deferred (the proxy's client went away) ends the call
-    at once with CancelledError, long before its deadline.
+    Cancelling the Deferred (the proxy's client went away) ends a call in
+    flight at once with CancelledError, long before its deadline.
     """
     from twisted.internet import reactor
 
-    client = clientOf(silentServer, timeout=30.0)
+    client = clientOf(hungServer.address, timeout=30.0)
     try:
         call = client.getMemory(scopeOf(acme), "018f0000-0000-7000-8000-000000000000")
-        await deferLater(reactor, 0.05, lambda: None)
+        waited = time.monotonic()
+        while not hungServer.entered.is_set():
+            assert time.monotonic() - waited < 10, "the call never reached the server"
+            await deferLater(reactor, 0.01, lambda: None)
+        assert not call.called
         started = time.monotonic()
         call.cancel()
         with pytest.raises(CancelledError):
@@ -239,6 +271,135 @@ async def test_theWorkersQueueThroughTheClient(client: MemoryClient, acme: Tenan
     assert (await client.completeObservation(str(acme.orgID), held.id, "worker-b")).completed
     with pytest.raises(MemoryNotFound):
         await client.completeObservation(str(acme.orgID), held.id, "worker-b")
+
+
+@pytest_twisted.ensureDeferred
+async def test_storeObservationMergesAndCompletesUnderTheLease(
+    client: MemoryClient, acme: Tenant
+) -> None:
+    """
+    StoreObservation, for the claim holding the lease: each memory is
+    added (source extracted, the observation's request id), or takes the
+    place of a near one at or above dedupe_score; the observation is
+    completed. For a claim whose lease passed to another (a stale token),
+    nothing is stored (stored false); for an observation gone meanwhile it
+    is NOT_FOUND and the memories it added are deleted again. The lease is
+    renewed only for its own token.
+    """
+    scope = scopeOf(acme, "merge")
+
+    async def claimOne(requestID: str) -> memory_pb2.ClaimedObservation:
+        await client.queueObservations(
+            [
+                memory_pb2.Observation(
+                    scope=memory_pb2.Scope(
+                        org_id=str(acme.orgID), agent_id=str(acme.agentID), subject="merge"
+                    ),
+                    request_id=requestID,
+                    messages=[memory_pb2.ObservedMessage(role="user", content="facts")],
+                )
+            ]
+        )
+        [held] = (await client.claimObservations("worker-a", 10, 60.0)).observations
+        return held
+
+    held = await claimOne("req-store-1")
+    renewed = await client.renewObservationLease(
+        str(acme.orgID), held.id, "worker-a", held.lease_token, 120.0
+    )
+    assert renewed.renewed and renewed.lease_expires_at > held.lease_expires_at
+    stale = await client.renewObservationLease(
+        str(acme.orgID), held.id, "worker-a", "0190c0de-0000-7000-8000-0000000000aa", 60.0
+    )
+    assert not stale.renewed
+    stored = await client.storeObservation(
+        str(acme.orgID),
+        held.id,
+        "worker-a",
+        "0190c0de-0000-7000-8000-0000000000aa",
+        60.0,
+        scope,
+        "req-store-1",
+        [("I keep bees.", embedding([1.0, 0.0, 0.0]))],
+        0.9,
+    )
+    assert not stored.stored and not stored.added_ids
+    assert (await client.listMemories(scope)).memories == []
+    stored = await client.storeObservation(
+        str(acme.orgID),
+        held.id,
+        "worker-a",
+        held.lease_token,
+        60.0,
+        scope,
+        "req-store-1",
+        [
+            ("I keep bees.", embedding([1.0, 0.0, 0.0])),
+            ("I live in Lyon.", embedding([0.0, 1.0, 0.0])),
+        ],
+        0.9,
+    )
+    assert stored.stored and len(stored.added_ids) == 2 and stored.updated == 0
+    listed = (await client.listMemories(scope)).memories
+    assert sorted(each.content for each in listed) == ["I keep bees.", "I live in Lyon."]
+    assert {(each.source, each.source_request_id) for each in listed} == {
+        ("extracted", "req-store-1")
+    }
+    with pytest.raises(MemoryNotFound):
+        await client.completeObservation(str(acme.orgID), held.id, "worker-a")
+
+    again = await claimOne("req-store-2")
+    stored = await client.storeObservation(
+        str(acme.orgID),
+        again.id,
+        "worker-a",
+        again.lease_token,
+        60.0,
+        scope,
+        "req-store-2",
+        [("I keep many bees.", embedding([0.99, 0.01, 0.0]))],
+        0.9,
+    )
+    assert stored.stored and not stored.added_ids and stored.updated == 1
+    contents = sorted(each.content for each in (await client.listMemories(scope)).memories)
+    assert contents == ["I keep many bees.", "I live in Lyon."]
+
+    # Two near memories of one observation: one memory, the later content
+    # (as if the first had been stored before the second was searched).
+    twins = await claimOne("req-store-twins")
+    stored = await client.storeObservation(
+        str(acme.orgID),
+        twins.id,
+        "worker-a",
+        twins.lease_token,
+        60.0,
+        scope,
+        "req-store-twins",
+        [
+            ("I own a red car.", embedding([0.0, 0.0, 1.0])),
+            ("I own a red bike.", embedding([0.0, 0.01, 0.99])),
+        ],
+        0.9,
+    )
+    assert stored.stored and len(stored.added_ids) == 1 and stored.updated == 0
+    contents = sorted(each.content for each in (await client.listMemories(scope)).memories)
+    assert contents == ["I keep many bees.", "I live in Lyon.", "I own a red bike."]
+
+    gone = await claimOne("req-store-3")
+    await client.deleteScope(scopeOf(acme, "merge"))
+    with pytest.raises(MemoryNotFound):
+        await client.storeObservation(
+            str(acme.orgID),
+            gone.id,
+            "worker-a",
+            gone.lease_token,
+            60.0,
+            scope,
+            "req-store-3",
+            [("I keep wasps.", embedding([0.0, 0.0, 1.0]))],
+            0.9,
+        )
+    assert (await client.listMemories(scope)).memories == []
 
 
 @pytest_twisted.ensureDeferred

@@ -16,7 +16,14 @@ from authfixtures import Tenant
 from memoryfixtures import MODEL, appConnection, embedding, scopeOf, secondAgent, vectorBytes
 
 from svcd.auth.store import Store, StoreRejected
-from svcd.memory.records import NewObservation, ObservedMessage, Scope
+from svcd.memory.records import (
+    ClaimedObservation,
+    Embedding,
+    MemoryRecord,
+    NewObservation,
+    ObservedMessage,
+    Scope,
+)
 from svcd.memory.store import (
     MemoryForbidden,
     MemoryNotFound,
@@ -226,6 +233,79 @@ def test_anExtractedMemoryIsAddedOncePerRequestAndContent(
     ]
 
 
+def test_anObservationsMemoriesAreStoredWithItsCompletionOncePerContent(
+    memoryStore: MemoryStore, acme: Tenant
+) -> None:
+    """
+    storeExtracted adds an observation's memories and deletes the
+    observation in one transaction, for the claim holding its lease: each
+    memory once per request and content (the same content twice in one
+    call, or one added before by add, is the memory first added). For a
+    stale token nothing is added and the observation stays; for a batch
+    the scope's cap cannot hold, nothing is added and the observation
+    stays; for an observation gone, MemoryNotFound.
+    """
+    scope = scopeOf(acme, "batch")
+
+    def claimed(requestID: str) -> ClaimedObservation:
+        memoryStore.queueObservations(
+            [NewObservation(scope, requestID, (ObservedMessage("user", "x"),))]
+        )
+        [held] = memoryStore.claimObservations("worker-1", 60.0, 1)
+        assert held.leaseToken is not None
+        return held
+
+    def store(
+        held: ClaimedObservation,
+        memories: list[tuple[str, Embedding]],
+        token: uuid.UUID | None = None,
+        cap: int = 100,
+    ) -> list[MemoryRecord] | None:
+        return memoryStore.storeExtracted(
+            acme.orgID,
+            held.observationID,
+            "worker-1",
+            token or held.leaseToken or uuid.uuid4(),
+            scope,
+            held.requestID,
+            memories,
+            cap,
+        )
+
+    single = memoryStore.add(
+        scope, "likes tea", "{}", "extracted", "req-1", embedding([1.0, 0.0]), maxPerScope=100
+    )
+    first = claimed("req-1")
+    assert store(first, [("lives in Paris", embedding([0.0, 1.0]))], token=uuid.uuid4()) is None
+    assert memoryStore.listMemories(scope, 100)[0] == [single]
+    records = store(
+        first,
+        [
+            ("lives in Paris", embedding([0.0, 1.0])),
+            ("likes tea", embedding([1.0, 0.0])),
+            ("lives in Paris", embedding([0.0, 1.0])),
+        ],
+    )
+    assert records is not None
+    assert records[1].memoryID == single.memoryID
+    assert records[0].memoryID == records[2].memoryID
+    assert {each.source for each in records} == {"extracted"}
+    with pytest.raises(MemoryNotFound):
+        store(first, [("lives in Paris", embedding([0.0, 1.0]))])
+    second = claimed("req-2")
+    with pytest.raises(ScopeFull):
+        store(
+            second,
+            [("new one", embedding([1.0, 1.0])), ("another", embedding([1.0, -1.0]))],
+            cap=3,
+        )
+    assert memoryStore.observationsWaiting() == 1
+    memories, _ = memoryStore.listMemories(scope, 100)
+    assert sorted(each.content for each in memories) == ["likes tea", "lives in Paris"]
+    assert store(second, []) == []
+    assert memoryStore.observationsWaiting() == 0
+
+
 def test_anAgentOfAnotherOrganizationIsRefused(
     memoryStore: MemoryStore, acme: Tenant, globex: Tenant
 ) -> None:
@@ -409,3 +489,60 @@ def test_anExpiredLeaseReturnsTheObservation(memoryStore: MemoryStore, acme: Ten
     assert first.observationID == second.observationID
     assert not memoryStore.completeObservation(acme.orgID, first.observationID, "dead-worker")
     assert memoryStore.completeObservation(acme.orgID, first.observationID, "live-worker")
+
+
+def test_onlyTheClaimHoldingALeaseRenewsIt(
+    memoryStore: MemoryStore, acme: Tenant, globex: Tenant
+) -> None:
+    """
+    Each claim has a token of its own. The claim holding the lease renews
+    it (to the seconds asked, from now), even once it ran out if no claim
+    took it since; a later claim, even under the same owner, makes the
+    first claim's renewal, completion and release refused (False), and
+    only the new token completes. A renewal in another organization's name
+    is refused (row-level security); one of a deleted observation is
+    NOT_FOUND.
+    """
+    memoryStore.queueObservations(
+        [NewObservation(scopeOf(acme), "r", (ObservedMessage("user", "x"),))]
+    )
+    [first] = memoryStore.claimObservations("worker-1", 0.0, 1)
+    assert first.leaseToken is not None
+    renewed = memoryStore.renewObservationLease(
+        acme.orgID, first.observationID, "worker-1", first.leaseToken, 120.0
+    )
+    assert renewed is not None and renewed > first.leaseExpiresAt
+    assert memoryStore.claimObservations("worker-1", 60.0, 1) == []
+    with pytest.raises(MemoryForbidden):
+        memoryStore.renewObservationLease(
+            globex.orgID, first.observationID, "worker-1", first.leaseToken, 60.0
+        )
+    # The lease runs out at once; the same owner claims it again: a new token.
+    assert memoryStore.renewObservationLease(
+        acme.orgID, first.observationID, "worker-1", first.leaseToken, 0.0
+    )
+    [second] = memoryStore.claimObservations("worker-1", 60.0, 1)
+    assert second.leaseToken not in (None, first.leaseToken)
+    assert (
+        memoryStore.renewObservationLease(
+            acme.orgID, first.observationID, "worker-1", first.leaseToken, 60.0
+        )
+        is None
+    )
+    assert not memoryStore.completeObservation(
+        acme.orgID, first.observationID, "worker-1", first.leaseToken
+    )
+    assert not memoryStore.releaseObservation(
+        acme.orgID,
+        first.observationID,
+        "worker-1",
+        ObservationRelease(retryAfter=0.0, countAttempt=True, failed=False, reason="late"),
+        first.leaseToken,
+    )
+    assert memoryStore.completeObservation(
+        acme.orgID, second.observationID, "worker-1", second.leaseToken
+    )
+    with pytest.raises(MemoryNotFound):
+        memoryStore.renewObservationLease(
+            acme.orgID, second.observationID, "worker-1", second.leaseToken, 60.0
+        )

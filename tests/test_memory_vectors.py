@@ -195,7 +195,7 @@ def key(subject: str = "", model: str = "m", dimensions: int = 2) -> ScopeKey:
 
 
 def row(memoryID: uuid.UUID, vector: list[float], created: int = 0, model: str = "m") -> CachedRow:
-    return CachedRow(memoryID, AGENT, "", model, len(vector), created, vectorBytes(vector))
+    return CachedRow(memoryID, AGENT, "", model, len(vector), created, vectorBytes(vector), "")
 
 
 def test_theCacheEvictsTheLeastRecentlySearched() -> None:

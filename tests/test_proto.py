@@ -74,5 +74,7 @@ def test_memoryServiceIsDeclaredInPackageSvcMemoryV1() -> None:
         "ClaimObservations",
         "CompleteObservation",
         "ReleaseObservation",
+        "RenewObservationLease",
+        "StoreObservation",
     }
     assert not any(m.server_streaming or m.client_streaming for m in service.methods)

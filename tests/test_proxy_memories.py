@@ -263,6 +263,46 @@ async def test_theRoutesThatEmbedReserveTheirTexts(makeEdge: EdgeFactory) -> Non
 
 
 @pytest_twisted.ensureDeferred
+async def test_searchModes(makeEdge: EdgeFactory) -> None:
+    """
+    POST /v1/memories/search ranks by its mode: "text" finds a memory by a
+    rare word and embeds nothing (nothing reserved, no ledger row), its
+    score BM25's; "hybrid" embeds the query as "vector" does and scores by
+    reciprocal rank (1/61 for a memory first in both rankings); min_score
+    is ignored outside vector mode; an unknown mode is 400 naming it.
+    """
+    edge: Edge = await makeEdge("embed-priced")
+    edge.limit(org=Limits(tpm=100_000))
+    for content in ("Alice's flight is on 2024-07-12", "the user likes green tea"):
+        response, _ = await edge.call("POST", "/v1/memories", {"content": content})
+        assert response.code == 201
+    rows = len(edge.ledger.rows)
+    response, found = await edge.call(
+        "POST", "/v1/memories/search", {"query": "ALICE?", "mode": "text", "min_score": 1}
+    )
+    assert response.code == 200, found
+    assert [each["memory"]["content"] for each in found["data"]] == [
+        "Alice's flight is on 2024-07-12"
+    ]
+    assert found["data"][0]["score"] > 0
+    assert edge.reserved[-1] == (0, 0)
+    assert len(edge.ledger.rows) == rows
+    response, found = await edge.call(
+        "POST", "/v1/memories/search", {"query": "green tea", "mode": "hybrid", "min_score": 1}
+    )
+    assert response.code == 200, found
+    assert found["data"][0]["memory"]["content"] == "the user likes green tea"
+    assert found["data"][0]["score"] == pytest.approx(2 / 61, abs=1e-6)
+    assert edge.reserved[-1] == (inputsEstimate(["green tea"]), 0)
+    await waitFor(lambda: len(edge.ledger.rows) == rows + 1)
+    response, answer = await edge.call(
+        "POST", "/v1/memories/search", {"query": "tea", "mode": "keyword"}
+    )
+    assert response.code == 400
+    assert [each["field"] for each in answer["error"]["field_errors"]] == ["mode"]
+
+
+@pytest_twisted.ensureDeferred
 async def test_anUnchangedContentIsReleased(makeEdge: EdgeFactory) -> None:
     """
     A PATCH whose content is the stored one reserved its estimate at the

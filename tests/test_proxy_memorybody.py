@@ -207,6 +207,21 @@ def test_aSearchHasItsDefaults() -> None:
     )
 
 
+@pytest.mark.parametrize("mode", ["text", "hybrid"])
+def test_minScoreIsCheckedAndIgnoredOutsideVectorMode(mode: str) -> None:
+    """
+    D13: min_score applies in vector mode only. With text or hybrid it is
+    still checked (a bad one is 400 in every mode) and then dropped: their
+    scores are no cosine similarities.
+    """
+    assert parseSearchBody(body({"query": "tea", "mode": mode, "min_score": 0.9})) == (
+        MemorySearch("tea", 5, None, mode)
+    )
+    assert refused(parseSearchBody, {"query": "x", "mode": mode, "min_score": 2}) == [
+        ("min_score", "INVALID_FORMAT")
+    ]
+
+
 @pytest.mark.parametrize(
     ("document", "errors"),
     [
@@ -220,7 +235,9 @@ def test_aSearchHasItsDefaults() -> None:
         ({"query": "x", "k": True}, [("k", "INVALID_FORMAT")]),
         ({"query": "x", "min_score": 1.5}, [("min_score", "INVALID_FORMAT")]),
         ({"query": "x", "min_score": "0.5"}, [("min_score", "INVALID_FORMAT")]),
-        ({"query": "x", "mode": "hybrid"}, [("mode", "INVALID_ENUM")]),
+        ({"query": "x", "mode": "semantic"}, [("mode", "INVALID_ENUM")]),
+        ({"query": "x", "mode": "Text"}, [("mode", "INVALID_ENUM")]),
+        ({"query": "x", "mode": 1}, [("mode", "INVALID_ENUM")]),
     ],
 )
 def test_aBadSearchIsRefused(document: dict[str, Any], errors: list[Any]) -> None:

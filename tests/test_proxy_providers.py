@@ -1379,8 +1379,8 @@ def test_memoryEverySetting(tmp_path: Path) -> None:
             "[memory]: dedupe_score must be a number, got a string",
         ),
         (
-            {"embedding_model": "embed", "recall_mode": "hybrid"},
-            '[memory]: recall_mode must be "vector", got "hybrid"',
+            {"embedding_model": "embed", "recall_mode": "semantic"},
+            '[memory]: recall_mode must be one of "vector", "text", "hybrid", got "semantic"',
         ),
     ],
 )

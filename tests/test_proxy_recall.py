@@ -281,11 +281,13 @@ class _FakeMemory:
     def __init__(self) -> None:
         self.answer: Deferred[Any] = Deferred(self._cancel)
         self.cancelled = False
+        self.searches: list[tuple[tuple[object, ...], dict[str, object]]] = []
 
     def _cancel(self, _: object) -> None:
         self.cancelled = True
 
     def search(self, *args: object, **kwargs: object) -> Deferred[Any]:
+        self.searches.append((args, kwargs))
         return self.answer
 
 
@@ -298,10 +300,12 @@ class _Metrics:
 
 
 def _recaller(
-    book: LimitBook | None = None,
+    book: LimitBook | None = None, mode: str = "vector"
 ) -> tuple[Recaller, _FakeEmbedder, _FakeMemory, Clock, _Metrics]:
     embedder, memory, clock, metrics = _FakeEmbedder(), _FakeMemory(), Clock(), _Metrics()
-    config = MemoryConfig(embeddingModel=embedder.providers.models["embed"], recallK=2)
+    config = MemoryConfig(
+        embeddingModel=embedder.providers.models["embed"], recallK=2, recallMode=mode
+    )
     if book is None:
         book = LimitBook()
         book.changed(MemorySettingsRow(ORG, None, MemorySettings(recall=True)))
@@ -374,6 +378,53 @@ def test_recallAssemblesWhatIsFound() -> None:
     # The embedding's exchange, for the access log.
     assert recall.embeddingMilliseconds == 0.4
     assert metrics.outcomes == [RECALL_OK]
+
+
+def test_textRecallEmbedsNothing() -> None:
+    """
+    recall_mode = "text": the scope is searched by the query's words, with
+    no embedding (no call, nothing reserved for it, nothing charged) and
+    no min_score (a cosine bound, D13: vector mode only).
+    """
+    recaller, embedder, memory, _, metrics = _recaller(mode="text")
+    plan = recaller.plan(_request(), ORG, AGENT, QUESTION, False)
+    assert plan is not None and plan.recalls and not plan.embeds
+    assert plan.reserveTokens() == plan.maxTokens
+    assert plan.embeddingCost(embedder.providers, ORG, cast(Any, None)) == 0
+    recall = Recall(plan)
+    done = Deferred.fromCoroutine(
+        recaller.recall(recall, QUESTION, EmbeddingCall(ORG, AGENT, None, "r"), False)
+    )
+    assert embedder.calls == []
+    [(args, kwargs)] = memory.searches
+    assert (args[1:], kwargs["mode"], kwargs["text"]) == ((None, 2, None), "text", "what tea")
+    memory.answer.callback(Deferred.fromCoroutine(_found("green tea")).result)
+    messages: Any = done.result
+    assert messages[0]["content"].split("\n")[1:] == ["- green tea"]
+    assert (recall.count, recall.outcome, recall.charge) == (1, RECALL_OK, (0, 0))
+    assert metrics.outcomes == [RECALL_OK]
+
+
+def test_hybridRecallEmbedsAndFuses() -> None:
+    """
+    recall_mode = "hybrid": the query embedded (and charged) as in vector
+    mode, the search asked for both rankings fused, without min_score.
+    """
+    recaller, embedder, memory, _, _ = _recaller(mode="hybrid")
+    plan = recaller.plan(_request(), ORG, AGENT, QUESTION, False)
+    assert plan is not None and plan.embeds
+    assert plan.reserveTokens() == plan.maxTokens + 3
+    recall = Recall(plan)
+    done = Deferred.fromCoroutine(
+        recaller.recall(recall, QUESTION, EmbeddingCall(ORG, AGENT, None, "r"), False)
+    )
+    embedder.record.usage = Usage(promptTokens=7, completionTokens=0)
+    embedder.answer.callback(Embedded("embed", (b"\0" * 8,), 7))
+    [(args, kwargs)] = memory.searches
+    assert (args[2:], kwargs["mode"], kwargs["text"]) == ((2, None), "hybrid", "what tea")
+    memory.answer.callback(Deferred.fromCoroutine(_found("green tea")).result)
+    assert done.result is not None
+    assert (recall.count, recall.charge) == (1, (7, PRICE.cost(7, 0, 0)))
 
 
 async def _found(*contents: str) -> Any:

@@ -11,7 +11,7 @@ a chat completion: about a millisecond each) thus starts a thread for
 nearly every call, on the thread that makes the call: the reactor's, which
 waits in C{Thread.start} for the new thread to run (the GIL held
 meanwhile by grpcio's other threads) and in the channel's lock. Measured
-under the forward-recall row (bench/README.rst, twelfth round): about a
+under the forward-recall row (bench/README.rst, thirteenth round): about a
 quarter of the reactor thread's busy time in C{future()}, a new thread per
 call. The blocking stub instead reads each call's own completion queue on
 the thread that made the call: no thread started, no channel-wide lock;

@@ -46,7 +46,7 @@ _SERVICE = "/svc.memory.v1.MemoryService/"
 DEFAULT_TIMEOUT = 2.0
 
 # The threads that make the calls of a client without a bound on calls in
-# flight (svc-worker's): its calls wait, in order, for one of them.
+# flight: its calls wait, in order, for one of them.
 DEFAULT_THREADS = 8
 
 # As the proxy's channel to svc-auth: reconnect within a second of
@@ -374,18 +374,25 @@ class MemoryClient:
     def search(
         self,
         scope: Scope,
-        query: Embedding,
+        query: Embedding | None,
         k: int,
         minScore: float | None = None,
         timeout: float | None = None,
+        mode: str = "vector",
+        text: str = "",
     ) -> Deferred[memory_pb2.SearchResponse]:
         """
+        @param query: the query embedded; None in C{"text"} mode, which
+            needs none.
         @param timeout: this call's deadline (context assembly has a short
             one of its own, decisions D13).
+        @param mode: C{"vector"}, C{"text"} or C{"hybrid"} (decisions D13,
+            "Hybrid search"); C{text}, the query's text, is what the last
+            two rank by.
         """
-        request = memory_pb2.SearchRequest(
-            scope=scopeMessage(scope), query=embeddingMessage(query), k=k
-        )
+        request = memory_pb2.SearchRequest(scope=scopeMessage(scope), k=k, mode=mode, text=text)
+        if query is not None:
+            request.query.CopyFrom(embeddingMessage(query))
         if minScore is not None:
             request.min_score = minScore
         return self._call("Search", request, timeout)
@@ -414,11 +421,63 @@ class MemoryClient:
         )
 
     def completeObservation(
-        self, orgID: str, observationID: str, owner: str
+        self, orgID: str, observationID: str, owner: str, leaseToken: str = ""
     ) -> Deferred[memory_pb2.CompleteObservationResponse]:
         return self._call(
             "CompleteObservation",
-            memory_pb2.CompleteObservationRequest(org_id=orgID, id=observationID, owner=owner),
+            memory_pb2.CompleteObservationRequest(
+                org_id=orgID, id=observationID, owner=owner, lease_token=leaseToken
+            ),
+        )
+
+    def storeObservation(
+        self,
+        orgID: str,
+        observationID: str,
+        owner: str,
+        leaseToken: str,
+        leaseSeconds: float,
+        scope: Scope,
+        requestID: str,
+        memories: Sequence[tuple[str, Embedding]],
+        dedupeScore: float,
+    ) -> Deferred[memory_pb2.StoreObservationResponse]:
+        """
+        Merge an observation's memories into its scope and complete it, in
+        one call (memory.proto's StoreObservation).
+        """
+        return self._call(
+            "StoreObservation",
+            memory_pb2.StoreObservationRequest(
+                org_id=orgID,
+                id=observationID,
+                owner=owner,
+                lease_token=leaseToken,
+                lease_seconds=leaseSeconds,
+                scope=scopeMessage(scope),
+                request_id=requestID,
+                memories=[
+                    memory_pb2.ExtractedMemory(
+                        content=content, embedding=embeddingMessage(embedding)
+                    )
+                    for content, embedding in memories
+                ],
+                dedupe_score=dedupeScore,
+            ),
+        )
+
+    def renewObservationLease(
+        self, orgID: str, observationID: str, owner: str, leaseToken: str, leaseSeconds: float
+    ) -> Deferred[memory_pb2.RenewObservationLeaseResponse]:
+        return self._call(
+            "RenewObservationLease",
+            memory_pb2.RenewObservationLeaseRequest(
+                org_id=orgID,
+                id=observationID,
+                owner=owner,
+                lease_token=leaseToken,
+                lease_seconds=leaseSeconds,
+            ),
         )
 
     def releaseObservation(
@@ -430,6 +489,7 @@ class MemoryClient:
         countAttempt: bool,
         failed: bool = False,
         reason: str = "",
+        leaseToken: str = "",
     ) -> Deferred[memory_pb2.ReleaseObservationResponse]:
         return self._call(
             "ReleaseObservation",
@@ -441,5 +501,6 @@ class MemoryClient:
                 count_attempt=countAttempt,
                 failed=failed,
                 reason=reason,
+                lease_token=leaseToken,
             ),
         )

@@ -29,7 +29,9 @@ from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import Any, TypeVar
 
+import attrs
 import grpc
+import numpy
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -46,6 +48,7 @@ from svcd.common.errors import rfc3339
 from svcd.common.metrics import BUCKETS, Children
 from svcd.memory.records import (
     MAX_REASON_CHARACTERS,
+    Embedding,
     InvalidMemory,
     MemoryRecord,
     NewObservation,
@@ -59,7 +62,7 @@ from svcd.memory.records import (
     checkSource,
     checkUUID,
 )
-from svcd.memory.search import Searcher
+from svcd.memory.search import MODES, TEXT, VECTOR, Searcher
 from svcd.memory.store import (
     MemoryForbidden,
     MemoryNotFound,
@@ -83,10 +86,16 @@ SCOPE_FULL = "memory scope is full"
 DEFAULT_LIST_LIMIT = 20
 MAX_LIST_LIMIT = 100
 MAX_K = 100
+# The most characters of a text or hybrid search's query (a recall's query
+# is a message's first 8,000).
+MAX_QUERY_CHARACTERS = 8000
 MAX_OBSERVATIONS_PER_CALL = 500
 MAX_CLAIM = 100
 MAX_LEASE_SECONDS = 3600.0
 MAX_RETRY_AFTER_SECONDS = 86_400.0
+# svc-worker stores at most this many memories of one observation
+# (decisions D13: an extraction answers at most 20).
+MAX_STORED_PER_OBSERVATION = 20
 
 Response = TypeVar("Response")
 
@@ -378,12 +387,19 @@ class MemoryServicer:
 
     def Search(self, request: memory_pb2.SearchRequest) -> memory_pb2.SearchResponse:
         scope = _scope(request.scope)
-        query = _embedding(request, "query")
+        mode = request.mode or VECTOR
+        if mode not in MODES:
+            raise InvalidMemory("mode", "must be one of " + ", ".join(MODES))
+        query = _embedding(request, "query") if mode != TEXT else None
+        if mode != VECTOR and not 1 <= len(request.text) <= MAX_QUERY_CHARACTERS:
+            raise InvalidMemory(
+                "text", f"must be 1 to {MAX_QUERY_CHARACTERS:,} characters in {mode} mode"
+            )
         k = int(_bounded("k", request.k, 1, MAX_K))
         minScore = None
         if request.HasField("min_score"):
             minScore = _bounded("min_score", request.min_score, -1.0, 1.0)
-        results = self._searcher.search(scope, query, k, minScore)
+        results = self._searcher.search(scope, query, k, minScore, mode, request.text)
         return memory_pb2.SearchResponse(
             results=[
                 memory_pb2.ScoredMemory(memory=_memoryMessage(record), score=score)
@@ -454,6 +470,7 @@ class MemoryServicer:
                     ],
                     attempts=each.attempts,
                     lease_expires_at=rfc3339(each.leaseExpiresAt),
+                    lease_token=str(each.leaseToken) if each.leaseToken else "",
                 )
                 for each in claimed
             ]
@@ -463,7 +480,9 @@ class MemoryServicer:
         self, request: memory_pb2.CompleteObservationRequest
     ) -> memory_pb2.CompleteObservationResponse:
         orgID, observationID = _observation(request.org_id, request.id)
-        completed = self._store.completeObservation(orgID, observationID, _owner(request.owner))
+        completed = self._store.completeObservation(
+            orgID, observationID, _owner(request.owner), _leaseToken(request.lease_token, False)
+        )
         return memory_pb2.CompleteObservationResponse(completed=completed)
 
     def ReleaseObservation(
@@ -481,13 +500,169 @@ class MemoryServicer:
             reason=request.reason,
         )
         released = self._store.releaseObservation(
-            orgID, observationID, _owner(request.owner), release
+            orgID,
+            observationID,
+            _owner(request.owner),
+            release,
+            _leaseToken(request.lease_token, False),
         )
         return memory_pb2.ReleaseObservationResponse(released=released)
+
+    def RenewObservationLease(
+        self, request: memory_pb2.RenewObservationLeaseRequest
+    ) -> memory_pb2.RenewObservationLeaseResponse:
+        orgID, observationID = _observation(request.org_id, request.id)
+        owner = _owner(request.owner)
+        token = _leaseToken(request.lease_token, True)
+        assert token is not None
+        lease = _bounded("lease_seconds", request.lease_seconds, 1.0, MAX_LEASE_SECONDS)
+        expiresAt = self._store.renewObservationLease(orgID, observationID, owner, token, lease)
+        if expiresAt is None:
+            return memory_pb2.RenewObservationLeaseResponse(renewed=False)
+        return memory_pb2.RenewObservationLeaseResponse(
+            renewed=True, lease_expires_at=rfc3339(expiresAt)
+        )
+
+    def StoreObservation(
+        self, request: memory_pb2.StoreObservationRequest
+    ) -> memory_pb2.StoreObservationResponse:
+        """
+        svc-worker's last step for one observation (memory.proto): one call
+        where it made one or two per memory and one more, each a gRPC round
+        trip on both sides (bench/worker_drain.py measured the drain's
+        rate bounded by them).
+
+        The memories are planned as the worker's calls would have stored
+        them (L{_plan}). Updates of memories the scope holds (rare in a
+        drain: a fact said again) come first, one transaction each, after
+        a renewal of the lease (nothing is written for a claim that lost
+        it). Then the additions and the observation's completion are one
+        transaction that locks the observation's row for the claim
+        (L{MemoryStore.storeExtracted}): added only while the lease is the
+        claim's, completed with them or not at all, and a purge meanwhile
+        either deletes them too or makes this NOT_FOUND with nothing
+        added. The cache is settled once, after.
+        """
+        orgID, observationID = _observation(request.org_id, request.id)
+        owner = _owner(request.owner)
+        token = _leaseToken(request.lease_token, True)
+        assert token is not None
+        lease = _bounded("lease_seconds", request.lease_seconds, 1.0, MAX_LEASE_SECONDS)
+        scope = _scope(request.scope)
+        if scope.orgID != orgID:
+            raise InvalidMemory("scope.org_id", "must be org_id")
+        requestID = checkRequestID("request_id", request.request_id, True)
+        if len(request.memories) > MAX_STORED_PER_OBSERVATION:
+            raise InvalidMemory(
+                "memories", f"must hold at most {MAX_STORED_PER_OBSERVATION} memories"
+            )
+        dedupeScore = _bounded("dedupe_score", request.dedupe_score, -1.0, 1.0)
+        memories = []
+        for index, each in enumerate(request.memories):
+            try:
+                memories.append((checkContent(each.content), _embedding(each, "embedding")))
+            except InvalidMemory as invalid:
+                raise InvalidMemory(f"memories[{index}].{invalid.field}", invalid.problem) from None
+        writes = self._plan(scope, memories, dedupeScore)
+        updates = [write for write in writes if write.target is not None]
+        if updates and (
+            self._store.renewObservationLease(orgID, observationID, owner, token, lease) is None
+        ):
+            return memory_pb2.StoreObservationResponse(stored=False)
+        adds = [(write.content, write.embedding) for write in writes if write.target is None]
+        updated = 0
+        for write in updates:
+            assert write.target is not None
+            try:
+                self._store.update(scope, write.target, write.content, None, write.embedding)
+                updated += 1
+            except MemoryNotFound:
+                # Deleted since the search: added instead.
+                adds.append((write.content, write.embedding))
+        assert requestID is not None
+        records = self._store.storeExtracted(
+            orgID, observationID, owner, token, scope, requestID, adds, self._maxPerScope
+        )
+        if writes:
+            self._searcher.settle(scope)
+        if records is None:
+            return memory_pb2.StoreObservationResponse(stored=False, updated=updated)
+        return memory_pb2.StoreObservationResponse(
+            stored=True, added_ids=[str(each.memoryID) for each in records], updated=updated
+        )
+
+    def _plan(
+        self, scope: Scope, memories: Sequence[tuple[str, Embedding]], dedupeScore: float
+    ) -> list[_Write]:
+        """
+        What each memory becomes, as if each were stored before the next
+        was searched (as the worker did by Search, then UpdateMemory or
+        AddMemory, each call waiting for the cache): the scope's nearest
+        memory at or above C{dedupeScore} takes its content, unless one of
+        this observation's earlier memories is at least as near, which then
+        takes it instead; else it is added. All are then written together,
+        and the cache settled once.
+        """
+        writes: list[_Write] = []
+        for content, embedding in memories:
+            unit = _unit(embedding)
+            earlier, earlierScore = -1, -2.0
+            for index, write in enumerate(writes):
+                score = float(numpy.dot(unit, write.unit))
+                if score > earlierScore:
+                    earlier, earlierScore = index, score
+            found = self._searcher.search(scope, embedding, 1, dedupeScore)
+            foundScore = found[0][1] if found else -2.0
+            if earlier >= 0 and earlierScore >= dedupeScore and earlierScore >= foundScore:
+                writes[earlier] = attrs.evolve(
+                    writes[earlier], content=content, embedding=embedding, unit=unit
+                )
+                continue
+            if found:
+                target = found[0][0].memoryID
+                same = [index for index, write in enumerate(writes) if write.target == target]
+                if same:
+                    writes[same[0]] = attrs.evolve(
+                        writes[same[0]], content=content, embedding=embedding, unit=unit
+                    )
+                else:
+                    writes.append(_Write(target, content, embedding, unit))
+                continue
+            writes.append(_Write(None, content, embedding, unit))
+        return writes
+
+
+@attrs.frozen
+class _Write:
+    """
+    One write of L{MemoryServicer.StoreObservation}: C{target} takes the
+    content (None: added).
+    """
+
+    target: uuid.UUID | None
+    content: str
+    embedding: Embedding
+    unit: Any = attrs.field(repr=False)
+
+
+def _unit(embedding: Embedding) -> Any:
+    vector = numpy.frombuffer(embedding.vector, dtype="<f4").astype(numpy.float64)
+    norm = float(numpy.linalg.norm(vector))
+    return vector / norm if norm else vector
 
 
 def _observation(orgText: str, idText: str) -> tuple[uuid.UUID, uuid.UUID]:
     return checkUUID("org_id", orgText), checkUUID("id", idText)
+
+
+def _leaseToken(text: str, required: bool) -> uuid.UUID | None:
+    """
+    A claim's lease token; empty is None (any claim of the owner) where
+    it is not C{required}: workers from before tokens name none.
+    """
+    if not text and not required:
+        return None
+    return checkUUID("lease_token", text)
 
 
 class MemoryGrpcService(Service):

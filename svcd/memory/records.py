@@ -143,6 +143,7 @@ class ClaimedObservation:
     messages: tuple[ObservedMessage, ...] = attrs.field(repr=False)
     attempts: int
     leaseExpiresAt: datetime.datetime
+    leaseToken: uuid.UUID | None = None
 
 
 def checkScope(orgID: str, agentID: str, subject: str) -> Scope:

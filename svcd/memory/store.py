@@ -147,7 +147,8 @@ def _memory(row: dict[str, Any]) -> MemoryRecord:
 @attrs.frozen
 class CachedRow:
     """
-    What a replica's cache of vectors holds of one memory (L{svcd.memory.vectors}).
+    What a replica's cache holds of one memory: its vector
+    (L{svcd.memory.vectors}) and its words (L{svcd.memory.text}).
 
     @ivar createdMicros: C{created_at} in microseconds since the epoch, the
         tie-break of a search.
@@ -160,6 +161,7 @@ class CachedRow:
     dimensions: int
     createdMicros: int
     vector: bytes = attrs.field(repr=False)
+    content: str = attrs.field(repr=False)
 
 
 @attrs.frozen
@@ -174,6 +176,23 @@ class ScopeRows:
     ids: bytes = attrs.field(repr=False)
     createdMicros: list[int] = attrs.field(repr=False)
     vectors: bytes = attrs.field(repr=False)
+
+    @property
+    def count(self) -> int:
+        return len(self.ids) // 16
+
+
+@attrs.frozen
+class ScopeTexts:
+    """
+    Every memory of one scope (any embedding model's), for its text index:
+    C{ids} as in L{ScopeRows}, C{createdMicros} and C{contents} in the same
+    order.
+    """
+
+    ids: bytes = attrs.field(repr=False)
+    createdMicros: list[int] = attrs.field(repr=False)
+    contents: list[str] = attrs.field(repr=False)
 
     @property
     def count(self) -> int:
@@ -392,6 +411,64 @@ class MemoryStore:
 
         return self._run("memory_add", insert, scope.orgID)
 
+    def storeExtracted(
+        self,
+        orgID: uuid.UUID,
+        observationID: uuid.UUID,
+        owner: str,
+        leaseToken: uuid.UUID,
+        scope: Scope,
+        sourceRequestID: str,
+        memories: Sequence[tuple[str, Embedding]],
+        maxPerScope: int,
+    ) -> list[MemoryRecord] | None:
+        """
+        svc-worker's new memories of one observation (source C{extracted})
+        added and the observation completed, in one transaction, while
+        the claim named by C{owner} and C{leaseToken} holds its lease.
+
+        The observation's row is locked first (a claim, whose
+        C{FOR UPDATE SKIP LOCKED} passes a locked row by, cannot take it
+        meanwhile), so the memories are added only if the lease is the
+        claim's, and the observation is deleted with them or not at all.
+        A purge or a scope's deletion deletes observations before memories
+        (L{_deleteScope}): it either waits for this transaction and then
+        deletes its memories, or deletes the observation first and this
+        one finds it gone.
+
+        Each memory is added as L{add} adds one: under the scope's lock,
+        once per request and content (one the scope already holds from this
+        request with this content is answered instead), within the cap.
+        One lock, one look-up and one count for all of them, where an add
+        each took its own transaction (bench/worker_drain.py).
+
+        @return: the records, in the order given; None when the lease is
+            no longer the claim's (nothing added).
+        @raise MemoryNotFound: the observation is gone (dropped or
+            forgotten): nothing added.
+        @raise MemoryForbidden: it is another organization's.
+        @raise ScopeFull: the scope cannot hold them all: nothing added.
+        """
+
+        def store(cursor: Cursor) -> list[MemoryRecord] | None:
+            _lockScope(cursor, scope)
+            cursor.execute(
+                "SELECT id FROM memory_observations WHERE id = %s AND org_id = %s"
+                " AND lease_owner = %s AND lease_token = %s FOR UPDATE",
+                (observationID, orgID, owner, leaseToken),
+            )
+            if cursor.fetchone() is None:
+                cursor.execute("SELECT 1 FROM memory_observations WHERE id = %s", (observationID,))
+                if cursor.fetchone() is not None:
+                    return None
+                _refuse(cursor, "svc_observation_exists", observationID)
+                raise AssertionError("unreachable")
+            records = _addExtracted(cursor, scope, sourceRequestID, memories, maxPerScope)
+            cursor.execute("DELETE FROM memory_observations WHERE id = %s", (observationID,))
+            return records
+
+        return self._run("observation_store", store, orgID)
+
     def get(self, scope: Scope, memoryID: uuid.UUID) -> MemoryRecord:
         """
         @raise MemoryNotFound: no memory has this id.
@@ -569,15 +646,16 @@ class MemoryStore:
         """
 
         def remove(cursor: Cursor) -> tuple[int, int]:
-            cursor.execute(
-                "DELETE FROM memories WHERE org_id = %s AND agent_id = %s", (orgID, agentID)
-            )
-            memories = cursor.rowcount
+            # Observations first, as _deleteScope.
             cursor.execute(
                 "DELETE FROM memory_observations WHERE org_id = %s AND agent_id = %s",
                 (orgID, agentID),
             )
-            return memories, cursor.rowcount
+            observations = cursor.rowcount
+            cursor.execute(
+                "DELETE FROM memories WHERE org_id = %s AND agent_id = %s", (orgID, agentID)
+            )
+            return cursor.rowcount, observations
 
         return self._run("memory_purge", remove, orgID)
 
@@ -623,6 +701,27 @@ class MemoryStore:
 
         return self._run("memory_scope_vectors", query, scope.orgID, binary=True)
 
+    def scopeTexts(self, scope: Scope) -> ScopeTexts:
+        """
+        Every memory's content of the scope, whatever model embedded it: a
+        text index's load on a miss (decisions D13, "Hybrid search").
+        """
+
+        def query(cursor: Cursor) -> ScopeTexts:
+            cursor.execute(
+                f"SELECT uuid_send(id) AS id, {_MICROS}, content FROM memories"
+                " WHERE org_id = %s AND agent_id = %s AND subject = %s",
+                (scope.orgID, scope.agentID, scope.subject),
+            )
+            ids, created, contents = [], [], []
+            for row in cursor:
+                ids.append(row["id"])
+                created.append(row["created_micros"])
+                contents.append(row["content"])
+            return ScopeTexts(b"".join(ids), created, contents)
+
+        return self._run("memory_scope_texts", query, scope.orgID, binary=True)
+
     def rowsForCache(
         self, orgID: uuid.UUID, memoryIDs: Iterable[uuid.UUID]
     ) -> dict[uuid.UUID, CachedRow]:
@@ -635,8 +734,8 @@ class MemoryStore:
 
         def query(cursor: Cursor) -> dict[uuid.UUID, CachedRow]:
             cursor.execute(
-                f"SELECT id, agent_id, subject, embedding_model, dimensions, {_MICROS}, vector"
-                " FROM memories WHERE id = ANY(%s)",
+                f"SELECT id, agent_id, subject, embedding_model, dimensions, {_MICROS}, vector,"
+                " content FROM memories WHERE id = ANY(%s)",
                 (wanted,),
             )
             return {
@@ -648,6 +747,7 @@ class MemoryStore:
                     dimensions=row["dimensions"],
                     createdMicros=row["created_micros"],
                     vector=bytes(row["vector"]),
+                    content=row["content"],
                 )
                 for row in cursor.fetchall()
             }
@@ -725,17 +825,24 @@ class MemoryStore:
                     messages=messagesFromJSON(row["messages"]),
                     attempts=row["attempts"],
                     leaseExpiresAt=row["lease_expires_at"],
+                    leaseToken=row["lease_token"],
                 )
                 for row in cursor.fetchall()
             ]
 
         return self._run("observation_claim", claim, None)
 
-    def completeObservation(self, orgID: uuid.UUID, observationID: uuid.UUID, owner: str) -> bool:
+    def completeObservation(
+        self,
+        orgID: uuid.UUID,
+        observationID: uuid.UUID,
+        owner: str,
+        leaseToken: uuid.UUID | None = None,
+    ) -> bool:
         """
-        A processed observation is deleted. False when C{owner} no longer
-        holds its lease (it ran out and another worker may hold it now):
-        the row is left to that worker.
+        A processed observation is deleted. False when C{owner} (and, given
+        C{leaseToken}, that claim) no longer holds its lease (it ran out
+        and another claim may hold it now): the row is left to that claim.
 
         @raise MemoryNotFound: no observation has this id (done already,
             or dropped).
@@ -745,8 +852,8 @@ class MemoryStore:
         def remove(cursor: Cursor) -> bool:
             cursor.execute(
                 "DELETE FROM memory_observations WHERE id = %s AND org_id = %s"
-                " AND lease_owner = %s RETURNING id",
-                (observationID, orgID, owner),
+                " AND lease_owner = %s AND (%s::uuid IS NULL OR lease_token = %s) RETURNING id",
+                (observationID, orgID, owner, leaseToken, leaseToken),
             )
             if cursor.fetchone() is not None:
                 return True
@@ -764,11 +871,13 @@ class MemoryStore:
         observationID: uuid.UUID,
         owner: str,
         release: ObservationRelease,
+        leaseToken: uuid.UUID | None = None,
     ) -> bool:
         """
         Hand back a claimed observation: waiting again after
         C{release.retryAfter} seconds, or failed for good. False when
-        C{owner} no longer holds its lease.
+        C{owner} (and, given C{leaseToken}, that claim) no longer holds its
+        lease.
 
         @raise MemoryNotFound: no observation has this id.
         @raise MemoryForbidden: it is another organization's.
@@ -777,9 +886,10 @@ class MemoryStore:
         def hand(cursor: Cursor) -> bool:
             cursor.execute(
                 "UPDATE memory_observations SET lease_owner = NULL, lease_expires_at = NULL,"
-                " attempts = attempts + %s, state = %s, reason = %s,"
+                " lease_token = NULL, attempts = attempts + %s, state = %s, reason = %s,"
                 " next_attempt_at = now() + make_interval(secs => %s), updated_at = now()"
-                " WHERE id = %s AND org_id = %s AND lease_owner = %s RETURNING id",
+                " WHERE id = %s AND org_id = %s AND lease_owner = %s"
+                " AND (%s::uuid IS NULL OR lease_token = %s) RETURNING id",
                 (
                     1 if release.countAttempt else 0,
                     "failed" if release.failed else "waiting",
@@ -788,6 +898,8 @@ class MemoryStore:
                     observationID,
                     orgID,
                     owner,
+                    leaseToken,
+                    leaseToken,
                 ),
             )
             if cursor.fetchone() is not None:
@@ -799,6 +911,53 @@ class MemoryStore:
             raise AssertionError("unreachable")
 
         return self._run("observation_release", hand, orgID)
+
+    def renewObservationLease(
+        self,
+        orgID: uuid.UUID,
+        observationID: uuid.UUID,
+        owner: str,
+        leaseToken: uuid.UUID,
+        leaseSeconds: float,
+    ) -> datetime.datetime | None:
+        """
+        Extend the lease of an observation still being processed to
+        C{leaseSeconds} from now, if the claim named by C{owner} and
+        C{leaseToken} still holds it (sql/0013_observation_lease_token.sql).
+        In the organization's context: a worker renews only the rows of
+        the organization it names, as it completes and releases them.
+
+        A lease that ran out is renewed too when no claim took it since
+        (the token is unchanged): nobody else has worked on it. A claim
+        racing this renewal locks the row first or waits for it; either
+        way one of them sees the other's token.
+
+        @return: when the renewed lease ends; None when the lease is no
+            longer this claim's (the worker must abandon the observation).
+        @raise MemoryNotFound: no observation has this id (done, dropped
+            or forgotten).
+        @raise MemoryForbidden: it is another organization's.
+        """
+
+        def renew(cursor: Cursor) -> datetime.datetime | None:
+            cursor.execute(
+                "UPDATE memory_observations"
+                " SET lease_expires_at = now() + make_interval(secs => %s)"
+                " WHERE id = %s AND org_id = %s AND lease_owner = %s AND lease_token = %s"
+                " AND state = 'waiting' RETURNING lease_expires_at",
+                (leaseSeconds, observationID, orgID, owner, leaseToken),
+            )
+            row = cursor.fetchone()
+            if row is not None:
+                expiresAt: datetime.datetime = row["lease_expires_at"]
+                return expiresAt
+            cursor.execute("SELECT 1 FROM memory_observations WHERE id = %s", (observationID,))
+            if cursor.fetchone() is not None:
+                return None
+            _refuse(cursor, "svc_observation_exists", observationID)
+            raise AssertionError("unreachable")
+
+        return self._run("observation_renew", renew, orgID)
 
     # Jobs, for operators (svcctl memory jobs).
 
@@ -937,14 +1096,77 @@ def _refuse(cursor: Cursor, existence: str, identifier: uuid.UUID) -> None:
     raise MemoryNotFound("no such id")
 
 
-def _deleteScope(cursor: Cursor, scope: Scope) -> tuple[int, int]:
+def _addExtracted(
+    cursor: Cursor,
+    scope: Scope,
+    sourceRequestID: str,
+    memories: Sequence[tuple[str, Embedding]],
+    maxPerScope: int,
+) -> list[MemoryRecord]:
+    """
+    The additions of L{MemoryStore.storeExtracted}, under the scope's lock
+    (taken by the caller).
+    """
+    if not memories:
+        return []
     cursor.execute(
-        "DELETE FROM memories WHERE org_id = %s AND agent_id = %s AND subject = %s",
+        f"SELECT {_MEMORY_COLUMNS} FROM memories"
+        " WHERE org_id = %s AND source = 'extracted' AND source_request_id = %s"
+        " AND agent_id = %s AND subject = %s ORDER BY created_at DESC, id DESC",
+        (scope.orgID, sourceRequestID, scope.agentID, scope.subject),
+    )
+    # The oldest of each content last, so that it wins, as add's LIMIT 1 of
+    # the oldest does.
+    held = {row["content"]: _memory(row) for row in cursor.fetchall()}
+    cursor.execute(
+        "SELECT count(*) AS held FROM memories"
+        " WHERE org_id = %s AND agent_id = %s AND subject = %s",
         (scope.orgID, scope.agentID, scope.subject),
     )
-    memories = cursor.rowcount
+    count = _one(cursor.fetchone())["held"]
+    records = []
+    for content, embedding in memories:
+        if content in held:
+            records.append(held[content])
+            continue
+        if count >= maxPerScope:
+            raise ScopeFull(f"the scope holds {maxPerScope} memories already")
+        cursor.execute(
+            "INSERT INTO memories (id, org_id, agent_id, subject, content, metadata,"
+            " source, source_request_id, embedding_model, dimensions, vector)"
+            " VALUES (%s, %s, %s, %s, %s, '{}'::jsonb, %s, %s, %s, %s, %s)"
+            f" RETURNING {_MEMORY_COLUMNS}",
+            (
+                uuid7(),
+                scope.orgID,
+                scope.agentID,
+                scope.subject,
+                content,
+                EXTRACTED,
+                sourceRequestID,
+                embedding.model,
+                embedding.dimensions,
+                embedding.vector,
+            ),
+        )
+        record = _memory(_one(cursor.fetchone()))
+        held[content] = record
+        records.append(record)
+        count += 1
+    return records
+
+
+def _deleteScope(cursor: Cursor, scope: Scope) -> tuple[int, int]:
+    # Observations first: a worker storing one of them holds its row (see
+    # MemoryStore.storeExtracted), so this waits for it and then deletes
+    # its memories too, or deletes the observation before it stores.
     cursor.execute(
         "DELETE FROM memory_observations WHERE org_id = %s AND agent_id = %s AND subject = %s",
         (scope.orgID, scope.agentID, scope.subject),
     )
-    return memories, cursor.rowcount
+    observations = cursor.rowcount
+    cursor.execute(
+        "DELETE FROM memories WHERE org_id = %s AND agent_id = %s AND subject = %s",
+        (scope.orgID, scope.agentID, scope.subject),
+    )
+    return cursor.rowcount, observations

@@ -51,6 +51,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
+from typing import Any, Protocol, TypeVar, cast
 
 import attrs
 import numpy
@@ -67,6 +68,49 @@ SCOPE_OVERHEAD_BYTES = 1024
 ROW_EXTRA_BYTES = 8 + 8 + 8 + 1
 
 
+Triple = tuple[uuid.UUID, uuid.UUID, str]
+
+
+class CacheKey(Protocol):
+    """
+    What the cache holds an entry by: a key of one organization, agent and
+    subject (its I{triple}) that says which memories of it its entry
+    holds.
+    """
+
+    @property
+    def triple(self) -> Triple: ...
+
+    def holds(self, row: CachedRow) -> bool:
+        """
+        Whether a memory as it now is belongs in this key's entry.
+        """
+
+
+class CachedScope(Protocol):
+    """
+    An entry of the cache: a scope's vectors (L{ScopeVectors}) or its text
+    index (L{svcd.memory.text.ScopeText}).
+    """
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def count(self) -> int:
+        """
+        The memories it holds.
+        """
+
+    def applyChange(self, memoryID: uuid.UUID, row: CachedRow | None) -> None:
+        """
+        Hold the memory as it now is (C{row}), or no longer (None).
+        """
+
+
+Entry = TypeVar("Entry", bound=CachedScope)
+
+
 @attrs.frozen
 class ScopeKey:
     orgID: uuid.UUID
@@ -76,8 +120,26 @@ class ScopeKey:
     dimensions: int
 
     @property
-    def triple(self) -> tuple[uuid.UUID, uuid.UUID, str]:
+    def triple(self) -> Triple:
         return (self.orgID, self.agentID, self.subject)
+
+    def holds(self, row: CachedRow) -> bool:
+        return row.model == self.model and row.dimensions == self.dimensions
+
+
+def normalisedRows(matrix: Floats) -> Floats:
+    """
+    Each row of C{matrix} scaled to length 1 (the caller checked they are
+    finite and not zero): the length summed in float64 along the row and
+    rounded to float32, then a float32 division. One rule for a scope
+    loaded whole and a memory heard alone (L{normalised}), so that one
+    vector is the same bits either way and equal vectors tie exactly
+    (ties come newest first).
+    """
+    wide = matrix.astype(numpy.float64)
+    norms = numpy.sqrt((wide * wide).sum(axis=1)).astype(numpy.float32)
+    result: Floats = matrix.astype(numpy.float32) / norms[:, None]
+    return result
 
 
 def normalised(vector: bytes) -> Floats:
@@ -85,9 +147,8 @@ def normalised(vector: bytes) -> Floats:
     A vector of little-endian float32 bytes as a float32 array of length 1
     (the caller checked it is finite and not zero).
     """
-    components = numpy.frombuffer(vector, dtype="<f4").astype(numpy.float32)
-    norm = numpy.float32(numpy.linalg.norm(components.astype(numpy.float64)))
-    result: Floats = components / norm
+    components = numpy.frombuffer(vector, dtype="<f4").reshape(1, -1)
+    result: Floats = normalisedRows(components)[0]
     return result
 
 
@@ -139,8 +200,58 @@ def _roomFor(rows: int) -> int:
 
 @attrs.frozen
 class Hit:
+    """
+    One memory of a ranking: its id, its score, and its creation time (in
+    microseconds), which breaks ties when rankings are fused.
+    """
+
     memoryID: uuid.UUID
     score: float
+    createdMicros: int = 0
+
+
+@attrs.frozen
+class Ranking:
+    """
+    A ranking, best first, as plain lists: each memory's id as a 128-bit
+    int, its score and its creation time. What hybrid search fuses: a
+    ranking of 100 memories costs no UUID object until the fused few are
+    answered (L{hits}); making them was a millisecond of a loaded core.
+    """
+
+    keys: list[int]
+    scores: list[float]
+    createdMicros: list[int]
+
+    @classmethod
+    def fromHits(cls, hits: Sequence[Hit]) -> Ranking:
+        return cls(
+            [hit.memoryID.int for hit in hits],
+            [hit.score for hit in hits],
+            [hit.createdMicros for hit in hits],
+        )
+
+    def hits(self) -> list[Hit]:
+        return [
+            Hit(uuid.UUID(int=key), score, created)
+            for key, score, created in zip(self.keys, self.scores, self.createdMicros, strict=True)
+        ]
+
+
+def rankingOf(
+    high: numpy.typing.NDArray[numpy.uint64],
+    low: numpy.typing.NDArray[numpy.uint64],
+    created: numpy.typing.NDArray[numpy.int64],
+    scores: numpy.typing.NDArray[numpy.floating[Any]],
+) -> Ranking:
+    """
+    The ranking of these rows, in their order.
+    """
+    return Ranking(
+        [(first << 64) | second for first, second in zip(high.tolist(), low.tolist(), strict=True)],
+        [float(each) for each in scores.tolist()],
+        created.tolist(),
+    )
 
 
 class ScopeVectors:
@@ -162,8 +273,7 @@ class ScopeVectors:
         view = _emptyView(_roomFor(count), dimensions)
         if count:
             matrix = numpy.frombuffer(rows.vectors, dtype="<f4").reshape(count, dimensions)
-            norms = numpy.linalg.norm(matrix.astype(numpy.float64), axis=1)
-            view.matrix[:count] = matrix / norms[:, None]
+            view.matrix[:count] = normalisedRows(matrix)
             ids = numpy.frombuffer(rows.ids, dtype=">u8").reshape(count, 2)
             view.high[:count] = ids[:, 0]
             view.low[:count] = ids[:, 1]
@@ -193,6 +303,18 @@ class ScopeVectors:
         product: Callable[[Floats, Floats], Floats] | None = None,
     ) -> list[Hit]:
         """
+        L{rank}'s memories as L{Hit}s.
+        """
+        return self.rank(query, k, minScore, product).hits()
+
+    def rank(
+        self,
+        query: Floats,
+        k: int,
+        minScore: float | None = None,
+        product: Callable[[Floats, Floats], Floats] | None = None,
+    ) -> Ranking:
+        """
         The C{k} memories most similar to C{query} (normalised), best
         first; ties (equal scores) newest first, then by id, descending.
         Every memory whose score reaches the k-th is considered before the
@@ -204,7 +326,7 @@ class ScopeVectors:
         view = self._view
         count = view.count
         if count == 0 or k < 1:
-            return []
+            return Ranking([], [], [])
         matrix = view.matrix[:count]
         scores = matrix @ query if product is None else product(matrix, query)
         valid = view.alive[:count].copy()
@@ -212,7 +334,7 @@ class ScopeVectors:
             valid &= scores >= numpy.float32(minScore)
         candidates = numpy.flatnonzero(valid)
         if candidates.size == 0:
-            return []
+            return Ranking([], [], [])
         if candidates.size > k:
             chosen = scores[candidates]
             # The k-th largest score; every candidate at or above it.
@@ -227,14 +349,15 @@ class ScopeVectors:
             )
         )[::-1][:k]
         picked = candidates[order]
-        return [
-            Hit(uuid.UUID(int=(int(high) << 64) | int(low)), float(score))
-            for high, low, score in zip(
-                view.high[picked], view.low[picked], scores[picked], strict=True
-            )
-        ]
+        return rankingOf(view.high[picked], view.low[picked], view.created[picked], scores[picked])
 
     # Writers, under the cache's lock.
+
+    def applyChange(self, memoryID: uuid.UUID, row: CachedRow | None) -> None:
+        if row is None:
+            self.remove([memoryID])
+        else:
+            self.upsert(memoryID, row.createdMicros, normalised(row.vector))
 
     def _find(self, memoryID: uuid.UUID) -> int | None:
         view = self._view
@@ -342,7 +465,7 @@ class _Load:
     apply to what it read before it is installed.
     """
 
-    key: ScopeKey
+    key: CacheKey
     epoch: int
     changes: list[tuple[uuid.UUID, CachedRow | None]] = attrs.Factory(list)
 
@@ -368,18 +491,19 @@ class CacheMetrics:
 
 class VectorCache:
     """
-    Scopes' vectors by L{ScopeKey}, at most C{maxBytes} of them, least
-    recently searched out first.
+    Scopes' vectors by L{ScopeKey}, and their text indexes by
+    L{svcd.memory.text.TextKey} (decisions D13, "Hybrid search"), at most
+    C{maxBytes} of them together, least recently searched out first.
     """
 
     def __init__(self, maxBytes: int, metrics: CacheMetrics | None = None) -> None:
         self.maxBytes = maxBytes
         self._metrics = metrics or CacheMetrics()
         self._lock = threading.Lock()
-        self._scopes: collections.OrderedDict[ScopeKey, ScopeVectors] = collections.OrderedDict()
-        self._bytes: dict[ScopeKey, int] = {}
-        self._byTriple: dict[tuple[uuid.UUID, uuid.UUID, str], set[ScopeKey]] = {}
-        self._loads: dict[ScopeKey, list[_Load]] = {}
+        self._scopes: collections.OrderedDict[CacheKey, CachedScope] = collections.OrderedDict()
+        self._bytes: dict[CacheKey, int] = {}
+        self._byTriple: dict[Triple, set[CacheKey]] = {}
+        self._loads: dict[CacheKey, list[_Load]] = {}
         self._listening = False
         self._epoch = 0
         self._syncs: dict[str, threading.Event] = {}
@@ -426,7 +550,7 @@ class VectorCache:
 
     # Searches.
 
-    def lookup(self, key: ScopeKey) -> ScopeVectors | None:
+    def lookup(self, key: CacheKey) -> CachedScope | None:
         with self._lock:
             scope = self._scopes.get(key)
             if scope is not None:
@@ -437,7 +561,7 @@ class VectorCache:
             self._metrics.hit()
         return scope
 
-    def beginLoad(self, key: ScopeKey) -> _Load | None:
+    def beginLoad(self, key: CacheKey) -> _Load | None:
         """
         A token for a load of C{key} about to read PostgreSQL, or None
         when nothing may be cached now (the listener is down).
@@ -450,7 +574,7 @@ class VectorCache:
             self._byTriple.setdefault(key.triple, set()).add(key)
             return load
 
-    def finishLoad(self, load: _Load | None, loaded: ScopeVectors) -> ScopeVectors:
+    def finishLoad(self, load: _Load | None, loaded: Entry) -> Entry:
         """
         Install what a load read, with the changes heard since it began;
         the scope to search (installed, or just for this search when the
@@ -469,12 +593,12 @@ class VectorCache:
             if load.epoch != self._epoch or not self._listening:
                 return loaded
             for memoryID, row in load.changes:
-                _applyTo(loaded, memoryID, row)
+                loaded.applyChange(memoryID, row)
             installed = self._scopes.get(load.key)
             if installed is not None:
                 # Another search loaded it first, and it has been kept
-                # current since.
-                return installed
+                # current since (the key says it is of the same kind).
+                return cast(Entry, installed)
             size = loaded.nbytes
             if size > self.maxBytes:
                 return loaded
@@ -496,7 +620,7 @@ class VectorCache:
                     del self._loads[load.key]
             self._forgetTripleIfUnused(load.key)
 
-    def _forgetTripleIfUnused(self, key: ScopeKey) -> None:
+    def _forgetTripleIfUnused(self, key: CacheKey) -> None:
         if key in self._scopes or key in self._loads:
             return
         keys = self._byTriple.get(key.triple)
@@ -505,7 +629,7 @@ class VectorCache:
             if not keys:
                 del self._byTriple[key.triple]
 
-    def _evictBeyond(self, limit: int, keep: ScopeKey | None = None) -> None:
+    def _evictBeyond(self, limit: int, keep: CacheKey | None = None) -> None:
         total = sum(self._bytes.values())
         for key in list(self._scopes):
             if total <= limit:
@@ -555,27 +679,26 @@ class VectorCache:
 
     def apply(
         self,
-        changes: Sequence[tuple[tuple[uuid.UUID, uuid.UUID, str], uuid.UUID, CachedRow | None]],
+        changes: Sequence[tuple[Triple, uuid.UUID, CachedRow | None]],
     ) -> None:
         """
         Apply changes heard by the listener, in order: each names a
         memory's organization, agent and subject, its id, and its row as
-        it is now (None: deleted). A memory leaves every scope key of its
-        subject but the one of its row's model and size, where it is
-        added or replaced.
+        it is now (None: deleted). A memory leaves every key of its
+        subject that does not hold it (L{CacheKey.holds}: the vectors of
+        another model or size), and is added or replaced in those that do
+        (its model's vectors, and the subject's text index).
         """
         with self._lock:
             touched = False
             for triple, memoryID, row in changes:
                 for key in self._byTriple.get(triple, ()):
-                    target = row is not None and row.model == key.model
-                    target = target and row is not None and row.dimensions == key.dimensions
-                    change = row if target else None
+                    change = row if row is not None and key.holds(row) else None
                     for load in self._loads.get(key, ()):
                         load.changes.append((memoryID, change))
                     scope = self._scopes.get(key)
                     if scope is not None:
-                        _applyTo(scope, memoryID, change)
+                        scope.applyChange(memoryID, change)
                         size = scope.nbytes
                         if size != self._bytes[key]:
                             self._bytes[key] = size
@@ -583,10 +706,3 @@ class VectorCache:
             if touched:
                 self._evictBeyond(self.maxBytes)
                 self._reportSize()
-
-
-def _applyTo(scope: ScopeVectors, memoryID: uuid.UUID, row: CachedRow | None) -> None:
-    if row is None:
-        scope.remove([memoryID])
-    else:
-        scope.upsert(memoryID, row.createdMicros, normalised(row.vector))

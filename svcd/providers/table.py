@@ -128,8 +128,10 @@ MAX_RECALL_K = 50
 # Far above any context window, low enough that no estimate overflows.
 MAX_CONTEXT_TOKENS = 1_000_000
 VECTOR = "vector"
-# The modes D13 names for recall; only "vector" is built so far.
-RECALL_MODES = (VECTOR,)
+TEXT = "text"
+HYBRID = "hybrid"
+# How recall ranks (decisions D13, "Hybrid search"), the default first.
+RECALL_MODES = (VECTOR, TEXT, HYBRID)
 _PROVIDER_KEYS = ("name", "base_url", "api_key_env", "timeout", "idle_timeout", "max_connections")
 # The largest output cap a model may declare (D11): far above any model's.
 MAX_OUTPUT_TOKENS = 10_000_000
@@ -272,12 +274,14 @@ class MemoryConfig:
     @ivar extractionModel: the chat model the worker asks for memories, or
         None (then an observation's user text is its one memory).
     @ivar recallK: how many memories a recall asks for.
-    @ivar minScore: the least cosine similarity a recalled memory has.
+    @ivar minScore: the least cosine similarity a recalled memory has
+        (vector mode only).
     @ivar maxContextTokens: the most tokens (D11's estimate) the message of
         recalled memories may take.
     @ivar dedupeScore: the similarity at or above which the worker's new
         memory replaces the scope's nearest one instead of adding to it.
-    @ivar recallMode: how recall ranks: C{"vector"}.
+    @ivar recallMode: how recall ranks: C{"vector"}, C{"text"} or
+        C{"hybrid"} (decisions D13, "Hybrid search").
     """
 
     embeddingModel: Model
@@ -581,7 +585,9 @@ class _Checker:
         mode = table.get("recall_mode", VECTOR)
         if mode not in RECALL_MODES:
             raise self.fault(
-                f'{where}recall_mode must be "{VECTOR}", got '
+                f"{where}recall_mode must be one of "
+                + ", ".join(f'"{each}"' for each in RECALL_MODES)
+                + ", got "
                 + (_quote(mode) if isinstance(mode, str) else _kind(mode))
             )
         return MemoryConfig(

@@ -12,8 +12,10 @@ The route (L{svcd.proxy.http.routes.chat}) asks two things of this module:
     L{RecallPlan.embeddingCost}), reserved with the chat's own admission:
     one Redis script call per request stays the rule;
   - in its handler, L{Recaller.recall}: the query embedded (one ledger row
-    of kind C{embedding} whose parent is the chat's request id) and the
-    scope searched, both within C{SVC_MEMORY_TIMEOUT}; the memories
+    of kind C{embedding} whose parent is the chat's request id; not in
+    C{recall_mode = "text"}, which ranks by words alone) and the scope
+    searched by the table's C{recall_mode}, both within
+    C{SVC_MEMORY_TIMEOUT}; the memories
     assembled into one system message (L{memoryMessage}, L{assemble}).
     Any fault or timeout is an answer without memories (C{unavailable}),
     never an error of the chat's.
@@ -47,7 +49,7 @@ from svcd.memory.client import MemoryClient
 from svcd.memory.records import Embedding, Scope
 from svcd.providers.embedder import Embedder, EmbeddingCall, embeddingRefusal, reserveTexts
 from svcd.providers.records import UpstreamRecord
-from svcd.providers.table import EMBEDDING, MemoryConfig, Model, ProviderTable
+from svcd.providers.table import EMBEDDING, TEXT, VECTOR, MemoryConfig, Model, ProviderTable
 from svcd.proxy.http.steps import memorySubject, requestMemory
 
 # Decisions D13: the answer's header, N memories injected or "unavailable".
@@ -182,21 +184,30 @@ class RecallPlan:
     @ivar query: the text to embed; None when the request has no user
         text (then nothing is recalled, and its answer says 0).
     @ivar model: the embedding model, one the organization may use; None
-        when it may not use it now (then the recall is C{unavailable}
-        without a call).
+        when it may not use it now (then a recall that embeds is
+        C{unavailable} without a call).
+    @ivar mode: the table's C{recall_mode}.
     """
 
     query: str | None = attrs.field(repr=False)
     scope: Scope
     model: Model | None
     maxTokens: int
+    mode: str = VECTOR
+
+    @property
+    def embeds(self) -> bool:
+        """
+        Whether the recall embeds its query: in every mode but C{text}.
+        """
+        return self.query is not None and self.model is not None and self.mode != TEXT
 
     @property
     def recalls(self) -> bool:
         """
-        Whether the handler embeds and searches.
+        Whether the handler searches (after embedding, but in text mode).
         """
-        return self.query is not None and self.model is not None
+        return self.query is not None and (self.model is not None or self.mode == TEXT)
 
     def reserveTokens(self) -> int:
         """
@@ -204,9 +215,9 @@ class RecallPlan:
         of memories at its bound and the query's estimate (its embedding
         is counted in the chat's tokens too).
         """
-        if self.query is None or self.model is None:
+        if not self.recalls or self.query is None:
             return 0
-        return self.maxTokens + inputsEstimate((self.query,))
+        return self.maxTokens + (inputsEstimate((self.query,)) if self.embeds else 0)
 
     def extraBodyBytes(self) -> int:
         """
@@ -218,7 +229,7 @@ class RecallPlan:
         """
         The embedding's worst-case cost under a budget (0 without one).
         """
-        if self.query is None or self.model is None:
+        if not self.embeds or self.query is None or self.model is None:
             return 0
         return reserveTexts((self.query,), self.model, providers, orgID, applicable)[1]
 
@@ -368,6 +379,7 @@ class Recaller:
             Scope(uuid.UUID(orgID), uuid.UUID(agentID), subject),
             model,
             config.maxContextTokens,
+            config.recallMode,
         )
 
     async def recall(
@@ -388,7 +400,7 @@ class Recaller:
         query, model = plan.query, plan.model
         if query is None:
             return None
-        if model is None:
+        if model is None and plan.mode != TEXT:
             recall.count, recall.outcome = None, RECALL_ERROR
             self._metrics.memoryRecall(RECALL_ERROR)
             return None
@@ -418,14 +430,16 @@ class Recaller:
             )
         finally:
             # However it ended, the client's cancellation included: the
-            # chat's settlement counts what the embedding's row counts.
-            recall.charge = embeddingCharge(
-                self._embedder.providers,
-                model,
-                record,
-                embedOutcome[0] if embedOutcome else CLIENT_GONE,
-                inputsEstimate((query,)),
-            )
+            # chat's settlement counts what the embedding's row counts
+            # (no row in text mode, which embeds nothing).
+            if plan.embeds and model is not None:
+                recall.charge = embeddingCharge(
+                    self._embedder.providers,
+                    model,
+                    record,
+                    embedOutcome[0] if embedOutcome else CLIENT_GONE,
+                    inputsEstimate((query,)),
+                )
             recall.milliseconds = (self._clock.seconds() - started) * 1000
             recall.embeddingMilliseconds = record.upstreamMilliseconds
         if recall.outcome is not None:
@@ -442,29 +456,35 @@ class Recaller:
         self,
         plan: RecallPlan,
         query: str,
-        model: Model,
+        model: Model | None,
         call: EmbeddingCall,
         budgeted: bool,
         record: UpstreamRecord,
         embedOutcome: list[str],
     ) -> list[str]:
-        try:
-            embedded = await self._embedder.embed(
-                model, (query,), call, budgeted=budgeted, record=record
-            )
-        except ApiError:
-            embedOutcome.append(UPSTREAM_ERROR)
-            raise
-        except CancelledError:
-            embedOutcome.append(CLIENT_GONE)
-            raise
-        embedOutcome.append(OK)
+        embedding: Embedding | None = None
+        if plan.embeds and model is not None:
+            try:
+                embedded = await self._embedder.embed(
+                    model, (query,), call, budgeted=budgeted, record=record
+                )
+            except ApiError:
+                embedOutcome.append(UPSTREAM_ERROR)
+                raise
+            except CancelledError:
+                embedOutcome.append(CLIENT_GONE)
+                raise
+            embedOutcome.append(OK)
+            embedding = Embedding(embedded.model, embedded.vectors[0])
         config = self._config
         found = await self._client.search(
             plan.scope,
-            Embedding(embedded.model, embedded.vectors[0]),
+            embedding,
             config.recallK,
-            config.minScore,
+            # D13: min_score is a cosine similarity, for vector mode only.
+            config.minScore if plan.mode == VECTOR else None,
             timeout=self._timeout,
+            mode=plan.mode,
+            text=query,
         )
         return [scored.memory.content for scored in found.results]

@@ -214,6 +214,8 @@ def assembleWorker(
         functools.partial(memoryChannel, config.memoryGrpcAddr, _clientTLS(config.memoryTLS)),
         threads,
         config.memoryTimeout,
+        maxInFlight=config.memoryMaxInFlight,
+        clock=reactor,
     )
     owner = leaseOwner(config.serviceName)
     processor = ObservationProcessor(

@@ -61,6 +61,12 @@ class WorkerConfig:
     concurrency: int = 16
     pollInterval: float = 1.0
     memoryTimeout: float = 5.0
+    # As the proxy's (svcd/proxy/config.py): svc-memory refuses a
+    # connection's calls past its SVC_GRPC_MAX_CALLS_PER_PEER (16), and a
+    # worker with SVC_WORKER_CONCURRENCY observations in hand makes several
+    # calls for each; unbounded, a backlog's drain was refused by the
+    # thousand (bench/worker_drain.py).
+    memoryMaxInFlight: int = 8
     redisTimeout: float = 0.1
     usageOutboxMax: int = 100_000
     usageJournal: str | None = None
@@ -125,6 +131,7 @@ class WorkerConfig:
             concurrency=concurrency,
             pollInterval=config.duration(environ, "SVC_WORKER_POLL_INTERVAL", 1.0),
             memoryTimeout=config.duration(environ, "SVC_WORKER_MEMORY_TIMEOUT", 5.0),
+            memoryMaxInFlight=config.positiveInteger(environ, "SVC_MEMORY_MAX_IN_FLIGHT", 8),
             redisTimeout=config.duration(environ, "SVC_REDIS_TIMEOUT", 0.1),
             usageOutboxMax=config.positiveInteger(environ, "SVC_USAGE_OUTBOX_MAX", 100_000),
             usageJournal=journalFromEnvironment(environ, "SVC_USAGE_JOURNAL"),

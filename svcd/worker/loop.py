@@ -13,9 +13,14 @@ not be finished.
     is not live the worker does not know the limits and budgets it must
     admit its calls by (it has no validation answers to learn them from,
     as the proxy has), nor while the ledger's outbox is full.
-  - Each observation has until its lease's end, less a margin, to finish;
-    past that it is cut (its calls cancelled) and released as a failed
-    attempt, so that two workers never process one observation at once.
+  - Each observation's lease is renewed while it is processed
+    (L{svcd.worker.lease}): a model slower than the lease is waited for.
+    A renewal refused (another claim took the lease) cuts the observation
+    at once: its calls cancelled, nothing stored, nothing released, its
+    outcome C{lost}. A lease svc-memory could not renew before it ran out
+    cuts it too, released with no attempt counted (svc-memory's fault,
+    not the observation's), so that two workers never process one
+    observation at once.
   - Released: a L{Deferral} waits its C{retryAfter} with no attempt
     counted; a L{FailedAttempt} waits 1 s doubled per attempt, at most
     5 min, and is kept as failed at C{maxAttempts} (or at once when no
@@ -43,15 +48,19 @@ from svcd.common.ids import uuid7Text
 from svcd.common.logthrottle import ThrottledWarning
 from svcd.memory.client import MemoryCallFailed, MemoryClient
 from svcd.worker.config import MAX_CLAIM
-from svcd.worker.metrics import DEFERRED, FAILED, RELEASED, RETRY, WorkerMetrics
-from svcd.worker.processor import Deferral, FailedAttempt, Observation, ObservationProcessor
+from svcd.worker.lease import LeaseLost, LeaseUnrenewable, ObservationLease
+from svcd.worker.metrics import DEFERRED, FAILED, LOST, RELEASED, RETRY, WorkerMetrics
+from svcd.worker.processor import (
+    BUSY_DEFERRAL,
+    Deferral,
+    FailedAttempt,
+    Observation,
+    ObservationProcessor,
+)
 
 # A failed attempt's backoff (decisions D13): 1 s doubled per attempt.
 FIRST_BACKOFF = 1.0
 LAST_BACKOFF = 300.0
-# What an observation leaves of its lease unused: time to release it and
-# for the release to reach svc-memory before the lease runs out.
-LEASE_MARGIN = 0.2
 # A starting worker waits for the change feed's first snapshot; only a
 # wait longer than this is worth a warning.
 START_GRACE = 5.0
@@ -149,14 +158,15 @@ class ObservationLoop:
                     )
                 await self._pause(self._pollInterval)
                 continue
+            claimedAt = self._clock.seconds()
             claimed = await self._claim(min(free, MAX_CLAIM))
             if self._stopRequested():
                 # Stopped while the claim was under way: hand them back.
                 for observation in claimed:
-                    self._handle(observation, start=False)
+                    self._handle(observation, claimedAt, start=False)
                 break
             for observation in claimed:
-                self._handle(observation)
+                self._handle(observation, claimedAt)
             if len(claimed) < min(free, MAX_CLAIM):
                 await self._pause(self._pollInterval)
 
@@ -206,45 +216,99 @@ class ObservationLoop:
 
     # One observation.
 
-    def _handle(self, observation: Observation, start: bool = True) -> None:
+    def _handle(self, observation: Observation, claimedAt: float, start: bool = True) -> None:
         began = time.perf_counter()
+        identifier = observation.observationID
+        lease = ObservationLease(
+            self._memory,
+            self._clock,
+            self.owner,
+            observation.orgID,
+            identifier,
+            observation.leaseToken,
+            self._lease,
+            claimedAt,
+            onLost=lambda: self._cut(identifier),
+            onUnrenewable=lambda: self._cut(identifier),
+            onRenewed=self._metrics.renewed,
+        )
         if start:
-            work = Deferred.fromCoroutine(self._processor.process(observation))
+            work = Deferred.fromCoroutine(self._processor.process(observation, lease))
+            lease.keepAlive()
         else:
             work = Deferred()
             work.cancel()
-        bounded = timeoutDeferred(
-            work, max(self._lease * (1 - LEASE_MARGIN), 1.0), asReactorTime(self._clock)
-        )
-        self._inHand[observation.observationID] = bounded
-        handling = Deferred.fromCoroutine(self._finish(observation, bounded, began))
-        self._handling[observation.observationID] = handling
+        self._inHand[identifier] = work
+        handling = Deferred.fromCoroutine(self._finish(observation, lease, work, began))
+        self._handling[identifier] = handling
 
-    async def _finish(self, observation: Observation, work: Deferred[str], began: float) -> None:
+    def _cut(self, observationID: str) -> None:
+        """
+        Cancel an observation's work: its lease was lost or ran out.
+        """
+        work = self._inHand.get(observationID)
+        if work is not None:
+            work.cancel()
+
+    async def _finish(
+        self,
+        observation: Observation,
+        lease: ObservationLease,
+        work: Deferred[str],
+        began: float,
+    ) -> None:
         outcome = RELEASED
         try:
             try:
                 outcome = await work
+            except LeaseLost:
+                outcome = LOST
+            except LeaseUnrenewable as unrenewable:
+                outcome = DEFERRED
+                await self._release(
+                    observation,
+                    lease,
+                    BUSY_DEFERRAL,
+                    False,
+                    False,
+                    f"the lease could not be renewed ({unrenewable})",
+                )
             except Deferral as deferral:
                 outcome = DEFERRED
-                await self._release(observation, deferral.retryAfter, False, False, deferral.reason)
-            except FailedAttempt as failed:
-                outcome = await self._failed(observation, failed.reason, failed.final)
-            except TimeoutError:
-                outcome = await self._failed(
-                    observation, "processing took longer than SVC_WORKER_LEASE allows", False
+                await self._release(
+                    observation, lease, deferral.retryAfter, False, False, deferral.reason
                 )
+            except FailedAttempt as failed:
+                outcome = await self._failed(observation, lease, failed.reason, failed.final)
             except CancelledError:
-                outcome = RELEASED
-                await self._release(observation, 0.0, False, False, "handed back at a stop")
+                if lease.lost:
+                    outcome = LOST
+                elif lease.unrenewable:
+                    outcome = DEFERRED
+                    await self._release(
+                        observation,
+                        lease,
+                        BUSY_DEFERRAL,
+                        False,
+                        False,
+                        "the lease ran out: svc-memory did not answer its renewal",
+                    )
+                else:
+                    outcome = RELEASED
+                    await self._release(
+                        observation, lease, 0.0, False, False, "handed back at a stop"
+                    )
             except Exception:
                 self.log.failure(
                     "Fault processing observation {observation_id}",
                     observation_id=observation.observationID,
                     org_id=observation.orgID,
                 )
-                outcome = await self._failed(observation, "internal error of svc-worker", False)
+                outcome = await self._failed(
+                    observation, lease, "internal error of svc-worker", False
+                )
         finally:
+            lease.stop()
             del self._inHand[observation.observationID]
             del self._handling[observation.observationID]
             self._metrics.observed(outcome, time.perf_counter() - began)
@@ -260,10 +324,12 @@ class ObservationLoop:
                 emptied, self._emptied = self._emptied, None
                 emptied.callback(None)
 
-    async def _failed(self, observation: Observation, reason: str, final: bool) -> str:
+    async def _failed(
+        self, observation: Observation, lease: ObservationLease, reason: str, final: bool
+    ) -> str:
         attempts = observation.attempts + 1
         failed = final or attempts >= self._maxAttempts
-        await self._release(observation, backoff(attempts), True, failed, reason)
+        await self._release(observation, lease, backoff(attempts), True, failed, reason)
         if failed:
             self.log.warn(
                 "Observation {observation_id} failed after {attempts} attempt(s): {reason}",
@@ -278,6 +344,7 @@ class ObservationLoop:
     async def _release(
         self,
         observation: Observation,
+        lease: ObservationLease,
         retryAfter: float,
         countAttempt: bool,
         failed: bool,
@@ -296,6 +363,7 @@ class ObservationLoop:
                 countAttempt,
                 failed,
                 reason[:500],
+                lease.token,
             )
         except MemoryCallFailed as error:
             self.log.warn(

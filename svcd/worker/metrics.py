@@ -23,8 +23,9 @@ from svcd.providers.records import Usage
 # worth remembering in it (EMPTY), refused by a limit or a budget and
 # waiting for it (DEFERRED), a failed attempt to be tried again (RETRY),
 # kept as failed after its last attempt or a fault no attempt can mend
-# (FAILED), handed back unfinished at a stop (RELEASED), or found leased to
-# another worker when it ended (LOST: its lease had run out).
+# (FAILED), handed back unfinished at a stop (RELEASED), or abandoned
+# because its lease had passed to another claim (LOST: it had run out and
+# another claim took it, or it was dropped or forgotten meanwhile).
 DONE = "done"
 EMPTY = "empty"
 DEFERRED = "deferred"
@@ -52,7 +53,8 @@ class WorkerMetrics:
             "Claimed observations by what became of them: done, empty (nothing to"
             " remember), deferred (a limit or budget refused; waits, no attempt counted),"
             " retry (a failed attempt), failed (kept as failed), released (handed back at"
-            " a stop), lost (its lease had passed to another worker)",
+            " a stop), lost (its lease had passed to another claim: abandoned, nothing"
+            " stored)",
             ["outcome"],
             registry=self.registry,
         )
@@ -67,6 +69,12 @@ class WorkerMetrics:
         self.inFlight = Gauge(
             "svc_worker_observations_in_flight",
             "Observations claimed and being processed now",
+            registry=self.registry,
+        )
+        self.leaseRenewals = Counter(
+            "svc_worker_lease_renewals",
+            "Leases of observations renewed while they were processed (each a third of"
+            " SVC_WORKER_LEASE); a steady rate means extractions slower than that",
             registry=self.registry,
         )
         self.memoriesWritten = Counter(
@@ -172,6 +180,12 @@ class WorkerMetrics:
         """
         self._children.of(self.observations, outcome).inc()
         self.observationSeconds.observe(seconds)
+
+    def renewed(self) -> None:
+        """
+        The lease of an observation in hand was renewed.
+        """
+        self.leaseRenewals.inc()
 
     def wrote(self, action: str) -> None:
         self._children.of(self.memoriesWritten, action).inc()

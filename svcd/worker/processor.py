@@ -9,8 +9,10 @@ svc-worker does with each, and what it pays for each step.
      gateway's own embeddings, as the proxy's recall makes them).
   3. For each, the scope's nearest memory at or above C{dedupe_score}
      takes the new content (same id), else it is added (source
-     C{extracted}, the observation's request id).
-  4. The observation is completed (svc-memory deletes it).
+     C{extracted}, the observation's request id); then the observation is
+     completed (svc-memory deletes it). Both in one call to svc-memory
+     (C{StoreObservation}), which first renews the claim's lease and
+     stores nothing when another claim holds it.
 
 Each provider call is the organization's (decisions D11, D12, D12
 amended): admitted against its and its agent's token limits and budgets
@@ -60,7 +62,7 @@ from svcd.memory.client import (
     MemoryNotFound,
     MemoryUnavailable,
 )
-from svcd.memory.records import EXTRACTED, Embedding, Scope
+from svcd.memory.records import Embedding, Scope
 from svcd.providers.embedder import (
     NEVER_STREAMED,
     Embedder,
@@ -73,6 +75,7 @@ from svcd.providers.records import UpstreamRecord
 from svcd.providers.table import MemoryConfig, Model, ProviderTable
 from svcd.providers.upstream import CHAT_COMPLETIONS, Forwarder
 from svcd.worker.extraction import BadExtraction, Turn, extractionRequest, memoriesOf, userText
+from svcd.worker.lease import LeaseLost, ObservationLease
 from svcd.worker.metrics import DONE, EMPTY, LOST, WorkerMetrics
 
 # The longest a refusal makes an observation wait (decisions D13): a
@@ -125,6 +128,7 @@ class Observation:
     requestID: str
     turns: tuple[Turn, ...] = attrs.field(repr=False)
     attempts: int
+    leaseToken: str = ""
 
     @property
     def scope(self) -> Scope:
@@ -143,6 +147,7 @@ class Observation:
             requestID=claimed.request_id,
             turns=tuple(Turn(each.role, each.content) for each in claimed.messages),
             attempts=claimed.attempts,
+            leaseToken=claimed.lease_token,
         )
 
 
@@ -222,15 +227,20 @@ class ObservationProcessor:
         self._metrics = metrics
         self._clock = clock
 
-    async def process(self, observation: Observation) -> str:
+    async def process(self, observation: Observation, lease: ObservationLease) -> str:
         """
         Extract, embed, store and complete C{observation}.
 
+        @param lease: its lease: held (renewed first when late) before the
+            embeddings call, so that a worker that lost it pays for
+            nothing more; svc-memory's StoreObservation checks and renews
+            it before it stores anything.
         @return: its outcome: L{DONE}, L{EMPTY} (nothing to remember) or
-            L{LOST} (its lease had passed to another worker, or it was
-            dropped or forgotten meanwhile).
+            L{LOST} (it was dropped or forgotten meanwhile).
         @raise Deferral: it must wait.
         @raise FailedAttempt: this attempt failed.
+        @raise LeaseLost: another claim holds it now: nothing was stored.
+        @raise LeaseUnrenewable: svc-memory did not renew its lease.
         """
         applicable = self._admission.applicable(observation.orgID, observation.agentID)
         extraction = self._settings.extractionModel
@@ -239,16 +249,17 @@ class ObservationProcessor:
             memories = [text] if text else []
         else:
             memories = await self._extract(observation, extraction, applicable)
-        added: list[str] = []
+        embeddings: list[Embedding] = []
         if memories:
+            await lease.hold()
             embedded = await self._embed(observation, memories, applicable)
-            for content, vector in zip(memories, embedded.vectors, strict=True):
-                memoryID = await self._store(
-                    observation, content, Embedding(embedded.model, vector)
-                )
-                if memoryID is not None:
-                    added.append(memoryID)
-        return await self._complete(observation, added, DONE if memories else EMPTY)
+            embeddings = [Embedding(embedded.model, vector) for vector in embedded.vectors]
+        return await self._store(
+            observation,
+            lease,
+            list(zip(memories, embeddings, strict=True)),
+            DONE if memories else EMPTY,
+        )
 
     # The provider calls.
 
@@ -417,37 +428,35 @@ class ObservationProcessor:
     # svc-memory.
 
     async def _store(
-        self, observation: Observation, content: str, embedding: Embedding
-    ) -> str | None:
+        self,
+        observation: Observation,
+        lease: ObservationLease,
+        memories: list[tuple[str, Embedding]],
+        outcome: str,
+    ) -> str:
         """
-        Merge one memory into the scope: the nearest at or above
-        C{dedupe_score} takes its content, else it is added.
-
-        @return: the id of a memory added, None for one updated.
+        Merge the memories into the scope (the nearest at or above
+        C{dedupe_score} takes the new content, else it is added) and
+        complete the observation, in one call to svc-memory, which renews
+        the lease first and stores nothing when another claim holds it.
+        When the observation is no longer there (a purge or a drop while
+        it was processed), svc-memory deletes the memories it added for it,
+        so that nothing forgotten comes back.
         """
-        scope = observation.scope
         try:
-            found = await self._memory.search(
-                scope, embedding, k=1, minScore=self._settings.dedupeScore
+            stored = await self._memory.storeObservation(
+                observation.orgID,
+                observation.observationID,
+                self._owner,
+                lease.token,
+                lease.seconds,
+                observation.scope,
+                observation.requestID,
+                memories,
+                self._settings.dedupeScore,
             )
-            if found.results:
-                nearest = found.results[0].memory
-                try:
-                    await self._memory.updateMemory(
-                        scope, nearest.id, content=content, embedding=embedding
-                    )
-                    self._metrics.wrote("updated")
-                    return None
-                except MemoryNotFound:
-                    # Deleted since the search: add it instead.
-                    pass
-            added = await self._memory.addMemory(
-                scope,
-                content,
-                embedding,
-                source=EXTRACTED,
-                sourceRequestID=observation.requestID,
-            )
+        except MemoryNotFound:
+            return LOST
         except MemoryFull:
             raise FailedAttempt("the memory scope is full", final=True) from None
         except MemoryUnavailable as error:
@@ -456,33 +465,17 @@ class ObservationProcessor:
             ) from None
         except MemoryCallFailed as error:
             raise FailedAttempt(f"svc-memory refused a memory ({_memoryReason(error)})") from None
-        self._metrics.wrote("added")
-        memoryID: str = added.id
-        return memoryID
-
-    async def _complete(self, observation: Observation, added: list[str], outcome: str) -> str:
-        """
-        Complete the observation (svc-memory deletes it). When it is no
-        longer there (a purge or a drop while it was processed), the
-        memories added for it go too, so that nothing forgotten comes back;
-        when another worker holds it now, that worker completes it.
-        """
-        try:
-            completed = await self._memory.completeObservation(
-                observation.orgID, observation.observationID, self._owner
-            )
-        except MemoryNotFound:
-            for memoryID in added:
-                try:
-                    await self._memory.deleteMemory(observation.scope, memoryID)
-                except MemoryNotFound:
-                    pass
+        for _ in stored.added_ids:
+            self._metrics.wrote("added")
+        for _ in range(stored.updated):
+            self._metrics.wrote("updated")
+        if not stored.stored:
+            if not stored.added_ids and not stored.updated:
+                raise LeaseLost()
+            # Its lease passed to another claim while it was stored: that
+            # claim completes it (and finds these memories in place).
             return LOST
-        except MemoryUnavailable as error:
-            raise Deferral(
-                BUSY_DEFERRAL, f"svc-memory did not answer ({_memoryReason(error)})"
-            ) from None
-        return outcome if completed.completed else LOST
+        return outcome
 
 
 def _memoryReason(error: MemoryCallFailed) -> str:

@@ -52,8 +52,8 @@ MAX_LIMIT = 100
 # The roles of a conversation's messages: those whose text an observation
 # keeps (OBSERVED_ROLES), and those skipped.
 SKIPPED_ROLES = ("system", "developer", "tool", "function")
-# How a search ranks (decisions D13, "Hybrid search"): only by vectors here.
-SEARCH_MODES = ("vector",)
+# How a search ranks (decisions D13, "Hybrid search"), the first the default.
+SEARCH_MODES = ("vector", "text", "hybrid")
 
 _REQUIRED = FieldErrorCode.REQUIRED
 _FORMAT = FieldErrorCode.INVALID_FORMAT
@@ -92,9 +92,16 @@ class MemoryChange:
 
 @attrs.frozen
 class MemorySearch:
+    """
+    A search: C{minScore} is kept in vector mode only (decisions D13: in
+    text and hybrid modes it is accepted and ignored, their scores being
+    no cosine similarities).
+    """
+
     query: str = attrs.field(repr=False)
     k: int = DEFAULT_K
     minScore: float | None = None
+    mode: str = SEARCH_MODES[0]
 
 
 @attrs.frozen
@@ -312,7 +319,8 @@ def _isNumber(value: object) -> bool:
 def parseSearchBody(body: bytes) -> MemorySearch:
     """
     The body of C{POST /v1/memories/search}: C{{"query", "k"?: 1..50
-    (default 5), "min_score"?: -1..1, "mode"?: "vector"}}.
+    (default 5), "min_score"?: -1..1, "mode"?: "vector" | "text" |
+    "hybrid"}}.
 
     @raise ApiError: 400 INVALID_JSON or VALIDATION_ERROR.
     """
@@ -340,7 +348,9 @@ def parseSearchBody(body: bytes) -> MemorySearch:
     if minScore is not None and (not _isNumber(minScore) or not -1 <= minScore <= 1):
         errors.append(FieldError("min_score", _FORMAT, "must be a number from -1 to 1"))
     mode = document.get("mode")
-    if mode is not None and mode not in SEARCH_MODES:
+    if mode is None:
+        mode = SEARCH_MODES[0]
+    elif mode not in SEARCH_MODES:
         errors.append(
             FieldError(
                 "mode", FieldErrorCode.INVALID_ENUM, "must be one of " + ", ".join(SEARCH_MODES)
@@ -348,8 +358,10 @@ def parseSearchBody(body: bytes) -> MemorySearch:
         )
     if errors:
         raise validationError(errors)
-    assert isinstance(query, str) and isinstance(k, int)
-    return MemorySearch(query, k, float(minScore) if minScore is not None else None)
+    assert isinstance(query, str) and isinstance(k, int) and isinstance(mode, str)
+    if mode != "vector":
+        minScore = None
+    return MemorySearch(query, k, float(minScore) if minScore is not None else None, mode)
 
 
 def parseMemoryID(text: str) -> str:

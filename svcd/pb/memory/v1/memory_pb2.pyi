@@ -137,16 +137,20 @@ class DeleteScopeResponse(_message.Message):
     def __init__(self, memories_deleted: _Optional[int] = ..., observations_deleted: _Optional[int] = ...) -> None: ...
 
 class SearchRequest(_message.Message):
-    __slots__ = ("scope", "query", "k", "min_score")
+    __slots__ = ("scope", "query", "k", "min_score", "mode", "text")
     SCOPE_FIELD_NUMBER: _ClassVar[int]
     QUERY_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     MIN_SCORE_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
     scope: Scope
     query: Embedding
     k: int
     min_score: float
-    def __init__(self, scope: _Optional[_Union[Scope, _Mapping]] = ..., query: _Optional[_Union[Embedding, _Mapping]] = ..., k: _Optional[int] = ..., min_score: _Optional[float] = ...) -> None: ...
+    mode: str
+    text: str
+    def __init__(self, scope: _Optional[_Union[Scope, _Mapping]] = ..., query: _Optional[_Union[Embedding, _Mapping]] = ..., k: _Optional[int] = ..., min_score: _Optional[float] = ..., mode: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
 class ScoredMemory(_message.Message):
     __slots__ = ("memory", "score")
@@ -215,20 +219,22 @@ class ClaimObservationsRequest(_message.Message):
     def __init__(self, owner: _Optional[str] = ..., limit: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class ClaimedObservation(_message.Message):
-    __slots__ = ("id", "scope", "request_id", "messages", "attempts", "lease_expires_at")
+    __slots__ = ("id", "scope", "request_id", "messages", "attempts", "lease_expires_at", "lease_token")
     ID_FIELD_NUMBER: _ClassVar[int]
     SCOPE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     id: str
     scope: Scope
     request_id: str
     messages: _containers.RepeatedCompositeFieldContainer[ObservedMessage]
     attempts: int
     lease_expires_at: str
-    def __init__(self, id: _Optional[str] = ..., scope: _Optional[_Union[Scope, _Mapping]] = ..., request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ObservedMessage, _Mapping]]] = ..., attempts: _Optional[int] = ..., lease_expires_at: _Optional[str] = ...) -> None: ...
+    lease_token: str
+    def __init__(self, id: _Optional[str] = ..., scope: _Optional[_Union[Scope, _Mapping]] = ..., request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ObservedMessage, _Mapping]]] = ..., attempts: _Optional[int] = ..., lease_expires_at: _Optional[str] = ..., lease_token: _Optional[str] = ...) -> None: ...
 
 class ClaimObservationsResponse(_message.Message):
     __slots__ = ("observations",)
@@ -237,14 +243,16 @@ class ClaimObservationsResponse(_message.Message):
     def __init__(self, observations: _Optional[_Iterable[_Union[ClaimedObservation, _Mapping]]] = ...) -> None: ...
 
 class CompleteObservationRequest(_message.Message):
-    __slots__ = ("org_id", "id", "owner")
+    __slots__ = ("org_id", "id", "owner", "lease_token")
     ORG_ID_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     org_id: str
     id: str
     owner: str
-    def __init__(self, org_id: _Optional[str] = ..., id: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
+    lease_token: str
+    def __init__(self, org_id: _Optional[str] = ..., id: _Optional[str] = ..., owner: _Optional[str] = ..., lease_token: _Optional[str] = ...) -> None: ...
 
 class CompleteObservationResponse(_message.Message):
     __slots__ = ("completed",)
@@ -253,7 +261,7 @@ class CompleteObservationResponse(_message.Message):
     def __init__(self, completed: _Optional[bool] = ...) -> None: ...
 
 class ReleaseObservationRequest(_message.Message):
-    __slots__ = ("org_id", "id", "owner", "retry_after_seconds", "count_attempt", "failed", "reason")
+    __slots__ = ("org_id", "id", "owner", "retry_after_seconds", "count_attempt", "failed", "reason", "lease_token")
     ORG_ID_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
@@ -261,6 +269,7 @@ class ReleaseObservationRequest(_message.Message):
     COUNT_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     org_id: str
     id: str
     owner: str
@@ -268,10 +277,73 @@ class ReleaseObservationRequest(_message.Message):
     count_attempt: bool
     failed: bool
     reason: str
-    def __init__(self, org_id: _Optional[str] = ..., id: _Optional[str] = ..., owner: _Optional[str] = ..., retry_after_seconds: _Optional[float] = ..., count_attempt: _Optional[bool] = ..., failed: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+    lease_token: str
+    def __init__(self, org_id: _Optional[str] = ..., id: _Optional[str] = ..., owner: _Optional[str] = ..., retry_after_seconds: _Optional[float] = ..., count_attempt: _Optional[bool] = ..., failed: _Optional[bool] = ..., reason: _Optional[str] = ..., lease_token: _Optional[str] = ...) -> None: ...
 
 class ReleaseObservationResponse(_message.Message):
     __slots__ = ("released",)
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class RenewObservationLeaseRequest(_message.Message):
+    __slots__ = ("org_id", "id", "owner", "lease_token", "lease_seconds")
+    ORG_ID_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    org_id: str
+    id: str
+    owner: str
+    lease_token: str
+    lease_seconds: float
+    def __init__(self, org_id: _Optional[str] = ..., id: _Optional[str] = ..., owner: _Optional[str] = ..., lease_token: _Optional[str] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+
+class ExtractedMemory(_message.Message):
+    __slots__ = ("content", "embedding")
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    content: str
+    embedding: Embedding
+    def __init__(self, content: _Optional[str] = ..., embedding: _Optional[_Union[Embedding, _Mapping]] = ...) -> None: ...
+
+class StoreObservationRequest(_message.Message):
+    __slots__ = ("org_id", "id", "owner", "lease_token", "lease_seconds", "scope", "request_id", "memories", "dedupe_score")
+    ORG_ID_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMORIES_FIELD_NUMBER: _ClassVar[int]
+    DEDUPE_SCORE_FIELD_NUMBER: _ClassVar[int]
+    org_id: str
+    id: str
+    owner: str
+    lease_token: str
+    lease_seconds: float
+    scope: Scope
+    request_id: str
+    memories: _containers.RepeatedCompositeFieldContainer[ExtractedMemory]
+    dedupe_score: float
+    def __init__(self, org_id: _Optional[str] = ..., id: _Optional[str] = ..., owner: _Optional[str] = ..., lease_token: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., scope: _Optional[_Union[Scope, _Mapping]] = ..., request_id: _Optional[str] = ..., memories: _Optional[_Iterable[_Union[ExtractedMemory, _Mapping]]] = ..., dedupe_score: _Optional[float] = ...) -> None: ...
+
+class StoreObservationResponse(_message.Message):
+    __slots__ = ("stored", "added_ids", "updated")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    ADDED_IDS_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_FIELD_NUMBER: _ClassVar[int]
+    stored: bool
+    added_ids: _containers.RepeatedScalarFieldContainer[str]
+    updated: int
+    def __init__(self, stored: _Optional[bool] = ..., added_ids: _Optional[_Iterable[str]] = ..., updated: _Optional[int] = ...) -> None: ...
+
+class RenewObservationLeaseResponse(_message.Message):
+    __slots__ = ("renewed", "lease_expires_at")
+    RENEWED_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    renewed: bool
+    lease_expires_at: str
+    def __init__(self, renewed: _Optional[bool] = ..., lease_expires_at: _Optional[str] = ...) -> None: ...

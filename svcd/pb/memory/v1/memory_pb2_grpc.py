@@ -108,6 +108,16 @@ class MemoryServiceStub:
                 request_serializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.ReleaseObservationRequest.SerializeToString,
                 response_deserializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.ReleaseObservationResponse.FromString,
                 _registered_method=True)
+        self.RenewObservationLease = channel.unary_unary(
+                '/svc.memory.v1.MemoryService/RenewObservationLease',
+                request_serializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.RenewObservationLeaseRequest.SerializeToString,
+                response_deserializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.RenewObservationLeaseResponse.FromString,
+                _registered_method=True)
+        self.StoreObservation = channel.unary_unary(
+                '/svc.memory.v1.MemoryService/StoreObservation',
+                request_serializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.StoreObservationRequest.SerializeToString,
+                response_deserializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.StoreObservationResponse.FromString,
+                _registered_method=True)
 
 
 class MemoryServiceServicer:
@@ -197,8 +207,8 @@ class MemoryServiceServicer:
 
     def ClaimObservations(self, request, context):
         """svc-worker's claim: due observations of any organization, leased to
-        `owner` for `lease_seconds`; an observation whose lease runs out is
-        claimed again by the next claim.
+        `owner` for `lease_seconds`, each under a new lease token; an
+        observation whose lease runs out is claimed again by the next claim.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -206,7 +216,8 @@ class MemoryServiceServicer:
 
     def CompleteObservation(self, request, context):
         """A processed observation is deleted (its lease must still be the
-        owner's: `completed` false otherwise).
+        owner's, and the claim's when lease_token is given: `completed` false
+        otherwise).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -215,6 +226,31 @@ class MemoryServiceServicer:
     def ReleaseObservation(self, request, context):
         """Hands a claimed observation back: due again after retry_after_seconds,
         its attempt counted or not, or kept as failed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenewObservationLease(self, request, context):
+        """Extends the lease of an observation still being processed to
+        lease_seconds from now. Only the claim that holds it can (its owner and
+        lease token): `renewed` false once another claim took it, and the
+        worker must then abandon it without storing anything.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StoreObservation(self, request, context):
+        """svc-worker's last step for one observation, in one call instead of a
+        Search and an AddMemory or UpdateMemory per memory and a
+        CompleteObservation: the claim's lease is renewed (to lease_seconds),
+        then each memory takes the content of the scope's nearest memory at or
+        above dedupe_score (same id) or is added (source "extracted", the
+        observation's request id), then the observation is completed. Nothing
+        is stored, and `stored` is false, when the lease is no longer the
+        claim's. NOT_FOUND when the observation is gone (dropped or
+        forgotten), the memories added by this call deleted again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -277,6 +313,16 @@ def add_MemoryServiceServicer_to_server(servicer, server):
                     servicer.ReleaseObservation,
                     request_deserializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.ReleaseObservationRequest.FromString,
                     response_serializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.ReleaseObservationResponse.SerializeToString,
+            ),
+            'RenewObservationLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewObservationLease,
+                    request_deserializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.RenewObservationLeaseRequest.FromString,
+                    response_serializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.RenewObservationLeaseResponse.SerializeToString,
+            ),
+            'StoreObservation': grpc.unary_unary_rpc_method_handler(
+                    servicer.StoreObservation,
+                    request_deserializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.StoreObservationRequest.FromString,
+                    response_serializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.StoreObservationResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -595,6 +641,60 @@ class MemoryService:
             '/svc.memory.v1.MemoryService/ReleaseObservation',
             svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.ReleaseObservationRequest.SerializeToString,
             svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.ReleaseObservationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewObservationLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/svc.memory.v1.MemoryService/RenewObservationLease',
+            svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.RenewObservationLeaseRequest.SerializeToString,
+            svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.RenewObservationLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StoreObservation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/svc.memory.v1.MemoryService/StoreObservation',
+            svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.StoreObservationRequest.SerializeToString,
+            svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.StoreObservationResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -522,8 +522,11 @@ class MemoryRoutes:
 
     async def search(self, ctx: RequestContext) -> Reply:
         """
-        C{POST /v1/memories/search}: the query embedded, the scope's
-        nearest memories by cosine similarity, best first.
+        C{POST /v1/memories/search}: the scope's best memories for the
+        query, best first, by the body's C{mode} (decisions D13): by cosine
+        similarity to the query embedded (C{vector}), by BM25 over their
+        words (C{text}: nothing embedded, nothing charged), or both fused
+        by rank (C{hybrid}).
         """
         try:
             scope = self._scope(ctx)
@@ -536,10 +539,15 @@ class MemoryRoutes:
                 query_characters=len(search.query),
                 k=search.k,
                 min_score=search.minScore,
+                mode=search.mode,
             )
-            query = await self._embed(ctx, embedder, model, search.query)
+            query = None
+            if search.mode != "text":
+                query = await self._embed(ctx, embedder, model, search.query)
             try:
-                answer = await client.search(scope, query, search.k, search.minScore)
+                answer = await client.search(
+                    scope, query, search.k, search.minScore, mode=search.mode, text=search.query
+                )
             except MemoryCallFailed as failed:
                 raise self._refused(ctx, failed) from None
             data: list[dict[str, Any]] = [
@@ -568,4 +576,7 @@ def changeTexts(change: MemoryChange) -> Sequence[str]:
 
 
 def searchTexts(search: MemorySearch) -> Sequence[str]:
-    return (search.query,)
+    """
+    What a search embeds: its query, but in text mode (nothing).
+    """
+    return () if search.mode == "text" else (search.query,)

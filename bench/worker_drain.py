@@ -1,0 +1,496 @@
+"""
+Benchmark of svc-worker draining a backlog (decisions D13, issue 33):
+10,000 waiting observations, the scripted model server answering the
+extraction and the embeddings, one `twistd -n svc-worker` beside real
+svc-auth, svc-memory, PostgreSQL and Redis. Target on the 2-core
+development machine: at least 200 observations a second, every fact
+stored exactly once.
+
+    python bench/worker_drain.py [--observations 10000] [--concurrency 64]
+        [--subjects 100] [--profile DIR] [--json FILE]
+
+Starts its own PostgreSQL, Redis, scripted upstream, svc-auth and
+svc-memory on free loopback ports, makes a tenant, and queues the
+observations through svc-memory's QueueObservations (500 a call, as the
+proxy's outbox sends them), spread over --subjects subjects of one agent
+(one user's scope holds 200 facts, not 20,000: SVC_MEMORY_MAX_PER_SCOPE
+is 10,000, and a user's memories are what a search compares). Each
+observation's user turn states two facts and asks a question; the
+scripted extraction answers the two facts. Then it starts svc-worker and
+measures from its /ready (its first claim answered) until no observation
+is left, polling the table every 100 ms.
+
+Verified at the end: every expected fact is a memory exactly once (source
+extracted), nothing else is stored, no observation is left (none failed),
+and the ledger holds one extraction and one embedding row per observation.
+
+With --profile DIR, svc-worker runs under py-spy (pip install py-spy) for
+the drain, and the flat profile of its main thread (the reactor) and of
+every thread is written to DIR and summarised.
+
+Every process shares this machine's cores: the rate is a floor of what
+svc-worker does alone. Prints a table, and JSON with --json FILE; exits 1
+when a fact is missing or stored twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import attrs
+import grpc
+import psycopg
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from svcd.auth.migrations import migrate  # noqa: E402
+from svcd.auth.store import Store  # noqa: E402
+from svcd.pb.memory.v1 import memory_pb2, memory_pb2_grpc  # noqa: E402
+from svcd.testing.daemons import Daemon, authEnvironment, memoryEnvironment  # noqa: E402
+from svcd.testing.servers import PostgresServer, RedisServer, freePort  # noqa: E402
+from svcd.testing.upstream import ScriptedUpstream  # noqa: E402
+
+TARGET_PER_SECOND = 200.0
+
+PROVIDERS = """
+[[providers]]
+name = "scripted"
+base_url = "{base}"
+
+[[models]]
+name = "extractor"
+provider = "scripted"
+upstream_model = "echo"
+price = {{ input = "1.00", output = "2.00" }}
+
+[[models]]
+name = "embedder"
+provider = "scripted"
+upstream_model = "echo"
+kind = "embedding"
+dimensions = 64
+price = {{ input = "0.02" }}
+
+[memory]
+embedding_model = "embedder"
+extraction_model = "extractor"
+dedupe_score = 0.92
+"""
+
+
+def factsOf(requestID: str) -> list[str]:
+    """
+    Two facts about the user, each with words of its own: the scripted
+    embeddings are hashed bags of words in 64 dimensions, so facts sharing
+    most words (as "My fact number 0 is <id>-0.") would now and then come
+    out at or above dedupe_score and be merged, as they should.
+    """
+    return [f"My fact is {uuid.uuid5(uuid.UUID(requestID), str(n))}." for n in range(2)]
+
+
+def queue(
+    port: str, orgID: uuid.UUID, agentID: uuid.UUID, count: int, subjects: int, prefix: str
+) -> dict[str, str]:
+    """
+    Queue C{count} observations; return each request id's subject.
+    """
+    requests = {str(uuid.uuid4()): f"{prefix}user-{number % subjects}" for number in range(count)}
+    observations = [
+        memory_pb2.Observation(
+            scope=memory_pb2.Scope(org_id=str(orgID), agent_id=str(agentID), subject=subject),
+            request_id=requestID,
+            messages=[
+                memory_pb2.ObservedMessage(
+                    role="user", content=" ".join(factsOf(requestID)) + " What do you think?"
+                ),
+                memory_pb2.ObservedMessage(role="assistant", content="Noted."),
+            ],
+        )
+        for requestID, subject in requests.items()
+    ]
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = memory_pb2_grpc.MemoryServiceStub(channel)
+        for start in range(0, len(observations), 500):
+            stub.QueueObservations(
+                memory_pb2.QueueObservationsRequest(observations=observations[start : start + 500]),
+                timeout=60,
+            )
+    return requests
+
+
+def waiting(dsn: str) -> int:
+    with psycopg.connect(dsn, autocommit=True) as connection:
+        row = connection.execute("SELECT count(*) FROM memory_observations").fetchone()
+        assert row is not None
+        return int(row[0])
+
+
+def verify(dsn: str, requests: dict[str, str]) -> dict[str, Any]:
+    """
+    Every expected fact once, in its subject; nothing else in the round's
+    subjects; the ledger's rows of the round's observations.
+    """
+    subjects = sorted(set(requests.values()))
+    ids = list(requests)
+    with psycopg.connect(dsn, autocommit=True) as connection:
+        stored = collections.Counter(
+            (subject, content)
+            for subject, content, source in connection.execute(
+                "SELECT subject, content, source FROM memories WHERE subject = ANY(%s)",
+                (subjects,),
+            ).fetchall()
+            if source == "extracted"
+        )
+        others = connection.execute(
+            "SELECT count(*) FROM memories WHERE source <> 'extracted' AND subject = ANY(%s)",
+            (subjects,),
+        ).fetchone()
+        left = connection.execute(
+            "SELECT state, count(*) FROM memory_observations WHERE request_id = ANY(%s)"
+            " GROUP BY state",
+            (ids,),
+        ).fetchall()
+        ledger: dict[str, int] = dict(
+            connection.execute(
+                "SELECT kind, count(*) FROM usage_ledger WHERE parent_request_id = ANY(%s)"
+                " GROUP BY kind",
+                (ids,),
+            ).fetchall()
+        )
+    expected = collections.Counter(
+        (subject, fact) for requestID, subject in requests.items() for fact in factsOf(requestID)
+    )
+    missing = expected - stored
+    twice = {key: count for key, count in stored.items() if count > 1}
+    extra = stored - expected
+    return {
+        "memories": sum(stored.values()),
+        "expected": sum(expected.values()),
+        "missing": sum(missing.values()),
+        "stored_twice": len(twice),
+        "unexpected": sum(extra.values()) + (others[0] if others else 0),
+        "observations_left": {state: count for state, count in left},
+        "ledger_rows": ledger,
+    }
+
+
+def metrics(daemon: Daemon, prefixes: tuple[str, ...]) -> dict[str, float]:
+    text = daemon.get("/metrics")[1].decode()
+    found = {}
+    for line in text.splitlines():
+        if line.startswith(prefixes):
+            name, _, value = line.rpartition(" ")
+            found[name] = float(value)
+    return found
+
+
+def cpuSeconds(root: int) -> float:
+    """
+    User and system CPU seconds of process C{root} and every live
+    descendant (PostgreSQL's backends are the postmaster's children).
+    """
+    tick = os.sysconf("SC_CLK_TCK")
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        pid = int(entry.name)
+        parents[pid] = int(fields[1])
+        times[pid] = (int(fields[11]) + int(fields[12])) / tick
+    total = 0.0
+    for pid, seconds in times.items():
+        walker: int | None = pid
+        while walker is not None and walker != root and walker in parents:
+            walker = parents.get(walker) or None
+        if walker == root:
+            total += seconds
+    return total
+
+
+def summariseProfile(raw: Path, top: int = 20) -> dict[str, Any]:
+    """
+    From py-spy's raw (collapsed) output, which holds only samples of
+    threads not idle: the share of samples per thread, the functions most
+    often on the stack (inclusive; the project's own and grpcio's, not the
+    reactor's and threads' plumbing) and most often on top (self).
+    """
+    threads: collections.Counter[str] = collections.Counter()
+    inclusive: collections.Counter[str] = collections.Counter()
+    itself: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        frames = stack.split(";")
+        samples = int(count)
+        total += samples
+        threads[frames[0].split(": ", 1)[-1] if frames else "?"] += samples
+        for frame in set(frames[1:]):
+            if "svcd/" in frame or "grpc/" in frame or "psycopg" in frame:
+                inclusive[frame] += samples
+        if len(frames) > 1:
+            itself[frames[-1]] += samples
+
+    def share(counter: collections.Counter[str], count: int) -> list[tuple[str, float]]:
+        return [(name, round(100.0 * n / total, 1)) for name, n in counter.most_common(count)]
+
+    return {
+        "samples": total,
+        "threads_percent": share(threads, 8),
+        "inclusive_percent": share(inclusive, top),
+        "self_percent": share(itself, top),
+    }
+
+
+@attrs.frozen
+class Stack:
+    """
+    What every round drains against: one database, tenant and set of
+    daemons.
+    """
+
+    dsn: str
+    orgID: uuid.UUID
+    agentID: uuid.UUID
+    auth: Daemon
+    memory: Daemon
+    redis: RedisServer
+    upstream: ScriptedUpstream
+    server: PostgresServer
+    providers: Path
+
+
+def drain(
+    stack: Stack, arguments: argparse.Namespace, number: int, tree: Path | None, scratch: Path
+) -> dict[str, Any]:
+    """
+    One round: queue the observations (subjects of their own), start a
+    worker (from C{tree} when given: PYTHONPATH first), measure its drain,
+    stop it, verify.
+    """
+    results: dict[str, Any] = {}
+    started = time.perf_counter()
+    requests = queue(
+        stack.memory.environment["SVC_GRPC_PORT"],
+        stack.orgID,
+        stack.agentID,
+        arguments.observations,
+        arguments.subjects,
+        f"r{number}-",
+    )
+    results["queue_seconds"] = round(time.perf_counter() - started, 2)
+    assert waiting(stack.dsn) == arguments.observations
+    environment = {
+        "SVC_HOST": "127.0.0.1",
+        "SVC_PORT": str(freePort()),
+        "SVC_AUTH_GRPC_ADDR": f"127.0.0.1:{stack.auth.environment['SVC_GRPC_PORT']}",
+        "SVC_MEMORY_GRPC_ADDR": f"127.0.0.1:{stack.memory.environment['SVC_GRPC_PORT']}",
+        "REDIS_URL": stack.redis.url,
+        "SVC_PROVIDERS_FILE": str(stack.providers),
+        "SVC_WORKER_CONCURRENCY": str(arguments.concurrency),
+        "SVC_MEMORY_MAX_IN_FLIGHT": str(arguments.memory_in_flight),
+        "SVC_WORKER_POLL_INTERVAL": "100ms",
+        "SVC_LOG_LEVEL": "WARN",
+    }
+    if tree is not None:
+        environment["PYTHONPATH"] = str(tree)
+    worker = Daemon("svc-worker", environment, scratch / f"worker-{number}.log").start()
+    try:
+        worker.waitForReady()
+        postmaster, redisPid = stack.server.postmasterPid(), stack.redis.pid
+        assert worker.process is not None and stack.memory.process is not None
+        assert stack.auth.process is not None and stack.upstream._process is not None
+        assert postmaster is not None and redisPid is not None
+        processes = {
+            "svc-worker": worker.process.pid,
+            "svc-memory": stack.memory.process.pid,
+            "svc-auth": stack.auth.process.pid,
+            "scripted upstream": stack.upstream._process.pid,
+            "postgres": postmaster,
+            "redis": redisPid,
+        }
+        cpuBefore = {name: cpuSeconds(pid) for name, pid in processes.items()}
+        spies = []
+        if arguments.profile:
+            profileDir = Path(arguments.profile)
+            profileDir.mkdir(parents=True, exist_ok=True)
+            for name, pid in (("worker", worker.process.pid), ("memory", processes["svc-memory"])):
+                spies.append(
+                    subprocess.Popen(
+                        [
+                            shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"),
+                            "record",
+                            "--pid",
+                            str(pid),
+                            "--format",
+                            "raw",
+                            "--threads",
+                            "--rate",
+                            "100",
+                            "--output",
+                            str(profileDir / f"{name}-{number}.raw"),
+                        ],
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                    )
+                )
+        began = time.perf_counter()
+        while True:
+            left = waiting(stack.dsn)
+            if left == 0:
+                break
+            if time.perf_counter() - began > 900:
+                raise SystemExit(f"not drained within 900 s: {left} left")
+            time.sleep(0.1)
+        seconds = time.perf_counter() - began
+        results["cpu_seconds_during_drain"] = {
+            name: round(cpuSeconds(pid) - cpuBefore[name], 2) for name, pid in processes.items()
+        }
+        results["load_average_1m_after"] = os.getloadavg()[0]
+        for spy in spies:
+            spy.send_signal(signal.SIGINT)
+        for spy in spies:
+            spy.wait(60)
+        results["drain_seconds"] = round(seconds, 2)
+        results["observations_per_second"] = round(arguments.observations / seconds, 1)
+        results["worker_metrics"] = {
+            name: value
+            for name, value in metrics(
+                worker,
+                (
+                    "svc_worker_observations_total",
+                    "svc_worker_memories_total",
+                    "svc_worker_lease_renewals_total",
+                ),
+            ).items()
+            if value
+        }
+    finally:
+        worker.terminate()
+    # The ledger's rows reach svc-auth in batches: wait for the last.
+    deadline = time.monotonic() + 30
+    while True:
+        checked = verify(stack.dsn, requests)
+        rows = checked["ledger_rows"]
+        if (
+            rows.get("extraction") == arguments.observations
+            and rows.get("embedding") == arguments.observations
+        ) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    results["verified"] = checked
+    for name in ("worker", "memory"):
+        raw = Path(arguments.profile or ".") / f"{name}-{number}.raw"
+        if arguments.profile and raw.exists():
+            results[f"profile_{name}_inclusive_percent"] = summariseProfile(raw)
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--observations", type=int, default=10_000)
+    parser.add_argument("--subjects", type=int, default=100)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument(
+        "--memory-in-flight", type=int, default=8, help="the worker's SVC_MEMORY_MAX_IN_FLIGHT"
+    )
+    parser.add_argument(
+        "--before",
+        help="a tree of an earlier commit (git archive COMMIT | tar -x -C DIR) whose worker"
+        " drains a round of its own first, against the same daemons",
+    )
+    parser.add_argument("--profile", help="a directory for py-spy's profile of svc-worker")
+    parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    arguments = parser.parse_args()
+    results: dict[str, Any] = {
+        "observations": arguments.observations,
+        "subjects": arguments.subjects,
+        "concurrency": arguments.concurrency,
+        "memory_in_flight": arguments.memory_in_flight,
+        "target_per_second": TARGET_PER_SECOND,
+        "rounds": [],
+    }
+
+    scratch = Path(tempfile.mkdtemp(prefix="svc-bench-drain-"))
+    stack = contextlib.ExitStack()
+    try:
+        server = PostgresServer.create(scratch / "postgres")
+        server.start()
+        stack.callback(server.destroy)
+        dsn = server.createDatabase("bench")
+        migrate(dsn)
+        with psycopg.connect(dsn, autocommit=True) as connection:
+            store = Store(lambda: contextlib.nullcontext(connection))
+            orgID = store.createOrganization("bench")
+            agentID = store.createAgent(orgID, "bench").agentID
+        redis = RedisServer.create(scratch / "redis")
+        redis.start()
+        stack.callback(redis.stop)
+        upstream = ScriptedUpstream(scratch / "upstream").start()
+        stack.callback(upstream.stop)
+        providers = scratch / "providers.toml"
+        providers.write_text(PROVIDERS.format(base=upstream.baseURL))
+        auth = Daemon(
+            "svc-auth", authEnvironment(dsn, SVC_LOG_LEVEL="WARN"), scratch / "auth.log"
+        ).start()
+        stack.callback(auth.terminate)
+        memory = Daemon(
+            "svc-memory", memoryEnvironment(dsn, SVC_LOG_LEVEL="WARN"), scratch / "memory.log"
+        ).start()
+        stack.callback(memory.terminate)
+        auth.waitForReady()
+        memory.waitForReady()
+        context = Stack(dsn, orgID, agentID, auth, memory, redis, upstream, server, providers)
+        rounds: list[tuple[str, Path | None]] = []
+        if arguments.before:
+            rounds.append(("before", Path(arguments.before).resolve()))
+        rounds.append(("this tree", None))
+        for number, (name, tree) in enumerate(rounds):
+            results["rounds"].append(
+                {"worker": name, **drain(context, arguments, number, tree, scratch)}
+            )
+    finally:
+        stack.close()
+        if not arguments.keep:
+            shutil.rmtree(scratch, ignore_errors=True)
+        else:
+            print(f"kept {scratch}")
+
+    print(json.dumps(results, indent=2))
+    if arguments.json:
+        Path(arguments.json).write_text(json.dumps(results, indent=2) + "\n")
+    ok = True
+    for each in results["rounds"]:
+        checked = each["verified"]
+        ok = ok and (
+            checked["missing"] == 0
+            and checked["stored_twice"] == 0
+            and checked["unexpected"] == 0
+            and not checked["observations_left"]
+        )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,86 @@
+"""
+A straightforward BM25 and reciprocal-rank fusion, written from decisions
+D13 ("Hybrid search") without svcd/memory/text.py: what the tests hold the
+served rankings to. Slow and obvious on purpose: words cut out character
+by character, every statistic counted from scratch for each query.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Sequence
+
+import attrs
+
+K1 = 1.2
+B = 0.75
+
+
+@attrs.frozen
+class Document:
+    memoryID: uuid.UUID
+    created: object  # anything ordered: microseconds, or a datetime
+    content: str
+
+
+def referenceWords(text: str) -> list[str]:
+    """
+    Runs of letters and numbers (str.isalnum), each lower-cased.
+    """
+    found: list[str] = []
+    current: list[str] = []
+    for character in text + " ":
+        if character.isalnum():
+            current.append(character)
+        elif current:
+            found.append("".join(current).lower())
+            current = []
+    return found
+
+
+def bm25Ranking(documents: Sequence[Document], query: str) -> list[tuple[uuid.UUID, float]]:
+    """
+    Every document sharing a word with C{query}, best first, ties newest
+    first, then by id, descending; a repeated query word counts once.
+    """
+    if not documents:
+        return []
+    texts = [referenceWords(each.content) for each in documents]
+    count = len(documents)
+    average = sum(len(each) for each in texts) / count
+    distinct: list[str] = []
+    for word in referenceWords(query):
+        if word not in distinct:
+            distinct.append(word)
+    scored = []
+    for document, text in zip(documents, texts, strict=True):
+        score = 0.0
+        shared = False
+        for word in distinct:
+            tf = text.count(word)
+            if not tf:
+                continue
+            shared = True
+            holding = sum(1 for other in texts if word in other)
+            weight = math.log(1.0 + (count - holding + 0.5) / (holding + 0.5))
+            score += weight * (tf * (K1 + 1)) / (tf + K1 * (1 - B + B * len(text) / average))
+        if shared:
+            scored.append((score, document.created, document.memoryID.int, document.memoryID))
+    scored.sort(reverse=True)
+    return [(memoryID, score) for score, _, _, memoryID in scored]
+
+
+def fusedRanking(
+    rankings: Sequence[Sequence[uuid.UUID]], created: dict[uuid.UUID, object]
+) -> list[tuple[uuid.UUID, float]]:
+    """
+    Reciprocal-rank fusion of the rankings' first 100 each, 1 / (60 +
+    rank), rank from 1; ties newest first, then by id, descending.
+    """
+    scores: dict[uuid.UUID, float] = {}
+    for ranking in rankings:
+        for rank, memoryID in enumerate(ranking[:100], start=1):
+            scores[memoryID] = scores.get(memoryID, 0.0) + 1.0 / (60 + rank)
+    order = sorted(scores, key=lambda each: (scores[each], created[each], each.int), reverse=True)
+    return [(each, scores[each]) for each in order]

@@ -1,0 +1,275 @@
+"""
+The text index and its BM25 ranking (svcd/memory/text.py, decisions D13
+"Hybrid search"), without a database: the words of Unicode texts, the
+ranking against a straightforward BM25 (tests/bm25reference.py) after
+random adds, changes and deletes (rebuilds included), ties newest first,
+the fusion of rankings, and the index's place in the cache.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import uuid
+
+import pytest
+from bm25reference import Document, bm25Ranking, fusedRanking, referenceWords
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from svcd.memory.store import CachedRow, ScopeRows, ScopeTexts
+from svcd.memory.text import ScopeText, TextKey, fuse, queryWords, words
+from svcd.memory.vectors import Hit, Ranking, ScopeKey, ScopeVectors, VectorCache
+
+ORG, AGENT = uuid.uuid4(), uuid.uuid4()
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("Alice met Bob at 10:30.", ["alice", "met", "bob", "at", "10", "30"]),
+        ("snake_case and kebab-case", ["snake", "case", "and", "kebab", "case"]),
+        ("Café CRÈME naïve", ["café", "crème", "naïve"]),
+        ("ΣΟΦΊΑ in Москва", ["σοφία", "in", "москва"]),
+        ("東京2025年に行く", ["東京2025年に行く"]),
+        ("tea🙂coffee", ["tea", "coffee"]),
+        ("٣٤ apples", ["٣٤", "apples"]),
+        ("   ...!?   ", []),
+    ],
+)
+def test_wordsAreRunsOfLettersAndNumbersLowerCased(text: str, expected: list[str]) -> None:
+    """
+    A word is a run of Unicode letters and numbers in any script,
+    lower-cased; punctuation, spaces, the underscore and symbols (an
+    emoji) separate words; the reference's character-by-character rule
+    agrees.
+    """
+    assert words(text) == expected
+    assert referenceWords(text) == expected
+
+
+@given(st.text(max_size=60))
+def test_wordsAgreeWithTheCharacterRule(text: str) -> None:
+    """
+    On any text, the index's words are the reference's, character by
+    character (str.isalnum).
+    """
+    assert words(text) == referenceWords(text)
+
+
+def test_aRepeatedQueryWordCountsOnce() -> None:
+    assert queryWords("tea Tea TEA green tea") == ["tea", "green"]
+
+
+def textRows(documents: list[Document]) -> ScopeTexts:
+    return ScopeTexts(
+        ids=b"".join(each.memoryID.bytes for each in documents),
+        createdMicros=[int(str(each.created)) for each in documents],
+        contents=[each.content for each in documents],
+    )
+
+
+def served(index: ScopeText, query: str, k: int) -> list[tuple[uuid.UUID, float]]:
+    return [(hit.memoryID, hit.score) for hit in index.search(query, k)]
+
+
+def test_tiesAreNewestFirst() -> None:
+    """
+    Memories of the very same words score the same and come newest first
+    (then by id), whatever order they were loaded in; memories sharing no
+    word with the query are not returned.
+    """
+    ids = [uuid.uuid4() for _ in range(5)]
+    created = [20, 40, 10, 30, 50]
+    contents = ["green tea", "green tea", "green tea", "green tea", "black coffee"]
+    documents = [Document(*each) for each in zip(ids, created, contents, strict=True)]
+    index = ScopeText.fromRows(textRows(documents))
+    ranked = [memoryID for memoryID, _ in served(index, "tea", 10)]
+    assert ranked == [ids[1], ids[3], ids[0], ids[2]]
+    assert served(index, "tea", 10) == bm25Ranking(documents, "tea")
+    assert served(index, "water", 10) == []
+    assert served(index, "...", 10) == []
+
+
+def test_scoresAreBM25() -> None:
+    """
+    A worked example: idf, k1, b and the average length as D13 states
+    them, to the last bit against the reference.
+    """
+    documents = [
+        Document(uuid.uuid4(), 1, "the cat sat on the mat"),
+        Document(uuid.uuid4(), 2, "the dog"),
+        Document(uuid.uuid4(), 3, "cats and dogs and the cat"),
+    ]
+    index = ScopeText.fromRows(textRows(documents))
+    assert served(index, "cat the", 10) == bm25Ranking(documents, "cat the")
+    # "cat" (not "cats") is once in 2 of 3 memories, each of 6 words; the
+    # average length is 14/3; the two tie, the newer first.
+    [(first, score), (second, same)] = served(index, "cat", 10)
+    assert (first, second) == (documents[2].memoryID, documents[0].memoryID)
+    idf = math.log(1 + 1.5 / 2.5)
+    expected = idf * (1 * 2.2) / (1 + 1.2 * (0.25 + 0.75 * 6 / (14 / 3)))
+    assert score == pytest.approx(expected, rel=1e-12)
+    assert same == score
+
+
+vocabulary = st.sampled_from(
+    ["tea", "Tea", "green", "café", "CAFÉ", "東京", "2025", "snake_case", "Bob", "bob's", "x"]
+)
+separators = st.sampled_from([" ", ", ", "-", "! ", "\n"])
+
+
+@st.composite
+def contents(draw: st.DrawFn) -> str:
+    chosen = draw(st.lists(vocabulary, min_size=0, max_size=8))
+    text = "".join(word + draw(separators) for word in chosen).strip()
+    return text or "?!"
+
+
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), contents()),
+        st.tuples(st.just("change"), st.integers(0, 10_000), contents()),
+        st.tuples(st.just("delete"), st.integers(0, 10_000)),
+    ),
+    max_size=250,
+)
+
+
+@settings(max_examples=120, deadline=None)
+@given(initial=st.lists(contents(), max_size=30), changes=operations, query=contents())
+def test_rankingEqualsReferenceAfterChanges(
+    initial: list[str], changes: list[tuple[object, ...]], query: str
+) -> None:
+    """
+    After a load and any adds, changes and deletes (enough of them to
+    rebuild the index several times), every ranking is the reference's
+    over the memories as they now are: the same memories in the same
+    order with the same scores, bit for bit.
+    """
+    clock = iter(range(1, 1_000_000))
+    documents = {}
+    for content in initial:
+        memoryID = uuid.uuid4()
+        documents[memoryID] = Document(memoryID, next(clock), content)
+    index = ScopeText.fromRows(textRows(list(documents.values())))
+    for change in changes:
+        if change[0] == "add":
+            memoryID = uuid.uuid4()
+            documents[memoryID] = Document(memoryID, next(clock), str(change[1]))
+            index.upsert(memoryID, int(str(documents[memoryID].created)), str(change[1]))
+        elif documents:
+            memoryID = list(documents)[int(str(change[1])) % len(documents)]
+            if change[0] == "change":
+                old = documents[memoryID]
+                documents[memoryID] = Document(memoryID, old.created, str(change[2]))
+                index.upsert(memoryID, int(str(old.created)), str(change[2]))
+            else:
+                del documents[memoryID]
+                assert index.remove([memoryID]) == 1
+    assert index.count == len(documents)
+    expected = bm25Ranking(list(documents.values()), query)
+    assert served(index, query, 100) == expected[:100]
+    assert served(index, query, 3) == expected[:3]
+
+
+def test_fusionIsReciprocalRank() -> None:
+    """
+    Each memory scores 1/(60 + rank) summed over the rankings (first 100
+    of each); equal sums come newest first.
+    """
+    a, b, c, d = (uuid.uuid4() for _ in range(4))
+    created = {a: 1, b: 2, c: 3, d: 4}
+    vector = [Hit(a, 0.9, 1), Hit(b, 0.8, 2), Hit(c, 0.1, 3)]
+    text = [Hit(b, 7.0, 2), Hit(a, 3.0, 1), Hit(d, 1.0, 4)]
+    fused = fuse([Ranking.fromHits(vector), Ranking.fromHits(text)], 10).hits()
+    assert [(hit.memoryID, hit.score) for hit in fused] == fusedRanking(
+        [[a, b, c], [b, a, d]], dict(created)
+    )
+    # a and b tie (1/61 + 1/62): b is newer; c and d tie (1/63): d is newer.
+    assert [hit.memoryID for hit in fused] == [b, a, d, c]
+    deep = [Hit(uuid.uuid4(), 1.0, number) for number in range(150)]
+    assert {hit.memoryID for hit in fuse([Ranking.fromHits(deep)], 150).hits()} == {
+        hit.memoryID for hit in deep[:100]
+    }
+
+
+def cachedRow(memoryID: uuid.UUID, content: str, created: int, model: str = "m") -> CachedRow:
+    return CachedRow(memoryID, AGENT, "", model, 2, created, b"\x00\x00\x80?" * 2, content)
+
+
+def test_theCacheKeepsTheIndexCurrentAndCountsItsBytes() -> None:
+    """
+    A text index in the cache takes every change of its subject's
+    memories, whichever model embedded them (a vector scope takes only
+    its model's); its bytes count toward the cache's bound, and it is
+    evicted as the least recently used like a scope's vectors.
+    """
+    cache = VectorCache(maxBytes=10 * 1024 * 1024)
+    cache.listening()
+    key = TextKey(ORG, AGENT, "")
+    load = cache.beginLoad(key)
+    first = uuid.uuid4()
+    # Heard while the load read PostgreSQL: applied before it is installed.
+    cache.apply([(key.triple, first, cachedRow(first, "green tea", 1))])
+    index = cache.finishLoad(load, ScopeText.fromRows(textRows([])))
+    assert cache.lookup(key) is index
+    assert [hit.memoryID for hit in index.search("tea", 5)] == [first]
+    other = uuid.uuid4()
+    cache.apply([(key.triple, other, cachedRow(other, "tea time", 2, model="another"))])
+    assert [hit.memoryID for hit in index.search("tea", 5)] == [other, first]
+    cache.apply([(key.triple, first, cachedRow(first, "black coffee", 1))])
+    assert [hit.memoryID for hit in index.search("tea", 5)] == [other]
+    cache.apply([(key.triple, other, None)])
+    assert index.search("tea", 5) == []
+    assert cache.totalBytes == index.nbytes
+    # A vector scope of the same subject is another entry, under one bound.
+    cache.maxBytes = index.nbytes
+    vectorKey = ScopeKey(ORG, AGENT, "", "m", 2)
+    vectors = ScopeVectors.fromRows(2, ScopeRows(b"", [], b""))
+    cache.finishLoad(cache.beginLoad(vectorKey), vectors)
+    assert cache.lookup(key) is None
+    assert cache.lookup(vectorKey) is vectors
+
+
+def test_searchesBesideChangesSeeWholeChanges() -> None:
+    """
+    Searches on other threads while changes (and the rebuilds they cause)
+    are applied never fail and never see a memory half added: every
+    memory of this test holds the query's word, so each ranking holds
+    exactly the memories present at some moment, with no duplicate. After
+    the changes the ranking is the reference's.
+    """
+    index = ScopeText.fromRows(textRows([]))
+    documents: dict[uuid.UUID, Document] = {}
+    stop = threading.Event()
+    problems: list[str] = []
+
+    def search() -> None:
+        while not stop.is_set():
+            hits = index.search("tea", 100)
+            ids = [hit.memoryID for hit in hits]
+            if len(set(ids)) != len(ids) or any(hit.score <= 0 for hit in hits):
+                problems.append(f"{len(ids)} ids, {len(set(ids))} distinct")
+
+    threads = [threading.Thread(target=search) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        for number in range(600):
+            memoryID = uuid.uuid4()
+            content = f"tea number {number} " + "green " * (number % 5)
+            documents[memoryID] = Document(memoryID, number, content)
+            index.upsert(memoryID, number, content)
+            if number % 3 == 0:
+                gone = list(documents)[number % len(documents)]
+                del documents[gone]
+                index.remove([gone])
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(10)
+    assert problems == []
+    assert (
+        served(index, "tea green", 100) == bm25Ranking(list(documents.values()), "tea green")[:100]
+    )

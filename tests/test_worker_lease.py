@@ -1,0 +1,239 @@
+"""
+The renewal of an observation's lease in svc-worker (decisions D13; issue
+33), on a L{task.Clock}: renewed every third of the lease while the
+observation is in hand, given up the moment svc-memory says another claim
+holds it (the work cancelled, nothing released), retried when svc-memory
+does not answer, and renewed before a step that stores when the periodic
+renewal is late. The same behaviour with real daemons is in
+tests/test_worker_daemon.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import pytest
+from twisted.internet.defer import CancelledError, Deferred, fail, succeed
+from twisted.internet.task import Clock
+
+from svcd.memory.client import MemoryNotFound, MemoryUnavailable
+from svcd.pb.memory.v1 import memory_pb2
+from svcd.worker.lease import LeaseLost, LeaseUnrenewable, ObservationLease
+from svcd.worker.loop import ObservationLoop
+from svcd.worker.metrics import LOST, WorkerMetrics
+from svcd.worker.processor import Observation
+
+ORG = "0190c0de-0000-7000-8000-000000000001"
+AGENT = "0190c0de-0000-7000-8000-000000000002"
+TOKEN = "0190c0de-0000-7000-8000-0000000000aa"
+
+
+@attrs.define
+class ScriptedMemory:
+    """
+    svc-memory's observation calls as the test scripts them: each renewal
+    answers the next of C{renewals} (True, False, or an exception), or
+    renewed when none is left; every call is recorded.
+    """
+
+    renewals: list[Any] = attrs.Factory(list)
+    calls: list[tuple[str, tuple[Any, ...]]] = attrs.Factory(list)
+    claimable: list[memory_pb2.ClaimedObservation] = attrs.Factory(list)
+
+    def renewObservationLease(self, *arguments: Any) -> Deferred[Any]:
+        self.calls.append(("renew", arguments))
+        answer = self.renewals.pop(0) if self.renewals else True
+        if isinstance(answer, Exception):
+            return fail(answer)
+        return succeed(memory_pb2.RenewObservationLeaseResponse(renewed=answer))
+
+    def claimObservations(self, *arguments: Any) -> Deferred[Any]:
+        self.calls.append(("claim", arguments))
+        claimed, self.claimable = self.claimable, []
+        return succeed(memory_pb2.ClaimObservationsResponse(observations=claimed))
+
+    def releaseObservation(self, *arguments: Any) -> Deferred[Any]:
+        self.calls.append(("release", arguments))
+        return succeed(memory_pb2.ReleaseObservationResponse(released=True))
+
+    def named(self, name: str) -> list[tuple[Any, ...]]:
+        return [arguments for called, arguments in self.calls if called == name]
+
+
+def leaseOf(memory: ScriptedMemory, clock: Clock, **callbacks: Any) -> ObservationLease:
+    return ObservationLease(
+        memory,  # type: ignore[arg-type]
+        clock,
+        "worker-1",
+        ORG,
+        "obs-1",
+        TOKEN,
+        30.0,
+        clock.seconds(),
+        **callbacks,
+    )
+
+
+def test_renewedEveryThirdOfTheLeaseUntilStopped() -> None:
+    """
+    Kept alive, the lease is renewed every 10 s of a 30 s lease (its
+    owner, token and seconds named), and its end by the worker's
+    reckoning moves to 30 s after each renewal was sent; stopped, it is
+    renewed no more.
+    """
+    clock, memory = Clock(), ScriptedMemory()
+    lease = leaseOf(memory, clock)
+    lease.keepAlive()
+    clock.advance(9.9)
+    assert memory.named("renew") == []
+    clock.advance(0.1)
+    assert memory.named("renew") == [(ORG, "obs-1", "worker-1", TOKEN, 30.0)]
+    assert lease.endsAt == 40.0
+    clock.pump([10.0] * 5)
+    assert len(memory.named("renew")) == 6 and lease.renewals == 6
+    assert lease.remaining() == 30.0
+    lease.stop()
+    clock.advance(100.0)
+    assert len(memory.named("renew")) == 6 and not clock.getDelayedCalls()
+
+
+@pytest.mark.parametrize("refusal", [False, MemoryNotFound(None, "gone")])
+def test_aRefusedRenewalLosesTheLease(refusal: Any) -> None:
+    """
+    A renewal svc-memory refuses (another claim took the lease, or the
+    observation is gone) marks the lease lost and tells the loop once;
+    nothing is renewed after, and a step's hold raises L{LeaseLost}.
+    """
+    clock, memory = Clock(), ScriptedMemory([refusal])
+    lost: list[bool] = []
+    lease = leaseOf(memory, clock, onLost=lambda: lost.append(True))
+    lease.keepAlive()
+    clock.advance(10.0)
+    assert lease.lost and lost == [True]
+    clock.advance(100.0)
+    assert len(memory.named("renew")) == 1
+    with pytest.raises(LeaseLost):
+        hold(lease)
+
+
+def test_anUnansweredRenewalIsRetriedThenGivenUp() -> None:
+    """
+    A renewal svc-memory does not answer is tried again within a second;
+    one answered in time keeps the lease. When none is answered before
+    the lease runs out by the reckoning, the loop is told it is
+    unrenewable (and no renewal follows).
+    """
+    clock, memory = Clock(), ScriptedMemory([MemoryUnavailable(None, "down")])
+    unrenewable: list[bool] = []
+    lease = leaseOf(memory, clock, onUnrenewable=lambda: unrenewable.append(True))
+    lease.keepAlive()
+    clock.advance(10.0)
+    clock.advance(1.0)
+    assert len(memory.named("renew")) == 2 and lease.endsAt == 41.0
+    memory.renewals = [MemoryUnavailable(None, "down")] * 100
+    clock.pump([1.0] * 60)
+    assert lease.unrenewable and unrenewable == [True]
+    count = len(memory.named("renew"))
+    clock.advance(100.0)
+    assert len(memory.named("renew")) == count and not lease.lost
+
+
+def test_aStepRenewsFirstWhenThePeriodicRenewalIsLate() -> None:
+    """
+    With at least half the lease left a step goes on without a call; with
+    less (the worker was paused past its renewals), it renews first, and
+    is refused (L{LeaseUnrenewable}) when svc-memory does not answer, or
+    L{LeaseLost} when another claim holds the lease.
+    """
+    clock, memory = Clock(), ScriptedMemory()
+    lease = leaseOf(memory, clock)
+    clock.advance(15.0)
+    hold(lease)
+    assert memory.named("renew") == []
+    clock.advance(0.1)
+    hold(lease)
+    assert len(memory.named("renew")) == 1 and lease.remaining() == 30.0
+    clock.advance(20.0)
+    memory.renewals = [MemoryUnavailable(None, "down")]
+    with pytest.raises(LeaseUnrenewable):
+        hold(lease)
+    memory.renewals = [False]
+    with pytest.raises(LeaseLost):
+        hold(lease)
+
+
+def hold(lease: ObservationLease) -> None:
+    """
+    Run C{lease.hold()} to its end (the scripted calls answer at once).
+    """
+    done = Deferred.fromCoroutine(lease.hold())
+    failures: list[Any] = []
+    done.addErrback(failures.append)
+    if failures:
+        failures[0].raiseException()
+
+
+@attrs.define
+class SlowProcessor:
+    """
+    A processor whose every observation waits until cancelled; records
+    whether it was cancelled.
+    """
+
+    cancelled: list[str] = attrs.Factory(list)
+
+    async def process(self, observation: Observation, lease: ObservationLease) -> str:
+        waiting: Deferred[str] = Deferred()
+        try:
+            return await waiting
+        except CancelledError:
+            self.cancelled.append(observation.observationID)
+            raise
+
+
+def test_theLoopCutsAnObservationWhoseLeaseWasLost() -> None:
+    """
+    An observation in hand longer than its lease is renewed by the loop
+    (never cut at the lease's end); once a renewal is refused its work is
+    cancelled at once, it is neither released nor completed, and its
+    outcome is C{lost}.
+    """
+    clock = Clock()
+    memory = ScriptedMemory(renewals=[True] * 5 + [False])
+    memory.claimable = [
+        memory_pb2.ClaimedObservation(
+            id="obs-1",
+            scope=memory_pb2.Scope(org_id=ORG, agent_id=AGENT),
+            request_id="req-1",
+            lease_token=TOKEN,
+        )
+    ]
+    processor = SlowProcessor()
+    metrics = WorkerMetrics()
+    loop = ObservationLoop(
+        memory,  # type: ignore[arg-type]
+        processor,  # type: ignore[arg-type]
+        metrics,
+        clock,
+        "worker-1",
+        lease=30.0,
+        maxAttempts=3,
+        concurrency=1,
+        pollInterval=1.0,
+        ready=lambda: True,
+    )
+    loop.start()
+    assert loop.inHand == 1
+    clock.pump([10.0] * 5)
+    assert loop.inHand == 1 and processor.cancelled == []
+    assert len(memory.named("renew")) == 5
+    assert metrics.leaseRenewals._value.get() == 5
+    clock.advance(10.0)
+    assert processor.cancelled == ["obs-1"] and loop.inHand == 0
+    assert memory.named("release") == []
+    assert metrics.observations.labels(LOST)._value.get() == 1
+    assert metrics.leaseRenewals._value.get() == 5
+    stopped = loop.stop(1.0)
+    clock.advance(1.0)
+    assert stopped.called
