@@ -2,19 +2,14 @@
 The client of svc-memory for svc-proxy and svc-worker (decisions D13):
 every MemoryService method as a Deferred, over one shared channel.
 
-Each call is made with grpcio's blocking stub on a few threads kept for
-it (L{svcd.common.grpcthreads.ThreadedUnaryCalls}), its answer handed to
-the reactor with C{callFromThread}: not grpcio's future API, as the calls
-to svc-auth are, because calls that seldom overlap (a recall's Search)
-made grpcio start a thread per call on the reactor thread (the module
-docstring of L{svcd.common.grpcthreads} says why and what it cost). A
-deadline on every call, given to grpcio itself (C{timeout=}) as what is
-left of it when a thread sends it, so that it ends on time whatever the
-reactor does; cancelling a Deferred fails it at once (a call already sent
-then runs to its deadline, its answer dropped). The channel and the
-threads are made at the first call (or L{MemoryClient.start}), never
-before twistd forks, and each call carries the current span's trace
-context.
+As the proxy's client of svc-auth (L{svcd.proxy.validation.client}):
+grpcio's future API bridged to the reactor with C{callFromThread}
+(L{svcd.common.grpcdefer.deferredFromFuture}), never a thread held per
+call; a deadline on every call, given to grpcio itself (C{timeout=}), so
+that it ends on time whatever the reactor does; cancelling a Deferred
+cancels its call. The channel is made by a factory at the first call (or
+L{MemoryClient.start}), never before twistd forks, and carries the
+current span's trace context.
 
 Refusals come back as L{MemoryCallFailed} subclasses, one per status of
 memory.proto, so that the proxy maps each to its HTTP answer (D13): 404,
@@ -34,7 +29,7 @@ from twisted.internet.defer import Deferred, DeferredSemaphore, TimeoutError, fa
 from twisted.internet.interfaces import IReactorFromThreads, IReactorTime
 from twisted.logger import Logger
 
-from svcd.common.grpcthreads import CallNotSent, ThreadedUnaryCalls
+from svcd.common.grpcdefer import deferredFromFuture
 from svcd.common.tracing import traceMetadata
 from svcd.memory.records import Embedding, Scope
 from svcd.pb.memory.v1 import memory_pb2
@@ -44,10 +39,6 @@ _SERVICE = "/svc.memory.v1.MemoryService/"
 # How long a call may take, unless the caller says otherwise: a search of a
 # scope not yet cached loads it from PostgreSQL first.
 DEFAULT_TIMEOUT = 2.0
-
-# The threads that make the calls of a client without a bound on calls in
-# flight: its calls wait, in order, for one of them.
-DEFAULT_THREADS = 8
 
 # As the proxy's channel to svc-auth: reconnect within a second of
 # svc-memory's return, notice a dead host between calls, and fail a call
@@ -121,8 +112,6 @@ def failureOf(error: BaseException) -> MemoryCallFailed:
     """
     The L{MemoryCallFailed} of a failed call's exception.
     """
-    if isinstance(error, CallNotSent):
-        return MemoryUnavailable(None, str(error))
     if isinstance(error, grpc.Call):
         code = error.code()
         details = error.details() or ""
@@ -185,9 +174,6 @@ class MemoryClient:
         proxy that sent them all would be refused rather than served a
         moment later. None: no bound here. Needs C{clock}.
     @param clock: measures the wait for a turn (the reactor).
-    @param threads: the threads that make the calls: C{maxInFlight} when
-        given (so the calls in flight never pass it, those cancelled but
-        still running included), else L{DEFAULT_THREADS}.
     """
 
     log = Logger()
@@ -199,14 +185,11 @@ class MemoryClient:
         timeout: float = DEFAULT_TIMEOUT,
         maxInFlight: int | None = None,
         clock: IReactorTime | None = None,
-        threads: int | None = None,
     ) -> None:
         if maxInFlight is not None and clock is None:
             raise ValueError("a bound on calls in flight needs a clock")
         self._channelFactory = channelFactory
-        if threads is None:
-            threads = maxInFlight if maxInFlight is not None else DEFAULT_THREADS
-        self._calls = ThreadedUnaryCalls(reactor, threads, "svc-memory-calls")
+        self._reactor = reactor
         self._timeout = timeout
         self._slots = DeferredSemaphore(maxInFlight) if maxInFlight is not None else None
         self._clock = clock
@@ -224,11 +207,9 @@ class MemoryClient:
 
     def close(self) -> None:
         """
-        Close the channel and stop the threads; calls in flight end
-        CANCELLED, and those waiting for a thread are never sent.
+        Close the channel; calls in flight end CANCELLED.
         """
         self._closed = True
-        self._calls.stop()
         if self._channel is not None:
             self._channel.close()
             self._channel = None
@@ -252,20 +233,9 @@ class MemoryClient:
 
     def _call(self, name: str, request: Any, timeout: float | None = None) -> Deferred[Any]:
         deadline = self._timeout if timeout is None else timeout
-        slots = self._slots
-        if slots is None:
+        if self._slots is None:
             return self._send(name, request, deadline)
-        if slots.tokens:
-            # A slot is free (the common case): taken at once, and given
-            # back however the call ends, without a coroutine around it.
-            slots.acquire()
-
-            def release(result: object) -> object:
-                slots.release()
-                return result
-
-            return self._send(name, request, deadline).addBoth(release)
-        return Deferred.fromCoroutine(self._inTurn(name, request, deadline, slots))
+        return Deferred.fromCoroutine(self._inTurn(name, request, deadline, self._slots))
 
     async def _inTurn(
         self, name: str, request: Any, deadline: float, slots: DeferredSemaphore
@@ -299,10 +269,11 @@ class MemoryClient:
             return fail(MemoryUnavailable(None, str(error)))
         spanContext = trace.get_current_span().get_span_context()
         metadata = traceMetadata(spanContext) if spanContext.is_valid else None
-        called = self._calls.call(self._methods[name], request, timeout, metadata)
+        future = self._methods[name].future(request, timeout=timeout, metadata=metadata)
+        called: Deferred[Any] = deferredFromFuture(self._reactor, future)
 
         def failed(failure: Any) -> Any:
-            if isinstance(failure.value, (grpc.RpcError, CallNotSent)):
+            if isinstance(failure.value, grpc.RpcError):
                 raise failureOf(failure.value)
             return failure
 
