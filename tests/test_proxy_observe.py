@@ -563,3 +563,22 @@ def test_journals_of_the_two_kinds_are_never_confused(tmp_path: Path) -> None:
         checkJournalPath(str(usageJournal), OBSERVATION_JOURNAL_MAGIC)
     with pytest.raises(ConfigError):
         ProxyConfig.fromEnvironment({**base, "SVC_MEMORY_OUTBOX_MAX": "0"})
+
+
+def test_lone_surrogates_do_not_lose_the_observation() -> None:
+    """
+    An answer holding a lone surrogate (a provider's C{"\\ud800"}) is
+    observed with U+FFFD in its place: protobuf could not encode it, and
+    the observation, the user's facts with it, would be lost.
+    """
+    outbox = Outbox()
+    making, registry = observer(outbox)
+    planned = making.plan(request(), ORG, AGENT, stream=False)
+    assert planned is not None
+    body = b'{"choices":[{"index":0,"message":{"role":"assistant","content":"a\\ud800b"}}]}'
+    making.record(planned, ORG, AGENT, "r-1", [{"role": "user", "content": "I am here."}], body)
+    [made] = outbox.recorded
+    assert made.messages[-1].content == "a\ufffdb"
+    assert observedCount(registry, "recorded") == 1
+    assert cutText("\ud83d\ude00") == "\ufffd\ufffd"
+    assert cutText("\U0001f600" * 3, limit=9) == "\U0001f600\U0001f600"

@@ -20,6 +20,7 @@ carries it to svc-memory in the background.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -51,15 +52,24 @@ __all__ = [
 ]
 
 
+# A surrogate code point in a Python string is a lone one: JSON's escaped
+# pairs are joined into one character when parsed.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def cutText(text: str, limit: int = MAX_OBSERVED_MESSAGE_BYTES) -> str:
     """
     C{text} cut to at most C{limit} bytes of UTF-8, never inside a
     character (a cut inside one would make a string svc-memory cannot
     store). NUL characters are dropped: PostgreSQL's text cannot hold
-    them, and an observation refused for one would be lost for a byte.
+    them, and an observation refused for one would be lost for a byte. A
+    lone surrogate (JSON's C{"\\ud800"}, which a provider's answer may
+    hold: the chat body's parser refuses it only in requests) becomes
+    U+FFFD: protobuf cannot encode it, and the whole observation would be
+    lost for it.
     """
-    text = text.replace("\x00", "")
-    encoded = text.encode("utf-8", "surrogatepass")
+    text = _LONE_SURROGATE.sub("\ufffd", text.replace("\x00", ""))
+    encoded = text.encode("utf-8")
     if len(encoded) <= limit:
         return text
     # "ignore" drops the partial character the byte cut leaves at the end.
