@@ -147,6 +147,18 @@ def metric(daemon: Daemon, line: str) -> float:
     return 0.0
 
 
+FAULTY_MODELS = """
+[[models]]
+name = "failing"
+provider = "scripted"
+upstream_model = "status:500"
+
+[[models]]
+name = "broken-stream"
+provider = "scripted"
+upstream_model = "close-mid-stream"
+"""
+
 RECORDED = 'svc_proxy_memory_observations_total{outcome="recorded"}'
 SENT = "svc_proxy_memory_observations_sent_total"
 
@@ -174,6 +186,9 @@ def rig(postgresServer: PostgresServer, tmp_path: Path) -> Iterator[WorkerRig]:
     snapshot, so it knows the setting from its first request).
     """
     with runningWorkerRig(postgresServer, tmp_path) as running:
+        # Two more chat models: one that fails, one whose stream breaks.
+        with running.providers.open("a") as providers:
+            providers.write(FAULTY_MODELS)
         running.owner.setMemorySettings(running.tenant.orgID, None, {"observe": True})
         running.startWorker()
         try:
@@ -188,7 +203,8 @@ def test_chatsBecomeMemoriesOnlyWhenObserved(rig: WorkerRig) -> None:
     With observe on, a plain chat and a streamed one each become an
     observation (the user's turn after the last assistant message, under
     the chat's request id) that the worker turns into one memory per fact,
-    source C{extracted}. A chat that says C{X-SVC-Memory: off}, and one of
+    source C{extracted}. A chat whose provider failed, a stream broken
+    after its first byte, a chat that says C{X-SVC-Memory: off}, and one of
     an organization with observe off, queue nothing: the proxy counts only
     the observed ones, and once a later observed chat's memories are
     stored, the earlier unobserved ones are neither memories nor waiting.
@@ -211,6 +227,20 @@ def test_chatsBecomeMemoriesOnlyWhenObserved(rig: WorkerRig) -> None:
     assert {each["source"] for each in memories} == {"extracted"}
     assert sorted(sourcesOf(rig)[plain]) == expectedFacts(["plain"])
 
+    # Answers that did not end ok are not observed: a provider's error,
+    # and a stream broken after its first byte.
+    sdk = client(proxy, rig.tenant)
+    with pytest.raises(openai.APIStatusError):
+        sdk.chat.completions.create(
+            model="failing", messages=[{"role": "user", "content": factsOf("failing")}]
+        )
+    with pytest.raises(openai.APIError):
+        for _ in sdk.chat.completions.create(
+            model="broken-stream",
+            messages=[{"role": "user", "content": factsOf("broken")}],
+            stream=True,
+        ):
+            pass
     headerOff, _ = chat(proxy, rig.tenant, factsOf("header-off"), headers={"X-SVC-Memory": "off"})
     settingOff, _ = chat(proxy, silent, factsOf("setting-off"))
     later, _ = chat(proxy, rig.tenant, factsOf("later"))
