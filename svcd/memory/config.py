@@ -20,6 +20,11 @@ from svcd.common import config
 DEFAULT_MAX_PER_SCOPE = 10_000
 # The replica's cache of vectors, in MiB.
 DEFAULT_CACHE_MB = 512
+# Its cache of records (what searches answer of each memory), in MiB: a
+# memory of short text takes about 450 bytes there against 3,291 for a
+# vector of 768 dimensions, so this holds the records of what the default
+# cache of vectors holds unless contents average over about 500 characters.
+DEFAULT_RECORD_CACHE_MB = 128
 
 
 @attrs.frozen
@@ -47,6 +52,7 @@ class MemoryConfig:
     internalSubjects: frozenset[str] | None = None
     maxPerScope: int = DEFAULT_MAX_PER_SCOPE
     cacheBytes: int = DEFAULT_CACHE_MB * 1024 * 1024
+    recordCacheBytes: int = DEFAULT_RECORD_CACHE_MB * 1024 * 1024
 
     @classmethod
     def fromEnvironment(cls, environ: Mapping[str, str]) -> "MemoryConfig":
@@ -95,6 +101,11 @@ class MemoryConfig:
                 environ, "SVC_MEMORY_MAX_PER_SCOPE", DEFAULT_MAX_PER_SCOPE
             ),
             cacheBytes=config.positiveInteger(environ, "SVC_MEMORY_CACHE_MB", DEFAULT_CACHE_MB)
+            * 1024
+            * 1024,
+            recordCacheBytes=config.positiveInteger(
+                environ, "SVC_MEMORY_RECORD_CACHE_MB", DEFAULT_RECORD_CACHE_MB
+            )
             * 1024
             * 1024,
         )

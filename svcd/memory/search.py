@@ -1,7 +1,8 @@
 """
 A search of one scope (decisions D13): the vectors from the replica's
-cache (L{svcd.memory.vectors}), loaded from PostgreSQL on a miss, the
-memories themselves read by id afterwards.
+cache (L{svcd.memory.vectors}), the hits' records from its cache of
+records (L{svcd.memory.recordcache}), each loaded from PostgreSQL on a
+miss: a search of a cached scope reads nothing from the database.
 
 Runs on a grpcio thread, as every call of svc-memory: the load on a miss
 blocks that thread only, and the product releases the GIL.
@@ -16,7 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from prometheus_client import Histogram
 
-from svcd.memory.records import Embedding, MemoryRecord, Scope
+from svcd.common.metrics import Children
+from svcd.memory.recordcache import RecordCache
+from svcd.memory.records import Embedding, Scope
 from svcd.memory.store import MemoryStore
 from svcd.memory.vectors import (
     ScopeKey,
@@ -25,6 +28,7 @@ from svcd.memory.vectors import (
     normalised,
     parallelProduct,
 )
+from svcd.memory.wire import encodedMemory
 
 # From about this many memories a search's product is split over the
 # cores: below it, one thread reads the matrix faster than threads can be
@@ -39,6 +43,8 @@ class Searcher:
     @param workers: threads a search of a large scope splits its product
         over (L{parallelProduct}); the machine's cores by default.
     @param parallelRows: how many memories make a scope large.
+    @param records: the cache of records; None: each search reads its
+        hits from PostgreSQL by id.
     """
 
     def __init__(
@@ -48,10 +54,13 @@ class Searcher:
         searchSeconds: Histogram | None = None,
         workers: int | None = None,
         parallelRows: int = PARALLEL_ROWS,
+        records: RecordCache | None = None,
     ) -> None:
         self._store = store
         self._cache = cache
+        self._records = records
         self._searchSeconds = searchSeconds
+        self._children = Children()
         workers = workers or os.cpu_count() or 1
         # The other blocks' threads: the calling thread computes one.
         self._executor = ThreadPoolExecutor(
@@ -82,9 +91,7 @@ class Searcher:
         after C{timeout} (it will, by the listener's promise). Without a
         cached copy of the scope there is nothing to wait for.
         """
-        if not self._cache.isListening() or not self._cache.watches(
-            scope.orgID, scope.agentID, scope.subject
-        ):
+        if not self._cache.isListening() or not self._watches(scope):
             return
         nonce = uuid.uuid4().hex
         heard = self._cache.expectSync(nonce)
@@ -94,13 +101,20 @@ class Searcher:
         finally:
             self._cache.forgetSync(nonce)
 
+    def _watches(self, scope: Scope) -> bool:
+        triple = (scope.orgID, scope.agentID, scope.subject)
+        return self._cache.watches(*triple) or (
+            self._records is not None and self._records.watches(*triple)
+        )
+
     def search(
         self, scope: Scope, embedding: Embedding, k: int, minScore: float | None
-    ) -> list[tuple[MemoryRecord, float]]:
+    ) -> list[tuple[bytes, float]]:
         """
         The C{k} memories of C{scope} made by C{embedding}'s model whose
         vectors are most similar to it (cosine), best first, ties newest
-        first; only those scoring at least C{minScore} when given.
+        first; only those scoring at least C{minScore} when given. Each
+        memory in its wire encoding (L{svcd.memory.wire.encodedMemory}).
         """
         started = time.perf_counter()
         key = ScopeKey(
@@ -108,13 +122,45 @@ class Searcher:
         )
         vectors, cached = self.vectorsOf(key, scope)
         hits = vectors.search(normalised(embedding.vector), k, minScore, self._product)
-        records: dict[uuid.UUID, MemoryRecord] = {
-            each.memoryID: each
-            for each in self._store.memoriesByID(scope, [hit.memoryID for hit in hits])
-        }
+        encoded = self.recordsOf(scope, [hit.memoryID for hit in hits])
         if self._searchSeconds is not None:
-            self._searchSeconds.labels(cache="hit" if cached else "miss").observe(
+            self._children.of(self._searchSeconds, "hit" if cached else "miss").observe(
                 time.perf_counter() - started
             )
-        # A memory deleted since the ranking is not in the read: dropped.
-        return [(records[hit.memoryID], hit.score) for hit in hits if hit.memoryID in records]
+        # A memory deleted since the ranking has no record: dropped.
+        return [(encoded[hit.memoryID], hit.score) for hit in hits if hit.memoryID in encoded]
+
+    def recordsOf(self, scope: Scope, memoryIDs: list[uuid.UUID]) -> dict[uuid.UUID, bytes]:
+        """
+        The encoded records of those of C{memoryIDs} (memories of C{scope})
+        that exist: from the cache of records, whose scope is loaded whole
+        on a miss. An id the cache does not hold (a memory deleted while it
+        was being ranked, or nothing cached while the listener is down) is
+        read from PostgreSQL, in the scope, and missing if it is gone.
+        """
+        if not memoryIDs:
+            return {}
+        found: dict[uuid.UUID, bytes] | None = None
+        if self._records is not None:
+            triple = (scope.orgID, scope.agentID, scope.subject)
+            found = self._records.lookup(triple, memoryIDs)
+            if found is None:
+                load = self._records.beginLoad(triple)
+                if load is not None:
+                    try:
+                        loaded = {
+                            record.memoryID: encodedMemory(record)
+                            for record in self._store.scopeRecords(scope)
+                        }
+                    except BaseException:
+                        self._records.abandonLoad(load)
+                        raise
+                    found = self._records.finishLoad(load, loaded, memoryIDs)
+        found = found or {}
+        missing = [each for each in memoryIDs if each not in found]
+        if missing:
+            found.update(
+                (record.memoryID, encodedMemory(record))
+                for record in self._store.memoriesByID(scope, missing)
+            )
+        return found

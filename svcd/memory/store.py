@@ -147,10 +147,17 @@ def _memory(row: dict[str, Any]) -> MemoryRecord:
 @attrs.frozen
 class CachedRow:
     """
-    What a replica's cache of vectors holds of one memory (L{svcd.memory.vectors}).
+    One memory as the change listener reads it for a replica's caches: what
+    the cache of vectors holds (L{svcd.memory.vectors}) and, in C{record},
+    what the cache of records holds (L{svcd.memory.recordcache}).
 
     @ivar createdMicros: C{created_at} in microseconds since the epoch, the
         tie-break of a search.
+    @ivar record: the memory as a reader sees it (content, metadata,
+        source, times), read in the same statement as the vector, so both
+        caches follow one state of the row; for any part of svc-memory that
+        keeps what memories say. None only where a test builds a row for
+        the vectors alone.
     """
 
     memoryID: uuid.UUID
@@ -160,6 +167,7 @@ class CachedRow:
     dimensions: int
     createdMicros: int
     vector: bytes = attrs.field(repr=False)
+    record: MemoryRecord | None = attrs.field(default=None, repr=False)
 
 
 @attrs.frozen
@@ -623,20 +631,35 @@ class MemoryStore:
 
         return self._run("memory_scope_vectors", query, scope.orgID, binary=True)
 
+    def scopeRecords(self, scope: Scope) -> list[MemoryRecord]:
+        """
+        Every memory of the scope, whatever model made its vector, without
+        the vectors: the cache of records' load on a miss.
+        """
+
+        def query(cursor: Cursor) -> list[MemoryRecord]:
+            cursor.execute(
+                f"SELECT {_MEMORY_COLUMNS} FROM memories"
+                " WHERE org_id = %s AND agent_id = %s AND subject = %s",
+                (scope.orgID, scope.agentID, scope.subject),
+            )
+            return [_memory(row) for row in cursor]
+
+        return self._run("memory_scope_records", query, scope.orgID)
+
     def rowsForCache(
         self, orgID: uuid.UUID, memoryIDs: Iterable[uuid.UUID]
     ) -> dict[uuid.UUID, CachedRow]:
         """
         The current state of some memories of one organization, for the
         change listener: those still there, by id (one deleted since its
-        notification is missing).
+        notification is missing), each with its vector and its record.
         """
         wanted = list(memoryIDs)
 
         def query(cursor: Cursor) -> dict[uuid.UUID, CachedRow]:
             cursor.execute(
-                f"SELECT id, agent_id, subject, embedding_model, dimensions, {_MICROS}, vector"
-                " FROM memories WHERE id = ANY(%s)",
+                f"SELECT {_MEMORY_COLUMNS}, {_MICROS}, vector FROM memories WHERE id = ANY(%s)",
                 (wanted,),
             )
             return {
@@ -648,6 +671,7 @@ class MemoryStore:
                     dimensions=row["dimensions"],
                     createdMicros=row["created_micros"],
                     vector=bytes(row["vector"]),
+                    record=_memory(row),
                 )
                 for row in cursor.fetchall()
             }
