@@ -125,6 +125,18 @@ _MEMORY_COLUMNS = (
 )
 
 
+def _compactJSON(text: str) -> str:
+    """
+    PostgreSQL's spelling of a jsonb value, which puts spaces after
+    separators, in the compact one the size rule counts. The empty object,
+    most memories' metadata, is spelled alike both ways: a scope's load
+    reads thousands at once.
+    """
+    if text == "{}":
+        return text
+    return json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False)
+
+
 def _memory(row: dict[str, Any]) -> MemoryRecord:
     return MemoryRecord(
         memoryID=row["id"],
@@ -132,9 +144,7 @@ def _memory(row: dict[str, Any]) -> MemoryRecord:
         agentID=row["agent_id"],
         subject=row["subject"],
         content=row["content"],
-        # PostgreSQL's spelling of jsonb puts spaces after separators; the
-        # compact one is what the size rule counts.
-        metadata=json.dumps(json.loads(row["metadata"]), separators=(",", ":"), ensure_ascii=False),
+        metadata=_compactJSON(row["metadata"]),
         source=row["source"],
         sourceRequestID=row["source_request_id"],
         embeddingModel=row["embedding_model"],
@@ -643,7 +653,7 @@ class MemoryStore:
                 " WHERE org_id = %s AND agent_id = %s AND subject = %s",
                 (scope.orgID, scope.agentID, scope.subject),
             )
-            return [_memory(row) for row in cursor]
+            return [_memory(row) for row in cursor.fetchall()]
 
         return self._run("memory_scope_records", query, scope.orgID)
 
