@@ -81,8 +81,13 @@ class ScopeRecords:
         """
         The encodings of those of C{memoryIDs} held here.
         """
-        encoded = self._encoded
-        return {each: encoded[each] for each in memoryIDs if each in encoded}
+        found = {}
+        held = self._encoded.get
+        for memoryID in memoryIDs:
+            encoded = held(memoryID)
+            if encoded is not None:
+                found[memoryID] = encoded
+        return found
 
     def put(self, memoryID: uuid.UUID, encoded: bytes | None) -> None:
         """
