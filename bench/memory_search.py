@@ -214,6 +214,13 @@ def main() -> int:
                     extra["grpc_adds_per_second_one_connection"] = round(
                         arguments.adds / (time.perf_counter() - started)
                     )
+            except BaseException:
+                # The daemon's log goes with the scratch directory: its
+                # last lines say why a call failed (svc-memory logs the
+                # database's error class, never a memory's content).
+                daemon.terminate()
+                sys.stderr.write(daemon.logFile.read_text()[-4000:])
+                raise
             finally:
                 daemon.terminate()
         finally:
