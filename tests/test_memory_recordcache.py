@@ -302,6 +302,16 @@ def holdsExactly(
     return held(service, where) == truth
 
 
+def searchedAndHeld(service: RunningMemoryService, where: memory_pb2.Scope) -> None:
+    """
+    Search the scope once, then wait for the replica's cache to hold its
+    records (loaded on their own thread after a first search).
+    """
+    answered(service, where, [1.0, 0.0])
+    triple = (uuid.UUID(where.org_id), uuid.UUID(where.agent_id), where.subject)
+    waitUntil(lambda: triple in service.parts.records._scopes, 5.0)
+
+
 def listed(service: RunningMemoryService, where: memory_pb2.Scope) -> dict[str, memory_pb2.Memory]:
     """
     The scope's memories as PostgreSQL has them now.
@@ -328,14 +338,17 @@ def test_aSearchOfACachedScopeReadsNothingFromPostgreSQL(
     memoryService: RunningMemoryService, acme: Tenant
 ) -> None:
     """
-    After the first search of a scope (which loads its vectors and
-    records), searches run no database transaction at all, and answer each
-    memory exactly as GetMemory reads it from PostgreSQL.
+    The first search of a scope loads its vectors and answers its hits
+    read by id, its records then load on their own; from then on searches
+    run no database transaction at all, and answer each memory exactly as
+    GetMemory reads it from PostgreSQL.
     """
     where = scope(acme, "user-1")
     for number in range(5):
         add(memoryService, where, f"fact {number}", [1.0, float(number)], f'{{"n": {number}}}')
-    answered(memoryService, where, [1.0, 0.0])
+    first = answered(memoryService, where, [1.0, 0.0])
+    searchedAndHeld(memoryService, where)
+    assert answered(memoryService, where, [1.0, 0.0]) == first
     before = transactions(memoryService)
     for number in range(10):
         hits = answered(memoryService, where, [float(number), 1.0], k=3)
@@ -380,7 +393,7 @@ def test_aReplicaReadsItsOwnWritesAndOthersWithinOneSecond(
     kept = add(first, where, "seed", [1.0, 0.0])
     other = add(first, where, "likes tea", [0.0, 1.0])
     for replica in replicas:
-        answered(replica, where, [1.0, 0.0])
+        searchedAndHeld(replica, where)
     misses = [
         replica.registry.get_sample_value("svc_memory_record_cache_misses_total")
         for replica in replicas

@@ -19,9 +19,10 @@ the search at hand and not kept; its later searches read their hits by id
 (as without this cache) rather than the whole scope again, until the
 listener reconnects.
 
-Filled by reads. A search whose scope's records are not held loads them
-all, in one query (L{svcd.memory.store.MemoryStore.scopeRecords}), as the
-vectors are loaded on a miss; from then on its hits are read here.
+Filled by reads. A search whose scope's records are not held has them
+all loaded, in one query (L{svcd.memory.store.MemoryStore.scopeRecords}),
+on a thread of their own (L{svcd.memory.search.Searcher}), its own hits
+read by id meanwhile; from then on the scope's hits are read here.
 
 Kept current as promptly as the vectors, by the same listener
 (L{svcd.memory.listener}): every change of a memory of a scope held here
@@ -205,10 +206,10 @@ class RecordCache:
         """
         A token for a load of the scope's records about to read
         PostgreSQL, or None when nothing may be cached now (the listener is
-        down).
+        down) or a load of them is under way already.
         """
         with self._lock:
-            if not self._listening:
+            if not self._listening or triple in self._loads:
                 return None
             load = _Load(triple, self._epoch)
             self._loads.setdefault(triple, []).append(load)

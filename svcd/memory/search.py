@@ -1,8 +1,11 @@
 """
 A search of one scope (decisions D13): the vectors from the replica's
-cache (L{svcd.memory.vectors}), the hits' records from its cache of
-records (L{svcd.memory.recordcache}), each loaded from PostgreSQL on a
-miss: a search of a cached scope reads nothing from the database.
+cache (L{svcd.memory.vectors}), loaded from PostgreSQL on a miss, and the
+hits' records from its cache of records (L{svcd.memory.recordcache}): a
+search of a cached scope reads nothing from the database. A scope's
+records are loaded on a thread of their own after its first search, which
+reads its few hits by id meanwhile: the load (about as long again as the
+vectors' for a scope of short texts) never lengthens a search.
 
 Runs on a grpcio thread, as every call of svc-memory: the load on a miss
 blocks that thread only, and the product releases the GIL.
@@ -13,9 +16,10 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 from prometheus_client import Histogram
+from twisted.logger import Logger
 
 from svcd.common.metrics import Children
 from svcd.memory.recordcache import RecordCache
@@ -45,7 +49,11 @@ class Searcher:
     @param parallelRows: how many memories make a scope large.
     @param records: the cache of records; None: each search reads its
         hits from PostgreSQL by id.
+    @param recordLoads: where scopes' records are loaded; a thread of the
+        searcher's own by default.
     """
+
+    log = Logger()
 
     def __init__(
         self,
@@ -55,10 +63,14 @@ class Searcher:
         workers: int | None = None,
         parallelRows: int = PARALLEL_ROWS,
         records: RecordCache | None = None,
+        recordLoads: Executor | None = None,
     ) -> None:
         self._store = store
         self._cache = cache
         self._records = records
+        self._recordLoads = recordLoads or ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="svc-memory-records"
+        )
         self._searchSeconds = searchSeconds
         self._children = Children()
         workers = workers or os.cpu_count() or 1
@@ -133,10 +145,11 @@ class Searcher:
     def recordsOf(self, scope: Scope, memoryIDs: list[uuid.UUID]) -> dict[uuid.UUID, bytes]:
         """
         The encoded records of those of C{memoryIDs} (memories of C{scope})
-        that exist: from the cache of records, whose scope is loaded whole
-        on a miss. An id the cache does not hold (a memory deleted while it
-        was being ranked, or nothing cached while the listener is down) is
-        read from PostgreSQL, in the scope, and missing if it is gone.
+        that exist: from the cache of records. An id it does not hold (its
+        scope's records not loaded yet, a memory deleted while it was being
+        ranked, nothing cached while the listener is down) is read from
+        PostgreSQL, in the scope, and missing if it is gone. A scope whose
+        records are not held has them loaded for the next searches.
         """
         if not memoryIDs:
             return {}
@@ -145,17 +158,7 @@ class Searcher:
             triple = (scope.orgID, scope.agentID, scope.subject)
             found = self._records.lookup(triple, memoryIDs)
             if found is None:
-                load = self._records.beginLoad(triple)
-                if load is not None:
-                    try:
-                        loaded = {
-                            record.memoryID: encodedMemory(record)
-                            for record in self._store.scopeRecords(scope)
-                        }
-                    except BaseException:
-                        self._records.abandonLoad(load)
-                        raise
-                    found = self._records.finishLoad(load, loaded, memoryIDs)
+                self._loadRecords(scope)
         found = found or {}
         missing = [each for each in memoryIDs if each not in found]
         if missing:
@@ -164,3 +167,39 @@ class Searcher:
                 for record in self._store.memoriesByID(scope, missing)
             )
         return found
+
+    def _loadRecords(self, scope: Scope) -> None:
+        """
+        Load the scope's records into the cache on the loading thread,
+        unless nothing may be cached now or a load of them is under way.
+        The load is registered here, before this search's hits are read:
+        every change committed from now on reaches it (see
+        L{RecordCache.finishLoad}).
+        """
+        assert self._records is not None
+        records = self._records
+        load = records.beginLoad((scope.orgID, scope.agentID, scope.subject))
+        if load is None:
+            return
+
+        def run() -> None:
+            try:
+                loaded = {
+                    record.memoryID: encodedMemory(record)
+                    for record in self._store.scopeRecords(scope)
+                }
+            except Exception as error:
+                records.abandonLoad(load)
+                # Searches read their hits by id until a later miss loads
+                # the scope again.
+                self.log.warn(
+                    "Loading a scope's records failed: {error}", error=type(error).__name__
+                )
+                return
+            records.finishLoad(load, loaded, [])
+
+        try:
+            self._recordLoads.submit(run)
+        except RuntimeError:
+            # The executor is shut down: svc-memory is stopping.
+            records.abandonLoad(load)
