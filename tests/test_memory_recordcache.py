@@ -23,6 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from memoryfixtures import MODEL, vectorBytes
 
+from svcd.common.config import ConfigError
+from svcd.memory.config import MemoryConfig
 from svcd.memory.recordcache import (
     RECORD_OVERHEAD_BYTES,
     SCOPE_OVERHEAD_BYTES,
@@ -501,3 +503,22 @@ def test_everyReplicaHoldsWhatPostgreSQLHolds(
             replicas[0].stub.DeleteScope(memory_pb2.DeleteScopeRequest(scope=where), timeout=10)
         except grpc.RpcError:
             pass
+
+
+def test_theCacheOfRecordsAndTheSplitAreConfigured() -> None:
+    """
+    SVC_MEMORY_RECORD_CACHE_MB sizes the cache of records (128 MiB by
+    default), SVC_MEMORY_PARALLEL_ROWS the product's split (0: never);
+    a value out of their range is refused, naming the variable.
+    """
+    base = {"POSTGRES_DSN": "host=127.0.0.1"}
+    defaults = MemoryConfig.fromEnvironment(base)
+    assert (defaults.recordCacheBytes, defaults.parallelRows) == (128 * 2**20, 32_768)
+    chosen = MemoryConfig.fromEnvironment(
+        {**base, "SVC_MEMORY_RECORD_CACHE_MB": "3", "SVC_MEMORY_PARALLEL_ROWS": "0"}
+    )
+    assert (chosen.recordCacheBytes, chosen.parallelRows) == (3 * 2**20, 0)
+    for name, value in (("SVC_MEMORY_RECORD_CACHE_MB", "0"), ("SVC_MEMORY_PARALLEL_ROWS", "-1")):
+        with pytest.raises(ConfigError) as refused:
+            MemoryConfig.fromEnvironment({**base, name: value})
+        assert name in str(refused.value)

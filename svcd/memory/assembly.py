@@ -107,7 +107,13 @@ def assembleMemory(
         beatInterval=beatInterval,
         waitingInterval=waitingInterval,
     )
-    searcher = Searcher(store, cache, metrics.searchSeconds, records=records)
+    searcher = Searcher(
+        store,
+        cache,
+        metrics.searchSeconds,
+        parallelRows=settings.parallelRows,
+        records=records,
+    )
     servicer = MemoryServicer(store, searcher, metrics, settings.maxPerScope)
     interceptors: list[grpc.ServerInterceptor] = []
     if settings.internalSubjects is not None:

@@ -25,6 +25,9 @@ DEFAULT_CACHE_MB = 512
 # vector of 768 dimensions, so this holds the records of what the default
 # cache of vectors holds unless contents average over about 500 characters.
 DEFAULT_RECORD_CACHE_MB = 128
+# From how many memories a search's product is split over the cores
+# (svcd/memory/search.py); 0: never.
+DEFAULT_PARALLEL_ROWS = 32_768
 
 
 @attrs.frozen
@@ -53,6 +56,7 @@ class MemoryConfig:
     maxPerScope: int = DEFAULT_MAX_PER_SCOPE
     cacheBytes: int = DEFAULT_CACHE_MB * 1024 * 1024
     recordCacheBytes: int = DEFAULT_RECORD_CACHE_MB * 1024 * 1024
+    parallelRows: int = DEFAULT_PARALLEL_ROWS
 
     @classmethod
     def fromEnvironment(cls, environ: Mapping[str, str]) -> "MemoryConfig":
@@ -108,6 +112,9 @@ class MemoryConfig:
             )
             * 1024
             * 1024,
+            parallelRows=config.nonNegativeInteger(
+                environ, "SVC_MEMORY_PARALLEL_ROWS", DEFAULT_PARALLEL_ROWS
+            ),
         )
 
 

@@ -46,7 +46,8 @@ class Searcher:
         the scope was cached (C{cache="hit"}) or loaded (C{"miss"}).
     @param workers: threads a search of a large scope splits its product
         over (L{parallelProduct}); the machine's cores by default.
-    @param parallelRows: how many memories make a scope large.
+    @param parallelRows: how many memories make a scope large; 0: no
+        scope is (one thread computes every product).
     @param records: the cache of records; None: each search reads its
         hits from PostgreSQL by id.
     @param recordLoads: where scopes' records are loaded; a thread of the
@@ -78,7 +79,9 @@ class Searcher:
         self._executor = ThreadPoolExecutor(
             max_workers=max(1, workers - 1), thread_name_prefix="svc-memory-product"
         )
-        self._product = parallelProduct(self._executor, workers, parallelRows)
+        self._product = parallelProduct(
+            self._executor, workers if parallelRows else 1, parallelRows
+        )
 
     def vectorsOf(self, key: ScopeKey, scope: Scope) -> tuple[ScopeVectors, bool]:
         """
