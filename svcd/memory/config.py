@@ -21,9 +21,9 @@ DEFAULT_MAX_PER_SCOPE = 10_000
 # The replica's cache of vectors, in MiB.
 DEFAULT_CACHE_MB = 512
 # Its cache of records (what searches answer of each memory), in MiB: a
-# memory of short text takes about 450 bytes there against 3,291 for a
+# memory of short text takes about 440 bytes there against 3,291 for a
 # vector of 768 dimensions, so this holds the records of what the default
-# cache of vectors holds unless contents average over about 500 characters.
+# cache of vectors holds unless contents average over about 400 characters.
 DEFAULT_RECORD_CACHE_MB = 128
 # From how many memories a search's product is split over the cores
 # (svcd/memory/search.py); 0: never.
