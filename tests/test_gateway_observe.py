@@ -310,7 +310,7 @@ def test_svcMemoryAwayAndProxyRestartsLoseNothingAndStoreOnce(rig: WorkerRig) ->
         lambda: rig.contents() == expectedFacts(["away"]), "the observation made while away", 90
     )
     assert set(sourcesOf(rig)) == {away}
-    assert "svc-memory took observation(s) again" in proxy.output()
+    waitUntil(lambda: "svc-memory took observation(s) again" in proxy.output(), "the resend logged")
 
     assert rig.memory.terminate() == 0
     stopped = [chat(proxy, rig.tenant, factsOf(f"stopped-{n}"))[0] for n in range(3)]
@@ -323,7 +323,13 @@ def test_svcMemoryAwayAndProxyRestartsLoseNothingAndStoreOnce(rig: WorkerRig) ->
     shutil.copyfile(journal, saved)
     restartMemory()
     again = startProxy(rig, "again", journal)
-    assert "3 observation(s) not acknowledged by svc-memory; sending them first" in again.output()
+    # Info lines reach the log file in batches (svcd.common.logs.LineWriter).
+    waitUntil(
+        lambda: (
+            "3 observation(s) not acknowledged by svc-memory; sending them first" in again.output()
+        ),
+        "the journal's waiting observations in the log",
+    )
     expected = expectedFacts(["away", *(f"stopped-{n}" for n in range(3))])
     waitUntil(lambda: rig.contents() == expected, "the journalled observations", 90)
     assert set(stopped) <= set(sourcesOf(rig))

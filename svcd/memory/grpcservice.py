@@ -421,9 +421,7 @@ class MemoryServicer:
         minScore = None
         if request.HasField("min_score"):
             minScore = _bounded("min_score", request.min_score, -1.0, 1.0)
-        return searchResponse(
-            self._searcher.search(scope, query, k, minScore, mode, request.text)
-        )
+        return searchResponse(self._searcher.search(scope, query, k, minScore, mode, request.text))
 
     # Observations.
 
@@ -629,15 +627,15 @@ class MemoryServicer:
                 score = float(numpy.dot(unit, write.unit))
                 if score > earlierScore:
                     earlier, earlierScore = index, score
-            found = self._searcher.search(scope, embedding, 1, dedupeScore)
-            foundScore = found[0][1] if found else -2.0
+            found = self._searcher.nearest(scope, embedding, dedupeScore)
+            foundScore = found.score if found is not None else -2.0
             if earlier >= 0 and earlierScore >= dedupeScore and earlierScore >= foundScore:
                 writes[earlier] = attrs.evolve(
                     writes[earlier], content=content, embedding=embedding, unit=unit
                 )
                 continue
-            if found:
-                target = found[0][0].memoryID
+            if found is not None:
+                target = found.memoryID
                 same = [index for index, write in enumerate(writes) if write.target == target]
                 if same:
                     writes[same[0]] = attrs.evolve(

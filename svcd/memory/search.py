@@ -28,6 +28,7 @@ from svcd.memory.records import Embedding, Scope
 from svcd.memory.store import MemoryStore
 from svcd.memory.text import FUSED_DEPTH, ScopeText, TextKey, fuse
 from svcd.memory.vectors import (
+    Hit,
     Ranking,
     ScopeKey,
     ScopeVectors,
@@ -176,6 +177,38 @@ class Searcher:
         Each memory in its wire encoding (L{svcd.memory.wire.encodedMemory}).
         """
         started = time.perf_counter()
+        hits, cached = self._ranked(scope, embedding, k, minScore, mode, text)
+        encoded = self.recordsOf(scope, [hit.memoryID for hit in hits])
+        if self._searchSeconds is not None:
+            self._children.of(self._searchSeconds, "hit" if cached else "miss").observe(
+                time.perf_counter() - started
+            )
+        # A memory deleted since the ranking has no record: dropped.
+        return [(encoded[hit.memoryID], hit.score) for hit in hits if hit.memoryID in encoded]
+
+    def nearest(self, scope: Scope, embedding: Embedding, minScore: float) -> Hit | None:
+        """
+        The memory of C{scope} whose vector is nearest C{embedding}'s, when
+        it scores at least C{minScore} and still exists: what a worker's
+        memory replaces (decisions D13, C{dedupe_score}). Its id and score
+        only, without decoding a record.
+        """
+        hits, _ = self._ranked(scope, embedding, 1, minScore, VECTOR, "")
+        present = self.recordsOf(scope, [hit.memoryID for hit in hits])
+        return next((hit for hit in hits if hit.memoryID in present), None)
+
+    def _ranked(
+        self,
+        scope: Scope,
+        embedding: Embedding | None,
+        k: int,
+        minScore: float | None,
+        mode: str,
+        text: str,
+    ) -> tuple[list[Hit], bool]:
+        """
+        L{search}'s ranking, and whether every index it read was cached.
+        """
         cached = True
         rankings: list[Ranking] = []
         if mode != TEXT:
@@ -196,14 +229,7 @@ class Searcher:
             index, textCached = self.textOf(scope)
             cached = cached and textCached
             rankings.append(index.rank(text, k if mode == TEXT else FUSED_DEPTH))
-        hits = (fuse(rankings, k) if mode == HYBRID else rankings[0]).hits()
-        encoded = self.recordsOf(scope, [hit.memoryID for hit in hits])
-        if self._searchSeconds is not None:
-            self._children.of(self._searchSeconds, "hit" if cached else "miss").observe(
-                time.perf_counter() - started
-            )
-        # A memory deleted since the ranking has no record: dropped.
-        return [(encoded[hit.memoryID], hit.score) for hit in hits if hit.memoryID in encoded]
+        return (fuse(rankings, k) if mode == HYBRID else rankings[0]).hits(), cached
 
     def recordsOf(self, scope: Scope, memoryIDs: list[uuid.UUID]) -> dict[uuid.UUID, bytes]:
         """
