@@ -537,6 +537,55 @@ def test_readmeSDKProgramGetsAnswersWithUsage(firstRun: GatewayRun) -> None:
     assert usage.startswith("CompletionUsage(" + usageText)
 
 
+def readmeSDKMemoryProgram() -> str:
+    """
+    README's second C{openai} SDK program: the first run remembering
+    (the literal block that names X-SVC-Memory-Subject).
+    """
+    lines = README.read_text().splitlines()
+    quickStart = lines.index("Quick start")
+    start = next(
+        index
+        for index in range(quickStart, len(lines))
+        if lines[index].strip().startswith('"X-SVC-Memory-Subject"')
+    )
+    while not lines[start - 1].endswith("::"):
+        start -= 1
+    end = start
+    while end < len(lines) and (lines[end].startswith("    ") or not lines[end].strip()):
+        end += 1
+    return textwrap.dedent("\n".join(lines[start:end]))
+
+
+def test_readmeSDKMemoryProgramRemembersAndRecalls(firstRun: GatewayRun) -> None:
+    """
+    Issue 33: "README shows the same with the openai SDK". README's memory
+    program, run as the other: its chat tells a fact, which is observed
+    (observe is on for the demo agent) and made a memory by svc-worker;
+    the listing shows it, extracted; the question after it has it
+    recalled (X-SVC-Memories: 1, and the scripted answer counts the
+    memories' message besides the question).
+    """
+    program = readmeSDKMemoryProgram()
+    assert 'base_url="http://127.0.0.1:8080/v1"' in program
+    result = subprocess.run(
+        [sys.executable, "-c", program.replace(":8080/", f":{firstRun.proxyPort}/")],
+        cwd=firstRun.dataDirectory.parent,
+        env=environmentOfTheTests(),
+        capture_output=True,
+        text=True,
+        # The program waits up to 60 s for the worker itself.
+        timeout=COMMAND_LIMIT + WORKER_LIMIT,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    listed, memories, answer = result.stdout.splitlines()
+    assert listed == "[('I drink green tea every morning.', 'extracted')]"
+    assert memories == "X-SVC-Memories: 1"
+    question = "What do I drink in the morning?"
+    assert answer == f"Scripted answer to 2 messages; the last has {len(question)} characters."
+
+
 @needsCurl
 def test_ctrlCStopsTheModelServerAndAKilledRunsIsStoppedNextTime(
     sharedServers: dict[str, str], runs: Runs

@@ -903,7 +903,7 @@ def restartedWithJournal(proxy: Daemon) -> int:
             log.seek(logged)
             text = log.read()
         return re.findall(
-            rb"(?:(\d+) row\(s\) not acknowledged by svc-auth; sending them first)"
+            rb"(?:(\d+) usage row\(s\) not acknowledged by svc-auth; sending them first)"
             rb"|(svc-proxy listening on)",
             text,
         )

@@ -142,6 +142,10 @@ def test_updateChangesContentVectorAndMetadata(memoryStore: MemoryStore, acme: T
     assert changed.updatedAt > changed.createdAt
     rows = memoryStore.rowsForCache(acme.orgID, [memoryID])
     assert rows[memoryID].vector == vectorBytes([0.0, 1.0, 0.0])
+    # The listener's row carries the record as a reader sees it, and the
+    # load of a scope's records reads the same.
+    assert rows[memoryID].record == changed == memoryStore.get(scope, memoryID)
+    assert memoryStore.scopeRecords(scope) == [changed]
 
 
 def test_theCapHoldsUnderConcurrentAdds(memoryStore: MemoryStore, acme: Tenant) -> None:

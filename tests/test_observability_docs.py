@@ -26,6 +26,7 @@ from svcd.memory.config import MemoryConfig
 from svcd.memory.grpcservice import MemoryMetrics
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.metrics import ProxyMetrics
+from svcd.proxy.observe import ObservationOutboxMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
 OPERATIONS = (ROOT / "docs" / "operations.rst").read_text()
@@ -106,6 +107,7 @@ def _auth() -> AuthConfig:
         ("SVC_START_TIMEOUT", lambda: _proxy().startTimeout),
         ("SVC_REDIS_TIMEOUT", lambda: _proxy().redisTimeout),
         ("SVC_USAGE_OUTBOX_MAX", lambda: _proxy().usageOutboxMax),
+        ("SVC_MEMORY_OUTBOX_MAX", lambda: _proxy().memoryOutboxMax),
         ("SVC_ENV", lambda: _proxy().environment),
         ("SVC_ENV", lambda: _auth().environment),
         ("SVC_GRPC_HOST", lambda: _auth().grpcHost),
@@ -151,6 +153,7 @@ def test_otherDefaults() -> None:
     assert _proxy().orgRPM == {} and documented["SVC_RATE_LIMIT_ORG_OVERRIDES"] == "empty"
     assert _proxy().providers is None and documented["SVC_PROVIDERS_FILE"] == "unset"
     assert _proxy().usageJournal is None and documented["SVC_USAGE_JOURNAL"] == "unset"
+    assert _proxy().memoryJournal is None and documented["SVC_MEMORY_JOURNAL"] == "unset"
     assert _auth().internalSubjects is None
     assert documented["SVC_GRPC_INTERNAL_SUBJECTS"] == "unset"
     for required in ("POSTGRES_DSN", "SVC_AUTH_GRPC_ADDR"):
@@ -166,6 +169,7 @@ def exportedSeries() -> set[str]:
     """
     proxy = ProxyMetrics().registry
     proxy.register(CollectorMetrics())
+    ObservationOutboxMetrics(proxy)
     auth = CollectorRegistry()
     AuthMetrics(auth)
     DenialLog(auth)

@@ -5,6 +5,7 @@ Which parts of a chat completion become an observation (decisions D13,
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -15,14 +16,23 @@ from prometheus_client import CollectorRegistry
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.logger import ILogObserver, formatEvent, globalLogPublisher
+from twisted.web.test.requesthelper import DummyRequest
 
-from svcd.ledger.journalfile import JournalError
+from svcd.common.config import ConfigError
+from svcd.common.errors import ApiError
+from svcd.ledger.journalfile import JournalError, checkJournalPath
 from svcd.ledger.outbox import UsageJournal
+from svcd.limits.book import LimitBook, MemorySettingsRow
+from svcd.limits.records import MemorySettings
 from svcd.memory.records import MAX_OBSERVED_MESSAGE_BYTES
 from svcd.pb.memory.v1 import memory_pb2
+from svcd.providers.relay import StreamFault, StreamRelay
+from svcd.proxy.config import ProxyConfig
 from svcd.proxy.observe import (
+    OBSERVATION_JOURNAL_MAGIC,
     AnswerText,
     ObservationOutboxMetrics,
+    Observer,
     completionText,
     cutText,
     observation,
@@ -273,3 +283,302 @@ class StatusError(grpc.RpcError):  # type: ignore[misc]
 
 
 grpc.Call.register(StatusError)
+
+
+ORG = "0190a000-0000-7000-8000-000000000001"
+AGENT = "0190a000-0000-7000-8000-000000000002"
+
+
+def request(**headers: str) -> DummyRequest:
+    made = DummyRequest([b""])
+    for name, value in headers.items():
+        made.requestHeaders.setRawHeaders(name.replace("_", "-"), [value])
+    return made
+
+
+class Outbox:
+    """
+    The observations' outbox as the observer sees it.
+    """
+
+    def __init__(self, room: bool = True) -> None:
+        self.room = room
+        self.recorded: list[memory_pb2.Observation] = []
+
+    def hasRoom(self) -> bool:
+        return self.room
+
+    def record(self, row: Any) -> None:
+        self.recorded.append(row)
+
+
+def observer(
+    outbox: Outbox, observe: bool | None = True, agentObserve: bool | None = None
+) -> tuple[Observer, CollectorRegistry]:
+    book = LimitBook()
+    book.changed(MemorySettingsRow(ORG, None, MemorySettings(observe=observe)))
+    if agentObserve is not None:
+        book.changed(MemorySettingsRow(ORG, AGENT, MemorySettings(observe=agentObserve)))
+    registry = CollectorRegistry()
+    return Observer(outbox, book, ObservationOutboxMetrics(registry), Clock()), registry
+
+
+def observedCount(registry: CollectorRegistry, outcome: str) -> float:
+    value = registry.get_sample_value("svc_proxy_memory_observations_total", {"outcome": outcome})
+    return value or 0.0
+
+
+def test_plan_follows_settings_and_headers() -> None:
+    """
+    A request observes when its organization (or its agent, which wins)
+    has observe on and it did not say X-SVC-Memory: off; its subject is
+    X-SVC-Memory-Subject's; a stream gets a gatherer of its text, a plain
+    answer none. A bad header is a 400 whatever the settings.
+    """
+    on, _ = observer(Outbox())
+    planned = on.plan(request(X_SVC_Memory_Subject="alice"), ORG, AGENT, stream=False)
+    assert planned is not None and planned.subject == "alice" and planned.answer is None
+    streamed = on.plan(request(), ORG, AGENT, stream=True)
+    assert streamed is not None and streamed.subject == "" and streamed.answer is not None
+    assert on.plan(request(X_SVC_Memory="off"), ORG, AGENT, stream=False) is None
+    assert on.plan(request(), ORG, None, stream=False) is None
+    off, _ = observer(Outbox(), observe=False)
+    assert off.plan(request(), ORG, AGENT, stream=False) is None
+    agentOff, _ = observer(Outbox(), observe=True, agentObserve=False)
+    assert agentOff.plan(request(), ORG, AGENT, stream=False) is None
+    agentOn, _ = observer(Outbox(), observe=False, agentObserve=True)
+    assert agentOn.plan(request(), ORG, AGENT, stream=False) is not None
+    for bad in ({"X_SVC_Memory": "on"}, {"X_SVC_Memory_Subject": "no spaces"}):
+        with pytest.raises(ApiError):
+            off.plan(request(**bad), ORG, AGENT, stream=False)
+
+
+ANSWER = (
+    b'{"choices":[{"index":0,"message":{"role":"assistant","content":"Noted, Lyon."}}],'
+    b'"usage":{"prompt_tokens":3,"completion_tokens":2}}'
+)
+
+
+def test_record_puts_the_observation_in_the_outbox() -> None:
+    """
+    A plain answer's observation: the user's turn and the first choice's
+    content, under the request id and subject; counted C{recorded}.
+    """
+    outbox = Outbox()
+    making, registry = observer(outbox)
+    planned = making.plan(request(X_SVC_Memory_Subject="bob"), ORG, AGENT, stream=False)
+    assert planned is not None
+    making.record(
+        planned, ORG, AGENT, "req-1", [{"role": "user", "content": "I live in Lyon."}], ANSWER
+    )
+    [made] = outbox.recorded
+    assert (made.scope.org_id, made.scope.agent_id, made.scope.subject) == (ORG, AGENT, "bob")
+    assert made.request_id == "req-1"
+    assert [(m.role, m.content) for m in made.messages] == [
+        ("user", "I live in Lyon."),
+        ("assistant", "Noted, Lyon."),
+    ]
+    assert observedCount(registry, "recorded") == 1
+
+
+def test_record_of_a_stream_takes_the_gathered_text() -> None:
+    """
+    A stream's observation holds the text its deltas carried, as the
+    relay fed them; the (empty) body is not read.
+    """
+    outbox = Outbox()
+    making, _ = observer(outbox)
+    planned = making.plan(request(), ORG, AGENT, stream=True)
+    assert planned is not None and planned.answer is not None
+    for piece in ("Noted", ", Ly", "on."):
+        delta = {"choices": [{"index": 0, "delta": {"content": piece}}]}
+        planned.answer.addData(json.dumps(delta).encode())
+    planned.answer.addData(b"not json")
+    making.record(planned, ORG, AGENT, "req-2", [{"role": "user", "content": "hi"}], b"")
+    [made] = outbox.recorded
+    assert made.messages[-1].content == "Noted, Lyon."
+
+
+def test_record_never_fails_the_answer() -> None:
+    """
+    Nothing to observe (no user text) is counted C{empty}; a full outbox
+    drops the observation, counted C{full} and logged by request id; an
+    answer that cannot be read is counted C{error}: none of them raises,
+    and no line holds a text of the conversation.
+    """
+    lines: list[str] = []
+
+    def heard(event: dict[str, Any]) -> None:
+        lines.append(formatEvent(event))
+
+    outbox = Outbox()
+    making, registry = observer(outbox)
+    planned = making.plan(request(), ORG, AGENT, stream=False)
+    assert planned is not None
+    secret = [{"role": "user", "content": "my pin is 4321"}]
+    globalLogPublisher.addObserver(cast(ILogObserver, heard))
+    try:
+        making.record(planned, ORG, AGENT, "r-empty", [{"role": "system", "content": "x"}], ANSWER)
+        outbox.room = False
+        making.record(planned, ORG, AGENT, "r-full", secret, ANSWER)
+        outbox.room = True
+        making.record(planned, ORG, AGENT, "r-broken", secret, b"\xff not json 4321")
+    finally:
+        globalLogPublisher.removeObserver(cast(ILogObserver, heard))
+    assert outbox.recorded == []
+    assert [observedCount(registry, each) for each in ("empty", "full", "error")] == [1, 1, 1]
+    assert any("r-full" in line for line in lines)
+    assert any("r-broken" in line for line in lines)
+    assert not any("4321" in line for line in lines)
+
+
+def test_answer_text_parses_no_more_than_its_bound() -> None:
+    """
+    Once the bound is held, later events are not even parsed.
+    """
+    text = AnswerText(limit=4)
+    text.addData(b'{"choices":[{"index":0,"delta":{"content":"abcd"}}]}')
+    text.addData(b'{"choices":[{"index":0,"delta":{"content":"efgh"}}]}')
+    text.addData(b"[" * 100_000)
+    assert text.text() == "abcd"
+
+
+def test_relay_feeds_event_data_and_survives_its_faults() -> None:
+    """
+    The relay gives each relayed event's data (not [DONE]) to onData; an
+    onData that fails is not called again, and the stream is relayed
+    whole all the same.
+    """
+    fed: list[bytes] = []
+    written: list[bytes] = []
+
+    def failing(data: bytes) -> None:
+        fed.append(data)
+        raise RecursionError("nested too deep")
+
+    def errorEvent(fault: StreamFault) -> bytes:
+        return b"data: error\n\n"
+
+    relay = StreamRelay(Clock(), 5, 5, lambda: None, written.append, errorEvent, False, failing)
+    relay.dataReceived(b"data: one\n\ndata: two\n\ndata: [DONE]\n\n")
+    assert fed == [b"one"]
+    assert b"".join(written) == b"data: one\n\ndata: two\n\ndata: [DONE]\n\n"
+    assert relay.finished.called
+    gathered: list[bytes] = []
+    relay = StreamRelay(
+        Clock(), 5, 5, lambda: None, written.append, errorEvent, False, gathered.append
+    )
+    relay.dataReceived(b"data: one\n\n: comment\n\ndata: two\n\ndata: [DONE]\n\n")
+    assert gathered == [b"one", b"two"]
+
+
+def test_rejected_observation_leaves_ids_not_content_in_the_rejects_file(
+    tmp_path: Path,
+) -> None:
+    """
+    With a journal, an observation svc-memory refuses for good is set
+    aside in <journal>.rejects (0600) by its ids, size and reason, without
+    its content; the log line names it by request id, and says
+    QueueObservations and svc-memory, not RecordUsage and svc-auth.
+    """
+    path = tmp_path / "memory.journal"
+    lines: list[str] = []
+
+    def heard(event: dict[str, Any]) -> None:
+        lines.append(formatEvent(event))
+
+    clock = Clock()
+    queue = FakeQueue()
+    outbox = observationOutbox(
+        queue, clock, ObservationOutboxMetrics(CollectorRegistry()), journalPath=str(path)
+    )
+    outbox.start()
+    globalLogPublisher.addObserver(cast(ILogObserver, heard))
+    try:
+        outbox.record(made("r1", secret="launch code 1234"))
+        clock.advance(1)
+        queue.calls[0][1].errback(StatusError(grpc.StatusCode.UNAVAILABLE))
+        clock.advance(10)
+        queue.calls[1][1].errback(StatusError(grpc.StatusCode.INVALID_ARGUMENT))
+    finally:
+        globalLogPublisher.removeObserver(cast(ILogObserver, heard))
+    rejects = Path(str(path) + ".rejects")
+    assert rejects.stat().st_mode & 0o777 == 0o600
+    [line] = [json.loads(each) for each in rejects.read_text().splitlines()]
+    assert line["observation"]["request_id"] == "r1"
+    assert line["observation"]["messages"] == 2
+    assert line["reason"] == "invalid"
+    assert "launch code" not in rejects.read_text()
+    assert any(
+        "QueueObservations to svc-memory failed" in each and "observation(s) waiting" in each
+        for each in lines
+    )
+    assert any("svc-memory rejected observation r1" in each for each in lines)
+    assert not any("svc-auth" in each or "usage" in each.lower() for each in lines)
+    assert not any("launch code" in each for each in lines)
+
+
+def test_journals_of_the_two_kinds_are_never_confused(tmp_path: Path) -> None:
+    """
+    A memory journal named as the usage journal (or the reverse) is
+    refused by name before the daemon starts, and so is one file named as
+    both; each kind's own file, or none yet, is taken.
+    """
+    memoryJournal = tmp_path / "memory.journal"
+    outbox = observationOutbox(
+        FakeQueue(),
+        Clock(),
+        ObservationOutboxMetrics(CollectorRegistry()),
+        journalPath=str(memoryJournal),
+    )
+    outbox.start()
+    outbox.close()
+    usageJournal = tmp_path / "usage.journal"
+    UsageJournal(str(usageJournal)).open()
+    base = {"SVC_AUTH_GRPC_ADDR": "auth.test:9091"}
+    taken = ProxyConfig.fromEnvironment(
+        {
+            **base,
+            "SVC_USAGE_JOURNAL": str(usageJournal),
+            "SVC_MEMORY_JOURNAL": str(memoryJournal),
+        }
+    )
+    assert (taken.usageJournal, taken.memoryJournal) == (str(usageJournal), str(memoryJournal))
+    assert taken.memoryOutboxMax == 10_000
+    with pytest.raises(ConfigError) as caught:
+        ProxyConfig.fromEnvironment({**base, "SVC_USAGE_JOURNAL": str(memoryJournal)})
+    assert caught.value.variable == "SVC_USAGE_JOURNAL"
+    assert "is a memory journal of svc-proxy, not a usage journal" in caught.value.problem
+    with pytest.raises(ConfigError) as caught:
+        ProxyConfig.fromEnvironment({**base, "SVC_MEMORY_JOURNAL": str(usageJournal)})
+    assert caught.value.variable == "SVC_MEMORY_JOURNAL"
+    assert "is a usage journal of svc-proxy, not a memory journal" in caught.value.problem
+    fresh = str(tmp_path / "fresh.journal")
+    with pytest.raises(ConfigError) as caught:
+        ProxyConfig.fromEnvironment(
+            {**base, "SVC_USAGE_JOURNAL": fresh, "SVC_MEMORY_JOURNAL": fresh}
+        )
+    assert caught.value.variable == "SVC_MEMORY_JOURNAL"
+    with pytest.raises(JournalError, match="not a memory journal"):
+        checkJournalPath(str(usageJournal), OBSERVATION_JOURNAL_MAGIC)
+    with pytest.raises(ConfigError):
+        ProxyConfig.fromEnvironment({**base, "SVC_MEMORY_OUTBOX_MAX": "0"})
+
+
+def test_lone_surrogates_do_not_lose_the_observation() -> None:
+    """
+    An answer holding a lone surrogate (a provider's C{"\\ud800"}) is
+    observed with U+FFFD in its place: protobuf could not encode it, and
+    the observation, the user's facts with it, would be lost.
+    """
+    outbox = Outbox()
+    making, registry = observer(outbox)
+    planned = making.plan(request(), ORG, AGENT, stream=False)
+    assert planned is not None
+    body = b'{"choices":[{"index":0,"message":{"role":"assistant","content":"a\\ud800b"}}]}'
+    making.record(planned, ORG, AGENT, "r-1", [{"role": "user", "content": "I am here."}], body)
+    [made] = outbox.recorded
+    assert made.messages[-1].content == "a\ufffdb"
+    assert observedCount(registry, "recorded") == 1
+    assert cutText("\ud83d\ude00") == "\ufffd\ufffd"
+    assert cutText("\U0001f600" * 3, limit=9) == "\U0001f600\U0001f600"

@@ -198,7 +198,7 @@ def test_killedProxyResendsFromItsJournal(
         again.waitForHealth()
     finally:
         assert again.terminate() == 0
-    assert "3 row(s) not acknowledged by svc-auth; sending them first" in again.output()
+    assert "3 usage row(s) not acknowledged by svc-auth; sending them first" in again.output()
     assert servicer.recorded() == requestIDs
 
 

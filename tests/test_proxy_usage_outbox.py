@@ -26,7 +26,7 @@ import pytest
 from google.protobuf import json_format
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
-from twisted.logger import ILogObserver, LogLevel, globalLogPublisher
+from twisted.logger import ILogObserver, LogLevel, formatEvent, globalLogPublisher
 
 from svcd.ledger.journalfile import JOURNAL_MAGIC, JournalError, checkJournalPath
 from svcd.ledger.outbox import UsageJournal, UsageOutbox
@@ -279,11 +279,11 @@ def test_failuresLoggedThrottled() -> None:
         sender.acknowledge()
     finally:
         globalLogPublisher.removeObserver(cast(ILogObserver, events.append))
-    ours = [event for event in events if "RecordUsage" in event.get("log_format", "")]
+    ours = [event for event in events if "RecordUsage to svc-auth failed" in formatEvent(event)]
     assert [event["log_level"] for event in ours] == [LogLevel.warn, LogLevel.warn]
     assert ours[0]["grpc_status"] == "unavailable" and ours[0]["rows"] == 1
     assert ours[1]["suppressed"] == 3
-    [back] = [event for event in events if "took usage rows again" in event.get("log_format", "")]
+    [back] = [event for event in events if "took usage row(s) again" in formatEvent(event)]
     assert back["attempts"] == 5
 
 
@@ -683,7 +683,7 @@ def test_rejectedRowsSetAsideAndTheBatchAcknowledged(tmp_path: Path) -> None:
     assert sample(metrics, "svc_proxy_usage_rows_sent_total") == 3
     assert heard == [[ledgerRow(number).ledger_id for number in (1, 3, 5)]]
     # One warning: the second rejection, within 10 s, is suppressed.
-    warnings = [event for event in events if "rejected usage row" in event.get("log_format", "")]
+    warnings = [event for event in events if "rejected usage row" in formatEvent(event)]
     assert len(warnings) == 1
     assert warnings[0]["log_level"] == LogLevel.warn
     assert (warnings[0]["ledger_id"], warnings[0]["reason"], warnings[0]["detail"]) == (
@@ -714,7 +714,7 @@ def test_rejectedWithoutAJournalLoggedWholeAndCounted() -> None:
             )
         )
     assert box.waiting == 0
-    lines = [event for event in events if "rejected usage row" in event.get("log_format", "")]
+    lines = [event for event in events if "rejected usage row" in formatEvent(event)]
     assert [event["log_level"] for event in lines] == [LogLevel.error, LogLevel.error]
     assert [json_format.Parse(event["row"], auth_pb2.UsageRow()) for event in lines] == [
         ledgerRow(1),

@@ -13,6 +13,7 @@ import attrs
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 
+from svcd.ledger.outbox import USAGE_WORDS, OutboxWords
 from svcd.limits.limiter import RedisRateLimiter
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.http.edge import ProxyEdge
@@ -61,22 +62,37 @@ class Ledger:
     events: Events
     waiting: int = 3
     flushing: list[tuple[float, Deferred[int]]] = attrs.field(factory=list)
+    name: str = "ledger"
+    words: OutboxWords = USAGE_WORDS
 
     def start(self) -> None:
-        self.events.happened.append("journal replayed")
+        self.events.happened.append("journal replayed" if self.name == "ledger" else self.name)
 
     def flush(self, timeout: float) -> Deferred[int]:
-        self.events.happened.append("flush")
+        self.events.happened.append("flush" if self.name == "ledger" else f"{self.name} flush")
         flushed: Deferred[int] = Deferred()
         self.flushing.append((timeout, flushed))
         return flushed
 
     def close(self) -> int:
-        self.events.happened.append("ledger closed")
+        self.events.happened.append(f"{self.name} closed")
         return self.waiting
 
 
-def service(events: Events, ledger: Ledger, clock: Clock) -> ProxyService:
+class Memory:
+    def __init__(self, events: Events) -> None:
+        self.events = events
+
+    def start(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.events.happened.append("memory channel closed")
+
+
+def service(
+    events: Events, ledger: Ledger, clock: Clock, observations: Ledger | None = None
+) -> ProxyService:
     auth = Auth(events)
     limiter = RedisRateLimiter(MemoryCounters(), clock, 60)
     edge = ProxyEdge(
@@ -91,6 +107,8 @@ def service(events: Events, ledger: Ledger, clock: Clock) -> ProxyService:
         clock,
         shutdownTimeout=7.0,
         ledger=ledger,
+        memory=Memory(events) if observations is not None else None,
+        observations=observations,
     )
 
 
@@ -131,3 +149,38 @@ def test_nothingWaitingNoFlush() -> None:
     clock.advance(0.1)
     assert "flush" not in events.happened
     assert events.happened[-2:] == ["ledger closed", "channel closed"]
+
+
+def test_observationsStartBeforeListeningAndFlushBesideTheRows() -> None:
+    """
+    Decisions D13: the observations' outbox is read at start before the
+    proxy listens; at stop it is flushed at the same time as the usage
+    rows (each within the shutdown timeout, so the stop waits for the
+    slower, not the sum), and the channel to svc-memory closes only after
+    both are over.
+    """
+    events, clock = Events(), Clock()
+    ledger = Ledger(events)
+    observations = Ledger(events, waiting=2, name="observations")
+    proxy = service(events, ledger, clock, observations)
+    proxy.startService()
+    clock.advance(0.1)
+    assert events.happened == ["journal replayed", "observations", "listen"]
+    stopped = proxy.stopService()
+    clock.advance(0.1)
+    assert events.happened[-2:] == ["flush", "observations flush"]
+    [(timeout, observed)] = observations.flushing
+    assert timeout == 7.0
+    observed.callback(0)
+    clock.advance(0.1)
+    assert "memory channel closed" not in events.happened and not stopped.called
+    [(_, flushed)] = ledger.flushing
+    flushed.callback(0)
+    clock.advance(0.1)
+    assert events.happened[-4:] == [
+        "observations closed",
+        "ledger closed",
+        "channel closed",
+        "memory channel closed",
+    ]
+    assert stopped.called

@@ -487,7 +487,13 @@ def test_schemathesisFindsNothing(liveGateway: Gateway, document: dict[str, Any]
         st.sampled_from(sorted(exampleModels(document))),
         st.booleans(),
     )
-    strategy = st.one_of(
+    # A third of the cases are forwarded chats, and GET /v1/models with our
+    # credentials has a strategy of its own: spread over every operation
+    # of a document that grew with the memory routes, they had become so
+    # rare (two streamed answers in 600 calls) that a changed document
+    # left none for the assertions below.
+    generated = st.one_of(
+        schema["/v1/models"]["GET"].as_strategy(GenerationMode.POSITIVE, headers=credentials),
         schema.as_strategy(GenerationMode.POSITIVE, headers=credentials),
         schema.as_strategy(GenerationMode.POSITIVE, headers=credentials, path_parameters=ownOrg),
         schema.as_strategy(GenerationMode.NEGATIVE, headers=credentials),
@@ -498,8 +504,9 @@ def test_schemathesisFindsNothing(liveGateway: Gateway, document: dict[str, Any]
         ),
         schema.as_strategy(GenerationMode.POSITIVE),
         schema.as_strategy(GenerationMode.NEGATIVE),
-        forwarded,
     )
+    # (Not st.one_of(generated, forwarded): one_of flattens its branches.)
+    strategy = st.integers(0, 2).flatmap(lambda pick: forwarded if pick == 0 else generated)
     baseURL = f"http://127.0.0.1:{liveGateway.port}"
     seen: dict[int, int] = {}
     # (path, status, media type) of the answers of the D9 routes.

@@ -21,6 +21,11 @@ older one, or a batch it cannot take as a whole) is sent the batch in
 halves until the row it refuses is alone; that row is set aside as
 C{invalid} and the rest go on.
 
+The same outbox and journal carry svc-proxy's observations to svc-memory
+(decisions D13, L{svcd.proxy.observe.observationOutbox}): another record
+type, key, call, journal magic and wording (L{OutboxWords}), the same
+promises. What follows says "rows" and "svc-auth" for both.
+
 L{UsageJournal} is the file that lets rows outlive the process. What
 survives what:
 
@@ -58,6 +63,7 @@ from collections.abc import Callable, Sequence
 from itertools import islice
 from typing import Any, Protocol
 
+import attrs
 import grpc
 from google.protobuf import json_format
 from prometheus_client import Counter, Gauge
@@ -69,7 +75,7 @@ from twisted.python.failure import Failure
 from svcd.common.clocks import Clock, asReactorTime
 from svcd.common.deferreds import timeoutDeferred
 from svcd.common.logthrottle import ThrottledWarning
-from svcd.ledger.journalfile import JOURNAL_MAGIC, JournalError
+from svcd.ledger.journalfile import JOURNAL_MAGIC, JournalError, journalKind
 from svcd.pb.auth.v1 import auth_pb2
 
 # Rows per RecordUsage call: svc-auth commits a batch in one transaction;
@@ -102,6 +108,51 @@ COMPACT_JOURNAL_BYTES = 16 * 1024 * 1024
 REJECT_REASONS = frozenset({"invalid", "conflict"})
 # What a reject's detail may take in the log and the rejects file.
 DETAIL_CHARS = 500
+
+
+@attrs.frozen
+class OutboxWords:
+    """
+    What an outbox carries, to whom and through which journal, in the
+    words of its log lines and refusals: the usage ledger's by default
+    (L{USAGE_WORDS}); svc-proxy's observations for svc-memory
+    (decisions D13) have theirs, so that an operator reading
+    "RecordUsage to svc-auth failed" knows it is the ledger, and
+    "QueueObservations to svc-memory failed" that it is not.
+
+    @ivar records: records in a count (C{"{rows} usage row(s) waiting"}).
+    @ivar record: one record (C{"rejected usage row {key}"}).
+    @ivar peer: the daemon that commits them.
+    @ivar call: its gRPC method.
+    @ivar journal: the journal's name at the start of a line.
+    @ivar variable: the variable that names the journal.
+    @ivar keyField: the log field that carries a record's key, besides
+        C{key} (C{ledger_id} for usage rows, as before).
+    """
+
+    records: str = "usage row(s)"
+    record: str = "usage row"
+    peer: str = "svc-auth"
+    call: str = "RecordUsage"
+    journal: str = "Usage journal"
+    variable: str = "SVC_USAGE_JOURNAL"
+    keyField: str = "ledger_id"
+
+    def fields(self) -> dict[str, str]:
+        """
+        The log fields of every line that names what is carried.
+        """
+        return {
+            "records": self.records,
+            "record": self.record,
+            "peer": self.peer,
+            "call": self.call,
+            "journal": self.journal,
+            "variable": self.variable,
+        }
+
+
+USAGE_WORDS = OutboxWords()
 
 
 class UsageSender(Protocol):
@@ -172,7 +223,7 @@ def rowKey(row: auth_pb2.UsageRow) -> str:
 _HELD_LOCKS: dict[tuple[int, int], int] = {}
 
 
-def holdJournalLock(journalPath: str) -> str:
+def holdJournalLock(journalPath: str, kind: str = "usage journal") -> str:
     """
     Take the exclusive lock of the journal at C{journalPath} for the rest
     of this process's life: C{flock} on C{<journalPath>.lock}, a file of its
@@ -180,6 +231,7 @@ def holdJournalLock(journalPath: str) -> str:
     it would be left on the replaced file). The lock file holds the pid of
     its holder, for the operator.
 
+    @param kind: what the journal is called in a refusal.
     @return: the lock file's path.
     @raise JournalError: when another process holds it (naming the
         journal, the lock file and, when it says so, the holder's pid), or
@@ -191,7 +243,7 @@ def holdJournalLock(journalPath: str) -> str:
             fd = os.open(lockPath, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as error:
             raise JournalError(
-                f"cannot open the lock file {lockPath!r} of the usage journal: {error.strerror}"
+                f"cannot open the lock file {lockPath!r} of the {kind}: {error.strerror}"
             ) from None
         status = os.fstat(fd)
         key = (status.st_dev, status.st_ino)
@@ -204,7 +256,7 @@ def holdJournalLock(journalPath: str) -> str:
             holder = _lockHolder(fd)
             os.close(fd)
             raise JournalError(
-                f"the usage journal {journalPath!r} is held by another process{holder}"
+                f"the {kind} {journalPath!r} is held by another process{holder}"
                 f" (lock file {lockPath!r}); each svc-proxy process needs a journal of its own"
             ) from None
         except OSError as error:
@@ -260,16 +312,24 @@ class UsageJournal:
         rowType: Any = auth_pb2.UsageRow,
         keyOf: Callable[[Any], str] = rowKey,
         magic: bytes = JOURNAL_MAGIC,
+        words: OutboxWords = USAGE_WORDS,
+        rejectedAs: Callable[[Any], dict[str, Any]] | None = None,
     ) -> None:
         # rowType, keyOf and magic make the same journal carry another
         # record that must reach a daemon at least once (svc-proxy's
         # observations for svc-memory, decisions D13): a protobuf message
         # class, the record's idempotence key, and a first line of its own
-        # so that one kind of journal is never read as the other.
+        # so that one kind of journal is never read as the other. words
+        # name them in the log; rejectedAs is what the rejects file keeps of
+        # a record set aside (a usage row whole, by default: ids and
+        # numbers; an observation holds message content, which it must not
+        # keep).
         self.path = path
         self._rowType = rowType
         self._keyOf = keyOf
         self._magic = magic
+        self._words = words
+        self._rejectedAs = rejectedAs if rejectedAs is not None else _rowDocument
         self._compactBytes = compactBytes
         self._fd: int | None = None
         self._size = 0
@@ -294,7 +354,7 @@ class UsageJournal:
     @property
     def rejectsPath(self) -> str:
         """
-        Where rows svc-auth refused are set aside: JSON lines.
+        Where records their daemon refused are set aside: JSON lines.
         """
         return self.path + ".rejects"
 
@@ -311,7 +371,7 @@ class UsageJournal:
 
         @raise JournalError: when another process holds it.
         """
-        holdJournalLock(self.path)
+        holdJournalLock(self.path, journalKind(self._magic))
 
     def open(self) -> list[Any]:
         """
@@ -341,7 +401,7 @@ class UsageJournal:
             if self._magic.startswith(data):
                 # Killed while the first compaction wrote its magic line.
                 return []
-            raise JournalError(f"{self.path!r} is not a usage journal of svc-proxy")
+            raise JournalError(f"{self.path!r} is not a {journalKind(self._magic)} of svc-proxy")
         rows: list[Any] = []
         acknowledged = 0
         offset = len(self._magic)
@@ -352,8 +412,9 @@ class UsageJournal:
                 # cannot be trusted either. Rows that were in it were never
                 # queued, so never answered to anyone's knowledge.
                 self.log.warn(
-                    "Usage journal {path}: ignored a torn or damaged record at byte"
+                    "{journal} {path}: ignored a torn or damaged record at byte"
                     " {offset} ({dropped} byte(s) dropped)",
+                    **self._words.fields(),
                     path=self.path,
                     offset=offset,
                     dropped=len(data) - offset,
@@ -375,8 +436,9 @@ class UsageJournal:
                     # Never drop a row on a doubtful acknowledgement: sent
                     # again, it is a harmless duplicate.
                     self.log.error(
-                        "Usage journal {path}: an acknowledgement of {count} row(s) up to"
-                        " {last_key} does not match the rows before it; ignored",
+                        "{journal} {path}: an acknowledgement of {count} {records} up to"
+                        " {last_key} does not match the {records} before it; ignored",
+                        **self._words.fields(),
                         path=self.path,
                         count=count,
                         last_key=lastKey,
@@ -384,8 +446,8 @@ class UsageJournal:
         waiting = rows[acknowledged:]
         if waiting:
             self.log.info(
-                "Usage journal {path}: {rows} row(s) not acknowledged by svc-auth;"
-                " sending them first",
+                "{journal} {path}: {rows} {records} not acknowledged by {peer}; sending them first",
+                **self._words.fields(),
                 path=self.path,
                 rows=len(waiting),
             )
@@ -468,7 +530,7 @@ class UsageJournal:
 
     def _write(self, record: bytes) -> None:
         if self._fd is None:
-            raise OSError("the usage journal is not open")
+            raise OSError(f"the {journalKind(self._magic)} is not open")
         try:
             _writeAll(self._fd, record)
         except OSError:
@@ -496,16 +558,17 @@ class UsageJournal:
 
     def reject(self, row: Any, reason: str, detail: str, when: float) -> None:
         """
-        Set C{row} aside in the rejects file: one JSON line with the row
-        (protobuf's JSON mapping, which C{json_format.ParseDict} reads
-        back), the reason, svc-auth's detail and the time, written to the
-        kernel with one C{write} before this returns, as a journal row is.
+        Set C{row} aside in the rejects file: one JSON line with what
+        C{rejectedAs} keeps of it (a usage row whole, in protobuf's JSON
+        mapping, which C{json_format.ParseDict} reads back), the reason,
+        the refusing daemon's detail and the time, written to the kernel
+        with one C{write} before this returns, as a journal row is.
 
         @raise OSError: when it could not be written.
         """
         line = json.dumps(
             {
-                "row": json_format.MessageToDict(row, preserving_proto_field_name=True),
+                **self._rejectedAs(row),
                 "reason": reason,
                 "detail": detail,
                 "time": _rfc3339(when),
@@ -554,6 +617,14 @@ def _statusOf(failure: Failure) -> tuple[str, str]:
 def _unimplemented(failure: Failure) -> bool:
     error = failure.value
     return isinstance(error, grpc.Call) and error.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def _rowDocument(row: auth_pb2.UsageRow) -> dict[str, Any]:
+    """
+    What the rejects file keeps of a usage row: all of it (ids and
+    numbers, no content).
+    """
+    return {"row": json_format.MessageToDict(row, preserving_proto_field_name=True)}
 
 
 def _rowJSON(row: auth_pb2.UsageRow) -> str:
@@ -606,11 +677,14 @@ class UsageOutbox:
         send: Callable[[Sequence[Any]], Deferred[Any]] | None = None,
         keyOf: Callable[[Any], str] = rowKey,
         describe: Callable[[Any], str] | None = None,
+        words: OutboxWords = USAGE_WORDS,
     ) -> None:
-        # send, keyOf and describe carry another kind of record (svc-proxy's
-        # observations, decisions D13): the call that commits a batch, the
-        # record's idempotence key, and what the log may say of a record set
-        # aside (an observation's content must never be logged).
+        # send, keyOf, describe and words carry another kind of record
+        # (svc-proxy's observations, decisions D13): the call that commits a
+        # batch, the record's idempotence key, what the log may say of a
+        # record set aside (an observation's content must never be logged)
+        # and what the log calls them.
+        self.words = words
         if send is None:
             if sender is None:
                 raise TypeError("UsageOutbox needs a sender or send")
@@ -683,8 +757,9 @@ class UsageOutbox:
                 # Kept in memory all the same: lost only if the proxy is
                 # killed before svc-auth has it, as without a journal.
                 self._journalFailing.warn(
-                    "Usage journal {path} cannot be written ({reason}); usage rows are"
+                    "{journal} {path} cannot be written ({reason}); {records} are"
                     " held in memory only",
+                    **self.words.fields(),
                     path=journal.path,
                     reason=str(error),
                 )
@@ -766,8 +841,9 @@ class UsageOutbox:
             self._suspect = max(0, self._suspect - count)
         if self._failures:
             self.log.info(
-                "svc-auth took usage rows again after {attempts} failed attempt(s);"
-                " {rows} row(s) waiting",
+                "{peer} took {records} again after {attempts} failed attempt(s);"
+                " {rows} {records} waiting",
+                **self.words.fields(),
                 attempts=self._failures,
                 rows=len(self._queue) - count,
             )
@@ -779,8 +855,9 @@ class UsageOutbox:
             # svc-auth answers only after committing the batch: the rows
             # are in. A count that disagrees says its accounting is off.
             self.log.warn(
-                "RecordUsage acknowledged a batch of {rows} row(s) as {recorded} recorded,"
+                "{call} acknowledged a batch of {rows} {records} as {recorded} recorded,"
                 " {duplicates} duplicate(s) and {rejected} rejected",
+                **self.words.fields(),
                 rows=count,
                 recorded=recorded,
                 duplicates=duplicates,
@@ -804,8 +881,9 @@ class UsageOutbox:
                 refused[index] = (str(each.reason), str(each.detail)[:DETAIL_CHARS])
             else:
                 self.log.warn(
-                    "RecordUsage rejected a row at index {index} of a batch of {rows} row(s);"
-                    " ignored",
+                    "{call} rejected a {record} at index {index} of a batch of {rows}"
+                    " {records}; ignored",
+                    **self.words.fields(),
                     index=index,
                     rows=count,
                 )
@@ -822,8 +900,9 @@ class UsageOutbox:
             except (OSError, JournalError) as error:
                 # The rows will be sent again at the next start: harmless.
                 self._journalFailing.warn(
-                    "Usage journal {path} cannot be written ({reason}); usage rows are"
+                    "{journal} {path} cannot be written ({reason}); {records} are"
                     " held in memory only",
+                    **self.words.fields(),
                     path=journal.path,
                     reason=str(error),
                 )
@@ -845,49 +924,59 @@ class UsageOutbox:
 
     def _setAside(self, row: Any, reason: str, detail: str) -> None:
         """
-        Keep C{row}, which svc-auth will never record, where an operator
+        Keep C{row}, which its daemon will never commit, where an operator
         finds it: the rejects file beside the journal, or without one (or
-        when it cannot be written) the log itself, row and all (its ids and
-        numbers; a row holds no message content).
+        when it cannot be written) the log itself, as C{describe} tells it
+        (a usage row whole: its ids and numbers; an observation by its ids
+        and size, never its content).
         """
         label = reason if reason in REJECT_REASONS else "other"
         self._metrics.usageRowRejected(label)
+        ids = self._ids(row)
         journal = self._journal
         if journal is not None:
             try:
                 journal.reject(row, reason, detail, self._clock.seconds())
             except OSError as error:
                 self.log.error(
-                    "Usage rejects file {path} cannot be written ({error}); usage row"
-                    " {ledger_id} rejected by svc-auth ({reason}: {detail}): {row}",
+                    "Rejects file {path} cannot be written ({error}); {record}"
+                    " {key} rejected by {peer} ({reason}: {detail}): {row}",
+                    **self.words.fields(),
+                    **ids,
                     path=journal.rejectsPath,
                     error=str(error),
-                    ledger_id=self._keyOf(row),
                     reason=reason,
                     detail=detail,
                     row=self._describe(row),
                 )
             else:
                 self._rejecting.warn(
-                    "svc-auth rejected usage row {ledger_id} ({reason}: {detail}); set aside"
-                    " in {path}",
-                    ledger_id=self._keyOf(row),
-                    request_id=row.request_id,
+                    "{peer} rejected {record} {key} ({reason}: {detail}); set aside in {path}",
+                    **self.words.fields(),
+                    **ids,
                     reason=reason,
                     detail=detail,
                     path=journal.rejectsPath,
                 )
             return
-        # Every such line, not throttled: it is the only copy of the row.
+        # Every such line, not throttled: it is the only trace of the row.
         self.log.error(
-            "svc-auth rejected usage row {ledger_id} ({reason}: {detail}); without"
-            " SVC_USAGE_JOURNAL it is kept only here: {row}",
-            ledger_id=self._keyOf(row),
-            request_id=row.request_id,
+            "{peer} rejected {record} {key} ({reason}: {detail}); without"
+            " {variable} it is kept only here: {row}",
+            **self.words.fields(),
+            **ids,
             reason=reason,
             detail=detail,
             row=self._describe(row),
         )
+
+    def _ids(self, row: Any) -> dict[str, str]:
+        """
+        The log fields that name C{row}: its key (also under the words'
+        C{keyField}) and its request id.
+        """
+        key = self._keyOf(row)
+        return {"key": key, self.words.keyField: key, "request_id": str(row.request_id)}
 
     def _failed(self, failure: Failure) -> None:
         self._call = None
@@ -901,8 +990,9 @@ class UsageOutbox:
         delay = ceiling / 2 + self._random() * ceiling / 2
         status, details = _statusOf(failure)
         self._failing.warn(
-            "RecordUsage to svc-auth failed ({grpc_status}: {grpc_details}); {rows} usage"
-            " row(s) waiting, trying again in {delay:.2f} s",
+            "{call} to {peer} failed ({grpc_status}: {grpc_details}); {rows} {records}"
+            " waiting, trying again in {delay:.2f} s",
+            **self.words.fields(),
             grpc_status=status,
             grpc_details=details,
             rows=len(self._queue),
@@ -935,8 +1025,9 @@ class UsageOutbox:
             return
         self._suspect = count
         self._halving.warn(
-            "RecordUsage refused a batch of {rows} usage row(s) as invalid"
-            " ({grpc_details}); sending it in halves to find the row it refuses",
+            "{call} refused a batch of {rows} {records} as invalid"
+            " ({grpc_details}); sending it in halves to find the {record} it refuses",
+            **self.words.fields(),
             rows=count,
             grpc_details=details[:DETAIL_CHARS],
         )
@@ -999,15 +1090,17 @@ class UsageOutbox:
         left = len(self._queue)
         if left and self._journal is not None:
             self.log.warn(
-                "{rows} usage row(s) not acknowledged by svc-auth at stop; kept in the"
+                "{rows} {records} not acknowledged by {peer} at stop; kept in the"
                 " journal {path}, sent at the next start",
+                **self.words.fields(),
                 rows=left,
                 path=self._journal.path,
             )
         elif left:
             self.log.error(
-                "{rows} usage row(s) not acknowledged by svc-auth at stop and lost"
-                " (SVC_USAGE_JOURNAL is not set)",
+                "{rows} {records} not acknowledged by {peer} at stop and lost"
+                " ({variable} is not set)",
+                **self.words.fields(),
                 rows=left,
             )
         if self._journal is not None:
@@ -1015,7 +1108,8 @@ class UsageOutbox:
                 self._journal.close()
             except OSError as error:
                 self.log.error(
-                    "Usage journal {path}: cannot close ({reason})",
+                    "{journal} {path}: cannot close ({reason})",
+                    **self.words.fields(),
                     path=self._journal.path,
                     reason=str(error),
                 )

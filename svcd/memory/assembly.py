@@ -4,7 +4,7 @@ what the tests start are wired here, and only here, in two layers as
 svc-auth's are (L{svcd.auth.assembly}):
 
  - L{assembleMemory}: the parts beneath the ports (the connection pool,
-   the store, the cache of vectors and its listener, the searcher, the
+   the store, the caches of vectors and of records and their listener, the searcher, the
    servicer, the gRPC bounds and interceptors), wired with no reactor.
    L{svcd.testing.memoryservice.RunningMemoryService} serves them from a
    grpcio server of its own.
@@ -46,6 +46,7 @@ from svcd.memory.grpcservice import (
     MemoryServicer,
 )
 from svcd.memory.listener import MemoryListener
+from svcd.memory.recordcache import RecordCache
 from svcd.memory.search import Searcher
 from svcd.memory.store import MemoryStore, connectionPool
 from svcd.memory.vectors import VectorCache
@@ -64,6 +65,7 @@ class MemoryParts:
     pool: ConnectionPool
     store: MemoryStore
     cache: VectorCache
+    records: RecordCache
     listener: MemoryListener
     searcher: Searcher
     servicer: MemoryServicer
@@ -95,15 +97,23 @@ def assembleMemory(
     )
     store = MemoryStore(pool.connection, metrics.queryDuration, dropDeadConnections=pool.check)
     cache = VectorCache(settings.cacheBytes, metrics.cacheMetrics())
+    records = RecordCache(settings.recordCacheBytes, metrics.recordCacheMetrics())
     listener = MemoryListener(
         settings.postgresDSN,
         cache,
         waiting=metrics.observationsWaiting.set,
+        records=records,
         reconnectDelay=reconnectDelay,
         beatInterval=beatInterval,
         waitingInterval=waitingInterval,
     )
-    searcher = Searcher(store, cache, metrics.searchSeconds)
+    searcher = Searcher(
+        store,
+        cache,
+        metrics.searchSeconds,
+        parallelRows=settings.parallelRows,
+        records=records,
+    )
     servicer = MemoryServicer(store, searcher, metrics, settings.maxPerScope)
     interceptors: list[grpc.ServerInterceptor] = []
     if settings.internalSubjects is not None:
@@ -127,6 +137,7 @@ def assembleMemory(
         pool=pool,
         store=store,
         cache=cache,
+        records=records,
         listener=listener,
         searcher=searcher,
         servicer=servicer,

@@ -20,6 +20,14 @@ from svcd.common import config
 DEFAULT_MAX_PER_SCOPE = 10_000
 # The replica's cache of vectors, in MiB.
 DEFAULT_CACHE_MB = 512
+# Its cache of records (what searches answer of each memory), in MiB: a
+# memory of short text takes about 440 bytes there against 3,291 for a
+# vector of 768 dimensions, so this holds the records of what the default
+# cache of vectors holds unless contents average over about 400 characters.
+DEFAULT_RECORD_CACHE_MB = 128
+# From how many memories a search's product is split over the cores
+# (svcd/memory/search.py); 0: never.
+DEFAULT_PARALLEL_ROWS = 32_768
 
 
 @attrs.frozen
@@ -47,6 +55,8 @@ class MemoryConfig:
     internalSubjects: frozenset[str] | None = None
     maxPerScope: int = DEFAULT_MAX_PER_SCOPE
     cacheBytes: int = DEFAULT_CACHE_MB * 1024 * 1024
+    recordCacheBytes: int = DEFAULT_RECORD_CACHE_MB * 1024 * 1024
+    parallelRows: int = DEFAULT_PARALLEL_ROWS
 
     @classmethod
     def fromEnvironment(cls, environ: Mapping[str, str]) -> "MemoryConfig":
@@ -97,6 +107,14 @@ class MemoryConfig:
             cacheBytes=config.positiveInteger(environ, "SVC_MEMORY_CACHE_MB", DEFAULT_CACHE_MB)
             * 1024
             * 1024,
+            recordCacheBytes=config.positiveInteger(
+                environ, "SVC_MEMORY_RECORD_CACHE_MB", DEFAULT_RECORD_CACHE_MB
+            )
+            * 1024
+            * 1024,
+            parallelRows=config.nonNegativeInteger(
+                environ, "SVC_MEMORY_PARALLEL_ROWS", DEFAULT_PARALLEL_ROWS
+            ),
         )
 
 

@@ -50,7 +50,6 @@ from svcd.memory.records import (
     MAX_REASON_CHARACTERS,
     Embedding,
     InvalidMemory,
-    MemoryRecord,
     NewObservation,
     Scope,
     checkContent,
@@ -74,6 +73,7 @@ from svcd.memory.store import (
     StoreValueRefused,
 )
 from svcd.memory.vectors import CacheMetrics
+from svcd.memory.wire import memoryMessage, searchResponse
 from svcd.pb.memory.v1 import memory_pb2
 
 SERVICE_NAME = "svc.memory.v1.MemoryService"
@@ -148,6 +148,33 @@ class MemoryMetrics:
             "Scopes dropped from the cache to stay within SVC_MEMORY_CACHE_MB",
             registry=registry,
         )
+        self.recordCacheBytes = Gauge(
+            "svc_memory_record_cache_bytes",
+            "Bytes of memories' records (content, metadata, ...) the replica's cache of"
+            " records holds",
+            registry=registry,
+        )
+        self.recordCacheScopes = Gauge(
+            "svc_memory_record_cache_scopes",
+            "Scopes whose records the replica's cache of records holds",
+            registry=registry,
+        )
+        self.recordCacheHits = Counter(
+            "svc_memory_record_cache_hits_total",
+            "Searches whose hits' records were in the cache of records",
+            registry=registry,
+        )
+        self.recordCacheMisses = Counter(
+            "svc_memory_record_cache_misses_total",
+            "Searches whose scope's records were not in the cache of records (loaded from"
+            " PostgreSQL, or the hits read by id)",
+            registry=registry,
+        )
+        self.recordCacheEvictions = Counter(
+            "svc_memory_record_cache_evictions_total",
+            "Scopes' records dropped to stay within SVC_MEMORY_RECORD_CACHE_MB",
+            registry=registry,
+        )
         self.observationsWaiting = Gauge(
             "svc_memory_observations_waiting",
             "Observations waiting for svc-worker, over every organization",
@@ -184,28 +211,23 @@ class MemoryMetrics:
             size=size,
         )
 
+    def recordCacheMetrics(self) -> CacheMetrics:
+        def size(total: int, scopes: int) -> None:
+            self.recordCacheBytes.set(total)
+            self.recordCacheScopes.set(scopes)
+
+        return CacheMetrics(
+            hit=self.recordCacheHits.inc,
+            miss=self.recordCacheMisses.inc,
+            evicted=self.recordCacheEvictions.inc,
+            size=size,
+        )
+
 
 class _Refusal(Exception):
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(details)
         self.code = code
-
-
-def _memoryMessage(record: MemoryRecord) -> memory_pb2.Memory:
-    return memory_pb2.Memory(
-        id=str(record.memoryID),
-        org_id=str(record.orgID),
-        agent_id=str(record.agentID),
-        subject=record.subject,
-        content=record.content,
-        metadata_json=record.metadata,
-        source=record.source,
-        source_request_id=record.sourceRequestID or "",
-        created_at=rfc3339(record.createdAt),
-        updated_at=rfc3339(record.updatedAt),
-        embedding_model=record.embeddingModel,
-        dimensions=record.dimensions,
-    )
 
 
 def _scope(message: memory_pb2.Scope) -> Scope:
@@ -332,11 +354,11 @@ class MemoryServicer:
             scope, content, metadata, source, sourceRequestID, embedding, self._maxPerScope
         )
         self._searcher.settle(scope)
-        return _memoryMessage(record)
+        return memoryMessage(record)
 
     def GetMemory(self, request: memory_pb2.GetMemoryRequest) -> memory_pb2.Memory:
         scope = _scope(request.scope)
-        return _memoryMessage(self._store.get(scope, checkUUID("id", request.id)))
+        return memoryMessage(self._store.get(scope, checkUUID("id", request.id)))
 
     def ListMemories(
         self, request: memory_pb2.ListMemoriesRequest
@@ -347,7 +369,7 @@ class MemoryServicer:
         after = checkUUID("after", request.after) if request.after else None
         records, more = self._store.listMemories(scope, int(limit), after)
         return memory_pb2.ListMemoriesResponse(
-            memories=[_memoryMessage(each) for each in records], has_more=more
+            memories=[memoryMessage(each) for each in records], has_more=more
         )
 
     def UpdateMemory(self, request: memory_pb2.UpdateMemoryRequest) -> memory_pb2.Memory:
@@ -364,9 +386,9 @@ class MemoryServicer:
         if content is None and metadata is None:
             raise InvalidMemory("content", "nothing to change: give content or metadata_json")
         record = self._store.update(scope, memoryID, content, metadata, embedding)
-        if embedding is not None:
-            self._searcher.settle(scope)
-        return _memoryMessage(record)
+        # Even for metadata alone: the cache of records holds it.
+        self._searcher.settle(scope)
+        return memoryMessage(record)
 
     def DeleteMemory(
         self, request: memory_pb2.DeleteMemoryRequest
@@ -399,13 +421,7 @@ class MemoryServicer:
         minScore = None
         if request.HasField("min_score"):
             minScore = _bounded("min_score", request.min_score, -1.0, 1.0)
-        results = self._searcher.search(scope, query, k, minScore, mode, request.text)
-        return memory_pb2.SearchResponse(
-            results=[
-                memory_pb2.ScoredMemory(memory=_memoryMessage(record), score=score)
-                for record, score in results
-            ]
-        )
+        return searchResponse(self._searcher.search(scope, query, k, minScore, mode, request.text))
 
     # Observations.
 
@@ -611,15 +627,15 @@ class MemoryServicer:
                 score = float(numpy.dot(unit, write.unit))
                 if score > earlierScore:
                     earlier, earlierScore = index, score
-            found = self._searcher.search(scope, embedding, 1, dedupeScore)
-            foundScore = found[0][1] if found else -2.0
+            found = self._searcher.nearest(scope, embedding, dedupeScore)
+            foundScore = found.score if found is not None else -2.0
             if earlier >= 0 and earlierScore >= dedupeScore and earlierScore >= foundScore:
                 writes[earlier] = attrs.evolve(
                     writes[earlier], content=content, embedding=embedding, unit=unit
                 )
                 continue
-            if found:
-                target = found[0][0].memoryID
+            if found is not None:
+                target = found.memoryID
                 same = [index for index, write in enumerate(writes) if write.target == target]
                 if same:
                     writes[same[0]] = attrs.evolve(

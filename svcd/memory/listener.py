@@ -1,8 +1,9 @@
 """
 svc-memory's change listener: one thread with its own PostgreSQL
 connection, LISTENing on svc_memory_changes (sql/0009_memory.sql), keeping
-the replica's cache of vectors (L{svcd.memory.vectors.VectorCache})
-current with what every replica, and svcctl, adds, changes and deletes.
+the replica's caches, of vectors (L{svcd.memory.vectors.VectorCache}) and
+of records (L{svcd.memory.recordcache.RecordCache}), current with what
+every replica, and svcctl, adds, changes and deletes.
 
 Built like svc-auth's (L{svcd.auth.listener}): it tells the cache when it
 starts and stops hearing changes (the cache keeps nothing while it does
@@ -11,9 +12,12 @@ the channel; a connection whose beats stop coming back is presumed dead
 and made anew.
 
 A notification names a memory and its scope, never its content. Only a
-change of a scope this replica caches (or is loading) is read: the rows
-of one packet of notifications in one query per organization, in that
-organization's context, as svc_memory_app.
+change of a scope this replica caches (or is loading) in either cache is
+read: the rows of one packet of notifications in one query per
+organization, in that organization's context, as svc_memory_app, each
+row with its vector and its record (L{svcd.memory.store.CachedRow}). The
+records are applied first: a memory is never ranked by the vectors before
+its record is there to answer with.
 
 A replica's own writes wait for their changes to be applied here before
 they are answered (read your writes): the writer sends a sync marker,
@@ -38,6 +42,8 @@ import psycopg
 from twisted.logger import Logger
 
 from svcd.common.ids import parseUUID
+from svcd.memory.recordcache import RecordCache
+from svcd.memory.records import MemoryRecord
 from svcd.memory.store import APPLICATION_ROLE, CachedRow, MemoryStore, StoreUnavailable
 from svcd.memory.vectors import VectorCache
 
@@ -68,6 +74,8 @@ def parsePayload(payload: str) -> tuple[str, Triple, uuid.UUID] | None:
 
 class MemoryListener:
     """
+    @param records: the cache of records kept current beside the vectors,
+        if any.
     @param waiting: told the count of waiting observations now and then.
     """
 
@@ -78,6 +86,7 @@ class MemoryListener:
         dsn: str,
         cache: VectorCache,
         waiting: Callable[[int], None] = lambda count: None,
+        records: RecordCache | None = None,
         reconnectDelay: float = 1.0,
         beatInterval: float = 0.25,
         beatTimeout: float = 5.0,
@@ -86,6 +95,7 @@ class MemoryListener:
     ) -> None:
         self._dsn = dsn
         self._cache = cache
+        self._records = records
         self._waiting = waiting
         self._reconnectDelay = reconnectDelay
         self._beatInterval = beatInterval
@@ -130,13 +140,15 @@ class MemoryListener:
                     store = MemoryStore(lambda: contextlib.nullcontext(connection))
                     connection.execute(f"LISTEN {CHANNEL}")
                     # After LISTEN: every change committed from now on is
-                    # heard, so the cache may keep what it loads.
+                    # heard, so the caches may keep what they load.
                     self._cache.listening()
+                    if self._records is not None:
+                        self._records.listening()
                     self.log.info("Listening for memory changes")
                     connectedBefore = True
                     self._drain(connection, store)
             except (psycopg.Error, StoreUnavailable, _BeatsStopped) as error:
-                self._cache.notListening()
+                self._notListening()
                 if connectedBefore:
                     self.log.warn(
                         "Memory change listener lost its database connection ({error});"
@@ -145,7 +157,17 @@ class MemoryListener:
                     )
                     connectedBefore = False
                 self._stopping.wait(self._reconnectDelay)
+        self._notListening()
+
+    def _notListening(self) -> None:
         self._cache.notListening()
+        if self._records is not None:
+            self._records.notListening()
+
+    def _watches(self, triple: Triple) -> bool:
+        return self._cache.watches(*triple) or (
+            self._records is not None and self._records.watches(*triple)
+        )
 
     def _drain(self, connection: psycopg.Connection[object], store: MemoryStore) -> None:
         """
@@ -193,11 +215,12 @@ class MemoryListener:
 
     def _apply(self, changes: list[tuple[str, Triple, uuid.UUID]], store: MemoryStore) -> None:
         """
-        Hand one packet's changes of watched scopes to the cache, each
+        Hand one packet's changes of watched scopes to the caches, each
         memory as it is now: a deleted one as gone (ids are never used
         again), an added or changed one read anew (gone if deleted since).
+        The records first, then the vectors (see the module's docstring).
         """
-        watched = [each for each in changes if self._cache.watches(*each[1])]
+        watched = [each for each in changes if self._watches(each[1])]
         if not watched:
             return
         deleted = {memoryID for operation, _, memoryID in watched if operation == "delete"}
@@ -208,9 +231,21 @@ class MemoryListener:
         rows: dict[uuid.UUID, CachedRow] = {}
         for orgID, memoryIDs in toRead.items():
             rows.update(store.rowsForCache(orgID, memoryIDs))
+        if self._records is not None:
+            self._records.apply(
+                [
+                    (triple, memoryID, None if memoryID in deleted else _recordOf(rows, memoryID))
+                    for _, triple, memoryID in watched
+                ]
+            )
         self._cache.apply(
             [
                 (triple, memoryID, None if memoryID in deleted else rows.get(memoryID))
                 for _, triple, memoryID in watched
             ]
         )
+
+
+def _recordOf(rows: dict[uuid.UUID, CachedRow], memoryID: uuid.UUID) -> MemoryRecord | None:
+    row = rows.get(memoryID)
+    return None if row is None else row.record

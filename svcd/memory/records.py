@@ -234,11 +234,16 @@ def checkEmbedding(model: str, vector: bytes) -> Embedding:
     # svcctl command (the daemon has it imported long before).
     import numpy
 
-    components = numpy.frombuffer(vector, dtype="<f4")
-    if not bool(numpy.isfinite(components).all()):
+    # One sum of squares in float64 tells both: it is not finite exactly
+    # when a component is not (a float32's square cannot overflow a
+    # float64, nor can 16,384 of them), and zero exactly when all are.
+    # A search checks its query here on every call: one numpy product
+    # instead of a pass for finiteness and another for the norm.
+    components = numpy.frombuffer(vector, dtype="<f4").astype(numpy.float64)
+    squares = float(components @ components)
+    if not math.isfinite(squares):
         raise InvalidMemory("embedding.vector", "must have finite components")
-    norm = float(numpy.linalg.norm(components.astype(numpy.float64)))
-    if norm == 0.0 or not math.isfinite(norm):
+    if squares == 0.0:
         raise InvalidMemory("embedding.vector", "must not be all zeros")
     return Embedding(model, bytes(vector))
 

@@ -1,8 +1,12 @@
 """
 A search of one scope (decisions D13): the vectors from the replica's
 cache (L{svcd.memory.vectors}), or its text index (L{svcd.memory.text}),
-or both fused by rank, each loaded from PostgreSQL on a miss; the
-memories themselves read by id afterwards.
+or both fused by rank, each loaded from PostgreSQL on a miss, and the
+hits' records from its cache of records (L{svcd.memory.recordcache}): a
+search of a cached scope reads nothing from the database. A scope's
+records are loaded on a thread of their own after its first search, which
+reads its few hits by id meanwhile: the load (about as long again as the
+vectors' for a scope of short texts) never lengthens a search.
 
 Runs on a grpcio thread, as every call of svc-memory: the load on a miss
 blocks that thread only, and the product releases the GIL.
@@ -13,14 +17,18 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 from prometheus_client import Histogram
+from twisted.logger import Logger
 
-from svcd.memory.records import Embedding, MemoryRecord, Scope
+from svcd.common.metrics import Children
+from svcd.memory.recordcache import RecordCache
+from svcd.memory.records import Embedding, Scope
 from svcd.memory.store import MemoryStore
 from svcd.memory.text import FUSED_DEPTH, ScopeText, TextKey, fuse
 from svcd.memory.vectors import (
+    Hit,
     Ranking,
     ScopeKey,
     ScopeVectors,
@@ -28,6 +36,7 @@ from svcd.memory.vectors import (
     normalised,
     parallelProduct,
 )
+from svcd.memory.wire import encodedMemory
 
 # How a search ranks (decisions D13, "Hybrid search").
 VECTOR = "vector"
@@ -47,8 +56,15 @@ class Searcher:
         the scope was cached (C{cache="hit"}) or loaded (C{"miss"}).
     @param workers: threads a search of a large scope splits its product
         over (L{parallelProduct}); the machine's cores by default.
-    @param parallelRows: how many memories make a scope large.
+    @param parallelRows: how many memories make a scope large; 0: no
+        scope is (one thread computes every product).
+    @param records: the cache of records; None: each search reads its
+        hits from PostgreSQL by id.
+    @param recordLoads: where scopes' records are loaded; a thread of the
+        searcher's own by default.
     """
+
+    log = Logger()
 
     def __init__(
         self,
@@ -57,16 +73,25 @@ class Searcher:
         searchSeconds: Histogram | None = None,
         workers: int | None = None,
         parallelRows: int = PARALLEL_ROWS,
+        records: RecordCache | None = None,
+        recordLoads: Executor | None = None,
     ) -> None:
         self._store = store
         self._cache = cache
+        self._records = records
+        self._recordLoads = recordLoads or ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="svc-memory-records"
+        )
         self._searchSeconds = searchSeconds
+        self._children = Children()
         workers = workers or os.cpu_count() or 1
         # The other blocks' threads: the calling thread computes one.
         self._executor = ThreadPoolExecutor(
             max_workers=max(1, workers - 1), thread_name_prefix="svc-memory-product"
         )
-        self._product = parallelProduct(self._executor, workers, parallelRows)
+        self._product = parallelProduct(
+            self._executor, workers if parallelRows else 1, parallelRows
+        )
 
     def vectorsOf(self, key: ScopeKey, scope: Scope) -> tuple[ScopeVectors, bool]:
         """
@@ -112,9 +137,7 @@ class Searcher:
         after C{timeout} (it will, by the listener's promise). Without a
         cached copy of the scope there is nothing to wait for.
         """
-        if not self._cache.isListening() or not self._cache.watches(
-            scope.orgID, scope.agentID, scope.subject
-        ):
+        if not self._cache.isListening() or not self._watches(scope):
             return
         nonce = uuid.uuid4().hex
         heard = self._cache.expectSync(nonce)
@@ -124,6 +147,12 @@ class Searcher:
         finally:
             self._cache.forgetSync(nonce)
 
+    def _watches(self, scope: Scope) -> bool:
+        triple = (scope.orgID, scope.agentID, scope.subject)
+        return self._cache.watches(*triple) or (
+            self._records is not None and self._records.watches(*triple)
+        )
+
     def search(
         self,
         scope: Scope,
@@ -132,7 +161,7 @@ class Searcher:
         minScore: float | None,
         mode: str = VECTOR,
         text: str = "",
-    ) -> list[tuple[MemoryRecord, float]]:
+    ) -> list[tuple[bytes, float]]:
         """
         The C{k} best memories of C{scope}, best first, ties newest first,
         with their scores, ranked by C{mode}:
@@ -144,8 +173,42 @@ class Searcher:
             (L{svcd.memory.text}); C{embedding} and C{minScore} unused;
           - C{"hybrid"}: the first L{FUSED_DEPTH} of both rankings fused by
             reciprocal rank; C{minScore} unused.
+
+        Each memory in its wire encoding (L{svcd.memory.wire.encodedMemory}).
         """
         started = time.perf_counter()
+        hits, cached = self._ranked(scope, embedding, k, minScore, mode, text)
+        encoded = self.recordsOf(scope, [hit.memoryID for hit in hits])
+        if self._searchSeconds is not None:
+            self._children.of(self._searchSeconds, "hit" if cached else "miss").observe(
+                time.perf_counter() - started
+            )
+        # A memory deleted since the ranking has no record: dropped.
+        return [(encoded[hit.memoryID], hit.score) for hit in hits if hit.memoryID in encoded]
+
+    def nearest(self, scope: Scope, embedding: Embedding, minScore: float) -> Hit | None:
+        """
+        The memory of C{scope} whose vector is nearest C{embedding}'s, when
+        it scores at least C{minScore} and still exists: what a worker's
+        memory replaces (decisions D13, C{dedupe_score}). Its id and score
+        only, without decoding a record.
+        """
+        hits, _ = self._ranked(scope, embedding, 1, minScore, VECTOR, "")
+        present = self.recordsOf(scope, [hit.memoryID for hit in hits])
+        return next((hit for hit in hits if hit.memoryID in present), None)
+
+    def _ranked(
+        self,
+        scope: Scope,
+        embedding: Embedding | None,
+        k: int,
+        minScore: float | None,
+        mode: str,
+        text: str,
+    ) -> tuple[list[Hit], bool]:
+        """
+        L{search}'s ranking, and whether every index it read was cached.
+        """
         cached = True
         rankings: list[Ranking] = []
         if mode != TEXT:
@@ -166,14 +229,66 @@ class Searcher:
             index, textCached = self.textOf(scope)
             cached = cached and textCached
             rankings.append(index.rank(text, k if mode == TEXT else FUSED_DEPTH))
-        hits = (fuse(rankings, k) if mode == HYBRID else rankings[0]).hits()
-        records: dict[uuid.UUID, MemoryRecord] = {
-            each.memoryID: each
-            for each in self._store.memoriesByID(scope, [hit.memoryID for hit in hits])
-        }
-        if self._searchSeconds is not None:
-            self._searchSeconds.labels(cache="hit" if cached else "miss").observe(
-                time.perf_counter() - started
+        return (fuse(rankings, k) if mode == HYBRID else rankings[0]).hits(), cached
+
+    def recordsOf(self, scope: Scope, memoryIDs: list[uuid.UUID]) -> dict[uuid.UUID, bytes]:
+        """
+        The encoded records of those of C{memoryIDs} (memories of C{scope})
+        that exist: from the cache of records. An id it does not hold (its
+        scope's records not loaded yet, a memory deleted while it was being
+        ranked, nothing cached while the listener is down) is read from
+        PostgreSQL, in the scope, and missing if it is gone. A scope whose
+        records are not held has them loaded for the next searches.
+        """
+        if not memoryIDs:
+            return {}
+        found: dict[uuid.UUID, bytes] | None = None
+        if self._records is not None:
+            triple = (scope.orgID, scope.agentID, scope.subject)
+            found = self._records.lookup(triple, memoryIDs)
+            if found is None:
+                self._loadRecords(scope)
+        found = found or {}
+        missing = [each for each in memoryIDs if each not in found]
+        if missing:
+            found.update(
+                (record.memoryID, encodedMemory(record))
+                for record in self._store.memoriesByID(scope, missing)
             )
-        # A memory deleted since the ranking is not in the read: dropped.
-        return [(records[hit.memoryID], hit.score) for hit in hits if hit.memoryID in records]
+        return found
+
+    def _loadRecords(self, scope: Scope) -> None:
+        """
+        Load the scope's records into the cache on the loading thread,
+        unless nothing may be cached now or a load of them is under way.
+        The load is registered here, before this search's hits are read:
+        every change committed from now on reaches it (see
+        L{RecordCache.finishLoad}).
+        """
+        assert self._records is not None
+        records = self._records
+        load = records.beginLoad((scope.orgID, scope.agentID, scope.subject))
+        if load is None:
+            return
+
+        def run() -> None:
+            try:
+                loaded = {
+                    record.memoryID: encodedMemory(record)
+                    for record in self._store.scopeRecords(scope)
+                }
+            except Exception as error:
+                records.abandonLoad(load)
+                # Searches read their hits by id until a later miss loads
+                # the scope again.
+                self.log.warn(
+                    "Loading a scope's records failed: {error}", error=type(error).__name__
+                )
+                return
+            records.finishLoad(load, loaded, [])
+
+        try:
+            self._recordLoads.submit(run)
+        except RuntimeError:
+            # The executor is shut down: svc-memory is stopping.
+            records.abandonLoad(load)

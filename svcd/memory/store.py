@@ -125,6 +125,18 @@ _MEMORY_COLUMNS = (
 )
 
 
+def _compactJSON(text: str) -> str:
+    """
+    PostgreSQL's spelling of a jsonb value, which puts spaces after
+    separators, in the compact one the size rule counts. The empty object,
+    most memories' metadata, is spelled alike both ways: a scope's load
+    reads thousands at once.
+    """
+    if text == "{}":
+        return text
+    return json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False)
+
+
 def _memory(row: dict[str, Any]) -> MemoryRecord:
     return MemoryRecord(
         memoryID=row["id"],
@@ -132,9 +144,7 @@ def _memory(row: dict[str, Any]) -> MemoryRecord:
         agentID=row["agent_id"],
         subject=row["subject"],
         content=row["content"],
-        # PostgreSQL's spelling of jsonb puts spaces after separators; the
-        # compact one is what the size rule counts.
-        metadata=json.dumps(json.loads(row["metadata"]), separators=(",", ":"), ensure_ascii=False),
+        metadata=_compactJSON(row["metadata"]),
         source=row["source"],
         sourceRequestID=row["source_request_id"],
         embeddingModel=row["embedding_model"],
@@ -147,11 +157,18 @@ def _memory(row: dict[str, Any]) -> MemoryRecord:
 @attrs.frozen
 class CachedRow:
     """
-    What a replica's cache holds of one memory: its vector
-    (L{svcd.memory.vectors}) and its words (L{svcd.memory.text}).
+    One memory as the change listener reads it for a replica's caches: what
+    the cache of vectors holds (L{svcd.memory.vectors}), its words for the
+    text indexes (L{svcd.memory.text}) and, in C{record}, what the cache of
+    records holds (L{svcd.memory.recordcache}).
 
     @ivar createdMicros: C{created_at} in microseconds since the epoch, the
         tie-break of a search.
+    @ivar record: the memory as a reader sees it (content, metadata,
+        source, times), read in the same statement as the vector, so both
+        caches follow one state of the row; for any part of svc-memory that
+        keeps what memories say. None only where a test builds a row for
+        the vectors alone.
     """
 
     memoryID: uuid.UUID
@@ -162,6 +179,7 @@ class CachedRow:
     createdMicros: int
     vector: bytes = attrs.field(repr=False)
     content: str = attrs.field(repr=False)
+    record: MemoryRecord | None = attrs.field(default=None, repr=False)
 
 
 @attrs.frozen
@@ -722,20 +740,35 @@ class MemoryStore:
 
         return self._run("memory_scope_texts", query, scope.orgID, binary=True)
 
+    def scopeRecords(self, scope: Scope) -> list[MemoryRecord]:
+        """
+        Every memory of the scope, whatever model made its vector, without
+        the vectors: the cache of records' load on a miss.
+        """
+
+        def query(cursor: Cursor) -> list[MemoryRecord]:
+            cursor.execute(
+                f"SELECT {_MEMORY_COLUMNS} FROM memories"
+                " WHERE org_id = %s AND agent_id = %s AND subject = %s",
+                (scope.orgID, scope.agentID, scope.subject),
+            )
+            return [_memory(row) for row in cursor.fetchall()]
+
+        return self._run("memory_scope_records", query, scope.orgID)
+
     def rowsForCache(
         self, orgID: uuid.UUID, memoryIDs: Iterable[uuid.UUID]
     ) -> dict[uuid.UUID, CachedRow]:
         """
         The current state of some memories of one organization, for the
         change listener: those still there, by id (one deleted since its
-        notification is missing).
+        notification is missing), each with its vector and its record.
         """
         wanted = list(memoryIDs)
 
         def query(cursor: Cursor) -> dict[uuid.UUID, CachedRow]:
             cursor.execute(
-                f"SELECT id, agent_id, subject, embedding_model, dimensions, {_MICROS}, vector,"
-                " content FROM memories WHERE id = ANY(%s)",
+                f"SELECT {_MEMORY_COLUMNS}, {_MICROS}, vector FROM memories WHERE id = ANY(%s)",
                 (wanted,),
             )
             return {
@@ -748,6 +781,7 @@ class MemoryStore:
                     createdMicros=row["created_micros"],
                     vector=bytes(row["vector"]),
                     content=row["content"],
+                    record=_memory(row),
                 )
                 for row in cursor.fetchall()
             }

@@ -180,6 +180,11 @@ class StreamRelay(Protocol):
     @param idleTimeout: the longest wait for each later event; time during
         which the client itself paused the stream does not count.
     @param relayUsage: whether the client asked for the usage event.
+    @param onData: given the data of each event relayed (but C{[DONE]}),
+        as it is relayed: how a chat completion that observes gathers its
+        answer's text (decisions D13). None for the others, which pay
+        nothing for it. Its faults are its own: the first one stops the
+        calls, never the stream.
     """
 
     def __init__(
@@ -191,8 +196,10 @@ class StreamRelay(Protocol):
         write: Callable[[bytes], None],
         errorEvent: Callable[[StreamFault], bytes],
         relayUsage: bool,
+        onData: Callable[[bytes], None] | None = None,
     ) -> None:
         self._clock = clock
+        self._onData = onData
         self._idleTimeout = idleTimeout
         self._begin = begin
         self._write = write
@@ -369,7 +376,19 @@ class StreamRelay(Protocol):
             self._begin()
             self.started.callback(None)
         out.append(event)
+        if self._onData is not None and data is not None and data != DONE:
+            self._feed(data)
         return data == DONE
+
+    def _feed(self, data: bytes) -> None:
+        assert self._onData is not None
+        try:
+            self._onData(data)
+        except Exception:
+            # A fault of what gathers the text (an event nested past the
+            # JSON parser's recursion bound): the answer is relayed all the
+            # same, and the rest of it is not gathered.
+            self._onData = None
 
     def _noteUsage(self, data: bytes) -> bool:
         """

@@ -248,6 +248,7 @@ class Forwarder:
         outputCap: int | None = None,
         operation: Operation | None = None,
         bodies: Mapping[str, bytes] | None = None,
+        onEventData: Callable[[bytes], None] | None = None,
     ) -> Answer:
         """
         Forward C{document} (the client's JSON object) to the first of
@@ -262,6 +263,8 @@ class Forwarder:
             C{operation.body(document, model, outputCap)} makes them (a
             budget's reservation measured them, decisions D12 amended):
             sent as they are rather than serialized again.
+        @param onEventData: given the data of each event of a stream as it
+            is relayed (L{StreamRelay}'s C{onData}).
         @raise ApiError: the last attempt's fault, when none answered.
         """
         if operation is None:
@@ -274,7 +277,7 @@ class Forwarder:
             try:
                 if stream:
                     return await self._stream(
-                        model, body, document, requestID, client, errorEvent, record
+                        model, body, document, requestID, client, errorEvent, record, onEventData
                     )
                 return await self._complete(model, body, requestID, record, operation)
             except UpstreamFault as failed:
@@ -391,6 +394,7 @@ class Forwarder:
         client: ClientStream,
         errorEvent: Callable[[ApiError], bytes],
         record: UpstreamRecord,
+        onEventData: Callable[[bytes], None] | None = None,
     ) -> Answer:
         """
         A streaming attempt: the first event within C{idle_timeout} (until
@@ -406,7 +410,13 @@ class Forwarder:
             async with link.turn(provider.idleTimeout, self._clock) as remaining:
                 response = await self._openStream(link, body, headers, provider, remaining)
                 label = await self._relayStream(
-                    response, side, provider, remaining(), _wantsUsage(document), record
+                    response,
+                    side,
+                    provider,
+                    remaining(),
+                    _wantsUsage(document),
+                    record,
+                    onEventData,
                 )
             return Answer(200, b"", _EVENT_STREAM, streamed=True)
         except UpstreamFault as fault:
@@ -467,6 +477,7 @@ class Forwarder:
         firstEventWithin: float,
         wantsUsage: bool,
         record: UpstreamRecord,
+        onEventData: Callable[[bytes], None] | None = None,
     ) -> str:
         """
         Relay the answer's events to the client as they come; the label of
@@ -482,6 +493,7 @@ class Forwarder:
             side.client.write,
             side.faultEvent,
             wantsUsage,
+            onEventData,
         )
         response.deliverBody(relay)
         try:

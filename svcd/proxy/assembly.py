@@ -26,7 +26,7 @@ from svcd.authclient.channel import authChannel
 from svcd.authclient.connection import AuthConnection
 from svcd.authclient.feed import ChangeFeed
 from svcd.common.config import GrpcTLS
-from svcd.ledger.outbox import UsageJournal, UsageOutbox, UsageSender
+from svcd.ledger.outbox import UsageJournal, UsageOutbox, UsageSender, holdJournalLock
 from svcd.ledger.sender import LedgerSender
 from svcd.limits.book import LimitBook
 from svcd.limits.limiter import (
@@ -47,6 +47,7 @@ from svcd.proxy.http.site import (
 )
 from svcd.proxy.listening import ProxyPort
 from svcd.proxy.metrics import ProxyMetrics
+from svcd.proxy.observe import ObservationOutboxMetrics, Observer, observationOutbox
 from svcd.proxy.service import ClosableAuthClient, Dependency, ProxyService
 from svcd.proxy.validation.cache import CachingAuthClient, LifecycleAuthClient, ValidationCache
 from svcd.proxy.validation.client import AuthClient, GrpcAuthClient
@@ -63,6 +64,8 @@ class ProxyDaemon:
     @ivar outbox: the usage outbox, when the proxy forwards.
     @ivar memory: the client of svc-memory, when memory is on (decisions
         D13).
+    @ivar observations: the outbox of chat completions' observations for
+        svc-memory, when memory is on (decisions D13).
     """
 
     service: ProxyService
@@ -75,6 +78,7 @@ class ProxyDaemon:
     forwarder: Forwarder | None
     outbox: UsageOutbox | None
     memory: MemoryClient | None = None
+    observations: UsageOutbox | None = None
 
 
 def assembleProxy(
@@ -117,8 +121,8 @@ def assembleProxy(
     @param idleTimeout: seconds a quiet connection is kept.
     @param requestTimeout: seconds a request may take to arrive.
 
-    @raise svcd.ledger.journalfile.JournalError: when the usage journal is
-        held by another process.
+    @raise svcd.ledger.journalfile.JournalError: when the usage journal or
+        the memory journal is held by another process.
     """
     if metrics is None:
         metrics = ProxyMetrics()
@@ -227,6 +231,24 @@ def assembleProxy(
             maxInFlight=config.memoryMaxInFlight,
             clock=reactor,
         )
+    # Decisions D13: the observations of chat completions leave for
+    # svc-memory the way usage rows leave for svc-auth, from an outbox of
+    # their own (SVC_MEMORY_JOURNAL), held by one process as the usage
+    # journal is.
+    observations = None
+    observer = None
+    if memory is not None and forwarder is not None:
+        observationMetrics = ObservationOutboxMetrics(metrics.registry)
+        observations = observationOutbox(
+            memory.queueObservations,
+            reactor,
+            observationMetrics,
+            journalPath=config.memoryJournal,
+            maxObservations=config.memoryOutboxMax,
+        )
+        if config.memoryJournal:
+            holdJournalLock(config.memoryJournal, "memory journal")
+        observer = Observer(observations, limitBook, observationMetrics, reactor)
     edge = ProxyEdge(
         config,
         client,
@@ -238,6 +260,7 @@ def assembleProxy(
         ledger=outbox,
         memory=memory,
         limitBook=limitBook,
+        observer=observer,
     )
     site = ProxySite(
         edge.resource(),
@@ -262,6 +285,7 @@ def assembleProxy(
         dependencies=dependencies,
         ledger=outbox,
         memory=memory,
+        observations=observations,
     )
     return ProxyDaemon(
         service=proxy,
@@ -274,6 +298,7 @@ def assembleProxy(
         forwarder=forwarder,
         outbox=outbox,
         memory=memory,
+        observations=observations,
     )
 
 

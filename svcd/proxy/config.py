@@ -8,6 +8,7 @@ turns it into one line on stderr and a non-zero exit.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import Callable, Mapping
@@ -26,7 +27,7 @@ from svcd.common.config import (
     parseRedisURL,
 )
 from svcd.common.ids import parseUUID
-from svcd.ledger.journalfile import journalFromEnvironment
+from svcd.ledger.journalfile import MEMORY_JOURNAL_MAGIC, journalFromEnvironment
 from svcd.providers.table import MemoryConfig, ProviderTable, providersFromEnvironment
 
 # RFC 9110 token characters: what a header name may be made of.
@@ -94,6 +95,11 @@ class ProxyConfig:
     # adds answered 503 at 16 in flight and none at 8, which also stored
     # more per second (bench/README.rst, "memory-add").
     memoryMaxInFlight: int = 8
+    # Decisions D13: the observations of chat completions held until
+    # svc-memory has committed them, and the file that keeps them across
+    # a kill (None: memory only), as the usage rows' (D12).
+    memoryOutboxMax: int = 10_000
+    memoryJournal: str | None = None
 
     @property
     def memory(self) -> MemoryConfig | None:
@@ -179,8 +185,27 @@ class ProxyConfig:
                 _asciiDigits(environ, "SVC_USAGE_OUTBOX_MAX"), "SVC_USAGE_OUTBOX_MAX", 100_000
             ),
             usageJournal=journalFromEnvironment(environ, "SVC_USAGE_JOURNAL"),
+            memoryOutboxMax=config.positiveInteger(
+                _asciiDigits(environ, "SVC_MEMORY_OUTBOX_MAX"), "SVC_MEMORY_OUTBOX_MAX", 10_000
+            ),
+            memoryJournal=_memoryJournal(environ),
             **budgetTiming(environ),
         )
+
+
+def _memoryJournal(environ: Mapping[str, str]) -> str | None:
+    """
+    C{SVC_MEMORY_JOURNAL}: a memory journal's path (its first line its
+    own, L{MEMORY_JOURNAL_MAGIC}), never the usage journal's: the two
+    would lock each other out, and each would read the other's records.
+    """
+    path = journalFromEnvironment(environ, "SVC_MEMORY_JOURNAL", MEMORY_JOURNAL_MAGIC)
+    usage = environ.get("SVC_USAGE_JOURNAL", "").strip()
+    if path is not None and usage and os.path.realpath(path) == os.path.realpath(usage):
+        raise ConfigError(
+            "SVC_MEMORY_JOURNAL", f"{path!r} is SVC_USAGE_JOURNAL's file; each needs its own"
+        )
+    return path
 
 
 def _asciiDigits(environ: Mapping[str, str], name: str) -> Mapping[str, str]:

@@ -8,26 +8,42 @@ Kept apart from the route and the relay so that the choice of messages
 and the cuts are plain functions a test checks directly, and so that a
 stream's text is gathered (L{AnswerText}) only when the request observes:
 a request that does not observe pays nothing for it.
+
+The chat route asks L{Observer} two things: at its handler, whether the
+request observes (L{Observer.plan}: memory on, the org's or agent's
+C{observe} on, no C{X-SVC-Memory: off}); after an answer that ended
+C{ok}, to record its observation (L{Observer.record}), which never fails
+and never waits: the outbox (L{observationOutbox}, C{SVC_MEMORY_JOURNAL})
+carries it to svc-memory in the background.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
+import attrs
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from twisted.internet.defer import Deferred
+from twisted.logger import Logger
 
 from svcd.common.clocks import Clock
-from svcd.ledger.outbox import UsageJournal, UsageOutbox
+from svcd.common.logthrottle import ThrottledWarning
+from svcd.ledger.journalfile import MEMORY_JOURNAL_MAGIC
+from svcd.ledger.outbox import OutboxWords, UsageJournal, UsageOutbox
+from svcd.limits.book import LimitBook
 from svcd.memory.records import MAX_OBSERVED_MESSAGE_BYTES, MAX_OBSERVED_MESSAGES
 from svcd.pb.memory.v1 import memory_pb2
+from svcd.proxy.http.steps import memorySubject, requestMemory
 from svcd.proxy.recall import messageText
 
 __all__ = [
     "AnswerText",
     "ObservationOutboxMetrics",
+    "Observer",
+    "Observing",
     "completionText",
     "cutText",
     "observation",
@@ -36,15 +52,24 @@ __all__ = [
 ]
 
 
+# A surrogate code point in a Python string is a lone one: JSON's escaped
+# pairs are joined into one character when parsed.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def cutText(text: str, limit: int = MAX_OBSERVED_MESSAGE_BYTES) -> str:
     """
     C{text} cut to at most C{limit} bytes of UTF-8, never inside a
     character (a cut inside one would make a string svc-memory cannot
     store). NUL characters are dropped: PostgreSQL's text cannot hold
-    them, and an observation refused for one would be lost for a byte.
+    them, and an observation refused for one would be lost for a byte. A
+    lone surrogate (JSON's C{"\\ud800"}, which a provider's answer may
+    hold: the chat body's parser refuses it only in requests) becomes
+    U+FFFD: protobuf cannot encode it, and the whole observation would be
+    lost for it.
     """
-    text = text.replace("\x00", "")
-    encoded = text.encode("utf-8", "surrogatepass")
+    text = _LONE_SURROGATE.sub("\ufffd", text.replace("\x00", ""))
+    encoded = text.encode("utf-8")
     if len(encoded) <= limit:
         return text
     # "ignore" drops the partial character the byte cut leaves at the end.
@@ -136,6 +161,21 @@ class AnswerText:
             self._parts.append(content)
             self._held += len(content)
 
+    def addData(self, data: bytes) -> None:
+        """
+        Take the data of one stream event as the relay found it (JSON, or
+        anything else, ignored). Once the bound is held, nothing more is
+        parsed: a long answer costs its first 16 KiB.
+        """
+        if self._held >= self._limit:
+            return
+        try:
+            event = json.loads(data)
+        except ValueError:
+            return
+        if isinstance(event, dict):
+            self.addEvent(event)
+
     def text(self) -> str:
         return cutText("".join(self._parts))
 
@@ -152,19 +192,29 @@ def completionText(body: Mapping[str, Any]) -> str:
     return ""
 
 
-# The first line of an observation journal (the memory journal D13 names;
-# its variable is not read yet): its own, so that a usage journal is never
-# read as one, nor the reverse.
-OBSERVATION_JOURNAL_MAGIC = b"svc-memory-journal 1\n"
-# The observations held at most (a bound the configuration will take): an
-# observation is at most some 1 MiB
-# (64 messages of 16 KiB), usually a few KiB; 10,000 of them bound what a
-# proxy holds while svc-memory is away.
+# The first line of the memory journal (SVC_MEMORY_JOURNAL): its own, so
+# that a usage journal is never read as one, nor the reverse.
+OBSERVATION_JOURNAL_MAGIC = MEMORY_JOURNAL_MAGIC
+# The observations held at most (SVC_MEMORY_OUTBOX_MAX's default): an
+# observation is at most some 1 MiB (64 messages of 16 KiB), usually a few
+# KiB; 10,000 of them bound what a proxy holds while svc-memory is away.
 OBSERVATION_OUTBOX_MAX = 10_000
 # Observations per QueueObservations call: svc-memory commits a batch in
 # one transaction, and a batch must stay under gRPC's 4 MB message limit
 # even with observations cut to their bound (2 x 16 KiB each in practice).
 OBSERVATION_BATCH = 50
+
+
+# What the outbox's and the journal's log lines call observations.
+OBSERVATION_WORDS = OutboxWords(
+    records="observation(s)",
+    record="observation",
+    peer="svc-memory",
+    call="QueueObservations",
+    journal="Memory journal",
+    variable="SVC_MEMORY_JOURNAL",
+    keyField="request_id",
+)
 
 
 def observationKey(observation: memory_pb2.Observation) -> str:
@@ -174,33 +224,72 @@ def observationKey(observation: memory_pb2.Observation) -> str:
     return str(observation.request_id)
 
 
+def observationIDs(observation: memory_pb2.Observation) -> dict[str, Any]:
+    """
+    What may be kept of an observation svc-memory refused for good: its
+    scope, request id and size (messages, bytes), never its content.
+    """
+    return {
+        "org_id": observation.scope.org_id,
+        "agent_id": observation.scope.agent_id,
+        "subject": observation.scope.subject,
+        "request_id": observation.request_id,
+        "messages": len(observation.messages),
+        "bytes": sum(
+            len(each.content.encode("utf-8", "surrogatepass")) for each in observation.messages
+        ),
+    }
+
+
 def describeObservation(observation: memory_pb2.Observation) -> str:
     """
-    What the log may say of an observation svc-memory refused for good:
-    its scope, request id and size, never its content.
+    What the log may say of an observation svc-memory refused for good
+    (L{observationIDs}, as one JSON object).
     """
-    return json.dumps(
-        {
-            "org_id": observation.scope.org_id,
-            "agent_id": observation.scope.agent_id,
-            "subject": observation.scope.subject,
-            "request_id": observation.request_id,
-            "messages": len(observation.messages),
-        },
-        sort_keys=True,
-        separators=(",", ":"),
-    )
+    return json.dumps(observationIDs(observation), sort_keys=True, separators=(",", ":"))
+
+
+def rejectedObservation(observation: memory_pb2.Observation) -> dict[str, Any]:
+    """
+    What the rejects file (C{<SVC_MEMORY_JOURNAL>.rejects}) keeps of an
+    observation svc-memory refused for good: its ids and size, not its
+    content. Sent again it would be refused again, so the content serves
+    no one; kept, it would outlive what forgetting deletes (decisions
+    D13: forgetting is deletion) in a file nothing reads.
+    """
+    return {"observation": observationIDs(observation)}
+
+
+# The outcomes of svc_proxy_memory_observations_total: an observation
+# recorded in the outbox; a request that observes with nothing to observe
+# (no user text in its turn); one dropped because the outbox was full
+# (svc-memory away for long), or because recording it failed.
+OBSERVED = "recorded"
+NOTHING_OBSERVED = "empty"
+OUTBOX_FULL = "full"
+OBSERVE_ERROR = "error"
+OBSERVE_OUTCOMES = (OBSERVED, NOTHING_OBSERVED, OUTBOX_FULL, OBSERVE_ERROR)
 
 
 class ObservationOutboxMetrics:
     """
-    The outbox's series for observations, on svc-proxy's registry:
+    The series of observations, on svc-proxy's registry:
+    C{svc_proxy_memory_observations_total{outcome}} (what became of each
+    request that observes), and the outbox's
     C{svc_proxy_memory_observations_outbox} (waiting),
     C{svc_proxy_memory_observations_sent_total} and
     C{svc_proxy_memory_observations_rejected_total{reason}}.
     """
 
     def __init__(self, registry: CollectorRegistry) -> None:
+        self._observations = Counter(
+            "svc_proxy_memory_observations",
+            "Chat completions that observe, by what became of their observation.",
+            ["outcome"],
+            registry=registry,
+        )
+        for outcome in OBSERVE_OUTCOMES:
+            self._observations.labels(outcome=outcome)
         self.usageOutboxRows = Gauge(
             "svc_proxy_memory_observations_outbox",
             "Observations waiting to be committed by svc-memory.",
@@ -221,6 +310,12 @@ class ObservationOutboxMetrics:
     def usageRowRejected(self, reason: str) -> None:
         self._rejected.labels(reason=reason).inc()
 
+    def observed(self, outcome: str) -> None:
+        """
+        Count one request that observes by outcome (L{OBSERVE_OUTCOMES}).
+        """
+        self._observations.labels(outcome=outcome).inc()
+
 
 def observationOutbox(
     queue: Callable[[Sequence[memory_pb2.Observation]], Deferred[Any]],
@@ -234,7 +329,9 @@ def observationOutbox(
     journal (batched, bounded, journalled, resent until acknowledged),
     with C{queue} (L{svcd.memory.client.MemoryClient.queueObservations})
     as the call that commits a batch. svc-memory queues one observation
-    per request id, so one sent twice is queued once.
+    per request id, so one sent twice is queued once. Its journal, when
+    C{journalPath} is given, is the caller's to L{UsageJournal.hold} as
+    the daemon is built (L{UsageOutbox.start} takes its lock too).
     """
     journal = None
     if journalPath is not None:
@@ -243,6 +340,8 @@ def observationOutbox(
             rowType=memory_pb2.Observation,
             keyOf=observationKey,
             magic=OBSERVATION_JOURNAL_MAGIC,
+            words=OBSERVATION_WORDS,
+            rejectedAs=rejectedObservation,
         )
     return UsageOutbox(
         None,
@@ -254,4 +353,118 @@ def observationOutbox(
         send=queue,
         keyOf=observationKey,
         describe=describeObservation,
+        words=OBSERVATION_WORDS,
     )
+
+
+class ObservationLedger(Protocol):
+    """
+    Where observations go (L{observationOutbox}'s L{UsageOutbox}).
+    """
+
+    def hasRoom(self) -> bool: ...
+
+    def record(self, row: Any) -> None: ...
+
+
+@attrs.define
+class Observing:
+    """
+    A chat completion that observes, as its handler planned it: its
+    memory subject, and for a stream the text gathered from its deltas.
+    """
+
+    subject: str
+    answer: AnswerText | None = None
+
+
+class Observer:
+    """
+    Decides which chat completions observe, and records their
+    observations (decisions D13).
+
+    @param outbox: where observations go; it carries them to svc-memory.
+    @param book: the memory settings (L{LimitBook.memoryFor}).
+    @param metrics: counts what became of each request that observes.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        outbox: ObservationLedger,
+        book: LimitBook,
+        metrics: ObservationOutboxMetrics,
+        clock: Clock,
+    ) -> None:
+        self._outbox = outbox
+        self._book = book
+        self._metrics = metrics
+        self._full = ThrottledWarning(self.log, clock)
+
+    def plan(self, request: Any, orgID: str, agentID: str | None, stream: bool) -> Observing | None:
+        """
+        Whether this request observes: None when observe is off for it
+        (its agent's or organization's settings, C{X-SVC-Memory: off}, no
+        agent). A stream gets its L{AnswerText}, which the relay feeds.
+
+        @raise ApiError: 400 VALIDATION_ERROR for a bad C{X-SVC-Memory} or
+            C{X-SVC-Memory-Subject}, whatever the settings (the recall's
+            plan has refused those already when memory is on).
+        """
+        _, observe = requestMemory(request, self._book, orgID, agentID)
+        subject = memorySubject(request)
+        if not observe or agentID is None:
+            return None
+        return Observing(subject, AnswerText() if stream else None)
+
+    def record(
+        self,
+        observing: Observing,
+        orgID: str,
+        agentID: str,
+        requestID: str,
+        messages: Sequence[Mapping[str, Any]],
+        body: bytes,
+    ) -> None:
+        """
+        Record the observation of an answer that ended C{ok}: the user's
+        turn of C{messages} and the answer's text (a stream's gathered
+        from its deltas, else the first choice's content of C{body}).
+        Never raises and never waits: an observation that cannot be
+        recorded (the outbox full, a fault) is counted and logged by its
+        ids, and the answer goes on as if observe were off.
+        """
+        try:
+            if observing.answer is not None:
+                answer = observing.answer.text()
+            else:
+                parsed = json.loads(body)
+                answer = completionText(parsed) if isinstance(parsed, dict) else ""
+            made = observation(orgID, agentID, observing.subject, requestID, messages, answer)
+            if made is None:
+                self._metrics.observed(NOTHING_OBSERVED)
+                return
+            if not self._outbox.hasRoom():
+                self._metrics.observed(OUTBOX_FULL)
+                self._full.warn(
+                    "The observation outbox is full (svc-memory has not taken"
+                    " observations for a while); observation of request {request_id}"
+                    " dropped",
+                    org_id=orgID,
+                    request_id=requestID,
+                )
+                return
+            self._outbox.record(made)
+        except Exception as error:
+            self._metrics.observed(OBSERVE_ERROR)
+            # The error's type only: its message could quote a text.
+            self.log.error(
+                "Recording the observation of request {request_id} failed ({error_type});"
+                " the answer is unaffected",
+                org_id=orgID,
+                request_id=requestID,
+                error_type=type(error).__name__,
+            )
+            return
+        self._metrics.observed(OBSERVED)

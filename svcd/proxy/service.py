@@ -25,6 +25,15 @@ unacknowledged are queued first. At stop, once the last client connection
 has closed (so no request is left to record), the rows still waiting are
 sent, for at most SVC_SHUTDOWN_TIMEOUT more, before the gRPC channel
 closes; what svc-auth has not acknowledged by then stays in the journal.
+
+The observations of chat completions (decisions D13), when memory is on,
+go the same way to svc-memory, from their own outbox and journal
+(SVC_MEMORY_JOURNAL): read at start before the proxy listens, flushed at
+stop beside the usage rows (at once, within the same bound) before the
+channel to svc-memory closes; what svc-memory has not acknowledged stays
+in the memory journal and is sent at the next start (one sent twice is
+stored once: svc-memory queues one per request id, and the worker's
+deduplication updates the memories of one processed already).
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from svcd.common.clocks import Clock, asReactorTime
 from svcd.common.deferreds import timeoutDeferred
 from svcd.common.lifecycle import notifySystemd, stopWithFailure
 from svcd.ledger.journalfile import JournalError
+from svcd.ledger.outbox import OutboxWords
 from svcd.limits.limiter import RateLimiter
 from svcd.proxy.http.edge import ProxyEdge
 from svcd.proxy.http.site import ProxySite
@@ -77,9 +87,11 @@ class ClosableForwarder(Protocol):
 
 class ClosableLedger(Protocol):
     """
-    The lifecycle part of the usage outbox
+    The lifecycle part of the usage outbox, or of the observations'
     (L{svcd.ledger.outbox.UsageOutbox}).
     """
+
+    words: OutboxWords
 
     @property
     def waiting(self) -> int: ...
@@ -156,6 +168,7 @@ class ProxyService(Service):
         dependencies: Sequence[Dependency] = (),
         ledger: ClosableLedger | None = None,
         memory: ClosableMemoryClient | None = None,
+        observations: ClosableLedger | None = None,
     ) -> None:
         self._port = port
         self._edge = edge
@@ -170,6 +183,7 @@ class ProxyService(Service):
         self._dependencies = tuple(dependencies)
         self._ledger = ledger
         self._memory = memory
+        self._observations = observations
         self._starting: Deferred[None] | None = None
         self._listening: IListeningPort | None = None
         self._waitingForPort: list[Deferred[IListeningPort]] = []
@@ -189,10 +203,12 @@ class ProxyService(Service):
             # Not a dependency: the proxy listens and is ready without it.
             self._memory.start()
         self._limiter.start()
-        if self._ledger is not None:
+        for outbox in (self._ledger, self._observations):
+            if outbox is None:
+                continue
             try:
                 # Before listening: the rows a previous run left go first.
-                self._ledger.start()
+                outbox.start()
             except JournalError as error:
                 self.log.critical("Cannot start: {reason}", reason=str(error))
                 stopWithFailure(self._reactor, f"svc-proxy: cannot start: {error}")
@@ -266,8 +282,15 @@ class ProxyService(Service):
             # hands them to another worker of the port.
             await maybeDeferred(self._listening.stopListening)
         await self._drain()
-        if self._ledger is not None:
-            await self._flushLedger(self._ledger)
+        # Both at once, each within the shutdown timeout: a stop waits for
+        # the slower, not for the sum.
+        flushes = [
+            Deferred.fromCoroutine(self._flushLedger(each))
+            for each in (self._ledger, self._observations)
+            if each is not None
+        ]
+        for flushing in flushes:
+            await flushing
         self._auth.close()
         if self._memory is not None:
             self._memory.close()
@@ -278,13 +301,14 @@ class ProxyService(Service):
 
     async def _flushLedger(self, ledger: ClosableLedger) -> None:
         """
-        Send the usage rows still waiting while the channel to svc-auth is
-        open, for at most the shutdown timeout; L{ClosableLedger.close}
-        says what is left.
+        Send the rows (or observations) still waiting while the channel to
+        their daemon is open, for at most the shutdown timeout;
+        L{ClosableLedger.close} says what is left.
         """
         if ledger.waiting:
             self.log.info(
-                "Sending {rows} usage row(s) to svc-auth before stopping",
+                "Sending {rows} {records} to {peer} before stopping",
+                **ledger.words.fields(),
                 rows=ledger.waiting,
             )
             await ledger.flush(self._shutdownTimeout)

@@ -27,6 +27,7 @@ from svcd.proxy.http.embeddingsbody import EmbeddingsRequest
 from svcd.proxy.records import AgentInfo, TokenInfo
 
 if TYPE_CHECKING:
+    from svcd.proxy.observe import Observing
     from svcd.proxy.recall import Recall
 
 JSON = b"application/json"
@@ -115,8 +116,10 @@ class RequestContext:
     # The bodies a budget's reservation measured, by model name: what each
     # attempt is sent, serialized once (None: made when forwarded).
     sentBodies: dict[str, bytes] | None = None
-    # Decisions D13: a chat completion's recall, when recall is on for it.
+    # Decisions D13: a chat completion's recall, when recall is on for it,
+    # and its observation, when observe is.
     recall: Recall | None = None
+    observing: Observing | None = None
 
 
 Step = Callable[[RequestContext], Awaitable[None]]

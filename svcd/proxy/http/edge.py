@@ -90,6 +90,7 @@ from svcd.proxy.http.routes.ops import OperationsRoutes
 from svcd.proxy.http.routes.probes import ProbeRoutes
 from svcd.proxy.http.steps import CallerSteps, bearerToken
 from svcd.proxy.metrics import ProxyMetrics
+from svcd.proxy.observe import Observer
 from svcd.proxy.recall import Recaller
 from svcd.proxy.validation.client import AuthClient
 
@@ -142,6 +143,9 @@ class ProxyEdge:
     @param limitBook: the limiter's book, whose memory settings say which
         chat completions recall (decisions D13); by default an empty one
         (no recall).
+    @param observer: decides which chat completions observe and records
+        their observations (decisions D13), when memory is on; None: no
+        chat completion observes.
 
     @ivar embedder: how the gateway embeds texts for itself and pays for
         it (decisions D13: memories, queries, recall), None without a
@@ -165,6 +169,7 @@ class ProxyEdge:
         ledger: UsageLedger | None = None,
         memory: MemoryClient | None = None,
         limitBook: LimitBook | None = None,
+        observer: Observer | None = None,
     ) -> None:
         self._tracer = tracer if tracer is not None else untracedProvider().get_tracer(__name__)
         self._metrics = metrics
@@ -217,6 +222,7 @@ class ProxyEdge:
             self.errorReply,
             self._addStandardHeaders,
             recaller,
+            observer if memory is not None and config.memory is not None else None,
         )
         # Decisions D13: the memory routes, on svc-memory; off (501) unless
         # both its address and the providers file's [memory] table are

@@ -41,6 +41,7 @@ from svcd.providers.upstream import Forwarder
 from svcd.proxy.http.chatbody import ChatRequest, parseChatBody
 from svcd.proxy.http.context import Reply, RequestContext
 from svcd.proxy.http.steps import bodyBytes
+from svcd.proxy.observe import Observer
 from svcd.proxy.recall import MEMORIES_HEADER, Recall, Recaller
 
 ErrorReply = Callable[[RequestContext, ApiError], Reply]
@@ -60,6 +61,8 @@ class ChatRoutes:
         stream's first bytes.
     @param recaller: context assembly (decisions D13), when memory is
         configured; None: requests are forwarded as they came.
+    @param observer: observation (decisions D13), when memory is
+        configured; None: no answer is observed.
     """
 
     log = Logger()
@@ -74,6 +77,7 @@ class ChatRoutes:
         errorReply: ErrorReply,
         standardHeaders: StandardHeaders,
         recaller: Recaller | None = None,
+        observer: Observer | None = None,
     ) -> None:
         self._providers = providers
         self._forwarder = forwarder
@@ -83,6 +87,7 @@ class ChatRoutes:
         self._errorReply = errorReply
         self._standardHeaders = standardHeaders
         self._recaller = recaller
+        self._observer = observer
 
     async def rateLimit(self, ctx: RequestContext) -> None:
         """
@@ -237,6 +242,8 @@ class ChatRoutes:
         refusal = modelRefusal(chat, model, ctx.budgeted)
         if refusal is not None:
             raise refusal
+        if self._observer is not None:
+            ctx.observing = self._observer.plan(ctx.request, ctx.orgID, ctx.agentID, chat.stream)
         ctx.forwarded = True
         return await self._forward(ctx, chat, model, providers, forwarder)
 
@@ -261,9 +268,16 @@ class ChatRoutes:
                 ErrorCode.SERVICE_DEGRADED,
                 "The gateway cannot record usage right now; try again shortly.",
             )
+        # Decisions D13: what the user said, before any memories were added.
+        asked = chat.messages
         recall = ctx.recall
         if recall is not None:
             chat = await self._recall(ctx, chat, recall)
+        observing = ctx.observing
+        # A stream's text is gathered only for a request that observes.
+        gather = None
+        if observing is not None and observing.answer is not None:
+            gather = observing.answer.addData
         outcome = OK
         try:
             answer = await forwarder.forward(
@@ -275,6 +289,7 @@ class ChatRoutes:
                 ctx.upstream,
                 outputCap=ctx.sentCap,
                 bodies=ctx.sentBodies,
+                onEventData=gather,
             )
             if ctx.upstream.brokenMidStream:
                 # The stream went out, then ended with an error event.
@@ -287,6 +302,12 @@ class ChatRoutes:
             raise
         finally:
             self._account(ctx, chat, model, providers, outcome)
+        observer = self._observer
+        if observing is not None and observer is not None and outcome == OK:
+            # Decisions D13: an answer that ended ok becomes an observation,
+            # recorded without waiting and never failing the answer.
+            assert ctx.orgID is not None and ctx.agentID is not None
+            observer.record(observing, ctx.orgID, ctx.agentID, ctx.requestID, asked, answer.body)
         return Reply(
             answer.status,
             answer.body,

@@ -1,0 +1,304 @@
+"""
+A replica's cache of memories' records (decisions D13): what a search
+answers of each hit (content, metadata, source, agent, subject, times), so
+that a search of a cached scope reads nothing from PostgreSQL. Beside the
+cache of vectors (L{svcd.memory.vectors}), not in it: the vectors' bytes
+per memory keep their bound (1.2 x 4 x the dimensions) whatever the
+contents weigh, and each cache is sized on its own.
+
+What is cached. Per scope (organization, agent, subject: every memory of
+it, whatever model made its vector), each memory's record in its
+MemoryService wire encoding (a serialized svc.memory.v1.Memory, see
+L{svcd.memory.wire}), by id: an answer is assembled from these bytes, with
+no Python object per field nor a formatted time per hit, and a record
+costs its encoding plus L{RECORD_OVERHEAD_BYTES}.
+
+Bounded. At most C{maxBytes} (SVC_MEMORY_RECORD_CACHE_MB), least recently
+searched scope out first. A scope larger than the whole cache is read for
+the search at hand and not kept; its later searches read their hits by id
+(as without this cache) rather than the whole scope again, until the
+listener reconnects.
+
+Filled by reads. A search whose scope's records are not held has them
+all loaded, in one query (L{svcd.memory.store.MemoryStore.scopeRecords}),
+on a thread of their own (L{svcd.memory.search.Searcher}), its own hits
+read by id meanwhile; from then on the scope's hits are read here.
+
+Kept current as promptly as the vectors, by the same listener
+(L{svcd.memory.listener}): every change of a memory of a scope held here
+(or being loaded) is handed to L{RecordCache.apply} with the row read anew
+after the change committed, before the vectors hear of it, so a memory is
+never ranked before its record is here. Changes heard during a load are
+applied to what it read before it is installed. While the listener is not
+connected nothing is held, and searches read their hits by id: slower,
+never stale. Forgetting is deletion here too: a deleted memory's record
+leaves the cache when its change is heard, within the second.
+
+Threads. Searches (grpcio's threads) and the listener share one lock,
+held only for dictionary operations: encoding happens before it is taken.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import uuid
+from collections.abc import Iterable, Sequence
+
+import attrs
+
+from svcd.memory.records import MemoryRecord
+from svcd.memory.vectors import CacheMetrics
+from svcd.memory.wire import encodedMemory
+
+Triple = tuple[uuid.UUID, uuid.UUID, str]
+
+# What a record costs besides its encoding: the dictionary's slot (with
+# room for growth), the id's UUID object and the bytes object's header
+# (measured with tracemalloc: about 163 bytes before a dictionary grows).
+RECORD_OVERHEAD_BYTES = 200
+# What a scope costs besides its records.
+SCOPE_OVERHEAD_BYTES = 1024
+# How many scopes too large for the cache are remembered as such.
+MAX_TOO_LARGE = 10_000
+
+
+class ScopeRecords:
+    """
+    The records of one scope, encoded, by id; changed only under the
+    cache's lock.
+    """
+
+    def __init__(self, encoded: dict[uuid.UUID, bytes]) -> None:
+        self._encoded = encoded
+        self.nbytes = SCOPE_OVERHEAD_BYTES + sum(
+            len(each) + RECORD_OVERHEAD_BYTES for each in encoded.values()
+        )
+
+    def __len__(self) -> int:
+        return len(self._encoded)
+
+    def found(self, memoryIDs: Iterable[uuid.UUID]) -> dict[uuid.UUID, bytes]:
+        """
+        The encodings of those of C{memoryIDs} held here.
+        """
+        found = {}
+        held = self._encoded.get
+        for memoryID in memoryIDs:
+            encoded = held(memoryID)
+            if encoded is not None:
+                found[memoryID] = encoded
+        return found
+
+    def put(self, memoryID: uuid.UUID, encoded: bytes | None) -> None:
+        """
+        Hold C{encoded} as the memory's record; None: drop it.
+        """
+        old = self._encoded.pop(memoryID, None)
+        if old is not None:
+            self.nbytes -= len(old) + RECORD_OVERHEAD_BYTES
+        if encoded is not None:
+            self._encoded[memoryID] = encoded
+            self.nbytes += len(encoded) + RECORD_OVERHEAD_BYTES
+
+
+@attrs.define(eq=False)
+class _Load:
+    """
+    A load of one scope's records in progress: the changes heard meanwhile,
+    to apply to what it read before it is installed.
+    """
+
+    triple: Triple
+    epoch: int
+    changes: list[tuple[uuid.UUID, bytes | None]] = attrs.Factory(list)
+
+
+def _encodedFor(triple: Triple, record: MemoryRecord | None) -> bytes | None:
+    """
+    The encoding to hold for a change heard about C{triple}: None when the
+    memory is gone, or is no longer the scope's (never another scope's
+    record under this one).
+    """
+    if record is None or (record.orgID, record.agentID, record.subject) != triple:
+        return None
+    return encodedMemory(record)
+
+
+class RecordCache:
+    """
+    Scopes' records by organization, agent and subject, at most
+    C{maxBytes} of them, least recently searched out first.
+    """
+
+    def __init__(self, maxBytes: int, metrics: CacheMetrics | None = None) -> None:
+        self.maxBytes = maxBytes
+        self._metrics = metrics or CacheMetrics()
+        self._lock = threading.Lock()
+        self._scopes: collections.OrderedDict[Triple, ScopeRecords] = collections.OrderedDict()
+        self._loads: dict[Triple, list[_Load]] = {}
+        self._tooLarge: set[Triple] = set()
+        self._listening = False
+        self._epoch = 0
+
+    @property
+    def totalBytes(self) -> int:
+        with self._lock:
+            return sum(each.nbytes for each in self._scopes.values())
+
+    def scopeCount(self) -> int:
+        with self._lock:
+            return len(self._scopes)
+
+    def isListening(self) -> bool:
+        return self._listening
+
+    # The listener's state.
+
+    def listening(self) -> None:
+        """
+        The listener hears every change from now on: cache again, from
+        empty (changes may have been missed before).
+        """
+        with self._lock:
+            self._clear()
+            self._listening = True
+
+    def notListening(self) -> None:
+        """
+        The listener lost PostgreSQL: forget everything and cache nothing
+        until it is back.
+        """
+        with self._lock:
+            self._clear()
+            self._listening = False
+
+    def _clear(self) -> None:
+        self._epoch += 1
+        self._scopes.clear()
+        self._loads.clear()
+        self._tooLarge.clear()
+        self._reportSize()
+
+    # Searches.
+
+    def lookup(
+        self, triple: Triple, memoryIDs: Sequence[uuid.UUID]
+    ) -> dict[uuid.UUID, bytes] | None:
+        """
+        The held encodings of C{memoryIDs}, or None when the scope's
+        records are not held (a miss: load them). Nothing is held of a
+        scope too large for the cache: its hits are read by id.
+        """
+        with self._lock:
+            scope = self._scopes.get(triple)
+            if scope is not None:
+                self._scopes.move_to_end(triple)
+                found = scope.found(memoryIDs)
+            tooLarge = triple in self._tooLarge
+        if scope is None:
+            self._metrics.miss()
+            return {} if tooLarge else None
+        self._metrics.hit()
+        return found
+
+    def beginLoad(self, triple: Triple) -> _Load | None:
+        """
+        A token for a load of the scope's records about to read
+        PostgreSQL, or None when nothing may be cached now (the listener is
+        down) or a load of them is under way already.
+        """
+        with self._lock:
+            if not self._listening or triple in self._loads:
+                return None
+            load = _Load(triple, self._epoch)
+            self._loads.setdefault(triple, []).append(load)
+            return load
+
+    def finishLoad(
+        self, load: _Load, encoded: dict[uuid.UUID, bytes], memoryIDs: Sequence[uuid.UUID]
+    ) -> dict[uuid.UUID, bytes]:
+        """
+        Install what a load read (the scope's every record, encoded), with
+        the changes heard since it began; the encodings of C{memoryIDs},
+        as current as the cache's.
+        """
+        with self._lock:
+            self._forgetLoad(load)
+            loaded = ScopeRecords(encoded)
+            for memoryID, change in load.changes:
+                loaded.put(memoryID, change)
+            if load.epoch != self._epoch or not self._listening:
+                return loaded.found(memoryIDs)
+            installed = self._scopes.get(load.triple)
+            if installed is not None:
+                # Another search loaded it first, and it has been kept
+                # current since.
+                self._scopes.move_to_end(load.triple)
+                return installed.found(memoryIDs)
+            if loaded.nbytes <= self.maxBytes:
+                self._scopes[load.triple] = loaded
+                self._evictBeyond(self.maxBytes, keep=load.triple)
+                self._reportSize()
+            else:
+                if len(self._tooLarge) >= MAX_TOO_LARGE:
+                    self._tooLarge.clear()
+                self._tooLarge.add(load.triple)
+            return loaded.found(memoryIDs)
+
+    def abandonLoad(self, load: _Load) -> None:
+        with self._lock:
+            self._forgetLoad(load)
+
+    def _forgetLoad(self, load: _Load) -> None:
+        pending = self._loads.get(load.triple, [])
+        if load in pending:
+            pending.remove(load)
+            if not pending:
+                del self._loads[load.triple]
+
+    def _evictBeyond(self, limit: int, keep: Triple | None = None) -> None:
+        total = sum(each.nbytes for each in self._scopes.values())
+        for triple in list(self._scopes):
+            if total <= limit:
+                return
+            if triple == keep:
+                continue
+            total -= self._scopes.pop(triple).nbytes
+            self._metrics.evicted()
+
+    def _reportSize(self) -> None:
+        self._metrics.size(sum(each.nbytes for each in self._scopes.values()), len(self._scopes))
+
+    # The listener's changes.
+
+    def watches(self, orgID: uuid.UUID, agentID: uuid.UUID, subject: str) -> bool:
+        """
+        Whether this scope's records are held or being loaded: only then
+        is a change of it worth reading.
+        """
+        triple = (orgID, agentID, subject)
+        with self._lock:
+            return triple in self._scopes or triple in self._loads
+
+    def apply(self, changes: Sequence[tuple[Triple, uuid.UUID, MemoryRecord | None]]) -> None:
+        """
+        Apply changes heard by the listener, in order: each names a
+        memory's organization, agent and subject, its id, and its record
+        as it is now (None: deleted).
+        """
+        encoded = [
+            (triple, memoryID, _encodedFor(triple, record)) for triple, memoryID, record in changes
+        ]
+        with self._lock:
+            touched = False
+            for triple, memoryID, change in encoded:
+                for load in self._loads.get(triple, ()):
+                    load.changes.append((memoryID, change))
+                scope = self._scopes.get(triple)
+                if scope is not None:
+                    scope.put(memoryID, change)
+                    touched = True
+            if touched:
+                self._evictBeyond(self.maxBytes)
+                self._reportSize()

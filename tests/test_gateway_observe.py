@@ -1,0 +1,355 @@
+"""
+Observations of chat completions end to end (decisions D13, issue 33):
+real svc-auth, svc-memory, svc-worker and svc-proxy daemons over
+PostgreSQL and Redis, the scripted model server answering the chats (its
+echo), the extraction (the first-person sentences of the user's turn) and
+the embeddings; chats sent with the C{openai} SDK.
+
+With observe on, a chat (plain or streamed) becomes an observation the
+worker turns into memories; with observe off, or C{X-SVC-Memory: off},
+nothing is queued. svc-memory down during a chat leaves the answer as it
+is, and the observation reaches svc-memory once it is back; a proxy
+stopped with observations unacknowledged keeps them in SVC_MEMORY_JOURNAL
+and sends them at its next start, and sent again they are still stored
+once. The facts carry a marker that no daemon's log may hold.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from authfixtures import Tenant, makeTenant
+from workerfixtures import WorkerRig, runningWorkerRig, waitUntil
+
+from svcd.testing.daemons import Daemon
+from svcd.testing.servers import PostgresServer, freePort
+
+# Starts real daemons (conftest.py, pytest.ini): left out of a quick run.
+pytestmark = pytest.mark.e2e
+
+# Only ever in what a user tells the gateway: no daemon's log may hold it,
+# though it travels through the proxy, svc-memory and the worker.
+MARKER = "quokkafact" + uuid.uuid4().hex[:10]
+
+
+# Each chat's facts are told apart by words of their own (a UUID's five
+# parts): the scripted embedding is a bag of words, under which facts that
+# differ by one word are near enough for the worker to take them for one.
+LABELS: dict[str, str] = {}
+
+
+def label(name: str) -> str:
+    return LABELS.setdefault(name, str(uuid.uuid4()))
+
+
+def factsOf(name: str, count: int = 2) -> str:
+    """
+    A user's turn stating C{count} facts particular to C{name} (each
+    carrying the marker), and a question, which extraction leaves out.
+    """
+    facts = " ".join(f"My fact number {n} is {MARKER}-{label(name)}-{n}." for n in range(count))
+    return f"{facts} What do you think?"
+
+
+def expectedFacts(names: list[str], count: int = 2) -> list[str]:
+    return sorted(
+        f"My fact number {n} is {MARKER}-{label(each)}-{n}." for each in names for n in range(count)
+    )
+
+
+# The proxies a test started, stopped after it whatever happened.
+PROXIES: list[Daemon] = []
+
+
+def startProxy(rig: WorkerRig, name: str, journal: Path, **more: str) -> Daemon:
+    """
+    An svc-proxy on the rig's svc-auth, svc-memory and Redis with memory
+    on (the rig's providers file has a [memory] table; its C{extractor}
+    model answers chats as the scripted echo) and SVC_MEMORY_JOURNAL, at
+    DEBUG so that every line it can write is checked for the marker.
+    """
+    environment = {
+        "SVC_HOST": "127.0.0.1",
+        "SVC_PORT": str(freePort()),
+        "SVC_AUTH_GRPC_ADDR": f"127.0.0.1:{rig.auth.environment['SVC_GRPC_PORT']}",
+        "SVC_MEMORY_GRPC_ADDR": f"127.0.0.1:{rig.memory.environment['SVC_GRPC_PORT']}",
+        "REDIS_URL": rig.redis.url,
+        "SVC_PROVIDERS_FILE": str(rig.providers),
+        "SVC_AUTH_VALIDATE_TIMEOUT": "5s",
+        "SVC_RATE_LIMIT_DEFAULT_RPM": "1000000",
+        "SVC_SHUTDOWN_TIMEOUT": "5s",
+        "SVC_MEMORY_JOURNAL": str(journal),
+        "SVC_USAGE_JOURNAL": str(journal.with_name(f"{name}-usage.journal")),
+        "SVC_LOG_LEVEL": "DEBUG",
+        **more,
+    }
+    daemon = Daemon("svc-proxy", environment, rig.workdir / f"{name}.log").start()
+    PROXIES.append(daemon)
+    daemon.waitForReady()
+    return daemon
+
+
+def client(proxy: Daemon, tenant: Tenant, **headers: str) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{proxy.httpPort}/v1",
+        api_key=tenant.token,
+        default_headers={"X-SVC-Agent-ID": str(tenant.agentID), **headers},
+        max_retries=0,
+        timeout=60,
+    )
+
+
+def chat(
+    proxy: Daemon,
+    tenant: Tenant,
+    text: str,
+    stream: bool = False,
+    headers: dict[str, str] | None = None,
+) -> tuple[str, str]:
+    """
+    One chat completion through the SDK, with a request id of our own:
+    that id and the answer's text (a stream's deltas joined).
+    """
+    requestID = str(uuid.uuid4())
+    sdk = client(proxy, tenant, **{"X-Request-ID": requestID, **(headers or {})})
+    messages: Any = [
+        {"role": "user", "content": "Hello."},
+        {"role": "assistant", "content": "Hi, how can I help?"},
+        {"role": "user", "content": text},
+    ]
+    if stream:
+        chunks = sdk.chat.completions.create(model="extractor", messages=messages, stream=True)
+        answer = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    else:
+        completion = sdk.chat.completions.create(model="extractor", messages=messages)
+        answer = completion.choices[0].message.content or ""
+    assert answer.startswith("Scripted answer to 3 messages"), answer
+    return requestID, answer
+
+
+def metric(daemon: Daemon, line: str) -> float:
+    """
+    The value of the series named exactly C{line} on C{daemon}'s /metrics
+    (0 when absent).
+    """
+    for each in daemon.get("/metrics")[1].decode().splitlines():
+        name, _, value = each.rpartition(" ")
+        if name == line:
+            return float(value)
+    return 0.0
+
+
+FAULTY_MODELS = """
+[[models]]
+name = "failing"
+provider = "scripted"
+upstream_model = "status:500"
+
+[[models]]
+name = "broken-stream"
+provider = "scripted"
+upstream_model = "close-mid-stream"
+"""
+
+RECORDED = 'svc_proxy_memory_observations_total{outcome="recorded"}'
+SENT = "svc_proxy_memory_observations_sent_total"
+
+
+def sourcesOf(rig: WorkerRig, tenant: Tenant | None = None) -> dict[str, list[str]]:
+    """
+    The memories of the tenant's agent by the request id they came from.
+    """
+    found: dict[str, list[str]] = {}
+    for memory in rig.memories(tenant):
+        found.setdefault(str(memory["source_request_id"]), []).append(memory["content"])
+    return found
+
+
+def allLogs(rig: WorkerRig, *proxies: Daemon) -> str:
+    return "\n".join([rig.logs(), *(each.output() for each in proxies)])
+
+
+@pytest.fixture
+def rig(postgresServer: PostgresServer, tmp_path: Path) -> Iterator[WorkerRig]:
+    """
+    svc-auth, svc-memory, Redis, the scripted model server and one
+    svc-worker; the rig's tenant has observe on for its organization,
+    set before any proxy starts (a proxy starts from the change feed's
+    snapshot, so it knows the setting from its first request).
+    """
+    with runningWorkerRig(postgresServer, tmp_path) as running:
+        # Two more chat models: one that fails, one whose stream breaks.
+        with running.providers.open("a") as providers:
+            providers.write(FAULTY_MODELS)
+        running.owner.setMemorySettings(running.tenant.orgID, None, {"observe": True})
+        running.startWorker()
+        try:
+            yield running
+        finally:
+            while PROXIES:
+                PROXIES.pop().terminate()
+
+
+def test_chatsBecomeMemoriesOnlyWhenObserved(rig: WorkerRig) -> None:
+    """
+    With observe on, a plain chat and a streamed one each become an
+    observation (the user's turn after the last assistant message, under
+    the chat's request id) that the worker turns into one memory per fact,
+    source C{extracted}. A chat whose provider failed, a stream broken
+    after its first byte, a chat that says C{X-SVC-Memory: off}, and one of
+    an organization with observe off, queue nothing: the proxy counts only
+    the observed ones, and once a later observed chat's memories are
+    stored, the earlier unobserved ones are neither memories nor waiting.
+    No daemon's log holds a word the user said.
+    """
+    proxy = startProxy(rig, "proxy", rig.workdir / "memory.journal")
+    silent = makeTenant(rig.owner, "silent")
+    plain, _ = chat(proxy, rig.tenant, factsOf("plain"))
+    streamed, answer = chat(proxy, rig.tenant, factsOf("streamed"), stream=True)
+    assert answer.startswith("Scripted answer")
+    # Each fact is a memory of its own, added one after the other: waited
+    # for whole.
+    waitUntil(
+        lambda: rig.contents() == expectedFacts(["plain", "streamed"]),
+        "the observed chats' memories",
+        60,
+    )
+    memories = rig.memories()
+    assert set(sourcesOf(rig)) == {plain, streamed}
+    assert {each["source"] for each in memories} == {"extracted"}
+    assert sorted(sourcesOf(rig)[plain]) == expectedFacts(["plain"])
+
+    # Answers that did not end ok are not observed: a provider's error,
+    # and a stream broken after its first byte.
+    sdk = client(proxy, rig.tenant)
+    with pytest.raises(openai.APIStatusError):
+        sdk.chat.completions.create(
+            model="failing", messages=[{"role": "user", "content": factsOf("failing")}]
+        )
+    with pytest.raises(openai.APIError):
+        for _ in sdk.chat.completions.create(
+            model="broken-stream",
+            messages=[{"role": "user", "content": factsOf("broken")}],
+            stream=True,
+        ):
+            pass
+    headerOff, _ = chat(proxy, rig.tenant, factsOf("header-off"), headers={"X-SVC-Memory": "off"})
+    settingOff, _ = chat(proxy, silent, factsOf("setting-off"))
+    later, _ = chat(proxy, rig.tenant, factsOf("later"))
+    waitUntil(
+        lambda: rig.contents() == expectedFacts(["plain", "streamed", "later"]),
+        "the later chat's memories",
+        60,
+    )
+    waitUntil(lambda: metric(proxy, SENT) == 3, "three observations acknowledged")
+    assert metric(proxy, RECORDED) == 3
+    assert set(sourcesOf(rig)) == {plain, streamed, later}
+    assert sourcesOf(rig, silent) == {}
+    waiting = {str(each["request_id"]) for each in rig.observations()}
+    waiting |= {str(each["request_id"]) for each in rig.observations(silent)}
+    assert not waiting & {headerOff, settingOff}, waiting
+    extractions = [
+        each
+        for each in rig.upstream.requests()
+        if each.path.endswith("/chat/completions") and "response_format" in each.body
+    ]
+    assert len(extractions) == 3
+    # The streamed answer's text, gathered from its deltas, is the
+    # observation's assistant message; the turn before the last assistant
+    # message is not observed.
+    [streamedTurn] = [
+        json.loads(each.body["messages"][1]["content"])["conversation"]
+        for each in extractions
+        if label("streamed") in each.body["messages"][1]["content"]
+    ]
+    assert streamedTurn == [
+        {"role": "user", "content": factsOf("streamed")},
+        {"role": "assistant", "content": answer},
+    ]
+    assert MARKER not in allLogs(rig, proxy)
+
+
+def test_svcMemoryAwayAndProxyRestartsLoseNothingAndStoreOnce(rig: WorkerRig) -> None:
+    """
+    svc-memory down during a chat: the answer comes as usual, at once, and
+    the observation waits in the proxy until svc-memory is back, then
+    becomes its memories. Observations unacknowledged when the proxy stops
+    stay in its memory journal and are sent at its next start; the same
+    journal replayed once more (as after a kill before the acknowledgement
+    was journalled) sends them again, and every fact is still one memory,
+    the same one.
+    """
+    journal = rig.workdir / "memory.journal"
+    proxy = startProxy(rig, "proxy", journal, SVC_SHUTDOWN_TIMEOUT="2s")
+    memoryEnvironment = dict(rig.memory.environment)
+    memoryLog = rig.memory.logFile
+
+    def restartMemory() -> None:
+        rig.memory = Daemon("svc-memory", memoryEnvironment, memoryLog).start()
+        rig.memory.waitForReady()
+
+    assert rig.memory.terminate() == 0
+    began = time.monotonic()
+    away, _ = chat(proxy, rig.tenant, factsOf("away"))
+    # The answer waited for nothing of memory's (recall is off; observing
+    # never waits): well within what svc-memory's absence could cost.
+    assert time.monotonic() - began < 20
+    waitUntil(
+        lambda: "QueueObservations to svc-memory failed" in proxy.output(), "a failed send", 30
+    )
+    restartMemory()
+    waitUntil(
+        lambda: rig.contents() == expectedFacts(["away"]), "the observation made while away", 90
+    )
+    assert set(sourcesOf(rig)) == {away}
+    waitUntil(lambda: "svc-memory took observation(s) again" in proxy.output(), "the resend logged")
+
+    assert rig.memory.terminate() == 0
+    stopped = [chat(proxy, rig.tenant, factsOf(f"stopped-{n}"))[0] for n in range(3)]
+    assert proxy.terminate() == 0
+    assert (
+        "3 observation(s) not acknowledged by svc-memory at stop; kept in the journal"
+        in proxy.output()
+    )
+    saved = rig.workdir / "memory.journal.saved"
+    shutil.copyfile(journal, saved)
+    restartMemory()
+    again = startProxy(rig, "again", journal)
+    # Info lines reach the log file in batches (svcd.common.logs.LineWriter).
+    waitUntil(
+        lambda: (
+            "3 observation(s) not acknowledged by svc-memory; sending them first" in again.output()
+        ),
+        "the journal's waiting observations in the log",
+    )
+    expected = expectedFacts(["away", *(f"stopped-{n}" for n in range(3))])
+    waitUntil(lambda: rig.contents() == expected, "the journalled observations", 90)
+    assert set(stopped) <= set(sourcesOf(rig))
+    first = {each["content"]: each["id"] for each in rig.memories()}
+    waitUntil(lambda: metric(again, SENT) == 3, "the restarted proxy's acknowledgements")
+
+    # As if the proxy had been killed before it journalled svc-memory's
+    # acknowledgement: the same observations sent once more.
+    assert again.terminate() == 0
+    worker = rig.workers[0]
+    updatedBefore = metric(worker, 'svc_worker_memories_total{action="updated"}')
+    shutil.copyfile(saved, journal)
+    replayed = startProxy(rig, "replayed", journal)
+    waitUntil(lambda: metric(replayed, SENT) == 3, "the replayed observations sent")
+    waitUntil(
+        lambda: metric(worker, 'svc_worker_memories_total{action="updated"}') >= updatedBefore + 6,
+        "the replayed observations processed",
+        90,
+    )
+    rig.waitForDrained()
+    assert {each["content"]: each["id"] for each in rig.memories()} == first
+    replayed.terminate()
+    assert MARKER not in allLogs(rig, proxy, again, replayed)

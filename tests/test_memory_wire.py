@@ -1,0 +1,116 @@
+"""
+What svc-memory's search path does per call, made cheaper, held to what
+it replaced: a Search answer merged from cached encodings equals one
+built from the records' fields (svcd/memory/wire.py), and the embedding's
+check by one sum of squares accepts and refuses exactly the vectors the
+two passes (finiteness, then the norm) did (svcd/memory/records.py).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+
+import numpy
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from svcd.memory.records import InvalidMemory, MemoryRecord, checkEmbedding
+from svcd.memory.wire import encodedMemory, memoryMessage, searchResponse
+from svcd.pb.memory.v1 import memory_pb2
+
+moments = st.datetimes(
+    min_value=datetime.datetime(2000, 1, 1), max_value=datetime.datetime(2100, 1, 1)
+).map(lambda moment: moment.replace(tzinfo=datetime.UTC))
+
+records = st.builds(
+    MemoryRecord,
+    memoryID=st.uuids(),
+    orgID=st.uuids(),
+    agentID=st.uuids(),
+    subject=st.text("abc:@-", max_size=8),
+    content=st.text(min_size=1, max_size=60),
+    metadata=st.sampled_from(["{}", '{"a":1}', '{"k":"vé"}']),
+    source=st.sampled_from(["api", "extracted"]),
+    sourceRequestID=st.one_of(st.none(), st.text("req-0123", min_size=1, max_size=10)),
+    embeddingModel=st.text("emb-", min_size=1, max_size=8),
+    dimensions=st.integers(1, 4096),
+    createdAt=moments,
+    updatedAt=moments,
+)
+
+
+# No deadline: the machine's load, not the code, decides how long an
+# example takes.
+@settings(deadline=None)
+@given(
+    st.lists(
+        st.tuples(records, st.floats(-1, 1, width=32)),
+        max_size=12,
+    )
+)
+def test_anAnswerMergedFromEncodingsIsTheAnswerBuiltFromRecords(
+    results: list[tuple[MemoryRecord, float]],
+) -> None:
+    """
+    The same message, and the same bytes, as building each ScoredMemory
+    from the record's fields.
+    """
+    built = memory_pb2.SearchResponse(
+        results=[
+            memory_pb2.ScoredMemory(memory=memoryMessage(record), score=score)
+            for record, score in results
+        ]
+    )
+    merged = searchResponse([(encodedMemory(record), score) for record, score in results])
+    assert merged == built
+    assert merged.SerializeToString() == built.SerializeToString()
+
+
+def twoPasses(vector: bytes) -> str | None:
+    """
+    The rule as it was: every component finite, then a norm that is
+    neither zero nor infinite; None when accepted, else the complaint.
+    """
+    components = numpy.frombuffer(vector, dtype="<f4")
+    if not bool(numpy.isfinite(components).all()):
+        return "finite"
+    norm = float(numpy.linalg.norm(components.astype(numpy.float64)))
+    if norm == 0.0 or not math.isfinite(norm):
+        return "zeros"
+    return None
+
+
+components = st.one_of(
+    st.floats(width=32, allow_nan=True, allow_infinity=True),
+    st.sampled_from([0.0, -0.0, 3.4e38, -3.4e38, 1e-45]),
+)
+
+
+@settings(deadline=None)
+@given(st.lists(components, min_size=1, max_size=40), st.integers(0, 2))
+def test_theEmbeddingCheckRefusesWhatTheTwoPassesRefused(values: list[float], zeros: int) -> None:
+    """
+    NaN or infinite components are refused as not finite, vectors of
+    zeros (signed or not) as having no direction, everything else
+    accepted, largest float32 values included.
+    """
+    vector = numpy.asarray(values + [0.0] * zeros, dtype="<f4").tobytes()
+    expected = twoPasses(vector)
+    if expected is None:
+        assert checkEmbedding("m", vector).vector == vector
+        return
+    with pytest.raises(InvalidMemory) as refused:
+        checkEmbedding("m", vector)
+    assert ("finite" in str(refused.value)) == (expected == "finite")
+    assert ("zeros" in str(refused.value)) == (expected == "zeros")
+
+
+def test_largestVectorsAreAccepted() -> None:
+    """
+    16,384 components of the largest float32 do not overflow the sum of
+    squares.
+    """
+    vector = numpy.full(16_384, 3.4e38, dtype="<f4").tobytes()
+    assert checkEmbedding("m", vector).dimensions == 16_384
