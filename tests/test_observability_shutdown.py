@@ -65,13 +65,17 @@ def slowAuth() -> Iterator[tuple[SlowAuth, int]]:
 
 def refused(port: int) -> bool:
     """
-    Is a new TCP connection to the port refused?
+    Is a new TCP connection to the port refused? A connection reset
+    (the listening socket closed while ours waited in its backlog) is not
+    yet a refusal: the caller asks again.
     """
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=1):
             return False
     except ConnectionRefusedError:
         return True
+    except ConnectionResetError:
+        return False
 
 
 def waitUntil(condition: Any, limit: float) -> None:
