@@ -257,6 +257,10 @@ def runningWorkerRig(
     finally:
         for worker in rig.workers:
             worker.terminate()
+        # A test may have restarted svc-memory (rig.memory is then a new
+        # daemon): stop whichever is current, and the first.
+        if rig.memory is not memory:
+            rig.memory.terminate()
         memory.terminate()
         auth.terminate()
         upstream.stop()
