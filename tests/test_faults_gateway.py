@@ -244,6 +244,11 @@ def faultyGateway(postgresServer: PostgresServer, tmp_path: Path) -> Iterator[Ga
         yield gateway
 
 
+# svc-auth missing the proxy's validation deadline on a loaded machine:
+# ValidateAgent's 503 AUTH_UNAVAILABLE, ValidateToken's 503 SERVICE_DEGRADED.
+FAILED_CLOSED = frozenset({(503, "AUTH_UNAVAILABLE"), (503, "SERVICE_DEGRADED")})
+
+
 def test_redisKilledMidLoad(faultyGateway: Gateway) -> None:
     """
     Redis killed (SIGKILL) under load: requests go on being served (fail
@@ -267,7 +272,11 @@ def test_redisKilledMidLoad(faultyGateway: Gateway) -> None:
         assert isinstance(checks, dict) and checks["redis"]["status"] == "failed"
         waitForSamples(load, time.monotonic(), count=20)
         during = load.between(killed + 0.2)
-        assert {sample.status for sample in during} == {501}
+        # 501 as before the fault (a rare validation failed closed aside,
+        # see the end).
+        duringAnswers = {(sample.status, sample.code) for sample in during}
+        assert (501, "PROVIDER_NOT_CONFIGURED") in duringAnswers, duringAnswers
+        assert duringAnswers <= {(501, "PROVIDER_NOT_CONFIGURED"), *FAILED_CLOSED}, duringAnswers
         assert not any(sample.rateLimited for sample in during[-10:])
 
         redis.start()
@@ -276,14 +285,14 @@ def test_redisKilledMidLoad(faultyGateway: Gateway) -> None:
         waitFor(lambda: request(gateway.port, "GET", "/ready").status == 200, RECOVERY)
         assert recovered - back < RECOVERY
     # Redis's death never changes an answer: every one is the 501 of a
-    # server without providers. The only other answer allowed is svc-auth
-    # missing the proxy's 50 ms validation deadline on a loaded machine
-    # (503 AUTH_UNAVAILABLE, failing closed by design: nothing to do with
-    # Redis; seen once in a CI-like run beside four other test runs), and
-    # rarely.
+    # server without providers. The only other answers allowed are svc-auth
+    # missing the proxy's validation deadline on a loaded machine (503
+    # AUTH_UNAVAILABLE for ValidateAgent, 503 SERVICE_DEGRADED for
+    # ValidateToken: failing closed by design, nothing to do with Redis;
+    # each seen once in CI-like runs on a busy machine), and rarely.
     answers = [(sample.status, sample.code) for sample in load.samples]
-    closed = answers.count((503, "AUTH_UNAVAILABLE"))
-    assert set(answers) <= {(501, "PROVIDER_NOT_CONFIGURED"), (503, "AUTH_UNAVAILABLE")}, answers
+    closed = sum(1 for answer in answers if answer in FAILED_CLOSED)
+    assert set(answers) <= {(501, "PROVIDER_NOT_CONFIGURED"), *FAILED_CLOSED}, answers
     assert closed <= len(answers) // 20, answers
     load.assertNoneHung()
     print(

@@ -38,6 +38,15 @@ def expectedFacts(requestIDs: list[str], count: int = 2) -> list[str]:
     return sorted(f"My fact number {n} is {each}-{n}." for each in requestIDs for n in range(count))
 
 
+def waitForMetric(rig: WorkerRig, worker: Daemon, line: str, value: float) -> None:
+    """
+    Wait (bounded) until C{worker}'s metric C{line} reads C{value}: svc-memory
+    commits an observation's completion before the worker has its answer and
+    counts it, so a count read once right after the drain can lag.
+    """
+    waitUntil(lambda: rig.metric(worker, line) == value, f"{line} == {value}")
+
+
 def test_observationsBecomeMemoriesPaidByTheOrganization(
     postgresServer: PostgresServer, tmp_path: Path
 ) -> None:
@@ -70,9 +79,9 @@ def test_observationsBecomeMemoriesPaidByTheOrganization(
         assert {row["outcome"] for row in rows} == {"ok"}
         assert all(row["cost_nano_usd"] > 0 for row in rows)
         assert {row["model"] for row in rows} == {"extractor", "embedder"}
-        assert rig.metric(worker, 'svc_worker_observations_total{outcome="done"}') == 3
-        assert rig.metric(worker, "svc_worker_observation_seconds_count") == 3
-        assert rig.metric(worker, 'svc_worker_memories_total{action="added"}') == 6
+        waitForMetric(rig, worker, 'svc_worker_observations_total{outcome="done"}', 3)
+        waitForMetric(rig, worker, "svc_worker_observation_seconds_count", 3)
+        waitForMetric(rig, worker, 'svc_worker_memories_total{action="added"}', 6)
         status, _ = rig.memory.get("/metrics")
         assert "svc_memory_observations_waiting" in rig.memory.get("/metrics")[1].decode()
         logs = rig.logs()
@@ -120,7 +129,7 @@ def test_processingAgainNeverAddsAMemoryTwice(
         rig.waitForDrained()
         again = {each["content"]: each["id"] for each in rig.memories()}
         assert again == first
-        assert rig.metric(worker, 'svc_worker_memories_total{action="updated"}') == 3
+        waitForMetric(rig, worker, 'svc_worker_memories_total{action="updated"}', 3)
 
 
 def test_killedMidBatchAndRestartedStoresEachFactOnce(
@@ -310,8 +319,8 @@ def test_failuresBackOffThenEndFailed(postgresServer: PostgresServer, tmp_path: 
         [row] = rig.observations()
         assert row["attempts"] == 3
         assert row["reason"] == "extraction: the answer's text is not JSON"
-        assert rig.metric(worker, 'svc_worker_observations_total{outcome="retry"}') == 2
-        assert rig.metric(worker, 'svc_worker_observations_total{outcome="failed"}') == 1
+        waitForMetric(rig, worker, 'svc_worker_observations_total{outcome="retry"}', 2)
+        waitForMetric(rig, worker, 'svc_worker_observations_total{outcome="failed"}', 1)
         waitUntil(lambda: len(rig.ledger()) == 3, "three ledger rows")
         extractions = [row for row in rig.ledger() if row["kind"] == "extraction"]
         assert len(extractions) == 3 and rig.memories() == []
@@ -472,7 +481,7 @@ def test_aLostLeaseIsAbandonedWithoutStoringAnything(
         for action in ("added", "updated"):
             assert rig.metric(paused, f'svc_worker_memories_total{{action="{action}"}}') == 0
         assert rig.metric(paused, 'svc_worker_observations_total{outcome="done"}') == 0
-        assert rig.metric(other, 'svc_worker_observations_total{outcome="done"}') == 1
+        waitForMetric(rig, other, 'svc_worker_observations_total{outcome="done"}', 1)
         waitUntil(lambda: len(rig.ledger()) == 3, "two extraction rows and one embedding row")
         kinds = sorted(row["kind"] for row in rig.ledger())
         assert kinds == ["embedding", "extraction", "extraction"], kinds
