@@ -16,7 +16,7 @@ import pytest
 from authfixtures import Tenant, makeTenant
 
 from svcd.auth.store import Store
-from svcd.memory.records import Embedding, Scope
+from svcd.memory.records import Embedding, Query, Scope, checkQuery
 from svcd.memory.store import APPLICATION_ROLE, MemoryStore, connectionPool
 from svcd.testing.memoryservice import RunningMemoryService
 
@@ -32,6 +32,10 @@ def vectorBytes(values: Sequence[float]) -> bytes:
 
 def embedding(values: Sequence[float], model: str = MODEL) -> Embedding:
     return Embedding(model, vectorBytes(values))
+
+
+def query(values: Sequence[float], model: str = MODEL) -> Query:
+    return checkQuery(model, vectorBytes(values))
 
 
 def scopeOf(tenant: Tenant, subject: str = "") -> Scope:

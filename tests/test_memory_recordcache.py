@@ -61,15 +61,15 @@ def record(
     )
 
 
-def loaded(cache: RecordCache, *records: MemoryRecord) -> dict[uuid.UUID, bytes]:
+def loaded(cache: RecordCache, *records: MemoryRecord) -> dict[int, bytes]:
     """
     Load C{records} as the scope TRIPLE's whole content; what the load
     answers for their ids.
     """
     load = cache.beginLoad(TRIPLE)
     assert load is not None
-    ids = [each.memoryID for each in records]
-    return cache.finishLoad(load, {each.memoryID: encodedMemory(each) for each in records}, ids)
+    ids = [each.memoryID.int for each in records]
+    return cache.finishLoad(load, {each.memoryID.int: encodedMemory(each) for each in records}, ids)
 
 
 def test_aLoadedScopeAnswersItsRecords() -> None:
@@ -84,16 +84,16 @@ def test_aLoadedScopeAnswersItsRecords() -> None:
     )
     cache.listening()
     first, second = record(uuid.uuid4(), "likes tea"), record(uuid.uuid4(), "plays chess")
-    assert cache.lookup(TRIPLE, [first.memoryID]) is None
+    assert cache.lookup(TRIPLE, [first.memoryID.int]) is None
     assert loaded(cache, first, second) == {
-        first.memoryID: encodedMemory(first),
-        second.memoryID: encodedMemory(second),
+        first.memoryID.int: encodedMemory(first),
+        second.memoryID.int: encodedMemory(second),
     }
     unknown = uuid.uuid4()
-    found = cache.lookup(TRIPLE, [second.memoryID, unknown])
-    assert found == {second.memoryID: encodedMemory(second)}
-    assert memory_pb2.Memory.FromString(found[second.memoryID]).content == "plays chess"
-    assert cache.lookup((ORG, AGENT, "other"), [first.memoryID]) is None
+    found = cache.lookup(TRIPLE, [second.memoryID.int, unknown.int])
+    assert found == {second.memoryID.int: encodedMemory(second)}
+    assert memory_pb2.Memory.FromString(found[second.memoryID.int]).content == "plays chess"
+    assert cache.lookup((ORG, AGENT, "other"), [first.memoryID.int]) is None
     assert events == ["miss", "hit", "miss"]
 
 
@@ -120,17 +120,17 @@ def test_changesHeardDuringALoadAreApplied() -> None:
     everything = [kept, changed, gone, moved]
     found = cache.finishLoad(
         load,
-        {each.memoryID: encodedMemory(each) for each in everything},
-        [each.memoryID for each in [*everything, late]],
+        {each.memoryID.int: encodedMemory(each) for each in everything},
+        [each.memoryID.int for each in [*everything, late]],
     )
     assert found == {
-        kept.memoryID: encodedMemory(kept),
-        changed.memoryID: encodedMemory(newer),
-        moved.memoryID: encodedMemory(moved),
-        late.memoryID: encodedMemory(late),
+        kept.memoryID.int: encodedMemory(kept),
+        changed.memoryID.int: encodedMemory(newer),
+        moved.memoryID.int: encodedMemory(moved),
+        late.memoryID.int: encodedMemory(late),
     }
     cache.apply([(TRIPLE, moved.memoryID, record(moved.memoryID, subject="elsewhere"))])
-    assert cache.lookup(TRIPLE, [moved.memoryID]) == {}
+    assert cache.lookup(TRIPLE, [moved.memoryID.int]) == {}
 
 
 def test_nothingIsHeldWhileNotListening() -> None:
@@ -146,10 +146,12 @@ def test_nothingIsHeldWhileNotListening() -> None:
     load = cache.beginLoad(TRIPLE)
     assert load is not None
     cache.notListening()
-    found = cache.finishLoad(load, {memory.memoryID: encodedMemory(memory)}, [memory.memoryID])
-    assert found == {memory.memoryID: encodedMemory(memory)}
+    found = cache.finishLoad(
+        load, {memory.memoryID.int: encodedMemory(memory)}, [memory.memoryID.int]
+    )
+    assert found == {memory.memoryID.int: encodedMemory(memory)}
     cache.listening()
-    assert cache.lookup(TRIPLE, [memory.memoryID]) is None
+    assert cache.lookup(TRIPLE, [memory.memoryID.int]) is None
     assert (cache.scopeCount(), cache.totalBytes) == (0, 0)
 
 
@@ -168,7 +170,7 @@ def test_theLeastRecentlySearchedScopeGoesFirst() -> None:
         triple = (ORG, AGENT, subject)
         load = cache.beginLoad(triple)
         assert load is not None
-        cache.finishLoad(load, {one.memoryID: encodedMemory(one)}, [])
+        cache.finishLoad(load, {one.memoryID.int: encodedMemory(one)}, [])
         if subject == "b":
             assert cache.lookup((ORG, AGENT, "a"), []) == {}
     assert cache.lookup((ORG, AGENT, "b"), []) is None
@@ -178,12 +180,12 @@ def test_theLeastRecentlySearchedScopeGoesFirst() -> None:
     load = cache.beginLoad(TRIPLE)
     assert load is not None
     found = cache.finishLoad(
-        load, {each.memoryID: encodedMemory(each) for each in many}, [many[0].memoryID]
+        load, {each.memoryID.int: encodedMemory(each) for each in many}, [many[0].memoryID.int]
     )
-    assert found == {many[0].memoryID: encodedMemory(many[0])}
-    assert cache.lookup(TRIPLE, [many[0].memoryID]) == {}
+    assert found == {many[0].memoryID.int: encodedMemory(many[0])}
+    assert cache.lookup(TRIPLE, [many[0].memoryID.int]) == {}
     cache.listening()
-    assert cache.lookup(TRIPLE, [many[0].memoryID]) is None
+    assert cache.lookup(TRIPLE, [many[0].memoryID.int]) is None
 
 
 contents = st.one_of(st.none(), st.text(min_size=1, max_size=40))
@@ -211,7 +213,7 @@ def test_theCacheFollowsEveryChangeAndCountsItsBytes(
     cache.listening()
     load = cache.beginLoad(TRIPLE)
     assert load is not None
-    readByLoad = {memoryID: encodedMemory(each) for memoryID, each in state.items()}
+    readByLoad = {memoryID.int: encodedMemory(each) for memoryID, each in state.items()}
     for step, (number, content) in enumerate(changes):
         if step == duringLoad:
             cache.finishLoad(load, readByLoad, [])
@@ -223,8 +225,8 @@ def test_theCacheFollowsEveryChangeAndCountsItsBytes(
         cache.apply([(TRIPLE, ids[number], change)])
     if duringLoad >= len(changes):
         cache.finishLoad(load, readByLoad, [])
-    expected = {memoryID: encodedMemory(each) for memoryID, each in state.items()}
-    assert cache.lookup(TRIPLE, ids) == expected
+    expected = {memoryID.int: encodedMemory(each) for memoryID, each in state.items()}
+    assert cache.lookup(TRIPLE, [each.int for each in ids]) == expected
     assert cache.totalBytes == SCOPE_OVERHEAD_BYTES + sum(
         len(each) + RECORD_OVERHEAD_BYTES for each in expected.values()
     )
@@ -289,8 +291,8 @@ def held(service: RunningMemoryService, where: memory_pb2.Scope) -> dict[str, me
     if scopeRecords is None:
         return {}
     return {
-        str(memoryID): memory_pb2.Memory.FromString(encoded)
-        for memoryID, encoded in scopeRecords._encoded.items()
+        str(uuid.UUID(int=key)): memory_pb2.Memory.FromString(encoded)
+        for key, encoded in scopeRecords._encoded.items()
     }
 
 

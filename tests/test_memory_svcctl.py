@@ -11,7 +11,7 @@ import uuid
 
 from authfixtures import Tenant
 from authhelpers import document, failure, svcctl
-from memoryfixtures import embedding, scopeOf
+from memoryfixtures import embedding, query, scopeOf
 
 from svcd.auth.store import Store
 from svcd.memory.records import NewObservation, ObservedMessage, Scope
@@ -119,7 +119,7 @@ def test_aDeleteReachesEveryReplica(
     memoryID = add(memoryStore, scope, "to forget")
     service = RunningMemoryService(migratedDSN).start()
     try:
-        service.parts.searcher.search(scope, embedding([1.0, 0.0]), 5, None)
+        service.parts.searcher.search(scope, query([1.0, 0.0]), 5, None)
         [vectors] = [service.cache.lookup(key) for key in list(service.cache._scopes)]
         assert vectors is not None and vectors.count == 1
         document(

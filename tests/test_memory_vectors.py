@@ -131,6 +131,42 @@ def test_minScoreLeavesOutWorseMemories() -> None:
     assert scope.search(normalised(vectorBytes([1.0, 0.0])), 5, minScore=1.5) == []
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    scopes(),
+    st.lists(st.integers(0, 39), max_size=40),
+    st.one_of(st.none(), st.integers(-4, 4).map(lambda each: each / 4)),
+)
+def test_theRankingIsTheOrderOfEveryLiveRow(
+    case: tuple[list[list[float]], list[int], list[float], int],
+    removed: list[int],
+    minScore: float | None,
+) -> None:
+    """
+    rank() against the plainest model of its contract, at the same float32
+    scores: every live row's (score, created, id) in descending order,
+    those below min_score left out, the first k. Removed (dead) rows never
+    rank, however few live ones remain; ties at the k-th score, which
+    integer components make common, go to the newest, then the highest id.
+    """
+    vectors, created, query, k = case
+    rows, ids = rowsOf(vectors, created)
+    scope = ScopeVectors.fromRows(len(query), rows)
+    gone = {ids[each] for each in removed if each < len(ids)}
+    scope.remove(gone)
+    unit = normalised(vectorBytes(query))
+    scores = (scope._view.matrix[: scope._view.count] @ unit).tolist()
+    live = [
+        (scores[row], moment, memoryID.int)
+        for row, (moment, memoryID) in enumerate(zip(created, ids, strict=True))
+        if memoryID not in gone
+    ]
+    floor = -2.0 if minScore is None else float(numpy.float32(minScore))
+    expected = [each for each in sorted(live, reverse=True) if each[0] >= floor][:k]
+    ranking = scope.rank(unit, k, minScore)
+    assert list(zip(ranking.scores, ranking.createdMicros, ranking.keys, strict=True)) == expected
+
+
 def test_upsertAndRemoveKeepTheSearchExact() -> None:
     """
     A memory added, changed or removed after loading is searched as if

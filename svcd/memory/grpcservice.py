@@ -24,6 +24,7 @@ Nothing here logs a memory's content or an observation's messages.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent import futures
@@ -56,6 +57,7 @@ from svcd.memory.records import (
     checkEmbedding,
     checkMetadata,
     checkObservedMessages,
+    checkQuery,
     checkRequestID,
     checkScope,
     checkSource,
@@ -73,7 +75,7 @@ from svcd.memory.store import (
     StoreValueRefused,
 )
 from svcd.memory.vectors import CacheMetrics
-from svcd.memory.wire import memoryMessage, searchResponse
+from svcd.memory.wire import memoryMessage, searchAnswer
 from svcd.pb.memory.v1 import memory_pb2
 
 SERVICE_NAME = "svc.memory.v1.MemoryService"
@@ -231,7 +233,17 @@ class _Refusal(Exception):
 
 
 def _scope(message: memory_pb2.Scope) -> Scope:
-    return checkScope(message.org_id, message.agent_id, message.subject)
+    return _checkedScope(message.org_id, message.agent_id, message.subject)
+
+
+@functools.lru_cache(maxsize=4096)
+def _checkedScope(orgID: str, agentID: str, subject: str) -> Scope:
+    """
+    L{checkScope}, remembered: a replica serves the same scopes over and
+    over, and parsing two UUIDs and a subject was a tenth of a cached
+    search's time. A refusal raises, and is not remembered.
+    """
+    return checkScope(orgID, agentID, subject)
 
 
 def _embedding(request: Message, field: str) -> Any:
@@ -251,6 +263,10 @@ def _owner(owner: str) -> str:
     if not 1 <= len(owner) <= 200 or not owner.isprintable():
         raise InvalidMemory("owner", "must be 1 to 200 printable characters")
     return owner
+
+
+# The methods whose answers are written as bytes (svcd.memory.wire).
+_ENCODED_ANSWERS = frozenset({"Search"})
 
 
 class MemoryServicer:
@@ -274,7 +290,8 @@ class MemoryServicer:
     def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         """
         MemoryService's unary handlers by method name, each parsing the
-        request's bytes itself.
+        request's bytes itself; those of L{_ENCODED_ANSWERS} answer bytes
+        they wrote, the others a message grpcio serializes.
         """
         handlers = {}
         for method in memory_pb2.DESCRIPTOR.services_by_name["MemoryService"].methods:
@@ -283,7 +300,9 @@ class MemoryServicer:
             handlers[method.name] = grpc.unary_unary_rpc_method_handler(
                 self._handler(method.name, requestType, getattr(self, method.name)),
                 request_deserializer=None,
-                response_serializer=responseType.SerializeToString,
+                response_serializer=None
+                if method.name in _ENCODED_ANSWERS
+                else responseType.SerializeToString,
             )
         return handlers
 
@@ -291,9 +310,9 @@ class MemoryServicer:
         self,
         method: str,
         requestType: type[Message],
-        work: Callable[[Any], Message],
-    ) -> Callable[[bytes, grpc.ServicerContext], Message]:
-        def answer(raw: bytes, context: grpc.ServicerContext) -> Message:
+        work: Callable[[Any], Message | bytes],
+    ) -> Callable[[bytes, grpc.ServicerContext], Message | bytes]:
+        def answer(raw: bytes, context: grpc.ServicerContext) -> Message | bytes:
             code = grpc.StatusCode.OK
             try:
                 remaining = context.time_remaining()
@@ -407,12 +426,20 @@ class MemoryServicer:
             memories_deleted=memories, observations_deleted=observations
         )
 
-    def Search(self, request: memory_pb2.SearchRequest) -> memory_pb2.SearchResponse:
+    def Search(self, request: memory_pb2.SearchRequest) -> bytes:
+        """
+        Answered as a SearchResponse's bytes (L{searchAnswer}): the hits'
+        cached encodings copied into it, with no message built.
+        """
         scope = _scope(request.scope)
         mode = request.mode or VECTOR
         if mode not in MODES:
             raise InvalidMemory("mode", "must be one of " + ", ".join(MODES))
-        query = _embedding(request, "query") if mode != TEXT else None
+        query = None
+        if mode != TEXT:
+            if not request.HasField("query"):
+                raise InvalidMemory("query", "is required")
+            query = checkQuery(request.query.model, request.query.vector)
         if mode != VECTOR and not 1 <= len(request.text) <= MAX_QUERY_CHARACTERS:
             raise InvalidMemory(
                 "text", f"must be 1 to {MAX_QUERY_CHARACTERS:,} characters in {mode} mode"
@@ -421,7 +448,7 @@ class MemoryServicer:
         minScore = None
         if request.HasField("min_score"):
             minScore = _bounded("min_score", request.min_score, -1.0, 1.0)
-        return searchResponse(self._searcher.search(scope, query, k, minScore, mode, request.text))
+        return searchAnswer(self._searcher.search(scope, query, k, minScore, mode, request.text))
 
     # Observations.
 

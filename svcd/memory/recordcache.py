@@ -9,9 +9,11 @@ contents weigh, and each cache is sized on its own.
 What is cached. Per scope (organization, agent, subject: every memory of
 it, whatever model made its vector), each memory's record in its
 MemoryService wire encoding (a serialized svc.memory.v1.Memory, see
-L{svcd.memory.wire}), by id: an answer is assembled from these bytes, with
-no Python object per field nor a formatted time per hit, and a record
-costs its encoding plus L{RECORD_OVERHEAD_BYTES}.
+L{svcd.memory.wire}), by its id's 128-bit int (the ranking's own key,
+which hashes in C where a L{uuid.UUID} hashes in Python): an answer is
+assembled from these bytes, with no Python object per field nor a
+formatted time per hit, and a record costs its encoding plus
+L{RECORD_OVERHEAD_BYTES}.
 
 Bounded. At most C{maxBytes} (SVC_MEMORY_RECORD_CACHE_MB), least recently
 searched scope out first. A scope larger than the whole cache is read for
@@ -54,8 +56,9 @@ from svcd.memory.wire import encodedMemory
 Triple = tuple[uuid.UUID, uuid.UUID, str]
 
 # What a record costs besides its encoding: the dictionary's slot (with
-# room for growth), the id's UUID object and the bytes object's header
-# (measured with tracemalloc: about 163 bytes before a dictionary grows).
+# room for growth), the id's int and the bytes object's header (measured
+# with tracemalloc: about 163 bytes before a dictionary grows, when the
+# key was a UUID object; an int is smaller, and the bound is kept).
 RECORD_OVERHEAD_BYTES = 200
 # What a scope costs besides its records.
 SCOPE_OVERHEAD_BYTES = 1024
@@ -69,7 +72,7 @@ class ScopeRecords:
     cache's lock.
     """
 
-    def __init__(self, encoded: dict[uuid.UUID, bytes]) -> None:
+    def __init__(self, encoded: dict[int, bytes]) -> None:
         self._encoded = encoded
         self.nbytes = SCOPE_OVERHEAD_BYTES + sum(
             len(each) + RECORD_OVERHEAD_BYTES for each in encoded.values()
@@ -78,27 +81,28 @@ class ScopeRecords:
     def __len__(self) -> int:
         return len(self._encoded)
 
-    def found(self, memoryIDs: Iterable[uuid.UUID]) -> dict[uuid.UUID, bytes]:
+    def found(self, keys: Iterable[int]) -> dict[int, bytes]:
         """
-        The encodings of those of C{memoryIDs} held here.
+        The encodings of those of the memories named by C{keys} held here.
         """
         found = {}
         held = self._encoded.get
-        for memoryID in memoryIDs:
-            encoded = held(memoryID)
+        for key in keys:
+            encoded = held(key)
             if encoded is not None:
-                found[memoryID] = encoded
+                found[key] = encoded
         return found
 
-    def put(self, memoryID: uuid.UUID, encoded: bytes | None) -> None:
+    def put(self, key: int, encoded: bytes | None) -> None:
         """
-        Hold C{encoded} as the memory's record; None: drop it.
+        Hold C{encoded} as the record of the memory named by C{key}; None:
+        drop it.
         """
-        old = self._encoded.pop(memoryID, None)
+        old = self._encoded.pop(key, None)
         if old is not None:
             self.nbytes -= len(old) + RECORD_OVERHEAD_BYTES
         if encoded is not None:
-            self._encoded[memoryID] = encoded
+            self._encoded[key] = encoded
             self.nbytes += len(encoded) + RECORD_OVERHEAD_BYTES
 
 
@@ -111,7 +115,7 @@ class _Load:
 
     triple: Triple
     epoch: int
-    changes: list[tuple[uuid.UUID, bytes | None]] = attrs.Factory(list)
+    changes: list[tuple[int, bytes | None]] = attrs.Factory(list)
 
 
 def _encodedFor(triple: Triple, record: MemoryRecord | None) -> bytes | None:
@@ -182,11 +186,9 @@ class RecordCache:
 
     # Searches.
 
-    def lookup(
-        self, triple: Triple, memoryIDs: Sequence[uuid.UUID]
-    ) -> dict[uuid.UUID, bytes] | None:
+    def lookup(self, triple: Triple, keys: Sequence[int]) -> dict[int, bytes] | None:
         """
-        The held encodings of C{memoryIDs}, or None when the scope's
+        The held encodings of the memories named by C{keys}, or None when the scope's
         records are not held (a miss: load them). Nothing is held of a
         scope too large for the cache: its hits are read by id.
         """
@@ -194,7 +196,7 @@ class RecordCache:
             scope = self._scopes.get(triple)
             if scope is not None:
                 self._scopes.move_to_end(triple)
-                found = scope.found(memoryIDs)
+                found = scope.found(keys)
             tooLarge = triple in self._tooLarge
         if scope is None:
             self._metrics.miss()
@@ -216,26 +218,27 @@ class RecordCache:
             return load
 
     def finishLoad(
-        self, load: _Load, encoded: dict[uuid.UUID, bytes], memoryIDs: Sequence[uuid.UUID]
-    ) -> dict[uuid.UUID, bytes]:
+        self, load: _Load, encoded: dict[int, bytes], keys: Sequence[int]
+    ) -> dict[int, bytes]:
         """
-        Install what a load read (the scope's every record, encoded), with
-        the changes heard since it began; the encodings of C{memoryIDs},
-        as current as the cache's.
+        Install what a load read (the scope's every record, encoded, by
+        its id's int), with the changes heard since it began; the
+        encodings of the memories named by C{keys}, as current as the
+        cache's.
         """
         with self._lock:
             self._forgetLoad(load)
             loaded = ScopeRecords(encoded)
-            for memoryID, change in load.changes:
-                loaded.put(memoryID, change)
+            for key, change in load.changes:
+                loaded.put(key, change)
             if load.epoch != self._epoch or not self._listening:
-                return loaded.found(memoryIDs)
+                return loaded.found(keys)
             installed = self._scopes.get(load.triple)
             if installed is not None:
                 # Another search loaded it first, and it has been kept
                 # current since.
                 self._scopes.move_to_end(load.triple)
-                return installed.found(memoryIDs)
+                return installed.found(keys)
             if loaded.nbytes <= self.maxBytes:
                 self._scopes[load.triple] = loaded
                 self._evictBeyond(self.maxBytes, keep=load.triple)
@@ -244,7 +247,7 @@ class RecordCache:
                 if len(self._tooLarge) >= MAX_TOO_LARGE:
                     self._tooLarge.clear()
                 self._tooLarge.add(load.triple)
-            return loaded.found(memoryIDs)
+            return loaded.found(keys)
 
     def abandonLoad(self, load: _Load) -> None:
         with self._lock:
@@ -293,11 +296,12 @@ class RecordCache:
         with self._lock:
             touched = False
             for triple, memoryID, change in encoded:
+                key = memoryID.int
                 for load in self._loads.get(triple, ()):
-                    load.changes.append((memoryID, change))
+                    load.changes.append((key, change))
                 scope = self._scopes.get(triple)
                 if scope is not None:
-                    scope.put(memoryID, change)
+                    scope.put(key, change)
                     touched = True
             if touched:
                 self._evictBeyond(self.maxBytes)

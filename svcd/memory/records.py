@@ -55,6 +55,23 @@ class InvalidMemory(ValueError):
 
 
 @attrs.frozen
+class Query:
+    """
+    A search's query (L{checkQuery}): the model that made it, and its
+    vector scaled to length 1 as a float32 array, which is all a search
+    compares. Scaled by the rule of the cached rows
+    (L{svcd.memory.vectors.normalisedRows}), bit for bit.
+    """
+
+    model: str
+    unit: Any = attrs.field(eq=False, repr=False)
+
+    @property
+    def dimensions(self) -> int:
+        return len(self.unit)
+
+
+@attrs.frozen
 class Scope:
     """
     Whose memories: an organization, one of its agents, and a subject
@@ -222,13 +239,7 @@ def checkEmbedding(model: str, vector: bytes) -> Embedding:
         components, has none, too many, a component that is not finite,
         or is all zeros (it has no direction to compare).
     """
-    if not model or len(model) > MAX_MODEL_CHARACTERS or "\x00" in model:
-        raise InvalidMemory("embedding.model", "must be 1 to 200 characters")
-    if not vector or len(vector) % 4:
-        raise InvalidMemory("embedding.vector", "must be float32 components (4 bytes each)")
-    dimensions = len(vector) // 4
-    if dimensions > MAX_DIMENSIONS:
-        raise InvalidMemory("embedding.vector", f"must have at most {MAX_DIMENSIONS} components")
+    _checkShape(model, vector)
     # Imported here, not at the top: svcctl reads this module for its
     # memory commands, and numpy would add a fifth of a second to every
     # svcctl command (the daemon has it imported long before).
@@ -237,15 +248,48 @@ def checkEmbedding(model: str, vector: bytes) -> Embedding:
     # One sum of squares in float64 tells both: it is not finite exactly
     # when a component is not (a float32's square cannot overflow a
     # float64, nor can 16,384 of them), and zero exactly when all are.
-    # A search checks its query here on every call: one numpy product
-    # instead of a pass for finiteness and another for the norm.
     components = numpy.frombuffer(vector, dtype="<f4").astype(numpy.float64)
-    squares = float(components @ components)
+    _checkSquares(float(components @ components))
+    return Embedding(model, bytes(vector))
+
+
+def checkQuery(model: str, vector: bytes) -> Query:
+    """
+    A search's query, by L{checkEmbedding}'s rules, scaled to length 1:
+    the sum of squares that checks it is the one that scales it, so a
+    search passes over its query once, not once to check it and again to
+    scale it (a tenth of a search of 1,000 memories).
+
+    @raise InvalidMemory: as L{checkEmbedding}.
+    """
+    _checkShape(model, vector)
+    import numpy
+
+    components = numpy.frombuffer(vector, dtype="<f4")
+    wide = components.astype(numpy.float64)
+    # Summed as normalisedRows sums a row (pairwise, in float64), rooted
+    # and rounded to float32 as it is: the same bits as a cached row of
+    # the same vector, so that a memory searched by its own vector scores
+    # what it always did.
+    squares = float((wide * wide).sum())
+    _checkSquares(squares)
+    return Query(model, components / numpy.float32(math.sqrt(squares)))
+
+
+def _checkShape(model: str, vector: bytes) -> None:
+    if not model or len(model) > MAX_MODEL_CHARACTERS or "\x00" in model:
+        raise InvalidMemory("embedding.model", "must be 1 to 200 characters")
+    if not vector or len(vector) % 4:
+        raise InvalidMemory("embedding.vector", "must be float32 components (4 bytes each)")
+    if len(vector) // 4 > MAX_DIMENSIONS:
+        raise InvalidMemory("embedding.vector", f"must have at most {MAX_DIMENSIONS} components")
+
+
+def _checkSquares(squares: float) -> None:
     if not math.isfinite(squares):
         raise InvalidMemory("embedding.vector", "must have finite components")
     if squares == 0.0:
         raise InvalidMemory("embedding.vector", "must not be all zeros")
-    return Embedding(model, bytes(vector))
 
 
 def checkRequestID(field: str, text: str, required: bool) -> str | None:

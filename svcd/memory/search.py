@@ -24,7 +24,7 @@ from twisted.logger import Logger
 
 from svcd.common.metrics import Children
 from svcd.memory.recordcache import RecordCache
-from svcd.memory.records import Embedding, Scope
+from svcd.memory.records import Embedding, Query, Scope
 from svcd.memory.store import MemoryStore
 from svcd.memory.text import FUSED_DEPTH, ScopeText, TextKey, fuse
 from svcd.memory.vectors import (
@@ -156,7 +156,7 @@ class Searcher:
     def search(
         self,
         scope: Scope,
-        embedding: Embedding | None,
+        query: Query | None,
         k: int,
         minScore: float | None,
         mode: str = VECTOR,
@@ -166,25 +166,31 @@ class Searcher:
         The C{k} best memories of C{scope}, best first, ties newest first,
         with their scores, ranked by C{mode}:
 
-          - C{"vector"}: those made by C{embedding}'s model whose vectors
-            are most similar to it (cosine); only those scoring at least
+          - C{"vector"}: those made by C{query}'s model whose vectors are
+            most similar to it (cosine); only those scoring at least
             C{minScore} when given;
           - C{"text"}: by BM25 of the query's words, C{text}
-            (L{svcd.memory.text}); C{embedding} and C{minScore} unused;
+            (L{svcd.memory.text}); C{query} and C{minScore} unused;
           - C{"hybrid"}: the first L{FUSED_DEPTH} of both rankings fused by
             reciprocal rank; C{minScore} unused.
 
         Each memory in its wire encoding (L{svcd.memory.wire.encodedMemory}).
+        Memories are named by their ids' 128-bit ints from the ranking to
+        the answer: a search makes no L{uuid.UUID}.
         """
         started = time.perf_counter()
-        hits, cached = self._ranked(scope, embedding, k, minScore, mode, text)
-        encoded = self.recordsOf(scope, [hit.memoryID for hit in hits])
+        ranking, cached = self._ranked(scope, query, k, minScore, mode, text)
+        encoded = self.recordsOf(scope, ranking.keys)
         if self._searchSeconds is not None:
             self._children.of(self._searchSeconds, "hit" if cached else "miss").observe(
                 time.perf_counter() - started
             )
         # A memory deleted since the ranking has no record: dropped.
-        return [(encoded[hit.memoryID], hit.score) for hit in hits if hit.memoryID in encoded]
+        return [
+            (encoded[key], score)
+            for key, score in zip(ranking.keys, ranking.scores, strict=True)
+            if key in encoded
+        ]
 
     def nearest(self, scope: Scope, embedding: Embedding, minScore: float) -> Hit | None:
         """
@@ -193,33 +199,32 @@ class Searcher:
         memory replaces (decisions D13, C{dedupe_score}). Its id and score
         only, without decoding a record.
         """
-        hits, _ = self._ranked(scope, embedding, 1, minScore, VECTOR, "")
-        present = self.recordsOf(scope, [hit.memoryID for hit in hits])
-        return next((hit for hit in hits if hit.memoryID in present), None)
+        query = Query(embedding.model, normalised(embedding.vector))
+        ranking, _ = self._ranked(scope, query, 1, minScore, VECTOR, "")
+        present = self.recordsOf(scope, ranking.keys)
+        return next((hit for hit in ranking.hits() if hit.memoryID.int in present), None)
 
     def _ranked(
         self,
         scope: Scope,
-        embedding: Embedding | None,
+        query: Query | None,
         k: int,
         minScore: float | None,
         mode: str,
         text: str,
-    ) -> tuple[list[Hit], bool]:
+    ) -> tuple[Ranking, bool]:
         """
         L{search}'s ranking, and whether every index it read was cached.
         """
         cached = True
         rankings: list[Ranking] = []
         if mode != TEXT:
-            assert embedding is not None
-            key = ScopeKey(
-                scope.orgID, scope.agentID, scope.subject, embedding.model, embedding.dimensions
-            )
+            assert query is not None
+            key = ScopeKey(scope.orgID, scope.agentID, scope.subject, query.model, query.dimensions)
             vectors, cached = self.vectorsOf(key, scope)
             rankings.append(
                 vectors.rank(
-                    normalised(embedding.vector),
+                    query.unit,
                     k if mode == VECTOR else FUSED_DEPTH,
                     minScore if mode == VECTOR else None,
                     self._product,
@@ -229,30 +234,31 @@ class Searcher:
             index, textCached = self.textOf(scope)
             cached = cached and textCached
             rankings.append(index.rank(text, k if mode == TEXT else FUSED_DEPTH))
-        return (fuse(rankings, k) if mode == HYBRID else rankings[0]).hits(), cached
+        return (fuse(rankings, k) if mode == HYBRID else rankings[0]), cached
 
-    def recordsOf(self, scope: Scope, memoryIDs: list[uuid.UUID]) -> dict[uuid.UUID, bytes]:
+    def recordsOf(self, scope: Scope, keys: list[int]) -> dict[int, bytes]:
         """
-        The encoded records of those of C{memoryIDs} (memories of C{scope})
-        that exist: from the cache of records. An id it does not hold (its
-        scope's records not loaded yet, a memory deleted while it was being
-        ranked, nothing cached while the listener is down) is read from
-        PostgreSQL, in the scope, and missing if it is gone. A scope whose
-        records are not held has them loaded for the next searches.
+        The encoded records of those memories of C{scope} named by C{keys}
+        (their ids' ints) that exist: from the cache of records. One it
+        does not hold (its scope's records not loaded yet, a memory deleted
+        while it was being ranked, nothing cached while the listener is
+        down) is read from PostgreSQL, in the scope, and missing if it is
+        gone. A scope whose records are not held has them loaded for the
+        next searches.
         """
-        if not memoryIDs:
+        if not keys:
             return {}
-        found: dict[uuid.UUID, bytes] | None = None
+        found: dict[int, bytes] | None = None
         if self._records is not None:
             triple = (scope.orgID, scope.agentID, scope.subject)
-            found = self._records.lookup(triple, memoryIDs)
+            found = self._records.lookup(triple, keys)
             if found is None:
                 self._loadRecords(scope)
         found = found or {}
-        missing = [each for each in memoryIDs if each not in found]
+        missing = [uuid.UUID(int=key) for key in keys if key not in found]
         if missing:
             found.update(
-                (record.memoryID, encodedMemory(record))
+                (record.memoryID.int, encodedMemory(record))
                 for record in self._store.memoriesByID(scope, missing)
             )
         return found
@@ -274,7 +280,7 @@ class Searcher:
         def run() -> None:
             try:
                 loaded = {
-                    record.memoryID: encodedMemory(record)
+                    record.memoryID.int: encodedMemory(record)
                     for record in self._store.scopeRecords(scope)
                 }
             except Exception as error:

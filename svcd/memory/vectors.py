@@ -47,6 +47,7 @@ own, and neither waits for the other:
 from __future__ import annotations
 
 import collections
+import math
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -69,6 +70,8 @@ ROW_EXTRA_BYTES = 8 + 8 + 8 + 1
 
 
 Triple = tuple[uuid.UUID, uuid.UUID, str]
+
+_NEVER = numpy.float32(-numpy.inf)
 
 
 class CacheKey(Protocol):
@@ -329,27 +332,42 @@ class ScopeVectors:
             return Ranking([], [], [])
         matrix = view.matrix[:count]
         scores = matrix @ query if product is None else product(matrix, query)
-        valid = view.alive[:count].copy()
-        if minScore is not None:
-            valid &= scores >= numpy.float32(minScore)
-        candidates = numpy.flatnonzero(valid)
-        if candidates.size == 0:
-            return Ranking([], [], [])
-        if candidates.size > k:
-            chosen = scores[candidates]
-            # The k-th largest score; every candidate at or above it.
-            threshold = numpy.partition(chosen, chosen.size - k)[chosen.size - k]
-            candidates = candidates[chosen >= threshold]
-        order = numpy.lexsort(
-            (
-                view.low[candidates],
-                view.high[candidates],
-                view.created[candidates],
-                scores[candidates],
-            )
-        )[::-1][:k]
-        picked = candidates[order]
-        return rankingOf(view.high[picked], view.low[picked], view.created[picked], scores[picked])
+        if view.dead:
+            # A forgotten memory's row ranks below every score (-1 at
+            # least), and is dropped below.
+            scores = numpy.where(view.alive[:count], scores, _NEVER)
+        if count > k:
+            # The k-th largest score; every row at or above it is a
+            # candidate, so that ties at the edge are broken by age,
+            # never by position.
+            threshold = numpy.partition(scores, count - k)[count - k]
+            candidates = numpy.flatnonzero(scores >= threshold)
+        else:
+            candidates = numpy.arange(count)
+        # The few candidates (k, unless scores tie at the edge) ordered in
+        # Python, which for a dozen rows is quicker than numpy's sorts and
+        # their fancy indexing: best first, then newest, then by id, all
+        # descending. A score as a Python float is the float32's exact
+        # value, so order and ties are the float32s'.
+        rows = sorted(
+            zip(
+                scores[candidates].tolist(),
+                view.created[candidates].tolist(),
+                view.high[candidates].tolist(),
+                view.low[candidates].tolist(),
+                strict=True,
+            ),
+            reverse=True,
+        )[:k]
+        # The k best, then those at or above the floor: the same as the k
+        # best of those at or above it.
+        floor = -math.inf if minScore is None else float(numpy.float32(minScore))
+        kept = [row for row in rows if row[0] >= floor and row[0] != -math.inf]
+        return Ranking(
+            [(high << 64) | low for _, _, high, low in kept],
+            [score for score, _, _, _ in kept],
+            [created for _, created, _, _ in kept],
+        )
 
     # Writers, under the cache's lock.
 

@@ -8,6 +8,7 @@ field of each hit.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterable
 
 from svcd.common.errors import rfc3339
@@ -52,3 +53,38 @@ def searchResponse(results: Iterable[tuple[bytes, float]]) -> memory_pb2.SearchR
         scored = response.results.add(score=score)
         scored.memory.MergeFromString(encoded)
     return response
+
+
+def searchAnswer(results: Iterable[tuple[bytes, float]]) -> bytes:
+    """
+    L{searchResponse}'s bytes, written directly: a SearchResponse is only
+    its repeated ScoredMemory (field 1), each a Memory (field 1, the
+    cached encoding as it is) and a float score (field 2, left out when
+    zero, as protobuf leaves out a proto3 scalar at its default). No
+    message is built, parsed or serialized: the encodings are copied
+    once, into the answer.
+    """
+    parts: list[bytes] = []
+    for encoded, score in results:
+        packed = _FLOAT.pack(score)
+        scored = b"\x0a" + _varint(len(encoded)) + encoded
+        if packed != _ZERO:
+            scored += b"\x15" + packed
+        parts.append(b"\x0a" + _varint(len(scored)))
+        parts.append(scored)
+    return b"".join(parts)
+
+
+_FLOAT = struct.Struct("<f")
+_ZERO = bytes(4)
+
+
+def _varint(value: int) -> bytes:
+    if value < 0x80:
+        return bytes((value,))
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
