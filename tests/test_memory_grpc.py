@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
+import psycopg
 import pytest
 from authfixtures import Tenant, makeTenant
 from hypothesis import HealthCheck, given, settings
@@ -423,3 +424,54 @@ def test_theWaitingGaugeCountsObservations(
         5.0,
         lambda: memoryService.registry.get_sample_value("svc_memory_observations_waiting") == 3,
     )
+
+
+def test_processedObservationsAreForgottenAfterTheRetention(migratedDSN: str, acme: Tenant) -> None:
+    """
+    A processed observation's request is remembered (a resend through gRPC
+    is answered as queued before, and nothing waits), until the change
+    listener prunes the record past SVC_MEMORY_DONE_RETENTION, within a
+    few of its rounds.
+    """
+    service = RunningMemoryService(migratedDSN, doneRetention=60.0).start()
+    try:
+        batch = memory_pb2.QueueObservationsRequest(
+            observations=[
+                memory_pb2.Observation(
+                    scope=scope(acme),
+                    request_id="req-done",
+                    messages=[memory_pb2.ObservedMessage(role="user", content="I am vegan")],
+                )
+            ]
+        )
+        [queued] = service.stub.QueueObservations(batch, timeout=10).queued
+        [claimed] = service.stub.ClaimObservations(
+            memory_pb2.ClaimObservationsRequest(owner="w", limit=1, lease_seconds=60),
+            timeout=10,
+        ).observations
+        service.stub.CompleteObservation(
+            memory_pb2.CompleteObservationRequest(
+                org_id=str(acme.orgID), id=claimed.id, owner="w", lease_token=claimed.lease_token
+            ),
+            timeout=10,
+        )
+        [again] = service.stub.QueueObservations(batch, timeout=10).queued
+        assert (again.id, again.queued_now) == (queued.id, False)
+        within(
+            5.0,
+            lambda: service.registry.get_sample_value("svc_memory_observations_waiting") == 0,
+        )
+        with psycopg.connect(migratedDSN, autocommit=True) as connection:
+            connection.execute(
+                "UPDATE memory_observations_done SET done_at = now() - interval '61 seconds'"
+            )
+
+            def forgotten() -> bool:
+                row = connection.execute("SELECT count(*) FROM memory_observations_done").fetchone()
+                return row == (0,)
+
+            within(5.0, forgotten)
+        [anew] = service.stub.QueueObservations(batch, timeout=10).queued
+        assert anew.queued_now and anew.id != queued.id
+    finally:
+        service.stop()

@@ -22,6 +22,7 @@ from svcd.memory.records import (
     MemoryRecord,
     NewObservation,
     ObservedMessage,
+    QueuedObservation,
     Scope,
 )
 from svcd.memory.store import (
@@ -432,6 +433,70 @@ def test_observationsQueueOncePerRequestID(memoryStore: MemoryStore, acme: Tenan
     assert [each.queuedNow for each in again] == [False, False]
     assert [each.observationID for each in first] == [each.observationID for each in again]
     assert memoryStore.observationsWaiting() == 2
+
+
+def test_aProcessedObservationIsNotQueuedAgainWithinTheRetention(
+    memoryStore: MemoryStore, migratedDSN: str, acme: Tenant, globex: Tenant
+) -> None:
+    """
+    An observation finished (completed, or its memories stored) is
+    remembered by request id: the same request queued again, as a proxy's
+    journal resends a batch whose acknowledgement it lost, is answered as
+    queued before with the same id and never claimed, so its extraction
+    is not paid twice. Another organization's request of the same id is
+    its own. Once older than the retention the record is pruned, and the
+    request id would queue anew. Under row-level security an organization
+    sees only its own records.
+    """
+    scope = scopeOf(acme, "done")
+
+    def queue(orgScope: Scope, requestID: str) -> QueuedObservation:
+        [queued] = memoryStore.queueObservations(
+            [NewObservation(orgScope, requestID, (ObservedMessage("user", "I live in Oslo"),))]
+        )
+        return queued
+
+    completed = queue(scope, "req-complete")
+    stored = queue(scope, "req-store")
+    claimed = {each.requestID: each for each in memoryStore.claimObservations("w", 60.0, 10)}
+    assert memoryStore.completeObservation(
+        acme.orgID, completed.observationID, "w", claimed["req-complete"].leaseToken
+    )
+    held = claimed["req-store"]
+    assert held.leaseToken is not None
+    records = memoryStore.storeExtracted(
+        acme.orgID,
+        held.observationID,
+        "w",
+        held.leaseToken,
+        scope,
+        "req-store",
+        [("lives in Oslo", embedding([1.0, 0.0]))],
+        100,
+    )
+    assert records is not None and len(records) == 1
+    for first in (completed, stored):
+        again = queue(scope, first.requestID)
+        assert again == QueuedObservation(first.requestID, first.observationID, False)
+    assert memoryStore.observationsWaiting() == 0
+    assert memoryStore.claimObservations("w", 60.0, 10) == []
+    assert queue(scopeOf(globex), "req-complete").queuedNow
+    with appConnection(migratedDSN) as connection:
+        with connection.transaction():
+            connection.execute("SELECT set_config('svc.org_id', %s, true)", (str(globex.orgID),))
+            assert connection.execute(
+                "SELECT count(*) FROM memory_observations_done"
+            ).fetchone() == (0,)
+    assert memoryStore.pruneDone(3600.0) == 0
+    with psycopg.connect(migratedDSN, autocommit=True) as connection:
+        connection.execute(
+            "UPDATE memory_observations_done SET done_at = now() - interval '2 hours'"
+            " WHERE request_id = 'req-complete'"
+        )
+    assert memoryStore.pruneDone(3600.0) == 1
+    assert memoryStore.pruneDone(3600.0) == 0
+    assert queue(scope, "req-complete").queuedNow
+    assert not queue(scope, "req-store").queuedNow
 
 
 def test_claimLeasesCompleteDeletesReleaseRequeues(

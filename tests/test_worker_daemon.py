@@ -113,8 +113,8 @@ def test_processingAgainNeverAddsAMemoryTwice(
     postgresServer: PostgresServer, tmp_path: Path
 ) -> None:
     """
-    An observation processed, then queued and processed again (as after a
-    crash between its memories and its completion): its facts are each
+    An observation processed, then queued and processed again (as when a
+    copy arrives after svc-memory's record of it expired): its facts are each
     still one memory, the same ids, updated in place (the search finds
     each at similarity 1, at or above dedupe_score).
     """
@@ -125,6 +125,13 @@ def test_processingAgainNeverAddsAMemoryTwice(
         rig.waitForDrained()
         first = {each["content"]: each["id"] for each in rig.memories()}
         assert sorted(first) == expectedFacts([requestID], 3)
+        # Queued again after svc-memory forgot it was processed (as past
+        # SVC_MEMORY_DONE_RETENTION; within it the copy would not be queued).
+        forgotten = rig.query(
+            "DELETE FROM memory_observations_done WHERE request_id = %s RETURNING request_id",
+            (requestID,),
+        )
+        assert forgotten == [{"request_id": requestID}]
         rig.queue({requestID: factsOf(requestID, 3)})
         rig.waitForDrained()
         again = {each["content"]: each["id"] for each in rig.memories()}

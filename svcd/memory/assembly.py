@@ -106,6 +106,7 @@ def assembleMemory(
         reconnectDelay=reconnectDelay,
         beatInterval=beatInterval,
         waitingInterval=waitingInterval,
+        doneRetention=settings.doneRetention,
     )
     searcher = Searcher(
         store,

@@ -28,6 +28,7 @@ DEFAULT_RECORD_CACHE_MB = 128
 # From how many memories a search's product is split over the cores
 # (svcd/memory/search.py); 0: never.
 DEFAULT_PARALLEL_ROWS = 32_768
+DEFAULT_DONE_RETENTION = 3600.0
 
 
 @attrs.frozen
@@ -57,6 +58,10 @@ class MemoryConfig:
     cacheBytes: int = DEFAULT_CACHE_MB * 1024 * 1024
     recordCacheBytes: int = DEFAULT_RECORD_CACHE_MB * 1024 * 1024
     parallelRows: int = DEFAULT_PARALLEL_ROWS
+    # How long a processed observation's request id is remembered, so that
+    # a proxy's journal resending it is answered without a second
+    # extraction (sql/0014_observations_done.sql).
+    doneRetention: float = DEFAULT_DONE_RETENTION
 
     @classmethod
     def fromEnvironment(cls, environ: Mapping[str, str]) -> "MemoryConfig":
@@ -114,6 +119,9 @@ class MemoryConfig:
             * 1024,
             parallelRows=config.nonNegativeInteger(
                 environ, "SVC_MEMORY_PARALLEL_ROWS", DEFAULT_PARALLEL_ROWS
+            ),
+            doneRetention=config.duration(
+                environ, "SVC_MEMORY_DONE_RETENTION", DEFAULT_DONE_RETENTION
             ),
         )
 

@@ -26,8 +26,10 @@ notifications in commit order, once the marker is heard every change of
 the write has been applied (L{svcd.memory.search.Searcher.settle}).
 
 It also counts, every C{waitingInterval} seconds, the observations
-waiting for the worker (svc_memory_observations_waiting): a query that
-needs a connection and a thread, which this one has.
+waiting for the worker (svc_memory_observations_waiting), and forgets
+processed observations older than C{doneRetention}
+(sql/0014_observations_done.sql): queries that need a connection and a
+thread, which this one has.
 """
 
 from __future__ import annotations
@@ -77,6 +79,9 @@ class MemoryListener:
     @param records: the cache of records kept current beside the vectors,
         if any.
     @param waiting: told the count of waiting observations now and then.
+    @param doneRetention: how long, in seconds, a processed observation's
+        request id is remembered (SVC_MEMORY_DONE_RETENTION); None: not
+        pruned here.
     """
 
     log = Logger()
@@ -91,6 +96,7 @@ class MemoryListener:
         beatInterval: float = 0.25,
         beatTimeout: float = 5.0,
         waitingInterval: float = 5.0,
+        doneRetention: float | None = None,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._dsn = dsn
@@ -101,6 +107,7 @@ class MemoryListener:
         self._beatInterval = beatInterval
         self._beatTimeout = beatTimeout
         self._waitingInterval = waitingInterval
+        self._doneRetention = doneRetention
         self._monotonic = monotonic
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -188,6 +195,8 @@ class MemoryListener:
             if now >= nextCount:
                 nextCount = now + self._waitingInterval
                 self._waiting(store.observationsWaiting())
+                if self._doneRetention is not None:
+                    store.pruneDone(self._doneRetention)
             wait = max(0.0, min(nextBeat, nextCount) - self._monotonic())
             changes: list[tuple[str, Triple, uuid.UUID]] = []
             syncs: list[str] = []

@@ -482,7 +482,7 @@ class MemoryStore:
                 _refuse(cursor, "svc_observation_exists", observationID)
                 raise AssertionError("unreachable")
             records = _addExtracted(cursor, scope, sourceRequestID, memories, maxPerScope)
-            cursor.execute("DELETE FROM memory_observations WHERE id = %s", (observationID,))
+            cursor.execute(_finishing("id = %s"), (observationID,))
             return records
 
         return self._run("observation_store", store, orgID)
@@ -793,7 +793,9 @@ class MemoryStore:
     def queueObservations(self, observations: Sequence[NewObservation]) -> list[QueuedObservation]:
         """
         Queue each observation unless its organization has one with the
-        same request id already: a batch sent again queues nothing twice.
+        same request id already, waiting or processed within the retention
+        (sql/0014_observations_done.sql): a batch sent again queues nothing
+        twice, and an extraction is not paid twice.
         All of them in one transaction, in their organizations' contexts
         one after the other; answered only once committed.
         """
@@ -810,31 +812,38 @@ class MemoryStore:
                 if observation.scope.orgID != currentOrg:
                     currentOrg = observation.scope.orgID
                     cursor.execute("SELECT set_config('svc.org_id', %s, true)", (str(currentOrg),))
+                orgID, requestID = observation.scope.orgID, observation.requestID
                 cursor.execute(
                     "INSERT INTO memory_observations"
                     " (id, org_id, agent_id, subject, request_id, messages)"
-                    " VALUES (%s, %s, %s, %s, %s, %s::jsonb)"
+                    " SELECT %s, %s, %s, %s, %s, %s::jsonb"
+                    " WHERE NOT EXISTS (SELECT 1 FROM memory_observations_done"
+                    " WHERE org_id = %s AND request_id = %s)"
                     " ON CONFLICT (org_id, request_id) DO NOTHING RETURNING id",
                     (
                         uuid7(),
-                        observation.scope.orgID,
+                        orgID,
                         observation.scope.agentID,
                         observation.scope.subject,
-                        observation.requestID,
+                        requestID,
                         messagesJSON(observation.messages),
+                        orgID,
+                        requestID,
                     ),
                 )
                 row = cursor.fetchone()
                 if row is not None:
-                    queued.append(QueuedObservation(observation.requestID, row["id"], True))
+                    queued.append(QueuedObservation(requestID, row["id"], True))
                     continue
+                # Queued before: waiting (or failed) still, or processed
+                # within the retention.
                 cursor.execute(
-                    "SELECT id FROM memory_observations WHERE org_id = %s AND request_id = %s",
-                    (observation.scope.orgID, observation.requestID),
+                    "SELECT id FROM memory_observations WHERE org_id = %s AND request_id = %s"
+                    " UNION ALL SELECT observation_id FROM memory_observations_done"
+                    " WHERE org_id = %s AND request_id = %s LIMIT 1",
+                    (orgID, requestID, orgID, requestID),
                 )
-                queued.append(
-                    QueuedObservation(observation.requestID, _one(cursor.fetchone())["id"], False)
-                )
+                queued.append(QueuedObservation(requestID, _one(cursor.fetchone())["id"], False))
             return queued
 
         return self._run("observation_queue", insert, None)
@@ -874,7 +883,8 @@ class MemoryStore:
         leaseToken: uuid.UUID | None = None,
     ) -> bool:
         """
-        A processed observation is deleted. False when C{owner} (and, given
+        A processed observation is deleted, and its request remembered as
+        done (L{_finishing}). False when C{owner} (and, given
         C{leaseToken}, that claim) no longer holds its lease (it ran out
         and another claim may hold it now): the row is left to that claim.
 
@@ -885,8 +895,10 @@ class MemoryStore:
 
         def remove(cursor: Cursor) -> bool:
             cursor.execute(
-                "DELETE FROM memory_observations WHERE id = %s AND org_id = %s"
-                " AND lease_owner = %s AND (%s::uuid IS NULL OR lease_token = %s) RETURNING id",
+                _finishing(
+                    "id = %s AND org_id = %s AND lease_owner = %s"
+                    " AND (%s::uuid IS NULL OR lease_token = %s)"
+                ),
                 (observationID, orgID, owner, leaseToken, leaseToken),
             )
             if cursor.fetchone() is not None:
@@ -1076,6 +1088,20 @@ class MemoryStore:
 
         self._run("observation_drop", delete, orgID)
 
+    def pruneDone(self, retentionSeconds: float, limit: int = 10_000) -> int:
+        """
+        Forget processed observations older than C{retentionSeconds}, at
+        most C{limit} of them, over every organization; how many.
+        """
+
+        def prune(cursor: Cursor) -> int:
+            cursor.execute(
+                "SELECT svc_prune_observations_done(%s, %s) AS pruned", (retentionSeconds, limit)
+            )
+            return int(_one(cursor.fetchone())["pruned"])
+
+        return self._run("observations_prune", prune, None)
+
     def observationsWaiting(self) -> int:
         """
         How many observations wait, over every organization.
@@ -1086,6 +1112,23 @@ class MemoryStore:
             return int(_one(cursor.fetchone())["waiting"])
 
         return self._run("observations_waiting", query, None)
+
+
+def _finishing(condition: str) -> str:
+    """
+    The statement that finishes the observation C{condition} selects (a
+    constant of this module, with its parameters): its row deleted and its
+    request id remembered in memory_observations_done (sql/0014), in one
+    statement, so that a resent copy is not queued again while the record
+    lasts; it answers the deleted row's id.
+    """
+    return (
+        f"WITH gone AS (DELETE FROM memory_observations WHERE {condition}"
+        " RETURNING id, org_id, request_id),"
+        " done AS (INSERT INTO memory_observations_done (org_id, request_id, observation_id)"
+        " SELECT org_id, request_id, id FROM gone ON CONFLICT DO NOTHING)"
+        " SELECT id FROM gone"
+    )
 
 
 def _one(row: dict[str, Any] | None) -> dict[str, Any]:

@@ -34,6 +34,7 @@ class RunningMemoryService:
         workers: int = 8,
         perPeer: int = 8,
         listen: bool = True,
+        doneRetention: float = 3600.0,
     ) -> None:
         settings = MemoryConfig(
             postgresDSN=dsn,
@@ -46,6 +47,7 @@ class RunningMemoryService:
             serviceName="svc-memory-test",
             maxPerScope=maxPerScope,
             cacheBytes=cacheBytes,
+            doneRetention=doneRetention,
         )
         # The daemon's assembly with the tests' timings: a quick
         # reconnection and beat, and the waiting count every 0.1 s.
