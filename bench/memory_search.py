@@ -18,7 +18,10 @@ development machine: p50 at most 1 ms, 3 ms and 25 ms; cache bytes per
 memory at most 1.2 x 768 x 4 = 3,686.
 
 Client and server share this machine's cores; the figures are a floor of
-what svc-memory does alone. Prints a table, and JSON with --json FILE;
+what svc-memory does alone. Beside each search the same server answers a
+health check on the same channel (health_check_p50_ms): the round trip
+of a call that does nothing, in the same run, which the search's p50
+includes. Prints a table, and JSON with --json FILE;
 exits 1 when the cache's bytes per memory pass the bound.
 
 Modes (decisions D13, "Hybrid search"): each scope is searched in each
@@ -48,6 +51,7 @@ from pathlib import Path
 import grpc
 import numpy
 import psycopg
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -199,6 +203,17 @@ def main() -> int:
                 generator = numpy.random.default_rng(1)
                 with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
                     stub = memory_pb2_grpc.MemoryServiceStub(channel)
+                    health = health_pb2_grpc.HealthStub(channel)
+
+                    def checked() -> float:
+                        """
+                        The floor: a health check of the same server on
+                        the same channel, between the searches.
+                        """
+                        started = time.perf_counter()
+                        health.Check(health_pb2.HealthCheckRequest(), timeout=120)
+                        return (time.perf_counter() - started) * 1000
+
                     for size in sizes:
                         scope = memory_pb2.Scope(
                             org_id=str(orgID), agent_id=str(agentID), subject=f"scope-{size}"
@@ -251,9 +266,11 @@ def main() -> int:
                         # whatever else runs on the machine weighs on each
                         # mode alike and the ratios hold.
                         latencies: dict[str, list[float]] = {mode: [] for mode in modes}
+                        floor: list[float] = []
                         for _ in range(arguments.searches):
                             for mode in modes:
                                 latencies[mode].append(timed(request(mode)))
+                            floor.append(checked())
                         for mode in modes:
                             ordered = sorted(latencies[mode])
                             loadMs, perMemory = firsts[mode]
@@ -274,6 +291,7 @@ def main() -> int:
                                     else None,
                                     "record_cache_bytes_per_memory": round(recordsPerMemory, 1),
                                     "records_loaded_after_ms": round(recordsMs, 1),
+                                    "health_check_p50_ms": round(statistics.median(floor), 3),
                                 }
                             )
                     scope = memory_pb2.Scope(
