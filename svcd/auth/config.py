@@ -12,8 +12,8 @@ import attrs
 import psycopg
 
 from svcd.auth.callers import BadSubjects, parseSubjects
-from svcd.auth.grpcservice import ServerTLS, isLoopback
 from svcd.common import config
+from svcd.common.grpcserver import ServerTLS, isLoopback
 
 
 @attrs.frozen

@@ -17,24 +17,17 @@ INVALID_ARGUMENT naming the field (decisions D10).
 
 from __future__ import annotations
 
-import ipaddress
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent import futures
 from typing import Any, TypeVar
 
-import attrs
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError, Message
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from twisted.application.service import Service
-from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IReactorThreads
-from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 
 from svcd.auth.admission import DEADLINE, AdmissionInterceptor, Bounds, RefusalLog
@@ -78,8 +71,8 @@ from svcd.auth.usage import (
     usageSum,
 )
 from svcd.common.errors import rfc3339
+from svcd.common.grpcserver import HostedGrpcServer, ServerTLS, buildGrpcServer
 from svcd.common.ids import parseUUID
-from svcd.common.lifecycle import StartupError
 from svcd.common.metrics import BUCKETS, Children
 from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
 
@@ -692,48 +685,20 @@ def _varint(raw: bytes, position: int) -> tuple[int, int]:
             raise IndexError("varint too long")
 
 
-def isLoopback(host: str) -> bool:
+class GrpcServerService(HostedGrpcServer):
     """
-    Is C{host} (a bind address) reachable from this host only?
-    """
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-@attrs.frozen
-class ServerTLS:
-    """
-    Mutual TLS material of the gRPC server (PEM bytes): its certificate and
-    key, and the CA that client certificates must chain to.
+    svc-auth's gRPC server as a twistd service (L{HostedGrpcServer}). A
+    stop also ends the change feed streams at once: they never end by
+    themselves, and would hold the stop for the whole grace. On a proxy's
+    connection the end of its stream thus follows the GOAWAY, so the calls
+    it makes while its feed is down, and its next feed, go to another
+    replica (or fail closed at once with none), never to this one, whose
+    pending calls a stop cancels.
     """
 
-    certificate: bytes
-    privateKey: bytes = attrs.field(repr=False)
-    clientCA: bytes | None
-
-
-class GrpcServerService(Service):
-    """
-    Hosts a grpcio server as a twistd service.
-
-    The port is bound in privilegedStartService, which twistd calls before
-    the reactor runs and after it has daemonised (grpcio must not be
-    started before a fork), so a bind failure stops the start at once.
-    stopService refuses new calls, ends the change feed streams at once
-    (they never end by themselves, and would hold the stop for the whole
-    grace), and lets unary calls in flight finish for up to C{gracePeriod}
-    seconds, without blocking the reactor.
-
-    Plaintext on an address that is not loopback is refused in production
-    (L{svcd.auth.config}) and logged as a warning at start everywhere else
-    (decisions D10).
-    """
-
-    log = Logger()
+    serviceName = SERVICE_NAME
+    label = "AuthService"
+    carries = "tokens"
 
     def __init__(
         self,
@@ -746,72 +711,20 @@ class GrpcServerService(Service):
         tls: ServerTLS | None = None,
         interceptors: Sequence[grpc.ServerInterceptor] = (),
     ) -> None:
-        self._reactor = reactor
-        self._interceptors = tuple(interceptors)
+        super().__init__(reactor, host, port, gracePeriod, tls)
         self._servicer = servicer
-        self._host = host
-        self._requestedPort = port
         self._bounds = bounds
-        self._gracePeriod = gracePeriod
-        self._tls = tls
-        self._server: grpc.Server | None = None
-        self._health: health.HealthServicer | None = None
-        self.port: int | None = None
+        self._interceptors = tuple(interceptors)
 
-    def privilegedStartService(self) -> None:
-        super().privilegedStartService()
-        self._server, self._health, self.port = buildServer(
-            self._servicer,
-            self._host,
-            self._requestedPort,
-            self._bounds,
-            self._tls,
-            self._interceptors,
+    def build(self, port: int) -> tuple[grpc.Server, health.HealthServicer, int]:
+        return buildServer(
+            self._servicer, self._host, port, self._bounds, self._tls, self._interceptors
         )
 
-    def startService(self) -> None:
-        super().startService()
-        assert self._server is not None and self._health is not None
-        self._server.start()
-        for name in ("", SERVICE_NAME):
-            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self.log.info(
-            "gRPC AuthService listening on {host}:{port}", host=self._host, port=self.port
-        )
-        if self._tls is None and not isLoopback(self._host):
-            self.log.warn(
-                "gRPC is plaintext on {host}, an address other hosts can reach: tokens cross "
-                "the network in clear. Set SVC_GRPC_TLS_CERT, SVC_GRPC_TLS_KEY and "
-                "SVC_GRPC_TLS_CLIENT_CA, or SVC_GRPC_HOST=127.0.0.1",
-                host=self._host,
-            )
-
-    def stopService(self) -> Deferred[Any]:
-        super().stopService()
-        server, self._server = self._server, None
-        if server is None:
-            return succeed(None)
-        if self._health is not None:
-            self._health.enter_graceful_shutdown()
-        # The server takes no new call from now on, and says so on each
-        # connection (an HTTP/2 GOAWAY); then the feeds end, at once. On a
-        # proxy's connection the end of its stream thus follows the GOAWAY,
-        # so the calls it makes while its feed is down, and its next feed,
-        # go to another replica (or fail closed at once with none), never to
-        # this one, whose pending calls a stop cancels.
-        stopped = server.stop(self._gracePeriod)
+    def stopping(self) -> None:
         ended = self._servicer.endChangeFeeds()
         if ended:
             self.log.info("Ended {count} change feed stream(s): svc-auth is stopping", count=ended)
-        waiting: Deferred[Any] = deferToThreadPool(
-            self._reactor, self._reactor.getThreadPool(), stopped.wait, self._gracePeriod + 1.0
-        )
-
-        def logged(result: object) -> object:
-            self.log.info("gRPC server stopped")
-            return result
-
-        return waiting.addCallback(logged)
 
 
 def buildServer(
@@ -823,84 +736,25 @@ def buildServer(
     interceptors: Sequence[grpc.ServerInterceptor] = (),
 ) -> tuple[grpc.Server, health.HealthServicer, int]:
     """
-    A grpcio server, bound but not started, serving AuthService, the
-    standard health service and server reflection; returns it with its
-    health servicer and the bound port (useful when C{port} is 0).
-
-    Calls are admitted by L{AdmissionInterceptor} within C{bounds}; the
-    thread pool has a thread for each call the bounds admit plus spare
-    ones for refusals, and grpcio refuses calls past the pool's size
-    itself, so its queue never holds a call waiting for a thread.
-
-    @param interceptors: run around every admitted call, such as
-        L{svcd.common.tracing.ServerTracingInterceptor}.
+    A grpcio server (L{buildGrpcServer}), bound but not started, serving
+    AuthService, the standard health service and server reflection;
+    returns it with its health servicer and the bound port (useful when
+    C{port} is 0). Calls are admitted by L{AdmissionInterceptor} within
+    C{bounds}.
 
     @raise GrpcBindError: when the address cannot be bound.
     """
-    admission = AdmissionInterceptor(
-        bounds, RefusalLog(servicer.metrics.refused), answered=servicer.metrics.answered
-    )
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=bounds.threads, thread_name_prefix="svc-auth-grpc"),
-        interceptors=[admission, *interceptors],
-        maximum_concurrent_rpcs=bounds.threads,
-        options=[
-            # What one connection may have open at once (see Bounds).
-            ("grpc.max_concurrent_streams", bounds.streamsPerConnection),
-            # Two processes on one port would split calls between an old and
-            # a new svc-auth by accident; refuse instead.
-            ("grpc.so_reuseport", 0),
-            # svc-proxy pings its idle channel every 10 s to notice a dead
-            # peer; grpc's defaults would answer such pings with GOAWAY
-            # (too_many_pings) and make the next call pay for a reconnect.
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
-            ("grpc.http2.max_ping_strikes", 0),
-        ],
-    )
-    handlers = servicer.handlers()
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-    server.add_registered_method_handlers(SERVICE_NAME, handlers)
-    healthServicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(healthServicer, server)
-    reflection.enable_server_reflection(
-        (
-            SERVICE_NAME,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
+    return buildGrpcServer(
+        SERVICE_NAME,
+        servicer.handlers(),
+        host,
+        port,
+        threads=bounds.threads,
+        streamsPerConnection=bounds.streamsPerConnection,
+        admission=AdmissionInterceptor(
+            bounds, RefusalLog(servicer.metrics.refused), answered=servicer.metrics.answered
         ),
-        server,
+        threadNamePrefix="svc-auth-grpc",
+        tls=tls,
+        interceptors=interceptors,
     )
-    address = f"{_hostForAddress(host)}:{port}"
-    try:
-        if tls is None:
-            bound = server.add_insecure_port(address)
-        else:
-            credentials = grpc.ssl_server_credentials(
-                [(tls.privateKey, tls.certificate)],
-                root_certificates=tls.clientCA,
-                require_client_auth=tls.clientCA is not None,
-            )
-            bound = server.add_secure_port(address, credentials)
-    except RuntimeError:
-        # grpcio reports a failed bind as RuntimeError (older releases
-        # returned port 0); either way the reason is in grpcio's own log.
-        bound = 0
-    if bound == 0:
-        raise GrpcBindError(
-            f"cannot listen for gRPC on {address} (in use, or not an address of this host)"
-        )
-    return server, healthServicer, bound
-
-
-class GrpcBindError(StartupError):
-    """
-    The gRPC port could not be bound (in use, or an address we do not
-    have).
-    """
-
-
-def _hostForAddress(host: str) -> str:
-    if ":" in host and not host.startswith("["):
-        return f"[{host}]"
-    return host

@@ -13,8 +13,8 @@ import attrs
 import psycopg
 
 from svcd.auth.callers import BadSubjects, parseSubjects
-from svcd.auth.grpcservice import ServerTLS, isLoopback
 from svcd.common import config
+from svcd.common.grpcserver import ServerTLS, isLoopback
 
 # The memories one agent may keep about one subject.
 DEFAULT_MAX_PER_SCOPE = 10_000

@@ -10,9 +10,8 @@ releases the GIL); calls are admitted within L{svcd.auth.admission}'s
 bounds (at once and per client connection, refused RESOURCE_EXHAUSTED
 past them, never queued); requests are parsed here, so that one protobuf
 cannot parse (a string that is not UTF-8) is INVALID_ARGUMENT rather than
-grpcio's INTERNAL with a traceback. svc-auth's server module is typed
-for its own servicer, so the few lines that build and host a server are
-written again here around the same parts.
+grpcio's INTERNAL with a traceback. The server is built and hosted as
+every daemon's (L{svcd.common.grpcserver}).
 
 A write (add, a new content, a delete) through a replica that caches the
 scope is answered only once its change is in that cache
@@ -27,25 +26,20 @@ from __future__ import annotations
 import functools
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent import futures
 from typing import Any, TypeVar
 
 import attrs
 import grpc
 import numpy
 from google.protobuf.message import DecodeError, Message
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from twisted.application.service import Service
-from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IReactorThreads
-from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 
 from svcd.auth.admission import AdmissionInterceptor, Bounds, RefusalLog
-from svcd.auth.grpcservice import GrpcBindError, ServerTLS, isLoopback
 from svcd.common.errors import rfc3339
+from svcd.common.grpcserver import HostedGrpcServer, ServerTLS, buildGrpcServer
 from svcd.common.metrics import BUCKETS, Children
 from svcd.memory.records import (
     MAX_REASON_CHARACTERS,
@@ -708,17 +702,14 @@ def _leaseToken(text: str, required: bool) -> uuid.UUID | None:
     return checkUUID("lease_token", text)
 
 
-class MemoryGrpcService(Service):
+class MemoryGrpcService(HostedGrpcServer):
     """
-    Hosts svc-memory's grpcio server as a twistd service, as svc-auth's
-    L{svcd.auth.grpcservice.GrpcServerService} does: bound in
-    privilegedStartService (after twistd daemonises: grpcio must not cross
-    a fork), started with the reactor, and on stop refusing new calls and
-    letting those in flight finish for up to C{gracePeriod} seconds,
-    without blocking the reactor.
+    svc-memory's gRPC server as a twistd service (L{HostedGrpcServer}).
     """
 
-    log = Logger()
+    serviceName = SERVICE_NAME
+    label = "MemoryService"
+    carries = "memories"
 
     def __init__(
         self,
@@ -731,63 +722,15 @@ class MemoryGrpcService(Service):
         tls: ServerTLS | None = None,
         interceptors: Sequence[grpc.ServerInterceptor] = (),
     ) -> None:
-        self._reactor = reactor
+        super().__init__(reactor, host, port, gracePeriod, tls)
         self._servicer = servicer
-        self._host = host
-        self._requestedPort = port
         self._bounds = bounds
-        self._gracePeriod = gracePeriod
-        self._tls = tls
         self._interceptors = tuple(interceptors)
-        self._server: grpc.Server | None = None
-        self._health: health.HealthServicer | None = None
-        self.port: int | None = None
 
-    def privilegedStartService(self) -> None:
-        super().privilegedStartService()
-        self._server, self._health, self.port = buildServer(
-            self._servicer,
-            self._host,
-            self._requestedPort,
-            self._bounds,
-            self._tls,
-            self._interceptors,
+    def build(self, port: int) -> tuple[grpc.Server, health.HealthServicer, int]:
+        return buildServer(
+            self._servicer, self._host, port, self._bounds, self._tls, self._interceptors
         )
-
-    def startService(self) -> None:
-        super().startService()
-        assert self._server is not None and self._health is not None
-        self._server.start()
-        for name in ("", SERVICE_NAME):
-            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self.log.info(
-            "gRPC MemoryService listening on {host}:{port}", host=self._host, port=self.port
-        )
-        if self._tls is None and not isLoopback(self._host):
-            self.log.warn(
-                "gRPC is plaintext on {host}, an address other hosts can reach: memories"
-                " cross the network in clear. Set SVC_GRPC_TLS_CERT, SVC_GRPC_TLS_KEY and"
-                " SVC_GRPC_TLS_CLIENT_CA, or SVC_GRPC_HOST=127.0.0.1",
-                host=self._host,
-            )
-
-    def stopService(self) -> Deferred[Any]:
-        super().stopService()
-        server, self._server = self._server, None
-        if server is None:
-            return succeed(None)
-        if self._health is not None:
-            self._health.enter_graceful_shutdown()
-        stopped = server.stop(self._gracePeriod)
-        waiting: Deferred[Any] = deferToThreadPool(
-            self._reactor, self._reactor.getThreadPool(), stopped.wait, self._gracePeriod + 1.0
-        )
-
-        def logged(result: object) -> object:
-            self.log.info("gRPC server stopped")
-            return result
-
-        return waiting.addCallback(logged)
 
 
 def buildServer(
@@ -799,63 +742,29 @@ def buildServer(
     interceptors: Sequence[grpc.ServerInterceptor] = (),
 ) -> tuple[grpc.Server, health.HealthServicer, int]:
     """
-    A grpcio server, bound but not started, serving MemoryService, health
-    and reflection; with its health servicer and bound port. Sized and
-    admitted as svc-auth's (L{svcd.auth.grpcservice.buildServer}).
+    A grpcio server (L{buildGrpcServer}), bound but not started, serving
+    MemoryService, health and reflection; with its health servicer and
+    bound port. Admitted as svc-auth's (L{svcd.auth.grpcservice.buildServer}).
 
     @raise GrpcBindError: when the address cannot be bound.
     """
-    admission = AdmissionInterceptor(
-        bounds,
-        RefusalLog(servicer.metrics.refused),
-        answered=servicer.metrics.answered,
-        countedService=SERVICE_NAME,
-    )
-    server = grpc.server(
-        futures.ThreadPoolExecutor(
-            max_workers=bounds.threads, thread_name_prefix="svc-memory-grpc"
+    return buildGrpcServer(
+        SERVICE_NAME,
+        servicer.handlers(),
+        host,
+        port,
+        threads=bounds.threads,
+        streamsPerConnection=bounds.streamsPerConnection,
+        admission=AdmissionInterceptor(
+            bounds,
+            RefusalLog(servicer.metrics.refused),
+            answered=servicer.metrics.answered,
+            countedService=SERVICE_NAME,
         ),
-        interceptors=[admission, *interceptors],
-        maximum_concurrent_rpcs=bounds.threads,
-        options=[
-            ("grpc.max_concurrent_streams", bounds.streamsPerConnection),
-            ("grpc.so_reuseport", 0),
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
-            ("grpc.http2.max_ping_strikes", 0),
-            # A batch of observations (500 of up to 64 messages of 16 KiB)
-            # may exceed grpcio's default of 4 MiB.
-            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-        ],
+        threadNamePrefix="svc-memory-grpc",
+        tls=tls,
+        interceptors=interceptors,
+        # A batch of observations (500 of up to 64 messages of 16 KiB) may
+        # exceed grpcio's default of 4 MiB.
+        options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)],
     )
-    handlers = servicer.handlers()
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-    server.add_registered_method_handlers(SERVICE_NAME, handlers)
-    healthServicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(healthServicer, server)
-    reflection.enable_server_reflection(
-        (
-            SERVICE_NAME,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ),
-        server,
-    )
-    address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-    try:
-        if tls is None:
-            bound = server.add_insecure_port(address)
-        else:
-            credentials = grpc.ssl_server_credentials(
-                [(tls.privateKey, tls.certificate)],
-                root_certificates=tls.clientCA,
-                require_client_auth=tls.clientCA is not None,
-            )
-            bound = server.add_secure_port(address, credentials)
-    except RuntimeError:
-        bound = 0
-    if bound == 0:
-        raise GrpcBindError(
-            f"cannot listen for gRPC on {address} (in use, or not an address of this host)"
-        )
-    return server, healthServicer, bound
