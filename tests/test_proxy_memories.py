@@ -353,17 +353,24 @@ async def test_anUnpricedModelUnderABudgetIs501(makeEdge: EdgeFactory) -> None:
     """
     Under a budget, a [memory] model without a price cannot embed (never
     billed at zero): the routes that embed are 501 MEMORY_NOT_CONFIGURED,
-    reserving and forwarding nothing; reading still answers.
+    reserving and forwarding nothing; reading still answers, and so does a
+    text-mode search, which embeds nothing.
     """
     edge: Edge = await makeEdge("embed-free")
     edge.limit(orgBudget=Budget(nanoUSD=10**9, period="month"))
-    for path, body in (("/v1/memories", {"content": "x"}), ("/v1/memories/search", {"query": "x"})):
+    searches = [{"query": "x"}, {"query": "x", "mode": "hybrid"}]
+    for path, body in [("/v1/memories", {"content": "x"})] + [
+        ("/v1/memories/search", each) for each in searches
+    ]:
         response, answer = await edge.call("POST", path, body)
         assert (response.code, answer["error"]["code"]) == (501, "MEMORY_NOT_CONFIGURED")
-    assert edge.reserved == [(0, 0), (0, 0)]
+    assert edge.reserved == [(0, 0)] * 3
     assert edge.upstream.requests() == [] and edge.ledger.rows == []
     response, _ = await edge.call("GET", "/v1/memories")
     assert response.code == 200
+    response, found = await edge.call("POST", "/v1/memories/search", {"query": "x", "mode": "text"})
+    assert (response.code, found) == (200, {"object": "list", "data": []})
+    assert edge.upstream.requests() == [] and edge.ledger.rows == []
     edge.limit()
     response, _ = await edge.call("POST", "/v1/memories", {"content": "x"})
     assert response.code == 201

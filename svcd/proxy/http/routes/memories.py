@@ -247,10 +247,14 @@ class MemoryRoutes:
             raise ApiError(ErrorCode.MEMORY_NOT_CONFIGURED)
         return self._client
 
-    def _embedding(self, ctx: RequestContext) -> tuple[MemoryClient, Embedder, Model]:
+    def _embedding(
+        self, ctx: RequestContext, embeds: bool = True
+    ) -> tuple[MemoryClient, Embedder, Model]:
         """
         What a route that embeds needs, or 501: memory on, its model
-        offered to the caller's organization and, under a budget, priced.
+        offered to the caller's organization and, under a budget, priced
+        when this request C{embeds} (a text-mode search embeds nothing,
+        and so is charged nothing).
         """
         client = self._memoryClient()
         assert ctx.orgID is not None and self._embedder is not None
@@ -260,7 +264,7 @@ class MemoryRoutes:
                 ErrorCode.MEMORY_NOT_CONFIGURED,
                 "Memory's embedding model is not offered to this organization.",
             )
-        if embeddingRefusal(model, ctx.budgeted) is not None:
+        if embeds and embeddingRefusal(model, ctx.budgeted) is not None:
             raise ApiError(
                 ErrorCode.MEMORY_NOT_CONFIGURED,
                 "Memory's embedding model has no price, and a budget applies.",
@@ -532,7 +536,7 @@ class MemoryRoutes:
             scope = self._scope(ctx)
             search = self._body(ctx, parseSearchBody)
             assert isinstance(search, MemorySearch)
-            client, embedder, model = self._embedding(ctx)
+            client, embedder, model = self._embedding(ctx, embeds=bool(searchTexts(search)))
             self._logged(
                 ctx,
                 "search",
