@@ -6,14 +6,13 @@ decisions D1).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 
 import attrs
 import psycopg
 
-from svcd.auth.callers import BadSubjects, parseSubjects
+from svcd.auth.serving import readInternalSubjects, refusePlaintextInProduction, serverTLS
 from svcd.common import config
-from svcd.common.grpcserver import ServerTLS, isLoopback
+from svcd.common.grpcserver import ServerTLS
 
 
 @attrs.frozen
@@ -56,15 +55,11 @@ class AuthConfig:
             environ, "SVC_ENV", "development", ("development", "staging", "production")
         )
         grpcHost = config.text(environ, "SVC_GRPC_HOST", "127.0.0.1")
-        tls = _serverTLS(environ)
-        internalSubjects = _internalSubjects(environ, tls)
-        if environment == "production" and tls is None and not isLoopback(grpcHost):
-            raise config.ConfigError(
-                "SVC_GRPC_HOST",
-                f"refusing plaintext gRPC on the non-loopback address {grpcHost} with "
-                "SVC_ENV=production; set SVC_GRPC_TLS_CERT, SVC_GRPC_TLS_KEY and "
-                "SVC_GRPC_TLS_CLIENT_CA",
-            )
+        tls = serverTLS(environ)
+        internalSubjects = readInternalSubjects(
+            environ, tls, "RecordUsage, GetSpend and WatchChanges, such as the proxies'"
+        )
+        refusePlaintextInProduction(environment, grpcHost, tls)
         minimum = config.positiveInteger(environ, "SVC_DB_POOL_MIN", 2)
         maximum = config.positiveInteger(environ, "SVC_DB_POOL_MAX", 10)
         if maximum < minimum:
@@ -89,64 +84,3 @@ class AuthConfig:
             tls=tls,
             internalSubjects=internalSubjects,
         )
-
-
-def _readPEM(environ: Mapping[str, str], name: str) -> bytes | None:
-    path = config.text(environ, name, "")
-    if not path:
-        return None
-    try:
-        return Path(path).read_bytes()
-    except OSError as error:
-        raise config.ConfigError(name, f"cannot read {path}: {error.strerror}") from None
-
-
-def _serverTLS(environ: Mapping[str, str]) -> ServerTLS | None:
-    certificate = _readPEM(environ, "SVC_GRPC_TLS_CERT")
-    key = _readPEM(environ, "SVC_GRPC_TLS_KEY")
-    clientCA = _readPEM(environ, "SVC_GRPC_TLS_CLIENT_CA")
-    if certificate is None and key is None:
-        if clientCA is not None:
-            raise config.ConfigError(
-                "SVC_GRPC_TLS_CLIENT_CA", "needs SVC_GRPC_TLS_CERT and SVC_GRPC_TLS_KEY too"
-            )
-        return None
-    if certificate is None:
-        raise config.ConfigError("SVC_GRPC_TLS_CERT", "is required with SVC_GRPC_TLS_KEY")
-    if key is None:
-        raise config.ConfigError("SVC_GRPC_TLS_KEY", "is required with SVC_GRPC_TLS_CERT")
-    return ServerTLS(certificate=certificate, privateKey=key, clientCA=clientCA)
-
-
-_SUBJECTS = "SVC_GRPC_INTERNAL_SUBJECTS"
-
-
-def _internalSubjects(environ: Mapping[str, str], tls: ServerTLS | None) -> frozenset[str] | None:
-    """
-    The names of C{SVC_GRPC_INTERNAL_SUBJECTS}, required with mutual TLS
-    and refused without it: unset with mutual TLS, every proxy would be
-    denied its ledger, its budgets' spend and its change feed; set without
-    it, there is no client certificate to check, and the list would only
-    seem to protect the internal methods.
-    """
-    raw = config.text(environ, _SUBJECTS, "")
-    mutual = tls is not None and tls.clientCA is not None
-    if not raw:
-        if mutual:
-            raise config.ConfigError(
-                _SUBJECTS,
-                "is required with SVC_GRPC_TLS_CLIENT_CA: name the client certificates "
-                "(common name or DNS name, comma-separated) that may call RecordUsage, "
-                "GetSpend and WatchChanges, such as the proxies'",
-            )
-        return None
-    if not mutual:
-        raise config.ConfigError(
-            _SUBJECTS,
-            "needs mutual TLS (SVC_GRPC_TLS_CERT, SVC_GRPC_TLS_KEY and "
-            "SVC_GRPC_TLS_CLIENT_CA): without client certificates there is no subject to check",
-        )
-    try:
-        return parseSubjects(raw)
-    except BadSubjects as error:
-        raise config.ConfigError(_SUBJECTS, str(error)) from None

@@ -236,7 +236,10 @@ def _checkedGrpcAddress(name: str, value: str) -> str:
     return value
 
 
-def _readPEM(environ: Mapping[str, str], name: str) -> bytes | None:
+def readPEM(environ: Mapping[str, str], name: str) -> bytes | None:
+    """
+    The bytes of the PEM file the variable C{name} names; None when unset.
+    """
     path = text(environ, name, "")
     if not path:
         return None
@@ -262,9 +265,9 @@ def grpcTLS(
     key and the other way round.
     """
     caName, certName, keyName = names
-    ca = _readPEM(environ, caName)
-    cert = _readPEM(environ, certName)
-    key = _readPEM(environ, keyName)
+    ca = readPEM(environ, caName)
+    cert = readPEM(environ, certName)
+    key = readPEM(environ, keyName)
     if cert is not None and key is None:
         raise ConfigError(keyName, f"is required when {certName} is set")
     if key is not None and cert is None:

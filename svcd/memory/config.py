@@ -7,14 +7,13 @@ docs/operations.rst).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 
 import attrs
 import psycopg
 
-from svcd.auth.callers import BadSubjects, parseSubjects
+from svcd.auth.serving import readInternalSubjects, refusePlaintextInProduction, serverTLS
 from svcd.common import config
-from svcd.common.grpcserver import ServerTLS, isLoopback
+from svcd.common.grpcserver import ServerTLS
 
 # The memories one agent may keep about one subject.
 DEFAULT_MAX_PER_SCOPE = 10_000
@@ -76,15 +75,11 @@ class MemoryConfig:
             environ, "SVC_ENV", "development", ("development", "staging", "production")
         )
         grpcHost = config.text(environ, "SVC_GRPC_HOST", "127.0.0.1")
-        tls = _serverTLS(environ)
-        internalSubjects = _internalSubjects(environ, tls)
-        if environment == "production" and tls is None and not isLoopback(grpcHost):
-            raise config.ConfigError(
-                "SVC_GRPC_HOST",
-                f"refusing plaintext gRPC on the non-loopback address {grpcHost} with "
-                "SVC_ENV=production; set SVC_GRPC_TLS_CERT, SVC_GRPC_TLS_KEY and "
-                "SVC_GRPC_TLS_CLIENT_CA",
-            )
+        tls = serverTLS(environ)
+        internalSubjects = readInternalSubjects(
+            environ, tls, "MemoryService, such as the proxies' and the workers'"
+        )
+        refusePlaintextInProduction(environment, grpcHost, tls)
         minimum = config.positiveInteger(environ, "SVC_DB_POOL_MIN", 2)
         maximum = config.positiveInteger(environ, "SVC_DB_POOL_MAX", 10)
         if maximum < minimum:
@@ -124,62 +119,3 @@ class MemoryConfig:
                 environ, "SVC_MEMORY_DONE_RETENTION", DEFAULT_DONE_RETENTION
             ),
         )
-
-
-def _readPEM(environ: Mapping[str, str], name: str) -> bytes | None:
-    path = config.text(environ, name, "")
-    if not path:
-        return None
-    try:
-        return Path(path).read_bytes()
-    except OSError as error:
-        raise config.ConfigError(name, f"cannot read {path}: {error.strerror}") from None
-
-
-def _serverTLS(environ: Mapping[str, str]) -> ServerTLS | None:
-    certificate = _readPEM(environ, "SVC_GRPC_TLS_CERT")
-    key = _readPEM(environ, "SVC_GRPC_TLS_KEY")
-    clientCA = _readPEM(environ, "SVC_GRPC_TLS_CLIENT_CA")
-    if certificate is None and key is None:
-        if clientCA is not None:
-            raise config.ConfigError(
-                "SVC_GRPC_TLS_CLIENT_CA", "needs SVC_GRPC_TLS_CERT and SVC_GRPC_TLS_KEY too"
-            )
-        return None
-    if certificate is None:
-        raise config.ConfigError("SVC_GRPC_TLS_CERT", "is required with SVC_GRPC_TLS_KEY")
-    if key is None:
-        raise config.ConfigError("SVC_GRPC_TLS_KEY", "is required with SVC_GRPC_TLS_CERT")
-    return ServerTLS(certificate=certificate, privateKey=key, clientCA=clientCA)
-
-
-_SUBJECTS = "SVC_GRPC_INTERNAL_SUBJECTS"
-
-
-def _internalSubjects(environ: Mapping[str, str], tls: ServerTLS | None) -> frozenset[str] | None:
-    """
-    Every method of MemoryService is internal (only svc-proxy and
-    svc-worker call it): with mutual TLS the list is required and checked
-    on every call, as svc-auth's is on its internal methods.
-    """
-    raw = config.text(environ, _SUBJECTS, "")
-    mutual = tls is not None and tls.clientCA is not None
-    if not raw:
-        if mutual:
-            raise config.ConfigError(
-                _SUBJECTS,
-                "is required with SVC_GRPC_TLS_CLIENT_CA: name the client certificates "
-                "(common name or DNS name, comma-separated) that may call MemoryService, "
-                "such as the proxies' and the workers'",
-            )
-        return None
-    if not mutual:
-        raise config.ConfigError(
-            _SUBJECTS,
-            "needs mutual TLS (SVC_GRPC_TLS_CERT, SVC_GRPC_TLS_KEY and "
-            "SVC_GRPC_TLS_CLIENT_CA): without client certificates there is no subject to check",
-        )
-    try:
-        return parseSubjects(raw)
-    except BadSubjects as error:
-        raise config.ConfigError(_SUBJECTS, str(error)) from None
