@@ -559,6 +559,75 @@ def _rowIs(orgID: uuid.UUID, agentID: uuid.UUID | None) -> tuple[str, tuple[uuid
 
 
 Cursor = psycopg.Cursor[dict[str, Any]]
+
+
+def runTransaction(
+    connections: ConnectionSource,
+    operation: str,
+    body: Callable[[Cursor], T],
+    context: Sequence[tuple[str, str]],
+    *,
+    queryDuration: Histogram | None = None,
+    dropDeadConnections: Callable[[], None] | None = None,
+    binary: bool = False,
+) -> T:
+    """
+    Run C{body} in one transaction whose first statement sets C{context}
+    (settings such as C{svc.org_id}, which the row-level security policies
+    read; local to the transaction), for svc-auth's and svc-memory's
+    stores alike; its time observed in C{queryDuration} by C{operation}.
+
+    A pooled connection may have died since its last use (a database
+    restart); that shows on the first statement, before C{body} has done
+    anything, and only then the transaction is tried once more on a fresh
+    connection, once the pool has dropped its other dead ones
+    (C{dropDeadConnections}).
+
+    @raise StoreRejected: a constraint refused a write.
+    @raise StoreValueRefused: the database cannot hold a value.
+    @raise StoreUnavailable: any other failure of the database or the pool.
+    """
+    settings = ", ".join("set_config(%s, %s, true)" for _ in context)
+    parameters = [each for pair in context for each in pair]
+    started = time.perf_counter()
+    try:
+        for attempt in (1, 2):
+            bodyStarted = False
+            try:
+                with connections() as connection, connection.transaction():
+                    cursor = connection.cursor(row_factory=dict_row, binary=binary)
+                    cursor.execute(f"SELECT {settings}", parameters)
+                    bodyStarted = True
+                    return body(cursor)
+            except psycopg.OperationalError:
+                if bodyStarted or attempt == 2:
+                    raise
+                if dropDeadConnections is not None:
+                    # The other idle connections most likely died with
+                    # this one: without this, the retry takes the next of
+                    # them and the caller is answered UNAVAILABLE by a
+                    # database that is up.
+                    dropDeadConnections()
+        raise AssertionError("unreachable")
+    except psycopg.IntegrityError as error:
+        raise StoreRejected(f"the database refused {operation}: {type(error).__name__}") from error
+    except (psycopg.DataError, UnicodeEncodeError) as error:
+        # Class 22 of SQLSTATE, or psycopg refusing to send the value (NUL
+        # in text, a lone surrogate): never a sign of an outage.
+        raise StoreValueRefused(
+            f"the database cannot hold a value of {operation}: {type(error).__name__}"
+        ) from error
+    except psycopg.Error as error:
+        raise StoreUnavailable(
+            f"database error during {operation}: {type(error).__name__}"
+        ) from error
+    except PoolTimeout as error:
+        raise StoreUnavailable(f"no database connection for {operation}") from error
+    finally:
+        if queryDuration is not None:
+            queryDuration.labels(operation=operation).observe(time.perf_counter() - started)
+
+
 R = TypeVar("R")
 
 
@@ -612,61 +681,20 @@ class Store:
         lookupTokenID: uuid.UUID | None = None,
     ) -> T:
         """
-        Run C{body} in one transaction in the given tenant context.
-
-        A pooled connection may have died since its last use (a database
-        restart); that shows on the first statement, before C{body} has
-        done anything, and only then the transaction is tried once more on
-        a fresh connection, once the pool has dropped its other dead ones.
+        Run C{body} in one transaction in the given tenant context
+        (L{runTransaction}).
         """
-        started = time.perf_counter()
-        try:
-            for attempt in (1, 2):
-                bodyStarted = False
-                try:
-                    with self._connections() as connection, connection.transaction():
-                        cursor = connection.cursor(row_factory=dict_row)
-                        cursor.execute(
-                            "SELECT set_config('svc.org_id', %s, true),"
-                            " set_config('svc.token_id', %s, true)",
-                            (
-                                str(orgID) if orgID else "",
-                                str(lookupTokenID) if lookupTokenID else "",
-                            ),
-                        )
-                        bodyStarted = True
-                        return body(cursor)
-                except psycopg.OperationalError:
-                    if bodyStarted or attempt == 2:
-                        raise
-                    if self._dropDeadConnections is not None:
-                        # The other idle connections most likely died
-                        # with this one: without this, the retry takes
-                        # the next of them and the caller is answered
-                        # UNAVAILABLE by a database that is up.
-                        self._dropDeadConnections()
-            raise AssertionError("unreachable")
-        except psycopg.IntegrityError as error:
-            raise StoreRejected(
-                f"the database refused {operation}: {type(error).__name__}"
-            ) from error
-        except (psycopg.DataError, UnicodeEncodeError) as error:
-            # Class 22 of SQLSTATE, or psycopg refusing to send the value
-            # (NUL in text, a lone surrogate): never a sign of an outage.
-            raise StoreValueRefused(
-                f"the database cannot hold a value of {operation}: {type(error).__name__}"
-            ) from error
-        except psycopg.Error as error:
-            raise StoreUnavailable(
-                f"database error during {operation}: {type(error).__name__}"
-            ) from error
-        except PoolTimeout as error:
-            raise StoreUnavailable(f"no database connection for {operation}") from error
-        finally:
-            if self._queryDuration is not None:
-                self._queryDuration.labels(operation=operation).observe(
-                    time.perf_counter() - started
-                )
+        return runTransaction(
+            self._connections,
+            operation,
+            body,
+            (
+                ("svc.org_id", str(orgID) if orgID else ""),
+                ("svc.token_id", str(lookupTokenID) if lookupTokenID else ""),
+            ),
+            queryDuration=self._queryDuration,
+            dropDeadConnections=self._dropDeadConnections,
+        )
 
     def ping(self) -> None:
         """

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
@@ -30,10 +29,9 @@ from typing import Any, TypeVar
 import attrs
 import psycopg
 from prometheus_client import Histogram
-from psycopg.rows import dict_row
-from psycopg_pool import ConnectionPool, PoolTimeout
+from psycopg_pool import ConnectionPool
 
-from svcd.auth.store import StoreRejected, StoreUnavailable, StoreValueRefused
+from svcd.auth.store import StoreRejected, StoreUnavailable, StoreValueRefused, runTransaction
 from svcd.common.ids import uuid7
 from svcd.memory.records import (
     EXTRACTED,
@@ -288,49 +286,18 @@ class MemoryStore:
     ) -> T:
         """
         Run C{body} in one transaction in C{orgID}'s context (None: no
-        organization, in which row-level security shows no row).
-
-        A pooled connection found dead on the first statement, before
-        C{body} did anything, is replaced once, as svc-auth's store does.
+        organization, in which row-level security shows no row), as
+        svc-auth's store runs its own (L{runTransaction}).
         """
-        started = time.perf_counter()
-        try:
-            for attempt in (1, 2):
-                bodyStarted = False
-                try:
-                    with self._connections() as connection, connection.transaction():
-                        cursor = connection.cursor(row_factory=dict_row, binary=binary)
-                        cursor.execute(
-                            "SELECT set_config('svc.org_id', %s, true)",
-                            (str(orgID) if orgID else "",),
-                        )
-                        bodyStarted = True
-                        return body(cursor)
-                except psycopg.OperationalError:
-                    if bodyStarted or attempt == 2:
-                        raise
-                    if self._dropDeadConnections is not None:
-                        self._dropDeadConnections()
-            raise AssertionError("unreachable")
-        except psycopg.IntegrityError as error:
-            raise StoreRejected(
-                f"the database refused {operation}: {type(error).__name__}"
-            ) from error
-        except (psycopg.DataError, UnicodeEncodeError) as error:
-            raise StoreValueRefused(
-                f"the database cannot hold a value of {operation}: {type(error).__name__}"
-            ) from error
-        except psycopg.Error as error:
-            raise StoreUnavailable(
-                f"database error during {operation}: {type(error).__name__}"
-            ) from error
-        except PoolTimeout as error:
-            raise StoreUnavailable(f"no database connection for {operation}") from error
-        finally:
-            if self._queryDuration is not None:
-                self._queryDuration.labels(operation=operation).observe(
-                    time.perf_counter() - started
-                )
+        return runTransaction(
+            self._connections,
+            operation,
+            body,
+            (("svc.org_id", str(orgID) if orgID else ""),),
+            queryDuration=self._queryDuration,
+            dropDeadConnections=self._dropDeadConnections,
+            binary=binary,
+        )
 
     def ping(self) -> None:
         """
