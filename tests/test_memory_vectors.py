@@ -167,6 +167,22 @@ def test_theRankingIsTheOrderOfEveryLiveRow(
     assert list(zip(ranking.scores, ranking.createdMicros, ranking.keys, strict=True)) == expected
 
 
+def test_aSearchHoldingAnOlderViewNeverRanksARemovedRow() -> None:
+    """
+    remove() marks a row dead in the arrays the views share, then
+    publishes a view that counts it: a search that took the view before
+    (its count of dead rows still 0) must not rank the row either.
+    """
+    rows, ids = rowsOf([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0]])
+    scope = ScopeVectors.fromRows(2, rows)
+    taken = scope._view
+    scope.remove([ids[0]])
+    assert taken.dead == 0 and not taken.alive[0]
+    older = ScopeVectors(2, taken)
+    hits = older.search(normalised(vectorBytes([1.0, 0.0])), 3)
+    assert [hit.memoryID for hit in hits] == [ids[1], ids[2]]
+
+
 def test_upsertAndRemoveKeepTheSearchExact() -> None:
     """
     A memory added, changed or removed after loading is searched as if

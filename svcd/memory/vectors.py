@@ -332,10 +332,11 @@ class ScopeVectors:
             return Ranking([], [], [])
         matrix = view.matrix[:count]
         scores = matrix @ query if product is None else product(matrix, query)
-        if view.dead:
-            # A forgotten memory's row ranks below every score (-1 at
-            # least), and is dropped below.
-            scores = numpy.where(view.alive[:count], scores, _NEVER)
+        # A forgotten memory's row ranks below every score (-1 at least),
+        # and is dropped below. Always masked, never only when the view
+        # counts dead rows: a row is marked dead in the arrays before the
+        # view that counts it is published, and this view may be older.
+        scores = numpy.where(view.alive[:count], scores, _NEVER)
         if count > k:
             # The k-th largest score; every row at or above it is a
             # candidate, so that ties at the edge are broken by age,
