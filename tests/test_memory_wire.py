@@ -178,3 +178,7 @@ def test_largestVectorsAreAccepted() -> None:
     """
     vector = numpy.full(16_384, 3.4e38, dtype="<f4").tobytes()
     assert checkEmbedding("m", vector).dimensions == 16_384
+    # Scaled to length 1, not to zeros (its length passes float32's range).
+    unit = checkQuery("m", vector).unit
+    assert unit.tobytes() == normalised(vector).tobytes()
+    assert float(unit.astype(numpy.float64) @ unit.astype(numpy.float64)) == pytest.approx(1.0)

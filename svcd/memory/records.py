@@ -265,15 +265,15 @@ def checkQuery(model: str, vector: bytes) -> Query:
     _checkShape(model, vector)
     import numpy
 
-    components = numpy.frombuffer(vector, dtype="<f4")
-    wide = components.astype(numpy.float64)
-    # Summed as normalisedRows sums a row (pairwise, in float64), rooted
-    # and rounded to float32 as it is: the same bits as a cached row of
-    # the same vector, so that a memory searched by its own vector scores
-    # what it always did.
+    wide = numpy.frombuffer(vector, dtype="<f4").astype(numpy.float64)
+    # Summed as normalisedRows sums a row (pairwise, in float64), divided
+    # in float64 and rounded to float32 as it is: the same bits as a
+    # cached row of the same vector, so that a memory searched by its own
+    # vector scores what it always did.
     squares = float((wide * wide).sum())
     _checkSquares(squares)
-    return Query(model, components / numpy.float32(math.sqrt(squares)))
+    wide /= math.sqrt(squares)
+    return Query(model, wide.astype(numpy.float32))
 
 
 def _checkShape(model: str, vector: bytes) -> None:

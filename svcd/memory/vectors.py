@@ -133,15 +133,18 @@ class ScopeKey:
 def normalisedRows(matrix: Floats) -> Floats:
     """
     Each row of C{matrix} scaled to length 1 (the caller checked they are
-    finite and not zero): the length summed in float64 along the row and
-    rounded to float32, then a float32 division. One rule for a scope
-    loaded whole and a memory heard alone (L{normalised}), so that one
-    vector is the same bits either way and equal vectors tie exactly
-    (ties come newest first).
+    finite and not zero): the squares summed in float64 along the row, the
+    division in float64, the result rounded to float32. The length of a
+    vector of float32's largest values passes float32's range, so it is
+    never rounded to float32 (it would make the vector zeros). One rule for
+    a scope loaded whole, a memory heard alone (L{normalised}) and a query
+    (L{svcd.memory.records.checkQuery}), so that one vector is the same
+    bits every way and equal vectors tie exactly (ties come newest first).
     """
     wide = matrix.astype(numpy.float64)
-    norms = numpy.sqrt((wide * wide).sum(axis=1)).astype(numpy.float32)
-    result: Floats = matrix.astype(numpy.float32) / norms[:, None]
+    norms = numpy.sqrt((wide * wide).sum(axis=1))
+    wide /= norms[:, None]
+    result: Floats = wide.astype(numpy.float32)
     return result
 
 
