@@ -30,13 +30,12 @@ from opentelemetry.trace import Tracer
 from prometheus_client import CollectorRegistry, Histogram
 from psycopg_pool import ConnectionPool
 from twisted.application import strports
-from twisted.application.service import IService, Service
+from twisted.application.service import IService
 from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import TCP4ClientEndpoint, quoteStringArgument
-from twisted.internet.interfaces import IReactorTCP, IReactorThreads
+from twisted.internet.interfaces import IReactorTCP
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.threads import deferToThreadPool
-from twisted.logger import Logger
 from twisted.python.threadpool import ThreadPool
 
 from svcd.auth.admission import Bounds, Lane
@@ -50,6 +49,7 @@ from svcd.auth.limits import BudgetsTable, LimitsTable, MemorySettingsTable
 from svcd.auth.listener import ChangeListener
 from svcd.auth.store import Store, connectionPool
 from svcd.auth.web import AuthOperationsWeb, OperationsSite
+from svcd.common.databaseservice import DatabaseService
 from svcd.common.metrics import BUCKETS
 from svcd.common.readiness import Check, CheckFailed
 from svcd.common.tracing import ServerTracingInterceptor
@@ -197,53 +197,6 @@ def assembleAuth(
         bounds=bounds,
         interceptors=tuple(interceptors),
     )
-
-
-class DatabaseService(Service):
-    """
-    Owns the database side: the connection pool, the change listener, and
-    the thread pool in which the HTTP side runs its database checks.
-
-    The pool opens without waiting, so svc-auth starts (and /ready says
-    why it is not ready) while PostgreSQL is still down.
-    """
-
-    log = Logger()
-
-    def __init__(
-        self,
-        reactor: IReactorThreads,
-        pool: ConnectionPool,
-        listener: ChangeListener,
-        threads: ThreadPool,
-    ) -> None:
-        self._reactor = reactor
-        self._pool = pool
-        self._listener = listener
-        self.threads = threads
-
-    def startService(self) -> None:
-        super().startService()
-        self.threads.start()
-        self._pool.open(wait=False)
-        self._listener.start()
-
-    def stopService(self) -> Deferred[None]:
-        super().stopService()
-
-        def close() -> None:
-            self._listener.stop()
-            self._pool.close(timeout=5.0)
-
-        closing: Deferred[None] = deferToThreadPool(self._reactor, self.threads, close)
-
-        def stopThreads(result: object) -> object:
-            self.threads.stop()
-            self.log.info("Database pool closed")
-            return result
-
-        closing.addBoth(stopThreads)
-        return closing
 
 
 def _tcpCheck(reactor: IReactorTCP, host: str, port: int) -> Deferred[None]:

@@ -23,17 +23,16 @@ from opentelemetry.trace import Tracer
 from prometheus_client import CollectorRegistry
 from psycopg_pool import ConnectionPool
 from twisted.application import strports
-from twisted.application.service import IService, Service
+from twisted.application.service import IService
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.endpoints import quoteStringArgument
-from twisted.internet.interfaces import IReactorThreads
 from twisted.internet.threads import deferToThreadPool
-from twisted.logger import Logger
 from twisted.python.threadpool import ThreadPool
 
 from svcd.auth.admission import Bounds
 from svcd.auth.assembly import _tcpCheck
 from svcd.auth.callers import InternalCallersInterceptor, InternalSubjects
+from svcd.common.databaseservice import DatabaseService
 from svcd.common.readiness import Check, CheckFailed
 from svcd.common.tracing import ServerTracingInterceptor
 from svcd.memory.callers import MemoryDenialLog
@@ -147,52 +146,6 @@ def assembleMemory(
     )
 
 
-class MemoryDatabaseService(Service):
-    """
-    Owns the database side: the pool (opened without waiting, so that
-    svc-memory starts, and /ready says why it is not ready, while
-    PostgreSQL is down), the change listener, and the thread pool of the
-    HTTP side's checks.
-    """
-
-    log = Logger()
-
-    def __init__(
-        self,
-        reactor: IReactorThreads,
-        pool: ConnectionPool,
-        listener: MemoryListener,
-        threads: ThreadPool,
-    ) -> None:
-        self._reactor = reactor
-        self._pool = pool
-        self._listener = listener
-        self.threads = threads
-
-    def startService(self) -> None:
-        super().startService()
-        self.threads.start()
-        self._pool.open(wait=False)
-        self._listener.start()
-
-    def stopService(self) -> Deferred[None]:
-        super().stopService()
-
-        def close() -> None:
-            self._listener.stop()
-            self._pool.close(timeout=5.0)
-
-        closing: Deferred[None] = deferToThreadPool(self._reactor, self.threads, close)
-
-        def stopThreads(result: object) -> object:
-            self.threads.stop()
-            self.log.info("Database pool closed")
-            return result
-
-        closing.addBoth(stopThreads)
-        return closing
-
-
 @attrs.frozen
 class MemoryDaemon:
     """
@@ -202,7 +155,7 @@ class MemoryDaemon:
     """
 
     parts: MemoryParts
-    database: MemoryDatabaseService
+    database: DatabaseService
     grpc: MemoryGrpcService
     web: MemoryOperationsWeb
     http: IService
@@ -230,7 +183,7 @@ def assembleMemoryDaemon(
     """
     parts = assembleMemory(settings, registry, tracer=tracer, logCalls=logCalls)
     threads = ThreadPool(minthreads=1, maxthreads=4, name="svc-memory-db")
-    database = MemoryDatabaseService(reactor, parts.pool, parts.listener, threads)
+    database = DatabaseService(reactor, parts.pool, parts.listener, threads)
     grpcService = MemoryGrpcService(
         reactor,
         parts.servicer,
