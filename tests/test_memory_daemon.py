@@ -92,7 +92,7 @@ def test_servesOperationsRoutesAndMemoryService(memoryDaemon: Daemon, acme: Tena
     text = metrics.decode()
     for series in (
         'svc_memory_grpc_requests_total{code="OK",method="Search"} 1.0',
-        'svc_memory_search_duration_seconds_count{cache="miss"} 1.0',
+        'svc_memory_search_duration_seconds_count{cache="miss",mode="vector"} 1.0',
         "svc_memory_cache_bytes ",
         "svc_memory_cache_scopes 1.0",
         "svc_memory_cache_misses_total 1.0",

@@ -117,9 +117,9 @@ class MemoryMetrics:
         )
         self.searchSeconds = Histogram(
             "svc_memory_search_duration_seconds",
-            "Time of one Search, by whether the scope's vectors were cached (hit) or"
-            " loaded from PostgreSQL (miss)",
-            ["cache"],
+            "Time of one Search, by whether what it ranked by was cached (hit) or"
+            " loaded from PostgreSQL first (miss), and by mode (vector, text, hybrid)",
+            ["cache", "mode"],
             buckets=BUCKETS,
             registry=registry,
         )

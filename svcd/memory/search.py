@@ -52,7 +52,7 @@ PARALLEL_ROWS = 32_768
 
 class Searcher:
     """
-    @param searchSeconds: svc_memory_search_duration_seconds, by whether
+    @param searchSeconds: svc_memory_search_duration_seconds, by mode and by whether
         the scope was cached (C{cache="hit"}) or loaded (C{"miss"}).
     @param workers: threads a search of a large scope splits its product
         over (L{parallelProduct}); the machine's cores by default.
@@ -182,7 +182,7 @@ class Searcher:
         ranking, cached = self._ranked(scope, query, k, minScore, mode, text)
         encoded = self.recordsOf(scope, ranking.keys)
         if self._searchSeconds is not None:
-            self._children.of(self._searchSeconds, "hit" if cached else "miss").observe(
+            self._children.of(self._searchSeconds, "hit" if cached else "miss", mode).observe(
                 time.perf_counter() - started
             )
         # A memory deleted since the ranking has no record: dropped.
