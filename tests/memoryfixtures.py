@@ -7,8 +7,9 @@ tests/conftest.py (pytest_plugins).
 
 from __future__ import annotations
 
+import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy
 import psycopg
@@ -91,3 +92,28 @@ def memoryService(migratedDSN: str) -> Iterator[RunningMemoryService]:
         yield service
     finally:
         service.stop()
+
+
+@pytest.fixture
+def replicas(migratedDSN: str) -> Iterator[tuple[RunningMemoryService, RunningMemoryService]]:
+    """
+    Two replicas of svc-memory on one database (two caches, two listeners).
+    """
+    first = RunningMemoryService(migratedDSN).start()
+    second = RunningMemoryService(migratedDSN).start()
+    try:
+        yield first, second
+    finally:
+        first.stop()
+        second.stop()
+
+
+def within(seconds: float, condition: Callable[[], bool]) -> float:
+    """
+    Wait until C{condition} holds, at most C{seconds}; how long it took.
+    """
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < seconds, f"not within {seconds}s"
+        time.sleep(0.01)
+    return time.monotonic() - started

@@ -8,9 +8,8 @@ two replicas on one database that agree within a second.
 from __future__ import annotations
 
 import functools
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -19,7 +18,7 @@ import pytest
 from authfixtures import Tenant, makeTenant
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from memoryfixtures import MODEL, vectorBytes
+from memoryfixtures import MODEL, vectorBytes, within
 
 from svcd.auth.store import Store
 from svcd.memory.grpcservice import SCOPE_FULL
@@ -313,28 +312,6 @@ def test_organizationsNeverSeeEachOther(
     finally:
         for tenant in tenants.values():
             stub.DeleteScope(memory_pb2.DeleteScopeRequest(scope=scope(tenant, subject)))
-
-
-@pytest.fixture
-def replicas(migratedDSN: str) -> Iterator[tuple[RunningMemoryService, RunningMemoryService]]:
-    first = RunningMemoryService(migratedDSN).start()
-    second = RunningMemoryService(migratedDSN).start()
-    try:
-        yield first, second
-    finally:
-        first.stop()
-        second.stop()
-
-
-def within(seconds: float, condition: Callable[[], bool]) -> float:
-    """
-    Wait until C{condition} holds, at most C{seconds}; how long it took.
-    """
-    started = time.monotonic()
-    while not condition():
-        assert time.monotonic() - started < seconds, f"not within {seconds}s"
-        time.sleep(0.01)
-    return time.monotonic() - started
 
 
 def onlySeed(replica: RunningMemoryService, where: memory_pb2.Scope) -> bool:

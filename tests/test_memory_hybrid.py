@@ -12,9 +12,8 @@ the requests' refusals.
 from __future__ import annotations
 
 import functools
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -24,7 +23,7 @@ from authfixtures import Tenant
 from bm25reference import Document, bm25Ranking, fusedRanking
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from memoryfixtures import MODEL, appConnection, vectorBytes
+from memoryfixtures import MODEL, appConnection, vectorBytes, within
 from psycopg.rows import dict_row
 
 from svcd.memory.text import TextKey
@@ -247,28 +246,6 @@ def test_servedRankingsAreBM25AndItsFusion(
         assert cached is not None
     finally:
         stub.DeleteScope(memory_pb2.DeleteScopeRequest(scope=where))
-
-
-@pytest.fixture
-def replicas(migratedDSN: str) -> Iterator[tuple[RunningMemoryService, RunningMemoryService]]:
-    first = RunningMemoryService(migratedDSN).start()
-    second = RunningMemoryService(migratedDSN).start()
-    try:
-        yield first, second
-    finally:
-        first.stop()
-        second.stop()
-
-
-def within(seconds: float, condition: Callable[[], bool]) -> float:
-    """
-    Wait until C{condition} holds, at most C{seconds}; how long it took.
-    """
-    started = time.monotonic()
-    while not condition():
-        assert time.monotonic() - started < seconds, f"not within {seconds}s"
-        time.sleep(0.01)
-    return time.monotonic() - started
 
 
 def test_anotherReplicasIndexFollowsWithinOneSecond(

@@ -14,7 +14,6 @@ import datetime
 import functools
 import json
 import uuid
-from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -325,17 +324,6 @@ def listed(service: RunningMemoryService, where: memory_pb2.Scope) -> dict[str, 
     )
     assert not answer.has_more
     return {each.id: each for each in answer.memories}
-
-
-@pytest.fixture
-def replicas(migratedDSN: str) -> Iterator[tuple[RunningMemoryService, RunningMemoryService]]:
-    first = RunningMemoryService(migratedDSN).start()
-    second = RunningMemoryService(migratedDSN).start()
-    try:
-        yield first, second
-    finally:
-        first.stop()
-        second.stop()
 
 
 def test_aSearchOfACachedScopeReadsNothingFromPostgreSQL(
