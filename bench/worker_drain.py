@@ -62,34 +62,9 @@ from svcd.auth.store import Store  # noqa: E402
 from svcd.pb.memory.v1 import memory_pb2, memory_pb2_grpc  # noqa: E402
 from svcd.testing.daemons import Daemon, authEnvironment, memoryEnvironment  # noqa: E402
 from svcd.testing.servers import PostgresServer, RedisServer, freePort  # noqa: E402
-from svcd.testing.upstream import ScriptedUpstream  # noqa: E402
+from svcd.testing.upstream import ScriptedUpstream, memoryProvidersFile  # noqa: E402
 
 TARGET_PER_SECOND = 200.0
-
-PROVIDERS = """
-[[providers]]
-name = "scripted"
-base_url = "{base}"
-
-[[models]]
-name = "extractor"
-provider = "scripted"
-upstream_model = "echo"
-price = {{ input = "1.00", output = "2.00" }}
-
-[[models]]
-name = "embedder"
-provider = "scripted"
-upstream_model = "echo"
-kind = "embedding"
-dimensions = 64
-price = {{ input = "0.02" }}
-
-[memory]
-embedding_model = "embedder"
-extraction_model = "extractor"
-dedupe_score = 0.92
-"""
 
 
 def factsOf(requestID: str) -> list[str]:
@@ -450,7 +425,7 @@ def main() -> int:
         upstream = ScriptedUpstream(scratch / "upstream").start()
         stack.callback(upstream.stop)
         providers = scratch / "providers.toml"
-        providers.write_text(PROVIDERS.format(base=upstream.baseURL))
+        memoryProvidersFile(providers, upstream)
         auth = Daemon(
             "svc-auth", authEnvironment(dsn, SVC_LOG_LEVEL="WARN"), scratch / "auth.log"
         ).start()

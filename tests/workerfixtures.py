@@ -29,50 +29,7 @@ from svcd.auth.store import Store
 from svcd.pb.memory.v1 import memory_pb2, memory_pb2_grpc
 from svcd.testing.daemons import Daemon, authEnvironment, memoryEnvironment
 from svcd.testing.servers import PostgresServer, RedisServer, freePort
-from svcd.testing.upstream import ScriptedUpstream
-
-PROVIDERS = """
-[[providers]]
-name = "scripted"
-base_url = "{base}"
-
-[[models]]
-name = "extractor"
-provider = "scripted"
-upstream_model = "{extractor}"
-price = {{ input = "1.00", output = "2.00" }}
-
-[[models]]
-name = "embedder"
-provider = "scripted"
-upstream_model = "echo"
-kind = "embedding"
-dimensions = 64
-price = {{ input = "0.02" }}
-
-[memory]
-embedding_model = "embedder"
-{extraction}
-dedupe_score = 0.92
-"""
-
-
-def providersFile(
-    path: Path, upstream: ScriptedUpstream, extractor: str = "echo", extraction: bool = True
-) -> Path:
-    """
-    A providers file whose [memory] table names the scripted models: the
-    extraction model answers as C{extractor} (a script of
-    L{svcd.testing.upstream}), or there is none.
-    """
-    path.write_text(
-        PROVIDERS.format(
-            base=upstream.baseURL,
-            extractor=extractor,
-            extraction='extraction_model = "extractor"' if extraction else "",
-        )
-    )
-    return path
+from svcd.testing.upstream import ScriptedUpstream, memoryProvidersFile
 
 
 def waitUntil(condition: Callable[[], bool], what: str, seconds: float = 30.0) -> None:
@@ -246,7 +203,7 @@ def runningWorkerRig(
         workdir=workdir,
         owner=owner,
         tenant=tenant,
-        providers=providersFile(workdir / "providers.toml", upstream, extractor, extraction),
+        providers=memoryProvidersFile(workdir / "providers.toml", upstream, extractor, extraction),
     )
     try:
         auth.waitForReady()

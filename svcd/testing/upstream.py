@@ -1649,5 +1649,50 @@ class ScriptedUpstream:
         )
 
 
+MEMORY_PROVIDERS = """
+[[providers]]
+name = "scripted"
+base_url = "{base}"
+
+[[models]]
+name = "extractor"
+provider = "scripted"
+upstream_model = "{extractor}"
+price = {{ input = "1.00", output = "2.00" }}
+
+[[models]]
+name = "embedder"
+provider = "scripted"
+upstream_model = "echo"
+kind = "embedding"
+dimensions = 64
+price = {{ input = "0.02" }}
+
+[memory]
+embedding_model = "embedder"
+{extraction}
+dedupe_score = 0.92
+"""
+
+
+def memoryProvidersFile(
+    path: Path, upstream: ScriptedUpstream, extractor: str = "echo", extraction: bool = True
+) -> Path:
+    """
+    A providers file of priced scripted models for memory (svc-worker's
+    tests and bench/worker_drain.py): an embedding model of 64 dimensions
+    and, unless C{extraction} is false, an extraction model answering as
+    C{extractor} (a script of this module).
+    """
+    path.write_text(
+        MEMORY_PROVIDERS.format(
+            base=upstream.baseURL,
+            extractor=extractor,
+            extraction='extraction_model = "extractor"' if extraction else "",
+        )
+    )
+    return path
+
+
 if __name__ == "__main__":
     main()
