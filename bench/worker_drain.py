@@ -70,7 +70,7 @@ TARGET_PER_SECOND = 200.0
 def factsOf(requestID: str) -> list[str]:
     """
     Two facts about the user, each with words of its own: the scripted
-    embeddings are hashed bags of words in 64 dimensions, so facts sharing
+    embeddings are hashed bags of words (256 dimensions), so facts sharing
     most words (as "My fact number 0 is <id>-0.") would now and then come
     out at or above dedupe_score and be merged, as they should.
     """
