@@ -28,34 +28,23 @@ too and ignore them.
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 import uuid
 from collections.abc import Callable
 
 import psycopg
-from twisted.logger import Logger
 
 from svcd.auth.cache import ValidationCache
 from svcd.auth.feed import ChangeHub
 from svcd.auth.limits import BudgetsTable, LimitsTable, MemorySettingsTable
 from svcd.auth.store import APPLICATION_ROLE, Store, StoreUnavailable
 from svcd.common.ids import parseUUID
+from svcd.common.listening import BeatsStopped, ListeningThread
 
 CHANNEL = "svc_auth_changes"
 
-# No read of the listener's (one row, or the table of limits) may hold up
-# its notifications and beats for long.
-_STATEMENT_TIMEOUT_MS = 5_000
 
-
-class _BeatsStopped(Exception):
-    """
-    No beat came back for too long: the connection is presumed dead.
-    """
-
-
-class ChangeListener:
+class ChangeListener(ListeningThread[Store]):
     """
     @param hub: the change feed to hand changes and heartbeats to, if any.
     @param limits: the table of limits to load and keep current, if any.
@@ -69,7 +58,17 @@ class ChangeListener:
     @param monotonic: a monotonic clock in seconds.
     """
 
-    log = Logger()
+    channel = CHANNEL
+    # Rows are read on this connection, as the role that row-level
+    # security applies to (decisions D7).
+    role = APPLICATION_ROLE
+    applicationName = "svc-auth-listener"
+    threadName = "svc-auth-change-listener"
+    lostWarning = (
+        "Change listener lost its database connection ({error}); "
+        "cached validations now expire after one second"
+    )
+    failures = (*ListeningThread.failures, StoreUnavailable)
 
     def __init__(
         self,
@@ -85,86 +84,32 @@ class ChangeListener:
         monotonic: Callable[[], float] = time.monotonic,
         memorySettings: MemorySettingsTable | None = None,
     ) -> None:
-        self._dsn = dsn
+        super().__init__(dsn, reconnectDelay)
         self._cache = cache
         self._hub = hub
         self._limits = limits
         self._budgets = budgets
         self._memorySettings = memorySettings
-        self._reconnectDelay = reconnectDelay
         self._beatInterval = beatInterval
         self._beatLag = beatLag
         self._beatTimeout = beatTimeout
         self._monotonic = monotonic
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
 
-    def start(self) -> None:
-        self._stopping.clear()
-        self._thread = threading.Thread(
-            target=self._run, name="svc-auth-change-listener", daemon=True
-        )
-        self._thread.start()
-
-    def stop(self, timeout: float = 2.0) -> None:
-        """
-        Ask the thread to finish and wait for it (blocking; call from a
-        thread or at shutdown).
-        """
-        self._stopping.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
-
-    def _run(self) -> None:
-        connectedBefore = False
-        while not self._stopping.is_set():
-            try:
-                with psycopg.connect(
-                    self._dsn,
-                    autocommit=True,
-                    connect_timeout=3,
-                    application_name="svc-auth-listener",
-                    # Notice a silently dead peer within about 10 seconds.
-                    keepalives=1,
-                    keepalives_idle=5,
-                    keepalives_interval=2,
-                    keepalives_count=3,
-                ) as connection:
-                    # Rows are read on this connection, as the role that
-                    # row-level security applies to (decisions D7).
-                    connection.execute(f"SET ROLE {APPLICATION_ROLE}")
-                    connection.execute(f"SET statement_timeout = {_STATEMENT_TIMEOUT_MS}")
-                    store = Store(lambda: contextlib.nullcontext(connection))
-                    connection.execute(f"LISTEN {CHANNEL}")
-                    if self._limits is not None:
-                        # After LISTEN: a change committed from now on is
-                        # both announced and maybe in this read, never in
-                        # neither.
-                        self._limits.replace(store.allLimits())
-                    if self._budgets is not None:
-                        self._budgets.replace(store.allBudgets())
-                    if self._memorySettings is not None:
-                        self._memorySettings.replace(store.allMemorySettings())
-                    self._cache.listening()
-                    if self._hub is not None:
-                        self._hub.listenerUp()
-                    self.log.info(
-                        "Listening for token, agent, limits, budget and memory settings changes"
-                    )
-                    connectedBefore = True
-                    self._drain(connection, store)
-            except (psycopg.Error, StoreUnavailable, _BeatsStopped) as error:
-                self._lost()
-                if connectedBefore:
-                    self.log.warn(
-                        "Change listener lost its database connection ({error}); "
-                        "cached validations now expire after one second",
-                        error=type(error).__name__,
-                    )
-                    connectedBefore = False
-                self._stopping.wait(self._reconnectDelay)
-        self._lost()
+    def _begin(self, connection: psycopg.Connection[object]) -> Store:
+        store = Store(lambda: contextlib.nullcontext(connection))
+        # After LISTEN: a change committed from now on is both announced
+        # and maybe in these reads, never in neither.
+        if self._limits is not None:
+            self._limits.replace(store.allLimits())
+        if self._budgets is not None:
+            self._budgets.replace(store.allBudgets())
+        if self._memorySettings is not None:
+            self._memorySettings.replace(store.allMemorySettings())
+        self._cache.listening()
+        if self._hub is not None:
+            self._hub.listenerUp()
+        self.log.info("Listening for token, agent, limits, budget and memory settings changes")
+        return store
 
     def _lost(self) -> None:
         if self._limits is not None:
@@ -212,7 +157,7 @@ class ChangeListener:
                     continue
                 self._apply(payload, store)
             if self._monotonic() - lastBack > self._beatTimeout:
-                raise _BeatsStopped(f"no beat came back for {self._beatTimeout}s")
+                raise BeatsStopped(f"no beat came back for {self._beatTimeout}s")
 
     def _beatCameBack(self, payload: str, nonce: str, sent: dict[int, float]) -> bool:
         """

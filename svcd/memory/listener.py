@@ -35,15 +35,14 @@ thread, which this one has.
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 import uuid
 from collections.abc import Callable
 
 import psycopg
-from twisted.logger import Logger
 
 from svcd.common.ids import parseUUID
+from svcd.common.listening import BeatsStopped, ListeningThread
 from svcd.memory.recordcache import RecordCache
 from svcd.memory.records import MemoryRecord
 from svcd.memory.store import APPLICATION_ROLE, CachedRow, MemoryStore, StoreUnavailable
@@ -51,13 +50,7 @@ from svcd.memory.vectors import VectorCache
 
 CHANNEL = "svc_memory_changes"
 
-_STATEMENT_TIMEOUT_MS = 5_000
-
 Triple = tuple[uuid.UUID, uuid.UUID, str]
-
-
-class _BeatsStopped(Exception):
-    pass
 
 
 def parsePayload(payload: str) -> tuple[str, Triple, uuid.UUID] | None:
@@ -74,7 +67,7 @@ def parsePayload(payload: str) -> tuple[str, Triple, uuid.UUID] | None:
     return parts[0], (orgID, agentID, parts[4]), memoryID
 
 
-class MemoryListener:
+class MemoryListener(ListeningThread[MemoryStore]):
     """
     @param records: the cache of records kept current beside the vectors,
         if any.
@@ -84,7 +77,15 @@ class MemoryListener:
         pruned here.
     """
 
-    log = Logger()
+    channel = CHANNEL
+    role = APPLICATION_ROLE
+    applicationName = "svc-memory-listener"
+    threadName = "svc-memory-change-listener"
+    lostWarning = (
+        "Memory change listener lost its database connection ({error});"
+        " searches read PostgreSQL until it is back"
+    )
+    failures = (*ListeningThread.failures, StoreUnavailable)
 
     def __init__(
         self,
@@ -99,74 +100,26 @@ class MemoryListener:
         doneRetention: float | None = None,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._dsn = dsn
+        super().__init__(dsn, reconnectDelay)
         self._cache = cache
         self._records = records
         self._waiting = waiting
-        self._reconnectDelay = reconnectDelay
         self._beatInterval = beatInterval
         self._beatTimeout = beatTimeout
         self._waitingInterval = waitingInterval
         self._doneRetention = doneRetention
         self._monotonic = monotonic
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
 
-    def start(self) -> None:
-        self._stopping.clear()
-        self._thread = threading.Thread(
-            target=self._run, name="svc-memory-change-listener", daemon=True
-        )
-        self._thread.start()
+    def _begin(self, connection: psycopg.Connection[object]) -> MemoryStore:
+        # After LISTEN: every change committed from now on is heard, so the
+        # caches may keep what they load.
+        self._cache.listening()
+        if self._records is not None:
+            self._records.listening()
+        self.log.info("Listening for memory changes")
+        return MemoryStore(lambda: contextlib.nullcontext(connection))
 
-    def stop(self, timeout: float = 2.0) -> None:
-        """
-        Ask the thread to finish and wait for it (blocking).
-        """
-        self._stopping.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
-
-    def _run(self) -> None:
-        connectedBefore = False
-        while not self._stopping.is_set():
-            try:
-                with psycopg.connect(
-                    self._dsn,
-                    autocommit=True,
-                    connect_timeout=3,
-                    application_name="svc-memory-listener",
-                    keepalives=1,
-                    keepalives_idle=5,
-                    keepalives_interval=2,
-                    keepalives_count=3,
-                ) as connection:
-                    connection.execute(f"SET ROLE {APPLICATION_ROLE}")
-                    connection.execute(f"SET statement_timeout = {_STATEMENT_TIMEOUT_MS}")
-                    store = MemoryStore(lambda: contextlib.nullcontext(connection))
-                    connection.execute(f"LISTEN {CHANNEL}")
-                    # After LISTEN: every change committed from now on is
-                    # heard, so the caches may keep what they load.
-                    self._cache.listening()
-                    if self._records is not None:
-                        self._records.listening()
-                    self.log.info("Listening for memory changes")
-                    connectedBefore = True
-                    self._drain(connection, store)
-            except (psycopg.Error, StoreUnavailable, _BeatsStopped) as error:
-                self._notListening()
-                if connectedBefore:
-                    self.log.warn(
-                        "Memory change listener lost its database connection ({error});"
-                        " searches read PostgreSQL until it is back",
-                        error=type(error).__name__,
-                    )
-                    connectedBefore = False
-                self._stopping.wait(self._reconnectDelay)
-        self._notListening()
-
-    def _notListening(self) -> None:
+    def _lost(self) -> None:
         self._cache.notListening()
         if self._records is not None:
             self._records.notListening()
@@ -220,7 +173,7 @@ class MemoryListener:
             for nonce in syncs:
                 self._cache.heardSync(nonce)
             if self._monotonic() - lastBack > self._beatTimeout:
-                raise _BeatsStopped(f"no beat came back for {self._beatTimeout}s")
+                raise BeatsStopped(f"no beat came back for {self._beatTimeout}s")
 
     def _apply(self, changes: list[tuple[str, Triple, uuid.UUID]], store: MemoryStore) -> None:
         """

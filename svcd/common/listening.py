@@ -1,0 +1,134 @@
+"""
+The connection loop of a change listener: a thread of its own with its own
+PostgreSQL connection, LISTENing on one channel for as long as the daemon
+runs, made anew whenever the connection fails.
+
+svc-auth's listener (L{svcd.auth.listener}) and svc-memory's
+(L{svcd.memory.listener}) differ in what they load when they connect and
+in what a notification does, and in nothing else: both connect with TCP
+keepalives (a silently dead peer is noticed within about ten seconds),
+read as the role that row-level security applies to, bound every
+statement, LISTEN before loading anything (a change committed from then on
+is announced, and maybe also in the load, never in neither), give up a
+connection whose beats stop coming back (L{BeatsStopped}), and retry
+every C{reconnectDelay} seconds while the database is unreachable. That
+loop is here once; each listener says what it does once connected
+(L{ListeningThread._begin}, L{ListeningThread._drain}) and once not
+(L{ListeningThread._lost}).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import ClassVar, Generic, TypeVar
+
+import psycopg
+from twisted.logger import Logger
+
+# No read of a listener's may hold up its notifications and beats for long.
+STATEMENT_TIMEOUT_MS = 5_000
+
+SessionT = TypeVar("SessionT")
+
+
+class BeatsStopped(Exception):
+    """
+    None of the listener's own beats came back for too long: the
+    connection is presumed dead.
+    """
+
+
+class ListeningThread(Generic[SessionT]):
+    """
+    A listener's thread and connection loop.
+
+    @cvar channel: the channel LISTENed on.
+    @cvar role: the role its reads run as (row-level security's).
+    @cvar applicationName: its connection's name in pg_stat_activity.
+    @cvar threadName: its thread's name.
+    @cvar lostWarning: logged when a working connection is lost, with
+        C{{error}}, the failure's type.
+    @cvar failures: what ends a connection and is retried after
+        C{reconnectDelay}: the database's errors and L{BeatsStopped}, and
+        whatever a listener's store raises when a read fails.
+    """
+
+    log = Logger()
+
+    channel: ClassVar[str]
+    role: ClassVar[str]
+    applicationName: ClassVar[str]
+    threadName: ClassVar[str]
+    lostWarning: ClassVar[str]
+    failures: ClassVar[tuple[type[Exception], ...]] = (psycopg.Error, BeatsStopped)
+
+    def __init__(self, dsn: str, reconnectDelay: float) -> None:
+        self._dsn = dsn
+        self._reconnectDelay = reconnectDelay
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._run, name=self.threadName, daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """
+        Ask the thread to finish and wait for it (blocking; call from a
+        thread or at shutdown).
+        """
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _run(self) -> None:
+        connectedBefore = False
+        while not self._stopping.is_set():
+            try:
+                with psycopg.connect(
+                    self._dsn,
+                    autocommit=True,
+                    connect_timeout=3,
+                    application_name=self.applicationName,
+                    keepalives=1,
+                    keepalives_idle=5,
+                    keepalives_interval=2,
+                    keepalives_count=3,
+                ) as connection:
+                    connection.execute(f"SET ROLE {self.role}")
+                    connection.execute(f"SET statement_timeout = {STATEMENT_TIMEOUT_MS}")
+                    connection.execute(f"LISTEN {self.channel}")
+                    session = self._begin(connection)
+                    connectedBefore = True
+                    self._drain(connection, session)
+            except self.failures as error:
+                self._lost()
+                if connectedBefore:
+                    self.log.warn(self.lostWarning, error=type(error).__name__)
+                    connectedBefore = False
+                self._stopping.wait(self._reconnectDelay)
+        self._lost()
+
+    def _begin(self, connection: psycopg.Connection[object]) -> SessionT:
+        """
+        Listening has begun on C{connection}: load what must be loaded
+        whole, say so, and return what L{_drain} reads with.
+        """
+        raise NotImplementedError
+
+    def _drain(self, connection: psycopg.Connection[object], session: SessionT) -> None:
+        """
+        Beat and apply notifications until C{_stopping} is set (return) or
+        the connection fails (raise one of the errors L{_run} retries
+        after).
+        """
+        raise NotImplementedError
+
+    def _lost(self) -> None:
+        """
+        Not listening (any more, or yet): whatever was trusted because
+        changes were heard must not be any longer.
+        """
+        raise NotImplementedError
