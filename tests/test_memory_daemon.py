@@ -94,6 +94,8 @@ def test_servesOperationsRoutesAndMemoryService(memoryDaemon: Daemon, acme: Tena
         'svc_memory_grpc_requests_total{code="OK",method="Search"} 1.0',
         'svc_memory_search_duration_seconds_count{cache="miss",mode="vector"} 1.0',
         "svc_memory_cache_bytes ",
+        # A vector search builds no text index.
+        "svc_memory_cache_text_bytes 0.0",
         "svc_memory_cache_scopes 1.0",
         "svc_memory_cache_misses_total 1.0",
         "svc_memory_observations_waiting 0.0",

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from svcd.memory.store import CachedRow, ScopeRows, ScopeTexts
 from svcd.memory.text import ScopeText, TextKey, fuse, queryWords, words
-from svcd.memory.vectors import Hit, Ranking, ScopeKey, ScopeVectors, VectorCache
+from svcd.memory.vectors import CacheMetrics, Hit, Ranking, ScopeKey, ScopeVectors, VectorCache
 
 ORG, AGENT = uuid.uuid4(), uuid.uuid4()
 
@@ -230,6 +230,41 @@ def test_theCacheKeepsTheIndexCurrentAndCountsItsBytes() -> None:
     cache.finishLoad(cache.beginLoad(vectorKey), vectors)
     assert cache.lookup(key) is None
     assert cache.lookup(vectorKey) is vectors
+
+
+def test_theCacheReportsTheTextIndexesBytesApart() -> None:
+    """
+    svc_memory_cache_text_bytes: the cache reports, beside its whole size,
+    the part its text indexes hold, kept as they grow and as they leave.
+    """
+    reported: dict[str, int] = {}
+
+    def size(total: int, scopes: int) -> None:
+        reported["total"] = total
+
+    def textSize(total: int) -> None:
+        reported["text"] = total
+
+    cache = VectorCache(
+        maxBytes=10 * 1024 * 1024, metrics=CacheMetrics(size=size, textSize=textSize)
+    )
+    cache.listening()
+    vectorKey = ScopeKey(ORG, AGENT, "", "m", 2)
+    vectors = ScopeVectors.fromRows(2, ScopeRows(b"", [], b""))
+    cache.finishLoad(cache.beginLoad(vectorKey), vectors)
+    assert reported == {"total": vectors.nbytes, "text": 0}
+    key = TextKey(ORG, AGENT, "")
+    index = cache.finishLoad(cache.beginLoad(key), ScopeText.fromRows(textRows([])))
+    before = index.nbytes
+    memoryID = uuid.uuid4()
+    cache.apply([(key.triple, memoryID, cachedRow(memoryID, "green tea and lemon", 1))])
+    assert index.nbytes > before
+    assert reported == {"total": cache.totalBytes, "text": index.nbytes}
+    cachedVectors = cache.lookup(vectorKey)
+    assert cachedVectors is not None
+    assert reported["total"] == index.nbytes + cachedVectors.nbytes
+    cache.notListening()
+    assert reported == {"total": 0, "text": 0}
 
 
 def test_searchesBesideChangesSeeWholeChanges() -> None:

@@ -125,7 +125,13 @@ class MemoryMetrics:
         )
         self.cacheBytes = Gauge(
             "svc_memory_cache_bytes",
-            "Bytes of vectors, ids and times the replica's cache holds",
+            "Bytes the replica's cache holds: vectors, ids and times, and text indexes",
+            registry=registry,
+        )
+        self.cacheTextBytes = Gauge(
+            "svc_memory_cache_text_bytes",
+            "Of svc_memory_cache_bytes, the bytes of text indexes (scopes searched in text"
+            " or hybrid mode)",
             registry=registry,
         )
         self.cacheScopes = Gauge(
@@ -205,6 +211,7 @@ class MemoryMetrics:
             miss=self.cacheMisses.inc,
             evicted=self.cacheEvictions.inc,
             size=size,
+            textSize=self.cacheTextBytes.set,
         )
 
     def recordCacheMetrics(self) -> CacheMetrics:

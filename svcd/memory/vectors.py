@@ -504,11 +504,14 @@ class CacheMetrics:
         miss: Callable[[], None] = lambda: None,
         evicted: Callable[[], None] = lambda: None,
         size: Callable[[int, int], None] = lambda bytes_, scopes: None,
+        textSize: Callable[[int], None] = lambda bytes_: None,
     ) -> None:
         self.hit = hit
         self.miss = miss
         self.evicted = evicted
         self.size = size
+        # Of the size, the bytes of text indexes (L{VectorCache} only).
+        self.textSize = textSize
 
 
 class VectorCache:
@@ -664,7 +667,10 @@ class VectorCache:
             self._metrics.evicted()
 
     def _reportSize(self) -> None:
-        self._metrics.size(sum(self._bytes.values()), len(self._scopes))
+        total = sum(self._bytes.values())
+        vectors = sum(size for key, size in self._bytes.items() if isinstance(key, ScopeKey))
+        self._metrics.size(total, len(self._scopes))
+        self._metrics.textSize(total - vectors)
 
     # A replica's own writes.
 
