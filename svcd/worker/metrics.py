@@ -1,10 +1,8 @@
 """
 The Prometheus series of svc-worker (decisions D13), on a registry of its
 own: what happened to each observation, how long it took, and the
-provider calls, limits and ledger rows behind it (the svc_proxy_* series'
-counterparts, under svc_worker_*: L{svcd.providers.upstream.UpstreamMetrics},
-L{svcd.limits.admission.AdmissionMetrics} and
-L{svcd.ledger.outbox.OutboxMetrics} are Protocols this class meets).
+provider calls, limits and ledger rows behind it (the same series as
+svc-proxy's, under svc_worker_*: L{svcd.providers.metrics}).
 
 Labels are fixed words, provider and model names from the providers file:
 never an org id, an agent id or content.
@@ -16,8 +14,8 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from svcd.common.metrics import Children, processUpGauge
-from svcd.providers.records import Usage
+from svcd.common.metrics import processUpGauge
+from svcd.providers.metrics import ProviderCallMetrics
 
 # What became of a claimed observation: its memories stored (DONE), nothing
 # worth remembering in it (EMPTY), refused by a limit or a budget and
@@ -38,16 +36,17 @@ OUTCOMES = (DONE, EMPTY, DEFERRED, RETRY, FAILED, RELEASED, LOST)
 # An observation takes a provider call or two and a few calls to
 # svc-memory: tens of milliseconds to a minute.
 OBSERVATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-UPSTREAM_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
-class WorkerMetrics:
+class WorkerMetrics(ProviderCallMetrics):
     """
-    Every series svc-worker exports.
+    Every series svc-worker exports: its own, and the provider calls',
+    admission's and ledger rows' under C{svc_worker_}.
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        super().__init__("svc_worker", self.registry, "Provider calls", "the worker claims nothing")
         self.observations = Counter(
             "svc_worker_observations",
             "Claimed observations by what became of them: done, empty (nothing to"
@@ -92,87 +91,7 @@ class WorkerMetrics:
             " the worker claims nothing while it is 0",
             registry=self.registry,
         )
-        self.upstreamRequests = Counter(
-            "svc_worker_upstream_requests",
-            "Requests sent to a provider, by provider, model and status (as"
-            " svc_proxy_upstream_requests_total)",
-            ["provider", "model", "status"],
-            registry=self.registry,
-        )
-        self.upstreamDuration = Histogram(
-            "svc_worker_upstream_duration_seconds",
-            "Time of each request to a provider, to its whole answer",
-            ["provider"],
-            buckets=UPSTREAM_BUCKETS,
-            registry=self.registry,
-        )
-        self.upstreamTokens = Counter(
-            "svc_worker_upstream_tokens",
-            "Tokens the providers counted, by provider, model and kind (prompt or completion)",
-            ["provider", "model", "kind"],
-            registry=self.registry,
-        )
-        self.rateLimited = Counter(
-            "svc_worker_rate_limited",
-            "Provider calls refused by a token limit or a budget (the observation waits)",
-            registry=self.registry,
-        )
-        self.limitRefusals = Counter(
-            "svc_worker_limit_refusals",
-            "Provider calls refused by a limits row or budget, by limit (tokens or budget)"
-            " and scope (org or agent)",
-            ["limit", "scope"],
-            registry=self.registry,
-        )
-        self.tokensReserved = Counter(
-            "svc_worker_tokens_reserved",
-            "Tokens reserved at admission against token limits (decisions D11)",
-            registry=self.registry,
-        )
-        self.tokensSettled = Counter(
-            "svc_worker_tokens_settled",
-            "Tokens the reservations were settled to (decisions D11)",
-            registry=self.registry,
-        )
-        self.reservationOverruns = Counter(
-            "svc_worker_reservation_overruns",
-            "Settlements whose cost passed the budget reservation's worst case",
-            registry=self.registry,
-        )
-        self.ratelimitCircuitOpen = Gauge(
-            "svc_worker_ratelimit_circuit_open",
-            "1 while the limiter skips Redis after a failure (decisions D10), else 0",
-            registry=self.registry,
-        )
-        self.uncheckedAdmissions = Counter(
-            "svc_worker_unchecked_admissions",
-            "Provider calls made without checking a limit or a budget (decisions D12,"
-            " amended), by reason (as svc_proxy_unchecked_admissions_total)",
-            ["reason"],
-            registry=self.registry,
-        )
-        for reason in ("redis_unavailable", "breaker_open", "redis_failed", "spend_unknown"):
-            self.uncheckedAdmissions.labels(reason)
-        self.usageOutboxRows = Gauge(
-            "svc_worker_usage_outbox_rows",
-            "Usage rows waiting until svc-auth has committed them (decisions D12); at"
-            " SVC_USAGE_OUTBOX_MAX the worker claims nothing",
-            registry=self.registry,
-        )
-        self.usageRowsSent = Counter(
-            "svc_worker_usage_rows_sent",
-            "Usage rows svc-auth acknowledged (committed)",
-            registry=self.registry,
-        )
-        self.usageRowsRejected = Counter(
-            "svc_worker_usage_rows_rejected",
-            "Usage rows svc-auth refused for good, set aside in the journal's rejects file,"
-            " by reason (invalid, conflict, other)",
-            ["reason"],
-            registry=self.registry,
-        )
         self.processUp = processUpGauge(self.registry)
-        self._children = Children()
 
     def observed(self, outcome: str, seconds: float) -> None:
         """
@@ -192,21 +111,3 @@ class WorkerMetrics:
 
     def watchFeed(self, live: Callable[[], bool]) -> None:
         self.feedUp.set_function(lambda: 1.0 if live() else 0.0)
-
-    def usageRowRejected(self, reason: str) -> None:
-        self._children.of(self.usageRowsRejected, reason).inc()
-
-    def limitRefusal(self, limit: str, scope: str) -> None:
-        self._children.of(self.limitRefusals, limit, scope).inc()
-
-    def observeUpstream(
-        self, provider: str, model: str, status: str, seconds: float, usage: Usage | None
-    ) -> None:
-        children = self._children
-        children.of(self.upstreamRequests, provider, model, status).inc()
-        children.of(self.upstreamDuration, provider).observe(seconds)
-        if usage is not None:
-            children.of(self.upstreamTokens, provider, model, "prompt").inc(usage.promptTokens)
-            children.of(self.upstreamTokens, provider, model, "completion").inc(
-                usage.completionTokens
-            )
