@@ -43,12 +43,12 @@ held only for dictionary operations: encoding happens before it is taken.
 from __future__ import annotations
 
 import collections
-import threading
 import uuid
 from collections.abc import Iterable, Sequence
 
 import attrs
 
+from svcd.memory.followed import FollowedCache
 from svcd.memory.records import MemoryRecord
 from svcd.memory.vectors import CacheMetrics
 from svcd.memory.wire import encodedMemory
@@ -129,7 +129,7 @@ def _encodedFor(triple: Triple, record: MemoryRecord | None) -> bytes | None:
     return encodedMemory(record)
 
 
-class RecordCache:
+class RecordCache(FollowedCache):
     """
     Scopes' records by organization, agent and subject, at most
     C{maxBytes} of them, least recently searched out first.
@@ -138,12 +138,10 @@ class RecordCache:
     def __init__(self, maxBytes: int, metrics: CacheMetrics | None = None) -> None:
         self.maxBytes = maxBytes
         self._metrics = metrics or CacheMetrics()
-        self._lock = threading.Lock()
+        super().__init__()
         self._scopes: collections.OrderedDict[Triple, ScopeRecords] = collections.OrderedDict()
         self._loads: dict[Triple, list[_Load]] = {}
         self._tooLarge: set[Triple] = set()
-        self._listening = False
-        self._epoch = 0
 
     @property
     def totalBytes(self) -> int:
@@ -154,31 +152,7 @@ class RecordCache:
         with self._lock:
             return len(self._scopes)
 
-    def isListening(self) -> bool:
-        return self._listening
-
-    # The listener's state.
-
-    def listening(self) -> None:
-        """
-        The listener hears every change from now on: cache again, from
-        empty (changes may have been missed before).
-        """
-        with self._lock:
-            self._clear()
-            self._listening = True
-
-    def notListening(self) -> None:
-        """
-        The listener lost PostgreSQL: forget everything and cache nothing
-        until it is back.
-        """
-        with self._lock:
-            self._clear()
-            self._listening = False
-
     def _clear(self) -> None:
-        self._epoch += 1
         self._scopes.clear()
         self._loads.clear()
         self._tooLarge.clear()
@@ -231,7 +205,7 @@ class RecordCache:
             loaded = ScopeRecords(encoded)
             for key, change in load.changes:
                 loaded.put(key, change)
-            if load.epoch != self._epoch or not self._listening:
+            if not self._isCurrent(load.epoch):
                 return loaded.found(keys)
             installed = self._scopes.get(load.triple)
             if installed is not None:

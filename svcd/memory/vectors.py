@@ -58,6 +58,7 @@ import attrs
 import numpy
 import numpy.typing
 
+from svcd.memory.followed import FollowedCache
 from svcd.memory.store import CachedRow, ScopeRows
 
 Floats = numpy.typing.NDArray[numpy.float32]
@@ -514,7 +515,7 @@ class CacheMetrics:
         self.textSize = textSize
 
 
-class VectorCache:
+class VectorCache(FollowedCache):
     """
     Scopes' vectors by L{ScopeKey}, and their text indexes by
     L{svcd.memory.text.TextKey} (decisions D13, "Hybrid search"), at most
@@ -524,13 +525,11 @@ class VectorCache:
     def __init__(self, maxBytes: int, metrics: CacheMetrics | None = None) -> None:
         self.maxBytes = maxBytes
         self._metrics = metrics or CacheMetrics()
-        self._lock = threading.Lock()
+        super().__init__()
         self._scopes: collections.OrderedDict[CacheKey, CachedScope] = collections.OrderedDict()
         self._bytes: dict[CacheKey, int] = {}
         self._byTriple: dict[Triple, set[CacheKey]] = {}
         self._loads: dict[CacheKey, list[_Load]] = {}
-        self._listening = False
-        self._epoch = 0
         self._syncs: dict[str, threading.Event] = {}
 
     @property
@@ -542,31 +541,7 @@ class VectorCache:
         with self._lock:
             return len(self._scopes)
 
-    def isListening(self) -> bool:
-        return self._listening
-
-    # The listener's state.
-
-    def listening(self) -> None:
-        """
-        The listener hears every change from now on: cache again, from
-        empty (changes may have been missed before).
-        """
-        with self._lock:
-            self._clear()
-            self._listening = True
-
-    def notListening(self) -> None:
-        """
-        The listener lost PostgreSQL: forget everything and cache nothing
-        until it is back.
-        """
-        with self._lock:
-            self._clear()
-            self._listening = False
-
     def _clear(self) -> None:
-        self._epoch += 1
         self._scopes.clear()
         self._bytes.clear()
         self._byTriple.clear()
@@ -615,7 +590,7 @@ class VectorCache:
                 if not pending:
                     del self._loads[load.key]
             self._forgetTripleIfUnused(load.key)
-            if load.epoch != self._epoch or not self._listening:
+            if not self._isCurrent(load.epoch):
                 return loaded
             for memoryID, row in load.changes:
                 loaded.applyChange(memoryID, row)
