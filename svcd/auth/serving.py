@@ -2,12 +2,19 @@
 The settings every daemon that serves gRPC reads from its environment
 (svc-auth, svc-memory; decisions D10): its TLS material, the client
 certificates that may call its internal methods, and the rule that
-refuses plaintext on a reachable address in production.
+refuses plaintext on a reachable address in production; and, for both
+since both serve over PostgreSQL, the database, ports, thread bounds and
+timeouts (L{readDatabaseServer}), so that a variable means the same in
+either.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TypedDict
+
+import attrs
+import psycopg
 
 from svcd.auth.callers import BadSubjects, parseSubjects
 from svcd.common import config
@@ -87,3 +94,98 @@ def refusePlaintextInProduction(environment: str, grpcHost: str, tls: ServerTLS 
             "SVC_ENV=production; set SVC_GRPC_TLS_CERT, SVC_GRPC_TLS_KEY and "
             "SVC_GRPC_TLS_CLIENT_CA",
         )
+
+
+class DatabaseServerSettings(TypedDict):
+    """
+    What a daemon serving gRPC over PostgreSQL reads the same way as the
+    other (svc-auth, svc-memory): the fields of its configuration of the
+    same names.
+    """
+
+    postgresDSN: str
+    host: str
+    port: int
+    grpcHost: str
+    grpcPort: int
+    grpcWorkers: int
+    grpcMaxCallsPerPeer: int
+    databasePoolMinimum: int
+    databasePoolMaximum: int
+    statementTimeout: float
+    shutdownTimeout: float
+    environment: str
+    serviceName: str
+    errorDocsBase: str | None
+    tls: ServerTLS | None
+    internalSubjects: frozenset[str] | None
+
+
+@attrs.frozen
+class ServerDefaults:
+    """
+    One daemon's defaults of the settings L{readDatabaseServer} reads.
+
+    @ivar internalCallers: who calls its internal methods, for the error of
+        a missing C{SVC_GRPC_INTERNAL_SUBJECTS}.
+    """
+
+    serviceName: str
+    port: int
+    grpcPort: int
+    grpcWorkers: int
+    grpcMaxCallsPerPeer: int
+    statementTimeout: float
+    internalCallers: str
+
+
+def readDatabaseServer(
+    environ: Mapping[str, str], defaults: ServerDefaults
+) -> DatabaseServerSettings:
+    """
+    Read C{POSTGRES_DSN} (checked as a connection string), the ports and
+    thread bounds, the database pool (its maximum not below its minimum),
+    the statement and shutdown timeouts, the gRPC TLS and internal
+    subjects, refusing plaintext on a reachable address in production.
+    """
+    dsn = config.required(environ, "POSTGRES_DSN")
+    try:
+        psycopg.conninfo.conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError:
+        raise config.ConfigError(
+            "POSTGRES_DSN", "is not a valid PostgreSQL connection string"
+        ) from None
+    environment = config.choice(
+        environ, "SVC_ENV", "development", ("development", "staging", "production")
+    )
+    grpcHost = config.text(environ, "SVC_GRPC_HOST", "127.0.0.1")
+    tls = serverTLS(environ)
+    internalSubjects = readInternalSubjects(environ, tls, defaults.internalCallers)
+    refusePlaintextInProduction(environment, grpcHost, tls)
+    minimum = config.positiveInteger(environ, "SVC_DB_POOL_MIN", 2)
+    maximum = config.positiveInteger(environ, "SVC_DB_POOL_MAX", 10)
+    if maximum < minimum:
+        raise config.ConfigError("SVC_DB_POOL_MAX", "must not be below SVC_DB_POOL_MIN")
+    return DatabaseServerSettings(
+        postgresDSN=dsn,
+        host=config.text(environ, "SVC_HOST", "0.0.0.0"),
+        port=config.port(environ, "SVC_PORT", defaults.port),
+        grpcHost=grpcHost,
+        grpcPort=config.port(environ, "SVC_GRPC_PORT", defaults.grpcPort),
+        grpcWorkers=config.positiveInteger(environ, "SVC_GRPC_WORKERS", defaults.grpcWorkers),
+        grpcMaxCallsPerPeer=config.positiveInteger(
+            environ, "SVC_GRPC_MAX_CALLS_PER_PEER", defaults.grpcMaxCallsPerPeer
+        ),
+        databasePoolMinimum=minimum,
+        databasePoolMaximum=maximum,
+        statementTimeout=config.duration(
+            environ, "SVC_DB_STATEMENT_TIMEOUT", defaults.statementTimeout
+        ),
+        shutdownTimeout=config.duration(environ, "SVC_SHUTDOWN_TIMEOUT", 10.0),
+        environment=environment,
+        serviceName=config.text(environ, "SVC_SERVICE_NAME", defaults.serviceName)
+        or defaults.serviceName,
+        errorDocsBase=config.text(environ, "SVC_ERROR_DOCS_BASE", "") or None,
+        tls=tls,
+        internalSubjects=internalSubjects,
+    )

@@ -9,9 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import attrs
-import psycopg
 
-from svcd.auth.serving import readInternalSubjects, refusePlaintextInProduction, serverTLS
+from svcd.auth.serving import ServerDefaults, readDatabaseServer
 from svcd.common import config
 from svcd.common.grpcserver import ServerTLS
 
@@ -64,43 +63,19 @@ class MemoryConfig:
 
     @classmethod
     def fromEnvironment(cls, environ: Mapping[str, str]) -> "MemoryConfig":
-        dsn = config.required(environ, "POSTGRES_DSN")
-        try:
-            psycopg.conninfo.conninfo_to_dict(dsn)
-        except psycopg.ProgrammingError:
-            raise config.ConfigError(
-                "POSTGRES_DSN", "is not a valid PostgreSQL connection string"
-            ) from None
-        environment = config.choice(
-            environ, "SVC_ENV", "development", ("development", "staging", "production")
-        )
-        grpcHost = config.text(environ, "SVC_GRPC_HOST", "127.0.0.1")
-        tls = serverTLS(environ)
-        internalSubjects = readInternalSubjects(
-            environ, tls, "MemoryService, such as the proxies' and the workers'"
-        )
-        refusePlaintextInProduction(environment, grpcHost, tls)
-        minimum = config.positiveInteger(environ, "SVC_DB_POOL_MIN", 2)
-        maximum = config.positiveInteger(environ, "SVC_DB_POOL_MAX", 10)
-        if maximum < minimum:
-            raise config.ConfigError("SVC_DB_POOL_MAX", "must not be below SVC_DB_POOL_MIN")
         return cls(
-            postgresDSN=dsn,
-            host=config.text(environ, "SVC_HOST", "0.0.0.0"),
-            port=config.port(environ, "SVC_PORT", 8082),
-            grpcHost=grpcHost,
-            grpcPort=config.port(environ, "SVC_GRPC_PORT", 9092),
-            grpcWorkers=config.positiveInteger(environ, "SVC_GRPC_WORKERS", 32),
-            grpcMaxCallsPerPeer=config.positiveInteger(environ, "SVC_GRPC_MAX_CALLS_PER_PEER", 16),
-            databasePoolMinimum=minimum,
-            databasePoolMaximum=maximum,
-            statementTimeout=config.duration(environ, "SVC_DB_STATEMENT_TIMEOUT", 5.0),
-            shutdownTimeout=config.duration(environ, "SVC_SHUTDOWN_TIMEOUT", 10.0),
-            environment=environment,
-            serviceName=config.text(environ, "SVC_SERVICE_NAME", "svc-memory") or "svc-memory",
-            errorDocsBase=config.text(environ, "SVC_ERROR_DOCS_BASE", "") or None,
-            tls=tls,
-            internalSubjects=internalSubjects,
+            **readDatabaseServer(
+                environ,
+                ServerDefaults(
+                    serviceName="svc-memory",
+                    port=8082,
+                    grpcPort=9092,
+                    grpcWorkers=32,
+                    grpcMaxCallsPerPeer=16,
+                    statementTimeout=5.0,
+                    internalCallers="MemoryService, such as the proxies' and the workers'",
+                ),
+            ),
             maxPerScope=config.positiveInteger(
                 environ, "SVC_MEMORY_MAX_PER_SCOPE", DEFAULT_MAX_PER_SCOPE
             ),
