@@ -128,6 +128,26 @@ class GatewayRun:
         lines = self.stderr.read_text(errors="replace").splitlines()
         return [line for line in lines if line.startswith(PREFIX)]
 
+    def report(self, lastLines: int = 40) -> str:
+        """
+        What a failed start shows: dev/gateway's own lines, then the last
+        C{lastLines} of everything else it and its daemons wrote (the
+        reason a daemon exited before it was ready is there, and gone with
+        the test's temporary directory).
+        """
+        stdout = self.stdout.read_text(errors="replace").splitlines()
+        stderr = self.stderr.read_text(errors="replace").splitlines()
+        others = [line for line in stderr if not line.startswith(PREFIX)]
+        return "\n".join(
+            [
+                *self.ourLines(),
+                f"--- the last {lastLines} lines of stdout:",
+                *stdout[-lastLines:],
+                f"--- the last {lastLines} other lines of stderr:",
+                *others[-lastLines:],
+            ]
+        )
+
     def waitForAnnouncement(self) -> list[str]:
         """
         Wait until the run has printed what to try, and return its stdout's
@@ -142,8 +162,8 @@ class GatewayRun:
             if ANNOUNCED in text:
                 return text.splitlines()
             status = self.process.poll()
-            assert status is None, f"dev/gateway exited with {status}: {self.ourLines()}"
-            assert time.monotonic() < deadline, f"no announcement: {self.ourLines()}"
+            assert status is None, f"dev/gateway exited with {status}:\n{self.report()}"
+            assert time.monotonic() < deadline, f"no announcement:\n{self.report()}"
             time.sleep(0.1)
 
     def printedCommands(self) -> list[str]:
