@@ -14,7 +14,7 @@ import struct
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import pytest
@@ -34,8 +34,9 @@ from svcd.providers.embedder import (
     decodeVectors,
     reserveTexts,
 )
+from svcd.providers.records import UpstreamRecord, Usage
 from svcd.providers.table import ProviderTable, providersFromEnvironment
-from svcd.providers.upstream import Forwarder
+from svcd.providers.upstream import Answer, Forwarder
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.testing import MemoryCounters, MemoryLedger
 from svcd.testing.upstream import DEFAULT_EMBEDDING_DIMENSIONS, ScriptedUpstream, embeddingOf
@@ -371,3 +372,64 @@ def test_unusableVectorsAreTheProvidersFault(data: list[dict[str, Any]]) -> None
     with pytest.raises(ApiError) as raised:
         decodeVectors(answer(data), 2)
     assert raised.value.code is ErrorCode.UPSTREAM_ERROR
+
+
+@attrs.define
+class AnswersWithoutVectors:
+    """
+    A forwarder whose provider answers 200 with a document that holds no
+    vectors (an error object under a 200, as a broken provider or proxy
+    sends), with or without its usage.
+    """
+
+    usage: Usage | None
+    forwarded: int = 0
+
+    def forward(
+        self,
+        document: Any,
+        attempts: Any,
+        requestID: str,
+        client: Any,
+        errorEvent: Any,
+        record: UpstreamRecord,
+        **named: Any,
+    ) -> Any:
+        record.usage = self.usage
+        record.model = "embed"
+        self.forwarded += 1
+        body = b'{"error": {"message": "overloaded"}}'
+        return succeed(Answer(200, body, document=json.loads(body)))
+
+
+@pytest.mark.parametrize("usage", [None, Usage(promptTokens=4, completionTokens=0)])
+@pytest_twisted.ensureDeferred
+async def test_anAnswerWithoutVectorsIsRecordedAsTheProvidersFault(
+    harness: Harness, usage: Usage | None
+) -> None:
+    """
+    A 200 without vectors is 502 UPSTREAM_ERROR, and its row says
+    upstream_error (as a recall's charge reads it): with no usage the
+    reservation is released and the row counts nothing; with usage, what
+    the provider counted.
+    """
+    from twisted.internet import reactor
+
+    texts = ["the cat sat"]
+    reservation, ledgerID = await harness.reserve(texts)
+    forwarder = AnswersWithoutVectors(usage)
+    embedder = Embedder(
+        harness.providers, cast(Forwarder, forwarder), harness.admission, harness.ledger, reactor
+    )
+    with pytest.raises(ApiError) as raised:
+        await embedder.embed(
+            harness.providers.models["embed"],
+            texts,
+            call(ledgerID=ledgerID),
+            reservation=reservation,
+        )
+    assert raised.value.code is ErrorCode.UPSTREAM_ERROR and forwarder.forwarded == 1
+    counted = 0 if usage is None else usage.promptTokens
+    await waitFor(lambda: harness.tokensCounted() == counted)
+    [row] = harness.ledger.rows
+    assert (row.outcome, row.prompt_tokens, row.ledger_id) == ("upstream_error", counted, ledgerID)

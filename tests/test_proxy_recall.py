@@ -11,11 +11,13 @@ import json
 import uuid
 from typing import Any, cast
 
+import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import Clock
+from twisted.logger import ILogObserver, formatEvent, globalLogPublisher
 from twisted.web.test.requesthelper import DummyRequest
 
 from svcd.common.errors import ApiError
@@ -469,6 +471,55 @@ def test_recallOutOfTimeCancelsItsCall(stage: str) -> None:
     else:
         assert memory.cancelled
         assert recall.charge == (5, PRICE.cost(5, 0, 0))
+
+
+def test_theSearchHasWhatTheEmbeddingLeftOfTheDeadline() -> None:
+    """
+    The deadline on the gRPC search is what the embedding left of the one
+    they share (SVC_MEMORY_TIMEOUT, 0.3 s here), so that grpcio ends the
+    call when the recall's time is up.
+    """
+    recaller, embedder, memory, clock, _ = _recaller()
+    plan = recaller.plan(_request(), ORG, AGENT, QUESTION, False)
+    assert plan is not None
+    Deferred.fromCoroutine(
+        recaller.recall(Recall(plan), QUESTION, EmbeddingCall(ORG, AGENT, None, "r"), False)
+    )
+    clock.advance(0.2)
+    embedder.answer.callback(Embedded("embed", (b"\0" * 8,), 3))
+    [(_, kwargs)] = memory.searches
+    assert kwargs["timeout"] == pytest.approx(0.1)
+
+
+def test_noUsableEmbeddingModelIsAFailureLogged() -> None:
+    """
+    A plan without an embedding model the organization may use (not
+    offered to it, or unpriced under its budget): unavailable, counted
+    error, and one info line naming the error, never the question.
+    """
+    recaller, embedder, memory, _, metrics = _recaller()
+    plan = recaller.plan(_request(), ORG, AGENT, QUESTION, False)
+    assert plan is not None
+    recall = Recall(attrs.evolve(plan, model=None))
+    events: list[dict[str, Any]] = []
+    observer = cast(ILogObserver, events.append)
+    globalLogPublisher.addObserver(observer)
+    try:
+        done = Deferred.fromCoroutine(
+            recaller.recall(recall, QUESTION, EmbeddingCall(ORG, AGENT, None, "r"), False)
+        )
+    finally:
+        globalLogPublisher.removeObserver(observer)
+    assert done.result is None
+    assert (recall.outcome, recall.header, metrics.outcomes) == (
+        RECALL_ERROR,
+        b"unavailable",
+        [RECALL_ERROR],
+    )
+    assert embedder.calls == [] and memory.searches == []
+    [line] = [formatEvent(event) for event in events if event.get("error_type")]
+    assert "NoEmbeddingModel" in line and "what tea" not in line
+    assert all("what tea" not in json.dumps(event, default=repr) for event in events)
 
 
 def test_recallFaultIsNoFault() -> None:

@@ -334,6 +334,9 @@ class Embedder:
                 record,
                 operation=EMBEDDINGS,
             )
+            # An answer without its vectors is the provider's fault, and
+            # its row says so (a caller's charge reads the same outcome).
+            vectors = vectorsOf(answer.document, len(texts))
         except ApiError:
             outcome = UPSTREAM_ERROR
             raise
@@ -358,7 +361,7 @@ class Embedder:
         usage = record.usage
         return Embedded(
             record.model or model.name,
-            vectorsOf(answer.document, len(texts)),
+            vectors,
             usage.promptTokens if usage is not None else None,
         )
 

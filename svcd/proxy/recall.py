@@ -41,6 +41,7 @@ from twisted.internet.defer import CancelledError, Deferred, TimeoutError
 from twisted.logger import Logger
 
 from svcd.common.clocks import Clock, asReactorTime
+from svcd.common.deferreds import timeoutDeferred
 from svcd.common.errors import ApiError
 from svcd.ledger.rows import CLIENT_GONE, OK, UPSTREAM_ERROR
 from svcd.limits.book import Applicable, LimitBook
@@ -62,6 +63,10 @@ RECALL_EMPTY = "empty"
 RECALL_TIMEOUT = "timeout"
 RECALL_ERROR = "error"
 RECALL_OUTCOMES = (RECALL_OK, RECALL_EMPTY, RECALL_TIMEOUT, RECALL_ERROR)
+
+# The shortest deadline a search is sent with, when the embedding took
+# (nearly) all of the recall's: the recall's own timer ends it anyway.
+_LEAST_CALL_SECONDS = 0.001
 
 # Decisions D13: the query is at most the first 8,000 characters of the
 # last user message's text.
@@ -403,20 +408,32 @@ class Recaller:
         if model is None and plan.mode != TEXT:
             recall.count, recall.outcome = None, RECALL_ERROR
             self._metrics.memoryRecall(RECALL_ERROR)
+            self.log.info(
+                "Recall failed ({error_type}: the organization may not use the embedding"
+                " model, or it has no price and the organization a budget); the request"
+                " goes on without memories",
+                error_type="NoEmbeddingModel",
+                org_id=call.orgID,
+                request_id=call.parentRequestID,
+            )
             return None
         started = self._clock.seconds()
         record = UpstreamRecord()
         embedOutcome: list[str] = []
         work = Deferred.fromCoroutine(
-            self._search(plan, query, model, call, budgeted, record, embedOutcome)
+            self._search(plan, query, model, call, budgeted, record, embedOutcome, started)
         )
-        # One deadline for both calls: when it passes, the call in flight
-        # is cancelled (the embedding's forward, or the gRPC search).
-        work.addTimeout(self._timeout, asReactorTime(self._clock))
-        contents: Sequence[str] = ()
+        contents: list[str] = []
         try:
-            contents = await work
+            # One deadline for both calls: when it passes, the call in
+            # flight is cancelled (the embedding's forward, or the gRPC
+            # search). After one more poll of the sockets: an answer that
+            # came in time but was not read yet is not a timeout.
+            contents = await timeoutDeferred(work, self._timeout, asReactorTime(self._clock))
         except TimeoutError:
+            # Cancelled now rather than after this returns, so that the
+            # charge below reads how the embedding's row ended.
+            work.cancel()
             recall.outcome = RECALL_TIMEOUT
         except CancelledError:
             raise
@@ -461,6 +478,7 @@ class Recaller:
         budgeted: bool,
         record: UpstreamRecord,
         embedOutcome: list[str],
+        started: float,
     ) -> list[str]:
         embedding: Embedding | None = None
         if plan.embeds and model is not None:
@@ -483,7 +501,10 @@ class Recaller:
             config.recallK,
             # D13: min_score is a cosine similarity, for vector mode only.
             config.minScore if plan.mode == VECTOR else None,
-            timeout=self._timeout,
+            # The deadline on the call itself is what the embedding left of
+            # the one both share: grpcio ends the call then, whatever the
+            # reactor is doing.
+            timeout=max(self._timeout - (self._clock.seconds() - started), _LEAST_CALL_SECONDS),
             mode=plan.mode,
             text=query,
         )
