@@ -237,3 +237,135 @@ def test_theLoopCutsAnObservationWhoseLeaseWasLost() -> None:
     stopped = loop.stop(1.0)
     clock.advance(1.0)
     assert stopped.called
+
+
+@attrs.define
+class ClaimAnsweredLater(ScriptedMemory):
+    """
+    svc-memory whose first claim answers only when the test says (or is
+    cancelled, recorded).
+    """
+
+    claim: Deferred[Any] | None = None
+    claimCancelled: bool = False
+
+    def claimObservations(self, *arguments: Any) -> Deferred[Any]:
+        self.calls.append(("claim", arguments))
+        if self.claim is None:
+
+            def cancelled(_: object) -> None:
+                self.claimCancelled = True
+
+            self.claim = Deferred(cancelled)
+            return self.claim
+        return succeed(memory_pb2.ClaimObservationsResponse())
+
+
+def fired(deferred: Deferred[Any]) -> bool:
+    return deferred.called
+
+
+def cancelled(memory: ClaimAnsweredLater) -> bool:
+    return memory.claimCancelled
+
+
+def loopOf(memory: ScriptedMemory, clock: Clock) -> ObservationLoop:
+    return ObservationLoop(
+        memory,  # type: ignore[arg-type]
+        SlowProcessor(),  # type: ignore[arg-type]
+        WorkerMetrics(),
+        clock,
+        "worker-1",
+        lease=30.0,
+        maxAttempts=3,
+        concurrency=4,
+        pollInterval=1.0,
+        ready=lambda: True,
+    )
+
+
+def test_aStopLetsAClaimUnderWayEndAndHandsBackWhatItLeased() -> None:
+    """
+    SIGTERM while a claim is under way: the claim is not cancelled (svc-
+    memory leases what it claims whatever the worker does); once it
+    answers, what it leased is released at once, never processed, and the
+    stop ends without waiting for any lease to run out.
+    """
+    clock = Clock()
+    memory = ClaimAnsweredLater()
+    loop = loopOf(memory, clock)
+    loop.start()
+    assert memory.claim is not None
+    stopped = loop.stop(10.0)
+    clock.advance(1.0)
+    assert not fired(stopped) and not memory.claimCancelled
+    memory.claim.callback(
+        memory_pb2.ClaimObservationsResponse(
+            observations=[
+                memory_pb2.ClaimedObservation(
+                    id="obs-1",
+                    scope=memory_pb2.Scope(org_id=ORG, agent_id=AGENT),
+                    request_id="req-1",
+                    lease_token=TOKEN,
+                )
+            ]
+        )
+    )
+    assert [arguments[1] for arguments in memory.named("release")] == ["obs-1"]
+    assert stopped.called and loop.inHand == 0
+    assert len(memory.named("claim")) == 1
+
+
+def test_aStopCancelsAClaimThatTakesHalfItsTime() -> None:
+    """
+    A claim not answered within half the stop's time is cancelled (what it
+    may have leased returns when its lease ends) and the stop ends then.
+    """
+    clock = Clock()
+    memory = ClaimAnsweredLater()
+    loop = loopOf(memory, clock)
+    loop.start()
+    stopped = loop.stop(10.0)
+    clock.advance(4.9)
+    assert not fired(stopped) and not cancelled(memory)
+    clock.advance(0.1)
+    assert cancelled(memory) and stopped.called
+    assert memory.named("release") == []
+
+
+def test_aStopReleasesWhatDidNotFinishWithinItsTime() -> None:
+    """
+    Observations in hand get half the stop's time to finish, then are
+    cancelled and released; a release not answered by the end of the
+    stop's time is given up (it returns when its lease ends), so the stop
+    never outlasts its time.
+    """
+    clock = Clock()
+
+    @attrs.define
+    class ReleaseNeverAnswered(ScriptedMemory):
+        def releaseObservation(self, *arguments: Any) -> Deferred[Any]:
+            self.calls.append(("release", arguments))
+            return Deferred()
+
+    memory = ReleaseNeverAnswered()
+    memory.claimable = [
+        memory_pb2.ClaimedObservation(
+            id=f"obs-{n}",
+            scope=memory_pb2.Scope(org_id=ORG, agent_id=AGENT),
+            request_id=f"req-{n}",
+            lease_token=TOKEN,
+        )
+        for n in range(2)
+    ]
+    loop = loopOf(memory, clock)
+    loop.start()
+    assert loop.inHand == 2
+    stopped = loop.stop(10.0)
+    clock.advance(4.9)
+    assert memory.named("release") == []
+    clock.advance(0.1)
+    assert sorted(arguments[1] for arguments in memory.named("release")) == ["obs-0", "obs-1"]
+    assert not fired(stopped)
+    clock.advance(5.0)
+    assert stopped.called

@@ -147,5 +147,7 @@ def test_backoffAndOwners() -> None:
     two workers of one host never share a lease owner's name.
     """
     assert [backoff(n) for n in (1, 2, 3, 4, 9, 10, 50)] == [1, 2, 4, 8, 256, 300, 300]
+    # SVC_WORKER_MAX_ATTEMPTS has no upper bound: 2**1024 is no float.
+    assert backoff(1025) == backoff(10**6) == 300
     assert leaseOwner("svc-worker") != leaseOwner("svc-worker")
     assert len(leaseOwner("x" * 300)) <= 200

@@ -25,9 +25,11 @@ not be finished.
     counted; a L{FailedAttempt} waits 1 s doubled per attempt, at most
     5 min, and is kept as failed at C{maxAttempts} (or at once when no
     attempt can mend it).
-  - L{ObservationLoop.stop} (SIGTERM) claims nothing more, lets what is in
-    hand finish for half the time it is given, then cancels the rest and
-    releases it, due at once and with no attempt counted.
+  - L{ObservationLoop.stop} (SIGTERM) claims nothing more, lets a claim
+    under way end (what it leased is handed back at once) and what is in
+    hand finish, for half the time it is given, then cancels the rest and
+    releases it, due at once and with no attempt counted, within the rest
+    of that time.
 """
 
 from __future__ import annotations
@@ -71,7 +73,9 @@ def backoff(attempts: int) -> float:
     The wait after an observation's C{attempts}-th failed attempt: 1 s,
     2 s, 4 s ... at most 5 min.
     """
-    return min(FIRST_BACKOFF * float(2 ** max(attempts - 1, 0)), LAST_BACKOFF)
+    # 2**9 s is past the last already: a larger power is never needed
+    # (and 2**1024 is no float).
+    return min(FIRST_BACKOFF * float(2 ** min(max(attempts - 1, 0), 16)), LAST_BACKOFF)
 
 
 def leaseOwner(serviceName: str) -> str:
@@ -240,7 +244,10 @@ class ObservationLoop:
             work.cancel()
         self._inHand[identifier] = work
         handling = Deferred.fromCoroutine(self._finish(observation, lease, work, began))
-        self._handling[identifier] = handling
+        if not handling.called:
+            # Ended already when its release was answered (or failed) at
+            # once: then _finish has counted it and it is in hand no more.
+            self._handling[identifier] = handling
 
     def _cut(self, observationID: str) -> None:
         """
@@ -310,7 +317,7 @@ class ObservationLoop:
         finally:
             lease.stop()
             del self._inHand[observation.observationID]
-            del self._handling[observation.observationID]
+            self._handling.pop(observation.observationID, None)
             self._metrics.observed(outcome, time.perf_counter() - began)
             self.log.debug(
                 "Observation {observation_id} {outcome}",
@@ -378,37 +385,63 @@ class ObservationLoop:
 
     def stop(self, timeout: float) -> Deferred[None]:
         """
-        Claim nothing more; let the observations in hand finish for half of
-        C{timeout}, then cancel and release the rest.
+        Claim nothing more; let a claim under way end (what it leased is
+        handed back at once) and the observations in hand finish, for half
+        of C{timeout}; then cancel the rest and release them, for what is
+        left of C{timeout}.
 
-        @return: fires once every observation is completed or released
-            (or its release failed).
+        @return: fires once every observation is completed or released (or
+            its release failed, or the time is up: what is still leased then
+            returns when its lease ends).
         """
         self._running = False
-        if self._claiming is not None:
-            self._claiming.cancel()
         self._wakeUp()
-        return Deferred.fromCoroutine(self._stop(seconds=timeout))
+        return Deferred.fromCoroutine(self._stop(timeout))
 
     async def _stop(self, seconds: float) -> None:
+        clock = asReactorTime(self._clock)
+        began = self._clock.seconds()
+
+        def left(until: float) -> float:
+            return max(until - (self._clock.seconds() - began), 0.0)
+
         if self._done is not None:
-            await self._done
+            # A claim under way leases its observations in svc-memory
+            # whatever is done here: the loop hands them back once it
+            # answers. Cancelled only when it takes the whole time (what
+            # it leased then returns when its lease ends).
+            try:
+                await timeoutDeferred(self._done, seconds / 2, clock)
+            except TimeoutError:
+                self.log.warn(
+                    "Stopping: a claim of observations was not answered in time; what it"
+                    " leased returns when its lease ends"
+                )
         if not self._handling:
             return
+        finishing = left(seconds / 2)
         self.log.info(
             "Stopping: {count} observation(s) in hand get {seconds} s to finish",
             count=len(self._handling),
-            seconds=round(seconds / 2, 3),
+            seconds=round(finishing, 3),
         )
         emptied: Deferred[None] = Deferred()
         self._emptied = emptied
         try:
-            await timeoutDeferred(emptied, seconds / 2, asReactorTime(self._clock))
+            await timeoutDeferred(emptied, finishing, clock)
             return
         except TimeoutError:
             self._emptied = None
-        left = list(self._inHand.values())
-        self.log.info("Releasing {count} unfinished observation(s)", count=len(left))
-        for work in left:
+        unfinished = list(self._inHand.values())
+        self.log.info("Releasing {count} unfinished observation(s)", count=len(unfinished))
+        for work in unfinished:
             work.cancel()
-        await DeferredList(list(self._handling.values()), consumeErrors=True)
+        releasing = DeferredList(list(self._handling.values()), consumeErrors=True)
+        try:
+            await timeoutDeferred(releasing, left(seconds), clock)
+        except TimeoutError:
+            self.log.warn(
+                "Stopping: {count} observation(s) not released in time; they return when"
+                " their leases end",
+                count=len(self._handling),
+            )
