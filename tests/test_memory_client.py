@@ -449,3 +449,41 @@ def test_aBoundNeedsAClock() -> None:
 
     with pytest.raises(ValueError):
         MemoryClient(lambda: None, IReactorFromThreads(reactor), maxInFlight=1)
+
+
+@pytest_twisted.ensureDeferred
+async def test_aCallerNotAdmittedIsUnavailableNotForbidden(acme: Tenant) -> None:
+    """
+    svc-memory's PERMISSION_DENIED to a client certificate it does not
+    admit (SVC_GRPC_INTERNAL_SUBJECTS) refuses no memory: the deployment's
+    fault, L{MemoryUnavailable} (the proxy's 503), not L{MemoryForbidden}
+    (its 403, "not this agent's"), which only svc-memory's own refusal of
+    another tenant's memory is.
+    """
+    from svcd.auth.callers import DENIED_DETAILS
+
+    def denied(request: bytes, context: grpc.ServicerContext) -> bytes:
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, DENIED_DETAILS)
+        raise AssertionError("abort returned")
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "svc.memory.v1.MemoryService",
+                {"GetMemory": grpc.unary_unary_rpc_method_handler(denied)},
+            ),
+        )
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    client = clientOf(f"127.0.0.1:{port}")
+    try:
+        with pytest.raises(MemoryUnavailable) as raised:
+            await client.getMemory(scopeOf(acme), "018f0000-0000-7000-8000-000000000000")
+        assert raised.value.code == grpc.StatusCode.PERMISSION_DENIED
+        assert raised.value.details == DENIED_DETAILS
+        assert not isinstance(raised.value, MemoryForbidden)
+    finally:
+        client.close()
+        server.stop(0).wait(5)

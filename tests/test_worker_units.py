@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -151,3 +152,78 @@ def test_backoffAndOwners() -> None:
     assert backoff(1025) == backoff(10**6) == 300
     assert leaseOwner("svc-worker") != leaseOwner("svc-worker")
     assert len(leaseOwner("x" * 300)) <= 200
+
+
+@pytest.mark.parametrize("extracts", [True, False])
+def test_aWaitAfterAPaidExtractionCountsAnAttempt(tmp_path: Path, extracts: bool) -> None:
+    """
+    A wait met after the extraction was paid (the embedding refused by a
+    tpm that held the extraction, say) counts an attempt, waiting at least
+    the refusal's Retry-After: the next attempt pays the extraction again,
+    so a refusal that always comes ends at SVC_WORKER_MAX_ATTEMPTS. Without
+    an extraction model (nothing paid before the embedding) it stays a
+    wait that counts nothing.
+    """
+    from twisted.internet.defer import Deferred, succeed
+    from twisted.internet.task import Clock
+    from twisted.python.failure import Failure
+
+    from svcd.providers.table import providersFromEnvironment
+    from svcd.worker.metrics import WorkerMetrics
+    from svcd.worker.processor import Deferral, FailedAttempt, Observation, ObservationProcessor
+
+    memory = '[memory]\nembedding_model = "embed"\n'
+    if extracts:
+        memory += 'extraction_model = "chat"\n'
+    providers = providersFromEnvironment(
+        {"SVC_PROVIDERS_FILE": environment(tmp_path, memory)["SVC_PROVIDERS_FILE"]}, lambda: 0.0
+    )
+    assert providers is not None
+
+    class Admission:
+        def applicable(self, orgID: str, agentID: str) -> object:
+            return None
+
+    class Lease:
+        def hold(self) -> Deferred[None]:
+            return succeed(None)
+
+    parts: Any = (None, providers, None, None, Admission(), None, WorkerMetrics(), Clock())
+    processor = ObservationProcessor("worker-1", *parts)
+    extracted: list[str] = []
+
+    async def extract(*_: object) -> list[str]:
+        extracted.append("paid")
+        return ["The user likes green tea."]
+
+    async def embed(*_: object) -> object:
+        raise Deferral(42.0, "RATE_LIMITED: tokens per minute")
+
+    patched: Any = processor
+    patched._extract, patched._embed = extract, embed
+    observation = Observation(
+        "obs-1",
+        "0190c0de-0000-7000-8000-000000000001",
+        "0190c0de-0000-7000-8000-000000000002",
+        "",
+        "req-1",
+        (Turn("user", "I like green tea."),),
+        0,
+        "token",
+    )
+    failures: list[BaseException | None] = []
+
+    def kept(failure: Failure) -> None:
+        failures.append(failure.value)
+
+    lease: Any = Lease()
+    Deferred.fromCoroutine(processor.process(observation, lease)).addErrback(kept)
+    [raised] = failures
+    if extracts:
+        assert extracted == ["paid"]
+        assert isinstance(raised, FailedAttempt) and not raised.final
+        assert raised.retryAfter == 42.0
+        assert raised.reason == "after its paid extraction: RATE_LIMITED: tokens per minute"
+    else:
+        assert extracted == []
+        assert isinstance(raised, Deferral) and raised.retryAfter == 42.0

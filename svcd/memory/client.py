@@ -31,7 +31,7 @@ from twisted.logger import Logger
 
 from svcd.common.grpcdefer import deferredFromFuture
 from svcd.common.tracing import traceMetadata
-from svcd.memory.records import Embedding, Scope
+from svcd.memory.records import FORBIDDEN_DETAILS, Embedding, Scope
 from svcd.pb.memory.v1 import memory_pb2
 
 _SERVICE = "/svc.memory.v1.MemoryService/"
@@ -96,7 +96,8 @@ class MemoryInvalid(MemoryCallFailed):
 class MemoryUnavailable(MemoryCallFailed):
     """
     No answer: unreachable, past the deadline, overloaded, or its database
-    down (503 SERVICE_DEGRADED).
+    down, or this client's certificate not admitted as an internal caller
+    (503 SERVICE_DEGRADED: the deployment's fault, never the caller's).
     """
 
 
@@ -115,6 +116,10 @@ def failureOf(error: BaseException) -> MemoryCallFailed:
     if isinstance(error, grpc.Call):
         code = error.code()
         details = error.details() or ""
+        if code is grpc.StatusCode.PERMISSION_DENIED and details != FORBIDDEN_DETAILS:
+            # svc-memory did not admit this client's certificate
+            # (SVC_GRPC_INTERNAL_SUBJECTS): no memory was refused.
+            return MemoryUnavailable(code, details)
         return _FAILURES.get(code, MemoryUnavailable)(code, details)
     return MemoryUnavailable(None, type(error).__name__)
 

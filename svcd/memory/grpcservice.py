@@ -42,6 +42,7 @@ from svcd.common.errors import rfc3339
 from svcd.common.grpcserver import HostedGrpcServer, ServerTLS, buildGrpcServer
 from svcd.common.metrics import BUCKETS, Children
 from svcd.memory.records import (
+    FORBIDDEN_DETAILS,
     MAX_REASON_CHARACTERS,
     Embedding,
     InvalidMemory,
@@ -335,10 +336,7 @@ class MemoryServicer:
             except MemoryNotFound:
                 code, details = grpc.StatusCode.NOT_FOUND, "no such id"
             except MemoryForbidden:
-                code, details = (
-                    grpc.StatusCode.PERMISSION_DENIED,
-                    "the id belongs to another organization, agent or subject",
-                )
+                code, details = grpc.StatusCode.PERMISSION_DENIED, FORBIDDEN_DETAILS
             except ScopeFull:
                 code, details = grpc.StatusCode.FAILED_PRECONDITION, SCOPE_FULL
             except StoreRejected:

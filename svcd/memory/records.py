@@ -37,6 +37,11 @@ MAX_OBSERVED_MESSAGE_BYTES = 16 * 1024
 OBSERVED_ROLES = ("user", "assistant")
 # Where a memory came from: a caller of the API, or svc-worker.
 API = "api"
+
+# The details of svc-memory's PERMISSION_DENIED for a memory of another
+# organization, agent or subject: how its clients tell that refusal (403)
+# from a caller's certificate not admitted (a fault of the deployment).
+FORBIDDEN_DETAILS = "the id belongs to another organization, agent or subject"
 EXTRACTED = "extracted"
 SOURCES = (API, EXTRACTED)
 MAX_REASON_CHARACTERS = 500

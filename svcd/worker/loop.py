@@ -332,11 +332,17 @@ class ObservationLoop:
                 emptied.callback(None)
 
     async def _failed(
-        self, observation: Observation, lease: ObservationLease, reason: str, final: bool
+        self,
+        observation: Observation,
+        lease: ObservationLease,
+        reason: str,
+        final: bool,
+        retryAfter: float = 0.0,
     ) -> str:
         attempts = observation.attempts + 1
         failed = final or attempts >= self._maxAttempts
-        await self._release(observation, lease, backoff(attempts), True, failed, reason)
+        wait = max(backoff(attempts), retryAfter)
+        await self._release(observation, lease, wait, True, failed, reason)
         if failed:
             self.log.warn(
                 "Observation {observation_id} failed after {attempts} attempt(s): {reason}",

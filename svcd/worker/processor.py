@@ -26,8 +26,9 @@ parent is the observation's request id.
 How an observation can end other than completed is an exception of this
 module, which the loop (L{svcd.worker.loop}) turns into svc-memory's
 release: L{Deferral} (a limit's or a budget's refusal, a full ledger,
-svc-memory unreachable: waits, no attempt counted) or L{FailedAttempt}
-(counted, backed off, kept as failed after the last).
+svc-memory unreachable: waits, no attempt counted; after a paid
+extraction, a L{FailedAttempt} that waits at least as long) or
+L{FailedAttempt} (counted, backed off, kept as failed after the last).
 
 At least once, never twice: each step may run again after a crash (the
 lease runs out and another claim takes the observation). Extraction and
@@ -107,10 +108,13 @@ class FailedAttempt(Exception):
     @ivar reason: for operators (svcctl memory jobs); never content.
     """
 
-    def __init__(self, reason: str, final: bool = False) -> None:
+    def __init__(self, reason: str, final: bool = False, retryAfter: float = 0.0) -> None:
         super().__init__(reason)
         self.reason = reason
         self.final = final
+        # At least this long before the next attempt (a refusal's
+        # Retry-After), whatever the backoff.
+        self.retryAfter = retryAfter
 
 
 @attrs.frozen
@@ -249,17 +253,28 @@ class ObservationProcessor:
             memories = [text] if text else []
         else:
             memories = await self._extract(observation, extraction, applicable)
-        embeddings: list[Embedding] = []
-        if memories:
-            await lease.hold()
-            embedded = await self._embed(observation, memories, applicable)
-            embeddings = [Embedding(embedded.model, vector) for vector in embedded.vectors]
-        return await self._store(
-            observation,
-            lease,
-            list(zip(memories, embeddings, strict=True)),
-            DONE if memories else EMPTY,
-        )
+        try:
+            embeddings: list[Embedding] = []
+            if memories:
+                await lease.hold()
+                embedded = await self._embed(observation, memories, applicable)
+                embeddings = [Embedding(embedded.model, vector) for vector in embedded.vectors]
+            return await self._store(
+                observation,
+                lease,
+                list(zip(memories, embeddings, strict=True)),
+                DONE if memories else EMPTY,
+            )
+        except Deferral as deferral:
+            if extraction is None:
+                raise
+            # The extraction is paid, and the next attempt pays it again:
+            # counted, so that a wait that keeps coming after it (a tpm
+            # that holds the extraction but never its embedding as well)
+            # ends at SVC_WORKER_MAX_ATTEMPTS instead of paying forever.
+            raise FailedAttempt(
+                f"after its paid extraction: {deferral.reason}", retryAfter=deferral.retryAfter
+            ) from None
 
     # The provider calls.
 
