@@ -57,7 +57,10 @@ setup(
         "grpcio-health-checking>=1.85.1",
         "grpcio-reflection>=1.85.1",
         "protobuf>=7.35.1,<8",
-        "psycopg[binary]>=3.2",
+        # 3.2.4: notifications that arrive while the connection runs a
+        # query are kept for notifies() (psycopg #962); svc-auth's and
+        # svc-memory's listeners query between their reads of them.
+        "psycopg[binary]>=3.2.4",
         "psycopg-pool>=3.2",
         "argon2-cffi>=23.1",
         "prometheus-client>=0.20",

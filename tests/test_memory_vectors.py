@@ -119,6 +119,29 @@ def test_tiesAreNewestFirst() -> None:
     assert [hit.memoryID for hit in hits] == [ids[1], ids[3], ids[0]]
 
 
+def test_equalVectorsTieWhereverTheySit() -> None:
+    """
+    The very same 768-dimension vector at several places of a scope (the
+    same content stored again) scores the same bits at each, and the
+    copies come newest first: BLAS's product alone scores a row a few
+    ulps apart depending on its place.
+    """
+    generator = numpy.random.default_rng(7)
+    for size in (3, 5, 7, 1001):
+        vectors = generator.standard_normal((size, 768)).tolist()
+        same = generator.standard_normal(768).tolist()
+        places = sorted(generator.choice(size, size=3, replace=False).tolist())
+        for place in places:
+            vectors[place] = same
+        created = list(range(size))
+        created[places[0]], created[places[2]] = size + 2, size + 1
+        rows, ids = rowsOf(vectors, created)
+        scope = ScopeVectors.fromRows(768, rows)
+        hits = scope.search(normalised(vectorBytes(same)), 3)
+        assert [hit.memoryID for hit in hits] == [ids[places[0]], ids[places[2]], ids[places[1]]]
+        assert len({hit.score for hit in hits}) == 1
+
+
 def test_minScoreLeavesOutWorseMemories() -> None:
     """
     With a minimum score, memories scoring below it are not returned,
@@ -143,8 +166,9 @@ def test_theRankingIsTheOrderOfEveryLiveRow(
     minScore: float | None,
 ) -> None:
     """
-    rank() against the plainest model of its contract, at the same float32
-    scores: every live row's (score, created, id) in descending order,
+    rank() against the plainest model of its contract, at the same scores
+    (each row's exact float64 products with the query, summed along the
+    row): every live row's (score, created, id) in descending order,
     those below min_score left out, the first k. Removed (dead) rows never
     rank, however few live ones remain; ties at the k-th score, which
     integer components make common, go to the newest, then the highest id.
@@ -155,7 +179,8 @@ def test_theRankingIsTheOrderOfEveryLiveRow(
     gone = {ids[each] for each in removed if each < len(ids)}
     scope.remove(gone)
     unit = normalised(vectorBytes(query))
-    scores = (scope._view.matrix[: scope._view.count] @ unit).tolist()
+    matrix = scope._view.matrix[: scope._view.count].astype(numpy.float64)
+    scores = (matrix * unit.astype(numpy.float64)).sum(axis=1).tolist()
     live = [
         (scores[row], moment, memoryID.int)
         for row, (moment, memoryID) in enumerate(zip(created, ids, strict=True))
@@ -301,6 +326,26 @@ def test_changesHeardDuringALoadAreApplied() -> None:
     assert [hit.memoryID for hit in scope.search(query, 5)] == [late, ids[1]]
     cache.apply([(triple, ids[1], row(ids[1], [1.0, 0.0, 0.0], model="other"))])
     assert [hit.memoryID for hit in scope.search(query, 5)] == [late]
+
+
+def test_twoLoadsOfOneScopeAreNeverMistakenForEachOther() -> None:
+    """
+    Two searches that miss one scope at once begin two loads that look
+    alike (same key, same epoch, no change yet); the second given up must
+    take its own token away, not the first's: a delete heard after still
+    reaches the first load, which then never installs the deleted row.
+    """
+    cache = VectorCache(maxBytes=10**9)
+    cache.listening()
+    first = cache.beginLoad(key())
+    second = cache.beginLoad(key())
+    cache.abandonLoad(second)
+    rows, ids = rowsOf([[1.0, 0.0], [0.0, 1.0]])
+    cache.apply([((ORG, AGENT, ""), ids[0], None)])
+    scope = cache.finishLoad(first, ScopeVectors.fromRows(2, rows))
+    query = normalised(vectorBytes([1.0, 0.0]))
+    assert [hit.memoryID for hit in scope.search(query, 5)] == [ids[1]]
+    assert cache.lookup(key()) is scope
 
 
 def test_nothingIsCachedWhileNotListening() -> None:

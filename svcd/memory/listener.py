@@ -170,8 +170,8 @@ class MemoryListener(ListeningThread[MemoryStore]):
             if changes:
                 self._apply(changes, store)
             # After the changes heard before them, which are applied now.
-            for nonce in syncs:
-                self._cache.heardSync(nonce)
+            for sync in syncs:
+                self._cache.heardSync(sync)
             if self._monotonic() - lastBack > self._beatTimeout:
                 raise BeatsStopped(f"no beat came back for {self._beatTimeout}s")
 

@@ -73,6 +73,11 @@ ROW_EXTRA_BYTES = 8 + 8 + 8 + 1
 Triple = tuple[uuid.UUID, uuid.UUID, str]
 
 _NEVER = numpy.float32(-numpy.inf)
+# How far apart, per dimension, the float32 products of two unit vectors
+# with a query may rank them wrongly: each is within about n * 2**-24 of
+# its exact value (float32's unit roundoff, any order of summation), so
+# two are within twice that of their exact order; 2**-22 leaves room.
+_PRODUCT_ROUNDING = 2.0**-22
 
 
 class CacheKey(Protocol):
@@ -342,21 +347,29 @@ class ScopeVectors:
         # view that counts it is published, and this view may be older.
         scores = numpy.where(view.alive[:count], scores, _NEVER)
         if count > k:
-            # The k-th largest score; every row at or above it is a
-            # candidate, so that ties at the edge are broken by age,
-            # never by position.
+            # The k-th largest score; every row within the product's
+            # rounding of it is a candidate: BLAS sums a row in an order
+            # that depends on where the row sits (the same vector scores a
+            # few ulps apart at two places), so the candidates are scored
+            # again below, the same way wherever they sit.
             threshold = numpy.partition(scores, count - k)[count - k]
-            candidates = numpy.flatnonzero(scores >= threshold)
+            margin = query.shape[0] * _PRODUCT_ROUNDING
+            candidates = numpy.flatnonzero((scores >= threshold - margin) & view.alive[:count])
         else:
-            candidates = numpy.arange(count)
+            candidates = numpy.flatnonzero(view.alive[:count])
+        # Each candidate's score from its exact float64 products summed
+        # along its row (numpy's pairwise sum: an order that depends on
+        # the row's length alone), so that one vector scores the same bits
+        # at any place, in any scope and on any replica, and equal vectors
+        # tie exactly (ties come newest first).
+        exact = (matrix[candidates].astype(numpy.float64) * query.astype(numpy.float64)).sum(axis=1)
         # The few candidates (k, unless scores tie at the edge) ordered in
         # Python, which for a dozen rows is quicker than numpy's sorts and
         # their fancy indexing: best first, then newest, then by id, all
-        # descending. A score as a Python float is the float32's exact
-        # value, so order and ties are the float32s'.
+        # descending.
         rows = sorted(
             zip(
-                scores[candidates].tolist(),
+                exact.tolist(),
                 view.created[candidates].tolist(),
                 view.high[candidates].tolist(),
                 view.low[candidates].tolist(),
@@ -367,7 +380,7 @@ class ScopeVectors:
         # The k best, then those at or above the floor: the same as the k
         # best of those at or above it.
         floor = -math.inf if minScore is None else float(numpy.float32(minScore))
-        kept = [row for row in rows if row[0] >= floor and row[0] != -math.inf]
+        kept = [row for row in rows if row[0] >= floor]
         return Ranking(
             [(high << 64) | low for _, _, high, low in kept],
             [score for score, _, _, _ in kept],
@@ -481,11 +494,13 @@ def parallelProduct(
     return product
 
 
-@attrs.define
+@attrs.define(eq=False)
 class _Load:
     """
     A load of one scope key in progress: the changes heard meanwhile, to
-    apply to what it read before it is installed.
+    apply to what it read before it is installed. Compared by identity:
+    two loads of one key begun at once are equal in value, and the one
+    given up must leave the other in place.
     """
 
     key: CacheKey
