@@ -200,8 +200,9 @@ OBSERVATION_JOURNAL_MAGIC = MEMORY_JOURNAL_MAGIC
 # KiB; 10,000 of them bound what a proxy holds while svc-memory is away.
 OBSERVATION_OUTBOX_MAX = 10_000
 # Observations per QueueObservations call: svc-memory commits a batch in
-# one transaction, and a batch must stay under gRPC's 4 MB message limit
-# even with observations cut to their bound (2 x 16 KiB each in practice).
+# one transaction, and a batch must stay under svc-memory's 64 MiB receive
+# limit even with every observation at its bound (50 x 64 x 16 KiB, some
+# 52 MiB; a few KiB each in practice).
 OBSERVATION_BATCH = 50
 
 
