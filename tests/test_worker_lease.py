@@ -10,12 +10,13 @@ tests/test_worker_daemon.py.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import pytest
 from twisted.internet.defer import CancelledError, Deferred, fail, succeed
 from twisted.internet.task import Clock
+from twisted.logger import ILogObserver, LogLevel, formatEvent, globalLogPublisher
 
 from svcd.memory.client import MemoryNotFound, MemoryUnavailable
 from svcd.pb.memory.v1 import memory_pb2
@@ -369,3 +370,47 @@ def test_aStopReleasesWhatDidNotFinishWithinItsTime() -> None:
     assert not fired(stopped)
     clock.advance(5.0)
     assert stopped.called
+
+
+def test_aReleaseOfAnObservationNoLongerQueuedIsNoWarning() -> None:
+    """
+    Handing back an observation svc-memory no longer holds (stored by a
+    call whose answer came after the stop's time, or dropped meanwhile)
+    is said as such at info, not warned as a release that failed.
+    """
+    clock = Clock()
+
+    @attrs.define
+    class AlreadyGone(ScriptedMemory):
+        def releaseObservation(self, *arguments: Any) -> Deferred[Any]:
+            self.calls.append(("release", arguments))
+            return fail(MemoryNotFound(None, "no such id"))
+
+    memory = AlreadyGone()
+    memory.claimable = [
+        memory_pb2.ClaimedObservation(
+            id="obs-1",
+            scope=memory_pb2.Scope(org_id=ORG, agent_id=AGENT),
+            request_id="req-1",
+            lease_token=TOKEN,
+        )
+    ]
+    events: list[dict[str, Any]] = []
+    observer = cast(ILogObserver, events.append)
+    globalLogPublisher.addObserver(observer)
+    try:
+        loop = loopOf(memory, clock)
+        loop.start()
+        stopped = loop.stop(2.0)
+        clock.advance(1.0)
+        assert stopped.called and loop.inHand == 0
+    finally:
+        globalLogPublisher.removeObserver(observer)
+    lines = [
+        event
+        for event in events
+        if event.get("observation_id") == "obs-1" and event["log_level"] > LogLevel.debug
+    ]
+    assert [(line["log_level"], "no longer queued" in formatEvent(line)) for line in lines] == [
+        (LogLevel.info, True)
+    ]

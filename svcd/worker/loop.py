@@ -48,7 +48,7 @@ from svcd.common.clocks import Clock, asReactorTime
 from svcd.common.deferreds import timeoutDeferred
 from svcd.common.ids import uuid7Text
 from svcd.common.logthrottle import ThrottledWarning
-from svcd.memory.client import MemoryCallFailed, MemoryClient
+from svcd.memory.client import MemoryCallFailed, MemoryClient, MemoryNotFound
 from svcd.worker.config import MAX_CLAIM
 from svcd.worker.lease import LeaseLost, LeaseUnrenewable, ObservationLease
 from svcd.worker.metrics import DEFERRED, FAILED, LOST, RELEASED, RETRY, WorkerMetrics
@@ -377,6 +377,15 @@ class ObservationLoop:
                 failed,
                 reason[:500],
                 lease.token,
+            )
+        except MemoryNotFound:
+            # Gone from the queue: completed after all (a store committed
+            # whose answer came too late), or dropped or purged meanwhile.
+            self.log.info(
+                "Observation {observation_id} was no longer queued when it was handed back"
+                " (stored by a call whose answer came late, or dropped meanwhile)",
+                observation_id=observation.observationID,
+                org_id=observation.orgID,
             )
         except MemoryCallFailed as error:
             self.log.warn(
