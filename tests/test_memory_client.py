@@ -7,10 +7,12 @@ cancellation against a server that never answers, and the worker's queue.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
+from typing import Any
 
 import attrs
 import grpc
@@ -138,6 +140,30 @@ class HungServer:
     entered: threading.Event
 
 
+@contextlib.contextmanager
+def oneMethodServer(method: str, behaviour: Any) -> Iterator[str]:
+    """
+    A grpcio server on a free loopback port answering MemoryService's
+    C{method} with C{behaviour}, as a misbehaving svc-memory would; its
+    address.
+    """
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "svc.memory.v1.MemoryService",
+                {method: grpc.unary_unary_rpc_method_handler(behaviour)},
+            ),
+        )
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(0).wait(5)
+
+
 @pytest.fixture
 def hungServer() -> Iterator[HungServer]:
     entered = threading.Event()
@@ -148,22 +174,11 @@ def hungServer() -> Iterator[HungServer]:
         release.wait(30)
         return b""
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    server.add_generic_rpc_handlers(
-        (
-            grpc.method_handlers_generic_handler(
-                "svc.memory.v1.MemoryService",
-                {"GetMemory": grpc.unary_unary_rpc_method_handler(hang)},
-            ),
-        )
-    )
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        yield HungServer(f"127.0.0.1:{port}", entered)
-    finally:
-        release.set()
-        server.stop(0).wait(5)
+    with oneMethodServer("GetMemory", hang) as address:
+        try:
+            yield HungServer(address, entered)
+        finally:
+            release.set()
 
 
 @pytest.fixture
@@ -177,21 +192,8 @@ def slowServer() -> Iterator[str]:
         time.sleep(2.0)
         return b""
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    server.add_generic_rpc_handlers(
-        (
-            grpc.method_handlers_generic_handler(
-                "svc.memory.v1.MemoryService",
-                {"Search": grpc.unary_unary_rpc_method_handler(slowly)},
-            ),
-        )
-    )
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        server.stop(0).wait(5)
+    with oneMethodServer("Search", slowly) as address:
+        yield address
 
 
 @pytest_twisted.ensureDeferred
@@ -466,24 +468,13 @@ async def test_aCallerNotAdmittedIsUnavailableNotForbidden(acme: Tenant) -> None
         context.abort(grpc.StatusCode.PERMISSION_DENIED, DENIED_DETAILS)
         raise AssertionError("abort returned")
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    server.add_generic_rpc_handlers(
-        (
-            grpc.method_handlers_generic_handler(
-                "svc.memory.v1.MemoryService",
-                {"GetMemory": grpc.unary_unary_rpc_method_handler(denied)},
-            ),
-        )
-    )
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    client = clientOf(f"127.0.0.1:{port}")
-    try:
-        with pytest.raises(MemoryUnavailable) as raised:
-            await client.getMemory(scopeOf(acme), "018f0000-0000-7000-8000-000000000000")
-        assert raised.value.code == grpc.StatusCode.PERMISSION_DENIED
-        assert raised.value.details == DENIED_DETAILS
-        assert not isinstance(raised.value, MemoryForbidden)
-    finally:
-        client.close()
-        server.stop(0).wait(5)
+    with oneMethodServer("GetMemory", denied) as address:
+        client = clientOf(address)
+        try:
+            with pytest.raises(MemoryUnavailable) as raised:
+                await client.getMemory(scopeOf(acme), "018f0000-0000-7000-8000-000000000000")
+            assert raised.value.code == grpc.StatusCode.PERMISSION_DENIED
+            assert raised.value.details == DENIED_DETAILS
+            assert not isinstance(raised.value, MemoryForbidden)
+        finally:
+            client.close()

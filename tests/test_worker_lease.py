@@ -62,6 +62,18 @@ class ScriptedMemory:
         return [arguments for called, arguments in self.calls if called == name]
 
 
+def claimed(observationID: str, requestID: str) -> memory_pb2.ClaimedObservation:
+    """
+    An observation of the test's agent as svc-memory's claim answers it.
+    """
+    return memory_pb2.ClaimedObservation(
+        id=observationID,
+        scope=memory_pb2.Scope(org_id=ORG, agent_id=AGENT),
+        request_id=requestID,
+        lease_token=TOKEN,
+    )
+
+
 def leaseOf(memory: ScriptedMemory, clock: Clock, **callbacks: Any) -> ObservationLease:
     return ObservationLease(
         memory,  # type: ignore[arg-type]
@@ -202,14 +214,7 @@ def test_theLoopCutsAnObservationWhoseLeaseWasLost() -> None:
     """
     clock = Clock()
     memory = ScriptedMemory(renewals=[True] * 5 + [False])
-    memory.claimable = [
-        memory_pb2.ClaimedObservation(
-            id="obs-1",
-            scope=memory_pb2.Scope(org_id=ORG, agent_id=AGENT),
-            request_id="req-1",
-            lease_token=TOKEN,
-        )
-    ]
+    memory.claimable = [claimed("obs-1", "req-1")]
     processor = SlowProcessor()
     metrics = WorkerMetrics()
     loop = ObservationLoop(
@@ -301,16 +306,7 @@ def test_aStopLetsAClaimUnderWayEndAndHandsBackWhatItLeased() -> None:
     clock.advance(1.0)
     assert not fired(stopped) and not memory.claimCancelled
     memory.claim.callback(
-        memory_pb2.ClaimObservationsResponse(
-            observations=[
-                memory_pb2.ClaimedObservation(
-                    id="obs-1",
-                    scope=memory_pb2.Scope(org_id=ORG, agent_id=AGENT),
-                    request_id="req-1",
-                    lease_token=TOKEN,
-                )
-            ]
-        )
+        memory_pb2.ClaimObservationsResponse(observations=[claimed("obs-1", "req-1")])
     )
     assert [arguments[1] for arguments in memory.named("release")] == ["obs-1"]
     assert stopped.called and loop.inHand == 0
@@ -350,15 +346,7 @@ def test_aStopReleasesWhatDidNotFinishWithinItsTime() -> None:
             return Deferred()
 
     memory = ReleaseNeverAnswered()
-    memory.claimable = [
-        memory_pb2.ClaimedObservation(
-            id=f"obs-{n}",
-            scope=memory_pb2.Scope(org_id=ORG, agent_id=AGENT),
-            request_id=f"req-{n}",
-            lease_token=TOKEN,
-        )
-        for n in range(2)
-    ]
+    memory.claimable = [claimed(f"obs-{n}", f"req-{n}") for n in range(2)]
     loop = loopOf(memory, clock)
     loop.start()
     assert loop.inHand == 2
@@ -387,14 +375,7 @@ def test_aReleaseOfAnObservationNoLongerQueuedIsNoWarning() -> None:
             return fail(MemoryNotFound(None, "no such id"))
 
     memory = AlreadyGone()
-    memory.claimable = [
-        memory_pb2.ClaimedObservation(
-            id="obs-1",
-            scope=memory_pb2.Scope(org_id=ORG, agent_id=AGENT),
-            request_id="req-1",
-            lease_token=TOKEN,
-        )
-    ]
+    memory.claimable = [claimed("obs-1", "req-1")]
     events: list[dict[str, Any]] = []
     observer = cast(ILogObserver, events.append)
     globalLogPublisher.addObserver(observer)
