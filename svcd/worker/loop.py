@@ -38,7 +38,6 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from typing import Any
 
 from twisted.internet.defer import CancelledError, Deferred, DeferredList, TimeoutError
 from twisted.internet.interfaces import IDelayedCall
@@ -125,7 +124,6 @@ class ObservationLoop:
         self._startedAt = 0.0
         self._wake: Deferred[None] | None = None
         self._sleep: IDelayedCall | None = None
-        self._claiming: Deferred[Any] | None = None
         self._done: Deferred[None] | None = None
         # Observations in hand: the Deferred of each one's processing.
         self._inHand: dict[str, Deferred[str]] = {}
@@ -181,9 +179,8 @@ class ObservationLoop:
         return not self._running
 
     async def _claim(self, limit: int) -> list[Observation]:
-        self._claiming = self._memory.claimObservations(self.owner, limit, self._lease)
         try:
-            answer = await self._claiming
+            answer = await self._memory.claimObservations(self.owner, limit, self._lease)
         except CancelledError:
             return []
         except MemoryCallFailed as error:
@@ -193,8 +190,6 @@ class ObservationLoop:
                 error=str(error),
             )
             return []
-        finally:
-            self._claiming = None
         self.lastClaimError = ""
         return [Observation.fromClaim(each) for each in answer.observations]
 
