@@ -159,7 +159,15 @@ def main() -> int:
         default="vector",
         help="search modes to time, in order: vector, text, hybrid (comma-separated)",
     )
+    parser.add_argument(
+        "--memory-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="for svc-memory, e.g. SVC_MEMORY_PARALLEL_ROWS=8192 (repeatable)",
+    )
     arguments = parser.parse_args()
+    memoryEnv = dict(each.split("=", 1) for each in arguments.memory_env)
     sizes = [int(each) for each in arguments.sizes.split(",")]
     modes = arguments.modes.split(",")
     rows: list[dict[str, object]] = []
@@ -194,7 +202,9 @@ def main() -> int:
             cacheMB = max(64, sum(sizes) * DIMENSIONS * 4 * 12 // 10 // 2**20 + 64)
             daemon = Daemon(
                 "svc-memory",
-                memoryEnvironment(dsn, SVC_LOG_LEVEL="WARN", SVC_MEMORY_CACHE_MB=str(cacheMB)),
+                memoryEnvironment(
+                    dsn, SVC_LOG_LEVEL="WARN", SVC_MEMORY_CACHE_MB=str(cacheMB), **memoryEnv
+                ),
                 workdir / "memory.log",
             ).start()
             try:

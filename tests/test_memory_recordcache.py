@@ -503,7 +503,7 @@ def test_theCacheOfRecordsAndTheSplitAreConfigured() -> None:
     """
     base = {"POSTGRES_DSN": "host=127.0.0.1"}
     defaults = MemoryConfig.fromEnvironment(base)
-    assert (defaults.recordCacheBytes, defaults.parallelRows) == (128 * 2**20, 32_768)
+    assert (defaults.recordCacheBytes, defaults.parallelRows) == (128 * 2**20, 2_048)
     chosen = MemoryConfig.fromEnvironment(
         {**base, "SVC_MEMORY_RECORD_CACHE_MB": "3", "SVC_MEMORY_PARALLEL_ROWS": "0"}
     )

@@ -24,8 +24,13 @@ DEFAULT_CACHE_MB = 512
 # cache of vectors holds unless contents average over about 400 characters.
 DEFAULT_RECORD_CACHE_MB = 128
 # From how many memories a search's product is split over the cores
-# (svcd/memory/search.py); 0: never.
-DEFAULT_PARALLEL_ROWS = 32_768
+# (svcd/memory/search.py); 0: never. Between two gRPC calls the core's
+# caches hold other work, so a search reads its matrix from memory: from
+# about 6 MB (2,048 rows of 768 dimensions, beyond a core's L2 here) two
+# cores read it faster than one even counting the hand-off (bench/README,
+# eighteenth round: 3,000 rows 1.55 against 1.9 ms p50; 1,000 rows no
+# faster split).
+DEFAULT_PARALLEL_ROWS = 2_048
 DEFAULT_DONE_RETENTION = 3600.0
 
 

@@ -23,6 +23,7 @@ from prometheus_client import Histogram
 from twisted.logger import Logger
 
 from svcd.common.metrics import Children
+from svcd.memory.config import DEFAULT_PARALLEL_ROWS
 from svcd.memory.recordcache import RecordCache
 from svcd.memory.records import Embedding, Query, Scope
 from svcd.memory.store import MemoryStore
@@ -43,11 +44,6 @@ VECTOR = "vector"
 TEXT = "text"
 HYBRID = "hybrid"
 MODES = (VECTOR, TEXT, HYBRID)
-
-# From about this many memories a search's product is split over the
-# cores: below it, one thread reads the matrix faster than threads can be
-# handed its blocks (measured: 10,000 x 768 takes about 1 ms alone).
-PARALLEL_ROWS = 32_768
 
 
 class Searcher:
@@ -72,7 +68,7 @@ class Searcher:
         cache: VectorCache,
         searchSeconds: Histogram | None = None,
         workers: int | None = None,
-        parallelRows: int = PARALLEL_ROWS,
+        parallelRows: int = DEFAULT_PARALLEL_ROWS,
         records: RecordCache | None = None,
         recordLoads: Executor | None = None,
     ) -> None:
