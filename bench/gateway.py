@@ -1177,8 +1177,10 @@ def main() -> int:
                             )
                         )
             recallsBefore = _recalls(stack, workerCounts)
+            # The 1-connection pass with the first --workers count: the
+            # only proxies started when that count is not 1.
             latency = {
-                row: _measure(stack, row, 1, 1, arguments.duration, arguments.warmup)
+                row: _measure(stack, row, 1, workerCounts[0], arguments.duration, arguments.warmup)
                 for row in (*_FORWARDING, *_RECALLED)
                 if row in rows
             }
