@@ -1,5 +1,5 @@
 """
-What one unary grpcio call costs a busy Twisted reactor, made three ways:
+What one unary grpcio call costs a busy Twisted reactor, made four ways:
 
     python bench/grpc_calls.py [--work-us 600] [--in-flight 32] [--seconds 5]
         [--rounds 2]
@@ -14,6 +14,10 @@ What one unary grpcio call costs a busy Twisted reactor, made three ways:
     workers  blocking calls (stub(...)) on as many threads as calls in
              flight, fed from a queue, their outcomes handed back with
              callFromThread: no completion thread at all
+    aio      grpc.aio's call on Twisted's asyncio reactor (the only reactor
+             grpc.aio runs on), awaited as a Deferred (Deferred.fromFuture):
+             grpcio's events reach the loop through a socket, and no Python
+             runs on grpcio's threads
 
 Starts a trivial grpcio server (an echo of 3,000 bytes, the size of a
 768-dimension query) in a process of its own, then, for each way in turn,
@@ -43,7 +47,7 @@ import grpc
 
 SERVICE = "bench.Echo"
 PAYLOAD_BYTES = 3_000
-WAYS = ("future", "held", "workers")
+WAYS = ("future", "held", "workers", "aio")
 
 
 def serve(port: int) -> None:
@@ -69,9 +73,18 @@ def serve(port: int) -> None:
 
 
 def client(port: int, way: str, inFlight: int, seconds: float, workSeconds: float) -> None:
-    from twisted.internet import epollreactor
+    if way == "aio":
+        import asyncio
 
-    epollreactor.install()
+        from twisted.internet import asyncioreactor
+
+        eventLoop = asyncio.new_event_loop()
+        asyncio.set_event_loop(eventLoop)
+        asyncioreactor.install(eventLoop)
+    else:
+        from twisted.internet import epollreactor
+
+        epollreactor.install()
     from twisted.internet import reactor
     from twisted.internet.defer import Deferred
 
@@ -103,7 +116,13 @@ def client(port: int, way: str, inFlight: int, seconds: float, workSeconds: floa
         else:
             answer.callback(future.result())
 
+    if way == "aio":
+        aioChannel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        aioEcho = aioChannel.unary_unary(f"/{SERVICE}/Echo", _registered_method=True)
+
     def call() -> Deferred[bytes]:
+        if way == "aio":
+            return Deferred.fromFuture(asyncio.ensure_future(aioEcho(payload, timeout=5.0)))
         answer: Deferred[bytes] = Deferred()
         if way == "workers":
             asked.put(answer)
