@@ -108,6 +108,7 @@ def _auth() -> AuthConfig:
         ("SVC_REDIS_TIMEOUT", lambda: _proxy().redisTimeout),
         ("SVC_USAGE_OUTBOX_MAX", lambda: _proxy().usageOutboxMax),
         ("SVC_MEMORY_OUTBOX_MAX", lambda: _proxy().memoryOutboxMax),
+        ("SVC_MEMORY_OUTBOX_MB", lambda: _proxy().memoryOutboxBytes // 2**20),
         ("SVC_ENV", lambda: _proxy().environment),
         ("SVC_ENV", lambda: _auth().environment),
         ("SVC_GRPC_HOST", lambda: _auth().grpcHost),

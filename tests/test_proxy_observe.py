@@ -244,6 +244,79 @@ def test_journal_keeps_unacknowledged_observations(tmp_path: Path) -> None:
         UsageJournal(path).open()
 
 
+def test_outbox_holds_at_most_its_bytes(tmp_path: Path) -> None:
+    """
+    Beside its count, the outbox bounds the bytes it holds
+    (SVC_MEMORY_OUTBOX_MB): an observation's size ranges from a few
+    hundred bytes to about 1 MiB, so a count alone would let a proxy hold
+    some 10 GiB while svc-memory is away. Past the bound it has no room
+    (the observer then drops new observations, counted C{full}); an
+    acknowledgement makes room again; observations the journal gives back
+    at a start count as they did before the stop.
+    """
+    path = str(tmp_path / "memory.journal")
+    clock = Clock()
+    queue = FakeQueue()
+    registry = CollectorRegistry()
+    big = made("r-big", "x" * 6_000)
+    small = made("r-small")
+    outbox = observationOutbox(
+        queue, clock, ObservationOutboxMetrics(registry), journalPath=path, maxBytes=10_000
+    )
+    outbox.start()
+    outbox.record(big)
+    assert outbox.hasRoom()
+    outbox.record(small)
+    held = big.ByteSize() + small.ByteSize()
+    assert outbox.waitingBytes == held
+    assert registry.get_sample_value("svc_proxy_memory_observations_outbox_bytes") == held
+    outbox.record(made("r-over", "y" * 6_000))
+    assert not outbox.hasRoom()
+    assert outbox.waiting == 3
+    outbox.close()
+    restarted = observationOutbox(
+        FakeQueue(),
+        Clock(),
+        ObservationOutboxMetrics(CollectorRegistry()),
+        journalPath=path,
+        maxBytes=10_000,
+    )
+    restarted.start()
+    assert (restarted.waiting, restarted.hasRoom()) == (3, False)
+    assert restarted.waitingBytes == held + made("r-over", "y" * 6_000).ByteSize()
+    restarted.close()
+    fresh = observationOutbox(
+        queue, clock, ObservationOutboxMetrics(CollectorRegistry()), maxBytes=10_000
+    )
+    fresh.start()
+    fresh.record(big)
+    fresh.record(made("r-2", "z" * 6_000))
+    assert not fresh.hasRoom()
+    clock.advance(1)
+    queue.acknowledge()
+    assert (fresh.waiting, fresh.waitingBytes, fresh.hasRoom()) == (0, 0, True)
+
+
+def test_a_full_outbox_of_bytes_drops_the_observation_not_the_answer() -> None:
+    """
+    Through the observer: once the outbox holds its bytes, the next
+    observation is dropped, counted C{full}; the one before was recorded.
+    """
+    queue = FakeQueue()
+    outbox = observationOutbox(
+        queue, Clock(), ObservationOutboxMetrics(CollectorRegistry()), maxBytes=5_000
+    )
+    outbox.start()
+    making, registry = observer(cast(Outbox, outbox))
+    planned = making.plan(request(), ORG, AGENT, stream=False)
+    assert planned is not None
+    long = [{"role": "user", "content": "w" * 6_000}]
+    making.record(planned, ORG, AGENT, "r-1", long, ANSWER)
+    making.record(planned, ORG, AGENT, "r-2", long, ANSWER)
+    assert [observedCount(registry, each) for each in ("recorded", "full")] == [1, 1]
+    assert outbox.waiting == 1
+
+
 def test_rejected_observation_is_logged_without_content() -> None:
     """
     An observation svc-memory refuses for good (INVALID_ARGUMENT alone in
@@ -545,6 +618,14 @@ def test_journals_of_the_two_kinds_are_never_confused(tmp_path: Path) -> None:
     )
     assert (taken.usageJournal, taken.memoryJournal) == (str(usageJournal), str(memoryJournal))
     assert taken.memoryOutboxMax == 10_000
+    assert taken.memoryOutboxBytes == 128 * 2**20
+    assert (
+        ProxyConfig.fromEnvironment({**base, "SVC_MEMORY_OUTBOX_MB": "2"}).memoryOutboxBytes
+        == 2 * 2**20
+    )
+    with pytest.raises(ConfigError) as caught:
+        ProxyConfig.fromEnvironment({**base, "SVC_MEMORY_OUTBOX_MB": "0"})
+    assert caught.value.variable == "SVC_MEMORY_OUTBOX_MB"
     with pytest.raises(ConfigError) as caught:
         ProxyConfig.fromEnvironment({**base, "SVC_USAGE_JOURNAL": str(memoryJournal)})
     assert caught.value.variable == "SVC_USAGE_JOURNAL"

@@ -653,6 +653,10 @@ class UsageOutbox:
     @param random: a number in [0, 1) for the jitter.
     @param linger: how long a row waits for others to share its batch
         (L{LINGER_SECONDS}); 0 sends at once.
+    @param maxBytes: with C{sizeOf}, the bytes of the rows held before
+        L{hasRoom} says no, beside C{maxRows} (svc-proxy's observations,
+        whose size varies a thousandfold); None: rows are counted only.
+    @param sizeOf: a row's size in bytes (its serialized size).
     @param onRecorded: called after each acknowledgement with the ledger
         ids of the rows svc-auth committed (recorded or duplicate, not
         rejected; rows without a ledger id left out): the rate limiter's
@@ -678,6 +682,8 @@ class UsageOutbox:
         keyOf: Callable[[Any], str] = rowKey,
         describe: Callable[[Any], str] | None = None,
         words: OutboxWords = USAGE_WORDS,
+        maxBytes: int | None = None,
+        sizeOf: Callable[[Any], int] | None = None,
     ) -> None:
         # send, keyOf, describe and words carry another kind of record
         # (svc-proxy's observations, decisions D13): the call that commits a
@@ -700,6 +706,12 @@ class UsageOutbox:
         self._clock = clock
         self._metrics = metrics
         self._maxRows = maxRows
+        if (maxBytes is None) != (sizeOf is None):
+            raise TypeError("maxBytes and sizeOf go together")
+        self._maxBytes = maxBytes
+        self._sizeOf = sizeOf
+        # The bytes of the rows in self._queue, by sizeOf (0 without it).
+        self._bytes = 0
         self._journal = journal
         self._batchRows = batchRows
         self._firstRetry = firstRetry
@@ -734,6 +746,14 @@ class UsageOutbox:
         """
         return len(self._queue)
 
+    @property
+    def waitingBytes(self) -> int:
+        """
+        The bytes of the rows not yet acknowledged, by C{sizeOf} (0
+        without one).
+        """
+        return self._bytes
+
     def start(self) -> None:
         """
         Take the rows the journal holds unacknowledged (before any new
@@ -742,11 +762,18 @@ class UsageOutbox:
         @raise JournalError: when the journal cannot be used.
         """
         if self._journal is not None:
-            self._queue.extendleft(reversed(self._journal.open()))
+            replayed = self._journal.open()
+            self._queue.extendleft(reversed(replayed))
+            self._bytes += sum(self._size(row) for row in replayed)
         self._sendSoon()
 
     def hasRoom(self) -> bool:
-        return len(self._queue) < self._maxRows
+        if len(self._queue) >= self._maxRows:
+            return False
+        return self._maxBytes is None or self._bytes < self._maxBytes
+
+    def _size(self, row: Any) -> int:
+        return 0 if self._sizeOf is None else self._sizeOf(row)
 
     def record(self, row: Any) -> None:
         journal = self._journal
@@ -764,6 +791,7 @@ class UsageOutbox:
                     reason=str(error),
                 )
         self._queue.append(row)
+        self._bytes += self._size(row)
         self._sendAfterLinger()
 
     def _sendAfterLinger(self) -> None:
@@ -874,6 +902,7 @@ class UsageOutbox:
         """
         count, self._batch = self._batch, 0
         batch = [self._queue.popleft() for _ in range(count)]
+        self._bytes -= sum(self._size(row) for row in batch)
         refused: dict[int, tuple[str, str]] = {}
         for each in rejected:
             index = int(each.index)

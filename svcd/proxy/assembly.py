@@ -245,6 +245,7 @@ def assembleProxy(
             observationMetrics,
             journalPath=config.memoryJournal,
             maxObservations=config.memoryOutboxMax,
+            maxBytes=config.memoryOutboxBytes,
         )
         if config.memoryJournal:
             holdJournalLock(config.memoryJournal, "memory journal")

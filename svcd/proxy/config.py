@@ -99,6 +99,7 @@ class ProxyConfig:
     # svc-memory has committed them, and the file that keeps them across
     # a kill (None: memory only), as the usage rows' (D12).
     memoryOutboxMax: int = 10_000
+    memoryOutboxBytes: int = 128 * 2**20  # SVC_MEMORY_OUTBOX_MB, in bytes
     memoryJournal: str | None = None
 
     @property
@@ -188,6 +189,10 @@ class ProxyConfig:
             memoryOutboxMax=config.positiveInteger(
                 _asciiDigits(environ, "SVC_MEMORY_OUTBOX_MAX"), "SVC_MEMORY_OUTBOX_MAX", 10_000
             ),
+            memoryOutboxBytes=config.positiveInteger(
+                _asciiDigits(environ, "SVC_MEMORY_OUTBOX_MB"), "SVC_MEMORY_OUTBOX_MB", 128
+            )
+            * 2**20,
             memoryJournal=_memoryJournal(environ),
             **budgetTiming(environ),
         )

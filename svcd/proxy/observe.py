@@ -199,6 +199,10 @@ OBSERVATION_JOURNAL_MAGIC = MEMORY_JOURNAL_MAGIC
 # observation is at most some 1 MiB (64 messages of 16 KiB), usually a few
 # KiB; 10,000 of them bound what a proxy holds while svc-memory is away.
 OBSERVATION_OUTBOX_MAX = 10_000
+# And their bytes at most, serialized (SVC_MEMORY_OUTBOX_MB's default, in
+# MiB): 10,000 observations of a few KiB fit, 10,000 at their 1 MiB bound
+# (some 10 GiB) do not; the memory they take is about twice this.
+OBSERVATION_OUTBOX_MB = 128
 # Observations per QueueObservations call: svc-memory commits a batch in
 # one transaction, and a batch must stay under svc-memory's 64 MiB receive
 # limit even with every observation at its bound (50 x 64 x 16 KiB, some
@@ -296,6 +300,11 @@ class ObservationOutboxMetrics:
             "Observations waiting to be committed by svc-memory.",
             registry=registry,
         )
+        self.outboxBytes = Gauge(
+            "svc_proxy_memory_observations_outbox_bytes",
+            "The serialized bytes of the observations waiting (at most SVC_MEMORY_OUTBOX_MB).",
+            registry=registry,
+        )
         self.usageRowsSent = Counter(
             "svc_proxy_memory_observations_sent",
             "Observations committed by svc-memory.",
@@ -324,13 +333,16 @@ def observationOutbox(
     metrics: ObservationOutboxMetrics,
     journalPath: str | None = None,
     maxObservations: int = OBSERVATION_OUTBOX_MAX,
+    maxBytes: int = OBSERVATION_OUTBOX_MB * 2**20,
 ) -> UsageOutbox:
     """
     The outbox that carries observations to svc-memory: D12's outbox and
     journal (batched, bounded, journalled, resent until acknowledged),
     with C{queue} (L{svcd.memory.client.MemoryClient.queueObservations})
     as the call that commits a batch. svc-memory queues one observation
-    per request id, so one sent twice is queued once. Its journal, when
+    per request id, so one sent twice is queued once. It holds at most
+    C{maxObservations}, and at most C{maxBytes} of them serialized: their
+    sizes range from a few hundred bytes to about 1 MiB. Its journal, when
     C{journalPath} is given, is the caller's to L{UsageJournal.hold} as
     the daemon is built (L{UsageOutbox.start} takes its lock too).
     """
@@ -344,7 +356,7 @@ def observationOutbox(
             words=OBSERVATION_WORDS,
             rejectedAs=rejectedObservation,
         )
-    return UsageOutbox(
+    outbox = UsageOutbox(
         None,
         clock,
         metrics,
@@ -355,7 +367,15 @@ def observationOutbox(
         keyOf=observationKey,
         describe=describeObservation,
         words=OBSERVATION_WORDS,
+        maxBytes=maxBytes,
+        sizeOf=_serializedSize,
     )
+    metrics.outboxBytes.set_function(lambda: outbox.waitingBytes)
+    return outbox
+
+
+def _serializedSize(observation: memory_pb2.Observation) -> int:
+    return int(observation.ByteSize())
 
 
 class ObservationLedger(Protocol):
