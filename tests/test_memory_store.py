@@ -13,7 +13,15 @@ import uuid
 import psycopg
 import pytest
 from authfixtures import Tenant
-from memoryfixtures import MODEL, appConnection, embedding, scopeOf, secondAgent, vectorBytes
+from memoryfixtures import (
+    MODEL,
+    appConnection,
+    embedding,
+    scopeOf,
+    secondAgent,
+    vectorBytes,
+    within,
+)
 
 from svcd.auth.store import Store, StoreRejected
 from svcd.memory.records import (
@@ -31,6 +39,7 @@ from svcd.memory.store import (
     MemoryStore,
     ObservationRelease,
     ScopeFull,
+    _finishing,
 )
 
 
@@ -497,6 +506,62 @@ def test_aProcessedObservationIsNotQueuedAgainWithinTheRetention(
     assert memoryStore.pruneDone(3600.0) == 0
     assert queue(scope, "req-complete").queuedNow
     assert not queue(scope, "req-store").queuedNow
+
+
+def test_aCopyQueuedWhileItsObservationIsFinishingIsNotQueuedAgain(
+    memoryStore: MemoryStore, migratedDSN: str, acme: Tenant
+) -> None:
+    """
+    A resent copy that arrives while a worker's transaction is finishing
+    the same observation (its row deleted and its request id remembered,
+    not yet committed) waits for that transaction and then finds it done:
+    queueing it again would have the worker pay its extraction twice. (The
+    copy's insert waits on the deleted row's unique key either way; what
+    it must not do is decide "not done" from a snapshot taken before the
+    finishing committed.)
+    """
+    scope = scopeOf(acme, "race")
+    [queued] = memoryStore.queueObservations(
+        [NewObservation(scope, "req-race", (ObservedMessage("user", "I live in Rome"),))]
+    )
+    [held] = memoryStore.claimObservations("w", 60.0, 10)
+    answers: list[list[QueuedObservation]] = []
+    with appConnection(migratedDSN) as finishing:
+        with finishing.transaction():
+            finishing.execute("SELECT set_config('svc.org_id', %s, true)", (str(acme.orgID),))
+            finished = finishing.execute(
+                _finishing("id = %s AND lease_owner = %s"), (held.observationID, "w")
+            ).fetchall()
+            assert len(finished) == 1
+            resend = threading.Thread(
+                target=lambda: answers.append(
+                    memoryStore.queueObservations(
+                        [
+                            NewObservation(
+                                scope, "req-race", (ObservedMessage("user", "I live in Rome"),)
+                            )
+                        ]
+                    )
+                )
+            )
+            resend.start()
+            # Until the copy's transaction waits for this one.
+            with psycopg.connect(migratedDSN, autocommit=True) as watching:
+                within(
+                    10,
+                    lambda: (
+                        watching.execute(
+                            "SELECT count(*) FROM pg_stat_activity"
+                            " WHERE wait_event_type = 'Lock' AND application_name = 'memory-test'"
+                        ).fetchone()
+                        == (1,)
+                    ),
+                )
+        resend.join(10)
+    assert not resend.is_alive()
+    assert answers == [[QueuedObservation("req-race", queued.observationID, False)]]
+    assert memoryStore.observationsWaiting() == 0
+    assert memoryStore.claimObservations("w", 60.0, 10) == []
 
 
 def test_claimLeasesCompleteDeletesReleaseRequeues(

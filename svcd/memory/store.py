@@ -772,13 +772,27 @@ class MemoryStore:
         def insert(cursor: Cursor) -> list[QueuedObservation]:
             queued: list[QueuedObservation] = []
             currentOrg: uuid.UUID | None = None
+            ordered = sorted(observations, key=lambda each: (str(each.scope.orgID), each.requestID))
             # One organization's observations together, in a stable order.
-            for observation in sorted(
-                observations, key=lambda each: (str(each.scope.orgID), each.requestID)
-            ):
+            for observation in ordered:
                 if observation.scope.orgID != currentOrg:
                     currentOrg = observation.scope.orgID
                     cursor.execute("SELECT set_config('svc.org_id', %s, true)", (str(currentOrg),))
+                    # The copies of these waiting now, locked: a worker's
+                    # transaction finishing one (its row deleted, its
+                    # request id remembered) is waited for, so that the
+                    # statements below, each on a snapshot of its own, see
+                    # it done rather than queue it again (two extractions
+                    # paid). One finishing later waits for this commit.
+                    cursor.execute(
+                        "SELECT 1 FROM memory_observations"
+                        " WHERE org_id = %s AND request_id = ANY(%s)"
+                        " ORDER BY request_id FOR UPDATE",
+                        (
+                            currentOrg,
+                            [each.requestID for each in ordered if each.scope.orgID == currentOrg],
+                        ),
+                    )
                 orgID, requestID = observation.scope.orgID, observation.requestID
                 cursor.execute(
                     "INSERT INTO memory_observations"
