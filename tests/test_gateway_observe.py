@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import openai
 import pytest
 from authfixtures import Tenant, makeTenant
@@ -113,12 +114,14 @@ def chat(
     text: str,
     stream: bool = False,
     headers: dict[str, str] | None = None,
+    requestID: str | None = None,
 ) -> tuple[str, str]:
     """
-    One chat completion through the SDK, with a request id of our own:
-    that id and the answer's text (a stream's deltas joined).
+    One chat completion through the SDK, with a request id of our own (a
+    new one unless given): that id and the answer's text (a stream's
+    deltas joined).
     """
-    requestID = str(uuid.uuid4())
+    requestID = requestID or str(uuid.uuid4())
     sdk = client(proxy, tenant, **{"X-Request-ID": requestID, **(headers or {})})
     messages: Any = [
         {"role": "user", "content": "Hello."},
@@ -275,6 +278,38 @@ def test_chatsBecomeMemoriesOnlyWhenObserved(rig: WorkerRig) -> None:
         {"role": "assistant", "content": answer},
     ]
     assert MARKER not in allLogs(rig, proxy)
+
+
+def test_chatsThatShareAClientsRequestIDAreEachObserved(rig: WorkerRig) -> None:
+    """
+    Clients reuse request ids (an application hands its own inbound
+    X-Request-ID to every call it makes): three chats that carry the same
+    one, a plain one, a stream and one of another agent of the
+    organization, are three observations, each becoming its memories;
+    each memory names that request id as its source. Observations are
+    keyed by the gateway's own id for each request (sql/0015); keyed by
+    the client's, the second and third were answered as queued before and
+    never processed.
+    """
+    proxy = startProxy(rig, "proxy", rig.workdir / "memory.journal")
+    shared = str(uuid.uuid4())
+    other = attrs.evolve(
+        rig.tenant, agentID=rig.owner.createAgent(rig.tenant.orgID, "second").agentID
+    )
+    chat(proxy, rig.tenant, factsOf("first-turn"), requestID=shared)
+    chat(proxy, rig.tenant, factsOf("second-turn"), stream=True, requestID=shared)
+    chat(proxy, other, factsOf("other-agent"), requestID=shared)
+    waitUntil(
+        lambda: (
+            rig.contents() == expectedFacts(["first-turn", "second-turn"])
+            and rig.contents(other) == expectedFacts(["other-agent"])
+        ),
+        "every chat's memories",
+        60,
+    )
+    assert set(sourcesOf(rig)) == {shared}
+    assert set(sourcesOf(rig, other)) == {shared}
+    waitUntil(lambda: metric(proxy, SENT) == 3, "three observations acknowledged")
 
 
 def test_svcMemoryAwayAndProxyRestartsLoseNothingAndStoreOnce(rig: WorkerRig) -> None:

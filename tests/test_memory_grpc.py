@@ -403,6 +403,61 @@ def test_theWaitingGaugeCountsObservations(
     )
 
 
+def test_observationsAreQueuedByTheirKey(
+    memoryService: RunningMemoryService, acme: Tenant, globex: Tenant
+) -> None:
+    """
+    QueueObservations keys each observation by its C{key} (a proxy sends
+    the request's ledger id): two that share a request id are two; one
+    without a key (a proxy of an earlier release) is keyed by its request
+    id. Each answer names its key and its organization, in the order
+    asked, though the two organizations' share a request id; a key that
+    is not printable is refused.
+    """
+
+    def observation(tenant: Tenant, requestID: str, key: str = "") -> memory_pb2.Observation:
+        return memory_pb2.Observation(
+            scope=scope(tenant),
+            request_id=requestID,
+            messages=[memory_pb2.ObservedMessage(role="user", content="I am vegan")],
+            key=key,
+        )
+
+    batch = memory_pb2.QueueObservationsRequest(
+        observations=[
+            observation(globex, "req-same", "key-b"),
+            observation(acme, "req-same", "key-a"),
+            observation(acme, "req-same", "key-c"),
+            observation(acme, "req-old"),
+        ]
+    )
+    first = memoryService.stub.QueueObservations(batch, timeout=10).queued
+    assert [(each.key, each.org_id, each.request_id, each.queued_now) for each in first] == [
+        ("key-b", str(globex.orgID), "req-same", True),
+        ("key-a", str(acme.orgID), "req-same", True),
+        ("key-c", str(acme.orgID), "req-same", True),
+        ("req-old", str(acme.orgID), "req-old", True),
+    ]
+    assert len({each.id for each in first}) == 4
+    again = memoryService.stub.QueueObservations(
+        memory_pb2.QueueObservationsRequest(
+            observations=[observation(acme, "req-old", "req-old"), observation(acme, "x", "key-a")]
+        ),
+        timeout=10,
+    ).queued
+    assert [(each.id, each.queued_now) for each in again] == [
+        (first[3].id, False),
+        (first[1].id, False),
+    ]
+    with pytest.raises(grpc.RpcError) as refused:
+        memoryService.stub.QueueObservations(
+            memory_pb2.QueueObservationsRequest(observations=[observation(acme, "r", "bad\x00")]),
+            timeout=10,
+        )
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "observations[0].key" in refused.value.details()
+
+
 def test_processedObservationsAreForgottenAfterTheRetention(migratedDSN: str, acme: Tenant) -> None:
     """
     A processed observation's request is remembered (a resend through gRPC

@@ -12,7 +12,7 @@ import uuid
 
 import psycopg
 import pytest
-from authfixtures import Tenant
+from authfixtures import Tenant, ownerStore
 from memoryfixtures import (
     MODEL,
     appConnection,
@@ -23,6 +23,7 @@ from memoryfixtures import (
     within,
 )
 
+from svcd.auth.migrations import migrate
 from svcd.auth.store import Store, StoreRejected
 from svcd.memory.records import (
     ClaimedObservation,
@@ -40,6 +41,7 @@ from svcd.memory.store import (
     ObservationRelease,
     ScopeFull,
     _finishing,
+    connectionPool,
 )
 
 
@@ -442,6 +444,110 @@ def test_observationsQueueOncePerRequestID(memoryStore: MemoryStore, acme: Tenan
     assert [each.queuedNow for each in again] == [False, False]
     assert [each.observationID for each in first] == [each.observationID for each in again]
     assert memoryStore.observationsWaiting() == 2
+
+
+def test_observationsAreKeyedByTheirKeyNotTheirRequestID(
+    memoryStore: MemoryStore, acme: Tenant
+) -> None:
+    """
+    Two requests that share a client's request id (an application that
+    hands its own inbound request id to every call it makes) are two
+    observations: queueing is idempotent by the key (the proxy's ledger id
+    of each request), waiting or processed, and each keeps the request id
+    the worker names as its parent. The answers come in the order asked.
+    """
+    scope = scopeOf(acme, "keyed")
+
+    def new(key: str, text: str) -> NewObservation:
+        return NewObservation(scope, "req-shared", (ObservedMessage("user", text),), key)
+
+    second, first = memoryStore.queueObservations(
+        [new("key-2", "I live in Oslo"), new("key-1", "I work in Bergen")]
+    )
+    assert [second.key, first.key] == ["key-2", "key-1"]
+    assert first.queuedNow and second.queuedNow
+    assert first.observationID != second.observationID
+    assert memoryStore.queueObservations([new("key-1", "I work in Bergen")]) == [
+        QueuedObservation("req-shared", first.observationID, False, "key-1")
+    ]
+    claimed = memoryStore.claimObservations("w", 60.0, 10)
+    assert sorted(each.observationID for each in claimed) == sorted(
+        [first.observationID, second.observationID]
+    )
+    assert {each.requestID for each in claimed} == {"req-shared"}
+    held = {each.observationID: each for each in claimed}[first.observationID]
+    assert memoryStore.completeObservation(acme.orgID, held.observationID, "w", held.leaseToken)
+    [again, third] = memoryStore.queueObservations(
+        [new("key-1", "I work in Bergen"), new("key-3", "I like skiing")]
+    )
+    assert again == QueuedObservation("req-shared", first.observationID, False, "key-1")
+    assert third.queuedNow
+    assert memoryStore.observationsWaiting() == 2
+
+
+def test_theKeyMigrationKeepsWaitingAndProcessedObservations(databaseDSN: str) -> None:
+    """
+    On a queue written before sql/0015 (keyed by request id): an
+    observation waiting and one processed are keyed by their request ids,
+    so that the copies a proxy of the earlier release resends (no key) are
+    answered as queued before; a new proxy's observation of the same
+    request id (its ledger id as key) is one of its own; pruning still
+    forgets the processed one.
+    """
+    assert migrate(databaseDSN, through="0014_observations_done.sql")[-1] == (
+        "0014_observations_done.sql"
+    )
+    store, connection = ownerStore(databaseDSN)
+    try:
+        orgID = store.createOrganization("before")
+        agentID = store.createAgent(orgID, "before-agent").agentID
+        waitingID, doneID = uuid.uuid4(), uuid.uuid4()
+        connection.execute(
+            "INSERT INTO memory_observations (id, org_id, agent_id, subject, request_id, messages)"
+            " VALUES (%s, %s, %s, '', 'req-waiting', '[]')",
+            (waitingID, orgID, agentID),
+        )
+        connection.execute(
+            "INSERT INTO memory_observations_done (org_id, request_id, observation_id)"
+            " VALUES (%s, 'req-done', %s)",
+            (orgID, doneID),
+        )
+        assert migrate(databaseDSN) == ["0015_observation_key.sql"]
+        pool = connectionPool(
+            databaseDSN, minimum=1, maximum=2, statementTimeout=5.0, applicationName="memory-test"
+        )
+        pool.open(wait=True)
+        try:
+            memoryStore = MemoryStore(pool.connection, dropDeadConnections=pool.check)
+            scope = Scope(orgID, agentID, "")
+            message = (ObservedMessage("user", "I live in Oslo"),)
+            waiting, done, keyed = memoryStore.queueObservations(
+                [
+                    NewObservation(scope, "req-waiting", message),
+                    NewObservation(scope, "req-done", message),
+                    NewObservation(scope, "req-waiting", message, "ledger-1"),
+                ]
+            )
+            assert (waiting, done) == (
+                QueuedObservation("req-waiting", waitingID, False),
+                QueuedObservation("req-done", doneID, False),
+            )
+            assert (keyed.requestID, keyed.key, keyed.queuedNow) == (
+                "req-waiting",
+                "ledger-1",
+                True,
+            )
+            assert keyed.observationID not in (waitingID, doneID)
+            connection.execute(
+                "UPDATE memory_observations_done SET done_at = now() - interval '2 hours'"
+            )
+            assert memoryStore.pruneDone(3600.0) == 1
+            [anew] = memoryStore.queueObservations([NewObservation(scope, "req-done", message)])
+            assert anew.queuedNow
+        finally:
+            pool.close(timeout=5)
+    finally:
+        connection.close()
 
 
 def test_aProcessedObservationIsNotQueuedAgainWithinTheRetention(

@@ -36,6 +36,7 @@ from svcd.proxy.observe import (
     completionText,
     cutText,
     observation,
+    observationKey,
     observationOutbox,
     observedUserTexts,
 )
@@ -435,18 +436,28 @@ ANSWER = (
 def test_record_puts_the_observation_in_the_outbox() -> None:
     """
     A plain answer's observation: the user's turn and the first choice's
-    content, under the request id and subject; counted C{recorded}.
+    content, under the request id and subject, keyed by the request's
+    ledger id (which the gateway makes; the client's request id may
+    repeat); counted C{recorded}.
     """
     outbox = Outbox()
     making, registry = observer(outbox)
     planned = making.plan(request(X_SVC_Memory_Subject="bob"), ORG, AGENT, stream=False)
     assert planned is not None
     making.record(
-        planned, ORG, AGENT, "req-1", [{"role": "user", "content": "I live in Lyon."}], ANSWER
+        planned,
+        ORG,
+        AGENT,
+        "req-1",
+        [{"role": "user", "content": "I live in Lyon."}],
+        ANSWER,
+        "ledger-1",
     )
     [made] = outbox.recorded
     assert (made.scope.org_id, made.scope.agent_id, made.scope.subject) == (ORG, AGENT, "bob")
-    assert made.request_id == "req-1"
+    assert (made.request_id, made.key, observationKey(made)) == ("req-1", "ledger-1", "ledger-1")
+    # One journalled by an earlier release has no key: its request id is.
+    assert observationKey(memory_pb2.Observation(request_id="req-0")) == "req-0"
     assert [(m.role, m.content) for m in made.messages] == [
         ("user", "I live in Lyon."),
         ("assistant", "Noted, Lyon."),

@@ -463,6 +463,9 @@ class MemoryServicer:
             try:
                 requestID = checkRequestID("request_id", observation.request_id, True)
                 assert requestID is not None
+                # A proxy of an earlier release sends no key: its request
+                # id is the key, as it was then.
+                key = checkRequestID("key", observation.key, False) or requestID
                 batch.append(
                     NewObservation(
                         _scope(observation.scope),
@@ -470,22 +473,23 @@ class MemoryServicer:
                         checkObservedMessages(
                             [(each.role, each.content) for each in observation.messages]
                         ),
+                        key,
                     )
                 )
             except InvalidMemory as invalid:
                 raise InvalidMemory(
                     f"observations[{index}].{invalid.field}", invalid.problem
                 ) from None
-        orgs = {each.requestID: each.scope.orgID for each in batch}
         return memory_pb2.QueueObservationsResponse(
             queued=[
                 memory_pb2.QueuedObservation(
                     request_id=each.requestID,
-                    org_id=str(orgs[each.requestID]),
+                    org_id=str(asked.scope.orgID),
                     id=str(each.observationID),
                     queued_now=each.queuedNow,
+                    key=each.key,
                 )
-                for each in self._store.queueObservations(batch)
+                for asked, each in zip(batch, self._store.queueObservations(batch), strict=True)
             ]
         )
 

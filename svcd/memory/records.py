@@ -136,13 +136,15 @@ class ObservedMessage:
 @attrs.frozen
 class NewObservation:
     """
-    An observation to queue, keyed by its request id within the
-    organization.
+    An observation to queue, keyed by C{key} within the organization: the
+    proxy's ledger id of the observed request (sql/0015), its request id
+    when none is given (a proxy of an earlier release).
     """
 
     scope: Scope
     requestID: str
     messages: tuple[ObservedMessage, ...] = attrs.field(repr=False)
+    key: str = attrs.field(default=attrs.Factory(lambda self: self.requestID, takes_self=True))
 
 
 @attrs.frozen
@@ -155,6 +157,7 @@ class QueuedObservation:
     requestID: str
     observationID: uuid.UUID
     queuedNow: bool
+    key: str = attrs.field(default=attrs.Factory(lambda self: self.requestID, takes_self=True))
 
 
 @attrs.frozen

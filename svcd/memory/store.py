@@ -760,72 +760,82 @@ class MemoryStore:
     def queueObservations(self, observations: Sequence[NewObservation]) -> list[QueuedObservation]:
         """
         Queue each observation unless its organization has one with the
-        same request id already, waiting or processed within the retention
-        (sql/0014_observations_done.sql): a batch sent again queues nothing
-        twice, and an extraction is not paid twice.
+        same key already (L{NewObservation.key}: the proxy's ledger id of
+        the request), waiting or processed within the retention
+        (sql/0014_observations_done.sql, sql/0015_observation_key.sql): a
+        batch sent again queues nothing twice, and an extraction is not
+        paid twice; two requests that share a client's request id are two
+        observations.
         All of them in one transaction, in their organizations' contexts
-        one after the other; answered only once committed.
+        one after the other; answered only once committed, in the order
+        given.
         """
         if not observations:
             return []
 
         def insert(cursor: Cursor) -> list[QueuedObservation]:
-            queued: list[QueuedObservation] = []
+            queued: dict[int, QueuedObservation] = {}
             currentOrg: uuid.UUID | None = None
-            ordered = sorted(observations, key=lambda each: (str(each.scope.orgID), each.requestID))
-            # One organization's observations together, in a stable order.
-            for observation in ordered:
+            # One organization's observations together, in a stable order;
+            # answered in the order given.
+            ordered = sorted(
+                enumerate(observations), key=lambda pair: (str(pair[1].scope.orgID), pair[1].key)
+            )
+            for index, observation in ordered:
                 if observation.scope.orgID != currentOrg:
                     currentOrg = observation.scope.orgID
                     cursor.execute("SELECT set_config('svc.org_id', %s, true)", (str(currentOrg),))
                     # The copies of these waiting now, locked: a worker's
-                    # transaction finishing one (its row deleted, its
-                    # request id remembered) is waited for, so that the
-                    # statements below, each on a snapshot of its own, see
-                    # it done rather than queue it again (two extractions
-                    # paid). One finishing later waits for this commit.
+                    # transaction finishing one (its row deleted, its key
+                    # remembered) is waited for, so that the statements
+                    # below, each on a snapshot of its own, see it done
+                    # rather than queue it again (two extractions paid).
+                    # One finishing later waits for this commit.
                     cursor.execute(
                         "SELECT 1 FROM memory_observations"
-                        " WHERE org_id = %s AND request_id = ANY(%s)"
-                        " ORDER BY request_id FOR UPDATE",
+                        " WHERE org_id = %s AND observation_key = ANY(%s)"
+                        " ORDER BY observation_key FOR UPDATE",
                         (
                             currentOrg,
-                            [each.requestID for each in ordered if each.scope.orgID == currentOrg],
+                            [each.key for _, each in ordered if each.scope.orgID == currentOrg],
                         ),
                     )
-                orgID, requestID = observation.scope.orgID, observation.requestID
+                orgID, key = observation.scope.orgID, observation.key
                 cursor.execute(
                     "INSERT INTO memory_observations"
-                    " (id, org_id, agent_id, subject, request_id, messages)"
-                    " SELECT %s, %s, %s, %s, %s, %s::jsonb"
+                    " (id, org_id, agent_id, subject, request_id, observation_key, messages)"
+                    " SELECT %s, %s, %s, %s, %s, %s, %s::jsonb"
                     " WHERE NOT EXISTS (SELECT 1 FROM memory_observations_done"
-                    " WHERE org_id = %s AND request_id = %s)"
-                    " ON CONFLICT (org_id, request_id) DO NOTHING RETURNING id",
+                    " WHERE org_id = %s AND observation_key = %s)"
+                    " ON CONFLICT (org_id, observation_key) DO NOTHING RETURNING id",
                     (
                         uuid7(),
                         orgID,
                         observation.scope.agentID,
                         observation.scope.subject,
-                        requestID,
+                        observation.requestID,
+                        key,
                         messagesJSON(observation.messages),
                         orgID,
-                        requestID,
+                        key,
                     ),
                 )
                 row = cursor.fetchone()
                 if row is not None:
-                    queued.append(QueuedObservation(requestID, row["id"], True))
+                    queued[index] = QueuedObservation(observation.requestID, row["id"], True, key)
                     continue
                 # Queued before: waiting (or failed) still, or processed
                 # within the retention.
                 cursor.execute(
-                    "SELECT id FROM memory_observations WHERE org_id = %s AND request_id = %s"
+                    "SELECT id FROM memory_observations WHERE org_id = %s AND observation_key = %s"
                     " UNION ALL SELECT observation_id FROM memory_observations_done"
-                    " WHERE org_id = %s AND request_id = %s LIMIT 1",
-                    (orgID, requestID, orgID, requestID),
+                    " WHERE org_id = %s AND observation_key = %s LIMIT 1",
+                    (orgID, key, orgID, key),
                 )
-                queued.append(QueuedObservation(requestID, _one(cursor.fetchone())["id"], False))
-            return queued
+                queued[index] = QueuedObservation(
+                    observation.requestID, _one(cursor.fetchone())["id"], False, key
+                )
+            return [queued[index] for index in range(len(observations))]
 
         return self._run("observation_queue", insert, None)
 
@@ -1099,15 +1109,17 @@ def _finishing(condition: str) -> str:
     """
     The statement that finishes the observation C{condition} selects (a
     constant of this module, with its parameters): its row deleted and its
-    request id remembered in memory_observations_done (sql/0014), in one
-    statement, so that a resent copy is not queued again while the record
-    lasts; it answers the deleted row's id.
+    key (sql/0015; its request id beside it) remembered in
+    memory_observations_done (sql/0014), in one statement, so that a
+    resent copy is not queued again while the record lasts; it answers
+    the deleted row's id.
     """
     return (
         f"WITH gone AS (DELETE FROM memory_observations WHERE {condition}"
-        " RETURNING id, org_id, request_id),"
-        " done AS (INSERT INTO memory_observations_done (org_id, request_id, observation_id)"
-        " SELECT org_id, request_id, id FROM gone ON CONFLICT DO NOTHING)"
+        " RETURNING id, org_id, request_id, observation_key),"
+        " done AS (INSERT INTO memory_observations_done"
+        " (org_id, request_id, observation_key, observation_id)"
+        " SELECT org_id, request_id, observation_key, id FROM gone ON CONFLICT DO NOTHING)"
         " SELECT id FROM gone"
     )
 

@@ -106,11 +106,17 @@ def observation(
     requestID: str,
     messages: Sequence[Mapping[str, Any]],
     answer: str,
+    key: str = "",
 ) -> memory_pb2.Observation | None:
     """
     The observation of one chat completion that ended C{ok}, or None when
     there is nothing to observe (no user text in the turn, or an empty
     answer and no user text).
+
+    @param key: what makes it idempotent: the request's ledger id, made by
+        the gateway for each forwarded request, never the client's request
+        id, which clients reuse (sql/0015_observation_key.sql); empty,
+        svc-memory keys it by C{requestID}.
     """
     users = observedUserTexts(messages)
     if not users:
@@ -123,6 +129,7 @@ def observation(
         scope=memory_pb2.Scope(org_id=orgID, agent_id=agentID, subject=subject),
         request_id=requestID,
         messages=observed,
+        key=key,
     )
 
 
@@ -218,15 +225,17 @@ OBSERVATION_WORDS = OutboxWords(
     call="QueueObservations",
     journal="Memory journal",
     variable="SVC_MEMORY_JOURNAL",
-    keyField="request_id",
+    keyField="observation_key",
 )
 
 
 def observationKey(observation: memory_pb2.Observation) -> str:
     """
-    An observation's idempotence key: svc-memory queues one per request id.
+    An observation's idempotence key: svc-memory queues one per key, the
+    request's ledger id (its request id for one journalled by an earlier
+    release, which had no key).
     """
-    return str(observation.request_id)
+    return str(observation.key or observation.request_id)
 
 
 def observationIDs(observation: memory_pb2.Observation) -> dict[str, Any]:
@@ -239,6 +248,7 @@ def observationIDs(observation: memory_pb2.Observation) -> dict[str, Any]:
         "agent_id": observation.scope.agent_id,
         "subject": observation.scope.subject,
         "request_id": observation.request_id,
+        "key": observationKey(observation),
         "messages": len(observation.messages),
         "bytes": sum(
             len(each.content.encode("utf-8", "surrogatepass")) for each in observation.messages
@@ -447,6 +457,7 @@ class Observer:
         requestID: str,
         messages: Sequence[Mapping[str, Any]],
         body: bytes,
+        ledgerID: str = "",
     ) -> None:
         """
         Record the observation of an answer that ended C{ok}: the user's
@@ -462,7 +473,9 @@ class Observer:
             else:
                 parsed = json.loads(body)
                 answer = completionText(parsed) if isinstance(parsed, dict) else ""
-            made = observation(orgID, agentID, observing.subject, requestID, messages, answer)
+            made = observation(
+                orgID, agentID, observing.subject, requestID, messages, answer, ledgerID
+            )
             if made is None:
                 self._metrics.observed(NOTHING_OBSERVED)
                 return

@@ -307,7 +307,9 @@ class ChatRoutes:
             # Decisions D13: an answer that ended ok becomes an observation,
             # recorded without waiting and never failing the answer.
             assert ctx.orgID is not None and ctx.agentID is not None
-            observer.record(observing, ctx.orgID, ctx.agentID, ctx.requestID, asked, answer.body)
+            observer.record(
+                observing, ctx.orgID, ctx.agentID, ctx.requestID, asked, answer.body, ctx.ledgerID
+            )
         return Reply(
             answer.status,
             answer.body,

@@ -400,6 +400,11 @@ class MemoryRoutes:
                 memory_pb2.ObservedMessage(role=message.role, content=message.content)
                 for message in body.messages
             ],
+            # Keyed by the request id, unlike a chat's observation (its
+            # ledger id): a conversation posted here is one the client
+            # means to store, and a retry with the same X-Request-ID must
+            # queue it once (it answers the same observation id).
+            key=ctx.requestID,
         )
         try:
             answer = await client.queueObservations([observation])
