@@ -51,3 +51,27 @@ CREATE OR REPLACE FUNCTION svc_prune_observations_done(retention_seconds double 
         )
         SELECT count(*)::integer FROM gone
     $$;
+
+-- Until every svc-memory runs the release that names the key: an earlier
+-- one inserts no observation_key where it finishes an observation (its
+-- queueing names the former unique key, which is gone, and is refused, so
+-- proxies keep their observations until a new replica takes them). Its
+-- rows are keyed by their request id, as the rows above were, instead of
+-- refused after the worker paid their extraction.
+CREATE FUNCTION svc_observation_key_from_request_id() RETURNS trigger
+    LANGUAGE plpgsql
+    SET search_path = pg_catalog, pg_temp
+    AS $$
+    BEGIN
+        IF NEW.observation_key IS NULL THEN
+            NEW.observation_key := NEW.request_id;
+        END IF;
+        RETURN NEW;
+    END
+    $$;
+CREATE TRIGGER memory_observations_key_from_request_id
+    BEFORE INSERT ON memory_observations
+    FOR EACH ROW EXECUTE FUNCTION svc_observation_key_from_request_id();
+CREATE TRIGGER memory_observations_done_key_from_request_id
+    BEFORE INSERT ON memory_observations_done
+    FOR EACH ROW EXECUTE FUNCTION svc_observation_key_from_request_id();

@@ -456,8 +456,10 @@ def test_deleteScopeForgetsTheSubject(stack: Stack) -> None:
 def test_messagesAreQueuedOnceForTheWorker(stack: Stack) -> None:
     """
     {"messages"} answers 202 with the observation's id once svc-memory
-    has it; the same X-Request-ID queues nothing twice (the same id);
-    its user and assistant texts are kept, other roles skipped.
+    has it; the same X-Request-ID and conversation queue nothing twice
+    (the same id), while another conversation or subject under that
+    request id is queued as its own; its user and assistant texts are
+    kept, other roles skipped.
     """
     requestID = str(uuid.uuid4())
     body = {
@@ -483,6 +485,23 @@ def test_messagesAreQueuedOnceForTheWorker(stack: Stack) -> None:
         assert answer.json()["object"] == "memory.observation"
         assert answer.json()["status"] == "queued"
     assert answers[0].json()["id"] == answers[1].json()["id"]
+    # The same X-Request-ID on another conversation, or another subject's,
+    # is an observation of its own (a client reusing its request ids).
+    others = [
+        request(
+            stack.port(),
+            "POST",
+            "/v1/memories",
+            {**headersOf(stack.tenants["main"], subject), "X-Request-ID": requestID},
+            json.dumps(sent).encode(),
+        )
+        for subject, sent in (
+            ("observe-user", {"messages": [{"role": "user", "content": "I moved to Faro"}]}),
+            ("observe-other", body),
+        )
+    ]
+    assert [each.status for each in others] == [202, 202]
+    assert len({answers[0].json()["id"], *(each.json()["id"] for each in others)}) == 3
     with psycopg.connect(stack.dsn, autocommit=True) as connection:
         rows = connection.execute(
             "SELECT subject, request_id, messages FROM memory_observations WHERE id = %s",

@@ -491,8 +491,10 @@ def test_theKeyMigrationKeepsWaitingAndProcessedObservations(databaseDSN: str) -
     observation waiting and one processed are keyed by their request ids,
     so that the copies a proxy of the earlier release resends (no key) are
     answered as queued before; a new proxy's observation of the same
-    request id (its ledger id as key) is one of its own; pruning still
-    forgets the processed one.
+    request id (its ledger id as key) is one of its own; an svc-memory of
+    the earlier release still running finishes one without naming a key,
+    and it is remembered by its request id; pruning still forgets the
+    processed one.
     """
     assert migrate(databaseDSN, through="0014_observations_done.sql")[-1] == (
         "0014_observations_done.sql"
@@ -538,8 +540,24 @@ def test_theKeyMigrationKeepsWaitingAndProcessedObservations(databaseDSN: str) -
                 True,
             )
             assert keyed.observationID not in (waitingID, doneID)
+            # An svc-memory of the earlier release, still running, finishes
+            # an observation as it did (no key): keyed by its request id.
+            with appConnection(databaseDSN) as earlier, earlier.transaction():
+                earlier.execute("SELECT set_config('svc.org_id', %s, true)", (str(orgID),))
+                earlier.execute(
+                    "WITH gone AS (DELETE FROM memory_observations WHERE id = %s"
+                    " RETURNING id, org_id, request_id)"
+                    " INSERT INTO memory_observations_done (org_id, request_id, observation_id)"
+                    " SELECT org_id, request_id, id FROM gone",
+                    (waitingID,),
+                )
+            [finished] = memoryStore.queueObservations(
+                [NewObservation(scope, "req-waiting", message)]
+            )
+            assert finished == QueuedObservation("req-waiting", waitingID, False)
             connection.execute(
                 "UPDATE memory_observations_done SET done_at = now() - interval '2 hours'"
+                " WHERE request_id = 'req-done'"
             )
             assert memoryStore.pruneDone(3600.0) == 1
             [anew] = memoryStore.queueObservations([NewObservation(scope, "req-done", message)])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy
 from hypothesis import given, settings
@@ -386,7 +387,34 @@ def test_aSplitProductRanksAsOne() -> None:
     scope = ScopeVectors.fromRows(16, rows)
     query = normalised(generator.standard_normal(16).astype("<f4").tobytes())
     with ThreadPoolExecutor(2) as executor:
-        split = parallelProduct(executor, 3, threshold=100)
+        split = parallelProduct(executor, 3, threshold=100, minBlockRows=100)
         assert scope.search(query, 20, product=split) == scope.search(query, 20)
         scores = split(scope._view.matrix[:1001], query)
         assert numpy.allclose(scores, scope._view.matrix[:1001] @ query, atol=1e-6)
+
+
+def test_aSplitProductsBlocksAreNeverSmallerThanItsBound() -> None:
+    """
+    However many workers there are, a split product's blocks hold at least
+    C{minBlockRows} rows: a scope just past the threshold on a machine of
+    many cores is cut in two, not in one block per core; one that makes
+    fewer than two such blocks is not split at all. The scores are one
+    product's either way.
+    """
+    submitted: list[int] = []
+
+    class Recording(ThreadPoolExecutor):
+        def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+            submitted.append(args[0])
+            return super().submit(fn, *args, **kwargs)
+
+    generator = numpy.random.default_rng(5)
+    query = generator.standard_normal(8).astype("<f4")
+    with Recording(31) as executor:
+        split = parallelProduct(executor, 32, threshold=1_000, minBlockRows=1_000)
+        for rows, blocks in ((1_999, 1), (2_000, 2), (5_500, 5), (64_000, 32)):
+            submitted.clear()
+            matrix = generator.standard_normal((rows, 8)).astype("<f4")
+            scores = split(matrix, query)
+            assert len(submitted) == blocks - 1, (rows, submitted)
+            assert numpy.allclose(scores, matrix @ query, atol=1e-5)

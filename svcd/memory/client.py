@@ -380,7 +380,8 @@ class MemoryClient:
     ) -> Deferred[memory_pb2.QueueObservationsResponse]:
         """
         Queue observations; fires once svc-memory has committed them (and
-        may be sent again: each is queued once per request id).
+        may be sent again: each is queued once per key, its request id
+        when it has none).
         """
         return self._call(
             "QueueObservations", memory_pb2.QueueObservationsRequest(observations=observations)

@@ -61,9 +61,9 @@ class MemoryConfig:
     cacheBytes: int = DEFAULT_CACHE_MB * 1024 * 1024
     recordCacheBytes: int = DEFAULT_RECORD_CACHE_MB * 1024 * 1024
     parallelRows: int = DEFAULT_PARALLEL_ROWS
-    # How long a processed observation's request id is remembered, so that
-    # a proxy's journal resending it is answered without a second
-    # extraction (sql/0014_observations_done.sql).
+    # How long a processed observation's key is remembered, so that a
+    # proxy's journal resending it is answered without a second extraction
+    # (sql/0014_observations_done.sql, sql/0015_observation_key.sql).
     doneRetention: float = DEFAULT_DONE_RETENTION
 
     @classmethod

@@ -46,12 +46,24 @@ HYBRID = "hybrid"
 MODES = (VECTOR, TEXT, HYBRID)
 
 
+def usableCores() -> int:
+    """
+    The cores this process may run on (its affinity, which a container's
+    cpuset sets), not the machine's: a split product's blocks beyond
+    them would only wait for each other.
+    """
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
 class Searcher:
     """
     @param searchSeconds: svc_memory_search_duration_seconds, by mode and by whether
         the scope was cached (C{cache="hit"}) or loaded (C{"miss"}).
     @param workers: threads a search of a large scope splits its product
-        over (L{parallelProduct}); the machine's cores by default.
+        over (L{parallelProduct}); the cores this process may run on (L{usableCores}) by default.
     @param parallelRows: how many memories make a scope large; 0: no
         scope is (one thread computes every product).
     @param records: the cache of records; None: each search reads its
@@ -80,7 +92,7 @@ class Searcher:
         )
         self._searchSeconds = searchSeconds
         self._children = Children()
-        workers = workers or os.cpu_count() or 1
+        workers = workers or usableCores()
         # The other blocks' threads: the calling thread computes one.
         self._executor = ThreadPoolExecutor(
             max_workers=max(1, workers - 1), thread_name_prefix="svc-memory-product"

@@ -631,7 +631,8 @@ class MemoryStore:
         """
 
         def remove(cursor: Cursor) -> tuple[int, int]:
-            # Observations first, as _deleteScope.
+            # Observations first, as _deleteScope, locked in queueing's order.
+            _lockObservations(cursor, "org_id = %s AND agent_id = %s", (orgID, agentID))
             cursor.execute(
                 "DELETE FROM memory_observations WHERE org_id = %s AND agent_id = %s",
                 (orgID, agentID),
@@ -1226,10 +1227,29 @@ def _addExtracted(
     return records
 
 
+def _lockObservations(cursor: Cursor, condition: str, parameters: tuple[Any, ...]) -> None:
+    """
+    Lock the waiting observations C{condition} selects in the order
+    queueing locks them (L{MemoryStore.queueObservations}: by key), so
+    that a deletion of a scope and a resent batch holding several of its
+    observations never wait for each other in a cycle (a deletion's own
+    scan would take them in whatever order the table gives).
+    """
+    cursor.execute(
+        f"SELECT 1 FROM memory_observations WHERE {condition} ORDER BY observation_key FOR UPDATE",
+        parameters,
+    )
+
+
 def _deleteScope(cursor: Cursor, scope: Scope) -> tuple[int, int]:
     # Observations first: a worker storing one of them holds its row (see
     # MemoryStore.storeExtracted), so this waits for it and then deletes
     # its memories too, or deletes the observation before it stores.
+    _lockObservations(
+        cursor,
+        "org_id = %s AND agent_id = %s AND subject = %s",
+        (scope.orgID, scope.agentID, scope.subject),
+    )
     cursor.execute(
         "DELETE FROM memory_observations WHERE org_id = %s AND agent_id = %s AND subject = %s",
         (scope.orgID, scope.agentID, scope.subject),

@@ -462,25 +462,33 @@ class ScopeVectors:
         return attrs.evolve(fresh, count=size, dead=0)
 
 
+# The fewest rows a block of a split product holds: on a machine of many
+# cores a scope just past the split's threshold is cut in a few blocks,
+# not one per core.
+MIN_BLOCK_ROWS = 1_024
+
+
 def parallelProduct(
-    executor: Executor, workers: int, threshold: int
+    executor: Executor, workers: int, threshold: int, minBlockRows: int = MIN_BLOCK_ROWS
 ) -> Callable[[Floats, Floats], Floats]:
     """
-    C{matrix @ query}, split into C{workers} blocks of rows computed at
-    once (one on the calling thread) when the matrix has C{threshold} rows
-    or more. numpy releases the GIL in the product, so the blocks run on
-    several cores; BLAS itself runs one thread per call in svc-memory
-    (svcd/memory/tap.py). Below the threshold one product is quicker than
-    handing work to threads.
+    C{matrix @ query}, split into blocks of rows computed at once (one on
+    the calling thread) when the matrix has C{threshold} rows or more: as
+    many blocks as C{workers}, but none under C{minBlockRows}. numpy
+    releases the GIL in the product, so the blocks run on several cores;
+    BLAS itself runs one thread per call in svc-memory (svcd/memory/tap.py).
+    Below the threshold one product is quicker than handing work to
+    threads, and so is a block too small to be worth its hand-off.
     """
 
     def product(matrix: Floats, query: Floats) -> Floats:
         rows = int(matrix.shape[0])
-        if workers < 2 or rows < threshold:
+        blocks = min(workers, rows // max(1, minBlockRows))
+        if blocks < 2 or rows < threshold:
             whole: Floats = matrix @ query
             return whole
         scores = numpy.empty(rows, dtype=numpy.float32)
-        step = -(-rows // workers)
+        step = -(-rows // blocks)
 
         def block(start: int) -> None:
             numpy.matmul(matrix[start : start + step], query, out=scores[start : start + step])

@@ -34,6 +34,16 @@ from svcd.providers.table import MemoryConfig, ProviderTable, providersFromEnvir
 _HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 
 
+# The observations held at most (SVC_MEMORY_OUTBOX_MAX's default): an
+# observation is at most some 1 MiB (64 messages of 16 KiB), usually a few
+# KiB; 10,000 of them bound what a proxy holds while svc-memory is away.
+OBSERVATION_OUTBOX_MAX = 10_000
+# And their bytes at most, serialized (SVC_MEMORY_OUTBOX_MB's default, in
+# MiB): 10,000 observations of a few KiB fit, 10,000 at their 1 MiB bound
+# (some 10 GiB) do not; the memory they take is about twice this.
+OBSERVATION_OUTBOX_MB = 128
+
+
 @attrs.frozen
 class ProxyConfig:
     """
@@ -98,8 +108,8 @@ class ProxyConfig:
     # Decisions D13: the observations of chat completions held until
     # svc-memory has committed them, and the file that keeps them across
     # a kill (None: memory only), as the usage rows' (D12).
-    memoryOutboxMax: int = 10_000
-    memoryOutboxBytes: int = 128 * 2**20  # SVC_MEMORY_OUTBOX_MB, in bytes
+    memoryOutboxMax: int = OBSERVATION_OUTBOX_MAX
+    memoryOutboxBytes: int = OBSERVATION_OUTBOX_MB * 2**20  # SVC_MEMORY_OUTBOX_MB, in bytes
     memoryJournal: str | None = None
 
     @property
@@ -187,10 +197,14 @@ class ProxyConfig:
             ),
             usageJournal=journalFromEnvironment(environ, "SVC_USAGE_JOURNAL"),
             memoryOutboxMax=config.positiveInteger(
-                _asciiDigits(environ, "SVC_MEMORY_OUTBOX_MAX"), "SVC_MEMORY_OUTBOX_MAX", 10_000
+                _asciiDigits(environ, "SVC_MEMORY_OUTBOX_MAX"),
+                "SVC_MEMORY_OUTBOX_MAX",
+                OBSERVATION_OUTBOX_MAX,
             ),
             memoryOutboxBytes=config.positiveInteger(
-                _asciiDigits(environ, "SVC_MEMORY_OUTBOX_MB"), "SVC_MEMORY_OUTBOX_MB", 128
+                _asciiDigits(environ, "SVC_MEMORY_OUTBOX_MB"),
+                "SVC_MEMORY_OUTBOX_MB",
+                OBSERVATION_OUTBOX_MB,
             )
             * 2**20,
             memoryJournal=_memoryJournal(environ),

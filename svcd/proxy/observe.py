@@ -36,6 +36,7 @@ from svcd.ledger.outbox import OutboxWords, UsageJournal, UsageOutbox
 from svcd.limits.book import LimitBook
 from svcd.memory.records import MAX_OBSERVED_MESSAGE_BYTES, MAX_OBSERVED_MESSAGES
 from svcd.pb.memory.v1 import memory_pb2
+from svcd.proxy.config import OBSERVATION_OUTBOX_MAX, OBSERVATION_OUTBOX_MB
 from svcd.proxy.http.steps import memorySubject, requestMemory
 from svcd.proxy.recall import messageText
 
@@ -202,14 +203,6 @@ def completionText(body: Mapping[str, Any]) -> str:
 # The first line of the memory journal (SVC_MEMORY_JOURNAL): its own, so
 # that a usage journal is never read as one, nor the reverse.
 OBSERVATION_JOURNAL_MAGIC = MEMORY_JOURNAL_MAGIC
-# The observations held at most (SVC_MEMORY_OUTBOX_MAX's default): an
-# observation is at most some 1 MiB (64 messages of 16 KiB), usually a few
-# KiB; 10,000 of them bound what a proxy holds while svc-memory is away.
-OBSERVATION_OUTBOX_MAX = 10_000
-# And their bytes at most, serialized (SVC_MEMORY_OUTBOX_MB's default, in
-# MiB): 10,000 observations of a few KiB fit, 10,000 at their 1 MiB bound
-# (some 10 GiB) do not; the memory they take is about twice this.
-OBSERVATION_OUTBOX_MB = 128
 # Observations per QueueObservations call: svc-memory commits a batch in
 # one transaction, and a batch must stay under svc-memory's 64 MiB receive
 # limit even with every observation at its bound (50 x 64 x 16 KiB, some
@@ -350,7 +343,7 @@ def observationOutbox(
     journal (batched, bounded, journalled, resent until acknowledged),
     with C{queue} (L{svcd.memory.client.MemoryClient.queueObservations})
     as the call that commits a batch. svc-memory queues one observation
-    per request id, so one sent twice is queued once. It holds at most
+    per key (L{observationKey}), so one sent twice is queued once. It holds at most
     C{maxObservations}, and at most C{maxBytes} of them serialized: their
     sizes range from a few hundred bytes to about 1 MiB. Its journal, when
     C{journalPath} is given, is the caller's to L{UsageJournal.hold} as

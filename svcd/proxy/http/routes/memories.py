@@ -40,6 +40,8 @@ lengths and counts only.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -62,7 +64,7 @@ from svcd.memory.client import (
     MemoryNotFound,
     MemoryUnavailable,
 )
-from svcd.memory.records import Embedding, InvalidMemory, Scope, checkEmbedding
+from svcd.memory.records import Embedding, InvalidMemory, ObservedMessage, Scope, checkEmbedding
 from svcd.pb.memory.v1 import memory_pb2
 from svcd.providers.embedder import Embedder, EmbeddingCall, embeddingRefusal, reserveTexts
 from svcd.providers.table import MemoryConfig, Model
@@ -400,11 +402,7 @@ class MemoryRoutes:
                 memory_pb2.ObservedMessage(role=message.role, content=message.content)
                 for message in body.messages
             ],
-            # Keyed by the request id, unlike a chat's observation (its
-            # ledger id): a conversation posted here is one the client
-            # means to store, and a retry with the same X-Request-ID must
-            # queue it once (it answers the same observation id).
-            key=ctx.requestID,
+            key=conversationKey(scope, ctx.requestID, body.messages),
         )
         try:
             answer = await client.queueObservations([observation])
@@ -589,3 +587,27 @@ def searchTexts(search: MemorySearch) -> Sequence[str]:
     What a search embeds: its query, but in text mode (nothing).
     """
     return () if search.mode == "text" else (search.query,)
+
+
+def conversationKey(scope: Scope, requestID: str, messages: Sequence[ObservedMessage]) -> str:
+    """
+    The idempotence key of a conversation posted to C{/v1/memories}: its
+    request id, agent, subject and messages, digested. A retry (the same
+    X-Request-ID and body) queues it once and answers the same
+    observation id; a client that reuses a request id for another
+    conversation, or another agent that sends the same one, queues its
+    own, where a key of the request id alone answered it as queued before
+    and never processed it. (A chat's observation is keyed by its ledger
+    id: a chat is never retried into the same observation.)
+    """
+    document = json.dumps(
+        [
+            str(scope.agentID),
+            scope.subject,
+            requestID,
+            [[message.role, message.content] for message in messages],
+        ],
+        ensure_ascii=False,
+        separators=(",", ":"),
+    )
+    return "conversation:" + hashlib.sha256(document.encode("utf-8", "surrogatepass")).hexdigest()
