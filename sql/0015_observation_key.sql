@@ -54,10 +54,14 @@ CREATE OR REPLACE FUNCTION svc_prune_observations_done(retention_seconds double 
 
 -- Until every svc-memory runs the release that names the key: an earlier
 -- one inserts no observation_key where it finishes an observation (its
--- queueing names the former unique key, which is gone, and is refused, so
--- proxies keep their observations until a new replica takes them). Its
--- rows are keyed by their request id, as the rows above were, instead of
--- refused after the worker paid their extraction.
+-- queueing names the former unique key, which is gone, and is refused
+-- before any row is made, so proxies keep their observations until a new
+-- replica takes them). What it finishes is remembered by request id, as
+-- the rows above were, instead of refused after the worker paid the
+-- extraction. Only on the table of finished observations: a new release
+-- that forgot the key on a waiting one must fail, not be keyed by the
+-- client's request id again. A later migration drops it, once no earlier
+-- svc-memory can be running.
 CREATE FUNCTION svc_observation_key_from_request_id() RETURNS trigger
     LANGUAGE plpgsql
     SET search_path = pg_catalog, pg_temp
@@ -69,9 +73,6 @@ CREATE FUNCTION svc_observation_key_from_request_id() RETURNS trigger
         RETURN NEW;
     END
     $$;
-CREATE TRIGGER memory_observations_key_from_request_id
-    BEFORE INSERT ON memory_observations
-    FOR EACH ROW EXECUTE FUNCTION svc_observation_key_from_request_id();
 CREATE TRIGGER memory_observations_done_key_from_request_id
     BEFORE INSERT ON memory_observations_done
     FOR EACH ROW EXECUTE FUNCTION svc_observation_key_from_request_id();

@@ -548,13 +548,27 @@ def test_theKeyMigrationKeepsWaitingAndProcessedObservations(databaseDSN: str) -
                     "WITH gone AS (DELETE FROM memory_observations WHERE id = %s"
                     " RETURNING id, org_id, request_id)"
                     " INSERT INTO memory_observations_done (org_id, request_id, observation_id)"
-                    " SELECT org_id, request_id, id FROM gone",
+                    " SELECT org_id, request_id, id FROM gone ON CONFLICT DO NOTHING",
                     (waitingID,),
                 )
             [finished] = memoryStore.queueObservations(
                 [NewObservation(scope, "req-waiting", message)]
             )
             assert finished == QueuedObservation("req-waiting", waitingID, False)
+            # A waiting observation without a key is refused, never keyed by
+            # the client's request id behind the code's back.
+            with (
+                pytest.raises(psycopg.errors.NotNullViolation),
+                appConnection(databaseDSN) as forgetful,
+                forgetful.transaction(),
+            ):
+                forgetful.execute("SELECT set_config('svc.org_id', %s, true)", (str(orgID),))
+                forgetful.execute(
+                    "INSERT INTO memory_observations"
+                    " (id, org_id, agent_id, subject, request_id, messages)"
+                    " VALUES (%s, %s, %s, '', 'req-new', '[]')",
+                    (uuid.uuid4(), orgID, agentID),
+                )
             connection.execute(
                 "UPDATE memory_observations_done SET done_at = now() - interval '2 hours'"
                 " WHERE request_id = 'req-done'"

@@ -8,8 +8,10 @@ loads.
 from __future__ import annotations
 
 import itertools
+import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy
@@ -17,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from memoryfixtures import vectorBytes
 
+from svcd.memory.search import usableCores
 from svcd.memory.store import CachedRow, ScopeRows
 from svcd.memory.vectors import (
     ROW_EXTRA_BYTES,
@@ -418,3 +421,22 @@ def test_aSplitProductsBlocksAreNeverSmallerThanItsBound() -> None:
             scores = split(matrix, query)
             assert len(submitted) == blocks - 1, (rows, submitted)
             assert numpy.allclose(scores, matrix @ query, atol=1e-5)
+
+
+def test_theCoresUsedAreTheProcesssNotTheMachines(tmp_path: Path) -> None:
+    """
+    A split product uses the cores this process may run on: its affinity,
+    capped by its cgroup's CPU quota (rounded up) when one is set; no
+    quota, or none readable, leaves the affinity's count.
+    """
+    affinity = len(os.sched_getaffinity(0))
+    assert usableCores(str(tmp_path / "none")) == affinity
+    limits = tmp_path / "cpu.max"
+    for written, expected in (
+        ("max 100000\n", affinity),
+        ("150000 100000\n", min(affinity, 2)),
+        ("50000 100000\n", 1),
+        ("garbage\n", affinity),
+    ):
+        limits.write_text(written)
+        assert usableCores(str(tmp_path)) == expected, written

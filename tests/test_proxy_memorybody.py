@@ -8,6 +8,7 @@ query, a memory id of a path, the X-SVC-Memory-Subject header
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ from twisted.web.server import Request
 from twisted.web.test.requesthelper import DummyChannel
 
 from svcd.common.errors import ApiError, ErrorCode
-from svcd.memory.records import ObservedMessage
+from svcd.memory.records import ObservedMessage, Scope
 from svcd.pb.memory.v1 import memory_pb2
 from svcd.proxy.http.memorybody import (
     Conversation,
@@ -33,7 +34,12 @@ from svcd.proxy.http.memorybody import (
     parsePatchBody,
     parseSearchBody,
 )
+from svcd.proxy.http.routes.memories import conversationKey
 from svcd.proxy.http.steps import MEMORY_SUBJECT_HEADER, memorySubject
+
+PINNED_CONVERSATION_KEY = (
+    "conversation:bab197f2d4038a46c923c04b3ff3ac640e051e0ba10024b762bdc3639156b85a"
+)
 
 
 def body(document: object) -> bytes:
@@ -358,3 +364,30 @@ def test_theSubjectHeaderAgreesWithSvcMemory(text: str) -> None:
     except ApiError:
         accepted = False
     assert accepted == (bool(text) and SUBJECT_PATTERN.fullmatch(text) is not None)
+
+
+def test_aConversationsKeyIsTheSameOnEveryProxyAndRelease() -> None:
+    """
+    The key of a conversation posted to /v1/memories (its request id,
+    agent, subject and messages, digested) is what makes a retry queue it
+    once: any proxy, of any release that keeps this digest, must compute
+    the same for the same request. Pinned here, so that a change to its
+    encoding is a decision (and a release note), not an accident; another
+    request id, agent, subject or message is another key.
+    """
+    orgID = uuid.UUID("0190a000-0000-7000-8000-000000000001")
+    agentID = uuid.UUID("0190a000-0000-7000-8000-000000000002")
+    requestID = "0190a000-0000-7000-8000-0000000000aa"
+    messages = (
+        ObservedMessage("user", "I moved to Porto"),
+        ObservedMessage("assistant", "Nice! é"),
+    )
+    key = conversationKey(Scope(orgID, agentID, "bob"), requestID, messages)
+    assert key == PINNED_CONVERSATION_KEY
+    others = {
+        conversationKey(Scope(orgID, agentID, "bob"), requestID.replace("aa", "ab"), messages),
+        conversationKey(Scope(orgID, uuid.uuid4(), "bob"), requestID, messages),
+        conversationKey(Scope(orgID, agentID, "eve"), requestID, messages),
+        conversationKey(Scope(orgID, agentID, "bob"), requestID, messages[:1]),
+    }
+    assert len(others) == 4 and key not in others

@@ -96,7 +96,8 @@ class WorkerRig:
     ) -> None:
         """
         Queue one observation per request id, each with the user's text
-        given and an answer, as the proxy queues them.
+        given and an answer, as a proxy queues them (without a key, as an
+        earlier release did: each keyed by its request id).
         """
         tenant = tenant or self.tenant
         scope = memory_pb2.Scope(

@@ -46,16 +46,27 @@ HYBRID = "hybrid"
 MODES = (VECTOR, TEXT, HYBRID)
 
 
-def usableCores() -> int:
+def usableCores(cgroup: str = "/sys/fs/cgroup") -> int:
     """
-    The cores this process may run on (its affinity, which a container's
-    cpuset sets), not the machine's: a split product's blocks beyond
-    them would only wait for each other.
+    The cores this process may run on, not the machine's: its affinity
+    (which a container's cpuset sets), and no more than its cgroup's CPU
+    quota (C{cpu.max}, which C{--cpus} and Kubernetes' limits set), rounded
+    up. A split product's blocks beyond them would only wait for each
+    other.
     """
     try:
-        return len(os.sched_getaffinity(0)) or 1
+        cores = len(os.sched_getaffinity(0)) or 1
     except AttributeError:
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    try:
+        with open(os.path.join(cgroup, "cpu.max")) as limits:
+            quota, period = limits.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        # No cgroup v2 here, or no limit it says: the affinity's count.
+        pass
+    return cores
 
 
 class Searcher:

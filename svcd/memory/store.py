@@ -631,13 +631,10 @@ class MemoryStore:
         """
 
         def remove(cursor: Cursor) -> tuple[int, int]:
-            # Observations first, as _deleteScope, locked in queueing's order.
-            _lockObservations(cursor, "org_id = %s AND agent_id = %s", (orgID, agentID))
-            cursor.execute(
-                "DELETE FROM memory_observations WHERE org_id = %s AND agent_id = %s",
-                (orgID, agentID),
+            # Observations first, as _deleteScope.
+            observations = _deleteObservations(
+                cursor, "org_id = %s AND agent_id = %s", (orgID, agentID)
             )
-            observations = cursor.rowcount
             cursor.execute(
                 "DELETE FROM memories WHERE org_id = %s AND agent_id = %s", (orgID, agentID)
             )
@@ -1227,34 +1224,33 @@ def _addExtracted(
     return records
 
 
-def _lockObservations(cursor: Cursor, condition: str, parameters: tuple[Any, ...]) -> None:
+def _deleteObservations(cursor: Cursor, condition: str, parameters: tuple[Any, ...]) -> int:
     """
-    Lock the waiting observations C{condition} selects in the order
-    queueing locks them (L{MemoryStore.queueObservations}: by key), so
-    that a deletion of a scope and a resent batch holding several of its
-    observations never wait for each other in a cycle (a deletion's own
-    scan would take them in whatever order the table gives).
+    Delete the waiting observations C{condition} selects, locked first in
+    the order queueing locks them (L{MemoryStore.queueObservations}: by
+    key), in one statement (one snapshot: a second statement would reach
+    rows committed in between, in the table's order), so that a deletion
+    of a scope and a resent batch holding several of its observations
+    never wait for each other in a cycle, which PostgreSQL ends by
+    aborting one; how many.
     """
     cursor.execute(
-        f"SELECT 1 FROM memory_observations WHERE {condition} ORDER BY observation_key FOR UPDATE",
+        "DELETE FROM memory_observations WHERE id IN (SELECT id FROM memory_observations"
+        f" WHERE {condition} ORDER BY observation_key FOR UPDATE)",
         parameters,
     )
+    return cursor.rowcount
 
 
 def _deleteScope(cursor: Cursor, scope: Scope) -> tuple[int, int]:
     # Observations first: a worker storing one of them holds its row (see
     # MemoryStore.storeExtracted), so this waits for it and then deletes
     # its memories too, or deletes the observation before it stores.
-    _lockObservations(
+    observations = _deleteObservations(
         cursor,
         "org_id = %s AND agent_id = %s AND subject = %s",
         (scope.orgID, scope.agentID, scope.subject),
     )
-    cursor.execute(
-        "DELETE FROM memory_observations WHERE org_id = %s AND agent_id = %s AND subject = %s",
-        (scope.orgID, scope.agentID, scope.subject),
-    )
-    observations = cursor.rowcount
     cursor.execute(
         "DELETE FROM memories WHERE org_id = %s AND agent_id = %s AND subject = %s",
         (scope.orgID, scope.agentID, scope.subject),
