@@ -75,7 +75,7 @@ def test_observation_carries_scope_request_and_answer() -> None:
     then the answer's text as an assistant message.
     """
     made = observation(
-        "org", "agent", "alice", "req-1", [{"role": "user", "content": "hi"}], "hello"
+        "org", "agent", "alice", "req-1", [{"role": "user", "content": "hi"}], "hello", "ledger-1"
     )
     assert made is not None
     assert (made.scope.org_id, made.scope.agent_id, made.scope.subject) == (
@@ -94,7 +94,7 @@ def test_nothing_to_observe_without_user_text() -> None:
     """
     A turn with no user text is not observed.
     """
-    assert observation("o", "a", "", "r", [{"role": "system", "content": "x"}], "ok") is None
+    assert observation("o", "a", "", "r", [{"role": "system", "content": "x"}], "ok", "k") is None
 
 
 def test_cut_on_a_character_boundary() -> None:
@@ -118,7 +118,7 @@ def test_user_text_and_answer_are_cut() -> None:
     Both the user's messages and the answer are cut to 16 KiB each.
     """
     long = "x" * (MAX_OBSERVED_MESSAGE_BYTES + 100)
-    made = observation("o", "a", "", "r", [{"role": "user", "content": long}], long)
+    made = observation("o", "a", "", "r", [{"role": "user", "content": long}], long, "k")
     assert made is not None
     assert [len(m.content) for m in made.messages] == [MAX_OBSERVED_MESSAGE_BYTES] * 2
 
@@ -185,7 +185,13 @@ class FakeQueue:
 
 def made(requestID: str, secret: str = "my secret fact") -> memory_pb2.Observation:
     observed = observation(
-        "org", "agent", "", requestID, [{"role": "user", "content": secret}], "ok"
+        "org",
+        "agent",
+        "",
+        requestID,
+        [{"role": "user", "content": secret}],
+        "ok",
+        requestID,
     )
     assert observed is not None
     return observed
@@ -312,8 +318,8 @@ def test_a_full_outbox_of_bytes_drops_the_observation_not_the_answer() -> None:
     planned = making.plan(request(), ORG, AGENT, stream=False)
     assert planned is not None
     long = [{"role": "user", "content": "w" * 6_000}]
-    making.record(planned, ORG, AGENT, "r-1", long, ANSWER)
-    making.record(planned, ORG, AGENT, "r-2", long, ANSWER)
+    making.record(planned, ORG, AGENT, "r-1", long, ANSWER, "ledger-r-1")
+    making.record(planned, ORG, AGENT, "r-2", long, ANSWER, "ledger-r-2")
     assert [observedCount(registry, each) for each in ("recorded", "full")] == [1, 1]
     assert outbox.waiting == 1
 
@@ -478,7 +484,9 @@ def test_record_of_a_stream_takes_the_gathered_text() -> None:
         delta = {"choices": [{"index": 0, "delta": {"content": piece}}]}
         planned.answer.addData(json.dumps(delta).encode())
     planned.answer.addData(b"not json")
-    making.record(planned, ORG, AGENT, "req-2", [{"role": "user", "content": "hi"}], b"")
+    making.record(
+        planned, ORG, AGENT, "req-2", [{"role": "user", "content": "hi"}], b"", "ledger-req-2"
+    )
     [made] = outbox.recorded
     assert made.messages[-1].content == "Noted, Lyon."
 
@@ -502,11 +510,13 @@ def test_record_never_fails_the_answer() -> None:
     secret = [{"role": "user", "content": "my pin is 4321"}]
     globalLogPublisher.addObserver(cast(ILogObserver, heard))
     try:
-        making.record(planned, ORG, AGENT, "r-empty", [{"role": "system", "content": "x"}], ANSWER)
+        making.record(
+            planned, ORG, AGENT, "r-empty", [{"role": "system", "content": "x"}], ANSWER, "l-1"
+        )
         outbox.room = False
-        making.record(planned, ORG, AGENT, "r-full", secret, ANSWER)
+        making.record(planned, ORG, AGENT, "r-full", secret, ANSWER, "l-2")
         outbox.room = True
-        making.record(planned, ORG, AGENT, "r-broken", secret, b"\xff not json 4321")
+        making.record(planned, ORG, AGENT, "r-broken", secret, b"\xff not json 4321", "l-3")
     finally:
         globalLogPublisher.removeObserver(cast(ILogObserver, heard))
     assert outbox.recorded == []
@@ -668,7 +678,9 @@ def test_lone_surrogates_do_not_lose_the_observation() -> None:
     planned = making.plan(request(), ORG, AGENT, stream=False)
     assert planned is not None
     body = b'{"choices":[{"index":0,"message":{"role":"assistant","content":"a\\ud800b"}}]}'
-    making.record(planned, ORG, AGENT, "r-1", [{"role": "user", "content": "I am here."}], body)
+    making.record(
+        planned, ORG, AGENT, "r-1", [{"role": "user", "content": "I am here."}], body, "ledger-r-1"
+    )
     [made] = outbox.recorded
     assert made.messages[-1].content == "a\ufffdb"
     assert observedCount(registry, "recorded") == 1

@@ -107,7 +107,7 @@ def observation(
     requestID: str,
     messages: Sequence[Mapping[str, Any]],
     answer: str,
-    key: str = "",
+    key: str,
 ) -> memory_pb2.Observation | None:
     """
     The observation of one chat completion that ended C{ok}, or None when
@@ -116,8 +116,7 @@ def observation(
 
     @param key: what makes it idempotent: the request's ledger id, made by
         the gateway for each forwarded request, never the client's request
-        id, which clients reuse (sql/0015_observation_key.sql); empty,
-        svc-memory keys it by C{requestID}.
+        id, which clients reuse (sql/0015_observation_key.sql).
     """
     users = observedUserTexts(messages)
     if not users:
@@ -450,7 +449,7 @@ class Observer:
         requestID: str,
         messages: Sequence[Mapping[str, Any]],
         body: bytes,
-        ledgerID: str = "",
+        ledgerID: str,
     ) -> None:
         """
         Record the observation of an answer that ended C{ok}: the user's
