@@ -20,6 +20,7 @@ nothing else.
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -773,66 +774,28 @@ class MemoryStore:
 
         def insert(cursor: Cursor) -> list[QueuedObservation]:
             queued: dict[int, QueuedObservation] = {}
-            currentOrg: uuid.UUID | None = None
             # One organization's observations together, in a stable order;
             # answered in the order given.
             ordered = sorted(
                 enumerate(observations), key=lambda pair: (str(pair[1].scope.orgID), pair[1].key)
             )
-            for index, observation in ordered:
-                if observation.scope.orgID != currentOrg:
-                    currentOrg = observation.scope.orgID
-                    cursor.execute("SELECT set_config('svc.org_id', %s, true)", (str(currentOrg),))
-                    # The copies of these waiting now, locked: a worker's
-                    # transaction finishing one (its row deleted, its key
-                    # remembered) is waited for, so that the statements
-                    # below, each on a snapshot of its own, see it done
-                    # rather than queue it again (two extractions paid).
-                    # One finishing later waits for this commit.
-                    cursor.execute(
-                        "SELECT 1 FROM memory_observations"
-                        " WHERE org_id = %s AND observation_key = ANY(%s)"
-                        " ORDER BY observation_key FOR UPDATE",
-                        (
-                            currentOrg,
-                            [each.key for _, each in ordered if each.scope.orgID == currentOrg],
-                        ),
-                    )
-                orgID, key = observation.scope.orgID, observation.key
+            for orgID, group in itertools.groupby(ordered, key=lambda pair: pair[1].scope.orgID):
+                held = list(group)
+                cursor.execute("SELECT set_config('svc.org_id', %s, true)", (str(orgID),))
+                # The copies of these waiting now, locked: a worker's
+                # transaction finishing one (its row deleted, its key
+                # remembered) is waited for, so that the statements of
+                # _queueObservation, each on a snapshot of its own, see it
+                # done rather than queue it again (two extractions paid).
+                # One finishing later waits for this commit.
                 cursor.execute(
-                    "INSERT INTO memory_observations"
-                    " (id, org_id, agent_id, subject, request_id, observation_key, messages)"
-                    " SELECT %s, %s, %s, %s, %s, %s, %s::jsonb"
-                    " WHERE NOT EXISTS (SELECT 1 FROM memory_observations_done"
-                    " WHERE org_id = %s AND observation_key = %s)"
-                    " ON CONFLICT (org_id, observation_key) DO NOTHING RETURNING id",
-                    (
-                        uuid7(),
-                        orgID,
-                        observation.scope.agentID,
-                        observation.scope.subject,
-                        observation.requestID,
-                        key,
-                        messagesJSON(observation.messages),
-                        orgID,
-                        key,
-                    ),
+                    "SELECT 1 FROM memory_observations"
+                    " WHERE org_id = %s AND observation_key = ANY(%s)"
+                    " ORDER BY observation_key FOR UPDATE",
+                    (orgID, [each.key for _, each in held]),
                 )
-                row = cursor.fetchone()
-                if row is not None:
-                    queued[index] = QueuedObservation(observation.requestID, row["id"], True, key)
-                    continue
-                # Queued before: waiting (or failed) still, or processed
-                # within the retention.
-                cursor.execute(
-                    "SELECT id FROM memory_observations WHERE org_id = %s AND observation_key = %s"
-                    " UNION ALL SELECT observation_id FROM memory_observations_done"
-                    " WHERE org_id = %s AND observation_key = %s LIMIT 1",
-                    (orgID, key, orgID, key),
-                )
-                queued[index] = QueuedObservation(
-                    observation.requestID, _one(cursor.fetchone())["id"], False, key
-                )
+                for index, observation in held:
+                    queued[index] = _queueObservation(cursor, observation)
             return [queued[index] for index in range(len(observations))]
 
         return self._run("observation_queue", insert, None)
@@ -1101,6 +1064,46 @@ class MemoryStore:
             return int(_one(cursor.fetchone())["waiting"])
 
         return self._run("observations_waiting", query, None)
+
+
+def _queueObservation(cursor: Cursor, observation: NewObservation) -> QueuedObservation:
+    """
+    Queue one observation, in its organization's context, unless one of
+    the same key is waiting or was processed within the retention
+    (L{MemoryStore.queueObservations}).
+    """
+    orgID, key = observation.scope.orgID, observation.key
+    cursor.execute(
+        "INSERT INTO memory_observations"
+        " (id, org_id, agent_id, subject, request_id, observation_key, messages)"
+        " SELECT %s, %s, %s, %s, %s, %s, %s::jsonb"
+        " WHERE NOT EXISTS (SELECT 1 FROM memory_observations_done"
+        " WHERE org_id = %s AND observation_key = %s)"
+        " ON CONFLICT (org_id, observation_key) DO NOTHING RETURNING id",
+        (
+            uuid7(),
+            orgID,
+            observation.scope.agentID,
+            observation.scope.subject,
+            observation.requestID,
+            key,
+            messagesJSON(observation.messages),
+            orgID,
+            key,
+        ),
+    )
+    row = cursor.fetchone()
+    if row is not None:
+        return QueuedObservation(observation.requestID, row["id"], True, key)
+    # Queued before: waiting (or failed) still, or processed within the
+    # retention.
+    cursor.execute(
+        "SELECT id FROM memory_observations WHERE org_id = %s AND observation_key = %s"
+        " UNION ALL SELECT observation_id FROM memory_observations_done"
+        " WHERE org_id = %s AND observation_key = %s LIMIT 1",
+        (orgID, key, orgID, key),
+    )
+    return QueuedObservation(observation.requestID, _one(cursor.fetchone())["id"], False, key)
 
 
 def _finishing(condition: str) -> str:
