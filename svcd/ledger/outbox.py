@@ -764,7 +764,7 @@ class UsageOutbox:
         if self._journal is not None:
             replayed = self._journal.open()
             self._queue.extendleft(reversed(replayed))
-            self._bytes += sum(self._size(row) for row in replayed)
+            self._countBytes(replayed, 1)
         self._sendSoon()
 
     def hasRoom(self) -> bool:
@@ -772,8 +772,14 @@ class UsageOutbox:
             return False
         return self._maxBytes is None or self._bytes < self._maxBytes
 
-    def _size(self, row: Any) -> int:
-        return 0 if self._sizeOf is None else self._sizeOf(row)
+    def _countBytes(self, rows: Sequence[Any], sign: int) -> None:
+        """
+        Add (C{sign} 1) or take away (-1) the bytes of C{rows}: nothing to
+        do for usage rows, which are counted only (no C{sizeOf}).
+        """
+        sizeOf = self._sizeOf
+        if sizeOf is not None:
+            self._bytes += sign * sum(sizeOf(row) for row in rows)
 
     def record(self, row: Any) -> None:
         journal = self._journal
@@ -791,7 +797,8 @@ class UsageOutbox:
                     reason=str(error),
                 )
         self._queue.append(row)
-        self._bytes += self._size(row)
+        if self._sizeOf is not None:
+            self._bytes += self._sizeOf(row)
         self._sendAfterLinger()
 
     def _sendAfterLinger(self) -> None:
@@ -902,7 +909,7 @@ class UsageOutbox:
         """
         count, self._batch = self._batch, 0
         batch = [self._queue.popleft() for _ in range(count)]
-        self._bytes -= sum(self._size(row) for row in batch)
+        self._countBytes(batch, -1)
         refused: dict[int, tuple[str, str]] = {}
         for each in rejected:
             index = int(each.index)
