@@ -7,6 +7,7 @@ tests/conftest.py (pytest_plugins).
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -53,19 +54,26 @@ def appConnection(dsn: str) -> psycopg.Connection[object]:
     return connection
 
 
-@pytest.fixture
-def memoryStore(migratedDSN: str) -> Iterator[MemoryStore]:
+@contextlib.contextmanager
+def storeOn(dsn: str) -> Iterator[MemoryStore]:
     """
-    svc-memory's store on a small pool of its own, as the daemon has it.
+    svc-memory's store on a small pool of its own, as the daemon has it
+    (its connections named C{memory-test} in pg_stat_activity).
     """
     pool = connectionPool(
-        migratedDSN, minimum=1, maximum=8, statementTimeout=5.0, applicationName="memory-test"
+        dsn, minimum=1, maximum=8, statementTimeout=5.0, applicationName="memory-test"
     )
     pool.open(wait=True)
     try:
         yield MemoryStore(pool.connection, dropDeadConnections=pool.check)
     finally:
         pool.close(timeout=5)
+
+
+@pytest.fixture
+def memoryStore(migratedDSN: str) -> Iterator[MemoryStore]:
+    with storeOn(migratedDSN) as store:
+        yield store
 
 
 @pytest.fixture

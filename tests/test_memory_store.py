@@ -19,6 +19,7 @@ from memoryfixtures import (
     embedding,
     scopeOf,
     secondAgent,
+    storeOn,
     vectorBytes,
     within,
 )
@@ -41,7 +42,6 @@ from svcd.memory.store import (
     ObservationRelease,
     ScopeFull,
     _finishing,
-    connectionPool,
 )
 
 
@@ -515,12 +515,7 @@ def test_theKeyMigrationKeepsWaitingAndProcessedObservations(databaseDSN: str) -
             (orgID, doneID),
         )
         assert migrate(databaseDSN) == ["0015_observation_key.sql"]
-        pool = connectionPool(
-            databaseDSN, minimum=1, maximum=2, statementTimeout=5.0, applicationName="memory-test"
-        )
-        pool.open(wait=True)
-        try:
-            memoryStore = MemoryStore(pool.connection, dropDeadConnections=pool.check)
+        with storeOn(databaseDSN) as memoryStore:
             scope = Scope(orgID, agentID, "")
             message = (ObservedMessage("user", "I live in Oslo"),)
             waiting, done, keyed = memoryStore.queueObservations(
@@ -576,8 +571,6 @@ def test_theKeyMigrationKeepsWaitingAndProcessedObservations(databaseDSN: str) -
             assert memoryStore.pruneDone(3600.0) == 1
             [anew] = memoryStore.queueObservations([NewObservation(scope, "req-done", message)])
             assert anew.queuedNow
-        finally:
-            pool.close(timeout=5)
     finally:
         connection.close()
 
