@@ -25,10 +25,19 @@ from typing import Any, TypeVar
 import attrs
 import grpc
 from opentelemetry import trace
-from twisted.internet.defer import Deferred, DeferredSemaphore, TimeoutError, fail
+from twisted.internet.defer import (
+    Deferred,
+    DeferredList,
+    DeferredSemaphore,
+    TimeoutError,
+    fail,
+    succeed,
+)
 from twisted.internet.interfaces import IReactorFromThreads, IReactorTime
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
+from svcd.common.coalesce import Coalescer
 from svcd.common.grpcdefer import deferredFromFuture
 from svcd.common.tracing import traceMetadata
 from svcd.memory.records import FORBIDDEN_DETAILS, Embedding, Scope
@@ -55,6 +64,9 @@ CHANNEL_OPTIONS = (
 )
 
 T = TypeVar("T")
+
+# The most searches of one SearchMany (svc-memory refuses more).
+MAX_SEARCHES_PER_CALL = 64
 
 
 class MemoryCallFailed(Exception):
@@ -114,14 +126,19 @@ def failureOf(error: BaseException) -> MemoryCallFailed:
     The L{MemoryCallFailed} of a failed call's exception.
     """
     if isinstance(error, grpc.Call):
-        code = error.code()
-        details = error.details() or ""
-        if code is grpc.StatusCode.PERMISSION_DENIED and details != FORBIDDEN_DETAILS:
-            # svc-memory did not admit this client's certificate
-            # (SVC_GRPC_INTERNAL_SUBJECTS): no memory was refused.
-            return MemoryUnavailable(code, details)
-        return _FAILURES.get(code, MemoryUnavailable)(code, details)
+        return refusalOf(error.code(), error.details() or "")
     return MemoryUnavailable(None, type(error).__name__)
+
+
+def refusalOf(code: grpc.StatusCode, details: str) -> MemoryCallFailed:
+    """
+    The L{MemoryCallFailed} of a status and its details.
+    """
+    if code is grpc.StatusCode.PERMISSION_DENIED and details != FORBIDDEN_DETAILS:
+        # svc-memory did not admit this client's certificate
+        # (SVC_GRPC_INTERNAL_SUBJECTS): no memory was refused.
+        return MemoryUnavailable(code, details)
+    return _FAILURES.get(code, MemoryUnavailable)(code, details)
 
 
 @attrs.frozen
@@ -159,6 +176,22 @@ def scopeMessage(scope: Scope) -> memory_pb2.Scope:
 
 def embeddingMessage(embedding: Embedding) -> memory_pb2.Embedding:
     return memory_pb2.Embedding(model=embedding.model, vector=embedding.vector)
+
+
+def searchRequest(
+    scope: Scope,
+    query: Embedding | None,
+    k: int,
+    minScore: float | None,
+    mode: str,
+    text: str,
+) -> memory_pb2.SearchRequest:
+    request = memory_pb2.SearchRequest(scope=scopeMessage(scope), k=k, mode=mode, text=text)
+    if query is not None:
+        request.query.CopyFrom(embeddingMessage(query))
+    if minScore is not None:
+        request.min_score = minScore
+    return request
 
 
 class MemoryClient:
@@ -235,6 +268,20 @@ class MemoryClient:
                 response_deserializer=responseType.FromString,
                 _registered_method=True,
             )
+
+    @property
+    def timeout(self) -> float:
+        """
+        A call's deadline in seconds when it names none.
+        """
+        return self._timeout
+
+    def call(self, name: str, request: Any, timeout: float | None = None) -> Deferred[Any]:
+        """
+        Call the method C{name} with C{request}, within C{timeout} seconds
+        (the client's by default).
+        """
+        return self._call(name, request, timeout)
 
     def _call(self, name: str, request: Any, timeout: float | None = None) -> Deferred[Any]:
         deadline = self._timeout if timeout is None else timeout
@@ -366,12 +413,7 @@ class MemoryClient:
             "Hybrid search"); C{text}, the query's text, is what the last
             two rank by.
         """
-        request = memory_pb2.SearchRequest(scope=scopeMessage(scope), k=k, mode=mode, text=text)
-        if query is not None:
-            request.query.CopyFrom(embeddingMessage(query))
-        if minScore is not None:
-            request.min_score = minScore
-        return self._call("Search", request, timeout)
+        return self._call("Search", searchRequest(scope, query, k, minScore, mode, text), timeout)
 
     # Observations.
 
@@ -481,3 +523,201 @@ class MemoryClient:
                 lease_token=leaseToken,
             ),
         )
+
+
+@attrs.define(eq=False)
+class _Waiting:
+    """
+    A search of L{SearchBatches}: its request, when its deadline passes
+    (on the clock's time), its caller's Deferred, and once sent, its call
+    and the searches that share it.
+    """
+
+    request: memory_pb2.SearchRequest
+    deadline: float
+    result: Deferred[memory_pb2.SearchResponse] = attrs.field(init=False)
+    call: Deferred[Any] | None = None
+    batch: Sequence[_Waiting] = ()
+
+
+class SearchBatches:
+    """
+    A client's searches coalesced by organization (L{svcd.common.coalesce}):
+    a search of an organization with fewer than C{maxInFlight} searches in
+    flight is sent at once, alone, as L{MemoryClient.search} sends it;
+    those that come while it has that many are sent together when one
+    ends, up to C{maxBatch} in one SearchMany. A quiet proxy's recall waits
+    for nothing; a busy one's share a call's cost (its creation and
+    grpcio's hand-offs in this process, svc-memory's handling of a call),
+    which is more CPU than the search itself. Organizations never share a
+    call, so that one's slow search (a scope loaded from PostgreSQL) holds
+    back no other's.
+
+    What a search waits for its turn counts in its own deadline: one whose
+    deadline passed while it waited fails L{MemoryUnavailable} unsent, and
+    one sent has what is left (a SearchMany has its latest search's).
+    Cancelling a search's Deferred fails it at once with
+    L{twisted.internet.defer.CancelledError}; its call goes on for the
+    others that share it, and is cancelled when none is left waiting.
+
+    An svc-memory of an earlier release answers SearchMany UNIMPLEMENTED:
+    that batch's searches are then sent again one call each, as is every
+    later batch until C{retryBatchesAfter} seconds have passed (a rolling
+    upgrade).
+
+    @param client: what sends the calls.
+    @param clock: the deadlines' time (the reactor).
+    @param maxInFlight: an organization's calls in flight before its
+        searches wait to share one (C{SVC_MEMORY_RECALL_CALLS}).
+    @param maxBatch: the most searches of one call (svc-memory takes
+        L{MAX_SEARCHES_PER_CALL}).
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        client: MemoryClient,
+        clock: IReactorTime,
+        maxInFlight: int = 1,
+        maxBatch: int = MAX_SEARCHES_PER_CALL,
+        retryBatchesAfter: float = 60.0,
+    ) -> None:
+        if not 1 <= maxBatch <= MAX_SEARCHES_PER_CALL:
+            raise ValueError(f"a batch holds 1 to {MAX_SEARCHES_PER_CALL} searches")
+        self._client = client
+        self._clock = clock
+        self._retryBatchesAfter = retryBatchesAfter
+        self._batchesRefusedAt: float | None = None
+        self._coalescer: Coalescer[str, _Waiting] = Coalescer(self._send, maxBatch, maxInFlight)
+
+    def search(
+        self,
+        scope: Scope,
+        query: Embedding | None,
+        k: int,
+        minScore: float | None = None,
+        timeout: float | None = None,
+        mode: str = "vector",
+        text: str = "",
+    ) -> Deferred[memory_pb2.SearchResponse]:
+        """
+        As L{MemoryClient.search}.
+        """
+        seconds = self._client.timeout if timeout is None else timeout
+        waiting = _Waiting(
+            searchRequest(scope, query, k, minScore, mode, text), self._clock.seconds() + seconds
+        )
+        waiting.result = Deferred(lambda _: self._cancelled(waiting))
+        self._coalescer.submit(waiting.request.scope.org_id, waiting)
+        return waiting.result
+
+    def _cancelled(self, waiting: _Waiting) -> None:
+        # Deferred.cancel fails the search's Deferred with CancelledError
+        # after this. Still held: it is not sent. Sent: its call goes on
+        # for the others, and ends when none is left.
+        if waiting.call is None:
+            self._coalescer.withdraw(waiting.request.scope.org_id, waiting)
+        elif all(each is waiting or each.result.called for each in waiting.batch):
+            waiting.call.cancel()
+
+    def _send(self, _: str, batch: list[_Waiting]) -> Deferred[Any]:
+        now = self._clock.seconds()
+        due = []
+        for waiting in batch:
+            if waiting.deadline > now:
+                due.append(waiting)
+            else:
+                waiting.result.errback(
+                    MemoryUnavailable(None, "the search's deadline passed before its turn")
+                )
+        if not due:
+            return succeed(None)
+        return self._sendDue(due, now).addBoth(_forget, due)
+
+    def _sendDue(self, due: list[_Waiting], now: float) -> Deferred[Any]:
+        if len(due) == 1:
+            return self._sendAlone(due[0], now)
+        refused = self._batchesRefusedAt
+        if refused is not None and now - refused < self._retryBatchesAfter:
+            return self._eachAlone(due, now)
+        called: Deferred[Any] = self._client.call(
+            "SearchMany",
+            memory_pb2.SearchManyRequest(searches=[each.request for each in due]),
+            max(each.deadline for each in due) - now,
+        )
+        for waiting in due:
+            waiting.call, waiting.batch = called, due
+        return called.addCallbacks(
+            self._answered, self._failed, callbackArgs=(due,), errbackArgs=(due,)
+        )
+
+    def _sendAlone(self, waiting: _Waiting, now: float) -> Deferred[Any]:
+        called: Deferred[Any] = self._client.call(
+            "Search", waiting.request, max(waiting.deadline - now, _LEAST_SECONDS)
+        )
+        waiting.call, waiting.batch = called, (waiting,)
+        return called.addBoth(_fire, waiting.result)
+
+    def _eachAlone(self, batch: Sequence[_Waiting], now: float) -> Deferred[Any]:
+        return DeferredList(
+            [self._sendAlone(waiting, now) for waiting in batch if not waiting.result.called]
+        )
+
+    def _answered(self, answer: memory_pb2.SearchManyResponse, batch: list[_Waiting]) -> None:
+        for index, waiting in enumerate(batch):
+            if waiting.result.called:
+                continue
+            if index >= len(answer.outcomes):
+                waiting.result.errback(MemoryUnavailable(None, "SearchMany answered too few"))
+                continue
+            outcome = answer.outcomes[index]
+            if outcome.code == 0:
+                waiting.result.callback(outcome.response)
+            else:
+                code = _CODES.get(outcome.code, grpc.StatusCode.UNKNOWN)
+                waiting.result.errback(refusalOf(code, outcome.details))
+
+    def _failed(self, failure: Failure, batch: list[_Waiting]) -> Deferred[Any] | None:
+        error = failure.value
+        if isinstance(error, MemoryCallFailed) and error.code is grpc.StatusCode.UNIMPLEMENTED:
+            # An svc-memory of an earlier release: each alone, now and for
+            # a while. The next batch waits for these.
+            now = self._clock.seconds()
+            self._batchesRefusedAt = now
+            self.log.info("svc-memory answers no SearchMany: searches go one call each for now")
+            return self._eachAlone(batch, now)
+        for waiting in batch:
+            if not waiting.result.called:
+                waiting.result.errback(failure)
+        return None
+
+
+def _forget(result: object, batch: Sequence[_Waiting]) -> object:
+    """
+    Cut the references between a call's searches and the call, once it
+    has ended: a search refers to its call and its batch (which holds it),
+    and without this every recall would leave a cycle for the collector.
+    """
+    for waiting in batch:
+        waiting.call, waiting.batch = None, ()
+    return result
+
+
+# The shortest deadline a search that waited its turn is sent with.
+_LEAST_SECONDS = 0.001
+
+
+def _fire(result: Any, target: Deferred[Any]) -> None:
+    """
+    Hand a call's outcome to its search's Deferred, unless that was
+    cancelled meanwhile.
+    """
+    if not target.called:
+        if isinstance(result, Failure):
+            target.errback(result)
+        else:
+            target.callback(result)
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}

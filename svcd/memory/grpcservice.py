@@ -41,6 +41,7 @@ from svcd.auth.admission import AdmissionInterceptor, Bounds, RefusalLog
 from svcd.common.errors import rfc3339
 from svcd.common.grpcserver import HostedGrpcServer, ServerTLS, buildGrpcServer
 from svcd.common.metrics import BUCKETS, Children
+from svcd.memory.client import MAX_SEARCHES_PER_CALL
 from svcd.memory.records import (
     FORBIDDEN_DETAILS,
     MAX_REASON_CHARACTERS,
@@ -70,7 +71,7 @@ from svcd.memory.store import (
     StoreValueRefused,
 )
 from svcd.memory.vectors import CacheMetrics
-from svcd.memory.wire import memoryMessage, searchAnswer
+from svcd.memory.wire import memoryMessage, searchAnswer, searchManyAnswer
 from svcd.pb.memory.v1 import memory_pb2
 
 SERVICE_NAME = "svc.memory.v1.MemoryService"
@@ -268,7 +269,7 @@ def _owner(owner: str) -> str:
 
 
 # The methods whose answers are written as bytes (svcd.memory.wire).
-_ENCODED_ANSWERS = frozenset({"Search"})
+_ENCODED_ANSWERS = frozenset({"Search", "SearchMany"})
 
 
 class MemoryServicer:
@@ -329,35 +330,39 @@ class MemoryServicer:
                         " (broken wire format, or a string that is not UTF-8)",
                     ) from None
                 return work(request)
-            except _Refusal as refusal:
-                code, details = refusal.code, str(refusal)
-            except InvalidMemory as invalid:
-                code, details = grpc.StatusCode.INVALID_ARGUMENT, str(invalid)
-            except MemoryNotFound:
-                code, details = grpc.StatusCode.NOT_FOUND, "no such id"
-            except MemoryForbidden:
-                code, details = grpc.StatusCode.PERMISSION_DENIED, FORBIDDEN_DETAILS
-            except ScopeFull:
-                code, details = grpc.StatusCode.FAILED_PRECONDITION, SCOPE_FULL
-            except StoreRejected:
-                code, details = (
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    "agent_id: not an agent of the organization",
-                )
-            except StoreValueRefused as refused:
-                code, details = grpc.StatusCode.INVALID_ARGUMENT, str(refused)
-            except StoreUnavailable as unavailable:
-                self.log.warn("{method} failed: {problem}", method=method, problem=str(unavailable))
-                code, details = grpc.StatusCode.UNAVAILABLE, "database unavailable"
-            except Exception:
-                self.log.failure("Unexpected failure in {method}", method=method)
-                code, details = grpc.StatusCode.INTERNAL, "internal error"
+            except Exception as error:
+                code, details = self._statusOf(method, error)
             finally:
                 self.metrics.answered(method, code.name)
             context.abort(code, details)
             raise AssertionError("context.abort returned")
 
         return answer
+
+    def _statusOf(self, method: str, error: Exception) -> tuple[grpc.StatusCode, str]:
+        """
+        The status and details a method's failure is answered with (see
+        memory.proto); an unexpected one is logged, with its traceback.
+        """
+        if isinstance(error, _Refusal):
+            return error.code, str(error)
+        if isinstance(error, InvalidMemory):
+            return grpc.StatusCode.INVALID_ARGUMENT, str(error)
+        if isinstance(error, MemoryNotFound):
+            return grpc.StatusCode.NOT_FOUND, "no such id"
+        if isinstance(error, MemoryForbidden):
+            return grpc.StatusCode.PERMISSION_DENIED, FORBIDDEN_DETAILS
+        if isinstance(error, ScopeFull):
+            return grpc.StatusCode.FAILED_PRECONDITION, SCOPE_FULL
+        if isinstance(error, StoreRejected):
+            return grpc.StatusCode.INVALID_ARGUMENT, "agent_id: not an agent of the organization"
+        if isinstance(error, StoreValueRefused):
+            return grpc.StatusCode.INVALID_ARGUMENT, str(error)
+        if isinstance(error, StoreUnavailable):
+            self.log.warn("{method} failed: {problem}", method=method, problem=str(error))
+            return grpc.StatusCode.UNAVAILABLE, "database unavailable"
+        self.log.failure("Unexpected failure in {method}", method=method)
+        return grpc.StatusCode.INTERNAL, "internal error"
 
     # Memories.
 
@@ -448,6 +453,24 @@ class MemoryServicer:
         if request.HasField("min_score"):
             minScore = _bounded("min_score", request.min_score, -1.0, 1.0)
         return searchAnswer(self._searcher.search(scope, query, k, minScore, mode, request.text))
+
+    def SearchMany(self, request: memory_pb2.SearchManyRequest) -> bytes:
+        """
+        Each search as L{Search} answers it, in turn on this thread: a
+        search's refusal (or failure) is its outcome's status, logged as
+        Search's would be, and the others go on. Answered as bytes
+        (L{searchManyAnswer}).
+        """
+        if not 1 <= len(request.searches) <= MAX_SEARCHES_PER_CALL:
+            raise InvalidMemory("searches", f"must hold 1 to {MAX_SEARCHES_PER_CALL} searches")
+        outcomes: list[tuple[int, bytes | str]] = []
+        for search in request.searches:
+            try:
+                outcomes.append((0, self.Search(search)))
+            except Exception as error:
+                code, details = self._statusOf("SearchMany", error)
+                outcomes.append((code.value[0], details))
+        return searchManyAnswer(outcomes)
 
     # Observations.
 

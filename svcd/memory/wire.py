@@ -75,6 +75,28 @@ def searchAnswer(results: Iterable[tuple[bytes, float]]) -> bytes:
     return b"".join(parts)
 
 
+def searchManyAnswer(outcomes: Iterable[tuple[int, bytes | str]]) -> bytes:
+    """
+    A SearchManyResponse's bytes, written as L{searchAnswer} writes a
+    SearchResponse's: each outcome (field 1) is either a search's answer
+    as L{searchAnswer} wrote it, its C{response} (field 1, written even
+    when empty, so that an answer without hits is still an answer), or a
+    status code (field 2) and its details (field 3).
+    """
+    parts: list[bytes] = []
+    for code, answer in outcomes:
+        if code == 0:
+            assert isinstance(answer, bytes)
+            outcome = b"\x0a" + _varint(len(answer)) + answer
+        else:
+            assert isinstance(answer, str)
+            details = answer.encode("utf-8")
+            outcome = b"\x10" + _varint(code) + b"\x1a" + _varint(len(details)) + details
+        parts.append(b"\x0a" + _varint(len(outcome)))
+        parts.append(outcome)
+    return b"".join(parts)
+
+
 _FLOAT = struct.Struct("<f")
 _ZERO = bytes(4)
 

@@ -42,8 +42,10 @@ from typing import Any
 import attrs
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IPushProducer
+from twisted.python.failure import Failure
 
 from svcd.common.clocks import Clock, asReactorTime
+from svcd.common.coalesce import Coalescer
 from svcd.common.errors import ApiError, ErrorCode
 from svcd.common.ids import uuid7Text
 from svcd.ledger.rows import CLIENT_GONE, EMBEDDING, OK, UPSTREAM_ERROR, UsageLedger, usageRow
@@ -56,7 +58,7 @@ from svcd.limits.reservation import (
     inputsEstimate,
     reserveEmbeddings,
 )
-from svcd.providers.records import UpstreamRecord
+from svcd.providers.records import UpstreamRecord, Usage
 from svcd.providers.table import Model, ProviderTable
 from svcd.providers.upstream import EMBEDDINGS, Forwarder
 
@@ -307,6 +309,12 @@ class Embedder:
             work.addTimeout(timeout, asReactorTime(self._clock))
         return work
 
+    def now(self) -> float:
+        """
+        The clock's time, as the rows' times read it.
+        """
+        return self._clock.seconds()
+
     async def _embed(
         self,
         model: Model,
@@ -364,6 +372,287 @@ class Embedder:
             vectors,
             usage.promptTokens if usage is not None else None,
         )
+
+    async def embedEach(
+        self, model: Model, texts: Sequence[SharedText], budgeted: bool = False
+    ) -> list[Embedded]:
+        """
+        Embed several callers' texts in one forward (L{EmbeddingBatches}),
+        each text recorded as its own call: one row each, under its own
+        C{call}, with the provider's usage shared among the texts in
+        proportion to their D11 estimates (L{apportioned}), so that the
+        rows add up to what the provider counted. All of them one
+        organization's (the fallbacks tried are its own), none with a
+        reservation (a recall's charge is its chat's).
+
+        A text whose caller gave up (L{SharedText.giveUp}) is recorded then,
+        as a cancelled call is (C{client_gone}, its estimate); the forward
+        goes on for the others, and is cancelled by its own Deferred's
+        cancellation (every text given up).
+
+        @return: each text's L{Embedded}, in order; fails as L{embed}
+            does, each text recorded (but for the ledger's 503, which
+            forwards and records nothing).
+        """
+        ledger = self._ledger
+        if ledger is not None and not ledger.hasRoom():
+            raise ledgerFull()
+        request = embeddingsRequest(model, [each.text for each in texts])
+        startedAt = self._clock.seconds()
+        shared = UpstreamRecord()
+        outcome = OK
+        first = texts[0].call
+        try:
+            answer = await self._forwarder.forward(
+                request.document,
+                attemptsOf(self.providers, model, first.orgID, budgeted),
+                first.requestID,
+                NEVER_STREAMED,
+                noErrorEvent,
+                shared,
+                operation=EMBEDDINGS,
+            )
+            vectors = vectorsOf(answer.document, len(texts))
+        except ApiError:
+            outcome = UPSTREAM_ERROR
+            raise
+        except CancelledError:
+            outcome = CLIENT_GONE
+            raise
+        finally:
+            usage = shared.usage
+            shares = _shares(usage, [inputsEstimate((each.text,)) for each in texts])
+            endedAt = self._clock.seconds()
+            for each, share in zip(texts, shares, strict=True):
+                if each.recorded:
+                    continue
+                each.record.provider = shared.provider
+                each.record.model = shared.model
+                each.record.upstreamModel = shared.upstreamModel
+                each.record.upstreamMilliseconds = shared.upstreamMilliseconds
+                each.record.usage = share
+                self._recordText(model, each, outcome, startedAt, endedAt)
+        name = shared.model or model.name
+        return [
+            Embedded(name, (vector,), share.promptTokens if share is not None else None)
+            for vector, share in zip(vectors, shares, strict=True)
+        ]
+
+    def giveUp(self, model: Model, text: SharedText, startedAt: float) -> None:
+        """
+        Record the row of a text of L{embedEach} whose caller gave up on
+        it before its answer, sent or not: C{client_gone}, counting its
+        estimate, as a cancelled call's row does.
+        """
+        if not text.recorded:
+            self._recordText(model, text, CLIENT_GONE, startedAt, self._clock.seconds())
+
+    def _recordText(
+        self, model: Model, text: SharedText, outcome: str, startedAt: float, endedAt: float
+    ) -> None:
+        text.recorded = True
+        accountEmbedding(
+            self._admission,
+            self._ledger,
+            self.providers,
+            call=text.call,
+            reservation=None,
+            record=text.record,
+            model=model,
+            modelRequested=model.name,
+            outcome=outcome,
+            estimate=inputsEstimate((text.text,)),
+            startedAt=startedAt,
+            endedAt=endedAt,
+        )
+
+
+@attrs.define(eq=False)
+class SharedText:
+    """
+    One caller's text in a forward it may share (L{Embedder.embedEach}).
+
+    @ivar record: the caller's, filled with the shared forward's provider,
+        time and this text's share of its usage.
+    @ivar recorded: whether its row has been recorded (once, however it
+        ended).
+    """
+
+    text: str = attrs.field(repr=False)
+    call: EmbeddingCall
+    record: UpstreamRecord
+    recorded: bool = False
+
+
+def apportioned(total: int, weights: Sequence[int]) -> list[int]:
+    """
+    C{total} shared in proportion to C{weights} in whole parts that add up
+    to it exactly: each its share rounded down, and what rounding left
+    given one each to the largest remainders (the first on a tie).
+    """
+    weight = sum(weights)
+    if weight <= 0:
+        weights, weight = [1] * len(weights), len(weights)
+    parts = [total * each // weight for each in weights]
+    left = total - sum(parts)
+    order = sorted(
+        range(len(weights)), key=lambda index: (-(total * weights[index] % weight), index)
+    )
+    for index in order[:left]:
+        parts[index] += 1
+    return parts
+
+
+def _shares(usage: Usage | None, estimates: Sequence[int]) -> list[Usage | None]:
+    """
+    Each text's part of a shared forward's usage (none without usage):
+    prompt and cached tokens apportioned by the texts' estimates.
+    """
+    if usage is None:
+        return [None] * len(estimates)
+    prompts = apportioned(usage.promptTokens, estimates)
+    cached = apportioned(usage.cachedTokens, estimates)
+    return [
+        Usage(promptTokens=prompt, completionTokens=0, cachedTokens=min(part, prompt))
+        for prompt, part in zip(prompts, cached, strict=True)
+    ]
+
+
+@attrs.define(eq=False)
+class _Queued:
+    model: Model
+    budgeted: bool
+    shared: SharedText
+    result: Deferred[Embedded] = attrs.field(init=False)
+    startedAt: float = 0.0
+    forward: Deferred[Any] | None = None
+    batch: Sequence[_Queued] = ()
+
+
+class EmbeddingBatches:
+    """
+    Recalls' embeddings coalesced by organization (L{svcd.common.coalesce};
+    decisions D13, "Context assembly"): a text whose organization has fewer
+    than C{maxInFlight} embeddings in flight with its model is forwarded at
+    once, alone, as L{Embedder.embed} forwards it; those that come while it
+    has that many are forwarded together when one ends, one organization's
+    texts in one request (L{Embedder.embedEach}), each with its own row. A
+    busy proxy's recalls share an exchange with the provider, whose cost in
+    the proxy (a connection's request, its answer parsed) is a forward's.
+
+    Cancelling an embedding's Deferred (the recall's deadline, the client
+    gone) records its row at once (C{client_gone}) and fails it with
+    L{twisted.internet.defer.CancelledError}; its forward goes on for the
+    texts that share it, and is cancelled when none is left.
+
+    @param embedder: forwards and records.
+    @param maxInFlight: an organization's forwards in flight (by model)
+        before its texts wait to share one (C{SVC_MEMORY_RECALL_CALLS}).
+    @param maxBatch: the most texts of one forward.
+    """
+
+    def __init__(self, embedder: Embedder, maxInFlight: int = 1, maxBatch: int = 32) -> None:
+        self._embedder = embedder
+        self._coalescer: Coalescer[tuple[str, str, bool], _Queued] = Coalescer(
+            self._send, maxBatch, maxInFlight
+        )
+
+    @property
+    def providers(self) -> ProviderTable:
+        return self._embedder.providers
+
+    def embed(
+        self,
+        model: Model,
+        texts: Sequence[str],
+        call: EmbeddingCall,
+        *,
+        budgeted: bool = False,
+        record: UpstreamRecord | None = None,
+    ) -> Deferred[Embedded]:
+        """
+        As L{Embedder.embed}, for one text and no reservation.
+        """
+        if len(texts) != 1:
+            raise ValueError("a batch's caller embeds one text")
+        if not call.ledgerID:
+            call = attrs.evolve(call, ledgerID=uuid7Text())
+        queued = _Queued(model, budgeted, SharedText(texts[0], call, record or UpstreamRecord()))
+        queued.result = Deferred(lambda _: self._cancelled(queued))
+        queued.startedAt = self._embedder.now()
+        self._coalescer.submit((model.name, call.orgID, budgeted), queued)
+        return queued.result
+
+    def _cancelled(self, queued: _Queued) -> None:
+        # Deferred.cancel fails it with CancelledError after this.
+        if queued.forward is None:
+            self._coalescer.withdraw(_key(queued), queued)
+            self._embedder.giveUp(queued.model, queued.shared, queued.startedAt)
+        elif len(queued.batch) == 1:
+            # Alone: Embedder.embed's cancellation records its row.
+            queued.forward.cancel()
+        else:
+            self._embedder.giveUp(queued.model, queued.shared, queued.startedAt)
+            if all(each.shared.recorded for each in queued.batch):
+                queued.forward.cancel()
+
+    def _send(self, key: tuple[str, str, bool], batch: list[_Queued]) -> Deferred[Any]:
+        return self._forward(batch).addBoth(_forget, batch)
+
+    def _forward(self, batch: list[_Queued]) -> Deferred[Any]:
+        first = batch[0]
+        if len(batch) == 1:
+            forward = self._embedder.embed(
+                first.model,
+                (first.shared.text,),
+                first.shared.call,
+                budgeted=first.budgeted,
+                record=first.shared.record,
+            )
+            first.forward, first.batch = forward, batch
+            return forward.addBoth(_fire, first.result)
+        shared = Deferred.fromCoroutine(
+            self._embedder.embedEach(first.model, [each.shared for each in batch], first.budgeted)
+        )
+        for queued in batch:
+            queued.forward, queued.batch = shared, batch
+
+        def answered(embedded: list[Embedded]) -> None:
+            for queued, each in zip(batch, embedded, strict=True):
+                _fire(each, queued.result)
+
+        def failed(failure: Failure) -> None:
+            for queued in batch:
+                _fire(failure, queued.result)
+
+        return shared.addCallbacks(answered, failed)
+
+
+def _forget(result: object, batch: Sequence[_Queued]) -> object:
+    """
+    Cut the references between a forward's texts and the forward once it
+    has ended (each refers to its batch, which holds it): no cycle left
+    for the collector per recall.
+    """
+    for queued in batch:
+        queued.forward, queued.batch = None, ()
+    return result
+
+
+def _key(queued: _Queued) -> tuple[str, str, bool]:
+    return (queued.model.name, queued.shared.call.orgID, queued.budgeted)
+
+
+def _fire(result: Any, target: Deferred[Any]) -> None:
+    """
+    Hand a forward's outcome to a text's Deferred, unless that was
+    cancelled meanwhile.
+    """
+    if not target.called:
+        if isinstance(result, Failure):
+            target.errback(result)
+        else:
+            target.callback(result)
 
 
 def decodeVectors(body: bytes, count: int) -> tuple[bytes, ...]:

@@ -105,6 +105,12 @@ class ProxyConfig:
     # adds answered 503 at 16 in flight and none at 8, which also stored
     # more per second (bench/README.rst, "memory-add").
     memoryMaxInFlight: int = 8
+    # An organization's recall embeddings (and, apart, its recall searches)
+    # in flight before the next ones wait to share a call (decisions D13,
+    # "Context assembly"; svcd.common.coalesce). Measured at 32 connections
+    # (bench/README.rst, nineteenth round): 1 gave the most requests a
+    # second, 4 a little fewer; 4 lets a slow provider's recalls overlap.
+    memoryRecallCalls: int = 4
     # Decisions D13: the observations of chat completions held until
     # svc-memory has committed them, and the file that keeps them across
     # a kill (None: memory only), as the usage rows' (D12).
@@ -151,6 +157,9 @@ class ProxyConfig:
             memoryTimeout=config.duration(environ, "SVC_MEMORY_TIMEOUT", 0.3),
             memoryMaxInFlight=config.positiveInteger(
                 _asciiDigits(environ, "SVC_MEMORY_MAX_IN_FLIGHT"), "SVC_MEMORY_MAX_IN_FLIGHT", 8
+            ),
+            memoryRecallCalls=config.positiveInteger(
+                _asciiDigits(environ, "SVC_MEMORY_RECALL_CALLS"), "SVC_MEMORY_RECALL_CALLS", 4
             ),
             redis=parseRedisURL(config.text(environ, "REDIS_URL", "")),
             validateTimeout=config.duration(environ, "SVC_AUTH_VALIDATE_TIMEOUT", 0.05),

@@ -46,9 +46,15 @@ from svcd.common.errors import ApiError
 from svcd.ledger.rows import CLIENT_GONE, OK, UPSTREAM_ERROR
 from svcd.limits.book import Applicable, LimitBook
 from svcd.limits.reservation import BYTES_PER_TOKEN, TOKENS_PER_MESSAGE, inputsEstimate
-from svcd.memory.client import MemoryClient
+from svcd.memory.client import MemoryClient, SearchBatches
 from svcd.memory.records import Embedding, Scope
-from svcd.providers.embedder import Embedder, EmbeddingCall, embeddingRefusal, reserveTexts
+from svcd.providers.embedder import (
+    Embedder,
+    EmbeddingBatches,
+    EmbeddingCall,
+    embeddingRefusal,
+    reserveTexts,
+)
 from svcd.providers.records import UpstreamRecord
 from svcd.providers.table import EMBEDDING, TEXT, VECTOR, MemoryConfig, Model, ProviderTable
 from svcd.proxy.http.steps import memorySubject, requestMemory
@@ -337,8 +343,8 @@ class Recaller:
     def __init__(
         self,
         config: MemoryConfig,
-        client: MemoryClient,
-        embedder: Embedder,
+        client: MemoryClient | SearchBatches,
+        embedder: Embedder | EmbeddingBatches,
         book: LimitBook,
         clock: Clock,
         timeout: float,

@@ -51,7 +51,7 @@ from twisted.web.resource import IResource
 from twisted.web.server import NOT_DONE_YET, Request
 from zope.interface import implementer
 
-from svcd.common.clocks import Clock
+from svcd.common.clocks import Clock, asReactorTime
 from svcd.common.errors import ApiError, ErrorCode, envelope
 from svcd.common.ids import parseRequestID, uuid7Text
 from svcd.common.logbounds import loggedMethod, loggedText
@@ -64,8 +64,8 @@ from svcd.ledger.rows import UsageLedger
 from svcd.limits.admission import Admission
 from svcd.limits.book import LimitBook
 from svcd.limits.limiter import RateLimiter
-from svcd.memory.client import MemoryClient
-from svcd.providers.embedder import Embedder
+from svcd.memory.client import MemoryClient, SearchBatches
+from svcd.providers.embedder import Embedder, EmbeddingBatches
 from svcd.providers.upstream import Forwarder
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.http.context import (
@@ -206,8 +206,10 @@ class ProxyEdge:
         if config.memory is not None and memory is not None and self.embedder is not None:
             recaller = Recaller(
                 config.memory,
-                memory,
-                self.embedder,
+                # A busy proxy's recalls share their calls (decisions D13,
+                # "Context assembly").
+                SearchBatches(memory, asReactorTime(clock), config.memoryRecallCalls),
+                EmbeddingBatches(self.embedder, config.memoryRecallCalls),
                 limitBook if limitBook is not None else LimitBook(),
                 clock,
                 config.memoryTimeout,

@@ -166,6 +166,28 @@ class SearchResponse(_message.Message):
     results: _containers.RepeatedCompositeFieldContainer[ScoredMemory]
     def __init__(self, results: _Optional[_Iterable[_Union[ScoredMemory, _Mapping]]] = ...) -> None: ...
 
+class SearchManyRequest(_message.Message):
+    __slots__ = ("searches",)
+    SEARCHES_FIELD_NUMBER: _ClassVar[int]
+    searches: _containers.RepeatedCompositeFieldContainer[SearchRequest]
+    def __init__(self, searches: _Optional[_Iterable[_Union[SearchRequest, _Mapping]]] = ...) -> None: ...
+
+class SearchOutcome(_message.Message):
+    __slots__ = ("response", "code", "details")
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    response: SearchResponse
+    code: int
+    details: str
+    def __init__(self, response: _Optional[_Union[SearchResponse, _Mapping]] = ..., code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
+
+class SearchManyResponse(_message.Message):
+    __slots__ = ("outcomes",)
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    outcomes: _containers.RepeatedCompositeFieldContainer[SearchOutcome]
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[SearchOutcome, _Mapping]]] = ...) -> None: ...
+
 class ObservedMessage(_message.Message):
     __slots__ = ("role", "content")
     ROLE_FIELD_NUMBER: _ClassVar[int]

@@ -88,6 +88,11 @@ class MemoryServiceStub:
                 request_serializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.SearchRequest.SerializeToString,
                 response_deserializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.SearchResponse.FromString,
                 _registered_method=True)
+        self.SearchMany = channel.unary_unary(
+                '/svc.memory.v1.MemoryService/SearchMany',
+                request_serializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.SearchManyRequest.SerializeToString,
+                response_deserializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.SearchManyResponse.FromString,
+                _registered_method=True)
         self.QueueObservations = channel.unary_unary(
                 '/svc.memory.v1.MemoryService/QueueObservations',
                 request_serializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.QueueObservationsRequest.SerializeToString,
@@ -196,6 +201,17 @@ class MemoryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SearchMany(self, request, context):
+        """Several searches in one call, each as Search would answer it, in the
+        order asked: one search's refusal is its own outcome's, never the
+        call's. 1 to 64 searches; each names its own scope, and each runs in
+        its own organization's context. What a busy proxy sends its recalls
+        in (decisions D13, "Context assembly"): one call's cost shared.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def QueueObservations(self, request, context):
         """Queues observations for the worker, each once per organization and
         request id: a batch sent again queues nothing twice. Answers once
@@ -293,6 +309,11 @@ def add_MemoryServiceServicer_to_server(servicer, server):
                     servicer.Search,
                     request_deserializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.SearchRequest.FromString,
                     response_serializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.SearchResponse.SerializeToString,
+            ),
+            'SearchMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.SearchMany,
+                    request_deserializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.SearchManyRequest.FromString,
+                    response_serializer=svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.SearchManyResponse.SerializeToString,
             ),
             'QueueObservations': grpc.unary_unary_rpc_method_handler(
                     servicer.QueueObservations,
@@ -533,6 +554,33 @@ class MemoryService:
             '/svc.memory.v1.MemoryService/Search',
             svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.SearchRequest.SerializeToString,
             svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.SearchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SearchMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/svc.memory.v1.MemoryService/SearchMany',
+            svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.SearchManyRequest.SerializeToString,
+            svcd_dot_pb_dot_memory_dot_v1_dot_memory__pb2.SearchManyResponse.FromString,
             options,
             channel_credentials,
             insecure,
