@@ -67,6 +67,9 @@ MARKER = "zebracorn" + uuid.uuid4().hex[:12]
 # answer that waited for the embedding would take that long.
 FAULT_TIMEOUT_MS = 300
 SLOW_EMBEDDING_MS = 20_000
+# The batched proxy's embedding model answers after this long: the recalls
+# that come meanwhile wait to share the next call.
+SHARED_EMBEDDING_MS = 2_000
 # A bound on what a recall out of time may take, reactor lateness on a
 # loaded machine included: far below SLOW_EMBEDDING_MS.
 FAULT_BOUND_MS = 2_000
@@ -304,6 +307,7 @@ def stack(
             ("memory", "echo"),
             ("slow", f"slow:{SLOW_EMBEDDING_MS}"),
             ("failing", "status:500"),
+            ("batched", f"slow:{SHARED_EMBEDDING_MS}"),
         ):
             files[kind] = workdir / f"providers-{kind}.toml"
             files[kind].write_text(PROVIDERS.format(base=upstream.baseURL, embedding=embedding))
@@ -330,6 +334,18 @@ def stack(
                 memoryAddress,
                 "30s",
                 SVC_BUDGET_RECONCILE_INTERVAL="1s",
+            ),
+            # One recall call in flight per organization: what comes
+            # meanwhile shares the next.
+            "batched": startProxy(
+                "batched",
+                workdir,
+                auth,
+                redis,
+                files["batched"],
+                memoryAddress,
+                "30s",
+                SVC_MEMORY_RECALL_CALLS="1",
             ),
             # TEST-NET-1 (RFC 5737): routed nowhere, so nothing ever answers.
             "unreachable": startProxy(
@@ -590,6 +606,70 @@ def test_faultsNeverBlock(stack: Stack, proxy: str, stream: bool) -> None:
     if proxy == "slow":
         # Out of time, not failed: the deadline passed.
         assert line["memory_ms"] >= FAULT_TIMEOUT_MS * 0.9
+
+
+def test_busyRecallsShareTheirCalls(stack: Stack) -> None:
+    """
+    Recalls that come while their organization's embedding is in flight
+    (SVC_MEMORY_RECALL_CALLS=1 here) wait for it and then share one
+    embedding request and one SearchMany: each chat still gets its own
+    query's memory, each has its one embedding row (its parent the chat),
+    and the shared request's rows add up to the tokens the provider
+    counted for it.
+    """
+    tenant = stack.tenant("shares")
+    topics = ["violin", "kayak", "pottery", "telescope", "origami"]
+    stack.remember(tenant, *(f"the user practises {topic} on sundays" for topic in topics))
+    stack.recallOn(tenant)
+    client = stack.client(tenant, proxy="batched")
+    waitForRecall(stack, client, on=True)
+    stack.upstream.clearRequests()
+
+    def embeddingsOf(texts: set[str]) -> list[RecordedRequest]:
+        return [
+            each
+            for each in stack.upstream.requests()
+            if each.path.endswith("/embeddings") and set(each.body["input"]) & texts
+        ]
+
+    # Each question is nearest its own memory, and near the others.
+    questions = [f"the user practises {topic}" for topic in topics]
+    with ThreadPoolExecutor(len(topics)) as pool:
+        first = pool.submit(ask, client, [{"role": "user", "content": questions[0]}])
+        # The others are sent while the first's embedding is in flight.
+        waitFor(lambda: bool(embeddingsOf({questions[0]})), 10)
+        rest = [
+            pool.submit(ask, client, [{"role": "user", "content": question}])
+            for question in questions[1:]
+        ]
+        answers = [first.result()] + [each.result() for each in rest]
+    for topic, (headers, _) in zip(topics, answers, strict=True):
+        # recall_k memories, its own question's first.
+        assert headers["x-svc-memories"] == "3"
+        sent = stack.chatReceived(headers["x-request-id"]).body
+        lines = memoryLines(sent["messages"][0]["content"])
+        assert lines[0] == f"- the user practises {topic} on sundays"
+        assert len(lines) == 3
+    embedded = embeddingsOf(set(questions))
+    inputs = [text for each in embedded for text in each.body["input"]]
+    assert sorted(inputs) == sorted(questions)
+    shared = [each for each in embedded if len(each.body["input"]) > 1]
+    assert shared, [each.body["input"] for each in embedded]
+    rowsByQuestion = {}
+    for question, (headers, _) in zip(questions, answers, strict=True):
+        requestID = headers["x-request-id"]
+        byKind = {row["kind"]: row for row in stack.rows(requestID, 2)}
+        assert byKind["embedding"]["parent_request_id"] == requestID
+        assert byKind["embedding"]["outcome"] == "ok"
+        assert byKind["chat"]["memories"] == 3
+        rowsByQuestion[question] = byKind["embedding"]
+    for sharedRequest in shared:
+        # The scripted provider counts every word of the inputs.
+        counted = sum(len(text.split()) for text in sharedRequest.body["input"])
+        assert (
+            sum(rowsByQuestion[text]["prompt_tokens"] for text in sharedRequest.body["input"])
+            == counted
+        )
 
 
 def redisCLI(redis: RedisServer, *words: str) -> str:

@@ -123,6 +123,9 @@ def test_everyVariable(tmp_path: Path) -> None:
         ("SVC_MEMORY_MAX_IN_FLIGHT", "0"),
         ("SVC_MEMORY_MAX_IN_FLIGHT", "many"),
         ("SVC_MEMORY_MAX_IN_FLIGHT", "\uff18"),
+        ("SVC_MEMORY_RECALL_CALLS", "0"),
+        ("SVC_MEMORY_RECALL_CALLS", "-1"),
+        ("SVC_MEMORY_RECALL_CALLS", "\uff14"),
     ],
 )
 def test_badValue(variable: str, value: str) -> None:
@@ -185,9 +188,11 @@ def test_memoryVariables(tmp_path: Path) -> None:
             "SVC_MEMORY_GRPC_TLS_KEY": str(pem),
             "SVC_MEMORY_TIMEOUT": "150ms",
             "SVC_MEMORY_MAX_IN_FLIGHT": "12",
+            "SVC_MEMORY_RECALL_CALLS": "2",
         }
     )
     assert withoutTable.memoryMaxInFlight == 12
+    assert withoutTable.memoryRecallCalls == 2
     assert withoutTable.memoryGrpcAddr == "memory.internal:9092"
     assert withoutTable.memoryTLS is not None
     assert withoutTable.memoryTLS.certificateChain == b"PEM"
