@@ -33,7 +33,7 @@ from twisted.internet.defer import (
     fail,
     succeed,
 )
-from twisted.internet.interfaces import IReactorFromThreads, IReactorTime
+from twisted.internet.interfaces import IDelayedCall, IReactorFromThreads, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -529,15 +529,22 @@ class MemoryClient:
 class _Waiting:
     """
     A search of L{SearchBatches}: its request, when its deadline passes
-    (on the clock's time), its caller's Deferred, and once sent, its call
-    and the searches that share it.
+    (on the clock's time), its caller's Deferred, while it is held the
+    timer that fails it at its deadline, and once sent, its call and the
+    searches that share it.
     """
 
     request: memory_pb2.SearchRequest
     deadline: float
     result: Deferred[memory_pb2.SearchResponse] = attrs.field(init=False)
+    timer: IDelayedCall | None = None
     call: Deferred[Any] | None = None
     batch: Sequence[_Waiting] = ()
+
+    def stopTimer(self) -> None:
+        timer, self.timer = self.timer, None
+        if timer is not None and timer.active():
+            timer.cancel()
 
 
 class SearchBatches:
@@ -554,8 +561,8 @@ class SearchBatches:
     back no other's.
 
     What a search waits for its turn counts in its own deadline: one whose
-    deadline passed while it waited fails L{MemoryUnavailable} unsent, and
-    one sent has what is left (a SearchMany has its latest search's).
+    deadline passes while it waits fails L{MemoryUnavailable} then, unsent,
+    and one sent has what is left (a SearchMany has its latest search's).
     Cancelling a search's Deferred fails it at once with
     L{twisted.internet.defer.CancelledError}; its call goes on for the
     others that share it, and is cancelled when none is left waiting.
@@ -610,12 +617,23 @@ class SearchBatches:
         )
         waiting.result = Deferred(lambda _: self._cancelled(waiting))
         self._coalescer.submit(waiting.request.scope.org_id, waiting)
+        if waiting.call is None and not waiting.result.called:
+            # Held: it fails at its deadline if its turn has not come.
+            waiting.timer = self._clock.callLater(seconds, self._expired, waiting)
         return waiting.result
+
+    def _expired(self, waiting: _Waiting) -> None:
+        waiting.timer = None
+        if self._coalescer.withdraw(waiting.request.scope.org_id, waiting):
+            waiting.result.errback(
+                MemoryUnavailable(None, "the search's deadline passed before its turn")
+            )
 
     def _cancelled(self, waiting: _Waiting) -> None:
         # Deferred.cancel fails the search's Deferred with CancelledError
         # after this. Still held: it is not sent. Sent: its call goes on
         # for the others, and ends when none is left.
+        waiting.stopTimer()
         if waiting.call is None:
             self._coalescer.withdraw(waiting.request.scope.org_id, waiting)
         elif all(each is waiting or each.result.called for each in waiting.batch):
@@ -625,6 +643,7 @@ class SearchBatches:
         now = self._clock.seconds()
         due = []
         for waiting in batch:
+            waiting.stopTimer()
             if waiting.deadline > now:
                 due.append(waiting)
             else:
