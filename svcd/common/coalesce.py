@@ -14,11 +14,15 @@ call, so that one key's slow call holds back no other key's items.
 
 What a call does with its items (their answers, their deadlines, one of
 them cancelled) is the sender's: this module only decides what goes
-together and when.
+together and when, and in which context (L{contextvars}: the current
+span, which a call's trace context is read from). An item sent alone is
+sent in its submitter's context, even when it was held first; a shared
+call is sent in an empty one, since it belongs to no one request's trace.
 """
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable, Hashable
 from typing import Any, Generic, TypeVar
 
@@ -51,30 +55,32 @@ class Coalescer(Generic[K, T]):
         self._maxBatch = maxBatch
         self._maxInFlight = maxInFlight
         self._inFlight: dict[K, int] = {}
-        self._held: dict[K, list[T]] = {}
+        self._held: dict[K, list[tuple[T, contextvars.Context]]] = {}
 
     def submit(self, key: K, item: T) -> None:
         """
-        Send C{item} now, when C{key} has no call in flight; else hold it
-        for the next call of C{key}.
+        Send C{item} now, when C{key} has fewer than C{maxInFlight} calls in
+        flight; else hold it for the next call of C{key}.
         """
         if self._inFlight.get(key, 0) >= self._maxInFlight:
-            self._held.setdefault(key, []).append(item)
+            self._held.setdefault(key, []).append((item, contextvars.copy_context()))
         else:
             self._call(key, [item])
 
     def withdraw(self, key: K, item: T) -> bool:
         """
         Take back an item still held (its caller gave up on it): True when
-        it was held, and will not be sent; False once sent.
+        it was held (this very object), and will not be sent; False once
+        sent.
         """
-        held = self._held.get(key)
-        if held is None or item not in held:
-            return False
-        held.remove(item)
-        if not held:
-            del self._held[key]
-        return True
+        held = self._held.get(key, [])
+        for index, (each, _) in enumerate(held):
+            if each is item:
+                del held[index]
+                if not held:
+                    del self._held[key]
+                return True
+        return False
 
     def held(self, key: K) -> int:
         """
@@ -102,4 +108,8 @@ class Coalescer(Generic[K, T]):
             batch, rest = held[: self._maxBatch], held[self._maxBatch :]
             if rest:
                 self._held[key] = rest
-            self._call(key, batch)
+            if len(batch) == 1:
+                [(item, context)] = batch
+                context.run(self._call, key, [item])
+            else:
+                contextvars.Context().run(self._call, key, [item for item, _ in batch])
