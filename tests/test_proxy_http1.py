@@ -422,6 +422,29 @@ async def test_cancelBeforeTheHeadCloses(served: Any) -> None:
 
 
 @pytest_twisted.ensureDeferred
+async def test_cancelWhileConnectingIsACancellation(served: Any) -> None:
+    """
+    Cancelling a request before its connection is made (no idle one to
+    take) fails it with CancelledError, never with the endpoint's error:
+    HostnameEndpoint's connect cancelled while it resolves the name (in a
+    thread, even for an address) fails with DNSLookupError, which a caller
+    would take for the provider's fault and try a fallback for. Nothing
+    reaches the server.
+    """
+    server, pool, _ = served
+    pending = pool.post(b"{}", {})
+    pending.cancel()
+    with pytest.raises(CancelledError):
+        await pending
+    # The next request is served, and is the first the server sees.
+    server.answer(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+    answered = await pool.post(b"[]", {})
+    assert (answered.code, await body(answered))[0] == 200
+    [request] = server.requests
+    assert request.endswith(b"\r\n\r\n[]")
+
+
+@pytest_twisted.ensureDeferred
 async def test_pauseStopsReadingAndStopCloses(served: Any) -> None:
     """
     The body's transport pauses the socket (the server's writes then stay

@@ -648,19 +648,31 @@ class ConnectionPool:
         if connection is not None:
             return connection.request(data)
         connecting = self._endpoint.connect(self._factory)
+        cancelled = False
 
         def connected(protocol: _Connection) -> Deferred[UpstreamAnswer]:
             self._all.add(protocol)
             return protocol.request(data)
 
         def notConnected(failure: Failure) -> Failure:
-            if failure.check(ConnectingCancelledError):
+            if cancelled or failure.check(ConnectingCancelledError):
                 # Cancelled while connecting (its client went away, or its
-                # deadline passed): a cancellation, not a provider's fault.
+                # deadline passed): a cancellation, not a provider's fault,
+                # whatever the endpoint failed with (cancelled while it
+                # resolves the name, HostnameEndpoint fails with
+                # DNSLookupError, which would be taken for the provider's).
                 return Failure(CancelledError())
             return failure
 
-        answer: Deferred[UpstreamAnswer] = connecting.addCallbacks(connected, notConnected)
+        inner: Deferred[UpstreamAnswer] = connecting.addCallbacks(connected, notConnected)
+
+        def cancel(_: Deferred[UpstreamAnswer]) -> None:
+            nonlocal cancelled
+            cancelled = True
+            inner.cancel()
+
+        answer: Deferred[UpstreamAnswer] = Deferred(cancel)
+        inner.chainDeferred(answer)
         return answer
 
     def _take(self) -> _Connection | None:
