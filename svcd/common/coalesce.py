@@ -27,6 +27,7 @@ from collections.abc import Callable, Hashable
 from typing import Any, Generic, TypeVar
 
 from twisted.internet.defer import Deferred
+from twisted.logger import Logger
 
 K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
@@ -39,10 +40,14 @@ class Coalescer(Generic[K, T]):
 
     @param send: sends a key's items, one or more, as one call; the
         Deferred it returns fires (either way) when the call has ended, and
-        its result is ignored here.
+        its result is ignored here. It answers its items itself, and should
+        not raise: an exception of a call made by L{submit} is raised to its
+        caller; of a held batch's, logged (its items go unanswered).
     @param maxBatch: the most items of one call.
     @param maxInFlight: the most calls in flight per key.
     """
+
+    log = Logger()
 
     def __init__(
         self, send: Callable[[K, list[T]], Deferred[Any]], maxBatch: int, maxInFlight: int = 1
@@ -109,7 +114,13 @@ class Coalescer(Generic[K, T]):
             if rest:
                 self._held[key] = rest
             if len(batch) == 1:
-                [(item, context)] = batch
-                context.run(self._call, key, [item])
+                [(_, context)] = batch
             else:
-                contextvars.Context().run(self._call, key, [item for item, _ in batch])
+                context = contextvars.Context()
+            try:
+                context.run(self._call, key, [item for item, _ in batch])
+            except Exception:
+                # A sender must answer its items, even when it fails; one
+                # that raised instead has left them unanswered. Said here,
+                # rather than raised into the call that just ended.
+                self.log.failure("Sending {count} held items failed", count=len(batch))

@@ -381,12 +381,14 @@ class Embedder:
         each text recorded as its own call: one row each, under its own
         C{call}, with the provider's usage shared among the texts in
         proportion to their D11 estimates (L{apportioned}), so that the
-        rows add up to what the provider counted. All of them one
+        rows add up to what the provider counted (when no caller gave up).
+        All of them one
         organization's (the fallbacks tried are its own), none with a
         reservation (a recall's charge is its chat's).
 
-        A text whose caller gave up (L{SharedText.giveUp}) is recorded then,
-        as a cancelled call is (C{client_gone}, its estimate); the forward
+        A text whose caller gave up (L{giveUp}) is recorded then, as a
+        cancelled call is (C{client_gone}, its estimate, in place of its
+        share of what the provider counts after); the forward
         goes on for the others, and is cancelled by its own Deferred's
         cancellation (every text given up).
 
@@ -400,6 +402,8 @@ class Embedder:
         request = embeddingsRequest(model, [each.text for each in texts])
         startedAt = self._clock.seconds()
         shared = UpstreamRecord()
+        for each in texts:
+            each.forward = shared
         outcome = OK
         first = texts[0].call
         try:
@@ -444,8 +448,15 @@ class Embedder:
         it before its answer, sent or not: C{client_gone}, counting its
         estimate, as a cancelled call's row does.
         """
-        if not text.recorded:
-            self._recordText(model, text, CLIENT_GONE, startedAt, self._clock.seconds())
+        if text.recorded:
+            return
+        forward = text.forward
+        if forward is not None:
+            # Where it was sent, as a lone cancelled forward's row says.
+            text.record.provider = forward.provider
+            text.record.model = forward.model
+            text.record.upstreamModel = forward.upstreamModel
+        self._recordText(model, text, CLIENT_GONE, startedAt, self._clock.seconds())
 
     def _recordText(
         self, model: Model, text: SharedText, outcome: str, startedAt: float, endedAt: float
@@ -476,12 +487,14 @@ class SharedText:
         time and this text's share of its usage.
     @ivar recorded: whether its row has been recorded (once, however it
         ended).
+    @ivar forward: the shared forward's record, once it is sent.
     """
 
     text: str = attrs.field(repr=False)
     call: EmbeddingCall
     record: UpstreamRecord
     recorded: bool = False
+    forward: UpstreamRecord | None = None
 
 
 def apportioned(total: int, weights: Sequence[int]) -> list[int]:
@@ -490,6 +503,8 @@ def apportioned(total: int, weights: Sequence[int]) -> list[int]:
     to it exactly: each its share rounded down, and what rounding left
     given one each to the largest remainders (the first on a tie).
     """
+    if not weights:
+        raise ValueError("nothing to share among")
     weight = sum(weights)
     if weight <= 0:
         weights, weight = [1] * len(weights), len(weights)
