@@ -23,7 +23,8 @@ from twisted.logger import ILogObserver, Logger
 from twisted.python.failure import Failure
 
 from svcd.common.coalesce import Coalescer
-from svcd.providers.embedder import apportioned
+from svcd.providers.embedder import apportioned, usageShares
+from svcd.providers.records import Usage
 
 
 @attrs.define
@@ -363,3 +364,28 @@ def test_aHeldBatchWhoseSendRaisesIsLogged() -> None:
 def test_apportionedNeedsSomethingToShareAmong() -> None:
     with pytest.raises(ValueError):
         apportioned(5, [])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    prompt=st.integers(0, 10_000),
+    cachedPart=st.integers(0, 10_000),
+    estimates=st.lists(st.integers(1, 3_000), min_size=1, max_size=32),
+)
+def test_usageSharesAddUpAndKeepCachedWithinPrompt(
+    prompt: int, cachedPart: int, estimates: list[int]
+) -> None:
+    """
+    A shared forward's usage split among its texts: the prompt and cached
+    tokens each add up exactly to the provider's (cached at most the
+    prompt), and no text's cached part exceeds its prompt part (a cached
+    part clamped per text would have made the rows add up to less).
+    """
+    cached = min(cachedPart, prompt)
+    shares = usageShares(Usage(prompt, 0, cached), estimates)
+    assert all(share is not None for share in shares)
+    parts = [share for share in shares if share is not None]
+    assert sum(part.promptTokens for part in parts) == prompt
+    assert sum(part.cachedTokens for part in parts) == cached
+    assert all(0 <= part.cachedTokens <= part.promptTokens for part in parts)
+    assert usageShares(None, estimates) == [None] * len(estimates)

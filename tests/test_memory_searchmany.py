@@ -245,8 +245,15 @@ def test_eachOutcomeIsWhatSearchAnswers(
         memory_pb2.SearchRequest(scope=mine, query=vector([1.0, 0.0, 0.0]), k=5, min_score=0.9),
     ]
     before = requestsTotal(memoryService, "SearchMany")
+    searchesBefore = [
+        requestsTotal(memoryService, "Search", code) for code in ("OK", "INVALID_ARGUMENT")
+    ]
     answer = stub.SearchMany(memory_pb2.SearchManyRequest(searches=searches), timeout=10)
     assert requestsTotal(memoryService, "SearchMany") == before + 1
+    # Each search counted as a Search of its outcome: 5 answered, 2 refused.
+    assert [
+        requestsTotal(memoryService, "Search", code) for code in ("OK", "INVALID_ARGUMENT")
+    ] == [searchesBefore[0] + 5, searchesBefore[1] + 2]
     assert len(answer.outcomes) == len(searches)
     for search, outcome in zip(searches, answer.outcomes, strict=True):
         try:
@@ -494,7 +501,9 @@ async def test_searchesThatPileUpShareOneCall(batching: Batching, acme: Tenant) 
     refused = await refusedBy(results[4])
     assert batching.sent.methods() == ["Search", "SearchMany"]
     assert subjects(batching.sent.searchesOf(1)) == ["s1", "s2", "s3", "s1"]
-    assert requestsTotal(service, "Search") == 1
+    # The batch's searches are counted as Searches of their outcomes too.
+    assert requestsTotal(service, "Search") == 1 + 3
+    assert requestsTotal(service, "Search", "INVALID_ARGUMENT") == 1
     assert requestsTotal(service, "SearchMany") == 1
 
     assert [contents(answer) for answer in answers] == [[f"memory of s{n}"] for n in range(4)]
@@ -993,7 +1002,7 @@ async def test_aHeldSearchPastItsDeadlineIsNotSent(
     assert contents(await settled(first)) == ["answer to first"]
     error = await refusedBy(late)
     assert isinstance(error, MemoryUnavailable)
-    assert error.code is None and "deadline" in error.details
+    assert error.code is grpc.StatusCode.DEADLINE_EXCEEDED and "deadline" in error.details
     assert contents(await settled(patient)) == ["answer to patient"]
     assert scripted.arrived == ["Search", "Search"]
     assert scripted.searches("Search") == [["first"], ["patient"]]

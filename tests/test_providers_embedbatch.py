@@ -95,6 +95,12 @@ name = "embed-rejected"
 provider = "scripted"
 upstream_model = "status:400"
 kind = "embedding"
+
+[[models]]
+name = "embed-failing"
+provider = "scripted"
+upstream_model = "status:500"
+kind = "embedding"
 """
 
 # Texts of different lengths, so that the split of a shared request's
@@ -460,16 +466,41 @@ async def test_aForwardEveryTextGaveUpIsCancelled(harness: Harness) -> None:
 @pytest_twisted.ensureDeferred
 async def test_anUpstreamErrorFailsEveryTextOfASharedForward(harness: Harness) -> None:
     """
-    The provider refusing a shared request fails each of its texts with
-    the ApiError of decisions D9 (UPSTREAM_REJECTED), and each has its own
-    upstream_error row, counting nothing.
+    The provider failing a shared request (a 5xx) fails each of its texts
+    with the ApiError of decisions D9 (UPSTREAM_ERROR), and each has its
+    own upstream_error row, counting nothing.
+    """
+    batches = EmbeddingBatches(harness.embedder, maxInFlight=1)
+    callers = embedAll(batches, harness, "embed-failing", [FIRST, SHORT, LONG])
+    for caller in callers:
+        error = await failure(caller.embedding)
+        assert isinstance(error, ApiError) and error.code is ErrorCode.UPSTREAM_ERROR
+    assert harness.inputs() == [[FIRST], [SHORT, LONG]]
+    assert len(harness.ledger.rows) == 3
+    for caller in callers:
+        row = harness.rowOf(caller.call.requestID)
+        assert (row.outcome, row.prompt_tokens, row.ledger_id) == (
+            "upstream_error",
+            0,
+            caller.call.ledgerID,
+        )
+
+
+@pytest_twisted.ensureDeferred
+async def test_aSharedRequestRefusedIsSentAgainTextByText(harness: Harness) -> None:
+    """
+    The provider refusing a shared request (a 4xx: perhaps one text too
+    long for the model) sends each of its texts again alone, so that one
+    text's refusal is its own: here the model refuses everything, so each
+    text fails UPSTREAM_REJECTED after its own request, and has exactly
+    one row (the shared request, refused and not counted, has none).
     """
     batches = EmbeddingBatches(harness.embedder, maxInFlight=1)
     callers = embedAll(batches, harness, "embed-rejected", [FIRST, SHORT, LONG])
     for caller in callers:
         error = await failure(caller.embedding)
         assert isinstance(error, ApiError) and error.code is ErrorCode.UPSTREAM_REJECTED
-    assert harness.inputs() == [[FIRST], [SHORT, LONG]]
+    assert harness.inputs() == [[FIRST], [SHORT, LONG], [SHORT], [LONG]]
     assert len(harness.ledger.rows) == 3
     for caller in callers:
         row = harness.rowOf(caller.call.requestID)

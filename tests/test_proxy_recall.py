@@ -12,6 +12,7 @@ import uuid
 from typing import Any, cast
 
 import attrs
+import grpc
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -538,6 +539,41 @@ def test_recallFaultIsNoFault() -> None:
     assert done.result is None
     assert (recall.count, recall.outcome) == (None, RECALL_ERROR)
     assert metrics.outcomes == [RECALL_ERROR]
+
+
+def test_aSearchPastItsOwnDeadlineIsATimeout() -> None:
+    """
+    A search that ends DEADLINE_EXCEEDED on its own clock (grpcio's
+    deadline, or a search held for its turn past its deadline), a moment
+    before the recall's timer: a timeout, counted as one and not logged,
+    as the recall's own timeout is; any other refusal stays an error.
+    """
+    for code, outcome, logged in (
+        (grpc.StatusCode.DEADLINE_EXCEEDED, RECALL_TIMEOUT, False),
+        (grpc.StatusCode.UNAVAILABLE, RECALL_ERROR, True),
+    ):
+        recaller, embedder, memory, _, metrics = _recaller()
+        plan = recaller.plan(_request(), ORG, AGENT, QUESTION, False)
+        assert plan is not None
+        recall = Recall(plan)
+        events: list[dict[str, Any]] = []
+        observer = cast(ILogObserver, events.append)
+        globalLogPublisher.addObserver(observer)
+        try:
+            done = Deferred.fromCoroutine(
+                recaller.recall(recall, QUESTION, EmbeddingCall(ORG, AGENT, None, "r"), False)
+            )
+            embedder.answer.callback(Embedded("embed", (b"\0" * 8,), None))
+            memory.answer.errback(MemoryUnavailable(code, "late"))
+        finally:
+            globalLogPublisher.removeObserver(observer)
+        assert done.result is None
+        assert (recall.header, recall.outcome, metrics.outcomes) == (
+            b"unavailable",
+            outcome,
+            [outcome],
+        )
+        assert any(event.get("error_type") for event in events) is logged
 
 
 def test_clientGoneCancelsTheRecall() -> None:

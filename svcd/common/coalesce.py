@@ -28,6 +28,7 @@ from typing import Any, Generic, TypeVar
 
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
@@ -103,6 +104,11 @@ class Coalescer(Generic[K, T]):
         ended.addBoth(self._ended, key)
 
     def _ended(self, result: object, key: K) -> None:
+        if isinstance(result, Failure):
+            # A sender answers its items and ends its call with nothing to
+            # say; a failure here is a bug of its, which left them
+            # unanswered.
+            self.log.failure("A call of held items failed", failure=result)
         left = self._inFlight[key] - 1
         if left:
             self._inFlight[key] = left

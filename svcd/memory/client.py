@@ -186,6 +186,10 @@ def searchRequest(
     mode: str,
     text: str,
 ) -> memory_pb2.SearchRequest:
+    """
+    A Search's request, as L{MemoryClient.search} and L{SearchBatches}
+    send it (see L{MemoryClient.search} for the arguments).
+    """
     request = memory_pb2.SearchRequest(scope=scopeMessage(scope), k=k, mode=mode, text=text)
     if query is not None:
         request.query.CopyFrom(embeddingMessage(query))
@@ -534,7 +538,8 @@ class _Waiting:
     searches that share it.
     """
 
-    request: memory_pb2.SearchRequest
+    # The query's text and vector: never in a repr.
+    request: memory_pb2.SearchRequest = attrs.field(repr=False)
     deadline: float
     result: Deferred[memory_pb2.SearchResponse] = attrs.field(init=False)
     timer: IDelayedCall | None = None
@@ -625,9 +630,7 @@ class SearchBatches:
     def _expired(self, waiting: _Waiting) -> None:
         waiting.timer = None
         if self._coalescer.withdraw(waiting.request.scope.org_id, waiting):
-            waiting.result.errback(
-                MemoryUnavailable(None, "the search's deadline passed before its turn")
-            )
+            waiting.result.errback(_pastItsDeadline())
 
     def _cancelled(self, waiting: _Waiting) -> None:
         # Deferred.cancel fails the search's Deferred with CancelledError
@@ -647,9 +650,7 @@ class SearchBatches:
             if waiting.deadline > now:
                 due.append(waiting)
             else:
-                waiting.result.errback(
-                    MemoryUnavailable(None, "the search's deadline passed before its turn")
-                )
+                waiting.result.errback(_pastItsDeadline())
         if not due:
             return succeed(None)
         return self._sendDue(due, now).addBoth(_forget, due)
@@ -679,9 +680,15 @@ class SearchBatches:
         return called.addBoth(_fire, waiting.result)
 
     def _eachAlone(self, batch: Sequence[_Waiting], now: float) -> Deferred[Any]:
-        return DeferredList(
-            [self._sendAlone(waiting, now) for waiting in batch if not waiting.result.called]
-        )
+        sent = []
+        for waiting in batch:
+            if waiting.result.called:
+                continue
+            if waiting.deadline <= now:
+                waiting.result.errback(_pastItsDeadline())
+            else:
+                sent.append(self._sendAlone(waiting, now))
+        return DeferredList(sent)
 
     def _answered(self, answer: memory_pb2.SearchManyResponse, batch: list[_Waiting]) -> None:
         for index, waiting in enumerate(batch):
@@ -721,6 +728,16 @@ def _forget(result: object, batch: Sequence[_Waiting]) -> object:
     for waiting in batch:
         waiting.call, waiting.batch = None, ()
     return result
+
+
+def _pastItsDeadline() -> MemoryUnavailable:
+    """
+    The failure of a search whose deadline passed while it waited for its
+    turn: DEADLINE_EXCEEDED, as grpcio's own deadline would end it.
+    """
+    return MemoryUnavailable(
+        grpc.StatusCode.DEADLINE_EXCEEDED, "the search's deadline passed before its turn"
+    )
 
 
 # The shortest deadline a search that waited its turn is sent with.

@@ -458,18 +458,23 @@ class MemoryServicer:
         """
         Each search as L{Search} answers it, in turn on this thread: a
         search's refusal (or failure) is its outcome's status, logged as
-        Search's would be, and the others go on. Answered as bytes
-        (L{searchManyAnswer}).
+        Search's would be, and the others go on. Each search is counted as
+        a Search call of its outcome's status besides the SearchMany call
+        itself, so that a database down shows as Search's UNAVAILABLE
+        however the searches came. Answered as bytes (L{searchManyAnswer}).
         """
         if not 1 <= len(request.searches) <= MAX_SEARCHES_PER_CALL:
             raise InvalidMemory("searches", f"must hold 1 to {MAX_SEARCHES_PER_CALL} searches")
         outcomes: list[tuple[int, bytes | str]] = []
         for search in request.searches:
+            code = grpc.StatusCode.OK
             try:
                 outcomes.append((0, self.Search(search)))
             except Exception as error:
                 code, details = self._statusOf("SearchMany", error)
                 outcomes.append((code.value[0], details))
+            finally:
+                self.metrics.answered("Search", code.name)
         return searchManyAnswer(outcomes)
 
     # Observations.

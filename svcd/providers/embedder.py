@@ -40,7 +40,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import CancelledError, Deferred, DeferredList
 from twisted.internet.interfaces import IPushProducer
 from twisted.python.failure import Failure
 
@@ -417,18 +417,25 @@ class Embedder:
                 operation=EMBEDDINGS,
             )
             vectors = vectorsOf(answer.document, len(texts))
-        except ApiError:
+        except ApiError as error:
             outcome = UPSTREAM_ERROR
+            if error.code is ErrorCode.UPSTREAM_REJECTED and shared.usage is None:
+                # The provider refused the request (a 4xx), perhaps for one
+                # text of it (too long for the model): each goes again
+                # alone, where it fails or not on its own, and is recorded
+                # then. This request was not counted by the provider.
+                outcome = REJECTED_TOGETHER
+                raise RejectedTogether(error) from None
             raise
         except CancelledError:
             outcome = CLIENT_GONE
             raise
         finally:
             usage = shared.usage
-            shares = _shares(usage, [inputsEstimate((each.text,)) for each in texts])
+            shares = usageShares(usage, [inputsEstimate((each.text,)) for each in texts])
             endedAt = self._clock.seconds()
             for each, share in zip(texts, shares, strict=True):
-                if each.recorded:
+                if each.recorded or outcome == REJECTED_TOGETHER:
                     continue
                 each.record.provider = shared.provider
                 each.record.model = shared.model
@@ -478,6 +485,22 @@ class Embedder:
         )
 
 
+# embedEach's outcome when the provider refused a shared request: no row.
+REJECTED_TOGETHER = "rejected_together"
+
+
+class RejectedTogether(Exception):
+    """
+    The provider refused a request of several callers' texts with a 4xx
+    (L{Embedder.embedEach}): nothing was recorded, and each text should be
+    sent again alone, so that one text's refusal is its own.
+    """
+
+    def __init__(self, error: ApiError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 @attrs.define(eq=False)
 class SharedText:
     """
@@ -518,23 +541,33 @@ def apportioned(total: int, weights: Sequence[int]) -> list[int]:
     return parts
 
 
-def _shares(usage: Usage | None, estimates: Sequence[int]) -> list[Usage | None]:
+def usageShares(usage: Usage | None, estimates: Sequence[int]) -> list[Usage | None]:
     """
     Each text's part of a shared forward's usage (none without usage):
     prompt and cached tokens apportioned by the texts' estimates.
     """
     if usage is None:
         return [None] * len(estimates)
-    prompts = apportioned(usage.promptTokens, estimates)
-    cached = apportioned(usage.cachedTokens, estimates)
+    # The cached and the uncached tokens each shared whole, so that each
+    # text's cached part is within its prompt and both add up exactly.
+    cachedTokens = min(max(usage.cachedTokens, 0), usage.promptTokens)
+    cached = apportioned(cachedTokens, estimates)
+    uncached = apportioned(usage.promptTokens - cachedTokens, estimates)
     return [
-        Usage(promptTokens=prompt, completionTokens=0, cachedTokens=min(part, prompt))
-        for prompt, part in zip(prompts, cached, strict=True)
+        Usage(promptTokens=part + fresh, completionTokens=0, cachedTokens=part)
+        for part, fresh in zip(cached, uncached, strict=True)
     ]
 
 
 @attrs.define(eq=False)
 class _Queued:
+    """
+    A text of L{EmbeddingBatches}: its model and budget (its key, with its
+    organization), its caller's Deferred, when it was asked for (its row's
+    start when given up unsent), and once sent, its forward and the texts
+    that share it.
+    """
+
     model: Model
     budgeted: bool
     shared: SharedText
@@ -574,6 +607,9 @@ class EmbeddingBatches:
 
     @property
     def providers(self) -> ProviderTable:
+        """
+        The embedder's providers file (what a recall prices its charge by).
+        """
         return self._embedder.providers
 
     def embed(
@@ -595,7 +631,7 @@ class EmbeddingBatches:
         queued = _Queued(model, budgeted, SharedText(texts[0], call, record or UpstreamRecord()))
         queued.result = Deferred(lambda _: self._cancelled(queued))
         queued.startedAt = self._embedder.now()
-        self._coalescer.submit((model.name, call.orgID, budgeted), queued)
+        self._coalescer.submit(_key(queued), queued)
         return queued.result
 
     def _cancelled(self, queued: _Queued) -> None:
@@ -636,9 +672,20 @@ class EmbeddingBatches:
             for queued, each in zip(batch, embedded, strict=True):
                 _fire(each, queued.result)
 
-        def failed(failure: Failure) -> None:
+        def failed(failure: Failure) -> Deferred[Any] | None:
+            if failure.check(RejectedTogether):
+                # Each again alone: one text's refusal is its own. The
+                # organization's next forward waits for these.
+                return DeferredList(
+                    [
+                        self._forward([queued]).addBoth(_forget, [queued])
+                        for queued in batch
+                        if not queued.result.called
+                    ]
+                )
             for queued in batch:
                 _fire(failure, queued.result)
+            return None
 
         return shared.addCallbacks(answered, failed)
 
@@ -655,6 +702,10 @@ def _forget(result: object, batch: Sequence[_Queued]) -> object:
 
 
 def _key(queued: _Queued) -> tuple[str, str, bool]:
+    """
+    What texts must share to share a forward: the model, the organization,
+    and whether a budget applies (which decides the fallbacks tried).
+    """
     return (queued.model.name, queued.shared.call.orgID, queued.budgeted)
 
 

@@ -108,9 +108,10 @@ class ProxyConfig:
     # An organization's recall embeddings (and, apart, its recall searches)
     # in flight before the next ones wait to share a call (decisions D13,
     # "Context assembly"; svcd.common.coalesce). Measured at 32 connections
-    # (bench/README.rst, nineteenth round): 1 gave the most requests a
-    # second, 4 a little fewer; 4 lets a slow provider's recalls overlap.
-    memoryRecallCalls: int = 4
+    # (bench/README.rst, nineteenth round): forward-recall served 60 to 66%
+    # of forward's requests a second with 1 or 2, 53 to 58% with 4; 2 still
+    # lets a slow provider's recalls overlap.
+    memoryRecallCalls: int = 2
     # Decisions D13: the observations of chat completions held until
     # svc-memory has committed them, and the file that keeps them across
     # a kill (None: memory only), as the usage rows' (D12).
@@ -159,7 +160,7 @@ class ProxyConfig:
                 _asciiDigits(environ, "SVC_MEMORY_MAX_IN_FLIGHT"), "SVC_MEMORY_MAX_IN_FLIGHT", 8
             ),
             memoryRecallCalls=config.positiveInteger(
-                _asciiDigits(environ, "SVC_MEMORY_RECALL_CALLS"), "SVC_MEMORY_RECALL_CALLS", 4
+                _asciiDigits(environ, "SVC_MEMORY_RECALL_CALLS"), "SVC_MEMORY_RECALL_CALLS", 2
             ),
             redis=parseRedisURL(config.text(environ, "REDIS_URL", "")),
             validateTimeout=config.duration(environ, "SVC_AUTH_VALIDATE_TIMEOUT", 0.05),

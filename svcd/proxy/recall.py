@@ -37,6 +37,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
+import grpc
 from twisted.internet.defer import CancelledError, Deferred, TimeoutError
 from twisted.logger import Logger
 
@@ -46,7 +47,7 @@ from svcd.common.errors import ApiError
 from svcd.ledger.rows import CLIENT_GONE, OK, UPSTREAM_ERROR
 from svcd.limits.book import Applicable, LimitBook
 from svcd.limits.reservation import BYTES_PER_TOKEN, TOKENS_PER_MESSAGE, inputsEstimate
-from svcd.memory.client import MemoryClient, SearchBatches
+from svcd.memory.client import MemoryCallFailed, MemoryClient, SearchBatches
 from svcd.memory.records import Embedding, Scope
 from svcd.providers.embedder import (
     Embedder,
@@ -443,14 +444,16 @@ class Recaller:
             recall.outcome = RECALL_TIMEOUT
         except CancelledError:
             raise
+        except MemoryCallFailed as failed:
+            if failed.code is grpc.StatusCode.DEADLINE_EXCEEDED:
+                # Out of time on the search's own clock (grpcio's deadline,
+                # or its wait for a turn), a moment before the recall's: a
+                # timeout, counted and not logged, as the recall's own.
+                recall.outcome = RECALL_TIMEOUT
+            else:
+                self._failed(recall, failed, call)
         except Exception as error:
-            recall.outcome = RECALL_ERROR
-            self.log.info(
-                "Recall failed ({error_type}); the request goes on without memories",
-                error_type=type(error).__name__,
-                org_id=call.orgID,
-                request_id=call.parentRequestID,
-            )
+            self._failed(recall, error, call)
         finally:
             # However it ended, the client's cancellation included: the
             # chat's settlement counts what the embedding's row counts
@@ -474,6 +477,15 @@ class Recaller:
         recall.outcome = RECALL_EMPTY if message is None else RECALL_OK
         self._metrics.memoryRecall(recall.outcome)
         return None if message is None else assemble(messages, message)
+
+    def _failed(self, recall: Recall, error: Exception, call: EmbeddingCall) -> None:
+        recall.outcome = RECALL_ERROR
+        self.log.info(
+            "Recall failed ({error_type}); the request goes on without memories",
+            error_type=type(error).__name__,
+            org_id=call.orgID,
+            request_id=call.parentRequestID,
+        )
 
     async def _search(
         self,

@@ -204,8 +204,9 @@ class MemoryServiceServicer:
     def SearchMany(self, request, context):
         """Several searches in one call, each as Search would answer it, in the
         order asked: one search's refusal is its own outcome's, never the
-        call's. 1 to 64 searches; each names its own scope, and each runs in
-        its own organization's context. What a busy proxy sends its recalls
+        call's. 1 to 64 searches (else INVALID_ARGUMENT, details naming
+        "searches"); each names its own scope, and each runs in its own
+        organization's context. What a busy proxy sends its recalls
         in (decisions D13, "Context assembly"): one call's cost shared.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
