@@ -70,6 +70,7 @@ def test_memoryServiceIsDeclaredInPackageSvcMemoryV1() -> None:
         "DeleteMemory",
         "DeleteScope",
         "Search",
+        "SearchMany",
         "QueueObservations",
         "ClaimObservations",
         "CompleteObservation",
