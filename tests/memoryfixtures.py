@@ -8,6 +8,7 @@ tests/conftest.py (pytest_plugins).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -16,9 +17,10 @@ import numpy
 import psycopg
 import pytest
 from authfixtures import Tenant, makeTenant
+from hypothesis import strategies as st
 
 from svcd.auth.store import Store
-from svcd.memory.records import Embedding, Query, Scope, checkQuery
+from svcd.memory.records import Embedding, MemoryRecord, Query, Scope, checkQuery
 from svcd.memory.store import APPLICATION_ROLE, MemoryStore, connectionPool
 from svcd.testing.memoryservice import RunningMemoryService
 
@@ -125,3 +127,26 @@ def within(seconds: float, condition: Callable[[], bool]) -> float:
         assert time.monotonic() - started < seconds, f"not within {seconds}s"
         time.sleep(0.01)
     return time.monotonic() - started
+
+
+# Hypothesis: any memory's record, as the cache of records and the wire
+# encode it (tests of svcd.memory.wire's answers written as bytes).
+moments = st.datetimes(
+    min_value=datetime.datetime(2000, 1, 1), max_value=datetime.datetime(2100, 1, 1)
+).map(lambda moment: moment.replace(tzinfo=datetime.UTC))
+
+memoryRecords = st.builds(
+    MemoryRecord,
+    memoryID=st.uuids(),
+    orgID=st.uuids(),
+    agentID=st.uuids(),
+    subject=st.text("abc:@-", max_size=8),
+    content=st.text(min_size=1, max_size=60),
+    metadata=st.sampled_from(["{}", '{"a":1}', '{"k":"vé"}']),
+    source=st.sampled_from(["api", "extracted"]),
+    sourceRequestID=st.one_of(st.none(), st.text("req-0123", min_size=1, max_size=10)),
+    embeddingModel=st.text("emb-", min_size=1, max_size=8),
+    dimensions=st.integers(1, 4096),
+    createdAt=moments,
+    updatedAt=moments,
+)

@@ -36,7 +36,6 @@ Hypothesis property), an answer without hits included.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -50,7 +49,7 @@ import pytest_twisted
 from authfixtures import Tenant
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from memoryfixtures import MODEL, embedding, scopeOf, vectorBytes
+from memoryfixtures import MODEL, embedding, memoryRecords, scopeOf, vectorBytes
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IReactorFromThreads
 from twisted.internet.task import Clock, deferLater
@@ -345,25 +344,7 @@ def test_aCallHoldsOneToSixtyFourSearches(
 
 # SearchMany's answer written as bytes.
 
-moments = st.datetimes(
-    min_value=datetime.datetime(2000, 1, 1), max_value=datetime.datetime(2100, 1, 1)
-).map(lambda moment: moment.replace(tzinfo=datetime.UTC))
-
-records = st.builds(
-    MemoryRecord,
-    memoryID=st.uuids(),
-    orgID=st.uuids(),
-    agentID=st.uuids(),
-    subject=st.text("abc:@-", max_size=8),
-    content=st.text(min_size=1, max_size=40),
-    metadata=st.sampled_from(["{}", '{"a":1}', '{"k":"vé"}']),
-    source=st.sampled_from(["api", "extracted"]),
-    sourceRequestID=st.one_of(st.none(), st.text("req-0123", min_size=1, max_size=10)),
-    embeddingModel=st.text("emb-", min_size=1, max_size=8),
-    dimensions=st.integers(1, 4096),
-    createdAt=moments,
-    updatedAt=moments,
-)
+records = memoryRecords
 
 # An outcome: a search's hits (possibly none), or a refusal's status code
 # (a google.rpc.Code other than OK) and details.

@@ -18,31 +18,14 @@ import numpy
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from memoryfixtures import memoryRecords
 
 from svcd.memory.records import InvalidMemory, MemoryRecord, checkEmbedding, checkQuery
 from svcd.memory.vectors import normalised
 from svcd.memory.wire import encodedMemory, memoryMessage, searchAnswer, searchResponse
 from svcd.pb.memory.v1 import memory_pb2
 
-moments = st.datetimes(
-    min_value=datetime.datetime(2000, 1, 1), max_value=datetime.datetime(2100, 1, 1)
-).map(lambda moment: moment.replace(tzinfo=datetime.UTC))
-
-records = st.builds(
-    MemoryRecord,
-    memoryID=st.uuids(),
-    orgID=st.uuids(),
-    agentID=st.uuids(),
-    subject=st.text("abc:@-", max_size=8),
-    content=st.text(min_size=1, max_size=60),
-    metadata=st.sampled_from(["{}", '{"a":1}', '{"k":"vé"}']),
-    source=st.sampled_from(["api", "extracted"]),
-    sourceRequestID=st.one_of(st.none(), st.text("req-0123", min_size=1, max_size=10)),
-    embeddingModel=st.text("emb-", min_size=1, max_size=8),
-    dimensions=st.integers(1, 4096),
-    createdAt=moments,
-    updatedAt=moments,
-)
+records = memoryRecords
 
 
 # No deadline: the machine's load, not the code, decides how long an

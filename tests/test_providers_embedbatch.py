@@ -24,8 +24,8 @@ from pathlib import Path
 import attrs
 import pytest
 import pytest_twisted
+from limitshelpers import waitFor
 from twisted.internet.defer import CancelledError, Deferred, succeed
-from twisted.internet.task import deferLater
 
 from svcd.common.errors import ApiError, ErrorCode
 from svcd.limits.admission import Admission
@@ -109,16 +109,6 @@ kind = "embedding"
 SHORT = "the cat sat"
 LONG = "a dog ran far away from home"
 FIRST = "first of all"
-
-
-async def waitFor(condition: Callable[[], bool], seconds: float = 10.0) -> None:
-    from twisted.internet import reactor
-
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not true within {seconds} s")
-        await deferLater(reactor, 0.02, lambda: None)
 
 
 @attrs.define
