@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import attrs
 import grpc
@@ -314,6 +314,42 @@ def test_eachSearchIsInItsOwnOrganization(
         assert (third.code, third.details) == (error.code().value[0], error.details())
     else:
         assert third.code == 0 and third.response == alone
+
+
+class _Deadline:
+    """
+    The part of a call's context SearchMany reads: the seconds left, one
+    value per search asked (the last one repeated).
+    """
+
+    def __init__(self, *remaining: float) -> None:
+        self.remaining = list(remaining)
+
+    def time_remaining(self) -> float:
+        return self.remaining.pop(0) if len(self.remaining) > 1 else self.remaining[0]
+
+
+def test_searchesPastTheCallsDeadlineAreNotMade(
+    memoryService: RunningMemoryService, acme: Tenant
+) -> None:
+    """
+    Once the call's deadline has passed between two searches (scopes
+    loaded one after another), the searches not made yet are answered
+    DEADLINE_EXCEEDED and counted so, and those made before still reach
+    the caller.
+    """
+    add(memoryService, scopeMessage(acme), "one", [1.0])
+    search = memory_pb2.SearchRequest(scope=scopeMessage(acme), query=vector([1.0]), k=1)
+    before = requestsTotal(memoryService, "Search", "DEADLINE_EXCEEDED")
+    written = memoryService.parts.servicer.SearchMany(
+        memory_pb2.SearchManyRequest(searches=[search] * 4),
+        cast(grpc.ServicerContext, _Deadline(5.0, 0.5, 0.0)),
+    )
+    answer = memory_pb2.SearchManyResponse.FromString(written)
+    assert [outcome.code for outcome in answer.outcomes] == [0, 0, 4, 4]
+    assert [len(outcome.response.results) for outcome in answer.outcomes[:2]] == [1, 1]
+    assert answer.outcomes[2].details == "deadline passed"
+    assert requestsTotal(memoryService, "Search", "DEADLINE_EXCEEDED") == before + 2
 
 
 def test_aCallHoldsOneToSixtyFourSearches(

@@ -270,6 +270,8 @@ def _owner(owner: str) -> str:
 
 # The methods whose answers are written as bytes (svcd.memory.wire).
 _ENCODED_ANSWERS = frozenset({"Search", "SearchMany"})
+# The methods given the call's context too (its deadline).
+_WITH_CONTEXT = frozenset({"SearchMany"})
 
 
 class MemoryServicer:
@@ -313,7 +315,7 @@ class MemoryServicer:
         self,
         method: str,
         requestType: type[Message],
-        work: Callable[[Any], Message | bytes],
+        work: Callable[..., Message | bytes],
     ) -> Callable[[bytes, grpc.ServicerContext], Message | bytes]:
         def answer(raw: bytes, context: grpc.ServicerContext) -> Message | bytes:
             code = grpc.StatusCode.OK
@@ -329,6 +331,8 @@ class MemoryServicer:
                         f"the request is not a valid {requestType.DESCRIPTOR.name}"
                         " (broken wire format, or a string that is not UTF-8)",
                     ) from None
+                if method in _WITH_CONTEXT:
+                    return work(request, context)
                 return work(request)
             except Exception as error:
                 code, details = self._statusOf(method, error)
@@ -454,14 +458,19 @@ class MemoryServicer:
             minScore = _bounded("min_score", request.min_score, -1.0, 1.0)
         return searchAnswer(self._searcher.search(scope, query, k, minScore, mode, request.text))
 
-    def SearchMany(self, request: memory_pb2.SearchManyRequest) -> bytes:
+    def SearchMany(
+        self, request: memory_pb2.SearchManyRequest, context: grpc.ServicerContext | None = None
+    ) -> bytes:
         """
         Each search as L{Search} answers it, in turn on this thread: a
         search's refusal (or failure) is its outcome's status, logged as
         Search's would be, and the others go on. Each search is counted as
         a Search call of its outcome's status besides the SearchMany call
         itself, so that a database down shows as Search's UNAVAILABLE
-        however the searches came. Answered as bytes (L{searchManyAnswer}).
+        however the searches came. Once the call's deadline has passed
+        (scopes loaded from PostgreSQL one after another), the searches not
+        made yet are answered DEADLINE_EXCEEDED, so that those made still
+        reach the caller. Answered as bytes (L{searchManyAnswer}).
         """
         if not 1 <= len(request.searches) <= MAX_SEARCHES_PER_CALL:
             raise InvalidMemory("searches", f"must hold 1 to {MAX_SEARCHES_PER_CALL} searches")
@@ -469,6 +478,9 @@ class MemoryServicer:
         for search in request.searches:
             code = grpc.StatusCode.OK
             try:
+                remaining = context.time_remaining() if context is not None else None
+                if remaining is not None and remaining <= 0:
+                    raise _Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed")
                 outcomes.append((0, self.Search(search)))
             except Exception as error:
                 code, details = self._statusOf("SearchMany", error)
