@@ -4,7 +4,7 @@ Small helpers for Deferreds.
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from twisted.internet.defer import CancelledError, Deferred, TimeoutError
 from twisted.internet.interfaces import IReactorTime
@@ -65,3 +65,17 @@ def timeoutDeferred(work: Deferred[T], seconds: float, clock: IReactorTime) -> D
 
     work.addBoth(finished)
     return result
+
+
+def fireUnlessCalled(result: object, target: Deferred[Any]) -> None:
+    """
+    Fire C{target} with C{result} (a value, or a L{Failure} to errback
+    with), unless it has fired already: a caller's Deferred cancelled while
+    the call it waited for went on for others (L{svcd.common.coalesce}).
+    Used as a callback, it consumes C{result}.
+    """
+    if not target.called:
+        if isinstance(result, Failure):
+            target.errback(result)
+        else:
+            target.callback(result)

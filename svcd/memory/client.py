@@ -38,6 +38,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from svcd.common.coalesce import Coalescer
+from svcd.common.deferreds import fireUnlessCalled
 from svcd.common.grpcdefer import deferredFromFuture
 from svcd.common.tracing import traceMetadata
 from svcd.memory.records import FORBIDDEN_DETAILS, Embedding, Scope
@@ -677,7 +678,7 @@ class SearchBatches:
             "Search", waiting.request, max(waiting.deadline - now, _LEAST_SECONDS)
         )
         waiting.call, waiting.batch = called, (waiting,)
-        return called.addBoth(_fire, waiting.result)
+        return called.addBoth(fireUnlessCalled, waiting.result)
 
     def _eachAlone(self, batch: Sequence[_Waiting], now: float) -> Deferred[Any]:
         sent = []
@@ -742,18 +743,6 @@ def _pastItsDeadline() -> MemoryUnavailable:
 
 # The shortest deadline a search that waited its turn is sent with.
 _LEAST_SECONDS = 0.001
-
-
-def _fire(result: Any, target: Deferred[Any]) -> None:
-    """
-    Hand a call's outcome to its search's Deferred, unless that was
-    cancelled meanwhile.
-    """
-    if not target.called:
-        if isinstance(result, Failure):
-            target.errback(result)
-        else:
-            target.callback(result)
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}

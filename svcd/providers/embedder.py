@@ -46,6 +46,7 @@ from twisted.python.failure import Failure
 
 from svcd.common.clocks import Clock, asReactorTime
 from svcd.common.coalesce import Coalescer
+from svcd.common.deferreds import fireUnlessCalled
 from svcd.common.errors import ApiError, ErrorCode
 from svcd.common.ids import uuid7Text
 from svcd.ledger.rows import CLIENT_GONE, EMBEDDING, OK, UPSTREAM_ERROR, UsageLedger, usageRow
@@ -309,6 +310,31 @@ class Embedder:
             work.addTimeout(timeout, asReactorTime(self._clock))
         return work
 
+    async def _forward(
+        self,
+        model: Model,
+        texts: Sequence[str],
+        call: EmbeddingCall,
+        budgeted: bool,
+        record: UpstreamRecord,
+    ) -> tuple[bytes, ...]:
+        """
+        Forward C{texts} as C{call}'s organization (its fallbacks) under
+        C{call}'s request id, and read their vectors: an answer without
+        them is the provider's fault (502), and the caller's row says so
+        (a recall's charge reads the same outcome).
+        """
+        answer = await self._forwarder.forward(
+            embeddingsRequest(model, texts).document,
+            attemptsOf(self.providers, model, call.orgID, budgeted),
+            call.requestID,
+            NEVER_STREAMED,
+            noErrorEvent,
+            record,
+            operation=EMBEDDINGS,
+        )
+        return vectorsOf(answer.document, len(texts))
+
     def now(self) -> float:
         """
         The clock's time, as the rows' times read it.
@@ -329,22 +355,10 @@ class Embedder:
             if reservation is not None:
                 self._admission.settle(reservation, 0)
             raise ledgerFull()
-        request = embeddingsRequest(model, texts)
         startedAt = self._clock.seconds()
         outcome = OK
         try:
-            answer = await self._forwarder.forward(
-                request.document,
-                attemptsOf(self.providers, model, call.orgID, budgeted),
-                call.requestID,
-                NEVER_STREAMED,
-                noErrorEvent,
-                record,
-                operation=EMBEDDINGS,
-            )
-            # An answer without its vectors is the provider's fault, and
-            # its row says so (a caller's charge reads the same outcome).
-            vectors = vectorsOf(answer.document, len(texts))
+            vectors = await self._forward(model, texts, call, budgeted, record)
         except ApiError:
             outcome = UPSTREAM_ERROR
             raise
@@ -399,24 +413,15 @@ class Embedder:
         ledger = self._ledger
         if ledger is not None and not ledger.hasRoom():
             raise ledgerFull()
-        request = embeddingsRequest(model, [each.text for each in texts])
         startedAt = self._clock.seconds()
         shared = UpstreamRecord()
         for each in texts:
             each.forward = shared
         outcome = OK
-        first = texts[0].call
         try:
-            answer = await self._forwarder.forward(
-                request.document,
-                attemptsOf(self.providers, model, first.orgID, budgeted),
-                first.requestID,
-                NEVER_STREAMED,
-                noErrorEvent,
-                shared,
-                operation=EMBEDDINGS,
+            vectors = await self._forward(
+                model, [each.text for each in texts], texts[0].call, budgeted, shared
             )
-            vectors = vectorsOf(answer.document, len(texts))
         except ApiError as error:
             outcome = UPSTREAM_ERROR
             if error.code is ErrorCode.UPSTREAM_REJECTED and shared.usage is None:
@@ -661,7 +666,7 @@ class EmbeddingBatches:
                 record=first.shared.record,
             )
             first.forward, first.batch = forward, batch
-            return forward.addBoth(_fire, first.result)
+            return forward.addBoth(fireUnlessCalled, first.result)
         shared = Deferred.fromCoroutine(
             self._embedder.embedEach(first.model, [each.shared for each in batch], first.budgeted)
         )
@@ -670,7 +675,7 @@ class EmbeddingBatches:
 
         def answered(embedded: list[Embedded]) -> None:
             for queued, each in zip(batch, embedded, strict=True):
-                _fire(each, queued.result)
+                fireUnlessCalled(each, queued.result)
 
         def failed(failure: Failure) -> Deferred[Any] | None:
             if failure.check(RejectedTogether):
@@ -684,7 +689,7 @@ class EmbeddingBatches:
                     ]
                 )
             for queued in batch:
-                _fire(failure, queued.result)
+                fireUnlessCalled(failure, queued.result)
             return None
 
         return shared.addCallbacks(answered, failed)
@@ -707,18 +712,6 @@ def _key(queued: _Queued) -> tuple[str, str, bool]:
     and whether a budget applies (which decides the fallbacks tried).
     """
     return (queued.model.name, queued.shared.call.orgID, queued.budgeted)
-
-
-def _fire(result: Any, target: Deferred[Any]) -> None:
-    """
-    Hand a forward's outcome to a text's Deferred, unless that was
-    cancelled meanwhile.
-    """
-    if not target.called:
-        if isinstance(result, Failure):
-            target.errback(result)
-        else:
-            target.callback(result)
 
 
 def decodeVectors(body: bytes, count: int) -> tuple[bytes, ...]:
