@@ -619,7 +619,12 @@ def test_busyRecallsShareTheirCalls(stack: Stack) -> None:
     """
     tenant = stack.tenant("shares")
     topics = ["violin", "kayak", "pottery", "telescope", "origami"]
-    stack.remember(tenant, *(f"the user practises {topic} on sundays" for topic in topics))
+    # The first memory carries the marker that no daemon's log may hold
+    # (test_memoryContentNeverLogged): recalls that share calls log no
+    # more of it than the others.
+    contents = {topic: f"the user practises {topic} on sundays" for topic in topics}
+    contents[topics[0]] += f" {MARKER}"
+    stack.remember(tenant, *contents.values())
     stack.recallOn(tenant)
     client = stack.client(tenant, proxy="batched")
     waitForRecall(stack, client, on=True)
@@ -648,7 +653,7 @@ def test_busyRecallsShareTheirCalls(stack: Stack) -> None:
         assert headers["x-svc-memories"] == "3"
         sent = stack.chatReceived(headers["x-request-id"]).body
         lines = memoryLines(sent["messages"][0]["content"])
-        assert lines[0] == f"- the user practises {topic} on sundays"
+        assert lines[0] == f"- {contents[topic]}"
         assert len(lines) == 3
     embedded = embeddingsOf(set(questions))
     inputs = [text for each in embedded for text in each.body["input"]]
