@@ -96,6 +96,13 @@ class ErrorCode(str, enum.Enum):
         409,
         "This agent and subject hold as many memories as allowed; delete some first.",
     )
+    # Decisions D13, amended: the organization has SVC_MEMORY_MAX_WAITING_PER_ORG
+    # observations waiting for the worker.
+    MEMORY_QUEUE_FULL = (
+        "MEMORY_QUEUE_FULL",
+        429,
+        "Too many conversations are waiting to become memories; try again later.",
+    )
     UPSTREAM_REJECTED = (
         "UPSTREAM_REJECTED",
         400,

@@ -69,14 +69,16 @@ class Budget(_message.Message):
     def __init__(self, nano_usd: _Optional[int] = ..., period: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class MemorySettings(_message.Message):
-    __slots__ = ("recall", "observe", "version")
+    __slots__ = ("recall", "observe", "version", "observe_mode")
     RECALL_FIELD_NUMBER: _ClassVar[int]
     OBSERVE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    OBSERVE_MODE_FIELD_NUMBER: _ClassVar[int]
     recall: bool
     observe: bool
     version: int
-    def __init__(self, recall: _Optional[bool] = ..., observe: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
+    observe_mode: str
+    def __init__(self, recall: _Optional[bool] = ..., observe: _Optional[bool] = ..., version: _Optional[int] = ..., observe_mode: _Optional[str] = ...) -> None: ...
 
 class Limits(_message.Message):
     __slots__ = ("rpm", "tpm", "max_output_tokens", "version")

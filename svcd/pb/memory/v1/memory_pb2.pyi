@@ -197,16 +197,18 @@ class ObservedMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class Observation(_message.Message):
-    __slots__ = ("scope", "request_id", "messages", "key")
+    __slots__ = ("scope", "request_id", "messages", "key", "ended_at")
     SCOPE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
+    ENDED_AT_FIELD_NUMBER: _ClassVar[int]
     scope: Scope
     request_id: str
     messages: _containers.RepeatedCompositeFieldContainer[ObservedMessage]
     key: str
-    def __init__(self, scope: _Optional[_Union[Scope, _Mapping]] = ..., request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ObservedMessage, _Mapping]]] = ..., key: _Optional[str] = ...) -> None: ...
+    ended_at: str
+    def __init__(self, scope: _Optional[_Union[Scope, _Mapping]] = ..., request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ObservedMessage, _Mapping]]] = ..., key: _Optional[str] = ..., ended_at: _Optional[str] = ...) -> None: ...
 
 class QueueObservationsRequest(_message.Message):
     __slots__ = ("observations",)
@@ -215,18 +217,20 @@ class QueueObservationsRequest(_message.Message):
     def __init__(self, observations: _Optional[_Iterable[_Union[Observation, _Mapping]]] = ...) -> None: ...
 
 class QueuedObservation(_message.Message):
-    __slots__ = ("request_id", "org_id", "id", "queued_now", "key")
+    __slots__ = ("request_id", "org_id", "id", "queued_now", "key", "refused")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ORG_ID_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
     QUEUED_NOW_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     org_id: str
     id: str
     queued_now: bool
     key: str
-    def __init__(self, request_id: _Optional[str] = ..., org_id: _Optional[str] = ..., id: _Optional[str] = ..., queued_now: _Optional[bool] = ..., key: _Optional[str] = ...) -> None: ...
+    refused: str
+    def __init__(self, request_id: _Optional[str] = ..., org_id: _Optional[str] = ..., id: _Optional[str] = ..., queued_now: _Optional[bool] = ..., key: _Optional[str] = ..., refused: _Optional[str] = ...) -> None: ...
 
 class QueueObservationsResponse(_message.Message):
     __slots__ = ("queued",)
