@@ -196,6 +196,71 @@ def test_theRankingIsTheOrderOfEveryLiveRow(
     assert list(zip(ranking.scores, ranking.createdMicros, ranking.keys, strict=True)) == expected
 
 
+@st.composite
+def tiedScopes(draw: st.DrawFn) -> tuple[list[list[float]], list[int], list[float], int]:
+    """
+    Scopes of many rows and few distinct vectors (and few distinct
+    creation times): more candidates tie at the k-th score than the few
+    that rank() orders as tuples, so that numpy orders them.
+    """
+    dimensions = draw(st.integers(1, 4))
+    vector = st.lists(component, min_size=dimensions, max_size=dimensions).filter(
+        lambda each: any(each)
+    )
+    distinct = draw(st.lists(vector, min_size=1, max_size=3))
+    size = draw(st.integers(65, 300))
+    vectors = [distinct[draw(st.integers(0, len(distinct) - 1))] for _ in range(size)]
+    created = draw(st.lists(st.integers(0, 3), min_size=size, max_size=size))
+    return vectors, created, draw(vector), draw(st.integers(1, 20))
+
+
+@settings(max_examples=150, deadline=None)
+@given(tiedScopes(), st.lists(st.integers(0, 299), max_size=40))
+def test_manyTiedCandidatesRankAsFewDo(
+    case: tuple[list[list[float]], list[int], list[float], int], removed: list[int]
+) -> None:
+    """
+    A scope whose vectors nearly all tie (issue 44: a tie path that cost
+    a search milliseconds) ranks by the same contract as any: every live
+    row's (score, created, id) in descending order, the first k.
+    """
+    vectors, created, query, k = case
+    rows, ids = rowsOf(vectors, created)
+    scope = ScopeVectors.fromRows(len(query), rows)
+    gone = {ids[each] for each in removed if each < len(ids)}
+    scope.remove(gone)
+    unit = normalised(vectorBytes(query))
+    # From the rows as loaded (a removal may compact the scope's arrays).
+    matrix = numpy.stack([normalised(vectorBytes(each)) for each in vectors]).astype(numpy.float64)
+    scores = (matrix * unit.astype(numpy.float64)).sum(axis=1).tolist()
+    live = [
+        (scores[row], moment, memoryID.int)
+        for row, (moment, memoryID) in enumerate(zip(created, ids, strict=True))
+        if memoryID not in gone
+    ]
+    ranking = scope.rank(unit, k)
+    assert (
+        list(zip(ranking.scores, ranking.createdMicros, ranking.keys, strict=True))
+        == sorted(live, reverse=True)[:k]
+    )
+
+
+def test_aTiedScopeOfManyDimensionsStillTiesExactly() -> None:
+    """
+    1,000 copies of one 768-dimension vector (the tie path of issue 44)
+    score the same bits wherever they sit, and come newest first.
+    """
+    generator = numpy.random.default_rng(11)
+    same = generator.standard_normal(768).tolist()
+    created = generator.permutation(1000).tolist()
+    rows, ids = rowsOf([same] * 1000, created)
+    scope = ScopeVectors.fromRows(768, rows)
+    hits = scope.search(normalised(vectorBytes(same)), 5)
+    newest = sorted(range(1000), key=lambda row: created[row], reverse=True)[:5]
+    assert [hit.memoryID for hit in hits] == [ids[row] for row in newest]
+    assert len({hit.score for hit in hits}) == 1
+
+
 def test_aSearchHoldingAnOlderViewNeverRanksARemovedRow() -> None:
     """
     remove() marks a row dead in the arrays the views share, then
