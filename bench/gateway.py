@@ -63,9 +63,12 @@ the gateway saw an unexpected status):
               the forward row for a fourth tenant with recall on (decisions
               D13: context assembly): svc-memory runs beside (started only
               for this row, and then every proxy has memory configured),
-              the agent's scope holds 1,000 memories, each request's
-              message is another text (bench/load.lua, SVC_BENCH_VARY), its
-              embedding is nginx's fixed one, and the 5 best memories
+              the agent's scope holds --recall-memories memories (1,000
+              by default; each with a vector of its own, or all one with
+              --recall-vectors tied), each request's message is another
+              text (bench/load.lua, SVC_BENCH_VARY), nginx embeds it (one
+              vector for each input, so shared requests are answered
+              whole: njs, Debian's libnginx-mod-http-js), and the 5 best memories
               (ranked by --recall-mode: vector, text or hybrid; vector by
               default) go into the prompt forwarded to nginx -> 200;
               compared with the forward row's requests/s in the same run,
@@ -113,6 +116,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -179,23 +183,38 @@ ANSWER = json.dumps(
 )
 
 
-def _embeddingAnswer() -> str:
+def _embeddingVector() -> str:
     """
-    The fixed answer of nginx's embeddings route: one vector of 64 float32
-    values (a unit vector's worth of varied ones), base64 as OpenAI writes
-    it, and the usage.
+    The vector nginx's embeddings route answers for every input: 64
+    float32 values (a unit vector's worth of varied ones), base64 as
+    OpenAI writes it.
     """
     values = [((index * 37) % 64 - 31.5) / 256 for index in range(64)]
-    vector = base64.b64encode(struct.pack("<64f", *values)).decode("ascii")
-    return json.dumps(
-        {
-            "object": "list",
-            "data": [{"object": "embedding", "index": 0, "embedding": vector}],
-            "model": "bench-upstream-embed",
-            "usage": {"prompt_tokens": 2, "total_tokens": 2},
-        },
-        separators=(",", ":"),
-    )
+    return base64.b64encode(struct.pack("<64f", *values)).decode("ascii")
+
+
+# nginx's embeddings route (njs, Debian's libnginx-mod-http-js): one vector
+# for each input, as a provider answers, so that the embeddings a busy
+# proxy's recalls share (decisions D13, issue 32) are answered whole; a
+# fixed answer of one vector would fail every shared request, and a
+# failing recall is cheaper than one that works (issue 44).
+_EMBEDDINGS_JS = """
+function embeddings(r) {
+    var input = JSON.parse(r.requestText).input;
+    var count = Array.isArray(input) ? input.length : 1;
+    var data = [];
+    for (var index = 0; index < count; index++) {
+        data.push({object: "embedding", index: index, embedding: "%(vector)s"});
+    }
+    r.headersOut["Content-Type"] = "application/json";
+    r.return(200, JSON.stringify({
+        object: "list", data: data, model: "bench-upstream-embed",
+        usage: {prompt_tokens: 2 * count, total_tokens: 2 * count}
+    }));
+}
+export default {embeddings};
+"""
+_NJS_MODULE = Path("/usr/lib/nginx/modules/ngx_http_js_module.so")
 
 
 def _streamAnswer() -> str:
@@ -228,11 +247,19 @@ def _nginxConfig(workdir: Path, port: int) -> str:
     temp = workdir / "nginx-temp"
     temp.mkdir(exist_ok=True)
     user = "user root;\n" if os.geteuid() == 0 else ""
+    if not _NJS_MODULE.exists():
+        raise SystemExit(
+            "nginx's js module is missing: apt-get install libnginx-mod-http-js"
+            " (it answers the embeddings of the memory rows)"
+        )
+    script = workdir / "embeddings.js"
+    script.write_text(_EMBEDDINGS_JS % {"vector": _embeddingVector()})
 
     def quoted(text: str) -> str:
         return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
-    return f"""{user}worker_processes 1;
+    return f"""load_module {_NJS_MODULE};
+{user}worker_processes 1;
 daemon off;
 pid {workdir}/nginx.pid;
 error_log {workdir}/nginx.log warn;
@@ -246,6 +273,7 @@ http {{
   scgi_temp_path {temp}/scgi;
   keepalive_requests 10000000;
   keepalive_timeout 75s;
+  js_import embed from {script};
   server {{
     listen 127.0.0.1:{port} backlog=511;
     location = /v1/chat/completions {{
@@ -257,8 +285,9 @@ http {{
       return 200 {quoted(_streamAnswer())};
     }}
     location = /v1/embeddings {{
-      default_type application/json;
-      return 200 {quoted(_embeddingAnswer())};
+      client_body_buffer_size 1m;
+      client_body_in_single_buffer on;
+      js_content embed.embeddings;
     }}
   }}
 }}
@@ -340,30 +369,39 @@ recall_mode = "{recallMode}"
     return path
 
 
-def _remember(address: str, orgID: str, agentID: str) -> None:
+def _remember(
+    address: str, orgID: str, agentID: str, memories: int = RECALL_MEMORIES, tied: bool = False
+) -> None:
     """
     Store the forward-recall row's memories in its agent's scope: short
     sentences, each with a vector of its own (64 float32 values, as nginx's
-    embedding), under the [memory] model's name.
+    embedding), under the [memory] model's name; with C{tied}, one vector
+    for all of them (the tie path of issue 44: every memory scores the
+    same). Added by eight calls at a time, so that 10,000 take seconds.
     """
     generator = random.Random(13)
+    shared = [generator.gauss(0, 1) for _ in range(64)]
+    vectors = []
+    for _ in range(memories):
+        values = shared if tied else [generator.gauss(0, 1) for _ in range(64)]
+        norm = sum(value * value for value in values) ** 0.5
+        vectors.append(struct.pack("<64f", *(value / norm for value in values)))
     with grpc.insecure_channel(address) as channel:
         stub = memory_pb2_grpc.MemoryServiceStub(channel)
-        for index in range(RECALL_MEMORIES):
-            values = [generator.gauss(0, 1) for _ in range(64)]
-            norm = sum(value * value for value in values) ** 0.5
+
+        def add(index: int) -> None:
             stub.AddMemory(
                 memory_pb2.AddMemoryRequest(
                     scope=memory_pb2.Scope(org_id=orgID, agent_id=agentID),
                     content=f"memory {index}: the user mentioned a preference worth keeping",
                     source="api",
-                    embedding=memory_pb2.Embedding(
-                        model=EMBEDDING_MODEL,
-                        vector=struct.pack("<64f", *(value / norm for value in values)),
-                    ),
+                    embedding=memory_pb2.Embedding(model=EMBEDDING_MODEL, vector=vectors[index]),
                 ),
                 timeout=30,
             )
+
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(add, range(memories)))
 
 
 # Rows served by one process of their own, whatever --workers says.
@@ -467,6 +505,8 @@ def runningStack(
     withForwarding: bool = False,
     withMemory: bool = False,
     recallMode: str = "vector",
+    recallMemories: int = RECALL_MEMORIES,
+    recallTied: bool = False,
 ) -> Iterator[Stack]:
     """
     PostgreSQL, Redis, svc-auth, one group of svc-proxy processes per
@@ -539,7 +579,13 @@ def runningStack(
             memory.waitForReady()
             memoryAddress = f"127.0.0.1:{memory.environment['SVC_GRPC_PORT']}"
             # The forward-recall row's scope.
-            _remember(memoryAddress, str(recallOrgID), str(recallAgent.agentID))
+            _remember(
+                memoryAddress,
+                str(recallOrgID),
+                str(recallAgent.agentID),
+                recallMemories,
+                recallTied,
+            )
             forwardingEnvironment["SVC_MEMORY_GRPC_ADDR"] = memoryAddress
 
         groups: dict[tuple[int, bool], list[Daemon]] = {}
@@ -1126,6 +1172,18 @@ def main() -> int:
         choices=("vector", "text", "hybrid"),
         help="[memory].recall_mode of the forward-recall row (decisions D13)",
     )
+    parser.add_argument(
+        "--recall-memories",
+        type=int,
+        default=RECALL_MEMORIES,
+        help="the memories in the forward-recall row's scope (issue 44: 1,000 and 10,000)",
+    )
+    parser.add_argument(
+        "--recall-vectors",
+        default="distinct",
+        choices=("distinct", "tied"),
+        help="the forward-recall row's memories each with a vector of its own, or all one",
+    )
     arguments = parser.parse_args()
     connectionCounts = [int(each) for each in arguments.connections.split(",")]
     workerCounts = [int(each) for each in arguments.workers.split(",")]
@@ -1159,6 +1217,8 @@ def main() -> int:
                 for row in [*rows, *([arguments.soak_row] if arguments.soak else [])]
             ),
             recallMode=arguments.recall_mode,
+            recallMemories=arguments.recall_memories,
+            recallTied=arguments.recall_vectors == "tied",
         ) as stack:
             if arguments.soak:
                 return soak(stack, arguments.soak, arguments.soak_row)
