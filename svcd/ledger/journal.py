@@ -30,6 +30,7 @@ What survives what:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import fcntl
 import json
@@ -42,14 +43,17 @@ from typing import Any
 
 import attrs
 from google.protobuf import json_format
+from twisted.internet.interfaces import IDelayedCall
 from twisted.logger import Logger
 
+from svcd.common.clocks import Clock
 from svcd.ledger.journalfile import JOURNAL_MAGIC, JournalError, journalKind
 from svcd.pb.auth.v1 import auth_pb2
 
 __all__ = [
     "COMPACT_JOURNAL_BYTES",
     "USAGE_WORDS",
+    "Compactions",
     "OutboxWords",
     "UsageJournal",
     "holdJournalLock",
@@ -403,29 +407,37 @@ class UsageJournal:
         records = [_record(_ROW, row.SerializeToString()) for row in rows]
         content = self._magic + b"".join(records)
         temporary = self.path + ".compacting"
-        directory = os.path.dirname(os.path.abspath(self.path))
         try:
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
                 _writeAll(fd, content)
                 os.fsync(fd)
             finally:
                 os.close(fd)
             os.replace(temporary, self.path)
-            directoryFD = os.open(directory, os.O_RDONLY)
-            try:
-                os.fsync(directoryFD)
-            finally:
-                os.close(directoryFD)
-            appending = os.open(self.path, os.O_WRONLY | os.O_APPEND)
         except OSError as error:
+            # The copy holds rows' content (observations: what users said):
+            # not left behind once they are acknowledged. A kill before
+            # this leaves it to the next start, whose own rewrite replaces
+            # it.
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
             raise JournalError(f"cannot write {self.path!r}: {error.strerror}") from None
+        # The new file is the journal now, whatever follows: the old one's
+        # descriptor is closed (its inode, acknowledged rows and all, is
+        # freed with it), and appends go to the new one or, when it cannot
+        # be opened, fail as on a full disk (the rows are held in memory).
         if self._fd is not None:
             os.close(self._fd)
-        self._fd = appending
+            self._fd = None
         self._size = len(content)
         self._waiting = deque(len(record) for record in records)
         self._waitingBytes = len(content) - len(self._magic)
+        try:
+            _fsyncDirectory(self.path)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        except OSError as error:
+            raise JournalError(f"cannot write {self.path!r}: {error.strerror}") from None
 
     def append(self, row: Any) -> None:
         """
@@ -445,12 +457,14 @@ class UsageJournal:
         acknowledged (committed them, or refused them for good), the last
         of which has the key C{lastKey} (L{rowKey}).
         """
-        payload = _ACK_COUNT.pack(count) + lastKey.encode("utf-8")
-        self._write(_record(_ACK, payload))
         # A row the journal could not take (a full disk) is in the outbox
-        # but not here: never count below none.
+        # but not here: never count below none. Counted before the record
+        # is written: rows acknowledged are the compaction's to drop even
+        # when their acknowledgement could not be journalled.
         for _ in range(min(count, len(self._waiting))):
             self._waitingBytes -= self._waiting.popleft()
+        payload = _ACK_COUNT.pack(count) + lastKey.encode("utf-8")
+        self._write(_record(_ACK, payload))
 
     def _write(self, record: bytes) -> None:
         if self._fd is None:
@@ -476,6 +490,20 @@ class UsageJournal:
             kept and appended to).
         """
         if self.acknowledgedBytes <= self._compactBytes:
+            return False
+        self._rewrite(waiting)
+        return True
+
+    def dropAcknowledged(self, waiting: Sequence[Any] = ()) -> bool:
+        """
+        Rewrite the journal with only C{waiting} (as L{compactIfLarge})
+        whenever it holds anything acknowledged, whatever its size: what
+        L{Compactions} calls for a journal that forgets.
+
+        @return: whether it was rewritten.
+        @raise JournalError: when the rewrite failed.
+        """
+        if self.acknowledgedBytes <= 0:
             return False
         self._rewrite(waiting)
         return True
@@ -524,6 +552,18 @@ def _rfc3339(seconds: float) -> str:
     return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
+def _fsyncDirectory(path: str) -> None:
+    """
+    fsync the directory of C{path}, so that a rename into it outlives a
+    power loss.
+    """
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _writeAll(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
@@ -537,3 +577,113 @@ def _rowDocument(row: auth_pb2.UsageRow) -> dict[str, Any]:
     numbers, no content).
     """
     return {"row": json_format.MessageToDict(row, preserving_proto_field_name=True)}
+
+
+class Compactions:
+    """
+    When a journal that forgets is rewritten: the memory journal
+    (C{SVC_MEMORY_JOURNAL}), which holds what users said, must hold an
+    observation only until svc-memory has acknowledged it (decisions D13,
+    amended: within a second, no byte of it is left in the file).
+
+    After an acknowledgement that leaves acknowledged bytes in the file,
+    the journal is rewritten with only the rows still waiting
+    (L{UsageJournal.dropAcknowledged}): at once when the last rewrite
+    began at least C{every} seconds ago, else when it is that old; the
+    acknowledgements meanwhile share that one rewrite. A busy proxy thus
+    rewrites at most 1/C{every} times a second, each rewrite copying the
+    rows waiting (normally a batch or two: a few milliseconds, most of it
+    the two fsyncs). After svc-memory was away, thousands may wait and a
+    rewrite take a tenth of a second or more, on the reactor's thread: the
+    next one then waits longer (four times the last one's length, within
+    what keeps the second), and never less than twice it, so that the
+    proxy keeps most of its time for requests while the backlog drains.
+
+    A rewrite that fails (a full disk) is logged by C{failed} and tried
+    again C{every} seconds later. L{stop} rewrites at once what is due, so
+    that a proxy stopped just after an acknowledgement leaves no
+    acknowledged row behind.
+
+    @param journal: the journal, open.
+    @param clock: when rewrites are due and how long one took (the
+        reactor's clock is the wall clock, read afresh).
+    @param every: the least spacing of rewrites, in seconds.
+    @param waiting: every row not yet acknowledged, oldest first: what
+        a rewrite keeps (the outbox's queue).
+    @param failed: told of a rewrite that failed.
+    """
+
+    # A rewrite is due at most this long after the acknowledgement that
+    # called for it, when the last one was quick (D13, amended: one
+    # second, less the rewrite's own time).
+    WITHIN = 1.0
+
+    def __init__(
+        self,
+        journal: UsageJournal,
+        clock: Clock,
+        every: float,
+        waiting: Callable[[], Sequence[Any]],
+        failed: Callable[[Exception], None],
+    ) -> None:
+        self._journal = journal
+        self._clock = clock
+        self._every = every
+        self._spacing = every
+        self._waiting = waiting
+        self._failed = failed
+        self._last: float | None = None
+        self._due: IDelayedCall | None = None
+        self._stopped = False
+
+    @property
+    def pending(self) -> bool:
+        """
+        Whether a rewrite is waiting for its time.
+        """
+        return self._due is not None
+
+    def acknowledged(self) -> None:
+        """
+        Rows were acknowledged: rewrite now, or when the spacing allows.
+        """
+        if self._stopped or self._due is not None or self._journal.acknowledgedBytes <= 0:
+            return
+        wait = 0.0
+        if self._last is not None:
+            wait = self._last + self._spacing - self._clock.seconds()
+        if wait <= 0:
+            self._rewrite()
+        else:
+            self._due = self._clock.callLater(wait, self._dueNow)
+
+    def _dueNow(self) -> None:
+        self._due = None
+        self._rewrite()
+
+    def _rewrite(self) -> None:
+        started = self._clock.seconds()
+        self._last = started
+        try:
+            self._journal.dropAcknowledged(self._waiting())
+        except (OSError, JournalError) as error:
+            self._failed(error)
+            if not self._stopped:
+                self._due = self._clock.callLater(self._every, self._dueNow)
+            return
+        took = max(0.0, self._clock.seconds() - started)
+        self._spacing = max(self._every, 2 * took, min(4 * took, self.WITHIN - took))
+
+    def stop(self) -> None:
+        """
+        Rewrite now if anything acknowledged is left in the file, and
+        schedule nothing more (the outbox stops; the journal is closed
+        next).
+        """
+        self._stopped = True
+        if self._due is not None:
+            if self._due.active():
+                self._due.cancel()
+            self._due = None
+        if self._journal.acknowledgedBytes > 0:
+            self._rewrite()

@@ -54,6 +54,7 @@ from svcd.common.logthrottle import ThrottledWarning
 from svcd.ledger.journal import (
     COMPACT_JOURNAL_BYTES,
     USAGE_WORDS,
+    Compactions,
     OutboxWords,
     UsageJournal,
     holdJournalLock,
@@ -178,6 +179,13 @@ class UsageOutbox:
         ids of the rows svc-auth committed (recorded or duplicate, not
         rejected; rows without a ledger id left out): the rate limiter's
         C{recorded}, which learns that their spend is in the ledger.
+    @param compactEvery: None (the usage ledger): the journal is rewritten
+        right after an acknowledgement once its acknowledged part has
+        passed its threshold (L{UsageJournal.compactIfLarge}). A number of
+        seconds (the memory journal, whose rows hold what users said):
+        the journal forgets, rewritten after every acknowledgement within
+        a second and at most once every C{compactEvery} seconds
+        (L{Compactions}).
     """
 
     log = Logger()
@@ -201,6 +209,7 @@ class UsageOutbox:
         words: OutboxWords = USAGE_WORDS,
         maxBytes: int | None = None,
         sizeOf: Callable[[Any], int] | None = None,
+        compactEvery: float | None = None,
     ) -> None:
         # send, keyOf, describe and words carry another kind of record
         # (svc-proxy's observations, decisions D13): the call that commits a
@@ -254,6 +263,11 @@ class UsageOutbox:
         self._journalFailing = ThrottledWarning(self.log, clock)
         self._rejecting = ThrottledWarning(self.log, clock)
         self._halving = ThrottledWarning(self.log, clock)
+        self._compactions: Compactions | None = None
+        if journal is not None and compactEvery is not None:
+            self._compactions = Compactions(
+                journal, clock, compactEvery, lambda: self._queue, self._journalUnwritable
+            )
         metrics.usageOutboxRows.set_function(lambda: len(self._queue))
 
     @property
@@ -306,13 +320,7 @@ class UsageOutbox:
             except OSError as error:
                 # Kept in memory all the same: lost only if the proxy is
                 # killed before svc-auth has it, as without a journal.
-                self._journalFailing.warn(
-                    "{journal} {path} cannot be written ({reason}); {records} are"
-                    " held in memory only",
-                    **self.words.fields(),
-                    path=journal.path,
-                    reason=str(error),
-                )
+                self._journalUnwritable(error)
         self._queue.append(row)
         if self._sizeOf is not None:
             self._bytes += self._sizeOf(row)
@@ -449,16 +457,15 @@ class UsageOutbox:
                 # After the rejects file: a kill in between sends the
                 # refused rows again, and they are refused again.
                 journal.acknowledge(count, self._keyOf(batch[-1]))
-                journal.compactIfLarge(self._queue)
+                if self._compactions is None:
+                    journal.compactIfLarge(self._queue)
             except (OSError, JournalError) as error:
                 # The rows will be sent again at the next start: harmless.
-                self._journalFailing.warn(
-                    "{journal} {path} cannot be written ({reason}); {records} are"
-                    " held in memory only",
-                    **self.words.fields(),
-                    path=journal.path,
-                    reason=str(error),
-                )
+                self._journalUnwritable(error)
+            if self._compactions is not None:
+                # Even when the acknowledgement could not be journalled:
+                # the rewrite drops the rows all the same.
+                self._compactions.acknowledged()
         if self._onRecorded is not None:
             committed = [
                 row.ledger_id
@@ -474,6 +481,15 @@ class UsageOutbox:
             self._sendAfterLinger()
         else:
             self._fireEmptied()
+
+    def _journalUnwritable(self, error: Exception) -> None:
+        journal = self._journal
+        self._journalFailing.warn(
+            "{journal} {path} cannot be written ({reason}); {records} are held in memory only",
+            **self.words.fields(),
+            path=journal.path if journal is not None else "",
+            reason=str(error),
+        )
 
     def _setAside(self, row: Any, reason: str, detail: str) -> None:
         """
@@ -656,6 +672,10 @@ class UsageOutbox:
                 **self.words.fields(),
                 rows=left,
             )
+        if self._compactions is not None:
+            # Rows acknowledged just before the stop leave the file now,
+            # not at the next start.
+            self._compactions.stop()
         if self._journal is not None:
             try:
                 self._journal.close()
