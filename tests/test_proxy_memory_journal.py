@@ -19,25 +19,61 @@ import subprocess
 import sys
 import textwrap
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
 import pytest
 from prometheus_client import CollectorRegistry
-from test_proxy_observe import FakeQueue, made
+from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.logger import ILogObserver, formatEvent, globalLogPublisher
 
-Compactions: Any = None
+from svcd.ledger.journal import Compactions
 from svcd.ledger.outbox import UsageOutbox
+from svcd.pb.memory.v1 import memory_pb2
 from svcd.proxy.observe import (
     OBSERVATION_JOURNAL_COMPACT_SECONDS,
     ObservationOutboxMetrics,
+    observation,
     observationOutbox,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+class FakeQueue:
+    """
+    QueueObservations whose answers the test gives: each call waits in
+    C{calls} as (observations, Deferred).
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[memory_pb2.Observation], Deferred[Any]]] = []
+
+    def __call__(self, observations: Sequence[memory_pb2.Observation]) -> Deferred[Any]:
+        answer: Deferred[Any] = Deferred()
+        self.calls.append((list(observations), answer))
+        return answer
+
+    def acknowledge(self) -> None:
+        """
+        Answer the last call: every observation of it queued.
+        """
+        observations, answer = self.calls[-1]
+        queued = [memory_pb2.QueuedObservation(id=f"id-{o.request_id}") for o in observations]
+        answer.callback(memory_pb2.QueueObservationsResponse(queued=queued))
+
+
+def made(requestID: str, text: str) -> memory_pb2.Observation:
+    """
+    The observation of a chat whose user said C{text}.
+    """
+    observed = observation(
+        "org", "agent", "", requestID, [{"role": "user", "content": text}], "ok", requestID
+    )
+    assert observed is not None
+    return observed
 
 
 def marker() -> str:
@@ -255,8 +291,7 @@ def test_a_crash_between_the_copy_and_the_rename_replays_correctly(tmp_path: Pat
         import os, sys
         sys.path.insert(0, sys.argv[2])
         from twisted.internet.task import Clock
-        from test_proxy_observe import FakeQueue, made
-        from test_proxy_memory_journal import outboxOn
+        from test_proxy_memory_journal import FakeQueue, made, outboxOn
 
         clock = Clock()
         queue = FakeQueue()
