@@ -370,3 +370,39 @@ def test_rewrites_space_out_when_they_are_slow(took: float, spacing: float) -> N
     clock.pump([0.01] * 200)
     assert len(journal.began) == 2
     assert journal.began[1] - journal.began[0] == pytest.approx(spacing, abs=0.011)
+
+
+def test_a_row_the_journal_could_not_take_is_journalled_by_the_next_rewrite(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """
+    A rewrite copies the records of the rows waiting from the file, as
+    they are; when the outbox holds a row the journal could not take (a
+    full disk when it was recorded), the rewrite writes every row the
+    outbox holds instead, so that the row outlives a restart from then
+    on, and the acknowledged one is gone all the same.
+    """
+    path = tmp_path / "memory.journal"
+    acked, missed = marker(), marker()
+    clock = Clock()
+    queue = FakeQueue()
+    outbox = outboxOn(path, queue, clock)
+    outbox.record(made("r-acked", f"I am {acked}."))
+    clock.advance(1)
+    write = os.write
+
+    def full(fd: int, data: Any) -> int:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    outbox.record(made("r-missed", f"I am {missed}."))
+    monkeypatch.setattr(os, "write", write)
+    assert outbox.waiting == 2
+    assert filesHolding(tmp_path, missed) == []
+    queue.acknowledge()
+    forgetWithin(clock, tmp_path, acked)
+    assert filesHolding(tmp_path, missed) == ["memory.journal"]
+    outbox.close()
+    again = FakeQueue()
+    outboxOn(path, again, Clock()).close()
+    assert [[each.request_id for each in call] for call, _ in again.calls] == [["r-missed"]]

@@ -261,10 +261,10 @@ class UsageJournal:
         self._compactBytes = compactBytes
         self._fd: int | None = None
         self._size = 0
-        # The record sizes of the rows in the file not yet acknowledged,
-        # oldest first, and their sum: the part of the file a compaction
-        # keeps.
-        self._waiting: deque[int] = deque()
+        # Where the records of the rows in the file not yet acknowledged
+        # are (offset, length), oldest first, and the sum of their
+        # lengths: the part of the file a compaction keeps.
+        self._waiting: deque[tuple[int, int]] = deque()
         self._waitingBytes = 0
 
     @property
@@ -405,7 +405,44 @@ class UsageJournal:
         C{rows} (the outbox passes every row it holds unacknowledged).
         """
         records = [_record(_ROW, row.SerializeToString()) for row in rows]
-        content = self._magic + b"".join(records)
+        self._replace(records, [len(record) for record in records])
+
+    def _rewriteFromFile(self) -> bool:
+        """
+        L{_rewrite} with the rows the file holds unacknowledged, their
+        records copied as they are: a rewrite for each acknowledgement
+        (L{dropAcknowledged}) would otherwise serialize every row waiting
+        again, which costs more than the rest when thousands wait.
+
+        @return: False when the records could not be read (nothing was
+            written).
+        @raise JournalError: when the rewrite failed.
+        """
+        lengths = [length for _, length in self._waiting]
+        # Adjacent records read at once: normally one run, broken only by
+        # acknowledgement records.
+        runs: list[list[int]] = []
+        for offset, length in self._waiting:
+            if runs and runs[-1][0] + runs[-1][1] == offset:
+                runs[-1][1] += length
+            else:
+                runs.append([offset, length])
+        try:
+            with open(self.path, "rb") as existing:
+                chunks = [os.pread(existing.fileno(), length, offset) for offset, length in runs]
+        except OSError:
+            return False
+        if [len(chunk) for chunk in chunks] != [length for _, length in runs]:
+            return False
+        self._replace(chunks, lengths)
+        return True
+
+    def _replace(self, chunks: Sequence[bytes], lengths: Sequence[int]) -> None:
+        """
+        Replace the journal with the magic line and C{chunks}, which hold
+        row records of C{lengths}, in order (see L{_rewrite}).
+        """
+        content = self._magic + b"".join(chunks)
         temporary = self.path + ".compacting"
         try:
             fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
@@ -431,7 +468,11 @@ class UsageJournal:
             os.close(self._fd)
             self._fd = None
         self._size = len(content)
-        self._waiting = deque(len(record) for record in records)
+        self._waiting = deque()
+        offset = len(self._magic)
+        for length in lengths:
+            self._waiting.append((offset, length))
+            offset += length
         self._waitingBytes = len(content) - len(self._magic)
         try:
             _fsyncDirectory(self.path)
@@ -447,8 +488,9 @@ class UsageJournal:
             it was).
         """
         record = _record(_ROW, row.SerializeToString())
+        offset = self._size
         self._write(record)
-        self._waiting.append(len(record))
+        self._waiting.append((offset, len(record)))
         self._waitingBytes += len(record)
 
     def acknowledge(self, count: int, lastKey: str) -> None:
@@ -462,7 +504,7 @@ class UsageJournal:
         # is written: rows acknowledged are the compaction's to drop even
         # when their acknowledgement could not be journalled.
         for _ in range(min(count, len(self._waiting))):
-            self._waitingBytes -= self._waiting.popleft()
+            self._waitingBytes -= self._waiting.popleft()[1]
         payload = _ACK_COUNT.pack(count) + lastKey.encode("utf-8")
         self._write(_record(_ACK, payload))
 
@@ -498,13 +540,21 @@ class UsageJournal:
         """
         Rewrite the journal with only C{waiting} (as L{compactIfLarge})
         whenever it holds anything acknowledged, whatever its size: what
-        L{Compactions} calls for a journal that forgets.
+        L{Compactions} calls for a journal that forgets. The records of
+        the rows are copied from the file when it holds every row of
+        C{waiting}, else C{waiting} is written anew.
 
         @return: whether it was rewritten.
         @raise JournalError: when the rewrite failed.
         """
         if self.acknowledgedBytes <= 0:
             return False
+        if len(waiting) == len(self._waiting) and self._fd is not None:
+            # The same rows (a row the journal could not take would make
+            # the outbox hold more): copied from the file, unless it
+            # cannot be read.
+            if self._rewriteFromFile():
+                return True
         self._rewrite(waiting)
         return True
 
