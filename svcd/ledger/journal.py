@@ -19,9 +19,25 @@ What survives what:
     replace the journal.
   - An acknowledgement is journalled after svc-auth answered; one lost to a
     kill only means its rows are sent again at the next start, harmlessly.
-  - The journal is rewritten with only the rows not yet acknowledged
-    whenever the acknowledged part has passed its threshold, rows waiting
-    or not: its size stays below the threshold plus the rows waiting.
+  - The usage journal is rewritten with only the rows not yet
+    acknowledged whenever the acknowledged part has passed its threshold,
+    rows waiting or not: its size stays below the threshold plus the rows
+    waiting.
+  - The memory journal forgets (decisions D13, amended): its rows hold
+    what users said, so it is rewritten with only the rows not yet
+    acknowledged after every acknowledgement, within a second and at
+    most a few times a second (L{Compactions}). A rewrite writes a new
+    file (C{<journal>.compacting}), fsyncs it, renames it over the
+    journal and fsyncs the directory; the old file's inode, acknowledged
+    rows and all, is freed as the journal's descriptor on it is closed.
+    Freed blocks are the filesystem's to reuse: their bytes may stay on
+    the device until then (an encrypted volume is the answer for whom
+    that matters). A kill before the rename leaves the old journal whole
+    and a copy beside it, which the next start's own rewrite replaces; a
+    rewrite that fails removes its copy.
+  - A rewrite runs on the reactor's thread from start to end, so that no
+    row is appended meanwhile: a row recorded before it is among the rows
+    it keeps, one recorded after goes to the new file.
   - One process holds a journal: an exclusive C{flock} on C{<journal>.lock},
     held for the life of the process (compaction replaces the journal
     file itself, so the lock cannot be on it). A second process refuses
