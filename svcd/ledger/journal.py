@@ -662,8 +662,9 @@ class Compactions:
     the two fsyncs). After svc-memory was away, thousands may wait and a
     rewrite take a tenth of a second or more, on the reactor's thread: the
     next one then waits longer (four times the last one's length, within
-    what keeps the second), and never less than twice it, so that the
-    proxy keeps most of its time for requests while the backlog drains.
+    what keeps the second), never less than twice it nor more than 2 s,
+    so that the proxy keeps most of its time for requests while the
+    backlog drains.
 
     A rewrite that fails (a full disk) is logged by C{failed} and tried
     again C{every} seconds later. L{stop} rewrites at once what is due, so
@@ -683,6 +684,9 @@ class Compactions:
     # called for it, when the last one was quick (D13, amended: one
     # second, less the rewrite's own time).
     WITHIN = 1.0
+    # The longest spacing, whatever a rewrite seemed to take (the
+    # reactor's clock is the wall clock, which may jump).
+    LONGEST = 2.0
 
     def __init__(
         self,
@@ -738,7 +742,8 @@ class Compactions:
                 self._due = self._clock.callLater(self._every, self._dueNow)
             return
         took = max(0.0, self._clock.seconds() - started)
-        self._spacing = max(self._every, 2 * took, min(4 * took, self.WITHIN - took))
+        spacing = max(self._every, 2 * took, min(4 * took, self.WITHIN - took))
+        self._spacing = min(spacing, max(self._every, self.LONGEST))
 
     def stop(self) -> None:
         """
