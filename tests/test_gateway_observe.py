@@ -11,7 +11,8 @@ nothing is queued. svc-memory down during a chat leaves the answer as it
 is, and the observation reaches svc-memory once it is back; a proxy
 stopped with observations unacknowledged keeps them in SVC_MEMORY_JOURNAL
 and sends them at its next start, and sent again they are still stored
-once. The facts carry a marker that no daemon's log may hold.
+once. The facts carry a marker that no daemon's log may hold, nor the
+proxy's memory journal once svc-memory has acknowledged them.
 """
 
 from __future__ import annotations
@@ -176,6 +177,23 @@ def sourcesOf(rig: WorkerRig, tenant: Tenant | None = None) -> dict[str, list[st
     return found
 
 
+def journalsHolding(directory: Path, text: str) -> list[str]:
+    """
+    The files of the memory journal (C{memory.journal} and what a rewrite
+    puts beside it) whose raw bytes hold C{text}.
+    """
+    needle = text.encode("utf-8")
+    holding = []
+    for each in directory.glob("memory.journal*"):
+        try:
+            if needle in each.read_bytes():
+                holding.append(each.name)
+        except FileNotFoundError:
+            # A rewrite's copy, renamed as we looked.
+            continue
+    return sorted(holding)
+
+
 def allLogs(rig: WorkerRig, *proxies: Daemon) -> str:
     return "\n".join([rig.logs(), *(each.output() for each in proxies)])
 
@@ -253,6 +271,13 @@ def test_chatsBecomeMemoriesOnlyWhenObserved(rig: WorkerRig) -> None:
         60,
     )
     waitUntil(lambda: metric(proxy, SENT) == 3, "three observations acknowledged")
+    # D13, amended: what svc-memory acknowledged leaves the proxy's memory
+    # journal, and any copy beside it, within a second.
+    waitUntil(
+        lambda: not journalsHolding(rig.workdir, MARKER),
+        "the acknowledged observations gone from the memory journal",
+        1.0,
+    )
     assert metric(proxy, RECORDED) == 3
     assert set(sourcesOf(rig)) == {plain, streamed, later}
     assert sourcesOf(rig, silent) == {}

@@ -1,8 +1,8 @@
 """
 The usage journal's file, as the configuration sees it: the magic line
 that starts every journal, and the check of a path before the daemon
-starts (L{checkJournalPath}). Apart from the outbox that writes it
-(L{svcd.ledger.outbox}) so that reading a daemon's configuration imports
+starts (L{checkJournalPath}). Apart from the journal that writes it
+(L{svcd.ledger.journal}) so that reading a daemon's configuration imports
 no gRPC and no Twisted.
 """
 
@@ -23,7 +23,7 @@ __all__ = [
 ]
 
 # The first line of every usage journal (the format is described in
-# svcd.ledger.outbox).
+# svcd.ledger.journal).
 JOURNAL_MAGIC = b"svc-usage-journal 1\n"
 # The first line of a memory journal (SVC_MEMORY_JOURNAL: svc-proxy's
 # observations for svc-memory, decisions D13): the same format with

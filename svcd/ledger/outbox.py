@@ -26,44 +26,20 @@ The same outbox and journal carry svc-proxy's observations to svc-memory
 type, key, call, journal magic and wording (L{OutboxWords}), the same
 promises. What follows says "rows" and "svc-auth" for both.
 
-L{UsageJournal} is the file that lets rows outlive the process. What
-survives what:
-
-  - Each row is written with one C{os.write} (no buffer in the process)
-    before it is queued, so a C{kill -9}, a crash or the OOM killer loses
-    no row: the kernel holds what was written.
-  - It is not C{fsync}ed row by row (that would cost a disk flush per
-    request): a power loss or a kernel crash may lose the rows the kernel
-    had not yet written back (Linux writes dirty pages back within about
-    30 s). Compactions are fsynced, file and directory, before they
-    replace the journal.
-  - An acknowledgement is journalled after svc-auth answered; one lost to a
-    kill only means its rows are sent again at the next start, harmlessly.
-  - The journal is rewritten with only the rows not yet acknowledged
-    whenever the acknowledged part has passed its threshold, rows waiting
-    or not: its size stays below the threshold plus the rows waiting.
-  - One process holds a journal: an exclusive C{flock} on C{<journal>.lock},
-    held for the life of the process (compaction replaces the journal
-    file itself, so the lock cannot be on it). A second process refuses
-    to start, naming the file.
+The journal (L{svcd.ledger.journal.UsageJournal}) is the file that lets
+rows outlive the process; its module says what survives what.
 """
 
 from __future__ import annotations
 
 import contextvars
-import datetime
-import fcntl
 import json
-import os
 import random
-import struct
-import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
 from itertools import islice
 from typing import Any, Protocol
 
-import attrs
 import grpc
 from google.protobuf import json_format
 from prometheus_client import Counter, Gauge
@@ -75,8 +51,31 @@ from twisted.python.failure import Failure
 from svcd.common.clocks import Clock, asReactorTime
 from svcd.common.deferreds import timeoutDeferred
 from svcd.common.logthrottle import ThrottledWarning
-from svcd.ledger.journalfile import JOURNAL_MAGIC, JournalError, journalKind
+from svcd.ledger.journal import (
+    COMPACT_JOURNAL_BYTES,
+    USAGE_WORDS,
+    Compactions,
+    OutboxWords,
+    UsageJournal,
+    holdJournalLock,
+    rowKey,
+)
+from svcd.ledger.journalfile import JournalError
 from svcd.pb.auth.v1 import auth_pb2
+
+# The journal's names, long imported from here.
+__all__ = [
+    "BATCH_ROWS",
+    "COMPACT_JOURNAL_BYTES",
+    "USAGE_WORDS",
+    "OutboxMetrics",
+    "OutboxWords",
+    "UsageJournal",
+    "UsageOutbox",
+    "UsageSender",
+    "holdJournalLock",
+    "rowKey",
+]
 
 # Rows per RecordUsage call: svc-auth commits a batch in one transaction;
 # 500 rows are about 100 KB on the wire, far below gRPC's 4 MB limit.
@@ -95,64 +94,12 @@ FIRST_RETRY_SECONDS = 0.1
 LAST_RETRY_SECONDS = 5.0
 # SVC_USAGE_OUTBOX_MAX's default.
 OUTBOX_MAX_ROWS = 100_000
-# The journal is rewritten with only the rows not yet acknowledged once its
-# acknowledged part (rows svc-auth committed or set aside, and the
-# acknowledgement records) is larger than this: some 55,000 rows' worth,
-# about 27 s of 2,000 requests/s. Each rewrite copies the rows waiting
-# (normally a batch or two) and costs two fsyncs, so a smaller threshold
-# trades disk for more frequent flushes.
-COMPACT_JOURNAL_BYTES = 16 * 1024 * 1024
 # The reasons of RejectedUsageRow that are label values of
 # svc_proxy_usage_rows_rejected_total; any other is counted as "other" (a
 # newer svc-auth), so that svc-auth cannot inflate the number of series.
 REJECT_REASONS = frozenset({"invalid", "conflict"})
 # What a reject's detail may take in the log and the rejects file.
 DETAIL_CHARS = 500
-
-
-@attrs.frozen
-class OutboxWords:
-    """
-    What an outbox carries, to whom and through which journal, in the
-    words of its log lines and refusals: the usage ledger's by default
-    (L{USAGE_WORDS}); svc-proxy's observations for svc-memory
-    (decisions D13) have theirs, so that an operator reading
-    "RecordUsage to svc-auth failed" knows it is the ledger, and
-    "QueueObservations to svc-memory failed" that it is not.
-
-    @ivar records: records in a count (C{"{rows} usage row(s) waiting"}).
-    @ivar record: one record (C{"rejected usage row {key}"}).
-    @ivar peer: the daemon that commits them.
-    @ivar call: its gRPC method.
-    @ivar journal: the journal's name at the start of a line.
-    @ivar variable: the variable that names the journal.
-    @ivar keyField: the log field that carries a record's key, besides
-        C{key} (C{ledger_id} for usage rows, as before).
-    """
-
-    records: str = "usage row(s)"
-    record: str = "usage row"
-    peer: str = "svc-auth"
-    call: str = "RecordUsage"
-    journal: str = "Usage journal"
-    variable: str = "SVC_USAGE_JOURNAL"
-    keyField: str = "ledger_id"
-
-    def fields(self) -> dict[str, str]:
-        """
-        The log fields of every line that names what is carried.
-        """
-        return {
-            "records": self.records,
-            "record": self.record,
-            "peer": self.peer,
-            "call": self.call,
-            "journal": self.journal,
-            "variable": self.variable,
-        }
-
-
-USAGE_WORDS = OutboxWords()
 
 
 class UsageSender(Protocol):
@@ -186,427 +133,6 @@ class OutboxMetrics(Protocol):
         """
 
 
-# The journal file
-#
-# A magic line, then records: a header of the record's kind (one byte), its
-# payload's length and the CRC-32 of its payload (four bytes each, big
-# endian), then the payload. A row record's payload is a serialized
-# UsageRow; an acknowledgement's is the number of rows acknowledged (four
-# bytes) followed by the key of the last of them in UTF-8 (its ledger id,
-# or its request id for a row without one, as every row of a journal
-# written before ledger ids): the oldest unacknowledged rows of the file,
-# in order.
-_HEADER = struct.Struct(">BII")
-_ACK_COUNT = struct.Struct(">I")
-_ROW = 1
-_ACK = 2
-
-
-def _record(kind: int, payload: bytes) -> bytes:
-    return _HEADER.pack(kind, len(payload), zlib.crc32(payload)) + payload
-
-
-def rowKey(row: auth_pb2.UsageRow) -> str:
-    """
-    The ledger's key of C{row}: its ledger id, or its request id for a row
-    made before ledger ids (an old journal, an old proxy).
-    """
-    return row.ledger_id or row.request_id
-
-
-# The lock files this process holds, by (device, inode), each with its open
-# descriptor: held until the process ends. A flock belongs to an open file
-# description, so a second open of the same lock file in this process
-# would be refused by the first; one process is one holder (a journal
-# reopened in the same process, as the tests do to play a restart, is the
-# same holder).
-_HELD_LOCKS: dict[tuple[int, int], int] = {}
-
-
-def holdJournalLock(journalPath: str, kind: str = "usage journal") -> str:
-    """
-    Take the exclusive lock of the journal at C{journalPath} for the rest
-    of this process's life: C{flock} on C{<journalPath>.lock}, a file of its
-    own, since compaction replaces the journal file by a rename (a lock on
-    it would be left on the replaced file). The lock file holds the pid of
-    its holder, for the operator.
-
-    @param kind: what the journal is called in a refusal.
-    @return: the lock file's path.
-    @raise JournalError: when another process holds it (naming the
-        journal, the lock file and, when it says so, the holder's pid), or
-        when the lock file cannot be opened.
-    """
-    lockPath = journalPath + ".lock"
-    for _ in range(3):
-        try:
-            fd = os.open(lockPath, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError as error:
-            raise JournalError(
-                f"cannot open the lock file {lockPath!r} of the {kind}: {error.strerror}"
-            ) from None
-        status = os.fstat(fd)
-        key = (status.st_dev, status.st_ino)
-        if key in _HELD_LOCKS:
-            os.close(fd)
-            return lockPath
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _lockHolder(fd)
-            os.close(fd)
-            raise JournalError(
-                f"the {kind} {journalPath!r} is held by another process{holder}"
-                f" (lock file {lockPath!r}); each svc-proxy process needs a journal of its own"
-            ) from None
-        except OSError as error:
-            os.close(fd)
-            raise JournalError(f"cannot lock {lockPath!r}: {error.strerror}") from None
-        # A lock file removed or replaced between our open and our flock
-        # locks nothing another process would see: take the new one.
-        try:
-            current = os.stat(lockPath)
-        except FileNotFoundError:
-            os.close(fd)
-            continue
-        if (current.st_dev, current.st_ino) != key:
-            os.close(fd)
-            continue
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        except OSError:
-            # Only a courtesy to the operator; the lock is what counts.
-            pass
-        _HELD_LOCKS[key] = fd
-        return lockPath
-    raise JournalError(f"cannot lock {lockPath!r}: it keeps being replaced")
-
-
-def _lockHolder(fd: int) -> str:
-    try:
-        content = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-    except OSError:
-        return ""
-    return f" (pid {content})" if content.isdigit() else ""
-
-
-class UsageJournal:
-    """
-    The append-only file of rows and acknowledgements (see the module
-    docstring for what survives what), and the rejects file beside it.
-    One process at a time: L{open} takes the journal's lock.
-
-    L{open} reads what a previous run left, keeps the rows not
-    acknowledged, and rewrites the file with only those; then L{append} and
-    L{acknowledge} add records, and L{compactIfLarge} rewrites the file
-    once its acknowledged part has passed C{compactBytes}.
-    """
-
-    log = Logger()
-
-    def __init__(
-        self,
-        path: str,
-        compactBytes: int = COMPACT_JOURNAL_BYTES,
-        rowType: Any = auth_pb2.UsageRow,
-        keyOf: Callable[[Any], str] = rowKey,
-        magic: bytes = JOURNAL_MAGIC,
-        words: OutboxWords = USAGE_WORDS,
-        rejectedAs: Callable[[Any], dict[str, Any]] | None = None,
-    ) -> None:
-        # rowType, keyOf and magic make the same journal carry another
-        # record that must reach a daemon at least once (svc-proxy's
-        # observations for svc-memory, decisions D13): a protobuf message
-        # class, the record's idempotence key, and a first line of its own
-        # so that one kind of journal is never read as the other. words
-        # name them in the log; rejectedAs is what the rejects file keeps of
-        # a record set aside (a usage row whole, by default: ids and
-        # numbers; an observation holds message content, which it must not
-        # keep).
-        self.path = path
-        self._rowType = rowType
-        self._keyOf = keyOf
-        self._magic = magic
-        self._words = words
-        self._rejectedAs = rejectedAs if rejectedAs is not None else _rowDocument
-        self._compactBytes = compactBytes
-        self._fd: int | None = None
-        self._size = 0
-        # The record sizes of the rows in the file not yet acknowledged,
-        # oldest first, and their sum: the part of the file a compaction
-        # keeps.
-        self._waiting: deque[int] = deque()
-        self._waitingBytes = 0
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    @property
-    def acknowledgedBytes(self) -> int:
-        """
-        The part of the file a compaction would drop: rows acknowledged,
-        the acknowledgement records.
-        """
-        return self._size - len(self._magic) - self._waitingBytes
-
-    @property
-    def rejectsPath(self) -> str:
-        """
-        Where records their daemon refused are set aside: JSON lines.
-        """
-        return self.path + ".rejects"
-
-    @property
-    def lockPath(self) -> str:
-        return self.path + ".lock"
-
-    def hold(self) -> None:
-        """
-        Take the journal's lock for the rest of the process's life (see
-        L{holdJournalLock}); L{open} does too. The daemon calls this as it
-        is built, so that a second proxy on the same journal stops before
-        anything starts.
-
-        @raise JournalError: when another process holds it.
-        """
-        holdJournalLock(self.path, journalKind(self._magic))
-
-    def open(self) -> list[Any]:
-        """
-        Take the journal's lock, read the journal, rewrite it with only the
-        rows not acknowledged and open it for appending.
-
-        @return: those rows, oldest first.
-        @raise JournalError: when another process holds the journal, or the
-            file is not a journal or cannot be read or written.
-        """
-        self.hold()
-        try:
-            with open(self.path, "rb") as existing:
-                data = existing.read()
-        except FileNotFoundError:
-            data = b""
-        except OSError as error:
-            raise JournalError(f"cannot read {self.path!r}: {error.strerror}") from None
-        rows = self._replay(data)
-        self._rewrite(rows)
-        return rows
-
-    def _replay(self, data: bytes) -> list[Any]:
-        if not data:
-            return []
-        if not data.startswith(self._magic):
-            if self._magic.startswith(data):
-                # Killed while the first compaction wrote its magic line.
-                return []
-            raise JournalError(f"{self.path!r} is not a {journalKind(self._magic)} of svc-proxy")
-        rows: list[Any] = []
-        acknowledged = 0
-        offset = len(self._magic)
-        while offset < len(data):
-            parsed = self._recordAt(data, offset)
-            if parsed is None:
-                # A record cut short by a kill (or damaged): what follows
-                # cannot be trusted either. Rows that were in it were never
-                # queued, so never answered to anyone's knowledge.
-                self.log.warn(
-                    "{journal} {path}: ignored a torn or damaged record at byte"
-                    " {offset} ({dropped} byte(s) dropped)",
-                    **self._words.fields(),
-                    path=self.path,
-                    offset=offset,
-                    dropped=len(data) - offset,
-                )
-                break
-            kind, payload, offset = parsed
-            if kind == _ROW:
-                rows.append(self._rowType.FromString(payload))
-            elif kind == _ACK:
-                count = _ACK_COUNT.unpack_from(payload)[0]
-                lastKey = payload[_ACK_COUNT.size :].decode("utf-8", "replace")
-                end = acknowledged + count
-                # The key is the ledger id; a journal written before ledger
-                # ids names the request id, and its rows have no ledger id,
-                # so rowKey gives the request id for them.
-                if 0 < count and end <= len(rows) and self._keyOf(rows[end - 1]) == lastKey:
-                    acknowledged = end
-                else:
-                    # Never drop a row on a doubtful acknowledgement: sent
-                    # again, it is a harmless duplicate.
-                    self.log.error(
-                        "{journal} {path}: an acknowledgement of {count} {records} up to"
-                        " {last_key} does not match the {records} before it; ignored",
-                        **self._words.fields(),
-                        path=self.path,
-                        count=count,
-                        last_key=lastKey,
-                    )
-        waiting = rows[acknowledged:]
-        if waiting:
-            self.log.info(
-                "{journal} {path}: {rows} {records} not acknowledged by {peer}; sending them first",
-                **self._words.fields(),
-                path=self.path,
-                rows=len(waiting),
-            )
-        return waiting
-
-    @staticmethod
-    def _recordAt(data: bytes, offset: int) -> tuple[int, bytes, int] | None:
-        if offset + _HEADER.size > len(data):
-            return None
-        kind, length, checksum = _HEADER.unpack_from(data, offset)
-        start = offset + _HEADER.size
-        payload = data[start : start + length]
-        if kind not in (_ROW, _ACK) or len(payload) != length or zlib.crc32(payload) != checksum:
-            return None
-        if kind == _ACK and length < _ACK_COUNT.size:
-            return None
-        return kind, payload, start + length
-
-    def _rewrite(self, rows: Sequence[Any]) -> None:
-        """
-        Replace the journal with one holding C{rows}, atomically: a reader
-        (the next start) sees the old file or the new one, never a mix.
-
-        Runs on the caller's thread from start to end (the reactor's, in
-        the proxy), so no row can be appended meanwhile: a row recorded
-        after this returns goes to the new file, one recorded before is in
-        C{rows} (the outbox passes every row it holds unacknowledged).
-        """
-        records = [_record(_ROW, row.SerializeToString()) for row in rows]
-        content = self._magic + b"".join(records)
-        temporary = self.path + ".compacting"
-        directory = os.path.dirname(os.path.abspath(self.path))
-        try:
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                _writeAll(fd, content)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(temporary, self.path)
-            directoryFD = os.open(directory, os.O_RDONLY)
-            try:
-                os.fsync(directoryFD)
-            finally:
-                os.close(directoryFD)
-            appending = os.open(self.path, os.O_WRONLY | os.O_APPEND)
-        except OSError as error:
-            raise JournalError(f"cannot write {self.path!r}: {error.strerror}") from None
-        if self._fd is not None:
-            os.close(self._fd)
-        self._fd = appending
-        self._size = len(content)
-        self._waiting = deque(len(record) for record in records)
-        self._waitingBytes = len(content) - len(self._magic)
-
-    def append(self, row: Any) -> None:
-        """
-        Add C{row}, written to the kernel before this returns.
-
-        @raise OSError: when it could not be written (the file is left as
-            it was).
-        """
-        record = _record(_ROW, row.SerializeToString())
-        self._write(record)
-        self._waiting.append(len(record))
-        self._waitingBytes += len(record)
-
-    def acknowledge(self, count: int, lastKey: str) -> None:
-        """
-        Record that svc-auth took the C{count} oldest rows not yet
-        acknowledged (committed them, or refused them for good), the last
-        of which has the key C{lastKey} (L{rowKey}).
-        """
-        payload = _ACK_COUNT.pack(count) + lastKey.encode("utf-8")
-        self._write(_record(_ACK, payload))
-        # A row the journal could not take (a full disk) is in the outbox
-        # but not here: never count below none.
-        for _ in range(min(count, len(self._waiting))):
-            self._waitingBytes -= self._waiting.popleft()
-
-    def _write(self, record: bytes) -> None:
-        if self._fd is None:
-            raise OSError(f"the {journalKind(self._magic)} is not open")
-        try:
-            _writeAll(self._fd, record)
-        except OSError:
-            # A record half written (a full disk) would hide every record
-            # after it from the next start: cut it off.
-            os.ftruncate(self._fd, self._size)
-            raise
-        self._size += len(record)
-
-    def compactIfLarge(self, waiting: Sequence[Any] = ()) -> bool:
-        """
-        Rewrite the journal with only C{waiting} (every row the outbox
-        holds unacknowledged, oldest first) once its acknowledged part has
-        grown past its threshold; called after each acknowledgement, so
-        that the file stays below the threshold plus the rows waiting.
-
-        @return: whether it was rewritten.
-        @raise JournalError: when the rewrite failed (the old journal is
-            kept and appended to).
-        """
-        if self.acknowledgedBytes <= self._compactBytes:
-            return False
-        self._rewrite(waiting)
-        return True
-
-    def reject(self, row: Any, reason: str, detail: str, when: float) -> None:
-        """
-        Set C{row} aside in the rejects file: one JSON line with what
-        C{rejectedAs} keeps of it (a usage row whole, in protobuf's JSON
-        mapping, which C{json_format.ParseDict} reads back), the reason,
-        the refusing daemon's detail and the time, written to the kernel
-        with one C{write} before this returns, as a journal row is.
-
-        @raise OSError: when it could not be written.
-        """
-        line = json.dumps(
-            {
-                **self._rejectedAs(row),
-                "reason": reason,
-                "detail": detail,
-                "time": _rfc3339(when),
-            },
-            sort_keys=True,
-            separators=(",", ":"),
-        )
-        fd = os.open(self.rejectsPath, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            _writeAll(fd, line.encode("utf-8") + b"\n")
-        finally:
-            os.close(fd)
-
-    def close(self) -> None:
-        """
-        fsync and close the journal. Its lock stays held until the process
-        ends (see L{holdJournalLock}).
-        """
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-
-def _rfc3339(seconds: float) -> str:
-    moment = datetime.datetime.fromtimestamp(seconds, datetime.UTC)
-    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def _writeAll(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.write(fd, view)
-        view = view[written:]
-
-
 def _statusOf(failure: Failure) -> tuple[str, str]:
     error = failure.value
     if isinstance(error, grpc.Call):
@@ -617,14 +143,6 @@ def _statusOf(failure: Failure) -> tuple[str, str]:
 def _unimplemented(failure: Failure) -> bool:
     error = failure.value
     return isinstance(error, grpc.Call) and error.code() == grpc.StatusCode.UNIMPLEMENTED
-
-
-def _rowDocument(row: auth_pb2.UsageRow) -> dict[str, Any]:
-    """
-    What the rejects file keeps of a usage row: all of it (ids and
-    numbers, no content).
-    """
-    return {"row": json_format.MessageToDict(row, preserving_proto_field_name=True)}
 
 
 def _rowJSON(row: auth_pb2.UsageRow) -> str:
@@ -661,6 +179,13 @@ class UsageOutbox:
         ids of the rows svc-auth committed (recorded or duplicate, not
         rejected; rows without a ledger id left out): the rate limiter's
         C{recorded}, which learns that their spend is in the ledger.
+    @param compactEvery: None (the usage ledger): the journal is rewritten
+        right after an acknowledgement once its acknowledged part has
+        passed its threshold (L{UsageJournal.compactIfLarge}). A number of
+        seconds (the memory journal, whose rows hold what users said):
+        the journal forgets, rewritten after every acknowledgement within
+        a second and at most once every C{compactEvery} seconds
+        (L{Compactions}).
     """
 
     log = Logger()
@@ -684,6 +209,7 @@ class UsageOutbox:
         words: OutboxWords = USAGE_WORDS,
         maxBytes: int | None = None,
         sizeOf: Callable[[Any], int] | None = None,
+        compactEvery: float | None = None,
     ) -> None:
         # send, keyOf, describe and words carry another kind of record
         # (svc-proxy's observations, decisions D13): the call that commits a
@@ -737,6 +263,11 @@ class UsageOutbox:
         self._journalFailing = ThrottledWarning(self.log, clock)
         self._rejecting = ThrottledWarning(self.log, clock)
         self._halving = ThrottledWarning(self.log, clock)
+        self._compactions: Compactions | None = None
+        if journal is not None and compactEvery is not None:
+            self._compactions = Compactions(
+                journal, clock, compactEvery, lambda: self._queue, self._journalUnwritable
+            )
         metrics.usageOutboxRows.set_function(lambda: len(self._queue))
 
     @property
@@ -789,13 +320,7 @@ class UsageOutbox:
             except OSError as error:
                 # Kept in memory all the same: lost only if the proxy is
                 # killed before svc-auth has it, as without a journal.
-                self._journalFailing.warn(
-                    "{journal} {path} cannot be written ({reason}); {records} are"
-                    " held in memory only",
-                    **self.words.fields(),
-                    path=journal.path,
-                    reason=str(error),
-                )
+                self._journalUnwritable(error)
         self._queue.append(row)
         if self._sizeOf is not None:
             self._bytes += self._sizeOf(row)
@@ -932,16 +457,15 @@ class UsageOutbox:
                 # After the rejects file: a kill in between sends the
                 # refused rows again, and they are refused again.
                 journal.acknowledge(count, self._keyOf(batch[-1]))
-                journal.compactIfLarge(self._queue)
+                if self._compactions is None:
+                    journal.compactIfLarge(self._queue)
             except (OSError, JournalError) as error:
                 # The rows will be sent again at the next start: harmless.
-                self._journalFailing.warn(
-                    "{journal} {path} cannot be written ({reason}); {records} are"
-                    " held in memory only",
-                    **self.words.fields(),
-                    path=journal.path,
-                    reason=str(error),
-                )
+                self._journalUnwritable(error)
+            if self._compactions is not None:
+                # Even when the acknowledgement could not be journalled:
+                # the rewrite drops the rows all the same.
+                self._compactions.acknowledged()
         if self._onRecorded is not None:
             committed = [
                 row.ledger_id
@@ -957,6 +481,15 @@ class UsageOutbox:
             self._sendAfterLinger()
         else:
             self._fireEmptied()
+
+    def _journalUnwritable(self, error: Exception) -> None:
+        journal = self._journal
+        self._journalFailing.warn(
+            "{journal} {path} cannot be written ({reason}); {records} are held in memory only",
+            **self.words.fields(),
+            path=journal.path if journal is not None else "",
+            reason=str(error),
+        )
 
     def _setAside(self, row: Any, reason: str, detail: str) -> None:
         """
@@ -1139,6 +672,10 @@ class UsageOutbox:
                 **self.words.fields(),
                 rows=left,
             )
+        if self._compactions is not None:
+            # Rows acknowledged just before the stop leave the file now,
+            # not at the next start.
+            self._compactions.stop()
         if self._journal is not None:
             try:
                 self._journal.close()

@@ -209,6 +209,17 @@ OBSERVATION_JOURNAL_MAGIC = MEMORY_JOURNAL_MAGIC
 OBSERVATION_BATCH = 50
 
 
+# The memory journal forgets (decisions D13, amended): an observation's
+# content stays in the file only until svc-memory has acknowledged it.
+# The journal is rewritten with only the observations waiting after an
+# acknowledgement, at most once every so many seconds (the
+# acknowledgements meanwhile share a rewrite): at most four rewrites a
+# second, each a few milliseconds (two fsyncs, a batch or two copied),
+# and an acknowledged observation is gone from the file within about a
+# quarter of a second (L{svcd.ledger.journal.Compactions}).
+OBSERVATION_JOURNAL_COMPACT_SECONDS = 0.25
+
+
 # What the outbox's and the journal's log lines call observations.
 OBSERVATION_WORDS = OutboxWords(
     records="observation(s)",
@@ -346,7 +357,9 @@ def observationOutbox(
     C{maxObservations}, and at most C{maxBytes} of them serialized: their
     sizes range from a few hundred bytes to about 1 MiB. Its journal, when
     C{journalPath} is given, is the caller's to L{UsageJournal.hold} as
-    the daemon is built (L{UsageOutbox.start} takes its lock too).
+    the daemon is built (L{UsageOutbox.start} takes its lock too); it
+    holds an observation only until svc-memory has acknowledged it
+    (L{OBSERVATION_JOURNAL_COMPACT_SECONDS}).
     """
     journal = None
     if journalPath is not None:
@@ -371,6 +384,7 @@ def observationOutbox(
         words=OBSERVATION_WORDS,
         maxBytes=maxBytes,
         sizeOf=_serializedSize,
+        compactEvery=OBSERVATION_JOURNAL_COMPACT_SECONDS,
     )
     metrics.outboxBytes.set_function(lambda: outbox.waitingBytes)
     return outbox

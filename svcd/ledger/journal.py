@@ -1,0 +1,760 @@
+"""
+The journal of an outbox (L{svcd.ledger.outbox}): the file that lets
+records outlive the process until their daemon has committed them.
+svc-proxy's usage rows for svc-auth (C{SVC_USAGE_JOURNAL}, decisions
+D12) and its observations for svc-memory (C{SVC_MEMORY_JOURNAL}, D13)
+each have one, of the same format and a first line of its own
+(L{svcd.ledger.journalfile}). What follows says "rows" and "svc-auth"
+for both.
+
+What survives what:
+
+  - Each row is written with one C{os.write} (no buffer in the process)
+    before it is queued, so a C{kill -9}, a crash or the OOM killer loses
+    no row: the kernel holds what was written.
+  - It is not C{fsync}ed row by row (that would cost a disk flush per
+    request): a power loss or a kernel crash may lose the rows the kernel
+    had not yet written back (Linux writes dirty pages back within about
+    30 s). Compactions are fsynced, file and directory, before they
+    replace the journal.
+  - An acknowledgement is journalled after svc-auth answered; one lost to a
+    kill only means its rows are sent again at the next start, harmlessly.
+  - The usage journal is rewritten with only the rows not yet
+    acknowledged whenever the acknowledged part has passed its threshold,
+    rows waiting or not: its size stays below the threshold plus the rows
+    waiting.
+  - The memory journal forgets (decisions D13, amended): its rows hold
+    what users said, so it is rewritten with only the rows not yet
+    acknowledged after every acknowledgement, within a second and at
+    most a few times a second (L{Compactions}). A rewrite writes a new
+    file (C{<journal>.compacting}), fsyncs it, renames it over the
+    journal and fsyncs the directory; the old file's inode, acknowledged
+    rows and all, is freed as the journal's descriptor on it is closed.
+    Freed blocks are the filesystem's to reuse: their bytes may stay on
+    the device until then (an encrypted volume is the answer for whom
+    that matters). A kill before the rename leaves the old journal whole
+    and a copy beside it, which the next start's own rewrite replaces; a
+    rewrite that fails removes its copy.
+  - A rewrite runs on the reactor's thread from start to end, so that no
+    row is appended meanwhile: a row recorded before it is among the rows
+    it keeps, one recorded after goes to the new file.
+  - One process holds a journal: an exclusive C{flock} on C{<journal>.lock},
+    held for the life of the process (compaction replaces the journal
+    file itself, so the lock cannot be on it). A second process refuses
+    to start, naming the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import json
+import os
+import struct
+import zlib
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+from google.protobuf import json_format
+from twisted.internet.interfaces import IDelayedCall
+from twisted.logger import Logger
+
+from svcd.common.clocks import Clock
+from svcd.ledger.journalfile import JOURNAL_MAGIC, JournalError, journalKind
+from svcd.pb.auth.v1 import auth_pb2
+
+__all__ = [
+    "COMPACT_JOURNAL_BYTES",
+    "USAGE_WORDS",
+    "Compactions",
+    "OutboxWords",
+    "UsageJournal",
+    "holdJournalLock",
+    "rowKey",
+]
+
+# The journal is rewritten with only the rows not yet acknowledged once its
+# acknowledged part (rows svc-auth committed or set aside, and the
+# acknowledgement records) is larger than this: some 55,000 rows' worth,
+# about 27 s of 2,000 requests/s. Each rewrite copies the rows waiting
+# (normally a batch or two) and costs two fsyncs, so a smaller threshold
+# trades disk for more frequent flushes.
+COMPACT_JOURNAL_BYTES = 16 * 1024 * 1024
+
+
+@attrs.frozen
+class OutboxWords:
+    """
+    What an outbox carries, to whom and through which journal, in the
+    words of its log lines and refusals: the usage ledger's by default
+    (L{USAGE_WORDS}); svc-proxy's observations for svc-memory
+    (decisions D13) have theirs, so that an operator reading
+    "RecordUsage to svc-auth failed" knows it is the ledger, and
+    "QueueObservations to svc-memory failed" that it is not.
+
+    @ivar records: records in a count (C{"{rows} usage row(s) waiting"}).
+    @ivar record: one record (C{"rejected usage row {key}"}).
+    @ivar peer: the daemon that commits them.
+    @ivar call: its gRPC method.
+    @ivar journal: the journal's name at the start of a line.
+    @ivar variable: the variable that names the journal.
+    @ivar keyField: the log field that carries a record's key, besides
+        C{key} (C{ledger_id} for usage rows, as before).
+    """
+
+    records: str = "usage row(s)"
+    record: str = "usage row"
+    peer: str = "svc-auth"
+    call: str = "RecordUsage"
+    journal: str = "Usage journal"
+    variable: str = "SVC_USAGE_JOURNAL"
+    keyField: str = "ledger_id"
+
+    def fields(self) -> dict[str, str]:
+        """
+        The log fields of every line that names what is carried.
+        """
+        return {
+            "records": self.records,
+            "record": self.record,
+            "peer": self.peer,
+            "call": self.call,
+            "journal": self.journal,
+            "variable": self.variable,
+        }
+
+
+USAGE_WORDS = OutboxWords()
+
+
+# The journal file
+#
+# A magic line, then records: a header of the record's kind (one byte), its
+# payload's length and the CRC-32 of its payload (four bytes each, big
+# endian), then the payload. A row record's payload is a serialized
+# UsageRow; an acknowledgement's is the number of rows acknowledged (four
+# bytes) followed by the key of the last of them in UTF-8 (its ledger id,
+# or its request id for a row without one, as every row of a journal
+# written before ledger ids): the oldest unacknowledged rows of the file,
+# in order.
+_HEADER = struct.Struct(">BII")
+_ACK_COUNT = struct.Struct(">I")
+_ROW = 1
+_ACK = 2
+
+
+def _record(kind: int, payload: bytes) -> bytes:
+    return _HEADER.pack(kind, len(payload), zlib.crc32(payload)) + payload
+
+
+def rowKey(row: auth_pb2.UsageRow) -> str:
+    """
+    The ledger's key of C{row}: its ledger id, or its request id for a row
+    made before ledger ids (an old journal, an old proxy).
+    """
+    return row.ledger_id or row.request_id
+
+
+# The lock files this process holds, by (device, inode), each with its open
+# descriptor: held until the process ends. A flock belongs to an open file
+# description, so a second open of the same lock file in this process
+# would be refused by the first; one process is one holder (a journal
+# reopened in the same process, as the tests do to play a restart, is the
+# same holder).
+_HELD_LOCKS: dict[tuple[int, int], int] = {}
+
+
+def holdJournalLock(journalPath: str, kind: str = "usage journal") -> str:
+    """
+    Take the exclusive lock of the journal at C{journalPath} for the rest
+    of this process's life: C{flock} on C{<journalPath>.lock}, a file of its
+    own, since compaction replaces the journal file by a rename (a lock on
+    it would be left on the replaced file). The lock file holds the pid of
+    its holder, for the operator.
+
+    @param kind: what the journal is called in a refusal.
+    @return: the lock file's path.
+    @raise JournalError: when another process holds it (naming the
+        journal, the lock file and, when it says so, the holder's pid), or
+        when the lock file cannot be opened.
+    """
+    lockPath = journalPath + ".lock"
+    for _ in range(3):
+        try:
+            fd = os.open(lockPath, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as error:
+            raise JournalError(
+                f"cannot open the lock file {lockPath!r} of the {kind}: {error.strerror}"
+            ) from None
+        status = os.fstat(fd)
+        key = (status.st_dev, status.st_ino)
+        if key in _HELD_LOCKS:
+            os.close(fd)
+            return lockPath
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _lockHolder(fd)
+            os.close(fd)
+            raise JournalError(
+                f"the {kind} {journalPath!r} is held by another process{holder}"
+                f" (lock file {lockPath!r}); each svc-proxy process needs a journal of its own"
+            ) from None
+        except OSError as error:
+            os.close(fd)
+            raise JournalError(f"cannot lock {lockPath!r}: {error.strerror}") from None
+        # A lock file removed or replaced between our open and our flock
+        # locks nothing another process would see: take the new one.
+        try:
+            current = os.stat(lockPath)
+        except FileNotFoundError:
+            os.close(fd)
+            continue
+        if (current.st_dev, current.st_ino) != key:
+            os.close(fd)
+            continue
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError:
+            # Only a courtesy to the operator; the lock is what counts.
+            pass
+        _HELD_LOCKS[key] = fd
+        return lockPath
+    raise JournalError(f"cannot lock {lockPath!r}: it keeps being replaced")
+
+
+def _lockHolder(fd: int) -> str:
+    try:
+        content = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return ""
+    return f" (pid {content})" if content.isdigit() else ""
+
+
+class UsageJournal:
+    """
+    The append-only file of rows and acknowledgements (see the module
+    docstring for what survives what), and the rejects file beside it.
+    One process at a time: L{open} takes the journal's lock.
+
+    L{open} reads what a previous run left, keeps the rows not
+    acknowledged, and rewrites the file with only those; then L{append} and
+    L{acknowledge} add records, and L{compactIfLarge} rewrites the file
+    once its acknowledged part has passed C{compactBytes}.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        path: str,
+        compactBytes: int = COMPACT_JOURNAL_BYTES,
+        rowType: Any = auth_pb2.UsageRow,
+        keyOf: Callable[[Any], str] = rowKey,
+        magic: bytes = JOURNAL_MAGIC,
+        words: OutboxWords = USAGE_WORDS,
+        rejectedAs: Callable[[Any], dict[str, Any]] | None = None,
+    ) -> None:
+        # rowType, keyOf and magic make the same journal carry another
+        # record that must reach a daemon at least once (svc-proxy's
+        # observations for svc-memory, decisions D13): a protobuf message
+        # class, the record's idempotence key, and a first line of its own
+        # so that one kind of journal is never read as the other. words
+        # name them in the log; rejectedAs is what the rejects file keeps of
+        # a record set aside (a usage row whole, by default: ids and
+        # numbers; an observation holds message content, which it must not
+        # keep).
+        self.path = path
+        self._rowType = rowType
+        self._keyOf = keyOf
+        self._magic = magic
+        self._words = words
+        self._rejectedAs = rejectedAs if rejectedAs is not None else _rowDocument
+        self._compactBytes = compactBytes
+        self._fd: int | None = None
+        self._size = 0
+        # Where the records of the rows in the file not yet acknowledged
+        # are (offset, length), oldest first, and the sum of their
+        # lengths: the part of the file a compaction keeps.
+        self._waiting: deque[tuple[int, int]] = deque()
+        self._waitingBytes = 0
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def acknowledgedBytes(self) -> int:
+        """
+        The part of the file a compaction would drop: rows acknowledged,
+        the acknowledgement records.
+        """
+        return self._size - len(self._magic) - self._waitingBytes
+
+    @property
+    def rejectsPath(self) -> str:
+        """
+        Where records their daemon refused are set aside: JSON lines.
+        """
+        return self.path + ".rejects"
+
+    @property
+    def lockPath(self) -> str:
+        return self.path + ".lock"
+
+    def hold(self) -> None:
+        """
+        Take the journal's lock for the rest of the process's life (see
+        L{holdJournalLock}); L{open} does too. The daemon calls this as it
+        is built, so that a second proxy on the same journal stops before
+        anything starts.
+
+        @raise JournalError: when another process holds it.
+        """
+        holdJournalLock(self.path, journalKind(self._magic))
+
+    def open(self) -> list[Any]:
+        """
+        Take the journal's lock, read the journal, rewrite it with only the
+        rows not acknowledged and open it for appending.
+
+        @return: those rows, oldest first.
+        @raise JournalError: when another process holds the journal, or the
+            file is not a journal or cannot be read or written.
+        """
+        self.hold()
+        try:
+            with open(self.path, "rb") as existing:
+                data = existing.read()
+        except FileNotFoundError:
+            data = b""
+        except OSError as error:
+            raise JournalError(f"cannot read {self.path!r}: {error.strerror}") from None
+        rows = self._replay(data)
+        self._rewrite(rows)
+        return rows
+
+    def _replay(self, data: bytes) -> list[Any]:
+        if not data:
+            return []
+        if not data.startswith(self._magic):
+            if self._magic.startswith(data):
+                # Killed while the first compaction wrote its magic line.
+                return []
+            raise JournalError(f"{self.path!r} is not a {journalKind(self._magic)} of svc-proxy")
+        rows: list[Any] = []
+        acknowledged = 0
+        offset = len(self._magic)
+        while offset < len(data):
+            parsed = self._recordAt(data, offset)
+            if parsed is None:
+                # A record cut short by a kill (or damaged): what follows
+                # cannot be trusted either. Rows that were in it were never
+                # queued, so never answered to anyone's knowledge.
+                self.log.warn(
+                    "{journal} {path}: ignored a torn or damaged record at byte"
+                    " {offset} ({dropped} byte(s) dropped)",
+                    **self._words.fields(),
+                    path=self.path,
+                    offset=offset,
+                    dropped=len(data) - offset,
+                )
+                break
+            kind, payload, offset = parsed
+            if kind == _ROW:
+                rows.append(self._rowType.FromString(payload))
+            elif kind == _ACK:
+                count = _ACK_COUNT.unpack_from(payload)[0]
+                lastKey = payload[_ACK_COUNT.size :].decode("utf-8", "replace")
+                end = acknowledged + count
+                # The key is the ledger id; a journal written before ledger
+                # ids names the request id, and its rows have no ledger id,
+                # so rowKey gives the request id for them.
+                if 0 < count and end <= len(rows) and self._keyOf(rows[end - 1]) == lastKey:
+                    acknowledged = end
+                else:
+                    # Never drop a row on a doubtful acknowledgement: sent
+                    # again, it is a harmless duplicate.
+                    self.log.error(
+                        "{journal} {path}: an acknowledgement of {count} {records} up to"
+                        " {last_key} does not match the {records} before it; ignored",
+                        **self._words.fields(),
+                        path=self.path,
+                        count=count,
+                        last_key=lastKey,
+                    )
+        waiting = rows[acknowledged:]
+        if waiting:
+            self.log.info(
+                "{journal} {path}: {rows} {records} not acknowledged by {peer}; sending them first",
+                **self._words.fields(),
+                path=self.path,
+                rows=len(waiting),
+            )
+        return waiting
+
+    @staticmethod
+    def _recordAt(data: bytes, offset: int) -> tuple[int, bytes, int] | None:
+        if offset + _HEADER.size > len(data):
+            return None
+        kind, length, checksum = _HEADER.unpack_from(data, offset)
+        start = offset + _HEADER.size
+        payload = data[start : start + length]
+        if kind not in (_ROW, _ACK) or len(payload) != length or zlib.crc32(payload) != checksum:
+            return None
+        if kind == _ACK and length < _ACK_COUNT.size:
+            return None
+        return kind, payload, start + length
+
+    def _rewrite(self, rows: Sequence[Any]) -> None:
+        """
+        Replace the journal with one holding C{rows}, atomically: a reader
+        (the next start) sees the old file or the new one, never a mix.
+
+        Runs on the caller's thread from start to end (the reactor's, in
+        the proxy), so no row can be appended meanwhile: a row recorded
+        after this returns goes to the new file, one recorded before is in
+        C{rows} (the outbox passes every row it holds unacknowledged).
+        """
+        records = [_record(_ROW, row.SerializeToString()) for row in rows]
+        self._replace(records, [len(record) for record in records])
+
+    def _rewriteFromFile(self) -> bool:
+        """
+        L{_rewrite} with the rows the file holds unacknowledged, their
+        records copied as they are: a rewrite for each acknowledgement
+        (L{dropAcknowledged}) would otherwise serialize every row waiting
+        again, which costs more than the rest when thousands wait.
+
+        @return: False when the records could not be read (nothing was
+            written).
+        @raise JournalError: when the rewrite failed.
+        """
+        lengths = [length for _, length in self._waiting]
+        # Adjacent records read at once: normally one run, broken only by
+        # acknowledgement records.
+        runs: list[list[int]] = []
+        for offset, length in self._waiting:
+            if runs and runs[-1][0] + runs[-1][1] == offset:
+                runs[-1][1] += length
+            else:
+                runs.append([offset, length])
+        try:
+            with open(self.path, "rb") as existing:
+                chunks = [os.pread(existing.fileno(), length, offset) for offset, length in runs]
+        except OSError:
+            return False
+        if [len(chunk) for chunk in chunks] != [length for _, length in runs]:
+            return False
+        self._replace(chunks, lengths)
+        return True
+
+    def _replace(self, chunks: Sequence[bytes], lengths: Sequence[int]) -> None:
+        """
+        Replace the journal with the magic line and C{chunks}, which hold
+        row records of C{lengths}, in order (see L{_rewrite}).
+        """
+        content = self._magic + b"".join(chunks)
+        temporary = self.path + ".compacting"
+        try:
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                _writeAll(fd, content)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(temporary, self.path)
+        except OSError as error:
+            # The copy holds rows' content (observations: what users said):
+            # not left behind once they are acknowledged. A kill before
+            # this leaves it to the next start, whose own rewrite replaces
+            # it.
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise JournalError(f"cannot write {self.path!r}: {error.strerror}") from None
+        # The new file is the journal now, whatever follows: the old one's
+        # descriptor is closed (its inode, acknowledged rows and all, is
+        # freed with it), and appends go to the new one or, when it cannot
+        # be opened, fail as on a full disk (the rows are held in memory).
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self._size = len(content)
+        self._waiting = deque()
+        offset = len(self._magic)
+        for length in lengths:
+            self._waiting.append((offset, length))
+            offset += length
+        self._waitingBytes = len(content) - len(self._magic)
+        try:
+            _fsyncDirectory(self.path)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        except OSError as error:
+            raise JournalError(f"cannot write {self.path!r}: {error.strerror}") from None
+
+    def append(self, row: Any) -> None:
+        """
+        Add C{row}, written to the kernel before this returns.
+
+        @raise OSError: when it could not be written (the file is left as
+            it was).
+        """
+        record = _record(_ROW, row.SerializeToString())
+        offset = self._size
+        self._write(record)
+        self._waiting.append((offset, len(record)))
+        self._waitingBytes += len(record)
+
+    def acknowledge(self, count: int, lastKey: str) -> None:
+        """
+        Record that svc-auth took the C{count} oldest rows not yet
+        acknowledged (committed them, or refused them for good), the last
+        of which has the key C{lastKey} (L{rowKey}).
+        """
+        # A row the journal could not take (a full disk) is in the outbox
+        # but not here: never count below none. Counted before the record
+        # is written: rows acknowledged are the compaction's to drop even
+        # when their acknowledgement could not be journalled.
+        for _ in range(min(count, len(self._waiting))):
+            self._waitingBytes -= self._waiting.popleft()[1]
+        payload = _ACK_COUNT.pack(count) + lastKey.encode("utf-8")
+        self._write(_record(_ACK, payload))
+
+    def _write(self, record: bytes) -> None:
+        if self._fd is None:
+            raise OSError(f"the {journalKind(self._magic)} is not open")
+        try:
+            _writeAll(self._fd, record)
+        except OSError:
+            # A record half written (a full disk) would hide every record
+            # after it from the next start: cut it off.
+            os.ftruncate(self._fd, self._size)
+            raise
+        self._size += len(record)
+
+    def compactIfLarge(self, waiting: Sequence[Any] = ()) -> bool:
+        """
+        Rewrite the journal with only C{waiting} (every row the outbox
+        holds unacknowledged, oldest first) once its acknowledged part has
+        grown past its threshold; called after each acknowledgement, so
+        that the file stays below the threshold plus the rows waiting.
+
+        @return: whether it was rewritten.
+        @raise JournalError: when the rewrite failed (the old journal is
+            kept and appended to).
+        """
+        if self.acknowledgedBytes <= self._compactBytes:
+            return False
+        self._rewrite(waiting)
+        return True
+
+    def dropAcknowledged(self, waiting: Sequence[Any] = ()) -> bool:
+        """
+        Rewrite the journal with only C{waiting} (as L{compactIfLarge})
+        whenever it holds anything acknowledged, whatever its size: what
+        L{Compactions} calls for a journal that forgets. The records of
+        the rows are copied from the file when it holds every row of
+        C{waiting}, else C{waiting} is written anew.
+
+        @return: whether it was rewritten.
+        @raise JournalError: when the rewrite failed.
+        """
+        if self.acknowledgedBytes <= 0:
+            return False
+        if len(waiting) == len(self._waiting) and self._fd is not None:
+            # The same rows (a row the journal could not take would make
+            # the outbox hold more): copied from the file, unless it
+            # cannot be read.
+            if self._rewriteFromFile():
+                return True
+        self._rewrite(waiting)
+        return True
+
+    def reject(self, row: Any, reason: str, detail: str, when: float) -> None:
+        """
+        Set C{row} aside in the rejects file: one JSON line with what
+        C{rejectedAs} keeps of it (a usage row whole, in protobuf's JSON
+        mapping, which C{json_format.ParseDict} reads back), the reason,
+        the refusing daemon's detail and the time, written to the kernel
+        with one C{write} before this returns, as a journal row is.
+
+        @raise OSError: when it could not be written.
+        """
+        line = json.dumps(
+            {
+                **self._rejectedAs(row),
+                "reason": reason,
+                "detail": detail,
+                "time": _rfc3339(when),
+            },
+            sort_keys=True,
+            separators=(",", ":"),
+        )
+        fd = os.open(self.rejectsPath, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            _writeAll(fd, line.encode("utf-8") + b"\n")
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        """
+        fsync and close the journal. Its lock stays held until the process
+        ends (see L{holdJournalLock}).
+        """
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def _rfc3339(seconds: float) -> str:
+    moment = datetime.datetime.fromtimestamp(seconds, datetime.UTC)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _fsyncDirectory(path: str) -> None:
+    """
+    fsync the directory of C{path}, so that a rename into it outlives a
+    power loss.
+    """
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _writeAll(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _rowDocument(row: auth_pb2.UsageRow) -> dict[str, Any]:
+    """
+    What the rejects file keeps of a usage row: all of it (ids and
+    numbers, no content).
+    """
+    return {"row": json_format.MessageToDict(row, preserving_proto_field_name=True)}
+
+
+class Compactions:
+    """
+    When a journal that forgets is rewritten: the memory journal
+    (C{SVC_MEMORY_JOURNAL}), which holds what users said, must hold an
+    observation only until svc-memory has acknowledged it (decisions D13,
+    amended: within a second, no byte of it is left in the file).
+
+    After an acknowledgement that leaves acknowledged bytes in the file,
+    the journal is rewritten with only the rows still waiting
+    (L{UsageJournal.dropAcknowledged}): at once when the last rewrite
+    began at least C{every} seconds ago, else when it is that old; the
+    acknowledgements meanwhile share that one rewrite. A busy proxy thus
+    rewrites at most 1/C{every} times a second, each rewrite copying the
+    rows waiting (normally a batch or two: a few milliseconds, most of it
+    the two fsyncs). After svc-memory was away, thousands may wait and a
+    rewrite take a tenth of a second or more, on the reactor's thread: the
+    next one then waits longer (four times the last one's length, within
+    what keeps the second), never less than twice it nor more than 2 s,
+    so that the proxy keeps most of its time for requests while the
+    backlog drains.
+
+    A rewrite that fails (a full disk) is logged by C{failed} and tried
+    again C{every} seconds later. L{stop} rewrites at once what is due, so
+    that a proxy stopped just after an acknowledgement leaves no
+    acknowledged row behind.
+
+    @param journal: the journal, open.
+    @param clock: when rewrites are due and how long one took (the
+        reactor's clock is the wall clock, read afresh).
+    @param every: the least spacing of rewrites, in seconds.
+    @param waiting: every row not yet acknowledged, oldest first: what
+        a rewrite keeps (the outbox's queue).
+    @param failed: told of a rewrite that failed.
+    """
+
+    # A rewrite is due at most this long after the acknowledgement that
+    # called for it, when the last one was quick (D13, amended: one
+    # second, less the rewrite's own time).
+    WITHIN = 1.0
+    # The longest spacing, whatever a rewrite seemed to take (the
+    # reactor's clock is the wall clock, which may jump).
+    LONGEST = 2.0
+
+    def __init__(
+        self,
+        journal: UsageJournal,
+        clock: Clock,
+        every: float,
+        waiting: Callable[[], Sequence[Any]],
+        failed: Callable[[Exception], None],
+    ) -> None:
+        self._journal = journal
+        self._clock = clock
+        self._every = every
+        self._spacing = every
+        self._waiting = waiting
+        self._failed = failed
+        self._last: float | None = None
+        self._due: IDelayedCall | None = None
+        self._stopped = False
+
+    @property
+    def pending(self) -> bool:
+        """
+        Whether a rewrite is waiting for its time.
+        """
+        return self._due is not None
+
+    def acknowledged(self) -> None:
+        """
+        Rows were acknowledged: rewrite now, or when the spacing allows.
+        """
+        if self._stopped or self._due is not None or self._journal.acknowledgedBytes <= 0:
+            return
+        wait = 0.0
+        if self._last is not None:
+            wait = self._last + self._spacing - self._clock.seconds()
+        if wait <= 0:
+            self._rewrite()
+        else:
+            self._due = self._clock.callLater(wait, self._dueNow)
+
+    def _dueNow(self) -> None:
+        self._due = None
+        self._rewrite()
+
+    def _rewrite(self) -> None:
+        started = self._clock.seconds()
+        self._last = started
+        try:
+            self._journal.dropAcknowledged(self._waiting())
+        except (OSError, JournalError) as error:
+            self._failed(error)
+            if not self._stopped:
+                self._due = self._clock.callLater(self._every, self._dueNow)
+            return
+        took = max(0.0, self._clock.seconds() - started)
+        spacing = max(self._every, 2 * took, min(4 * took, self.WITHIN - took))
+        self._spacing = min(spacing, max(self._every, self.LONGEST))
+
+    def stop(self) -> None:
+        """
+        Rewrite now if anything acknowledged is left in the file, and
+        schedule nothing more (the outbox stops; the journal is closed
+        next).
+        """
+        self._stopped = True
+        if self._due is not None:
+            if self._due.active():
+                self._due.cancel()
+            self._due = None
+        if self._journal.acknowledgedBytes > 0:
+            self._rewrite()
