@@ -23,7 +23,9 @@ svc-memory} runs too, on the same database, and svc-proxy is given its
 address, and so does C{twistd -n svc-worker}, which turns the observations
 queued in svc-memory into memories; the demo agent then has recall and
 observe on, so that the printed commands tell the gateway a fact and find
-it recalled into the next answer. With
+it recalled into the next answer. (Observe C{on}, not C{all}: only chats
+that name their user, C{X-SVC-Memory-Subject}, are observed, as the
+printed commands do; decisions D13 amended, "Whose words".) With
 C{SVC_PROVIDERS_FILE} set (even empty: no provider, every chat request
 answers 501), svc-proxy gets the variable as it is and no model server
 runs. The daemons themselves never assume a providers file (decisions D9).
@@ -96,6 +98,12 @@ DEMO_SUBJECT = "demo-user"
 # the user's sentences in the first person; the scripted embeddings make
 # texts sharing words ("I", "drink", "morning") near.
 DEMO_FACT_SUBJECT = "demo-tea-drinker"
+# Why the fact's commands name a subject (decisions D13 amended): printed
+# with them.
+DEMO_OBSERVE_NOTE = (
+    "(observe is on for the demo agent: a chat is remembered only when it names its user"
+    " with X-SVC-Memory-Subject, as these do; the hello chats above name none and are not)"
+)
 DEMO_FACT = "I drink green tea every morning."
 DEMO_QUESTION = "What do I drink in the morning?"
 
@@ -532,6 +540,16 @@ class DevStack:
         and comes back in the next answer. Once per demo tenant, noted in
         demo.json: a developer who turns them off with C{svcctl memory
         settings} afterwards is not overruled at the next run.
+
+        Observe C{on} (decisions D13 amended, "Whose words"), not C{all}:
+        the demo shows the setting an agent that serves many users needs,
+        under which a chat is observed only when it names its user
+        (C{X-SVC-Memory-Subject}); every printed command meant to be
+        remembered names one, and the plain C{hello} chats, which name
+        none, are answered as usual and not observed. (C{all} would
+        observe those too, into the agent's one shared subject: right
+        only for an agent that serves one user.) A run of an earlier
+        release set the switch on, which sql/0016 made C{on}: the same.
         """
         if demo.get("memory_settings") == "on":
             return
@@ -894,6 +912,7 @@ class DevStack:
                 "Tell the gateway a fact (svc-worker makes a memory of it within a second or so),",
                 "ask about it (X-SVC-Memories: 1, the memory recalled into the prompt),"
                 " then list the memories:",
+                DEMO_OBSERVE_NOTE,
                 "",
                 f"  curl -i {proxy}/v1/memories{headers}{subject} -d '{told}'",
                 f"  curl -i {proxy}/v1/chat/completions{headers}{subject} -d '{asked}'",

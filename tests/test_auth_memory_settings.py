@@ -16,16 +16,19 @@ from typing import Any
 
 import psycopg
 import pytest
-from authfixtures import makeTenant
+from authfixtures import makeTenant, ownerStore
 from authhelpers import FeedReader, document, failure, svcctl, validateAgent, validateToken
 
 from svcd.auth.limits import MemorySettingsTable, memorySettingsChange, memorySettingsMessage
+from svcd.auth.migrations import migrate
 from svcd.auth.store import APPLICATION_ROLE, MemorySettingsRecord, Store, StoreRejected
 from svcd.pb.auth.v1 import auth_pb2
 from svcd.testing.authservice import RunningAuthService
 from svcd.testing.waiting import waitUntil
 
 _SWITCHES = {"on": True, "off": False, "inherit": None}
+# --observe's values as the store holds them (decisions D13 amended).
+_OBSERVE = {"on": "on", "all": "all", "off": "off", "inherit": None}
 
 
 def orgSettings(service: RunningAuthService, tenant: Any) -> auth_pb2.MemorySettings | None:
@@ -46,7 +49,7 @@ def recordOf(printed: dict[str, Any]) -> MemorySettingsRecord:
         uuid.UUID(printed["org_id"]),
         uuid.UUID(printed["agent_id"]) if printed["agent_id"] else None,
         _SWITCHES[printed["recall"]],
-        _SWITCHES[printed["observe"]],
+        _OBSERVE[printed["observe"]],
         printed["version"],
     )
 
@@ -116,6 +119,8 @@ def test_svcctlMemorySettings(migratedDSN: str, owner: Store) -> None:
     [
         (("--recall", "yes"), "--recall"),
         (("--observe", "true"), "--observe"),
+        (("--observe", "everyone"), "--observe"),
+        (("--recall", "all"), "--recall"),
         (("--recall", ""), "--recall"),
         (("--observe", "1"), "--observe"),
         (("--remember", "on"), "unrecognized"),
@@ -125,8 +130,8 @@ def test_svcctlMemorySettingsRefusesOtherValues(
     migratedDSN: str, owner: Store, arguments: tuple[str, ...], mentions: str
 ) -> None:
     """
-    A value other than on, off and inherit is one line on stderr naming
-    the flag, exit 2; nothing is stored.
+    A value other than on, off and inherit (and all, for --observe only)
+    is one line on stderr naming the flag, exit 2; nothing is stored.
     """
     tenant = makeTenant(owner)
     result = svcctl(migratedDSN, "memory", "settings", "--org", str(tenant.orgID), *arguments)
@@ -214,9 +219,9 @@ def test_anotherOrganizationsSettingsAreNeverVisible(migratedDSN: str, owner: St
     """
     tenantA, tenantB = makeTenant(owner, "a"), makeTenant(owner, "b")
     owner.setMemorySettings(tenantA.orgID, None, {"recall": True})
-    owner.setMemorySettings(tenantA.orgID, tenantA.agentID, {"observe": True})
+    owner.setMemorySettings(tenantA.orgID, tenantA.agentID, {"observe": "on"})
     owner.setMemorySettings(tenantB.orgID, None, {"recall": False})
-    owner.setMemorySettings(tenantB.orgID, tenantB.agentID, {"observe": False})
+    owner.setMemorySettings(tenantB.orgID, tenantB.agentID, {"observe": "off"})
     with psycopg.connect(migratedDSN, autocommit=True) as connection:
         flags = connection.execute(
             "SELECT relrowsecurity, relforcerowsecurity FROM pg_class"
@@ -252,7 +257,7 @@ def test_anotherOrganizationsSettingsAreNeverVisible(migratedDSN: str, owner: St
         assert connection.execute("SELECT count(*) FROM memory_settings").fetchone() == (0,)
         everything = connection.execute("SELECT * FROM svc_memory_settings_rows()")
         columns = [column.name for column in everything.description or ()]
-        assert columns == ["org_id", "agent_id", "recall", "observe", "version"]
+        assert columns == ["org_id", "agent_id", "recall", "observe", "version", "observe_mode"]
         assert len(everything.fetchall()) == 4
 
     # svc-auth's own store, acting as svc_auth_app in the context of the
@@ -314,7 +319,7 @@ def test_answersCarrySettingsChangedWithinOneSecond(
         waitUntil(lambda: answered(authService, tenant) == expected, limit=1.0)  # noqa: B023
     ofOrg = orgSettings(authService, tenant)
     assert ofOrg is not None and not ofOrg.HasField("recall")
-    assert ofOrg.HasField("observe") and ofOrg.observe is False
+    assert ofOrg.HasField("observe") and ofOrg.observe is False and ofOrg.observe_mode == "off"
     ofAgent = agentSettings(authService, tenant)
     assert ofAgent is not None and ofAgent.HasField("recall") and ofAgent.recall is False
     assert not ofAgent.HasField("observe")
@@ -331,7 +336,7 @@ def test_withoutTheListenerSettingsAreReadFromTheDatabase(migratedDSN: str, owne
         assert orgSettings(service, tenant) is None
         row = owner.setMemorySettings(tenant.orgID, None, {"recall": True})
         waitUntil(lambda: orgSettings(service, tenant) == memorySettingsMessage(row), limit=1.5)
-        agentRow = owner.setMemorySettings(tenant.orgID, tenant.agentID, {"observe": True})
+        agentRow = owner.setMemorySettings(tenant.orgID, tenant.agentID, {"observe": "all"})
         waitUntil(
             lambda: agentSettings(service, tenant) == memorySettingsMessage(agentRow), limit=1.5
         )
@@ -350,8 +355,8 @@ def test_theFeedSendsEveryRowAtTheStartAndEachChangeWithinOneSecond(
     """
     first, second = makeTenant(owner, "a"), makeTenant(owner, "b")
     rows = [
-        owner.setMemorySettings(first.orgID, None, {"recall": True, "observe": False}),
-        owner.setMemorySettings(second.orgID, second.agentID, {"observe": True}),
+        owner.setMemorySettings(first.orgID, None, {"recall": True, "observe": "off"}),
+        owner.setMemorySettings(second.orgID, second.agentID, {"observe": "all"}),
     ]
     waitUntil(lambda: len(authService.memorySettings.rows()) == 2, limit=1.0)
     feed = FeedReader(authService)
@@ -388,7 +393,7 @@ def test_theTableIsLoadedAgainWhenTheListenerComesBack(
     authService.listener.stop()
     assert not authService.memorySettings.isCurrent()
     changed = owner.setMemorySettings(tenant.orgID, None, {"recall": False})
-    added = owner.setMemorySettings(tenant.orgID, tenant.agentID, {"observe": True})
+    added = owner.setMemorySettings(tenant.orgID, tenant.agentID, {"observe": "on"})
     authService.listener.start()
     waitUntil(authService.memorySettings.isCurrent, limit=10.0)
     assert sorted(authService.memorySettings.rows(), key=lambda row: row.version) == [
@@ -409,9 +414,9 @@ def test_memorySettingsMessages() -> None:
     message = memorySettingsMessage(row)
     assert message == auth_pb2.MemorySettings(recall=True, version=3)
     assert message.HasField("recall") and not message.HasField("observe")
-    off = memorySettingsMessage(MemorySettingsRecord(org, None, False, False, 4))
+    off = memorySettingsMessage(MemorySettingsRecord(org, None, False, "off", 4))
     assert off.HasField("recall") and off.HasField("observe")
-    assert (off.recall, off.observe) == (False, False)
+    assert (off.recall, off.observe, off.observe_mode) == (False, False, "off")
     change = memorySettingsChange(org, agent, row).memory_settings_changed
     assert (change.org_id, change.agent_id, change.settings) == (org.bytes, agent.bytes, message)
     none = memorySettingsChange(org, None, None).memory_settings_changed
@@ -420,3 +425,169 @@ def test_memorySettingsMessages() -> None:
     table.replace([row])
     assert table.lookup(org, agent) == (True, row)
     assert table.lookup(org, None) == (True, None)
+
+
+# Decisions D13 amended, "Whose words": observe is on, all, off or inherit.
+
+
+def storedSwitches(dsn: str, orgID: uuid.UUID) -> tuple[Any, Any]:
+    """
+    The organization's row as the table holds it: (observe_mode, observe).
+    """
+    with psycopg.connect(dsn, autocommit=True) as connection:
+        row = connection.execute(
+            "SELECT observe_mode, observe FROM memory_settings"
+            " WHERE org_id = %s AND agent_id IS NULL",
+            (orgID,),
+        ).fetchone()
+    assert row is not None
+    return row[0], row[1]
+
+
+def test_svcctlObserveTakesOnAllOffAndInherit(migratedDSN: str, owner: Store) -> None:
+    """
+    --observe takes on, all, off and inherit (any case), prints the value
+    as given, and stores it as the mode, with the previous release's
+    boolean beside it kept equal: true for on and all, false for off,
+    NULL for inherit. The store takes the modes and refuses a boolean.
+    """
+    tenant = makeTenant(owner)
+    org = str(tenant.orgID)
+    for given, printed, switch in [
+        ("on", "on", True),
+        ("ALL", "all", True),
+        (" off ", "off", False),
+        ("all", "all", True),
+        ("Inherit", "inherit", None),
+    ]:
+        row = settings(migratedDSN, "--org", org, "--observe", given)
+        assert row["observe"] == printed
+        assert settings(migratedDSN, "--org", org) == row
+        assert owner.memorySettings(tenant.orgID) == recordOf(row)
+        assert storedSwitches(migratedDSN, tenant.orgID) == (_OBSERVE[printed], switch)
+    for wrong in (True, False, "ON", "everyone"):
+        with pytest.raises(ValueError):
+            owner.setMemorySettings(tenant.orgID, None, {"observe": wrong})
+    with pytest.raises(ValueError):
+        owner.setMemorySettings(tenant.orgID, None, {"recall": "on"})
+
+
+def test_messagesCarryTheObserveMode() -> None:
+    """
+    A row's message carries the mode as observe_mode, and the switch
+    observe true for on and all (what a proxy of the previous release
+    reads), false for off; inherit, neither.
+    """
+    org = uuid.uuid4()
+    for mode, switch in (("on", True), ("all", True), ("off", False)):
+        message = memorySettingsMessage(MemorySettingsRecord(org, None, None, mode, 1))
+        assert message.HasField("observe") and not message.HasField("recall")
+        assert (message.observe_mode, message.observe) == (mode, switch)
+    inherit = memorySettingsMessage(MemorySettingsRecord(org, None, True, None, 2))
+    assert inherit.observe_mode == "" and not inherit.HasField("observe")
+
+
+def test_answersAndTheFeedCarryTheObserveMode(
+    authService: RunningAuthService, owner: Store, migratedDSN: str
+) -> None:
+    """
+    ValidateToken's and ValidateAgent's answers and the change feed carry
+    each mode set with svcctl, all included, within one second.
+    """
+    tenant = makeTenant(owner)
+    org, agent = str(tenant.orgID), str(tenant.agentID)
+    feed = FeedReader(authService)
+    try:
+        feed.snapshot()
+        for arguments, answered, mode in [
+            (("--org", org, "--observe", "all"), orgSettings, "all"),
+            (("--org", org, "--agent", agent, "--observe", "on"), agentSettings, "on"),
+            (("--org", org, "--observe", "off"), orgSettings, "off"),
+            (("--org", org, "--agent", agent, "--observe", "all"), agentSettings, "all"),
+        ]:
+            row = recordOf(settings(migratedDSN, *arguments))
+            expected = memorySettingsChange(row.orgID, row.agentID, row).memory_settings_changed
+            assert expected.settings.observe_mode == mode
+            assert expected.settings.observe is (mode != "off")
+            feed.waitFor("memory_settings_changed", expected, limit=1.0)
+            waitUntil(
+                lambda: answered(authService, tenant) == expected.settings,  # noqa: B023
+                limit=1.0,
+            )
+    finally:
+        feed.close()
+
+
+def test_theMigrationMakesOnOfTheSwitchAndKeepsBothInStep(databaseDSN: str) -> None:
+    """
+    sql/0016 on settings written before it: observe true becomes on (the
+    new, stricter meaning), false off, NULL inherit. After it, what the
+    previous release writes to the switch moves the mode (true on, false
+    off, NULL inherit; true on a row already all keeps all), what this
+    release writes to the mode moves the switch, and that release's read
+    of every row still works; a mode other than on, all and off is
+    refused.
+    """
+    assert migrate(databaseDSN, through="0015_observation_key.sql")[-1] == (
+        "0015_observation_key.sql"
+    )
+    store, connection = ownerStore(databaseDSN)
+    try:
+        tenants = [makeTenant(store, name) for name in ("on", "off", "inherit")]
+        for tenant, switch in zip(tenants, (True, False, None), strict=True):
+            connection.execute(
+                "INSERT INTO memory_settings (org_id, recall, observe) VALUES (%s, true, %s)",
+                (tenant.orgID, switch),
+            )
+        assert migrate(databaseDSN) == ["0016_observe_modes.sql"]
+        wasOn, wasOff, wasInherit = tenants
+        assert storedSwitches(databaseDSN, wasOn.orgID) == ("on", True)
+        assert storedSwitches(databaseDSN, wasOff.orgID) == ("off", False)
+        assert storedSwitches(databaseDSN, wasInherit.orgID) == (None, None)
+        assert [store.memorySettings(each.orgID).observe for each in tenants] == [  # type: ignore[union-attr]
+            "on",
+            "off",
+            None,
+        ]
+
+        def earlier(statement: str, orgID: uuid.UUID) -> None:
+            # What svcctl of the previous release writes: the switch only.
+            connection.execute(statement, (orgID,))
+
+        update = "UPDATE memory_settings SET observe = {} WHERE org_id = %s AND agent_id IS NULL"
+        earlier(update.format("false"), wasOn.orgID)
+        assert storedSwitches(databaseDSN, wasOn.orgID) == ("off", False)
+        earlier(update.format("true"), wasInherit.orgID)
+        assert storedSwitches(databaseDSN, wasInherit.orgID) == ("on", True)
+        earlier(update.format("NULL"), wasInherit.orgID)
+        assert storedSwitches(databaseDSN, wasInherit.orgID) == (None, None)
+        store.setMemorySettings(wasOff.orgID, None, {"observe": "all"})
+        assert storedSwitches(databaseDSN, wasOff.orgID) == ("all", True)
+        earlier(update.format("true"), wasOff.orgID)
+        assert storedSwitches(databaseDSN, wasOff.orgID) == ("all", True)
+        store.setMemorySettings(wasOff.orgID, None, {"observe": None})
+        assert storedSwitches(databaseDSN, wasOff.orgID) == (None, None)
+        fresh = makeTenant(store, "fresh")
+        connection.execute(
+            "INSERT INTO memory_settings (org_id, agent_id, observe) VALUES (%s, %s, true)",
+            (fresh.orgID, fresh.agentID),
+        )
+        assert store.memorySettings(fresh.orgID, fresh.agentID).observe == "on"  # type: ignore[union-attr]
+        store.setMemorySettings(fresh.orgID, fresh.agentID, {"recall": True})
+        assert store.memorySettings(fresh.orgID, fresh.agentID).observe == "on"  # type: ignore[union-attr]
+        with pytest.raises(psycopg.errors.CheckViolation):
+            connection.execute(
+                "UPDATE memory_settings SET observe_mode = 'everyone' WHERE org_id = %s",
+                (fresh.orgID,),
+            )
+        # The previous release's svc-auth reads every row by these columns.
+        with psycopg.connect(databaseDSN, autocommit=True) as app:
+            app.execute(f"SET ROLE {APPLICATION_ROLE}")
+            rows = app.execute(
+                "SELECT org_id, agent_id, recall, observe, version FROM svc_memory_settings_rows()"
+                " WHERE org_id = %s",
+                (wasOn.orgID,),
+            ).fetchall()
+        assert [row[3] for row in rows] == [False]
+    finally:
+        connection.close()

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from svcd.devstack import (
     DEMO_EMBEDDING_MODEL,
     DEMO_FACT,
     DEMO_MODEL,
+    DEMO_OBSERVE_NOTE,
     MODEL_SERVER,
     stopLeftovers,
 )
@@ -508,6 +510,42 @@ def test_printedCommandsTellAFactThatIsRecalled(firstRun: GatewayRun) -> None:
         (DEMO_FACT, "extracted")
     ]
     assert listed["data"][0]["id"] == memories[0]["id"]
+
+
+def observationsCounted(run: GatewayRun) -> dict[str, float]:
+    """
+    svc_proxy_memory_observations_total of the run's svc-proxy, by outcome.
+    """
+    with urllib.request.urlopen(
+        f"http://127.0.0.1:{run.proxyPort}/metrics", timeout=COMMAND_LIMIT
+    ) as response:
+        text = response.read().decode()
+    found = re.findall(
+        r'^svc_proxy_memory_observations_total\{outcome="([a-z_]+)"\} (\S+)$', text, re.MULTILINE
+    )
+    return {outcome: float(value) for outcome, value in found}
+
+
+@needsCurl
+def test_theDemoAgentObservesOnlyChatsThatNameTheirUser(firstRun: GatewayRun) -> None:
+    """
+    Decisions D13 amended, "Whose words": the demo agent's observe is on,
+    not all, and the announcement says so beside the fact's commands
+    (which name their user); the first printed command, a hello chat that
+    names no user, is answered as usual and left unobserved, counted
+    no_subject, while nothing more is recorded.
+    """
+    lines = [line.strip() for line in firstRun.waitForAnnouncement()]
+    assert DEMO_OBSERVE_NOTE in lines
+    assert lines.index(DEMO_OBSERVE_NOTE) < lines.index(firstRun.printedCommands()[-3])
+    plain, *_ = firstRun.printedCommands()
+    assert "X-SVC-Memory-Subject" not in plain
+    before = observationsCounted(firstRun)
+    status, _, answer = parseResponse(runCurl(plain))
+    assert status == 200, answer
+    after = observationsCounted(firstRun)
+    assert after["no_subject"] == before.get("no_subject", 0) + 1
+    assert after["recorded"] == before["recorded"]
 
 
 def readmeSDKProgram() -> str:

@@ -5,9 +5,12 @@ PostgreSQL and Redis, the scripted model server answering the chats (its
 echo), the extraction (the first-person sentences of the user's turn) and
 the embeddings; chats sent with the C{openai} SDK.
 
-With observe on, a chat (plain or streamed) becomes an observation the
+With observe all, a chat (plain or streamed) becomes an observation the
 worker turns into memories; with observe off, or C{X-SVC-Memory: off},
-nothing is queued. svc-memory down during a chat leaves the answer as it
+nothing is queued. With observe on (decisions D13 amended, "Whose
+words"), only a chat that names its subject is observed, into that
+subject; one that names none is answered as usual, counted no_subject,
+and nothing of it is queued. svc-memory down during a chat leaves the answer as it
 is, and the observation reaches svc-memory once it is back; a proxy
 stopped with observations unacknowledged keeps them in SVC_MEMORY_JOURNAL
 and sends them at its next start, and sent again they are still stored
@@ -164,6 +167,7 @@ upstream_model = "close-mid-stream"
 """
 
 RECORDED = 'svc_proxy_memory_observations_total{outcome="recorded"}'
+NO_SUBJECT = 'svc_proxy_memory_observations_total{outcome="no_subject"}'
 SENT = "svc_proxy_memory_observations_sent_total"
 
 
@@ -202,15 +206,16 @@ def allLogs(rig: WorkerRig, *proxies: Daemon) -> str:
 def rig(postgresServer: PostgresServer, tmp_path: Path) -> Iterator[WorkerRig]:
     """
     svc-auth, svc-memory, Redis, the scripted model server and one
-    svc-worker; the rig's tenant has observe on for its organization,
-    set before any proxy starts (a proxy starts from the change feed's
+    svc-worker; the rig's tenant has observe all for its organization
+    (its chats name no subject: an agent that serves one user), set
+    before any proxy starts (a proxy starts from the change feed's
     snapshot, so it knows the setting from its first request).
     """
     with runningWorkerRig(postgresServer, tmp_path) as running:
         # Two more chat models: one that fails, one whose stream breaks.
         with running.providers.open("a") as providers:
             providers.write(FAULTY_MODELS)
-        running.owner.setMemorySettings(running.tenant.orgID, None, {"observe": True})
+        running.owner.setMemorySettings(running.tenant.orgID, None, {"observe": "all"})
         running.startWorker()
         try:
             yield running
@@ -221,7 +226,7 @@ def rig(postgresServer: PostgresServer, tmp_path: Path) -> Iterator[WorkerRig]:
 
 def test_chatsBecomeMemoriesOnlyWhenObserved(rig: WorkerRig) -> None:
     """
-    With observe on, a plain chat and a streamed one each become an
+    With observe all, a plain chat and a streamed one each become an
     observation (the user's turn after the last assistant message, under
     the chat's request id) that the worker turns into one memory per fact,
     source C{extracted}. A chat whose provider failed, a stream broken
@@ -303,6 +308,60 @@ def test_chatsBecomeMemoriesOnlyWhenObserved(rig: WorkerRig) -> None:
         {"role": "assistant", "content": answer},
     ]
     assert MARKER not in allLogs(rig, proxy)
+
+
+def test_observeOnTakesOnlyChatsThatNameASubject(rig: WorkerRig) -> None:
+    """
+    Decisions D13 amended, "Whose words". An organization with observe on
+    (its agent serves many users): a chat that names no subject, plain or
+    streamed, is answered as usual and counted no_subject, and nothing of
+    it is queued, extracted or remembered; one that names its subject
+    becomes memories of that subject. An organization with observe all
+    (its agent serves one user): a chat that names none becomes memories
+    of the shared subject "". No daemon's log holds a word the user said.
+    """
+    strict = makeTenant(rig.owner, "many-users")
+    rig.owner.setMemorySettings(strict.orgID, None, {"observe": "on"})
+    single = makeTenant(rig.owner, "one-user")
+    rig.owner.setMemorySettings(single.orgID, None, {"observe": "all"})
+    proxy = startProxy(rig, "proxy", rig.workdir / "memory.journal")
+    subject = {"X-SVC-Memory-Subject": "alice@example.com"}
+
+    anonymous, answer = chat(proxy, strict, factsOf("anonymous"))
+    assert answer.startswith("Scripted answer")
+    assert (metric(proxy, NO_SUBJECT), metric(proxy, RECORDED)) == (1, 0)
+    streamed, _ = chat(proxy, strict, factsOf("anonymous-stream"), stream=True)
+    assert (metric(proxy, NO_SUBJECT), metric(proxy, RECORDED)) == (2, 0)
+    named, _ = chat(proxy, strict, factsOf("named"), headers=subject)
+    shared, _ = chat(proxy, single, factsOf("one-user"))
+    assert (metric(proxy, NO_SUBJECT), metric(proxy, RECORDED)) == (2, 2)
+    waitUntil(
+        lambda: (
+            rig.contents(strict, "alice@example.com") == expectedFacts(["named"])
+            and rig.contents(single) == expectedFacts(["one-user"])
+        ),
+        "the observed chats' memories",
+        60,
+    )
+    waitUntil(lambda: metric(proxy, SENT) == 2, "two observations acknowledged")
+    assert rig.contents(strict) == []
+    assert rig.observations(strict) == []
+    processed = rig.query(
+        "SELECT request_id FROM memory_observations_done WHERE org_id = %s", (strict.orgID,)
+    )
+    assert [each["request_id"] for each in processed] == [named]
+    assert {each["source_request_id"] for each in rig.memories(single)} == {shared}
+    extracted = [
+        each.body["messages"][1]["content"]
+        for each in rig.upstream.requests()
+        if each.path.endswith("/chat/completions") and "response_format" in each.body
+    ]
+    assert len(extracted) == 2
+    assert not [each for each in extracted if label("anonymous") in each]
+    assert not [each for each in extracted if label("anonymous-stream") in each]
+    assert {anonymous, streamed}.isdisjoint(each["request_id"] for each in rig.observations(strict))
+    assert MARKER not in allLogs(rig, proxy)
+    assert "alice@example.com" not in allLogs(rig, proxy)
 
 
 def test_chatsThatShareAClientsRequestIDAreEachObserved(rig: WorkerRig) -> None:

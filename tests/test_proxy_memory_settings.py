@@ -1,7 +1,9 @@
 """
-Memory settings in svc-proxy (decisions D13, "Settings"): the limit book's
-L{LimitBook.memoryFor} (the agent's setting wins over its organization's,
-both off by default, no allocation), the settings off the wire, the
+Memory settings in svc-proxy (decisions D13, "Settings", and D13 amended,
+"Whose words"): the limit book's L{LimitBook.memoryFor} (the agent's
+setting wins over its organization's, both off by default, no
+allocation; observe one of on, all and off), the settings off the wire
+(an svc-auth of the previous release sends only the switch), the
 request header C{X-SVC-Memory} (only C{off}), and the whole way from
 svcctl to a running proxy: a real PostgreSQL, a real svc-auth and a proxy
 assembled as the daemon is, learning from the change feed within one
@@ -43,6 +45,8 @@ from svcd.testing.authservice import RunningAuthService
 
 OTHER_AGENT = str(uuid.uuid4())
 ON, OFF, INHERIT = True, False, None
+# The observe modes (decisions D13 amended).
+OBS_ON, OBS_ALL, OBS_OFF = "on", "all", "off"
 
 
 def bookWith(*rows: MemorySettingsRow) -> LimitBook:
@@ -54,7 +58,7 @@ def bookWith(*rows: MemorySettingsRow) -> LimitBook:
 def test_withoutSettingsMemoryIsOff() -> None:
     """
     An empty book, or one holding only limits and budgets, answers the
-    shared (False, False) for every organization and agent.
+    shared (False, "off") for every organization and agent.
     """
     assert LimitBook().memoryFor(ORG_ID, AGENT_ID) is MEMORY_OFF
     assert LimitBook().memoryFor(ORG_ID, None) is MEMORY_OFF
@@ -65,32 +69,36 @@ def test_withoutSettingsMemoryIsOff() -> None:
             BudgetRow(ORG_ID, AGENT_ID, Budget(nanoUSD=5, period="day")),
         ]
     )
-    assert book.memoryFor(ORG_ID, AGENT_ID) == (False, False)
-    assert MEMORY_OFF == (False, False)
+    assert book.memoryFor(ORG_ID, AGENT_ID) == (False, OBS_OFF)
+    assert MEMORY_OFF == (False, OBS_OFF)
 
 
 @pytest.mark.parametrize(
     "org, agent, expected",
     [
         # Nothing set: off.
-        (None, None, (False, False)),
-        ((INHERIT, INHERIT), (INHERIT, INHERIT), (False, False)),
+        (None, None, (False, OBS_OFF)),
+        ((INHERIT, INHERIT), (INHERIT, INHERIT), (False, OBS_OFF)),
         # The organization's, for every agent that inherits.
-        ((ON, OFF), None, (True, False)),
-        ((OFF, ON), (INHERIT, INHERIT), (False, True)),
-        ((ON, ON), (INHERIT, OFF), (True, False)),
-        # The agent's wins over its organization's, each switch alone.
-        ((ON, ON), (OFF, OFF), (False, False)),
-        ((OFF, OFF), (ON, ON), (True, True)),
-        ((OFF, INHERIT), (ON, INHERIT), (True, False)),
-        (None, (INHERIT, ON), (False, True)),
-        ((INHERIT, INHERIT), (ON, OFF), (True, False)),
+        ((ON, OBS_OFF), None, (True, OBS_OFF)),
+        ((OFF, OBS_ON), (INHERIT, INHERIT), (False, OBS_ON)),
+        ((OFF, OBS_ALL), (INHERIT, INHERIT), (False, OBS_ALL)),
+        ((ON, OBS_ON), (INHERIT, OBS_OFF), (True, OBS_OFF)),
+        # The agent's wins over its organization's, each setting alone.
+        ((ON, OBS_ON), (OFF, OBS_OFF), (False, OBS_OFF)),
+        ((OFF, OBS_OFF), (ON, OBS_ON), (True, OBS_ON)),
+        ((OFF, OBS_ALL), (ON, OBS_ON), (True, OBS_ON)),
+        ((OFF, OBS_ON), (ON, OBS_ALL), (True, OBS_ALL)),
+        ((OFF, INHERIT), (ON, INHERIT), (True, OBS_OFF)),
+        (None, (INHERIT, OBS_ON), (False, OBS_ON)),
+        (None, (INHERIT, OBS_ALL), (False, OBS_ALL)),
+        ((INHERIT, INHERIT), (ON, OBS_OFF), (True, OBS_OFF)),
     ],
 )
 def test_theAgentsSettingWinsOverItsOrganizations(
-    org: tuple[bool | None, bool | None] | None,
-    agent: tuple[bool | None, bool | None] | None,
-    expected: tuple[bool, bool],
+    org: tuple[bool | None, str | None] | None,
+    agent: tuple[bool | None, str | None] | None,
+    expected: tuple[bool, str],
 ) -> None:
     """
     Each switch is the agent's when it has one, else its organization's,
@@ -104,11 +112,11 @@ def test_theAgentsSettingWinsOverItsOrganizations(
         rows.append(MemorySettingsRow(ORG_ID, AGENT_ID, MemorySettings(*agent)))
     book = bookWith(*rows)
     assert book.memoryFor(ORG_ID, AGENT_ID) == expected
-    ofOrg = (org[0] is True, org[1] is True) if org is not None else (False, False)
+    ofOrg = (org[0] is True, org[1] or OBS_OFF) if org is not None else (False, OBS_OFF)
     assert book.memoryFor(ORG_ID, OTHER_AGENT) == ofOrg
     assert book.memoryFor(ORG_ID, None) == ofOrg
     # Another organization's agent of the same id learns nothing of these.
-    assert book.memoryFor(str(uuid.uuid4()), AGENT_ID) == (False, False)
+    assert book.memoryFor(str(uuid.uuid4()), AGENT_ID) == (False, OBS_OFF)
 
 
 def test_changesSetReplaceAndClear() -> None:
@@ -119,19 +127,19 @@ def test_changesSetReplaceAndClear() -> None:
     """
     book = LimitBook()
     book.changed(MemorySettingsRow(ORG_ID, AGENT_ID, MemorySettings(recall=True)))
-    assert book.memoryFor(ORG_ID, AGENT_ID) == (True, False)
+    assert book.memoryFor(ORG_ID, AGENT_ID) == (True, OBS_OFF)
     assert len(book) == 1
-    book.changed(MemorySettingsRow(ORG_ID, None, MemorySettings(observe=True)))
-    assert book.memoryFor(ORG_ID, AGENT_ID) == (True, True)
+    book.changed(MemorySettingsRow(ORG_ID, None, MemorySettings(observe=OBS_ALL)))
+    assert book.memoryFor(ORG_ID, AGENT_ID) == (True, OBS_ALL)
     book.changed(MemorySettingsRow(ORG_ID, AGENT_ID, MemorySettings(None, None, version=9)))
-    assert book.memoryFor(ORG_ID, AGENT_ID) == (False, True)
+    assert book.memoryFor(ORG_ID, AGENT_ID) == (False, OBS_ALL)
     book.changed(MemorySettingsRow(ORG_ID, None, None))
     assert book.memoryFor(ORG_ID, AGENT_ID) is MEMORY_OFF
     assert len(book) == 0
     book.changed(MemorySettingsRow(ORG_ID, AGENT_ID, MemorySettings(recall=True)))
-    book.replace([MemorySettingsRow(ORG_ID, OTHER_AGENT, MemorySettings(observe=True))])
-    assert book.memoryFor(ORG_ID, AGENT_ID) == (False, False)
-    assert book.memoryFor(ORG_ID, OTHER_AGENT) == (False, True)
+    book.replace([MemorySettingsRow(ORG_ID, OTHER_AGENT, MemorySettings(observe=OBS_ON))])
+    assert book.memoryFor(ORG_ID, AGENT_ID) == (False, OBS_OFF)
+    assert book.memoryFor(ORG_ID, OTHER_AGENT) == (False, OBS_ON)
     book.replace([])
     assert len(book) == 0
 
@@ -146,16 +154,16 @@ def test_answersAreLearnedOnlyWithoutALiveFeed() -> None:
     live = [True]
     book.feedLive = lambda: live[0]
     book.learnOrg(ORG_ID, None, None, MemorySettings(recall=True))
-    book.learnAgent(ORG_ID, AGENT_ID, None, None, MemorySettings(observe=True))
+    book.learnAgent(ORG_ID, AGENT_ID, None, None, MemorySettings(observe=OBS_ON))
     assert book.memoryFor(ORG_ID, AGENT_ID) is MEMORY_OFF
     live[0] = False
     book.learnOrg(ORG_ID, None, None, MemorySettings(recall=True))
-    book.learnAgent(ORG_ID, AGENT_ID, None, None, MemorySettings(observe=True))
-    assert book.memoryFor(ORG_ID, AGENT_ID) == (True, True)
+    book.learnAgent(ORG_ID, AGENT_ID, None, None, MemorySettings(observe=OBS_ON))
+    assert book.memoryFor(ORG_ID, AGENT_ID) == (True, OBS_ON)
     book.learnAgent(ORG_ID, AGENT_ID, None, None, MemorySettings(recall=False))
-    assert book.memoryFor(ORG_ID, AGENT_ID) == (False, False)
+    assert book.memoryFor(ORG_ID, AGENT_ID) == (False, OBS_OFF)
     book.learnAgent(ORG_ID, AGENT_ID, None, None, None)
-    assert book.memoryFor(ORG_ID, AGENT_ID) == (True, False)
+    assert book.memoryFor(ORG_ID, AGENT_ID) == (True, OBS_OFF)
     book.learnOrg(ORG_ID, None)
     assert book.memoryFor(ORG_ID, AGENT_ID) is MEMORY_OFF
 
@@ -187,10 +195,10 @@ def test_aLookupAllocatesNothing() -> None:
     empty = LimitBook()
     assert allocatedBy(lambda: empty.memoryFor(ORG_ID, AGENT_ID)) == 0
     full = bookWith(
-        MemorySettingsRow(ORG_ID, None, MemorySettings(recall=True, observe=False)),
-        MemorySettingsRow(ORG_ID, AGENT_ID, MemorySettings(observe=True)),
+        MemorySettingsRow(ORG_ID, None, MemorySettings(recall=True, observe=OBS_OFF)),
+        MemorySettingsRow(ORG_ID, AGENT_ID, MemorySettings(observe=OBS_ALL)),
     )
-    assert full.memoryFor(ORG_ID, AGENT_ID) == (True, True)
+    assert full.memoryFor(ORG_ID, AGENT_ID) == (True, OBS_ALL)
     assert allocatedBy(lambda: full.memoryFor(ORG_ID, AGENT_ID)) == 0
     assert allocatedBy(lambda: full.memoryFor(ORG_ID, OTHER_AGENT)) == 0
     assert full.memoryFor(ORG_ID, AGENT_ID) is full.memoryFor(ORG_ID, AGENT_ID)
@@ -199,16 +207,30 @@ def test_aLookupAllocatesNothing() -> None:
 def test_settingsOffTheWire() -> None:
     """
     A switch absent on the wire inherits (None); present, it is on or
-    off; a message whose ids are not 16 bytes is no row at all, and one
-    without settings clears the row.
+    off. The observe mode is observe_mode's; without it (an svc-auth of
+    the previous release), the switch observe's true is on (decisions D13
+    amended: never all), its false off; a mode this proxy does not know
+    is off. A message whose ids are not 16 bytes is no row at all, and
+    one without settings clears the row.
     """
     org, agent = uuid.uuid4(), uuid.uuid4()
     assert memorySettingsFromProto(auth_pb2.MemorySettings(version=4)) == MemorySettings(
         None, None, 4
     )
-    assert memorySettingsFromProto(
-        auth_pb2.MemorySettings(recall=False, observe=True, version=5)
-    ) == MemorySettings(False, True, 5)
+    for switch, mode, expected in [
+        (True, "", OBS_ON),
+        (False, "", OBS_OFF),
+        (None, "", None),
+        (True, "on", OBS_ON),
+        (True, "all", OBS_ALL),
+        (False, "off", OBS_OFF),
+        (None, "all", OBS_ALL),
+        (True, "everyone", OBS_OFF),
+    ]:
+        message = auth_pb2.MemorySettings(recall=False, observe_mode=mode, version=5)
+        if switch is not None:
+            message.observe = switch
+        assert memorySettingsFromProto(message) == MemorySettings(False, expected, 5), message
     change = auth_pb2.Change(
         memory_settings_changed=auth_pb2.MemorySettingsChanged(
             org_id=org.bytes,
@@ -269,12 +291,12 @@ async def test_theHeaderTurnsBothOffForTheRequest() -> None:
     """
     book = bookWith(
         MemorySettingsRow(ORG_ID, None, MemorySettings(recall=True)),
-        MemorySettingsRow(ORG_ID, AGENT_ID, MemorySettings(observe=True)),
+        MemorySettingsRow(ORG_ID, AGENT_ID, MemorySettings(observe=OBS_ON)),
     )
-    assert await probe(book) == (200, {"recall": True, "observe": True})
+    assert await probe(book) == (200, {"recall": True, "observe": OBS_ON})
     for value in ("off", "OFF", "Off", " off "):
-        assert await probe(book, value) == (200, {"recall": False, "observe": False}), value
-    assert await probe(LimitBook(), "off") == (200, {"recall": False, "observe": False})
+        assert await probe(book, value) == (200, {"recall": False, "observe": OBS_OFF}), value
+    assert await probe(LimitBook(), "off") == (200, {"recall": False, "observe": OBS_OFF})
 
 
 @pytest.mark.parametrize(
@@ -357,15 +379,16 @@ async def test_aSettingMadeWithSvcctlReachesARunningProxyWithinOneSecond(
     assert book.feedLive()
     tenant = makeTenant(owner)
     org, agent = str(tenant.orgID), str(tenant.agentID)
-    assert book.memoryFor(org, agent) == (False, False)
-    steps: list[tuple[tuple[str, ...], tuple[bool, bool]]] = [
-        (("--org", org, "--recall", "on"), (True, False)),
-        (("--org", org, "--agent", agent, "--observe", "on"), (True, True)),
-        (("--org", org, "--agent", agent, "--recall", "off"), (False, True)),
-        (("--org", org, "--recall", "inherit", "--observe", "on"), (False, True)),
-        (("--org", org, "--agent", agent, "--recall", "inherit"), (False, True)),
-        (("--org", org, "--agent", agent, "--observe", "inherit"), (False, True)),
-        (("--org", org, "--observe", "inherit"), (False, False)),
+    assert book.memoryFor(org, agent) == (False, OBS_OFF)
+    steps: list[tuple[tuple[str, ...], tuple[bool, str]]] = [
+        (("--org", org, "--recall", "on"), (True, OBS_OFF)),
+        (("--org", org, "--agent", agent, "--observe", "on"), (True, OBS_ON)),
+        (("--org", org, "--agent", agent, "--recall", "off"), (False, OBS_ON)),
+        (("--org", org, "--agent", agent, "--observe", "all"), (False, OBS_ALL)),
+        (("--org", org, "--recall", "inherit", "--observe", "on"), (False, OBS_ALL)),
+        (("--org", org, "--agent", agent, "--recall", "inherit"), (False, OBS_ALL)),
+        (("--org", org, "--agent", agent, "--observe", "inherit"), (False, OBS_ON)),
+        (("--org", org, "--observe", "inherit"), (False, OBS_OFF)),
     ]
     for arguments, expected in steps:
         await memorySettings(migratedDSN, *arguments)
@@ -375,9 +398,9 @@ async def test_aSettingMadeWithSvcctlReachesARunningProxyWithinOneSecond(
     # Another organization's agent of the same id never has these.
     other = makeTenant(owner, "other")
     await memorySettings(migratedDSN, "--org", str(other.orgID), "--recall", "on")
-    await waitFor(lambda: book.memoryFor(str(other.orgID), None) == (True, False), 1.0)
-    assert book.memoryFor(org, agent) == (False, False)
-    assert book.memoryFor(str(other.orgID), agent) == (True, False)
+    await waitFor(lambda: book.memoryFor(str(other.orgID), None) == (True, OBS_OFF), 1.0)
+    assert book.memoryFor(org, agent) == (False, OBS_OFF)
+    assert book.memoryFor(str(other.orgID), agent) == (True, OBS_OFF)
 
 
 @pytest_twisted.ensureDeferred
@@ -401,8 +424,8 @@ async def test_settingsAtTheFeedsStartAreKnownAtOnce(
     try:
         await daemon.service.whenListening()
         assert daemon.limitBook.feedLive()
-        assert daemon.limitBook.memoryFor(org, agent) == (True, True)
-        assert daemon.limitBook.memoryFor(org, None) == (False, True)
+        assert daemon.limitBook.memoryFor(org, agent) == (True, OBS_ON)
+        assert daemon.limitBook.memoryFor(org, None) == (False, OBS_ON)
     finally:
         await daemon.service.stopService()
 
@@ -432,12 +455,13 @@ async def test_withoutAFeedSettingsAreLearnedFromValidationAnswers(
     tenant = makeTenant(owner)
     org, agent = str(tenant.orgID), str(tenant.agentID)
     await validated(withoutFeed, tenant)
-    assert book.memoryFor(org, agent) == (False, False)
-    steps: list[tuple[tuple[str, ...], tuple[bool, bool]]] = [
-        (("--org", org, "--recall", "on", "--observe", "on"), (True, True)),
-        (("--org", org, "--agent", agent, "--observe", "off"), (True, False)),
-        (("--org", org, "--agent", agent, "--observe", "inherit"), (True, True)),
-        (("--org", org, "--recall", "off", "--observe", "inherit"), (False, False)),
+    assert book.memoryFor(org, agent) == (False, OBS_OFF)
+    steps: list[tuple[tuple[str, ...], tuple[bool, str]]] = [
+        (("--org", org, "--recall", "on", "--observe", "on"), (True, OBS_ON)),
+        (("--org", org, "--agent", agent, "--observe", "off"), (True, OBS_OFF)),
+        (("--org", org, "--agent", agent, "--observe", "all"), (True, OBS_ALL)),
+        (("--org", org, "--agent", agent, "--observe", "inherit"), (True, OBS_ON)),
+        (("--org", org, "--recall", "off", "--observe", "inherit"), (False, OBS_OFF)),
     ]
     for arguments, expected in steps:
         await memorySettings(migratedDSN, *arguments)

@@ -393,7 +393,7 @@ class Outbox:
 
 
 def observer(
-    outbox: Outbox, observe: bool | None = True, agentObserve: bool | None = None
+    outbox: Outbox, observe: str | None = "all", agentObserve: str | None = None
 ) -> tuple[Observer, CollectorRegistry]:
     book = LimitBook()
     book.changed(MemorySettingsRow(ORG, None, MemorySettings(observe=observe)))
@@ -411,22 +411,23 @@ def observedCount(registry: CollectorRegistry, outcome: str) -> float:
 def test_plan_follows_settings_and_headers() -> None:
     """
     A request observes when its organization (or its agent, which wins)
-    has observe on and it did not say X-SVC-Memory: off; its subject is
-    X-SVC-Memory-Subject's; a stream gets a gatherer of its text, a plain
-    answer none. A bad header is a 400 whatever the settings.
+    has observe all (or on, below) and it did not say X-SVC-Memory: off;
+    its subject is X-SVC-Memory-Subject's, "" without one; a stream gets a
+    gatherer of its text, a plain answer none. A bad header is a 400
+    whatever the settings.
     """
-    on, _ = observer(Outbox())
+    on, _ = observer(Outbox(), observe="all")
     planned = on.plan(request(X_SVC_Memory_Subject="alice"), ORG, AGENT, stream=False)
     assert planned is not None and planned.subject == "alice" and planned.answer is None
     streamed = on.plan(request(), ORG, AGENT, stream=True)
     assert streamed is not None and streamed.subject == "" and streamed.answer is not None
     assert on.plan(request(X_SVC_Memory="off"), ORG, AGENT, stream=False) is None
     assert on.plan(request(), ORG, None, stream=False) is None
-    off, _ = observer(Outbox(), observe=False)
+    off, _ = observer(Outbox(), observe="off")
     assert off.plan(request(), ORG, AGENT, stream=False) is None
-    agentOff, _ = observer(Outbox(), observe=True, agentObserve=False)
+    agentOff, _ = observer(Outbox(), observe="all", agentObserve="off")
     assert agentOff.plan(request(), ORG, AGENT, stream=False) is None
-    agentOn, _ = observer(Outbox(), observe=False, agentObserve=True)
+    agentOn, _ = observer(Outbox(), observe="off", agentObserve="all")
     assert agentOn.plan(request(), ORG, AGENT, stream=False) is not None
     for bad in ({"X_SVC_Memory": "on"}, {"X_SVC_Memory_Subject": "no spaces"}):
         with pytest.raises(ApiError):
@@ -439,6 +440,60 @@ ANSWER = (
 )
 
 
+TURN = [{"role": "user", "content": "I live in Lyon."}]
+
+
+def test_on_observes_only_requests_that_name_a_subject() -> None:
+    """
+    Decisions D13 amended, "Whose words": with observe on, a request that
+    names a subject observes into it, stream or not; one that names none
+    is planned unobserved (no gatherer of its text either), and its
+    answer, ended ok, is counted no_subject and puts nothing in the
+    outbox. The agent's mode wins over its organization's either way.
+    """
+    outbox = Outbox()
+    on, registry = observer(outbox, observe="on")
+    assert observedCount(registry, "no_subject") == 0
+    named = on.plan(request(X_SVC_Memory_Subject="alice"), ORG, AGENT, stream=True)
+    assert named is not None and named.unobserved is None
+    assert (named.subject, named.answer is not None) == ("alice", True)
+    for stream in (False, True):
+        unnamed = on.plan(request(), ORG, AGENT, stream=stream)
+        assert unnamed is not None
+        assert (unnamed.unobserved, unnamed.answer) == ("no_subject", None)
+        on.record(unnamed, ORG, AGENT, "req-anon", TURN, ANSWER, f"ledger-anon-{stream}")
+    assert outbox.recorded == []
+    assert observedCount(registry, "no_subject") == 2
+    assert observedCount(registry, "recorded") == 0
+    # X-SVC-Memory: off, or no agent: not observed, and not counted.
+    assert on.plan(request(X_SVC_Memory="off"), ORG, AGENT, stream=False) is None
+    assert on.plan(request(), ORG, None, stream=False) is None
+
+    agentOn, _ = observer(Outbox(), observe="all", agentObserve="on")
+    agentPlan = agentOn.plan(request(), ORG, AGENT, stream=False)
+    assert agentPlan is not None and agentPlan.unobserved == "no_subject"
+    agentAll, _ = observer(Outbox(), observe="on", agentObserve="all")
+    allPlan = agentAll.plan(request(), ORG, AGENT, stream=False)
+    assert allPlan is not None and allPlan.unobserved is None and allPlan.subject == ""
+
+
+def test_all_observes_requests_without_a_subject_into_the_shared_one() -> None:
+    """
+    With observe all, a request that names no subject is observed into
+    the agent's shared subject "", counted recorded; one that names a
+    subject, into its own.
+    """
+    outbox = Outbox()
+    making, registry = observer(outbox, observe="all")
+    for subject, headers in (("", {}), ("bob", {"X_SVC_Memory_Subject": "bob"})):
+        planned = making.plan(request(**headers), ORG, AGENT, stream=False)
+        assert planned is not None and planned.unobserved is None
+        making.record(planned, ORG, AGENT, "req-" + subject, TURN, ANSWER, "ledger-" + subject)
+    assert [made.scope.subject for made in outbox.recorded] == ["", "bob"]
+    assert observedCount(registry, "recorded") == 2
+    assert observedCount(registry, "no_subject") == 0
+
+
 def test_record_puts_the_observation_in_the_outbox() -> None:
     """
     A plain answer's observation: the user's turn and the first choice's
@@ -449,7 +504,7 @@ def test_record_puts_the_observation_in_the_outbox() -> None:
     outbox = Outbox()
     making, registry = observer(outbox)
     planned = making.plan(request(X_SVC_Memory_Subject="bob"), ORG, AGENT, stream=False)
-    assert planned is not None
+    assert planned is not None and planned.unobserved is None
     making.record(
         planned,
         ORG,

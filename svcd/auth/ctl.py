@@ -35,6 +35,7 @@ from svcd.auth.store import (
     LARGEST_LIMIT,
     LIMIT_FIELDS,
     MEMORY_SETTINGS,
+    OBSERVE_MODES,
     USAGE_GROUPINGS,
     BudgetRecord,
     LimitsRecord,
@@ -142,6 +143,25 @@ def _switch(text: str) -> bool | None:
 
 def _switchName(value: bool | None) -> str:
     return "inherit" if value is None else "on" if value else "off"
+
+
+# --observe (decisions D13 amended, "Whose words"): a mode, or inherit.
+_OBSERVE_VALUES: dict[str, str | None] = {**{mode: mode for mode in OBSERVE_MODES}, "inherit": None}
+
+
+def _observeMode(text: str) -> str | None:
+    """
+    The value of --observe: on (requests that name a subject), all (those
+    that name none too, into the agent's shared subject), off or inherit.
+    """
+    try:
+        return _OBSERVE_VALUES[text.strip().lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"must be on, all, off or inherit; got {text!r}") from None
+
+
+def _observeName(value: str | None) -> str:
+    return "inherit" if value is None else value
 
 
 def _moment(what: str) -> Callable[[str], str]:
@@ -318,21 +338,26 @@ def _addMemorySettings(memory: Any) -> None:
         help="an agent of the organization, whose settings win over its organization's; "
         "without it, the organization's own",
     )
-    meanings = {
-        "recall": "memories recalled into the prompts of chat completions",
-        "observe": "answered exchanges kept to make memories from",
-    }
-    for field in MEMORY_SETTINGS:
-        settings.add_argument(
-            "--" + field,
-            dest=field,
-            type=_switch,
-            help=meanings[field] + " (inherit: the organization's, for an agent; off, for an "
-            "organization)",
-            # Absent from the namespace unless given: not given keeps it.
-            default=argparse.SUPPRESS,
-            metavar="on|off|inherit",
-        )
+    inherit = " (inherit: the organization's, for an agent; off, for an organization)"
+    settings.add_argument(
+        "--recall",
+        dest="recall",
+        type=_switch,
+        help="memories recalled into the prompts of chat completions" + inherit,
+        # Absent from the namespace unless given: not given keeps it.
+        default=argparse.SUPPRESS,
+        metavar="on|off|inherit",
+    )
+    settings.add_argument(
+        "--observe",
+        dest="observe",
+        type=_observeMode,
+        help="answered exchanges kept to make memories from: on, only of requests that "
+        "name a subject (X-SVC-Memory-Subject); all, of those that name none too, into "
+        "the agent's shared subject (an agent that serves one user); off" + inherit,
+        default=argparse.SUPPRESS,
+        metavar="on|all|off|inherit",
+    )
 
 
 def _timestamp(moment: datetime.datetime | None) -> str | None:
@@ -544,7 +569,7 @@ def _memorySettings(store: Store, arguments: argparse.Namespace) -> dict[str, An
         "org_id": str(orgID),
         "agent_id": _id(agentID),
         "recall": _switchName(None if row is None else row.recall),
-        "observe": _switchName(None if row is None else row.observe),
+        "observe": _observeName(None if row is None else row.observe),
         "version": None if row is None else row.version,
     }
 

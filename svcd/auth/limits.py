@@ -30,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Generic, Protocol, TypeVar
 
-from svcd.auth.store import BudgetRecord, LimitsRecord, MemorySettingsRecord
+from svcd.auth.store import OBSERVE_OFF, BudgetRecord, LimitsRecord, MemorySettingsRecord
 from svcd.pb.auth.v1 import auth_pb2
 
 Key = tuple[uuid.UUID, uuid.UUID | None]
@@ -240,13 +240,17 @@ def budgetChange(
 def memorySettingsMessage(row: MemorySettingsRecord) -> auth_pb2.MemorySettings:
     """
     A memory settings row as the gRPC API carries it: a switch that
-    inherits absent.
+    inherits absent. observe goes as C{observe_mode} (empty: inherit)
+    and, for proxies of the previous release, as the switch C{observe},
+    true for C{on} and C{all}: such a proxy observes subject-less requests
+    too, as it did, until it is upgraded.
     """
     message = auth_pb2.MemorySettings(version=row.version)
     if row.recall is not None:
         message.recall = row.recall
     if row.observe is not None:
-        message.observe = row.observe
+        message.observe_mode = row.observe
+        message.observe = row.observe != OBSERVE_OFF
     return message
 
 

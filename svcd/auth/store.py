@@ -213,23 +213,34 @@ def _budget(row: dict[str, Any]) -> BudgetRecord:
 class MemorySettingsRecord:
     """
     The memory settings of an organization (C{agentID} None) or of one of
-    its agents (decisions D13): C{recall} and C{observe} each True (on),
-    False (off) or None (inherit: an agent's from its organization, an
-    organization's from the default, off); C{version} grows with every
+    its agents (decisions D13): C{recall} True (on), False (off) or None
+    (inherit: an agent's from its organization, an organization's from the
+    default, off); C{observe} one of L{OBSERVE_MODES} or None (inherit,
+    likewise; sql/0016_observe_modes.sql); C{version} grows with every
     change of any row.
     """
 
     orgID: uuid.UUID
     agentID: uuid.UUID | None
     recall: bool | None
-    observe: bool | None
+    observe: str | None
     version: int
 
 
-# The settings of a row: svcctl's names and the columns'.
+# The settings of a row: svcctl's names. observe is held in the column
+# observe_mode (the boolean observe beside it is the previous release's,
+# kept in step by sql/0016_observe_modes.sql).
 MEMORY_SETTINGS = ("recall", "observe")
+_MEMORY_SETTINGS_COLUMN = {"recall": "recall", "observe": "observe_mode"}
 
-_MEMORY_SETTINGS_COLUMNS = "org_id, agent_id, recall, observe, version"
+# Decisions D13 amended, "Whose words": observe only requests that name a
+# subject, also those that name none (into the subject ""), or none.
+OBSERVE_ON = "on"
+OBSERVE_ALL = "all"
+OBSERVE_OFF = "off"
+OBSERVE_MODES = (OBSERVE_ON, OBSERVE_ALL, OBSERVE_OFF)
+
+_MEMORY_SETTINGS_COLUMNS = "org_id, agent_id, recall, observe_mode, version"
 
 
 def _memorySettings(row: dict[str, Any]) -> MemorySettingsRecord:
@@ -237,7 +248,7 @@ def _memorySettings(row: dict[str, Any]) -> MemorySettingsRecord:
         orgID=row["org_id"],
         agentID=row["agent_id"],
         recall=row["recall"],
-        observe=row["observe"],
+        observe=row["observe_mode"],
         version=row["version"],
     )
 
@@ -929,27 +940,37 @@ class Store:
         self,
         orgID: uuid.UUID,
         agentID: uuid.UUID | None,
-        changes: Mapping[str, bool | None],
+        changes: Mapping[str, bool | str | None],
     ) -> MemorySettingsRecord:
         """
         Create or change the memory settings row of an organization
         (C{agentID} None) or of one of its agents, as L{setLimits} does.
 
-        @param changes: the settings to change, by L{MEMORY_SETTINGS} name,
-            each True (on), False (off) or None (inherit); the others stay
-            as they are (inherit, for a new row). The row's version is
-            taken anew even when nothing changes.
+        @param changes: the settings to change, by L{MEMORY_SETTINGS} name:
+            C{recall} True (on), False (off) or None (inherit); C{observe}
+            one of L{OBSERVE_MODES} or None (inherit). The others stay as
+            they are (inherit, for a new row). The row's version is taken
+            anew even when nothing changes.
         @raise StoreRejected: the agent is not one of this organization's
             (or the organization does not exist).
+        @raise ValueError: a setting not named, or a value it does not take
+            (C{observe} True or False among them: what the switch of the
+            previous release meant is not what C{on} means now).
         """
         unknown = set(changes) - set(MEMORY_SETTINGS)
         if unknown:
             raise ValueError(f"not memory settings: {sorted(unknown)}")
+        if "recall" in changes and not isinstance(changes["recall"], bool | None):
+            raise ValueError(f"recall must be True, False or None, got {changes['recall']!r}")
+        if "observe" in changes and changes["observe"] not in (*OBSERVE_MODES, None):
+            raise ValueError(
+                f"observe must be one of {OBSERVE_MODES} or None, got {changes['observe']!r}"
+            )
         # Column names come from MEMORY_SETTINGS only, never from the caller.
         updates = ", ".join(
-            f"{field} = CASE WHEN %({field}_given)s THEN EXCLUDED.{field}"
-            f" ELSE memory_settings.{field} END"
-            for field in MEMORY_SETTINGS
+            f"{column} = CASE WHEN %({field}_given)s THEN EXCLUDED.{column}"
+            f" ELSE memory_settings.{column} END"
+            for field, column in _MEMORY_SETTINGS_COLUMN.items()
         )
         target = "(org_id) WHERE agent_id IS NULL"
         if agentID is not None:
@@ -961,7 +982,7 @@ class Store:
 
         def upsert(cursor: Cursor) -> MemorySettingsRecord:
             cursor.execute(
-                "INSERT INTO memory_settings (org_id, agent_id, recall, observe)"
+                "INSERT INTO memory_settings (org_id, agent_id, recall, observe_mode)"
                 " VALUES (%(org_id)s, %(agent_id)s, %(recall)s, %(observe)s)"
                 f" ON CONFLICT {target} DO UPDATE SET {updates}"
                 f" RETURNING {_MEMORY_SETTINGS_COLUMNS}",

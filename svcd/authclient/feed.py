@@ -58,7 +58,15 @@ from twisted.logger import Logger
 from svcd.authclient.knowntokens import KnownTokens
 from svcd.common.clocks import Clock
 from svcd.limits.book import BookRow, BudgetRow, LimitBook, LimitsRow, MemorySettingsRow
-from svcd.limits.records import BUDGET_PERIODS, Budget, Limits, MemorySettings
+from svcd.limits.records import (
+    BUDGET_PERIODS,
+    OBSERVE_MODES,
+    OBSERVE_OFF,
+    OBSERVE_ON,
+    Budget,
+    Limits,
+    MemorySettings,
+)
 from svcd.pb.auth.v1 import auth_pb2
 
 # How old the last message may be for the feed to count as live (D8).
@@ -520,11 +528,24 @@ def memorySettingsRowOf(change: auth_pb2.MemorySettingsChanged) -> MemorySetting
 
 def memorySettingsFromProto(settings: auth_pb2.MemorySettings) -> MemorySettings:
     """
-    Memory settings off the wire: a switch absent there inherits.
+    Memory settings off the wire: a switch absent there inherits. The
+    observe mode is C{observe_mode}; an svc-auth of the previous release
+    sends only the switch C{observe}, whose true is C{on} (decisions D13
+    amended: never the old meaning, which observed requests without a
+    subject too). A mode this proxy does not know is C{off}: observing
+    less than asked is the safe mistake.
     """
+    mode = settings.observe_mode
+    observe: str | None
+    if mode:
+        observe = mode if mode in OBSERVE_MODES else OBSERVE_OFF
+    elif settings.HasField("observe"):
+        observe = OBSERVE_ON if settings.observe else OBSERVE_OFF
+    else:
+        observe = None
     return MemorySettings(
         recall=settings.recall if settings.HasField("recall") else None,
-        observe=settings.observe if settings.HasField("observe") else None,
+        observe=observe,
         version=settings.version,
     )
 

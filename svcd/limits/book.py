@@ -15,8 +15,9 @@ feed is live, so an answer read before a change cannot undo it.
 What applies to a request: its organization's row (whose C{rpm} wins over
 the environment's C{SVC_RATE_LIMIT_ORG_OVERRIDES} and
 C{SVC_RATE_LIMIT_DEFAULT_RPM}) and its agent's row, on top (L{Applicable});
-and whether memory is recalled and observed for it (L{LimitBook.memoryFor}):
-its agent's setting, else its organization's, else off.
+and whether memory is recalled for it and how it is observed
+(L{LimitBook.memoryFor}): its agent's setting, else its organization's,
+else off.
 """
 
 from __future__ import annotations
@@ -26,7 +27,14 @@ from typing import TypeVar
 
 import attrs
 
-from svcd.limits.records import Budget, Limits, MemorySettings
+from svcd.limits.records import (
+    OBSERVE_ALL,
+    OBSERVE_OFF,
+    OBSERVE_ON,
+    Budget,
+    Limits,
+    MemorySettings,
+)
 
 
 @attrs.frozen
@@ -110,10 +118,17 @@ class Applicable:
 
 NO_LIMITS = Applicable(None, None)
 
-# memoryFor's answers, (recall, observe), made once and indexed by the two
-# switches, so that a lookup makes no tuple.
-MEMORY_OFF = (False, False)
-_MEMORY_ANSWERS = ((MEMORY_OFF, (False, True)), ((True, False), (True, True)))
+# memoryFor's answers, (recall, observe mode), made once and indexed by the
+# switch and the mode, so that a lookup makes no tuple.
+MEMORY_OFF = (False, OBSERVE_OFF)
+_MEMORY_ANSWERS = (
+    {OBSERVE_OFF: MEMORY_OFF, OBSERVE_ON: (False, OBSERVE_ON), OBSERVE_ALL: (False, OBSERVE_ALL)},
+    {
+        OBSERVE_OFF: (True, OBSERVE_OFF),
+        OBSERVE_ON: (True, OBSERVE_ON),
+        OBSERVE_ALL: (True, OBSERVE_ALL),
+    },
+)
 _Key = TypeVar("_Key", str, tuple[str, str])
 _Value = TypeVar("_Value", Limits, Budget, MemorySettings)
 
@@ -158,21 +173,25 @@ class LimitBook:
             return NO_LIMITS
         return Applicable(org, agent, orgBudget, agentBudget)
 
-    def memoryFor(self, orgID: str, agentID: str | None) -> tuple[bool, bool]:
+    def memoryFor(self, orgID: str, agentID: str | None) -> tuple[bool, str]:
         """
-        Whether memory is recalled and observed for a request of C{orgID}
-        and its agent C{agentID} (decisions D13), as C{(recall,
-        observe)}: each the agent's setting, else its organization's,
-        else off. Read on every chat request: while no organization has a
-        setting, one truth test; otherwise at most three dict gets, and
-        never an allocation.
+        Whether memory is recalled for a request of C{orgID} and its agent
+        C{agentID}, and how it is observed (decisions D13, and D13 amended
+        "Whose words"), as C{(recall, observe)}, C{observe} one of
+        L{OBSERVE_MODES}: each the agent's setting, else its
+        organization's, else off. Read on every chat request: while no
+        organization has a setting, one truth test; otherwise at most
+        four dict gets, and never an allocation.
         """
         if not (self._orgMemory or self._agentMemory):
             return MEMORY_OFF
-        recall = observe = False
+        recall = False
+        observe = OBSERVE_OFF
         org = self._orgMemory.get(orgID)
         if org is not None:
-            recall, observe = org.recall is True, org.observe is True
+            recall = org.recall is True
+            if org.observe is not None:
+                observe = org.observe
         if agentID is not None:
             agents = self._agentMemory.get(orgID)
             agent = agents.get(agentID) if agents is not None else None

@@ -65,15 +65,28 @@ class Budget:
     version: int = 0
 
 
+# Decisions D13 amended, "Whose words": what a chat completion's answer is
+# observed for. on: only a request that names a subject
+# (X-SVC-Memory-Subject); all: one that names none too, into the agent's
+# shared subject ""; off: none.
+OBSERVE_ON = "on"
+OBSERVE_ALL = "all"
+OBSERVE_OFF = "off"
+OBSERVE_MODES = (OBSERVE_ON, OBSERVE_ALL, OBSERVE_OFF)
+
+
 @attrs.frozen
 class MemorySettings:
     """
     The memory settings of an organization or of one of its agents
-    (decisions D13): C{recall} and C{observe} each True (on), False (off)
-    or None (inherit: an agent's from its organization's, an
-    organization's from the default, off).
+    (decisions D13): C{recall} True (on), False (off) or None (inherit:
+    an agent's from its organization's, an organization's from the
+    default, off); C{observe} one of L{OBSERVE_MODES} or None (inherit,
+    likewise).
     """
 
     recall: bool | None = None
-    observe: bool | None = None
+    observe: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.in_(OBSERVE_MODES))
+    )
     version: int = 0

@@ -11,10 +11,17 @@ a request that does not observe pays nothing for it.
 
 The chat route asks L{Observer} two things: at its handler, whether the
 request observes (L{Observer.plan}: memory on, the org's or agent's
-C{observe} on, no C{X-SVC-Memory: off}); after an answer that ended
-C{ok}, to record its observation (L{Observer.record}), which never fails
-and never waits: the outbox (L{observationOutbox}, C{SVC_MEMORY_JOURNAL})
-carries it to svc-memory in the background.
+C{observe} C{all}, or C{on} and the request names a subject, no
+C{X-SVC-Memory: off}); after an answer that ended C{ok}, to record its
+observation (L{Observer.record}), which never fails and never waits: the
+outbox (L{observationOutbox}, C{SVC_MEMORY_JOURNAL}) carries it to
+svc-memory in the background.
+
+Whose words (decisions D13 amended): with C{on}, a request that names no
+subject is not observed, and its answer, once ok, is counted
+C{no_subject}. Observed into the shared subject C{""}, the words of every
+user of an agent that serves many would be recalled into the answers of
+every other; only C{all}, set for an agent that serves one user, does so.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from svcd.common.logthrottle import ThrottledWarning
 from svcd.ledger.journalfile import MEMORY_JOURNAL_MAGIC
 from svcd.ledger.outbox import OutboxWords, UsageJournal, UsageOutbox
 from svcd.limits.book import LimitBook
+from svcd.limits.records import OBSERVE_OFF, OBSERVE_ON
 from svcd.memory.records import MAX_OBSERVED_MESSAGE_BYTES, MAX_OBSERVED_MESSAGES
 from svcd.pb.memory.v1 import memory_pb2
 from svcd.proxy.config import OBSERVATION_OUTBOX_MAX, OBSERVATION_OUTBOX_MB
@@ -281,12 +289,15 @@ def rejectedObservation(observation: memory_pb2.Observation) -> dict[str, Any]:
 # The outcomes of svc_proxy_memory_observations_total: an observation
 # recorded in the outbox; a request that observes with nothing to observe
 # (no user text in its turn); one dropped because the outbox was full
-# (svc-memory away for long), or because recording it failed.
+# (svc-memory away for long), or because recording it failed; an answer
+# left unobserved because its request named no subject while observe is
+# on (decisions D13 amended, "Whose words").
 OBSERVED = "recorded"
 NOTHING_OBSERVED = "empty"
 OUTBOX_FULL = "full"
 OBSERVE_ERROR = "error"
-OBSERVE_OUTCOMES = (OBSERVED, NOTHING_OBSERVED, OUTBOX_FULL, OBSERVE_ERROR)
+NO_SUBJECT = "no_subject"
+OBSERVE_OUTCOMES = (OBSERVED, NOTHING_OBSERVED, OUTBOX_FULL, OBSERVE_ERROR, NO_SUBJECT)
 
 
 class ObservationOutboxMetrics:
@@ -302,7 +313,8 @@ class ObservationOutboxMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self._observations = Counter(
             "svc_proxy_memory_observations",
-            "Chat completions that observe, by what became of their observation.",
+            "Chat completions that observe, by what became of their observation"
+            " (no_subject: left unobserved, observe on and no subject named).",
             ["outcome"],
             registry=registry,
         )
@@ -409,10 +421,19 @@ class Observing:
     """
     A chat completion that observes, as its handler planned it: its
     memory subject, and for a stream the text gathered from its deltas.
+    With C{unobserved} set (L{NO_SUBJECT}), it does not observe: its
+    answer, once ok, is only counted under that outcome (and no text is
+    gathered for it).
     """
 
     subject: str
     answer: AnswerText | None = None
+    unobserved: str | None = None
+
+
+# The plan of every request left unobserved for want of a subject: the
+# same one for all, nothing of the request in it.
+_NO_SUBJECT = Observing("", None, NO_SUBJECT)
 
 
 class Observer:
@@ -443,7 +464,11 @@ class Observer:
         """
         Whether this request observes: None when observe is off for it
         (its agent's or organization's settings, C{X-SVC-Memory: off}, no
-        agent). A stream gets its L{AnswerText}, which the relay feeds.
+        agent). With C{all} it observes into its subject, C{""} when it
+        names none; with C{on} only when it names one: else the plan says
+        so (L{Observing.unobserved}), and its answer is only counted. A
+        stream that observes gets its L{AnswerText}, which the relay
+        feeds.
 
         @raise ApiError: 400 VALIDATION_ERROR for a bad C{X-SVC-Memory} or
             C{X-SVC-Memory-Subject}, whatever the settings (the recall's
@@ -451,8 +476,10 @@ class Observer:
         """
         _, observe = requestMemory(request, self._book, orgID, agentID)
         subject = memorySubject(request)
-        if not observe or agentID is None:
+        if observe == OBSERVE_OFF or agentID is None:
             return None
+        if observe == OBSERVE_ON and not subject:
+            return _NO_SUBJECT
         return Observing(subject, AnswerText() if stream else None)
 
     def record(
@@ -471,8 +498,12 @@ class Observer:
         from its deltas, else the first choice's content of C{body}).
         Never raises and never waits: an observation that cannot be
         recorded (the outbox full, a fault) is counted and logged by its
-        ids, and the answer goes on as if observe were off.
+        ids, and the answer goes on as if observe were off. A plan that
+        does not observe (L{Observing.unobserved}) is only counted.
         """
+        if observing.unobserved is not None:
+            self._metrics.observed(observing.unobserved)
+            return
         try:
             if observing.answer is not None:
                 answer = observing.answer.text()

@@ -228,11 +228,12 @@ def memoryOff(request: Request) -> bool:
 
 def requestMemory(
     request: Request, book: LimitBook, orgID: str, agentID: str | None
-) -> tuple[bool, bool]:
+) -> tuple[bool, str]:
     """
-    Whether memory is recalled and observed for this request, as C{(recall,
-    observe)}: both off when the request says C{X-SVC-Memory: off}, else
-    its agent's and organization's settings (L{LimitBook.memoryFor}).
+    Whether memory is recalled for this request and how it is observed,
+    as C{(recall, observe mode)}: both off when the request says
+    C{X-SVC-Memory: off}, else its agent's and organization's settings
+    (L{LimitBook.memoryFor}).
 
     @raise ApiError: 400 VALIDATION_ERROR for a bad C{X-SVC-Memory}
         (L{memoryOff}), checked first, so that a request with a bad header
