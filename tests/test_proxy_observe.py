@@ -704,7 +704,7 @@ def test_refused_observations_are_acknowledged_for_good_and_counted(tmp_path: Pa
     for each in ("r1", "r2", "r3"):
         outbox.record(made(each))
     clock.advance(1)
-    [(sent, answer)] = queue.calls
+    [(_, answer)] = queue.calls
     answer.callback(
         memory_pb2.QueueObservationsResponse(
             queued=[
