@@ -32,6 +32,7 @@ import attrs
 import openai
 import pytest
 from authfixtures import Tenant, makeTenant
+from authhelpers import document, svcctl
 from workerfixtures import WorkerRig, runningWorkerRig, waitUntil
 
 from svcd.testing.daemons import Daemon
@@ -477,3 +478,71 @@ def test_svcMemoryAwayAndProxyRestartsLoseNothingAndStoreOnce(rig: WorkerRig) ->
     assert {each["content"]: each["id"] for each in rig.memories()} == first
     replayed.terminate()
     assert MARKER not in allLogs(rig, proxy, again, replayed)
+
+
+FORGOTTEN = 'svc_proxy_memory_observations_total{outcome="forgotten"}'
+
+
+def test_anObservationReplayedAfterItsSubjectWasPurgedIsForgotten(rig: WorkerRig) -> None:
+    """
+    Forgetting reaches every copy (decisions D13, amended): an observation
+    that could not reach svc-memory (svc-memory stopped) waits in the
+    proxy's journal while the proxy is stopped; svc-memory comes back and
+    the subject is purged (svcctl memory purge --subject); the proxy,
+    restarted on the same journal, replays the observation, which
+    svc-memory refuses as said before the purge: acknowledged (never sent
+    again), counted C{forgotten}, never queued, never a memory, though the
+    worker runs (a chat of the same subject after the purge becomes its
+    memories).
+    """
+    journal = rig.workdir / "memory.journal"
+    subject = "ann@example.com"
+    headers = {"X-SVC-Memory-Subject": subject}
+    proxy = startProxy(rig, "proxy", journal, SVC_SHUTDOWN_TIMEOUT="2s")
+    memoryEnvironment = dict(rig.memory.environment)
+    assert rig.memory.terminate() == 0
+    chat(proxy, rig.tenant, factsOf("before-purge"), headers=headers)
+    waitUntil(
+        lambda: "QueueObservations to svc-memory failed" in proxy.output(), "a failed send", 30
+    )
+    assert proxy.terminate() == 0
+    assert (
+        "1 observation(s) not acknowledged by svc-memory at stop; kept in the journal"
+        in proxy.output()
+    )
+    rig.memory = Daemon("svc-memory", memoryEnvironment, rig.memory.logFile).start()
+    rig.memory.waitForReady()
+    purged = document(
+        svcctl(
+            rig.dsn,
+            "memory",
+            "purge",
+            "--org",
+            str(rig.tenant.orgID),
+            "--agent",
+            str(rig.tenant.agentID),
+            "--subject",
+            subject,
+        )
+    )
+    assert (purged["memories_deleted"], purged["observations_deleted"]) == (0, 0)
+
+    again = startProxy(rig, "again", journal)
+    waitUntil(lambda: metric(again, FORGOTTEN) == 1, "the replayed observation forgotten", 30)
+    assert metric(again, SENT) == 1
+    assert rig.observations() == []
+    # The worker runs: what the subject says after the purge is kept.
+    chat(again, rig.tenant, factsOf("after-purge"), headers=headers)
+    waitUntil(
+        lambda: rig.contents(subject=subject) == expectedFacts(["after-purge"]),
+        "the later chat's memories",
+        60,
+    )
+    rig.waitForDrained()
+    assert again.terminate() == 0
+    # Acknowledged for good: a third start has nothing to send.
+    third = startProxy(rig, "third", journal)
+    assert "not acknowledged by svc-memory; sending them first" not in third.output()
+    assert metric(third, SENT) == 0 and metric(third, FORGOTTEN) == 0
+    assert rig.contents(subject=subject) == expectedFacts(["after-purge"])
+    assert MARKER not in allLogs(rig, proxy, again, third)

@@ -467,6 +467,7 @@ def test_observationsAreKeyedByTheirKeyNotTheirRequestID(
     assert [second.key, first.key] == ["key-2", "key-1"]
     assert first.queuedNow and second.queuedNow
     assert first.observationID != second.observationID
+    assert first.observationID is not None and second.observationID is not None
     assert memoryStore.queueObservations([new("key-1", "I work in Bergen")]) == [
         QueuedObservation("req-shared", first.observationID, False, "key-1")
     ]
@@ -514,9 +515,7 @@ def test_theKeyMigrationKeepsWaitingAndProcessedObservations(databaseDSN: str) -
             " VALUES (%s, 'req-done', %s)",
             (orgID, doneID),
         )
-        assert migrate(databaseDSN, through="0015_observation_key.sql") == [
-            "0015_observation_key.sql"
-        ]
+        assert migrate(databaseDSN)[0] == "0015_observation_key.sql"
         with storeOn(databaseDSN) as memoryStore:
             scope = Scope(orgID, agentID, "")
             message = (ObservedMessage("user", "I live in Oslo"),)
@@ -601,6 +600,7 @@ def test_aProcessedObservationIsNotQueuedAgainWithinTheRetention(
     completed = queue(scope, "req-complete")
     stored = queue(scope, "req-store")
     claimed = {each.requestID: each for each in memoryStore.claimObservations("w", 60.0, 10)}
+    assert completed.observationID is not None
     assert memoryStore.completeObservation(
         acme.orgID, completed.observationID, "w", claimed["req-complete"].leaseToken
     )

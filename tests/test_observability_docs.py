@@ -123,6 +123,7 @@ def _auth() -> AuthConfig:
         ("SVC_LOG_FORMAT", lambda: logSettings({})[0]),
         ("SVC_MEMORY_MAX_PER_SCOPE", lambda: _memory().maxPerScope),
         ("SVC_MEMORY_CACHE_MB", lambda: _memory().cacheBytes // 2**20),
+        ("SVC_MEMORY_FAILED_RETENTION", lambda: _memory().failedRetention),
     ],
 )
 def test_documentedDefaultIsTheCodes(variable: str, actual: object) -> None:

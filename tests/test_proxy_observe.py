@@ -741,3 +741,66 @@ def test_lone_surrogates_do_not_lose_the_observation() -> None:
     assert observedCount(registry, "recorded") == 1
     assert cutText("\ud83d\ude00") == "\ufffd\ufffd"
     assert cutText("\U0001f600" * 3, limit=9) == "\U0001f600\U0001f600"
+
+
+def test_refused_observations_are_acknowledged_for_good_and_counted(tmp_path: Path) -> None:
+    """
+    An observation svc-memory answers refused (its scope was deleted after
+    the answer ended, or its organization's queue is full) leaves the
+    outbox and the journal like one queued: never sent again, not even at
+    the next start; it is counted by its refusal (decisions D13, amended).
+    """
+    path = str(tmp_path / "memory.journal")
+    clock = Clock()
+    queue = FakeQueue()
+    registry = CollectorRegistry()
+    outbox = observationOutbox(queue, clock, ObservationOutboxMetrics(registry), journalPath=path)
+    outbox.start()
+    for each in ("r1", "r2", "r3"):
+        outbox.record(made(each))
+    clock.advance(1)
+    [(_, answer)] = queue.calls
+    answer.callback(
+        memory_pb2.QueueObservationsResponse(
+            queued=[
+                memory_pb2.QueuedObservation(request_id="r1", key="r1", refused="forgotten"),
+                memory_pb2.QueuedObservation(request_id="r2", key="r2", refused="queue_full"),
+                memory_pb2.QueuedObservation(request_id="r3", key="r3", id="id-r3"),
+            ]
+        )
+    )
+    assert outbox.waiting == 0
+    assert observedCount(registry, "forgotten") == 1
+    assert observedCount(registry, "queue_full") == 1
+    assert registry.get_sample_value("svc_proxy_memory_observations_rejected_total") is None
+    clock.advance(60)
+    assert len(queue.calls) == 1
+    outbox.close()
+    again = FakeQueue()
+    restarted = observationOutbox(
+        again, Clock(), ObservationOutboxMetrics(CollectorRegistry()), journalPath=path
+    )
+    restarted.start()
+    assert again.calls == [] and restarted.waiting == 0
+    restarted.close()
+
+
+def test_an_observation_says_when_its_answer_ended() -> None:
+    """
+    An observation carries the time its answer ended, by the proxy's
+    clock, in RFC 3339 UTC: svc-memory drops it if its scope is deleted
+    at or after that time.
+    """
+    outbox = Outbox()
+    book = LimitBook()
+    book.changed(MemorySettingsRow(ORG, None, MemorySettings(observe=True)))
+    clock = Clock()
+    clock.advance(1_796_000_000.25)
+    making = Observer(outbox, book, ObservationOutboxMetrics(CollectorRegistry()), clock)
+    planned = making.plan(request(), ORG, AGENT, stream=False)
+    assert planned is not None
+    making.record(
+        planned, ORG, AGENT, "req-1", [{"role": "user", "content": "I live in Lyon."}], ANSWER, "l"
+    )
+    [observed] = outbox.recorded
+    assert observed.ended_at == "2026-11-30T00:53:20.250Z"

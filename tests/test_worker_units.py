@@ -227,3 +227,78 @@ def test_aWaitAfterAPaidExtractionCountsAnAttempt(tmp_path: Path, extracts: bool
     else:
         assert extracted == []
         assert isinstance(raised, Deferral) and raised.retryAfter == 42.0
+
+
+@pytest.mark.parametrize(
+    ("details", "outcome"),
+    [("the observation was forgotten", "forgotten"), ("no such id", "lost")],
+)
+def test_anObservationGoneAtItsStoreIsForgottenOrLost(
+    tmp_path: Path, details: str, outcome: str
+) -> None:
+    """
+    svc-memory answering StoreObservation NOT_FOUND: the observation is
+    gone and nothing was stored. Taken by a deletion of its scope or agent
+    (svc-memory's details say so), its outcome is C{forgotten} (decisions
+    D13, amended); otherwise (dropped by an operator) C{lost}.
+    """
+    import grpc
+    from twisted.internet.defer import Deferred, fail, succeed
+    from twisted.internet.task import Clock
+
+    from svcd.memory.client import MemoryNotFound
+    from svcd.providers.table import providersFromEnvironment
+    from svcd.worker.metrics import WorkerMetrics
+    from svcd.worker.processor import Observation, ObservationProcessor
+
+    providers = providersFromEnvironment(
+        {
+            "SVC_PROVIDERS_FILE": environment(tmp_path, '[memory]\nembedding_model = "embed"\n')[
+                "SVC_PROVIDERS_FILE"
+            ]
+        },
+        lambda: 0.0,
+    )
+    assert providers is not None
+
+    class Admission:
+        def applicable(self, orgID: str, agentID: str) -> object:
+            return None
+
+    class Lease:
+        token = "token"
+        seconds = 60.0
+
+        def hold(self) -> Deferred[None]:
+            return succeed(None)
+
+    class Memory:
+        def storeObservation(self, *_: object) -> Deferred[object]:
+            return fail(MemoryNotFound(grpc.StatusCode.NOT_FOUND, details))
+
+    class Embedded:
+        model = "embed"
+        vectors = [b"\x00\x00\x80?"]
+
+    parts: Any = (Memory(), providers, None, None, Admission(), None, WorkerMetrics(), Clock())
+    processor = ObservationProcessor("worker-1", *parts)
+
+    async def embed(*_: object) -> object:
+        return Embedded()
+
+    patched: Any = processor
+    patched._embed = embed
+    observation = Observation(
+        "obs-1",
+        "0190c0de-0000-7000-8000-000000000001",
+        "0190c0de-0000-7000-8000-000000000002",
+        "ann",
+        "req-1",
+        (Turn("user", "I like green tea."),),
+        0,
+        "token",
+    )
+    outcomes: list[str] = []
+    lease: Any = Lease()
+    Deferred.fromCoroutine(processor.process(observation, lease)).addCallback(outcomes.append)
+    assert outcomes == [outcome]

@@ -106,6 +106,7 @@ def assembleMemory(
         beatInterval=beatInterval,
         waitingInterval=waitingInterval,
         doneRetention=settings.doneRetention,
+        failedRetention=settings.failedRetention,
     )
     searcher = Searcher(
         store,

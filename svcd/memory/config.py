@@ -32,6 +32,8 @@ DEFAULT_RECORD_CACHE_MB = 128
 # faster split).
 DEFAULT_PARALLEL_ROWS = 2_048
 DEFAULT_DONE_RETENTION = 3600.0
+# Seven days.
+DEFAULT_FAILED_RETENTION = 7 * 24 * 3600.0
 
 
 @attrs.frozen
@@ -65,6 +67,10 @@ class MemoryConfig:
     # proxy's journal resending it is answered without a second extraction
     # (sql/0014_observations_done.sql, sql/0015_observation_key.sql).
     doneRetention: float = DEFAULT_DONE_RETENTION
+    # How long an observation failed for good keeps its messages for
+    # svcctl memory jobs retry before it is deleted (decisions D13,
+    # amended; sql/0017_forgetting.sql).
+    failedRetention: float = DEFAULT_FAILED_RETENTION
 
     @classmethod
     def fromEnvironment(cls, environ: Mapping[str, str]) -> "MemoryConfig":
@@ -97,5 +103,8 @@ class MemoryConfig:
             ),
             doneRetention=config.duration(
                 environ, "SVC_MEMORY_DONE_RETENTION", DEFAULT_DONE_RETENTION
+            ),
+            failedRetention=config.duration(
+                environ, "SVC_MEMORY_FAILED_RETENTION", DEFAULT_FAILED_RETENTION
             ),
         )

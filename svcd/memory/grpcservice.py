@@ -44,6 +44,7 @@ from svcd.common.metrics import BUCKETS, Children
 from svcd.memory.client import MAX_SEARCHES_PER_CALL
 from svcd.memory.records import (
     FORBIDDEN_DETAILS,
+    FORGOTTEN_DETAILS,
     MAX_REASON_CHARACTERS,
     Embedding,
     InvalidMemory,
@@ -51,6 +52,7 @@ from svcd.memory.records import (
     Scope,
     checkContent,
     checkEmbedding,
+    checkEndedAt,
     checkMetadata,
     checkObservedMessages,
     checkQuery,
@@ -64,6 +66,7 @@ from svcd.memory.store import (
     MemoryForbidden,
     MemoryNotFound,
     MemoryStore,
+    ObservationForgotten,
     ObservationRelease,
     ScopeFull,
     StoreRejected,
@@ -352,6 +355,8 @@ class MemoryServicer:
             return error.code, str(error)
         if isinstance(error, InvalidMemory):
             return grpc.StatusCode.INVALID_ARGUMENT, str(error)
+        if isinstance(error, ObservationForgotten):
+            return grpc.StatusCode.NOT_FOUND, FORGOTTEN_DETAILS
         if isinstance(error, MemoryNotFound):
             return grpc.StatusCode.NOT_FOUND, "no such id"
         if isinstance(error, MemoryForbidden):
@@ -514,6 +519,7 @@ class MemoryServicer:
                             [(each.role, each.content) for each in observation.messages]
                         ),
                         key,
+                        checkEndedAt(observation.ended_at),
                     )
                 )
             except InvalidMemory as invalid:
@@ -525,9 +531,10 @@ class MemoryServicer:
                 memory_pb2.QueuedObservation(
                     request_id=each.requestID,
                     org_id=str(asked.scope.orgID),
-                    id=str(each.observationID),
+                    id=str(each.observationID) if each.observationID else "",
                     queued_now=each.queuedNow,
                     key=each.key,
+                    refused=each.refused,
                 )
                 for asked, each in zip(batch, self._store.queueObservations(batch), strict=True)
             ]
@@ -652,7 +659,8 @@ class MemoryServicer:
         writes = self._plan(scope, memories, dedupeScore)
         updates = [write for write in writes if write.target is not None]
         if updates and (
-            self._store.renewObservationLease(orgID, observationID, owner, token, lease) is None
+            self._store.renewObservationLease(orgID, observationID, owner, token, lease, scope)
+            is None
         ):
             return memory_pb2.StoreObservationResponse(stored=False)
         adds = [(write.content, write.embedding) for write in writes if write.target is None]

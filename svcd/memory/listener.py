@@ -26,10 +26,11 @@ notifications in commit order, once the marker is heard every change of
 the write has been applied (L{svcd.memory.search.Searcher.settle}).
 
 It also counts, every C{waitingInterval} seconds, the observations
-waiting for the worker (svc_memory_observations_waiting), and forgets
+waiting for the worker (svc_memory_observations_waiting), forgets
 processed observations older than C{doneRetention}
-(sql/0014_observations_done.sql): queries that need a connection and a
-thread, which this one has.
+(sql/0014_observations_done.sql) and deletes observations failed for good
+longer ago than C{failedRetention} (sql/0017_forgetting.sql): queries that
+need a connection and a thread, which this one has.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ class MemoryListener(ListeningThread[MemoryStore]):
     @param doneRetention: how long, in seconds, a processed observation's
         request id is remembered (SVC_MEMORY_DONE_RETENTION); None: not
         pruned here.
+    @param failedRetention: how long, in seconds, an observation failed for
+        good is kept (SVC_MEMORY_FAILED_RETENTION); None: not pruned here.
     """
 
     channel = CHANNEL
@@ -98,6 +101,7 @@ class MemoryListener(ListeningThread[MemoryStore]):
         beatTimeout: float = 5.0,
         waitingInterval: float = 5.0,
         doneRetention: float | None = None,
+        failedRetention: float | None = None,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(dsn, reconnectDelay)
@@ -108,6 +112,7 @@ class MemoryListener(ListeningThread[MemoryStore]):
         self._beatTimeout = beatTimeout
         self._waitingInterval = waitingInterval
         self._doneRetention = doneRetention
+        self._failedRetention = failedRetention
         self._monotonic = monotonic
 
     def _begin(self, connection: psycopg.Connection[object]) -> MemoryStore:
@@ -150,6 +155,8 @@ class MemoryListener(ListeningThread[MemoryStore]):
                 self._waiting(store.observationsWaiting())
                 if self._doneRetention is not None:
                     store.pruneDone(self._doneRetention)
+                if self._failedRetention is not None:
+                    store.pruneFailed(self._failedRetention)
             wait = max(0.0, min(nextBeat, nextCount) - self._monotonic())
             changes: list[tuple[str, Triple, uuid.UUID]] = []
             syncs: list[str] = []

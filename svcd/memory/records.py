@@ -42,6 +42,10 @@ API = "api"
 # organization, agent or subject: how its clients tell that refusal (403)
 # from a caller's certificate not admitted (a fault of the deployment).
 FORBIDDEN_DETAILS = "the id belongs to another organization, agent or subject"
+# The details of svc-memory's NOT_FOUND for an observation that a deletion
+# of its scope or agent took (decisions D13, amended): how svc-worker tells
+# it from one dropped by an operator (svcd/memory/forgetting.py).
+FORGOTTEN_DETAILS = "the observation was forgotten"
 EXTRACTED = "extracted"
 SOURCES = (API, EXTRACTED)
 MAX_REASON_CHARACTERS = 500
@@ -145,19 +149,25 @@ class NewObservation:
     requestID: str
     messages: tuple[ObservedMessage, ...] = attrs.field(repr=False)
     key: str = attrs.field(default=attrs.Factory(lambda self: self.requestID, takes_self=True))
+    # When the observed answer ended (Observation.ended_at); None: when it
+    # is queued (svcd/memory/forgetting.py).
+    endedAt: datetime.datetime | None = None
 
 
 @attrs.frozen
 class QueuedObservation:
     """
     What queueing did with one observation: its id, and whether this call
-    queued it (False: it was queued already, by an earlier call).
+    queued it (False: it was queued already, by an earlier call); or, with
+    C{refused} (QueuedObservation.refused: C{"forgotten"}), why it was not
+    queued, for good, and no id.
     """
 
     requestID: str
-    observationID: uuid.UUID
+    observationID: uuid.UUID | None
     queuedNow: bool
     key: str = attrs.field(default=attrs.Factory(lambda self: self.requestID, takes_self=True))
+    refused: str = ""
 
 
 @attrs.frozen
@@ -308,6 +318,24 @@ def checkRequestID(field: str, text: str, required: bool) -> str | None:
     if len(text) > MAX_REQUEST_ID_CHARACTERS or not text.isprintable():
         raise InvalidMemory(field, "must be 1 to 200 printable characters")
     return text
+
+
+def checkEndedAt(text: str) -> datetime.datetime | None:
+    """
+    Observation.ended_at: an RFC 3339 time with its offset (the proxy
+    writes UTC, C{Z}); None when empty.
+
+    @raise InvalidMemory: not such a time.
+    """
+    if not text:
+        return None
+    try:
+        moment = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        moment = None
+    if moment is None or moment.tzinfo is None or len(text) > 40:
+        raise InvalidMemory("ended_at", "must be an RFC 3339 time with its offset, or empty")
+    return moment
 
 
 def checkSource(source: str) -> str:

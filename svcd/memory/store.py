@@ -34,6 +34,13 @@ from psycopg_pool import ConnectionPool
 
 from svcd.auth.store import StoreRejected, StoreUnavailable, StoreValueRefused, runTransaction
 from svcd.common.ids import uuid7
+from svcd.memory.forgetting import (
+    FORGOTTEN,
+    forgottenAmong,
+    forgottenSince,
+    lockAgents,
+    recordDeletion,
+)
 from svcd.memory.records import (
     EXTRACTED,
     ClaimedObservation,
@@ -51,6 +58,7 @@ __all__ = [
     "MemoryForbidden",
     "MemoryNotFound",
     "MemoryStore",
+    "ObservationForgotten",
     "ScopeFull",
     "StoreRejected",
     "StoreUnavailable",
@@ -72,6 +80,13 @@ _SCOPE_LOCK_SEED = 0x5EC_0913
 class MemoryNotFound(Exception):
     """
     No memory (or observation) has this id, in any organization.
+    """
+
+
+class ObservationForgotten(MemoryNotFound):
+    """
+    The observation is gone, taken by a deletion of its scope or agent
+    (svcd/memory/forgetting.py), not dropped by an operator.
     """
 
 
@@ -430,8 +445,8 @@ class MemoryStore:
 
         @return: the records, in the order given; None when the lease is
             no longer the claim's (nothing added).
-        @raise MemoryNotFound: the observation is gone (dropped or
-            forgotten): nothing added.
+        @raise MemoryNotFound: the observation is gone (dropped; or
+            L{ObservationForgotten}: a deletion took it): nothing added.
         @raise MemoryForbidden: it is another organization's.
         @raise ScopeFull: the scope cannot hold them all: nothing added.
         """
@@ -447,8 +462,7 @@ class MemoryStore:
                 cursor.execute("SELECT 1 FROM memory_observations WHERE id = %s", (observationID,))
                 if cursor.fetchone() is not None:
                     return None
-                _refuse(cursor, "svc_observation_exists", observationID)
-                raise AssertionError("unreachable")
+                _refuseObservation(cursor, observationID, scope)
             records = _addExtracted(cursor, scope, sourceRequestID, memories, maxPerScope)
             cursor.execute(_finishing("id = %s"), (observationID,))
             return records
@@ -600,12 +614,17 @@ class MemoryStore:
     def delete(self, scope: Scope, memoryID: uuid.UUID) -> None:
         """
         Forget a memory: its row and vector leave the table at commit.
+        Final for everything said before it (svcd/memory/forgetting.py):
+        the deletion is recorded for its scope, and the scope's waiting
+        observations that ended at or before it are deleted too (one
+        might say again what was forgotten).
 
         @raise MemoryNotFound: no memory has this id.
         @raise MemoryForbidden: it is another scope's.
         """
 
         def remove(cursor: Cursor) -> None:
+            at = recordDeletion(cursor, scope.orgID, scope.agentID, scope.subject)
             cursor.execute(
                 "DELETE FROM memories"
                 " WHERE id = %s AND org_id = %s AND agent_id = %s AND subject = %s RETURNING id",
@@ -613,25 +632,38 @@ class MemoryStore:
             )
             if cursor.fetchone() is None:
                 _refuse(cursor, "svc_memory_exists", memoryID)
+            _deleteObservations(
+                cursor,
+                "org_id = %s AND agent_id = %s AND subject = %s"
+                " AND coalesce(ended_at, created_at) <= %s",
+                (scope.orgID, scope.agentID, scope.subject, at),
+            )
 
         self._run("memory_delete", remove, scope.orgID)
 
     def deleteScope(self, scope: Scope) -> tuple[int, int]:
         """
         Forget every memory of the scope and drop its observations not yet
-        processed; how many of each.
+        processed; how many of each. Recorded, so that an observation said
+        before it and sent after it is dropped (svcd/memory/forgetting.py),
+        even when the scope held nothing yet.
         """
-        return self._run(
-            "memory_delete_scope", lambda cursor: _deleteScope(cursor, scope), scope.orgID
-        )
+
+        def remove(cursor: Cursor) -> tuple[int, int]:
+            recordDeletion(cursor, scope.orgID, scope.agentID, scope.subject)
+            return _deleteScope(cursor, scope)
+
+        return self._run("memory_delete_scope", remove, scope.orgID)
 
     def purge(self, orgID: uuid.UUID, agentID: uuid.UUID) -> tuple[int, int]:
         """
         Forget every memory and observation of an agent, in every subject
-        (svcctl memory purge without --subject).
+        (svcctl memory purge without --subject); recorded for the whole
+        agent, as L{deleteScope} for a scope.
         """
 
         def remove(cursor: Cursor) -> tuple[int, int]:
+            recordDeletion(cursor, orgID, agentID, None)
             # Observations first, as _deleteScope.
             observations = _deleteObservations(
                 cursor, "org_id = %s AND agent_id = %s", (orgID, agentID)
@@ -768,12 +800,19 @@ class MemoryStore:
         All of them in one transaction, in their organizations' contexts
         one after the other; answered only once committed, in the order
         given.
+
+        One whose answer ended at or before a deletion of its scope or agent
+        is not queued, and answered refused C{"forgotten"}
+        (svcd/memory/forgetting.py).
         """
         if not observations:
             return []
 
         def insert(cursor: Cursor) -> list[QueuedObservation]:
             queued: dict[int, QueuedObservation] = {}
+            # Before any row lock: no deletion of these agents runs until
+            # this commits.
+            lockAgents(cursor, ((each.scope.orgID, each.scope.agentID) for each in observations))
             # One organization's observations together, in a stable order;
             # answered in the order given.
             ordered = sorted(
@@ -794,8 +833,15 @@ class MemoryStore:
                     " ORDER BY observation_key FOR UPDATE",
                     (orgID, [each.key for _, each in held]),
                 )
-                for index, observation in held:
-                    queued[index] = _queueObservation(cursor, observation)
+                forgotten = forgottenAmong(cursor, orgID, [each for _, each in held])
+                for (index, observation), gone in zip(held, forgotten, strict=True):
+                    queued[index] = (
+                        QueuedObservation(
+                            observation.requestID, None, False, observation.key, FORGOTTEN
+                        )
+                        if gone
+                        else _queueObservation(cursor, observation)
+                    )
             return [queued[index] for index in range(len(observations))]
 
         return self._run("observation_queue", insert, None)
@@ -917,6 +963,7 @@ class MemoryStore:
         owner: str,
         leaseToken: uuid.UUID,
         leaseSeconds: float,
+        scope: Scope | None = None,
     ) -> datetime.datetime | None:
         """
         Extend the lease of an observation still being processed to
@@ -930,6 +977,8 @@ class MemoryStore:
         racing this renewal locks the row first or waits for it; either
         way one of them sees the other's token.
 
+        @param scope: the observation's, when the caller knows it: a gone
+            observation is then told forgotten (L{ObservationForgotten}).
         @return: when the renewed lease ends; None when the lease is no
             longer this claim's (the worker must abandon the observation).
         @raise MemoryNotFound: no observation has this id (done, dropped
@@ -952,6 +1001,8 @@ class MemoryStore:
             cursor.execute("SELECT 1 FROM memory_observations WHERE id = %s", (observationID,))
             if cursor.fetchone() is not None:
                 return None
+            if scope is not None:
+                _refuseObservation(cursor, observationID, scope)
             _refuse(cursor, "svc_observation_exists", observationID)
             raise AssertionError("unreachable")
 
@@ -1054,6 +1105,24 @@ class MemoryStore:
 
         return self._run("observations_prune", prune, None)
 
+    def pruneFailed(self, retentionSeconds: float, limit: int = 10_000) -> int:
+        """
+        Delete observations failed for good whose failure is older than
+        C{retentionSeconds} (SVC_MEMORY_FAILED_RETENTION), at most C{limit}
+        of them, over every organization; how many. Their messages are
+        content, kept only for svcctl memory jobs retry (decisions D13,
+        amended).
+        """
+
+        def prune(cursor: Cursor) -> int:
+            cursor.execute(
+                "SELECT svc_prune_observations_failed(%s, %s) AS pruned",
+                (retentionSeconds, limit),
+            )
+            return int(_one(cursor.fetchone())["pruned"])
+
+        return self._run("observations_prune_failed", prune, None)
+
     def observationsWaiting(self) -> int:
         """
         How many observations wait, over every organization.
@@ -1075,8 +1144,8 @@ def _queueObservation(cursor: Cursor, observation: NewObservation) -> QueuedObse
     orgID, key = observation.scope.orgID, observation.key
     cursor.execute(
         "INSERT INTO memory_observations"
-        " (id, org_id, agent_id, subject, request_id, observation_key, messages)"
-        " SELECT %s, %s, %s, %s, %s, %s, %s::jsonb"
+        " (id, org_id, agent_id, subject, request_id, observation_key, messages, ended_at)"
+        " SELECT %s, %s, %s, %s, %s, %s, %s::jsonb, least(coalesce(%s::timestamptz, now()), now())"
         " WHERE NOT EXISTS (SELECT 1 FROM memory_observations_done"
         " WHERE org_id = %s AND observation_key = %s)"
         " ON CONFLICT (org_id, observation_key) DO NOTHING RETURNING id",
@@ -1088,6 +1157,7 @@ def _queueObservation(cursor: Cursor, observation: NewObservation) -> QueuedObse
             observation.requestID,
             key,
             messagesJSON(observation.messages),
+            observation.endedAt,
             orgID,
             key,
         ),
@@ -1164,6 +1234,19 @@ def _refuse(cursor: Cursor, existence: str, identifier: uuid.UUID) -> None:
     cursor.execute(f"SELECT {existence}(%s) AS found", (identifier,))
     if _one(cursor.fetchone())["found"]:
         raise MemoryForbidden("the id belongs to another organization, agent or subject")
+    raise MemoryNotFound("no such id")
+
+
+def _refuseObservation(cursor: Cursor, observationID: uuid.UUID, scope: Scope) -> None:
+    """
+    Raise why an observation of C{scope} was not found: forgotten
+    (L{ObservationForgotten}), or as L{_refuse} says.
+    """
+    cursor.execute("SELECT svc_observation_exists(%s) AS found", (observationID,))
+    if _one(cursor.fetchone())["found"]:
+        raise MemoryForbidden("the id belongs to another organization")
+    if forgottenSince(cursor, scope, observationID):
+        raise ObservationForgotten("the observation was forgotten")
     raise MemoryNotFound("no such id")
 
 

@@ -26,6 +26,7 @@ every other; only C{all}, set for an agent that serves one user, does so.
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -37,6 +38,7 @@ from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
 from svcd.common.clocks import Clock
+from svcd.common.errors import rfc3339
 from svcd.common.logthrottle import ThrottledWarning
 from svcd.ledger.journalfile import MEMORY_JOURNAL_MAGIC
 from svcd.ledger.outbox import OutboxWords, UsageJournal, UsageOutbox
@@ -116,6 +118,7 @@ def observation(
     messages: Sequence[Mapping[str, Any]],
     answer: str,
     key: str,
+    endedAt: float | None = None,
 ) -> memory_pb2.Observation | None:
     """
     The observation of one chat completion that ended C{ok}, or None when
@@ -125,6 +128,10 @@ def observation(
     @param key: what makes it idempotent: the request's ledger id, made by
         the gateway for each forwarded request, never the client's request
         id, which clients reuse (sql/0015_observation_key.sql).
+    @param endedAt: when the answer ended, in seconds since the epoch by
+        the proxy's clock: a deletion of the scope at or after it is final
+        for the observation (decisions D13, amended); None: svc-memory
+        takes the time it is queued.
     """
     users = observedUserTexts(messages)
     if not users:
@@ -138,7 +145,16 @@ def observation(
         request_id=requestID,
         messages=observed,
         key=key,
+        ended_at=endedAtText(endedAt) if endedAt is not None else "",
     )
+
+
+def endedAtText(seconds: float) -> str:
+    """
+    Observation.ended_at of a time in seconds since the epoch: RFC 3339,
+    UTC, to the millisecond.
+    """
+    return rfc3339(datetime.datetime.fromtimestamp(seconds, datetime.UTC))
 
 
 class AnswerText:
@@ -291,13 +307,27 @@ def rejectedObservation(observation: memory_pb2.Observation) -> dict[str, Any]:
 # (no user text in its turn); one dropped because the outbox was full
 # (svc-memory away for long), or because recording it failed; an answer
 # left unobserved because its request named no subject while observe is
-# on (decisions D13 amended, "Whose words").
+# on (decisions D13 amended, "Whose words"). Then, once svc-memory answers
+# for one recorded (so counted a second time), one it refused for good
+# (QueuedObservation.refused): its scope or agent was deleted after the
+# answer ended, or its organization has too many observations waiting
+# (decisions D13, amended).
 OBSERVED = "recorded"
 NOTHING_OBSERVED = "empty"
 OUTBOX_FULL = "full"
 OBSERVE_ERROR = "error"
 NO_SUBJECT = "no_subject"
-OBSERVE_OUTCOMES = (OBSERVED, NOTHING_OBSERVED, OUTBOX_FULL, OBSERVE_ERROR, NO_SUBJECT)
+FORGOTTEN = "forgotten"
+QUEUE_FULL = "queue_full"
+REFUSALS = (FORGOTTEN, QUEUE_FULL)
+OBSERVE_OUTCOMES = (
+    OBSERVED,
+    NOTHING_OBSERVED,
+    OUTBOX_FULL,
+    OBSERVE_ERROR,
+    NO_SUBJECT,
+    *REFUSALS,
+)
 
 
 class ObservationOutboxMetrics:
@@ -372,6 +402,12 @@ def observationOutbox(
     the daemon is built (L{UsageOutbox.start} takes its lock too); it
     holds an observation only until svc-memory has acknowledged it
     (L{OBSERVATION_JOURNAL_COMPACT_SECONDS}).
+
+    An observation svc-memory answers refused (QueuedObservation.refused,
+    L{REFUSALS}) is acknowledged like one queued, for good: it leaves the
+    outbox and the journal and is never sent again (sent again it would be
+    refused again, and a forgotten one must not linger in the journal);
+    it is counted by its refusal.
     """
     journal = None
     if journalPath is not None:
@@ -390,7 +426,7 @@ def observationOutbox(
         maxRows=maxObservations,
         journal=journal,
         batchRows=OBSERVATION_BATCH,
-        send=queue,
+        send=_countingRefusals(queue, metrics),
         keyOf=observationKey,
         describe=describeObservation,
         words=OBSERVATION_WORDS,
@@ -400,6 +436,28 @@ def observationOutbox(
     )
     metrics.outboxBytes.set_function(lambda: outbox.waitingBytes)
     return outbox
+
+
+def _countingRefusals(
+    queue: Callable[[Sequence[memory_pb2.Observation]], Deferred[Any]],
+    metrics: ObservationOutboxMetrics,
+) -> Callable[[Sequence[memory_pb2.Observation]], Deferred[Any]]:
+    """
+    C{queue}, whose answers' refused observations are counted by refusal
+    (an unknown one as an error) before the outbox acknowledges them.
+    """
+
+    def count(answer: Any) -> Any:
+        for each in getattr(answer, "queued", ()):
+            refused = str(each.refused)
+            if refused:
+                metrics.observed(refused if refused in REFUSALS else OBSERVE_ERROR)
+        return answer
+
+    def send(batch: Sequence[memory_pb2.Observation]) -> Deferred[Any]:
+        return queue(batch).addCallback(count)
+
+    return send
 
 
 def _serializedSize(observation: memory_pb2.Observation) -> int:
@@ -458,6 +516,7 @@ class Observer:
         self._outbox = outbox
         self._book = book
         self._metrics = metrics
+        self._clock = clock
         self._full = ThrottledWarning(self.log, clock)
 
     def plan(self, request: Any, orgID: str, agentID: str | None, stream: bool) -> Observing | None:
@@ -511,7 +570,14 @@ class Observer:
                 parsed = json.loads(body)
                 answer = completionText(parsed) if isinstance(parsed, dict) else ""
             made = observation(
-                orgID, agentID, observing.subject, requestID, messages, answer, ledgerID
+                orgID,
+                agentID,
+                observing.subject,
+                requestID,
+                messages,
+                answer,
+                ledgerID,
+                self._clock.seconds(),
             )
             if made is None:
                 self._metrics.observed(NOTHING_OBSERVED)

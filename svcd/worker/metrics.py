@@ -23,7 +23,9 @@ from svcd.providers.metrics import ProviderCallMetrics
 # kept as failed after its last attempt or a fault no attempt can mend
 # (FAILED), handed back unfinished at a stop (RELEASED), or abandoned
 # because its lease had passed to another claim (LOST: it had run out and
-# another claim took it, or it was dropped or forgotten meanwhile).
+# another claim took it, or it was dropped meanwhile), or because a deletion
+# of its scope or agent took it while it was processed (FORGOTTEN: nothing
+# stored; decisions D13, amended).
 DONE = "done"
 EMPTY = "empty"
 DEFERRED = "deferred"
@@ -31,7 +33,8 @@ RETRY = "retry"
 FAILED = "failed"
 RELEASED = "released"
 LOST = "lost"
-OUTCOMES = (DONE, EMPTY, DEFERRED, RETRY, FAILED, RELEASED, LOST)
+FORGOTTEN = "forgotten"
+OUTCOMES = (DONE, EMPTY, DEFERRED, RETRY, FAILED, RELEASED, LOST, FORGOTTEN)
 
 # An observation takes a provider call or two and a few calls to
 # svc-memory: tens of milliseconds to a minute.
@@ -53,7 +56,7 @@ class WorkerMetrics(ProviderCallMetrics):
             " remember), deferred (a limit or budget refused; waits, no attempt counted),"
             " retry (a failed attempt), failed (kept as failed), released (handed back at"
             " a stop), lost (its lease had passed to another claim: abandoned, nothing"
-            " stored)",
+            " stored), forgotten (a deletion of its scope or agent took it: nothing stored)",
             ["outcome"],
             registry=self.registry,
         )

@@ -63,7 +63,7 @@ from svcd.memory.client import (
     MemoryNotFound,
     MemoryUnavailable,
 )
-from svcd.memory.records import Embedding, Scope
+from svcd.memory.records import FORGOTTEN_DETAILS, Embedding, Scope
 from svcd.providers.embedder import (
     NEVER_STREAMED,
     Embedder,
@@ -77,7 +77,7 @@ from svcd.providers.table import MemoryConfig, Model, ProviderTable
 from svcd.providers.upstream import CHAT_COMPLETIONS, Forwarder
 from svcd.worker.extraction import BadExtraction, Turn, extractionRequest, memoriesOf, userText
 from svcd.worker.lease import LeaseLost, ObservationLease
-from svcd.worker.metrics import DONE, EMPTY, LOST, WorkerMetrics
+from svcd.worker.metrics import DONE, EMPTY, FORGOTTEN, LOST, WorkerMetrics
 
 # The longest a refusal makes an observation wait (decisions D13): a
 # budget's Retry-After runs to the end of its day or month.
@@ -239,8 +239,9 @@ class ObservationProcessor:
             embeddings call, so that a worker that lost it pays for
             nothing more; svc-memory's StoreObservation checks and renews
             it before it stores anything.
-        @return: its outcome: L{DONE}, L{EMPTY} (nothing to remember) or
-            L{LOST} (it was dropped or forgotten meanwhile).
+        @return: its outcome: L{DONE}, L{EMPTY} (nothing to remember),
+            L{FORGOTTEN} (a deletion of its scope or agent took it
+            meanwhile) or L{LOST} (it was dropped meanwhile).
         @raise Deferral: it must wait.
         @raise FailedAttempt: this attempt failed.
         @raise LeaseLost: another claim holds it now: nothing was stored.
@@ -470,8 +471,8 @@ class ObservationProcessor:
                 memories,
                 self._settings.dedupeScore,
             )
-        except MemoryNotFound:
-            return LOST
+        except MemoryNotFound as gone:
+            return FORGOTTEN if gone.details == FORGOTTEN_DETAILS else LOST
         except MemoryFull:
             raise FailedAttempt("the memory scope is full", final=True) from None
         except MemoryUnavailable as error:

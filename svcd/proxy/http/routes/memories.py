@@ -82,6 +82,7 @@ from svcd.proxy.http.memorybody import (
     parseSearchBody,
 )
 from svcd.proxy.http.steps import bodyBytes, memorySubject
+from svcd.proxy.observe import endedAtText
 
 B = TypeVar("B")
 
@@ -403,6 +404,9 @@ class MemoryRoutes:
                 for message in body.messages
             ],
             key=conversationKey(scope, ctx.requestID, body.messages),
+            # Said by the time of the request (decisions D13, amended): a
+            # deletion after it does not take it.
+            ended_at=endedAtText(ctx.started),
         )
         try:
             answer = await client.queueObservations([observation])
