@@ -539,7 +539,7 @@ def test_theMigrationMakesOnOfTheSwitchAndKeepsBothInStep(databaseDSN: str) -> N
                 "INSERT INTO memory_settings (org_id, recall, observe) VALUES (%s, true, %s)",
                 (tenant.orgID, switch),
             )
-        assert migrate(databaseDSN) == ["0016_observe_modes.sql"]
+        assert migrate(databaseDSN)[0] == "0016_observe_modes.sql"
         wasOn, wasOff, wasInherit = tenants
         assert storedSwitches(databaseDSN, wasOn.orgID) == ("on", True)
         assert storedSwitches(databaseDSN, wasOff.orgID) == ("off", False)

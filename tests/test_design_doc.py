@@ -21,7 +21,7 @@ DESIGN = ROOT / "docs" / "design.rst"
 
 # The decisions that exist: D1 to D13, and the amendment of D12.
 DECISIONS = range(1, 14)
-AMENDED = {12}
+AMENDED = {12, 13}
 
 # Where citations are looked for: every text file of these places.
 _PLACES = ("svcd", "tests", "proto", "sql", "etc", "bench", "dev", "docs", "twisted")

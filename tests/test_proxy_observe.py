@@ -793,7 +793,7 @@ def test_an_observation_says_when_its_answer_ended() -> None:
     """
     outbox = Outbox()
     book = LimitBook()
-    book.changed(MemorySettingsRow(ORG, None, MemorySettings(observe=True)))
+    book.changed(MemorySettingsRow(ORG, None, MemorySettings(observe="all")))
     clock = Clock()
     clock.advance(1_796_000_000.25)
     making = Observer(outbox, book, ObservationOutboxMetrics(CollectorRegistry()), clock)
