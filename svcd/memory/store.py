@@ -36,8 +36,10 @@ from svcd.auth.store import StoreRejected, StoreUnavailable, StoreValueRefused, 
 from svcd.common.ids import uuid7
 from svcd.memory.records import (
     EXTRACTED,
+    OTHER_LENGTH,
     ClaimedObservation,
     Embedding,
+    InvalidMemory,
     MemoryRecord,
     NewObservation,
     QueuedObservation,
@@ -351,6 +353,8 @@ class MemoryStore:
 
         @raise ScopeFull: the scope holds C{maxPerScope} memories already.
         @raise StoreRejected: the agent is not one of the organization's.
+        @raise InvalidMemory: the vector is not the length of the scope's
+            other vectors of its model (L{_checkLength}).
         """
         memoryID = uuid7()
 
@@ -374,6 +378,7 @@ class MemoryStore:
             )
             if _one(cursor.fetchone())["held"] >= maxPerScope:
                 raise ScopeFull(f"the scope holds {maxPerScope} memories already")
+            _checkLength(cursor, scope, embedding)
             cursor.execute(
                 "INSERT INTO memories (id, org_id, agent_id, subject, content, metadata, source,"
                 " source_request_id, embedding_model, dimensions, vector)"
@@ -434,6 +439,8 @@ class MemoryStore:
             forgotten): nothing added.
         @raise MemoryForbidden: it is another organization's.
         @raise ScopeFull: the scope cannot hold them all: nothing added.
+        @raise InvalidMemory: a vector is not the length of the scope's
+            other vectors of its model: nothing added.
         """
 
         def store(cursor: Cursor) -> list[MemoryRecord] | None:
@@ -570,6 +577,8 @@ class MemoryStore:
 
         @raise MemoryNotFound: no memory has this id.
         @raise MemoryForbidden: it is another scope's.
+        @raise InvalidMemory: the new vector is not the length of the
+            scope's other vectors of its model (L{_checkLength}).
         """
         assignments = ["updated_at = now()"]
         values: list[object] = []
@@ -584,6 +593,9 @@ class MemoryStore:
             values += [embedding.model, embedding.dimensions, embedding.vector]
 
         def change(cursor: Cursor) -> MemoryRecord:
+            if embedding is not None:
+                _lockScope(cursor, scope)
+                _checkLength(cursor, scope, embedding, memoryID)
             cursor.execute(
                 f"UPDATE memories SET {', '.join(assignments)}"
                 " WHERE id = %s AND org_id = %s AND agent_id = %s AND subject = %s"
@@ -1138,6 +1150,36 @@ def _lockScope(cursor: Cursor, scope: Scope) -> None:
     )
 
 
+def _checkLength(
+    cursor: Cursor, scope: Scope, embedding: Embedding, memoryID: uuid.UUID | None = None
+) -> None:
+    """
+    Refuse a vector whose length is not that of the scope's other vectors
+    of its model (decisions D13 amended, "Vectors never mix"): a search
+    compares a query only with vectors of its own length, so a memory of
+    another length would start a set of its own, silently, that the
+    model's queries never find. Called under the scope's lock, so that two
+    writes of different lengths cannot both pass.
+
+    One indexed look-up (C{memories_scope_newest}): the scope's newest
+    memory of the model, other than C{memoryID} (the memory a new content
+    replaces the vector of), whose length every other one shares, since
+    each was checked so when written.
+
+    @raise InvalidMemory: on the field C{embedding}, L{OTHER_LENGTH}.
+    """
+    cursor.execute(
+        "SELECT dimensions FROM memories"
+        " WHERE org_id = %s AND agent_id = %s AND subject = %s AND embedding_model = %s"
+        " AND id IS DISTINCT FROM %s"
+        " ORDER BY created_at DESC, id DESC LIMIT 1",
+        (scope.orgID, scope.agentID, scope.subject, embedding.model, memoryID),
+    )
+    row = cursor.fetchone()
+    if row is not None and row["dimensions"] != embedding.dimensions:
+        raise InvalidMemory("embedding", OTHER_LENGTH)
+
+
 def _inScope(cursor: Cursor, scope: Scope, memoryID: uuid.UUID, columns: str) -> dict[str, Any]:
     """
     The row of memory C{memoryID} of the scope.
@@ -1196,12 +1238,18 @@ def _addExtracted(
     )
     count = _one(cursor.fetchone())["held"]
     records = []
+    # Each length of each model checked once: after the first insert, the
+    # scope's newest memory of the model is one of these.
+    checked = set()
     for content, embedding in memories:
         if content in held:
             records.append(held[content])
             continue
         if count >= maxPerScope:
             raise ScopeFull(f"the scope holds {maxPerScope} memories already")
+        if (embedding.model, embedding.dimensions) not in checked:
+            _checkLength(cursor, scope, embedding)
+            checked.add((embedding.model, embedding.dimensions))
         cursor.execute(
             "INSERT INTO memories (id, org_id, agent_id, subject, content, metadata,"
             " source, source_request_id, embedding_model, dimensions, vector)"
