@@ -461,9 +461,7 @@ def test_aValueNotAFiniteFloat32IsTheProvidersFault(embedding: object) -> None:
     base64, is 502 UPSTREAM_ERROR.
     """
     with pytest.raises(ApiError) as raised:
-        decodeVectors(
-            json.dumps({"data": [{"index": 0, "embedding": embedding}]}).encode(), 1
-        )
+        decodeVectors(json.dumps({"data": [{"index": 0, "embedding": embedding}]}).encode(), 1)
     assert raised.value.code is ErrorCode.UPSTREAM_ERROR
 
 

@@ -1021,9 +1021,7 @@ class _EmbeddingsAnswer(_Answer):
     def _answerWhole(self) -> None:
         data = []
         for index, text in enumerate(self._inputs):
-            data.append(
-                {"object": "embedding", "index": index, "embedding": self._vector(text)}
-            )
+            data.append({"object": "embedding", "index": index, "embedding": self._vector(text)})
         answer: dict[str, object] = {"object": "list", "data": data, "model": self._model}
         if self._script.usage:
             counts = self._script.counts
@@ -1036,7 +1034,6 @@ class _EmbeddingsAnswer(_Answer):
         if self._script.kind != "never-ending":
             self._request.setHeader(b"content-length", b"%d" % len(encoded))
         self._afterHold(lambda: self._writeWhole(encoded))
-
 
     def _vector(self, text: str) -> object:
         """
@@ -1682,6 +1679,12 @@ class ScriptedUpstream:
         )
 
 
+# The length of memoryProvidersFile's embedding model's vectors: the
+# upstream that serves it must be started with it (embeddingDimensions),
+# since a vector of another length than the model's declared dimensions is
+# the provider's fault (decisions D13 amended).
+MEMORY_EMBEDDING_DIMENSIONS = 256
+
 MEMORY_PROVIDERS = """
 [[providers]]
 name = "scripted"
@@ -1696,9 +1699,9 @@ price = {{ input = "1.00", output = "2.00" }}
 [[models]]
 name = "embedder"
 provider = "scripted"
-upstream_model = "echo"
+upstream_model = "{embedder}"
 kind = "embedding"
-dimensions = 256
+dimensions = {dimensions}
 price = {{ input = "0.02" }}
 
 [memory]
@@ -1709,13 +1712,19 @@ dedupe_score = 0.92
 
 
 def memoryProvidersFile(
-    path: Path, upstream: ScriptedUpstream, extractor: str = "echo", extraction: bool = True
+    path: Path,
+    upstream: ScriptedUpstream,
+    extractor: str = "echo",
+    extraction: bool = True,
+    embedder: str = "echo",
 ) -> Path:
     """
     A providers file of priced scripted models for memory (svc-worker's
     tests and bench/worker_drain.py): an embedding model of 256 dimensions
-    and, unless C{extraction} is false, an extraction model answering as
-    C{extractor} (a script of this module).
+    (L{MEMORY_EMBEDDING_DIMENSIONS}, which C{upstream} must have been
+    started with) answering as C{embedder} and, unless C{extraction} is
+    false, an extraction model answering as C{extractor} (scripts of this
+    module).
 
     256 and not fewer: the scripted embedding is a hashed bag of words, and
     the tests' facts share most of their words ("My fact number 0 is
@@ -1733,7 +1742,9 @@ def memoryProvidersFile(
     path.write_text(
         MEMORY_PROVIDERS.format(
             base=upstream.baseURL,
+            dimensions=MEMORY_EMBEDDING_DIMENSIONS,
             extractor=extractor,
+            embedder=embedder,
             extraction='extraction_model = "extractor"' if extraction else "",
         )
     )
