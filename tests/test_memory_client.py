@@ -492,8 +492,10 @@ async def test_aVectorOfAnotherLengthThanTheScopesIsRefused(
     "embedding" with details the proxy answers 502, not 400: an add, a new
     content (but for the scope's only memory of the model), a worker's
     memories (nothing stored, the observation not completed), and a
-    worker's memories of two lengths (numpy's fault before: INTERNAL).
-    Another model's vectors, and another scope's, are their own.
+    worker's memories of two lengths (numpy's fault before: INTERNAL);
+    and a search's query of another length, on "query" (it found nothing,
+    silently). Another model's vectors, and another scope's, are their
+    own.
     """
     scope = scopeOf(acme, "lengths")
     first = await client.addMemory(scope, "I keep bees.", embedding([1.0, 0.0, 0.0]))
@@ -505,6 +507,11 @@ async def test_aVectorOfAnotherLengthThanTheScopesIsRefused(
     with pytest.raises(MemoryInvalid) as raised:
         await client.updateMemory(scope, first.id, "I keep wasps.", None, embedding([1.0, 1.0]))
     assert raised.value.details == refused
+    with pytest.raises(MemoryInvalid) as raised:
+        await client.search(scope, embedding([1.0, 1.0]), 5)
+    assert raised.value.details == "query: " + OTHER_LENGTH
+    with pytest.raises(MemoryInvalid):
+        await client.search(scope, embedding([1.0, 1.0]), 5, mode="hybrid", text="tea")
     await client.addMemory(scope, "I like tea.", embedding([1.0, 1.0], model="other-model"))
     await client.addMemory(scopeOf(acme, "elsewhere"), "I like tea.", embedding([1.0, 1.0]))
     await client.queueObservations(

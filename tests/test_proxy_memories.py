@@ -516,7 +516,8 @@ async def test_aVectorOfAnotherLengthThanTheScopesIs502(makeEdge: EdgeFactory) -
     length is 502 UPSTREAM_ERROR, added or changed: svc-memory refuses a
     vector not of the scope's length for the model, where it started a
     set of its own, silently, that the older vectors' queries never find.
-    Nothing is stored; the embeddings' rows stay.
+    Nothing is stored; the embeddings' rows stay. A query of the new
+    length is 502 too (it found nothing, silently), but in text mode.
     """
     before: Edge = await makeEdge("embed-plain")
     response, other = await before.call("POST", "/v1/memories", {"content": "lives in Oslo"})
@@ -530,13 +531,22 @@ async def test_aVectorOfAnotherLengthThanTheScopesIs502(makeEdge: EdgeFactory) -
         "PATCH", f"/v1/memories/{kept['id']}", {"content": "likes black coffee"}
     )
     assert (response.code, answer["error"]["code"]) == (502, "UPSTREAM_ERROR"), answer
+    for mode in ("vector", "hybrid"):
+        response, answer = await after.call(
+            "POST", "/v1/memories/search", {"query": "green tea", "mode": mode}
+        )
+        assert (response.code, answer["error"]["code"]) == (502, "UPSTREAM_ERROR"), answer
+    response, found = await after.call(
+        "POST", "/v1/memories/search", {"query": "green tea", "mode": "text"}
+    )
+    assert response.code == 200 and found["data"][0]["memory"]["id"] == kept["id"]
     _, listed = await after.call("GET", "/v1/memories")
     assert [(each["id"], each["content"]) for each in listed["data"]] == [
         (kept["id"], "likes green tea"),
         (other["id"], "lives in Oslo"),
     ]
-    await waitFor(lambda: len(after.ledger.rows) == 2)
-    assert [row.outcome for row in after.ledger.rows] == ["ok", "ok"]
+    await waitFor(lambda: len(after.ledger.rows) == 4)
+    assert [row.outcome for row in after.ledger.rows] == ["ok"] * 4
     # The scope's only memory of the model takes a vector of another
     # length, and an empty scope any length.
     response, _ = await before.call("DELETE", f"/v1/memories/{other['id']}")

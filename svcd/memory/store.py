@@ -697,6 +697,16 @@ class MemoryStore:
 
         return self._run("memory_scope_vectors", query, scope.orgID, binary=True)
 
+    def scopeLength(self, scope: Scope, model: str) -> int | None:
+        """
+        The length of the scope's vectors of C{model} (every one has the
+        same: L{_checkLength}), None when it holds none: one indexed
+        look-up, for a search that found no vector of its query's length.
+        """
+        return self._run(
+            "memory_scope_length", lambda cursor: _scopeLength(cursor, scope, model), scope.orgID
+        )
+
     def scopeTexts(self, scope: Scope) -> ScopeTexts:
         """
         Every memory's content of the scope, whatever model embedded it: a
@@ -1168,16 +1178,27 @@ def _checkLength(
 
     @raise InvalidMemory: on the field C{embedding}, L{OTHER_LENGTH}.
     """
+    held = _scopeLength(cursor, scope, embedding.model, memoryID)
+    if held is not None and held != embedding.dimensions:
+        raise InvalidMemory("embedding", OTHER_LENGTH)
+
+
+def _scopeLength(
+    cursor: Cursor, scope: Scope, model: str, memoryID: uuid.UUID | None = None
+) -> int | None:
+    """
+    The length of the scope's newest vector of C{model} other than
+    C{memoryID}'s (L{_checkLength}), None when it holds none.
+    """
     cursor.execute(
         "SELECT dimensions FROM memories"
         " WHERE org_id = %s AND agent_id = %s AND subject = %s AND embedding_model = %s"
         " AND id IS DISTINCT FROM %s"
         " ORDER BY created_at DESC, id DESC LIMIT 1",
-        (scope.orgID, scope.agentID, scope.subject, embedding.model, memoryID),
+        (scope.orgID, scope.agentID, scope.subject, model, memoryID),
     )
     row = cursor.fetchone()
-    if row is not None and row["dimensions"] != embedding.dimensions:
-        raise InvalidMemory("embedding", OTHER_LENGTH)
+    return None if row is None else int(row["dimensions"])
 
 
 def _inScope(cursor: Cursor, scope: Scope, memoryID: uuid.UUID, columns: str) -> dict[str, Any]:
