@@ -41,8 +41,9 @@ C{output} (embeddings have no output tokens); C{max_output_tokens} and
 C{cap_field}, which bound an answer's output, are for chat models only.
 They also add the optional C{[memory]} table (L{MemoryConfig}): the
 embedding model that memory uses (required in the table; without the
-table, memory is off; memory uses it alone, never its fallbacks), the worker's extraction model, and recall's
-settings, each checked here like the rest of the file.
+table, memory is off; memory uses it alone, never its fallbacks), the
+worker's extraction model, and recall's settings, each checked here like
+the rest of the file.
 """
 
 from __future__ import annotations
