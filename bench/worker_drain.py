@@ -62,7 +62,11 @@ from svcd.auth.store import Store  # noqa: E402
 from svcd.pb.memory.v1 import memory_pb2, memory_pb2_grpc  # noqa: E402
 from svcd.testing.daemons import Daemon, authEnvironment, memoryEnvironment  # noqa: E402
 from svcd.testing.servers import PostgresServer, RedisServer, freePort  # noqa: E402
-from svcd.testing.upstream import ScriptedUpstream, memoryProvidersFile  # noqa: E402
+from svcd.testing.upstream import (  # noqa: E402
+    MEMORY_EMBEDDING_DIMENSIONS,
+    ScriptedUpstream,
+    memoryProvidersFile,
+)
 
 TARGET_PER_SECOND = 200.0
 
@@ -422,7 +426,9 @@ def main() -> int:
         redis = RedisServer.create(scratch / "redis")
         redis.start()
         stack.callback(redis.stop)
-        upstream = ScriptedUpstream(scratch / "upstream").start()
+        upstream = ScriptedUpstream(
+            scratch / "upstream", embeddingDimensions=MEMORY_EMBEDDING_DIMENSIONS
+        ).start()
         stack.callback(upstream.stop)
         providers = scratch / "providers.toml"
         memoryProvidersFile(providers, upstream)

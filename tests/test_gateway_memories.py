@@ -75,6 +75,7 @@ provider = "scripted"
 upstream_model = "status:503"
 kind = "embedding"
 orgs = ["{main}"]
+fallbacks = ["embed"]
 
 [memory]
 embedding_model = "{memoryModel}"
@@ -630,7 +631,9 @@ def test_aFailingEmbeddingStoresNothing(stack: Stack) -> None:
     When the embedding model fails, adding and searching answer the
     provider's fault as decisions D9 maps it (503 upstream: 502
     UPSTREAM_ERROR), and nothing is stored; the failed call is a row of
-    kind embedding too.
+    kind embedding too, the model's: its fallback is never asked
+    (decisions D13 amended, "Vectors never mix"; it answered, and the
+    memory was stored under its name, never found by the model's queries).
     """
     answer = call(
         stack,
@@ -642,7 +645,11 @@ def test_aFailingEmbeddingStoresNothing(stack: Stack) -> None:
     )
     assertEnvelope(answer, 502, "UPSTREAM_ERROR")
     row = waitForRow(stack, answer.headers["x-request-id"])
-    assert (row["kind"], row["outcome"]) == ("embedding", "upstream_error")
+    assert (row["kind"], row["outcome"], row["model"]) == (
+        "embedding",
+        "upstream_error",
+        "embed-failing",
+    )
     assert (
         call(stack, "GET", "/v1/memories", subject="failing-user", proxy="failing").json()["data"]
         == []

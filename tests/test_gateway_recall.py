@@ -13,7 +13,8 @@ Five proxies share svc-auth, svc-memory and the database: C{memory}, where
 recall works (a generous SVC_MEMORY_TIMEOUT, so that a loaded machine does
 not make it time out); and one per fault, each at SVC_MEMORY_TIMEOUT=300ms:
 C{slow} (its embedding model answers after 20 s), C{failing} (its
-embedding model answers 500), C{down} (SVC_MEMORY_GRPC_ADDR where nothing
+embedding model answers 500, and its fallback is never asked: decisions
+D13 amended, "Vectors never mix"), C{down} (SVC_MEMORY_GRPC_ADDR where nothing
 listens: svc-memory down) and C{unreachable} (an address that does not
 answer at all). Each test works in an organization of its own, since the
 settings are per organization and agent.
@@ -89,6 +90,14 @@ price = {{ input = "1", output = "2" }}
 name = "embed"
 provider = "scripted"
 upstream_model = "{embedding}"
+kind = "embedding"
+price = {{ input = "0.5" }}
+fallbacks = ["embed-spare"]
+
+[[models]]
+name = "embed-spare"
+provider = "scripted"
+upstream_model = "echo"
 kind = "embedding"
 price = {{ input = "0.5" }}
 
@@ -560,7 +569,9 @@ def test_subjectsAndNothingToRecall(stack: Stack) -> None:
 @pytest.mark.parametrize("proxy", ["slow", "failing", "down", "unreachable"])
 def test_faultsNeverBlock(stack: Stack, proxy: str, stream: bool) -> None:
     """
-    The embedding model slow past SVC_MEMORY_TIMEOUT or failing,
+    The embedding model slow past SVC_MEMORY_TIMEOUT or failing (its
+    fallback, whose vectors are not the memories', never asked: it
+    answered, and the recall searched with its vector),
     svc-memory down or its address unreachable: the chat is answered as if
     memory were off (the messages as sent), with X-SVC-Memories:
     unavailable, the recall taking no longer than its deadline.
@@ -603,6 +614,7 @@ def test_faultsNeverBlock(stack: Stack, proxy: str, stream: bool) -> None:
         "slow": "client_gone",
         "failing": "upstream_error",
     }.get(proxy, "ok")
+    assert byKind["embedding"]["model"] == "embed"
     if proxy == "slow":
         # Out of time, not failed: the deadline passed.
         assert line["memory_ms"] >= FAULT_TIMEOUT_MS * 0.9

@@ -33,6 +33,7 @@ from svcd.memory.client import (
     MemoryUnavailable,
     memoryChannel,
 )
+from svcd.memory.records import OTHER_LENGTH
 from svcd.pb.memory.v1 import memory_pb2
 from svcd.testing.memoryservice import RunningMemoryService
 from svcd.testing.servers import freePort
@@ -478,3 +479,86 @@ async def test_aCallerNotAdmittedIsUnavailableNotForbidden(acme: Tenant) -> None
             assert not isinstance(raised.value, MemoryForbidden)
         finally:
             client.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_aVectorOfAnotherLengthThanTheScopesIsRefused(
+    client: MemoryClient, acme: Tenant
+) -> None:
+    """
+    svc-memory refuses a vector whose length is not that of the scope's
+    other vectors of its model (decisions D13 amended, "Vectors never
+    mix"; it started a set of its own, silently), INVALID_ARGUMENT on
+    "embedding" with details the proxy answers 502, not 400: an add, a new
+    content (but for the scope's only memory of the model), a worker's
+    memories (nothing stored, the observation not completed), and a
+    worker's memories of two lengths (numpy's fault before: INTERNAL);
+    and a search's query of another length, on "query" (it found nothing,
+    silently). Another model's vectors, and another scope's, are their
+    own.
+    """
+    scope = scopeOf(acme, "lengths")
+    first = await client.addMemory(scope, "I keep bees.", embedding([1.0, 0.0, 0.0]))
+    second = await client.addMemory(scope, "I live in Lyon.", embedding([0.0, 1.0, 0.0]))
+    refused = "embedding: " + OTHER_LENGTH
+    with pytest.raises(MemoryInvalid) as raised:
+        await client.addMemory(scope, "I like tea.", embedding([1.0, 1.0]))
+    assert raised.value.details == refused
+    with pytest.raises(MemoryInvalid) as raised:
+        await client.updateMemory(scope, first.id, "I keep wasps.", None, embedding([1.0, 1.0]))
+    assert raised.value.details == refused
+    with pytest.raises(MemoryInvalid) as raised:
+        await client.search(scope, embedding([1.0, 1.0]), 5)
+    assert raised.value.details == "query: " + OTHER_LENGTH
+    with pytest.raises(MemoryInvalid):
+        await client.search(scope, embedding([1.0, 1.0]), 5, mode="hybrid", text="tea")
+    await client.addMemory(scope, "I like tea.", embedding([1.0, 1.0], model="other-model"))
+    await client.addMemory(scopeOf(acme, "elsewhere"), "I like tea.", embedding([1.0, 1.0]))
+    await client.queueObservations(
+        [
+            memory_pb2.Observation(
+                scope=memory_pb2.Scope(
+                    org_id=str(acme.orgID), agent_id=str(acme.agentID), subject="lengths"
+                ),
+                request_id="req-lengths",
+                messages=[memory_pb2.ObservedMessage(role="user", content="facts")],
+            )
+        ]
+    )
+    [held] = (await client.claimObservations("worker-a", 10, 60.0)).observations
+    for memories, details in [
+        ([("I like coffee.", embedding([0.0, 1.0]))], refused),
+        (
+            [
+                ("I like coffee.", embedding([0.0, 0.0, 1.0])),
+                ("I like cake.", embedding([0.0, 1.0])),
+            ],
+            "memories[1].embedding: " + OTHER_LENGTH,
+        ),
+    ]:
+        with pytest.raises(MemoryInvalid) as raised:
+            await client.storeObservation(
+                str(acme.orgID),
+                held.id,
+                "worker-a",
+                held.lease_token,
+                60.0,
+                scope,
+                "req-lengths",
+                memories,
+                0.99,
+            )
+        assert raised.value.details == details
+    listed = (await client.listMemories(scope)).memories
+    assert sorted(each.content for each in listed) == [
+        "I keep bees.",
+        "I like tea.",
+        "I live in Lyon.",
+    ]
+    assert (await client.completeObservation(str(acme.orgID), held.id, "worker-a")).completed
+    # The scope's only memory of the model takes a vector of any length.
+    await client.deleteMemory(scope, second.id)
+    changed = await client.updateMemory(
+        scope, first.id, "I keep wasps.", None, embedding([1.0, 1.0])
+    )
+    assert changed.content == "I keep wasps."

@@ -2,8 +2,10 @@
 The gateway's own embeddings (decisions D13, L{svcd.providers.embedder}),
 against the scripted upstream process: what is forwarded, the vectors
 decoded into float32 bytes, the reservation settled, the one ledger row of
-kind embedding (with its parent), faults and fallbacks as decisions D9,
-and a call cancelled or out of time recorded client_gone.
+kind embedding (with its parent), faults as decisions D9 but never a
+fallback (decisions D13 amended, "Vectors never mix"), vectors memory
+cannot use refused as the provider's fault with the provider paid, and a
+call cancelled or out of time recorded client_gone.
 """
 
 from __future__ import annotations
@@ -28,15 +30,11 @@ from svcd.limits.book import LimitBook, LimitsRow
 from svcd.limits.limiter import RedisRateLimiter
 from svcd.limits.records import Limits, Reservation
 from svcd.limits.reservation import inputsEstimate
-from svcd.providers.embedder import (
-    Embedder,
-    EmbeddingCall,
-    decodeVectors,
-    reserveTexts,
-)
+from svcd.providers.embedder import Embedder, EmbeddingCall, reserveTexts
 from svcd.providers.records import UpstreamRecord, Usage
 from svcd.providers.table import ProviderTable, providersFromEnvironment
 from svcd.providers.upstream import Answer, Forwarder
+from svcd.providers.vectors import decodeVectors
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.testing import MemoryCounters, MemoryLedger
 from svcd.testing.upstream import DEFAULT_EMBEDDING_DIMENSIONS, ScriptedUpstream, embeddingOf
@@ -90,6 +88,35 @@ name = "embed-slow"
 provider = "scripted"
 upstream_model = "slow:5000"
 kind = "embedding"
+
+[[models]]
+name = "embed-short"
+provider = "scripted"
+upstream_model = "vectors:short"
+kind = "embedding"
+dimensions = {dimensions}
+price = {{ input = "0.02" }}
+
+[[models]]
+name = "embed-huge"
+provider = "scripted"
+upstream_model = "vectors:huge"
+kind = "embedding"
+price = {{ input = "0.02" }}
+
+[[models]]
+name = "embed-nan"
+provider = "scripted"
+upstream_model = "vectors:nan"
+kind = "embedding"
+price = {{ input = "0.02" }}
+
+[[models]]
+name = "embed-infinity"
+provider = "scripted"
+upstream_model = "vectors:infinity"
+kind = "embedding"
+price = {{ input = "0.02" }}
 """
 
 
@@ -233,18 +260,55 @@ async def test_aCallWithoutReservationHasALedgerIDOfItsOwn(harness: Harness) -> 
 
 
 @pytest_twisted.ensureDeferred
-async def test_aFallbackAnswersInPlaceOfAFailingModel(harness: Harness) -> None:
+async def test_aFallbackNeverAnswersInPlaceOfAFailingModel(harness: Harness) -> None:
     """
-    A fault that allows fallbacks tries them (decisions D9): the vectors
-    are the fallback's, named after it (its vectors compare with its own
-    only), and the row says which model answered.
+    The gateway's own embeddings are the model's alone (decisions D13
+    amended, "Vectors never mix"; they were its fallback's before): a
+    fault that would try the fallbacks for a client's own embeddings
+    fails the call, nothing is sent to the fallback, and the one row is
+    the model's.
     """
-    embedded = await harness.embedder.embed(
-        harness.providers.models["embed-failing"], ["the cat"], call()
-    )
-    assert embedded.model == "embed-spare"
+    with pytest.raises(ApiError):
+        await harness.embedder.embed(harness.providers.models["embed-failing"], ["the cat"], call())
+    assert [each.path for each in harness.upstream.requests()] == ["/v1/embeddings"]
     [row] = harness.ledger.rows
-    assert (row.model_requested, row.model, row.outcome) == ("embed-failing", "embed-spare", "ok")
+    assert (row.model_requested, row.model, row.outcome) == (
+        "embed-failing",
+        "embed-failing",
+        "upstream_error",
+    )
+
+
+@pytest.mark.parametrize("model", ["embed-short", "embed-huge", "embed-nan", "embed-infinity"])
+@pytest_twisted.ensureDeferred
+async def test_vectorsMemoryCannotUseAreTheProvidersFault(harness: Harness, model: str) -> None:
+    """
+    A vector one value shorter than the model's dimensions, or holding a
+    JSON number beyond float32 (1e39, which raised OverflowError: a 500
+    with the row recorded ok), NaN or an infinity, is 502 UPSTREAM_ERROR;
+    the provider was paid: the reservation is settled to its prompt
+    tokens and the row, upstream_error, counts and costs them.
+    """
+    texts = ["the cat sat"]
+    reservation, ledgerID = await harness.reserve(texts)
+    with pytest.raises(ApiError) as raised:
+        await harness.embedder.embed(
+            harness.providers.models[model],
+            texts,
+            call(ledgerID=ledgerID),
+            reservation=reservation,
+        )
+    assert raised.value.code is ErrorCode.UPSTREAM_ERROR
+    await waitFor(lambda: harness.tokensCounted() == 3)
+    [row] = harness.ledger.rows
+    assert (row.outcome, row.model, row.prompt_tokens, row.tokens_from, row.ledger_id) == (
+        "upstream_error",
+        model,
+        3,
+        "provider",
+        ledgerID,
+    )
+    assert row.cost_nano_usd == 3 * 20
 
 
 @pytest_twisted.ensureDeferred
@@ -371,6 +435,46 @@ def test_unusableVectorsAreTheProvidersFault(data: list[dict[str, Any]]) -> None
     """
     with pytest.raises(ApiError) as raised:
         decodeVectors(answer(data), 2)
+    assert raised.value.code is ErrorCode.UPSTREAM_ERROR
+
+
+def _base64(*values: float) -> str:
+    return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode()
+
+
+@pytest.mark.parametrize(
+    "embedding",
+    [
+        [1e39, 0.5],
+        [-1e39, 0.5],
+        [10**400, 0.5],
+        [float("nan"), 0.5],
+        [float("inf"), 0.5],
+        _base64(float("nan"), 0.5),
+        _base64(float("-inf"), 0.5),
+    ],
+)
+def test_aValueNotAFiniteFloat32IsTheProvidersFault(embedding: object) -> None:
+    """
+    A value beyond float32's range as a JSON number (which raised
+    OverflowError, not ApiError), NaN or an infinity, as numbers or as
+    base64, is 502 UPSTREAM_ERROR.
+    """
+    with pytest.raises(ApiError) as raised:
+        decodeVectors(json.dumps({"data": [{"index": 0, "embedding": embedding}]}).encode(), 1)
+    assert raised.value.code is ErrorCode.UPSTREAM_ERROR
+
+
+@pytest.mark.parametrize("dimensions", [1, 3])
+def test_aVectorNotOfTheModelsDimensionsIsTheProvidersFault(dimensions: int) -> None:
+    """
+    Given the model's dimensions, a vector of another length is 502
+    UPSTREAM_ERROR; of that length, it is read.
+    """
+    body = answer([{"index": 0, "embedding": _base64(1.0, 0.5)}])
+    assert decodeVectors(body, 1, 2) == (struct.pack("<2f", 1.0, 0.5),)
+    with pytest.raises(ApiError) as raised:
+        decodeVectors(body, 1, dimensions)
     assert raised.value.code is ErrorCode.UPSTREAM_ERROR
 
 

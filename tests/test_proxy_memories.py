@@ -6,8 +6,10 @@ the test's database, and the scripted upstream process embedding. What
 the routes that embed reserve at their rate limit step (one call of the
 limiter per request: the texts' estimate under a token limit, their worst
 case under a budget) and settle, what a budget or the ledger refuses, and
-the model the [memory] table names but the organization may not use. The
-same with the daemons is tests/test_gateway_memories.py.
+the model the [memory] table names but the organization may not use, and
+vectors that never mix (decisions D13 amended): no fallback embeds a
+memory, and a vector memory cannot use is 502 with nothing stored and its
+row kept. The same with the daemons is tests/test_gateway_memories.py.
 """
 
 from __future__ import annotations
@@ -76,6 +78,35 @@ upstream_model = "echo"
 kind = "embedding"
 orgs = ["{elsewhere}"]
 
+[[models]]
+name = "embed-failing"
+provider = "scripted"
+upstream_model = "status:503"
+kind = "embedding"
+price = {{ input = "0.02" }}
+fallbacks = ["embed-priced"]
+
+[[models]]
+name = "embed-declared"
+provider = "scripted"
+upstream_model = "vectors:short"
+kind = "embedding"
+dimensions = 64
+price = {{ input = "0.02" }}
+
+[[models]]
+name = "embed-huge"
+provider = "scripted"
+upstream_model = "vectors:huge"
+kind = "embedding"
+price = {{ input = "0.02" }}
+
+[[models]]
+name = "embed-plain"
+provider = "scripted"
+upstream_model = "{plain}"
+kind = "embedding"
+
 [memory]
 embedding_model = "{model}"
 """
@@ -134,13 +165,13 @@ class Edge:
         return response, json.loads(await response.content())
 
 
-EdgeFactory = Callable[[str], Any]
+EdgeFactory = Callable[..., Any]
 
 
 @pytest_twisted.async_yield_fixture
 async def makeEdge(
     tmp_path: Path, scriptedUpstream: ScriptedUpstream, migratedDSN: str, acme: Tenant
-) -> AsyncIterator[Callable[[str], Any]]:
+) -> AsyncIterator[EdgeFactory]:
     """
     A function that starts an edge whose [memory] table names the model
     it is given, and returns its L{Edge}; a MemoryService on the test's
@@ -152,10 +183,15 @@ async def makeEdge(
     service = RunningMemoryService(migratedDSN).start()
     cleanups: list[Callable[[], Any]] = []
 
-    async def make(model: str) -> Edge:
+    async def make(model: str, plain: str = "echo") -> Edge:
+        """
+        @param plain: the upstream model of C{embed-plain}.
+        """
         providersFile = tmp_path / f"providers-{model}.toml"
         providersFile.write_text(
-            PROVIDERS.format(base=scriptedUpstream.baseURL, elsewhere=ELSEWHERE, model=model)
+            PROVIDERS.format(
+                base=scriptedUpstream.baseURL, elsewhere=ELSEWHERE, model=model, plain=plain
+            )
         )
         providers = providersFromEnvironment({"SVC_PROVIDERS_FILE": str(providersFile)}, time.time)
         config = ProxyConfig(
@@ -424,3 +460,102 @@ async def test_aFullLedgerStoresNothing(makeEdge: EdgeFactory) -> None:
     edge.ledger.full = False
     _, listed = await edge.call("GET", "/v1/memories")
     assert listed["data"] == []
+
+
+@pytest_twisted.ensureDeferred
+async def test_aFallbackNeverEmbedsAMemory(makeEdge: EdgeFactory) -> None:
+    """
+    Memory embeds with its model alone (decisions D13 amended): when the
+    model fails, adding is 502 with nothing stored, its fallback never
+    asked (its vectors live in another space: a memory it embedded was
+    stored under its name and never found by the model's queries), and
+    the one row is the model's.
+    """
+    edge: Edge = await makeEdge("embed-failing")
+    response, answer = await edge.call("POST", "/v1/memories", {"content": "the cat sat"})
+    assert (response.code, answer["error"]["code"]) == (502, "UPSTREAM_ERROR")
+    assert [each.body["model"] for each in edge.upstream.requests()] == ["status:503"]
+    await waitFor(lambda: len(edge.ledger.rows) == 1)
+    [row] = edge.ledger.rows
+    assert (row.model, row.outcome, row.kind) == ("embed-failing", "upstream_error", "embedding")
+    _, listed = await edge.call("GET", "/v1/memories")
+    assert listed["data"] == []
+
+
+@pytest.mark.parametrize("model", ["embed-declared", "embed-huge"])
+@pytest_twisted.ensureDeferred
+async def test_aVectorMemoryCannotUseIs502(makeEdge: EdgeFactory, model: str) -> None:
+    """
+    A vector one value shorter than the model's declared dimensions (it
+    was stored: 201), or holding a JSON number beyond float32 (a 500
+    before), is 502 UPSTREAM_ERROR: nothing stored, and the embedding's
+    row kept, with what the provider counted (it was paid).
+    """
+    edge: Edge = await makeEdge(model)
+    edge.limit(org=Limits(tpm=100_000))
+    content = "the user likes green tea"
+    response, answer = await edge.call("POST", "/v1/memories", {"content": content})
+    assert (response.code, answer["error"]["code"]) == (502, "UPSTREAM_ERROR"), answer
+    await waitFor(lambda: edge.tokensCounted() == 5)
+    [row] = edge.ledger.rows
+    assert (row.outcome, row.prompt_tokens, row.tokens_from, row.cost_nano_usd) == (
+        "upstream_error",
+        5,
+        "provider",
+        5 * 20,
+    )
+    _, listed = await edge.call("GET", "/v1/memories")
+    assert listed["data"] == []
+
+
+@pytest_twisted.ensureDeferred
+async def test_aVectorOfAnotherLengthThanTheScopesIs502(makeEdge: EdgeFactory) -> None:
+    """
+    When the model's vectors change length (a provider's new default, with
+    no dimensions in the providers file), a memory embedded at the new
+    length is 502 UPSTREAM_ERROR, added or changed: svc-memory refuses a
+    vector not of the scope's length for the model, where it started a
+    set of its own, silently, that the older vectors' queries never find.
+    Nothing is stored; the embeddings' rows stay. A query of the new
+    length is 502 too (it found nothing, silently), but in text mode.
+    """
+    before: Edge = await makeEdge("embed-plain")
+    response, other = await before.call("POST", "/v1/memories", {"content": "lives in Oslo"})
+    assert response.code == 201, other
+    response, kept = await before.call("POST", "/v1/memories", {"content": "likes green tea"})
+    assert response.code == 201, kept
+    after: Edge = await makeEdge("embed-plain", plain="vectors:short")
+    response, answer = await after.call("POST", "/v1/memories", {"content": "likes coffee"})
+    assert (response.code, answer["error"]["code"]) == (502, "UPSTREAM_ERROR"), answer
+    response, answer = await after.call(
+        "PATCH", f"/v1/memories/{kept['id']}", {"content": "likes black coffee"}
+    )
+    assert (response.code, answer["error"]["code"]) == (502, "UPSTREAM_ERROR"), answer
+    for mode in ("vector", "hybrid"):
+        response, answer = await after.call(
+            "POST", "/v1/memories/search", {"query": "green tea", "mode": mode}
+        )
+        assert (response.code, answer["error"]["code"]) == (502, "UPSTREAM_ERROR"), answer
+    response, found = await after.call(
+        "POST", "/v1/memories/search", {"query": "green tea", "mode": "text"}
+    )
+    assert response.code == 200 and found["data"][0]["memory"]["id"] == kept["id"]
+    _, listed = await after.call("GET", "/v1/memories")
+    assert [(each["id"], each["content"]) for each in listed["data"]] == [
+        (kept["id"], "likes green tea"),
+        (other["id"], "lives in Oslo"),
+    ]
+    await waitFor(lambda: len(after.ledger.rows) == 4)
+    assert [row.outcome for row in after.ledger.rows] == ["ok"] * 4
+    # The scope's only memory of the model takes a vector of another
+    # length, and an empty scope any length.
+    response, _ = await before.call("DELETE", f"/v1/memories/{other['id']}")
+    assert response.code == 200
+    response, changed = await after.call(
+        "PATCH", f"/v1/memories/{kept['id']}", {"content": "likes black coffee"}
+    )
+    assert response.code == 200, changed
+    response, _ = await before.call("DELETE", "/v1/memories")
+    assert response.code == 200
+    response, answer = await before.call("POST", "/v1/memories", {"content": "likes coffee"})
+    assert response.code == 201, answer

@@ -337,6 +337,38 @@ def test_failuresBackOffThenEndFailed(postgresServer: PostgresServer, tmp_path: 
         assert (starts[2] - starts[1]).total_seconds() >= 2.0
 
 
+@pytest.mark.parametrize("embedder", ["vectors:huge", "vectors:short"])
+def test_aVectorMemoryCannotUseIsAFailedAttempt(
+    postgresServer: PostgresServer, tmp_path: Path, embedder: str
+) -> None:
+    """
+    Vectors memory cannot use (a JSON number beyond float32, which raised
+    OverflowError out of the embedder: "internal error of svc-worker" with
+    a traceback; one value fewer than the model's dimensions, which was
+    stored) are the provider's fault (decisions D13 amended): a failed
+    attempt like any other, nothing stored, the embedding's row kept with
+    what the provider counted, nothing logged as unexpected.
+    """
+    with runningWorkerRig(postgresServer, tmp_path, extraction=False, embedder=embedder) as rig:
+        worker = rig.startWorker(SVC_WORKER_MAX_ATTEMPTS="1")
+        [requestID] = newRequestIDs(1)
+        rig.queue({requestID: "I prefer tea to coffee."})
+        waitUntil(lambda: _state(rig) == "failed", "the observation failed", 30)
+        [row] = rig.observations()
+        assert row["attempts"] == 1
+        assert row["reason"].startswith("embedding: UPSTREAM_ERROR: "), row["reason"]
+        waitUntil(lambda: len(rig.ledger()) == 1, "the embedding's row")
+        [charged] = rig.ledger()
+        assert (charged["kind"], charged["outcome"], charged["prompt_tokens"]) == (
+            "embedding",
+            "upstream_error",
+            5,
+        )
+        assert rig.memories() == []
+        waitForMetric(rig, worker, 'svc_worker_observations_total{outcome="failed"}', 1)
+        assert "Fault processing observation" not in worker.output()
+
+
 def _state(rig: WorkerRig) -> str | None:
     rows = rig.observations()
     return rows[0]["state"] if rows else None

@@ -29,7 +29,11 @@ from svcd.auth.store import Store
 from svcd.pb.memory.v1 import memory_pb2, memory_pb2_grpc
 from svcd.testing.daemons import Daemon, authEnvironment, memoryEnvironment
 from svcd.testing.servers import PostgresServer, RedisServer, freePort
-from svcd.testing.upstream import ScriptedUpstream, memoryProvidersFile
+from svcd.testing.upstream import (
+    MEMORY_EMBEDDING_DIMENSIONS,
+    ScriptedUpstream,
+    memoryProvidersFile,
+)
 
 
 def waitUntil(condition: Callable[[], bool], what: str, seconds: float = 30.0) -> None:
@@ -179,6 +183,7 @@ def runningWorkerRig(
     extractor: str = "echo",
     extraction: bool = True,
     prepare: Callable[[WorkerRig], None] | None = None,
+    embedder: str = "echo",
 ) -> Iterator[WorkerRig]:
     """
     The stack, without a worker (the test starts its own, after
@@ -192,7 +197,9 @@ def runningWorkerRig(
     connection = psycopg.connect(dsn, autocommit=True)
     owner = Store(lambda: contextlib.nullcontext(connection))
     tenant = makeTenant(owner, "main")
-    upstream = ScriptedUpstream(workdir / "upstream").start()
+    upstream = ScriptedUpstream(
+        workdir / "upstream", embeddingDimensions=MEMORY_EMBEDDING_DIMENSIONS
+    ).start()
     auth = Daemon("svc-auth", authEnvironment(dsn), workdir / "auth.log").start()
     memory = Daemon("svc-memory", memoryEnvironment(dsn), workdir / "memory.log").start()
     rig = WorkerRig(
@@ -204,7 +211,9 @@ def runningWorkerRig(
         workdir=workdir,
         owner=owner,
         tenant=tenant,
-        providers=memoryProvidersFile(workdir / "providers.toml", upstream, extractor, extraction),
+        providers=memoryProvidersFile(
+            workdir / "providers.toml", upstream, extractor, extraction, embedder
+        ),
     )
     try:
         auth.waitForReady()

@@ -292,6 +292,7 @@ def reserveEmbeddings(
     providers: ProviderTable,
     orgID: str,
     applicable: Applicable,
+    attempts: Sequence[Model] | None = None,
 ) -> tuple[int, int]:
     """
     What an embeddings request that will be forwarded to C{model} reserves
@@ -300,10 +301,15 @@ def reserveEmbeddings(
     nano-dollars (else 0): for each model that may answer (priced ones
     only, L{attemptsOf}), one token per byte of the body it is sent at its
     input price, the largest of those.
+
+    @param attempts: the models that may answer when not L{attemptsOf}'s
+        (the gateway's own embeddings: the model alone), priced ones only.
     """
     cost = 0
     if applicable.budgeted:
-        for attempt in attemptsOf(providers, model, orgID, True):
+        if attempts is None:
+            attempts = attemptsOf(providers, model, orgID, True)
+        for attempt in attempts:
             price = attempt.price
             assert price is not None
             body = embeddingsBody(embeddings.document, attempt)

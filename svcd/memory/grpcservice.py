@@ -46,6 +46,7 @@ from svcd.memory.records import (
     FORBIDDEN_DETAILS,
     FORGOTTEN_DETAILS,
     MAX_REASON_CHARACTERS,
+    OTHER_LENGTH,
     Embedding,
     InvalidMemory,
     NewObservation,
@@ -656,6 +657,9 @@ class MemoryServicer:
                 memories.append((checkContent(each.content), _embedding(each, "embedding")))
             except InvalidMemory as invalid:
                 raise InvalidMemory(f"memories[{index}].{invalid.field}", invalid.problem) from None
+            if memories[index][1].dimensions != memories[0][1].dimensions:
+                # One provider's answer: one length (its planning compares them).
+                raise InvalidMemory(f"memories[{index}].embedding", OTHER_LENGTH)
         writes = self._plan(scope, memories, dedupeScore)
         updates = [write for write in writes if write.target is not None]
         if updates and (

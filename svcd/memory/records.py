@@ -48,6 +48,11 @@ FORBIDDEN_DETAILS = "the id belongs to another organization, agent or subject"
 FORGOTTEN_DETAILS = "the observation was forgotten"
 EXTRACTED = "extracted"
 SOURCES = (API, EXTRACTED)
+# The problem of an embedding whose length is not that of the scope's other
+# vectors of its model (decisions D13 amended, "Vectors never mix"):
+# svc-memory's INVALID_ARGUMENT on the field "embedding", which svc-proxy
+# answers 502 UPSTREAM_ERROR (a provider made the vector), never 400.
+OTHER_LENGTH = "is not the length of the scope's other vectors of its model"
 MAX_REASON_CHARACTERS = 500
 
 

@@ -25,7 +25,7 @@ from twisted.logger import Logger
 from svcd.common.metrics import Children
 from svcd.memory.config import DEFAULT_PARALLEL_ROWS
 from svcd.memory.recordcache import RecordCache
-from svcd.memory.records import Embedding, Query, Scope
+from svcd.memory.records import OTHER_LENGTH, Embedding, InvalidMemory, Query, Scope
 from svcd.memory.store import MemoryStore
 from svcd.memory.text import FUSED_DEPTH, ScopeText, TextKey, fuse
 from svcd.memory.vectors import (
@@ -112,9 +112,19 @@ class Searcher:
             self._executor, workers if parallelRows else 1, parallelRows
         )
 
-    def vectorsOf(self, key: ScopeKey, scope: Scope) -> tuple[ScopeVectors, bool]:
+    def vectorsOf(
+        self, key: ScopeKey, scope: Scope, strict: bool = False
+    ) -> tuple[ScopeVectors, bool]:
         """
         The vectors of C{key}, and whether they came from the cache.
+
+        @param strict: refuse a query whose length is not that of the
+            scope's vectors of its model (decisions D13 amended, "Vectors
+            never mix": the provider's fault, which it compared with
+            nothing, silently), as a scope loaded without a vector of its
+            length finds by one more look-up (L{MemoryStore.scopeLength});
+            nothing is cached then.
+        @raise InvalidMemory: on the field C{query}, L{OTHER_LENGTH}.
         """
         cached = self._cache.lookup(key)
         if cached is not None:
@@ -123,6 +133,10 @@ class Searcher:
         load = self._cache.beginLoad(key)
         try:
             rows = self._store.scopeRows(scope, key.model, key.dimensions)
+            if strict and not rows.count:
+                held = self._store.scopeLength(scope, key.model)
+                if held is not None and held != key.dimensions:
+                    raise InvalidMemory("query", OTHER_LENGTH)
             loaded = ScopeVectors.fromRows(key.dimensions, rows)
         except BaseException:
             self._cache.abandonLoad(load)
@@ -196,9 +210,12 @@ class Searcher:
         Each memory in its wire encoding (L{svcd.memory.wire.encodedMemory}).
         Memories are named by their ids' 128-bit ints from the ranking to
         the answer: a search makes no L{uuid.UUID}.
+
+        @raise InvalidMemory: C{query} is not the length of the scope's
+            vectors of its model (L{vectorsOf}, strict).
         """
         started = time.perf_counter()
-        ranking, cached = self._ranked(scope, query, k, minScore, mode, text)
+        ranking, cached = self._ranked(scope, query, k, minScore, mode, text, strict=True)
         encoded = self.recordsOf(scope, ranking.keys)
         if self._searchSeconds is not None:
             self._children.of(self._searchSeconds, "hit" if cached else "miss", mode).observe(
@@ -231,16 +248,19 @@ class Searcher:
         minScore: float | None,
         mode: str,
         text: str,
+        strict: bool = False,
     ) -> tuple[Ranking, bool]:
         """
         L{search}'s ranking, and whether every index it read was cached.
+
+        @param strict: as L{vectorsOf}'s.
         """
         cached = True
         rankings: list[Ranking] = []
         if mode != TEXT:
             assert query is not None
             key = ScopeKey(scope.orgID, scope.agentID, scope.subject, query.model, query.dimensions)
-            vectors, cached = self.vectorsOf(key, scope)
+            vectors, cached = self.vectorsOf(key, scope, strict)
             rankings.append(
                 vectors.rank(
                     query.unit,

@@ -43,8 +43,10 @@ from svcd.memory.forgetting import (
 )
 from svcd.memory.records import (
     EXTRACTED,
+    OTHER_LENGTH,
     ClaimedObservation,
     Embedding,
+    InvalidMemory,
     MemoryRecord,
     NewObservation,
     QueuedObservation,
@@ -366,6 +368,8 @@ class MemoryStore:
 
         @raise ScopeFull: the scope holds C{maxPerScope} memories already.
         @raise StoreRejected: the agent is not one of the organization's.
+        @raise InvalidMemory: the vector is not the length of the scope's
+            other vectors of its model (L{_checkLength}).
         """
         memoryID = uuid7()
 
@@ -389,6 +393,7 @@ class MemoryStore:
             )
             if _one(cursor.fetchone())["held"] >= maxPerScope:
                 raise ScopeFull(f"the scope holds {maxPerScope} memories already")
+            _checkLength(cursor, scope, embedding)
             cursor.execute(
                 "INSERT INTO memories (id, org_id, agent_id, subject, content, metadata, source,"
                 " source_request_id, embedding_model, dimensions, vector)"
@@ -449,6 +454,8 @@ class MemoryStore:
             L{ObservationForgotten}: a deletion took it): nothing added.
         @raise MemoryForbidden: it is another organization's.
         @raise ScopeFull: the scope cannot hold them all: nothing added.
+        @raise InvalidMemory: a vector is not the length of the scope's
+            other vectors of its model: nothing added.
         """
 
         def store(cursor: Cursor) -> list[MemoryRecord] | None:
@@ -584,6 +591,8 @@ class MemoryStore:
 
         @raise MemoryNotFound: no memory has this id.
         @raise MemoryForbidden: it is another scope's.
+        @raise InvalidMemory: the new vector is not the length of the
+            scope's other vectors of its model (L{_checkLength}).
         """
         assignments = ["updated_at = now()"]
         values: list[object] = []
@@ -598,6 +607,9 @@ class MemoryStore:
             values += [embedding.model, embedding.dimensions, embedding.vector]
 
         def change(cursor: Cursor) -> MemoryRecord:
+            if embedding is not None:
+                _lockScope(cursor, scope)
+                _checkLength(cursor, scope, embedding, memoryID)
             cursor.execute(
                 f"UPDATE memories SET {', '.join(assignments)}"
                 " WHERE id = %s AND org_id = %s AND agent_id = %s AND subject = %s"
@@ -716,6 +728,16 @@ class MemoryStore:
             return ScopeRows(b"".join(ids), created, b"".join(vectors))
 
         return self._run("memory_scope_vectors", query, scope.orgID, binary=True)
+
+    def scopeLength(self, scope: Scope, model: str) -> int | None:
+        """
+        The length of the scope's vectors of C{model} (every one has the
+        same: L{_checkLength}), None when it holds none: one indexed
+        look-up, for a search that found no vector of its query's length.
+        """
+        return self._run(
+            "memory_scope_length", lambda cursor: _scopeLength(cursor, scope, model), scope.orgID
+        )
 
     def scopeTexts(self, scope: Scope) -> ScopeTexts:
         """
@@ -1208,6 +1230,47 @@ def _lockScope(cursor: Cursor, scope: Scope) -> None:
     )
 
 
+def _checkLength(
+    cursor: Cursor, scope: Scope, embedding: Embedding, memoryID: uuid.UUID | None = None
+) -> None:
+    """
+    Refuse a vector whose length is not that of the scope's other vectors
+    of its model (decisions D13 amended, "Vectors never mix"): a search
+    compares a query only with vectors of its own length, so a memory of
+    another length would start a set of its own, silently, that the
+    model's queries never find. Called under the scope's lock, so that two
+    writes of different lengths cannot both pass.
+
+    One indexed look-up (C{memories_scope_newest}): the scope's newest
+    memory of the model, other than C{memoryID} (the memory a new content
+    replaces the vector of), whose length every other one shares, since
+    each was checked so when written.
+
+    @raise InvalidMemory: on the field C{embedding}, L{OTHER_LENGTH}.
+    """
+    held = _scopeLength(cursor, scope, embedding.model, memoryID)
+    if held is not None and held != embedding.dimensions:
+        raise InvalidMemory("embedding", OTHER_LENGTH)
+
+
+def _scopeLength(
+    cursor: Cursor, scope: Scope, model: str, memoryID: uuid.UUID | None = None
+) -> int | None:
+    """
+    The length of the scope's newest vector of C{model} other than
+    C{memoryID}'s (L{_checkLength}), None when it holds none.
+    """
+    cursor.execute(
+        "SELECT dimensions FROM memories"
+        " WHERE org_id = %s AND agent_id = %s AND subject = %s AND embedding_model = %s"
+        " AND id IS DISTINCT FROM %s"
+        " ORDER BY created_at DESC, id DESC LIMIT 1",
+        (scope.orgID, scope.agentID, scope.subject, model, memoryID),
+    )
+    row = cursor.fetchone()
+    return None if row is None else int(row["dimensions"])
+
+
 def _inScope(cursor: Cursor, scope: Scope, memoryID: uuid.UUID, columns: str) -> dict[str, Any]:
     """
     The row of memory C{memoryID} of the scope.
@@ -1279,12 +1342,18 @@ def _addExtracted(
     )
     count = _one(cursor.fetchone())["held"]
     records = []
+    # Each length of each model checked once: after the first insert, the
+    # scope's newest memory of the model is one of these.
+    checked = set()
     for content, embedding in memories:
         if content in held:
             records.append(held[content])
             continue
         if count >= maxPerScope:
             raise ScopeFull(f"the scope holds {maxPerScope} memories already")
+        if (embedding.model, embedding.dimensions) not in checked:
+            _checkLength(cursor, scope, embedding)
+            checked.add((embedding.model, embedding.dimensions))
         cursor.execute(
             "INSERT INTO memories (id, org_id, agent_id, subject, content, metadata,"
             " source, source_request_id, embedding_model, dimensions, vector)"

@@ -9,11 +9,19 @@ settled and recorded alike, and alike with a client's own C{POST
 /v1/embeddings} (whose route shares L{accountEmbedding}):
 
   - forwarded through the L{Forwarder} with the L{EMBEDDINGS} operation
-    (decisions D9's headers, timeouts, fault mapping and fallbacks): C{{"model",
+    (decisions D9's headers, timeouts and fault mapping): C{{"model",
     "input": [...], "encoding_format": "base64"}}, never streamed;
+  - to the model alone, never one of its fallbacks (decisions D13
+    amended, "Vectors never mix": a fallback's vectors live in another
+    space, and a memory stored with them would never be found by the
+    model's queries; L{memoryAttempts});
   - the answer's base64 vectors decoded into float32 bytes, little-endian,
-    as svc-memory stores and searches them (L{decodeVectors}): never a
-    Python float per component;
+    as svc-memory stores and searches them
+    (L{svcd.providers.vectors.vectorsOf}): never a Python float per
+    component; a vector not the model's C{dimensions} long (when the
+    providers file gives them) or with a value that is not a finite
+    float32 is the provider's fault (502), its row recorded with the
+    provider's usage;
   - the reservation the caller made at its admission (or none) settled to
     the provider's C{usage.prompt_tokens} at the price of the model that
     answered, released after a fault (D11, D12);
@@ -32,10 +40,6 @@ forward's. It imports nothing of svc-proxy, so that svc-worker can use it.
 
 from __future__ import annotations
 
-import base64
-import binascii
-import json
-import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -54,7 +58,6 @@ from svcd.limits.admission import Admission
 from svcd.limits.book import Applicable
 from svcd.limits.records import Reservation
 from svcd.limits.reservation import (
-    attemptsOf,
     embeddingsRefusal,
     inputsEstimate,
     reserveEmbeddings,
@@ -62,6 +65,7 @@ from svcd.limits.reservation import (
 from svcd.providers.records import UpstreamRecord, Usage
 from svcd.providers.table import Model, ProviderTable
 from svcd.providers.upstream import EMBEDDINGS, Forwarder
+from svcd.providers.vectors import vectorsOf
 
 BASE64 = "base64"
 
@@ -95,8 +99,8 @@ class Embedded:
     The vectors of a call's texts, in the texts' order.
 
     @ivar model: the name (in the providers file) of the model that made
-        them: the model asked for, or the fallback that answered in its
-        place, whose vectors are comparable only with its own.
+        them: always the model asked for (never one of its fallbacks,
+        whose vectors compare with their own only).
     @ivar vectors: each text's float32 components, little-endian.
     @ivar promptTokens: the provider's count, None when it gave none.
     """
@@ -145,7 +149,29 @@ def reserveTexts(
     budget its worst-case cost (L{reserveEmbeddings}) of the very body
     L{Embedder.embed} sends.
     """
-    return reserveEmbeddings(embeddingsRequest(model, texts), model, providers, orgID, applicable)
+    return reserveEmbeddings(
+        embeddingsRequest(model, texts),
+        model,
+        providers,
+        orgID,
+        applicable,
+        memoryAttempts(model, orgID, True),
+    )
+
+
+def memoryAttempts(model: Model, orgID: str, budgeted: bool) -> tuple[Model, ...]:
+    """
+    The models that may make the gateway's own vectors for C{model}: the
+    model alone, never one of its fallbacks (decisions D13 amended,
+    "Vectors never mix": a fallback's vectors live in another space, so a
+    memory it embedded would never be found by the model's queries, nor a
+    query it embedded find the model's memories); none when C{orgID} may
+    not use it, or under a budget when it has no price (never billed at
+    zero).
+    """
+    if not model.allows(orgID) or (budgeted and model.price is None):
+        return ()
+    return (model,)
 
 
 def embeddingRefusal(model: Model, budgeted: bool) -> ApiError | None:
@@ -233,7 +259,7 @@ class Embedder:
     the module docstring).
 
     @param providers: the providers file, which names the models and
-        their prices and fallbacks.
+        their prices.
     @param forwarder: the providers' client.
     @param admission: settles the callers' reservations.
     @param ledger: where each call's row goes; None records none.
@@ -274,8 +300,8 @@ class Embedder:
 
         @param reservation: what the caller's admission reserved for this
             call (L{reserveTexts}), under C{call.ledgerID}; settled here.
-        @param budgeted: whether a budget applies to the caller (then
-            fallbacks without a price are never tried).
+        @param budgeted: whether a budget applies to the caller (then a
+            model without a price is never tried).
         @param record: filled with what the forward did (provider, model,
             usage, time), for the caller's access log; one of its own by
             default.
@@ -284,10 +310,10 @@ class Embedder:
             for the providers' own timeouts only.
 
         @return: a Deferred of the vectors (L{Embedded}); it fails with
-            L{ApiError}: the provider's fault as decisions D9 maps it (after
-            the fallbacks), 502 UPSTREAM_ERROR for an answer without
-            usable vectors, 503 SERVICE_DEGRADED when the ledger has no
-            room (nothing is forwarded then).
+            L{ApiError}: the provider's fault as decisions D9 maps it (no
+            fallback is tried), 502 UPSTREAM_ERROR for an answer without
+            usable vectors (L{vectorsOf}), 503 SERVICE_DEGRADED when the
+            ledger has no room (nothing is forwarded then).
         """
         if not texts:
             raise ValueError("nothing to embed")
@@ -319,21 +345,27 @@ class Embedder:
         record: UpstreamRecord,
     ) -> tuple[bytes, ...]:
         """
-        Forward C{texts} as C{call}'s organization (its fallbacks) under
+        Forward C{texts} to C{model} alone (L{memoryAttempts}) under
         C{call}'s request id, and read their vectors: an answer without
-        them is the provider's fault (502), and the caller's row says so
-        (a recall's charge reads the same outcome).
+        usable ones (L{vectorsOf}: their count, their length, the model's
+        C{dimensions}, finite float32 values) is the provider's fault
+        (502), and the caller's row says so with the provider's usage (a
+        recall's charge reads the same outcome).
         """
+        attempts = memoryAttempts(model, call.orgID, budgeted)
+        if not attempts:
+            # The callers look the model up for the organization first.
+            raise ValueError("the model may not embed for this organization")
         answer = await self._forwarder.forward(
             embeddingsRequest(model, texts).document,
-            attemptsOf(self.providers, model, call.orgID, budgeted),
+            attempts,
             call.requestID,
             NEVER_STREAMED,
             noErrorEvent,
             record,
             operation=EMBEDDINGS,
         )
-        return vectorsOf(answer.document, len(texts))
+        return vectorsOf(answer.document, len(texts), model.dimensions)
 
     def now(self) -> float:
         """
@@ -382,7 +414,7 @@ class Embedder:
             )
         usage = record.usage
         return Embedded(
-            record.model or model.name,
+            model.name,
             vectors,
             usage.promptTokens if usage is not None else None,
         )
@@ -397,7 +429,7 @@ class Embedder:
         proportion to their D11 estimates (L{apportioned}), so that the
         rows add up to what the provider counted (when no caller gave up).
         All of them one
-        organization's (the fallbacks tried are its own), none with a
+        organization's, none with a
         reservation (a recall's charge is its chat's).
 
         A text whose caller gave up (L{giveUp}) is recorded then, as a
@@ -448,7 +480,7 @@ class Embedder:
                 each.record.upstreamMilliseconds = shared.upstreamMilliseconds
                 each.record.usage = share
                 self._recordText(model, each, outcome, startedAt, endedAt)
-        name = shared.model or model.name
+        name = model.name
         return [
             Embedded(name, (vector,), share.promptTokens if share is not None else None)
             for vector, share in zip(vectors, shares, strict=True)
@@ -709,73 +741,10 @@ def _forget(result: object, batch: Sequence[_Queued]) -> object:
 def _key(queued: _Queued) -> tuple[str, str, bool]:
     """
     What texts must share to share a forward: the model, the organization,
-    and whether a budget applies (which decides the fallbacks tried).
+    and whether a budget applies (which decides whether an unpriced model
+    is tried).
     """
     return (queued.model.name, queued.shared.call.orgID, queued.budgeted)
-
-
-def decodeVectors(body: bytes, count: int) -> tuple[bytes, ...]:
-    """
-    The C{count} vectors of an OpenAI-shaped embeddings answer's body
-    (L{vectorsOf}).
-
-    @raise ApiError: 502 UPSTREAM_ERROR when it is not JSON, or as
-        L{vectorsOf}.
-    """
-    try:
-        document = json.loads(body)
-    except ValueError:
-        raise _unreadable() from None
-    return vectorsOf(document, count)
-
-
-def vectorsOf(document: object, count: int) -> tuple[bytes, ...]:
-    """
-    The C{count} vectors of an OpenAI-shaped embeddings answer, parsed
-    (the forwarder's L{svcd.providers.upstream.Answer.document}: the body
-    is not parsed twice), in the order of their C{index}, as float32
-    bytes, little-endian: base64 strings decoded as they are (the bytes
-    OpenAI encodes), arrays of numbers (a provider that ignored
-    C{encoding_format}) packed.
-
-    @raise ApiError: 502 UPSTREAM_ERROR when the answer does not hold
-        exactly one non-empty vector per text, all of one length.
-    """
-    try:
-        if not isinstance(document, dict):
-            raise ValueError("not an object")
-        data = document["data"]
-        if not isinstance(data, list) or len(data) != count:
-            raise ValueError("not one vector per text")
-        vectors: list[bytes | None] = [None] * count
-        for item in data:
-            index = item["index"]
-            if not isinstance(index, int) or not 0 <= index < count or vectors[index] is not None:
-                raise ValueError("bad index")
-            vectors[index] = _vectorBytes(item["embedding"])
-        lengths = {len(vector) for vector in vectors if vector is not None}
-        if len(lengths) != 1 or 0 in lengths:
-            raise ValueError("vectors of several lengths")
-    except (ValueError, KeyError, TypeError, binascii.Error, struct.error):
-        raise _unreadable() from None
-    return tuple(vector for vector in vectors if vector is not None)
-
-
-def _unreadable() -> ApiError:
-    return ApiError(ErrorCode.UPSTREAM_ERROR, "The model provider's embeddings could not be read.")
-
-
-def _vectorBytes(embedding: object) -> bytes:
-    if isinstance(embedding, str):
-        raw = base64.b64decode(embedding, validate=True)
-        if len(raw) % 4:
-            raise ValueError("not float32 components")
-        return raw
-    if isinstance(embedding, list) and all(
-        isinstance(each, (int, float)) and not isinstance(each, bool) for each in embedding
-    ):
-        return struct.pack(f"<{len(embedding)}f", *embedding)
-    raise ValueError("not a vector")
 
 
 class _NeverStreamed:

@@ -41,8 +41,9 @@ C{output} (embeddings have no output tokens); C{max_output_tokens} and
 C{cap_field}, which bound an answer's output, are for chat models only.
 They also add the optional C{[memory]} table (L{MemoryConfig}): the
 embedding model that memory uses (required in the table; without the
-table, memory is off), the worker's extraction model, and recall's
-settings, each checked here like the rest of the file.
+table, memory is off; memory uses it alone, never its fallbacks), the
+worker's extraction model, and recall's settings, each checked here like
+the rest of the file.
 """
 
 from __future__ import annotations
@@ -270,7 +271,9 @@ class MemoryConfig:
     memory uses and how recall behaves, the same for every organization.
 
     @ivar embeddingModel: the C{kind = "embedding"} model that embeds
-        every memory and every query; memory is off without it.
+        every memory and every query; memory is off without it. Alone:
+        memory never tries its fallbacks (decisions D13 amended, "Vectors
+        never mix"), which still answer for it on C{POST /v1/embeddings}.
     @ivar extractionModel: the chat model the worker asks for memories, or
         None (then an observation's user text is its one memory).
     @ivar recallK: how many memories a recall asks for.

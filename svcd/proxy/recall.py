@@ -11,9 +11,12 @@ The route (L{svcd.proxy.http.routes.chat}) asks two things of this module:
     (L{RecallPlan.reserveTokens}, L{RecallPlan.extraBodyBytes},
     L{RecallPlan.embeddingCost}), reserved with the chat's own admission:
     one Redis script call per request stays the rule;
-  - in its handler, L{Recaller.recall}: the query embedded (one ledger row
-    of kind C{embedding} whose parent is the chat's request id; not in
-    C{recall_mode = "text"}, which ranks by words alone) and the scope
+  - in its handler, L{Recaller.recall}: the query embedded by the
+    C{[memory]} model alone (one ledger row of kind C{embedding} whose
+    parent is the chat's request id; never by one of its fallbacks, whose
+    vector would be compared with vectors of another space: decisions D13
+    amended, "Vectors never mix", so a failing model is a recall's fault;
+    not in C{recall_mode = "text"}, which ranks by words alone) and the scope
     searched by the table's C{recall_mode}, both within
     C{SVC_MEMORY_TIMEOUT}; the memories
     assembled into one system message (L{memoryMessage}, L{assemble}).

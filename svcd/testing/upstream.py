@@ -166,6 +166,14 @@ byte-level tokenizer could count (an embedding has no cap), and
 C{usage-over-cap:<factor>} that many times more. C{"stream": true} is
 ignored: embeddings never stream.
 
+C{vectors:<how>} (embeddings only; a chat completion naming it is a 400)
+answers vectors a provider should never send: C{short} and C{long}, one
+value fewer or more than the length asked for; C{huge}, the first value
+1e39 (beyond float32) and C{nan}, the first value C{NaN}, both written as
+JSON numbers whatever C{encoding_format} asked (a provider that ignored
+it); C{infinity}, the first value an infinity (float32's in base64, else
+the JSON token C{Infinity}).
+
 Routes of the control port
 ==========================
 
@@ -289,8 +297,10 @@ _ANSWER_KINDS = frozenset(
     }
 )
 _DELIVERY_DIRECTIVES = frozenset(
-    {"slow", "hold", "gap", "no-usage", "usage", "usage-at-cap", "usage-over-cap"}
+    {"slow", "hold", "gap", "no-usage", "usage", "usage-at-cap", "usage-over-cap", "vectors"}
 )
+# The arguments of the embeddings' directive vectors:<how>.
+VECTOR_FAULTS = frozenset({"short", "long", "huge", "nan", "infinity"})
 DIRECTIVES = _ANSWER_KINDS | _DELIVERY_DIRECTIVES
 
 _NOT_JSON = b"this is not JSON"
@@ -332,6 +342,7 @@ class Script:
     usage: bool = True
     counts: tuple[int, ...] | None = None
     capFactor: int = 0
+    vectors: str | None = None
 
 
 def _number(directive: str, text: str, low: int, high: int) -> int:
@@ -395,6 +406,10 @@ def parseScript(model: str) -> Script:
             if len(arguments) > 1:
                 raise ScriptError("usage-over-cap takes at most a factor: usage-over-cap:<factor>")
             fields["capFactor"] = _number(name, arguments[0], 2, 1000) if arguments else 2
+        elif name == "vectors":
+            if len(arguments) != 1 or arguments[0] not in VECTOR_FAULTS:
+                raise ScriptError(f"vectors takes one of {sorted(VECTOR_FAULTS)}: vectors:<how>")
+            fields["vectors"] = arguments[0]
         elif name in ("slow", "hold", "gap"):
             if len(arguments) != 1:
                 raise ScriptError(f"{name} takes milliseconds: {name}:<ms>")
@@ -1006,11 +1021,7 @@ class _EmbeddingsAnswer(_Answer):
     def _answerWhole(self) -> None:
         data = []
         for index, text in enumerate(self._inputs):
-            values, packed = embeddingOf(text, self._dimensions)
-            vector: object = (
-                base64.b64encode(packed).decode("ascii") if self._encoding == "base64" else values
-            )
-            data.append({"object": "embedding", "index": index, "embedding": vector})
+            data.append({"object": "embedding", "index": index, "embedding": self._vector(text)})
         answer: dict[str, object] = {"object": "list", "data": data, "model": self._model}
         if self._script.usage:
             counts = self._script.counts
@@ -1023,6 +1034,23 @@ class _EmbeddingsAnswer(_Answer):
         if self._script.kind != "never-ending":
             self._request.setHeader(b"content-length", b"%d" % len(encoded))
         self._afterHold(lambda: self._writeWhole(encoded))
+
+    def _vector(self, text: str) -> object:
+        """
+        The vector of C{text} as the request's encoding gives it, or as the
+        script's C{vectors:<how>} spoils it (see "Embeddings").
+        """
+        how = self._script.vectors
+        dimensions = self._dimensions + {"short": -1, "long": 1}.get(how or "", 0)
+        values, packed = embeddingOf(text, max(dimensions, 1))
+        if how in ("huge", "nan"):
+            # Numbers whatever the encoding asked: a provider that ignored it.
+            return [1e39 if how == "huge" else math.nan, *values[1:]]
+        if how == "infinity":
+            if self._encoding != "base64":
+                return [math.inf, *values[1:]]
+            packed = struct.pack("<f", math.inf) + packed[4:]
+        return base64.b64encode(packed).decode("ascii") if self._encoding == "base64" else values
 
 
 class UpstreamResource(Resource):
@@ -1139,6 +1167,8 @@ class UpstreamResource(Resource):
             return self._error(request, record, 400, "You must provide a model parameter.", None)
         try:
             script = parseScript(model)
+            if script.vectors is not None:
+                raise ScriptError("vectors is for embeddings")
             if script.capFactor:
                 counts = capUsage(record.body, record.bodyLength, script.capFactor)
                 script = attrs.evolve(script, counts=counts)
@@ -1649,6 +1679,12 @@ class ScriptedUpstream:
         )
 
 
+# The length of memoryProvidersFile's embedding model's vectors: the
+# upstream that serves it must be started with it (embeddingDimensions),
+# since a vector of another length than the model's declared dimensions is
+# the provider's fault (decisions D13 amended).
+MEMORY_EMBEDDING_DIMENSIONS = 256
+
 MEMORY_PROVIDERS = """
 [[providers]]
 name = "scripted"
@@ -1663,9 +1699,9 @@ price = {{ input = "1.00", output = "2.00" }}
 [[models]]
 name = "embedder"
 provider = "scripted"
-upstream_model = "echo"
+upstream_model = "{embedder}"
 kind = "embedding"
-dimensions = 256
+dimensions = {dimensions}
 price = {{ input = "0.02" }}
 
 [memory]
@@ -1676,13 +1712,19 @@ dedupe_score = 0.92
 
 
 def memoryProvidersFile(
-    path: Path, upstream: ScriptedUpstream, extractor: str = "echo", extraction: bool = True
+    path: Path,
+    upstream: ScriptedUpstream,
+    extractor: str = "echo",
+    extraction: bool = True,
+    embedder: str = "echo",
 ) -> Path:
     """
     A providers file of priced scripted models for memory (svc-worker's
     tests and bench/worker_drain.py): an embedding model of 256 dimensions
-    and, unless C{extraction} is false, an extraction model answering as
-    C{extractor} (a script of this module).
+    (L{MEMORY_EMBEDDING_DIMENSIONS}, which C{upstream} must have been
+    started with) answering as C{embedder} and, unless C{extraction} is
+    false, an extraction model answering as C{extractor} (scripts of this
+    module).
 
     256 and not fewer: the scripted embedding is a hashed bag of words, and
     the tests' facts share most of their words ("My fact number 0 is
@@ -1700,7 +1742,9 @@ def memoryProvidersFile(
     path.write_text(
         MEMORY_PROVIDERS.format(
             base=upstream.baseURL,
+            dimensions=MEMORY_EMBEDDING_DIMENSIONS,
             extractor=extractor,
+            embedder=embedder,
             extraction='extraction_model = "extractor"' if extraction else "",
         )
     )

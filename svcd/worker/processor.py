@@ -69,6 +69,7 @@ from svcd.providers.embedder import (
     Embedder,
     EmbeddingCall,
     embeddingRefusal,
+    memoryAttempts,
     noErrorEvent,
     reserveTexts,
 )
@@ -407,15 +408,21 @@ class ObservationProcessor:
     ) -> Any:
         """
         Embed the memories in one call, as the organization (one row of kind
-        C{embedding}, by the gateway's embedder).
+        C{embedding}, by the gateway's embedder), with the memory model
+        alone (never a fallback, whose vectors would never be found).
+
+        An answer whose vectors memory cannot use (their length, a value
+        that is not a finite float32: 502 UPSTREAM_ERROR, its row kept, the
+        provider paid) is a failed attempt like any provider's fault:
+        counted and backed off, for a provider that misbehaves now may
+        answer well later, and one that never does ends at
+        C{SVC_WORKER_MAX_ATTEMPTS} instead of paying forever.
         """
         self._refuseWithoutRoom()
         model = self._settings.embeddingModel
         budgeted = applicable.budgeted
         refusal = embeddingRefusal(model, budgeted)
-        if refusal is not None or not attemptsOf(
-            self._providers, model, observation.orgID, budgeted
-        ):
+        if refusal is not None or not memoryAttempts(model, observation.orgID, budgeted):
             raise FailedAttempt(
                 "the embedding model has no price (and a budget applies) or is not open"
                 " to this organization",

@@ -34,8 +34,15 @@ What svc-memory answers is mapped here (L{_failure}): another
 organization's, agent's or subject's memory is 403 (never 404), no such id
 404, a full scope 409 MEMORY_FULL, no answer in time 503 SERVICE_DEGRADED.
 A provider's fault while embedding is the forwarder's (decisions D9), and
-nothing is stored. Contents, queries and messages are never logged:
-lengths and counts only.
+nothing is stored. Memory embeds with the C{[memory]} model alone, never
+one of its fallbacks (decisions D13 amended, "Vectors never mix": a
+fallback's vectors live in another space and would never be found); a
+vector that memory cannot use is 502 UPSTREAM_ERROR with nothing stored
+and the embedding's row kept: one not the model's C{dimensions} long, or
+with a value that is not a finite float32 (the embedder's,
+L{svcd.providers.vectors}), or not the length of the scope's other
+vectors of the model (svc-memory's INVALID_ARGUMENT on C{embedding}).
+Contents, queries and messages are never logged: lengths and counts only.
 """
 
 from __future__ import annotations
