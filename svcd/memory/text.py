@@ -3,10 +3,21 @@ Text search of one scope (decisions D13, "Hybrid search"): the words of
 its memories, an exact Okapi BM25 ranking over them, and the
 reciprocal-rank fusion of two rankings.
 
-Words. A word is a run of Unicode letters and numbers (the characters
-C{str.isalnum} accepts: categories L* and N*), lower-cased with
-C{str.lower} after it is cut out; everything else (spaces, punctuation,
-the underscore, combining marks) separates words. L{words} is the one
+Words (decisions D13, amended: "Words of every language"). The text is
+put in Unicode NFKC and case-folded (C{str.casefold}), then put in NFKC
+again: case folding can leave a text's combining marks out of their
+canonical order (a capital I with a dot above and a mark below folds to
+an i, the dot, then the mark below), and the second pass makes the words
+of a text and of its folded or normalized forms the same. A word is then
+a run of letters and numbers (the characters C{str.isalnum} accepts:
+categories L* and N*), each with the combining marks (categories M*)
+that follow it; everything else (spaces, punctuation, the underscore,
+symbols, a mark that follows no letter) separates words. A run is cut
+where it passes between Han, Hiragana, Katakana or Hangul
+(L{_CJK_RANGES}) and other characters; each such CJK part, in which words
+are not separated by spaces, gives its overlapping pairs of characters (a
+part of one character is one word), and each other part is one word:
+C{"東京2024年"} is C{"東京"}, C{"2024"}, C{"年"}. L{words} is the one
 definition, used for memories and queries alike.
 
 BM25, exactly as D13 states it, over the memories of one organization,
@@ -40,9 +51,11 @@ listener waits at most one search of one scope.
 from __future__ import annotations
 
 import math
+import operator
 import re
 import sys
 import threading
+import unicodedata
 import uuid
 from collections.abc import Iterable, Sequence
 
@@ -60,7 +73,91 @@ B = 0.75
 RRF_CONSTANT = 60
 FUSED_DEPTH = 100
 
-_WORD = re.compile(r"[^\W_]+")
+
+def _markRanges() -> list[tuple[int, int]]:
+    """
+    The combining marks (categories Mn, Mc, Me) of the running Python's
+    Unicode, as ranges of code points. Only planes 0, 1 and 14 hold marks
+    (2 and 3 hold ideographs, 4 to 13 nothing, 15 and 16 private use; a
+    test checks it): a seventh of the code points, read at import.
+    """
+    category = unicodedata.category
+    points = [
+        point
+        for first, end in ((0, 0x20000), (0xE0000, 0xF0000))
+        for point in range(first, end)
+        if category(chr(point))[0] == "M"
+    ]
+    ranges: list[tuple[int, int]] = []
+    for point in points:
+        if ranges and ranges[-1][1] == point - 1:
+            ranges[-1] = (ranges[-1][0], point)
+        else:
+            ranges.append((point, point))
+    return ranges
+
+
+def _characterClass(ranges: Iterable[tuple[int, int]]) -> str:
+    """
+    Ranges of code points as the inside of a regular expression's class.
+    """
+    return "".join(f"\\U{low:08x}-\\U{high:08x}" for low, high in ranges)
+
+
+# The characters of Han, Hiragana, Katakana and Hangul (with the kana
+# marks, such as the prolonged sound mark U+30FC, that Unicode gives to
+# both kana scripts), whole blocks where every character of the block that
+# may be in a word (a letter or a number) is one of them: a block's
+# punctuation, symbols and unassigned points are never in a word. No
+# combining mark is in these ranges (U+302A to U+302F, U+3099 and U+309A
+# are left out): a mark follows the character before it. Halfwidth forms
+# and other compatibility characters are not here: NFKC has replaced them.
+_CJK_RANGES = (
+    (0x1100, 0x11FF),  # Hangul Jamo
+    (0x3005, 0x3007),  # ideographic iteration mark, closing mark, number zero
+    (0x3021, 0x3029),  # Hangzhou numerals
+    (0x3031, 0x3035),  # vertical kana repeat marks
+    (0x3038, 0x303C),  # Hangzhou numerals ten to thirty, iteration mark, masu
+    (0x3041, 0x3098),  # Hiragana
+    (0x309D, 0x30FF),  # Hiragana iteration marks and digraph; Katakana
+    (0x3131, 0x318F),  # Hangul Compatibility Jamo
+    (0x31F0, 0x31FF),  # Katakana Phonetic Extensions
+    (0x3400, 0x4DBF),  # CJK Unified Ideographs Extension A
+    (0x4E00, 0x9FFF),  # CJK Unified Ideographs
+    (0xA960, 0xA97F),  # Hangul Jamo Extended-A
+    (0xAC00, 0xD7FF),  # Hangul Syllables, Hangul Jamo Extended-B
+    (0xF900, 0xFAFF),  # CJK Compatibility Ideographs
+    (0x16FE3, 0x16FE3),  # old Chinese iteration mark
+    (0x1AFF0, 0x1B16F),  # Kana Extended-B, Supplement, Extended-A, Small Kana
+    (0x20000, 0x3FFFF),  # planes 2 and 3: ideographs only
+)
+
+_MARK_RANGES = _markRanges()
+_MARKS = _characterClass(_MARK_RANGES)
+_CJK = _characterClass(_CJK_RANGES)
+# Whether a text holds a mark, in two steps: a class of code points below
+# U+10000 alone is one bitmap for C{re}, while each range past it is one
+# more test of every character; only a text that holds characters past
+# U+FFFF (few do) is searched for the marks there.
+_BMP_MARK = re.compile(f"[{_characterClass(each for each in _MARK_RANGES if each[1] < 0x10000)}]")
+_ASTRAL = re.compile("[\\U00010000-\\U0010ffff]")
+_ASTRAL_MARK = re.compile(
+    f"[{_characterClass(each for each in _MARK_RANGES if each[0] >= 0x10000)}]"
+)
+_HAS_CJK = re.compile(f"[{_CJK}]")
+# A run, in a text without marks: letters and numbers.
+_RUN = re.compile(r"[^\W_]+")
+# A run, in a text with marks: a letter or a number, then letters, numbers
+# and marks (the underscore, a word character to C{re}, is replaced by a
+# space first).
+_MARKED_RUN = re.compile(f"\\w[\\w{_MARKS}]*")
+# A run's CJK parts, as L{re.split} keeps them (odd places), without marks
+# and with them.
+_CJK_PART = re.compile(f"([{_CJK}]+)")
+_MARKED_CJK_PART = re.compile(f"((?:[{_CJK}][{_MARKS}]*)+)")
+# A CJK part's characters, each with its marks.
+_CJK_CHARACTER = re.compile(f"[{_CJK}][{_MARKS}]*")
+_ASCII_WORD = re.compile("[a-z0-9]+")
 
 # An estimate of what the vocabulary costs per word besides the word's own
 # string: its dictionary slot and entry and its id (an int object), and
@@ -93,12 +190,53 @@ class TextKey:
         return True
 
 
+def normalized(text: str) -> str:
+    """
+    C{text} as words are cut from it: in NFKC, case-folded, in NFKC again
+    (see the module's docstring).
+    """
+    return unicodedata.normalize("NFKC", unicodedata.normalize("NFKC", text).casefold())
+
+
 def words(text: str) -> list[str]:
     """
     The words of C{text}, in order, repeats kept (see the module's
     docstring).
     """
-    return [each.lower() for each in _WORD.findall(text)]
+    if text.isascii():
+        # NFKC leaves ASCII as it is, and folds it as str.lower does; its
+        # letters and numbers are [a-z0-9].
+        return _ASCII_WORD.findall(text.lower())
+    text = normalized(text)
+    marked = _BMP_MARK.search(text) is not None or (
+        _ASTRAL.search(text) is not None and _ASTRAL_MARK.search(text) is not None
+    )
+    runs = _MARKED_RUN.findall(text.replace("_", " ")) if marked else _RUN.findall(text)
+    if _HAS_CJK.search(text) is None:
+        return runs
+    parts = _MARKED_CJK_PART if marked else _CJK_PART
+    found: list[str] = []
+    for run in runs:
+        pieces = [run] if run.isascii() else parts.split(run)
+        if len(pieces) == 1:
+            found.append(run)
+            continue
+        for index, part in enumerate(pieces):
+            if not index % 2:
+                # Not CJK: one word (or nothing, before or after a CJK part).
+                if part:
+                    found.append(part)
+            elif len(part) == 1:
+                found.append(part)
+            else:
+                # Its overlapping pairs of characters (each character with
+                # its marks, when the text has any).
+                characters: Sequence[str] = _CJK_CHARACTER.findall(part) if marked else part
+                if len(characters) == 1:
+                    found.append(part)
+                else:
+                    found.extend(map(operator.add, characters, characters[1:]))
+    return found
 
 
 def queryWords(text: str) -> list[str]:
