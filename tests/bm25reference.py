@@ -1,9 +1,9 @@
 """
 A straightforward BM25 and reciprocal-rank fusion, written from decisions
-D13 ("Hybrid search") without svcd/memory/text.py: what the tests hold the
-served rankings to. Slow and obvious on purpose: words cut out character
-by character (decisions D13, amended), every statistic counted from
-scratch for each query.
+D13 ("Hybrid search") without svcd/memory/text.py and words.py: what the
+tests hold the served rankings to. Slow and obvious on purpose: words cut
+out character by character (decisions D13, amended), every statistic
+counted from scratch for each query.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class Document:
 
 # What makes a letter or number one of Han, Hiragana, Katakana or Hangul,
 # by the start of its Unicode name: written from the scripts' names, not
-# from the code point ranges svcd/memory/text.py tests.
+# from the code point blocks of svcd/memory/words.py.
 _CJK_NAMES = (
     "CJK UNIFIED IDEOGRAPH",
     "CJK COMPATIBILITY IDEOGRAPH",

@@ -1,9 +1,10 @@
 """
 The text index and its BM25 ranking (svcd/memory/text.py, decisions D13
-"Hybrid search"), without a database: the words of Unicode texts, the
-ranking against a straightforward BM25 (tests/bm25reference.py) after
-random adds, changes and deletes (rebuilds included), ties newest first,
-the fusion of rankings, and the index's place in the cache.
+"Hybrid search"), without a database: the words of Unicode texts
+(svcd/memory/words.py, D13 amended), the ranking against a
+straightforward BM25 (tests/bm25reference.py) after random adds, changes
+and deletes (rebuilds included), ties newest first, the fusion of
+rankings, and the index's place in the cache.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from svcd.memory.store import CachedRow, ScopeRows, ScopeTexts
-from svcd.memory.text import ScopeText, TextKey, fuse, queryWords, words
+from svcd.memory.text import ScopeText, TextKey, fuse
 from svcd.memory.vectors import CacheMetrics, Hit, Ranking, ScopeKey, ScopeVectors, VectorCache
+from svcd.memory.words import queryWords, words
 
 ORG, AGENT = uuid.uuid4(), uuid.uuid4()
 
