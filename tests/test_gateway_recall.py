@@ -411,19 +411,34 @@ def waitForRecall(stack: Stack, client: openai.OpenAI, on: bool) -> None:
 
 
 def memoryLines(content: str) -> list[str]:
+    """
+    The memories of a message of memories (decisions D13, amended), best
+    first, after checking its shape: the heading, the block's two tag
+    lines, one JSON object a line between them dated today (UTC: every
+    memory here was just written), the contents as they were stored.
+    """
     lines = content.split("\n")
-    assert lines[0] == HEADING
-    return lines[1:]
+    assert lines[:2] == [HEADING, "<memories>"] and lines[-1] == "</memories>"
+    today = datetime.datetime.now(datetime.UTC).date()
+    found = []
+    for line in lines[2:-1]:
+        memory = json.loads(line)
+        assert set(memory) == {"date", "memory"}
+        written = datetime.date.fromisoformat(memory["date"])
+        # Written earlier in this test run, perhaps just before midnight.
+        assert today - datetime.timedelta(days=1) <= written <= today
+        found.append(memory["memory"])
+    return found
 
 
 def test_recallAssemblesTheMemories(stack: Stack) -> None:
     """
     With recall on, the provider receives one system message of the
     memories near the last user message, after the leading system and
-    developer messages, best first, each on one line; the answer says how
-    many (X-SVC-Memories); the query's embedding is one ledger row of kind
-    embedding whose parent is the chat's request id; the access log says
-    memories and memory_ms.
+    developer messages, best first, each one JSON line of the block; the
+    answer says how many (X-SVC-Memories); the query's embedding is one
+    ledger row of kind embedding whose parent is the chat's request id;
+    the access log says memories and memory_ms.
     """
     tenant = stack.tenant("assembles")
     stack.remember(
@@ -451,8 +466,8 @@ def test_recallAssemblesTheMemories(stack: Stack) -> None:
     inserted = sent["messages"][2]
     assert inserted["role"] == "system"
     assert memoryLines(inserted["content"]) == [
-        f"- the user drinks green tea every morning {MARKER}",
-        "- the user likes green apples",
+        f"the user drinks green tea every morning {MARKER}",
+        "the user\nlikes green apples",
     ]
     [embedded] = stack.received(requestID, "/embeddings")
     assert embedded.body["input"] == ["which green tea does the user drink every morning"]
@@ -485,7 +500,7 @@ def test_recallInStreams(stack: Stack) -> None:
     sent = stack.chatReceived(headers["x-request-id"]).body
     assert sent["stream"] is True
     first, user = sent["messages"]
-    assert memoryLines(first["content"]) == ["- the user owns a red bicycle"]
+    assert memoryLines(first["content"]) == ["the user owns a red bicycle"]
     assert user == {"role": "user", "content": "which bicycle"}
 
 
@@ -665,7 +680,7 @@ def test_busyRecallsShareTheirCalls(stack: Stack) -> None:
         assert headers["x-svc-memories"] == "3"
         sent = stack.chatReceived(headers["x-request-id"]).body
         lines = memoryLines(sent["messages"][0]["content"])
-        assert lines[0] == f"- {contents[topic]}"
+        assert lines[0] == contents[topic]
         assert len(lines) == 3
     embedded = embeddingsOf(set(questions))
     inputs = [text for each in embedded for text in each.body["input"]]
@@ -771,7 +786,7 @@ def test_aBudgetCountsTheRecallsEmbedding(stack: Stack) -> None:
     # The body a budget measured at admission is not the one sent once
     # memories went in: the provider receives the assembled messages.
     sent = stack.chatReceived(requestID).body
-    assert memoryLines(sent["messages"][0]["content"]) == ["- the user likes jasmine tea"]
+    assert memoryLines(sent["messages"][0]["content"]) == ["the user likes jasmine tea"]
     assert sent["messages"][1:] == question["messages"]
     costs = {row["kind"]: row["cost_nano_usd"] for row in stack.rows(requestID, 2)}
     each = costs["chat"] + costs["embedding"]

@@ -130,7 +130,22 @@ def servesReference(
 
 
 vocabulary = st.sampled_from(
-    ["Alice", "alice", "Paris", "2024", "café", "CAFÉ", "東京", "tea", "green_tea", "x", "Ωmega"]
+    [
+        "Alice",
+        "alice",
+        "Paris",
+        "2024",
+        "café",
+        "CAFÉ",
+        "東京",
+        "東京都",
+        "Straße",
+        "STRASSE",
+        "tea",
+        "green_tea",
+        "x",
+        "Ωmega",
+    ]
 )
 separators = st.sampled_from([" ", ", ", "-", ". ", "\n"])
 

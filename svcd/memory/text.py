@@ -3,11 +3,8 @@ Text search of one scope (decisions D13, "Hybrid search"): the words of
 its memories, an exact Okapi BM25 ranking over them, and the
 reciprocal-rank fusion of two rankings.
 
-Words. A word is a run of Unicode letters and numbers (the characters
-C{str.isalnum} accepts: categories L* and N*), lower-cased with
-C{str.lower} after it is cut out; everything else (spaces, punctuation,
-the underscore, combining marks) separates words. L{words} is the one
-definition, used for memories and queries alike.
+Words: L{svcd.memory.words}, one definition for memories and queries
+alike.
 
 BM25, exactly as D13 states it, over the memories of one organization,
 agent and subject (every embedding model's: the words do not depend on
@@ -40,7 +37,6 @@ listener waits at most one search of one scope.
 from __future__ import annotations
 
 import math
-import re
 import sys
 import threading
 import uuid
@@ -52,6 +48,7 @@ import numpy.typing
 
 from svcd.memory.store import CachedRow, ScopeTexts
 from svcd.memory.vectors import SCOPE_OVERHEAD_BYTES, Hit, Ranking, rankingOf
+from svcd.memory.words import queryWords, words
 
 K1 = 1.2
 B = 0.75
@@ -60,7 +57,6 @@ B = 0.75
 RRF_CONSTANT = 60
 FUSED_DEPTH = 100
 
-_WORD = re.compile(r"[^\W_]+")
 
 # An estimate of what the vocabulary costs per word besides the word's own
 # string: its dictionary slot and entry and its id (an int object), and
@@ -91,22 +87,6 @@ class TextKey:
 
     def holds(self, row: CachedRow) -> bool:
         return True
-
-
-def words(text: str) -> list[str]:
-    """
-    The words of C{text}, in order, repeats kept (see the module's
-    docstring).
-    """
-    return [each.lower() for each in _WORD.findall(text)]
-
-
-def queryWords(text: str) -> list[str]:
-    """
-    The distinct words of a query, in the order they first appear: the
-    order a memory's score is summed in.
-    """
-    return list(dict.fromkeys(words(text)))
 
 
 def idf(documents: int, holding: int) -> float:
