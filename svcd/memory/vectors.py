@@ -116,6 +116,11 @@ class CachedScope(Protocol):
         Hold the memory as it now is (C{row}), or no longer (None).
         """
 
+    def memoryKeys(self) -> list[int]:
+        """
+        The ids, as 128-bit ints, of the memories it holds.
+        """
+
 
 Entry = TypeVar("Entry", bound=CachedScope)
 
@@ -415,6 +420,11 @@ class ScopeVectors:
             row = self._find(memoryID)
             if row is not None:
                 self._view.alive[row] = False
+                # Overwritten at once (D13 amended), not left in the
+                # arrays until a compaction: a search reading this view
+                # masks the row as dead, and one that read it alive before
+                # scores it 0 and finds no record in PostgreSQL.
+                self._view.matrix[row] = 0.0
                 self._view = attrs.evolve(self._view, dead=self._view.dead + 1)
                 removed += 1
         if removed:
@@ -439,6 +449,14 @@ class ScopeVectors:
         view.alive[row] = True
         # Published last: a search sees the row only once it is written.
         self._view = attrs.evolve(view, count=row + 1)
+
+    def memoryKeys(self) -> list[int]:
+        view = self._view
+        live = numpy.flatnonzero(view.alive[: view.count])
+        return [
+            (high << 64) | low
+            for high, low in zip(view.high[live].tolist(), view.low[live].tolist(), strict=True)
+        ]
 
     def _compactIfWasteful(self) -> None:
         view = self._view
@@ -552,6 +570,15 @@ class VectorCache(FollowedCache):
         self._scopes: collections.OrderedDict[CacheKey, CachedScope] = collections.OrderedDict()
         self._bytes: dict[CacheKey, int] = {}
         self._byTriple: dict[Triple, set[CacheKey]] = {}
+        # How many triples of _byTriple each organization and agent has: a
+        # notification names a memory's organization and agent, never its
+        # subject (sql/0019_notify_ids.sql).
+        self._agents: collections.Counter[tuple[uuid.UUID, uuid.UUID]] = collections.Counter()
+        # The triple each cached memory is in, by its id's int: where a
+        # deletion, named by id alone, is applied. A superset: a memory
+        # removed from one key of a triple may stay listed until the
+        # triple leaves the cache.
+        self._home: dict[int, Triple] = {}
         self._loads: dict[CacheKey, list[_Load]] = {}
         self._syncs: dict[str, threading.Event] = {}
 
@@ -568,6 +595,8 @@ class VectorCache(FollowedCache):
         self._scopes.clear()
         self._bytes.clear()
         self._byTriple.clear()
+        self._agents.clear()
+        self._home.clear()
         self._loads.clear()
         self._reportSize()
 
@@ -575,6 +604,7 @@ class VectorCache(FollowedCache):
 
     def lookup(self, key: CacheKey) -> CachedScope | None:
         with self._lock:
+            self._expireIfLate()
             scope = self._scopes.get(key)
             if scope is not None:
                 self._scopes.move_to_end(key)
@@ -590,11 +620,12 @@ class VectorCache(FollowedCache):
         when nothing may be cached now (the listener is down).
         """
         with self._lock:
+            self._expireIfLate()
             if not self._listening:
                 return None
             load = _Load(key, self._epoch)
             self._loads.setdefault(key, []).append(load)
-            self._byTriple.setdefault(key.triple, set()).add(key)
+            self._link(key)
             return load
 
     def finishLoad(self, load: _Load | None, loaded: Entry) -> Entry:
@@ -627,7 +658,10 @@ class VectorCache(FollowedCache):
                 return loaded
             self._scopes[load.key] = loaded
             self._bytes[load.key] = size
-            self._byTriple.setdefault(load.key.triple, set()).add(load.key)
+            self._link(load.key)
+            triple = load.key.triple
+            for memoryKey in loaded.memoryKeys():
+                self._home[memoryKey] = triple
             self._evictBeyond(self.maxBytes, keep=load.key)
             self._reportSize()
             return loaded
@@ -643,7 +677,19 @@ class VectorCache(FollowedCache):
                     del self._loads[load.key]
             self._forgetTripleIfUnused(load.key)
 
-    def _forgetTripleIfUnused(self, key: CacheKey) -> None:
+    def _link(self, key: CacheKey) -> None:
+        keys = self._byTriple.get(key.triple)
+        if keys is None:
+            keys = self._byTriple[key.triple] = set()
+            self._agents[key.triple[:2]] += 1
+        keys.add(key)
+
+    def _forgetTripleIfUnused(self, key: CacheKey, entry: CachedScope | None = None) -> None:
+        """
+        Forget C{key} unless it is cached or loading, and its triple when
+        it was the triple's last key (with the ids of C{entry}, its
+        evicted entry, from the index of homes).
+        """
         if key in self._scopes or key in self._loads:
             return
         keys = self._byTriple.get(key.triple)
@@ -651,6 +697,14 @@ class VectorCache(FollowedCache):
             keys.discard(key)
             if not keys:
                 del self._byTriple[key.triple]
+                agent = key.triple[:2]
+                self._agents[agent] -= 1
+                if self._agents[agent] <= 0:
+                    del self._agents[agent]
+                if entry is not None:
+                    for memoryKey in entry.memoryKeys():
+                        if self._home.get(memoryKey) == key.triple:
+                            del self._home[memoryKey]
 
     def _evictBeyond(self, limit: int, keep: CacheKey | None = None) -> None:
         total = sum(self._bytes.values())
@@ -660,8 +714,8 @@ class VectorCache(FollowedCache):
             if key == keep:
                 continue
             total -= self._bytes.pop(key)
-            del self._scopes[key]
-            self._forgetTripleIfUnused(key)
+            entry = self._scopes.pop(key)
+            self._forgetTripleIfUnused(key, entry)
             self._metrics.evicted()
 
     def _reportSize(self) -> None:
@@ -701,7 +755,18 @@ class VectorCache(FollowedCache):
         cached or being loaded: only then is a change worth reading.
         """
         with self._lock:
+            self._expireIfLate()
             return (orgID, agentID, subject) in self._byTriple
+
+    def watchesAgent(self, orgID: uuid.UUID, agentID: uuid.UUID) -> bool:
+        """
+        Whether a scope key of this organization and agent, any subject,
+        is cached or being loaded: a notification names no subject, so
+        only then is a change worth reading.
+        """
+        with self._lock:
+            self._expireIfLate()
+            return (orgID, agentID) in self._agents
 
     def apply(
         self,
@@ -716,19 +781,68 @@ class VectorCache(FollowedCache):
         (its model's vectors, and the subject's text index).
         """
         with self._lock:
+            self._expireIfLate()
             touched = False
             for triple, memoryID, row in changes:
-                for key in self._byTriple.get(triple, ()):
-                    change = row if row is not None and key.holds(row) else None
-                    for load in self._loads.get(key, ()):
-                        load.changes.append((memoryID, change))
-                    scope = self._scopes.get(key)
-                    if scope is not None:
-                        scope.applyChange(memoryID, change)
-                        size = scope.nbytes
-                        if size != self._bytes[key]:
-                            self._bytes[key] = size
-                            touched = True
+                touched = self._applyOne(triple, memoryID, row) or touched
             if touched:
                 self._evictBeyond(self.maxBytes)
                 self._reportSize()
+
+    def applyHeard(
+        self,
+        changes: Sequence[tuple[uuid.UUID, uuid.UUID, uuid.UUID, CachedRow | None]],
+    ) -> None:
+        """
+        Apply changes heard by the listener, in order, each named as a
+        notification names it (sql/0019_notify_ids.sql): a memory's
+        organization, agent and id, with its row as it is now (None:
+        deleted). The memory leaves the triple it is cached in, when that
+        is not its triple now, and every load in progress of the agent
+        when it is gone (a load reads ids this cache has not seen yet);
+        it is then applied to its triple as L{apply} does.
+        """
+        with self._lock:
+            self._expireIfLate()
+            touched = False
+            for orgID, agentID, memoryID, row in changes:
+                home = self._home.get(memoryID.int)
+                now = None if row is None else (orgID, row.agentID, row.subject)
+                if home is not None and home != now:
+                    touched = self._applyOne(home, memoryID, None) or touched
+                if now is not None:
+                    touched = self._applyOne(now, memoryID, row) or touched
+                    continue
+                for key, loads in self._loads.items():
+                    if key.triple[:2] == (orgID, agentID) and key.triple != home:
+                        for load in loads:
+                            load.changes.append((memoryID, None))
+            if touched:
+                self._evictBeyond(self.maxBytes)
+                self._reportSize()
+
+    def _applyOne(self, triple: Triple, memoryID: uuid.UUID, row: CachedRow | None) -> bool:
+        """
+        L{apply}'s change of one memory of C{triple} (under C{_lock});
+        whether a cached scope's size changed.
+        """
+        keys = self._byTriple.get(triple)
+        if not keys:
+            return False
+        touched = False
+        for key in keys:
+            change = row if row is not None and key.holds(row) else None
+            for load in self._loads.get(key, ()):
+                load.changes.append((memoryID, change))
+            scope = self._scopes.get(key)
+            if scope is not None:
+                scope.applyChange(memoryID, change)
+                size = scope.nbytes
+                if size != self._bytes[key]:
+                    self._bytes[key] = size
+                    touched = True
+        if row is not None:
+            self._home[memoryID.int] = triple
+        elif self._home.get(memoryID.int) == triple:
+            del self._home[memoryID.int]
+        return touched
