@@ -44,8 +44,8 @@ import re
 import sys
 import threading
 import uuid
-from typing import cast
 from collections.abc import Iterable, Sequence
+from typing import cast
 
 import attrs
 import numpy
