@@ -11,7 +11,9 @@ read as the role that row-level security applies to, bound every
 statement, LISTEN before loading anything (a change committed from then on
 is announced, and maybe also in the load, never in neither), give up a
 connection whose beats stop coming back (L{BeatsStopped}), and retry
-every C{reconnectDelay} seconds while the database is unreachable. That
+every C{reconnectDelay} seconds while the database is unreachable. Any
+exception, expected or not, ends a connection the same way: the thread
+never dies of one, and whatever was trusted is not any more. That
 loop is here once; each listener says what it does once connected
 (L{ListeningThread._begin}, L{ListeningThread._drain}) and once not
 (L{ListeningThread._lost}).

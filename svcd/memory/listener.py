@@ -5,19 +5,37 @@ the replica's caches, of vectors (L{svcd.memory.vectors.VectorCache}) and
 of records (L{svcd.memory.recordcache.RecordCache}), current with what
 every replica, and svcctl, adds, changes and deletes.
 
-Built like svc-auth's (L{svcd.auth.listener}): it tells the cache when it
-starts and stops hearing changes (the cache keeps nothing while it does
-not), and about every C{beatInterval} seconds it sends itself a beat on
-the channel; a connection whose beats stop coming back is presumed dead
-and made anew.
+Built like svc-auth's (L{svcd.auth.listener}): it tells the caches when
+it starts and stops hearing changes (they keep nothing while it does
+not), and every C{beatInterval} seconds (0.2) it sends itself a beat on
+the channel. A beat that comes back renews the caches' lease until its
+sending time plus C{lease} (one second, L{svcd.memory.followed}); a
+connection whose beats stop coming back is given up when the lease runs
+out, and made anew. Decisions D13, amended: "a replica that cannot
+listen says so": any failure (the database's, a bug's) empties the
+caches and makes /ready 503 (L{svcd.memory.assembly.listenerCheck}) until
+it listens again, and a silent connection is noticed within the second,
+by the lease, even while this thread is blocked.
 
-A notification names a memory and its scope, never its content. Only a
-change of a scope this replica caches (or is loading) in either cache is
-read: the rows of one packet of notifications in one query per
-organization, in that organization's context, as svc_memory_app, each
-row with its vector and its record (L{svcd.memory.store.CachedRow}). The
-records are applied first: a memory is never ranked by the vectors before
-its record is there to answer with.
+Why beats and a lease rather than TCP keepalives alone: keepalives notice
+a dead peer in seconds (5 + 3 x 2 here, never under one without tuning
+the kernel's granularity), not a live server that stopped answering (a
+frozen process, a full disk), and not this thread stuck in a read; a beat
+is one NOTIFY of about 50 bytes on the connection every 0.2 s (a few
+microseconds of the server per beat, five a second per replica), and the
+lease is read by the caches themselves, so the second holds whatever the
+thread does.
+
+A notification names a memory by its organization, agent and id, never
+its subject nor its content (sql/0019_notify_ids.sql: subjects are
+personal data). Only a change of an agent this replica caches (or is
+loading) a scope of, in either cache, is read: the rows of one packet of
+notifications in one query per organization, in that organization's
+context, as svc_memory_app, each row with its subject, its vector and its
+record (L{svcd.memory.store.CachedRow}). A deleted memory's scope is the
+one the caches hold its id in (their index of homes). The records are
+applied first: a memory is never ranked by the vectors before its record
+is there to answer with.
 
 A replica's own writes wait for their changes to be applied here before
 they are answered (read your writes): the writer sends a sync marker,

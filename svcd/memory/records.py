@@ -86,7 +86,7 @@ class Scope:
 
     orgID: uuid.UUID
     agentID: uuid.UUID
-    subject: str = ""
+    subject: str = attrs.field(default="", repr=False)
 
 
 @attrs.frozen
@@ -116,7 +116,7 @@ class MemoryRecord:
     memoryID: uuid.UUID
     orgID: uuid.UUID
     agentID: uuid.UUID
-    subject: str
+    subject: str = attrs.field(repr=False)
     content: str = attrs.field(repr=False)
     metadata: str = attrs.field(repr=False)
     source: str

@@ -51,8 +51,9 @@ import attrs
 import numpy
 import numpy.typing
 
+from svcd.memory.ranking import Hit, Ranking, rankingOf
 from svcd.memory.store import CachedRow, ScopeTexts
-from svcd.memory.vectors import SCOPE_OVERHEAD_BYTES, Hit, Ranking, rankingOf
+from svcd.memory.vectors import SCOPE_OVERHEAD_BYTES
 
 K1 = 1.2
 B = 0.75
@@ -84,7 +85,7 @@ class TextKey:
 
     orgID: uuid.UUID
     agentID: uuid.UUID
-    subject: str
+    subject: str = attrs.field(repr=False)
 
     @property
     def triple(self) -> tuple[uuid.UUID, uuid.UUID, str]:

@@ -22,9 +22,13 @@ yet compacted away (at most one in 16), plus a fixed amount per scope.
 Kept current. The change listener (L{svcd.memory.listener}) hands every
 change of a memory of a cached scope to L{VectorCache.apply}, so what any
 replica adds, changes or deletes is found, or gone, here within a second.
-While the listener is not connected nothing is cached (searches read the
-scope from PostgreSQL each time): losing it costs speed, never
-correctness.
+While the listener is not connected, or its lease has run out
+(L{svcd.memory.followed}), nothing is cached (searches read the scope
+from PostgreSQL each time): losing it costs speed, never correctness. A
+notification names no subject: a deletion is applied to the scope the
+cache holds the memory's id in (C{_home}, about 100 bytes per cached
+memory, not counted in C{maxBytes}), and to the loads in progress of the
+memory's agent.
 
 Threads and locks. Searches run on grpcio's threads, the listener on its
 own, and neither waits for the other:
@@ -34,8 +38,10 @@ own, and neither waits for the other:
    row a search may be reading. A memory added goes into a spare row past
    the end and becomes visible when the scope's I{view} (arrays and row
    count, one immutable object) is replaced; a memory changed or deleted
-   only has its row marked dead (one byte), and a changed one is added
-   anew. Growing or compacting makes new arrays and a new view.
+   has its row marked dead (one byte) and its vector overwritten with
+   zeros at once (decisions D13, amended: not at the next compaction),
+   and a changed one is added anew. Growing or compacting makes new
+   arrays and a new view.
  - a search takes the cache's lock only to find the scope, then reads the
    view it found without any lock: numpy's product releases the GIL, so
    searches of several scopes, or of one, run on several cores, and a
@@ -51,14 +57,18 @@ import math
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Executor
-from typing import Any, Protocol, TypeVar, cast
+from typing import Protocol, TypeVar, cast
 
 import attrs
 import numpy
 import numpy.typing
 
 from svcd.memory.followed import FollowedCache
+from svcd.memory.ranking import MIN_BLOCK_ROWS as MIN_BLOCK_ROWS
+from svcd.memory.ranking import Hit as Hit
+from svcd.memory.ranking import Ranking as Ranking
+from svcd.memory.ranking import parallelProduct as parallelProduct
+from svcd.memory.ranking import rankingOf as rankingOf
 from svcd.memory.store import CachedRow, ScopeRows
 
 Floats = numpy.typing.NDArray[numpy.float32]
@@ -129,7 +139,7 @@ Entry = TypeVar("Entry", bound=CachedScope)
 class ScopeKey:
     orgID: uuid.UUID
     agentID: uuid.UUID
-    subject: str
+    subject: str = attrs.field(repr=False)
     model: str
     dimensions: int
 
@@ -213,62 +223,6 @@ def _roomFor(rows: int) -> int:
     copies rarely and the spare rows cost at most 1/16 of the cache.
     """
     return rows + rows // 16 + 1
-
-
-@attrs.frozen
-class Hit:
-    """
-    One memory of a ranking: its id, its score, and its creation time (in
-    microseconds), which breaks ties when rankings are fused.
-    """
-
-    memoryID: uuid.UUID
-    score: float
-    createdMicros: int = 0
-
-
-@attrs.frozen
-class Ranking:
-    """
-    A ranking, best first, as plain lists: each memory's id as a 128-bit
-    int, its score and its creation time. What hybrid search fuses: a
-    ranking of 100 memories costs no UUID object until the fused few are
-    answered (L{hits}); making them was a millisecond of a loaded core.
-    """
-
-    keys: list[int]
-    scores: list[float]
-    createdMicros: list[int]
-
-    @classmethod
-    def fromHits(cls, hits: Sequence[Hit]) -> Ranking:
-        return cls(
-            [hit.memoryID.int for hit in hits],
-            [hit.score for hit in hits],
-            [hit.createdMicros for hit in hits],
-        )
-
-    def hits(self) -> list[Hit]:
-        return [
-            Hit(uuid.UUID(int=key), score, created)
-            for key, score, created in zip(self.keys, self.scores, self.createdMicros, strict=True)
-        ]
-
-
-def rankingOf(
-    high: numpy.typing.NDArray[numpy.uint64],
-    low: numpy.typing.NDArray[numpy.uint64],
-    created: numpy.typing.NDArray[numpy.int64],
-    scores: numpy.typing.NDArray[numpy.floating[Any]],
-) -> Ranking:
-    """
-    The ranking of these rows, in their order.
-    """
-    return Ranking(
-        [(first << 64) | second for first, second in zip(high.tolist(), low.tolist(), strict=True)],
-        [float(each) for each in scores.tolist()],
-        created.tolist(),
-    )
 
 
 class ScopeVectors:
@@ -478,46 +432,6 @@ class ScopeVectors:
         fresh.created[:size] = view.created[live]
         fresh.alive[:size] = True
         return attrs.evolve(fresh, count=size, dead=0)
-
-
-# The fewest rows a block of a split product holds: on a machine of many
-# cores a scope just past the split's threshold is cut in a few blocks,
-# not one per core.
-MIN_BLOCK_ROWS = 1_024
-
-
-def parallelProduct(
-    executor: Executor, workers: int, threshold: int, minBlockRows: int = MIN_BLOCK_ROWS
-) -> Callable[[Floats, Floats], Floats]:
-    """
-    C{matrix @ query}, split into blocks of rows computed at once (one on
-    the calling thread) when the matrix has C{threshold} rows or more: as
-    many blocks as C{workers}, but none under C{minBlockRows}. numpy
-    releases the GIL in the product, so the blocks run on several cores;
-    BLAS itself runs one thread per call in svc-memory (svcd/memory/tap.py).
-    Below the threshold one product is quicker than handing work to
-    threads, and so is a block too small to be worth its hand-off.
-    """
-
-    def product(matrix: Floats, query: Floats) -> Floats:
-        rows = int(matrix.shape[0])
-        blocks = min(workers, rows // max(1, minBlockRows))
-        if blocks < 2 or rows < threshold:
-            whole: Floats = matrix @ query
-            return whole
-        scores = numpy.empty(rows, dtype=numpy.float32)
-        step = -(-rows // blocks)
-
-        def block(start: int) -> None:
-            numpy.matmul(matrix[start : start + step], query, out=scores[start : start + step])
-
-        pending = [executor.submit(block, start) for start in range(step, rows, step)]
-        block(0)
-        for each in pending:
-            each.result()
-        return scores
-
-    return product
 
 
 @attrs.define(eq=False)

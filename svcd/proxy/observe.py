@@ -397,7 +397,7 @@ class Observing:
     memory subject, and for a stream the text gathered from its deltas.
     """
 
-    subject: str
+    subject: str = attrs.field(repr=False)
     answer: AnswerText | None = None
 
 
