@@ -756,7 +756,10 @@ class VectorCache(FollowedCache):
                     self._bytes[key] = size
                     touched = True
         if row is not None:
-            self._home[memoryID.int] = triple
+            # Only where an entry holds it: a load's ids are listed when it
+            # is installed (L{finishLoad}).
+            if any(key in self._scopes for key in keys):
+                self._home[memoryID.int] = triple
         elif self._home.get(memoryID.int) == triple:
             del self._home[memoryID.int]
         return touched
