@@ -10,6 +10,7 @@ tests/test_memory_vectors.py and tests/test_memory_recordcache.py.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -232,6 +233,47 @@ def test_aSilentConnectionIsNoticedWithinASecond(migratedDSN: str) -> None:
         relay.thaw()
         listener.stop()
         relay.stop()
+
+
+def test_aBlockedListenerThreadStillLetsTheCachesGoWithinASecond(migratedDSN: str) -> None:
+    """
+    The second holds whatever the listener's thread is doing: blocked
+    (here in its count of waiting observations, as it would be in a read
+    of a frozen server until TCP gives up), its caches' lease runs out one
+    second after its last beat was sent and they are emptied; once it is
+    free again it gives the connection up and listens anew.
+    """
+    blocked, release = threading.Event(), threading.Event()
+
+    def waiting(count: int) -> None:
+        if blocked.is_set():
+            release.wait(10)
+
+    cache, records = VectorCache(1 << 20), RecordCache(1 << 20)
+    listener = MemoryListener(
+        migratedDSN,
+        cache,
+        records=records,
+        waiting=waiting,
+        reconnectDelay=0.2,
+        waitingInterval=0.1,
+    )
+    listener.start()
+    try:
+        waitUntil(lambda: cache.isListening() and records.isListening(), 10.0)
+        cache.finishLoad(cache.beginLoad(TextKey(uuid.uuid4(), uuid.uuid4(), "")), ScopeText())
+        started = time.monotonic()
+        blocked.set()
+        waitUntil(lambda: not cache.isListening() and not records.isListening(), 5.0)
+        assert time.monotonic() - started <= 1.0 + POLLING_SLACK
+        assert cache.scopeCount() == 0
+        blocked.clear()
+        release.set()
+        waitUntil(lambda: cache.isListening() and records.isListening(), 10.0)
+    finally:
+        blocked.clear()
+        release.set()
+        listener.stop()
 
 
 def test_notificationsNameIdsOnly(migratedDSN: str, acme: Tenant) -> None:
