@@ -40,7 +40,7 @@ def memoryDaemon(migratedDSN: str, tmp_path: Path) -> Iterator[Daemon]:
 def waitForListener(daemon: Daemon) -> None:
     """
     Wait (bounded) until /ready reports every check ok, the change
-    listener's included (not critical, so /ready may be 200 before it).
+    listener's included (critical since D13 amended).
     """
     deadline = time.monotonic() + Daemon.START_TIMEOUT
     while True:

@@ -132,6 +132,40 @@ def test_changesHeardDuringALoadAreApplied() -> None:
     assert cache.lookup(TRIPLE, [moved.memoryID.int]) == {}
 
 
+def test_changesNamedByIdReachTheScopeTheRecordIsIn() -> None:
+    """
+    Notifications name a memory's organization, agent and id, never its
+    subject (sql/0019_notify_ids.sql): a record read anew is held in its
+    own subject's scope (and leaves the one it was in), a deletion leaves
+    the scope the record is held in, and one of a record not held yet
+    reaches every load in progress of the agent; an agent with nothing
+    held or loading is not watched.
+    """
+    cache = RecordCache(10**6)
+    cache.listening()
+    assert not cache.watchesAgent(ORG, AGENT)
+    first, second = record(uuid.uuid4(), "fact one"), record(uuid.uuid4(), "fact two")
+    loaded(cache, first, second)
+    assert cache.watchesAgent(ORG, AGENT)
+    cache.applyHeard([(ORG, AGENT, first.memoryID, None)])
+    assert cache.lookup(TRIPLE, [first.memoryID.int, second.memoryID.int]) == {
+        second.memoryID.int: encodedMemory(second)
+    }
+    other = (ORG, AGENT, "bob@example.com")
+    load = cache.beginLoad(other)
+    assert load is not None
+    unseen = record(uuid.uuid4(), "read by the load", subject="bob@example.com")
+    cache.applyHeard([(ORG, AGENT, unseen.memoryID, None)])
+    moved = record(second.memoryID, "fact two", subject="bob@example.com")
+    cache.applyHeard([(ORG, AGENT, second.memoryID, moved)])
+    found = cache.finishLoad(
+        load, {unseen.memoryID.int: encodedMemory(unseen)}, [unseen.memoryID.int]
+    )
+    assert found == {}
+    assert cache.lookup(TRIPLE, [second.memoryID.int]) == {}
+    assert cache.lookup(other, [second.memoryID.int]) == {second.memoryID.int: encodedMemory(moved)}
+
+
 def test_nothingIsHeldWhileNotListening() -> None:
     """
     Before the listener hears changes, and once it loses them, nothing is

@@ -475,3 +475,41 @@ def test_searchesBesideChangesSeeWholeChanges() -> None:
     assert (
         served(index, "tea green", 100) == bm25Ranking(list(documents.values()), "tea green")[:100]
     )
+
+
+def test_aForgottenMemorysWordsLeaveTheIndexAtOnce() -> None:
+    """
+    D13, amended: a word that only a deleted (or changed) memory held
+    leaves the index's vocabulary when the change is applied, not at the
+    next build; words are then numbered on past it, and searches rank as
+    BM25 says before and after a build.
+    """
+    first, second, third = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    documents = [Document(first, 1, "green tea in zanzibar"), Document(second, 2, "green tea")]
+    index = ScopeText.fromRows(textRows(documents))
+    assert index.remove([first]) == 1
+    assert "zanzibar" not in index._vocabulary and "green" in index._vocabulary
+    index.upsert(second, 2, "black coffee")
+    assert "tea" not in index._vocabulary and "green" not in index._vocabulary
+    index.upsert(third, 3, "coffee in oslo")
+    assert [memoryID for memoryID, _ in served(index, "coffee oslo", 5)] == [third, second]
+    assert served(index, "zanzibar tea", 5) == []
+    # Enough changes for a build: the numbering survives it.
+    more = [uuid.uuid4() for _ in range(80)]
+    for number, memoryID in enumerate(more):
+        index.upsert(memoryID, 10 + number, f"word{number} oslo")
+    index.remove(more[:40])
+    expected = bm25Ranking(
+        [
+            Document(second, 2, "black coffee"),
+            Document(third, 3, "coffee in oslo"),
+            *[
+                Document(each, 10 + n + 40, f"word{n + 40} oslo")
+                for n, each in enumerate(more[40:])
+            ],
+        ],
+        "oslo word79 coffee",
+    )[:5]
+    assert [memoryID for memoryID, _ in served(index, "oslo word79 coffee", 5)] == [
+        memoryID for memoryID, _ in expected
+    ]

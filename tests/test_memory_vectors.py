@@ -505,3 +505,60 @@ def test_theCoresUsedAreTheProcesssNotTheMachines(tmp_path: Path) -> None:
     ):
         limits.write_text(written)
         assert usableCores(str(tmp_path)) == expected, written
+
+
+def test_aRemovedRowsVectorIsOverwrittenAtOnce() -> None:
+    """
+    D13, amended: a replica's copy of a deleted vector is overwritten when
+    the deletion is applied, not left in the arrays until a compaction
+    (one removal compacts nothing); the other rows keep theirs, and a
+    search ranks the rest as before.
+    """
+    rows, ids = rowsOf([[1.0, 0.0], [0.6, 0.8], [0.0, 1.0]])
+    scope = ScopeVectors.fromRows(2, rows)
+    matrix = scope._view.matrix
+    before = matrix[:3].copy()
+    assert scope.remove([ids[1]]) == 1
+    assert scope._view.matrix is matrix, "one removal compacts nothing"
+    assert not matrix[1].any()
+    assert (matrix[[0, 2]] == before[[0, 2]]).all()
+    assert [hit.memoryID for hit in scope.search(normalised(vectorBytes([1.0, 1.0])), 5)] == [
+        ids[2],
+        ids[0],
+    ]
+    # A changed memory's old row is overwritten too.
+    scope.upsert(ids[0], 7, normalised(vectorBytes([0.0, 1.0])))
+    assert not matrix[0].any()
+
+
+def test_aDeletionNamedByIdLeavesTheScopeItIsCachedIn() -> None:
+    """
+    Notifications name a memory's organization, agent and id, never its
+    subject (sql/0019_notify_ids.sql): a deletion reaches the scope the
+    memory is cached in, and a load in progress of any of the agent's
+    subjects; a memory whose subject changed leaves its old scope for its
+    new one.
+    """
+    cache = VectorCache(1 << 20)
+    cache.listening()
+    rows, ids = rowsOf([[1.0, 0.0], [0.0, 1.0]])
+    cache.finishLoad(cache.beginLoad(key("alice@example.com")), ScopeVectors.fromRows(2, rows))
+    other = key("bob@example.com")
+    assert cache.watchesAgent(ORG, AGENT) and not cache.watchesAgent(ORG, uuid.uuid4())
+
+    cache.applyHeard([(ORG, AGENT, ids[0], None)])
+    alice = cache.lookup(key("alice@example.com"))
+    assert alice is not None and alice.count == 1
+
+    # A deletion of a memory this cache has not seen goes to the agent's loads.
+    loading = cache.beginLoad(other)
+    assert loading is not None
+    loadedRows, loadedIDs = rowsOf([[1.0, 1.0]])
+    cache.applyHeard([(ORG, AGENT, loadedIDs[0], None)])
+    bob = cache.finishLoad(loading, ScopeVectors.fromRows(2, loadedRows))
+    assert bob.count == 0
+
+    # Moved to another subject: gone from Alice's, in Bob's.
+    moved = CachedRow(ids[1], AGENT, "bob@example.com", "m", 2, 9, vectorBytes([0.0, 1.0]), "x")
+    cache.applyHeard([(ORG, AGENT, ids[1], moved)])
+    assert alice.count == 0 and bob.count == 1

@@ -11,7 +11,9 @@ read as the role that row-level security applies to, bound every
 statement, LISTEN before loading anything (a change committed from then on
 is announced, and maybe also in the load, never in neither), give up a
 connection whose beats stop coming back (L{BeatsStopped}), and retry
-every C{reconnectDelay} seconds while the database is unreachable. That
+every C{reconnectDelay} seconds while the database is unreachable. Any
+exception, expected or not, ends a connection the same way: the thread
+never dies of one, and whatever was trusted is not any more. That
 loop is here once; each listener says what it does once connected
 (L{ListeningThread._begin}, L{ListeningThread._drain}) and once not
 (L{ListeningThread._lost}).
@@ -20,6 +22,7 @@ loop is here once; each listener says what it does once connected
 from __future__ import annotations
 
 import threading
+import traceback
 from typing import ClassVar, Generic, TypeVar
 
 import psycopg
@@ -46,11 +49,13 @@ class ListeningThread(Generic[SessionT]):
     @cvar role: the role its reads run as (row-level security's).
     @cvar applicationName: its connection's name in pg_stat_activity.
     @cvar threadName: its thread's name.
-    @cvar lostWarning: logged when a working connection is lost, with
+    @cvar lostWarning: logged once per episode of failures, with
         C{{error}}, the failure's type.
-    @cvar failures: what ends a connection and is retried after
-        C{reconnectDelay}: the database's errors and L{BeatsStopped}, and
-        whatever a listener's store raises when a read fails.
+    @cvar failures: the failures expected of a connection, logged by
+        their type alone: the database's errors and L{BeatsStopped}, and
+        whatever a listener's store raises when a read fails. Any other
+        exception ends a connection the same way (and is logged with
+        where it was raised).
     """
 
     log = Logger()
@@ -84,7 +89,15 @@ class ListeningThread(Generic[SessionT]):
             self._thread = None
 
     def _run(self) -> None:
-        connectedBefore = False
+        """
+        Listen until stopped, whatever fails: any exception, the
+        database's or an unexpected one (a bug, a cache's), ends the
+        connection the same way, the caches told (L{_lost}) and the
+        connection made anew after C{reconnectDelay}; the thread never
+        dies of it. One warning per I{episode} of failures (from the first
+        to the next time listening begins), not one per attempt.
+        """
+        failing = False
         while not self._stopping.is_set():
             try:
                 with psycopg.connect(
@@ -101,15 +114,29 @@ class ListeningThread(Generic[SessionT]):
                     connection.execute(f"SET statement_timeout = {STATEMENT_TIMEOUT_MS}")
                     connection.execute(f"LISTEN {self.channel}")
                     session = self._begin(connection)
-                    connectedBefore = True
+                    failing = False
                     self._drain(connection, session)
-            except self.failures as error:
-                self._lost()
-                if connectedBefore:
-                    self.log.warn(self.lostWarning, error=type(error).__name__)
-                    connectedBefore = False
+            except Exception as error:
+                self._lostSafely()
+                if not failing:
+                    failing = True
+                    if isinstance(error, self.failures):
+                        self.log.warn(self.lostWarning, error=type(error).__name__)
+                    else:
+                        # Unexpected (a bug): where it was raised, for whoever
+                        # fixes it, but never its message, which may quote
+                        # what it was handling (a row, a payload).
+                        self.log.error(
+                            self.lostWarning, error=type(error).__name__, where=_where(error)
+                        )
                 self._stopping.wait(self._reconnectDelay)
-        self._lost()
+        self._lostSafely()
+
+    def _lostSafely(self) -> None:
+        try:
+            self._lost()
+        except Exception:
+            self.log.failure("A change listener could not empty its caches")
 
     def _begin(self, connection: psycopg.Connection[object]) -> SessionT:
         """
@@ -132,3 +159,13 @@ class ListeningThread(Generic[SessionT]):
         changes were heard must not be any longer.
         """
         raise NotImplementedError
+
+
+def _where(error: BaseException) -> str:
+    """
+    The file and line an exception was raised at, innermost frame.
+    """
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return "unknown"
+    return f"{frames[-1].filename}:{frames[-1].lineno}"

@@ -79,7 +79,7 @@ def assembleMemory(
     tracer: Tracer | None = None,
     logCalls: bool = False,
     reconnectDelay: float = 1.0,
-    beatInterval: float = 0.25,
+    beatInterval: float = 0.2,
     waitingInterval: float = 5.0,
 ) -> MemoryParts:
     """
@@ -147,6 +147,27 @@ def assembleMemory(
     )
 
 
+def listenerCheck(parts: MemoryParts) -> Check:
+    """
+    /ready's check of the change listener (decisions D13, amended: "a
+    replica that cannot listen says so"): critical, so a replica whose
+    listener failed, whatever the cause, or went silent for a second
+    answers 503 until it listens again and its caches were emptied after
+    it began. Meanwhile its searches are right but read PostgreSQL each
+    time; the 503 tells the load balancer to prefer the replicas that
+    hear every change.
+    """
+
+    def probe() -> Deferred[None]:
+        if not (parts.cache.isListening() and parts.records.isListening()):
+            return fail(
+                CheckFailed("not hearing memory changes: caches emptied, searches read PostgreSQL")
+            )
+        return succeed(None)
+
+    return Check("listener", probe)
+
+
 @attrs.frozen
 class MemoryDaemon:
     """
@@ -204,20 +225,12 @@ def assembleMemoryDaemon(
             raise CheckFailed("gRPC server is not started")
         return _tcpCheck(reactor, settings.grpcHost, grpcService.port)
 
-    def listenerCheck() -> Deferred[None]:
-        if not parts.cache.isListening():
-            return fail(
-                CheckFailed("not hearing memory changes: searches read PostgreSQL each time")
-            )
-        return succeed(None)
-
     web = MemoryOperationsWeb(
         reactor,
         [
             Check("postgres", postgresCheck),
             Check("grpc", grpcCheck),
-            # Not critical: without it searches are slower, never wrong.
-            Check("listener", listenerCheck, critical=False),
+            listenerCheck(parts),
         ],
         registry,
         docsBase=settings.errorDocsBase,

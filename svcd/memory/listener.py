@@ -5,19 +5,37 @@ the replica's caches, of vectors (L{svcd.memory.vectors.VectorCache}) and
 of records (L{svcd.memory.recordcache.RecordCache}), current with what
 every replica, and svcctl, adds, changes and deletes.
 
-Built like svc-auth's (L{svcd.auth.listener}): it tells the cache when it
-starts and stops hearing changes (the cache keeps nothing while it does
-not), and about every C{beatInterval} seconds it sends itself a beat on
-the channel; a connection whose beats stop coming back is presumed dead
-and made anew.
+Built like svc-auth's (L{svcd.auth.listener}): it tells the caches when
+it starts and stops hearing changes (they keep nothing while it does
+not), and every C{beatInterval} seconds (0.2) it sends itself a beat on
+the channel. A beat that comes back renews the caches' lease until its
+sending time plus C{lease} (one second, L{svcd.memory.followed}); a
+connection whose beats stop coming back is given up when the lease runs
+out, and made anew. Decisions D13, amended: "a replica that cannot
+listen says so": any failure (the database's, a bug's) empties the
+caches and makes /ready 503 (L{svcd.memory.assembly.listenerCheck}) until
+it listens again, and a silent connection is noticed within the second,
+by the lease, even while this thread is blocked.
 
-A notification names a memory and its scope, never its content. Only a
-change of a scope this replica caches (or is loading) in either cache is
-read: the rows of one packet of notifications in one query per
-organization, in that organization's context, as svc_memory_app, each
-row with its vector and its record (L{svcd.memory.store.CachedRow}). The
-records are applied first: a memory is never ranked by the vectors before
-its record is there to answer with.
+Why beats and a lease rather than TCP keepalives alone: keepalives notice
+a dead peer in seconds (5 + 3 x 2 here, never under one without tuning
+the kernel's granularity), not a live server that stopped answering (a
+frozen process, a full disk), and not this thread stuck in a read; a beat
+is one NOTIFY of about 50 bytes on the connection every 0.2 s (a few
+microseconds of the server per beat, five a second per replica), and the
+lease is read by the caches themselves, so the second holds whatever the
+thread does.
+
+A notification names a memory by its organization, agent and id, never
+its subject nor its content (sql/0019_notify_ids.sql: subjects are
+personal data). Only a change of an agent this replica caches (or is
+loading) a scope of, in either cache, is read: the rows of one packet of
+notifications in one query per organization, in that organization's
+context, as svc_memory_app, each row with its subject, its vector and its
+record (L{svcd.memory.store.CachedRow}). A deleted memory's scope is the
+one the caches hold its id in (their index of homes). The records are
+applied first: a memory is never ranked by the vectors before its record
+is there to answer with.
 
 A replica's own writes wait for their changes to be applied here before
 they are answered (read your writes): the writer sends a sync marker,
@@ -44,28 +62,33 @@ import psycopg
 
 from svcd.common.ids import parseUUID
 from svcd.common.listening import BeatsStopped, ListeningThread
+from svcd.memory.followed import LEASE_SECONDS, FollowedCache
 from svcd.memory.recordcache import RecordCache
-from svcd.memory.records import MemoryRecord
 from svcd.memory.store import APPLICATION_ROLE, CachedRow, MemoryStore, StoreUnavailable
 from svcd.memory.vectors import VectorCache
 
 CHANNEL = "svc_memory_changes"
 
-Triple = tuple[uuid.UUID, uuid.UUID, str]
+# A change as a notification names it: the operation, the memory's
+# organization, agent and id.
+Change = tuple[str, uuid.UUID, uuid.UUID, uuid.UUID]
 
 
-def parsePayload(payload: str) -> tuple[str, Triple, uuid.UUID] | None:
+def parsePayload(payload: str) -> Change | None:
     """
-    C{<op>:<org_id>:<agent_id>:<id>:<subject>} as its parts, or None when
-    it is not one (the subject comes last: it may hold colons).
+    C{<op>:<org_id>:<agent_id>:<id>} as its parts (sql/0019_notify_ids.sql),
+    or None when it is not one. A payload of an earlier release's trigger
+    (sql/0009_memory.sql), which added C{:<subject>}, is read the same way,
+    its subject ignored: a replica of this release may run before the
+    migration.
     """
     parts = payload.split(":", 4)
-    if len(parts) != 5 or parts[0] not in ("insert", "update", "delete"):
+    if len(parts) not in (4, 5) or parts[0] not in ("insert", "update", "delete"):
         return None
     orgID, agentID, memoryID = (parseUUID(each) for each in parts[1:4])
     if orgID is None or agentID is None or memoryID is None:
         return None
-    return parts[0], (orgID, agentID, parts[4]), memoryID
+    return parts[0], orgID, agentID, memoryID
 
 
 class MemoryListener(ListeningThread[MemoryStore]):
@@ -73,6 +96,11 @@ class MemoryListener(ListeningThread[MemoryStore]):
     @param records: the cache of records kept current beside the vectors,
         if any.
     @param waiting: told the count of waiting observations now and then.
+    @param beatInterval: how often, in seconds, a beat is sent.
+    @param lease: how long, in seconds from its sending, a beat that came
+        back vouches for the caches (L{svcd.memory.followed}); a
+        connection none of whose beats came back for that long is given
+        up.
     @param doneRetention: how long, in seconds, a processed observation's
         request id is remembered (SVC_MEMORY_DONE_RETENTION); None: not
         pruned here.
@@ -85,8 +113,8 @@ class MemoryListener(ListeningThread[MemoryStore]):
     applicationName = "svc-memory-listener"
     threadName = "svc-memory-change-listener"
     lostWarning = (
-        "Memory change listener lost its database connection ({error});"
-        " searches read PostgreSQL until it is back"
+        "Memory change listener failed ({error}); its caches are emptied and"
+        " /ready answers 503 until it listens again; searches read PostgreSQL"
     )
     failures = (*ListeningThread.failures, StoreUnavailable)
 
@@ -97,8 +125,8 @@ class MemoryListener(ListeningThread[MemoryStore]):
         waiting: Callable[[int], None] = lambda count: None,
         records: RecordCache | None = None,
         reconnectDelay: float = 1.0,
-        beatInterval: float = 0.25,
-        beatTimeout: float = 5.0,
+        beatInterval: float = 0.2,
+        lease: float = LEASE_SECONDS,
         waitingInterval: float = 5.0,
         doneRetention: float | None = None,
         failedRetention: float | None = None,
@@ -109,29 +137,32 @@ class MemoryListener(ListeningThread[MemoryStore]):
         self._records = records
         self._waiting = waiting
         self._beatInterval = beatInterval
-        self._beatTimeout = beatTimeout
+        self._lease = lease
         self._waitingInterval = waitingInterval
         self._doneRetention = doneRetention
         self._failedRetention = failedRetention
         self._monotonic = monotonic
 
+    def _caches(self) -> list[FollowedCache]:
+        return [self._cache] if self._records is None else [self._cache, self._records]
+
     def _begin(self, connection: psycopg.Connection[object]) -> MemoryStore:
         # After LISTEN: every change committed from now on is heard, so the
-        # caches may keep what they load.
-        self._cache.listening()
-        if self._records is not None:
-            self._records.listening()
+        # caches may keep what they load, for one lease unless a beat
+        # comes back.
+        until = self._monotonic() + self._lease
+        for cache in self._caches():
+            cache.listening(until)
         self.log.info("Listening for memory changes")
         return MemoryStore(lambda: contextlib.nullcontext(connection))
 
     def _lost(self) -> None:
-        self._cache.notListening()
-        if self._records is not None:
-            self._records.notListening()
+        for cache in self._caches():
+            cache.notListening()
 
-    def _watches(self, triple: Triple) -> bool:
-        return self._cache.watches(*triple) or (
-            self._records is not None and self._records.watches(*triple)
+    def _watchesAgent(self, orgID: uuid.UUID, agentID: uuid.UUID) -> bool:
+        return self._cache.watchesAgent(orgID, agentID) or (
+            self._records is not None and self._records.watchesAgent(orgID, agentID)
         )
 
     def _drain(self, connection: psycopg.Connection[object], store: MemoryStore) -> None:
@@ -140,15 +171,27 @@ class MemoryListener(ListeningThread[MemoryStore]):
         packet of notifications, until asked to stop or the connection
         fails. (See L{svcd.auth.listener.ChangeListener._drain} for why
         each C{notifies()} call is read whole before anything is queried.)
+
+        Each beat's sending time is kept until it comes back: the caches'
+        lease is then renewed until that time plus C{lease}, after the
+        changes heard before it were applied. No wait outlasts the lease:
+        a connection whose beats stop coming back is given up when the
+        lease runs out (L{BeatsStopped}).
         """
         nonce = uuid.uuid4().hex
         number = 0
-        lastBack = nextBeat = nextCount = self._monotonic()
+        sent: dict[int, float] = {}
+        now = self._monotonic()
+        until = now + self._lease
+        nextBeat = nextCount = now
         while not self._stopping.is_set():
             now = self._monotonic()
+            if now >= until:
+                raise BeatsStopped(f"no beat came back within {self._lease}s")
             if now >= nextBeat:
                 number += 1
                 nextBeat = now + self._beatInterval
+                sent[number] = now
                 connection.execute("SELECT pg_notify(%s, %s)", (CHANNEL, f"beat:{nonce}:{number}"))
             if now >= nextCount:
                 nextCount = now + self._waitingInterval
@@ -157,9 +200,10 @@ class MemoryListener(ListeningThread[MemoryStore]):
                     store.pruneDone(self._doneRetention)
                 if self._failedRetention is not None:
                     store.pruneFailed(self._failedRetention)
-            wait = max(0.0, min(nextBeat, nextCount) - self._monotonic())
-            changes: list[tuple[str, Triple, uuid.UUID]] = []
+            wait = max(0.0, min(nextBeat, nextCount, until) - self._monotonic())
+            changes: list[Change] = []
             syncs: list[str] = []
+            back: float | None = None
             for notification in list(connection.notifies(timeout=wait, stop_after=1)):
                 payload = notification.payload
                 if payload.startswith("sync:"):
@@ -167,7 +211,11 @@ class MemoryListener(ListeningThread[MemoryStore]):
                     continue
                 if payload.startswith("beat:"):
                     if payload.startswith(f"beat:{nonce}:"):
-                        lastBack = self._monotonic()
+                        beat = _beatNumber(payload)
+                        if beat in sent:
+                            back = sent[beat]
+                            for earlier in [each for each in sent if each <= beat]:
+                                del sent[earlier]
                     continue
                 parsed = parsePayload(payload)
                 if parsed is None:
@@ -179,42 +227,47 @@ class MemoryListener(ListeningThread[MemoryStore]):
             # After the changes heard before them, which are applied now.
             for sync in syncs:
                 self._cache.heardSync(sync)
-            if self._monotonic() - lastBack > self._beatTimeout:
-                raise BeatsStopped(f"no beat came back for {self._beatTimeout}s")
+            if back is not None:
+                until = back + self._lease
+                for cache in self._caches():
+                    cache.heard(until)
 
-    def _apply(self, changes: list[tuple[str, Triple, uuid.UUID]], store: MemoryStore) -> None:
+    def _apply(self, changes: list[Change], store: MemoryStore) -> None:
         """
-        Hand one packet's changes of watched scopes to the caches, each
+        Hand one packet's changes of watched agents to the caches, each
         memory as it is now: a deleted one as gone (ids are never used
-        again), an added or changed one read anew (gone if deleted since).
-        The records first, then the vectors (see the module's docstring).
+        again), an added or changed one read anew (gone if deleted since),
+        its subject read with it (a notification names none). The records
+        first, then the vectors (see the module's docstring).
         """
-        watched = [each for each in changes if self._watches(each[1])]
+        watched = [each for each in changes if self._watchesAgent(each[1], each[2])]
         if not watched:
             return
-        deleted = {memoryID for operation, _, memoryID in watched if operation == "delete"}
         toRead: dict[uuid.UUID, set[uuid.UUID]] = {}
-        for _, triple, memoryID in watched:
-            if memoryID not in deleted:
-                toRead.setdefault(triple[0], set()).add(memoryID)
+        for operation, orgID, _, memoryID in watched:
+            if operation != "delete":
+                toRead.setdefault(orgID, set()).add(memoryID)
         rows: dict[uuid.UUID, CachedRow] = {}
         for orgID, memoryIDs in toRead.items():
             rows.update(store.rowsForCache(orgID, memoryIDs))
+        # A deletion is applied as one (a memory whose subject changed is
+        # announced deleted, then updated: it leaves its old scope first).
+        now = [
+            (orgID, agentID, memoryID, None if operation == "delete" else rows.get(memoryID))
+            for operation, orgID, agentID, memoryID in watched
+        ]
         if self._records is not None:
-            self._records.apply(
+            self._records.applyHeard(
                 [
-                    (triple, memoryID, None if memoryID in deleted else _recordOf(rows, memoryID))
-                    for _, triple, memoryID in watched
+                    (orgID, agentID, memoryID, None if row is None else row.record)
+                    for orgID, agentID, memoryID, row in now
                 ]
             )
-        self._cache.apply(
-            [
-                (triple, memoryID, None if memoryID in deleted else rows.get(memoryID))
-                for _, triple, memoryID in watched
-            ]
-        )
+        self._cache.applyHeard(now)
 
 
-def _recordOf(rows: dict[uuid.UUID, CachedRow], memoryID: uuid.UUID) -> MemoryRecord | None:
-    row = rows.get(memoryID)
-    return None if row is None else row.record
+def _beatNumber(payload: str) -> int:
+    try:
+        return int(payload.rsplit(":", 1)[1])
+    except ValueError:
+        return -1

@@ -81,6 +81,9 @@ class ScopeRecords:
     def __len__(self) -> int:
         return len(self._encoded)
 
+    def keys(self) -> list[int]:
+        return list(self._encoded)
+
     def found(self, keys: Iterable[int]) -> dict[int, bytes]:
         """
         The encodings of those of the memories named by C{keys} held here.
@@ -142,6 +145,12 @@ class RecordCache(FollowedCache):
         self._scopes: collections.OrderedDict[Triple, ScopeRecords] = collections.OrderedDict()
         self._loads: dict[Triple, list[_Load]] = {}
         self._tooLarge: set[Triple] = set()
+        # How many triples, held or loading, each organization and agent
+        # has, and the triple each held record is in, by its id's int: a
+        # notification names a memory's organization, agent and id, never
+        # its subject (sql/0019_notify_ids.sql).
+        self._agents: collections.Counter[tuple[uuid.UUID, uuid.UUID]] = collections.Counter()
+        self._home: dict[int, Triple] = {}
 
     @property
     def totalBytes(self) -> int:
@@ -156,6 +165,8 @@ class RecordCache(FollowedCache):
         self._scopes.clear()
         self._loads.clear()
         self._tooLarge.clear()
+        self._agents.clear()
+        self._home.clear()
         self._reportSize()
 
     # Searches.
@@ -167,6 +178,7 @@ class RecordCache(FollowedCache):
         scope too large for the cache: its hits are read by id.
         """
         with self._lock:
+            self._expireIfLate()
             scope = self._scopes.get(triple)
             if scope is not None:
                 self._scopes.move_to_end(triple)
@@ -185,9 +197,11 @@ class RecordCache(FollowedCache):
         down) or a load of them is under way already.
         """
         with self._lock:
+            self._expireIfLate()
             if not self._listening or triple in self._loads:
                 return None
             load = _Load(triple, self._epoch)
+            self._countIn(triple)
             self._loads.setdefault(triple, []).append(load)
             return load
 
@@ -214,7 +228,10 @@ class RecordCache(FollowedCache):
                 self._scopes.move_to_end(load.triple)
                 return installed.found(keys)
             if loaded.nbytes <= self.maxBytes:
+                self._countIn(load.triple)
                 self._scopes[load.triple] = loaded
+                for key in loaded.keys():
+                    self._home[key] = load.triple
                 self._evictBeyond(self.maxBytes, keep=load.triple)
                 self._reportSize()
             else:
@@ -233,6 +250,25 @@ class RecordCache(FollowedCache):
             pending.remove(load)
             if not pending:
                 del self._loads[load.triple]
+                self._countOut(load.triple)
+
+    def _countIn(self, triple: Triple) -> None:
+        """
+        Count C{triple} in its agent's, unless held or loading already.
+        """
+        if triple not in self._scopes and triple not in self._loads:
+            self._agents[triple[:2]] += 1
+
+    def _countOut(self, triple: Triple) -> None:
+        """
+        Count C{triple} out of its agent's, unless still held or loading.
+        """
+        if triple in self._scopes or triple in self._loads:
+            return
+        agent = triple[:2]
+        self._agents[agent] -= 1
+        if self._agents[agent] <= 0:
+            del self._agents[agent]
 
     def _evictBeyond(self, limit: int, keep: Triple | None = None) -> None:
         total = sum(each.nbytes for each in self._scopes.values())
@@ -241,7 +277,12 @@ class RecordCache(FollowedCache):
                 return
             if triple == keep:
                 continue
-            total -= self._scopes.pop(triple).nbytes
+            scope = self._scopes.pop(triple)
+            total -= scope.nbytes
+            self._countOut(triple)
+            for key in scope.keys():
+                if self._home.get(key) == triple:
+                    del self._home[key]
             self._metrics.evicted()
 
     def _reportSize(self) -> None:
@@ -256,7 +297,17 @@ class RecordCache(FollowedCache):
         """
         triple = (orgID, agentID, subject)
         with self._lock:
+            self._expireIfLate()
             return triple in self._scopes or triple in self._loads
+
+    def watchesAgent(self, orgID: uuid.UUID, agentID: uuid.UUID) -> bool:
+        """
+        Whether records of this organization and agent, any subject, are
+        held or being loaded.
+        """
+        with self._lock:
+            self._expireIfLate()
+            return (orgID, agentID) in self._agents
 
     def apply(self, changes: Sequence[tuple[Triple, uuid.UUID, MemoryRecord | None]]) -> None:
         """
@@ -268,15 +319,66 @@ class RecordCache(FollowedCache):
             (triple, memoryID, _encodedFor(triple, record)) for triple, memoryID, record in changes
         ]
         with self._lock:
+            self._expireIfLate()
             touched = False
             for triple, memoryID, change in encoded:
-                key = memoryID.int
-                for load in self._loads.get(triple, ()):
-                    load.changes.append((key, change))
-                scope = self._scopes.get(triple)
-                if scope is not None:
-                    scope.put(key, change)
-                    touched = True
+                touched = self._putOne(triple, memoryID.int, change) or touched
             if touched:
                 self._evictBeyond(self.maxBytes)
                 self._reportSize()
+
+    def applyHeard(
+        self, changes: Sequence[tuple[uuid.UUID, uuid.UUID, uuid.UUID, MemoryRecord | None]]
+    ) -> None:
+        """
+        Apply changes heard by the listener, in order, each named as a
+        notification names it: a memory's organization, agent and id, with
+        its record as it is now (None: deleted). The record leaves the
+        triple it is held in when that is not its triple now, and every
+        load in progress of the agent when it is gone (see
+        L{svcd.memory.vectors.VectorCache.applyHeard}).
+        """
+        encoded = [
+            (
+                orgID,
+                agentID,
+                memoryID.int,
+                None if record is None else (orgID, record.agentID, record.subject),
+                None if record is None else encodedMemory(record),
+            )
+            for orgID, agentID, memoryID, record in changes
+        ]
+        with self._lock:
+            self._expireIfLate()
+            touched = False
+            for orgID, agentID, key, now, change in encoded:
+                home = self._home.get(key)
+                if home is not None and home != now:
+                    touched = self._putOne(home, key, None) or touched
+                if now is not None:
+                    touched = self._putOne(now, key, change) or touched
+                    continue
+                for triple, loads in self._loads.items():
+                    if triple[:2] == (orgID, agentID) and triple != home:
+                        for load in loads:
+                            load.changes.append((key, None))
+            if touched:
+                self._evictBeyond(self.maxBytes)
+                self._reportSize()
+
+    def _putOne(self, triple: Triple, key: int, change: bytes | None) -> bool:
+        """
+        One change of a memory of C{triple} (under C{_lock}); whether a
+        held scope changed.
+        """
+        for load in self._loads.get(triple, ()):
+            load.changes.append((key, change))
+        scope = self._scopes.get(triple)
+        if scope is None:
+            return False
+        scope.put(key, change)
+        if change is not None:
+            self._home[key] = triple
+        elif self._home.get(key) == triple:
+            del self._home[key]
+        return True

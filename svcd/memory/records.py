@@ -95,7 +95,7 @@ class Scope:
 
     orgID: uuid.UUID
     agentID: uuid.UUID
-    subject: str = ""
+    subject: str = attrs.field(default="", repr=False)
 
 
 @attrs.frozen
@@ -125,7 +125,7 @@ class MemoryRecord:
     memoryID: uuid.UUID
     orgID: uuid.UUID
     agentID: uuid.UUID
-    subject: str
+    subject: str = attrs.field(repr=False)
     content: str = attrs.field(repr=False)
     metadata: str = attrs.field(repr=False)
     source: str

@@ -189,7 +189,7 @@ class CachedRow:
 
     memoryID: uuid.UUID
     agentID: uuid.UUID
-    subject: str
+    subject: str = attrs.field(repr=False)
     model: str
     dimensions: int
     createdMicros: int
@@ -245,7 +245,7 @@ class ObservationJob:
 
     observationID: uuid.UUID
     agentID: uuid.UUID
-    subject: str
+    subject: str = attrs.field(repr=False)
     state: str
     attempts: int
     reason: str | None

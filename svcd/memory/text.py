@@ -41,13 +41,15 @@ import sys
 import threading
 import uuid
 from collections.abc import Iterable, Sequence
+from typing import cast
 
 import attrs
 import numpy
 import numpy.typing
 
+from svcd.memory.ranking import Hit, Ranking, rankingOf
 from svcd.memory.store import CachedRow, ScopeTexts
-from svcd.memory.vectors import SCOPE_OVERHEAD_BYTES, Hit, Ranking, rankingOf
+from svcd.memory.vectors import SCOPE_OVERHEAD_BYTES
 from svcd.memory.words import queryWords, words
 
 K1 = 1.2
@@ -79,7 +81,7 @@ class TextKey:
 
     orgID: uuid.UUID
     agentID: uuid.UUID
-    subject: str
+    subject: str = attrs.field(repr=False)
 
     @property
     def triple(self) -> tuple[uuid.UUID, uuid.UUID, str]:
@@ -94,18 +96,28 @@ def idf(documents: int, holding: int) -> float:
 
 
 def _counted(
-    text: str, vocabulary: dict[str, int], fresh: list[str] | None = None
+    text: str,
+    vocabulary: dict[str, int],
+    fresh: list[str] | None = None,
+    byID: list[str | None] | None = None,
 ) -> tuple[Ints, Ints, int]:
     """
     A memory's distinct words as ids (new words added to C{vocabulary},
     and to C{fresh} when given), how often each comes, and its length.
+
+    @param byID: the words by id, when the vocabulary may have lost some
+        (a new word's id is then past the last one, appended to it).
     """
     tally: dict[int, int] = {}
     length = 0
     for word in words(text):
         termID = vocabulary.get(word)
         if termID is None:
-            termID = vocabulary[word] = len(vocabulary)
+            if byID is None:
+                termID = vocabulary[word] = len(vocabulary)
+            else:
+                termID = vocabulary[word] = len(byID)
+                byID.append(word)
             if fresh is not None:
                 fresh.append(word)
         tally[termID] = tally.get(termID, 0) + 1
@@ -190,6 +202,9 @@ class ScopeText:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._vocabulary: dict[str, int] = {}
+        # The words by id; None where a word left the vocabulary since the
+        # last build (no memory holds it any more).
+        self._words: list[str | None] = []
         self._vocabularyBytes = 0
         self._frequency = numpy.zeros(0, dtype=numpy.int32)
         # Rows: the built ones first, then those added since.
@@ -376,13 +391,26 @@ class ScopeText:
             self._pendingPostingCount += int(terms.size)
             self._rebuildIfWasteful()
 
+    def memoryKeys(self) -> list[int]:
+        """
+        The ids, as 128-bit ints, of the memories it holds.
+        """
+        with self._lock:
+            live = numpy.flatnonzero(self._alive[: self._count])
+            return [
+                (high << 64) | low
+                for high, low in zip(
+                    self._high[live].tolist(), self._low[live].tolist(), strict=True
+                )
+            ]
+
     def _countedNew(self, content: str) -> tuple[Ints, Ints, int]:
         fresh: list[str] = []
-        terms, counts, length = _counted(content, self._vocabulary, fresh)
+        terms, counts, length = _counted(content, self._vocabulary, fresh, self._words)
         if fresh:
             for word in fresh:
                 self._vocabularyBytes += sys.getsizeof(word) + _WORD_OVERHEAD_BYTES
-            grown = numpy.zeros(len(self._vocabulary), dtype=numpy.int32)
+            grown = numpy.zeros(len(self._words), dtype=numpy.int32)
             grown[: self._frequency.size] = self._frequency
             self._frequency = grown
         return terms, counts, length
@@ -403,6 +431,15 @@ class ScopeText:
             return False
         terms, _ = self._termsOf(row)
         self._frequency[terms] -= 1
+        # A word no memory holds any more leaves the vocabulary at once
+        # (decisions D13, amended: a forgotten memory's copy is not kept
+        # until the next build); its id stays unused until then.
+        for termID in terms[self._frequency[terms] == 0].tolist():
+            word = self._words[termID]
+            if word is not None:
+                del self._vocabulary[word]
+                self._words[termID] = None
+                self._vocabularyBytes -= sys.getsizeof(word) + _WORD_OVERHEAD_BYTES
         self._alive[row] = False
         self._dead += 1
         self._totalLength -= int(self._lengths[row])
@@ -461,8 +498,10 @@ class ScopeText:
             held = numpy.flatnonzero(self._frequency > 0)
             renumber = numpy.full(self._frequency.size, -1, dtype=numpy.int32)
             renumber[held] = numpy.arange(held.size, dtype=numpy.int32)
-            words = list(self._vocabulary)
-            vocabulary = {words[int(old)]: index for index, old in enumerate(held)}
+            byID = self._words
+            vocabulary = {
+                cast(str, byID[int(old)]): index for index, old in enumerate(held.tolist())
+            }
         for _, _, _, source in rows:
             if isinstance(source, str):
                 terms, counts, length = _counted(source, vocabulary)
@@ -475,6 +514,7 @@ class ScopeText:
         size = len(rows)
         capacity = size + size // 16 + 16
         self._vocabulary = vocabulary
+        self._words = list(vocabulary)
         self._vocabularyBytes = sum(
             sys.getsizeof(word) + _WORD_OVERHEAD_BYTES for word in vocabulary
         )

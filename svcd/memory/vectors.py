@@ -22,9 +22,13 @@ yet compacted away (at most one in 16), plus a fixed amount per scope.
 Kept current. The change listener (L{svcd.memory.listener}) hands every
 change of a memory of a cached scope to L{VectorCache.apply}, so what any
 replica adds, changes or deletes is found, or gone, here within a second.
-While the listener is not connected nothing is cached (searches read the
-scope from PostgreSQL each time): losing it costs speed, never
-correctness.
+While the listener is not connected, or its lease has run out
+(L{svcd.memory.followed}), nothing is cached (searches read the scope
+from PostgreSQL each time): losing it costs speed, never correctness. A
+notification names no subject: a deletion is applied to the scope the
+cache holds the memory's id in (C{_home}, about 100 bytes per cached
+memory, not counted in C{maxBytes}), and to the loads in progress of the
+memory's agent.
 
 Threads and locks. Searches run on grpcio's threads, the listener on its
 own, and neither waits for the other:
@@ -34,8 +38,10 @@ own, and neither waits for the other:
    row a search may be reading. A memory added goes into a spare row past
    the end and becomes visible when the scope's I{view} (arrays and row
    count, one immutable object) is replaced; a memory changed or deleted
-   only has its row marked dead (one byte), and a changed one is added
-   anew. Growing or compacting makes new arrays and a new view.
+   has its row marked dead (one byte) and its vector overwritten with
+   zeros at once (decisions D13, amended: not at the next compaction),
+   and a changed one is added anew. Growing or compacting makes new
+   arrays and a new view.
  - a search takes the cache's lock only to find the scope, then reads the
    view it found without any lock: numpy's product releases the GIL, so
    searches of several scopes, or of one, run on several cores, and a
@@ -51,14 +57,19 @@ import math
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Executor
-from typing import Any, Protocol, TypeVar, cast
+from typing import Protocol, TypeVar, cast
 
 import attrs
 import numpy
 import numpy.typing
 
 from svcd.memory.followed import FollowedCache
+from svcd.memory.ranking import MIN_BLOCK_ROWS as MIN_BLOCK_ROWS
+from svcd.memory.ranking import Hit as Hit
+from svcd.memory.ranking import Ranking as Ranking
+from svcd.memory.ranking import bestTied, exactScores
+from svcd.memory.ranking import parallelProduct as parallelProduct
+from svcd.memory.ranking import rankingOf as rankingOf
 from svcd.memory.store import CachedRow, ScopeRows
 
 Floats = numpy.typing.NDArray[numpy.float32]
@@ -79,7 +90,7 @@ _NEVER = numpy.float32(-numpy.inf)
 # two are within twice that of their exact order; 2**-22 leaves room.
 _PRODUCT_ROUNDING = 2.0**-22
 # Up to this many candidates of a search are ordered as tuples in Python;
-# more (scores tied at the k-th) by numpy (L{_bestTied}).
+# more (scores tied at the k-th) by numpy (L{bestTied}).
 _ORDERED_IN_PYTHON = 64
 
 
@@ -119,6 +130,11 @@ class CachedScope(Protocol):
         Hold the memory as it now is (C{row}), or no longer (None).
         """
 
+    def memoryKeys(self) -> list[int]:
+        """
+        The ids, as 128-bit ints, of the memories it holds.
+        """
+
 
 Entry = TypeVar("Entry", bound=CachedScope)
 
@@ -127,7 +143,7 @@ Entry = TypeVar("Entry", bound=CachedScope)
 class ScopeKey:
     orgID: uuid.UUID
     agentID: uuid.UUID
-    subject: str
+    subject: str = attrs.field(repr=False)
     model: str
     dimensions: int
 
@@ -211,62 +227,6 @@ def _roomFor(rows: int) -> int:
     copies rarely and the spare rows cost at most 1/16 of the cache.
     """
     return rows + rows // 16 + 1
-
-
-@attrs.frozen
-class Hit:
-    """
-    One memory of a ranking: its id, its score, and its creation time (in
-    microseconds), which breaks ties when rankings are fused.
-    """
-
-    memoryID: uuid.UUID
-    score: float
-    createdMicros: int = 0
-
-
-@attrs.frozen
-class Ranking:
-    """
-    A ranking, best first, as plain lists: each memory's id as a 128-bit
-    int, its score and its creation time. What hybrid search fuses: a
-    ranking of 100 memories costs no UUID object until the fused few are
-    answered (L{hits}); making them was a millisecond of a loaded core.
-    """
-
-    keys: list[int]
-    scores: list[float]
-    createdMicros: list[int]
-
-    @classmethod
-    def fromHits(cls, hits: Sequence[Hit]) -> Ranking:
-        return cls(
-            [hit.memoryID.int for hit in hits],
-            [hit.score for hit in hits],
-            [hit.createdMicros for hit in hits],
-        )
-
-    def hits(self) -> list[Hit]:
-        return [
-            Hit(uuid.UUID(int=key), score, created)
-            for key, score, created in zip(self.keys, self.scores, self.createdMicros, strict=True)
-        ]
-
-
-def rankingOf(
-    high: numpy.typing.NDArray[numpy.uint64],
-    low: numpy.typing.NDArray[numpy.uint64],
-    created: numpy.typing.NDArray[numpy.int64],
-    scores: numpy.typing.NDArray[numpy.floating[Any]],
-) -> Ranking:
-    """
-    The ranking of these rows, in their order.
-    """
-    return Ranking(
-        [(first << 64) | second for first, second in zip(high.tolist(), low.tolist(), strict=True)],
-        [float(each) for each in scores.tolist()],
-        created.tolist(),
-    )
 
 
 class ScopeVectors:
@@ -377,7 +337,7 @@ class ScopeVectors:
                 reverse=True,
             )[:k]
         else:
-            rows = _bestTied(
+            rows = bestTied(
                 exact,
                 view.created[candidates],
                 view.high[candidates],
@@ -422,6 +382,11 @@ class ScopeVectors:
             row = self._find(memoryID)
             if row is not None:
                 self._view.alive[row] = False
+                # Overwritten at once (D13 amended), not left in the
+                # arrays until a compaction: a search reading this view
+                # masks the row as dead, and one that read it alive before
+                # scores it 0 and finds no record in PostgreSQL.
+                self._view.matrix[row] = 0.0
                 self._view = attrs.evolve(self._view, dead=self._view.dead + 1)
                 removed += 1
         if removed:
@@ -447,6 +412,14 @@ class ScopeVectors:
         # Published last: a search sees the row only once it is written.
         self._view = attrs.evolve(view, count=row + 1)
 
+    def memoryKeys(self) -> list[int]:
+        view = self._view
+        live = numpy.flatnonzero(view.alive[: view.count])
+        return [
+            (high << 64) | low
+            for high, low in zip(view.high[live].tolist(), view.low[live].tolist(), strict=True)
+        ]
+
     def _compactIfWasteful(self) -> None:
         view = self._view
         if view.dead > max(16, (view.count - view.dead) // 16):
@@ -467,113 +440,6 @@ class ScopeVectors:
         fresh.created[:size] = view.created[live]
         fresh.alive[:size] = True
         return attrs.evolve(fresh, count=size, dead=0)
-
-
-# The fewest rows a block of a split product holds: on a machine of many
-# cores a scope just past the split's threshold is cut in a few blocks,
-# not one per core.
-MIN_BLOCK_ROWS = 1_024
-
-
-def exactScores(
-    matrix: Floats, candidates: numpy.typing.NDArray[numpy.intp], query: Floats
-) -> numpy.typing.NDArray[numpy.float64]:
-    """
-    Each candidate row's score from its exact float64 products, summed in
-    the order of its components, one after the other, so that one vector
-    scores the same bits at any place, in any scope, in a search of any
-    number of candidates and on any replica, and equal vectors tie exactly
-    (ties come newest first).
-
-    The products are laid out one component a row (the candidates'
-    transpose) and the rows added in turn: numpy adds whole rows, so the
-    sum is vectorised across candidates. Summed along each candidate's own
-    row instead (pairwise, as numpy reduces a contiguous axis), 10,000
-    candidates of 64 components took 13 to 17 ms, against 2.5 to 3 ms
-    this way (issue 44: a scope whose vectors all tie makes every row a
-    candidate).
-    """
-    products = numpy.asarray(matrix[candidates].T, dtype=numpy.float64, order="C")
-    products *= query.astype(numpy.float64)[:, None]
-    scores: numpy.typing.NDArray[numpy.float64] = products.sum(axis=0)
-    return scores
-
-
-def _bestTied(
-    exact: numpy.typing.NDArray[numpy.float64],
-    created: numpy.typing.NDArray[numpy.int64],
-    high: numpy.typing.NDArray[numpy.uint64],
-    low: numpy.typing.NDArray[numpy.uint64],
-    k: int,
-) -> list[tuple[float, int, int, int]]:
-    """
-    The C{k} best of many candidates, in the order L{ScopeVectors.rank}
-    gives (score, then newest, then id, all descending), by numpy.
-
-    Many candidates means many scores tie at the k-th: a scope of equal
-    or near-equal vectors (a fact stored many times over, or a provider
-    answering one vector for every text). Ordered as tuples in Python,
-    10,000 of them took a search 5 ms more (issue 44). Here those
-    scoring above the k-th best are kept, and of those tied at it only
-    the newest that can still make the k; the few left are sorted.
-    """
-    if len(exact) > k:
-        kth = numpy.partition(exact, len(exact) - k)[len(exact) - k]
-        above = numpy.flatnonzero(exact > kth)
-        tied = numpy.flatnonzero(exact == kth)
-        wanted = k - len(above)
-        if len(tied) > wanted:
-            times = created[tied]
-            newest = numpy.partition(times, len(times) - wanted)[len(times) - wanted]
-            tied = tied[times >= newest]
-        kept = numpy.concatenate((above, tied))
-        exact, created, high, low = exact[kept], created[kept], high[kept], low[kept]
-    # lexsort sorts by its last key first, ascending: reversed, the best,
-    # newest and highest come first.
-    order = numpy.lexsort((low, high, created, exact))[::-1][:k]
-    return list(
-        zip(
-            exact[order].tolist(),
-            created[order].tolist(),
-            high[order].tolist(),
-            low[order].tolist(),
-            strict=True,
-        )
-    )
-
-
-def parallelProduct(
-    executor: Executor, workers: int, threshold: int, minBlockRows: int = MIN_BLOCK_ROWS
-) -> Callable[[Floats, Floats], Floats]:
-    """
-    C{matrix @ query}, split into blocks of rows computed at once (one on
-    the calling thread) when the matrix has C{threshold} rows or more: as
-    many blocks as C{workers}, but none under C{minBlockRows}. numpy
-    releases the GIL in the product, so the blocks run on several cores;
-    BLAS itself runs one thread per call in svc-memory (svcd/memory/tap.py).
-    Below the threshold one product is quicker than handing work to
-    threads, and so is a block too small to be worth its hand-off.
-    """
-
-    def product(matrix: Floats, query: Floats) -> Floats:
-        rows = int(matrix.shape[0])
-        blocks = min(workers, rows // max(1, minBlockRows))
-        if blocks < 2 or rows < threshold:
-            whole: Floats = matrix @ query
-            return whole
-        scores = numpy.empty(rows, dtype=numpy.float32)
-        step = -(-rows // blocks)
-
-        def block(start: int) -> None:
-            numpy.matmul(matrix[start : start + step], query, out=scores[start : start + step])
-
-        pending = [executor.submit(block, start) for start in range(step, rows, step)]
-        block(0)
-        for each in pending:
-            each.result()
-        return scores
-
-    return product
 
 
 @attrs.define(eq=False)
@@ -626,6 +492,15 @@ class VectorCache(FollowedCache):
         self._scopes: collections.OrderedDict[CacheKey, CachedScope] = collections.OrderedDict()
         self._bytes: dict[CacheKey, int] = {}
         self._byTriple: dict[Triple, set[CacheKey]] = {}
+        # How many triples of _byTriple each organization and agent has: a
+        # notification names a memory's organization and agent, never its
+        # subject (sql/0019_notify_ids.sql).
+        self._agents: collections.Counter[tuple[uuid.UUID, uuid.UUID]] = collections.Counter()
+        # The triple each cached memory is in, by its id's int: where a
+        # deletion, named by id alone, is applied. A superset: a memory
+        # removed from one key of a triple may stay listed until the
+        # triple leaves the cache.
+        self._home: dict[int, Triple] = {}
         self._loads: dict[CacheKey, list[_Load]] = {}
         self._syncs: dict[str, threading.Event] = {}
 
@@ -642,6 +517,8 @@ class VectorCache(FollowedCache):
         self._scopes.clear()
         self._bytes.clear()
         self._byTriple.clear()
+        self._agents.clear()
+        self._home.clear()
         self._loads.clear()
         self._reportSize()
 
@@ -649,6 +526,7 @@ class VectorCache(FollowedCache):
 
     def lookup(self, key: CacheKey) -> CachedScope | None:
         with self._lock:
+            self._expireIfLate()
             scope = self._scopes.get(key)
             if scope is not None:
                 self._scopes.move_to_end(key)
@@ -664,11 +542,12 @@ class VectorCache(FollowedCache):
         when nothing may be cached now (the listener is down).
         """
         with self._lock:
+            self._expireIfLate()
             if not self._listening:
                 return None
             load = _Load(key, self._epoch)
             self._loads.setdefault(key, []).append(load)
-            self._byTriple.setdefault(key.triple, set()).add(key)
+            self._link(key)
             return load
 
     def finishLoad(self, load: _Load | None, loaded: Entry) -> Entry:
@@ -701,7 +580,10 @@ class VectorCache(FollowedCache):
                 return loaded
             self._scopes[load.key] = loaded
             self._bytes[load.key] = size
-            self._byTriple.setdefault(load.key.triple, set()).add(load.key)
+            self._link(load.key)
+            triple = load.key.triple
+            for memoryKey in loaded.memoryKeys():
+                self._home[memoryKey] = triple
             self._evictBeyond(self.maxBytes, keep=load.key)
             self._reportSize()
             return loaded
@@ -717,7 +599,19 @@ class VectorCache(FollowedCache):
                     del self._loads[load.key]
             self._forgetTripleIfUnused(load.key)
 
-    def _forgetTripleIfUnused(self, key: CacheKey) -> None:
+    def _link(self, key: CacheKey) -> None:
+        keys = self._byTriple.get(key.triple)
+        if keys is None:
+            keys = self._byTriple[key.triple] = set()
+            self._agents[key.triple[:2]] += 1
+        keys.add(key)
+
+    def _forgetTripleIfUnused(self, key: CacheKey, entry: CachedScope | None = None) -> None:
+        """
+        Forget C{key} unless it is cached or loading, and its triple when
+        it was the triple's last key (with the ids of C{entry}, its
+        evicted entry, from the index of homes).
+        """
         if key in self._scopes or key in self._loads:
             return
         keys = self._byTriple.get(key.triple)
@@ -725,6 +619,14 @@ class VectorCache(FollowedCache):
             keys.discard(key)
             if not keys:
                 del self._byTriple[key.triple]
+                agent = key.triple[:2]
+                self._agents[agent] -= 1
+                if self._agents[agent] <= 0:
+                    del self._agents[agent]
+                if entry is not None:
+                    for memoryKey in entry.memoryKeys():
+                        if self._home.get(memoryKey) == key.triple:
+                            del self._home[memoryKey]
 
     def _evictBeyond(self, limit: int, keep: CacheKey | None = None) -> None:
         total = sum(self._bytes.values())
@@ -734,8 +636,8 @@ class VectorCache(FollowedCache):
             if key == keep:
                 continue
             total -= self._bytes.pop(key)
-            del self._scopes[key]
-            self._forgetTripleIfUnused(key)
+            entry = self._scopes.pop(key)
+            self._forgetTripleIfUnused(key, entry)
             self._metrics.evicted()
 
     def _reportSize(self) -> None:
@@ -775,7 +677,18 @@ class VectorCache(FollowedCache):
         cached or being loaded: only then is a change worth reading.
         """
         with self._lock:
+            self._expireIfLate()
             return (orgID, agentID, subject) in self._byTriple
+
+    def watchesAgent(self, orgID: uuid.UUID, agentID: uuid.UUID) -> bool:
+        """
+        Whether a scope key of this organization and agent, any subject,
+        is cached or being loaded: a notification names no subject, so
+        only then is a change worth reading.
+        """
+        with self._lock:
+            self._expireIfLate()
+            return (orgID, agentID) in self._agents
 
     def apply(
         self,
@@ -790,19 +703,71 @@ class VectorCache(FollowedCache):
         (its model's vectors, and the subject's text index).
         """
         with self._lock:
+            self._expireIfLate()
             touched = False
             for triple, memoryID, row in changes:
-                for key in self._byTriple.get(triple, ()):
-                    change = row if row is not None and key.holds(row) else None
-                    for load in self._loads.get(key, ()):
-                        load.changes.append((memoryID, change))
-                    scope = self._scopes.get(key)
-                    if scope is not None:
-                        scope.applyChange(memoryID, change)
-                        size = scope.nbytes
-                        if size != self._bytes[key]:
-                            self._bytes[key] = size
-                            touched = True
+                touched = self._applyOne(triple, memoryID, row) or touched
             if touched:
                 self._evictBeyond(self.maxBytes)
                 self._reportSize()
+
+    def applyHeard(
+        self,
+        changes: Sequence[tuple[uuid.UUID, uuid.UUID, uuid.UUID, CachedRow | None]],
+    ) -> None:
+        """
+        Apply changes heard by the listener, in order, each named as a
+        notification names it (sql/0019_notify_ids.sql): a memory's
+        organization, agent and id, with its row as it is now (None:
+        deleted). The memory leaves the triple it is cached in, when that
+        is not its triple now, and every load in progress of the agent
+        when it is gone (a load reads ids this cache has not seen yet);
+        it is then applied to its triple as L{apply} does.
+        """
+        with self._lock:
+            self._expireIfLate()
+            touched = False
+            for orgID, agentID, memoryID, row in changes:
+                home = self._home.get(memoryID.int)
+                now = None if row is None else (orgID, row.agentID, row.subject)
+                if home is not None and home != now:
+                    touched = self._applyOne(home, memoryID, None) or touched
+                if now is not None:
+                    touched = self._applyOne(now, memoryID, row) or touched
+                    continue
+                for key, loads in self._loads.items():
+                    if key.triple[:2] == (orgID, agentID) and key.triple != home:
+                        for load in loads:
+                            load.changes.append((memoryID, None))
+            if touched:
+                self._evictBeyond(self.maxBytes)
+                self._reportSize()
+
+    def _applyOne(self, triple: Triple, memoryID: uuid.UUID, row: CachedRow | None) -> bool:
+        """
+        L{apply}'s change of one memory of C{triple} (under C{_lock});
+        whether a cached scope's size changed.
+        """
+        keys = self._byTriple.get(triple)
+        if not keys:
+            return False
+        touched = False
+        for key in keys:
+            change = row if row is not None and key.holds(row) else None
+            for load in self._loads.get(key, ()):
+                load.changes.append((memoryID, change))
+            scope = self._scopes.get(key)
+            if scope is not None:
+                scope.applyChange(memoryID, change)
+                size = scope.nbytes
+                if size != self._bytes[key]:
+                    self._bytes[key] = size
+                    touched = True
+        if row is not None:
+            # Only where an entry holds it: a load's ids are listed when it
+            # is installed (L{finishLoad}).
+            if any(key in self._scopes for key in keys):
+                self._home[memoryID.int] = triple
+        elif self._home.get(memoryID.int) == triple:
+            del self._home[memoryID.int]
+        return touched

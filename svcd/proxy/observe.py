@@ -484,7 +484,7 @@ class Observing:
     gathered for it).
     """
 
-    subject: str
+    subject: str = attrs.field(repr=False)
     answer: AnswerText | None = None
     unobserved: str | None = None
 

@@ -129,7 +129,7 @@ class Observation:
     observationID: str
     orgID: str
     agentID: str
-    subject: str
+    subject: str = attrs.field(repr=False)
     requestID: str
     turns: tuple[Turn, ...] = attrs.field(repr=False)
     attempts: int
