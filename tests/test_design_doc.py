@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DESIGN = ROOT / "docs" / "design.rst"
 
-# The decisions that exist: D1 to D13, and the amendment of D12.
+# The decisions that exist: D1 to D13, and the amendments of D12 and D13.
 DECISIONS = range(1, 14)
 AMENDED = {12, 13}
 
