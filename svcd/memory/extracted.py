@@ -147,10 +147,8 @@ class Plan:
         content, unless one of this observation's earlier memories is at
         least as near, which then takes it instead; else it is added.
         """
-        recentUnits = [
-            (row.memoryID, row.model, unit(Embedding(row.model, row.vector))) for row in recent
-        ]
         recentIDs = {row.memoryID for row in recent}
+        matrices = _unitMatrices(recent)
         writes: list[Write] = []
         for memory in self._memories:
             earlier, earlierScore = -1, -2.0
@@ -158,7 +156,7 @@ class Plan:
                 score = float(numpy.dot(memory.unit, write.unit))
                 if score > earlierScore:
                     earlier, earlierScore = index, score
-            target, foundScore = self._nearest(memory, recentUnits, recentIDs)
+            target, foundScore = self._nearest(memory, matrices, recentIDs)
             if earlier >= 0 and earlierScore >= self._dedupeScore and earlierScore >= foundScore:
                 writes[earlier] = attrs.evolve(
                     writes[earlier],
@@ -185,7 +183,7 @@ class Plan:
     def _nearest(
         self,
         memory: _Memory,
-        recent: Sequence[tuple[uuid.UUID, str, Any]],
+        matrices: dict[tuple[str, int], tuple[list[uuid.UUID], Any]],
         recentIDs: set[uuid.UUID],
     ) -> tuple[uuid.UUID | None, float]:
         """
@@ -197,14 +195,35 @@ class Plan:
         cached = memory.cached
         if cached is not None and cached.memoryID not in recentIDs:
             target, best = cached.memoryID, cached.score
-        dimensions = memory.embedding.dimensions
-        for memoryID, model, vector in recent:
-            if model != memory.embedding.model or len(vector) != dimensions:
-                continue
-            score = float(numpy.dot(memory.unit, vector))
+        found = matrices.get((memory.embedding.model, memory.embedding.dimensions))
+        if found is not None:
+            ids, units = found
+            scores = units @ memory.unit
+            index = int(numpy.argmax(scores))
+            score = float(scores[index])
             if score >= self._dedupeScore and score > best:
-                target, best = memoryID, score
+                target, best = ids[index], score
         return target, best
+
+
+def _unitMatrices(
+    recent: Sequence[RecentRow],
+) -> dict[tuple[str, int], tuple[list[uuid.UUID], Any]]:
+    """
+    The recent rows' ids and unit vectors (one matrix, a row each), by
+    model and dimensions.
+    """
+    grouped: dict[tuple[str, int], list[RecentRow]] = {}
+    for row in recent:
+        grouped.setdefault((row.model, len(row.vector) // 4), []).append(row)
+    matrices = {}
+    for (model, dimensions), rows in grouped.items():
+        vectors = numpy.frombuffer(b"".join(row.vector for row in rows), dtype="<f4")
+        vectors = vectors.reshape(len(rows), dimensions).astype(numpy.float64)
+        norms = numpy.linalg.norm(vectors, axis=1)
+        norms[norms == 0] = 1.0
+        matrices[(model, dimensions)] = ([row.memoryID for row in rows], vectors / norms[:, None])
+    return matrices
 
 
 def unit(embedding: Embedding) -> Any:
