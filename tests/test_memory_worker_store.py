@@ -48,11 +48,12 @@ def claimed(
         ),
         timeout=10,
     )
-    held = service.stub.ClaimObservations(
+    answer: memory_pb2.ClaimObservationsResponse = service.stub.ClaimObservations(
         memory_pb2.ClaimObservationsRequest(owner=owner, limit=1, lease_seconds=60), timeout=10
-    ).observations
-    assert [each.request_id for each in held] == [requestID]
-    return held[0]
+    )
+    [held] = answer.observations
+    assert held.request_id == requestID
+    return held
 
 
 def storeRequest(
