@@ -12,7 +12,8 @@ memories, searches and queueing) answer only those of
 C{SVC_GRPC_INTERNAL_SUBJECTS}. So a proxy's certificate, which a host
 facing the Internet holds, can no longer read every organization's
 conversations through ClaimObservations, and a worker's can no longer
-search or change memories at will. A name listed in both may call both.
+search, change or delete memories beyond the observations it holds. A
+name listed in both may call both.
 
 Without mutual TLS there is no certificate to check: every method answers
 whoever reaches the port, as before (the port stays on loopback or a
