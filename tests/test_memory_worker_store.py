@@ -10,6 +10,7 @@ both searched the scope before either wrote, is one memory.
 
 from __future__ import annotations
 
+import datetime
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -18,9 +19,10 @@ from typing import Any
 
 import pytest
 from authfixtures import Tenant
-from memoryfixtures import embedding, scopeOf, secondAgent
+from memoryfixtures import MODEL, embedding, scopeOf, secondAgent, vectorBytes
 
 from svcd.auth.store import Store
+from svcd.memory.extracted import Plan, RecentRow
 from svcd.memory.records import Embedding, Scope
 from svcd.memory.vectors import Hit
 from svcd.pb.memory.v1 import memory_pb2
@@ -196,3 +198,29 @@ def test_theSameFactStoredAtOnceThroughTwoReplicasIsOneMemory(
     assert sorted((len(each.added_ids), each.updated) for each in answers) == [(0, 1), (1, 0)]
     assert contents(first, scope) == ["My favourite colour is green."]
     assert first.parts.store.observationsWaiting() == 0
+
+
+def test_aPlanScoresRecentWritesFromTheirCurrentVectors() -> None:
+    """
+    Under the lock a plan compares each memory with the scope's recent
+    writes as they are now: one the cache scores high but whose vector
+    changed since is scored afresh (and not taken), a recent one of the
+    same model at or above the dedupe score is taken, and one of another
+    model is never compared.
+    """
+    changed, recent, otherModel = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    fact = [("I live in Oslo.", embedding([1.0, 0.0]))]
+    stale = Hit(changed, 0.99)
+    since = datetime.datetime.now(datetime.UTC)
+    plan = Plan(fact, 0.9, lambda _: stale, since)
+    turned = RecentRow(changed, MODEL, vectorBytes([0.0, 1.0]))
+    [write] = plan.writes([turned])
+    assert write.target is None
+    [write] = plan.writes([])
+    assert write.target == changed
+    near = RecentRow(recent, MODEL, vectorBytes([0.98, 0.05]))
+    other = RecentRow(otherModel, "other-model", vectorBytes([1.0, 0.0]))
+    [write] = Plan(fact, 0.9, lambda _: None, since).writes([turned, near, other])
+    assert (write.target, write.content) == (recent, "I live in Oslo.")
+    [write] = Plan(fact, 0.9, lambda _: None, since).writes([other])
+    assert write.target is None
