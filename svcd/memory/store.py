@@ -418,7 +418,7 @@ class MemoryStore:
         The memories go into the observation's own scope, whatever the
         call named (decisions D13, amended): C{scope} is the one the plan's
         cache was asked about, and an observation of another raises
-        L{OtherScope} before anything is locked or written.
+        L{OtherScope} before anything is written.
 
         The scope's lock comes first, then the observation's row (a claim,
         whose C{FOR UPDATE SKIP LOCKED} passes a locked row by, cannot take
@@ -449,29 +449,23 @@ class MemoryStore:
         """
 
         def store(cursor: Cursor) -> Stored | None:
+            _lockScope(cursor, scope)
             cursor.execute(
-                "SELECT agent_id, subject FROM memory_observations WHERE id = %s AND org_id = %s",
-                (observationID, orgID),
-            )
-            row = cursor.fetchone()
-            if row is None:
-                _refuse(cursor, "svc_observation_exists", observationID)
-                raise AssertionError("unreachable")
-            own = Scope(orgID, row["agent_id"], row["subject"])
-            if own != scope:
-                raise OtherScope(own)
-            _lockScope(cursor, own)
-            cursor.execute(
-                "SELECT id FROM memory_observations WHERE id = %s AND org_id = %s"
+                "SELECT agent_id, subject FROM memory_observations WHERE id = %s AND org_id = %s"
                 " AND lease_owner = %s AND lease_token = %s FOR UPDATE",
                 (observationID, orgID, owner, leaseToken),
             )
-            if cursor.fetchone() is None:
+            row = cursor.fetchone()
+            if row is None:
                 cursor.execute("SELECT 1 FROM memory_observations WHERE id = %s", (observationID,))
                 if cursor.fetchone() is not None:
                     return None
                 _refuse(cursor, "svc_observation_exists", observationID)
                 raise AssertionError("unreachable")
+            own = Scope(orgID, row["agent_id"], row["subject"])
+            if own != scope:
+                # The lock taken is another scope's: roll back, plan again.
+                raise OtherScope(own)
             writes = plan.writes(recentRows(cursor, own, plan.since, plan.models))
             updated, dropped = updateExtracted(
                 cursor, own, [write for write in writes if write.target is not None]
