@@ -23,6 +23,7 @@ from psycopg.rows import dict_row
 
 from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
+from svcd.memory.extracted import Plan
 from svcd.memory.forgetting import FORGOTTEN, recordDeletion
 from svcd.memory.records import (
     FORGOTTEN_DETAILS,
@@ -193,7 +194,7 @@ def test_anObservationForgottenWhileProcessedStoresNothing(
             taken.leaseToken,
             scope,
             "req-taken",
-            [("lives in Oslo", embedding([1.0, 0.0]))],
+            Plan.additions([("lives in Oslo", embedding([1.0, 0.0]))]),
             100,
         )
     with pytest.raises(ObservationForgotten):
@@ -211,7 +212,7 @@ def test_anObservationForgottenWhileProcessedStoresNothing(
             dropped.leaseToken,
             other,
             "req-dropped",
-            [],
+            Plan.additions([]),
             100,
         )
     assert not isinstance(raised.value, ObservationForgotten)

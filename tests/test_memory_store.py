@@ -26,6 +26,7 @@ from memoryfixtures import (
 
 from svcd.auth.migrations import migrate
 from svcd.auth.store import Store, StoreRejected
+from svcd.memory.extracted import Plan
 from svcd.memory.records import (
     ClaimedObservation,
     Embedding,
@@ -277,16 +278,17 @@ def test_anObservationsMemoriesAreStoredWithItsCompletionOncePerContent(
         token: uuid.UUID | None = None,
         cap: int = 100,
     ) -> list[MemoryRecord] | None:
-        return memoryStore.storeExtracted(
+        stored = memoryStore.storeExtracted(
             acme.orgID,
             held.observationID,
             "worker-1",
             token or held.leaseToken or uuid.uuid4(),
             scope,
             held.requestID,
-            memories,
+            Plan.additions(memories),
             cap,
         )
+        return None if stored is None else stored.added
 
     single = memoryStore.add(
         scope, "likes tea", "{}", "extracted", "req-1", embedding([1.0, 0.0]), maxPerScope=100
@@ -606,17 +608,17 @@ def test_aProcessedObservationIsNotQueuedAgainWithinTheRetention(
     )
     held = claimed["req-store"]
     assert held.leaseToken is not None
-    records = memoryStore.storeExtracted(
+    written = memoryStore.storeExtracted(
         acme.orgID,
         held.observationID,
         "w",
         held.leaseToken,
         scope,
         "req-store",
-        [("lives in Oslo", embedding([1.0, 0.0]))],
+        Plan.additions([("lives in Oslo", embedding([1.0, 0.0]))]),
         100,
     )
-    assert records is not None and len(records) == 1
+    assert written is not None and len(written.added) == 1
     for first in (completed, stored):
         again = queue(scope, first.requestID)
         assert again == QueuedObservation(first.requestID, first.observationID, False)

@@ -215,6 +215,7 @@ class InternalCallersInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
     @param answered: called with the short method name and
         C{"PERMISSION_DENIED"} for each denial, for
         svc_auth_grpc_requests_total.
+    @param details: the refusal's details (naming the list to change).
     """
 
     def __init__(
@@ -224,8 +225,10 @@ class InternalCallersInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
         answered: Callable[[str, str], None] | None = None,
         methods: Collection[str] = INTERNAL_METHODS,
         service: str = SERVICE,
+        details: str = DENIED_DETAILS,
     ) -> None:
         self._subjects = subjects
+        self._details = details
         self._denials = denials
         self._answered = answered
         self._methods = {f"/{service}/{name}": name for name in methods}
@@ -266,7 +269,7 @@ class InternalCallersInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
         self._denials.denied(name, certificate, context.peer())
         if self._answered is not None:
             self._answered(name, "PERMISSION_DENIED")
-        context.abort(grpc.StatusCode.PERMISSION_DENIED, DENIED_DETAILS)
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, self._details)
         raise AssertionError("context.abort returned")
 
     def _oneAnswer(self, name: str, behaviour: Behaviour) -> Behaviour:

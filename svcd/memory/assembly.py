@@ -31,15 +31,13 @@ from twisted.python.threadpool import ThreadPool
 
 from svcd.auth.admission import Bounds
 from svcd.auth.assembly import _tcpCheck
-from svcd.auth.callers import InternalCallersInterceptor, InternalSubjects
 from svcd.common.databaseservice import DatabaseService
 from svcd.common.readiness import Check, CheckFailed
 from svcd.common.tracing import ServerTracingInterceptor
-from svcd.memory.callers import MemoryDenialLog
+from svcd.memory.callers import callerInterceptors
 from svcd.memory.config import MemoryConfig
 from svcd.memory.grpcservice import (
     METHODS,
-    SERVICE_NAME,
     MemoryGrpcService,
     MemoryMetrics,
     MemoryServicer,
@@ -118,14 +116,16 @@ def assembleMemory(
     servicer = MemoryServicer(store, searcher, metrics, settings.maxPerScope)
     interceptors: list[grpc.ServerInterceptor] = []
     if settings.internalSubjects is not None:
-        # Every method: only the proxies and the workers call svc-memory.
-        interceptors.append(
-            InternalCallersInterceptor(
-                InternalSubjects(settings.internalSubjects),
-                MemoryDenialLog(metrics.internalDenied, METHODS),
+        # Every method: the worker's for the workers, the others for the
+        # proxies (svcd.memory.callers).
+        assert settings.workerSubjects is not None
+        interceptors.extend(
+            callerInterceptors(
+                settings.internalSubjects,
+                settings.workerSubjects,
+                metrics.internalDenied,
+                METHODS,
                 answered=metrics.answered,
-                methods=METHODS,
-                service=SERVICE_NAME,
             )
         )
     if tracer is not None:

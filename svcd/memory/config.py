@@ -10,9 +10,11 @@ from collections.abc import Mapping
 
 import attrs
 
+from svcd.auth.callers import BadSubjects, parseSubjects
 from svcd.auth.serving import ServerDefaults, readDatabaseServer
 from svcd.common import config
 from svcd.common.grpcserver import ServerTLS
+from svcd.memory.callers import WORKER_VARIABLE
 
 # The memories one agent may keep about one subject.
 DEFAULT_MAX_PER_SCOPE = 10_000
@@ -57,8 +59,11 @@ class MemoryConfig:
     errorDocsBase: str | None = None
     tls: ServerTLS | None = None
     # The client certificates (common name or DNS name) that may call
-    # MemoryService at all; set exactly when mutual TLS is.
+    # MemoryService's methods other than the worker's (the proxies'), and
+    # those that may call the worker's (svcd.memory.callers.WORKER_METHODS);
+    # both set exactly when mutual TLS is.
     internalSubjects: frozenset[str] | None = None
+    workerSubjects: frozenset[str] | None = None
     maxPerScope: int = DEFAULT_MAX_PER_SCOPE
     cacheBytes: int = DEFAULT_CACHE_MB * 1024 * 1024
     recordCacheBytes: int = DEFAULT_RECORD_CACHE_MB * 1024 * 1024
@@ -74,19 +79,22 @@ class MemoryConfig:
 
     @classmethod
     def fromEnvironment(cls, environ: Mapping[str, str]) -> "MemoryConfig":
-        return cls(
-            **readDatabaseServer(
-                environ,
-                ServerDefaults(
-                    serviceName="svc-memory",
-                    port=8082,
-                    grpcPort=9092,
-                    grpcWorkers=32,
-                    grpcMaxCallsPerPeer=16,
-                    statementTimeout=5.0,
-                    internalCallers="MemoryService, such as the proxies' and the workers'",
-                ),
+        server = readDatabaseServer(
+            environ,
+            ServerDefaults(
+                serviceName="svc-memory",
+                port=8082,
+                grpcPort=9092,
+                grpcWorkers=32,
+                grpcMaxCallsPerPeer=16,
+                statementTimeout=5.0,
+                internalCallers="MemoryService's methods other than the worker's, such as"
+                " the proxies'",
             ),
+        )
+        return cls(
+            **server,
+            workerSubjects=readWorkerSubjects(environ, server["internalSubjects"] is not None),
             maxPerScope=config.positiveInteger(
                 environ, "SVC_MEMORY_MAX_PER_SCOPE", DEFAULT_MAX_PER_SCOPE
             ),
@@ -108,3 +116,43 @@ class MemoryConfig:
                 environ, "SVC_MEMORY_FAILED_RETENTION", DEFAULT_FAILED_RETENTION
             ),
         )
+
+
+def readWorkerSubjects(environ: Mapping[str, str], mutual: bool) -> frozenset[str] | None:
+    """
+    The names of C{SVC_GRPC_WORKER_SUBJECTS}, by the rules of
+    C{SVC_GRPC_INTERNAL_SUBJECTS} (L{svcd.auth.serving.readInternalSubjects}):
+    required with mutual TLS, refused without it.
+
+    Required rather than defaulted: defaulting to the internal subjects
+    would keep a deployment that upgrades without reading the notes
+    exactly as exposed as before (every proxy's certificate able to claim
+    every organization's conversations) and say nothing; defaulting to
+    none would deny the workers and let the queue grow with nothing but a
+    metric to show it. A replica that refuses to start stops a rolling
+    upgrade at its first host while the others serve on, with one line
+    naming the variable.
+
+    @param mutual: whether the server asks client certificates (the
+        internal subjects were read, as they are exactly then).
+    """
+    raw = config.text(environ, WORKER_VARIABLE, "")
+    if not raw:
+        if mutual:
+            raise config.ConfigError(
+                WORKER_VARIABLE,
+                "is required with SVC_GRPC_TLS_CLIENT_CA: name the client certificates "
+                "(common name or DNS name, comma-separated) of the workers, which alone may "
+                "claim, renew, store and release observations",
+            )
+        return None
+    if not mutual:
+        raise config.ConfigError(
+            WORKER_VARIABLE,
+            "needs mutual TLS (SVC_GRPC_TLS_CERT, SVC_GRPC_TLS_KEY and "
+            "SVC_GRPC_TLS_CLIENT_CA): without client certificates there is no subject to check",
+        )
+    try:
+        return parseSubjects(raw)
+    except BadSubjects as error:
+        raise config.ConfigError(WORKER_VARIABLE, str(error)) from None

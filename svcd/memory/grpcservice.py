@@ -23,14 +23,13 @@ Nothing here logs a memory's content or an observation's messages.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-import attrs
 import grpc
-import numpy
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -42,6 +41,7 @@ from svcd.common.errors import rfc3339
 from svcd.common.grpcserver import HostedGrpcServer, ServerTLS, buildGrpcServer
 from svcd.common.metrics import BUCKETS, Children
 from svcd.memory.client import MAX_SEARCHES_PER_CALL
+from svcd.memory.extracted import RECENT_WINDOW, OtherScope, Plan
 from svcd.memory.records import (
     FORBIDDEN_DETAILS,
     FORGOTTEN_DETAILS,
@@ -191,7 +191,7 @@ class MemoryMetrics:
         self.internalDenied = Counter(
             "svc_memory_internal_calls_denied_total",
             "Calls answered PERMISSION_DENIED because the client certificate is not named"
-            " in SVC_GRPC_INTERNAL_SUBJECTS",
+            " in SVC_GRPC_INTERNAL_SUBJECTS (the worker's methods: SVC_GRPC_WORKER_SUBJECTS)",
             ["method"],
             registry=registry,
         )
@@ -626,26 +626,31 @@ class MemoryServicer:
         trip on both sides (bench/worker_drain.py measured the drain's
         rate bounded by them).
 
-        The memories are planned as the worker's calls would have stored
-        them (L{_plan}). Updates of memories the scope holds (rare in a
-        drain: a fact said again) come first, one transaction each, after
-        a renewal of the lease (nothing is written for a claim that lost
-        it). Then the additions and the observation's completion are one
-        transaction that locks the observation's row for the claim
-        (L{MemoryStore.storeExtracted}): added only while the lease is the
-        claim's, completed with them or not at all, and a purge meanwhile
-        either deletes them too or makes this NOT_FOUND with nothing
-        added. The cache is settled once, after.
+        The memories are written into the observation's own scope, whatever
+        the call names (decisions D13, amended): a call naming another
+        agent or subject is planned again for the observation's, and
+        logged (ids only). The cache's nearest memories are asked first;
+        the plan is finished, and its updates, additions and the
+        observation's completion made, in one transaction under the scope's
+        lock (L{MemoryStore.storeExtracted}, L{svcd.memory.extracted}): the
+        same fact in two observations stored at once is one memory, and a
+        memory deleted meanwhile is not written back. The cache is settled
+        once, after.
+
+        C{lease_seconds} is checked but no longer renews the lease: the
+        transaction holds the observation's row, and nothing is written
+        for a claim that lost it.
         """
         orgID, observationID = _observation(request.org_id, request.id)
         owner = _owner(request.owner)
         token = _leaseToken(request.lease_token, True)
         assert token is not None
-        lease = _bounded("lease_seconds", request.lease_seconds, 1.0, MAX_LEASE_SECONDS)
+        _bounded("lease_seconds", request.lease_seconds, 1.0, MAX_LEASE_SECONDS)
         scope = _scope(request.scope)
         if scope.orgID != orgID:
             raise InvalidMemory("scope.org_id", "must be org_id")
         requestID = checkRequestID("request_id", request.request_id, True)
+        assert requestID is not None
         if len(request.memories) > MAX_STORED_PER_OBSERVATION:
             raise InvalidMemory(
                 "memories", f"must hold at most {MAX_STORED_PER_OBSERVATION} memories"
@@ -660,93 +665,52 @@ class MemoryServicer:
             if memories[index][1].dimensions != memories[0][1].dimensions:
                 # One provider's answer: one length (its planning compares them).
                 raise InvalidMemory(f"memories[{index}].embedding", OTHER_LENGTH)
-        writes = self._plan(scope, memories, dedupeScore)
-        updates = [write for write in writes if write.target is not None]
-        if updates and (
-            self._store.renewObservationLease(orgID, observationID, owner, token, lease, scope)
-            is None
-        ):
-            return memory_pb2.StoreObservationResponse(stored=False)
-        adds = [(write.content, write.embedding) for write in writes if write.target is None]
-        updated = 0
-        for write in updates:
-            assert write.target is not None
+        # The observation's scope never changes: a second round always
+        # finds it.
+        for _ in range(2):
+            plan = self._plan(scope, memories, dedupeScore)
             try:
-                self._store.update(scope, write.target, write.content, None, write.embedding)
-                updated += 1
-            except MemoryNotFound:
-                # Deleted since the search: added instead.
-                adds.append((write.content, write.embedding))
-        assert requestID is not None
-        records = self._store.storeExtracted(
-            orgID, observationID, owner, token, scope, requestID, adds, self._maxPerScope
-        )
-        if writes:
+                stored = self._store.storeExtracted(
+                    orgID, observationID, owner, token, scope, requestID, plan, self._maxPerScope
+                )
+                break
+            except OtherScope as other:
+                self.log.warn(
+                    "StoreObservation for observation {observation_id} of organization"
+                    " {org_id} named another agent or subject than the observation's;"
+                    " its memories go to the observation's agent {agent_id}",
+                    observation_id=str(observationID),
+                    org_id=str(orgID),
+                    agent_id=str(other.scope.agentID),
+                )
+                scope = other.scope
+        else:
+            raise StoreUnavailable("the observation's scope changed twice")
+        if stored is None:
+            return memory_pb2.StoreObservationResponse(stored=False)
+        if stored.added or stored.updated:
             self._searcher.settle(scope)
-        if records is None:
-            return memory_pb2.StoreObservationResponse(stored=False, updated=updated)
         return memory_pb2.StoreObservationResponse(
-            stored=True, added_ids=[str(each.memoryID) for each in records], updated=updated
+            stored=True,
+            added_ids=[str(each.memoryID) for each in stored.added],
+            updated=stored.updated,
         )
 
     def _plan(
         self, scope: Scope, memories: Sequence[tuple[str, Embedding]], dedupeScore: float
-    ) -> list[_Write]:
+    ) -> Plan:
         """
-        What each memory becomes, as if each were stored before the next
-        was searched (as the worker did by Search, then UpdateMemory or
-        AddMemory, each call waiting for the cache): the scope's nearest
-        memory at or above C{dedupeScore} takes its content, unless one of
-        this observation's earlier memories is at least as near, which then
-        takes it instead; else it is added. All are then written together,
-        and the cache settled once.
+        The memories with this replica's nearest of each in C{scope}
+        (L{Searcher.nearest}), asked now, before any lock; the scope's
+        writes since L{RECENT_WINDOW} before now are read under it.
         """
-        writes: list[_Write] = []
-        for content, embedding in memories:
-            unit = _unit(embedding)
-            earlier, earlierScore = -1, -2.0
-            for index, write in enumerate(writes):
-                score = float(numpy.dot(unit, write.unit))
-                if score > earlierScore:
-                    earlier, earlierScore = index, score
-            found = self._searcher.nearest(scope, embedding, dedupeScore)
-            foundScore = found.score if found is not None else -2.0
-            if earlier >= 0 and earlierScore >= dedupeScore and earlierScore >= foundScore:
-                writes[earlier] = attrs.evolve(
-                    writes[earlier], content=content, embedding=embedding, unit=unit
-                )
-                continue
-            if found is not None:
-                target = found.memoryID
-                same = [index for index, write in enumerate(writes) if write.target == target]
-                if same:
-                    writes[same[0]] = attrs.evolve(
-                        writes[same[0]], content=content, embedding=embedding, unit=unit
-                    )
-                else:
-                    writes.append(_Write(target, content, embedding, unit))
-                continue
-            writes.append(_Write(None, content, embedding, unit))
-        return writes
-
-
-@attrs.frozen
-class _Write:
-    """
-    One write of L{MemoryServicer.StoreObservation}: C{target} takes the
-    content (None: added).
-    """
-
-    target: uuid.UUID | None
-    content: str
-    embedding: Embedding
-    unit: Any = attrs.field(repr=False)
-
-
-def _unit(embedding: Embedding) -> Any:
-    vector = numpy.frombuffer(embedding.vector, dtype="<f4").astype(numpy.float64)
-    norm = float(numpy.linalg.norm(vector))
-    return vector / norm if norm else vector
+        since = datetime.datetime.now(datetime.UTC) - RECENT_WINDOW
+        return Plan(
+            memories,
+            dedupeScore,
+            lambda embedding: self._searcher.nearest(scope, embedding, dedupeScore),
+            since,
+        )
 
 
 def _observation(orgText: str, idText: str) -> tuple[uuid.UUID, uuid.UUID]:

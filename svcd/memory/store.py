@@ -34,6 +34,7 @@ from psycopg_pool import ConnectionPool
 
 from svcd.auth.store import StoreRejected, StoreUnavailable, StoreValueRefused, runTransaction
 from svcd.common.ids import uuid7
+from svcd.memory.extracted import OtherScope, Plan, Stored, recentRows, updateExtracted
 from svcd.memory.forgetting import (
     FORGOTTEN,
     forgottenAmong,
@@ -425,54 +426,76 @@ class MemoryStore:
         leaseToken: uuid.UUID,
         scope: Scope,
         sourceRequestID: str,
-        memories: Sequence[tuple[str, Embedding]],
+        plan: Plan,
         maxPerScope: int,
-    ) -> list[MemoryRecord] | None:
+    ) -> Stored | None:
         """
-        svc-worker's new memories of one observation (source C{extracted})
-        added and the observation completed, in one transaction, while
-        the claim named by C{owner} and C{leaseToken} holds its lease.
+        svc-worker's memories of one observation written (source
+        C{extracted}) and the observation completed, in one transaction,
+        while the claim named by C{owner} and C{leaseToken} holds its
+        lease.
 
-        The observation's row is locked first (a claim, whose
-        C{FOR UPDATE SKIP LOCKED} passes a locked row by, cannot take it
-        meanwhile), so the memories are added only if the lease is the
+        The memories go into the observation's own scope, whatever the
+        call named (decisions D13, amended): C{scope} is the one the plan's
+        cache was asked about, and an observation of another raises
+        L{OtherScope} before anything is written.
+
+        The scope's lock comes first, then the observation's row (a claim,
+        whose C{FOR UPDATE SKIP LOCKED} passes a locked row by, cannot take
+        it meanwhile), so the memories are written only if the lease is the
         claim's, and the observation is deleted with them or not at all.
         A purge or a scope's deletion deletes observations before memories
         (L{_deleteScope}): it either waits for this transaction and then
         deletes its memories, or deletes the observation first and this
         one finds it gone.
 
-        Each memory is added as L{add} adds one: under the scope's lock,
-        once per request and content (one the scope already holds from this
-        request with this content is answered instead), within the cap.
-        One lock, one look-up and one count for all of them, where an add
-        each took its own transaction (bench/worker_drain.py).
+        Under the lock the plan is made (L{Plan.writes}: the cache's
+        nearest and the scope's memories written in the last seconds, read
+        here), so that two observations of the same fact stored at once,
+        through one replica or two, make one memory
+        (L{svcd.memory.extracted}). Its updates are made (one of a memory
+        deleted meanwhile is dropped, never added back), then its additions
+        as L{add} adds one: once per request and content (one the scope
+        already holds from this request with this content is answered
+        instead), within the cap.
 
-        @return: the records, in the order given; None when the lease is
-            no longer the claim's (nothing added).
+        @return: what was written; None when the lease is no longer the
+            claim's (nothing written).
         @raise MemoryNotFound: the observation is gone (dropped; or
-            L{ObservationForgotten}: a deletion took it): nothing added.
+            L{ObservationForgotten}: a deletion took it): nothing written.
         @raise MemoryForbidden: it is another organization's.
-        @raise ScopeFull: the scope cannot hold them all: nothing added.
+        @raise OtherScope: it is of another agent or subject than C{scope}.
+        @raise ScopeFull: the scope cannot hold them all: nothing written.
         @raise InvalidMemory: a vector is not the length of the scope's
-            other vectors of its model: nothing added.
+            other vectors of its model: nothing written.
         """
 
-        def store(cursor: Cursor) -> list[MemoryRecord] | None:
+        def store(cursor: Cursor) -> Stored | None:
             _lockScope(cursor, scope)
             cursor.execute(
-                "SELECT id FROM memory_observations WHERE id = %s AND org_id = %s"
+                "SELECT agent_id, subject FROM memory_observations WHERE id = %s AND org_id = %s"
                 " AND lease_owner = %s AND lease_token = %s FOR UPDATE",
                 (observationID, orgID, owner, leaseToken),
             )
-            if cursor.fetchone() is None:
+            row = cursor.fetchone()
+            if row is None:
                 cursor.execute("SELECT 1 FROM memory_observations WHERE id = %s", (observationID,))
                 if cursor.fetchone() is not None:
                     return None
                 _refuseObservation(cursor, observationID, scope)
-            records = _addExtracted(cursor, scope, sourceRequestID, memories, maxPerScope)
+                raise AssertionError("unreachable")
+            own = Scope(orgID, row["agent_id"], row["subject"])
+            if own != scope:
+                # The lock taken is another scope's: roll back, plan again.
+                raise OtherScope(own)
+            writes = plan.writes(recentRows(cursor, own, plan.since, plan.models))
+            updated, dropped = updateExtracted(
+                cursor, own, [write for write in writes if write.target is not None]
+            )
+            adds = [(write.content, write.embedding) for write in writes if write.target is None]
+            records = _addExtracted(cursor, own, sourceRequestID, adds, maxPerScope)
             cursor.execute(_finishing("id = %s"), (observationID,))
-            return records
+            return Stored(records, updated, dropped)
 
         return self._run("observation_store", store, orgID)
 
@@ -1354,10 +1377,13 @@ def _addExtracted(
         if (embedding.model, embedding.dimensions) not in checked:
             _checkLength(cursor, scope, embedding)
             checked.add((embedding.model, embedding.dimensions))
+        # Stamped after the scope's lock (svcd.memory.extracted).
         cursor.execute(
             "INSERT INTO memories (id, org_id, agent_id, subject, content, metadata,"
-            " source, source_request_id, embedding_model, dimensions, vector)"
-            " VALUES (%s, %s, %s, %s, %s, '{}'::jsonb, %s, %s, %s, %s, %s)"
+            " source, source_request_id, embedding_model, dimensions, vector, created_at,"
+            " updated_at)"
+            " SELECT %s, %s, %s, %s, %s, '{}'::jsonb, %s, %s, %s, %s, %s, stamp, stamp"
+            " FROM clock_timestamp() AS stamp"
             f" RETURNING {_MEMORY_COLUMNS}",
             (
                 uuid7(),

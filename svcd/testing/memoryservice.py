@@ -13,6 +13,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry
 
+from svcd.common.grpcserver import ServerTLS
 from svcd.memory.assembly import assembleMemory
 from svcd.memory.config import MemoryConfig
 from svcd.memory.grpcservice import SERVICE_NAME, buildServer
@@ -36,7 +37,16 @@ class RunningMemoryService:
         listen: bool = True,
         doneRetention: float = 3600.0,
         failedRetention: float = 7 * 24 * 3600.0,
+        tls: ServerTLS | None = None,
+        internalSubjects: frozenset[str] | None = None,
+        workerSubjects: frozenset[str] | None = None,
     ) -> None:
+        """
+        @param tls: the server's TLS (with a client CA: mutual TLS, and then
+            C{internalSubjects} and C{workerSubjects}, the names of the
+            certificates that may call the proxies' methods and the
+            workers', as svc-memory's configuration requires).
+        """
         settings = MemoryConfig(
             postgresDSN=dsn,
             grpcHost="127.0.0.1",
@@ -50,6 +60,9 @@ class RunningMemoryService:
             cacheBytes=cacheBytes,
             doneRetention=doneRetention,
             failedRetention=failedRetention,
+            tls=tls,
+            internalSubjects=internalSubjects,
+            workerSubjects=workerSubjects,
         )
         # The daemon's assembly with the tests' timings: a quick
         # reconnection and beat, and the waiting count every 0.1 s.
@@ -69,9 +82,11 @@ class RunningMemoryService:
             settings.grpcHost,
             settings.grpcPort,
             parts.bounds,
+            tls=tls,
             interceptors=parts.interceptors,
         )
         self.address = f"127.0.0.1:{self.port}"
+        # With TLS the test makes its own channels, with its certificates.
         self.channel = grpc.insecure_channel(self.address)
         self.stub = memory_pb2_grpc.MemoryServiceStub(self.channel)
 

@@ -18,8 +18,8 @@ moment another claim holds it, so that nothing is stored twice.
     reckoning (the periodic renewal is late: the worker was paused,
     svc-memory slow), it renews first and waits for the answer, and a lost
     lease raises L{LeaseLost} there. The step that stores
-    (svc-memory's C{StoreObservation}) renews the lease itself, for the
-    claim's token, before it writes anything.
+    (svc-memory's C{StoreObservation}) checks the lease itself, for the
+    claim's token, holding the observation's row until it is completed.
 """
 
 from __future__ import annotations

@@ -11,8 +11,10 @@ svc-worker does with each, and what it pays for each step.
      takes the new content (same id), else it is added (source
      C{extracted}, the observation's request id); then the observation is
      completed (svc-memory deletes it). Both in one call to svc-memory
-     (C{StoreObservation}), which first renews the claim's lease and
-     stores nothing when another claim holds it.
+     (C{StoreObservation}), which stores nothing when another claim holds
+     the lease, writes into the observation's own scope whatever the call
+     names, and plans under the scope's lock so that the same fact in
+     observations stored at once is one memory.
 
 Each provider call is the organization's (decisions D11, D12, D12
 amended): admitted against its and its agent's token limits and budgets
@@ -238,8 +240,8 @@ class ObservationProcessor:
 
         @param lease: its lease: held (renewed first when late) before the
             embeddings call, so that a worker that lost it pays for
-            nothing more; svc-memory's StoreObservation checks and renews
-            it before it stores anything.
+            nothing more; svc-memory's StoreObservation checks it, under
+            the observation's row lock, before it stores anything.
         @return: its outcome: L{DONE}, L{EMPTY} (nothing to remember),
             L{FORGOTTEN} (a deletion of its scope or agent took it
             meanwhile) or L{LOST} (it was dropped meanwhile).
