@@ -23,9 +23,10 @@ is done in three steps:
   3. On the reactor (L{UsageJournal.finishCopy}): what the old file
      gained since the snapshot (its tail: rows and acknowledgement
      records, normally a few KiB) is appended to the copy as it is, the
-     copy renamed over the journal and made the file appended to; the
-     old file's descriptors are closed, which frees its inode. Then, in
-     the thread again, the directory is fsynced.
+     copy renamed over the journal and made the file appended to. Then,
+     in the thread again (L{JournalCopy.retire}), the old file's
+     descriptors are closed, which frees its inode (for tens of MiB, up
+     to a tenth of a second of the kernel's), and the directory fsynced.
 
 The copy's replay is the old file's: the rows it copied are the ones
 waiting at the snapshot, in order, and the acknowledgement records of
@@ -118,6 +119,8 @@ class JournalCopy:
         self._runs = tuple(runs)
         self.copiedEnd = len(magic) + sum(length for _, length in runs)
         self._abandoned = threading.Event()
+        # The old file's descriptors, once the copy replaced it.
+        self.retired: list[int] = []
 
     @property
     def abandoned(self) -> bool:
@@ -179,6 +182,22 @@ class JournalCopy:
         """
         self._removeCopy()
         self.closeSource()
+
+    def retire(self) -> None:
+        """
+        Once the copy replaced the journal (L{UsageJournal.finishCopy}):
+        close the old file's descriptors, which frees its inode, and
+        fsync the directory, so that the rename outlives a power loss. In
+        the journal's thread (or the caller's, without one).
+
+        @raise OSError: when the directory could not be fsynced (the old
+            file is freed all the same).
+        """
+        retired, self.retired = self.retired, []
+        for fd in retired:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        fsyncDirectory(self.path)
 
     def closeSource(self) -> None:
         source, self.source = self.source, None
@@ -366,7 +385,8 @@ class Compactions:
         """
         The thread wrote and fsynced the copy: on the reactor, append the
         old file's tail, rename, switch (L{UsageJournal.finishCopy}); then
-        the directory's fsync, in the thread.
+        the old file's closing and the directory's fsync, in the thread
+        (L{JournalCopy.retire}).
         """
         self._copy = None
         if copy.abandoned:
@@ -385,8 +405,8 @@ class Compactions:
         if not switched or self._inThread is None:
             self._over()
             return
-        self._busy = syncing = self._inThread(lambda: fsyncDirectory(self._journal.path))
-        syncing.addCallbacks(self._synced, self._syncFailed)
+        self._busy = retiring = self._inThread(copy.retire)
+        retiring.addCallbacks(self._retired, self._retireFailed)
 
     def _copyFailed(self, failure: Failure, copy: JournalCopy) -> None:
         self._copy = None
@@ -397,12 +417,13 @@ class Compactions:
             self._retryLater(error if isinstance(error, Exception) else RuntimeError(str(error)))
         self._over()
 
-    def _synced(self, _: object) -> None:
+    def _retired(self, _: object) -> None:
         self._over()
 
-    def _syncFailed(self, failure: Failure) -> None:
-        # The rename is done and the old file freed; only its outliving
-        # a power loss is in doubt, until the next rewrite's fsync.
+    def _retireFailed(self, failure: Failure) -> None:
+        # The directory's fsync: the rename is done and the old file
+        # freed; only its outliving a power loss is in doubt, until the
+        # next rewrite's.
         error = failure.value
         self._failed(error if isinstance(error, Exception) else RuntimeError(str(error)))
         self._over()
@@ -435,14 +456,14 @@ class Compactions:
         past the bound, the copy is abandoned (and removes itself), and
         L{stop} does what it can.
         """
-        return Deferred.fromCoroutine(self._settle(timeout))
+        return Deferred.fromCoroutine(self._settle(bound=timeout))
 
-    async def _settle(self, timeout: float) -> None:
+    async def _settle(self, bound: float) -> None:
         self._settling = True
         self._cancelDue()
-        deadline = self._clock.seconds() + timeout
+        deadline = self._clock.seconds() + bound
         try:
-            await self._whenIdle(timeout)
+            await self._whenIdle(bound)
             self._cancelDue()
             if not self._stopped and self._journal.acknowledgedBytes > 0:
                 self._rewrite()
@@ -453,7 +474,7 @@ class Compactions:
                 "{path}: a rewrite of the journal was still running after {timeout} s"
                 " at stop; abandoned",
                 path=self._journal.path,
-                timeout=timeout,
+                timeout=bound,
             )
         finally:
             self._stopped = True

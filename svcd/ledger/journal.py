@@ -503,9 +503,11 @@ class UsageJournal:
         The last step of a rewrite in a thread, once C{copy} is written
         and fsynced: append what the journal gained since L{startCopy}
         (rows and acknowledgements, as they are) to the copy, rename it
-        over the journal and append to it from now on. The old file's
-        descriptors are closed: its inode, acknowledged rows and all, is
-        freed. On the caller's (reactor's) thread: a write of the tail.
+        over the journal and append to it from now on. The old file has
+        no name any more; its descriptors are left to
+        L{JournalCopy.retire}, whose closing frees its inode, acknowledged
+        rows and all. On the caller's (reactor's) thread: a write of the
+        tail and a rename.
 
         @return: False when the journal was rewritten otherwise since
             C{copy} began (the copy is removed, nothing changed).
@@ -528,9 +530,11 @@ class UsageJournal:
         except OSError as error:
             copy.discard()
             raise JournalError(f"cannot write {self.path!r}: {error.strerror}") from None
-        old, self._fd, copy.fd = self._fd, copy.fd, None
-        copy.closeSource()
-        os.close(old)
+        # The old file's descriptors are closed by JournalCopy.retire, in
+        # the thread: the last close frees the inode, which for a file of
+        # tens of MiB takes the kernel milliseconds to a tenth of a second.
+        copy.retired = [self._fd, copy.source]
+        self._fd, copy.fd, copy.source = copy.fd, None, None
         self._generation += 1
         waiting: deque[tuple[int, int]] = deque()
         for offset, length in self._waiting:

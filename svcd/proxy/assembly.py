@@ -247,9 +247,7 @@ def assembleProxy(
             # The memory journal's rewrites copy and fsync in a thread of
             # their own, one at a time, never on the reactor's (decisions
             # D13, amended): started and stopped with the service.
-            journalThreads = ThreadPool(
-                minthreads=1, maxthreads=1, name="svc-proxy-memory-journal"
-            )
+            journalThreads = ThreadPool(minthreads=1, maxthreads=1, name="svc-proxy-memory-journal")
             inThread = functools.partial(deferToThreadPool, reactor, journalThreads)
         observations = observationOutbox(
             memory.queueObservations,
