@@ -9,7 +9,7 @@ each batch C{--latency} seconds after it is sent.
     python bench/memory_journal.py [--seconds 10] [--rate 200] [--size 4096]
         [--latency 0.01] [--backlog 10000]
 
-Five runs, in one process: C{steady}, observations recorded at
+Six runs, in one process: C{steady}, observations recorded at
 C{--rate} a second, the journal forgetting with its rewrites on the
 reactor (what svc-proxy did before its journal had a thread); C{steady+th},
 the same with the copies and fsyncs in a one-thread pool (what svc-proxy
@@ -17,7 +17,8 @@ does now); C{threshold}, the journal compacted only past 16 MiB (what the
 usage journal still does); C{drain} and C{drain+th}, a backlog of
 C{--backlog} observations (svc-memory was away) acknowledged as fast as
 the double answers, the journal forgetting on the reactor, then in the
-thread. For each: the rewrites (how many a second, the reactor's time of
+thread; C{drain-thr}, the same with the 16 MiB threshold (no rewrite: the
+reactor's lateness of the drain itself, on this machine). For each: the rewrites (how many a second, the reactor's time of
 each, the whole of each from the snapshot to the rename), the reactor
 time they took, the process's CPU time, the longest an acknowledged
 observation's bytes stayed in the file (from the acknowledgement to the
@@ -67,6 +68,9 @@ class Measured:
         # rename, in the thread).
         self.rewrites: list[float] = []
         self.threaded: list[float] = []
+        # In the thread: the reactor's two steps of each, apart.
+        self.starts: list[float] = []
+        self.finishes: list[float] = []
         self.acknowledged: list[float] = []
         self.residency: list[float] = []
         self.lateness: list[float] = []
@@ -112,6 +116,7 @@ def install() -> None:
         dropping = list(CURRENT.acknowledged)
         CURRENT.acknowledged.clear()
         copies[id(copy)] = (began, time.perf_counter() - began, dropping)
+        CURRENT.starts.append(copies[id(copy)][1])
         return copy
 
     def timedFinishCopy(self: Any, copy: Any) -> bool:
@@ -128,6 +133,7 @@ def install() -> None:
             measured.acknowledged[:0] = dropping
             return False
         measured.rewrites.append(held + ended - began)
+        measured.finishes.append(ended - began)
         measured.threaded.append(ended - first)
         # Gone from the file at the rename, from the disk once the old
         # file's descriptors are closed, in the thread: measured then.
@@ -233,6 +239,8 @@ async def run(
         away = False
         measured.rewrites.clear()
         measured.threaded.clear()
+        measured.starts.clear()
+        measured.finishes.clear()
         # Recording the backlog held the reactor: not the drain's.
         measured.lateness.clear()
         previous = time.perf_counter()
@@ -266,6 +274,8 @@ async def run(
         f"  each median {1000 * statistics.median(rewrites) if rewrites else 0:6.2f} ms"
         f"  max {1000 * max(rewrites, default=0):7.2f} ms"
         f"  whole max {1000 * max(measured.threaded, default=0):7.2f} ms"
+        f" (reactor: snapshot max {1000 * max(measured.starts, default=0):6.2f} ms,"
+        f" tail and rename max {1000 * max(measured.finishes, default=0):6.2f} ms)"
         f"  reactor share {100 * sum(rewrites) / elapsed:5.2f} %"
         f"  cpu {100 * cpu / elapsed:5.1f} %"
         f"  acknowledged bytes stayed max {stayed}"
@@ -285,6 +295,7 @@ def main(reactor: Any, options: argparse.Namespace) -> Deferred[None]:
         await run(reactor, "threshold", options, forget=False)
         await run(reactor, "drain", options, forget=True)
         await run(reactor, "drain+th", options, forget=True, thread=True)
+        await run(reactor, "drain-thr", options, forget=False)
 
     return ensureDeferred(runs())
 

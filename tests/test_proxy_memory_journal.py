@@ -664,3 +664,63 @@ def test_a_failed_copy_in_the_thread_is_removed_and_tried_again(
     assert filesHolding(tmp_path, meanwhile) == ["memory.journal"]
     outbox.close()
     assert replayed(path, tmp_path / "copy") == [["r-waiting", "r-meanwhile"]]
+
+
+def test_a_crash_at_the_rename_of_a_copy_made_in_the_thread_replays_correctly(
+    tmp_path: Path,
+) -> None:
+    """
+    A proxy killed as a copy made in the thread was to replace the
+    journal, with a row recorded while the thread copied (in the old
+    file, and carried over to the copy as its tail), leaves the old
+    journal whole: the next start sends every observation not
+    acknowledged, once each, and its own rewrite replaces the copy.
+    """
+    path = tmp_path / "memory.journal"
+    acked, waiting, during = marker(), marker(), marker()
+    script = textwrap.dedent(
+        """
+        import os, sys
+        sys.path.insert(0, sys.argv[2])
+        from twisted.internet.task import Clock
+        from test_proxy_memory_journal import FakeQueue, FakeThread, made, threadedOutbox
+
+        clock = Clock()
+        queue = FakeQueue()
+        thread = FakeThread()
+        outbox = threadedOutbox(sys.argv[1], queue, clock, thread)
+        outbox.record(made("r-acked", "I am " + sys.argv[3] + "."))
+        clock.advance(1)
+        outbox.record(made("r-waiting", "I am " + sys.argv[4] + "."))
+        queue.acknowledge()
+        thread.run()
+        outbox.record(made("r-during", "I am " + sys.argv[5] + "."))
+
+        def killed(source, target):
+            os._exit(17)
+
+        os.replace = killed
+        thread.deliver()
+        os._exit(3)
+        """
+    )
+    killed = subprocess.run(
+        [sys.executable, "-c", script, str(path), str(ROOT / "tests"), acked, waiting, during],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=60,
+    )
+    assert killed.returncode == 17, killed.stderr.decode()
+    assert filesHolding(tmp_path, acked) == ["memory.journal"]
+    for each in (waiting, during):
+        assert filesHolding(tmp_path, each) == ["memory.journal", "memory.journal.compacting"]
+
+    again = FakeQueue()
+    restarted = outboxOn(path, again, Clock())
+    assert [[each.request_id for each in call] for call, _ in again.calls] == [
+        ["r-waiting", "r-during"]
+    ]
+    assert filesHolding(tmp_path, acked) == []
+    assert not (tmp_path / "memory.journal.compacting").exists()
+    again.acknowledge()
+    restarted.close()
