@@ -9,22 +9,23 @@ each batch C{--latency} seconds after it is sent.
     python bench/memory_journal.py [--seconds 10] [--rate 200] [--size 4096]
         [--latency 0.01] [--backlog 10000]
 
-Six runs, in one process: C{steady}, observations recorded at
-C{--rate} a second, the journal forgetting with its rewrites on the
-reactor (what svc-proxy did before its journal had a thread); C{steady+th},
-the same with the copies and fsyncs in a one-thread pool (what svc-proxy
-does now); C{threshold}, the journal compacted only past 16 MiB (what the
+Six runs, in one process: C{steady}, observations recorded at C{--rate}
+a second, the journal forgetting with its rewrites on the reactor (what
+svc-proxy did before its journal had a thread); C{steady+th}, the same
+with the copies and fsyncs in a one-thread pool (what svc-proxy does
+now); C{threshold}, the journal compacted only past 16 MiB (what the
 usage journal still does); C{drain} and C{drain+th}, a backlog of
 C{--backlog} observations (svc-memory was away) acknowledged as fast as
 the double answers, the journal forgetting on the reactor, then in the
 thread; C{drain-thr}, the same with the 16 MiB threshold (no rewrite: the
-reactor's lateness of the drain itself, on this machine). For each: the rewrites (how many a second, the reactor's time of
-each, the whole of each from the snapshot to the rename), the reactor
-time they took, the process's CPU time, the longest an acknowledged
-observation's bytes stayed in the file (from the acknowledgement to the
-end of the rewrite that dropped them: the first whose snapshot came
-after it) and the reactor's worst lateness (a 10 ms timer's: its longest
-stall).
+reactor's lateness of the drain itself, on this machine). For each: the
+rewrites (how many a second, the reactor's time of each, the whole of
+each from the snapshot to the rename, and in the thread the reactor's
+two steps apart), the reactor time they took, the process's CPU time,
+the longest an acknowledged observation's bytes stayed in the file (from
+the acknowledgement to the end of the rewrite that dropped them: the
+first whose snapshot came after it, once the old file is closed) and the
+reactor's worst lateness (a 10 ms timer's: its longest stall).
 """
 
 from __future__ import annotations
