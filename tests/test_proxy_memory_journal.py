@@ -15,6 +15,7 @@ a L{Clock} (a real svc-memory: tests/test_gateway_observe.py).
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -36,6 +37,7 @@ from svcd.ledger.outbox import UsageOutbox
 from svcd.pb.memory.v1 import memory_pb2
 from svcd.proxy.observe import (
     OBSERVATION_JOURNAL_COMPACT_SECONDS,
+    OBSERVATION_JOURNAL_MAGIC,
     ObservationOutboxMetrics,
     observation,
     observationOutbox,
@@ -447,8 +449,11 @@ class FakeThread:
 
     def finish(self) -> None:
         """
-        Run and deliver what is queued, and what that queues in turn.
+        Deliver what was run, then run and deliver what is queued, and
+        what that queues in turn.
         """
+        while self.done:
+            self.deliver()
         while self.queued:
             self.run()
             self.deliver()
@@ -724,3 +729,51 @@ def test_a_crash_at_the_rename_of_a_copy_made_in_the_thread_replays_correctly(
     assert not (tmp_path / "memory.journal.compacting").exists()
     again.acknowledge()
     restarted.close()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_rewrites_in_the_thread_keep_exactly_the_rows_waiting(tmp_path: Path, seed: int) -> None:
+    """
+    Whatever interleaves with the rewrites in the thread (rows recorded,
+    batches acknowledged, more than the copy held among them, before the
+    thread copies, after, while the old file is closed), the journal
+    replays, at every step, exactly the rows the outbox holds waiting, in
+    order; and once all are acknowledged and the last rewrite made, it
+    holds none.
+    """
+    chance = random.Random(seed)
+    path = tmp_path / "memory.journal"
+    clock = Clock()
+    queue = FakeQueue()
+    thread = FakeThread()
+    outbox = threadedOutbox(path, queue, clock, thread)
+    number = 0
+    for step in range(120):
+        action = chance.random()
+        if action < 0.4:
+            outbox.record(made(f"r-{number}", f"I am {marker()}."))
+            number += 1
+        elif action < 0.6 and queue.calls and not queue.calls[-1][1].called:
+            queue.acknowledge()
+        elif action < 0.75 and thread.queued:
+            thread.run()
+        elif action < 0.9 and thread.done:
+            thread.deliver()
+        else:
+            clock.advance(chance.choice([0.05, 0.1, 0.3]))
+        if step % 10 == 9 and not thread.done:
+            expected = [each.request_id for each in outbox._queue]
+            again = replayed(path, tmp_path / f"step-{step}")
+            assert [key for batch in again for key in batch] == expected
+    thread.finish()
+    while outbox.waiting:
+        if queue.calls[-1][1].called:
+            clock.advance(0.1)
+        else:
+            queue.acknowledge()
+        thread.finish()
+    clock.advance(1)
+    thread.finish()
+    outbox.close()
+    assert replayed(path, tmp_path / "end") == []
+    assert path.stat().st_size == len(OBSERVATION_JOURNAL_MAGIC)

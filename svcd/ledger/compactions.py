@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -83,7 +84,7 @@ class JournalCopy:
     """
     The part of a rewrite that runs in a thread of its own (see the
     module docstring): a new file holding the magic line and the
-    records at C{runs} (offset, length) of the journal open at
+    records at C{entries} (offset, length) of the journal open at
     C{source}, fsynced. Made by L{UsageJournal.startCopy} on the
     reactor; its descriptors are the reactor's to close, after the
     thread is done with them (L{discard}, or the journal takes the copy
@@ -92,8 +93,8 @@ class JournalCopy:
     @ivar snapshotSize: the journal's size when the copy was decided:
         what the old file gains past it is the tail.
     @ivar copiedEnd: the copy's size once the thread is done.
-    @ivar moved: where each row record waiting at the snapshot is in the
-        copy, by its offset in the journal.
+    @ivar acknowledgedRows: the journal's count of rows acknowledged at
+        the snapshot.
     @ivar generation: the journal's generation at the snapshot: a
         rewrite since then makes the copy stale.
     """
@@ -103,9 +104,10 @@ class JournalCopy:
         path: str,
         magic: bytes,
         source: int,
-        runs: Sequence[tuple[int, int]],
+        entries: Sequence[tuple[int, int]],
+        waitingBytes: int,
         snapshotSize: int,
-        moved: dict[int, int],
+        acknowledgedRows: int,
         generation: int,
     ) -> None:
         self.path = path
@@ -113,11 +115,14 @@ class JournalCopy:
         self.source: int | None = source
         self.fd: int | None = None
         self.snapshotSize = snapshotSize
-        self.moved = moved
+        self.acknowledgedRows = acknowledgedRows
         self.generation = generation
         self._magic = magic
-        self._runs = tuple(runs)
-        self.copiedEnd = len(magic) + sum(length for _, length in runs)
+        self._entries = entries
+        self.copiedEnd = len(magic) + waitingBytes
+        # The rows' records in the copy, (offset, length), oldest first:
+        # worked out by the thread.
+        self.waiting: deque[tuple[int, int]] = deque()
         self._abandoned = threading.Event()
         # The old file's descriptors, once the copy replaced it.
         self.retired: list[int] = []
@@ -151,7 +156,20 @@ class JournalCopy:
                 0o600,
             )
             writeAll(fd, self._magic)
-            for offset, length in self._runs:
+            runs: list[list[int]] = []
+            place = len(self._magic)
+            for offset, length in self._entries:
+                self.waiting.append((place, length))
+                place += length
+                # Adjacent records read at once: normally one run, broken
+                # only by acknowledgement records.
+                if runs and runs[-1][0] + runs[-1][1] == offset:
+                    runs[-1][1] += length
+                else:
+                    runs.append([offset, length])
+            if place != self.copiedEnd:
+                raise OSError(0, "the rows' records do not add up")
+            for offset, length in runs:
                 while length:
                     if self._abandoned.is_set():
                         raise CopyAbandoned()

@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import fcntl
+import itertools
 import json
 import os
 import struct
@@ -288,6 +289,9 @@ class UsageJournal:
         # Counts the files the journal was: a copy made in a thread for
         # an earlier one is not renamed over a later one.
         self._generation = 0
+        # Rows acknowledged so far, in every file the journal was: how
+        # many of a copy's rows were acknowledged while it was made.
+        self._acknowledgedRows = 0
 
     @property
     def size(self) -> int:
@@ -489,13 +493,17 @@ class UsageJournal:
         @raise OSError: when the file cannot be opened.
         """
         source = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        moved: dict[int, int] = {}
-        offset = len(self._magic)
-        for old, length in self._waiting:
-            moved[old] = offset
-            offset += length
+        # Where each row goes in the copy is the thread's to work out: a
+        # loop over thousands of rows is milliseconds of the reactor's.
         return JournalCopy(
-            self.path, self._magic, source, self._runs(), self._size, moved, self._generation
+            self.path,
+            self._magic,
+            source,
+            list(self._waiting),
+            self._waitingBytes,
+            self._size,
+            self._acknowledgedRows,
+            self._generation,
         )
 
     def finishCopy(self, copy: JournalCopy) -> bool:
@@ -536,12 +544,18 @@ class UsageJournal:
         copy.retired = [self._fd, copy.source]
         self._fd, copy.fd, copy.source = copy.fd, None, None
         self._generation += 1
-        waiting: deque[tuple[int, int]] = deque()
-        for offset, length in self._waiting:
-            if offset < copy.snapshotSize:
-                waiting.append((copy.moved[offset], length))
-            else:
-                waiting.append((offset - copy.snapshotSize + copy.copiedEnd, length))
+        # The rows waiting: those of the copy (their places worked out by
+        # the thread) but the ones acknowledged since the snapshot, which
+        # are its oldest, then those of the tail.
+        waiting = copy.waiting
+        acknowledged = self._acknowledgedRows - copy.acknowledgedRows
+        for _ in range(min(acknowledged, len(waiting))):
+            waiting.popleft()
+        later = len(self._waiting) - len(waiting)
+        shift = copy.copiedEnd - copy.snapshotSize
+        if later > 0:
+            recent = list(itertools.islice(reversed(self._waiting), later))
+            waiting.extend((offset + shift, length) for offset, length in reversed(recent))
         self._waiting = waiting
         self._size = copy.copiedEnd + tail
         return True
@@ -613,8 +627,10 @@ class UsageJournal:
         # but not here: never count below none. Counted before the record
         # is written: rows acknowledged are the compaction's to drop even
         # when their acknowledgement could not be journalled.
-        for _ in range(min(count, len(self._waiting))):
+        taken = min(count, len(self._waiting))
+        for _ in range(taken):
             self._waitingBytes -= self._waiting.popleft()[1]
+        self._acknowledgedRows += taken
         payload = _ACK_COUNT.pack(count) + lastKey.encode("utf-8")
         self._write(_record(_ACK, payload))
 
