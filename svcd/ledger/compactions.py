@@ -317,8 +317,8 @@ class Compactions:
         self._stopped = False
         # While a stop waits for the thread: no rewrite starts by itself.
         self._settling = False
-        # The rewrite whose copy (or directory fsync) the thread is
-        # doing, and who waits for it to end.
+        # The rewrite whose copy the thread is doing, and who waits for
+        # it to end.
         self._copy: JournalCopy | None = None
         self._busy: Deferred[None] | None = None
         self._idle: list[Deferred[None]] = []
@@ -333,7 +333,7 @@ class Compactions:
     @property
     def busy(self) -> bool:
         """
-        Whether the thread is doing a rewrite's part.
+        Whether the thread is making a rewrite's copy.
         """
         return self._busy is not None
 
@@ -403,8 +403,8 @@ class Compactions:
         """
         The thread wrote and fsynced the copy: on the reactor, append the
         old file's tail, rename, switch (L{UsageJournal.finishCopy}); then
-        the old file's closing and the directory's fsync, in the thread
-        (L{JournalCopy.retire}).
+        the old file's closing and the directory's fsync are left to the
+        thread (L{JournalCopy.retire}), and the rewrite is over.
         """
         self._copy = None
         if copy.abandoned:
@@ -420,11 +420,13 @@ class Compactions:
             self._over()
             return
         self._space(held + max(0.0, self._clock.seconds() - began))
-        if not switched or self._inThread is None:
-            self._over()
-            return
-        self._busy = retiring = self._inThread(copy.retire)
-        retiring.addCallbacks(self._retired, self._retireFailed)
+        if switched and self._inThread is not None:
+            # Not waited for: the thread does one thing at a time, so it
+            # is done before the next copy begins, and before the pool
+            # stops. The next rewrite, due now when acknowledgements came
+            # during this one, saves a round trip through the reactor.
+            self._inThread(copy.retire).addErrback(self._retireFailed)
+        self._over()
 
     def _copyFailed(self, failure: Failure, copy: JournalCopy) -> None:
         self._copy = None
@@ -435,16 +437,12 @@ class Compactions:
             self._retryLater(error if isinstance(error, Exception) else RuntimeError(str(error)))
         self._over()
 
-    def _retired(self, _: object) -> None:
-        self._over()
-
     def _retireFailed(self, failure: Failure) -> None:
         # The directory's fsync: the rename is done and the old file
         # freed; only its outliving a power loss is in doubt, until the
         # next rewrite's.
         error = failure.value
         self._failed(error if isinstance(error, Exception) else RuntimeError(str(error)))
-        self._over()
 
     def _over(self) -> None:
         """
