@@ -14,6 +14,7 @@ a L{Clock} (a real svc-memory: tests/test_gateway_observe.py).
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import shutil
@@ -732,15 +733,25 @@ def test_a_crash_at_the_rename_of_a_copy_made_in_the_thread_replays_correctly(
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_rewrites_in_the_thread_keep_exactly_the_rows_waiting(tmp_path: Path, seed: int) -> None:
+@pytest.mark.parametrize("kernelCopy", [True, False], ids=["copy_file_range", "pread"])
+def test_rewrites_in_the_thread_keep_exactly_the_rows_waiting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int, kernelCopy: bool
+) -> None:
     """
     Whatever interleaves with the rewrites in the thread (rows recorded,
     batches acknowledged, more than the copy held among them, before the
     thread copies, after, while the old file is closed), the journal
     replays, at every step, exactly the rows the outbox holds waiting, in
     order; and once all are acknowledged and the last rewrite made, it
-    holds none.
+    holds none. The same where the kernel cannot copy a file's range
+    (C{copy_file_range} refused: read and written by the thread).
     """
+    if not kernelCopy:
+
+        def refused(*args: Any) -> int:
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+        monkeypatch.setattr(os, "copy_file_range", refused)
     chance = random.Random(seed)
     path = tmp_path / "memory.journal"
     clock = Clock()

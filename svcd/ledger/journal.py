@@ -486,13 +486,17 @@ class UsageJournal:
     def startCopy(self) -> JournalCopy:
         """
         The first step of a rewrite in a thread (L{svcd.ledger.compactions}):
-        note where the rows waiting are and open the file for reading; on
-        the caller's (reactor's) thread, microseconds. The journal is
+        note where the rows waiting are and take a descriptor to read the
+        file by; on the caller's (reactor's) thread, microseconds. The journal is
         appended to and acknowledged as before until L{finishCopy}.
 
-        @raise OSError: when the file cannot be opened.
+        @raise OSError: when the journal is not open.
         """
-        source = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        if self._fd is None:
+            raise OSError(0, f"the {journalKind(self._magic)} is not open")
+        # A duplicate, not an open of the path: no lookup, no wait on the
+        # filesystem's journal, on the reactor's thread.
+        source = os.dup(self._fd)
         # Where each row goes in the copy is the thread's to work out: a
         # loop over thousands of rows is milliseconds of the reactor's.
         return JournalCopy(
@@ -600,7 +604,8 @@ class UsageJournal:
         self._waitingBytes = len(content) - len(self._magic)
         try:
             fsyncDirectory(self.path)
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            # Read too: a rewrite in the thread copies from a duplicate.
+            self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
         except OSError as error:
             raise JournalError(f"cannot write {self.path!r}: {error.strerror}") from None
 
