@@ -17,7 +17,9 @@ is done in three steps:
      only grows, so those bytes do not change), and the file is opened
      for reading. Microseconds.
   2. In the thread (L{JournalCopy.copy}): those ranges are copied into
-     C{<journal>.compacting} after the magic line, and it is fsynced.
+     C{<journal>.compacting} after the magic line, in the kernel
+     (C{copy_file_range}: the thread seldom needs the GIL, which the
+     reactor holds while it works), and it is fsynced.
      Rows are appended and acknowledged meanwhile on the reactor, to the
      old file.
   3. On the reactor (L{UsageJournal.finishCopy}): what the old file
