@@ -14,12 +14,15 @@ a L{Clock} (a real svc-memory: tests/test_gateway_observe.py).
 
 from __future__ import annotations
 
+import errno
 import os
+import random
+import shutil
 import subprocess
 import sys
 import textwrap
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -28,12 +31,14 @@ from prometheus_client import CollectorRegistry
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.logger import ILogObserver, formatEvent, globalLogPublisher
+from twisted.python.failure import Failure
 
 from svcd.ledger.journal import Compactions
 from svcd.ledger.outbox import UsageOutbox
 from svcd.pb.memory.v1 import memory_pb2
 from svcd.proxy.observe import (
     OBSERVATION_JOURNAL_COMPACT_SECONDS,
+    OBSERVATION_JOURNAL_MAGIC,
     ObservationOutboxMetrics,
     observation,
     observationOutbox,
@@ -409,3 +414,377 @@ def test_a_row_the_journal_could_not_take_is_journalled_by_the_next_rewrite(
     again = FakeQueue()
     outboxOn(path, again, Clock()).close()
     assert [[each.request_id for each in call] for call, _ in again.calls] == [["r-missed"]]
+
+
+class FakeThread:
+    """
+    The journal's one-thread pool, played by the test: each function
+    given waits in C{queued} until L{run} calls it (on the test's
+    thread, while the outbox goes on recording meanwhile, as it would on
+    the reactor's), and its Deferred fires only at L{deliver}, as the
+    reactor would learn of it a moment later.
+    """
+
+    def __init__(self) -> None:
+        self.queued: list[tuple[Callable[[], Any], Deferred[Any]]] = []
+        self.done: list[tuple[Deferred[Any], Any, BaseException | None]] = []
+
+    def __call__(self, function: Callable[[], Any]) -> Deferred[Any]:
+        result: Deferred[Any] = Deferred()
+        self.queued.append((function, result))
+        return result
+
+    def run(self) -> None:
+        function, result = self.queued.pop(0)
+        try:
+            self.done.append((result, function(), None))
+        except BaseException as error:
+            self.done.append((result, None, error))
+
+    def deliver(self) -> None:
+        result, value, error = self.done.pop(0)
+        if error is None:
+            result.callback(value)
+        else:
+            result.errback(Failure(error))
+
+    def finish(self) -> None:
+        """
+        Deliver what was run, then run and deliver what is queued, and
+        what that queues in turn.
+        """
+        while self.done:
+            self.deliver()
+        while self.queued:
+            self.run()
+            self.deliver()
+
+
+def threadedOutbox(path: Path, queue: FakeQueue, clock: Clock, thread: FakeThread) -> UsageOutbox:
+    outbox = observationOutbox(
+        queue,
+        clock,
+        ObservationOutboxMetrics(CollectorRegistry()),
+        journalPath=str(path),
+        inThread=thread,
+    )
+    outbox.start()
+    return outbox
+
+
+def replayed(path: Path, elsewhere: Path) -> list[list[str]]:
+    """
+    What a start on a copy of the journal at C{path} would send first:
+    the request ids of its batches.
+    """
+    elsewhere.mkdir()
+    shutil.copyfile(path, elsewhere / path.name)
+    again = FakeQueue()
+    outboxOn(elsewhere / path.name, again, Clock()).close()
+    return [[each.request_id for each in call] for call, _ in again.calls]
+
+
+def test_a_rewrite_in_the_thread_keeps_every_row_recorded_meanwhile(
+    tmp_path: Path, rewrites: list[str]
+) -> None:
+    """
+    With the journal's thread, a rewrite copies the rows waiting there
+    while the reactor goes on recording and acknowledging, to the old
+    file; the copy replaces the journal with what the old file gained
+    meanwhile carried over, so that every row recorded is in the new
+    file, the ones acknowledged meanwhile counted as such, and none is
+    replayed twice or lost. The acknowledged row of the snapshot is gone
+    at the rename; one acknowledged during the copy at the next rewrite,
+    within the second.
+    """
+    path = tmp_path / "memory.journal"
+    acked, during, late1, late2 = marker(), marker(), marker(), marker()
+    clock = Clock()
+    queue = FakeQueue()
+    thread = FakeThread()
+    outbox = threadedOutbox(path, queue, clock, thread)
+    rewrites.clear()
+    outbox.record(made("r-acked", f"I am {acked}."))
+    clock.advance(1)
+    outbox.record(made("r-during", f"I am {during}."))
+    queue.acknowledge()
+    # The rewrite began: its copy waits for the thread, nothing renamed.
+    assert len(thread.queued) == 1 and rewrites == []
+    clock.advance(0.06)
+    outbox.record(made("r-late1", f"I am {late1}."))
+    thread.run()
+    # The copy is written; the reactor goes on: r-during is acknowledged
+    # after the snapshot, r-late2 recorded after the copy.
+    clock.advance(0.06)
+    queue.acknowledge()
+    assert [each.request_id for each in queue.calls[-1][0]] == ["r-during"]
+    outbox.record(made("r-late2", f"I am {late2}."))
+    assert filesHolding(tmp_path, acked) == ["memory.journal"]
+    assert filesHolding(tmp_path, late1) == ["memory.journal"]
+    thread.deliver()
+    assert rewrites == [str(path)]
+    assert filesHolding(tmp_path, acked) == []
+    for each in (during, late1, late2):
+        assert filesHolding(tmp_path, each) == ["memory.journal"]
+    assert replayed(path, tmp_path / "copy") == [["r-late1", "r-late2"]]
+    # The old file's closing and the directory's fsync, then the next
+    # rewrite once it is due.
+    thread.finish()
+    waited = 0.0
+    while filesHolding(tmp_path, during):
+        assert waited < 1.0
+        clock.advance(0.05)
+        waited += 0.05
+        thread.finish()
+    assert rewrites.count(str(path)) == 2
+    assert replayed(path, tmp_path / "again") == [["r-late1", "r-late2"]]
+    outbox.close()
+    assert not (tmp_path / "memory.journal.compacting").exists()
+
+
+def test_a_stop_waits_for_the_rewrite_in_the_thread_then_makes_the_last(
+    tmp_path: Path,
+) -> None:
+    """
+    A stop (L{UsageOutbox.settle}, before the close) while the thread
+    copies waits for that rewrite, then makes the last one, so that the
+    rows acknowledged during the copy leave the file too; only the row
+    still waiting is replayed. A stop that cannot wait longer than its
+    bound abandons the copy, which removes itself: the old journal is
+    kept whole, and the next start drops what it holds acknowledged.
+    """
+    path = tmp_path / "memory.journal"
+    first, second, waiting = marker(), marker(), marker()
+    clock = Clock()
+    queue = FakeQueue()
+    thread = FakeThread()
+    outbox = threadedOutbox(path, queue, clock, thread)
+    outbox.record(made("r-1", f"I am {first}."))
+    clock.advance(1)
+    outbox.record(made("r-2", f"I am {second}."))
+    queue.acknowledge()
+    clock.advance(0.06)
+    outbox.record(made("r-3", f"I am {waiting}."))
+    queue.acknowledge()
+    settled: list[object] = []
+    outbox.settle(5.0).addCallback(settled.append)
+    assert settled == []
+    thread.run()
+    thread.deliver()
+    assert filesHolding(tmp_path, first) == []
+    assert filesHolding(tmp_path, second) == ["memory.journal"]
+    assert settled == []
+    # The old file's closing and the directory's fsync, then the last
+    # rewrite, in the thread too.
+    thread.finish()
+    assert settled == [None]
+    outbox.close()
+    assert filesHolding(tmp_path, second) == []
+    assert filesHolding(tmp_path, waiting) == ["memory.journal"]
+    assert replayed(path, tmp_path / "copy") == [["r-3"]]
+
+    # Past its bound: the copy is abandoned.
+    later = tmp_path / "later"
+    later.mkdir()
+    path = later / "memory.journal"
+    clock = Clock()
+    queue = FakeQueue()
+    thread = FakeThread()
+    outbox = threadedOutbox(path, queue, clock, thread)
+    outbox.record(made("r-1", f"I am {first}."))
+    clock.advance(1)
+    outbox.record(made("r-2", f"I am {second}."))
+    queue.acknowledge()
+    abandoned: list[object] = []
+    outbox.settle(2.0).addCallback(abandoned.append)
+    clock.advance(2.1)
+    assert abandoned == [None]
+    outbox.close()
+    thread.run()
+    thread.deliver()
+    assert sorted(each.name for each in later.iterdir()) == [
+        "memory.journal",
+        "memory.journal.lock",
+    ]
+    assert replayed(path, tmp_path / "restart") == [["r-2"]]
+    assert filesHolding(tmp_path / "restart", first) == []
+
+
+def test_a_failed_copy_in_the_thread_is_removed_and_tried_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """
+    A copy that fails in the thread (its fsync, here: a full disk, an
+    I/O error) removes itself, is logged without a word of the content,
+    and is tried again C{every} seconds later; the old journal, appended
+    to meanwhile, loses nothing, and the acknowledged row leaves it at
+    the retry.
+    """
+    path = tmp_path / "memory.journal"
+    acked, waiting, meanwhile = marker(), marker(), marker()
+    clock = Clock()
+    queue = FakeQueue()
+    thread = FakeThread()
+    outbox = threadedOutbox(path, queue, clock, thread)
+    outbox.record(made("r-acked", f"I am {acked}."))
+    clock.advance(1)
+    outbox.record(made("r-waiting", f"I am {waiting}."))
+    queue.acknowledge()
+    fsync = os.fsync
+    failures: list[int] = []
+
+    def failing(fd: int) -> None:
+        if not failures:
+            failures.append(fd)
+            raise OSError(5, "Input/output error")
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", failing)
+    lines: list[str] = []
+
+    def heard(event: dict[str, Any]) -> None:
+        lines.append(formatEvent(event))
+
+    globalLogPublisher.addObserver(cast(ILogObserver, heard))
+    try:
+        thread.run()
+        outbox.record(made("r-meanwhile", f"I am {meanwhile}."))
+        thread.deliver()
+    finally:
+        globalLogPublisher.removeObserver(cast(ILogObserver, heard))
+    assert failures
+    assert sorted(each.name for each in tmp_path.iterdir()) == [
+        "memory.journal",
+        "memory.journal.lock",
+    ]
+    assert any("Input/output error" in each for each in lines)
+    assert not any(acked in each or waiting in each for each in lines)
+    assert filesHolding(tmp_path, acked) == ["memory.journal"]
+    assert not thread.queued
+    # Tried again OBSERVATION_JOURNAL_COMPACT_SECONDS later.
+    clock.advance(OBSERVATION_JOURNAL_COMPACT_SECONDS)
+    assert len(thread.queued) == 1
+    thread.finish()
+    assert filesHolding(tmp_path, acked) == []
+    assert filesHolding(tmp_path, waiting) == ["memory.journal"]
+    assert filesHolding(tmp_path, meanwhile) == ["memory.journal"]
+    outbox.close()
+    assert replayed(path, tmp_path / "copy") == [["r-waiting", "r-meanwhile"]]
+
+
+def test_a_crash_at_the_rename_of_a_copy_made_in_the_thread_replays_correctly(
+    tmp_path: Path,
+) -> None:
+    """
+    A proxy killed as a copy made in the thread was to replace the
+    journal, with a row recorded while the thread copied (in the old
+    file, and carried over to the copy as its tail), leaves the old
+    journal whole: the next start sends every observation not
+    acknowledged, once each, and its own rewrite replaces the copy.
+    """
+    path = tmp_path / "memory.journal"
+    acked, waiting, during = marker(), marker(), marker()
+    script = textwrap.dedent(
+        """
+        import os, sys
+        sys.path.insert(0, sys.argv[2])
+        from twisted.internet.task import Clock
+        from test_proxy_memory_journal import FakeQueue, FakeThread, made, threadedOutbox
+
+        clock = Clock()
+        queue = FakeQueue()
+        thread = FakeThread()
+        outbox = threadedOutbox(sys.argv[1], queue, clock, thread)
+        outbox.record(made("r-acked", "I am " + sys.argv[3] + "."))
+        clock.advance(1)
+        outbox.record(made("r-waiting", "I am " + sys.argv[4] + "."))
+        queue.acknowledge()
+        thread.run()
+        outbox.record(made("r-during", "I am " + sys.argv[5] + "."))
+
+        def killed(source, target):
+            os._exit(17)
+
+        os.replace = killed
+        thread.deliver()
+        os._exit(3)
+        """
+    )
+    killed = subprocess.run(
+        [sys.executable, "-c", script, str(path), str(ROOT / "tests"), acked, waiting, during],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=60,
+    )
+    assert killed.returncode == 17, killed.stderr.decode()
+    assert filesHolding(tmp_path, acked) == ["memory.journal"]
+    for each in (waiting, during):
+        assert filesHolding(tmp_path, each) == ["memory.journal", "memory.journal.compacting"]
+
+    again = FakeQueue()
+    restarted = outboxOn(path, again, Clock())
+    assert [[each.request_id for each in call] for call, _ in again.calls] == [
+        ["r-waiting", "r-during"]
+    ]
+    assert filesHolding(tmp_path, acked) == []
+    assert not (tmp_path / "memory.journal.compacting").exists()
+    again.acknowledge()
+    restarted.close()
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("kernelCopy", [True, False], ids=["copy_file_range", "pread"])
+def test_rewrites_in_the_thread_keep_exactly_the_rows_waiting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int, kernelCopy: bool
+) -> None:
+    """
+    Whatever interleaves with the rewrites in the thread (rows recorded,
+    batches acknowledged, more than the copy held among them, before the
+    thread copies, after, while the old file is closed), the journal
+    replays, at every step, exactly the rows the outbox holds waiting, in
+    order; and once all are acknowledged and the last rewrite made, it
+    holds none. The same where the kernel cannot copy a file's range
+    (C{copy_file_range} refused: read and written by the thread).
+    """
+    if not kernelCopy:
+
+        def refused(*args: Any) -> int:
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+        monkeypatch.setattr(os, "copy_file_range", refused)
+    chance = random.Random(seed)
+    path = tmp_path / "memory.journal"
+    clock = Clock()
+    queue = FakeQueue()
+    thread = FakeThread()
+    outbox = threadedOutbox(path, queue, clock, thread)
+    number = 0
+    for step in range(120):
+        action = chance.random()
+        if action < 0.4:
+            outbox.record(made(f"r-{number}", f"I am {marker()}."))
+            number += 1
+        elif action < 0.6 and queue.calls and not queue.calls[-1][1].called:
+            queue.acknowledge()
+        elif action < 0.75 and thread.queued:
+            thread.run()
+        elif action < 0.9 and thread.done:
+            thread.deliver()
+        else:
+            clock.advance(chance.choice([0.05, 0.1, 0.3]))
+        if step % 10 == 9 and not thread.done:
+            expected = [each.request_id for each in outbox._queue]
+            again = replayed(path, tmp_path / f"step-{step}")
+            assert [key for batch in again for key in batch] == expected
+    thread.finish()
+    while outbox.waiting:
+        if queue.calls[-1][1].called:
+            clock.advance(0.1)
+        else:
+            queue.acknowledge()
+        thread.finish()
+    clock.advance(1)
+    thread.finish()
+    outbox.close()
+    assert replayed(path, tmp_path / "end") == []
+    assert path.stat().st_size == len(OBSERVATION_JOURNAL_MAGIC)

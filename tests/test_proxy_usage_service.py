@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 
 from svcd.ledger.outbox import USAGE_WORDS, OutboxWords
@@ -74,6 +74,9 @@ class Ledger:
         self.flushing.append((timeout, flushed))
         return flushed
 
+    def settle(self, timeout: float) -> Deferred[None]:
+        return succeed(None)
+
     def close(self) -> int:
         self.events.happened.append(f"{self.name} closed")
         return self.waiting
@@ -91,7 +94,11 @@ class Memory:
 
 
 def service(
-    events: Events, ledger: Ledger, clock: Clock, observations: Ledger | None = None
+    events: Events,
+    ledger: Ledger,
+    clock: Clock,
+    observations: Ledger | None = None,
+    journalThreads: Any = None,
 ) -> ProxyService:
     auth = Auth(events)
     limiter = RedisRateLimiter(MemoryCounters(), clock, 60)
@@ -109,6 +116,7 @@ def service(
         ledger=ledger,
         memory=Memory(events) if observations is not None else None,
         observations=observations,
+        journalThreads=journalThreads,
     )
 
 
@@ -180,6 +188,71 @@ def test_observationsStartBeforeListeningAndFlushBesideTheRows() -> None:
     assert events.happened[-4:] == [
         "observations closed",
         "ledger closed",
+        "channel closed",
+        "memory channel closed",
+    ]
+    assert stopped.called
+
+
+@attrs.define
+class SettlingLedger(Ledger):
+    """
+    An observation outbox whose journal's rewrite in its thread ends when
+    the test says.
+    """
+
+    settling: list[tuple[float, Deferred[None]]] = attrs.field(factory=list)
+
+    def settle(self, timeout: float) -> Deferred[None]:
+        self.events.happened.append(f"{self.name} settle")
+        settled: Deferred[None] = Deferred()
+        self.settling.append((timeout, settled))
+        return settled
+
+
+class Threads:
+    """
+    The memory journal's thread pool, as the service starts and stops it.
+    """
+
+    def __init__(self, events: Events) -> None:
+        self.events = events
+
+    def start(self) -> None:
+        self.events.happened.append("journal thread started")
+
+    def stop(self) -> None:
+        self.events.happened.append("journal thread stopped")
+
+
+def test_aStopLetsTheMemoryJournalsRewriteEndBeforeItCloses() -> None:
+    """
+    Decisions D13, amended: the memory journal's rewrites copy in a
+    thread of their own, started before the journal is read and stopped
+    last. A stop, once the observations are flushed (or none wait), lets
+    the rewrite in the thread end and the last one be made
+    (L{UsageOutbox.settle}, bounded by the shutdown timeout) before the
+    outbox closes, so that nothing acknowledged is left in the journal.
+    """
+    events, clock = Events(), Clock()
+    ledger = Ledger(events, waiting=0)
+    observations = SettlingLedger(events, waiting=0, name="observations")
+    proxy = service(events, ledger, clock, observations, Threads(events))
+    proxy.startService()
+    clock.advance(0.1)
+    assert events.happened[:2] == ["journal thread started", "journal replayed"]
+    stopped = proxy.stopService()
+    clock.advance(0.1)
+    assert events.happened[-1] == "observations settle"
+    assert "observations closed" not in events.happened
+    [(timeout, settled)] = observations.settling
+    assert timeout == 7.0
+    settled.callback(None)
+    clock.advance(0.1)
+    assert events.happened[-5:] == [
+        "observations settle",
+        "observations closed",
+        "journal thread stopped",
         "channel closed",
         "memory channel closed",
     ]

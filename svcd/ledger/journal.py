@@ -35,9 +35,13 @@ What survives what:
     that matters). A kill before the rename leaves the old journal whole
     and a copy beside it, which the next start's own rewrite replaces; a
     rewrite that fails removes its copy.
-  - A rewrite runs on the reactor's thread from start to end, so that no
-    row is appended meanwhile: a row recorded before it is among the rows
-    it keeps, one recorded after goes to the new file.
+  - A rewrite on the caller's thread (the usage journal's, the start's)
+    runs from start to end there, so that no row is appended meanwhile: a
+    row recorded before it is among the rows it keeps, one recorded after
+    goes to the new file. The memory journal's are done mostly in a
+    thread of their own (L{svcd.ledger.compactions}): a row recorded
+    meanwhile goes to the old file and is carried over, as it is, with
+    the acknowledgements recorded meanwhile, when the copy replaces it.
   - One process holds a journal: an exclusive C{flock} on C{<journal>.lock},
     held for the life of the process (compaction replaces the journal
     file itself, so the lock cannot be on it). A second process refuses
@@ -49,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import fcntl
+import itertools
 import json
 import os
 import struct
@@ -59,10 +64,9 @@ from typing import Any
 
 import attrs
 from google.protobuf import json_format
-from twisted.internet.interfaces import IDelayedCall
 from twisted.logger import Logger
 
-from svcd.common.clocks import Clock
+from svcd.ledger.compactions import Compactions, JournalCopy, fsyncDirectory, writeAll
 from svcd.ledger.journalfile import JOURNAL_MAGIC, JournalError, journalKind
 from svcd.pb.auth.v1 import auth_pb2
 
@@ -282,6 +286,12 @@ class UsageJournal:
         # lengths: the part of the file a compaction keeps.
         self._waiting: deque[tuple[int, int]] = deque()
         self._waitingBytes = 0
+        # Counts the files the journal was: a copy made in a thread for
+        # an earlier one is not renamed over a later one.
+        self._generation = 0
+        # Rows acknowledged so far, in every file the journal was: how
+        # many of a copy's rows were acknowledged while it was made.
+        self._acknowledgedRows = 0
 
     @property
     def size(self) -> int:
@@ -435,14 +445,7 @@ class UsageJournal:
         @raise JournalError: when the rewrite failed.
         """
         lengths = [length for _, length in self._waiting]
-        # Adjacent records read at once: normally one run, broken only by
-        # acknowledgement records.
-        runs: list[list[int]] = []
-        for offset, length in self._waiting:
-            if runs and runs[-1][0] + runs[-1][1] == offset:
-                runs[-1][1] += length
-            else:
-                runs.append([offset, length])
+        runs = self._runs()
         try:
             with open(self.path, "rb") as existing:
                 chunks = [os.pread(existing.fileno(), length, offset) for offset, length in runs]
@@ -451,6 +454,114 @@ class UsageJournal:
         if [len(chunk) for chunk in chunks] != [length for _, length in runs]:
             return False
         self._replace(chunks, lengths)
+        return True
+
+    def _runs(self) -> list[tuple[int, int]]:
+        """
+        The byte ranges (offset, length) of the rows waiting, adjacent
+        records read at once: normally one run, broken only by
+        acknowledgement records.
+        """
+        runs: list[list[int]] = []
+        for offset, length in self._waiting:
+            if runs and runs[-1][0] + runs[-1][1] == offset:
+                runs[-1][1] += length
+            else:
+                runs.append([offset, length])
+        return [(offset, length) for offset, length in runs]
+
+    def copyable(self, waiting: Sequence[Any]) -> bool:
+        """
+        Whether a rewrite with only C{waiting} can copy the rows' records
+        from the file (L{startCopy}): something acknowledged is in it, it
+        is open, and it holds every row of C{waiting} (a row the journal
+        could not take, on a full disk, makes the outbox hold more).
+        """
+        return (
+            self.acknowledgedBytes > 0
+            and self._fd is not None
+            and len(waiting) == len(self._waiting)
+        )
+
+    def startCopy(self) -> JournalCopy:
+        """
+        The first step of a rewrite in a thread (L{svcd.ledger.compactions}):
+        note where the rows waiting are and take a descriptor to read the
+        file by; on the caller's (reactor's) thread, microseconds. The journal is
+        appended to and acknowledged as before until L{finishCopy}.
+
+        @raise OSError: when the journal is not open.
+        """
+        if self._fd is None:
+            raise OSError(0, f"the {journalKind(self._magic)} is not open")
+        # A duplicate, not an open of the path: no lookup, no wait on the
+        # filesystem's journal, on the reactor's thread.
+        source = os.dup(self._fd)
+        # Where each row goes in the copy is the thread's to work out: a
+        # loop over thousands of rows is milliseconds of the reactor's.
+        return JournalCopy(
+            self.path,
+            self._magic,
+            source,
+            list(self._waiting),
+            self._waitingBytes,
+            self._size,
+            self._acknowledgedRows,
+            self._generation,
+        )
+
+    def finishCopy(self, copy: JournalCopy) -> bool:
+        """
+        The last step of a rewrite in a thread, once C{copy} is written
+        and fsynced: append what the journal gained since L{startCopy}
+        (rows and acknowledgements, as they are) to the copy, rename it
+        over the journal and append to it from now on. The old file has
+        no name any more; its descriptors are left to
+        L{JournalCopy.retire}, whose closing frees its inode, acknowledged
+        rows and all. On the caller's (reactor's) thread: a write of the
+        tail and a rename.
+
+        @return: False when the journal was rewritten otherwise since
+            C{copy} began (the copy is removed, nothing changed).
+        @raise JournalError: when the tail could not be appended or the
+            copy renamed (the copy is removed; the old journal is kept
+            and appended to).
+        """
+        if copy.generation != self._generation or self._fd is None or copy.fd is None:
+            copy.discard()
+            return False
+        assert copy.source is not None
+        tail = self._size - copy.snapshotSize
+        try:
+            if tail:
+                data = os.pread(copy.source, tail, copy.snapshotSize)
+                if len(data) != tail:
+                    raise OSError(0, "the journal is shorter than its records")
+                writeAll(copy.fd, data)
+            os.replace(copy.temporary, self.path)
+        except OSError as error:
+            copy.discard()
+            raise JournalError(f"cannot write {self.path!r}: {error.strerror}") from None
+        # The old file's descriptors are closed by JournalCopy.retire, in
+        # the thread: the last close frees the inode, which for a file of
+        # tens of MiB takes the kernel milliseconds to a tenth of a second.
+        copy.retired = [self._fd, copy.source]
+        self._fd, copy.fd, copy.source = copy.fd, None, None
+        self._generation += 1
+        # The rows waiting: those of the copy (their places worked out by
+        # the thread) but the ones acknowledged since the snapshot, which
+        # are its oldest, then those of the tail.
+        waiting = copy.waiting
+        acknowledged = self._acknowledgedRows - copy.acknowledgedRows
+        for _ in range(min(acknowledged, len(waiting))):
+            waiting.popleft()
+        later = len(self._waiting) - len(waiting)
+        shift = copy.copiedEnd - copy.snapshotSize
+        if later > 0:
+            recent = list(itertools.islice(reversed(self._waiting), later))
+            waiting.extend((offset + shift, length) for offset, length in reversed(recent))
+        self._waiting = waiting
+        self._size = copy.copiedEnd + tail
         return True
 
     def _replace(self, chunks: Sequence[bytes], lengths: Sequence[int]) -> None:
@@ -463,7 +574,7 @@ class UsageJournal:
         try:
             fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
-                _writeAll(fd, content)
+                writeAll(fd, content)
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -483,6 +594,7 @@ class UsageJournal:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        self._generation += 1
         self._size = len(content)
         self._waiting = deque()
         offset = len(self._magic)
@@ -491,8 +603,9 @@ class UsageJournal:
             offset += length
         self._waitingBytes = len(content) - len(self._magic)
         try:
-            _fsyncDirectory(self.path)
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            fsyncDirectory(self.path)
+            # Read too: a rewrite in the thread copies from a duplicate.
+            self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
         except OSError as error:
             raise JournalError(f"cannot write {self.path!r}: {error.strerror}") from None
 
@@ -519,8 +632,10 @@ class UsageJournal:
         # but not here: never count below none. Counted before the record
         # is written: rows acknowledged are the compaction's to drop even
         # when their acknowledgement could not be journalled.
-        for _ in range(min(count, len(self._waiting))):
+        taken = min(count, len(self._waiting))
+        for _ in range(taken):
             self._waitingBytes -= self._waiting.popleft()[1]
+        self._acknowledgedRows += taken
         payload = _ACK_COUNT.pack(count) + lastKey.encode("utf-8")
         self._write(_record(_ACK, payload))
 
@@ -528,7 +643,7 @@ class UsageJournal:
         if self._fd is None:
             raise OSError(f"the {journalKind(self._magic)} is not open")
         try:
-            _writeAll(self._fd, record)
+            writeAll(self._fd, record)
         except OSError:
             # A record half written (a full disk) would hide every record
             # after it from the next start: cut it off.
@@ -596,7 +711,7 @@ class UsageJournal:
         )
         fd = os.open(self.rejectsPath, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            _writeAll(fd, line.encode("utf-8") + b"\n")
+            writeAll(fd, line.encode("utf-8") + b"\n")
         finally:
             os.close(fd)
 
@@ -618,143 +733,9 @@ def _rfc3339(seconds: float) -> str:
     return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def _fsyncDirectory(path: str) -> None:
-    """
-    fsync the directory of C{path}, so that a rename into it outlives a
-    power loss.
-    """
-    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _writeAll(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.write(fd, view)
-        view = view[written:]
-
-
 def _rowDocument(row: auth_pb2.UsageRow) -> dict[str, Any]:
     """
     What the rejects file keeps of a usage row: all of it (ids and
     numbers, no content).
     """
     return {"row": json_format.MessageToDict(row, preserving_proto_field_name=True)}
-
-
-class Compactions:
-    """
-    When a journal that forgets is rewritten: the memory journal
-    (C{SVC_MEMORY_JOURNAL}), which holds what users said, must hold an
-    observation only until svc-memory has acknowledged it (decisions D13,
-    amended: within a second, no byte of it is left in the file).
-
-    After an acknowledgement that leaves acknowledged bytes in the file,
-    the journal is rewritten with only the rows still waiting
-    (L{UsageJournal.dropAcknowledged}): at once when the last rewrite
-    began at least C{every} seconds ago, else when it is that old; the
-    acknowledgements meanwhile share that one rewrite. A busy proxy thus
-    rewrites at most 1/C{every} times a second, each rewrite copying the
-    rows waiting (normally a batch or two: a few milliseconds, most of it
-    the two fsyncs). After svc-memory was away, thousands may wait and a
-    rewrite take a tenth of a second or more, on the reactor's thread: the
-    next one then waits longer (four times the last one's length, within
-    what keeps the second), never less than twice it nor more than 2 s,
-    so that the proxy keeps most of its time for requests while the
-    backlog drains.
-
-    A rewrite that fails (a full disk) is logged by C{failed} and tried
-    again C{every} seconds later. L{stop} rewrites at once what is due, so
-    that a proxy stopped just after an acknowledgement leaves no
-    acknowledged row behind.
-
-    @param journal: the journal, open.
-    @param clock: when rewrites are due and how long one took (the
-        reactor's clock is the wall clock, read afresh).
-    @param every: the least spacing of rewrites, in seconds.
-    @param waiting: every row not yet acknowledged, oldest first: what
-        a rewrite keeps (the outbox's queue).
-    @param failed: told of a rewrite that failed.
-    """
-
-    # A rewrite is due at most this long after the acknowledgement that
-    # called for it, when the last one was quick (D13, amended: one
-    # second, less the rewrite's own time).
-    WITHIN = 1.0
-    # The longest spacing, whatever a rewrite seemed to take (the
-    # reactor's clock is the wall clock, which may jump).
-    LONGEST = 2.0
-
-    def __init__(
-        self,
-        journal: UsageJournal,
-        clock: Clock,
-        every: float,
-        waiting: Callable[[], Sequence[Any]],
-        failed: Callable[[Exception], None],
-    ) -> None:
-        self._journal = journal
-        self._clock = clock
-        self._every = every
-        self._spacing = every
-        self._waiting = waiting
-        self._failed = failed
-        self._last: float | None = None
-        self._due: IDelayedCall | None = None
-        self._stopped = False
-
-    @property
-    def pending(self) -> bool:
-        """
-        Whether a rewrite is waiting for its time.
-        """
-        return self._due is not None
-
-    def acknowledged(self) -> None:
-        """
-        Rows were acknowledged: rewrite now, or when the spacing allows.
-        """
-        if self._stopped or self._due is not None or self._journal.acknowledgedBytes <= 0:
-            return
-        wait = 0.0
-        if self._last is not None:
-            wait = self._last + self._spacing - self._clock.seconds()
-        if wait <= 0:
-            self._rewrite()
-        else:
-            self._due = self._clock.callLater(wait, self._dueNow)
-
-    def _dueNow(self) -> None:
-        self._due = None
-        self._rewrite()
-
-    def _rewrite(self) -> None:
-        started = self._clock.seconds()
-        self._last = started
-        try:
-            self._journal.dropAcknowledged(self._waiting())
-        except (OSError, JournalError) as error:
-            self._failed(error)
-            if not self._stopped:
-                self._due = self._clock.callLater(self._every, self._dueNow)
-            return
-        took = max(0.0, self._clock.seconds() - started)
-        spacing = max(self._every, 2 * took, min(4 * took, self.WITHIN - took))
-        self._spacing = min(spacing, max(self._every, self.LONGEST))
-
-    def stop(self) -> None:
-        """
-        Rewrite now if anything acknowledged is left in the file, and
-        schedule nothing more (the outbox stops; the journal is closed
-        next).
-        """
-        self._stopped = True
-        if self._due is not None:
-            if self._due.active():
-                self._due.cancel()
-            self._due = None
-        if self._journal.acknowledgedBytes > 0:
-            self._rewrite()

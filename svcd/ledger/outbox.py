@@ -51,6 +51,7 @@ from twisted.python.failure import Failure
 from svcd.common.clocks import Clock, asReactorTime
 from svcd.common.deferreds import timeoutDeferred
 from svcd.common.logthrottle import ThrottledWarning
+from svcd.ledger.compactions import InThread
 from svcd.ledger.journal import (
     COMPACT_JOURNAL_BYTES,
     USAGE_WORDS,
@@ -186,6 +187,9 @@ class UsageOutbox:
         the journal forgets, rewritten after every acknowledgement within
         a second and at most once every C{compactEvery} seconds
         (L{Compactions}).
+    @param compactInThread: with C{compactEvery}, runs a function in the
+        journal's one-thread pool, where the rewrites' copies and fsyncs
+        are done (L{svcd.ledger.compactions}); None: on the reactor.
     """
 
     log = Logger()
@@ -210,6 +214,7 @@ class UsageOutbox:
         maxBytes: int | None = None,
         sizeOf: Callable[[Any], int] | None = None,
         compactEvery: float | None = None,
+        compactInThread: InThread | None = None,
     ) -> None:
         # send, keyOf, describe and words carry another kind of record
         # (svc-proxy's observations, decisions D13): the call that commits a
@@ -266,7 +271,12 @@ class UsageOutbox:
         self._compactions: Compactions | None = None
         if journal is not None and compactEvery is not None:
             self._compactions = Compactions(
-                journal, clock, compactEvery, lambda: self._queue, self._journalUnwritable
+                journal,
+                clock,
+                compactEvery,
+                lambda: self._queue,
+                self._journalUnwritable,
+                inThread=compactInThread,
             )
         metrics.usageOutboxRows.set_function(lambda: len(self._queue))
 
@@ -639,6 +649,16 @@ class UsageOutbox:
             return len(self._queue)
 
         return bounded.addCallbacks(leftOver, timedOut)
+
+    def settle(self, timeout: float) -> Deferred[None]:
+        """
+        Before L{close}, at a stop: let a journal that forgets finish the
+        rewrite its thread is doing and make the last, for at most
+        C{timeout} seconds (L{Compactions.settle}); at once otherwise.
+        """
+        if self._compactions is None or self._closed:
+            return succeed(None)
+        return self._compactions.settle(timeout)
 
     def close(self) -> int:
         """

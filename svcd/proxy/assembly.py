@@ -21,6 +21,8 @@ from typing import Any
 import attrs
 from opentelemetry.trace import Tracer
 from twisted.internet.interfaces import IReactorFromThreads
+from twisted.internet.threads import deferToThreadPool
+from twisted.python.threadpool import ThreadPool
 
 from svcd.authclient.channel import authChannel
 from svcd.authclient.connection import AuthConnection
@@ -237,8 +239,16 @@ def assembleProxy(
     # journal is.
     observations = None
     observer = None
+    journalThreads = None
     if memory is not None and forwarder is not None:
         observationMetrics = ObservationOutboxMetrics(metrics.registry)
+        inThread = None
+        if config.memoryJournal:
+            # The memory journal's rewrites copy and fsync in a thread of
+            # their own, one at a time, never on the reactor's (decisions
+            # D13, amended): started and stopped with the service.
+            journalThreads = ThreadPool(minthreads=1, maxthreads=1, name="svc-proxy-memory-journal")
+            inThread = functools.partial(deferToThreadPool, reactor, journalThreads)
         observations = observationOutbox(
             memory.queueObservations,
             reactor,
@@ -246,6 +256,7 @@ def assembleProxy(
             journalPath=config.memoryJournal,
             maxObservations=config.memoryOutboxMax,
             maxBytes=config.memoryOutboxBytes,
+            inThread=inThread,
         )
         if config.memoryJournal:
             holdJournalLock(config.memoryJournal, "memory journal")
@@ -287,6 +298,7 @@ def assembleProxy(
         ledger=outbox,
         memory=memory,
         observations=observations,
+        journalThreads=journalThreads,
     )
     return ProxyDaemon(
         service=proxy,

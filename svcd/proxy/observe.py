@@ -40,6 +40,7 @@ from twisted.logger import Logger
 from svcd.common.clocks import Clock
 from svcd.common.errors import rfc3339
 from svcd.common.logthrottle import ThrottledWarning
+from svcd.ledger.compactions import InThread
 from svcd.ledger.journalfile import MEMORY_JOURNAL_MAGIC
 from svcd.ledger.outbox import OutboxWords, UsageJournal, UsageOutbox
 from svcd.limits.book import LimitBook
@@ -238,9 +239,10 @@ OBSERVATION_BATCH = 50
 # The journal is rewritten with only the observations waiting after an
 # acknowledgement, at most once every so many seconds (the
 # acknowledgements meanwhile share a rewrite): at most four rewrites a
-# second, each a few milliseconds (two fsyncs, a batch or two copied),
-# and an acknowledged observation is gone from the file within about a
-# quarter of a second (L{svcd.ledger.journal.Compactions}).
+# second, each a few milliseconds (two fsyncs, a batch or two copied, in
+# the journal's own thread), and an acknowledged observation is gone from
+# the file within about a quarter of a second
+# (L{svcd.ledger.compactions.Compactions}).
 OBSERVATION_JOURNAL_COMPACT_SECONDS = 0.25
 
 
@@ -389,6 +391,7 @@ def observationOutbox(
     journalPath: str | None = None,
     maxObservations: int = OBSERVATION_OUTBOX_MAX,
     maxBytes: int = OBSERVATION_OUTBOX_MB * 2**20,
+    inThread: InThread | None = None,
 ) -> UsageOutbox:
     """
     The outbox that carries observations to svc-memory: D12's outbox and
@@ -401,7 +404,9 @@ def observationOutbox(
     C{journalPath} is given, is the caller's to L{UsageJournal.hold} as
     the daemon is built (L{UsageOutbox.start} takes its lock too); it
     holds an observation only until svc-memory has acknowledged it
-    (L{OBSERVATION_JOURNAL_COMPACT_SECONDS}).
+    (L{OBSERVATION_JOURNAL_COMPACT_SECONDS}); its rewrites' copies and
+    fsyncs are done by C{inThread}, in the journal's one-thread pool,
+    when it is given (L{svcd.ledger.compactions}), else on the reactor.
 
     An observation svc-memory answers refused (QueuedObservation.refused,
     L{REFUSALS}) is acknowledged like one queued, for good: it leaves the
@@ -433,6 +438,7 @@ def observationOutbox(
         maxBytes=maxBytes,
         sizeOf=_serializedSize,
         compactEvery=OBSERVATION_JOURNAL_COMPACT_SECONDS,
+        compactInThread=inThread,
     )
     metrics.outboxBytes.set_function(lambda: outbox.waitingBytes)
     return outbox

@@ -48,6 +48,7 @@ from twisted.internet.interfaces import IListeningPort, IProtocolFactory
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+from twisted.python.threadpool import ThreadPool
 
 from svcd.common.clocks import Clock, asReactorTime
 from svcd.common.deferreds import timeoutDeferred
@@ -100,6 +101,8 @@ class ClosableLedger(Protocol):
 
     def flush(self, timeout: float) -> Deferred[int]: ...
 
+    def settle(self, timeout: float) -> Deferred[None]: ...
+
     def close(self) -> int: ...
 
 
@@ -146,6 +149,9 @@ class ProxyService(Service):
     @param clock: the reactor, or a L{twisted.internet.task.Clock} in
         tests: the time of the start and of the stop, and the reactor to
         stop should listening fail once the proxy has started.
+    @param journalThreads: the memory journal's one thread, where its
+        rewrites copy and fsync (L{svcd.ledger.compactions}): started and
+        stopped with the proxy.
     @param dependencies: what to wait for before listening, for at most
         C{startTimeout} seconds; past that the proxy listens anyway (auth
         then fails closed and rate limits open, until they are up) and
@@ -169,6 +175,7 @@ class ProxyService(Service):
         ledger: ClosableLedger | None = None,
         memory: ClosableMemoryClient | None = None,
         observations: ClosableLedger | None = None,
+        journalThreads: ThreadPool | None = None,
     ) -> None:
         self._port = port
         self._edge = edge
@@ -184,6 +191,7 @@ class ProxyService(Service):
         self._ledger = ledger
         self._memory = memory
         self._observations = observations
+        self._journalThreads = journalThreads
         self._starting: Deferred[None] | None = None
         self._listening: IListeningPort | None = None
         self._waitingForPort: list[Deferred[IListeningPort]] = []
@@ -203,6 +211,8 @@ class ProxyService(Service):
             # Not a dependency: the proxy listens and is ready without it.
             self._memory.start()
         self._limiter.start()
+        if self._journalThreads is not None:
+            self._journalThreads.start()
         for outbox in (self._ledger, self._observations):
             if outbox is None:
                 continue
@@ -291,6 +301,10 @@ class ProxyService(Service):
         ]
         for flushing in flushes:
             await flushing
+        if self._journalThreads is not None:
+            # Idle by now (a copy past its bound was abandoned, and stops
+            # at its next chunk).
+            self._journalThreads.stop()
         self._auth.close()
         if self._memory is not None:
             self._memory.close()
@@ -312,6 +326,9 @@ class ProxyService(Service):
                 rows=ledger.waiting,
             )
             await ledger.flush(self._shutdownTimeout)
+        # The memory journal's rewrite in its thread, then its last one,
+        # so that nothing acknowledged is left in it.
+        await ledger.settle(self._shutdownTimeout)
         ledger.close()
 
     async def _drain(self) -> None:
