@@ -514,7 +514,7 @@ def test_theKeyMigrationKeepsWaitingAndProcessedObservations(databaseDSN: str) -
             " VALUES (%s, 'req-done', %s)",
             (orgID, doneID),
         )
-        assert migrate(databaseDSN) == ["0015_observation_key.sql"]
+        assert migrate(databaseDSN)[0] == "0015_observation_key.sql"
         with storeOn(databaseDSN) as memoryStore:
             scope = Scope(orgID, agentID, "")
             message = (ObservedMessage("user", "I live in Oslo"),)
