@@ -60,7 +60,7 @@ def fill(connection: psycopg.Connection[Any], backlogs: list[int]) -> list[uuid.
             "INSERT INTO memory_observations (id, org_id, agent_id, subject, request_id,"
             " observation_key, messages, next_attempt_at)"
             " SELECT gen_random_uuid(), %s, %s, '', 'req-' || n, 'key-' || n,"
-            " '[{\"role\": \"user\", \"content\": \"hello\"}]'::jsonb,"
+            ' \'[{"role": "user", "content": "hello"}]\'::jsonb,'
             " now() - interval '1 hour' + make_interval(secs => (%s + n) / 1000.0)"
             " FROM generate_series(1, %s) AS n",
             (orgID, uuid.uuid4(), rows, count),
@@ -116,7 +116,7 @@ def fairPlan(connection: psycopg.Connection[Any], limit: int) -> str:
     end = source.index("UPDATE public.memory_observations AS claimed", start)
     query = source[start:end].replace("wanted", str(limit)) + "SELECT id FROM chosen"
     rows = connection.execute(
-        "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) " + query  # type: ignore[arg-type]
+        "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) " + query
     ).fetchall()
     return "\n".join(row[0] for row in rows)
 

@@ -114,7 +114,9 @@ def assembleMemory(
         parallelRows=settings.parallelRows,
         records=records,
     )
-    servicer = MemoryServicer(store, searcher, metrics, settings.maxPerScope)
+    servicer = MemoryServicer(
+        store, searcher, metrics, settings.maxPerScope, settings.maxWaitingPerOrg
+    )
     interceptors: list[grpc.ServerInterceptor] = []
     if settings.internalSubjects is not None:
         # Every method: only the proxies and the workers call svc-memory.

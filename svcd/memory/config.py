@@ -32,6 +32,10 @@ DEFAULT_RECORD_CACHE_MB = 128
 # faster split).
 DEFAULT_PARALLEL_ROWS = 2_048
 DEFAULT_DONE_RETENTION = 3600.0
+# The observations one organization may have waiting for the worker
+# (decisions D13, amended): at one svc-worker's 200 a second (bench/README)
+# over eight minutes of its time.
+DEFAULT_MAX_WAITING_PER_ORG = 100_000
 
 
 @attrs.frozen
@@ -65,6 +69,10 @@ class MemoryConfig:
     # proxy's journal resending it is answered without a second extraction
     # (sql/0014_observations_done.sql, sql/0015_observation_key.sql).
     doneRetention: float = DEFAULT_DONE_RETENTION
+    # Past it an organization's new observations are refused "queue_full"
+    # (a POST of a conversation is 429 MEMORY_QUEUE_FULL), so that one
+    # organization's flood cannot fill the database or the workers' day.
+    maxWaitingPerOrg: int = DEFAULT_MAX_WAITING_PER_ORG
 
     @classmethod
     def fromEnvironment(cls, environ: Mapping[str, str]) -> "MemoryConfig":
@@ -97,5 +105,8 @@ class MemoryConfig:
             ),
             doneRetention=config.duration(
                 environ, "SVC_MEMORY_DONE_RETENTION", DEFAULT_DONE_RETENTION
+            ),
+            maxWaitingPerOrg=config.positiveInteger(
+                environ, "SVC_MEMORY_MAX_WAITING_PER_ORG", DEFAULT_MAX_WAITING_PER_ORG
             ),
         )

@@ -147,17 +147,25 @@ class NewObservation:
     key: str = attrs.field(default=attrs.Factory(lambda self: self.requestID, takes_self=True))
 
 
+# QueuedObservation.refused of an observation past its organization's
+# SVC_MEMORY_MAX_WAITING_PER_ORG waiting (decisions D13, amended).
+QUEUE_FULL = "queue_full"
+
+
 @attrs.frozen
 class QueuedObservation:
     """
     What queueing did with one observation: its id, and whether this call
-    queued it (False: it was queued already, by an earlier call).
+    queued it (False: it was queued already, by an earlier call); or why
+    it was not queued, for good (C{refused}, as memory.proto's
+    QueuedObservation.refused; no id then).
     """
 
     requestID: str
-    observationID: uuid.UUID
+    observationID: uuid.UUID | None
     queuedNow: bool
     key: str = attrs.field(default=attrs.Factory(lambda self: self.requestID, takes_self=True))
+    refused: str = ""
 
 
 @attrs.frozen

@@ -35,6 +35,7 @@ class RunningMemoryService:
         perPeer: int = 8,
         listen: bool = True,
         doneRetention: float = 3600.0,
+        maxWaitingPerOrg: int = 100_000,
     ) -> None:
         settings = MemoryConfig(
             postgresDSN=dsn,
@@ -48,6 +49,7 @@ class RunningMemoryService:
             maxPerScope=maxPerScope,
             cacheBytes=cacheBytes,
             doneRetention=doneRetention,
+            maxWaitingPerOrg=maxWaitingPerOrg,
         )
         # The daemon's assembly with the tests' timings: a quick
         # reconnection and beat, and the waiting count every 0.1 s.
