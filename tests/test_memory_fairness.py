@@ -21,6 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from memoryfixtures import storeOn
 
+from svcd.common.config import ConfigError
+from svcd.memory.config import MemoryConfig
 from svcd.memory.records import (
     QUEUE_FULL,
     NewObservation,
@@ -29,6 +31,8 @@ from svcd.memory.records import (
     Scope,
 )
 from svcd.memory.store import MemoryStore
+from svcd.pb.memory.v1 import memory_pb2
+from svcd.testing.memoryservice import RunningMemoryService
 
 MESSAGES = (ObservedMessage("user", "I live in Oslo"),)
 
@@ -265,3 +269,52 @@ def test_concurrentQueueCallsNeverPassTheCap(migratedDSN: str) -> None:
             "SELECT count(*) FROM memory_observations WHERE org_id = %s", (orgID,)
         ).fetchone()
     assert row == (12,)
+
+
+def test_queueObservationsAnswersRefusedQueueFull(migratedDSN: str) -> None:
+    """
+    Over gRPC, with SVC_MEMORY_MAX_WAITING_PER_ORG 2: the third new
+    observation of an organization is answered refused "queue_full" with
+    no id; the first, sent again, is answered with its id as before.
+    """
+    orgID = uuid.uuid4()
+    where = memory_pb2.Scope(org_id=str(orgID), agent_id=str(uuid.uuid4()), subject="")
+
+    def observation(key: str) -> memory_pb2.Observation:
+        return memory_pb2.Observation(
+            scope=where,
+            request_id=f"req-{key}",
+            messages=[memory_pb2.ObservedMessage(role="user", content="I am vegan")],
+            key=key,
+        )
+
+    service = RunningMemoryService(migratedDSN, maxWaitingPerOrg=2, listen=False).start()
+    try:
+        answer = service.stub.QueueObservations(
+            memory_pb2.QueueObservationsRequest(
+                observations=[observation(key) for key in ("k1", "k2", "k3", "k1")]
+            ),
+            timeout=10,
+        ).queued
+    finally:
+        service.stop()
+    assert [(each.key, each.queued_now, each.refused) for each in answer] == [
+        ("k1", True, ""),
+        ("k2", True, ""),
+        ("k3", False, QUEUE_FULL),
+        ("k1", False, ""),
+    ]
+    assert answer[2].id == "" and answer[3].id == answer[0].id != ""
+
+
+def test_theCapIsRead() -> None:
+    """
+    SVC_MEMORY_MAX_WAITING_PER_ORG is 100,000 unless set, and must be a
+    positive integer.
+    """
+    dsn = {"POSTGRES_DSN": "postgresql://svc@db/svc"}
+    assert MemoryConfig.fromEnvironment(dsn).maxWaitingPerOrg == 100_000
+    seven = MemoryConfig.fromEnvironment({**dsn, "SVC_MEMORY_MAX_WAITING_PER_ORG": "7"})
+    assert seven.maxWaitingPerOrg == 7
+    with pytest.raises(ConfigError):
+        MemoryConfig.fromEnvironment({**dsn, "SVC_MEMORY_MAX_WAITING_PER_ORG": "0"})
