@@ -467,13 +467,15 @@ def test_observationsAreKeyedByTheirKeyNotTheirRequestID(
     assert [second.key, first.key] == ["key-2", "key-1"]
     assert first.queuedNow and second.queuedNow
     assert first.observationID != second.observationID
+    assert first.observationID is not None
     assert memoryStore.queueObservations([new("key-1", "I work in Bergen")]) == [
         QueuedObservation("req-shared", first.observationID, False, "key-1")
     ]
     claimed = memoryStore.claimObservations("w", 60.0, 10)
-    assert sorted(each.observationID for each in claimed) == sorted(
-        [first.observationID, second.observationID]
-    )
+    assert {each.observationID for each in claimed} == {
+        first.observationID,
+        second.observationID,
+    }
     assert {each.requestID for each in claimed} == {"req-shared"}
     held = {each.observationID: each for each in claimed}[first.observationID]
     assert memoryStore.completeObservation(acme.orgID, held.observationID, "w", held.leaseToken)
@@ -599,6 +601,7 @@ def test_aProcessedObservationIsNotQueuedAgainWithinTheRetention(
     completed = queue(scope, "req-complete")
     stored = queue(scope, "req-store")
     claimed = {each.requestID: each for each in memoryStore.claimObservations("w", 60.0, 10)}
+    assert completed.observationID is not None
     assert memoryStore.completeObservation(
         acme.orgID, completed.observationID, "w", claimed["req-complete"].leaseToken
     )
