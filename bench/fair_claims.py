@@ -89,7 +89,17 @@ def timeClaims(connection: psycopg.Connection[Any], limit: int, repeat: int) -> 
     return times
 
 
-def timeCount(dsn: str, orgID: uuid.UUID, repeat: int) -> list[float]:
+COUNT = (
+    "SELECT count(*) FROM (SELECT 1 FROM memory_observations"
+    " WHERE org_id = %s AND state = 'waiting' LIMIT 100000) AS held"
+)
+
+
+def timeCount(dsn: str, orgID: uuid.UUID, repeat: int, plan: bool = False) -> list[float]:
+    """
+    Queueing's count (svcd.memory.store._room) as svc_memory_app, under
+    row-level security; with C{plan}, its plan printed once.
+    """
     times = []
     with psycopg.connect(dsn, autocommit=True) as connection:
         connection.execute("SET ROLE svc_memory_app")
@@ -97,12 +107,15 @@ def timeCount(dsn: str, orgID: uuid.UUID, repeat: int) -> list[float]:
             with connection.transaction():
                 connection.execute("SELECT set_config('svc.org_id', %s, true)", (str(orgID),))
                 started = time.perf_counter()
-                connection.execute(
-                    "SELECT count(*) FROM (SELECT 1 FROM memory_observations"
-                    " WHERE org_id = %s AND state = 'waiting' LIMIT 100000) AS held",
-                    (orgID,),
-                ).fetchone()
+                connection.execute(COUNT, (orgID,)).fetchone()
                 times.append((time.perf_counter() - started) * 1000)
+        if plan:
+            with connection.transaction():
+                connection.execute("SELECT set_config('svc.org_id', %s, true)", (str(orgID),))
+                rows = connection.execute(
+                    "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) " + COUNT, (orgID,)
+                ).fetchall()
+                print("\n".join(str(row[0]) for row in rows), flush=True)
     return times
 
 
@@ -146,7 +159,9 @@ def main() -> int:
                             row[f"claim_{limit}"] = summary(
                                 timeClaims(connection, limit, arguments.repeat)
                             )
-                        row["count"] = summary(timeCount(dsn, orgs[0], arguments.repeat))
+                        row["count"] = summary(
+                            timeCount(dsn, orgs[0], arguments.repeat, fair and arguments.plans)
+                        )
                         results[shape] = row
                         print(f"{shape}: {json.dumps(row)}", flush=True)
                         if fair and arguments.plans:
