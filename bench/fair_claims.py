@@ -126,7 +126,7 @@ def fairPlan(connection: psycopg.Connection[Any], limit: int) -> str:
     """
     source = (ROOT / "sql" / "0018_fair_claims.sql").read_text()
     start = source.index("WITH RECURSIVE organizations")
-    end = source.index("UPDATE public.memory_observations AS claimed", start)
+    end = source.index(", took AS (", start)
     query = source[start:end].replace("wanted", str(limit)) + "SELECT id FROM chosen"
     rows = connection.execute("EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) " + query).fetchall()
     return "\n".join(row[0] for row in rows)
