@@ -7,7 +7,7 @@ development machine: at least 200 observations a second, every fact
 stored exactly once.
 
     python bench/worker_drain.py [--observations 10000] [--concurrency 64]
-        [--subjects 100] [--profile DIR] [--json FILE]
+        [--subjects 100] [--organizations 1] [--profile DIR] [--json FILE]
 
 Starts its own PostgreSQL, Redis, scripted upstream, svc-auth and
 svc-memory on free loopback ports, makes a tenant, and queues the
@@ -19,6 +19,15 @@ observation's user turn states two facts and asks a question; the
 scripted extraction answers the two facts. Then it starts svc-worker and
 measures from its /ready (its first claim answered) until no observation
 is left, polling the table every 100 ms.
+
+With --organizations N (N > 1) the observations are spread over N
+organizations (one agent each), queued one organization's backlog after
+the other, the first organization's largest (half of them; the others
+share the rest): the claims' fairness across organizations (decisions
+D13, amended) is then what decides when each organization's first
+observation is processed. The round reports, over the organizations, the
+seconds from the drain's start until the first of each organization's
+observations was done (the median and the worst).
 
 Verified at the end: every expected fact is a memory exactly once (source
 extracted), nothing else is stored, no observation is left (none failed),
@@ -81,12 +90,35 @@ def factsOf(requestID: str) -> list[str]:
     return [f"My fact is {uuid.uuid5(uuid.UUID(requestID), str(n))}." for n in range(2)]
 
 
+def shares(count: int, organizations: int) -> list[int]:
+    """
+    How many of C{count} observations each organization queues: all of
+    them for one; else half for the first, the rest spread evenly.
+    """
+    if organizations == 1:
+        return [count]
+    first = count // 2
+    rest = count - first
+    return [first] + [
+        rest // (organizations - 1) + (1 if n < rest % (organizations - 1) else 0)
+        for n in range(organizations - 1)
+    ]
+
+
 def queue(
-    port: str, orgID: uuid.UUID, agentID: uuid.UUID, count: int, subjects: int, prefix: str
+    port: str,
+    tenants: list[tuple[uuid.UUID, uuid.UUID]],
+    count: int,
+    subjects: int,
+    prefix: str,
 ) -> dict[str, str]:
     """
-    Queue C{count} observations; return each request id's subject.
+    Queue C{count} observations, one organization's backlog after the
+    other (L{shares}); return each request id's subject.
     """
+    owners: list[tuple[uuid.UUID, uuid.UUID]] = []
+    for tenant, share in zip(tenants, shares(count, len(tenants)), strict=True):
+        owners += [tenant] * share
     requests = {str(uuid.uuid4()): f"{prefix}user-{number % subjects}" for number in range(count)}
     observations = [
         memory_pb2.Observation(
@@ -99,7 +131,7 @@ def queue(
                 memory_pb2.ObservedMessage(role="assistant", content="Noted."),
             ],
         )
-        for requestID, subject in requests.items()
+        for (requestID, subject), (orgID, agentID) in zip(requests.items(), owners, strict=True)
     ]
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = memory_pb2_grpc.MemoryServiceStub(channel)
@@ -112,10 +144,16 @@ def queue(
 
 
 def waiting(dsn: str) -> int:
+    return sum(waitingByOrganization(dsn).values())
+
+
+def waitingByOrganization(dsn: str) -> dict[uuid.UUID, int]:
     with psycopg.connect(dsn, autocommit=True) as connection:
-        row = connection.execute("SELECT count(*) FROM memory_observations").fetchone()
-        assert row is not None
-        return int(row[0])
+        return dict(
+            connection.execute(
+                "SELECT org_id, count(*) FROM memory_observations GROUP BY org_id"
+            ).fetchall()
+        )
 
 
 def verify(dsn: str, requests: dict[str, str]) -> dict[str, Any]:
@@ -249,8 +287,8 @@ class Stack:
     """
 
     dsn: str
-    orgID: uuid.UUID
-    agentID: uuid.UUID
+    # Each organization's id and its agent's.
+    tenants: list[tuple[uuid.UUID, uuid.UUID]]
     auth: Daemon
     memory: Daemon
     redis: RedisServer
@@ -271,8 +309,7 @@ def drain(
     started = time.perf_counter()
     requests = queue(
         stack.memory.environment["SVC_GRPC_PORT"],
-        stack.orgID,
-        stack.agentID,
+        stack.tenants,
         arguments.observations,
         arguments.subjects,
         f"r{number}-",
@@ -334,8 +371,16 @@ def drain(
                     )
                 )
         began = time.perf_counter()
+        queued = waitingByOrganization(stack.dsn)
+        # When the first of each organization's observations was done.
+        firstDone: dict[uuid.UUID, float] = {}
         while True:
-            left = waiting(stack.dsn)
+            byOrganization = waitingByOrganization(stack.dsn)
+            now = time.perf_counter() - began
+            for orgID, count in queued.items():
+                if orgID not in firstDone and byOrganization.get(orgID, 0) < count:
+                    firstDone[orgID] = now
+            left = sum(byOrganization.values())
             if left == 0:
                 break
             if time.perf_counter() - began > 900:
@@ -351,6 +396,13 @@ def drain(
         for spy in spies:
             spy.wait(60)
         results["drain_seconds"] = round(seconds, 2)
+        if len(queued) > 1:
+            firsts = sorted(firstDone.values())
+            results["organizations"] = len(queued)
+            results["first_done_seconds"] = {
+                "median": round(firsts[len(firsts) // 2], 2),
+                "worst": round(firsts[-1], 2),
+            }
         results["observations_per_second"] = round(arguments.observations / seconds, 1)
         results["worker_metrics"] = {
             name: value
@@ -391,6 +443,12 @@ def main() -> int:
     parser.add_argument("--subjects", type=int, default=100)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument(
+        "--organizations",
+        type=int,
+        default=1,
+        help="organizations the observations are spread over (the first has half)",
+    )
+    parser.add_argument(
         "--memory-in-flight", type=int, default=8, help="the worker's SVC_MEMORY_MAX_IN_FLIGHT"
     )
     parser.add_argument(
@@ -406,6 +464,7 @@ def main() -> int:
         "observations": arguments.observations,
         "subjects": arguments.subjects,
         "concurrency": arguments.concurrency,
+        "organizations": arguments.organizations,
         "memory_in_flight": arguments.memory_in_flight,
         "target_per_second": TARGET_PER_SECOND,
         "rounds": [],
@@ -421,8 +480,10 @@ def main() -> int:
         migrate(dsn)
         with psycopg.connect(dsn, autocommit=True) as connection:
             store = Store(lambda: contextlib.nullcontext(connection))
-            orgID = store.createOrganization("bench")
-            agentID = store.createAgent(orgID, "bench").agentID
+            tenants = []
+            for number in range(arguments.organizations):
+                orgID = store.createOrganization(f"bench-{number}")
+                tenants.append((orgID, store.createAgent(orgID, f"bench-{number}").agentID))
         redis = RedisServer.create(scratch / "redis")
         redis.start()
         stack.callback(redis.stop)
@@ -442,7 +503,7 @@ def main() -> int:
         stack.callback(memory.terminate)
         auth.waitForReady()
         memory.waitForReady()
-        context = Stack(dsn, orgID, agentID, auth, memory, redis, upstream, server, providers)
+        context = Stack(dsn, tenants, auth, memory, redis, upstream, server, providers)
         rounds: list[tuple[str, Path | None]] = []
         if arguments.before:
             rounds.append(("before", Path(arguments.before).resolve()))

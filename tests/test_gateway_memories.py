@@ -42,6 +42,9 @@ from svcd.testing.upstream import ScriptedUpstream
 pytestmark = pytest.mark.e2e
 
 MAX_PER_SCOPE = 3
+# SVC_MEMORY_MAX_WAITING_PER_ORG of the stack's svc-memory: no test but
+# test_aFullQueueIs429 queues so many for one organization.
+MAX_WAITING_PER_ORG = 20
 EVERYTHING = int(
     Permission.ProxyChatCompletion
     | Permission.ProxyEmbeddings
@@ -220,6 +223,7 @@ def stack(
         "other": makeTenant(owner, "other", permissions=EVERYTHING),
         "reader": makeTenant(owner, "reader", permissions=int(Permission.MemoryRead)),
         "writer": makeTenant(owner, "writer", permissions=int(Permission.MemoryWrite)),
+        "crowded": makeTenant(owner, "crowded", permissions=EVERYTHING),
     }
     secondAgent = owner.createAgent(tenants["main"].orgID, "main-second").agentID
     daemons: list[Daemon] = []
@@ -229,7 +233,10 @@ def stack(
         memory = Daemon(
             "svc-memory",
             memoryEnvironment(
-                dsn, SVC_MEMORY_MAX_PER_SCOPE=str(MAX_PER_SCOPE), SVC_LOG_LEVEL="DEBUG"
+                dsn,
+                SVC_MEMORY_MAX_PER_SCOPE=str(MAX_PER_SCOPE),
+                SVC_MEMORY_MAX_WAITING_PER_ORG=str(MAX_WAITING_PER_ORG),
+                SVC_LOG_LEVEL="DEBUG",
             ),
             workdir / "memory.log",
         ).start()
@@ -528,6 +535,41 @@ def test_messagesAreQueuedOnceForTheWorker(stack: Stack) -> None:
         400,
         "VALIDATION_ERROR",
     )
+
+
+def test_aFullQueueIs429(stack: Stack) -> None:
+    """
+    Past SVC_MEMORY_MAX_WAITING_PER_ORG observations of one organization
+    waiting, a conversation posted is 429 MEMORY_QUEUE_FULL with
+    Retry-After, and not queued; one queued before, sent again, is 202
+    with its id; another organization still has room.
+    """
+
+    def post(tenant: str, requestID: str, text: str) -> Answer:
+        return request(
+            stack.port(),
+            "POST",
+            "/v1/memories",
+            {**headersOf(stack.tenants[tenant], "crowd"), "X-Request-ID": requestID},
+            json.dumps({"messages": [{"role": "user", "content": text}]}).encode(),
+        )
+
+    sent = [str(uuid.uuid4()) for _ in range(MAX_WAITING_PER_ORG)]
+    answers = [post("crowded", requestID, f"I moved {n} times") for n, requestID in enumerate(sent)]
+    assert [each.status for each in answers] == [202] * MAX_WAITING_PER_ORG
+    full = post("crowded", str(uuid.uuid4()), "one too many")
+    assertEnvelope(full, 429, "MEMORY_QUEUE_FULL")
+    assert full.headers["retry-after"] == "60"
+    again = post("crowded", sent[0], "I moved 0 times")
+    assert again.status == 202
+    assert again.json()["id"] == answers[0].json()["id"]
+    assert post("other", str(uuid.uuid4()), "I have room").status == 202
+    with psycopg.connect(stack.dsn, autocommit=True) as connection:
+        row = connection.execute(
+            "SELECT count(*) FROM memory_observations WHERE org_id = %s",
+            (stack.tenants["crowded"].orgID,),
+        ).fetchone()
+    assert row == (MAX_WAITING_PER_ORG,)
 
 
 def test_anotherOrganizationsOrAgentsMemoryIs403(stack: Stack) -> None:

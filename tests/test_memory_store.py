@@ -474,9 +474,10 @@ def test_observationsAreKeyedByTheirKeyNotTheirRequestID(
         QueuedObservation("req-shared", first.observationID, False, "key-1")
     ]
     claimed = memoryStore.claimObservations("w", 60.0, 10)
-    assert sorted(each.observationID for each in claimed) == sorted(
-        [first.observationID, second.observationID]
-    )
+    assert {each.observationID for each in claimed} == {
+        first.observationID,
+        second.observationID,
+    }
     assert {each.requestID for each in claimed} == {"req-shared"}
     held = {each.observationID: each for each in claimed}[first.observationID]
     assert memoryStore.completeObservation(acme.orgID, held.observationID, "w", held.leaseToken)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from svcd.providers.table import providersFromEnvironment
 from svcd.providers.upstream import Forwarder
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.http.edge import ProxyEdge
+from svcd.proxy.http.routes.memories import QUEUE_FULL_RETRY_AFTER
 from svcd.proxy.http.site import ProxySite
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.records import AgentInfo, TokenInfo
@@ -149,12 +151,17 @@ class Edge:
         return sum(count for key, count in self.counters.counts.items() if key.endswith(":tokens"))
 
     async def call(
-        self, method: str, path: str, document: object = None
+        self,
+        method: str,
+        path: str,
+        document: object = None,
+        extraHeaders: dict[bytes | str, bytes | str] | None = None,
     ) -> tuple[Any, dict[str, Any]]:
         headers: dict[bytes | str, bytes | str] = {
             "Authorization": f"Bearer {self.token}",
             "X-SVC-Agent-ID": self.agentID,
             "Content-Type": "application/json",
+            **(extraHeaders or {}),
         }
         response = await treq.request(
             method,
@@ -170,17 +177,22 @@ EdgeFactory = Callable[..., Any]
 
 @pytest_twisted.async_yield_fixture
 async def makeEdge(
-    tmp_path: Path, scriptedUpstream: ScriptedUpstream, migratedDSN: str, acme: Tenant
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    scriptedUpstream: ScriptedUpstream,
+    migratedDSN: str,
+    acme: Tenant,
 ) -> AsyncIterator[EdgeFactory]:
     """
     A function that starts an edge whose [memory] table names the model
     it is given, and returns its L{Edge}; a MemoryService on the test's
-    database serves every one.
+    database serves every one (with the keyword arguments of the
+    fixture's indirect parameter, if any).
     """
     from twisted.internet import reactor
     from twisted.internet.endpoints import TCP4ServerEndpoint
 
-    service = RunningMemoryService(migratedDSN).start()
+    service = RunningMemoryService(migratedDSN, **getattr(request, "param", {})).start()
     cleanups: list[Callable[[], Any]] = []
 
     async def make(model: str, plain: str = "echo") -> Edge:
@@ -559,3 +571,34 @@ async def test_aVectorOfAnotherLengthThanTheScopesIs502(makeEdge: EdgeFactory) -
     assert response.code == 200
     response, answer = await before.call("POST", "/v1/memories", {"content": "likes coffee"})
     assert response.code == 201, answer
+
+
+@pytest.mark.parametrize("makeEdge", [{"maxWaitingPerOrg": 2}], indirect=True)
+@pytest_twisted.ensureDeferred
+async def test_aFullQueueIs429WithRetryAfter(makeEdge: EdgeFactory) -> None:
+    """
+    With SVC_MEMORY_MAX_WAITING_PER_ORG 2, a third conversation posted is
+    429 MEMORY_QUEUE_FULL with Retry-After; the first, sent again (the
+    same X-Request-ID and messages), is still 202 with its id.
+    """
+    edge: Edge = await makeEdge("embed-free")
+
+    async def post(requestID: str) -> tuple[Any, dict[str, Any]]:
+        return await edge.call(
+            "POST",
+            "/v1/memories",
+            {"messages": [{"role": "user", "content": f"I moved to {requestID}"}]},
+            {"X-Request-ID": requestID},
+        )
+
+    firstID = str(uuid.uuid4())
+    first, firstAnswer = await post(firstID)
+    second, _ = await post(str(uuid.uuid4()))
+    assert (first.code, second.code) == (202, 202)
+    full, refusal = await post(str(uuid.uuid4()))
+    assert full.code == 429
+    assert refusal["error"]["code"] == "MEMORY_QUEUE_FULL"
+    assert full.headers.getRawHeaders("Retry-After") == [str(QUEUE_FULL_RETRY_AFTER)]
+    again, againAnswer = await post(firstID)
+    assert again.code == 202
+    assert againAnswer["id"] == firstAnswer["id"]

@@ -113,7 +113,9 @@ def assembleMemory(
         parallelRows=settings.parallelRows,
         records=records,
     )
-    servicer = MemoryServicer(store, searcher, metrics, settings.maxPerScope)
+    servicer = MemoryServicer(
+        store, searcher, metrics, settings.maxPerScope, settings.maxWaitingPerOrg
+    )
     interceptors: list[grpc.ServerInterceptor] = []
     if settings.internalSubjects is not None:
         # Every method: the worker's for the workers, the others for the

@@ -36,6 +36,10 @@ DEFAULT_PARALLEL_ROWS = 2_048
 DEFAULT_DONE_RETENTION = 3600.0
 # Seven days.
 DEFAULT_FAILED_RETENTION = 7 * 24 * 3600.0
+# The observations one organization may have waiting for the worker
+# (decisions D13, amended): at one svc-worker's 200 a second (bench/README)
+# over eight minutes of its time.
+DEFAULT_MAX_WAITING_PER_ORG = 100_000
 
 
 @attrs.frozen
@@ -76,6 +80,10 @@ class MemoryConfig:
     # svcctl memory jobs retry before it is deleted (decisions D13,
     # amended; sql/0017_forgetting.sql).
     failedRetention: float = DEFAULT_FAILED_RETENTION
+    # Past it an organization's new observations are refused "queue_full"
+    # (a POST of a conversation is 429 MEMORY_QUEUE_FULL), so that one
+    # organization's flood cannot fill the database or the workers' day.
+    maxWaitingPerOrg: int = DEFAULT_MAX_WAITING_PER_ORG
 
     @classmethod
     def fromEnvironment(cls, environ: Mapping[str, str]) -> "MemoryConfig":
@@ -114,6 +122,9 @@ class MemoryConfig:
             ),
             failedRetention=config.duration(
                 environ, "SVC_MEMORY_FAILED_RETENTION", DEFAULT_FAILED_RETENTION
+            ),
+            maxWaitingPerOrg=config.positiveInteger(
+                environ, "SVC_MEMORY_MAX_WAITING_PER_ORG", DEFAULT_MAX_WAITING_PER_ORG
             ),
         )
 

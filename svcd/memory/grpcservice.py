@@ -284,17 +284,25 @@ class MemoryServicer:
     status codes (see memory.proto).
 
     @param maxPerScope: SVC_MEMORY_MAX_PER_SCOPE.
+    @param maxWaitingPerOrg: SVC_MEMORY_MAX_WAITING_PER_ORG (None: no
+        bound).
     """
 
     log = Logger()
 
     def __init__(
-        self, store: MemoryStore, searcher: Searcher, metrics: MemoryMetrics, maxPerScope: int
+        self,
+        store: MemoryStore,
+        searcher: Searcher,
+        metrics: MemoryMetrics,
+        maxPerScope: int,
+        maxWaitingPerOrg: int | None = None,
     ) -> None:
         self._store = store
         self._searcher = searcher
         self.metrics = metrics
         self._maxPerScope = maxPerScope
+        self._maxWaitingPerOrg = maxWaitingPerOrg
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         """
@@ -527,17 +535,18 @@ class MemoryServicer:
                 raise InvalidMemory(
                     f"observations[{index}].{invalid.field}", invalid.problem
                 ) from None
+        queued = self._store.queueObservations(batch, self._maxWaitingPerOrg)
         return memory_pb2.QueueObservationsResponse(
             queued=[
                 memory_pb2.QueuedObservation(
                     request_id=each.requestID,
                     org_id=str(asked.scope.orgID),
-                    id=str(each.observationID) if each.observationID else "",
+                    id=str(each.observationID) if each.observationID is not None else "",
                     queued_now=each.queuedNow,
                     key=each.key,
                     refused=each.refused,
                 )
-                for asked, each in zip(batch, self._store.queueObservations(batch), strict=True)
+                for asked, each in zip(batch, queued, strict=True)
             ]
         )
 

@@ -159,13 +159,18 @@ class NewObservation:
     endedAt: datetime.datetime | None = None
 
 
+# QueuedObservation.refused of an observation past its organization's
+# SVC_MEMORY_MAX_WAITING_PER_ORG waiting (decisions D13, amended).
+QUEUE_FULL = "queue_full"
+
+
 @attrs.frozen
 class QueuedObservation:
     """
     What queueing did with one observation: its id, and whether this call
-    queued it (False: it was queued already, by an earlier call); or, with
-    C{refused} (QueuedObservation.refused: C{"forgotten"}), why it was not
-    queued, for good, and no id.
+    queued it (False: it was queued already, by an earlier call); or why
+    it was not queued, for good (C{refused}, as memory.proto's
+    QueuedObservation.refused; no id then).
     """
 
     requestID: str

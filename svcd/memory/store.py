@@ -45,6 +45,7 @@ from svcd.memory.forgetting import (
 from svcd.memory.records import (
     EXTRACTED,
     OTHER_LENGTH,
+    QUEUE_FULL,
     ClaimedObservation,
     Embedding,
     InvalidMemory,
@@ -78,6 +79,9 @@ APPLICATION_ROLE = "svc_memory_app"
 # An arbitrary constant naming "a memory scope" in the key of the
 # advisory lock that serialises adds to one scope (L{MemoryStore.add}).
 _SCOPE_LOCK_SEED = 0x5EC_0913
+# The same for "an organization's queue of observations"
+# (L{MemoryStore.queueObservations}).
+_QUEUE_LOCK_SEED = 0x5EC_0918
 
 
 class MemoryNotFound(Exception):
@@ -833,7 +837,9 @@ class MemoryStore:
 
     # Observations.
 
-    def queueObservations(self, observations: Sequence[NewObservation]) -> list[QueuedObservation]:
+    def queueObservations(
+        self, observations: Sequence[NewObservation], maxWaitingPerOrg: int | None = None
+    ) -> list[QueuedObservation]:
         """
         Queue each observation unless its organization has one with the
         same key already (L{NewObservation.key}: the proxy's ledger id of
@@ -849,6 +855,15 @@ class MemoryStore:
         One whose answer ended at or before a deletion of its scope or agent
         is not queued, and answered refused C{"forgotten"}
         (svcd/memory/forgetting.py).
+
+        @param maxWaitingPerOrg: SVC_MEMORY_MAX_WAITING_PER_ORG (None: no
+            bound). An organization's new observations past this many
+            waiting are answered refused L{QUEUE_FULL} and not queued
+            (decisions D13, amended); one queued before is answered as
+            before all the same. The organization's queue calls take turns
+            (an advisory lock for the transaction), so that two at once
+            cannot both count room that only one of them has: queueing
+            never makes more than this many wait.
         """
         if not observations:
             return []
@@ -866,6 +881,7 @@ class MemoryStore:
             for orgID, group in itertools.groupby(ordered, key=lambda pair: pair[1].scope.orgID):
                 held = list(group)
                 cursor.execute("SELECT set_config('svc.org_id', %s, true)", (str(orgID),))
+                room = None if maxWaitingPerOrg is None else _room(cursor, orgID, maxWaitingPerOrg)
                 # The copies of these waiting now, locked: a worker's
                 # transaction finishing one (its row deleted, its key
                 # remembered) is waited for, so that the statements of
@@ -880,13 +896,18 @@ class MemoryStore:
                 )
                 forgotten = forgottenAmong(cursor, orgID, [each for _, each in held])
                 for (index, observation), gone in zip(held, forgotten, strict=True):
-                    queued[index] = (
-                        QueuedObservation(
+                    if gone:
+                        queued[index] = QueuedObservation(
                             observation.requestID, None, False, observation.key, FORGOTTEN
                         )
-                        if gone
-                        else _queueObservation(cursor, observation)
-                    )
+                    elif room is None or room > 0:
+                        queued[index] = _queueObservation(cursor, observation)
+                        if room is not None and queued[index].queuedNow:
+                            room -= 1
+                    else:
+                        queued[index] = _queuedBefore(cursor, observation) or QueuedObservation(
+                            observation.requestID, None, False, observation.key, QUEUE_FULL
+                        )
             return [queued[index] for index in range(len(observations))]
 
         return self._run("observation_queue", insert, None)
@@ -1212,13 +1233,48 @@ def _queueObservation(cursor: Cursor, observation: NewObservation) -> QueuedObse
         return QueuedObservation(observation.requestID, row["id"], True, key)
     # Queued before: waiting (or failed) still, or processed within the
     # retention.
+    before = _queuedBefore(cursor, observation)
+    if before is None:
+        raise StoreUnavailable("an observation neither queued nor found")
+    return before
+
+
+def _queuedBefore(cursor: Cursor, observation: NewObservation) -> QueuedObservation | None:
+    """
+    The observation of the same key as C{observation}, waiting (or failed)
+    still or processed within the retention, as queued before; None when
+    there is none.
+    """
+    orgID, key = observation.scope.orgID, observation.key
     cursor.execute(
         "SELECT id FROM memory_observations WHERE org_id = %s AND observation_key = %s"
         " UNION ALL SELECT observation_id FROM memory_observations_done"
         " WHERE org_id = %s AND observation_key = %s LIMIT 1",
         (orgID, key, orgID, key),
     )
-    return QueuedObservation(observation.requestID, _one(cursor.fetchone())["id"], False, key)
+    row = cursor.fetchone()
+    if row is None:
+        return None
+    return QueuedObservation(observation.requestID, row["id"], False, key)
+
+
+def _room(cursor: Cursor, orgID: uuid.UUID, maxWaiting: int) -> int:
+    """
+    How many more observations the organization may have waiting, its
+    queue calls made to take turns first (L{MemoryStore.queueObservations}).
+    The count stops at C{maxWaiting}: an index-only scan of at most that
+    many entries of memory_observations_org_due (sql/0018).
+    """
+    cursor.execute(
+        "SELECT pg_advisory_xact_lock(hashtextextended(%s, %s))",
+        (str(orgID), _QUEUE_LOCK_SEED),
+    )
+    cursor.execute(
+        "SELECT count(*) AS waiting FROM (SELECT 1 FROM memory_observations"
+        " WHERE org_id = %s AND state = 'waiting' LIMIT %s) AS counted",
+        (orgID, maxWaiting),
+    )
+    return maxWaiting - int(_one(cursor.fetchone())["waiting"])
 
 
 def _finishing(condition: str) -> str:

@@ -40,6 +40,7 @@ class RunningMemoryService:
         tls: ServerTLS | None = None,
         internalSubjects: frozenset[str] | None = None,
         workerSubjects: frozenset[str] | None = None,
+        maxWaitingPerOrg: int = 100_000,
     ) -> None:
         """
         @param tls: the server's TLS (with a client CA: mutual TLS, and then
@@ -63,6 +64,7 @@ class RunningMemoryService:
             tls=tls,
             internalSubjects=internalSubjects,
             workerSubjects=workerSubjects,
+            maxWaitingPerOrg=maxWaitingPerOrg,
         )
         # The daemon's assembly with the tests' timings: a quick
         # reconnection and beat, and the waiting count every 0.1 s.

@@ -71,7 +71,14 @@ from svcd.memory.client import (
     MemoryNotFound,
     MemoryUnavailable,
 )
-from svcd.memory.records import Embedding, InvalidMemory, ObservedMessage, Scope, checkEmbedding
+from svcd.memory.records import (
+    QUEUE_FULL,
+    Embedding,
+    InvalidMemory,
+    ObservedMessage,
+    Scope,
+    checkEmbedding,
+)
 from svcd.pb.memory.v1 import memory_pb2
 from svcd.providers.embedder import Embedder, EmbeddingCall, embeddingRefusal, reserveTexts
 from svcd.providers.table import MemoryConfig, Model
@@ -94,6 +101,14 @@ from svcd.proxy.observe import endedAtText
 B = TypeVar("B")
 
 _SCORE_DIGITS = 6
+
+# Retry-After of a 429 MEMORY_QUEUE_FULL, in seconds. The organization's
+# queue empties at the workers' pace, not at a time anyone can name: a
+# minute lets a worker take some 10,000 observations at bench/README's
+# rate, whereas a client that knows no better (no Retry-After) retries at
+# once and adds a queueing transaction per try to svc-memory for nothing.
+# Every other 429 of the gateway says when to come back too.
+QUEUE_FULL_RETRY_AFTER = 60
 # The statuses whose details gRPC or the client wrote (a transport's fault,
 # a deadline, a bound), not svc-memory's code.
 _TRANSPORT_CODES = (
@@ -420,6 +435,11 @@ class MemoryRoutes:
         except MemoryCallFailed as failed:
             raise self._refused(ctx, failed) from None
         [queued] = answer.queued
+        if queued.refused == QUEUE_FULL:
+            raise ApiError(
+                ErrorCode.MEMORY_QUEUE_FULL,
+                headers=[("Retry-After", str(QUEUE_FULL_RETRY_AFTER))],
+            )
         return Reply(
             202, jsonBody({"object": "memory.observation", "id": queued.id, "status": "queued"})
         )
