@@ -183,11 +183,17 @@ class FakeQueue:
         answer.callback(memory_pb2.QueueObservationsResponse(queued=queued))
 
 
-def made(requestID: str, secret: str = "my secret fact") -> memory_pb2.Observation:
+# An end user's subject: personal data, never in a log or a rejects file.
+SUBJECT = "ada.lovelace@example.org"
+
+
+def made(
+    requestID: str, secret: str = "my secret fact", subject: str = ""
+) -> memory_pb2.Observation:
     observed = observation(
         "org",
         "agent",
-        "",
+        subject,
         requestID,
         [{"role": "user", "content": secret}],
         "ok",
@@ -644,7 +650,7 @@ def test_rejected_observation_leaves_ids_not_content_in_the_rejects_file(
     outbox.start()
     globalLogPublisher.addObserver(cast(ILogObserver, heard))
     try:
-        outbox.record(made("r1", secret="launch code 1234"))
+        outbox.record(made("r1", secret="launch code 1234", subject=SUBJECT))
         clock.advance(1)
         queue.calls[0][1].errback(StatusError(grpc.StatusCode.UNAVAILABLE))
         clock.advance(10)
@@ -665,6 +671,11 @@ def test_rejected_observation_leaves_ids_not_content_in_the_rejects_file(
     assert any("svc-memory rejected observation r1" in each for each in lines)
     assert not any("svc-auth" in each or "usage" in each.lower() for each in lines)
     assert not any("launch code" in each for each in lines)
+    # The subject is personal data, like the content (decisions D13,
+    # amended): neither the rejects file nor the log names it.
+    assert line["observation"]["subject_named"] is True
+    assert SUBJECT not in rejects.read_text()
+    assert not any(SUBJECT in each for each in lines)
 
 
 def test_journals_of_the_two_kinds_are_never_confused(tmp_path: Path) -> None:

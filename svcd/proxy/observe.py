@@ -270,12 +270,15 @@ def observationKey(observation: memory_pb2.Observation) -> str:
 def observationIDs(observation: memory_pb2.Observation) -> dict[str, Any]:
     """
     What may be kept of an observation svc-memory refused for good: its
-    scope, request id and size (messages, bytes), never its content.
+    organization, agent, request id and size (messages, bytes), and
+    whether it named a subject; never its content nor the subject, which
+    is personal data (often an email address) and, like content, is never
+    logged (decisions D13, amended).
     """
     return {
         "org_id": observation.scope.org_id,
         "agent_id": observation.scope.agent_id,
-        "subject": observation.scope.subject,
+        "subject_named": bool(observation.scope.subject),
         "request_id": observation.request_id,
         "key": observationKey(observation),
         "messages": len(observation.messages),
