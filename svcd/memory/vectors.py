@@ -14,8 +14,9 @@ other tenants' data.
 
 Bounded. L{VectorCache} holds scopes up to C{maxBytes} (SVC_MEMORY_CACHE_MB),
 least recently searched out first, loaded from PostgreSQL on a miss. Its
-bytes are the arrays' own (L{ScopeVectors.nbytes}): 4 per dimension, 25
-per memory for the id, the time and the liveness flag, the spare rows
+bytes are the arrays' own (L{ScopeVectors.nbytes}): 4 per dimension, 41
+per memory for the id, the time, the liveness flag and the vector's
+digest and twin (L{svcd.memory.exact}), the spare rows
 kept for growth (at most one in 16) and rows of forgotten memories not
 yet compacted away (at most one in 16), plus a fixed amount per scope.
 
@@ -58,6 +59,17 @@ import attrs
 import numpy
 import numpy.typing
 
+from svcd.memory.exact import (
+    Digests,
+    Indices,
+    bestTied,
+    digestOf,
+    digestsOf,
+    exactOfTwins,
+    exactScores,
+    twinAmong,
+    twinsOf,
+)
 from svcd.memory.followed import FollowedCache
 from svcd.memory.store import CachedRow, ScopeRows
 
@@ -66,8 +78,9 @@ Floats = numpy.typing.NDArray[numpy.float32]
 # What a scope costs besides its arrays (the Python objects around them).
 SCOPE_OVERHEAD_BYTES = 1024
 # Bytes of one memory besides its vector: two uint64 halves of the id, an
-# int64 creation time and a bool.
-ROW_EXTRA_BYTES = 8 + 8 + 8 + 1
+# int64 creation time, a bool, and its vector's digest and twin
+# (svcd.memory.exact).
+ROW_EXTRA_BYTES = 8 + 8 + 8 + 1 + 8 + 8
 
 
 Triple = tuple[uuid.UUID, uuid.UUID, str]
@@ -79,7 +92,7 @@ _NEVER = numpy.float32(-numpy.inf)
 # two are within twice that of their exact order; 2**-22 leaves room.
 _PRODUCT_ROUNDING = 2.0**-22
 # Up to this many candidates of a search are ordered as tuples in Python;
-# more (scores tied at the k-th) by numpy (L{_bestTied}).
+# more (scores tied at the k-th) by numpy (L{svcd.memory.exact.bestTied}).
 _ORDERED_IN_PYTHON = 64
 
 
@@ -185,6 +198,8 @@ class _View:
     low: numpy.typing.NDArray[numpy.uint64]
     created: numpy.typing.NDArray[numpy.int64]
     alive: numpy.typing.NDArray[numpy.bool_]
+    digests: Digests
+    twins: Indices
     count: int
     dead: int
 
@@ -200,6 +215,8 @@ def _emptyView(capacity: int, dimensions: int) -> _View:
         low=numpy.empty(capacity, dtype=numpy.uint64),
         created=numpy.empty(capacity, dtype=numpy.int64),
         alive=numpy.zeros(capacity, dtype=numpy.bool_),
+        digests=numpy.zeros(capacity, dtype=numpy.int64),
+        twins=numpy.zeros(capacity, dtype=numpy.intp),
         count=0,
         dead=0,
     )
@@ -294,6 +311,8 @@ class ScopeVectors:
             view.low[:count] = ids[:, 1]
             view.created[:count] = numpy.asarray(rows.createdMicros, dtype=numpy.int64)
             view.alive[:count] = True
+            view.digests[:count] = digestsOf(view.matrix[:count])
+            view.twins[:count] = twinsOf(view.matrix[:count], view.digests[:count])
         return cls(dimensions, attrs.evolve(view, count=count))
 
     @property
@@ -307,7 +326,15 @@ class ScopeVectors:
     @property
     def nbytes(self) -> int:
         view = self._view
-        arrays = (view.matrix, view.high, view.low, view.created, view.alive)
+        arrays = (
+            view.matrix,
+            view.high,
+            view.low,
+            view.created,
+            view.alive,
+            view.digests,
+            view.twins,
+        )
         return sum(int(each.nbytes) for each in arrays) + SCOPE_OVERHEAD_BYTES
 
     def search(
@@ -360,8 +387,8 @@ class ScopeVectors:
             candidates = numpy.flatnonzero((scores >= threshold - margin) & view.alive[:count])
         else:
             candidates = numpy.flatnonzero(view.alive[:count])
-        exact = exactScores(matrix, candidates, query)
         if len(candidates) <= _ORDERED_IN_PYTHON:
+            exact = exactScores(matrix, candidates, query)
             # The few candidates (k, unless scores tie at the edge) ordered
             # in Python, which for a dozen rows is quicker than numpy's
             # sorts and their fancy indexing: best first, then newest, then
@@ -377,7 +404,10 @@ class ScopeVectors:
                 reverse=True,
             )[:k]
         else:
-            rows = _bestTied(
+            # Many candidates: rows of equal vectors, scored once (their
+            # twins), then ordered by numpy.
+            exact = exactOfTwins(matrix, view.twins[:count], candidates, query)
+            rows = bestTied(
                 exact,
                 view.created[candidates],
                 view.high[candidates],
@@ -439,6 +469,10 @@ class ScopeVectors:
             view = self._copied(view, _roomFor(view.count - view.dead + 1))
         row = view.count
         high, low = _split(memoryID)
+        view.twins[row] = twinAmong(
+            view.matrix[:row], view.digests[:row], view.twins[:row], vector, row
+        )
+        view.digests[row] = digestOf(vector)
         view.matrix[row] = vector
         view.high[row] = high
         view.low[row] = low
@@ -466,6 +500,8 @@ class ScopeVectors:
         fresh.low[:size] = view.low[live]
         fresh.created[:size] = view.created[live]
         fresh.alive[:size] = True
+        fresh.digests[:size] = view.digests[live]
+        fresh.twins[:size] = twinsOf(fresh.matrix[:size], fresh.digests[:size])
         return attrs.evolve(fresh, count=size, dead=0)
 
 
@@ -473,73 +509,6 @@ class ScopeVectors:
 # cores a scope just past the split's threshold is cut in a few blocks,
 # not one per core.
 MIN_BLOCK_ROWS = 1_024
-
-
-def exactScores(
-    matrix: Floats, candidates: numpy.typing.NDArray[numpy.intp], query: Floats
-) -> numpy.typing.NDArray[numpy.float64]:
-    """
-    Each candidate row's score from its exact float64 products, summed in
-    the order of its components, one after the other, so that one vector
-    scores the same bits at any place, in any scope, in a search of any
-    number of candidates and on any replica, and equal vectors tie exactly
-    (ties come newest first).
-
-    The products are laid out one component a row (the candidates'
-    transpose) and the rows added in turn: numpy adds whole rows, so the
-    sum is vectorised across candidates. Summed along each candidate's own
-    row instead (pairwise, as numpy reduces a contiguous axis), 10,000
-    candidates of 64 components took 13 to 17 ms, against 2.5 to 3 ms
-    this way (issue 44: a scope whose vectors all tie makes every row a
-    candidate).
-    """
-    products = numpy.asarray(matrix[candidates].T, dtype=numpy.float64, order="C")
-    products *= query.astype(numpy.float64)[:, None]
-    scores: numpy.typing.NDArray[numpy.float64] = products.sum(axis=0)
-    return scores
-
-
-def _bestTied(
-    exact: numpy.typing.NDArray[numpy.float64],
-    created: numpy.typing.NDArray[numpy.int64],
-    high: numpy.typing.NDArray[numpy.uint64],
-    low: numpy.typing.NDArray[numpy.uint64],
-    k: int,
-) -> list[tuple[float, int, int, int]]:
-    """
-    The C{k} best of many candidates, in the order L{ScopeVectors.rank}
-    gives (score, then newest, then id, all descending), by numpy.
-
-    Many candidates means many scores tie at the k-th: a scope of equal
-    or near-equal vectors (a fact stored many times over, or a provider
-    answering one vector for every text). Ordered as tuples in Python,
-    10,000 of them took a search 5 ms more (issue 44). Here those
-    scoring above the k-th best are kept, and of those tied at it only
-    the newest that can still make the k; the few left are sorted.
-    """
-    if len(exact) > k:
-        kth = numpy.partition(exact, len(exact) - k)[len(exact) - k]
-        above = numpy.flatnonzero(exact > kth)
-        tied = numpy.flatnonzero(exact == kth)
-        wanted = k - len(above)
-        if len(tied) > wanted:
-            times = created[tied]
-            newest = numpy.partition(times, len(times) - wanted)[len(times) - wanted]
-            tied = tied[times >= newest]
-        kept = numpy.concatenate((above, tied))
-        exact, created, high, low = exact[kept], created[kept], high[kept], low[kept]
-    # lexsort sorts by its last key first, ascending: reversed, the best,
-    # newest and highest come first.
-    order = numpy.lexsort((low, high, created, exact))[::-1][:k]
-    return list(
-        zip(
-            exact[order].tolist(),
-            created[order].tolist(),
-            high[order].tolist(),
-            low[order].tolist(),
-            strict=True,
-        )
-    )
 
 
 def parallelProduct(
