@@ -512,7 +512,11 @@ MIN_BLOCK_ROWS = 1_024
 
 
 def parallelProduct(
-    executor: Executor, workers: int, threshold: int, minBlockRows: int = MIN_BLOCK_ROWS
+    executor: Executor,
+    workers: int,
+    threshold: int,
+    minBlockRows: int = MIN_BLOCK_ROWS,
+    dimensions: int | None = None,
 ) -> Callable[[Floats, Floats], Floats]:
     """
     C{matrix @ query}, split into blocks of rows computed at once (one on
@@ -522,12 +526,23 @@ def parallelProduct(
     BLAS itself runs one thread per call in svc-memory (svcd/memory/tap.py).
     Below the threshold one product is quicker than handing work to
     threads, and so is a block too small to be worth its hand-off.
+
+    @param dimensions: if given, C{threshold} and C{minBlockRows} count
+        rows of this many dimensions, and a matrix of fewer needs as many
+        more rows: what pays for the split is the matrix's bytes (beyond a
+        core's cache), never its rows. 10,000 rows of 64 dimensions are
+        2.5 MB, and split they cost a search the hand-off (issue 44).
     """
 
     def product(matrix: Floats, query: Floats) -> Floats:
         rows = int(matrix.shape[0])
-        blocks = min(workers, rows // max(1, minBlockRows))
-        if blocks < 2 or rows < threshold:
+        least, blockRows = threshold, minBlockRows
+        if dimensions is not None:
+            wide = max(1, int(matrix.shape[1]))
+            least = -(-threshold * dimensions // wide)
+            blockRows = -(-minBlockRows * dimensions // wide)
+        blocks = min(workers, rows // max(1, blockRows))
+        if blocks < 2 or rows < least:
             whole: Floats = matrix @ query
             return whole
         scores = numpy.empty(rows, dtype=numpy.float32)
