@@ -33,7 +33,8 @@ def loaded(vectors: list[list[float]]) -> tuple[ScopeVectors, list[uuid.UUID]]:
 
 def twins(scope: ScopeVectors) -> list[int]:
     view = scope._view
-    return view.twins[: view.count].tolist()
+    result: list[int] = view.twins[: view.count].tolist()
+    return result
 
 
 def test_aLoadedScopesTwinsAreTheFirstRowsOfTheirBits() -> None:
