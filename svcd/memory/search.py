@@ -23,7 +23,7 @@ from prometheus_client import Histogram
 from twisted.logger import Logger
 
 from svcd.common.metrics import Children
-from svcd.memory.config import DEFAULT_PARALLEL_ROWS
+from svcd.memory.config import DEFAULT_PARALLEL_ROWS, PARALLEL_DIMENSIONS
 from svcd.memory.recordcache import RecordCache
 from svcd.memory.records import OTHER_LENGTH, Embedding, InvalidMemory, Query, Scope
 from svcd.memory.store import MemoryStore
@@ -109,7 +109,10 @@ class Searcher:
             max_workers=max(1, workers - 1), thread_name_prefix="svc-memory-product"
         )
         self._product = parallelProduct(
-            self._executor, workers if parallelRows else 1, parallelRows
+            self._executor,
+            workers if parallelRows else 1,
+            parallelRows,
+            dimensions=PARALLEL_DIMENSIONS,
         )
 
     def vectorsOf(

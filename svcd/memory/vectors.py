@@ -14,8 +14,9 @@ other tenants' data.
 
 Bounded. L{VectorCache} holds scopes up to C{maxBytes} (SVC_MEMORY_CACHE_MB),
 least recently searched out first, loaded from PostgreSQL on a miss. Its
-bytes are the arrays' own (L{ScopeVectors.nbytes}): 4 per dimension, 25
-per memory for the id, the time and the liveness flag, the spare rows
+bytes are the arrays' own (L{ScopeVectors.nbytes}): 4 per dimension, 41
+per memory for the id, the time, the liveness flag and the vector's
+digest and twin (L{svcd.memory.exact}), the spare rows
 kept for growth (at most one in 16) and rows of forgotten memories not
 yet compacted away (at most one in 16), plus a fixed amount per scope.
 
@@ -63,11 +64,24 @@ import attrs
 import numpy
 import numpy.typing
 
+from svcd.memory.exact import (
+    Digests,
+    Indices,
+    bestTied,
+    digestOf,
+    digestsOf,
+    exactOfTwins,
+    exactScores,
+    handTwinOn,
+    twinAmong,
+    twinsOf,
+)
+from svcd.memory.exact import normalised as normalised
+from svcd.memory.exact import normalisedRows as normalisedRows
 from svcd.memory.followed import FollowedCache
 from svcd.memory.ranking import MIN_BLOCK_ROWS as MIN_BLOCK_ROWS
 from svcd.memory.ranking import Hit as Hit
 from svcd.memory.ranking import Ranking as Ranking
-from svcd.memory.ranking import bestTied, exactScores
 from svcd.memory.ranking import parallelProduct as parallelProduct
 from svcd.memory.ranking import rankingOf as rankingOf
 from svcd.memory.store import CachedRow, ScopeRows
@@ -77,8 +91,9 @@ Floats = numpy.typing.NDArray[numpy.float32]
 # What a scope costs besides its arrays (the Python objects around them).
 SCOPE_OVERHEAD_BYTES = 1024
 # Bytes of one memory besides its vector: two uint64 halves of the id, an
-# int64 creation time and a bool.
-ROW_EXTRA_BYTES = 8 + 8 + 8 + 1
+# int64 creation time, a bool, and its vector's digest and twin
+# (svcd.memory.exact).
+ROW_EXTRA_BYTES = 8 + 8 + 8 + 1 + 8 + 8
 
 
 Triple = tuple[uuid.UUID, uuid.UUID, str]
@@ -90,7 +105,7 @@ _NEVER = numpy.float32(-numpy.inf)
 # two are within twice that of their exact order; 2**-22 leaves room.
 _PRODUCT_ROUNDING = 2.0**-22
 # Up to this many candidates of a search are ordered as tuples in Python;
-# more (scores tied at the k-th) by numpy (L{bestTied}).
+# more (scores tied at the k-th) by numpy (L{svcd.memory.exact.bestTied}).
 _ORDERED_IN_PYTHON = 64
 
 
@@ -155,34 +170,6 @@ class ScopeKey:
         return row.model == self.model and row.dimensions == self.dimensions
 
 
-def normalisedRows(matrix: Floats) -> Floats:
-    """
-    Each row of C{matrix} scaled to length 1 (the caller checked they are
-    finite and not zero): the squares summed in float64 along the row, the
-    division in float64, the result rounded to float32. The length of a
-    vector of float32's largest values passes float32's range, so it is
-    never rounded to float32 (it would make the vector zeros). One rule for
-    a scope loaded whole, a memory heard alone (L{normalised}) and a query
-    (L{svcd.memory.records.checkQuery}), so that one vector is the same
-    bits every way and equal vectors tie exactly (ties come newest first).
-    """
-    wide = matrix.astype(numpy.float64)
-    norms = numpy.sqrt((wide * wide).sum(axis=1))
-    wide /= norms[:, None]
-    result: Floats = wide.astype(numpy.float32)
-    return result
-
-
-def normalised(vector: bytes) -> Floats:
-    """
-    A vector of little-endian float32 bytes as a float32 array of length 1
-    (the caller checked it is finite and not zero).
-    """
-    components = numpy.frombuffer(vector, dtype="<f4").reshape(1, -1)
-    result: Floats = normalisedRows(components)[0]
-    return result
-
-
 def _split(memoryID: uuid.UUID) -> tuple[int, int]:
     value = memoryID.int
     return value >> 64, value & 0xFFFF_FFFF_FFFF_FFFF
@@ -201,6 +188,8 @@ class _View:
     low: numpy.typing.NDArray[numpy.uint64]
     created: numpy.typing.NDArray[numpy.int64]
     alive: numpy.typing.NDArray[numpy.bool_]
+    digests: Digests
+    twins: Indices
     count: int
     dead: int
 
@@ -216,6 +205,8 @@ def _emptyView(capacity: int, dimensions: int) -> _View:
         low=numpy.empty(capacity, dtype=numpy.uint64),
         created=numpy.empty(capacity, dtype=numpy.int64),
         alive=numpy.zeros(capacity, dtype=numpy.bool_),
+        digests=numpy.zeros(capacity, dtype=numpy.int64),
+        twins=numpy.zeros(capacity, dtype=numpy.intp),
         count=0,
         dead=0,
     )
@@ -254,6 +245,8 @@ class ScopeVectors:
             view.low[:count] = ids[:, 1]
             view.created[:count] = numpy.asarray(rows.createdMicros, dtype=numpy.int64)
             view.alive[:count] = True
+            view.digests[:count] = digestsOf(view.matrix[:count])
+            view.twins[:count] = twinsOf(view.matrix[:count], view.digests[:count])
         return cls(dimensions, attrs.evolve(view, count=count))
 
     @property
@@ -267,7 +260,15 @@ class ScopeVectors:
     @property
     def nbytes(self) -> int:
         view = self._view
-        arrays = (view.matrix, view.high, view.low, view.created, view.alive)
+        arrays = (
+            view.matrix,
+            view.high,
+            view.low,
+            view.created,
+            view.alive,
+            view.digests,
+            view.twins,
+        )
         return sum(int(each.nbytes) for each in arrays) + SCOPE_OVERHEAD_BYTES
 
     def search(
@@ -320,8 +321,8 @@ class ScopeVectors:
             candidates = numpy.flatnonzero((scores >= threshold - margin) & view.alive[:count])
         else:
             candidates = numpy.flatnonzero(view.alive[:count])
-        exact = exactScores(matrix, candidates, query)
         if len(candidates) <= _ORDERED_IN_PYTHON:
+            exact = exactScores(matrix, candidates, query)
             # The few candidates (k, unless scores tie at the edge) ordered
             # in Python, which for a dozen rows is quicker than numpy's
             # sorts and their fancy indexing: best first, then newest, then
@@ -337,6 +338,9 @@ class ScopeVectors:
                 reverse=True,
             )[:k]
         else:
+            # Many candidates: rows of equal vectors, scored once (their
+            # twins), then ordered by numpy.
+            exact = exactOfTwins(matrix, view.twins[:count], candidates, query)
             rows = bestTied(
                 exact,
                 view.created[candidates],
@@ -382,6 +386,11 @@ class ScopeVectors:
             row = self._find(memoryID)
             if row is not None:
                 self._view.alive[row] = False
+                # Rows of the same bits that took this one as their twin
+                # (svcd.memory.exact) take the first of them instead,
+                # before the bits go: a twin is where their scores come
+                # from.
+                handTwinOn(self._view.twins[: self._view.count], row)
                 # Overwritten at once (D13 amended), not left in the
                 # arrays until a compaction: a search reading this view
                 # masks the row as dead, and one that read it alive before
@@ -404,6 +413,10 @@ class ScopeVectors:
             view = self._copied(view, _roomFor(view.count - view.dead + 1))
         row = view.count
         high, low = _split(memoryID)
+        view.twins[row] = twinAmong(
+            view.matrix[:row], view.digests[:row], view.twins[:row], vector, row
+        )
+        view.digests[row] = digestOf(vector)
         view.matrix[row] = vector
         view.high[row] = high
         view.low[row] = low
@@ -439,6 +452,8 @@ class ScopeVectors:
         fresh.low[:size] = view.low[live]
         fresh.created[:size] = view.created[live]
         fresh.alive[:size] = True
+        fresh.digests[:size] = view.digests[live]
+        fresh.twins[:size] = twinsOf(fresh.matrix[:size], fresh.digests[:size])
         return attrs.evolve(fresh, count=size, dead=0)
 
 
