@@ -146,6 +146,6 @@ def test_aForgottenTwinHandsItsPlaceOn() -> None:
     assert scope.remove([ids[0]]) == 1
     query = normalised(vectorBytes(same))
     hits = scope.search(query, 80)
-    assert [hit.memoryID for hit in hits] == list(reversed(ids[1:80])) + [ids[80]]
+    assert [hit.memoryID for hit in hits] == [*reversed(ids[1:80]), ids[80]]
     assert len({hit.score for hit in hits[:79]}) == 1
     assert hits[0].score == pytest.approx(1.0)
