@@ -7,8 +7,10 @@ the database itself; observations queued once per request id and leased.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import uuid
+from collections.abc import Iterator
 
 import psycopg
 import pytest
@@ -424,6 +426,38 @@ def test_theDatabaseRefusesTheWrongOrganizationsContext(
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
             connection.execute("SELECT count(*) FROM tokens")
     assert memoryStore.get(scopeOf(acme), memoryID).content == "acme's"
+
+
+def test_theListenersRowsOfManyOrganizationsAreReadInOneTransaction(
+    memoryStore: MemoryStore, migratedDSN: str, acme: Tenant, globex: Tenant
+) -> None:
+    """
+    The change listener reads a packet's rows of several organizations in
+    one transaction (a transaction per organization was most of its time
+    when the claims take organizations in turn), each organization's in
+    its own context: a memory is read only under its own organization.
+    """
+    acmeID = add(memoryStore, scopeOf(acme), "acme's")
+    globexID = add(memoryStore, scopeOf(globex), "globex's")
+    taken: list[object] = []
+    with appConnection(migratedDSN) as connection:
+
+        @contextlib.contextmanager
+        def connections() -> Iterator[psycopg.Connection[object]]:
+            taken.append(connection)
+            yield connection
+
+        store = MemoryStore(connections)
+        rows = store.rowsForCacheByOrganization({acme.orgID: [acmeID], globex.orgID: [globexID]})
+        assert len(taken) == 1
+        assert {memoryID: row.content for memoryID, row in rows.items()} == {
+            acmeID: "acme's",
+            globexID: "globex's",
+        }
+        assert rows[globexID].record == memoryStore.get(scopeOf(globex), globexID)
+        crossed = store.rowsForCacheByOrganization({globex.orgID: [acmeID], acme.orgID: [globexID]})
+        assert crossed == {}
+        assert store.rowsForCacheByOrganization({}) == {}
 
 
 def test_observationsQueueOncePerRequestID(memoryStore: MemoryStore, acme: Tenant) -> None:

@@ -7,6 +7,7 @@ loads.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import uuid
@@ -595,3 +596,32 @@ def test_aDeletionNamedByIdLeavesTheScopeItIsCachedIn() -> None:
     moved = CachedRow(ids[1], AGENT, "bob@example.com", "m", 2, 9, vectorBytes([0.0, 1.0]), "x")
     cache.applyHeard([(ORG, AGENT, ids[1], moved)])
     assert alice.count == 0 and bob.count == 1
+
+
+def test_nothingToEvictWalksNoCachedScope() -> None:
+    """
+    Under its bound the cache never lists its scopes after a load or a
+    change heard: listing its OrderedDict hashes every key, and with
+    thousands of scopes cached (many organizations' observations stored
+    in turn, bench/worker_drain.py --organizations 50) that walk after
+    every packet the listener applied was most of svc-memory's extra CPU.
+    """
+
+    class Walked(collections.OrderedDict[Any, Any]):
+        walks = 0
+
+        def __iter__(self) -> Any:
+            Walked.walks += 1
+            return super().__iter__()
+
+    cache = VectorCache(maxBytes=10**9)
+    cache.listening()
+    cache._scopes = Walked(cache._scopes)
+    rows, ids = rowsOf([[1.0, 0.0], [0.0, 1.0]])
+    cache.finishLoad(cache.beginLoad(key("a")), ScopeVectors.fromRows(2, rows))
+    cache.finishLoad(cache.beginLoad(key("b")), ScopeVectors.fromRows(2, rowsOf([[1.0, 1.0]])[0]))
+    changed = CachedRow(ids[0], AGENT, "a", "m", 2, 9, vectorBytes([1.0, 1.0]), "x")
+    cache.applyHeard([(ORG, AGENT, ids[0], changed), (ORG, AGENT, ids[1], None)])
+    assert Walked.walks == 0
+    scope = cache.lookup(key("a"))
+    assert scope is not None and scope.count == 1

@@ -30,9 +30,9 @@ A notification names a memory by its organization, agent and id, never
 its subject nor its content (sql/0019_notify_ids.sql: subjects are
 personal data). Only a change of an agent this replica caches (or is
 loading) a scope of, in either cache, is read: the rows of one packet of
-notifications in one query per organization, in that organization's
-context, as svc_memory_app, each row with its subject, its vector and its
-record (L{svcd.memory.store.CachedRow}). A deleted memory's scope is the
+notifications in one transaction, one query per organization in that
+organization's context, as svc_memory_app, each row with its subject, its
+vector and its record (L{svcd.memory.store.CachedRow}). A deleted memory's scope is the
 one the caches hold its id in (their index of homes). The records are
 applied first: a memory is never ranked by the vectors before its record
 is there to answer with.
@@ -64,7 +64,7 @@ from svcd.common.ids import parseUUID
 from svcd.common.listening import BeatsStopped, ListeningThread
 from svcd.memory.followed import LEASE_SECONDS, FollowedCache
 from svcd.memory.recordcache import RecordCache
-from svcd.memory.store import APPLICATION_ROLE, CachedRow, MemoryStore, StoreUnavailable
+from svcd.memory.store import APPLICATION_ROLE, MemoryStore, StoreUnavailable
 from svcd.memory.vectors import VectorCache
 
 CHANNEL = "svc_memory_changes"
@@ -247,9 +247,7 @@ class MemoryListener(ListeningThread[MemoryStore]):
         for operation, orgID, _, memoryID in watched:
             if operation != "delete":
                 toRead.setdefault(orgID, set()).add(memoryID)
-        rows: dict[uuid.UUID, CachedRow] = {}
-        for orgID, memoryIDs in toRead.items():
-            rows.update(store.rowsForCache(orgID, memoryIDs))
+        rows = store.rowsForCacheByOrganization(toRead)
         # A deletion is applied as one (a memory whose subject changed is
         # announced deleted, then updated: it leaves its old scope first).
         now = [

@@ -272,6 +272,10 @@ class RecordCache(FollowedCache):
 
     def _evictBeyond(self, limit: int, keep: Triple | None = None) -> None:
         total = sum(each.nbytes for each in self._scopes.values())
+        if total <= limit:
+            # Before listing the keys, which hashes each (see
+            # L{svcd.memory.vectors.VectorCache._evictBeyond}).
+            return
         for triple in list(self._scopes):
             if total <= limit:
                 return

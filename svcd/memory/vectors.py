@@ -645,6 +645,12 @@ class VectorCache(FollowedCache):
 
     def _evictBeyond(self, limit: int, keep: CacheKey | None = None) -> None:
         total = sum(self._bytes.values())
+        if total <= limit:
+            # Before listing the keys: listing an OrderedDict hashes each
+            # one (a ScopeKey's hash is Python's, its UUIDs' too), and this
+            # runs after every load and every packet the listener applies,
+            # with thousands of scopes cached when many organizations write.
+            return
         for key in list(self._scopes):
             if total <= limit:
                 return
