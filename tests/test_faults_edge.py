@@ -197,9 +197,14 @@ def test_readyBurstCostsAHandfulOfCalls(gateway: Gateway) -> None:
     svc-auth at most one ValidateToken call per 250 ms of the burst (plus
     the one in flight at its start): a handful, not a thousand. (On a busy
     machine a shared check may miss its 500 ms and answer its probes 503:
-    that is a report too.)
+    that is a report too.) The burst starts with the shared outcome
+    stale, so at least one call is due.
     """
     waitFor(lambda: request(gateway.port, "GET", "/ready").status == 200, 5)
+    # Let the outcome that probe left go stale, so the burst must check at
+    # least once (a burst shorter than READY_MAX_AGE would otherwise be
+    # answered wholly from it, and show nothing).
+    time.sleep(READY_MAX_AGE)
     before = validateTokenCalls(gateway)
     began = time.monotonic()
     statuses = concurrentGets(gateway.port, b"/ready", 1000)
