@@ -53,7 +53,7 @@ from twisted.python.threadpool import ThreadPool  # noqa: E402
 
 from svcd.ledger import compactions  # noqa: E402
 from svcd.ledger import journal as journalModule  # noqa: E402
-from svcd.ledger.outbox import UsageOutbox  # noqa: E402
+from svcd.ledger.outbox import Outbox  # noqa: E402
 from svcd.pb.memory.v1 import memory_pb2  # noqa: E402
 from svcd.proxy import observe  # noqa: E402
 
@@ -89,7 +89,7 @@ def install() -> None:
     thread's copy between them), and note when each acknowledgement was
     journalled, into L{CURRENT}.
     """
-    journalClass = journalModule.UsageJournal
+    journalClass = journalModule.Journal
     rewrite = journalClass.dropAcknowledged
     acknowledge = journalClass.acknowledge
     startCopy = journalClass.startCopy
@@ -216,7 +216,7 @@ async def run(
     if thread:
         threads.start()
         inThread = functools.partial(deferToThreadPool, reactor, threads)
-    outbox: UsageOutbox = observe.observationOutbox(
+    outbox: Outbox = observe.observationOutbox(
         queue,
         reactor,
         observe.ObservationOutboxMetrics(CollectorRegistry()),

@@ -45,7 +45,7 @@ from svcd.devstack import (
     MODEL_SERVER,
     stopLeftovers,
 )
-from svcd.providers.table import loadProviders
+from svcd.providers.providersfile import loadProviders
 from svcd.testing.servers import freePort
 from svcd.testing.upstream import ScriptedUpstream, embeddingOf
 

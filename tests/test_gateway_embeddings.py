@@ -177,7 +177,7 @@ def embedder(
 def journalRows(path: Path) -> list[auth_pb2.UsageRow]:
     """
     The usage rows of the proxy's journal, in the order they were written
-    (the format is described in svcd/ledger/journal.py: a magic line, then
+    (the format is described in svcd/ledger/journalfile.py: a magic line, then
     records of a kind byte, a payload length and a CRC-32, big endian, and
     the payload; kind 1 is a row). Read as it stands: the proxy appends a
     row before it queues it, so a row of an answer already received is

@@ -67,7 +67,7 @@ def test_proxyConfigIsALeaf() -> None:
     svc-proxy's configuration is types and parsing: importing it loads no
     other module of svcd.proxy, and neither Twisted nor gRPC (the
     providers file and the journal's path are checked by the leaf modules
-    svcd.providers.table and svcd.ledger.journalfile).
+    svcd.providers.providersfile and svcd.ledger.journalfile).
     """
     probe = (
         "import json, sys\n"

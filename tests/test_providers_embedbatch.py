@@ -34,8 +34,9 @@ from svcd.limits.limiter import RedisRateLimiter
 from svcd.limits.reservation import inputsEstimate
 from svcd.pb.auth.v1 import auth_pb2
 from svcd.providers.embedder import Embedded, Embedder, EmbeddingBatches, EmbeddingCall
+from svcd.providers.providersfile import providersFromEnvironment
 from svcd.providers.records import UpstreamRecord, Usage
-from svcd.providers.table import ProviderTable, providersFromEnvironment
+from svcd.providers.table import ProviderTable
 from svcd.providers.upstream import Forwarder
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.testing import MemoryCounters, MemoryLedger

@@ -31,8 +31,9 @@ from svcd.limits.limiter import RedisRateLimiter
 from svcd.limits.records import Limits, Reservation
 from svcd.limits.reservation import inputsEstimate
 from svcd.providers.embedder import Embedder, EmbeddingCall, reserveTexts
+from svcd.providers.providersfile import providersFromEnvironment
 from svcd.providers.records import UpstreamRecord, Usage
-from svcd.providers.table import ProviderTable, providersFromEnvironment
+from svcd.providers.table import ProviderTable
 from svcd.providers.upstream import Answer, Forwarder
 from svcd.providers.vectors import decodeVectors
 from svcd.proxy.metrics import ProxyMetrics

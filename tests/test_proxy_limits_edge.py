@@ -35,7 +35,7 @@ from twisted.logger import ILogObserver, globalLogPublisher
 from svcd.limits.book import BudgetRow, LimitBook, LimitsRow
 from svcd.limits.limiter import RedisRateLimiter
 from svcd.limits.records import Budget, Limits
-from svcd.providers.table import providersFromEnvironment
+from svcd.providers.providersfile import providersFromEnvironment
 from svcd.providers.upstream import Forwarder
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.http.edge import ProxyEdge

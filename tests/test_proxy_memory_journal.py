@@ -33,8 +33,8 @@ from twisted.internet.task import Clock
 from twisted.logger import ILogObserver, formatEvent, globalLogPublisher
 from twisted.python.failure import Failure
 
-from svcd.ledger.journal import Compactions
-from svcd.ledger.outbox import UsageOutbox
+from svcd.ledger.compactions import Compactions
+from svcd.ledger.outbox import Outbox
 from svcd.pb.memory.v1 import memory_pb2
 from svcd.proxy.observe import (
     OBSERVATION_JOURNAL_COMPACT_SECONDS,
@@ -99,7 +99,7 @@ def filesHolding(directory: Path, text: str) -> list[str]:
     )
 
 
-def outboxOn(path: Path, queue: FakeQueue, clock: Clock) -> UsageOutbox:
+def outboxOn(path: Path, queue: FakeQueue, clock: Clock) -> Outbox:
     outbox = observationOutbox(
         queue, clock, ObservationOutboxMetrics(CollectorRegistry()), journalPath=str(path)
     )
@@ -460,7 +460,7 @@ class FakeThread:
             self.deliver()
 
 
-def threadedOutbox(path: Path, queue: FakeQueue, clock: Clock, thread: FakeThread) -> UsageOutbox:
+def threadedOutbox(path: Path, queue: FakeQueue, clock: Clock, thread: FakeThread) -> Outbox:
     outbox = observationOutbox(
         queue,
         clock,
@@ -546,7 +546,7 @@ def test_a_stop_waits_for_the_rewrite_in_the_thread_then_makes_the_last(
     tmp_path: Path,
 ) -> None:
     """
-    A stop (L{UsageOutbox.settle}, before the close) while the thread
+    A stop (L{Outbox.settle}, before the close) while the thread
     copies waits for that rewrite, then makes the last one, so that the
     rows acknowledged during the copy leave the file too; only the row
     still waiting is replayed. A stop that cannot wait longer than its

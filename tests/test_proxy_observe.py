@@ -20,8 +20,8 @@ from twisted.web.test.requesthelper import DummyRequest
 
 from svcd.common.config import ConfigError
 from svcd.common.errors import ApiError
+from svcd.ledger.journal import Journal
 from svcd.ledger.journalfile import JournalError, checkJournalPath
-from svcd.ledger.outbox import UsageJournal
 from svcd.limits.book import LimitBook, MemorySettingsRow
 from svcd.limits.records import MemorySettings
 from svcd.memory.records import MAX_OBSERVED_MESSAGE_BYTES
@@ -254,7 +254,7 @@ def test_journal_keeps_unacknowledged_observations(tmp_path: Path) -> None:
     assert [o.request_id for o in again.calls[0][0]] == ["r2"]
     assert again.calls[0][0][0].messages[0].content == "my secret fact"
     with pytest.raises(JournalError):
-        UsageJournal(path).open()
+        Journal(path).open()
 
 
 def test_outbox_holds_at_most_its_bytes(tmp_path: Path) -> None:
@@ -694,7 +694,7 @@ def test_journals_of_the_two_kinds_are_never_confused(tmp_path: Path) -> None:
     outbox.start()
     outbox.close()
     usageJournal = tmp_path / "usage.journal"
-    UsageJournal(str(usageJournal)).open()
+    Journal(str(usageJournal)).open()
     base = {"SVC_AUTH_GRPC_ADDR": "auth.test:9091"}
     taken = ProxyConfig.fromEnvironment(
         {

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from svcd.common.config import ConfigError
 from svcd.ledger.rows import usageRow
 from svcd.providers.prices import BadPrice, Price, formatDollars, parseDollars
+from svcd.providers.providersfile import loadProviders
 from svcd.providers.records import Usage
-from svcd.providers.table import loadProviders
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,10 @@
 """
-The providers file of decisions D9 (svcd.providers.table): what
-a good file gives, the order in which fallbacks are tried, which models an
-organization sees, and one precise error per fault, naming the file and
-never a key. Hypothesis then checks that no input, however odd, fails with
-anything but ConfigError.
+The providers file of decisions D9 (svcd.providers.providersfile, and
+the table it yields, svcd.providers.table): what a good file gives, the
+order in which fallbacks are tried, which models an organization sees,
+and one precise error per fault, naming the file and never a key.
+Hypothesis then checks that no input, however odd, fails with anything
+but ConfigError.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from svcd.common.config import ConfigError
+from svcd.providers.providersfile import loadProviders
 from svcd.providers.table import (
     CHAT,
     EMBEDDING,
@@ -30,7 +32,6 @@ from svcd.providers.table import (
     Model,
     Provider,
     ProviderTable,
-    loadProviders,
     modelsDocument,
 )
 from svcd.proxy.config import ProxyConfig
@@ -854,7 +855,7 @@ def test_unreadableFile(tmp_path: Path) -> None:
     program = (
         "import sys\n"
         "from svcd.common.config import ConfigError\n"
-        "from svcd.providers.table import loadProviders\n"
+        "from svcd.providers.providersfile import loadProviders\n"
         "try:\n"
         "    loadProviders(sys.argv[1], {}, lambda: 0.0)\n"
         "except ConfigError as error:\n"

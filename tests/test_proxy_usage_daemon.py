@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 import pytest
 
-from svcd.ledger.outbox import UsageJournal
+from svcd.ledger.journal import Journal
 from svcd.pb.auth.v1 import auth_pb2
 from svcd.proxy.testing import newToken
 from svcd.testing.daemons import Daemon, twistdCommand
@@ -293,7 +293,7 @@ def test_aRejectedRowIsSetAsideAndNeverSentAgain(
             waitUntil(lambda: servicer.recorded() == [first, last], "the good rows", proxy)
             # Every row acknowledged in the journal before the kill.
             waitUntil(
-                lambda: UsageJournal(str(journal))._replay(journal.read_bytes()) == [],
+                lambda: Journal(str(journal))._replay(journal.read_bytes()) == [],
                 "the acknowledgements in the journal",
                 proxy,
             )

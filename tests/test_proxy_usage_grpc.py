@@ -27,7 +27,8 @@ from twisted.internet.interfaces import IReactorFromThreads
 
 from svcd.authclient.channel import CHANNEL_OPTIONS
 from svcd.authclient.connection import AuthConnection
-from svcd.ledger.outbox import UsageJournal, UsageOutbox
+from svcd.ledger.journal import Journal
+from svcd.ledger.outbox import Outbox
 from svcd.ledger.sender import LedgerSender
 from svcd.pb.auth.v1 import auth_pb2
 from svcd.proxy.metrics import ProxyMetrics
@@ -98,15 +99,15 @@ async def patientLedger() -> AsyncIterator[tuple[LedgerAuth, LedgerSender, Proxy
         yield parts
 
 
-def outboxOf(client: LedgerSender, metrics: ProxyMetrics) -> UsageOutbox:
+def outboxOf(client: LedgerSender, metrics: ProxyMetrics) -> Outbox:
     from twisted.internet import reactor
 
-    outbox = UsageOutbox(client, reactor, metrics, firstRetry=0.05, lastRetry=0.5)
+    outbox = Outbox(client, reactor, metrics, firstRetry=0.05, lastRetry=0.5)
     outbox.start()
     return outbox
 
 
-async def sendAll(outbox: UsageOutbox, count: int) -> None:
+async def sendAll(outbox: Outbox, count: int) -> None:
     for number in range(1, count + 1):
         outbox.record(row(number))
     assert await outbox.flush(FLUSH_BOUND) == 0
@@ -286,11 +287,11 @@ async def test_poisonRowSetAsideOthersRecorded(wholeBatch: bool, tmp_path: Path)
     poisoned = {250, 777}
     with servingAuth(servicer, workers=8) as port, ledgerSender(port, 5.0) as client:
         metrics = ProxyMetrics()
-        outbox = UsageOutbox(
+        outbox = Outbox(
             client,
             reactor,
             metrics,
-            journal=UsageJournal(str(path)),
+            journal=Journal(str(path)),
             firstRetry=0.05,
             lastRetry=0.5,
         )
@@ -323,7 +324,7 @@ async def test_poisonRowSetAsideOthersRecorded(wholeBatch: bool, tmp_path: Path)
         )
         == 2
     )
-    restarted = UsageJournal(str(path))
+    restarted = Journal(str(path))
     assert restarted.open() == []
     restarted.close()
 

@@ -28,8 +28,9 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.logger import ILogObserver, LogLevel, formatEvent, globalLogPublisher
 
+from svcd.ledger.journal import Journal
 from svcd.ledger.journalfile import JOURNAL_MAGIC, JournalError, checkJournalPath
-from svcd.ledger.outbox import UsageJournal, UsageOutbox
+from svcd.ledger.outbox import Outbox
 from svcd.pb.auth.v1 import auth_pb2
 from svcd.proxy.metrics import ProxyMetrics
 
@@ -103,11 +104,11 @@ def ids(first: int, last: int) -> list[str]:
 def outbox(
     sender: FakeSender,
     clock: Clock,
-    journal: UsageJournal | None = None,
+    journal: Journal | None = None,
     metrics: ProxyMetrics | None = None,
     **keywords: Any,
-) -> UsageOutbox:
-    made = UsageOutbox(
+) -> Outbox:
+    made = Outbox(
         sender,
         clock,
         metrics if metrics is not None else ProxyMetrics(),
@@ -165,7 +166,7 @@ def test_answeredAtOnceStillOneCallAtATime() -> None:
             answer.callback(auth_pb2.RecordUsageResponse(recorded=len(rows)))
             return answer
 
-    box = UsageOutbox(Instant(), Clock(), ProxyMetrics(), linger=0.0)
+    box = Outbox(Instant(), Clock(), ProxyMetrics(), linger=0.0)
     box._queue.extend(row(number) for number in range(1, 1101))
     box.start()
     assert [len(batch) for batch in sent] == [500, 500, 100]
@@ -218,7 +219,7 @@ def test_jitterBetweenHalfAndAllOfTheBackoff() -> None:
     that lost svc-auth together do not all come back in step.
     """
     sender, clock = FakeSender(), Clock()
-    box = UsageOutbox(sender, clock, ProxyMetrics(), random=lambda: 0.0, linger=0.0)
+    box = Outbox(sender, clock, ProxyMetrics(), random=lambda: 0.0, linger=0.0)
     box.start()
     box.record(row(1))
     sender.fail()
@@ -374,7 +375,7 @@ def test_journalReplaysRowsNotAcknowledged(tmp_path: Path) -> None:
     """
     path = tmp_path / "usage.journal"
     sender, clock = FakeSender(), Clock()
-    box = outbox(sender, clock, journal=UsageJournal(str(path)))
+    box = outbox(sender, clock, journal=Journal(str(path)))
     for number in range(1, 6):
         box.record(row(number))
     sender.acknowledge()  # row 1
@@ -385,7 +386,7 @@ def test_journalReplaysRowsNotAcknowledged(tmp_path: Path) -> None:
     # Killed: nothing more happens to this outbox.
 
     again, clock = FakeSender(), Clock()
-    restarted = outbox(again, clock, journal=UsageJournal(str(path)))
+    restarted = outbox(again, clock, journal=Journal(str(path)))
     restarted.record(row(9))
     assert restarted.waiting == 4
     assert again.ids(0) == ids(6, 8)
@@ -400,7 +401,7 @@ def test_journalWrittenBeforeQueued(tmp_path: Path) -> None:
     """
     path = tmp_path / "usage.journal"
     sender = FakeSender()
-    box = outbox(sender, Clock(), journal=UsageJournal(str(path)))
+    box = outbox(sender, Clock(), journal=Journal(str(path)))
     before = path.stat().st_size
     box.record(row(1))
     assert path.stat().st_size > before
@@ -413,14 +414,14 @@ def test_journalCompactedAtStart(tmp_path: Path) -> None:
     """
     path = tmp_path / "usage.journal"
     sender = FakeSender()
-    box = outbox(sender, Clock(), journal=UsageJournal(str(path)))
+    box = outbox(sender, Clock(), journal=Journal(str(path)))
     for number in range(1, 4):
         box.record(row(number))
     sender.acknowledge()
     sender.acknowledge()
     box.record(row(4))
     grown = path.stat().st_size
-    journal = UsageJournal(str(path))
+    journal = Journal(str(path))
     assert [each.request_id for each in journal.open()] == ids(4, 4)
     assert path.stat().st_size < grown
     records = journalRecords(path)
@@ -437,7 +438,7 @@ def test_journalCompactedWhenLargeAndAllAcknowledged(tmp_path: Path) -> None:
     """
     path = tmp_path / "usage.journal"
     sender = FakeSender()
-    journal = UsageJournal(str(path), compactBytes=1000)
+    journal = Journal(str(path), compactBytes=1000)
     box = outbox(sender, Clock(), journal=journal)
     for number in range(1, 40):
         box.record(row(number))
@@ -446,7 +447,7 @@ def test_journalCompactedWhenLargeAndAllAcknowledged(tmp_path: Path) -> None:
     sender.acknowledge()
     assert path.read_bytes() == JOURNAL_MAGIC
     box.record(row(40))
-    assert UsageJournal(str(path)).open()[0].request_id == row(40).request_id
+    assert Journal(str(path)).open()[0].request_id == row(40).request_id
 
 
 def test_tornTailIgnoredAndTruncated(tmp_path: Path) -> None:
@@ -456,7 +457,7 @@ def test_tornTailIgnoredAndTruncated(tmp_path: Path) -> None:
     are replayed.
     """
     path = tmp_path / "usage.journal"
-    journal = UsageJournal(str(path))
+    journal = Journal(str(path))
     journal.open()
     journal.append(row(1))
     journal.append(row(2))
@@ -467,7 +468,7 @@ def test_tornTailIgnoredAndTruncated(tmp_path: Path) -> None:
     events: list[dict[str, Any]] = []
     globalLogPublisher.addObserver(cast(ILogObserver, events.append))
     try:
-        replayed = UsageJournal(str(path)).open()
+        replayed = Journal(str(path)).open()
     finally:
         globalLogPublisher.removeObserver(cast(ILogObserver, events.append))
     assert [each.request_id for each in replayed] == ids(1, 2)
@@ -481,7 +482,7 @@ def test_damagedRecordEndsTheReplay(tmp_path: Path) -> None:
     A record whose checksum does not match is treated as the torn end.
     """
     path = tmp_path / "usage.journal"
-    journal = UsageJournal(str(path))
+    journal = Journal(str(path))
     journal.open()
     journal.append(row(1))
     journal.append(row(2))
@@ -489,7 +490,7 @@ def test_damagedRecordEndsTheReplay(tmp_path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
-    assert [each.request_id for each in UsageJournal(str(path)).open()] == ids(1, 1)
+    assert [each.request_id for each in Journal(str(path)).open()] == ids(1, 1)
 
 
 def test_doubtfulAcknowledgementIgnored(tmp_path: Path) -> None:
@@ -498,20 +499,20 @@ def test_doubtfulAcknowledgementIgnored(tmp_path: Path) -> None:
     those rows are sent again (a harmless duplicate), never dropped.
     """
     path = tmp_path / "usage.journal"
-    journal = UsageJournal(str(path))
+    journal = Journal(str(path))
     journal.open()
     journal.append(row(1))
     journal.append(row(2))
     journal.acknowledge(1, row(2).request_id)
     journal.acknowledge(3, row(2).request_id)
     journal.close()
-    assert [each.request_id for each in UsageJournal(str(path)).open()] == ids(1, 2)
+    assert [each.request_id for each in Journal(str(path)).open()] == ids(1, 2)
 
 
 def test_journalKilledDuringItsFirstWrite(tmp_path: Path) -> None:
     path = tmp_path / "usage.journal"
     path.write_bytes(JOURNAL_MAGIC[:5])
-    assert UsageJournal(str(path)).open() == []
+    assert Journal(str(path)).open() == []
     assert path.read_bytes() == JOURNAL_MAGIC
 
 
@@ -522,7 +523,7 @@ def test_notAJournal(tmp_path: Path) -> None:
     path = tmp_path / "notes.txt"
     path.write_text("my notes\n")
     with pytest.raises(JournalError, match="is not a usage journal"):
-        UsageJournal(str(path)).open()
+        Journal(str(path)).open()
     with pytest.raises(JournalError, match="is not a usage journal"):
         checkJournalPath(str(path))
     assert path.read_text() == "my notes\n"
@@ -542,7 +543,7 @@ def test_journalWriteFailureKeepsTheRowInMemory(tmp_path: Path) -> None:
     it is queued and sent all the same, and the file keeps no half record.
     """
     path = tmp_path / "usage.journal"
-    journal = UsageJournal(str(path))
+    journal = Journal(str(path))
     sender = FakeSender()
     box = outbox(sender, Clock(), journal=journal)
     assert journal._fd is not None
@@ -648,7 +649,7 @@ def test_rejectedRowsSetAsideAndTheBatchAcknowledged(tmp_path: Path) -> None:
         box = outbox(
             sender,
             clock,
-            journal=UsageJournal(str(path)),
+            journal=Journal(str(path)),
             metrics=metrics,
             onRecorded=lambda ledgerIDs: heard.append(list(ledgerIDs)),
             linger=0.05,
@@ -693,7 +694,7 @@ def test_rejectedRowsSetAsideAndTheBatchAcknowledged(tmp_path: Path) -> None:
     )
     assert "row" not in warnings[0]
     box.close()
-    assert UsageJournal(str(path)).open() == []
+    assert Journal(str(path)).open() == []
 
 
 def test_rejectedWithoutAJournalLoggedWholeAndCounted() -> None:
@@ -756,9 +757,7 @@ def test_invalidArgumentBatchHalvedUntilThePoisonRowIsAlone(tmp_path: Path) -> N
     """
     path = tmp_path / "usage.journal"
     sender, clock, metrics = PoisonSender(), Clock(), ProxyMetrics()
-    box = UsageOutbox(
-        sender, clock, metrics, journal=UsageJournal(str(path)), batchRows=100, linger=0.05
-    )
+    box = Outbox(sender, clock, metrics, journal=Journal(str(path)), batchRows=100, linger=0.05)
     box.start()
     poisoned = {37, 38, 90}
     for number in range(1, 301):
@@ -781,7 +780,7 @@ def test_invalidArgumentBatchHalvedUntilThePoisonRowIsAlone(tmp_path: Path) -> N
     assert [len(batch) for batch in sender.batches[-3:]] == [100, 100, 10]
     assert not clock.getDelayedCalls()
     box.close()
-    assert UsageJournal(str(path)).open() == []
+    assert Journal(str(path)).open() == []
 
 
 def test_invalidArgumentOfAOneRowBatch() -> None:
@@ -790,7 +789,7 @@ def test_invalidArgumentOfAOneRowBatch() -> None:
     row: set aside at once (logged, without a journal), the next row sent.
     """
     sender, clock, metrics = PoisonSender(), Clock(), ProxyMetrics()
-    box = UsageOutbox(sender, clock, metrics, linger=0.0)
+    box = Outbox(sender, clock, metrics, linger=0.0)
     box.start()
     bad = ledgerRow(1)
     bad.prompt_tokens = -1
@@ -823,7 +822,7 @@ def test_acknowledgementNamesTheLedgerID(tmp_path: Path) -> None:
     """
     path = tmp_path / "usage.journal"
     sender = FakeSender()
-    box = outbox(sender, Clock(), journal=UsageJournal(str(path)))
+    box = outbox(sender, Clock(), journal=Journal(str(path)))
     shared = "client-chose-this-one-id"
     for number in range(1, 4):
         box.record(ledgerRow(number, requestID=shared))
@@ -835,7 +834,7 @@ def test_acknowledgementNamesTheLedgerID(tmp_path: Path) -> None:
         struct.pack(">I", 1) + ledgerRow(1).ledger_id.encode(),
         struct.pack(">I", 2) + ledgerRow(3).ledger_id.encode(),
     ]
-    assert [each.ledger_id for each in UsageJournal(str(path)).open()] == [ledgerRow(4).ledger_id]
+    assert [each.ledger_id for each in Journal(str(path)).open()] == [ledgerRow(4).ledger_id]
 
 
 def oldRecord(kind: int, payload: bytes) -> bytes:
@@ -857,14 +856,14 @@ def test_oldJournalStillReplayed(tmp_path: Path) -> None:
         + b"".join(oldRecord(1, each.SerializeToString()) for each in old[3:])
     )
     sender = FakeSender()
-    box = outbox(sender, Clock(), journal=UsageJournal(str(path)))
+    box = outbox(sender, Clock(), journal=Journal(str(path)))
     assert sender.ids(0) == ids(3, 5)
     box.record(ledgerRow(6))
     sender.acknowledge()  # the old rows 3 to 5, by request id
     sender.acknowledge()  # row 6, by its ledger id
     box.record(ledgerRow(7))
     # Killed: the next start finds only row 7 unacknowledged.
-    assert [each.ledger_id for each in UsageJournal(str(path)).open()] == [ledgerRow(7).ledger_id]
+    assert [each.ledger_id for each in Journal(str(path)).open()] == [ledgerRow(7).ledger_id]
 
     # An old journal as it was left, replayed without this version's help.
     path.write_bytes(
@@ -872,7 +871,7 @@ def test_oldJournalStillReplayed(tmp_path: Path) -> None:
         + b"".join(oldRecord(1, each.SerializeToString()) for each in old)
         + oldRecord(2, struct.pack(">I", 4) + old[3].request_id.encode())
     )
-    assert [each.request_id for each in UsageJournal(str(path)).open()] == ids(5, 5)
+    assert [each.request_id for each in Journal(str(path)).open()] == ids(5, 5)
 
 
 # Compaction by what was acknowledged
@@ -904,9 +903,7 @@ def test_journalBoundedUnderSteadyLoad(tmp_path: Path) -> None:
             clock.callLater(0.03, commit)
             return answer
 
-    box = UsageOutbox(
-        Slow(), clock, ProxyMetrics(), journal=UsageJournal(str(path), compactBytes=threshold)
-    )
+    box = Outbox(Slow(), clock, ProxyMetrics(), journal=Journal(str(path), compactBytes=threshold))
     box.start()
     recordBytes: dict[str, int] = {}
     compactions = 0
@@ -930,7 +927,7 @@ def test_journalBoundedUnderSteadyLoad(tmp_path: Path) -> None:
     # Killed now: exactly the rows not acknowledged come back.
     unacknowledged = [each.ledger_id for each in box._queue]
     assert unacknowledged
-    assert [each.ledger_id for each in UsageJournal(str(path)).open()] == unacknowledged
+    assert [each.ledger_id for each in Journal(str(path)).open()] == unacknowledged
 
 
 # One process per journal
@@ -938,9 +935,9 @@ def test_journalBoundedUnderSteadyLoad(tmp_path: Path) -> None:
 
 HOLDER = """
 import sys
-from svcd.ledger.outbox import UsageJournal
+from svcd.ledger.journal import Journal
 try:
-    UsageJournal(sys.argv[1]).open()
+    Journal(sys.argv[1]).open()
 except Exception as error:
     print("refused:", error, flush=True)
     raise SystemExit(1)
@@ -966,7 +963,7 @@ def test_aJournalHeldByAnotherProcessIsRefused(tmp_path: Path) -> None:
         assert holder.stdout is not None
         assert holder.stdout.readline() == "held\n"
         with pytest.raises(JournalError) as refused:
-            UsageJournal(str(path)).open()
+            Journal(str(path)).open()
         message = str(refused.value)
         assert repr(str(path)) in message and "held by another process" in message
         assert f"(pid {holder.pid})" in message and repr(str(path) + ".lock") in message
@@ -974,7 +971,7 @@ def test_aJournalHeldByAnotherProcessIsRefused(tmp_path: Path) -> None:
         assert holder.stdin is not None
         holder.stdin.close()
         holder.wait(30)
-    journal = UsageJournal(str(path))
+    journal = Journal(str(path))
     assert journal.open() == []
     journal.close()
 
@@ -986,7 +983,7 @@ def test_theLockOutlivesCompaction(tmp_path: Path) -> None:
     """
     path = tmp_path / "usage.journal"
     sender = FakeSender()
-    box = outbox(sender, Clock(), journal=UsageJournal(str(path), compactBytes=100))
+    box = outbox(sender, Clock(), journal=Journal(str(path), compactBytes=100))
     for number in range(1, 5):
         box.record(ledgerRow(number))
     sender.acknowledge()

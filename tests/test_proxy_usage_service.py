@@ -13,7 +13,7 @@ import attrs
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 
-from svcd.ledger.outbox import USAGE_WORDS, OutboxWords
+from svcd.ledger.words import USAGE_WORDS, OutboxWords
 from svcd.limits.limiter import RedisRateLimiter
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.http.edge import ProxyEdge
@@ -231,7 +231,7 @@ def test_aStopLetsTheMemoryJournalsRewriteEndBeforeItCloses() -> None:
     thread of their own, started before the journal is read and stopped
     last. A stop, once the observations are flushed (or none wait), lets
     the rewrite in the thread end and the last one be made
-    (L{UsageOutbox.settle}, bounded by the shutdown timeout) before the
+    (L{Outbox.settle}, bounded by the shutdown timeout) before the
     outbox closes, so that nothing acknowledged is left in the journal.
     """
     events, clock = Events(), Clock()

@@ -168,7 +168,7 @@ def test_aWaitAfterAPaidExtractionCountsAnAttempt(tmp_path: Path, extracts: bool
     from twisted.internet.task import Clock
     from twisted.python.failure import Failure
 
-    from svcd.providers.table import providersFromEnvironment
+    from svcd.providers.providersfile import providersFromEnvironment
     from svcd.worker.metrics import WorkerMetrics
     from svcd.worker.processor import Deferral, FailedAttempt, Observation, ObservationProcessor
 
@@ -247,7 +247,7 @@ def test_anObservationGoneAtItsStoreIsForgottenOrLost(
     from twisted.internet.task import Clock
 
     from svcd.memory.client import MemoryNotFound
-    from svcd.providers.table import providersFromEnvironment
+    from svcd.providers.providersfile import providersFromEnvironment
     from svcd.worker.metrics import WorkerMetrics
     from svcd.worker.processor import Observation, ObservationProcessor
 

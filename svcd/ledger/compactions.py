@@ -12,7 +12,7 @@ coming meanwhile, breaks the one second an acknowledged observation may
 stay in the file. So, given a one-thread pool (C{inThread}), a rewrite
 is done in three steps:
 
-  1. On the reactor (L{UsageJournal.startCopy}): the journal's size and
+  1. On the reactor (L{Journal.startCopy}): the journal's size and
      the byte ranges of the rows waiting are noted (a snapshot: the file
      only grows, so those bytes do not change), and the file is opened
      for reading. Microseconds.
@@ -22,7 +22,7 @@ is done in three steps:
      reactor holds while it works), and it is fsynced.
      Rows are appended and acknowledged meanwhile on the reactor, to the
      old file.
-  3. On the reactor (L{UsageJournal.finishCopy}): what the old file
+  3. On the reactor (L{Journal.finishCopy}): what the old file
      gained since the snapshot (its tail: rows and acknowledgement
      records, normally a few KiB) is appended to the copy as it is, the
      copy renamed over the journal and made the file appended to. Then,
@@ -63,7 +63,7 @@ from svcd.common.deferreds import timeoutDeferred
 from svcd.ledger.journalfile import JournalError
 
 if TYPE_CHECKING:
-    from svcd.ledger.journal import UsageJournal
+    from svcd.ledger.journal import Journal
 
 __all__ = ["COPY_CHUNK_BYTES", "Compactions", "InThread", "JournalCopy"]
 
@@ -89,10 +89,10 @@ class JournalCopy:
     The part of a rewrite that runs in a thread of its own (see the
     module docstring): a new file holding the magic line and the
     records at C{entries} (offset, length) of the journal open at
-    C{source}, fsynced. Made by L{UsageJournal.startCopy} on the
+    C{source}, fsynced. Made by L{Journal.startCopy} on the
     reactor; its descriptors are the reactor's to close, after the
     thread is done with them (L{discard}, or the journal takes the copy
-    on in L{UsageJournal.finishCopy}).
+    on in L{Journal.finishCopy}).
 
     @ivar snapshotSize: the journal's size when the copy was decided:
         what the old file gains past it is the tail.
@@ -209,7 +209,7 @@ class JournalCopy:
 
     def retire(self) -> None:
         """
-        Once the copy replaced the journal (L{UsageJournal.finishCopy}):
+        Once the copy replaced the journal (L{Journal.finishCopy}):
         close the old file's descriptors, which frees its inode, and
         fsync the directory, so that the rename outlives a power loss. In
         the journal's thread (or the caller's, without one).
@@ -303,7 +303,7 @@ class Compactions:
     reactor holds a rewrite for the snapshot and the tail, well under a
     millisecond when thousands wait. Without it (or when the file does
     not hold every row waiting, after a full disk), the rewrite runs on
-    the caller's thread from start to end (L{UsageJournal.dropAcknowledged}).
+    the caller's thread from start to end (L{Journal.dropAcknowledged}).
     Either way the next rewrite waits four times as long as the last one
     held the reactor, within what keeps the second, never less than twice
     it nor more than 2 s, so that the proxy keeps most of its time for
@@ -339,7 +339,7 @@ class Compactions:
 
     def __init__(
         self,
-        journal: UsageJournal,
+        journal: Journal,
         clock: Clock,
         every: float,
         waiting: Callable[[], Sequence[Any]],
@@ -443,7 +443,7 @@ class Compactions:
     def _copied(self, _: object, copy: JournalCopy, held: float) -> None:
         """
         The thread wrote and fsynced the copy: on the reactor, append the
-        old file's tail, rename, switch (L{UsageJournal.finishCopy}); then
+        old file's tail, rename, switch (L{Journal.finishCopy}); then
         the old file's closing and the directory's fsync are left to the
         thread (L{JournalCopy.retire}), and the rewrite is over.
         """

@@ -3,9 +3,9 @@ The journal of an outbox (L{svcd.ledger.outbox}): the file that lets
 records outlive the process until their daemon has committed them.
 svc-proxy's usage rows for svc-auth (C{SVC_USAGE_JOURNAL}, decisions
 D12) and its observations for svc-memory (C{SVC_MEMORY_JOURNAL}, D13)
-each have one, of the same format and a first line of its own
-(L{svcd.ledger.journalfile}). What follows says "rows" and "svc-auth"
-for both.
+each have one, of the same format and a first line of its own (the
+format, the first lines and the lock are L{svcd.ledger.journalfile}'s).
+What follows says "rows" and "svc-auth" for both.
 
 What survives what:
 
@@ -52,33 +52,32 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import fcntl
 import itertools
 import json
 import os
-import struct
-import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import attrs
 from google.protobuf import json_format
 from twisted.logger import Logger
 
-from svcd.ledger.compactions import Compactions, JournalCopy, fsyncDirectory, writeAll
-from svcd.ledger.journalfile import JOURNAL_MAGIC, JournalError, journalKind
+from svcd.ledger.compactions import JournalCopy, fsyncDirectory, writeAll
+from svcd.ledger.journalfile import (
+    ACK_COUNT,
+    ACK_RECORD,
+    JOURNAL_MAGIC,
+    ROW_RECORD,
+    JournalError,
+    encodeRecord,
+    holdJournalLock,
+    journalKind,
+    recordAt,
+)
+from svcd.ledger.words import USAGE_WORDS, OutboxWords
 from svcd.pb.auth.v1 import auth_pb2
 
-__all__ = [
-    "COMPACT_JOURNAL_BYTES",
-    "USAGE_WORDS",
-    "Compactions",
-    "OutboxWords",
-    "UsageJournal",
-    "holdJournalLock",
-    "rowKey",
-]
+__all__ = ["COMPACT_JOURNAL_BYTES", "Journal", "usageRowKey"]
 
 # The journal is rewritten with only the rows not yet acknowledged once its
 # acknowledged part (rows svc-auth committed or set aside, and the
@@ -89,72 +88,7 @@ __all__ = [
 COMPACT_JOURNAL_BYTES = 16 * 1024 * 1024
 
 
-@attrs.frozen
-class OutboxWords:
-    """
-    What an outbox carries, to whom and through which journal, in the
-    words of its log lines and refusals: the usage ledger's by default
-    (L{USAGE_WORDS}); svc-proxy's observations for svc-memory
-    (decisions D13) have theirs, so that an operator reading
-    "RecordUsage to svc-auth failed" knows it is the ledger, and
-    "QueueObservations to svc-memory failed" that it is not.
-
-    @ivar records: records in a count (C{"{rows} usage row(s) waiting"}).
-    @ivar record: one record (C{"rejected usage row {key}"}).
-    @ivar peer: the daemon that commits them.
-    @ivar call: its gRPC method.
-    @ivar journal: the journal's name at the start of a line.
-    @ivar variable: the variable that names the journal.
-    @ivar keyField: the log field that carries a record's key, besides
-        C{key} (C{ledger_id} for usage rows, as before).
-    """
-
-    records: str = "usage row(s)"
-    record: str = "usage row"
-    peer: str = "svc-auth"
-    call: str = "RecordUsage"
-    journal: str = "Usage journal"
-    variable: str = "SVC_USAGE_JOURNAL"
-    keyField: str = "ledger_id"
-
-    def fields(self) -> dict[str, str]:
-        """
-        The log fields of every line that names what is carried.
-        """
-        return {
-            "records": self.records,
-            "record": self.record,
-            "peer": self.peer,
-            "call": self.call,
-            "journal": self.journal,
-            "variable": self.variable,
-        }
-
-
-USAGE_WORDS = OutboxWords()
-
-
-# The journal file
-#
-# A magic line, then records: a header of the record's kind (one byte), its
-# payload's length and the CRC-32 of its payload (four bytes each, big
-# endian), then the payload. A row record's payload is a serialized
-# UsageRow; an acknowledgement's is the number of rows acknowledged (four
-# bytes) followed by the key of the last of them in UTF-8 (its ledger id,
-# or its request id for a row without one, as every row of a journal
-# written before ledger ids): the oldest unacknowledged rows of the file,
-# in order.
-_HEADER = struct.Struct(">BII")
-_ACK_COUNT = struct.Struct(">I")
-_ROW = 1
-_ACK = 2
-
-
-def _record(kind: int, payload: bytes) -> bytes:
-    return _HEADER.pack(kind, len(payload), zlib.crc32(payload)) + payload
-
-
-def rowKey(row: auth_pb2.UsageRow) -> str:
+def usageRowKey(row: auth_pb2.UsageRow) -> str:
     """
     The ledger's key of C{row}: its ledger id, or its request id for a row
     made before ledger ids (an old journal, an old proxy).
@@ -162,84 +96,7 @@ def rowKey(row: auth_pb2.UsageRow) -> str:
     return row.ledger_id or row.request_id
 
 
-# The lock files this process holds, by (device, inode), each with its open
-# descriptor: held until the process ends. A flock belongs to an open file
-# description, so a second open of the same lock file in this process
-# would be refused by the first; one process is one holder (a journal
-# reopened in the same process, as the tests do to play a restart, is the
-# same holder).
-_HELD_LOCKS: dict[tuple[int, int], int] = {}
-
-
-def holdJournalLock(journalPath: str, kind: str = "usage journal") -> str:
-    """
-    Take the exclusive lock of the journal at C{journalPath} for the rest
-    of this process's life: C{flock} on C{<journalPath>.lock}, a file of its
-    own, since compaction replaces the journal file by a rename (a lock on
-    it would be left on the replaced file). The lock file holds the pid of
-    its holder, for the operator.
-
-    @param kind: what the journal is called in a refusal.
-    @return: the lock file's path.
-    @raise JournalError: when another process holds it (naming the
-        journal, the lock file and, when it says so, the holder's pid), or
-        when the lock file cannot be opened.
-    """
-    lockPath = journalPath + ".lock"
-    for _ in range(3):
-        try:
-            fd = os.open(lockPath, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError as error:
-            raise JournalError(
-                f"cannot open the lock file {lockPath!r} of the {kind}: {error.strerror}"
-            ) from None
-        status = os.fstat(fd)
-        key = (status.st_dev, status.st_ino)
-        if key in _HELD_LOCKS:
-            os.close(fd)
-            return lockPath
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _lockHolder(fd)
-            os.close(fd)
-            raise JournalError(
-                f"the {kind} {journalPath!r} is held by another process{holder}"
-                f" (lock file {lockPath!r}); each svc-proxy process needs a journal of its own"
-            ) from None
-        except OSError as error:
-            os.close(fd)
-            raise JournalError(f"cannot lock {lockPath!r}: {error.strerror}") from None
-        # A lock file removed or replaced between our open and our flock
-        # locks nothing another process would see: take the new one.
-        try:
-            current = os.stat(lockPath)
-        except FileNotFoundError:
-            os.close(fd)
-            continue
-        if (current.st_dev, current.st_ino) != key:
-            os.close(fd)
-            continue
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        except OSError:
-            # Only a courtesy to the operator; the lock is what counts.
-            pass
-        _HELD_LOCKS[key] = fd
-        return lockPath
-    raise JournalError(f"cannot lock {lockPath!r}: it keeps being replaced")
-
-
-def _lockHolder(fd: int) -> str:
-    try:
-        content = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-    except OSError:
-        return ""
-    return f" (pid {content})" if content.isdigit() else ""
-
-
-class UsageJournal:
+class Journal:
     """
     The append-only file of rows and acknowledgements (see the module
     docstring for what survives what), and the rejects file beside it.
@@ -258,7 +115,7 @@ class UsageJournal:
         path: str,
         compactBytes: int = COMPACT_JOURNAL_BYTES,
         rowType: Any = auth_pb2.UsageRow,
-        keyOf: Callable[[Any], str] = rowKey,
+        keyOf: Callable[[Any], str] = usageRowKey,
         magic: bytes = JOURNAL_MAGIC,
         words: OutboxWords = USAGE_WORDS,
         rejectedAs: Callable[[Any], dict[str, Any]] | None = None,
@@ -277,7 +134,7 @@ class UsageJournal:
         self._keyOf = keyOf
         self._magic = magic
         self._words = words
-        self._rejectedAs = rejectedAs if rejectedAs is not None else _rowDocument
+        self._rejectedAs = rejectedAs if rejectedAs is not None else _usageRowDocument
         self._compactBytes = compactBytes
         self._fd: int | None = None
         self._size = 0
@@ -360,7 +217,7 @@ class UsageJournal:
         acknowledged = 0
         offset = len(self._magic)
         while offset < len(data):
-            parsed = self._recordAt(data, offset)
+            parsed = recordAt(data, offset)
             if parsed is None:
                 # A record cut short by a kill (or damaged): what follows
                 # cannot be trusted either. Rows that were in it were never
@@ -375,15 +232,15 @@ class UsageJournal:
                 )
                 break
             kind, payload, offset = parsed
-            if kind == _ROW:
+            if kind == ROW_RECORD:
                 rows.append(self._rowType.FromString(payload))
-            elif kind == _ACK:
-                count = _ACK_COUNT.unpack_from(payload)[0]
-                lastKey = payload[_ACK_COUNT.size :].decode("utf-8", "replace")
+            elif kind == ACK_RECORD:
+                count = ACK_COUNT.unpack_from(payload)[0]
+                lastKey = payload[ACK_COUNT.size :].decode("utf-8", "replace")
                 end = acknowledged + count
                 # The key is the ledger id; a journal written before ledger
                 # ids names the request id, and its rows have no ledger id,
-                # so rowKey gives the request id for them.
+                # so usageRowKey gives the request id for them.
                 if 0 < count and end <= len(rows) and self._keyOf(rows[end - 1]) == lastKey:
                     acknowledged = end
                 else:
@@ -407,19 +264,6 @@ class UsageJournal:
             )
         return waiting
 
-    @staticmethod
-    def _recordAt(data: bytes, offset: int) -> tuple[int, bytes, int] | None:
-        if offset + _HEADER.size > len(data):
-            return None
-        kind, length, checksum = _HEADER.unpack_from(data, offset)
-        start = offset + _HEADER.size
-        payload = data[start : start + length]
-        if kind not in (_ROW, _ACK) or len(payload) != length or zlib.crc32(payload) != checksum:
-            return None
-        if kind == _ACK and length < _ACK_COUNT.size:
-            return None
-        return kind, payload, start + length
-
     def _rewrite(self, rows: Sequence[Any]) -> None:
         """
         Replace the journal with one holding C{rows}, atomically: a reader
@@ -430,7 +274,7 @@ class UsageJournal:
         after this returns goes to the new file, one recorded before is in
         C{rows} (the outbox passes every row it holds unacknowledged).
         """
-        records = [_record(_ROW, row.SerializeToString()) for row in rows]
+        records = [encodeRecord(ROW_RECORD, row.SerializeToString()) for row in rows]
         self._replace(records, [len(record) for record in records])
 
     def _rewriteFromFile(self) -> bool:
@@ -616,7 +460,7 @@ class UsageJournal:
         @raise OSError: when it could not be written (the file is left as
             it was).
         """
-        record = _record(_ROW, row.SerializeToString())
+        record = encodeRecord(ROW_RECORD, row.SerializeToString())
         offset = self._size
         self._write(record)
         self._waiting.append((offset, len(record)))
@@ -626,7 +470,7 @@ class UsageJournal:
         """
         Record that svc-auth took the C{count} oldest rows not yet
         acknowledged (committed them, or refused them for good), the last
-        of which has the key C{lastKey} (L{rowKey}).
+        of which has the key C{lastKey} (L{usageRowKey}).
         """
         # A row the journal could not take (a full disk) is in the outbox
         # but not here: never count below none. Counted before the record
@@ -636,8 +480,8 @@ class UsageJournal:
         for _ in range(taken):
             self._waitingBytes -= self._waiting.popleft()[1]
         self._acknowledgedRows += taken
-        payload = _ACK_COUNT.pack(count) + lastKey.encode("utf-8")
-        self._write(_record(_ACK, payload))
+        payload = ACK_COUNT.pack(count) + lastKey.encode("utf-8")
+        self._write(encodeRecord(ACK_RECORD, payload))
 
     def _write(self, record: bytes) -> None:
         if self._fd is None:
@@ -733,7 +577,7 @@ def _rfc3339(seconds: float) -> str:
     return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def _rowDocument(row: auth_pb2.UsageRow) -> dict[str, Any]:
+def _usageRowDocument(row: auth_pb2.UsageRow) -> dict[str, Any]:
     """
     What the rejects file keeps of a usage row: all of it (ids and
     numbers, no content).

@@ -2,7 +2,7 @@
 The proxy's side of the usage ledger (decisions D12): the rows of forwarded
 requests wait here, in order, until svc-auth has committed them.
 
-L{UsageOutbox} is the L{svcd.ledger.rows.UsageLedger} the edge
+L{Outbox} is the L{svcd.ledger.rows.UsageLedger} the edge
 writes to. A row is journalled first (when C{SVC_USAGE_JOURNAL} names a
 file), then queued in memory; one RecordUsage call at a time carries the
 oldest rows (at most L{BATCH_ROWS}) to svc-auth, which answers only after
@@ -26,7 +26,7 @@ The same outbox and journal carry svc-proxy's observations to svc-memory
 type, key, call, journal magic and wording (L{OutboxWords}), the same
 promises. What follows says "rows" and "svc-auth" for both.
 
-The journal (L{svcd.ledger.journal.UsageJournal}) is the file that lets
+The journal (L{svcd.ledger.journal.Journal}) is the file that lets
 rows outlive the process; its module says what survives what.
 """
 
@@ -51,32 +51,13 @@ from twisted.python.failure import Failure
 from svcd.common.clocks import Clock, asReactorTime
 from svcd.common.deferreds import timeoutDeferred
 from svcd.common.logthrottle import ThrottledWarning
-from svcd.ledger.compactions import InThread
-from svcd.ledger.journal import (
-    COMPACT_JOURNAL_BYTES,
-    USAGE_WORDS,
-    Compactions,
-    OutboxWords,
-    UsageJournal,
-    holdJournalLock,
-    rowKey,
-)
+from svcd.ledger.compactions import Compactions, InThread
+from svcd.ledger.journal import Journal, usageRowKey
 from svcd.ledger.journalfile import JournalError
+from svcd.ledger.words import USAGE_WORDS, OutboxWords
 from svcd.pb.auth.v1 import auth_pb2
 
-# The journal's names, long imported from here.
-__all__ = [
-    "BATCH_ROWS",
-    "COMPACT_JOURNAL_BYTES",
-    "USAGE_WORDS",
-    "OutboxMetrics",
-    "OutboxWords",
-    "UsageJournal",
-    "UsageOutbox",
-    "UsageSender",
-    "holdJournalLock",
-    "rowKey",
-]
+__all__ = ["BATCH_ROWS", "Outbox", "OutboxMetrics", "UsageSender"]
 
 # Rows per RecordUsage call: svc-auth commits a batch in one transaction;
 # 500 rows are about 100 KB on the wire, far below gRPC's 4 MB limit.
@@ -146,7 +127,7 @@ def _unimplemented(failure: Failure) -> bool:
     return isinstance(error, grpc.Call) and error.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
-def _rowJSON(row: auth_pb2.UsageRow) -> str:
+def _usageRowJSON(row: auth_pb2.UsageRow) -> str:
     return json.dumps(
         json_format.MessageToDict(row, preserving_proto_field_name=True),
         sort_keys=True,
@@ -159,10 +140,12 @@ def _invalidArgument(failure: Failure) -> bool:
     return isinstance(error, grpc.Call) and error.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-class UsageOutbox:
+class Outbox:
     """
     L{svcd.ledger.rows.UsageLedger} that sends rows to svc-auth (see
-    the module docstring).
+    the module docstring); given C{send}, C{keyOf}, C{describe} and
+    C{words}, the outbox of another record (svc-proxy's observations,
+    L{svcd.proxy.observe.observationOutbox}).
 
     @param sender: RecordUsage.
     @param clock: the time of the backoff and of L{flush}'s bound.
@@ -182,7 +165,7 @@ class UsageOutbox:
         C{recorded}, which learns that their spend is in the ledger.
     @param compactEvery: None (the usage ledger): the journal is rewritten
         right after an acknowledgement once its acknowledged part has
-        passed its threshold (L{UsageJournal.compactIfLarge}). A number of
+        passed its threshold (L{Journal.compactIfLarge}). A number of
         seconds (the memory journal, whose rows hold what users said):
         the journal forgets, rewritten after every acknowledgement within
         a second and at most once every C{compactEvery} seconds
@@ -200,7 +183,7 @@ class UsageOutbox:
         clock: Clock,
         metrics: OutboxMetrics,
         maxRows: int = OUTBOX_MAX_ROWS,
-        journal: UsageJournal | None = None,
+        journal: Journal | None = None,
         batchRows: int = BATCH_ROWS,
         firstRetry: float = FIRST_RETRY_SECONDS,
         lastRetry: float = LAST_RETRY_SECONDS,
@@ -208,7 +191,7 @@ class UsageOutbox:
         linger: float = LINGER_SECONDS,
         onRecorded: Callable[[Sequence[str]], None] | None = None,
         send: Callable[[Sequence[Any]], Deferred[Any]] | None = None,
-        keyOf: Callable[[Any], str] = rowKey,
+        keyOf: Callable[[Any], str] = usageRowKey,
         describe: Callable[[Any], str] | None = None,
         words: OutboxWords = USAGE_WORDS,
         maxBytes: int | None = None,
@@ -224,11 +207,11 @@ class UsageOutbox:
         self.words = words
         if send is None:
             if sender is None:
-                raise TypeError("UsageOutbox needs a sender or send")
+                raise TypeError("Outbox needs a sender or send")
             send = sender.recordUsage
         self._send = send
         self._keyOf = keyOf
-        self._describe = describe if describe is not None else _rowJSON
+        self._describe = describe if describe is not None else _usageRowJSON
         self._onRecorded = onRecorded
         self._linger = linger
         self._lingering: IDelayedCall | None = None

@@ -28,7 +28,9 @@ from svcd.authclient.channel import authChannel
 from svcd.authclient.connection import AuthConnection
 from svcd.authclient.feed import ChangeFeed
 from svcd.common.config import GrpcTLS
-from svcd.ledger.outbox import UsageJournal, UsageOutbox, UsageSender, holdJournalLock
+from svcd.ledger.journal import Journal
+from svcd.ledger.journalfile import holdJournalLock
+from svcd.ledger.outbox import Outbox, UsageSender
 from svcd.ledger.sender import LedgerSender
 from svcd.limits.book import LimitBook
 from svcd.limits.limiter import (
@@ -78,9 +80,9 @@ class ProxyDaemon:
     limitBook: LimitBook
     metrics: ProxyMetrics
     forwarder: Forwarder | None
-    outbox: UsageOutbox | None
+    outbox: Outbox | None
     memory: MemoryClient | None = None
-    observations: UsageOutbox | None = None
+    observations: Outbox | None = None
 
 
 def assembleProxy(
@@ -204,11 +206,11 @@ def assembleProxy(
         # svc-auth has committed it. Nothing forwarded, no ledger.
         journal = None
         if config.usageJournal:
-            journal = UsageJournal(config.usageJournal)
+            journal = Journal(config.usageJournal)
             # One process per journal (D12, amended): a second proxy naming
             # it stops here, before anything starts.
             journal.hold()
-        outbox = UsageOutbox(
+        outbox = Outbox(
             sender,
             reactor,
             metrics,

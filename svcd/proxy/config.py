@@ -28,7 +28,8 @@ from svcd.common.config import (
 )
 from svcd.common.ids import parseUUID
 from svcd.ledger.journalfile import MEMORY_JOURNAL_MAGIC, journalFromEnvironment
-from svcd.providers.table import MemoryConfig, ProviderTable, providersFromEnvironment
+from svcd.providers.providersfile import providersFromEnvironment
+from svcd.providers.table import MemoryConfig, ProviderTable
 
 # RFC 9110 token characters: what a header name may be made of.
 _HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")

@@ -41,8 +41,10 @@ from svcd.common.clocks import Clock
 from svcd.common.errors import rfc3339
 from svcd.common.logthrottle import ThrottledWarning
 from svcd.ledger.compactions import InThread
+from svcd.ledger.journal import Journal
 from svcd.ledger.journalfile import MEMORY_JOURNAL_MAGIC
-from svcd.ledger.outbox import OutboxWords, UsageJournal, UsageOutbox
+from svcd.ledger.outbox import Outbox
+from svcd.ledger.words import OutboxWords
 from svcd.limits.book import LimitBook
 from svcd.limits.records import OBSERVE_OFF, OBSERVE_ON
 from svcd.memory.records import MAX_OBSERVED_MESSAGE_BYTES, MAX_OBSERVED_MESSAGES
@@ -395,7 +397,7 @@ def observationOutbox(
     maxObservations: int = OBSERVATION_OUTBOX_MAX,
     maxBytes: int = OBSERVATION_OUTBOX_MB * 2**20,
     inThread: InThread | None = None,
-) -> UsageOutbox:
+) -> Outbox:
     """
     The outbox that carries observations to svc-memory: D12's outbox and
     journal (batched, bounded, journalled, resent until acknowledged),
@@ -404,8 +406,8 @@ def observationOutbox(
     per key (L{observationKey}), so one sent twice is queued once. It holds at most
     C{maxObservations}, and at most C{maxBytes} of them serialized: their
     sizes range from a few hundred bytes to about 1 MiB. Its journal, when
-    C{journalPath} is given, is the caller's to L{UsageJournal.hold} as
-    the daemon is built (L{UsageOutbox.start} takes its lock too); it
+    C{journalPath} is given, is the caller's to L{Journal.hold} as
+    the daemon is built (L{Outbox.start} takes its lock too); it
     holds an observation only until svc-memory has acknowledged it
     (L{OBSERVATION_JOURNAL_COMPACT_SECONDS}); its rewrites' copies and
     fsyncs are done by C{inThread}, in the journal's one-thread pool,
@@ -419,7 +421,7 @@ def observationOutbox(
     """
     journal = None
     if journalPath is not None:
-        journal = UsageJournal(
+        journal = Journal(
             journalPath,
             rowType=memory_pb2.Observation,
             keyOf=observationKey,
@@ -427,7 +429,7 @@ def observationOutbox(
             words=OBSERVATION_WORDS,
             rejectedAs=rejectedObservation,
         )
-    outbox = UsageOutbox(
+    outbox = Outbox(
         None,
         clock,
         metrics,
@@ -475,7 +477,7 @@ def _serializedSize(observation: memory_pb2.Observation) -> int:
 
 class ObservationLedger(Protocol):
     """
-    Where observations go (L{observationOutbox}'s L{UsageOutbox}).
+    Where observations go (L{observationOutbox}'s L{Outbox}).
     """
 
     def hasRoom(self) -> bool: ...

@@ -54,7 +54,7 @@ from svcd.common.clocks import Clock, asReactorTime
 from svcd.common.deferreds import timeoutDeferred
 from svcd.common.lifecycle import notifySystemd, stopWithFailure
 from svcd.ledger.journalfile import JournalError
-from svcd.ledger.outbox import OutboxWords
+from svcd.ledger.words import OutboxWords
 from svcd.limits.limiter import RateLimiter
 from svcd.proxy.http.edge import ProxyEdge
 from svcd.proxy.http.site import ProxySite
@@ -89,7 +89,7 @@ class ClosableForwarder(Protocol):
 class ClosableLedger(Protocol):
     """
     The lifecycle part of the usage outbox, or of the observations'
-    (L{svcd.ledger.outbox.UsageOutbox}).
+    (L{svcd.ledger.outbox.Outbox}).
     """
 
     words: OutboxWords

@@ -41,7 +41,8 @@ from svcd.authclient.feed import IGNORE_TOKENS, ChangeFeed, FeedMeaning, openCha
 from svcd.common.config import GrpcTLS
 from svcd.common.opsweb import OperationsSite, OperationsWeb
 from svcd.common.readiness import Check, CheckFailed
-from svcd.ledger.outbox import UsageJournal, UsageOutbox
+from svcd.ledger.journal import Journal
+from svcd.ledger.outbox import Outbox
 from svcd.ledger.sender import LedgerSender
 from svcd.limits.admission import Admission
 from svcd.limits.book import LimitBook
@@ -76,7 +77,7 @@ class WorkerParts:
     feed: ChangeFeed
     limitBook: LimitBook
     limiter: RateLimiter
-    outbox: UsageOutbox
+    outbox: Outbox
     forwarder: Forwarder
     memory: MemoryClient
     loop: ObservationLoop
@@ -196,9 +197,9 @@ def assembleWorker(
     )
     journal = None
     if config.usageJournal:
-        journal = UsageJournal(config.usageJournal)
+        journal = Journal(config.usageJournal)
         journal.hold()
-    outbox = UsageOutbox(
+    outbox = Outbox(
         sender,
         reactor,
         metrics,

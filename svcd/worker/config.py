@@ -27,7 +27,8 @@ from svcd.common.config import (
     parseRedisURL,
 )
 from svcd.ledger.journalfile import journalFromEnvironment
-from svcd.providers.table import VARIABLE, MemoryConfig, ProviderTable, providersFromEnvironment
+from svcd.providers.providersfile import VARIABLE, providersFromEnvironment
+from svcd.providers.table import MemoryConfig, ProviderTable
 
 # The most observations one claim may take (svc-memory's bound).
 MAX_CLAIM = 100
