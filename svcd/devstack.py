@@ -63,8 +63,9 @@ from psycopg import sql
 
 from svcd.common.config import ConfigError
 from svcd.common.permissions import parsePermissions
-from svcd.providers.table import CHAT, EMBEDDING, ProviderTable, providersFromEnvironment
+from svcd.metering.models import CHAT, EMBEDDING
 from svcd.providers.table import VARIABLE as PROVIDERS_VARIABLE
+from svcd.providers.table import ProviderTable, providersFromEnvironment
 from svcd.testing.servers import PostgresServer, RedisServer, ServerError
 
 # The checkout this module belongs to: dev/gateway runs from there, and
