@@ -213,8 +213,8 @@ def embeddingCharge(
     beside its own answer (L{svcd.proxy.recall}). The provider's prompt
     tokens when usage came; nothing after a fault (an embeddings answer
     has no first byte to fail after); else (cancelled, or an answer
-    without usage) the texts' C{estimate}. No output tokens; at the price
-    of the model that answered (L{answeredBy}).
+    without usage) the texts' C{estimate}, with no output estimated. At
+    the price of the model that answered (L{answeredBy}).
     """
     return chargeOf(
         record.usage, outcome, (estimate, 0), answeredBy(providers, record, model).price
