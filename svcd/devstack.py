@@ -63,9 +63,10 @@ from psycopg import sql
 
 from svcd.common.config import ConfigError
 from svcd.common.permissions import parsePermissions
+from svcd.metering.models import CHAT, EMBEDDING
 from svcd.providers.providersfile import VARIABLE as PROVIDERS_VARIABLE
 from svcd.providers.providersfile import providersFromEnvironment
-from svcd.providers.table import CHAT, EMBEDDING, ProviderTable
+from svcd.providers.table import ProviderTable
 from svcd.testing.servers import PostgresServer, RedisServer, ServerError
 
 # The checkout this module belongs to: dev/gateway runs from there, and

@@ -4,7 +4,7 @@ goes at once, alone, while its key has fewer than maxInFlight calls in
 flight; those that come meanwhile are held and go together (at most
 maxBatch a call, in order) when one ends, however it ends; keys never wait
 for one another; a held item can be withdrawn. And, as properties,
-svcd.providers.embedder.apportioned: how a coalesced forward's usage is
+svcd.metered.embedder.apportioned: how a coalesced forward's usage is
 shared among its items' rows (whole parts that add up exactly).
 """
 
@@ -23,8 +23,8 @@ from twisted.logger import ILogObserver, Logger
 from twisted.python.failure import Failure
 
 from svcd.common.coalesce import Coalescer
-from svcd.providers.embedder import apportioned, usageShares
-from svcd.providers.records import Usage
+from svcd.metered.embedder import apportioned, usageShares
+from svcd.metering.usage import Usage
 
 
 @attrs.define

@@ -1,10 +1,11 @@
 """
 The packages a daemon needs to call providers and pay for it
-(svcd.providers, svcd.ledger with its sender, svcd.limits, and
-svcd.authclient, the connection to svc-auth the sender rides on; issue
-29) import nothing of svc-proxy: a daemon of Phase 4 (decisions D13) that
-imports them never imports svcd.proxy, its metrics, its configuration or
-its edge; nor does svc-worker itself (svcd.worker), which is such a
+(svcd.providers, svcd.ledger with its sender, svcd.limits, the floor of
+values they share, svcd.metering, the metered call above them,
+svcd.metered, and svcd.authclient, the connection to svc-auth the sender
+rides on; issue 29) import nothing of svc-proxy: a daemon of Phase 4
+(decisions D13) that imports them never imports svcd.proxy, its metrics,
+its configuration or its edge; nor does svc-worker itself (svcd.worker), which is such a
 daemon.
 
 In a fresh interpreter, since this test process has long imported the
@@ -20,11 +21,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Every module of the four packages, found on disk so that a new module
+# Every module of these packages, found on disk so that a new module
 # is checked without editing this list.
 MODULES = sorted(
     ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-    for package in ("providers", "ledger", "limits", "authclient", "worker")
+    for package in ("providers", "ledger", "limits", "metering", "metered", "authclient", "worker")
     for path in (ROOT / "svcd" / package).glob("*.py")
 )
 
@@ -40,13 +41,16 @@ print(json.dumps(sorted(proxy)))
 def test_packagesImportNoProxy() -> None:
     """
     Importing every module of svcd.providers, svcd.ledger, svcd.limits,
-    svcd.authclient and svcd.worker loads no module of svcd.proxy.
+    svcd.metering, svcd.metered, svcd.authclient and svcd.worker loads no
+    module of svcd.proxy.
     """
     assert {
         "svcd.providers.upstream",
         "svcd.ledger.outbox",
         "svcd.ledger.sender",
         "svcd.limits.limiter",
+        "svcd.metering.charges",
+        "svcd.metered.embedder",
         "svcd.authclient.connection",
         "svcd.authclient.feed",
         "svcd.worker.tap",

@@ -25,15 +25,16 @@ from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
 
 from svcd.common.errors import ErrorCode
-from svcd.providers.records import Usage
+from svcd.metering.bodies import attemptBody
+from svcd.metering.models import Model, Provider
+from svcd.metering.usage import Usage
 from svcd.providers.relay import (
     MAX_EVENT_BYTES,
     BodyReader,
     StreamFault,
     StreamRelay,
 )
-from svcd.providers.table import Model, Provider
-from svcd.providers.upstream import _refusal, attemptBody
+from svcd.providers.upstream import _refusal
 
 FIRST = 5.0
 IDLE = 2.0

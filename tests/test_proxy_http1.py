@@ -735,8 +735,8 @@ async def test_refusalsAreUpstreamErrors(answer: bytes) -> None:
     from twisted.internet import reactor
 
     from svcd.common.errors import ApiError, ErrorCode
+    from svcd.metering.models import Model, Provider
     from svcd.providers.records import UpstreamRecord
-    from svcd.providers.table import Model, Provider
     from svcd.providers.upstream import Forwarder
     from svcd.proxy.metrics import ProxyMetrics
 

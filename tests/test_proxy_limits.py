@@ -65,10 +65,11 @@ from svcd.limits.reservation import (
     promptEstimate,
     reserveEmbeddings,
 )
+from svcd.metering.bodies import embeddingsBody
+from svcd.metering.models import EMBEDDING, Model, Provider
+from svcd.metering.prices import Price
 from svcd.pb.auth.v1 import auth_pb2
-from svcd.providers.prices import Price
-from svcd.providers.table import EMBEDDING, Model, Provider, ProviderTable
-from svcd.providers.upstream import embeddingsBody
+from svcd.providers.table import ProviderTable
 from svcd.proxy.http.chatbody import parseChatBody
 from svcd.proxy.http.embeddingsbody import parseEmbeddingsBody
 from svcd.proxy.testing import MemoryCounters

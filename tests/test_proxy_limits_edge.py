@@ -621,8 +621,8 @@ async def test_aRequestThatWouldPassTheBudgetIsRefused(
 
 class _CountingJSON:
     """
-    The json module as svcd.providers.upstream sees it, counting the
-    bodies it serializes (attemptBody's json.dumps).
+    The json module as svcd.providers.upstream and svcd.metering.bodies
+    see it, counting the bodies they serialize (attemptBody's json.dumps).
     """
 
     def __init__(self) -> None:
@@ -645,10 +645,12 @@ async def test_aBudgetsMeasuredBodyIsTheBodySent(
     serialized once per request (not once to measure and again to
     forward); without one, once when forwarded.
     """
+    from svcd.metering import bodies
     from svcd.providers import upstream
 
     counting = _CountingJSON()
     monkeypatch.setattr(upstream, "json", counting)
+    monkeypatch.setattr(bodies, "json", counting)
     edge.limit(orgBudget=Budget(nanoUSD=10**9, period="day"))
     response, _ = await edge.chat(model="priced")
     assert response.code == 200

@@ -17,9 +17,10 @@ from hypothesis import strategies as st
 
 from svcd.common.config import ConfigError
 from svcd.ledger.rows import usageRow
-from svcd.providers.prices import BadPrice, Price, formatDollars, parseDollars
+from svcd.metering.charges import chargeOf
+from svcd.metering.prices import BadPrice, Price, formatDollars, parseDollars
+from svcd.metering.usage import Usage
 from svcd.providers.providersfile import loadProviders
-from svcd.providers.records import Usage
 
 
 @pytest.mark.parametrize(
@@ -251,9 +252,9 @@ def test_badPriceStopsTheProxy(tmp_path: Path, price: str, fault: str) -> None:
 
 def test_rowsOfAnswersThatFailed() -> None:
     """
-    usageRow: an upstream_error before the first byte has no tokens; one
-    after it (a stream broken mid-way) without usage has the
-    reservation's, at the price; with usage, the provider's.
+    usageRow, counting chargeOf: an upstream_error before the first byte
+    has no tokens; one after it (a stream broken mid-way) without usage
+    has the reservation's, at the price; with usage, the provider's.
     """
     price = Price(input=2_500_000_000, output=10_000_000_000, cachedInput=1_250_000_000)
     common: dict[str, Any] = {
@@ -268,12 +269,15 @@ def test_rowsOfAnswersThatFailed() -> None:
         "upstreamModel": "u",
         "stream": True,
         "outcome": "upstream_error",
-        "estimate": (8, 10),
-        "price": price,
         "startedAt": 1.0,
         "endedAt": 2.0,
     }
-    before = usageRow(usage=None, **common)
+
+    def row(usage: Usage | None, afterFirstByte: bool = False) -> Any:
+        charge = chargeOf(usage, common["outcome"], (8, 10), price, afterFirstByte)
+        return usageRow(charge=charge, **common)
+
+    before = row(None)
     assert (before.prompt_tokens, before.completion_tokens, before.tokens_from) == (
         0,
         0,
@@ -282,14 +286,14 @@ def test_rowsOfAnswersThatFailed() -> None:
     assert before.cost_nano_usd == 0
     # The ledger's key is the gateway's id; the client's request id is kept.
     assert (before.ledger_id, before.request_id) == (common["ledgerID"], "r")
-    after = usageRow(usage=None, afterFirstByte=True, **common)
+    after = row(None, afterFirstByte=True)
     assert (after.prompt_tokens, after.completion_tokens, after.tokens_from) == (
         8,
         10,
         "reservation",
     )
     assert after.cost_nano_usd == 8 * 2500 + 10 * 10_000
-    counted = usageRow(usage=Usage(100, 5, 40, 2), afterFirstByte=True, **common)
+    counted = row(Usage(100, 5, 40, 2), afterFirstByte=True)
     assert (counted.prompt_tokens, counted.cached_tokens, counted.tokens_from) == (
         100,
         40,

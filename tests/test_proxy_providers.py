@@ -24,13 +24,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from svcd.common.config import ConfigError
+from svcd.metering.models import CHAT, EMBEDDING, Model, Provider
 from svcd.providers.providersfile import loadProviders
 from svcd.providers.table import (
-    CHAT,
-    EMBEDDING,
     MemoryConfig,
-    Model,
-    Provider,
     ProviderTable,
     modelsDocument,
 )

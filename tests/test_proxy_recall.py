@@ -28,11 +28,13 @@ from svcd.limits.records import MemorySettings
 from svcd.limits.reservation import promptEstimate
 from svcd.memory.client import MemoryClient, MemoryUnavailable
 from svcd.memory.records import Scope
+from svcd.metered.embedder import Embedded, Embedder, EmbeddingCall, embeddingCharge
+from svcd.metering.models import Model, Provider
+from svcd.metering.prices import Price
+from svcd.metering.usage import Usage
 from svcd.pb.memory.v1 import memory_pb2
-from svcd.providers.embedder import Embedded, Embedder, EmbeddingCall
-from svcd.providers.prices import Price
-from svcd.providers.records import UpstreamRecord, Usage
-from svcd.providers.table import MemoryConfig, Model, Provider, ProviderTable
+from svcd.providers.records import UpstreamRecord
+from svcd.providers.table import MemoryConfig, ProviderTable
 from svcd.proxy.recall import (
     HEADING,
     MAX_QUERY_CHARACTERS,
@@ -44,7 +46,6 @@ from svcd.proxy.recall import (
     Recaller,
     RecallPlan,
     assemble,
-    embeddingCharge,
     extraBodyBytes,
     memoryMessage,
     recalledOf,
@@ -754,7 +755,12 @@ def test_embeddingChargeMirrorsTheRow() -> None:
     providers = _providers()
     model = providers.models["embed"]
     record = UpstreamRecord()
-    assert embeddingCharge(providers, model, record, "upstream_error", 9) == (0, 0)
-    assert embeddingCharge(providers, model, record, "client_gone", 9) == (9, PRICE.cost(9, 0, 0))
+
+    def charged(outcome: str) -> tuple[int, int]:
+        charge = embeddingCharge(providers, model, record, outcome, 9)
+        return charge.tokens, charge.cost
+
+    assert charged("upstream_error") == (0, 0)
+    assert charged("client_gone") == (9, PRICE.cost(9, 0, 0))
     record.usage = Usage(promptTokens=4, completionTokens=0)
-    assert embeddingCharge(providers, model, record, "ok", 9) == (4, PRICE.cost(4, 0, 0))
+    assert charged("ok") == (4, PRICE.cost(4, 0, 0))

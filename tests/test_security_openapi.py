@@ -51,7 +51,8 @@ from schemathesis.checks import (
 from svcd.common.errors import ErrorCode, FieldErrorCode
 from svcd.common.permissions import Permission
 from svcd.limits.limiter import RedisRateLimiter
-from svcd.providers.table import Model, Provider, ProviderTable
+from svcd.metering.models import Model, Provider
+from svcd.providers.table import ProviderTable
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.http.edge import ProxyEdge
 from svcd.proxy.metrics import ProxyMetrics

@@ -14,15 +14,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from svcd.metering.charges import Charge
 from svcd.pb.auth.v1 import auth_pb2
-from svcd.providers.prices import Price
-from svcd.providers.records import Usage
-
-OK = "ok"
-UPSTREAM_ERROR = "upstream_error"
-CLIENT_GONE = "client_gone"
-FROM_PROVIDER = "provider"
-FROM_RESERVATION = "reservation"
 
 # What a row's call was (decisions D13): the column C{kind}.
 CHAT = "chat"
@@ -61,10 +54,7 @@ def usageRow(
     upstreamModel: str | None,
     stream: bool,
     outcome: str,
-    usage: Usage | None,
-    afterFirstByte: bool = False,
-    estimate: tuple[int, int],
-    price: Price | None,
+    charge: Charge,
     startedAt: float,
     endedAt: float,
     kind: str = CHAT,
@@ -74,12 +64,10 @@ def usageRow(
     """
     The ledger row of one forwarded request, keyed by C{ledgerID} (the
     gateway's own id of the request, decisions D12, amended), with the
-    client-visible C{requestID} kept beside it. Its tokens are the provider's
-    usage when it came; else, for an answer that failed before its first
-    byte, none; else (an answer without usage, a client gone before it, a
-    stream that failed C{afterFirstByte}) the reservation's C{estimate}
-    (prompt, output cap), as the token limits kept it (D11). Its cost is
-    those tokens at C{price}, the price of the model that answered.
+    client-visible C{requestID} kept beside it. Its tokens, their cost and
+    the price's version are the call's C{charge}
+    (L{svcd.metering.charges.chargeOf}: the provider's usage, none after a
+    fault before the first byte, else the reservation's estimate).
 
     C{kind} says what the call was (one of L{KINDS}, decisions D13), and
     C{parentRequestID} the request it was made for, when another request
@@ -87,16 +75,6 @@ def usageRow(
     C{memories} is how many memories a recall put in a chat's prompt (0
     when it found none or failed), None when recall was off for it.
     """
-    if usage is not None:
-        prompt, cached = usage.promptTokens, usage.cachedTokens
-        completion, reasoning = usage.completionTokens, usage.reasoningTokens
-        tokensFrom = FROM_PROVIDER
-    elif outcome == UPSTREAM_ERROR and not afterFirstByte:
-        prompt = cached = completion = reasoning = 0
-        tokensFrom = FROM_PROVIDER
-    else:
-        (prompt, completion), cached, reasoning = estimate, 0, 0
-        tokensFrom = FROM_RESERVATION
     row = auth_pb2.UsageRow(
         ledger_id=ledgerID,
         request_id=requestID,
@@ -109,13 +87,13 @@ def usageRow(
         upstream_model=upstreamModel or "",
         stream=stream,
         outcome=outcome,
-        prompt_tokens=prompt,
-        cached_tokens=cached,
-        completion_tokens=completion,
-        reasoning_tokens=reasoning,
-        tokens_from=tokensFrom,
-        cost_nano_usd=price.cost(prompt, cached, completion) if price is not None else 0,
-        price_version=price.version if price is not None else "",
+        prompt_tokens=charge.promptTokens,
+        cached_tokens=charge.cachedTokens,
+        completion_tokens=charge.completionTokens,
+        reasoning_tokens=charge.reasoningTokens,
+        tokens_from=charge.tokensFrom,
+        cost_nano_usd=charge.cost,
+        price_version=charge.priceVersion,
         started_at_us=round(startedAt * 1_000_000),
         duration_us=max(0, round((endedAt - startedAt) * 1_000_000)),
         kind=kind,

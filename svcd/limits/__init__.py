@@ -5,6 +5,8 @@ calls providers: the limit book of every limits and budget row
 (L{svcd.limits.limiter}), the circuit breaker that keeps a failing Redis
 cheap (L{svcd.limits.breaker}), what a chat completion or an embeddings
 request (D13) reserves at admission (L{svcd.limits.reservation}) and the shapes they share
-(L{svcd.limits.records}, a leaf). It imports nothing of svc-proxy (a test
-checks it).
+(L{svcd.limits.records}, a leaf). Of the providers and the ledger it
+imports only the floor they share (L{svcd.metering}: the models, the
+usage, the bodies a budget measures), and nothing of svc-proxy (tests
+check both).
 """

@@ -30,8 +30,8 @@ from svcd.common.logthrottle import ThrottledWarning
 from svcd.limits.book import Applicable
 from svcd.limits.limiter import BUDGET, ORG, RateDecision, RateLimiter
 from svcd.limits.records import Reservation
-from svcd.providers.records import Usage
-from svcd.providers.table import Model
+from svcd.metering.models import Model
+from svcd.metering.usage import Usage
 
 # At most one log line per this many seconds for settlements that passed
 # their reservation (each is counted in the metric all the same).

@@ -45,12 +45,22 @@ from typing import Any, Protocol
 
 from svcd.common.errors import ApiError, FieldError, FieldErrorCode, validationError
 from svcd.limits.book import Applicable
-from svcd.providers.table import Model, ProviderTable
-from svcd.providers.upstream import attemptBody, embeddingsBody
+from svcd.metering.bodies import attemptBody, embeddingsBody
+from svcd.metering.models import Model
 
 DEFAULT_OUTPUT_CAP = 4096
 TOKENS_PER_MESSAGE = 4
 BYTES_PER_TOKEN = 3
+
+
+class AttemptOrder(Protocol):
+    """
+    What the reservation reads of the providers file: the models that may
+    answer a request, in order (L{svcd.providers.table.ProviderTable} is
+    one). A Protocol, so that the limits import nothing of the providers.
+    """
+
+    def attempts(self, model: Model, orgID: str) -> tuple[Model, ...]: ...
 
 
 class ChatBody(Protocol):
@@ -162,7 +172,7 @@ def worstCaseCost(
 
 
 def attemptsOf(
-    providers: ProviderTable, model: Model, orgID: str, budgeted: bool
+    providers: AttemptOrder, model: Model, orgID: str, budgeted: bool
 ) -> tuple[Model, ...]:
     """
     The models a request may be answered by, in order: under a budget,
@@ -179,7 +189,7 @@ def attemptsOf(
 def reserve(
     chat: ChatBody,
     model: Model,
-    providers: ProviderTable,
+    providers: AttemptOrder,
     orgID: str,
     applicable: Applicable,
     extraBytes: int = 0,
@@ -218,7 +228,7 @@ def estimateOf(chat: ChatBody, model: Model, applicable: Applicable) -> tuple[in
     """
     The prompt's estimate and the output cap of a request that reserved
     nothing (no token limit nor budget applied to it): what its usage row
-    counts when no usage came (L{svcd.ledger.rows.usageRow}).
+    counts when no usage came (L{svcd.metering.charges.chargeOf}).
     """
     return (
         promptEstimate(chat.messages),
@@ -289,7 +299,7 @@ def inputsEstimate(inputs: Sequence[str]) -> int:
 def reserveEmbeddings(
     embeddings: EmbeddingsBody,
     model: Model,
-    providers: ProviderTable,
+    providers: AttemptOrder,
     orgID: str,
     applicable: Applicable,
     attempts: Sequence[Model] | None = None,

@@ -7,11 +7,11 @@ organization with the same client. It imports nothing of svc-proxy (a test check
   - L{svcd.providers.providersfile}: the providers file, read and
     checked at start (its entries by L{svcd.providers.entries}, its
     values by L{svcd.providers.fields}), a leaf;
-  - L{svcd.providers.table}: what it yields: providers, models with
-    their fallbacks and prices, the C{[memory]} settings, and the
-    lookups of a request;
-  - L{svcd.providers.prices}: a model's price and the cost of an answer,
-    in nano-dollars (decisions D12);
+  - L{svcd.providers.table}: what it yields: the C{[memory]} settings and
+    the lookups of a request over the providers and models (the records
+    themselves, L{svcd.metering.models}, and their prices,
+    L{svcd.metering.prices}, are on the floor the limits and the ledger
+    share);
   - L{svcd.providers.http1}: the HTTP/1.1 client and its connection pool;
   - L{svcd.providers.upstream}: the request sent upstream over each
     provider's persistent connections, faults and fallbacks, usage,
@@ -19,6 +19,11 @@ organization with the same client. It imports nothing of svc-proxy (a test check
     upstream span;
   - L{svcd.providers.relay}: reading the answer, a bounded body or a
     stream of events relayed with backpressure;
-  - L{svcd.providers.records}: what an answer leaves behind (its usage,
-    the access log's record), a leaf.
+  - L{svcd.providers.records}: what an answer leaves behind for the
+    access log, a leaf;
+  - L{svcd.providers.vectors}: the vectors of an embeddings answer, read
+    for the gateway's own use.
+
+It imports neither the limits nor the ledger: the call that admits,
+forwards, settles and bills is above all three, L{svcd.metered}.
 """

@@ -17,9 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from svcd.common.ids import parseUUID
-from svcd.providers.fields import FieldChecker, quote, show, tomlType
-from svcd.providers.prices import BadPrice, Price, parseDollars
-from svcd.providers.table import (
+from svcd.metering.models import (
     CAP_FIELDS,
     CHAT,
     DEFAULT_IDLE_TIMEOUT,
@@ -32,6 +30,8 @@ from svcd.providers.table import (
     Model,
     Provider,
 )
+from svcd.metering.prices import BadPrice, Price, parseDollars
+from svcd.providers.fields import FieldChecker, quote, show, tomlType
 
 __all__ = ["EntryChecker"]
 

@@ -27,12 +27,12 @@ add C{max_output_tokens} to a model (optional): the output cap its token
 reservation assumes when a request names none; decisions D12 add its
 C{price} (optional): C{{ input = "2.50", output = "10.00", cached_input =
 "1.25" }}, US dollars per million tokens as decimal strings, read exactly
-(L{svcd.providers.prices}). Decisions D12, amended, add C{cap_field}
+(L{svcd.metering.prices}). Decisions D12, amended, add C{cap_field}
 (optional): the key under which the gateway sends the output cap a budget
 assumed when the request named none, C{"max_completion_tokens"} (the
 default, OpenAI's) or C{"max_tokens"} (for providers that know only the
 older key); and make C{max_output_tokens} (default
-L{svcd.providers.table.DEFAULT_MAX_OUTPUT_TOKENS}) the largest cap a
+L{svcd.metering.models.DEFAULT_MAX_OUTPUT_TOKENS}) the largest cap a
 request may name. Decisions D13 add a model's C{kind} (C{"chat"}, the default, or
 C{"embedding"}: a model answers only the route of its kind) and, for an
 embedding model, C{dimensions} (optional): the length of the vectors it
@@ -63,16 +63,13 @@ import tomllib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from svcd.metering.models import CHAT, EMBEDDING, Model, Provider
 from svcd.providers.entries import EntryChecker
 from svcd.providers.fields import VARIABLE, article, fault, quote, tomlType
 from svcd.providers.table import (
-    CHAT,
-    EMBEDDING,
     RECALL_MODES,
     VECTOR,
     MemoryConfig,
-    Model,
-    Provider,
     ProviderTable,
 )
 

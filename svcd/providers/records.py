@@ -1,29 +1,18 @@
 """
-What a provider's answer leaves behind: the tokens it counted (L{Usage})
-and what the access log says of the call (L{UpstreamRecord}).
+What a provider's answer leaves behind for the access log
+(L{UpstreamRecord}): where it went, how long it took, and the tokens it
+counted (L{svcd.metering.usage.Usage}).
 
-A leaf module on purpose: it imports nothing of the gateway, so the
-ledger's rows, the proxy's request context and the metrics of any daemon
-can name these shapes without importing the client that fills them.
+A leaf module on purpose: it imports nothing of the gateway but the
+floor's values, so the proxy's request context and the metered call can
+name this shape without importing the client that fills it.
 """
 
 from __future__ import annotations
 
 import attrs
 
-
-@attrs.frozen
-class Usage:
-    """
-    Tokens the upstream counted for one answer.
-    """
-
-    promptTokens: int
-    completionTokens: int
-    # Parts of those (decisions D12): the prompt's tokens served from the
-    # provider's cache, the answer's reasoning tokens.
-    cachedTokens: int = 0
-    reasoningTokens: int = 0
+from svcd.metering.usage import Usage
 
 
 @attrs.define

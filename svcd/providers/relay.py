@@ -40,8 +40,8 @@ from twisted.web.http import PotentialDataLoss
 from zope.interface import implementer
 
 from svcd.common.clocks import Clock
+from svcd.metering.usage import Usage
 from svcd.providers.http1 import BadAnswer
-from svcd.providers.records import Usage
 
 # A non-streaming answer larger than this is refused (502): chat answers
 # are kilobytes; this bounds what one request can make the proxy hold.

@@ -84,8 +84,11 @@ from svcd.common.clocks import Clock, asReactorTime
 from svcd.common.deferreds import timeoutDeferred
 from svcd.common.errors import ApiError, ErrorCode
 from svcd.common.tracing import traceparentOf
+from svcd.metering.bodies import attemptBody, embeddingsBody
+from svcd.metering.models import Model, Provider
+from svcd.metering.usage import Usage
 from svcd.providers.http1 import BadAnswer, ConnectionPool, UpstreamAnswer
-from svcd.providers.records import UpstreamRecord, Usage
+from svcd.providers.records import UpstreamRecord
 from svcd.providers.relay import (
     BodyReader,
     StreamFault,
@@ -93,7 +96,6 @@ from svcd.providers.relay import (
     embeddingUsageOf,
     usageOf,
 )
-from svcd.providers.table import Model, Provider
 
 UPSTREAM_MODEL_HEADER = b"X-SVC-Upstream-Model"
 IDLE_CONNECTION_SECONDS = 4.0
@@ -130,7 +132,7 @@ class Answer:
 
     @ivar document: a whole answer's JSON as the forwarder parsed it (for
         its usage), so that a caller reading more of it (the gateway's own
-        embeddings, L{svcd.providers.embedder}) does not parse it again;
+        embeddings, L{svcd.metered.embedder}) does not parse it again;
         None for a stream.
     """
 
@@ -646,47 +648,6 @@ class _Turn:
 
     async def __aexit__(self, *exc: object) -> None:
         self._slots.release()
-
-
-def attemptBody(document: Mapping[str, Any], model: Model, outputCap: int | None = None) -> bytes:
-    """
-    The body sent to C{model}'s provider for the client's object
-    C{document}: C{model} replaced by its C{upstream_model}, a stream's
-    C{stream_options.include_usage} set, and, with C{outputCap}, that cap
-    (at most the model's own ceiling) under the model's C{cap_field}
-    (decisions D12, amended: a budget's worst case holds only if the
-    provider is told the cap it assumed). Every other key is kept.
-
-    The edge measures a budget's worst-case prompt with this very function,
-    so what is reserved for is the byte length of what is sent.
-    """
-    outgoing = dict(document)
-    outgoing["model"] = model.upstreamModel
-    if document.get("stream") is True:
-        options = outgoing.get("stream_options")
-        options = dict(options) if isinstance(options, dict) else {}
-        options["include_usage"] = True
-        outgoing["stream_options"] = options
-    if outputCap is not None:
-        outgoing[model.capField] = min(outputCap, model.outputCeiling)
-    return json.dumps(outgoing, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-
-
-def embeddingsBody(
-    document: Mapping[str, Any], model: Model, outputCap: int | None = None
-) -> bytes:
-    """
-    The body sent to C{model}'s provider for the client's embeddings object
-    C{document} (decisions D13): C{model} replaced by its C{upstream_model},
-    every other key kept. An embedding has no output, so no cap is ever
-    added (C{outputCap} is ignored).
-
-    A budget's worst case is measured with this very function, as a chat
-    completion's is with L{attemptBody}.
-    """
-    outgoing = dict(document)
-    outgoing["model"] = model.upstreamModel
-    return json.dumps(outgoing, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
 CHAT_COMPLETIONS = Operation(

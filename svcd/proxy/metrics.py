@@ -12,7 +12,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from svcd.common.metrics import BUCKETS, processUpGauge
-from svcd.providers.metrics import ProviderCallMetrics
+from svcd.metered.metrics import ProviderCallMetrics
 
 # Methods outside this set share one label value, so that a client
 # inventing methods cannot inflate the number of series.

@@ -26,7 +26,8 @@ The route (L{svcd.proxy.http.routes.chat}) asks two things of this module:
 The money (docs/design.rst, D13 "Context assembly"): the embedding reserves
 nothing of its own; the chat's reservation holds its worst case, and the
 chat's settlement counts what the embedding's row counts
-(L{Recall.charge}), so the budget counter holds it under the chat's
+(L{Recall.charge}: the one rule that bills an embedding,
+L{svcd.metered.embedder.embeddingCharge}), so the budget counter holds it under the chat's
 member until the chat's row is recorded.
 
 Memory content, like message content, is never logged nor put on a span.
@@ -48,21 +49,23 @@ from twisted.logger import Logger
 from svcd.common.clocks import Clock, asReactorTime
 from svcd.common.deferreds import timeoutDeferred
 from svcd.common.errors import ApiError
-from svcd.ledger.rows import CLIENT_GONE, OK, UPSTREAM_ERROR
 from svcd.limits.book import Applicable, LimitBook
 from svcd.limits.reservation import BYTES_PER_TOKEN, TOKENS_PER_MESSAGE, inputsEstimate
 from svcd.memory.client import MemoryCallFailed, MemoryClient, SearchBatches
 from svcd.memory.records import Embedding, Scope
-from svcd.pb.memory.v1 import memory_pb2
-from svcd.providers.embedder import (
+from svcd.metered.batches import EmbeddingBatches
+from svcd.metered.embedder import (
     Embedder,
-    EmbeddingBatches,
     EmbeddingCall,
+    embeddingCharge,
     embeddingRefusal,
     reserveTexts,
 )
+from svcd.metering.charges import CLIENT_GONE, OK, UPSTREAM_ERROR
+from svcd.metering.models import EMBEDDING, Model
+from svcd.pb.memory.v1 import memory_pb2
 from svcd.providers.records import UpstreamRecord
-from svcd.providers.table import EMBEDDING, TEXT, VECTOR, MemoryConfig, Model, ProviderTable
+from svcd.providers.table import TEXT, VECTOR, MemoryConfig, ProviderTable
 from svcd.proxy.http.steps import memorySubject, requestMemory
 
 # Decisions D13: the answer's header, N memories injected or "unavailable".
@@ -364,32 +367,6 @@ class Recall:
         return self.count or 0
 
 
-def embeddingCharge(
-    providers: ProviderTable,
-    model: Model,
-    record: UpstreamRecord,
-    outcome: str,
-    estimate: int,
-) -> tuple[int, int]:
-    """
-    The tokens and cost of an embedding's ledger row, as
-    L{svcd.ledger.rows.usageRow} counts them for the row
-    L{svcd.providers.embedder.accountEmbedding} records: the provider's
-    prompt tokens when usage came; nothing after a fault (an embeddings
-    answer has no first byte to fail after); else (cancelled) the texts'
-    estimate. At the price of the model that answered.
-    """
-    usage = record.usage
-    if usage is not None:
-        prompt, cached = usage.promptTokens, usage.cachedTokens
-    elif outcome == UPSTREAM_ERROR:
-        return 0, 0
-    else:
-        prompt, cached = estimate, 0
-    price = (providers.models.get(record.model or "") or model).price
-    return prompt, price.cost(prompt, cached, 0) if price is not None else 0
-
-
 class RecallMetrics(Protocol):
     def memoryRecall(self, outcome: str) -> None:
         """
@@ -530,13 +507,14 @@ class Recaller:
             # chat's settlement counts what the embedding's row counts
             # (no row in text mode, which embeds nothing).
             if plan.embeds and model is not None:
-                recall.charge = embeddingCharge(
+                charge = embeddingCharge(
                     self._embedder.providers,
                     model,
                     record,
                     embedOutcome[0] if embedOutcome else CLIENT_GONE,
                     inputsEstimate((query,)),
                 )
+                recall.charge = (charge.tokens, charge.cost)
             recall.milliseconds = (self._clock.seconds() - started) * 1000
             recall.embeddingMilliseconds = record.upstreamMilliseconds
         if recall.outcome is not None:

@@ -14,7 +14,7 @@ The worker holds no database connection. It works through:
     proxies (L{svcd.limits.limiter}), so that a worker's calls and the
     clients' requests are counted together;
   - the providers of the providers file's C{[memory]} table
-    (L{svcd.providers.upstream}, L{svcd.providers.embedder}).
+    (L{svcd.providers.upstream}, L{svcd.metered.embedder}).
 
 L{assembleWorker} returns the parts and the service that starts and stops
 them in order; the tap adds what only a real process does.
@@ -48,7 +48,7 @@ from svcd.limits.admission import Admission
 from svcd.limits.book import LimitBook
 from svcd.limits.limiter import RateLimiter, makeRateLimiter
 from svcd.memory.client import ClientTLS, MemoryClient, memoryChannel
-from svcd.providers.embedder import Embedder
+from svcd.metered.embedder import Embedder
 from svcd.providers.upstream import Forwarder
 from svcd.worker.config import WorkerConfig
 from svcd.worker.loop import ObservationLoop, leaseOwner

@@ -2,7 +2,7 @@
 The Prometheus series of svc-worker (decisions D13), on a registry of its
 own: what happened to each observation, how long it took, and the
 provider calls, limits and ledger rows behind it (the same series as
-svc-proxy's, under svc_worker_*: L{svcd.providers.metrics}).
+svc-proxy's, under svc_worker_*: L{svcd.metered.metrics}).
 
 Labels are fixed words, provider and model names from the providers file:
 never an org id, an agent id or content.
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from svcd.common.metrics import processUpGauge
-from svcd.providers.metrics import ProviderCallMetrics
+from svcd.metered.metrics import ProviderCallMetrics
 
 # What became of a claimed observation: its memories stored (DONE), nothing
 # worth remembering in it (EMPTY), refused by a limit or a budget and

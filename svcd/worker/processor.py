@@ -5,7 +5,7 @@ svc-worker does with each, and what it pays for each step.
   1. With an C{extraction_model}, a chat completion asks it for the
      memories (L{svcd.worker.extraction}); without one, the user's text is
      the one memory.
-  2. One embeddings call embeds them all (L{svcd.providers.embedder}, the
+  2. One embeddings call embeds them all (L{svcd.metered.embedder}, the
      gateway's own embeddings, as the proxy's recall makes them).
   3. For each, the scope's nearest memory at or above C{dedupe_score}
      takes the new content (same id), else it is added (source
@@ -53,7 +53,7 @@ from twisted.logger import Logger
 from svcd.common.clocks import Clock
 from svcd.common.errors import ApiError, ErrorCode
 from svcd.common.ids import uuid7Text
-from svcd.ledger.rows import CLIENT_GONE, EXTRACTION, OK, UPSTREAM_ERROR, UsageLedger, usageRow
+from svcd.ledger.rows import EXTRACTION, UsageLedger, usageRow
 from svcd.limits.admission import Admission
 from svcd.limits.book import Applicable
 from svcd.limits.records import Reservation
@@ -66,7 +66,7 @@ from svcd.memory.client import (
     MemoryUnavailable,
 )
 from svcd.memory.records import FORGOTTEN_DETAILS, Embedding, Scope
-from svcd.providers.embedder import (
+from svcd.metered.embedder import (
     NEVER_STREAMED,
     Embedder,
     EmbeddingCall,
@@ -75,8 +75,10 @@ from svcd.providers.embedder import (
     noErrorEvent,
     reserveTexts,
 )
+from svcd.metering.charges import CLIENT_GONE, OK, UPSTREAM_ERROR, chargeOf
+from svcd.metering.models import Model
 from svcd.providers.records import UpstreamRecord
-from svcd.providers.table import MemoryConfig, Model, ProviderTable
+from svcd.providers.table import MemoryConfig, ProviderTable
 from svcd.providers.upstream import CHAT_COMPLETIONS, Forwarder
 from svcd.worker.extraction import BadExtraction, Turn, extractionRequest, memoriesOf, userText
 from svcd.worker.lease import LeaseLost, ObservationLease
@@ -395,9 +397,7 @@ class ObservationProcessor:
                 upstreamModel=record.upstreamModel,
                 stream=False,
                 outcome=outcome,
-                usage=usage,
-                estimate=estimate,
-                price=answered.price,
+                charge=chargeOf(usage, outcome, estimate, answered.price),
                 startedAt=startedAt,
                 endedAt=self._clock.seconds(),
                 kind=EXTRACTION,

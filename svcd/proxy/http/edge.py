@@ -65,7 +65,8 @@ from svcd.limits.admission import Admission
 from svcd.limits.book import LimitBook
 from svcd.limits.limiter import RateLimiter
 from svcd.memory.client import MemoryClient, SearchBatches
-from svcd.providers.embedder import Embedder, EmbeddingBatches
+from svcd.metered.batches import EmbeddingBatches
+from svcd.metered.embedder import Embedder
 from svcd.providers.upstream import Forwarder
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.http.context import (

@@ -25,7 +25,7 @@ from svcd.common.errors import ApiError, ErrorCode
 from svcd.common.ids import uuid7Text
 from svcd.common.logbounds import loggedText
 from svcd.common.twistedprivate import clientGone
-from svcd.ledger.rows import CLIENT_GONE, OK, UPSTREAM_ERROR, UsageLedger, usageRow
+from svcd.ledger.rows import UsageLedger, usageRow
 from svcd.limits.admission import Admission
 from svcd.limits.book import Applicable
 from svcd.limits.reservation import (
@@ -35,8 +35,10 @@ from svcd.limits.reservation import (
     promptEstimate,
     reserve,
 )
-from svcd.providers.embedder import EmbeddingCall
-from svcd.providers.table import Model, ProviderTable
+from svcd.metered.embedder import EmbeddingCall
+from svcd.metering.charges import CLIENT_GONE, OK, UPSTREAM_ERROR, chargeOf
+from svcd.metering.models import Model
+from svcd.providers.table import ProviderTable
 from svcd.providers.upstream import Forwarder
 from svcd.proxy.http.chatbody import ChatRequest, parseChatBody
 from svcd.proxy.http.context import Reply, RequestContext
@@ -403,10 +405,13 @@ class ChatRoutes:
                 upstreamModel=upstream.upstreamModel,
                 stream=chat.stream,
                 outcome=outcome,
-                usage=usage,
-                afterFirstByte=upstream.brokenMidStream,
-                estimate=estimate,
-                price=answered.price,
+                charge=chargeOf(
+                    usage,
+                    outcome,
+                    estimate,
+                    answered.price,
+                    afterFirstByte=upstream.brokenMidStream,
+                ),
                 startedAt=ctx.started,
                 endedAt=self._clock.seconds(),
                 memories=_injected(ctx.recall),

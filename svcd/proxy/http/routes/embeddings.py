@@ -24,7 +24,7 @@ from svcd.common.clocks import Clock
 from svcd.common.errors import ApiError, ErrorCode
 from svcd.common.ids import uuid7Text
 from svcd.common.logbounds import loggedText
-from svcd.ledger.rows import CLIENT_GONE, OK, UPSTREAM_ERROR, UsageLedger
+from svcd.ledger.rows import UsageLedger
 from svcd.limits.admission import Admission
 from svcd.limits.book import Applicable
 from svcd.limits.reservation import (
@@ -33,15 +33,17 @@ from svcd.limits.reservation import (
     inputsEstimate,
     reserveEmbeddings,
 )
-from svcd.providers.embedder import (
+from svcd.metered.embedder import (
     NEVER_STREAMED,
     EmbeddingCall,
     accountEmbedding,
     ledgerFull,
     noErrorEvent,
 )
-from svcd.providers.table import EMBEDDING as EMBEDDING_MODEL
-from svcd.providers.table import Model, ProviderTable
+from svcd.metering.charges import CLIENT_GONE, OK, UPSTREAM_ERROR
+from svcd.metering.models import EMBEDDING as EMBEDDING_MODEL
+from svcd.metering.models import Model
+from svcd.providers.table import ProviderTable
 from svcd.providers.upstream import EMBEDDINGS, Forwarder
 from svcd.proxy.http.context import Reply, RequestContext
 from svcd.proxy.http.embeddingsbody import EmbeddingsRequest, parseEmbeddingsBody
@@ -200,7 +202,7 @@ class EmbeddingsRoutes:
         """
         Forward to the model's provider, then settle the reservation and
         record the usage row, however it ended (L{accountEmbedding}, which
-        the gateway's own embeddings share, L{svcd.providers.embedder}).
+        the gateway's own embeddings share, L{svcd.metered.embedder}).
         """
         ledger = self._ledger
         if ledger is not None and not ledger.hasRoom():

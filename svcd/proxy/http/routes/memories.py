@@ -2,7 +2,7 @@
 The memory routes of svc-proxy (decisions D13), on svc-memory: the edge
 establishes who calls (token, agent) and whose memories (the subject
 header, L{svcd.proxy.http.steps.memorySubject}), embeds what must be
-embedded (L{svcd.providers.embedder}: a ledger row of kind C{embedding}
+embedded (L{svcd.metered.embedder}: a ledger row of kind C{embedding}
 each) and asks svc-memory (L{svcd.memory.client}).
 
   - C{POST /v1/memories}: C{{"content", "metadata"?}} embedded and
@@ -79,9 +79,10 @@ from svcd.memory.records import (
     Scope,
     checkEmbedding,
 )
+from svcd.metered.embedder import Embedder, EmbeddingCall, embeddingRefusal, reserveTexts
+from svcd.metering.models import Model
 from svcd.pb.memory.v1 import memory_pb2
-from svcd.providers.embedder import Embedder, EmbeddingCall, embeddingRefusal, reserveTexts
-from svcd.providers.table import MemoryConfig, Model
+from svcd.providers.table import MemoryConfig
 from svcd.proxy.http.context import Reply, RequestContext, Step, jsonBody
 from svcd.proxy.http.memorybody import (
     Conversation,

@@ -26,7 +26,9 @@ settled and recorded alike, and alike with a client's own C{POST
     the provider's C{usage.prompt_tokens} at the price of the model that
     answered, released after a fault (D11, D12);
   - one ledger row of kind C{embedding} (D12, D13), with the request it
-    was made for as C{parent_request_id} when another request caused it.
+    was made for as C{parent_request_id} when another request caused it,
+    counting what L{embeddingCharge} says: the one rule that bills an
+    embedding, which a recall's chat settles by too.
 
 What the caller reserves beforehand is L{reserveTexts} (the texts' D11
 estimate; under a budget, the worst case of
@@ -35,7 +37,12 @@ admission step so that one request costs one Redis script call.
 
 Cancelling L{Embedder.embed} (a recall out of time, a client gone) cancels
 the forward; the row is then recorded C{client_gone}, like any cancelled
-forward's. It imports nothing of svc-proxy, so that svc-worker can use it.
+forward's.
+
+The metered call is above the three packages it joins: it imports the
+providers' client, the limits and the ledger, none of which imports it
+(nor each other). It imports nothing of svc-proxy, so that svc-worker can
+use it.
 """
 
 from __future__ import annotations
@@ -44,16 +51,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
-from twisted.internet.defer import CancelledError, Deferred, DeferredList
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IPushProducer
-from twisted.python.failure import Failure
 
 from svcd.common.clocks import Clock, asReactorTime
-from svcd.common.coalesce import Coalescer
-from svcd.common.deferreds import fireUnlessCalled
 from svcd.common.errors import ApiError, ErrorCode
 from svcd.common.ids import uuid7Text
-from svcd.ledger.rows import CLIENT_GONE, EMBEDDING, OK, UPSTREAM_ERROR, UsageLedger, usageRow
+from svcd.ledger.rows import EMBEDDING, UsageLedger, usageRow
 from svcd.limits.admission import Admission
 from svcd.limits.book import Applicable
 from svcd.limits.records import Reservation
@@ -62,8 +66,11 @@ from svcd.limits.reservation import (
     inputsEstimate,
     reserveEmbeddings,
 )
-from svcd.providers.records import UpstreamRecord, Usage
-from svcd.providers.table import Model, ProviderTable
+from svcd.metering.charges import CLIENT_GONE, OK, UPSTREAM_ERROR, Charge, chargeOf
+from svcd.metering.models import Model
+from svcd.metering.usage import Usage
+from svcd.providers.records import UpstreamRecord
+from svcd.providers.table import ProviderTable
 from svcd.providers.upstream import EMBEDDINGS, Forwarder
 from svcd.providers.vectors import vectorsOf
 
@@ -182,6 +189,38 @@ def embeddingRefusal(model: Model, budgeted: bool) -> ApiError | None:
     return embeddingsRefusal(embeddingsRequest(model, ()), model, budgeted)
 
 
+def answeredBy(providers: ProviderTable, record: UpstreamRecord, model: Model) -> Model:
+    """
+    The model whose price a call is billed at: the one that answered (on a
+    client's own C{POST /v1/embeddings}, perhaps a fallback of C{model}),
+    else C{model} itself (nothing answered).
+    """
+    return providers.models.get(record.model or "") or model
+
+
+def embeddingCharge(
+    providers: ProviderTable,
+    model: Model,
+    record: UpstreamRecord,
+    outcome: str,
+    estimate: int,
+) -> Charge:
+    """
+    The one rule that bills an embedding (decisions D12, D13), whoever made
+    it: what its ledger row counts (L{accountEmbedding}: the gateway's own
+    embeddings, the memory routes', a recall's, the worker's, and a
+    client's C{POST /v1/embeddings}) and what a chat that recalled settles
+    beside its own answer (L{svcd.proxy.recall}). The provider's prompt
+    tokens when usage came; nothing after a fault (an embeddings answer
+    has no first byte to fail after); else (cancelled, or an answer
+    without usage) the texts' C{estimate}, with no output estimated. At
+    the price of the model that answered (L{answeredBy}).
+    """
+    return chargeOf(
+        record.usage, outcome, (estimate, 0), answeredBy(providers, record, model).price
+    )
+
+
 def accountEmbedding(
     admission: Admission,
     ledger: UsageLedger | None,
@@ -203,13 +242,13 @@ def accountEmbedding(
     tokens at the price of the model that answered; released after a
     fault without usage; kept otherwise (a cancelled call: the limiter's
     lease ends it, and the row counts the C{estimate}, as the token limits
-    kept it). Then the row, of kind C{embedding}, with no completion
-    tokens, under C{call.ledgerID}.
+    kept it). Then the row, of kind C{embedding}, under C{call.ledgerID},
+    counting the call's L{embeddingCharge}.
 
     The caller gives up C{reservation}: it is settled here or never.
     """
     usage = record.usage
-    answered = providers.models.get(record.model or "") or model
+    answered = answeredBy(providers, record, model)
     if usage is not None:
         admission.settleUsage(
             reservation, usage, answered, call.orgID, call.requestID, call.ledgerID
@@ -231,9 +270,7 @@ def accountEmbedding(
             upstreamModel=record.upstreamModel,
             stream=False,
             outcome=outcome,
-            usage=usage,
-            estimate=(estimate, 0),
-            price=answered.price,
+            charge=embeddingCharge(providers, model, record, outcome, estimate),
             startedAt=startedAt,
             endedAt=endedAt,
             kind=EMBEDDING,
@@ -423,7 +460,8 @@ class Embedder:
         self, model: Model, texts: Sequence[SharedText], budgeted: bool = False
     ) -> list[Embedded]:
         """
-        Embed several callers' texts in one forward (L{EmbeddingBatches}),
+        Embed several callers' texts in one forward
+        (L{svcd.metered.batches.EmbeddingBatches}),
         each text recorded as its own call: one row each, under its own
         C{call}, with the provider's usage shared among the texts in
         proportion to their D11 estimates (L{apportioned}), so that the
@@ -594,157 +632,6 @@ def usageShares(usage: Usage | None, estimates: Sequence[int]) -> list[Usage | N
         Usage(promptTokens=part + fresh, completionTokens=0, cachedTokens=part)
         for part, fresh in zip(cached, uncached, strict=True)
     ]
-
-
-@attrs.define(eq=False)
-class _Queued:
-    """
-    A text of L{EmbeddingBatches}: its model and budget (its key, with its
-    organization), its caller's Deferred, when it was asked for (its row's
-    start when given up unsent), and once sent, its forward and the texts
-    that share it.
-    """
-
-    model: Model
-    budgeted: bool
-    shared: SharedText
-    result: Deferred[Embedded] = attrs.field(init=False)
-    startedAt: float = 0.0
-    forward: Deferred[Any] | None = None
-    batch: Sequence[_Queued] = ()
-
-
-class EmbeddingBatches:
-    """
-    Recalls' embeddings coalesced by organization (L{svcd.common.coalesce};
-    decisions D13, "Context assembly"): a text whose organization has fewer
-    than C{maxInFlight} embeddings in flight with its model is forwarded at
-    once, alone, as L{Embedder.embed} forwards it; those that come while it
-    has that many are forwarded together when one ends, one organization's
-    texts in one request (L{Embedder.embedEach}), each with its own row. A
-    busy proxy's recalls share an exchange with the provider, whose cost in
-    the proxy (a connection's request, its answer parsed) is a forward's.
-
-    Cancelling an embedding's Deferred (the recall's deadline, the client
-    gone) records its row at once (C{client_gone}) and fails it with
-    L{twisted.internet.defer.CancelledError}; its forward goes on for the
-    texts that share it, and is cancelled when none is left.
-
-    @param embedder: forwards and records.
-    @param maxInFlight: an organization's forwards in flight (by model)
-        before its texts wait to share one (C{SVC_MEMORY_RECALL_CALLS}).
-    @param maxBatch: the most texts of one forward.
-    """
-
-    def __init__(self, embedder: Embedder, maxInFlight: int = 1, maxBatch: int = 32) -> None:
-        self._embedder = embedder
-        self._coalescer: Coalescer[tuple[str, str, bool], _Queued] = Coalescer(
-            self._send, maxBatch, maxInFlight
-        )
-
-    @property
-    def providers(self) -> ProviderTable:
-        """
-        The embedder's providers file (what a recall prices its charge by).
-        """
-        return self._embedder.providers
-
-    def embed(
-        self,
-        model: Model,
-        texts: Sequence[str],
-        call: EmbeddingCall,
-        *,
-        budgeted: bool = False,
-        record: UpstreamRecord | None = None,
-    ) -> Deferred[Embedded]:
-        """
-        As L{Embedder.embed}, for one text and no reservation.
-        """
-        if len(texts) != 1:
-            raise ValueError("a batch's caller embeds one text")
-        if not call.ledgerID:
-            call = attrs.evolve(call, ledgerID=uuid7Text())
-        queued = _Queued(model, budgeted, SharedText(texts[0], call, record or UpstreamRecord()))
-        queued.result = Deferred(lambda _: self._cancelled(queued))
-        queued.startedAt = self._embedder.now()
-        self._coalescer.submit(_key(queued), queued)
-        return queued.result
-
-    def _cancelled(self, queued: _Queued) -> None:
-        # Deferred.cancel fails it with CancelledError after this.
-        if queued.forward is None:
-            self._coalescer.withdraw(_key(queued), queued)
-            self._embedder.giveUp(queued.model, queued.shared, queued.startedAt)
-        elif len(queued.batch) == 1:
-            # Alone: Embedder.embed's cancellation records its row.
-            queued.forward.cancel()
-        else:
-            self._embedder.giveUp(queued.model, queued.shared, queued.startedAt)
-            if all(each.shared.recorded for each in queued.batch):
-                queued.forward.cancel()
-
-    def _send(self, key: tuple[str, str, bool], batch: list[_Queued]) -> Deferred[Any]:
-        return self._forward(batch).addBoth(_forget, batch)
-
-    def _forward(self, batch: list[_Queued]) -> Deferred[Any]:
-        first = batch[0]
-        if len(batch) == 1:
-            forward = self._embedder.embed(
-                first.model,
-                (first.shared.text,),
-                first.shared.call,
-                budgeted=first.budgeted,
-                record=first.shared.record,
-            )
-            first.forward, first.batch = forward, batch
-            return forward.addBoth(fireUnlessCalled, first.result)
-        shared = Deferred.fromCoroutine(
-            self._embedder.embedEach(first.model, [each.shared for each in batch], first.budgeted)
-        )
-        for queued in batch:
-            queued.forward, queued.batch = shared, batch
-
-        def answered(embedded: list[Embedded]) -> None:
-            for queued, each in zip(batch, embedded, strict=True):
-                fireUnlessCalled(each, queued.result)
-
-        def failed(failure: Failure) -> Deferred[Any] | None:
-            if failure.check(RejectedTogether):
-                # Each again alone: one text's refusal is its own. The
-                # organization's next forward waits for these.
-                return DeferredList(
-                    [
-                        self._forward([queued]).addBoth(_forget, [queued])
-                        for queued in batch
-                        if not queued.result.called
-                    ]
-                )
-            for queued in batch:
-                fireUnlessCalled(failure, queued.result)
-            return None
-
-        return shared.addCallbacks(answered, failed)
-
-
-def _forget(result: object, batch: Sequence[_Queued]) -> object:
-    """
-    Cut the references between a forward's texts and the forward once it
-    has ended (each refers to its batch, which holds it): no cycle left
-    for the collector per recall.
-    """
-    for queued in batch:
-        queued.forward, queued.batch = None, ()
-    return result
-
-
-def _key(queued: _Queued) -> tuple[str, str, bool]:
-    """
-    What texts must share to share a forward: the model, the organization,
-    and whether a budget applies (which decides whether an unpriced model
-    is tried).
-    """
-    return (queued.model.name, queued.shared.call.orgID, queued.budgeted)
 
 
 class _NeverStreamed:

@@ -1,5 +1,5 @@
 """
-The gateway's own embeddings (decisions D13, L{svcd.providers.embedder}),
+The gateway's own embeddings (decisions D13, L{svcd.metered.embedder}),
 against the scripted upstream process: what is forwarded, the vectors
 decoded into float32 bytes, the reservation settled, the one ledger row of
 kind embedding (with its parent), faults as decisions D9 but never a
@@ -30,9 +30,10 @@ from svcd.limits.book import LimitBook, LimitsRow
 from svcd.limits.limiter import RedisRateLimiter
 from svcd.limits.records import Limits, Reservation
 from svcd.limits.reservation import inputsEstimate
-from svcd.providers.embedder import Embedder, EmbeddingCall, reserveTexts
+from svcd.metered.embedder import Embedder, EmbeddingCall, reserveTexts
+from svcd.metering.usage import Usage
 from svcd.providers.providersfile import providersFromEnvironment
-from svcd.providers.records import UpstreamRecord, Usage
+from svcd.providers.records import UpstreamRecord
 from svcd.providers.table import ProviderTable
 from svcd.providers.upstream import Answer, Forwarder
 from svcd.providers.vectors import decodeVectors

@@ -1,6 +1,6 @@
 """
 Recalls' embeddings coalesced by organization (decisions D13,
-L{svcd.providers.embedder.EmbeddingBatches} over L{Embedder.embedEach}),
+L{svcd.metered.batches.EmbeddingBatches} over L{Embedder.embedEach}),
 against the scripted upstream process and the real Embedder: texts that
 pile up while their organization's forward is in flight go together in one
 upstream request, each caller with its own vector, its own row under its
@@ -11,7 +11,7 @@ sharing a forward, and a forward every text gave up is cancelled; an
 upstream error or a full ledger fails every text of a shared forward.
 
 Embedder.embed itself (a text forwarded alone) is
-tests/test_providers_embedder.py's; Coalescer's rules with plain Deferreds
+tests/test_metered_embedder.py's; Coalescer's rules with plain Deferreds
 are tests/test_common_coalesce.py's.
 """
 
@@ -32,10 +32,12 @@ from svcd.limits.admission import Admission
 from svcd.limits.book import LimitBook
 from svcd.limits.limiter import RedisRateLimiter
 from svcd.limits.reservation import inputsEstimate
+from svcd.metered.batches import EmbeddingBatches
+from svcd.metered.embedder import Embedded, Embedder, EmbeddingCall
+from svcd.metering.usage import Usage
 from svcd.pb.auth.v1 import auth_pb2
-from svcd.providers.embedder import Embedded, Embedder, EmbeddingBatches, EmbeddingCall
 from svcd.providers.providersfile import providersFromEnvironment
-from svcd.providers.records import UpstreamRecord, Usage
+from svcd.providers.records import UpstreamRecord
 from svcd.providers.table import ProviderTable
 from svcd.providers.upstream import Forwarder
 from svcd.proxy.metrics import ProxyMetrics
@@ -137,7 +139,7 @@ class Harness:
 def harness(tmp_path: Path, scriptedUpstream: ScriptedUpstream) -> Iterator[Harness]:
     """
     The real Embedder, its Forwarder pointed at the scripted upstream, its
-    rows kept in a list (as tests/test_providers_embedder.py builds it).
+    rows kept in a list (as tests/test_metered_embedder.py builds it).
     """
     from twisted.internet import reactor
 

@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from svcd.common.metrics import Children
 
 if TYPE_CHECKING:
-    from svcd.providers.records import Usage
+    from svcd.metering.usage import Usage
 
 # A provider's answer takes seconds to minutes, not milliseconds.
 UPSTREAM_BUCKETS = (
