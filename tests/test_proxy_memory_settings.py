@@ -39,7 +39,7 @@ from svcd.limits.records import Budget, Limits, MemorySettings
 from svcd.pb.auth.v1 import auth_pb2
 from svcd.proxy.assembly import ProxyDaemon, assembleProxy
 from svcd.proxy.config import ProxyConfig
-from svcd.proxy.http.steps import MEMORY_HEADER, requestMemory
+from svcd.proxy.memoryheaders import MEMORY_HEADER, requestMemory
 from svcd.proxy.testing import MemoryCounters
 from svcd.testing.authservice import RunningAuthService
 
