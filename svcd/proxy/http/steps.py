@@ -1,10 +1,11 @@
 """
 The steps every route family of the edge shares (spec 4.1): the body's
 size and type, who calls (the bearer token and the agent, validated by
-svc-auth) and the per-minute limit of the organization and its agent.
-L{svcd.proxy.http.edge.ProxyEdge._routeTable} puts them in each route's
-order; a route family's own steps live in its module
-(L{svcd.proxy.http.routes}).
+svc-auth) and the per-minute limit of the organization and its agent,
+which reserves what a route says (L{Reserve}).
+L{svcd.proxy.http.edge.ProxyEdge._opening} puts them in their order for
+every route of a caller; a route family's own steps and what it reserves
+live in its module (L{svcd.proxy.http.routes}).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ _AGENT_HEADER = AGENT_HEADER.encode("ascii")
 # What a route reserves at its rate limit step: the tokens and the cost
 # (nano-dollars) of C{ctx} for organization C{orgID}.
 Reserve = Callable[[RequestContext, str], tuple[int, int]]
-NOTHING = (0, 0)
+_NOTHING = (0, 0)
 
 
 class CallerSteps:
@@ -132,7 +133,7 @@ class CallerSteps:
         async def rateLimit(ctx: RequestContext) -> None:
             orgID = ctx.orgID
             assert orgID is not None
-            tokens, cost = reserve(ctx, orgID) if reserve is not None else NOTHING
+            tokens, cost = reserve(ctx, orgID) if reserve is not None else _NOTHING
             reservation = await admission.admit(
                 orgID, ctx.agentID, ctx.responseHeaders, tokens, cost, ctx.ledgerID or None
             )
