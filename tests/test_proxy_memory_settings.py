@@ -29,6 +29,7 @@ from treq.testing import StubTreq
 from twisted.internet import threads
 from twisted.web.resource import Resource
 from twisted.web.server import Request
+from twisted.web.test.requesthelper import DummyChannel
 
 import svcd.limits.book
 from svcd.auth.store import Store
@@ -39,7 +40,12 @@ from svcd.limits.records import Budget, Limits, MemorySettings
 from svcd.pb.auth.v1 import auth_pb2
 from svcd.proxy.assembly import ProxyDaemon, assembleProxy
 from svcd.proxy.config import ProxyConfig
-from svcd.proxy.http.steps import MEMORY_HEADER, requestMemory
+from svcd.proxy.memoryheaders import (
+    MEMORY_HEADER,
+    MEMORY_SUBJECT_HEADER,
+    chatMemory,
+    requestMemory,
+)
 from svcd.proxy.testing import MemoryCounters
 from svcd.testing.authservice import RunningAuthService
 
@@ -317,6 +323,45 @@ async def test_anyOtherValueIsRefusedNamingTheHeader(values: tuple[str, ...]) ->
     assert body["error"]["field_errors"] == [
         {"field": "X-SVC-Memory", "code": "INVALID_ENUM", "message": "must be off when given"}
     ]
+
+
+def chatRequest(memory: list[bytes], subject: list[bytes]) -> Request:
+    """
+    A request with these X-SVC-Memory and X-SVC-Memory-Subject lines.
+    """
+    request = Request(DummyChannel())
+    if memory:
+        request.requestHeaders.setRawHeaders(MEMORY_HEADER.encode(), memory)
+    if subject:
+        request.requestHeaders.setRawHeaders(MEMORY_SUBJECT_HEADER.encode(), subject)
+    return request
+
+
+def test_aChatReadsItsMemoryHeadersInOnePlace() -> None:
+    """
+    L{chatMemory}, which the recall's plan and the observation's read: the
+    settings as L{requestMemory} gives them and the subject; a bad
+    X-SVC-Memory is the refusal whatever the subject, and a bad subject
+    is refused even with memory off for the request.
+    """
+    book = bookWith(MemorySettingsRow(ORG_ID, None, MemorySettings(recall=True, observe=OBS_ALL)))
+    assert chatMemory(chatRequest([], []), book, ORG_ID, AGENT_ID) == (True, OBS_ALL, "")
+    assert chatMemory(chatRequest([], [b"user-1"]), book, ORG_ID, AGENT_ID) == (
+        True,
+        OBS_ALL,
+        "user-1",
+    )
+    assert chatMemory(chatRequest([b"off"], [b"user-1"]), book, ORG_ID, AGENT_ID) == (
+        False,
+        OBS_OFF,
+        "user-1",
+    )
+    with pytest.raises(ApiError) as bothBad:
+        chatMemory(chatRequest([b"on"], [b"no spaces"]), book, ORG_ID, AGENT_ID)
+    assert [each.field for each in bothBad.value.fieldErrors] == [MEMORY_HEADER]
+    with pytest.raises(ApiError) as subjectBad:
+        chatMemory(chatRequest([b"off"], [b""]), book, ORG_ID, AGENT_ID)
+    assert [each.field for each in subjectBad.value.fieldErrors] == [MEMORY_SUBJECT_HEADER]
 
 
 # The whole way: svcctl, PostgreSQL, svc-auth, the proxy.

@@ -35,7 +35,7 @@ from svcd.proxy.http.memorybody import (
     parseSearchBody,
 )
 from svcd.proxy.http.routes.memories import conversationKey
-from svcd.proxy.http.steps import MEMORY_SUBJECT_HEADER, memorySubject
+from svcd.proxy.memoryheaders import MEMORY_SUBJECT_HEADER, memorySubject
 
 PINNED_CONVERSATION_KEY = (
     "conversation:bab197f2d4038a46c923c04b3ff3ac640e051e0ba10024b762bdc3639156b85a"

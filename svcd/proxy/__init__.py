@@ -3,14 +3,23 @@ svc-proxy, the public HTTP edge. Its subpackages follow a request's way
 through it, in the order of spec 4.1:
 
   - L{svcd.proxy.http}: the HTTP edge. C{site} guards the connection (body
-    bounds, parser refusals); C{edge} holds the global layers and the route
-    table, whose order reads off L{svcd.proxy.http.edge.ProxyEdge};
-    C{steps} the steps every route shares (the body, the caller, the
-    per-minute limit); C{routes} one module per route family (C{ops},
-    C{probes}, C{models}, C{chat}, C{embeddings}); C{context} is the
-    request's state along the steps; C{paths}, C{chatbody} and
-    C{embeddingsbody} are the rules for the path, the chat body and the
-    embeddings body (D13).
+    bounds, parser refusals); C{resource} routes each request and writes
+    its answer; C{edge} holds the global layers and the route table,
+    whose order reads off L{svcd.proxy.http.edge.ProxyEdge}; C{steps} the
+    steps every route shares (the body, the caller, the per-minute limit,
+    which reserves what a route says); C{routes} one module per route
+    family (C{ops}, C{probes}, C{models}, C{chat}, C{embeddings},
+    C{memories}); C{context} is the request's state along the steps and
+    the shapes of layers and steps; C{paths}, C{chatbody},
+    C{embeddingsbody} and C{memorybody} are the rules for the path and
+    the bodies (D13).
+  - Memory, below the edge (D13): C{memoryheaders} reads a request's
+    memory headers (C{X-SVC-Memory}, C{X-SVC-Memory-Subject}) for the
+    memory routes, recall and observation alike; C{recall} is a chat
+    completion's context assembly and C{observe} its observation. None of
+    them imports L{svcd.proxy.http}: the edge imports them, never the
+    reverse (tests/test_proxy_imports.py: no module of svcd.proxy imports
+    itself through others).
   - L{svcd.proxy.validation}: who calls. The validation client of
     svc-auth, the shared calls, the change feed, the known token ids and
     the cache that answers from memory while the feed is live (D8).

@@ -50,7 +50,7 @@ from svcd.limits.records import OBSERVE_OFF, OBSERVE_ON
 from svcd.memory.records import MAX_OBSERVED_MESSAGE_BYTES, MAX_OBSERVED_MESSAGES
 from svcd.pb.memory.v1 import memory_pb2
 from svcd.proxy.config import OBSERVATION_OUTBOX_MAX, OBSERVATION_OUTBOX_MB
-from svcd.proxy.http.steps import memorySubject, requestMemory
+from svcd.proxy.memoryheaders import chatMemory
 from svcd.proxy.recall import messageText
 
 __all__ = [
@@ -544,8 +544,7 @@ class Observer:
             C{X-SVC-Memory-Subject}, whatever the settings (the recall's
             plan has refused those already when memory is on).
         """
-        _, observe = requestMemory(request, self._book, orgID, agentID)
-        subject = memorySubject(request)
+        _, observe, subject = chatMemory(request, self._book, orgID, agentID)
         if observe == OBSERVE_OFF or agentID is None:
             return None
         if observe == OBSERVE_ON and not subject:

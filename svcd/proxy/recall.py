@@ -66,7 +66,7 @@ from svcd.metering.models import EMBEDDING, Model
 from svcd.pb.memory.v1 import memory_pb2
 from svcd.providers.records import UpstreamRecord
 from svcd.providers.table import TEXT, VECTOR, MemoryConfig, ProviderTable
-from svcd.proxy.http.steps import memorySubject, requestMemory
+from svcd.proxy.memoryheaders import chatMemory
 
 # Decisions D13: the answer's header, N memories injected or "unavailable".
 MEMORIES_HEADER = b"X-SVC-Memories"
@@ -422,8 +422,7 @@ class Recaller:
         @raise ApiError: 400 VALIDATION_ERROR for a bad C{X-SVC-Memory} or
             C{X-SVC-Memory-Subject}, whatever the settings.
         """
-        recall, _ = requestMemory(request, self._book, orgID, agentID)
-        subject = memorySubject(request)
+        recall, _, subject = chatMemory(request, self._book, orgID, agentID)
         if not recall or agentID is None:
             return None
         config = self._config

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import attrs
 from opentelemetry.trace import INVALID_SPAN, Span
@@ -24,11 +23,9 @@ from svcd.limits.records import Reservation
 from svcd.providers.records import UpstreamRecord
 from svcd.proxy.http.chatbody import ChatRequest
 from svcd.proxy.http.embeddingsbody import EmbeddingsRequest
+from svcd.proxy.observe import Observing
+from svcd.proxy.recall import Recall
 from svcd.proxy.records import AgentInfo, TokenInfo
-
-if TYPE_CHECKING:
-    from svcd.proxy.observe import Observing
-    from svcd.proxy.recall import Recall
 
 JSON = b"application/json"
 
@@ -135,6 +132,29 @@ class Pipeline:
 
     steps: Sequence[Step]
     handler: Handler
+
+
+@attrs.frozen
+class _Nested:
+    """
+    A layer bound to what it wraps.
+    """
+
+    layer: Layer
+    inner: Handler
+
+    def __call__(self, ctx: RequestContext) -> Awaitable[Reply]:
+        return self.layer(ctx, self.inner)
+
+
+def compose(layers: Sequence[Layer], innermost: Handler) -> Handler:
+    """
+    Nest C{layers} (outermost first) around C{innermost}, once, at start.
+    """
+    handler = innermost
+    for layer in reversed(layers):
+        handler = _Nested(layer, handler)
+    return handler
 
 
 # The methods of RFC 9110 and PATCH: the only ones a span is named after,

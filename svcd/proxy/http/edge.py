@@ -2,54 +2,36 @@
 The HTTP edge of svc-proxy: its routes and middleware (spec 4.1).
 
 Where to read the middleware order: L{ProxyEdge._globalLayers} lists the
-global layers, outermost first, and L{ProxyEdge._routeTable} every route
+global layers, outermost first, L{ProxyEdge._opening} the steps every
+route of a caller opens with, and L{ProxyEdge._routeTable} every route
 with the steps of each of its methods in the order they run. A step that
 raises L{ApiError} stops its route's chain there, so the precedence
 between errors is that order.
 
 This module keeps the global layers and the route table only. The steps
 every route shares (the body's bounds, the caller, the per-minute limit)
-are L{svcd.proxy.http.steps}; each route family's own steps and handlers
-are a module of L{svcd.proxy.http.routes}; what a forwarded request
+are L{svcd.proxy.http.steps}; each route family's own steps, what it
+reserves at the per-minute limit and its handlers are a module of
+L{svcd.proxy.http.routes}; what a forwarded request
 reserves, settles and records is the limits' and the ledger's
 (L{svcd.limits.admission}, L{svcd.limits.reservation},
 L{svcd.ledger.rows}). A new route family is a module there and its lines
 in the table, not methods here.
 
-Routing is a table lookup on the canonical path (L{svcd.proxy.http.paths}):
-every route takes every method, and every other path is the C{unmatched}
-route, so 404 and 405 are answered by our own chain (with the envelope,
-the headers, metrics and the access log).
-
-Why the edge does not route with Klein, as svc-auth still does (it once
-did): a request rendered by Klein sits in a reference cycle until the
-cycle collector finds it. C{KleinResource.render} makes a closure that
-refers to itself (C{processing_failed}, which holds the request;
-twisted/klein pull request 101, open since 2016) and
-werkzeug's matcher another (C{StateMachineMatcher.match._match}), so every
-request left some 50 objects for the collector, whose pauses then landed
-on the requests in flight (bench/README.rst, sixth round). Klein only
-matched paths for the edge, which answered everything through its own
-layers already; the canonical path leaves matching a dictionary lookup,
-and the edge writes its answers itself (L{ProxyEdge.render}). A finished
-request is freed by reference counting (tests/test_gc_cycles.py).
+Routing and writing the answer are the edge's resource's
+(L{svcd.proxy.http.resource.EdgeResource}), which runs every request
+through the chain of layers made here.
 """
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Awaitable, Mapping, Sequence
-from typing import Any
 
-import attrs
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.logger import Logger
-from twisted.python.failure import Failure
-from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource
-from twisted.web.server import NOT_DONE_YET, Request
-from zope.interface import implementer
+from twisted.web.server import Request
 
 from svcd.common.clocks import Clock, asReactorTime
 from svcd.common.errors import ApiError, ErrorCode, envelope
@@ -59,7 +41,6 @@ from svcd.common.logs import REQUEST_ID
 from svcd.common.permissions import Permission
 from svcd.common.readiness import Check
 from svcd.common.tracing import activate, deactivate, parentFromHeaders, untracedProvider
-from svcd.common.twistedprivate import clientGone
 from svcd.ledger.rows import UsageLedger
 from svcd.limits.admission import Admission
 from svcd.limits.book import LimitBook
@@ -78,52 +59,29 @@ from svcd.proxy.http.context import (
     RequestContext,
     Route,
     Step,
+    compose,
     jsonBody,
     newTraceID,
 )
 from svcd.proxy.http.memorybody import parseAddBody, parsePatchBody, parseSearchBody
-from svcd.proxy.http.paths import RouteTable, isCanonicalPath
+from svcd.proxy.http.resource import EdgeResource
 from svcd.proxy.http.routes.chat import ChatRoutes
 from svcd.proxy.http.routes.embeddings import EmbeddingsRoutes
 from svcd.proxy.http.routes.memories import MemoryRoutes, addTexts, changeTexts, searchTexts
 from svcd.proxy.http.routes.models import ModelRoutes
 from svcd.proxy.http.routes.ops import OperationsRoutes
 from svcd.proxy.http.routes.probes import ProbeRoutes
-from svcd.proxy.http.steps import CallerSteps, bearerToken
+from svcd.proxy.http.steps import CallerSteps, Reserve, bearerToken
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.observe import Observer
 from svcd.proxy.recall import Recaller
 from svcd.proxy.validation.client import AuthClient
 
 _UNMATCHED = "unmatched"
-_NO_PARAMS: Mapping[str, str] = {}
 # Not an HTTP status: the metrics code of a request whose client went away
 # before the answer (nginx's convention).
 _CLIENT_CLOSED = 499
 _SPAN_ERROR = Status(StatusCode.ERROR)
-
-
-@attrs.frozen
-class _Nested:
-    """
-    A layer bound to what it wraps.
-    """
-
-    layer: Layer
-    inner: Handler
-
-    def __call__(self, ctx: RequestContext) -> Awaitable[Reply]:
-        return self.layer(ctx, self.inner)
-
-
-def compose(layers: Sequence[Layer], innermost: Handler) -> Handler:
-    """
-    Nest C{layers} (outermost first) around C{innermost}, once, at start.
-    """
-    handler = innermost
-    for layer in reversed(layers):
-        handler = _Nested(layer, handler)
-    return handler
 
 
 class ProxyEdge:
@@ -178,8 +136,6 @@ class ProxyEdge:
         self._docsBase = config.errorDocsBase
         self._requestIDHeader = config.requestIDHeader.encode("ascii")
         self._traceIDHeader = config.traceIDHeader.encode("ascii")
-        self._inFlight = 0
-        self._idle: list[Deferred[None]] = []
 
         # The route families, each with what its routes read.
         admission = Admission(limiter, metrics, clock)
@@ -244,7 +200,7 @@ class ProxyEdge:
         self._chain = compose(self.layers, self.router)
         self.routes = self._routeTable()
         self.unmatched = Route(_UNMATCHED, {})
-        self._table = RouteTable((route.template, route) for route in self.routes)
+        self._resource = EdgeResource(self._chain, self.routes, self.unmatched)
 
     def _globalLayers(self) -> tuple[Layer, ...]:
         """
@@ -259,53 +215,64 @@ class ProxyEdge:
             self.accessLog,
         )
 
+    def _opening(
+        self,
+        permission: Permission | None = None,
+        reserve: Reserve | None = None,
+        body: bool = False,
+        matchPathOrg: bool = False,
+    ) -> tuple[Step, ...]:
+        """
+        Spec 4.1: how every route of a caller opens, in this order: the
+        body's size and type (a route that reads a C{body}), the bearer
+        token with the route's C{permission} (for the org-scoped probe, the
+        path org equal to the token's: C{matchPathOrg}), the agent, then
+        the per-minute limit, which also reserves what the route's
+        C{reserve} says (decisions D11, D12), in the same Redis call. The
+        steps are L{CallerSteps}'.
+        """
+        caller = self.caller
+        bounds = (caller.bodySizeLimit, caller.contentType) if body else ()
+        return (
+            *bounds,
+            caller.tokenAuth(permission, matchPathOrg),
+            caller.agentVerify,
+            caller.rateLimit(reserve),
+        )
+
     def _routeTable(self) -> tuple[Route, ...]:
         """
         Spec 4.1: each route's steps in order, then its handler. The first
         step to raise L{ApiError} answers, so this order is the precedence
-        between errors. The shared steps are L{CallerSteps}'; each route
-        family's own steps and handler are in its module
-        (L{svcd.proxy.http.routes}).
+        between errors. Every route of a caller opens with L{_opening};
+        each route family's own steps, what it reserves and its handler
+        are in its module (L{svcd.proxy.http.routes}).
         """
-        caller, ops, probes, chat = self.caller, self.ops, self.probes, self.chat
-        callerSteps = (caller.tokenAuth(), caller.agentVerify, caller.rateLimit)
-        chatCompletions = Pipeline(
-            steps=(
-                caller.bodySizeLimit,
-                caller.contentType,
-                caller.tokenAuth(Permission.ProxyChatCompletion),
-                caller.agentVerify,
-                chat.rateLimit,
-            ),
-            handler=chat.chatCompletions,
+        opening, ops, probes, chat, embeddings = (
+            self._opening,
+            self.ops,
+            self.probes,
+            self.chat,
+            self.embeddings,
         )
-        embeddings = self.embeddings
+        chatCompletions = Pipeline(
+            opening(Permission.ProxyChatCompletion, chat.reserve, body=True),
+            chat.chatCompletions,
+        )
         embeddingsRoute = Pipeline(
-            steps=(
-                caller.bodySizeLimit,
-                caller.contentType,
-                caller.tokenAuth(Permission.ProxyEmbeddings),
-                caller.agentVerify,
-                embeddings.rateLimit,
-            ),
-            handler=embeddings.embeddings,
+            opening(Permission.ProxyEmbeddings, embeddings.reserve, body=True),
+            embeddings.embeddings,
         )
         routes: tuple[Route, ...] = (
             Route("/health", {"GET": Pipeline((), ops.health)}),
             Route("/ready", {"GET": Pipeline((), ops.ready)}),
             Route("/metrics", {"GET": Pipeline((), ops.metricsPage)}),
-            Route("/v1/internal/auth-probe", {"GET": Pipeline(callerSteps, probes.authProbe)}),
+            Route("/v1/internal/auth-probe", {"GET": Pipeline(opening(), probes.authProbe)}),
             Route(
                 "/v1/orgs/{org_id}/auth-probe",
                 {
                     "GET": Pipeline(
-                        (
-                            probes.pathOrgID,
-                            caller.tokenAuth(matchPathOrg=True),
-                            caller.agentVerify,
-                            caller.rateLimit,
-                        ),
-                        probes.authProbe,
+                        (probes.pathOrgID, *opening(matchPathOrg=True)), probes.authProbe
                     )
                 },
             ),
@@ -315,7 +282,7 @@ class ProxyEdge:
             *self._memoryRoutes(),
         )
         if self.models is not None:
-            routes += (Route("/v1/models", {"GET": Pipeline(callerSteps, self.models.modelsList)}),)
+            routes += (Route("/v1/models", {"GET": Pipeline(opening(), self.models.modelsList)}),)
         return routes
 
     def _memoryRoutes(self) -> tuple[Route, ...]:
@@ -325,134 +292,55 @@ class ProxyEdge:
         and the rate limit, which reserves what a route embeds; a route
         with a body checks its size and type first, as chat does.
         """
-        caller, memory = self.caller, self.memory
-
-        def steps(permission: Permission, rateLimit: Step, body: bool = False) -> list[Step]:
-            bounds = [caller.bodySizeLimit, caller.contentType] if body else []
-            return [*bounds, caller.tokenAuth(permission), caller.agentVerify, rateLimit]
-
+        opening, memory = self._opening, self.memory
         read, write = Permission.MemoryRead, Permission.MemoryWrite
-        plain = caller.rateLimit
-        adding = memory.reservingRateLimit(parseAddBody, addTexts)
-        changing = memory.reservingRateLimit(parsePatchBody, changeTexts)
-        searching = memory.reservingRateLimit(parseSearchBody, searchTexts)
+        adding = memory.reserving(parseAddBody, addTexts)
+        changing = memory.reserving(parsePatchBody, changeTexts)
+        searching = memory.reserving(parseSearchBody, searchTexts)
         return (
             Route(
                 "/v1/memories",
                 {
-                    "POST": Pipeline(steps(write, adding, body=True), memory.add),
-                    "GET": Pipeline(steps(read, plain), memory.listMemories),
-                    "DELETE": Pipeline(steps(write, plain), memory.deleteScope),
+                    "POST": Pipeline(opening(write, adding, body=True), memory.add),
+                    "GET": Pipeline(opening(read), memory.listMemories),
+                    "DELETE": Pipeline(opening(write), memory.deleteScope),
                 },
             ),
             Route(
                 "/v1/memories/search",
-                {"POST": Pipeline(steps(read, searching, body=True), memory.search)},
+                {"POST": Pipeline(opening(read, searching, body=True), memory.search)},
             ),
             Route(
                 "/v1/memories/{id}",
                 {
-                    "GET": Pipeline(steps(read, plain), memory.getMemory),
-                    "PATCH": Pipeline(steps(write, changing, body=True), memory.change),
-                    "DELETE": Pipeline(steps(write, plain), memory.delete),
+                    "GET": Pipeline(opening(read), memory.getMemory),
+                    "PATCH": Pipeline(opening(write, changing, body=True), memory.change),
+                    "DELETE": Pipeline(opening(write), memory.delete),
                 },
             ),
         )
 
-    # Routing and writing the answer.
+    # Serving.
 
     def resource(self) -> IResource:
         """
         The Twisted Web resource serving every route.
         """
-        return _EdgeResource(self)
-
-    def routeOf(self, path: bytes) -> tuple[Route, Mapping[str, str]]:
-        """
-        The route of a canonical path (L{isCanonicalPath}) whose segments
-        are UTF-8 once percent-decoded, and its parameters, decoded;
-        L{unmatched} for every other path.
-        """
-        return self._table.routeOf(path) or (self.unmatched, _NO_PARAMS)
-
-    def render(self, request: IRequest, route: Route, params: Mapping[str, str]) -> int:
-        """
-        Answer C{request} for C{route}, through every layer and step, and
-        write the answer; C{NOT_DONE_YET} for Twisted Web.
-        """
-        # Twisted's Request is untyped; these few calls go through Any.
-        webRequest: Any = request
-        answer = Deferred.fromCoroutine(self._respond(webRequest, route, params))
-        if not answer.called:
-            # The client went away: the request's work stops.
-            webRequest.notifyFinish().addErrback(lambda _: answer.cancel())
-        return NOT_DONE_YET
-
-    async def _respond(self, webRequest: Any, route: Route, params: Mapping[str, str]) -> None:
-        ctx = RequestContext(webRequest, route, webRequest.method.decode("latin-1"), params)
-        try:
-            body = await self._answer(ctx)
-        except CancelledError:
-            return
-        except Exception:
-            # The layers answer every fault of a step; this is a fault of
-            # the edge itself. Twisted's own 500, as for any resource.
-            if not webRequest.finished and not clientGone(webRequest):
-                webRequest.processingFailed(Failure())
-            return
-        if not webRequest.finished and not clientGone(webRequest):
-            webRequest.write(body)
-            webRequest.finish()
-
-    async def _answer(self, ctx: RequestContext) -> bytes:
-        self._inFlight += 1
-        try:
-            reply = await self._chain(ctx)
-            if reply.streamed:
-                # Its status line, headers and body are written already.
-                return b""
-            request = ctx.request
-            request.setResponseCode(reply.status)
-            headers = request.responseHeaders
-            headers.setRawHeaders(b"Content-Type", [reply.contentType])
-            # A known length spares the chunked framing Twisted's
-            # Request.write would otherwise use.
-            headers.setRawHeaders(b"Content-Length", [b"%d" % len(reply.body)])
-            # Twisted's "Server: TwistedWeb/<version>" tells attackers too much.
-            headers.removeHeader(b"Server")
-            for name, value in reply.headers:
-                headers.addRawHeader(name, value)
-            return reply.body
-        finally:
-            self._inFlight -= 1
-            if not self._inFlight and self._idle:
-                waiting, self._idle = self._idle, []
-                for idle in waiting:
-                    idle.callback(None)
+        return self._resource
 
     @property
     def requestsInFlight(self) -> int:
         """
         How many requests are being answered now.
         """
-        return self._inFlight
+        return self._resource.requestsInFlight
 
     def whenIdle(self) -> Deferred[None]:
         """
         A Deferred that fires once no request is being answered; cancelling
         it (a stop's timeout) withdraws it.
         """
-
-        def withdraw(waiter: Deferred[None]) -> None:
-            if waiter in self._idle:
-                self._idle.remove(waiter)
-
-        idle: Deferred[None] = Deferred(withdraw)
-        if not self._inFlight:
-            idle.callback(None)
-        else:
-            self._idle.append(idle)
-        return idle
+        return self._resource.whenIdle()
 
     # Global layers, outermost first.
 
@@ -712,38 +600,3 @@ class ProxyEdge:
 def _loggedPath(request: Request) -> str:
     # The path without the query string, which may carry secrets.
     return loggedText(request.path.decode("latin-1"))
-
-
-@implementer(IResource)
-class _EdgeResource:
-    """
-    The resource of every path: the edge routes it and answers.
-
-    Whatever is not the canonical spelling of a route (decisions D10,
-    L{svcd.proxy.http.paths}), or not UTF-8 in its path segments or Host
-    once percent-decoded, is an unknown path: our 404.
-    """
-
-    isLeaf = True
-
-    def __init__(self, edge: ProxyEdge) -> None:
-        self._edge = edge
-
-    def getChildWithDefault(self, name: bytes, request: IRequest) -> IResource:
-        return self
-
-    def putChild(self, path: bytes, child: IResource) -> None:
-        raise NotImplementedError("the proxy's routes are fixed")
-
-    def render(self, request: IRequest) -> Any:
-        webRequest: Any = request
-        edge = self._edge
-        route, params = edge.unmatched, _NO_PARAMS
-        path = webRequest.path
-        if isCanonicalPath(path):
-            try:
-                webRequest.getRequestHostname().decode("utf-8")
-                route, params = edge.routeOf(path)
-            except UnicodeDecodeError:
-                pass
-        return edge.render(request, route, params)

@@ -1,40 +1,36 @@
 """
 The steps every route family of the edge shares (spec 4.1): the body's
 size and type, who calls (the bearer token and the agent, validated by
-svc-auth) and the per-minute limit of the organization and its agent.
-L{svcd.proxy.http.edge.ProxyEdge._routeTable} puts them in each route's
-order; a route family's own steps live in its module
-(L{svcd.proxy.http.routes}).
+svc-auth) and the per-minute limit of the organization and its agent,
+which reserves what a route says (L{Reserve}).
+L{svcd.proxy.http.edge.ProxyEdge._opening} puts them in their order for
+every route of a caller; a route family's own steps and what it reserves
+live in its module (L{svcd.proxy.http.routes}).
 """
 
 from __future__ import annotations
 
-import re
+from collections.abc import Callable
 from io import BytesIO
 from typing import IO
 
 from twisted.web.server import Request
 
-from svcd.common.errors import ApiError, ErrorCode, FieldError, FieldErrorCode, validationError
-from svcd.common.ids import canonicalUUID
+from svcd.common.errors import ApiError, ErrorCode
+from svcd.common.ids import canonicalUUID, uuid7Text
 from svcd.common.pat import isToken
 from svcd.common.permissions import Permission
 from svcd.limits.admission import Admission
-from svcd.limits.book import MEMORY_OFF, LimitBook
+from svcd.limits.book import Applicable
 from svcd.proxy.http.context import RequestContext, Step
 from svcd.proxy.validation.client import AGENT_HEADER, AuthClient, agentHeaderInvalid
 
 _AGENT_HEADER = AGENT_HEADER.encode("ascii")
 
-# Decisions D13: a request's own say over memory; "off" is its one value.
-MEMORY_HEADER = "X-SVC-Memory"
-_MEMORY_HEADER = MEMORY_HEADER.encode("ascii")
-
-# Decisions D13: whose memories within the agent (an end user the agent
-# serves); absent, the agent's own ("").
-MEMORY_SUBJECT_HEADER = "X-SVC-Memory-Subject"
-_MEMORY_SUBJECT_HEADER = MEMORY_SUBJECT_HEADER.encode("ascii")
-_SUBJECT = re.compile(rb"[A-Za-z0-9._:@-]{1,128}")
+# What a route reserves at its rate limit step: the tokens and the cost
+# (nano-dollars) of C{ctx} for organization C{orgID}.
+Reserve = Callable[[RequestContext, str], tuple[int, int]]
+_NOTHING = (0, 0)
 
 
 class CallerSteps:
@@ -122,44 +118,41 @@ class CallerSteps:
         ctx.agent = await self._auth.validateAgent(ctx.accessToken, agentID, token.orgID)
         ctx.agentID = agentID
 
-    async def rateLimit(self, ctx: RequestContext) -> None:
+    def rateLimit(self, reserve: Reserve | None = None) -> Step:
         """
         The step of the organization's per-minute limit (and its agent's,
         with limits rows): X-RateLimit-* on the answer whatever it is, 429
         RATE_LIMITED with Retry-After past the limit. A route that reserves
-        tokens and cost has a step of its own (the chat route's,
-        L{svcd.proxy.http.routes.chat.ChatRoutes.rateLimit}).
+        tokens and cost says what with C{reserve} (the chat route's,
+        L{svcd.proxy.http.routes.chat.ChatRoutes.reserve}), which also
+        makes the request's ledger key when it has one (C{ctx.ledgerID}):
+        the limit and the reservation are one call (decisions D11, D12).
         """
-        assert ctx.orgID is not None
-        reservation = await self._admission.admit(ctx.orgID, ctx.agentID, ctx.responseHeaders)
-        if reservation is not None:
-            ctx.reservation = reservation
+        admission = self._admission
+
+        async def rateLimit(ctx: RequestContext) -> None:
+            orgID = ctx.orgID
+            assert orgID is not None
+            tokens, cost = reserve(ctx, orgID) if reserve is not None else _NOTHING
+            reservation = await admission.admit(
+                orgID, ctx.agentID, ctx.responseHeaders, tokens, cost, ctx.ledgerID or None
+            )
+            if reservation is not None:
+                ctx.reservation = reservation
+
+        return rateLimit
 
 
-def memorySubject(request: Request) -> str:
+def forwardedLimits(ctx: RequestContext, admission: Admission, orgID: str) -> Applicable:
     """
-    The memory subject of a request (decisions D13): the header
-    C{X-SVC-Memory-Subject}, 1 to 128 characters of C{A-Za-z0-9._:@-}, or
-    "" without it. The memory routes and a chat completion's recall read
-    it alike.
-
-    @raise ApiError: 400 VALIDATION_ERROR naming the header for any other
-        value (empty, too long, another character, the header twice).
+    The limits that apply to a request that will be forwarded, and its
+    ledger key, made here, where it is admitted for forwarding (decisions
+    D12, amended); whether a budget applies to it is noted on C{ctx}.
     """
-    values = request.requestHeaders.getRawHeaders(_MEMORY_SUBJECT_HEADER)
-    if values is None:
-        return ""
-    if len(values) != 1 or _SUBJECT.fullmatch(values[0]) is None:
-        raise validationError(
-            [
-                FieldError(
-                    MEMORY_SUBJECT_HEADER,
-                    FieldErrorCode.INVALID_FORMAT,
-                    "must be 1 to 128 characters of A-Z, a-z, 0-9 and . _ : @ -",
-                )
-            ]
-        )
-    return values[0].decode("ascii")
+    ctx.ledgerID = uuid7Text()
+    applicable = admission.applicable(orgID, ctx.agentID)
+    ctx.budgeted = applicable.budgeted
+    return applicable
 
 
 def requestBody(request: Request) -> IO[bytes]:
@@ -204,41 +197,3 @@ def bearerToken(request: Request) -> str:
     if not isToken(token):
         raise ApiError(ErrorCode.INVALID_TOKEN)
     return token
-
-
-def memoryOff(request: Request) -> bool:
-    """
-    Whether the request turned memory off for itself with C{X-SVC-Memory:
-    off} (decisions D13). C{off} (in any case, with surrounding spaces)
-    is the header's one value: a request cannot turn on what its
-    organization and agent have off.
-
-    @raise ApiError: 400 VALIDATION_ERROR naming the header for any other
-        value, an empty one, or the header given twice.
-    """
-    values = request.requestHeaders.getRawHeaders(_MEMORY_HEADER)
-    if values is None:
-        return False
-    if len(values) == 1 and values[0].strip().lower() == b"off":
-        return True
-    raise validationError(
-        [FieldError(MEMORY_HEADER, FieldErrorCode.INVALID_ENUM, "must be off when given")]
-    )
-
-
-def requestMemory(
-    request: Request, book: LimitBook, orgID: str, agentID: str | None
-) -> tuple[bool, str]:
-    """
-    Whether memory is recalled for this request and how it is observed,
-    as C{(recall, observe mode)}: both off when the request says
-    C{X-SVC-Memory: off}, else its agent's and organization's settings
-    (L{LimitBook.memoryFor}).
-
-    @raise ApiError: 400 VALIDATION_ERROR for a bad C{X-SVC-Memory}
-        (L{memoryOff}), checked first, so that a request with a bad header
-        is refused whatever the settings.
-    """
-    if memoryOff(request):
-        return MEMORY_OFF
-    return book.memoryFor(orgID, agentID)

@@ -9,10 +9,12 @@ shared steps (L{svcd.proxy.http.steps}).
   - L{models}: GET /v1/models;
   - L{chat}: POST /v1/chat/completions, forwarded to a provider;
   - L{embeddings}: POST /v1/embeddings, forwarded to a provider (decisions
-    D13).
+    D13);
+  - L{memories}: the memory routes, on svc-memory (decisions D13).
 
-A new route family (/v1/memories, decisions D13) is a new
-module here and its lines in the route table; what it reserves, settles
-and records lives with the limits (L{svcd.limits}) and the ledger
-(L{svcd.ledger}).
+A new route family is a new module here and its lines in the route
+table, opened as every route of a caller is
+(L{svcd.proxy.http.edge.ProxyEdge._opening}), with what it reserves at the
+per-minute limit; how it reserves, settles and records lives with the
+limits (L{svcd.limits}) and the ledger (L{svcd.ledger}).
 """

@@ -22,7 +22,6 @@ from twisted.logger import Logger
 
 from svcd.common.clocks import Clock
 from svcd.common.errors import ApiError, ErrorCode
-from svcd.common.ids import uuid7Text
 from svcd.common.logbounds import loggedText
 from svcd.common.twistedprivate import clientGone
 from svcd.ledger.rows import UsageLedger, usageRow
@@ -42,7 +41,7 @@ from svcd.providers.table import ProviderTable
 from svcd.providers.upstream import Forwarder
 from svcd.proxy.http.chatbody import ChatRequest, parseChatBody
 from svcd.proxy.http.context import Reply, RequestContext
-from svcd.proxy.http.steps import bodyBytes
+from svcd.proxy.http.steps import bodyBytes, forwardedLimits
 from svcd.proxy.observe import Observer
 from svcd.proxy.recall import MEMORIES_HEADER, Recall, Recaller
 
@@ -52,8 +51,7 @@ StandardHeaders = Callable[[RequestContext, Reply], None]
 
 class ChatRoutes:
     """
-    The chat route's own step (its rate limit, which reserves) and its
-    handler.
+    What the chat route reserves at its rate limit, and its handler.
 
     @param providers: the providers file; None is Phase 1 (501).
     @param ledger: where each forwarded request's usage row goes.
@@ -91,44 +89,34 @@ class ChatRoutes:
         self._recaller = recaller
         self._observer = observer
 
-    async def rateLimit(self, ctx: RequestContext) -> None:
+    def reserve(self, ctx: RequestContext, orgID: str) -> tuple[int, int]:
         """
-        The chat route's rate limit (L{svcd.proxy.http.steps.CallerSteps.rateLimit})
-        that also reserves: the request gets its ledger key here, where it
-        is admitted for forwarding (decisions D12, amended), and reserves
-        its tokens when a token limit applies to it (D11) and its
-        worst-case cost when a budget does (D12). The body is parsed here
-        for that, once; a body that fails its rules (or names a cap past
-        its model's ceiling, or a model without a price under a budget)
-        reserves nothing, and its 400 still comes from the handler, after
-        the rate limit, in the spec's order.
+        What the chat route's rate limit reserves
+        (L{svcd.proxy.http.steps.CallerSteps.rateLimit}): the request gets
+        its ledger key here, where it is admitted for forwarding (decisions
+        D12, amended), and reserves its tokens when a token limit applies
+        to it (D11) and its worst-case cost when a budget does (D12). The
+        body is parsed here for that, once; a body that fails its rules (or
+        names a cap past its model's ceiling, or a model without a price
+        under a budget) reserves nothing, and its 400 still comes from the
+        handler, after the rate limit, in the spec's order.
 
         With memory configured (decisions D13), the recall is planned here
         too (L{Recaller.plan}: its settings, its headers, its query), and
         what it may add is part of the one reservation: the message of
         memories at its bound and the query's embedding.
         """
-        orgID = ctx.orgID
-        assert orgID is not None
-        tokens = 0
-        cost = 0
-        ledgerID = None
+        tokens = cost = 0
         providers = self._providers
         if providers is not None:
-            ledgerID = ctx.ledgerID = uuid7Text()
-            applicable = self._admission.applicable(orgID, ctx.agentID)
-            ctx.budgeted = applicable.budgeted
+            applicable = forwardedLimits(ctx, self._admission, orgID)
             if applicable.tokenLimited or applicable.budgeted or self._recaller is not None:
                 reserved = self._reserve(ctx, orgID, providers, applicable)
                 if reserved is not None:
                     prompt, cap, ctx.sentCap, cost, recallTokens = reserved
                     ctx.estimate = (prompt, cap)
                     tokens = prompt + cap + recallTokens
-        reservation = await self._admission.admit(
-            orgID, ctx.agentID, ctx.responseHeaders, tokens, cost, ledgerID
-        )
-        if reservation is not None:
-            ctx.reservation = reservation
+        return tokens, cost
 
     def _reserve(
         self, ctx: RequestContext, orgID: str, providers: ProviderTable, applicable: Applicable

@@ -22,7 +22,6 @@ from twisted.logger import Logger
 
 from svcd.common.clocks import Clock
 from svcd.common.errors import ApiError, ErrorCode
-from svcd.common.ids import uuid7Text
 from svcd.common.logbounds import loggedText
 from svcd.ledger.rows import UsageLedger
 from svcd.limits.admission import Admission
@@ -47,13 +46,13 @@ from svcd.providers.table import ProviderTable
 from svcd.providers.upstream import EMBEDDINGS, Forwarder
 from svcd.proxy.http.context import Reply, RequestContext
 from svcd.proxy.http.embeddingsbody import EmbeddingsRequest, parseEmbeddingsBody
-from svcd.proxy.http.steps import bodyBytes
+from svcd.proxy.http.steps import bodyBytes, forwardedLimits
 
 
 class EmbeddingsRoutes:
     """
-    The embeddings route's own step (its rate limit, which reserves) and
-    its handler.
+    What the embeddings route reserves at its rate limit, and its
+    handler.
 
     @param providers: the providers file; None answers 501, as chat does
         without one.
@@ -76,36 +75,26 @@ class EmbeddingsRoutes:
         self._admission = admission
         self._clock = clock
 
-    async def rateLimit(self, ctx: RequestContext) -> None:
+    def reserve(self, ctx: RequestContext, orgID: str) -> tuple[int, int]:
         """
-        The per-minute limit that also reserves, as the chat route's
-        (L{svcd.proxy.http.routes.chat.ChatRoutes.rateLimit}): the ledger
+        What the rate limit reserves, as the chat route's
+        (L{svcd.proxy.http.routes.chat.ChatRoutes.reserve}): the ledger
         key is made here, and the inputs' estimate is reserved when a
         token limit applies (D11), their worst-case cost when a budget
         does (D12). A body that fails its rules, or that its model cannot
         take, reserves nothing; its 400 comes from the handler, after the
         rate limit.
         """
-        orgID = ctx.orgID
-        assert orgID is not None
-        tokens = 0
-        cost = 0
-        ledgerID = None
+        tokens = cost = 0
         providers = self._providers
         if providers is not None:
-            ledgerID = ctx.ledgerID = uuid7Text()
-            applicable = self._admission.applicable(orgID, ctx.agentID)
-            ctx.budgeted = applicable.budgeted
+            applicable = forwardedLimits(ctx, self._admission, orgID)
             if applicable.tokenLimited or applicable.budgeted:
                 reserved = self._reserve(ctx, orgID, providers, applicable)
                 if reserved is not None:
                     tokens, cost = reserved
                     ctx.estimate = (tokens, 0)
-        reservation = await self._admission.admit(
-            orgID, ctx.agentID, ctx.responseHeaders, tokens, cost, ledgerID
-        )
-        if reservation is not None:
-            ctx.reservation = reservation
+        return tokens, cost
 
     def _reserve(
         self, ctx: RequestContext, orgID: str, providers: ProviderTable, applicable: Applicable

@@ -1,7 +1,7 @@
 """
 The memory routes of svc-proxy (decisions D13), on svc-memory: the edge
 establishes who calls (token, agent) and whose memories (the subject
-header, L{svcd.proxy.http.steps.memorySubject}), embeds what must be
+header, L{svcd.proxy.memoryheaders.memorySubject}), embeds what must be
 embedded (L{svcd.metered.embedder}: a ledger row of kind C{embedding}
 each) and asks svc-memory (L{svcd.memory.client}).
 
@@ -18,7 +18,7 @@ each) and asks svc-memory (L{svcd.memory.client}).
 Every route runs the token (MemoryRead to read and search, MemoryWrite to
 write), the agent and the rate limit, as every route; the routes that
 embed reserve the texts' estimate at that rate limit step
-(L{MemoryRoutes.reservingRateLimit}), so that a request is one Redis script
+(L{MemoryRoutes.reserving}), so that a request is one Redis script
 call, and under a budget their worst case. Then, in the handler: the
 subject header (400), the body or query (400), memory's configuration
 (501 MEMORY_NOT_CONFIGURED), then the work.
@@ -83,7 +83,7 @@ from svcd.metered.embedder import Embedder, EmbeddingCall, embeddingRefusal, res
 from svcd.metering.models import Model
 from svcd.pb.memory.v1 import memory_pb2
 from svcd.providers.table import MemoryConfig
-from svcd.proxy.http.context import Reply, RequestContext, Step, jsonBody
+from svcd.proxy.http.context import Reply, RequestContext, jsonBody
 from svcd.proxy.http.memorybody import (
     Conversation,
     MemoryChange,
@@ -96,7 +96,8 @@ from svcd.proxy.http.memorybody import (
     parsePatchBody,
     parseSearchBody,
 )
-from svcd.proxy.http.steps import bodyBytes, memorySubject
+from svcd.proxy.http.steps import Reserve, bodyBytes
+from svcd.proxy.memoryheaders import memorySubject
 from svcd.proxy.observe import endedAtText
 
 B = TypeVar("B")
@@ -165,8 +166,8 @@ def _badVectors() -> ApiError:
 
 class MemoryRoutes:
     """
-    The memory routes' own steps (their rate limit, which reserves what
-    they embed) and their handlers.
+    What the memory routes reserve at their rate limit (what they embed),
+    and their handlers.
 
     @param config: the providers file's C{[memory]} table, None when
         memory is off (then every route answers 501 MEMORY_NOT_CONFIGURED).
@@ -193,15 +194,14 @@ class MemoryRoutes:
         # svc-memory down or overloaded: every memory request notices.
         self._unavailable = ThrottledWarning(self.log, clock)
 
-    # Steps.
+    # What a route that embeds reserves.
 
-    def reservingRateLimit(
+    def reserving(
         self, parse: Callable[[bytes], B], textsOf: Callable[[B], Sequence[str]]
-    ) -> Step:
+    ) -> Reserve:
         """
-        The rate limit step of a route that embeds: the per-minute limit
-        that also reserves, as the embeddings route's
-        (L{svcd.proxy.http.routes.embeddings.EmbeddingsRoutes.rateLimit}):
+        What the rate limit of a route that embeds reserves, as the
+        embeddings route's (L{svcd.proxy.http.routes.embeddings.EmbeddingsRoutes.reserve}):
         when memory may embed for the caller and the body (read by
         C{parse}) has texts to embed (C{textsOf}), their estimate where a
         token limit applies, their worst-case cost where a budget does,
@@ -209,11 +209,8 @@ class MemoryRoutes:
         nothing; its 400 comes from the handler, after the rate limit.
         """
 
-        async def rateLimit(ctx: RequestContext) -> None:
-            orgID = ctx.orgID
-            assert orgID is not None
+        def reserve(ctx: RequestContext, orgID: str) -> tuple[int, int]:
             tokens = cost = 0
-            ledgerID = None
             model = self._embeddingModel(orgID)
             if model is not None:
                 try:
@@ -226,7 +223,7 @@ class MemoryRoutes:
                     applicable = self._admission.applicable(orgID, ctx.agentID)
                     ctx.budgeted = applicable.budgeted
                     if texts:
-                        ledgerID = ctx.ledgerID = uuid7Text()
+                        ctx.ledgerID = uuid7Text()
                         if embeddingRefusal(model, applicable.budgeted) is None and (
                             applicable.tokenLimited or applicable.budgeted
                         ):
@@ -235,13 +232,9 @@ class MemoryRoutes:
                                 texts, model, self._embedder.providers, orgID, applicable
                             )
                             ctx.estimate = (tokens, 0)
-            reservation = await self._admission.admit(
-                orgID, ctx.agentID, ctx.responseHeaders, tokens, cost, ledgerID
-            )
-            if reservation is not None:
-                ctx.reservation = reservation
+            return tokens, cost
 
-        return rateLimit
+        return reserve
 
     # What every handler starts with.
 
