@@ -189,8 +189,6 @@ class RedisRateLimiter:
 
     log = Logger()
 
-    log = Logger()
-
     def __init__(
         self,
         counters: RedisCounters,
@@ -217,7 +215,9 @@ class RedisRateLimiter:
         log = self.log
         unavailable = ThrottledWarning(log, clock, warnInterval)
         breaker = CircuitBreaker(clock, openSeconds)
-        self._members = BudgetMembers(counters, clock, unavailable, timeout, lease, recordGrace)
+        self._members = BudgetMembers(
+            counters, clock, unavailable, timeout=timeout, lease=lease, recordGrace=recordGrace
+        )
         self._reconciliation = Reconciliation(
             counters,
             clock,
@@ -226,10 +226,10 @@ class RedisRateLimiter:
             spend,
             unavailable,
             log,
-            timeout,
-            recordGrace,
-            reconcileInterval,
-            random,
+            timeout=timeout,
+            recordGrace=recordGrace,
+            interval=reconcileInterval,
+            random=random,
         )
         self._settlements = Settlements(
             counters,
@@ -237,9 +237,9 @@ class RedisRateLimiter:
             self._members,
             self._reconciliation,
             unavailable,
-            timeout,
-            openSeconds,
-            settleDelay,
+            timeout=timeout,
+            openSeconds=openSeconds,
+            settleDelay=settleDelay,
         )
         self._calls = SharedCalls(
             counters,
@@ -247,10 +247,10 @@ class RedisRateLimiter:
             breaker,
             self._settlements,
             log,
-            self._members.timing,
-            timeout,
-            openSeconds,
-            circuitOpen,
+            timing=self._members.timing,
+            timeout=timeout,
+            openSeconds=openSeconds,
+            circuitOpen=circuitOpen,
         )
         self._check = RequestCheck(
             counters,
@@ -261,10 +261,10 @@ class RedisRateLimiter:
             self._reconciliation,
             spend,
             unavailable,
-            timeout,
-            defaultRPM,
-            orgRPM,
-            unchecked,
+            timeout=timeout,
+            defaultRPM=defaultRPM,
+            orgRPM=orgRPM,
+            unchecked=unchecked,
         )
 
     @property
