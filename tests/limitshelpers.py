@@ -18,7 +18,7 @@ from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.task import Clock, deferLater
 
 from svcd.limits.book import BudgetRow, LimitBook
-from svcd.limits.limiter import budgetPeriod
+from svcd.limits.keys import budgetPeriod
 from svcd.limits.records import Budget
 from svcd.testing.servers import RedisServer
 

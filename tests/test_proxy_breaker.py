@@ -18,7 +18,8 @@ from twisted.internet.task import Clock
 from twisted.logger import capturedLogs
 
 from svcd.limits.breaker import CircuitBreaker, Permit
-from svcd.limits.limiter import RateDecision, RedisRateLimiter
+from svcd.limits.check import RateDecision
+from svcd.limits.limiter import RedisRateLimiter
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.testing import MemoryCounters
 

@@ -36,7 +36,10 @@ from twisted.internet.task import Clock
 
 from svcd.common.config import parseRedisURL
 from svcd.limits.book import LimitBook
-from svcd.limits.limiter import BUDGET, ORG, RateDecision, RedisLink, RedisRateLimiter
+from svcd.limits.check import RateDecision
+from svcd.limits.keys import BUDGET, ORG
+from svcd.limits.limiter import RedisRateLimiter
+from svcd.limits.link import RedisLink
 from svcd.limits.records import Budget, Reservation
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.metrics import ProxyMetrics
@@ -533,7 +536,7 @@ def test_renewalsEveryThirdOfALeaseInBoundedCalls(monkeypatch: pytest.MonkeyPatc
     the settled ones), in calls of a bounded number of members; a lost
     member is made again; nothing is renewed once all are settled.
     """
-    from svcd.limits import limiter as module
+    from svcd.limits import members as module
 
     monkeypatch.setattr(module, "_RENEWALS_PER_CALL", 2)
     counters = CountedRenewals()

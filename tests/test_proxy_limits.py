@@ -38,23 +38,10 @@ from twisted.internet.defer import Deferred, gatherResults
 from svcd.authclient.feed import limitsRowOf
 from svcd.common.config import parseRedisURL
 from svcd.limits.book import NO_LIMITS, Applicable, LimitBook, LimitsRow
-from svcd.limits.limiter import (
-    _ADMIT_SCRIPT,
-    AGENT,
-    BUDGET,
-    ORG,
-    REQUESTS,
-    TOKENS,
-    Counter,
-    LedgerWork,
-    RateDecision,
-    RedisLink,
-    RedisRateLimiter,
-    _admitArguments,
-    budgetPeriod,
-    packAdmitArguments,
-    parseAdmitReply,
-)
+from svcd.limits.check import RateDecision
+from svcd.limits.keys import AGENT, BUDGET, ORG, REQUESTS, TOKENS, Counter, budgetPeriod
+from svcd.limits.limiter import RedisRateLimiter
+from svcd.limits.link import RedisLink
 from svcd.limits.records import Budget, Limits, Reservation
 from svcd.limits.reservation import (
     DEFAULT_OUTPUT_CAP,
@@ -64,6 +51,13 @@ from svcd.limits.reservation import (
     outputCap,
     promptEstimate,
     reserveEmbeddings,
+)
+from svcd.limits.scripts import (
+    ADMIT_SCRIPT,
+    LedgerWork,
+    admitArguments,
+    packAdmitArguments,
+    parseAdmitReply,
 )
 from svcd.metering.bodies import embeddingsBody
 from svcd.metering.models import EMBEDDING, Model, Provider
@@ -644,7 +638,7 @@ def test_scriptAgreesWithItsTwin(
             )
             for counters, _ in batch
         ]
-        keys, arguments = _admitArguments(renamed)
+        keys, arguments = admitArguments(renamed)
 
         def indexOf(name: str, keys: list[str] = keys) -> int:
             if prefix + name not in keys:
@@ -664,7 +658,7 @@ def test_scriptAgreesWithItsTwin(
         inRedis = parseAdmitReply(
             _evalInRedis(
                 redisServer,
-                _ADMIT_SCRIPT,
+                ADMIT_SCRIPT,
                 keys,
                 [
                     packAdmitArguments(arguments),
@@ -703,9 +697,9 @@ def test_scriptCountsExactlyToWhatADoubleHolds(redisServer: RedisServer) -> None
     key = f"big:{uuid.uuid4()}"
     amount = 2**53 - 10
     counters = (Counter(key, amount, 2**53, REQUESTS, ORG), Counter(key, 1, 2**53, REQUESTS, ORG))
-    keys, arguments = _admitArguments([counters])
+    keys, arguments = admitArguments([counters])
     answer = parseAdmitReply(
-        _evalInRedis(redisServer, _ADMIT_SCRIPT, keys, [packAdmitArguments(arguments)])
+        _evalInRedis(redisServer, ADMIT_SCRIPT, keys, [packAdmitArguments(arguments)])
     )
     assert answer == [[0, amount, amount + 1]]
     assert counter(redisServer, key) == amount + 1

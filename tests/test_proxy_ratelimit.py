@@ -22,14 +22,10 @@ from twisted.logger import capturedLogs
 from twisted.python.failure import Failure
 
 from svcd.common.config import parseRedisURL
-from svcd.limits.limiter import (
-    KEY_TTL_SECONDS,
-    DisabledRateLimiter,
-    RateDecision,
-    RedisCounters,
-    RedisLink,
-    RedisRateLimiter,
-)
+from svcd.limits.check import RateDecision
+from svcd.limits.keys import KEY_TTL_SECONDS
+from svcd.limits.limiter import DisabledRateLimiter, RedisRateLimiter
+from svcd.limits.link import RedisCounters, RedisLink
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.http.edge import ProxyEdge
 from svcd.proxy.metrics import ProxyMetrics
@@ -423,7 +419,7 @@ def test_hitsWaitForTheCallInFlight() -> None:
     assert [hits for hits, _ in counters.calls] == [1, 3, 2]
     counters.answer(2)
     assert [remaining(each) for each in third] == [55, 54]
-    assert limiter._calls == {}
+    assert limiter._calls._byKey == {}
 
 
 def test_withdrawnHitsLeaveTheirPlace() -> None:

@@ -37,7 +37,7 @@ class LedgerSender:
     """
     Sends usage rows to svc-auth and asks it what has been spent: the
     L{svcd.ledger.outbox.UsageSender} of the outbox and the
-    L{svcd.limits.limiter.Spend} of the limiter (its L{getSpend}).
+    L{svcd.limits.reconciliation.Spend} of the limiter (its L{getSpend}).
 
     Neither call is retried here (the outbox retries a batch with its own
     backoff, the limiter asks again at its next admission) nor counted in

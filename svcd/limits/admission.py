@@ -28,7 +28,9 @@ from svcd.common.clocks import Clock
 from svcd.common.errors import ApiError, ErrorCode
 from svcd.common.logthrottle import ThrottledWarning
 from svcd.limits.book import Applicable
-from svcd.limits.limiter import BUDGET, ORG, RateDecision, RateLimiter
+from svcd.limits.check import RateDecision
+from svcd.limits.keys import BUDGET, ORG
+from svcd.limits.limiter import RateLimiter
 from svcd.limits.records import Reservation
 from svcd.metering.models import Model
 from svcd.metering.usage import Usage

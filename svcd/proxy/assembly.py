@@ -33,12 +33,8 @@ from svcd.ledger.journalfile import holdJournalLock
 from svcd.ledger.outbox import Outbox, UsageSender
 from svcd.ledger.sender import LedgerSender
 from svcd.limits.book import LimitBook
-from svcd.limits.limiter import (
-    RateLimiter,
-    RedisCounters,
-    RedisRateLimiter,
-    makeRateLimiter,
-)
+from svcd.limits.limiter import RateLimiter, RedisRateLimiter, makeRateLimiter
+from svcd.limits.link import RedisCounters
 from svcd.memory.client import DEFAULT_TIMEOUT, ClientTLS, MemoryClient, memoryChannel
 from svcd.providers.upstream import Forwarder
 from svcd.proxy.config import ProxyConfig
