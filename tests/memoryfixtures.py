@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 from svcd.auth.store import Store
 from svcd.memory.records import Embedding, MemoryRecord, Query, Scope, checkQuery
-from svcd.memory.store import APPLICATION_ROLE, MemoryStore, connectionPool
+from svcd.memory.store import MemoryStore
+from svcd.memory.store.base import APPLICATION_ROLE, connectionPool
 from svcd.testing.memoryservice import RunningMemoryService
 
 MODEL = "embed-test"

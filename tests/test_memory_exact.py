@@ -17,7 +17,7 @@ from memoryfixtures import vectorBytes
 
 from svcd.memory import exact
 from svcd.memory.exact import exactOfTwins, exactScores, twinAmong, twinsOf
-from svcd.memory.store import ScopeRows
+from svcd.memory.store.cacheloads import ScopeRows
 from svcd.memory.vectors import ScopeVectors, normalised
 
 

@@ -32,12 +32,9 @@ from svcd.memory.records import (
     QueuedObservation,
     Scope,
 )
-from svcd.memory.store import (
-    MemoryNotFound,
-    MemoryStore,
-    ObservationForgotten,
-    ObservationRelease,
-)
+from svcd.memory.store import MemoryStore
+from svcd.memory.store.base import MemoryNotFound, ObservationForgotten
+from svcd.memory.store.leases import ObservationRelease
 from svcd.pb.memory.v1 import memory_pb2
 from svcd.testing.memoryservice import RunningMemoryService
 

@@ -38,14 +38,9 @@ from svcd.memory.records import (
     QueuedObservation,
     Scope,
 )
-from svcd.memory.store import (
-    MemoryForbidden,
-    MemoryNotFound,
-    MemoryStore,
-    ObservationRelease,
-    ScopeFull,
-    _finishing,
-)
+from svcd.memory.store import MemoryStore
+from svcd.memory.store.base import MemoryForbidden, MemoryNotFound, ScopeFull
+from svcd.memory.store.leases import ObservationRelease, _finishing
 
 
 def add(

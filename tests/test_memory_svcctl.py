@@ -15,7 +15,8 @@ from memoryfixtures import embedding, query, scopeOf
 
 from svcd.auth.store import Store
 from svcd.memory.records import NewObservation, ObservedMessage, Scope
-from svcd.memory.store import MemoryStore, ObservationRelease
+from svcd.memory.store import MemoryStore
+from svcd.memory.store.leases import ObservationRelease
 from svcd.testing.memoryservice import RunningMemoryService
 
 

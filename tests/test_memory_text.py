@@ -21,7 +21,7 @@ from bm25reference import Document, bm25Ranking, fusedRanking, referenceWords
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from svcd.memory.store import CachedRow, ScopeRows, ScopeTexts
+from svcd.memory.store.cacheloads import CachedRow, ScopeRows, ScopeTexts
 from svcd.memory.text import ScopeText, TextKey, fuse
 from svcd.memory.vectors import CacheMetrics, Hit, Ranking, ScopeKey, ScopeVectors, VectorCache
 from svcd.memory.words import queryWords, words

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from memoryfixtures import vectorBytes
 
 from svcd.memory.search import usableCores
-from svcd.memory.store import CachedRow, ScopeRows
+from svcd.memory.store.cacheloads import CachedRow, ScopeRows
 from svcd.memory.vectors import (
     ROW_EXTRA_BYTES,
     SCOPE_OVERHEAD_BYTES,

@@ -45,7 +45,8 @@ from svcd.memory.grpcservice import (
 from svcd.memory.listener import MemoryListener
 from svcd.memory.recordcache import RecordCache
 from svcd.memory.search import Searcher
-from svcd.memory.store import MemoryStore, connectionPool
+from svcd.memory.store import MemoryStore
+from svcd.memory.store.base import connectionPool
 from svcd.memory.vectors import VectorCache
 from svcd.memory.web import MemoryOperationsSite, MemoryOperationsWeb
 

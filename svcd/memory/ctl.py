@@ -32,13 +32,9 @@ import psycopg
 
 from svcd.common.errors import rfc3339
 from svcd.memory.records import SUBJECT_PATTERN, MemoryRecord, Scope
-from svcd.memory.store import (
-    APPLICATION_ROLE,
-    MemoryForbidden,
-    MemoryNotFound,
-    MemoryStore,
-    ObservationJob,
-)
+from svcd.memory.store import MemoryStore
+from svcd.memory.store.base import APPLICATION_ROLE, MemoryForbidden, MemoryNotFound
+from svcd.memory.store.jobs import ObservationJob
 
 MAX_LIST = 1000
 

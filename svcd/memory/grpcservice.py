@@ -63,17 +63,17 @@ from svcd.memory.records import (
     checkUUID,
 )
 from svcd.memory.search import MODES, TEXT, VECTOR, Searcher
-from svcd.memory.store import (
+from svcd.memory.store import MemoryStore
+from svcd.memory.store.base import (
     MemoryForbidden,
     MemoryNotFound,
-    MemoryStore,
     ObservationForgotten,
-    ObservationRelease,
     ScopeFull,
     StoreRejected,
     StoreUnavailable,
     StoreValueRefused,
 )
+from svcd.memory.store.leases import ObservationRelease
 from svcd.memory.vectors import CacheMetrics
 from svcd.memory.wire import memoryMessage, searchAnswer, searchManyAnswer
 from svcd.pb.memory.v1 import memory_pb2

@@ -48,7 +48,7 @@ import numpy
 import numpy.typing
 
 from svcd.memory.ranking import Hit, Ranking, rankingOf
-from svcd.memory.store import CachedRow, ScopeTexts
+from svcd.memory.store.cacheloads import CachedRow, ScopeTexts
 from svcd.memory.vectors import SCOPE_OVERHEAD_BYTES
 from svcd.memory.words import queryWords, words
 

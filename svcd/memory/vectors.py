@@ -84,7 +84,7 @@ from svcd.memory.ranking import Hit as Hit
 from svcd.memory.ranking import Ranking as Ranking
 from svcd.memory.ranking import parallelProduct as parallelProduct
 from svcd.memory.ranking import rankingOf as rankingOf
-from svcd.memory.store import CachedRow, ScopeRows
+from svcd.memory.store.cacheloads import CachedRow, ScopeRows
 
 Floats = numpy.typing.NDArray[numpy.float32]
 
