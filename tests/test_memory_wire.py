@@ -20,8 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from memoryfixtures import memoryRecords
 
+from svcd.memory.exact import normalised
 from svcd.memory.records import InvalidMemory, MemoryRecord, checkEmbedding, checkQuery
-from svcd.memory.vectors import normalised
 from svcd.memory.wire import encodedMemory, memoryMessage, searchAnswer, searchResponse
 from svcd.pb.memory.v1 import memory_pb2
 

@@ -47,7 +47,7 @@ from svcd.memory.recordcache import RecordCache
 from svcd.memory.search import Searcher
 from svcd.memory.store import MemoryStore
 from svcd.memory.store.base import connectionPool
-from svcd.memory.vectors import VectorCache
+from svcd.memory.vectorcache import VectorCache
 from svcd.memory.web import MemoryOperationsSite, MemoryOperationsWeb
 
 

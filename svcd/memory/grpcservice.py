@@ -74,7 +74,7 @@ from svcd.memory.store.base import (
     StoreValueRefused,
 )
 from svcd.memory.store.leases import ObservationRelease
-from svcd.memory.vectors import CacheMetrics
+from svcd.memory.vectorcache import CacheMetrics
 from svcd.memory.wire import memoryMessage, searchAnswer, searchManyAnswer
 from svcd.pb.memory.v1 import memory_pb2
 

@@ -1,7 +1,7 @@
 """
 svc-memory's change listener: one thread with its own PostgreSQL
 connection, LISTENing on svc_memory_changes (sql/0009_memory.sql), keeping
-the replica's caches, of vectors (L{svcd.memory.vectors.VectorCache}) and
+the replica's caches, of vectors (L{svcd.memory.vectorcache.VectorCache}) and
 of records (L{svcd.memory.recordcache.RecordCache}), current with what
 every replica, and svcctl, adds, changes and deletes.
 
@@ -66,7 +66,7 @@ from svcd.memory.followed import LEASE_SECONDS, FollowedCache
 from svcd.memory.recordcache import RecordCache
 from svcd.memory.store import MemoryStore
 from svcd.memory.store.base import APPLICATION_ROLE, StoreUnavailable
-from svcd.memory.vectors import VectorCache
+from svcd.memory.vectorcache import VectorCache
 
 CHANNEL = "svc_memory_changes"
 

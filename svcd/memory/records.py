@@ -74,7 +74,7 @@ class Query:
     A search's query (L{checkQuery}): the model that made it, and its
     vector scaled to length 1 as a float32 array, which is all a search
     compares. Scaled by the rule of the cached rows
-    (L{svcd.memory.vectors.normalisedRows}), bit for bit.
+    (L{svcd.memory.exact.normalisedRows}), bit for bit.
     """
 
     model: str
