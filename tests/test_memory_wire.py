@@ -21,8 +21,9 @@ from hypothesis import strategies as st
 from memoryfixtures import memoryRecords
 
 from svcd.memory.exact import normalised
-from svcd.memory.records import InvalidMemory, MemoryRecord, checkEmbedding, checkQuery
+from svcd.memory.records import MemoryRecord, checkQuery
 from svcd.memory.wire import encodedMemory, memoryMessage, searchAnswer, searchResponse
+from svcd.memoryclient.records import InvalidMemory, checkEmbedding
 from svcd.pb.memory.v1 import memory_pb2
 
 records = memoryRecords

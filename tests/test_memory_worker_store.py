@@ -24,7 +24,7 @@ from memoryfixtures import MODEL, embedding, scopeOf, secondAgent, vectorBytes
 from svcd.auth.store import Store
 from svcd.memory.extracted import Plan, RecentRow
 from svcd.memory.ranking import Hit
-from svcd.memory.records import Embedding, Scope
+from svcd.memoryclient.records import Embedding, Scope
 from svcd.pb.memory.v1 import memory_pb2
 from svcd.testing.memoryservice import RunningMemoryService
 

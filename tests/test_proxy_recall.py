@@ -26,8 +26,9 @@ from svcd.common.errors import ApiError
 from svcd.limits.book import LimitBook, MemorySettingsRow
 from svcd.limits.records import MemorySettings
 from svcd.limits.reservation import promptEstimate
-from svcd.memory.client import MemoryClient, MemoryUnavailable
-from svcd.memory.records import Scope
+from svcd.memoryclient.client import MemoryClient
+from svcd.memoryclient.errors import MemoryUnavailable
+from svcd.memoryclient.records import Scope
 from svcd.pb.memory.v1 import memory_pb2
 from svcd.providers.embedder import Embedded, Embedder, EmbeddingCall
 from svcd.providers.prices import Price

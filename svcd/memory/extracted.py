@@ -35,7 +35,8 @@ import attrs
 import numpy
 
 from svcd.memory.ranking import Hit
-from svcd.memory.records import Embedding, MemoryRecord, Scope
+from svcd.memory.records import MemoryRecord
+from svcd.memoryclient.records import Embedding, Scope
 
 # How far before the cache was asked the plan reads the scope's recent
 # writes from PostgreSQL: D13's second of cache lag, with room for a

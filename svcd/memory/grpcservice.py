@@ -40,19 +40,12 @@ from svcd.auth.admission import AdmissionInterceptor, Bounds, RefusalLog
 from svcd.common.errors import rfc3339
 from svcd.common.grpcserver import HostedGrpcServer, ServerTLS, buildGrpcServer
 from svcd.common.metrics import BUCKETS, Children
-from svcd.memory.client import MAX_SEARCHES_PER_CALL
 from svcd.memory.extracted import RECENT_WINDOW, OtherScope, Plan
 from svcd.memory.records import (
-    FORBIDDEN_DETAILS,
-    FORGOTTEN_DETAILS,
     MAX_REASON_CHARACTERS,
     OTHER_LENGTH,
-    Embedding,
-    InvalidMemory,
     NewObservation,
-    Scope,
     checkContent,
-    checkEmbedding,
     checkEndedAt,
     checkMetadata,
     checkObservedMessages,
@@ -76,6 +69,15 @@ from svcd.memory.store.base import (
 from svcd.memory.store.leases import ObservationRelease
 from svcd.memory.vectorcache import CacheMetrics
 from svcd.memory.wire import memoryMessage, searchAnswer, searchManyAnswer
+from svcd.memoryclient.records import (
+    FORBIDDEN_DETAILS,
+    FORGOTTEN_DETAILS,
+    MAX_SEARCHES_PER_CALL,
+    Embedding,
+    InvalidMemory,
+    Scope,
+    checkEmbedding,
+)
 from svcd.pb.memory.v1 import memory_pb2
 
 SERVICE_NAME = "svc.memory.v1.MemoryService"

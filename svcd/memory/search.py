@@ -27,12 +27,13 @@ from svcd.memory.config import DEFAULT_PARALLEL_ROWS, PARALLEL_DIMENSIONS
 from svcd.memory.exact import normalised
 from svcd.memory.ranking import Hit, Ranking, parallelProduct
 from svcd.memory.recordcache import RecordCache
-from svcd.memory.records import OTHER_LENGTH, Embedding, InvalidMemory, Query, Scope
+from svcd.memory.records import OTHER_LENGTH, Query
 from svcd.memory.store import MemoryStore
 from svcd.memory.text import FUSED_DEPTH, ScopeText, TextKey, fuse
 from svcd.memory.vectorcache import ScopeKey, VectorCache
 from svcd.memory.vectors import ScopeVectors
 from svcd.memory.wire import encodedMemory
+from svcd.memoryclient.records import Embedding, InvalidMemory, Scope
 
 # How a search ranks (decisions D13, "Hybrid search").
 VECTOR = "vector"

@@ -37,7 +37,8 @@ from svcd.limits.limiter import (
     RedisRateLimiter,
     makeRateLimiter,
 )
-from svcd.memory.client import DEFAULT_TIMEOUT, ClientTLS, MemoryClient, memoryChannel
+from svcd.memoryclient.channel import ClientTLS, memoryChannel
+from svcd.memoryclient.client import DEFAULT_TIMEOUT, MemoryClient
 from svcd.providers.upstream import Forwarder
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.http.edge import ProxyEdge

@@ -45,7 +45,7 @@ from svcd.ledger.journalfile import MEMORY_JOURNAL_MAGIC
 from svcd.ledger.outbox import OutboxWords, UsageJournal, UsageOutbox
 from svcd.limits.book import LimitBook
 from svcd.limits.records import OBSERVE_OFF, OBSERVE_ON
-from svcd.memory.records import MAX_OBSERVED_MESSAGE_BYTES, MAX_OBSERVED_MESSAGES
+from svcd.memoryclient.records import MAX_OBSERVED_MESSAGE_BYTES, MAX_OBSERVED_MESSAGES
 from svcd.pb.memory.v1 import memory_pb2
 from svcd.proxy.config import OBSERVATION_OUTBOX_MAX, OBSERVATION_OUTBOX_MB
 from svcd.proxy.http.steps import memorySubject, requestMemory

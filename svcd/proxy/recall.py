@@ -51,8 +51,10 @@ from svcd.common.errors import ApiError
 from svcd.ledger.rows import CLIENT_GONE, OK, UPSTREAM_ERROR
 from svcd.limits.book import Applicable, LimitBook
 from svcd.limits.reservation import BYTES_PER_TOKEN, TOKENS_PER_MESSAGE, inputsEstimate
-from svcd.memory.client import MemoryCallFailed, MemoryClient, SearchBatches
-from svcd.memory.records import Embedding, Scope
+from svcd.memoryclient.batches import SearchBatches
+from svcd.memoryclient.client import MemoryClient
+from svcd.memoryclient.errors import MemoryCallFailed
+from svcd.memoryclient.records import Embedding, Scope
 from svcd.pb.memory.v1 import memory_pb2
 from svcd.providers.embedder import (
     Embedder,

@@ -46,7 +46,8 @@ from svcd.ledger.sender import LedgerSender
 from svcd.limits.admission import Admission
 from svcd.limits.book import LimitBook
 from svcd.limits.limiter import RateLimiter, makeRateLimiter
-from svcd.memory.client import ClientTLS, MemoryClient, memoryChannel
+from svcd.memoryclient.channel import ClientTLS, memoryChannel
+from svcd.memoryclient.client import MemoryClient
 from svcd.providers.embedder import Embedder
 from svcd.providers.upstream import Forwarder
 from svcd.worker.config import WorkerConfig

@@ -12,9 +12,10 @@ from collections.abc import Iterable, Mapping
 
 import attrs
 
-from svcd.memory.records import MemoryRecord, Scope
+from svcd.memory.records import MemoryRecord
 from svcd.memory.store.base import BaseStore, Cursor
 from svcd.memory.store.memories import MEMORY_COLUMNS, memoryRecord, newestLength
+from svcd.memoryclient.records import Scope
 
 
 @attrs.frozen

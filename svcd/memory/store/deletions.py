@@ -10,8 +10,8 @@ import uuid
 from typing import Any
 
 from svcd.memory.forgetting import recordDeletion
-from svcd.memory.records import Scope
 from svcd.memory.store.base import BaseStore, Cursor, refuse
+from svcd.memoryclient.records import Scope
 
 
 class DeletionsStore(BaseStore):

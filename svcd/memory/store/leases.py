@@ -17,7 +17,7 @@ import attrs
 from svcd.common.ids import uuid7
 from svcd.memory.extracted import OtherScope, Plan, Stored, recentRows, updateExtracted
 from svcd.memory.forgetting import forgottenSince
-from svcd.memory.records import EXTRACTED, Embedding, MemoryRecord, Scope
+from svcd.memory.records import EXTRACTED, MemoryRecord
 from svcd.memory.store.base import (
     BaseStore,
     Cursor,
@@ -29,6 +29,7 @@ from svcd.memory.store.base import (
     refuse,
 )
 from svcd.memory.store.memories import MEMORY_COLUMNS, checkLength, lockScope, memoryRecord
+from svcd.memoryclient.records import Embedding, Scope
 
 
 @attrs.frozen

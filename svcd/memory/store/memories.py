@@ -14,14 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from svcd.common.ids import uuid7
-from svcd.memory.records import (
-    EXTRACTED,
-    OTHER_LENGTH,
-    Embedding,
-    InvalidMemory,
-    MemoryRecord,
-    Scope,
-)
+from svcd.memory.records import EXTRACTED, OTHER_LENGTH, MemoryRecord
 from svcd.memory.store.base import (
     BaseStore,
     Cursor,
@@ -30,6 +23,7 @@ from svcd.memory.store.base import (
     oneRow,
     refuse,
 )
+from svcd.memoryclient.records import Embedding, InvalidMemory, Scope
 
 # An arbitrary constant naming "a memory scope" in the key of the
 # advisory lock that serialises adds to one scope (L{MemoriesStore.add}).

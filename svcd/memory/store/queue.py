@@ -15,15 +15,14 @@ from collections.abc import Sequence
 from svcd.common.ids import uuid7
 from svcd.memory.forgetting import FORGOTTEN, forgottenAmong, lockAgents
 from svcd.memory.records import (
-    QUEUE_FULL,
     ClaimedObservation,
     NewObservation,
     QueuedObservation,
-    Scope,
     messagesFromJSON,
     messagesJSON,
 )
 from svcd.memory.store.base import BaseStore, Cursor, StoreUnavailable, oneRow
+from svcd.memoryclient.records import QUEUE_FULL, Scope
 
 # An arbitrary constant naming "an organization's queue of observations"
 # in the key of the advisory lock that makes its queue calls take turns

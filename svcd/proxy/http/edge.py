@@ -64,7 +64,8 @@ from svcd.ledger.rows import UsageLedger
 from svcd.limits.admission import Admission
 from svcd.limits.book import LimitBook
 from svcd.limits.limiter import RateLimiter
-from svcd.memory.client import MemoryClient, SearchBatches
+from svcd.memoryclient.batches import SearchBatches
+from svcd.memoryclient.client import MemoryClient
 from svcd.providers.embedder import Embedder, EmbeddingBatches
 from svcd.providers.upstream import Forwarder
 from svcd.proxy.config import ProxyConfig

@@ -31,7 +31,7 @@ import attrs
 
 from svcd.common.errors import FieldError, FieldErrorCode, validationError
 from svcd.common.ids import canonicalUUID
-from svcd.memory.records import (
+from svcd.memoryclient.records import (
     MAX_CONTENT_CHARACTERS,
     MAX_METADATA_BYTES,
     MAX_OBSERVED_MESSAGE_BYTES,

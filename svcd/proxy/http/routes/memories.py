@@ -62,16 +62,16 @@ from svcd.common.ids import uuid7Text
 from svcd.common.logbounds import loggedText
 from svcd.common.logthrottle import ThrottledWarning
 from svcd.limits.admission import Admission
-from svcd.memory.client import (
+from svcd.memoryclient.client import MemoryClient
+from svcd.memoryclient.errors import (
     MemoryCallFailed,
-    MemoryClient,
     MemoryForbidden,
     MemoryFull,
     MemoryInvalid,
     MemoryNotFound,
     MemoryUnavailable,
 )
-from svcd.memory.records import (
+from svcd.memoryclient.records import (
     QUEUE_FULL,
     Embedding,
     InvalidMemory,
