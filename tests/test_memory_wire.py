@@ -5,7 +5,7 @@ bytes, equals one built from the records' fields (svcd/memory/wire.py);
 the embedding's check by one sum of squares accepts and refuses exactly
 the vectors the two passes (finiteness, then the norm) did, and a query's
 check scales it to the very bits a cached row of it has
-(svcd/memory/records.py).
+(svcd/memoryclient/records.py, svcd/memory/records.py).
 """
 
 from __future__ import annotations
