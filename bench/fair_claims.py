@@ -97,7 +97,7 @@ COUNT = (
 
 def timeCount(dsn: str, orgID: uuid.UUID, repeat: int, plan: bool = False) -> list[float]:
     """
-    Queueing's count (svcd.memory.store._room) as svc_memory_app, under
+    Queueing's count (svcd.memory.store.queue._room) as svc_memory_app, under
     row-level security; with C{plan}, its plan printed once.
     """
     times = []

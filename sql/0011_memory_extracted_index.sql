@@ -4,7 +4,7 @@
 -- the similarity of a fact to itself comes out as. svc-memory's AddMemory
 -- with source 'extracted' first looks for a memory of the same scope made
 -- from the same request with the same content, and answers it instead of
--- adding another (svcd/memory/store.py, MemoryStore.add).
+-- adding another (svcd/memory/store/memories.py, MemoryStore.add).
 --
 -- This index finds those memories of a request without reading the scope:
 -- a scope may hold 10,000 memories, and a worker adds many a second.

@@ -20,8 +20,10 @@ from authfixtures import Tenant, makeTenant
 from hypothesis import strategies as st
 
 from svcd.auth.store import Store
-from svcd.memory.records import Embedding, MemoryRecord, Query, Scope, checkQuery
-from svcd.memory.store import APPLICATION_ROLE, MemoryStore, connectionPool
+from svcd.memory.records import MemoryRecord, Query, checkQuery
+from svcd.memory.store import MemoryStore
+from svcd.memory.store.base import APPLICATION_ROLE, connectionPool
+from svcd.memoryclient.records import Embedding, Scope
 from svcd.testing.memoryservice import RunningMemoryService
 
 MODEL = "embed-test"

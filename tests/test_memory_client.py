@@ -1,5 +1,5 @@
 """
-The client of svc-memory (svcd/memory/client.py) against the real
+The client of svc-memory (svcd/memoryclient/) against the real
 MemoryService: Deferreds fired on the reactor thread, each refusal as its
 own exception (what the proxy maps to D13's HTTP answers), deadlines and
 cancellation against a server that never answers, and the worker's queue.
@@ -24,16 +24,16 @@ from twisted.internet.defer import CancelledError
 from twisted.internet.interfaces import IReactorFromThreads
 from twisted.internet.task import deferLater
 
-from svcd.memory.client import (
-    MemoryClient,
+from svcd.memory.records import OTHER_LENGTH
+from svcd.memoryclient.channel import memoryChannel
+from svcd.memoryclient.client import MemoryClient
+from svcd.memoryclient.errors import (
     MemoryForbidden,
     MemoryFull,
     MemoryInvalid,
     MemoryNotFound,
     MemoryUnavailable,
-    memoryChannel,
 )
-from svcd.memory.records import OTHER_LENGTH
 from svcd.pb.memory.v1 import memory_pb2
 from svcd.testing.memoryservice import RunningMemoryService
 from svcd.testing.servers import freePort

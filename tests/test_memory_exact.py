@@ -16,9 +16,9 @@ import pytest
 from memoryfixtures import vectorBytes
 
 from svcd.memory import exact
-from svcd.memory.exact import exactOfTwins, exactScores, twinAmong, twinsOf
-from svcd.memory.store import ScopeRows
-from svcd.memory.vectors import ScopeVectors, normalised
+from svcd.memory.exact import exactOfTwins, exactScores, normalised, twinAmong, twinsOf
+from svcd.memory.store.cacheloads import ScopeRows
+from svcd.memory.vectors import ScopeVectors
 
 
 def loaded(vectors: list[list[float]]) -> tuple[ScopeVectors, list[uuid.UUID]]:

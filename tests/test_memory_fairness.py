@@ -23,14 +23,9 @@ from memoryfixtures import storeOn
 
 from svcd.common.config import ConfigError
 from svcd.memory.config import MemoryConfig
-from svcd.memory.records import (
-    QUEUE_FULL,
-    NewObservation,
-    ObservedMessage,
-    QueuedObservation,
-    Scope,
-)
+from svcd.memory.records import NewObservation, QueuedObservation
 from svcd.memory.store import MemoryStore
+from svcd.memoryclient.records import QUEUE_FULL, ObservedMessage, Scope
 from svcd.pb.memory.v1 import memory_pb2
 from svcd.testing.memoryservice import RunningMemoryService
 

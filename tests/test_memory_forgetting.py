@@ -25,19 +25,11 @@ from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
 from svcd.memory.extracted import Plan
 from svcd.memory.forgetting import FORGOTTEN, recordDeletion
-from svcd.memory.records import (
-    FORGOTTEN_DETAILS,
-    NewObservation,
-    ObservedMessage,
-    QueuedObservation,
-    Scope,
-)
-from svcd.memory.store import (
-    MemoryNotFound,
-    MemoryStore,
-    ObservationForgotten,
-    ObservationRelease,
-)
+from svcd.memory.records import NewObservation, QueuedObservation
+from svcd.memory.store import MemoryStore
+from svcd.memory.store.base import MemoryNotFound, ObservationForgotten
+from svcd.memory.store.leases import ObservationRelease
+from svcd.memoryclient.records import FORGOTTEN_DETAILS, ObservedMessage, Scope
 from svcd.pb.memory.v1 import memory_pb2
 from svcd.testing.memoryservice import RunningMemoryService
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from memoryfixtures import MODEL, vectorBytes, within
 
 from svcd.auth.store import Store
-from svcd.memory.grpcservice import SCOPE_FULL
+from svcd.memory.grpcrequests import SCOPE_FULL
 from svcd.pb.memory.v1 import memory_pb2
 from svcd.testing.memoryservice import RunningMemoryService
 

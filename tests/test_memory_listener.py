@@ -29,7 +29,7 @@ from svcd.memory.assembly import listenerCheck
 from svcd.memory.listener import CHANNEL, MemoryListener, parsePayload
 from svcd.memory.recordcache import RecordCache
 from svcd.memory.text import ScopeText, TextKey
-from svcd.memory.vectors import VectorCache
+from svcd.memory.vectorcache import VectorCache
 from svcd.pb.memory.v1 import memory_pb2
 from svcd.testing.memoryservice import RunningMemoryService
 from svcd.testing.relay import TcpRelay

@@ -30,7 +30,7 @@ from svcd.memory.recordcache import (
     RecordCache,
 )
 from svcd.memory.records import MemoryRecord
-from svcd.memory.vectors import CacheMetrics
+from svcd.memory.vectorcache import CacheMetrics
 from svcd.memory.wire import encodedMemory
 from svcd.pb.memory.v1 import memory_pb2
 from svcd.testing.memoryservice import RunningMemoryService

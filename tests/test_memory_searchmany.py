@@ -1,6 +1,6 @@
 """
 Searches that share a call (decisions D13, "Context assembly"): svc-memory's
-SearchMany and the client's L{svcd.memory.client.SearchBatches} that sends
+SearchMany and the client's L{svcd.memoryclient.batches.SearchBatches} that sends
 it.
 
 Against the real MemoryService over grpcio and a real PostgreSQL
@@ -54,20 +54,20 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IReactorFromThreads
 from twisted.internet.task import Clock, deferLater
 
-from svcd.memory.client import (
-    MAX_SEARCHES_PER_CALL,
+from svcd.memory.records import MemoryRecord
+from svcd.memory.wire import encodedMemory, memoryMessage, searchAnswer, searchManyAnswer
+from svcd.memoryclient.batches import SearchBatches
+from svcd.memoryclient.channel import memoryChannel
+from svcd.memoryclient.client import MemoryClient
+from svcd.memoryclient.errors import (
     MemoryCallFailed,
-    MemoryClient,
     MemoryForbidden,
     MemoryFull,
     MemoryInvalid,
     MemoryNotFound,
     MemoryUnavailable,
-    SearchBatches,
-    memoryChannel,
 )
-from svcd.memory.records import FORBIDDEN_DETAILS, MemoryRecord, Scope
-from svcd.memory.wire import encodedMemory, memoryMessage, searchAnswer, searchManyAnswer
+from svcd.memoryclient.records import FORBIDDEN_DETAILS, MAX_SEARCHES_PER_CALL, Scope
 from svcd.pb.memory.v1 import memory_pb2
 from svcd.testing.memoryservice import RunningMemoryService
 

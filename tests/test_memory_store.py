@@ -29,23 +29,11 @@ from memoryfixtures import (
 from svcd.auth.migrations import migrate
 from svcd.auth.store import Store, StoreRejected
 from svcd.memory.extracted import Plan
-from svcd.memory.records import (
-    ClaimedObservation,
-    Embedding,
-    MemoryRecord,
-    NewObservation,
-    ObservedMessage,
-    QueuedObservation,
-    Scope,
-)
-from svcd.memory.store import (
-    MemoryForbidden,
-    MemoryNotFound,
-    MemoryStore,
-    ObservationRelease,
-    ScopeFull,
-    _finishing,
-)
+from svcd.memory.records import ClaimedObservation, MemoryRecord, NewObservation, QueuedObservation
+from svcd.memory.store import MemoryStore
+from svcd.memory.store.base import MemoryForbidden, MemoryNotFound, ScopeFull
+from svcd.memory.store.leases import ObservationRelease, _finishing
+from svcd.memoryclient.records import Embedding, ObservedMessage, Scope
 
 
 def add(

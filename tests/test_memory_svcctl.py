@@ -14,8 +14,10 @@ from authhelpers import document, failure, svcctl
 from memoryfixtures import embedding, query, scopeOf
 
 from svcd.auth.store import Store
-from svcd.memory.records import NewObservation, ObservedMessage, Scope
-from svcd.memory.store import MemoryStore, ObservationRelease
+from svcd.memory.records import NewObservation
+from svcd.memory.store import MemoryStore
+from svcd.memory.store.leases import ObservationRelease
+from svcd.memoryclient.records import ObservedMessage, Scope
 from svcd.testing.memoryservice import RunningMemoryService
 
 

@@ -21,9 +21,11 @@ from bm25reference import Document, bm25Ranking, fusedRanking, referenceWords
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from svcd.memory.store import CachedRow, ScopeRows, ScopeTexts
+from svcd.memory.ranking import Hit, Ranking
+from svcd.memory.store.cacheloads import CachedRow, ScopeRows, ScopeTexts
 from svcd.memory.text import ScopeText, TextKey, fuse
-from svcd.memory.vectors import CacheMetrics, Hit, Ranking, ScopeKey, ScopeVectors, VectorCache
+from svcd.memory.vectorcache import CacheMetrics, ScopeKey, VectorCache
+from svcd.memory.vectors import ScopeVectors
 from svcd.memory.words import queryWords, words
 
 ORG, AGENT = uuid.uuid4(), uuid.uuid4()

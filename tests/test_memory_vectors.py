@@ -1,5 +1,5 @@
 """
-The cache of vectors and its exact search (svcd/memory/vectors.py,
+The cache of vectors and its exact search (svcd/memory/vectorcache.py and vectors.py,
 decisions D13), without a database: the ranking against brute force,
 ties, the byte accounting, the bound, and changes heard while a scope
 loads.
@@ -20,18 +20,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from memoryfixtures import vectorBytes
 
+from svcd.memory.exact import normalised
+from svcd.memory.ranking import parallelProduct
 from svcd.memory.search import usableCores
-from svcd.memory.store import CachedRow, ScopeRows
-from svcd.memory.vectors import (
-    ROW_EXTRA_BYTES,
-    SCOPE_OVERHEAD_BYTES,
-    CacheMetrics,
-    ScopeKey,
-    ScopeVectors,
-    VectorCache,
-    normalised,
-    parallelProduct,
-)
+from svcd.memory.store.cacheloads import CachedRow, ScopeRows
+from svcd.memory.vectorcache import SCOPE_OVERHEAD_BYTES, CacheMetrics, ScopeKey, VectorCache
+from svcd.memory.vectors import ROW_EXTRA_BYTES, ScopeVectors
 
 ORG, AGENT = uuid.uuid4(), uuid.uuid4()
 

@@ -5,7 +5,7 @@ bytes, equals one built from the records' fields (svcd/memory/wire.py);
 the embedding's check by one sum of squares accepts and refuses exactly
 the vectors the two passes (finiteness, then the norm) did, and a query's
 check scales it to the very bits a cached row of it has
-(svcd/memory/records.py).
+(svcd/memoryclient/records.py, svcd/memory/records.py).
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from memoryfixtures import memoryRecords
 
-from svcd.memory.records import InvalidMemory, MemoryRecord, checkEmbedding, checkQuery
-from svcd.memory.vectors import normalised
+from svcd.memory.exact import normalised
+from svcd.memory.records import MemoryRecord, checkQuery
 from svcd.memory.wire import encodedMemory, memoryMessage, searchAnswer, searchResponse
+from svcd.memoryclient.records import InvalidMemory, checkEmbedding
 from svcd.pb.memory.v1 import memory_pb2
 
 records = memoryRecords

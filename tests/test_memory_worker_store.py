@@ -23,8 +23,8 @@ from memoryfixtures import MODEL, embedding, scopeOf, secondAgent, vectorBytes
 
 from svcd.auth.store import Store
 from svcd.memory.extracted import Plan, RecentRow
-from svcd.memory.records import Embedding, Scope
-from svcd.memory.vectors import Hit
+from svcd.memory.ranking import Hit
+from svcd.memoryclient.records import Embedding, Scope
 from svcd.pb.memory.v1 import memory_pb2
 from svcd.testing.memoryservice import RunningMemoryService
 

@@ -23,7 +23,7 @@ from svcd.common.logs import logSettings
 from svcd.common.metrics import processUpGauge
 from svcd.common.tracing import TracingConfig
 from svcd.memory.config import MemoryConfig
-from svcd.memory.grpcservice import MemoryMetrics
+from svcd.memory.metrics import MemoryMetrics
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.observe import ObservationOutboxMetrics

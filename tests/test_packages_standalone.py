@@ -8,6 +8,11 @@ rides on; issue 29) import nothing of svc-proxy: a daemon of Phase 4
 its configuration or its edge; nor does svc-worker itself (svcd.worker), which is such a
 daemon.
 
+svc-proxy and svc-worker reach svc-memory through the shared package
+svcd.memoryclient alone (issue 45: daemons share code only through shared
+packages): importing them loads no module of svc-memory's daemon package,
+svcd.memory.
+
 In a fresh interpreter, since this test process has long imported the
 proxy.
 """
@@ -25,8 +30,24 @@ ROOT = Path(__file__).resolve().parents[1]
 # is checked without editing this list.
 MODULES = sorted(
     ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-    for package in ("providers", "ledger", "limits", "metering", "metered", "authclient", "worker")
+    for package in (
+        "providers",
+        "ledger",
+        "limits",
+        "metering",
+        "metered",
+        "authclient",
+        "memoryclient",
+        "worker",
+    )
     for path in (ROOT / "svcd" / package).glob("*.py")
+)
+
+# Every module of the two daemons that call svc-memory, subpackages too.
+CALLERS = sorted(
+    ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+    for package in ("proxy", "worker")
+    for path in (ROOT / "svcd" / package).rglob("*.py")
 )
 
 _PROBE = """
@@ -41,8 +62,8 @@ print(json.dumps(sorted(proxy)))
 def test_packagesImportNoProxy() -> None:
     """
     Importing every module of svcd.providers, svcd.ledger, svcd.limits,
-    svcd.metering, svcd.metered, svcd.authclient and svcd.worker loads no
-    module of svcd.proxy.
+    svcd.metering, svcd.metered, svcd.authclient, svcd.memoryclient and
+    svcd.worker loads no module of svcd.proxy.
     """
     assert {
         "svcd.providers.upstream",
@@ -53,6 +74,8 @@ def test_packagesImportNoProxy() -> None:
         "svcd.metered.embedder",
         "svcd.authclient.connection",
         "svcd.authclient.feed",
+        "svcd.memoryclient.client",
+        "svcd.memoryclient.batches",
         "svcd.worker.tap",
     } <= set(MODULES)
     result = subprocess.run(
@@ -64,6 +87,43 @@ def test_packagesImportNoProxy() -> None:
         timeout=60,
     )
     assert json.loads(result.stdout) == []
+
+
+_MEMORY_PROBE = """
+import importlib, json, sys
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+print(json.dumps(sorted(
+    m for m in sys.modules if m.startswith(("svcd.memory.", "svcd.memoryclient"))
+    or m == "svcd.memory"
+)))
+"""
+
+
+def test_proxyAndWorkerLoadNoMemoryDaemon() -> None:
+    """
+    Importing every module of svcd.proxy and svcd.worker loads no module
+    of svc-memory's daemon package (svcd.memory): what they share with it
+    comes from svcd.memoryclient.
+    """
+    assert {
+        "svcd.proxy.recall",
+        "svcd.proxy.observe",
+        "svcd.proxy.http.routes.memories",
+        "svcd.worker.processor",
+        "svcd.worker.lease",
+    } <= set(CALLERS)
+    result = subprocess.run(
+        [sys.executable, "-c", _MEMORY_PROBE, *CALLERS],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    loaded = json.loads(result.stdout)
+    assert [name for name in loaded if not name.startswith("svcd.memoryclient")] == []
+    assert "svcd.memoryclient.client" in loaded
 
 
 def test_proxyConfigIsALeaf() -> None:

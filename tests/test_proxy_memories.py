@@ -36,7 +36,8 @@ from svcd.limits.book import BudgetRow, LimitBook, LimitsRow
 from svcd.limits.limiter import RedisRateLimiter
 from svcd.limits.records import Budget, Limits
 from svcd.limits.reservation import inputsEstimate
-from svcd.memory.client import MemoryClient, memoryChannel
+from svcd.memoryclient.channel import memoryChannel
+from svcd.memoryclient.client import MemoryClient
 from svcd.providers.providersfile import providersFromEnvironment
 from svcd.providers.upstream import Forwarder
 from svcd.proxy.config import ProxyConfig

@@ -19,7 +19,7 @@ from twisted.web.server import Request
 from twisted.web.test.requesthelper import DummyChannel
 
 from svcd.common.errors import ApiError, ErrorCode
-from svcd.memory.records import ObservedMessage, Scope
+from svcd.memoryclient.records import ObservedMessage, Scope
 from svcd.pb.memory.v1 import memory_pb2
 from svcd.proxy.http.memorybody import (
     Conversation,

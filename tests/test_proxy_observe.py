@@ -24,7 +24,7 @@ from svcd.ledger.journal import Journal
 from svcd.ledger.journalfile import JournalError, checkJournalPath
 from svcd.limits.book import LimitBook, MemorySettingsRow
 from svcd.limits.records import MemorySettings
-from svcd.memory.records import MAX_OBSERVED_MESSAGE_BYTES
+from svcd.memoryclient.records import MAX_OBSERVED_MESSAGE_BYTES
 from svcd.pb.memory.v1 import memory_pb2
 from svcd.providers.relay import StreamFault, StreamRelay
 from svcd.proxy.config import ProxyConfig

@@ -26,8 +26,9 @@ from svcd.common.errors import ApiError
 from svcd.limits.book import LimitBook, MemorySettingsRow
 from svcd.limits.records import MemorySettings
 from svcd.limits.reservation import promptEstimate
-from svcd.memory.client import MemoryClient, MemoryUnavailable
-from svcd.memory.records import Scope
+from svcd.memoryclient.client import MemoryClient
+from svcd.memoryclient.errors import MemoryUnavailable
+from svcd.memoryclient.records import Scope
 from svcd.metered.embedder import Embedded, Embedder, EmbeddingCall, embeddingCharge
 from svcd.metering.models import Model, Provider
 from svcd.metering.prices import Price

@@ -18,7 +18,7 @@ from twisted.internet.defer import CancelledError, Deferred, fail, succeed
 from twisted.internet.task import Clock
 from twisted.logger import ILogObserver, LogLevel, formatEvent, globalLogPublisher
 
-from svcd.memory.client import MemoryNotFound, MemoryUnavailable
+from svcd.memoryclient.errors import MemoryNotFound, MemoryUnavailable
 from svcd.pb.memory.v1 import memory_pb2
 from svcd.worker.lease import LeaseLost, LeaseUnrenewable, ObservationLease
 from svcd.worker.loop import ObservationLoop

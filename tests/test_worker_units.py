@@ -246,7 +246,7 @@ def test_anObservationGoneAtItsStoreIsForgottenOrLost(
     from twisted.internet.defer import Deferred, fail, succeed
     from twisted.internet.task import Clock
 
-    from svcd.memory.client import MemoryNotFound
+    from svcd.memoryclient.errors import MemoryNotFound
     from svcd.providers.providersfile import providersFromEnvironment
     from svcd.worker.metrics import WorkerMetrics
     from svcd.worker.processor import Observation, ObservationProcessor

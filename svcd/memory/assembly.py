@@ -36,17 +36,14 @@ from svcd.common.readiness import Check, CheckFailed
 from svcd.common.tracing import ServerTracingInterceptor
 from svcd.memory.callers import callerInterceptors
 from svcd.memory.config import MemoryConfig
-from svcd.memory.grpcservice import (
-    METHODS,
-    MemoryGrpcService,
-    MemoryMetrics,
-    MemoryServicer,
-)
+from svcd.memory.grpcservice import METHODS, MemoryGrpcService, MemoryServicer
 from svcd.memory.listener import MemoryListener
+from svcd.memory.metrics import MemoryMetrics
 from svcd.memory.recordcache import RecordCache
 from svcd.memory.search import Searcher
-from svcd.memory.store import MemoryStore, connectionPool
-from svcd.memory.vectors import VectorCache
+from svcd.memory.store import MemoryStore
+from svcd.memory.store.base import connectionPool
+from svcd.memory.vectorcache import VectorCache
 from svcd.memory.web import MemoryOperationsSite, MemoryOperationsWeb
 
 

@@ -31,14 +31,11 @@ from typing import Any
 import psycopg
 
 from svcd.common.errors import rfc3339
-from svcd.memory.records import SUBJECT_PATTERN, MemoryRecord, Scope
-from svcd.memory.store import (
-    APPLICATION_ROLE,
-    MemoryForbidden,
-    MemoryNotFound,
-    MemoryStore,
-    ObservationJob,
-)
+from svcd.memory.records import SUBJECT_PATTERN, MemoryRecord
+from svcd.memory.store import MemoryStore
+from svcd.memory.store.base import APPLICATION_ROLE, MemoryForbidden, MemoryNotFound
+from svcd.memory.store.jobs import ObservationJob
+from svcd.memoryclient.records import Scope
 
 MAX_LIST = 1000
 

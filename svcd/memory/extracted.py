@@ -29,17 +29,14 @@ from __future__ import annotations
 import datetime
 import uuid
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import numpy
 
-from svcd.memory.records import Embedding, MemoryRecord, Scope
-
-if TYPE_CHECKING:
-    # Not at run time: svcd.memory.vectors imports the store, which imports
-    # this module.
-    from svcd.memory.vectors import Hit
+from svcd.memory.ranking import Hit
+from svcd.memory.records import MemoryRecord
+from svcd.memoryclient.records import Embedding, Scope
 
 # How far before the cache was asked the plan reads the scope's recent
 # writes from PostgreSQL: D13's second of cache lag, with room for a

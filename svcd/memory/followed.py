@@ -1,5 +1,5 @@
 """
-What svc-memory's two caches (L{svcd.memory.vectors.VectorCache}, of
+What svc-memory's two caches (L{svcd.memory.vectorcache.VectorCache}, of
 vectors and text indexes, and L{svcd.memory.recordcache.RecordCache}, of
 records) share about the change listener (L{svcd.memory.listener}).
 

@@ -45,7 +45,8 @@ from typing import Any
 
 import psycopg
 
-from svcd.memory.records import NewObservation, Scope
+from svcd.memory.records import NewObservation
+from svcd.memoryclient.records import Scope
 
 __all__ = [
     "FORGOTTEN",

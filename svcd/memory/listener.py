@@ -1,7 +1,7 @@
 """
 svc-memory's change listener: one thread with its own PostgreSQL
 connection, LISTENing on svc_memory_changes (sql/0009_memory.sql), keeping
-the replica's caches, of vectors (L{svcd.memory.vectors.VectorCache}) and
+the replica's caches, of vectors (L{svcd.memory.vectorcache.VectorCache}) and
 of records (L{svcd.memory.recordcache.RecordCache}), current with what
 every replica, and svcctl, adds, changes and deletes.
 
@@ -32,10 +32,10 @@ personal data). Only a change of an agent this replica caches (or is
 loading) a scope of, in either cache, is read: the rows of one packet of
 notifications in one transaction, one query per organization in that
 organization's context, as svc_memory_app, each row with its subject, its
-vector and its record (L{svcd.memory.store.CachedRow}). A deleted memory's scope is the
-one the caches hold its id in (their index of homes). The records are
-applied first: a memory is never ranked by the vectors before its record
-is there to answer with.
+vector and its record (L{svcd.memory.store.cacheloads.CachedRow}). A
+deleted memory's scope is the one the caches hold its id in (their index
+of homes). The records are applied first: a memory is never ranked by the
+vectors before its record is there to answer with.
 
 A replica's own writes wait for their changes to be applied here before
 they are answered (read your writes): the writer sends a sync marker,
@@ -64,8 +64,9 @@ from svcd.common.ids import parseUUID
 from svcd.common.listening import BeatsStopped, ListeningThread
 from svcd.memory.followed import LEASE_SECONDS, FollowedCache
 from svcd.memory.recordcache import RecordCache
-from svcd.memory.store import APPLICATION_ROLE, MemoryStore, StoreUnavailable
-from svcd.memory.vectors import VectorCache
+from svcd.memory.store import MemoryStore
+from svcd.memory.store.base import APPLICATION_ROLE, StoreUnavailable
+from svcd.memory.vectorcache import VectorCache
 
 CHANNEL = "svc_memory_changes"
 

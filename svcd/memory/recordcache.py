@@ -2,7 +2,7 @@
 A replica's cache of memories' records (decisions D13): what a search
 answers of each hit (content, metadata, source, agent, subject, times), so
 that a search of a cached scope reads nothing from PostgreSQL. Beside the
-cache of vectors (L{svcd.memory.vectors}), not in it: the vectors' bytes
+cache of vectors (L{svcd.memory.vectorcache}), not in it: the vectors' bytes
 per memory keep their bound (1.2 x 4 x the dimensions) whatever the
 contents weigh, and each cache is sized on its own.
 
@@ -50,7 +50,7 @@ import attrs
 
 from svcd.memory.followed import FollowedCache
 from svcd.memory.records import MemoryRecord
-from svcd.memory.vectors import CacheMetrics
+from svcd.memory.vectorcache import CacheMetrics
 from svcd.memory.wire import encodedMemory
 
 Triple = tuple[uuid.UUID, uuid.UUID, str]
@@ -274,7 +274,7 @@ class RecordCache(FollowedCache):
         total = sum(each.nbytes for each in self._scopes.values())
         if total <= limit:
             # Before listing the keys, which hashes each (see
-            # L{svcd.memory.vectors.VectorCache._evictBeyond}).
+            # L{svcd.memory.vectorcache.VectorCache._evictBeyond}).
             return
         for triple in list(self._scopes):
             if total <= limit:
@@ -340,7 +340,7 @@ class RecordCache(FollowedCache):
         its record as it is now (None: deleted). The record leaves the
         triple it is held in when that is not its triple now, and every
         load in progress of the agent when it is gone (see
-        L{svcd.memory.vectors.VectorCache.applyHeard}).
+        L{svcd.memory.vectorcache.VectorCache.applyHeard}).
         """
         encoded = [
             (

@@ -1,6 +1,9 @@
 """
 What svc-memory stores and the rules a memory obeys (decisions D13), as
-plain values shared by the store, the servicer, the client and svcctl.
+plain values shared by the store, the servicer and svcctl; what svc-memory
+shares with its clients (a scope, an embedding and a vector's rules, the
+bounds of a content, metadata and observation) is
+L{svcd.memoryclient.records}.
 
 The rules are checked here, before any SQL, so that a refusal names the
 field and says why (INVALID_ARGUMENT); the table's CHECK constraints
@@ -19,33 +22,25 @@ from typing import Any
 import attrs
 
 from svcd.common.ids import parseUUID
+from svcd.memoryclient.records import (
+    MAX_CONTENT_CHARACTERS,
+    MAX_METADATA_BYTES,
+    MAX_OBSERVED_MESSAGE_BYTES,
+    MAX_OBSERVED_MESSAGES,
+    OBSERVED_ROLES,
+    InvalidMemory,
+    ObservedMessage,
+    Scope,
+    checkShape,
+    checkSquares,
+)
 
-# A memory's content: 1 to this many characters once trimmed.
-MAX_CONTENT_CHARACTERS = 4000
-# Its metadata: a JSON object of at most this many bytes, written compactly.
-MAX_METADATA_BYTES = 4096
 # A subject: empty (the default) or 1 to 128 of these characters, as the
 # proxy's X-SVC-Memory-Subject header.
 SUBJECT_PATTERN = re.compile(r"[A-Za-z0-9._:@-]{0,128}")
-MAX_MODEL_CHARACTERS = 200
-MAX_DIMENSIONS = 16384
 MAX_REQUEST_ID_CHARACTERS = 200
-# An observation (decisions D13): the user's messages after the last
-# assistant message and the answer, each at most 16 KiB.
-MAX_OBSERVED_MESSAGES = 64
-MAX_OBSERVED_MESSAGE_BYTES = 16 * 1024
-OBSERVED_ROLES = ("user", "assistant")
 # Where a memory came from: a caller of the API, or svc-worker.
 API = "api"
-
-# The details of svc-memory's PERMISSION_DENIED for a memory of another
-# organization, agent or subject: how its clients tell that refusal (403)
-# from a caller's certificate not admitted (a fault of the deployment).
-FORBIDDEN_DETAILS = "the id belongs to another organization, agent or subject"
-# The details of svc-memory's NOT_FOUND for an observation that a deletion
-# of its scope or agent took (decisions D13, amended): how svc-worker tells
-# it from one dropped by an operator (svcd/memory/forgetting.py).
-FORGOTTEN_DETAILS = "the observation was forgotten"
 EXTRACTED = "extracted"
 SOURCES = (API, EXTRACTED)
 # The problem of an embedding whose length is not that of the scope's other
@@ -56,25 +51,13 @@ OTHER_LENGTH = "is not the length of the scope's other vectors of its model"
 MAX_REASON_CHARACTERS = 500
 
 
-class InvalidMemory(ValueError):
-    """
-    A value a memory (or a call about memories) cannot take; C{field}
-    names it, the message says why without quoting it (it may be content).
-    """
-
-    def __init__(self, field: str, problem: str) -> None:
-        super().__init__(f"{field}: {problem}")
-        self.field = field
-        self.problem = problem
-
-
 @attrs.frozen
 class Query:
     """
     A search's query (L{checkQuery}): the model that made it, and its
     vector scaled to length 1 as a float32 array, which is all a search
     compares. Scaled by the rule of the cached rows
-    (L{svcd.memory.vectors.normalisedRows}), bit for bit.
+    (L{svcd.memory.exact.normalisedRows}), bit for bit.
     """
 
     model: str
@@ -83,35 +66,6 @@ class Query:
     @property
     def dimensions(self) -> int:
         return len(self.unit)
-
-
-@attrs.frozen
-class Scope:
-    """
-    Whose memories: an organization, one of its agents, and a subject
-    within the agent ("" by default). Nothing of one scope is ever shown to
-    another.
-    """
-
-    orgID: uuid.UUID
-    agentID: uuid.UUID
-    subject: str = attrs.field(default="", repr=False)
-
-
-@attrs.frozen
-class Embedding:
-    """
-    A vector and the model that made it; C{vector} is its float32
-    components, little-endian (as the table and an OpenAI base64 embedding
-    hold them).
-    """
-
-    model: str
-    vector: bytes = attrs.field(repr=False)
-
-    @property
-    def dimensions(self) -> int:
-        return len(self.vector) // 4
 
 
 @attrs.frozen
@@ -137,12 +91,6 @@ class MemoryRecord:
 
 
 @attrs.frozen
-class ObservedMessage:
-    role: str
-    content: str = attrs.field(repr=False)
-
-
-@attrs.frozen
 class NewObservation:
     """
     An observation to queue, keyed by C{key} within the organization: the
@@ -157,11 +105,6 @@ class NewObservation:
     # When the observed answer ended (Observation.ended_at); None: when it
     # is queued (svcd/memory/forgetting.py).
     endedAt: datetime.datetime | None = None
-
-
-# QueuedObservation.refused of an observation past its organization's
-# SVC_MEMORY_MAX_WAITING_PER_ORG waiting (decisions D13, amended).
-QUEUE_FULL = "queue_full"
 
 
 @attrs.frozen
@@ -261,36 +204,17 @@ def _refuseConstant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def checkEmbedding(model: str, vector: bytes) -> Embedding:
-    """
-    @raise InvalidMemory: no model, a vector that is not whole float32
-        components, has none, too many, a component that is not finite,
-        or is all zeros (it has no direction to compare).
-    """
-    _checkShape(model, vector)
-    # Imported here, not at the top: svcctl reads this module for its
-    # memory commands, and numpy would add a fifth of a second to every
-    # svcctl command (the daemon has it imported long before).
-    import numpy
-
-    # One sum of squares in float64 tells both: it is not finite exactly
-    # when a component is not (a float32's square cannot overflow a
-    # float64, nor can 16,384 of them), and zero exactly when all are.
-    components = numpy.frombuffer(vector, dtype="<f4").astype(numpy.float64)
-    _checkSquares(float(components @ components))
-    return Embedding(model, bytes(vector))
-
-
 def checkQuery(model: str, vector: bytes) -> Query:
     """
-    A search's query, by L{checkEmbedding}'s rules, scaled to length 1:
-    the sum of squares that checks it is the one that scales it, so a
-    search passes over its query once, not once to check it and again to
-    scale it (a tenth of a search of 1,000 memories).
+    A search's query, by the rules of an embedding
+    (L{svcd.memoryclient.records.checkEmbedding}), scaled to length 1: the
+    sum of squares that checks it is the one that scales it, so a search
+    passes over its query once, not once to check it and again to scale it
+    (a tenth of a search of 1,000 memories).
 
-    @raise InvalidMemory: as L{checkEmbedding}.
+    @raise InvalidMemory: as C{checkEmbedding}.
     """
-    _checkShape(model, vector)
+    checkShape(model, vector)
     import numpy
 
     wide = numpy.frombuffer(vector, dtype="<f4").astype(numpy.float64)
@@ -299,25 +223,9 @@ def checkQuery(model: str, vector: bytes) -> Query:
     # cached row of the same vector, so that a memory searched by its own
     # vector scores what it always did.
     squares = float((wide * wide).sum())
-    _checkSquares(squares)
+    checkSquares(squares)
     wide /= math.sqrt(squares)
     return Query(model, wide.astype(numpy.float32))
-
-
-def _checkShape(model: str, vector: bytes) -> None:
-    if not model or len(model) > MAX_MODEL_CHARACTERS or "\x00" in model:
-        raise InvalidMemory("embedding.model", "must be 1 to 200 characters")
-    if not vector or len(vector) % 4:
-        raise InvalidMemory("embedding.vector", "must be float32 components (4 bytes each)")
-    if len(vector) // 4 > MAX_DIMENSIONS:
-        raise InvalidMemory("embedding.vector", f"must have at most {MAX_DIMENSIONS} components")
-
-
-def _checkSquares(squares: float) -> None:
-    if not math.isfinite(squares):
-        raise InvalidMemory("embedding.vector", "must have finite components")
-    if squares == 0.0:
-        raise InvalidMemory("embedding.vector", "must not be all zeros")
 
 
 def checkRequestID(field: str, text: str, required: bool) -> str | None:

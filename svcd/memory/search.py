@@ -1,6 +1,6 @@
 """
 A search of one scope (decisions D13): the vectors from the replica's
-cache (L{svcd.memory.vectors}), or its text index (L{svcd.memory.text}),
+cache (L{svcd.memory.vectorcache}), or its text index (L{svcd.memory.text}),
 or both fused by rank, each loaded from PostgreSQL on a miss, and the
 hits' records from its cache of records (L{svcd.memory.recordcache}): a
 search of a cached scope reads nothing from the database. A scope's
@@ -24,20 +24,16 @@ from twisted.logger import Logger
 
 from svcd.common.metrics import Children
 from svcd.memory.config import DEFAULT_PARALLEL_ROWS, PARALLEL_DIMENSIONS
+from svcd.memory.exact import normalised
+from svcd.memory.ranking import Hit, Ranking, parallelProduct
 from svcd.memory.recordcache import RecordCache
-from svcd.memory.records import OTHER_LENGTH, Embedding, InvalidMemory, Query, Scope
+from svcd.memory.records import OTHER_LENGTH, Query
 from svcd.memory.store import MemoryStore
 from svcd.memory.text import FUSED_DEPTH, ScopeText, TextKey, fuse
-from svcd.memory.vectors import (
-    Hit,
-    Ranking,
-    ScopeKey,
-    ScopeVectors,
-    VectorCache,
-    normalised,
-    parallelProduct,
-)
+from svcd.memory.vectorcache import ScopeKey, VectorCache
+from svcd.memory.vectors import ScopeVectors
 from svcd.memory.wire import encodedMemory
+from svcd.memoryclient.records import Embedding, InvalidMemory, Scope
 
 # How a search ranks (decisions D13, "Hybrid search").
 VECTOR = "vector"

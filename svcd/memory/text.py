@@ -48,8 +48,8 @@ import numpy
 import numpy.typing
 
 from svcd.memory.ranking import Hit, Ranking, rankingOf
-from svcd.memory.store import CachedRow, ScopeTexts
-from svcd.memory.vectors import SCOPE_OVERHEAD_BYTES
+from svcd.memory.store.cacheloads import CachedRow, ScopeTexts
+from svcd.memory.vectorcache import SCOPE_OVERHEAD_BYTES
 from svcd.memory.words import queryWords, words
 
 K1 = 1.2

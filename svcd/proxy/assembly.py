@@ -35,7 +35,8 @@ from svcd.ledger.sender import LedgerSender
 from svcd.limits.book import LimitBook
 from svcd.limits.limiter import RateLimiter, RedisRateLimiter, makeRateLimiter
 from svcd.limits.link import RedisCounters
-from svcd.memory.client import DEFAULT_TIMEOUT, ClientTLS, MemoryClient, memoryChannel
+from svcd.memoryclient.channel import ClientTLS, memoryChannel
+from svcd.memoryclient.client import DEFAULT_TIMEOUT, MemoryClient
 from svcd.providers.upstream import Forwarder
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.http.edge import ProxyEdge

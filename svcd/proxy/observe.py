@@ -47,7 +47,7 @@ from svcd.ledger.outbox import Outbox
 from svcd.ledger.words import OutboxWords
 from svcd.limits.book import LimitBook
 from svcd.limits.records import OBSERVE_OFF, OBSERVE_ON
-from svcd.memory.records import MAX_OBSERVED_MESSAGE_BYTES, MAX_OBSERVED_MESSAGES
+from svcd.memoryclient.records import MAX_OBSERVED_MESSAGE_BYTES, MAX_OBSERVED_MESSAGES
 from svcd.pb.memory.v1 import memory_pb2
 from svcd.proxy.config import OBSERVATION_OUTBOX_MAX, OBSERVATION_OUTBOX_MB
 from svcd.proxy.memoryheaders import chatMemory
@@ -401,7 +401,7 @@ def observationOutbox(
     """
     The outbox that carries observations to svc-memory: D12's outbox and
     journal (batched, bounded, journalled, resent until acknowledged),
-    with C{queue} (L{svcd.memory.client.MemoryClient.queueObservations})
+    with C{queue} (L{svcd.memoryclient.client.MemoryClient.queueObservations})
     as the call that commits a batch. svc-memory queues one observation
     per key (L{observationKey}), so one sent twice is queued once. It holds at most
     C{maxObservations}, and at most C{maxBytes} of them serialized: their

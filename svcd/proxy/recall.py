@@ -51,8 +51,10 @@ from svcd.common.deferreds import timeoutDeferred
 from svcd.common.errors import ApiError
 from svcd.limits.book import Applicable, LimitBook
 from svcd.limits.reservation import BYTES_PER_TOKEN, TOKENS_PER_MESSAGE, inputsEstimate
-from svcd.memory.client import MemoryCallFailed, MemoryClient, SearchBatches
-from svcd.memory.records import Embedding, Scope
+from svcd.memoryclient.batches import SearchBatches
+from svcd.memoryclient.client import MemoryClient
+from svcd.memoryclient.errors import MemoryCallFailed
+from svcd.memoryclient.records import Embedding, Scope
 from svcd.metered.batches import EmbeddingBatches
 from svcd.metered.embedder import (
     Embedder,

@@ -109,7 +109,7 @@ class ClosableLedger(Protocol):
 class ClosableMemoryClient(Protocol):
     """
     The lifecycle part of the client of svc-memory
-    (L{svcd.memory.client.MemoryClient}).
+    (L{svcd.memoryclient.client.MemoryClient}).
     """
 
     def start(self) -> None: ...

@@ -4,7 +4,7 @@ what the tests start are wired here, and only here.
 
 The worker holds no database connection. It works through:
 
-  - svc-memory's gRPC (L{svcd.memory.client}): claims, memories, completions
+  - svc-memory's gRPC (L{svcd.memoryclient.client}): claims, memories, completions
     and releases;
   - svc-auth's gRPC, on one connection (L{svcd.authclient}): the change
     feed that tells it every limits row, budget and memory setting (as it
@@ -47,7 +47,8 @@ from svcd.ledger.sender import LedgerSender
 from svcd.limits.admission import Admission
 from svcd.limits.book import LimitBook
 from svcd.limits.limiter import RateLimiter, makeRateLimiter
-from svcd.memory.client import ClientTLS, MemoryClient, memoryChannel
+from svcd.memoryclient.channel import ClientTLS, memoryChannel
+from svcd.memoryclient.client import MemoryClient
 from svcd.metered.embedder import Embedder
 from svcd.providers.upstream import Forwarder
 from svcd.worker.config import WorkerConfig

@@ -31,7 +31,8 @@ from twisted.internet.interfaces import IDelayedCall
 from twisted.logger import Logger
 
 from svcd.common.clocks import Clock
-from svcd.memory.client import MemoryCallFailed, MemoryClient, MemoryNotFound
+from svcd.memoryclient.client import MemoryClient
+from svcd.memoryclient.errors import MemoryCallFailed, MemoryNotFound
 
 # The periodic renewal's interval, as a share of the lease.
 RENEW_SHARE = 1 / 3

@@ -47,7 +47,8 @@ from svcd.common.clocks import Clock, asReactorTime
 from svcd.common.deferreds import timeoutDeferred
 from svcd.common.ids import uuid7Text
 from svcd.common.logthrottle import ThrottledWarning
-from svcd.memory.client import MemoryCallFailed, MemoryClient, MemoryNotFound
+from svcd.memoryclient.client import MemoryClient
+from svcd.memoryclient.errors import MemoryCallFailed, MemoryNotFound
 from svcd.worker.config import MAX_CLAIM
 from svcd.worker.lease import LeaseLost, LeaseUnrenewable, ObservationLease
 from svcd.worker.metrics import DEFERRED, FAILED, LOST, RELEASED, RETRY, WorkerMetrics

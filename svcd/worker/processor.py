@@ -58,14 +58,9 @@ from svcd.limits.admission import Admission
 from svcd.limits.book import Applicable
 from svcd.limits.records import Reservation
 from svcd.limits.reservation import attemptsOf, outputCap, promptEstimate, worstCaseCost
-from svcd.memory.client import (
-    MemoryCallFailed,
-    MemoryClient,
-    MemoryFull,
-    MemoryNotFound,
-    MemoryUnavailable,
-)
-from svcd.memory.records import FORGOTTEN_DETAILS, Embedding, Scope
+from svcd.memoryclient.client import MemoryClient
+from svcd.memoryclient.errors import MemoryCallFailed, MemoryFull, MemoryNotFound, MemoryUnavailable
+from svcd.memoryclient.records import FORGOTTEN_DETAILS, Embedding, Scope
 from svcd.metered.embedder import (
     NEVER_STREAMED,
     Embedder,

@@ -45,7 +45,8 @@ from svcd.ledger.rows import UsageLedger
 from svcd.limits.admission import Admission
 from svcd.limits.book import LimitBook
 from svcd.limits.limiter import RateLimiter
-from svcd.memory.client import MemoryClient, SearchBatches
+from svcd.memoryclient.batches import SearchBatches
+from svcd.memoryclient.client import MemoryClient
 from svcd.metered.batches import EmbeddingBatches
 from svcd.metered.embedder import Embedder
 from svcd.providers.upstream import Forwarder

@@ -8,7 +8,7 @@ rules of every body of the edge (decisions D10,
 L{svcd.proxy.http.chatbody.parseJSONObject}), and a JSON C{null} counts
 as a missing field.
 
-A memory's rules are svc-memory's own (L{svcd.memory.records}: content
+A memory's rules are svc-memory's own (L{svcd.memoryclient.records}: content
 1 to 4,000 characters once trimmed, metadata a JSON object of at most 4
 KiB written compactly), checked here before anything is embedded, so that
 a refused memory costs no provider call.
@@ -31,7 +31,7 @@ import attrs
 
 from svcd.common.errors import FieldError, FieldErrorCode, validationError
 from svcd.common.ids import canonicalUUID
-from svcd.memory.records import (
+from svcd.memoryclient.records import (
     MAX_CONTENT_CHARACTERS,
     MAX_METADATA_BYTES,
     MAX_OBSERVED_MESSAGE_BYTES,

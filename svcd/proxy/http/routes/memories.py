@@ -3,7 +3,7 @@ The memory routes of svc-proxy (decisions D13), on svc-memory: the edge
 establishes who calls (token, agent) and whose memories (the subject
 header, L{svcd.proxy.memoryheaders.memorySubject}), embeds what must be
 embedded (L{svcd.metered.embedder}: a ledger row of kind C{embedding}
-each) and asks svc-memory (L{svcd.memory.client}).
+each) and asks svc-memory (L{svcd.memoryclient.client}).
 
   - C{POST /v1/memories}: C{{"content", "metadata"?}} embedded and
     stored, 201 the memory; C{{"messages"}} queued as an observation for
@@ -62,16 +62,16 @@ from svcd.common.ids import uuid7Text
 from svcd.common.logbounds import loggedText
 from svcd.common.logthrottle import ThrottledWarning
 from svcd.limits.admission import Admission
-from svcd.memory.client import (
+from svcd.memoryclient.client import MemoryClient
+from svcd.memoryclient.errors import (
     MemoryCallFailed,
-    MemoryClient,
     MemoryForbidden,
     MemoryFull,
     MemoryInvalid,
     MemoryNotFound,
     MemoryUnavailable,
 )
-from svcd.memory.records import (
+from svcd.memoryclient.records import (
     QUEUE_FULL,
     Embedding,
     InvalidMemory,
