@@ -18,11 +18,11 @@ import psycopg
 import pytest
 from authfixtures import Tenant, makeTenant
 from hypothesis import strategies as st
+from memoryservice import RunningMemoryService
 
 from svcd.auth.store import Store
 from svcd.memory.records import Embedding, MemoryRecord, Query, Scope, checkQuery
 from svcd.memory.store import APPLICATION_ROLE, MemoryStore, connectionPool
-from svcd.testing.memoryservice import RunningMemoryService
 
 MODEL = "embed-test"
 

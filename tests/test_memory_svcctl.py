@@ -12,11 +12,11 @@ import uuid
 from authfixtures import Tenant
 from authhelpers import document, failure, svcctl
 from memoryfixtures import embedding, query, scopeOf
+from memoryservice import RunningMemoryService
 
 from svcd.auth.store import Store
 from svcd.memory.records import NewObservation, ObservedMessage, Scope
 from svcd.memory.store import MemoryStore, ObservationRelease
-from svcd.testing.memoryservice import RunningMemoryService
 
 
 def add(store: MemoryStore, scope: Scope, content: str) -> uuid.UUID:

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
+from proxydoubles import MemoryCounters
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import Clock
 from twisted.logger import capturedLogs
@@ -20,7 +21,6 @@ from twisted.logger import capturedLogs
 from svcd.limits.breaker import CircuitBreaker, Permit
 from svcd.limits.limiter import RateDecision, RedisRateLimiter
 from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.testing import MemoryCounters
 
 
 def test_closedPermitsEveryCall() -> None:

@@ -24,7 +24,9 @@ import pytest
 import pytest_twisted
 from authfixtures import Tenant, makeTenant
 from authhelpers import document, svcctl
+from authservice import RunningAuthService
 from limitshelpers import AGENT_ID, ORG_ID, waitFor
+from proxydoubles import MemoryCounters
 from treq.testing import StubTreq
 from twisted.internet import threads
 from twisted.web.resource import Resource
@@ -40,8 +42,6 @@ from svcd.pb.auth.v1 import auth_pb2
 from svcd.proxy.assembly import ProxyDaemon, assembleProxy
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.http.steps import MEMORY_HEADER, requestMemory
-from svcd.proxy.testing import MemoryCounters
-from svcd.testing.authservice import RunningAuthService
 
 OTHER_AGENT = str(uuid.uuid4())
 ON, OFF, INHERIT = True, False, None
