@@ -116,7 +116,7 @@ setup(
             "schemathesis>=4.0",
             # The official OpenAI SDK: users drive the gateway with it, so the
             # end-to-end tests use it as their client, and the scripted
-            # upstream of svcd/testing/upstream.py is checked against it.
+            # upstream of svcd/devkit/upstream is checked against it.
             "openai>=1.40",
             # A second, independent HTTP/1.1 parser: tests/test_proxy_http1.py
             # checks that the proxy's client accepts and refuses answers as it

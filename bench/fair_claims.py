@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from svcd.auth.migrations import migrate  # noqa: E402
-from svcd.testing.servers import PostgresServer  # noqa: E402
+from svcd.devkit.postgres import PostgresServer  # noqa: E402
 
 SHAPES: dict[str, list[int]] = {
     "1 org x 100,000": [100_000],

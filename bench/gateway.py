@@ -134,10 +134,12 @@ from svcd.auth.authority import issueToken  # noqa: E402
 from svcd.auth.migrations import migrate  # noqa: E402
 from svcd.auth.store import Store  # noqa: E402
 from svcd.common.pat import formatToken, newSecret, parseToken  # noqa: E402
+from svcd.devkit.daemons import Daemon, authEnvironment, memoryEnvironment  # noqa: E402
+from svcd.devkit.postgres import PostgresServer  # noqa: E402
+from svcd.devkit.redis import RedisServer  # noqa: E402
+from svcd.devkit.servers import freePort  # noqa: E402
 from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc  # noqa: E402
 from svcd.pb.memory.v1 import memory_pb2, memory_pb2_grpc  # noqa: E402
-from svcd.testing.daemons import Daemon, authEnvironment, memoryEnvironment  # noqa: E402
-from svcd.testing.servers import PostgresServer, RedisServer, freePort  # noqa: E402
 
 LOAD_SCRIPT = Path(__file__).with_name("load.lua")
 # Rows answered by the fast local upstream, without the gateway.

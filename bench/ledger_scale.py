@@ -37,7 +37,7 @@ svc-auth` on loopback:
     migration    with --migration-rows N, sql/0007 on a ledger of N rows
                  written before it, then sql/0008 (the kinds) after it
 
-The private server runs with fsync off (svcd.testing.servers): commits cost
+The private server runs with fsync off (svcd.devkit.postgres): commits cost
 no disk flush, so rows/s is the CPU's, a bound on both statements alike.
 """
 
@@ -77,9 +77,9 @@ from svcd.auth.store import (  # noqa: E402
 )
 from svcd.common.ids import uuid7Text  # noqa: E402
 from svcd.common.permissions import Permission  # noqa: E402
+from svcd.devkit.daemons import Daemon, authEnvironment  # noqa: E402
+from svcd.devkit.postgres import PostgresServer  # noqa: E402
 from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc  # noqa: E402
-from svcd.testing.daemons import Daemon, authEnvironment  # noqa: E402
-from svcd.testing.servers import PostgresServer  # noqa: E402
 
 MODELS = ("fast", "slow", "vision", "large")
 CHUNK = 1_000_000

@@ -7,7 +7,7 @@ Starts, on this machine, its own PostgreSQL and Redis, `twistd -n
 svc-auth` and `twistd -n svc-proxy` (with its validation cache and the
 change feed, as deployed), makes a tenant, and sends chat requests whose
 bearers are well-formed tokens with made-up ids, each id a new one, over
-keep-alive connections driven by one selector (svcd.testing.flood). The
+keep-alive connections driven by one selector (svcd.devkit.flood). The
 proxy refuses them itself (401, no call to svc-auth: its Bloom filter of
 known ids says no) and must keep nothing per made-up id.
 
@@ -45,9 +45,11 @@ import psycopg  # noqa: E402
 
 from svcd.auth.migrations import migrate  # noqa: E402
 from svcd.auth.store import Store  # noqa: E402
-from svcd.testing.daemons import Daemon, authEnvironment  # noqa: E402
-from svcd.testing.flood import floodMadeUp, rssKiB  # noqa: E402
-from svcd.testing.servers import PostgresServer, RedisServer, freePort  # noqa: E402
+from svcd.devkit.daemons import Daemon, authEnvironment  # noqa: E402
+from svcd.devkit.flood import floodMadeUp, rssKiB  # noqa: E402
+from svcd.devkit.postgres import PostgresServer  # noqa: E402
+from svcd.devkit.redis import RedisServer  # noqa: E402
+from svcd.devkit.servers import freePort  # noqa: E402
 
 
 def metricValue(daemon: Daemon, name: str) -> float:

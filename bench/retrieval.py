@@ -53,8 +53,10 @@ from retrievaldata import Conversation, conversations  # noqa: E402
 from svcd.auth.authority import issueToken  # noqa: E402
 from svcd.auth.migrations import migrate  # noqa: E402
 from svcd.auth.store import Store  # noqa: E402
-from svcd.testing.daemons import Daemon, authEnvironment, memoryEnvironment  # noqa: E402
-from svcd.testing.servers import PostgresServer, RedisServer, freePort  # noqa: E402
+from svcd.devkit.daemons import Daemon, authEnvironment, memoryEnvironment  # noqa: E402
+from svcd.devkit.postgres import PostgresServer  # noqa: E402
+from svcd.devkit.redis import RedisServer  # noqa: E402
+from svcd.devkit.servers import freePort  # noqa: E402
 
 MODES = ("vector", "text", "hybrid")
 CUTS = (1, 5, 10)

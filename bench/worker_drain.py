@@ -68,14 +68,16 @@ sys.path.insert(0, str(ROOT))
 
 from svcd.auth.migrations import migrate  # noqa: E402
 from svcd.auth.store import Store  # noqa: E402
-from svcd.pb.memory.v1 import memory_pb2, memory_pb2_grpc  # noqa: E402
-from svcd.testing.daemons import Daemon, authEnvironment, memoryEnvironment  # noqa: E402
-from svcd.testing.servers import PostgresServer, RedisServer, freePort  # noqa: E402
-from svcd.testing.upstream import (  # noqa: E402
+from svcd.devkit.daemons import Daemon, authEnvironment, memoryEnvironment  # noqa: E402
+from svcd.devkit.postgres import PostgresServer  # noqa: E402
+from svcd.devkit.redis import RedisServer  # noqa: E402
+from svcd.devkit.servers import freePort  # noqa: E402
+from svcd.devkit.upstream.client import (  # noqa: E402
     MEMORY_EMBEDDING_DIMENSIONS,
     ScriptedUpstream,
     memoryProvidersFile,
 )
+from svcd.pb.memory.v1 import memory_pb2, memory_pb2_grpc  # noqa: E402
 
 TARGET_PER_SECOND = 200.0
 

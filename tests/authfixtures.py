@@ -13,13 +13,13 @@ from collections.abc import Iterator
 import attrs
 import psycopg
 import pytest
+from authservice import RunningAuthService, SettableClock
 
 from svcd.auth.authority import issueToken
 from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
 from svcd.common.pat import parseToken
 from svcd.common.permissions import Permission
-from svcd.testing.authservice import RunningAuthService, SettableClock
 
 
 def ownerStore(dsn: str) -> tuple[Store, psycopg.Connection[object]]:

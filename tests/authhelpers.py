@@ -26,10 +26,10 @@ from typing import Any, cast
 
 import grpc
 from authfixtures import Tenant
+from authservice import RunningAuthService
 
 from svcd.common.ids import uuid7Text
 from svcd.pb.auth.v1 import auth_pb2
-from svcd.testing.authservice import RunningAuthService
 
 
 def svcctl(dsn: str | None, *arguments: str) -> subprocess.CompletedProcess[str]:

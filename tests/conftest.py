@@ -1,7 +1,7 @@
 """
 Fixtures shared by every test module: private PostgreSQL and Redis servers.
 
-The servers are started by the tests themselves (L{svcd.testing.servers}),
+The servers are started by the tests themselves (L{svcd.devkit.postgres}, L{svcd.devkit.redis}),
 never taken from the machine, so the suite runs the same on a fresh machine
 and on one whose own PostgreSQL or Redis holds data we must not touch.
 
@@ -24,7 +24,7 @@ Redis server, its own temporary directories (pytest gives each worker a
 base directory), its own reactor. What they share is the machine, and so:
 
   - Ports. Servers and daemons listen on ports from
-    L{svcd.testing.servers.freePort}, which the kernel picks free; another
+    L{svcd.devkit.servers.freePort}, which the kernel picks free; another
     worker's next call could be handed the same port before the first one's
     daemon has bound it. freePort reserves each port it hands out, machine
     wide, for as long as the process that took it lives, and passes over
@@ -85,7 +85,8 @@ from typing import Any
 import pytest
 import xdistprivate
 
-from svcd.testing.servers import PostgresServer, RedisServer
+from svcd.devkit.postgres import PostgresServer
+from svcd.devkit.redis import RedisServer
 
 # The check that keeps the e2e marker honest (first: it must wrap
 # twistdCommand before any module imports it by name); fixtures of svc-auth

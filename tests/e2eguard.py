@@ -9,9 +9,9 @@ would slowly turn the quick run into the whole suite; this plugin makes it
 fail at once instead, in any run, naming the test and the fix.
 
 What it watches is what the suite starts processes with:
-L{svcd.testing.daemons.Daemon.start} (every twistd of the gateway
-harness), L{svcd.testing.daemons.twistdCommand} (the tests that run twistd
-themselves) and L{svcd.testing.upstream.ScriptedUpstream.start}. A test
+L{svcd.devkit.daemons.Daemon.start} (every twistd of the gateway
+harness), L{svcd.devkit.daemons.twistdCommand} (the tests that run twistd
+themselves) and L{svcd.devkit.upstream.client.ScriptedUpstream.start}. A test
 that builds its own command line (dev/gateway's tests, a daemonised
 twistd) is marked by hand. PostgreSQL and Redis servers are not end to
 end: the quick run has them too, one of each per worker.
@@ -27,8 +27,8 @@ from typing import Any
 
 import pytest
 
-import svcd.testing.daemons
-import svcd.testing.upstream
+import svcd.devkit.daemons
+import svcd.devkit.upstream.client
 
 MARKER = "e2e"
 
@@ -76,14 +76,14 @@ def install() -> None:
     """
     Watch the functions that start daemons and the upstream process.
     """
-    daemons = svcd.testing.daemons
+    daemons = svcd.devkit.daemons
     daemons.Daemon.start = _guarded(  # type: ignore[method-assign]
         daemons.Daemon.start, lambda daemon: f"a real {daemon.plugin} (Daemon.start)"
     )
     daemons.twistdCommand = _guarded(
         daemons.twistdCommand, lambda plugin: f"a real {plugin} (twistdCommand)"
     )
-    upstream = svcd.testing.upstream.ScriptedUpstream
+    upstream = svcd.devkit.upstream.client.ScriptedUpstream
     upstream.start = _guarded(  # type: ignore[method-assign]
         upstream.start, lambda *args, **kwargs: "the scripted upstream's process"
     )

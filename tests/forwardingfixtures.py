@@ -7,7 +7,7 @@ starts only for a test that asks for C{forwarding}, once per run.
 
 The gateway is real: `twistd -n svc-auth` and `twistd -n svc-proxy`
 processes over a real PostgreSQL and Redis, forwarding to two scripted
-upstreams (L{svcd.testing.upstream}, real HTTP servers in processes of
+upstreams (L{svcd.devkit.upstream}, real HTTP servers in processes of
 their own). Its providers file, written by the fixture, has several
 providers on the two upstreams (base paths C{/v1}, C{/other/v1} and more
 on the first; the second started with C{--api-key} and reached with
@@ -41,8 +41,8 @@ from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
 from svcd.common.ids import parseUUID
-from svcd.testing.servers import PostgresServer
-from svcd.testing.upstream import RecordedRequest, ScriptedUpstream
+from svcd.devkit.postgres import PostgresServer
+from svcd.devkit.upstream.client import RecordedRequest, ScriptedUpstream
 
 # The body limit of svc-proxy (SVC_MAX_REQUEST_BODY_BYTES's default).
 BODY_LIMIT = 1024 * 1024

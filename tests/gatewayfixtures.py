@@ -28,8 +28,10 @@ from authfixtures import Tenant, makeTenant
 from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
 from svcd.common.ids import parseUUID
-from svcd.testing.daemons import Daemon, authEnvironment
-from svcd.testing.servers import PostgresServer, RedisServer, freePort
+from svcd.devkit.daemons import Daemon, authEnvironment
+from svcd.devkit.postgres import PostgresServer
+from svcd.devkit.redis import RedisServer
+from svcd.devkit.servers import freePort
 
 CHAT_BODY = json.dumps(
     {"model": "demo", "messages": [{"role": "user", "content": "hello there"}]}

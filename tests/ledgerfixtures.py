@@ -35,9 +35,11 @@ from gatewayfixtures import Answer, request
 
 from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
-from svcd.testing.daemons import Daemon, authEnvironment
-from svcd.testing.servers import PostgresServer, RedisServer, freePort
-from svcd.testing.upstream import ScriptedUpstream
+from svcd.devkit.daemons import Daemon, authEnvironment
+from svcd.devkit.postgres import PostgresServer
+from svcd.devkit.redis import RedisServer
+from svcd.devkit.servers import freePort
+from svcd.devkit.upstream.client import ScriptedUpstream
 
 # Bounds on waits for what the daemons do on their own (rows reaching the
 # ledger, a budget reaching the proxies): far above what they take, a

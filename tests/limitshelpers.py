@@ -17,10 +17,10 @@ from typing import Any
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.task import Clock, deferLater
 
+from svcd.devkit.redis import RedisServer
 from svcd.limits.book import BudgetRow, LimitBook
 from svcd.limits.keys import budgetPeriod
 from svcd.limits.records import Budget
-from svcd.testing.servers import RedisServer
 
 WINDOW = 1_700_000_040  # a calendar minute: a multiple of 60
 

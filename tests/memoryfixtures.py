@@ -18,13 +18,13 @@ import psycopg
 import pytest
 from authfixtures import Tenant, makeTenant
 from hypothesis import strategies as st
+from memoryservice import RunningMemoryService
 
 from svcd.auth.store import Store
 from svcd.memory.records import MemoryRecord, Query, checkQuery
 from svcd.memory.store import MemoryStore
 from svcd.memory.store.base import APPLICATION_ROLE, connectionPool
 from svcd.memoryclient.records import Embedding, Scope
-from svcd.testing.memoryservice import RunningMemoryService
 
 MODEL = "embed-test"
 

@@ -23,6 +23,7 @@ from gatewayfixtures import (
     Gateway,
 )
 from hypothesis import strategies as st
+from proxydoubles import FakeAuthClient
 from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import TCP4ClientEndpoint
 from twisted.internet.error import ConnectionDone
@@ -33,7 +34,6 @@ from twisted.python.failure import Failure
 from svcd.common.errors import ApiError
 from svcd.proxy.http.chatbody import MAX_CONTENT_BYTES, MAX_MESSAGES, ROLES, parseChatBody
 from svcd.proxy.service import ProxyService
-from svcd.proxy.testing import FakeAuthClient
 
 CHAT = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
 

@@ -21,6 +21,7 @@ import attrs
 import grpc
 import pytest
 from authfixtures import Tenant, makeTenant, ownerStore
+from authservice import RunningAuthService
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from twisted.logger import ILogObserver, LogLevel, globalLogPublisher
@@ -28,8 +29,7 @@ from twisted.logger import ILogObserver, LogLevel, globalLogPublisher
 from svcd.auth.migrations import migrate
 from svcd.auth.store import Store, StoreValueRefused
 from svcd.common.permissions import Permission
-from svcd.testing.authservice import RunningAuthService
-from svcd.testing.servers import PostgresServer
+from svcd.devkit.postgres import PostgresServer
 
 SERVICE = "/svc.auth.v1.AuthService/"
 ALL_PERMISSIONS = int(

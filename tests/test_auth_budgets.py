@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 from authfixtures import makeTenant
 from authhelpers import FeedReader, document, failure, svcctl, validateAgent, validateToken
+from authservice import RunningAuthService
+from waiting import waitUntil
 
 from svcd.auth.limits import BudgetsTable, budgetChange, budgetMessage
 from svcd.auth.store import BudgetRecord, Store
 from svcd.pb.auth.v1 import auth_pb2
-from svcd.testing.authservice import RunningAuthService
-from svcd.testing.waiting import waitUntil
 
 
 def orgBudget(service: RunningAuthService, tenant: Any) -> auth_pb2.Budget | None:

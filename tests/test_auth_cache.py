@@ -19,6 +19,8 @@ import psycopg
 import pytest
 from authfixtures import Tenant, makeTenant
 from authhelpers import CountingVerifier
+from authservice import RunningAuthService
+from waiting import waitUntil
 
 import svcd.auth.authority
 from svcd.auth.authority import AGENT_NOT_ACTIVE
@@ -28,8 +30,6 @@ from svcd.auth.hashing import verifySecret
 from svcd.auth.store import Store, TokenRecord
 from svcd.common.pat import formatToken, newSecret
 from svcd.pb.auth.v1 import auth_pb2
-from svcd.testing.authservice import RunningAuthService
-from svcd.testing.waiting import waitUntil
 
 
 @pytest.fixture

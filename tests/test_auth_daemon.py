@@ -22,9 +22,9 @@ from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
 from svcd.common.pat import READINESS_SENTINEL
 from svcd.common.readiness import READY_MAX_AGE
+from svcd.devkit.daemons import Daemon, authEnvironment, twistdCommand
+from svcd.devkit.postgres import PostgresServer
 from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
-from svcd.testing.daemons import Daemon, authEnvironment, twistdCommand
-from svcd.testing.servers import PostgresServer
 
 # Starts real daemons or processes (conftest.py, pytest.ini): left out of a
 # quick run, dev/test -m "not e2e".

@@ -21,7 +21,9 @@ import grpc
 import pytest
 from authfixtures import makeTenant
 from authhelpers import CountingVerifier
+from authservice import RunningAuthService
 from twisted.logger import ILogObserver, LogLevel, globalLogPublisher
+from waiting import waitUntil
 
 import svcd.auth.authority
 from svcd.auth.authority import Authority, DeadlinePassed
@@ -30,8 +32,6 @@ from svcd.auth.hashing import hashSecret, verifySecret
 from svcd.auth.store import AgentRecord, Store, TokenRecord
 from svcd.common.pat import formatToken, newSecret
 from svcd.pb.auth.v1 import auth_pb2
-from svcd.testing.authservice import RunningAuthService
-from svcd.testing.waiting import waitUntil
 
 
 class CountingLookups:

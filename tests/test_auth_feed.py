@@ -19,8 +19,10 @@ import pytest
 import pytest_twisted
 from authfixtures import makeTenant, ownerStore
 from authhelpers import FeedReader, StreamFailed, document, svcctl
+from authservice import RunningAuthService
 from prometheus_client import CollectorRegistry
 from twisted.internet.interfaces import IReactorThreads
+from waiting import waitUntil
 
 from svcd.auth.admission import Bounds
 from svcd.auth.authority import issueToken
@@ -38,10 +40,8 @@ from svcd.auth.grpcservice import AuthMetrics, AuthServicer, GrpcServerService
 from svcd.auth.limits import limitsChange
 from svcd.auth.migrations import migrate
 from svcd.auth.store import LimitsRecord, Store
+from svcd.devkit.postgres import PostgresServer
 from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
-from svcd.testing.authservice import RunningAuthService
-from svcd.testing.servers import PostgresServer
-from svcd.testing.waiting import waitUntil
 
 
 @pytest.fixture

@@ -12,14 +12,14 @@ from typing import cast
 import grpc
 import pytest
 from authfixtures import Tenant, makeTenant, secretOf
+from authservice import RunningAuthService, SettableClock
+from waiting import waitUntil
 
 from svcd.auth.authority import AGENT_NOT_ACTIVE, issueToken
 from svcd.auth.store import Store
 from svcd.common.pat import READINESS_SENTINEL, formatToken, newSecret
 from svcd.common.permissions import Permission
 from svcd.pb.auth.v1 import auth_pb2
-from svcd.testing.authservice import RunningAuthService, SettableClock
-from svcd.testing.waiting import waitUntil
 
 ALL_PERMISSIONS = int(
     Permission.ProxyChatCompletion
@@ -166,7 +166,7 @@ def test_databaseFailureIsInternalWithoutSecrets(privatePostgres: object, owner:
     Internal, and the message holds neither the token nor the DSN.
     """
     from svcd.auth.migrations import migrate
-    from svcd.testing.servers import PostgresServer
+    from svcd.devkit.postgres import PostgresServer
 
     assert isinstance(privatePostgres, PostgresServer)
     dsn = privatePostgres.createDatabase("auth")

@@ -27,6 +27,7 @@ import psycopg
 import pytest
 from authfixtures import makeTenant
 from authhelpers import JUNE, document, microseconds, record, recordAnswer, svcctl, usageRow
+from authservice import RunningAuthService
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter
@@ -46,7 +47,6 @@ from svcd.auth.usage import (
 from svcd.common.ids import uuid7Text
 from svcd.common.permissions import Permission
 from svcd.pb.auth.v1 import auth_pb2
-from svcd.testing.authservice import RunningAuthService
 
 UTC = datetime.UTC
 DAY = datetime.timedelta(days=1)

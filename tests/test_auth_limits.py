@@ -14,12 +14,12 @@ import uuid
 
 from authfixtures import Tenant, makeTenant
 from authhelpers import document, svcctl, validateAgent, validateToken
+from authservice import RunningAuthService
+from waiting import waitUntil
 
 from svcd.auth.limits import LimitsTable, limitsChange, limitsMessage
 from svcd.auth.store import LimitsRecord, Store
 from svcd.pb.auth.v1 import auth_pb2
-from svcd.testing.authservice import RunningAuthService
-from svcd.testing.waiting import waitUntil
 
 
 def orgLimits(service: RunningAuthService, tenant: Tenant) -> auth_pb2.Limits | None:

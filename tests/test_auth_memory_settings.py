@@ -18,13 +18,13 @@ import psycopg
 import pytest
 from authfixtures import makeTenant, ownerStore
 from authhelpers import FeedReader, document, failure, svcctl, validateAgent, validateToken
+from authservice import RunningAuthService
+from waiting import waitUntil
 
 from svcd.auth.limits import MemorySettingsTable, memorySettingsChange, memorySettingsMessage
 from svcd.auth.migrations import migrate
 from svcd.auth.store import APPLICATION_ROLE, MemorySettingsRecord, Store, StoreRejected
 from svcd.pb.auth.v1 import auth_pb2
-from svcd.testing.authservice import RunningAuthService
-from svcd.testing.waiting import waitUntil
 
 _SWITCHES = {"on": True, "off": False, "inherit": None}
 # --observe's values as the store holds them (decisions D13 amended).

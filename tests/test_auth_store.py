@@ -270,7 +270,7 @@ def test_aDatabaseRestartCostsNoCallerAnAnswer(privatePostgres: object) -> None:
     database that is up.
     """
     from svcd.auth.store import connectionPool
-    from svcd.testing.servers import PostgresServer
+    from svcd.devkit.postgres import PostgresServer
 
     assert isinstance(privatePostgres, PostgresServer)
     dsn = privatePostgres.createDatabase("restart")
@@ -298,7 +298,7 @@ def test_withoutDroppingDeadConnectionsTheRetryFindsAnother(privatePostgres: obj
     pool's next idle connection only, fails the first call.
     """
     from svcd.auth.store import StoreUnavailable, connectionPool
-    from svcd.testing.servers import PostgresServer
+    from svcd.devkit.postgres import PostgresServer
 
     assert isinstance(privatePostgres, PostgresServer)
     dsn = privatePostgres.createDatabase("restart")

@@ -35,6 +35,8 @@ from authhelpers import (
     svcctl,
     usageRow,
 )
+from authservice import RunningAuthService
+from waiting import waitUntil
 
 from svcd.auth.migrations import migrate
 from svcd.auth.store import APPLICATION_ROLE, Store, UsageSums
@@ -50,11 +52,9 @@ from svcd.auth.usage import (
     usageRecord,
 )
 from svcd.common.permissions import Permission
+from svcd.devkit.postgres import PostgresServer
 from svcd.ledger import rows as proxyRows
 from svcd.pb.auth.v1 import auth_pb2
-from svcd.testing.authservice import RunningAuthService
-from svcd.testing.servers import PostgresServer
-from svcd.testing.waiting import waitUntil
 
 
 def ledgerCount(dsn: str) -> int:

@@ -6,8 +6,8 @@ SDK program of README's Quick start, get a model's answer with usage on
 the first run; with the variable set it forwards to the file's providers
 (or, set but empty, to none: 501) and runs no model server.
 
-Each test runs L{svcd.devstack} as dev/gateway does after dev/bootstrap
-(C{python -m svcd.devstack}), as a process of its own with ports of its
+Each test runs L{svcd.devkit.gateway} as dev/gateway does after dev/bootstrap
+(C{python -m svcd.devkit.gateway}), as a process of its own with ports of its
 own and its data directory under the test's temporary directory, and runs
 the commands it printed as printed. The default run starts its private
 PostgreSQL and Redis as a newcomer's does; the other runs use the suite's
@@ -36,18 +36,19 @@ from typing import Any
 import attrs
 import pytest
 
-from svcd.devstack import (
+from svcd.devkit.gateway.children import stopLeftovers
+from svcd.devkit.gateway.demo import (
     DEMO_EMBEDDING_DIMENSIONS,
     DEMO_EMBEDDING_MODEL,
     DEMO_FACT,
     DEMO_MODEL,
     DEMO_OBSERVE_NOTE,
-    MODEL_SERVER,
-    stopLeftovers,
 )
+from svcd.devkit.gateway.stack import MODEL_SERVER
+from svcd.devkit.servers import freePort
+from svcd.devkit.upstream.client import ScriptedUpstream
+from svcd.devkit.upstream.content import embeddingOf
 from svcd.providers.providersfile import loadProviders
-from svcd.testing.servers import freePort
-from svcd.testing.upstream import ScriptedUpstream, embeddingOf
 
 # Starts real daemons or processes (conftest.py, pytest.ini): left out of a
 # quick run, dev/test -m "not e2e".
@@ -224,7 +225,13 @@ class Runs:
         stdout, stderr = directory / "stdout", directory / "stderr"
         with stdout.open("wb") as out, stderr.open("wb") as err:
             process = subprocess.Popen(
-                [sys.executable, "-m", "svcd.devstack", "--data-directory", str(dataDirectory)],
+                [
+                    sys.executable,
+                    "-m",
+                    "svcd.devkit.gateway",
+                    "--data-directory",
+                    str(dataDirectory),
+                ],
                 env={
                     **environmentOfTheTests(),
                     "SVC_PROXY_PORT": str(proxyPort),
@@ -375,7 +382,7 @@ def test_firstRunSaysItRunsTheModelServer(firstRun: GatewayRun) -> None:
     assert table.memory.embeddingModel is embedding
     assert table.memory.extractionModel is model
     entry = firstRun.recorded()[MODEL_SERVER]
-    assert "svcd.testing.upstream" in entry["command"]
+    assert "svcd.devkit.upstream" in entry["command"]
     assert _commandLine(entry["pid"]) == entry["command"]
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import pytest_twisted
+from proxydoubles import FakeAuthClient, MemoryCounters, listeningProxy
 from rawhttp import RawClient, head
 from twisted.internet.endpoints import TCP4ClientEndpoint
 from twisted.internet.protocol import Factory
@@ -33,7 +34,6 @@ from svcd.common.logbounds import CUT_MARKER, MAX_LOGGED_CHARACTERS, loggedMetho
 from svcd.common.logs import JSONLinesObserver
 from svcd.proxy.http.paths import RouteTable, isCanonicalPath
 from svcd.proxy.service import ProxyService
-from svcd.proxy.testing import FakeAuthClient, MemoryCounters, listeningProxy
 
 PROBE = "/v1/internal/auth-probe"
 

@@ -58,8 +58,9 @@ from ledgerfixtures import (
     waitUntil,
 )
 
-from svcd.testing.servers import PostgresServer, RedisServer
-from svcd.testing.upstream import ScriptedUpstream
+from svcd.devkit.postgres import PostgresServer
+from svcd.devkit.redis import RedisServer
+from svcd.devkit.upstream.client import ScriptedUpstream
 
 # Starts real daemons or processes (conftest.py, pytest.ini): left out of a
 # quick run, dev/test -m "not e2e".

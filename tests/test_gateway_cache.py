@@ -32,16 +32,18 @@ import psycopg
 import pytest
 from authfixtures import Tenant, makeTenant
 from gatewayfixtures import CHAT_BODY, chat
+from tcprelay import TcpRelay
+from waiting import waitUntil
 
 from svcd.auth.authority import issueToken
 from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
+from svcd.devkit.daemons import Daemon, authEnvironment
+from svcd.devkit.flood import floodMadeUp, rssKiB
+from svcd.devkit.postgres import PostgresServer
+from svcd.devkit.redis import RedisServer
+from svcd.devkit.servers import freePort
 from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
-from svcd.testing.daemons import Daemon, authEnvironment
-from svcd.testing.flood import floodMadeUp, rssKiB
-from svcd.testing.relay import TcpRelay
-from svcd.testing.servers import PostgresServer, RedisServer, freePort
-from svcd.testing.waiting import waitUntil
 
 # Starts real daemons or processes (conftest.py, pytest.ini): left out of a
 # quick run, dev/test -m "not e2e".

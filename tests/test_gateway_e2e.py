@@ -31,7 +31,7 @@ from gatewayfixtures import (
 
 from svcd.auth.authority import issueToken
 from svcd.common.ids import parseUUID
-from svcd.testing.servers import PostgresServer
+from svcd.devkit.postgres import PostgresServer
 
 # Starts real daemons or processes (conftest.py, pytest.ini): left out of a
 # quick run, dev/test -m "not e2e".

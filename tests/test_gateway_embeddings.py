@@ -37,10 +37,11 @@ from authhelpers import document, svcctl
 from forwardingfixtures import FORWARDING_ENVIRONMENT
 from gatewayfixtures import Gateway, request, runningGateway, waitFor
 
+from svcd.devkit.postgres import PostgresServer
+from svcd.devkit.upstream.client import ScriptedUpstream
+from svcd.devkit.upstream.content import embeddingOf
 from svcd.ledger.journalfile import JOURNAL_MAGIC
 from svcd.pb.auth.v1 import auth_pb2
-from svcd.testing.servers import PostgresServer
-from svcd.testing.upstream import ScriptedUpstream, embeddingOf
 
 # Starts real daemons or processes (conftest.py, pytest.ini): left out of a
 # quick run, dev/test -m "not e2e".

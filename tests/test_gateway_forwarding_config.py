@@ -17,8 +17,9 @@ import openai
 import pytest
 from gatewayfixtures import runningGateway
 
-from svcd.testing.daemons import twistdCommand
-from svcd.testing.servers import PostgresServer, freePort
+from svcd.devkit.daemons import twistdCommand
+from svcd.devkit.postgres import PostgresServer
+from svcd.devkit.servers import freePort
 
 # Starts real daemons or processes (conftest.py, pytest.ini): left out of a
 # quick run, dev/test -m "not e2e".

@@ -79,10 +79,12 @@ from svcd.auth.authority import issueToken
 from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
 from svcd.common.permissions import Permission
+from svcd.devkit.daemons import Daemon, authEnvironment
+from svcd.devkit.postgres import PostgresServer
+from svcd.devkit.redis import RedisServer
+from svcd.devkit.servers import freePort
+from svcd.devkit.upstream.client import ScriptedUpstream
 from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
-from svcd.testing.daemons import Daemon, authEnvironment
-from svcd.testing.servers import PostgresServer, RedisServer, freePort
-from svcd.testing.upstream import ScriptedUpstream
 
 # Starts real daemons or processes (conftest.py, pytest.ini): left out of a
 # quick run, dev/test -m "not e2e".

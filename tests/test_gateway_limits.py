@@ -37,9 +37,11 @@ from gatewayfixtures import Answer, chat, request
 
 from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
-from svcd.testing.daemons import Daemon, authEnvironment
-from svcd.testing.servers import PostgresServer, RedisServer, freePort
-from svcd.testing.upstream import ScriptedUpstream
+from svcd.devkit.daemons import Daemon, authEnvironment
+from svcd.devkit.postgres import PostgresServer
+from svcd.devkit.redis import RedisServer
+from svcd.devkit.servers import freePort
+from svcd.devkit.upstream.client import ScriptedUpstream
 
 # Starts real daemons or processes (conftest.py, pytest.ini): left out of a
 # quick run, dev/test -m "not e2e".

@@ -34,9 +34,11 @@ from svcd.auth.authority import issueToken
 from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
 from svcd.common.permissions import Permission
-from svcd.testing.daemons import Daemon, authEnvironment, memoryEnvironment
-from svcd.testing.servers import PostgresServer, RedisServer, freePort
-from svcd.testing.upstream import ScriptedUpstream
+from svcd.devkit.daemons import Daemon, authEnvironment, memoryEnvironment
+from svcd.devkit.postgres import PostgresServer
+from svcd.devkit.redis import RedisServer
+from svcd.devkit.servers import freePort
+from svcd.devkit.upstream.client import ScriptedUpstream
 
 # Starts real daemons (conftest.py, pytest.ini): left out of a quick run.
 pytestmark = pytest.mark.e2e

@@ -53,8 +53,8 @@ from ledgerfixtures import (
     waitUntil,
 )
 
-from svcd.testing.servers import PostgresServer
-from svcd.testing.upstream import ScriptedUpstream
+from svcd.devkit.postgres import PostgresServer
+from svcd.devkit.upstream.client import ScriptedUpstream
 
 # Starts real daemons or processes (conftest.py, pytest.ini): left out of a
 # quick run, dev/test -m "not e2e".

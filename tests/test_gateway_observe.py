@@ -35,8 +35,9 @@ from authfixtures import Tenant, makeTenant
 from authhelpers import document, svcctl
 from workerfixtures import WorkerRig, runningWorkerRig, waitUntil
 
-from svcd.testing.daemons import Daemon
-from svcd.testing.servers import PostgresServer, freePort
+from svcd.devkit.daemons import Daemon
+from svcd.devkit.postgres import PostgresServer
+from svcd.devkit.servers import freePort
 
 # Starts real daemons (conftest.py, pytest.ini): left out of a quick run.
 pytestmark = pytest.mark.e2e

@@ -46,16 +46,14 @@ from gatewayfixtures import request, waitFor
 from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
 from svcd.common.permissions import Permission
+from svcd.devkit.daemons import Daemon, authEnvironment, memoryEnvironment
+from svcd.devkit.postgres import PostgresServer
+from svcd.devkit.redis import RedisServer
+from svcd.devkit.servers import freePort
+from svcd.devkit.upstream.client import RecordedRequest, ScriptedUpstream
+from svcd.devkit.upstream.content import DEFAULT_EMBEDDING_DIMENSIONS, embeddingOf
 from svcd.pb.memory.v1 import memory_pb2, memory_pb2_grpc
 from svcd.proxy.recall import HEADING
-from svcd.testing.daemons import Daemon, authEnvironment, memoryEnvironment
-from svcd.testing.servers import PostgresServer, RedisServer, freePort
-from svcd.testing.upstream import (
-    DEFAULT_EMBEDDING_DIMENSIONS,
-    RecordedRequest,
-    ScriptedUpstream,
-    embeddingOf,
-)
 
 # Starts real daemons (conftest.py, pytest.ini): left out of a quick run.
 pytestmark = pytest.mark.e2e

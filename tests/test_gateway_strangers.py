@@ -21,8 +21,8 @@ from collections.abc import Iterator
 import pytest
 from gatewayfixtures import Gateway, unlimitedGateway
 
-from svcd.testing.flood import rssKiB
-from svcd.testing.servers import PostgresServer
+from svcd.devkit.flood import rssKiB
+from svcd.devkit.postgres import PostgresServer
 
 # Starts real daemons or processes (conftest.py, pytest.ini): left out of a
 # quick run, dev/test -m "not e2e".

@@ -39,8 +39,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from svcd.auth.authority import issueToken
 from svcd.common.pat import formatToken, newSecret
 from svcd.common.permissions import Permission
-from svcd.testing.servers import PostgresServer, freePort
-from svcd.testing.upstream import ScriptedUpstream
+from svcd.devkit.postgres import PostgresServer
+from svcd.devkit.servers import freePort
+from svcd.devkit.upstream.client import ScriptedUpstream
 
 # Starts real daemons or processes (conftest.py, pytest.ini): left out of a
 # quick run, dev/test -m "not e2e".

@@ -24,7 +24,7 @@ from gatewayfixtures import (
 )
 from rawhttp import exchange, parsed, rawChat
 
-from svcd.testing.servers import PostgresServer
+from svcd.devkit.postgres import PostgresServer
 
 # Starts real daemons or processes (conftest.py, pytest.ini): left out of a
 # quick run, dev/test -m "not e2e".

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from typing import cast
 
 import pytest_twisted
+from proxydoubles import FakeAuthClient, MemoryCounters, listeningProxy
 from rawhttp import CHAT, Harness, head, sleep
 from twisted.internet.defer import Deferred
 from twisted.web.resource import IResource
@@ -29,7 +30,6 @@ from svcd.proxy.http.site import (
     reasonPhrase,
 )
 from svcd.proxy.records import TokenInfo
-from svcd.proxy.testing import FakeAuthClient, MemoryCounters, listeningProxy
 
 LIMIT = 4096
 IDLE = 0.6

@@ -15,9 +15,9 @@ import e2eguard
 import pytest
 import xdistprivate
 
-import svcd.testing.daemons
-from svcd.testing.daemons import Daemon
-from svcd.testing.upstream import ScriptedUpstream
+import svcd.devkit.daemons
+from svcd.devkit.daemons import Daemon
+from svcd.devkit.upstream.client import ScriptedUpstream
 
 _TESTS = Path(__file__).resolve().parent
 
@@ -65,7 +65,7 @@ def test_anUnmarkedTestThatStartsADaemonFails(
     assert request.node.nodeid in message
     assert "svc-proxy" in message and "pytest.mark.e2e" in message
     with pytest.raises(e2eguard.NotMarkedE2E, match="twistdCommand"):
-        svcd.testing.daemons.twistdCommand("svc-auth")
+        svcd.devkit.daemons.twistdCommand("svc-auth")
     with pytest.raises(e2eguard.NotMarkedE2E, match="scripted upstream"):
         ScriptedUpstream(tmp_path / "upstream").start()
 
@@ -76,7 +76,7 @@ def test_aMarkedTestMayStartOne() -> None:
     A test marked e2e passes the check (nothing is started here).
     """
     e2eguard.check("a real svc-proxy")
-    assert "twistd" in " ".join(svcd.testing.daemons.twistdCommand("svc-proxy"))
+    assert "twistd" in " ".join(svcd.devkit.daemons.twistdCommand("svc-proxy"))
 
 
 # The fence around pytest-xdist's private names (xdistprivate.py).

@@ -23,6 +23,7 @@ import pytest
 import pytest_twisted
 from authfixtures import makeTenant
 from authhelpers import JUNE, microseconds, usageRow
+from authservice import RunningAuthService
 from twisted.internet.interfaces import IReactorFromThreads
 
 from svcd.auth.store import Store
@@ -30,7 +31,6 @@ from svcd.authclient.channel import authChannel
 from svcd.authclient.connection import AuthConnection
 from svcd.ledger.sender import LedgerSender
 from svcd.pb.auth.v1 import auth_pb2
-from svcd.testing.authservice import RunningAuthService
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,15 +20,15 @@ import grpc
 import pytest
 import trustme
 from authfixtures import Tenant
+from memoryservice import RunningMemoryService
 
 from svcd.common.config import ConfigError
 from svcd.common.grpcserver import ServerTLS
+from svcd.devkit.daemons import Daemon, memoryEnvironment, twistdCommand
 from svcd.memory.callers import WORKER_METHODS
 from svcd.memory.config import MemoryConfig
 from svcd.memory.grpcservice import METHODS
 from svcd.pb.memory.v1 import memory_pb2, memory_pb2_grpc
-from svcd.testing.daemons import Daemon, memoryEnvironment, twistdCommand
-from svcd.testing.memoryservice import RunningMemoryService
 
 PROXY_NAME = "svc-proxy.internal"
 WORKER_NAME = "svc-worker.internal"

@@ -20,10 +20,12 @@ import pytest
 import pytest_twisted
 from authfixtures import Tenant
 from memoryfixtures import embedding, scopeOf
+from memoryservice import RunningMemoryService
 from twisted.internet.defer import CancelledError
 from twisted.internet.interfaces import IReactorFromThreads
 from twisted.internet.task import deferLater
 
+from svcd.devkit.servers import freePort
 from svcd.memory.records import OTHER_LENGTH
 from svcd.memoryclient.channel import memoryChannel
 from svcd.memoryclient.client import MemoryClient
@@ -35,8 +37,6 @@ from svcd.memoryclient.errors import (
     MemoryUnavailable,
 )
 from svcd.pb.memory.v1 import memory_pb2
-from svcd.testing.memoryservice import RunningMemoryService
-from svcd.testing.servers import freePort
 
 
 def clientOf(address: str, timeout: float = 5.0) -> MemoryClient:

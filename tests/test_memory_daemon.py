@@ -22,8 +22,8 @@ import pytest
 from authfixtures import Tenant
 from memoryfixtures import vectorBytes
 
+from svcd.devkit.daemons import Daemon, memoryEnvironment, twistdCommand
 from svcd.pb.memory.v1 import memory_pb2, memory_pb2_grpc
-from svcd.testing.daemons import Daemon, memoryEnvironment, twistdCommand
 
 # Starts real daemons (conftest.py, pytest.ini): left out of a quick run.
 pytestmark = pytest.mark.e2e

@@ -20,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from memoryfixtures import storeOn
+from memoryservice import RunningMemoryService
 
 from svcd.common.config import ConfigError
 from svcd.memory.config import MemoryConfig
@@ -27,7 +28,6 @@ from svcd.memory.records import NewObservation, QueuedObservation
 from svcd.memory.store import MemoryStore
 from svcd.memoryclient.records import QUEUE_FULL, ObservedMessage, Scope
 from svcd.pb.memory.v1 import memory_pb2
-from svcd.testing.memoryservice import RunningMemoryService
 
 MESSAGES = (ObservedMessage("user", "I live in Oslo"),)
 

@@ -19,6 +19,7 @@ import psycopg
 import pytest
 from authfixtures import Tenant, ownerStore
 from memoryfixtures import appConnection, embedding, scopeOf, secondAgent, storeOn, within
+from memoryservice import RunningMemoryService
 from psycopg.rows import dict_row
 
 from svcd.auth.migrations import migrate
@@ -31,7 +32,6 @@ from svcd.memory.store.base import MemoryNotFound, ObservationForgotten
 from svcd.memory.store.leases import ObservationRelease
 from svcd.memoryclient.records import FORGOTTEN_DETAILS, ObservedMessage, Scope
 from svcd.pb.memory.v1 import memory_pb2
-from svcd.testing.memoryservice import RunningMemoryService
 
 UTC = datetime.UTC
 

@@ -19,11 +19,11 @@ from authfixtures import Tenant, makeTenant
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from memoryfixtures import MODEL, vectorBytes, within
+from memoryservice import RunningMemoryService
 
 from svcd.auth.store import Store
 from svcd.memory.grpcrequests import SCOPE_FULL
 from svcd.pb.memory.v1 import memory_pb2
-from svcd.testing.memoryservice import RunningMemoryService
 
 
 def scope(tenant: Tenant, subject: str = "") -> memory_pb2.Scope:

@@ -24,11 +24,11 @@ from bm25reference import Document, bm25Ranking, fusedRanking
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from memoryfixtures import MODEL, appConnection, vectorBytes, within
+from memoryservice import RunningMemoryService
 from psycopg.rows import dict_row
 
 from svcd.memory.text import TextKey
 from svcd.pb.memory.v1 import memory_pb2
-from svcd.testing.memoryservice import RunningMemoryService
 
 # Vectors whose cosines with QUERY are far apart (1, 0.95, 0.71, 0, -1):
 # the served float32 ranking and a float64 one cannot disagree.

@@ -19,9 +19,12 @@ import psycopg
 import pytest
 from authfixtures import Tenant
 from memoryfixtures import MODEL, embedding, scopeOf, storeOn, vectorBytes
+from memoryservice import RunningMemoryService
+from tcprelay import TcpRelay
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.logger import ILogObserver, LogEvent, globalLogPublisher
+from waiting import waitUntil
 from zope.interface import provider
 
 from svcd.common.readiness import readinessReport
@@ -31,9 +34,6 @@ from svcd.memory.recordcache import RecordCache
 from svcd.memory.text import ScopeText, TextKey
 from svcd.memory.vectorcache import VectorCache
 from svcd.pb.memory.v1 import memory_pb2
-from svcd.testing.memoryservice import RunningMemoryService
-from svcd.testing.relay import TcpRelay
-from svcd.testing.waiting import waitUntil
 
 # How late, past the second D13 allows, the test's own polling thread may
 # notice a change of state on this machine: two cores shared by several

@@ -21,6 +21,8 @@ from authfixtures import Tenant
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from memoryfixtures import MODEL, vectorBytes
+from memoryservice import RunningMemoryService
+from waiting import waitUntil
 
 from svcd.common.config import ConfigError
 from svcd.memory.config import MemoryConfig
@@ -33,8 +35,6 @@ from svcd.memory.records import MemoryRecord
 from svcd.memory.vectorcache import CacheMetrics
 from svcd.memory.wire import encodedMemory
 from svcd.pb.memory.v1 import memory_pb2
-from svcd.testing.memoryservice import RunningMemoryService
-from svcd.testing.waiting import waitUntil
 
 ORG, AGENT = uuid.uuid4(), uuid.uuid4()
 TRIPLE = (ORG, AGENT, "")

@@ -50,6 +50,7 @@ from authfixtures import Tenant
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from memoryfixtures import MODEL, embedding, memoryRecords, scopeOf, vectorBytes
+from memoryservice import RunningMemoryService
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IReactorFromThreads
 from twisted.internet.task import Clock, deferLater
@@ -69,7 +70,6 @@ from svcd.memoryclient.errors import (
 )
 from svcd.memoryclient.records import FORBIDDEN_DETAILS, MAX_SEARCHES_PER_CALL, Scope
 from svcd.pb.memory.v1 import memory_pb2
-from svcd.testing.memoryservice import RunningMemoryService
 
 T = TypeVar("T")
 

@@ -12,13 +12,13 @@ import uuid
 from authfixtures import Tenant
 from authhelpers import document, failure, svcctl
 from memoryfixtures import embedding, query, scopeOf
+from memoryservice import RunningMemoryService
 
 from svcd.auth.store import Store
 from svcd.memory.records import NewObservation
 from svcd.memory.store import MemoryStore
 from svcd.memory.store.leases import ObservationRelease
 from svcd.memoryclient.records import ObservedMessage, Scope
-from svcd.testing.memoryservice import RunningMemoryService
 
 
 def add(store: MemoryStore, scope: Scope, content: str) -> uuid.UUID:

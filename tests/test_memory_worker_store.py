@@ -20,13 +20,13 @@ from typing import Any
 import pytest
 from authfixtures import Tenant
 from memoryfixtures import MODEL, embedding, scopeOf, secondAgent, vectorBytes
+from memoryservice import RunningMemoryService
 
 from svcd.auth.store import Store
 from svcd.memory.extracted import Plan, RecentRow
 from svcd.memory.ranking import Hit
 from svcd.memoryclient.records import Embedding, Scope
 from svcd.pb.memory.v1 import memory_pb2
-from svcd.testing.memoryservice import RunningMemoryService
 
 
 def scopeMessage(scope: Scope) -> memory_pb2.Scope:

@@ -25,9 +25,12 @@ import attrs
 import pytest
 import pytest_twisted
 from limitshelpers import waitFor
+from proxydoubles import MemoryCounters, MemoryLedger
 from twisted.internet.defer import CancelledError, Deferred, succeed
 
 from svcd.common.errors import ApiError, ErrorCode
+from svcd.devkit.upstream.client import RecordedRequest, ScriptedUpstream
+from svcd.devkit.upstream.content import DEFAULT_EMBEDDING_DIMENSIONS, embeddingOf
 from svcd.limits.admission import Admission
 from svcd.limits.book import LimitBook
 from svcd.limits.limiter import RedisRateLimiter
@@ -41,13 +44,6 @@ from svcd.providers.records import UpstreamRecord
 from svcd.providers.table import ProviderTable
 from svcd.providers.upstream import Forwarder
 from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.testing import MemoryCounters, MemoryLedger
-from svcd.testing.upstream import (
-    DEFAULT_EMBEDDING_DIMENSIONS,
-    RecordedRequest,
-    ScriptedUpstream,
-    embeddingOf,
-)
 
 # Starts the scripted upstream process (conftest.py, pytest.ini).
 pytestmark = pytest.mark.e2e

@@ -21,10 +21,13 @@ from typing import Any, cast
 import attrs
 import pytest
 import pytest_twisted
+from proxydoubles import MemoryCounters, MemoryLedger
 from twisted.internet.defer import CancelledError, TimeoutError, succeed
 from twisted.internet.task import deferLater
 
 from svcd.common.errors import ApiError, ErrorCode
+from svcd.devkit.upstream.client import ScriptedUpstream
+from svcd.devkit.upstream.content import DEFAULT_EMBEDDING_DIMENSIONS, embeddingOf
 from svcd.limits.admission import Admission
 from svcd.limits.book import LimitBook, LimitsRow
 from svcd.limits.limiter import RedisRateLimiter
@@ -38,8 +41,6 @@ from svcd.providers.table import ProviderTable
 from svcd.providers.upstream import Answer, Forwarder
 from svcd.providers.vectors import decodeVectors
 from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.testing import MemoryCounters, MemoryLedger
-from svcd.testing.upstream import DEFAULT_EMBEDDING_DIMENSIONS, ScriptedUpstream, embeddingOf
 
 # Starts the scripted upstream process (conftest.py, pytest.ini).
 pytestmark = pytest.mark.e2e

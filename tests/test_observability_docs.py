@@ -38,8 +38,10 @@ _NOT_VARIABLES = {"SVC_ENV_VALUES"}
 def variablesReadByTheCode() -> set[str]:
     found: set[str] = set()
     for source in (ROOT / "svcd").rglob("*.py"):
-        # dev/gateway's own variables (devstack) are not the daemons'.
-        if "testing" in source.parts or "pb" in source.parts or source.name == "devstack.py":
+        # The devkit's variables (dev/gateway's own, the private servers',
+        # the tests' daemons') are not the daemons'.
+        parts = source.relative_to(ROOT).parts
+        if "devkit" in parts or "pb" in parts:
             continue
         found |= set(_VARIABLE.findall(source.read_text()))
     return found - _NOT_VARIABLES

@@ -30,7 +30,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 from svcd.auth.authority import issueToken
 from svcd.common.pat import formatToken, newSecret, parseToken
-from svcd.testing.servers import PostgresServer
+from svcd.devkit.postgres import PostgresServer
 
 # Starts real daemons or processes (conftest.py, pytest.ini): left out of a
 # quick run, dev/test -m "not e2e".

@@ -30,6 +30,7 @@ import pytest
 import pytest_twisted
 import treq
 from prometheus_client import CollectorRegistry
+from proxydoubles import MemoryCounters, newToken
 from twisted.application.service import Service
 from twisted.internet import task
 from twisted.internet.defer import Deferred, succeed
@@ -48,15 +49,14 @@ from svcd.common.logs import (
     eventFields,
 )
 from svcd.common.tracing import TracingConfig, activate, deactivate, tracerProvider
+from svcd.devkit.servers import freePort
 from svcd.limits.limiter import RedisRateLimiter
 from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.http.edge import ProxyEdge
 from svcd.proxy.http.site import ProxySite
 from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.testing import MemoryCounters, newToken
 from svcd.proxy.validation.client import GrpcAuthClient
-from svcd.testing.servers import freePort
 
 
 class CapturedLines:

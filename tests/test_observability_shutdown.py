@@ -22,13 +22,13 @@ import grpc
 import psycopg
 import pytest
 from authfixtures import makeTenant, ownerStore
+from fakeauth import servingAuth
+from proxydoubles import newToken
 
+from svcd.devkit.daemons import Daemon, authEnvironment
+from svcd.devkit.servers import freePort
+from svcd.devkit.upstream.client import ScriptedUpstream
 from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
-from svcd.proxy.testing import newToken
-from svcd.testing.daemons import Daemon, authEnvironment
-from svcd.testing.fakeauth import servingAuth
-from svcd.testing.servers import freePort
-from svcd.testing.upstream import ScriptedUpstream
 
 # Starts real daemons or processes (conftest.py, pytest.ini): left out of a
 # quick run, dev/test -m "not e2e".

@@ -21,12 +21,14 @@ from typing import Any, cast
 import grpc
 import pytest
 import pytest_twisted
+from fakeauth import servingAuth
 from hypothesis import given
 from hypothesis import strategies as st
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ParentBased
 from opentelemetry.trace import SpanKind, StatusCode
+from proxydoubles import newToken
 from tracinghelpers import Traced, chatHeaders, recordingProvider
 from twisted.internet.interfaces import IReactorFromThreads
 from twisted.logger import ILogObserver, capturedLogs
@@ -46,9 +48,7 @@ from svcd.common.tracing import (
 )
 from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
 from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.testing import newToken
 from svcd.proxy.validation.client import GrpcAuthClient
-from svcd.testing.fakeauth import servingAuth
 
 INBOUND_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 INBOUND_PARENT = "00f067aa0ba902b7"

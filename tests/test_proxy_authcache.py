@@ -17,6 +17,7 @@ import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from proxydoubles import FakeAuthClient
 from twisted.internet.defer import Deferred, fail
 from twisted.internet.task import Clock
 
@@ -26,7 +27,6 @@ from svcd.common.errors import ApiError, ErrorCode
 from svcd.common.pat import formatToken, newSecret, parseToken
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.records import AgentInfo, TokenInfo
-from svcd.proxy.testing import FakeAuthClient
 from svcd.proxy.validation.cache import CachingAuthClient, ValidationCache
 
 LAG = 1.5

@@ -19,6 +19,8 @@ from typing import Any
 import grpc
 import pytest
 import pytest_twisted
+from fakeauth import servingAuth
+from proxydoubles import newToken
 from twisted.internet.defer import CancelledError, Deferred, gatherResults
 from twisted.internet.interfaces import IReactorFromThreads
 from twisted.internet.task import deferLater
@@ -33,9 +35,7 @@ from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.records import AgentInfo, TokenInfo
-from svcd.proxy.testing import newToken
 from svcd.proxy.validation.client import GrpcAuthClient
-from svcd.testing.fakeauth import servingAuth
 
 Behaviour = Callable[[Any, grpc.ServicerContext], Any]
 

@@ -18,6 +18,7 @@ import grpc
 import pytest
 import pytest_twisted
 from authfixtures import makeTenant
+from authservice import RunningAuthService
 from twisted.internet.interfaces import IReactorFromThreads
 from twisted.internet.task import Clock, deferLater
 from twisted.logger import ILogObserver, Logger, LogLevel
@@ -27,7 +28,6 @@ from svcd.auth.store import Store
 from svcd.authclient.feed import ChangeFeed, FeedNotLive, openChangeFeed
 from svcd.authclient.knowntokens import KnownTokens
 from svcd.pb.auth.v1 import auth_pb2
-from svcd.testing.authservice import RunningAuthService
 
 
 class ScriptedCall:

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
+from proxydoubles import MemoryCounters
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import Clock
 from twisted.logger import capturedLogs
@@ -21,7 +22,6 @@ from svcd.limits.breaker import CircuitBreaker, Permit
 from svcd.limits.check import RateDecision
 from svcd.limits.limiter import RedisRateLimiter
 from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.testing import MemoryCounters
 
 
 def test_closedPermitsEveryCall() -> None:

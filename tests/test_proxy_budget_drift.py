@@ -31,10 +31,12 @@ from limitshelpers import (
     redisCall,
     waitFor,
 )
+from proxydoubles import MemoryCounters
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 
 from svcd.common.config import parseRedisURL
+from svcd.devkit.redis import RedisServer
 from svcd.limits.book import LimitBook
 from svcd.limits.check import RateDecision
 from svcd.limits.keys import BUDGET, ORG
@@ -43,8 +45,6 @@ from svcd.limits.link import RedisLink
 from svcd.limits.records import Budget, Reservation
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.testing import MemoryCounters
-from svcd.testing.servers import RedisServer
 
 LEASE = 2.0
 GRACE = 4.0

@@ -22,9 +22,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from svcd.devkit.daemons import Daemon, twistdCommand
+from svcd.devkit.servers import freePort
 from svcd.pb.auth.v1 import auth_pb2_grpc
-from svcd.testing.daemons import Daemon, twistdCommand
-from svcd.testing.servers import freePort
 
 # Starts real daemons or processes (conftest.py, pytest.ini): left out of a
 # quick run, dev/test -m "not e2e".

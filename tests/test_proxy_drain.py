@@ -23,6 +23,7 @@ from typing import Any, cast
 import attrs
 import pytest
 import pytest_twisted
+from proxydoubles import FakeAuthClient, MemoryCounters, listeningProxy
 from twisted.internet.defer import Deferred, fail
 from twisted.internet.endpoints import TCP4ClientEndpoint
 from twisted.internet.error import ConnectionDone
@@ -40,7 +41,6 @@ from svcd.proxy.http.site import ProxySite, _unreadBytes
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.records import TokenInfo
 from svcd.proxy.service import Dependency, ProxyService
-from svcd.proxy.testing import FakeAuthClient, MemoryCounters, listeningProxy
 
 QUIET = 0.3
 

@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 import pytest
 import pytest_twisted
+from proxydoubles import FakeAuthClient, MemoryCounters, newToken
 from treq.testing import StubTreq
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
@@ -29,7 +30,6 @@ from svcd.proxy.config import ProxyConfig
 from svcd.proxy.http.edge import ProxyEdge
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.records import TokenInfo
-from svcd.proxy.testing import FakeAuthClient, MemoryCounters, newToken
 
 # 2023-11-14T22:13:20Z plus 15 s: 45 s before the next calendar minute.
 NOW = 1_700_000_000.0 + 15

@@ -26,12 +26,15 @@ import attrs
 import pytest
 import pytest_twisted
 import treq
+from proxydoubles import FakeAuthClient, MemoryCounters, MemoryLedger
 from twisted.internet.defer import succeed
 from twisted.internet.task import deferLater
 from twisted.logger import ILogObserver, LogEvent, globalLogPublisher
 from zope.interface import provider
 
 from svcd.common.permissions import Permission
+from svcd.devkit.upstream.client import ScriptedUpstream
+from svcd.devkit.upstream.content import DEFAULT_EMBEDDING_DIMENSIONS, embeddingOf
 from svcd.limits.book import BudgetRow, LimitBook, LimitsRow
 from svcd.limits.limiter import RedisRateLimiter
 from svcd.limits.records import Budget, Limits
@@ -42,8 +45,6 @@ from svcd.proxy.config import ProxyConfig
 from svcd.proxy.http.edge import ProxyEdge
 from svcd.proxy.http.site import ProxySite
 from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.testing import FakeAuthClient, MemoryCounters, MemoryLedger
-from svcd.testing.upstream import DEFAULT_EMBEDDING_DIMENSIONS, ScriptedUpstream, embeddingOf
 
 # Starts the scripted upstream process (conftest.py, pytest.ini): left out
 # of a quick run, dev/test -m "not e2e".

@@ -40,6 +40,7 @@ from twisted.web.client import ResponseDone
 from twisted.web.http import PotentialDataLoss
 from zope.interface import implementer
 
+from svcd.devkit.servers import freePort
 from svcd.providers.http1 import (
     MAX_HEAD_BYTES,
     MAX_TRAILERS,
@@ -47,7 +48,6 @@ from svcd.providers.http1 import (
     ConnectionPool,
     UpstreamAnswer,
 )
-from svcd.testing.servers import freePort
 
 Script = Callable[["ScriptedConnection", bytes], None]
 

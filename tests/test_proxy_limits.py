@@ -33,10 +33,12 @@ from limitshelpers import (
     redisCall,
     waitFor,
 )
+from proxydoubles import MemoryCounters
 from twisted.internet.defer import Deferred, gatherResults
 
 from svcd.authclient.feed import limitsRowOf
 from svcd.common.config import parseRedisURL
+from svcd.devkit.redis import RedisServer
 from svcd.limits.book import NO_LIMITS, Applicable, LimitBook, LimitsRow
 from svcd.limits.check import RateDecision
 from svcd.limits.keys import AGENT, BUDGET, ORG, REQUESTS, TOKENS, Counter, budgetPeriod
@@ -66,9 +68,7 @@ from svcd.pb.auth.v1 import auth_pb2
 from svcd.providers.table import ProviderTable
 from svcd.proxy.http.chatbody import parseChatBody
 from svcd.proxy.http.embeddingsbody import parseEmbeddingsBody
-from svcd.proxy.testing import MemoryCounters
 from svcd.proxy.validation.client import limitsOf
-from svcd.testing.servers import RedisServer
 
 OTHER_AGENT = "1f2e3d4c-5b6a-4798-8a7b-6c5d4e3f2a1b"
 

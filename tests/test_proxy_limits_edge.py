@@ -28,10 +28,12 @@ import attrs
 import pytest
 import pytest_twisted
 import treq
+from proxydoubles import FakeAuthClient, MemoryCounters, MemoryLedger
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import deferLater
 from twisted.logger import ILogObserver, globalLogPublisher
 
+from svcd.devkit.upstream.client import RecordedRequest, ScriptedUpstream
 from svcd.limits.book import BudgetRow, LimitBook, LimitsRow
 from svcd.limits.limiter import RedisRateLimiter
 from svcd.limits.records import Budget, Limits
@@ -42,8 +44,6 @@ from svcd.proxy.http.edge import ProxyEdge
 from svcd.proxy.http.site import ProxySite
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.records import TokenInfo
-from svcd.proxy.testing import FakeAuthClient, MemoryCounters, MemoryLedger
-from svcd.testing.upstream import RecordedRequest, ScriptedUpstream
 
 # Starts real daemons or processes (conftest.py, pytest.ini): left out of a
 # quick run, dev/test -m "not e2e".

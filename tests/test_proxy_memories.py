@@ -1,7 +1,7 @@
 """
 The memory routes at the proxy's edge (decisions D13), in one process: a
 real svc-proxy site on a loopback port with the in-memory auth client,
-counters and ledger, a real MemoryService (svcd.testing.memoryservice) on
+counters and ledger, a real MemoryService (tests/memoryservice.py) on
 the test's database, and the scripted upstream process embedding. What
 the routes that embed reserve at their rate limit step (one call of the
 limiter per request: the texts' estimate under a token limit, their worst
@@ -27,11 +27,14 @@ import pytest
 import pytest_twisted
 import treq
 from authfixtures import Tenant
+from memoryservice import RunningMemoryService
+from proxydoubles import FakeAuthClient, MemoryCounters, MemoryLedger, newToken
 from twisted.internet.defer import maybeDeferred, succeed
 from twisted.internet.interfaces import IReactorFromThreads
 from twisted.internet.task import deferLater
 
 from svcd.common.permissions import Permission
+from svcd.devkit.upstream.client import ScriptedUpstream
 from svcd.limits.book import BudgetRow, LimitBook, LimitsRow
 from svcd.limits.limiter import RedisRateLimiter
 from svcd.limits.records import Budget, Limits
@@ -46,9 +49,6 @@ from svcd.proxy.http.routes.memories import QUEUE_FULL_RETRY_AFTER
 from svcd.proxy.http.site import ProxySite
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.records import AgentInfo, TokenInfo
-from svcd.proxy.testing import FakeAuthClient, MemoryCounters, MemoryLedger, newToken
-from svcd.testing.memoryservice import RunningMemoryService
-from svcd.testing.upstream import ScriptedUpstream
 
 # Starts the scripted upstream process (conftest.py, pytest.ini).
 pytestmark = pytest.mark.e2e

@@ -24,7 +24,9 @@ import pytest
 import pytest_twisted
 from authfixtures import Tenant, makeTenant
 from authhelpers import document, svcctl
+from authservice import RunningAuthService
 from limitshelpers import AGENT_ID, ORG_ID, waitFor
+from proxydoubles import MemoryCounters
 from treq.testing import StubTreq
 from twisted.internet import threads
 from twisted.web.resource import Resource
@@ -46,8 +48,6 @@ from svcd.proxy.memoryheaders import (
     chatMemory,
     requestMemory,
 )
-from svcd.proxy.testing import MemoryCounters
-from svcd.testing.authservice import RunningAuthService
 
 OTHER_AGENT = str(uuid.uuid4())
 ON, OFF, INHERIT = True, False, None

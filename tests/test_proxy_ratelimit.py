@@ -15,6 +15,7 @@ from typing import Any, cast
 import pytest
 import pytest_twisted
 from limitshelpers import WINDOW, counter, fakeClock, waitFor
+from proxydoubles import FakeAuthClient
 from treq.testing import StubTreq
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock, deferLater
@@ -22,6 +23,7 @@ from twisted.logger import capturedLogs
 from twisted.python.failure import Failure
 
 from svcd.common.config import parseRedisURL
+from svcd.devkit.redis import RedisServer
 from svcd.limits.check import RateDecision
 from svcd.limits.keys import KEY_TTL_SECONDS
 from svcd.limits.limiter import DisabledRateLimiter, RedisRateLimiter
@@ -29,8 +31,6 @@ from svcd.limits.link import RedisCounters, RedisLink
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.http.edge import ProxyEdge
 from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.testing import FakeAuthClient
-from svcd.testing.servers import RedisServer
 
 
 async def connectedLimiter(

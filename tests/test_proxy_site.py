@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import pytest_twisted
 import treq
+from proxydoubles import FakeAuthClient, MemoryCounters, listeningProxy, newToken
 from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import TCP4ClientEndpoint
 from twisted.internet.protocol import Factory, Protocol
@@ -26,7 +27,6 @@ from twisted.python.failure import Failure
 from svcd.proxy.http.site import BodyLimitedRequest
 from svcd.proxy.records import TokenInfo
 from svcd.proxy.service import ProxyService
-from svcd.proxy.testing import FakeAuthClient, MemoryCounters, listeningProxy, newToken
 
 LIMIT = 1000
 

@@ -25,6 +25,7 @@ from typing import Any, cast
 
 import pytest_twisted
 from prometheus_client import CollectorRegistry, Counter
+from proxydoubles import FakeAuthClient, MemoryCounters, listeningProxy
 from rawhttp import CHAT, Harness, RawClient, head, sleep
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import ITCPTransport
@@ -39,7 +40,6 @@ from svcd.proxy.http.site import (
     reasonPhrase,
 )
 from svcd.proxy.records import TokenInfo
-from svcd.proxy.testing import FakeAuthClient, MemoryCounters, listeningProxy
 
 LIMIT = 64 * 1024
 CAP = 100 * 1024

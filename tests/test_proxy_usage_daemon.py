@@ -22,14 +22,14 @@ from typing import Any
 
 import grpc
 import pytest
+from fakeauth import LedgerAuth, servingAuth
+from proxydoubles import newToken
 
+from svcd.devkit.daemons import Daemon, twistdCommand
+from svcd.devkit.servers import freePort
+from svcd.devkit.upstream.client import ScriptedUpstream
 from svcd.ledger.journal import Journal
 from svcd.pb.auth.v1 import auth_pb2
-from svcd.proxy.testing import newToken
-from svcd.testing.daemons import Daemon, twistdCommand
-from svcd.testing.fakeauth import LedgerAuth, servingAuth
-from svcd.testing.servers import freePort
-from svcd.testing.upstream import ScriptedUpstream
 
 # Starts real daemons or processes (conftest.py, pytest.ini): left out of a
 # quick run, dev/test -m "not e2e".

@@ -1,7 +1,7 @@
 """
 The usage outbox over a real gRPC link (decisions D12): the real
 LedgerSender.recordUsage against a real grpcio server whose RecordUsage
-keeps rows by ledger key (L{svcd.testing.fakeauth.LedgerAuth}). Every row
+keeps rows by ledger key (L{fakeauth.LedgerAuth}). Every row
 arrives exactly once and in order, also when the server fails the first
 attempts with UNAVAILABLE, and when it hangs past the client's deadline
 (the batch is sent again; the late commit makes the retry a duplicate).
@@ -21,7 +21,9 @@ from typing import Any
 import grpc
 import pytest
 import pytest_twisted
+from fakeauth import LedgerAuth, servingAuth
 from google.protobuf import json_format
+from proxydoubles import newToken
 from twisted.internet.defer import Deferred, gatherResults
 from twisted.internet.interfaces import IReactorFromThreads
 
@@ -32,9 +34,7 @@ from svcd.ledger.outbox import Outbox
 from svcd.ledger.sender import LedgerSender
 from svcd.pb.auth.v1 import auth_pb2
 from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.testing import newToken
 from svcd.proxy.validation.client import GrpcAuthClient
-from svcd.testing.fakeauth import LedgerAuth, servingAuth
 
 # Each test's bound on the flush that waits for every row: far above what
 # it takes, a bound against a hang, not a promise.

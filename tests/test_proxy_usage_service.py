@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+from proxydoubles import FakeAuthClient, MemoryCounters
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 
@@ -20,7 +21,6 @@ from svcd.proxy.http.edge import ProxyEdge
 from svcd.proxy.http.site import ProxySite
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.service import ProxyService
-from svcd.proxy.testing import FakeAuthClient, MemoryCounters
 
 
 @attrs.define

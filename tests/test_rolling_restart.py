@@ -1,6 +1,6 @@
 """
 Rolling restarts lose no request (issue 25), tried as an operator would,
-against real daemons, PostgreSQL and Redis (L{svcd.testing.rolling}):
+against real daemons, PostgreSQL and Redis (tests/rolling.py):
 
   - two svc-proxy workers on one port, each SIGTERMed, waited for and
     started again in turn, three times, while 12 clients make protected
@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import rolling
 
-from svcd.testing import rolling
-from svcd.testing.servers import PostgresServer
+from svcd.devkit.postgres import PostgresServer
 
 # Starts real daemons or processes (conftest.py, pytest.ini): left out of a
 # quick run, dev/test -m "not e2e".
@@ -129,8 +129,7 @@ def test_rollingRestartOfTheProxies(
                 "exec",
                 name,
                 sys.executable,
-                "-m",
-                "svcd.testing.rolling",
+                rolling.__file__,
                 "--dsn",
                 socketDSN(postgresServer, migratedDSN),
                 "--workdir",

@@ -22,10 +22,10 @@ import attrs
 import pytest
 from authfixtures import Tenant
 from gatewayfixtures import CHAT_BODY, Gateway, assertEnvelope, chat, unlimitedGateway
+from waiting import waitUntil
 
 from svcd.auth.authority import issueToken
-from svcd.testing.servers import PostgresServer
-from svcd.testing.waiting import waitUntil
+from svcd.devkit.postgres import PostgresServer
 
 # The flood runs in a process of its own, so that it does not compete with
 # the measuring client for this interpreter's lock, and drives all its

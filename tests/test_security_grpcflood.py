@@ -28,7 +28,7 @@ import pytest
 from authfixtures import Tenant
 from gatewayfixtures import CHAT_BODY, Gateway, unlimitedGateway
 
-from svcd.testing.servers import PostgresServer
+from svcd.devkit.postgres import PostgresServer
 
 # The flood runs in a process of its own, so that its work does not
 # compete with the measuring threads for this interpreter's lock. One

@@ -36,14 +36,16 @@ import pytest
 import trustme
 from authfixtures import Tenant, makeTenant
 from gatewayfixtures import assertEnvelope, chat, request
+from waiting import waitUntil
 
 from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
+from svcd.devkit.daemons import Daemon, authEnvironment, twistdCommand
+from svcd.devkit.postgres import PostgresServer
+from svcd.devkit.redis import RedisServer
+from svcd.devkit.servers import freePort
+from svcd.devkit.upstream.client import ScriptedUpstream
 from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
-from svcd.testing.daemons import Daemon, authEnvironment, twistdCommand
-from svcd.testing.servers import PostgresServer, RedisServer, freePort
-from svcd.testing.upstream import ScriptedUpstream
-from svcd.testing.waiting import waitUntil
 
 # Starts real daemons or processes (conftest.py, pytest.ini): left out of a
 # quick run, dev/test -m "not e2e".

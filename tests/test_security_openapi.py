@@ -37,6 +37,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
 from openapi_spec_validator import validate
+from proxydoubles import FakeAuthClient, MemoryCounters
 from schemathesis import GenerationMode
 from schemathesis.checks import (
     content_type_conformance,
@@ -50,15 +51,14 @@ from schemathesis.checks import (
 
 from svcd.common.errors import ErrorCode, FieldErrorCode
 from svcd.common.permissions import Permission
+from svcd.devkit.postgres import PostgresServer
+from svcd.devkit.upstream.client import ScriptedUpstream
 from svcd.limits.limiter import RedisRateLimiter
 from svcd.metering.models import Model, Provider
 from svcd.providers.table import ProviderTable
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.http.edge import ProxyEdge
 from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.testing import FakeAuthClient, MemoryCounters
-from svcd.testing.servers import PostgresServer
-from svcd.testing.upstream import ScriptedUpstream
 
 # Starts real daemons or processes (conftest.py, pytest.ini): left out of a
 # quick run, dev/test -m "not e2e".

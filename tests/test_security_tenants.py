@@ -25,10 +25,10 @@ from gatewayfixtures import (
     request,
     unlimitedGateway,
 )
+from waiting import waitUntil
 
+from svcd.devkit.postgres import PostgresServer
 from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
-from svcd.testing.servers import PostgresServer
-from svcd.testing.waiting import waitUntil
 
 # Starts real daemons or processes (conftest.py, pytest.ini): left out of a
 # quick run, dev/test -m "not e2e".

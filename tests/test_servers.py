@@ -1,5 +1,6 @@
 """
-Tests for L{svcd.testing.servers} and the fixtures of conftest.py: the
+Tests for L{svcd.devkit.servers}, L{svcd.devkit.postgres},
+L{svcd.devkit.redis} and the fixtures of conftest.py: the
 private servers that every other database or Redis test stands on.
 """
 
@@ -14,14 +15,10 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from svcd.testing import servers
-from svcd.testing.servers import (
-    MissingBinaries,
-    PostgresServer,
-    RedisServer,
-    ServerError,
-    freePort,
-)
+from svcd.devkit import postgres, redis, servers
+from svcd.devkit.postgres import PostgresServer
+from svcd.devkit.redis import RedisServer
+from svcd.devkit.servers import MissingBinaries, ServerError, freePort
 
 
 def _selectOne(dsn: str) -> object:
@@ -34,7 +31,7 @@ def _selectOne(dsn: str) -> object:
 def _postgresProcesses(server: PostgresServer) -> list[int]:
     pid = server.postmasterPid()
     assert pid is not None
-    return [pid, *servers._childProcesses(pid)]
+    return [pid, *servers.childProcesses(pid)]
 
 
 def test_freePortCanBeBound() -> None:
@@ -178,7 +175,7 @@ def test_postgresStopWhileFrozen(privatePostgres: PostgresServer) -> None:
     privatePostgres.freeze()
     privatePostgres.stop()
     assert not privatePostgres.isRunning
-    assert [pid for pid in processes if servers._processExists(pid)] == []
+    assert [pid for pid in processes if servers.processExists(pid)] == []
 
 
 def test_postgresFreezeStoppedServer(tmp_path: Path) -> None:
@@ -245,7 +242,7 @@ def test_postgresDestroyRemovesEverything(tmp_path: Path) -> None:
     server.destroy()
     assert not (tmp_path / "postgres").exists()
     assert not dataDirectory.exists()
-    assert [pid for pid in processes if servers._processExists(pid)] == []
+    assert [pid for pid in processes if servers.processExists(pid)] == []
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root runs PostgreSQL as another user")
@@ -264,7 +261,7 @@ def test_postgresBinariesMissing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     Without PostgreSQL installed, the error says which Debian package to
     install instead of failing somewhere inside initdb.
     """
-    monkeypatch.setattr(servers, "POSTGRES_INSTALL_ROOT", tmp_path / "nowhere")
+    monkeypatch.setattr(postgres, "POSTGRES_INSTALL_ROOT", tmp_path / "nowhere")
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(MissingBinaries, match="apt-get install postgresql"):
         PostgresServer.create(tmp_path / "postgres")
@@ -361,7 +358,7 @@ def test_redisStopWhileFrozen(privateRedis: RedisServer) -> None:
     assert pid is not None
     privateRedis.freeze()
     privateRedis.stop(timeout=5)
-    assert not servers._processExists(pid)
+    assert not servers.processExists(pid)
 
 
 def test_redisKeepsNothingOnDisk(privateRedis: RedisServer) -> None:
@@ -389,7 +386,7 @@ def test_redisPicksAnotherPortWhenChosenPortIsTaken(
         taken = squatter.getsockname()[1]
         choices = iter([taken])
         realFreePort = servers.freePort
-        monkeypatch.setattr(servers, "freePort", lambda: next(choices, None) or realFreePort())
+        monkeypatch.setattr(redis, "freePort", lambda: next(choices, None) or realFreePort())
         server = RedisServer.create(tmp_path / "redis")
         assert server.port == taken
         try:
@@ -422,7 +419,7 @@ def test_redisBinaryMissing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
     Without Redis installed, the error names the Debian package to install.
     """
     monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.setattr(servers, "REDIS_SERVER_CANDIDATES", ())
+    monkeypatch.setattr(redis, "REDIS_SERVER_CANDIDATES", ())
     with pytest.raises(MissingBinaries, match="apt-get install redis-server"):
         RedisServer.create(tmp_path / "redis")
 

@@ -1,5 +1,5 @@
 """
-The scripted upstream of L{svcd.testing.upstream} is what svc-proxy's
+The scripted upstream of L{svcd.devkit.upstream} is what svc-proxy's
 forwarding is tested against, so it must itself be OpenAI-compatible and do
 what its grammar says. The official C{openai} SDK, pointed straight at it,
 is the judge of compatibility; raw sockets check what the SDK cannot see
@@ -25,17 +25,9 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from svcd.testing.upstream import (
-    DEFAULT_EMBEDDING_DIMENSIONS,
-    DEFAULT_RETRY_AFTER,
-    ConnectionCounts,
-    RecordedRequest,
-    Script,
-    ScriptedUpstream,
-    ScriptError,
-    embeddingOf,
-    parseScript,
-)
+from svcd.devkit.upstream.client import ConnectionCounts, RecordedRequest, ScriptedUpstream
+from svcd.devkit.upstream.content import DEFAULT_EMBEDDING_DIMENSIONS, embeddingOf
+from svcd.devkit.upstream.script import DEFAULT_RETRY_AFTER, Script, ScriptError, parseScript
 
 # Starts real daemons or processes (conftest.py, pytest.ini): left out of a
 # quick run, dev/test -m "not e2e".

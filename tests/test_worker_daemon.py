@@ -27,8 +27,8 @@ from workerfixtures import (
     waitUntil,
 )
 
-from svcd.testing.daemons import Daemon, twistdCommand
-from svcd.testing.servers import PostgresServer
+from svcd.devkit.daemons import Daemon, twistdCommand
+from svcd.devkit.postgres import PostgresServer
 
 # Starts real daemons (conftest.py, pytest.ini): left out of a quick run.
 pytestmark = pytest.mark.e2e

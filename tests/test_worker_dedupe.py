@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from workerfixtures import newRequestIDs, runningWorkerRig
 
-from svcd.testing.daemons import Daemon, memoryEnvironment
-from svcd.testing.servers import PostgresServer
+from svcd.devkit.daemons import Daemon, memoryEnvironment
+from svcd.devkit.postgres import PostgresServer
 
 # Starts real daemons (conftest.py, pytest.ini): left out of a quick run.
 pytestmark = pytest.mark.e2e

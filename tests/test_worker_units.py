@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from svcd.common.config import ConfigError
-from svcd.testing.upstream import extractionContent
+from svcd.devkit.upstream.content import extractionContent
 from svcd.worker.config import WorkerConfig
 from svcd.worker.extraction import (
     EXTRACTION_PROMPT,

@@ -13,6 +13,7 @@ from typing import Any
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from proxydoubles import FakeAuthClient, MemoryCounters
 from treq.testing import StubTreq
 from twisted.internet.task import Clock
 
@@ -24,7 +25,6 @@ from svcd.limits.limiter import RedisRateLimiter
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.http.edge import ProxyEdge
 from svcd.proxy.metrics import ProxyMetrics
-from svcd.proxy.testing import FakeAuthClient, MemoryCounters
 
 NOW = 1_700_000_015.0
 

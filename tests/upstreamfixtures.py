@@ -1,6 +1,6 @@
 """
 Fixtures for tests that need an OpenAI-compatible provider: the scripted
-upstream of L{svcd.testing.upstream}, run as a process of its own on a
+upstream of L{svcd.devkit.upstream}, run as a process of its own on a
 loopback port. Loaded for every test module by tests/conftest.py
 (pytest_plugins).
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from svcd.testing.upstream import ScriptedUpstream
+from svcd.devkit.upstream.client import ScriptedUpstream
 
 
 @pytest.fixture

@@ -26,14 +26,16 @@ from ledgerfixtures import ledgerRows
 
 from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
-from svcd.pb.memory.v1 import memory_pb2, memory_pb2_grpc
-from svcd.testing.daemons import Daemon, authEnvironment, memoryEnvironment
-from svcd.testing.servers import PostgresServer, RedisServer, freePort
-from svcd.testing.upstream import (
+from svcd.devkit.daemons import Daemon, authEnvironment, memoryEnvironment
+from svcd.devkit.postgres import PostgresServer
+from svcd.devkit.redis import RedisServer
+from svcd.devkit.servers import freePort
+from svcd.devkit.upstream.client import (
     MEMORY_EMBEDDING_DIMENSIONS,
     ScriptedUpstream,
     memoryProvidersFile,
 )
+from svcd.pb.memory.v1 import memory_pb2, memory_pb2_grpc
 
 
 def waitUntil(condition: Callable[[], bool], what: str, seconds: float = 30.0) -> None:

@@ -10,7 +10,7 @@ user message holding the observation's messages as a JSON object
 answer the last user message rather than describe the conversation, and
 a user's "ignore your instructions" would sit where instructions do; as a
 quoted document it is plainly the thing to read. The scripted model
-server (L{svcd.testing.upstream}) recognises the request by the prompt's
+server (L{svcd.devkit.upstream}) recognises the request by the prompt's
 first line and C{response_format} and answers with the user's sentences.
 
 Without an extraction model, the user's text is the one memory
@@ -26,7 +26,7 @@ from typing import Any
 import attrs
 
 # The first line is what the scripted model server recognises
-# (svcd.testing.upstream): keep it the first line.
+# (svcd.devkit.upstream): keep it the first line.
 EXTRACTION_PROMPT = """\
 You extract long-term memories about the user from a conversation.
 The conversation between a user and an assistant is given as JSON in the next message.

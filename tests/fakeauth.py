@@ -70,7 +70,7 @@ class LedgerAuth(auth_pb2_grpc.AuthServiceServicer):
         return auth_pb2.ValidateTokenResponse(
             org_id=self.orgID,
             permissions=1,
-            token_id="0190c6a2-0000-7000-8000-0000000000b1",  # noqa: S106 - an id, no secret
+            token_id="0190c6a2-0000-7000-8000-0000000000b1",
         )
 
     def ValidateAgent(self, request: Any, context: grpc.ServicerContext) -> Any:

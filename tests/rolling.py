@@ -1,8 +1,8 @@
 """
 Rolling restarts under load, as an operator does them (issue 25).
 
-    python -m svcd.testing.rolling --dsn DSN --workdir DIR
-                                   [--restart proxies|auth] [--rounds N]
+    python tests/rolling.py --dsn DSN --workdir DIR
+                            [--restart proxies|auth] [--rounds N]
 
 With C{--restart proxies} (the default): two svc-proxy workers share one
 port (C{SVC_REUSE_PORT=true}, as C{etc/systemd/svc-proxy@.service} runs
@@ -59,8 +59,9 @@ from svcd.auth.authority import issueToken
 from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
 from svcd.common.permissions import Permission
-from svcd.testing.daemons import Daemon, authEnvironment
-from svcd.testing.servers import RedisServer, freePort
+from svcd.devkit.daemons import Daemon, authEnvironment
+from svcd.devkit.redis import RedisServer
+from svcd.devkit.servers import freePort
 
 PROBE = "/v1/internal/auth-probe"
 

@@ -18,7 +18,7 @@ import struct
 import threading
 import time
 
-from svcd.testing.servers import LOOPBACK
+from svcd.devkit.servers import LOOPBACK
 
 _CHUNK = 65536
 _POLL = 0.02

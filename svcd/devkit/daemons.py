@@ -18,7 +18,7 @@ import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 
-from svcd.testing.servers import freePort
+from svcd.devkit.servers import freePort
 
 
 def twistdCommand(plugin: str) -> list[str]:

@@ -1,19 +1,8 @@
 """
-Private PostgreSQL and Redis servers for the tests and for C{dev/gateway}.
-
-Why private servers: a developer's machine may run no PostgreSQL or Redis at
-all, or run them with data and settings we must neither depend on nor
-disturb. So every test run, and the local development stack, starts its own
-servers from the installed binaries, on free loopback ports, with their data
-under a directory the caller names.
-
-These helpers are synchronous (they run subprocesses and wait for them): the
-tests call them from pytest fixtures, outside the reactor, and
-L{svcd.devstack} runs no reactor at all.
-
-Every server that was started and not stopped again is stopped when the
-Python process exits (L{atexit}), so a test run leaves no stray server
-behind even when a fixture finalizer never runs.
+A private PostgreSQL cluster (L{PostgresServer}) for the tests, the
+benchmarks and C{dev/gateway}: made with the installed initdb, started and
+stopped with pg_ctl, its data disposable (see L{svcd.devkit.servers} for
+why private servers).
 """
 
 # Running the installed server programs is this module's purpose; every
@@ -22,9 +11,7 @@ behind even when a fixture finalizer never runs.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import fcntl
 import os
 import pwd
 import re
@@ -32,33 +19,35 @@ import secrets
 import shlex
 import shutil
 import signal
-import socket
-import stat
 import subprocess
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any
 from urllib.parse import quote
 
 import psycopg
 from psycopg import sql
 
-LOOPBACK = "127.0.0.1"
-
-# How long start() and stop() wait by default. Generous, because a loaded CI
-# machine can be slow to run initdb or to start a server; a healthy one takes
-# well under a second.
-DEFAULT_TIMEOUT = 30.0
+from svcd.devkit.servers import (
+    DEFAULT_TIMEOUT,
+    INSTALL_HINT,
+    LOOPBACK,
+    MissingBinaries,
+    ServerError,
+    childProcesses,
+    freePort,
+    logTail,
+    processExists,
+    running,
+    signalProcesses,
+    waitUntil,
+    waitUntilSuspended,
+)
 
 # Where Debian's postgresql packages put the server binaries, one folder per
 # major version (/usr/lib/postgresql/15/bin/initdb).
 POSTGRES_INSTALL_ROOT = Path("/usr/lib/postgresql")
-
-# Where to look for redis-server when it is not on PATH (sudo's secure_path
-# and cron's PATH lack /usr/sbin on some systems).
-REDIS_SERVER_CANDIDATES = ("/usr/bin/redis-server", "/usr/sbin/redis-server")
 
 # The system account that owns PostgreSQL's files on Debian. initdb and the
 # postmaster refuse to run as root, so root runs them as this user.
@@ -67,265 +56,6 @@ POSTGRES_SYSTEM_USER = "postgres"
 # A Unix socket path may hold at most 107 bytes (sun_path); PostgreSQL
 # refuses to start when "<socket dir>/.s.PGSQL.<port>" is longer.
 _MAX_SOCKET_PATH = 100
-
-_INSTALL_HINT = (
-    "On Debian or Ubuntu install them with: sudo apt-get install {package} "
-    "(dev/bootstrap does this for you)."
-)
-
-
-class ServerError(Exception):
-    """
-    A private server could not be created, started or stopped; the message
-    says what happened and, where there is one, which log file to read.
-    """
-
-
-class MissingBinaries(ServerError):
-    """
-    The server programs are not installed on this machine.
-    """
-
-
-def freePort() -> int:
-    """
-    A TCP port on the loopback interface that nobody listens on right now,
-    and that no other call of C{freePort} on this machine (in this process
-    or another, for as long as that process lives) has handed out.
-
-    The kernel picks it, so it is free at this instant; but the caller binds
-    it only later (a daemon takes a second or more to start), and the kernel
-    may pick the same port again for the next caller in between. Tests run
-    in parallel (pytest-xdist workers, other developers' runs) would then
-    start two servers on one port, and one of them fails. So each port
-    handed out is reserved in L{_PortReservations}, and a port the kernel
-    offers again while its reservation holds is passed over.
-
-    A process that binds port 0 itself (grpcio, L{svcd.testing.relay}) can
-    still take a reserved port before its owner binds it; the servers pick
-    a new one and retry when their first start finds the port taken.
-    """
-    for _ in range(_PORT_ATTEMPTS):
-        port = _unusedPort()
-        if _reservations.reserve(port):
-            return port
-    # Every offer reserved: the directory is unusable or full of live
-    # reservations. The kernel's choice is still free right now.
-    return port
-
-
-# How many ports the kernel may offer before freePort takes one without a
-# reservation (a few are passed over at most, even with thousands held).
-_PORT_ATTEMPTS = 50
-
-
-def _unusedPort() -> int:
-    """
-    A loopback TCP port nobody has bound right now, as the kernel picks it.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((LOOPBACK, 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-class _PortReservations:
-    """
-    Ports handed out by L{freePort}, machine-wide for one user: a file per
-    port in C{directory} holding the process id that reserved it. A
-    reservation holds while that process lives (its servers may stop and
-    start again on the same port) and for at most L{LIFETIME} seconds, in
-    case the process id has been reused since. Choosing happens under an
-    exclusive C{flock} of the directory's lock file, so two processes never
-    reserve the same port. A process removes its reservations when it exits.
-
-    Anything that goes wrong with the directory (another user's, a full
-    disk) turns reservations off for this process rather than failing the
-    caller: the ports are still the kernel's free ones.
-    """
-
-    LIFETIME = 6 * 3600.0
-
-    def __init__(self, directory: Path) -> None:
-        self._directory = directory
-        self._usable = True
-        self._held: set[int] = set()
-
-    def reserve(self, port: int) -> bool:
-        """
-        Reserve C{port} for this process; L{False} if someone holds it.
-        """
-        if not self._usable:
-            return True
-        try:
-            return self._reserveLocked(port)
-        except OSError:
-            self._usable = False
-            return True
-
-    def _ensureDirectory(self) -> None:
-        self._directory.mkdir(mode=0o700, exist_ok=True)
-        # In a shared /tmp, a directory someone else made (or a symbolic
-        # link to one) is not ours to trust.
-        status = os.lstat(self._directory)
-        if not stat.S_ISDIR(status.st_mode) or status.st_uid != os.geteuid():
-            raise PermissionError(f"{self._directory} is not a directory of ours")
-
-    def _reserveLocked(self, port: int) -> bool:
-        self._ensureDirectory()
-        lockFile = os.open(self._directory / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(lockFile, fcntl.LOCK_EX)
-            entry = self._directory / str(port)
-            if self._holds(entry):
-                return False
-            entry.write_text(str(os.getpid()))
-            self._held.add(port)
-            return True
-        finally:
-            os.close(lockFile)
-
-    def _holds(self, entry: Path) -> bool:
-        """
-        Whether the reservation C{entry} is in force.
-        """
-        try:
-            owner = int(entry.read_text())
-            age = time.time() - entry.stat().st_mtime
-        except (FileNotFoundError, ValueError):
-            return False
-        return age < self.LIFETIME and (owner == os.getpid() or _processAlive(owner))
-
-    def releaseAll(self) -> None:
-        """
-        Remove this process's reservations (at exit).
-        """
-        pid = str(os.getpid())
-        for port in self._held:
-            entry = self._directory / str(port)
-            with contextlib.suppress(OSError, ValueError):
-                if entry.read_text() == pid:
-                    entry.unlink()
-        self._held.clear()
-
-
-def _processAlive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return _processState(pid) not in ("Z", "X")
-
-
-_reservations = _PortReservations(Path(tempfile.gettempdir()) / f"svc-test-ports-{os.geteuid()}")
-atexit.register(_reservations.releaseAll)
-
-
-class _Stoppable(Protocol):
-    def stop(self, timeout: float = DEFAULT_TIMEOUT) -> None: ...
-
-
-# Servers started and not yet stopped, for the exit handler below.
-_running: set[_Stoppable] = set()
-
-
-@atexit.register
-def _stopEverything() -> None:
-    """
-    Stop every server this process started and did not stop, so that an
-    interrupted test run or a crashed dev stack leaves nothing running.
-    """
-    for server in list(_running):
-        # Best effort at exit: one failure must not keep the others running.
-        with contextlib.suppress(Exception):
-            server.stop(timeout=10.0)
-    _running.clear()
-
-
-def _processState(pid: int) -> str | None:
-    """
-    The one-letter state of process C{pid} (R, S, T, Z, ...) from
-    /proc/PID/stat, or L{None} if there is no such process.
-    """
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    # The command name in parentheses may hold spaces and brackets; the
-    # fields after the last ")" are "state ppid ...".
-    return stat[stat.rindex(")") + 2]
-
-
-def _parentProcess(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat[stat.rindex(")") + 2 :].split()[1])
-
-
-def _childProcesses(parent: int) -> list[int]:
-    """
-    The process ids whose parent is C{parent}, read from /proc.
-    """
-    return [
-        int(entry.name)
-        for entry in Path("/proc").iterdir()
-        if entry.name.isdigit() and _parentProcess(int(entry.name)) == parent
-    ]
-
-
-def _processExists(pid: int) -> bool:
-    """
-    Whether process C{pid} is alive. A zombie is not: a daemonized
-    postmaster's parent is init, which may take a while to reap it, and its
-    exit is what we wait for.
-    """
-    return _processState(pid) not in (None, "Z", "X")
-
-
-def _waitUntilSuspended(pids: list[int], timeout: float = 5.0) -> None:
-    """
-    Wait until every process of C{pids} is stopped ("T"), a zombie or gone:
-    SIGSTOP is delivered asynchronously, and freeze() promises a frozen
-    server when it returns.
-    """
-    if not _waitUntil(
-        lambda: all(_processState(pid) in (None, "T", "t", "Z", "X") for pid in pids), timeout
-    ):
-        raise ServerError(f"processes {pids} did not stop within {timeout:.0f} s")
-
-
-def _signalProcesses(pids: list[int], signum: signal.Signals) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signum)
-
-
-def _logTail(path: Path, lines: int = 20) -> str:
-    """
-    The last lines of a server's log, to put in an error message.
-    """
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return "(no log)"
-    return "\n".join(text.splitlines()[-lines:])
-
-
-def _waitUntil(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while True:
-        if predicate():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(interval)
-
-
-# PostgreSQL
 
 
 def _majorVersion(pgCtl: Path) -> int | None:
@@ -379,7 +109,7 @@ def findPostgresBinaries(major: int | None = None) -> Path:
         raise MissingBinaries(
             "PostgreSQL server binaries (initdb, pg_ctl, postgres) were not found in "
             f"{POSTGRES_INSTALL_ROOT}/*/bin, pg_config --bindir or PATH. "
-            + _INSTALL_HINT.format(package="postgresql")
+            + INSTALL_HINT.format(package="postgresql")
         )
     if major is None:
         return found[0][0]
@@ -407,7 +137,7 @@ def _runAsPrefix() -> list[str]:
         raise MissingBinaries(
             "PostgreSQL refuses to run as root, and there is no "
             f"{POSTGRES_SYSTEM_USER!r} system user to run it as. "
-            + _INSTALL_HINT.format(package="postgresql")
+            + INSTALL_HINT.format(package="postgresql")
         ) from None
     runuser = shutil.which("runuser") or "/usr/sbin/runuser"
     if not os.access(runuser, os.X_OK):
@@ -578,7 +308,7 @@ class PostgresServer:
             pid = int(firstLine)
         except (OSError, ValueError):
             return None
-        return pid if _processExists(pid) else None
+        return pid if processExists(pid) else None
 
     @property
     def isRunning(self) -> bool:
@@ -593,7 +323,7 @@ class PostgresServer:
 
         @raise ServerError: when it does not come up within C{timeout}.
         """
-        if self in _running and self.isRunning:
+        if self in running and self.isRunning:
             return
         if self.isRunning:
             self.stop(timeout)
@@ -601,15 +331,15 @@ class PostgresServer:
         for attempt in range(attempts):
             if self._startOnce(timeout):
                 break
-            if attempt + 1 < attempts and "in use" in _logTail(self.logFile, 10):
+            if attempt + 1 < attempts and "in use" in logTail(self.logFile, 10):
                 self._port = freePort()
                 continue
             raise ServerError(
                 f"PostgreSQL did not start on port {self._port} within {timeout:.0f} s; "
-                f"the end of {self.logFile}:\n{_logTail(self.logFile)}"
+                f"the end of {self.logFile}:\n{logTail(self.logFile)}"
             )
         self._mayChangePort = False
-        _running.add(self)
+        running.add(self)
         self._waitForConnections(timeout)
 
     def _startOnce(self, timeout: float) -> bool:
@@ -657,7 +387,7 @@ class PostgresServer:
                 lastError = e
                 return False
 
-        if not _waitUntil(connects, timeout, interval=0.1):
+        if not waitUntil(connects, timeout, interval=0.1):
             raise ServerError(
                 f"PostgreSQL on port {self._port} started but refuses connections: {lastError}"
             )
@@ -669,7 +399,7 @@ class PostgresServer:
         a stopped process cannot shut down. Stopping a stopped server does
         nothing.
         """
-        _running.discard(self)
+        running.discard(self)
         pid = self.postmasterPid()
         if pid is None:
             return
@@ -688,12 +418,12 @@ class PostgresServer:
                 timeout=timeout,
                 output=log,
             )
-        if status == 0 and not _processExists(pid):
+        if status == 0 and not processExists(pid):
             return
         # A server that ignores a fast shutdown: kill it and its children,
         # rather than leave it running.
-        _signalProcesses([*_childProcesses(pid), pid], signal.SIGKILL)
-        if not _waitUntil(lambda: not _processExists(pid), 10):
+        signalProcesses([*childProcesses(pid), pid], signal.SIGKILL)
+        if not waitUntil(lambda: not processExists(pid), 10):
             raise ServerError(f"PostgreSQL (pid {pid}) survived SIGKILL")
 
     def freeze(self) -> None:
@@ -708,9 +438,9 @@ class PostgresServer:
             raise ServerError("PostgreSQL is not running")
         # The postmaster first, so that it forks no new child meanwhile.
         os.kill(pid, signal.SIGSTOP)
-        children = _childProcesses(pid)
-        _signalProcesses(children, signal.SIGSTOP)
-        _waitUntilSuspended([pid, *children])
+        children = childProcesses(pid)
+        signalProcesses(children, signal.SIGSTOP)
+        waitUntilSuspended([pid, *children])
 
     def thaw(self) -> None:
         """
@@ -719,7 +449,7 @@ class PostgresServer:
         pid = self.postmasterPid()
         if pid is None:
             return
-        _signalProcesses(_childProcesses(pid), signal.SIGCONT)
+        signalProcesses(childProcesses(pid), signal.SIGCONT)
         os.kill(pid, signal.SIGCONT)
 
     def destroy(self) -> None:
@@ -852,244 +582,13 @@ def _initdb(
         if result.returncode == 0:
             break
     else:
-        raise ServerError(f"initdb failed; the end of {log}:\n{_logTail(log)}")
+        raise ServerError(f"initdb failed; the end of {log}:\n{logTail(log)}")
     with (incomplete / "postgresql.conf").open("a") as conf:
         conf.write(
-            "\n# Added by svcd.testing.servers: a private, disposable server.\n"
+            "\n# Added by svcd.devkit.postgres: a private, disposable server.\n"
             f"listen_addresses = '{LOOPBACK}'\n"
             "fsync = off\n"
             "synchronous_commit = off\n"
             "full_page_writes = off\n"
         )
     incomplete.rename(clusterDirectory / "data")
-
-
-# Redis
-
-
-def findRedisServer() -> Path:
-    """
-    The redis-server program.
-
-    @raise MissingBinaries: when Redis is not installed.
-    """
-    found = shutil.which("redis-server")
-    if found is None:
-        for candidate in REDIS_SERVER_CANDIDATES:
-            if os.access(candidate, os.X_OK):
-                found = candidate
-                break
-    if found is None:
-        raise MissingBinaries(
-            "redis-server was not found on PATH. " + _INSTALL_HINT.format(package="redis-server")
-        )
-    return Path(found)
-
-
-class RedisServer:
-    """
-    A private Redis server on 127.0.0.1 that keeps nothing on disk, run as a
-    child process in the foreground (never daemonized) so that its process
-    id is known and it can be stopped, frozen and restarted on the same
-    port.
-    """
-
-    host = LOOPBACK
-
-    def __init__(self, executable: Path, baseDirectory: Path, port: int, portChosen: bool) -> None:
-        self._executable = executable
-        self._baseDirectory = baseDirectory
-        self._port = port
-        self._mayChangePort = portChosen
-        self._process: subprocess.Popen[bytes] | None = None
-
-    @classmethod
-    def create(cls, baseDirectory: Path, port: int | None = None) -> RedisServer:
-        """
-        Prepare a server whose working directory and log are in
-        C{baseDirectory}; it is not started.
-
-        @param port: the TCP port to listen on; a free one when L{None}.
-        @raise MissingBinaries: when Redis is not installed.
-        """
-        executable = findRedisServer()
-        baseDirectory = Path(os.path.abspath(baseDirectory))
-        baseDirectory.mkdir(parents=True, exist_ok=True)
-        return cls(
-            executable,
-            baseDirectory,
-            port if port is not None else freePort(),
-            portChosen=port is None,
-        )
-
-    @property
-    def port(self) -> int:
-        return self._port
-
-    @property
-    def url(self) -> str:
-        """
-        The redis:// URL of database 0.
-        """
-        return f"redis://{self.host}:{self._port}/0"
-
-    @property
-    def baseDirectory(self) -> Path:
-        return self._baseDirectory
-
-    @property
-    def logFile(self) -> Path:
-        return self._baseDirectory / "redis.log"
-
-    @property
-    def pid(self) -> int | None:
-        if self._process is None or self._process.poll() is not None:
-            return None
-        return self._process.pid
-
-    @property
-    def isRunning(self) -> bool:
-        return self.pid is not None
-
-    def start(self, timeout: float = DEFAULT_TIMEOUT) -> None:
-        """
-        Start the server and return once it answers PING.
-
-        @raise ServerError: when it exits or does not answer within
-            C{timeout}.
-        """
-        if self.isRunning:
-            return
-        attempts = 3 if self._mayChangePort else 1
-        for attempt in range(attempts):
-            if self._startOnce(timeout):
-                break
-            if attempt + 1 < attempts and "in use" in _logTail(self.logFile, 10):
-                self._port = freePort()
-                continue
-            raise ServerError(
-                f"Redis did not start on port {self._port} within {timeout:.0f} s; "
-                f"the end of {self.logFile}:\n{_logTail(self.logFile)}"
-            )
-        self._mayChangePort = False
-
-    def _startOnce(self, timeout: float) -> bool:
-        command = [
-            str(self._executable),
-            "--port",
-            str(self._port),
-            "--bind",
-            LOOPBACK,
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(self._baseDirectory),
-            "--daemonize",
-            "no",
-            "--logfile",
-            "",
-        ]
-        with self.logFile.open("ab") as log:
-            # A session of its own: a Ctrl-C in the terminal of dev/gateway
-            # must not kill Redis before the daemons that use it are down.
-            self._process = subprocess.Popen(
-                command,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        _running.add(self)
-        process = self._process
-        answered = _waitUntil(lambda: process.poll() is not None or self.ping(), timeout)
-        if answered and process.poll() is None:
-            return True
-        self.stop()
-        return False
-
-    def stop(self, timeout: float = DEFAULT_TIMEOUT) -> None:
-        """
-        Stop the server (SIGTERM, then SIGKILL after C{timeout}) and wait
-        until it has exited; the port stays the same for the next start.
-        """
-        _running.discard(self)
-        process = self._process
-        if process is None:
-            return
-        if process.poll() is None:
-            self.thaw()
-            process.terminate()
-            try:
-                process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        self._process = None
-
-    def freeze(self) -> None:
-        """
-        Suspend the server (SIGSTOP): connections are accepted by the kernel
-        but no command is answered.
-        """
-        pid = self.pid
-        if pid is None:
-            raise ServerError("Redis is not running")
-        os.kill(pid, signal.SIGSTOP)
-        _waitUntilSuspended([pid])
-
-    def thaw(self) -> None:
-        """
-        Resume a server suspended by L{freeze}; harmless on one that is not.
-        """
-        pid = self.pid
-        if pid is not None:
-            os.kill(pid, signal.SIGCONT)
-
-    def destroy(self) -> None:
-        """
-        Stop the server and remove C{baseDirectory}.
-        """
-        self.stop()
-        shutil.rmtree(self._baseDirectory, ignore_errors=True)
-
-    def command(self, *words: str, timeout: float = 2.0) -> bytes:
-        """
-        Send one command and return the first line of its reply, such as
-        C{b"+PONG"}: enough for the few commands the tests and the dev
-        stack need, without a Redis client library.
-
-        @raise OSError: when the server cannot be reached or does not answer
-            within C{timeout} (L{TimeoutError}).
-        """
-        encoded = [word.encode() for word in words]
-        request = b"*%d\r\n" % len(encoded) + b"".join(
-            b"$%d\r\n%s\r\n" % (len(word), word) for word in encoded
-        )
-        with socket.create_connection((self.host, self._port), timeout=timeout) as connection:
-            connection.sendall(request)
-            reply = b""
-            while b"\r\n" not in reply:
-                chunk = connection.recv(4096)
-                if not chunk:
-                    break
-                reply += chunk
-        return reply.split(b"\r\n", 1)[0]
-
-    def ping(self, timeout: float = 1.0) -> bool:
-        """
-        Whether the server answers PING within C{timeout}.
-        """
-        try:
-            return self.command("PING", timeout=timeout) == b"+PONG"
-        except OSError:
-            return False
-
-    def flushAll(self) -> None:
-        """
-        Delete every key in every database.
-        """
-        reply = self.command("FLUSHALL")
-        if reply != b"+OK":
-            raise ServerError(f"FLUSHALL failed: {reply!r}")
