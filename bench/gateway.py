@@ -131,8 +131,8 @@ import psycopg  # noqa: E402
 from auth_validate import closedLoop  # noqa: E402
 
 from svcd.auth.authority import issueToken  # noqa: E402
-from svcd.auth.migrations import migrate  # noqa: E402
 from svcd.auth.store import Store  # noqa: E402
+from svcd.common.migrations import migrate  # noqa: E402
 from svcd.common.pat import formatToken, newSecret, parseToken  # noqa: E402
 from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc  # noqa: E402
 from svcd.pb.memory.v1 import memory_pb2, memory_pb2_grpc  # noqa: E402

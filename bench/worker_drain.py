@@ -66,8 +66,8 @@ import psycopg
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from svcd.auth.migrations import migrate  # noqa: E402
 from svcd.auth.store import Store  # noqa: E402
+from svcd.common.migrations import migrate  # noqa: E402
 from svcd.pb.memory.v1 import memory_pb2, memory_pb2_grpc  # noqa: E402
 from svcd.testing.daemons import Daemon, authEnvironment, memoryEnvironment  # noqa: E402
 from svcd.testing.servers import PostgresServer, RedisServer, freePort  # noqa: E402

@@ -15,8 +15,8 @@ import psycopg
 import pytest
 
 from svcd.auth.authority import issueToken
-from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
+from svcd.common.migrations import migrate
 from svcd.common.pat import parseToken
 from svcd.common.permissions import Permission
 from svcd.testing.authservice import RunningAuthService, SettableClock

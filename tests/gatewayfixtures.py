@@ -25,9 +25,9 @@ import attrs
 import psycopg
 from authfixtures import Tenant, makeTenant
 
-from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
 from svcd.common.ids import parseUUID
+from svcd.common.migrations import migrate
 from svcd.testing.daemons import Daemon, authEnvironment
 from svcd.testing.servers import PostgresServer, RedisServer, freePort
 

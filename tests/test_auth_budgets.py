@@ -17,7 +17,8 @@ from authfixtures import makeTenant
 from authhelpers import FeedReader, document, failure, svcctl, validateAgent, validateToken
 
 from svcd.auth.limits import BudgetsTable, budgetChange, budgetMessage
-from svcd.auth.store import BudgetRecord, Store
+from svcd.auth.store import Store
+from svcd.auth.store.budgets import BudgetRecord
 from svcd.pb.auth.v1 import auth_pb2
 from svcd.testing.authservice import RunningAuthService
 from svcd.testing.waiting import waitUntil

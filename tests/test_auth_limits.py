@@ -16,7 +16,8 @@ from authfixtures import Tenant, makeTenant
 from authhelpers import document, svcctl, validateAgent, validateToken
 
 from svcd.auth.limits import LimitsTable, limitsChange, limitsMessage
-from svcd.auth.store import LimitsRecord, Store
+from svcd.auth.store import Store
+from svcd.auth.store.limits import LimitsRecord
 from svcd.pb.auth.v1 import auth_pb2
 from svcd.testing.authservice import RunningAuthService
 from svcd.testing.waiting import waitUntil

@@ -20,8 +20,11 @@ from authfixtures import makeTenant, ownerStore
 from authhelpers import FeedReader, document, failure, svcctl, validateAgent, validateToken
 
 from svcd.auth.limits import MemorySettingsTable, memorySettingsChange, memorySettingsMessage
-from svcd.auth.migrations import migrate
-from svcd.auth.store import APPLICATION_ROLE, MemorySettingsRecord, Store, StoreRejected
+from svcd.auth.store import Store
+from svcd.auth.store.base import APPLICATION_ROLE
+from svcd.auth.store.memorysettings import MemorySettingsRecord
+from svcd.common.migrations import migrate
+from svcd.common.pgtransactions import StoreRejected
 from svcd.pb.auth.v1 import auth_pb2
 from svcd.testing.authservice import RunningAuthService
 from svcd.testing.waiting import waitUntil

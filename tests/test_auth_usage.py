@@ -36,8 +36,9 @@ from authhelpers import (
     usageRow,
 )
 
-from svcd.auth.migrations import migrate
-from svcd.auth.store import APPLICATION_ROLE, Store, UsageSums
+from svcd.auth.store import Store
+from svcd.auth.store.base import APPLICATION_ROLE
+from svcd.auth.store.ledger import UsageSums
 from svcd.auth.usage import (
     KINDS,
     MAXIMUM_ROW_AMOUNT,
@@ -49,6 +50,7 @@ from svcd.auth.usage import (
     reportSpan,
     usageRecord,
 )
+from svcd.common.migrations import migrate
 from svcd.common.permissions import Permission
 from svcd.ledger import rows as proxyRows
 from svcd.pb.auth.v1 import auth_pb2

@@ -34,8 +34,8 @@ from authfixtures import Tenant, makeTenant
 from gatewayfixtures import CHAT_BODY, chat
 
 from svcd.auth.authority import issueToken
-from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
+from svcd.common.migrations import migrate
 from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
 from svcd.testing.daemons import Daemon, authEnvironment
 from svcd.testing.flood import floodMadeUp, rssKiB

@@ -76,8 +76,8 @@ from ledgerfixtures import (
 )
 
 from svcd.auth.authority import issueToken
-from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
+from svcd.common.migrations import migrate
 from svcd.common.permissions import Permission
 from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
 from svcd.testing.daemons import Daemon, authEnvironment

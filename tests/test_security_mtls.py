@@ -37,8 +37,8 @@ import trustme
 from authfixtures import Tenant, makeTenant
 from gatewayfixtures import assertEnvelope, chat, request
 
-from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
+from svcd.common.migrations import migrate
 from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
 from svcd.testing.daemons import Daemon, authEnvironment, twistdCommand
 from svcd.testing.servers import PostgresServer, RedisServer, freePort

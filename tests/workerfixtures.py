@@ -24,8 +24,8 @@ import psycopg
 from authfixtures import Tenant, makeTenant
 from ledgerfixtures import ledgerRows
 
-from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
+from svcd.common.migrations import migrate
 from svcd.pb.memory.v1 import memory_pb2, memory_pb2_grpc
 from svcd.testing.daemons import Daemon, authEnvironment, memoryEnvironment
 from svcd.testing.servers import PostgresServer, RedisServer, freePort

@@ -36,8 +36,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from twisted.internet.interfaces import IReactorThreads
 from twisted.logger import Logger
 
-from svcd.auth.admission import AdmissionInterceptor, Bounds, RefusalLog
 from svcd.common.errors import rfc3339
+from svcd.common.grpcadmission import AdmissionInterceptor, Bounds, RefusalLog
 from svcd.common.grpcserver import HostedGrpcServer, ServerTLS, buildGrpcServer
 from svcd.common.metrics import BUCKETS, Children
 from svcd.memory.client import MAX_SEARCHES_PER_CALL

@@ -32,8 +32,13 @@ import psycopg
 from prometheus_client import Histogram
 from psycopg_pool import ConnectionPool
 
-from svcd.auth.store import StoreRejected, StoreUnavailable, StoreValueRefused, runTransaction
 from svcd.common.ids import uuid7
+from svcd.common.pgtransactions import (
+    StoreRejected,
+    StoreUnavailable,
+    StoreValueRefused,
+    runTransaction,
+)
 from svcd.memory.extracted import OtherScope, Plan, Stored, recentRows, updateExtracted
 from svcd.memory.forgetting import (
     FORGOTTEN,

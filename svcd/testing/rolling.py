@@ -56,8 +56,8 @@ import psycopg
 import urllib3
 
 from svcd.auth.authority import issueToken
-from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
+from svcd.common.migrations import migrate
 from svcd.common.permissions import Permission
 from svcd.testing.daemons import Daemon, authEnvironment
 from svcd.testing.servers import RedisServer, freePort
