@@ -77,7 +77,8 @@ def run(arguments: argparse.Namespace, dsn: str) -> dict[str, Any] | str:
         if arguments.command == "memory":
             return memory.run(store, connection, arguments)
 
-    raise CommandError(f"unknown command {arguments.command}")
+    command = (arguments.command, getattr(arguments, "action", None))
+    raise CommandError(f"unknown command {command}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
