@@ -13,7 +13,7 @@ class BuildWithMigrations(build_py):
     """
     Copy the migrations of the top-level sql/ folder into the built package
     as svcd/sql/, where an installed svcctl finds them. (A checkout or an
-    editable install reads sql/ in place; see svcd/auth/migrations.py.)
+    editable install reads sql/ in place; see svcd/common/migrations.py.)
 
     A package_dir mapping for svcd.sql would do the same but would force
     setuptools' import-hook style of editable install (see package_dir).
@@ -129,7 +129,7 @@ setup(
         ],
     },
     entry_points={
-        "console_scripts": ["svcctl = svcd.auth.ctl:main"],
+        "console_scripts": ["svcctl = svcd.ctl.main:main"],
     },
     classifiers=[
         "Framework :: Twisted",

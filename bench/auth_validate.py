@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from svcd.auth.hashing import hashSecret, verifySecret  # noqa: E402
-from svcd.auth.migrations import migrate  # noqa: E402
+from svcd.common.migrations import migrate  # noqa: E402
 from svcd.common.pat import newSecret  # noqa: E402
 from svcd.devkit.daemons import Daemon, authEnvironment  # noqa: E402
 from svcd.devkit.postgres import PostgresServer  # noqa: E402

@@ -36,7 +36,7 @@ import psycopg
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from svcd.auth.migrations import migrate  # noqa: E402
+from svcd.common.migrations import migrate  # noqa: E402
 from svcd.devkit.postgres import PostgresServer  # noqa: E402
 
 SHAPES: dict[str, list[int]] = {

@@ -131,8 +131,8 @@ import psycopg  # noqa: E402
 from auth_validate import closedLoop  # noqa: E402
 
 from svcd.auth.authority import issueToken  # noqa: E402
-from svcd.auth.migrations import migrate  # noqa: E402
 from svcd.auth.store import Store  # noqa: E402
+from svcd.common.migrations import migrate  # noqa: E402
 from svcd.common.pat import formatToken, newSecret, parseToken  # noqa: E402
 from svcd.devkit.daemons import Daemon, authEnvironment, memoryEnvironment  # noqa: E402
 from svcd.devkit.postgres import PostgresServer  # noqa: E402

@@ -66,16 +66,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from svcd.auth.authority import issueToken  # noqa: E402
-from svcd.auth.migrations import migrate  # noqa: E402
-from svcd.auth.store import (  # noqa: E402
+from svcd.auth.store import Store  # noqa: E402
+from svcd.auth.store.base import APPLICATION_ROLE  # noqa: E402
+from svcd.auth.store.ledger import (  # noqa: E402
     _RECORD_USAGE,
-    APPLICATION_ROLE,
     INSERT_USAGE_WITHOUT_ROLLUP,
-    Store,
     UsageRecord,
     ledgerBatch,
 )
 from svcd.common.ids import uuid7Text  # noqa: E402
+from svcd.common.migrations import migrate  # noqa: E402
 from svcd.common.permissions import Permission  # noqa: E402
 from svcd.devkit.daemons import Daemon, authEnvironment  # noqa: E402
 from svcd.devkit.postgres import PostgresServer  # noqa: E402
@@ -593,7 +593,7 @@ def main() -> int:
                     command = [
                         sys.executable,
                         "-m",
-                        "svcd.auth.ctl",
+                        "svcd.ctl",
                         "usage",
                         "--org",
                         str(orgID),

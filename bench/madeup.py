@@ -43,8 +43,8 @@ sys.path.insert(0, str(ROOT))
 
 import psycopg  # noqa: E402
 
-from svcd.auth.migrations import migrate  # noqa: E402
 from svcd.auth.store import Store  # noqa: E402
+from svcd.common.migrations import migrate  # noqa: E402
 from svcd.devkit.daemons import Daemon, authEnvironment  # noqa: E402
 from svcd.devkit.flood import floodMadeUp, rssKiB  # noqa: E402
 from svcd.devkit.postgres import PostgresServer  # noqa: E402

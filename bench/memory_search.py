@@ -56,9 +56,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from svcd.auth.migrations import migrate  # noqa: E402
 from svcd.auth.store import Store  # noqa: E402
 from svcd.common.ids import uuid7  # noqa: E402
+from svcd.common.migrations import migrate  # noqa: E402
 from svcd.devkit.daemons import Daemon, memoryEnvironment  # noqa: E402
 from svcd.devkit.postgres import PostgresServer  # noqa: E402
 from svcd.pb.memory.v1 import memory_pb2, memory_pb2_grpc  # noqa: E402

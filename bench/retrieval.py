@@ -51,8 +51,8 @@ import psycopg  # noqa: E402
 from retrievaldata import Conversation, conversations  # noqa: E402
 
 from svcd.auth.authority import issueToken  # noqa: E402
-from svcd.auth.migrations import migrate  # noqa: E402
 from svcd.auth.store import Store  # noqa: E402
+from svcd.common.migrations import migrate  # noqa: E402
 from svcd.devkit.daemons import Daemon, authEnvironment, memoryEnvironment  # noqa: E402
 from svcd.devkit.postgres import PostgresServer  # noqa: E402
 from svcd.devkit.redis import RedisServer  # noqa: E402

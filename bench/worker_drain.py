@@ -66,8 +66,8 @@ import psycopg
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from svcd.auth.migrations import migrate  # noqa: E402
 from svcd.auth.store import Store  # noqa: E402
+from svcd.common.migrations import migrate  # noqa: E402
 from svcd.devkit.daemons import Daemon, authEnvironment, memoryEnvironment  # noqa: E402
 from svcd.devkit.postgres import PostgresServer  # noqa: E402
 from svcd.devkit.redis import RedisServer  # noqa: E402

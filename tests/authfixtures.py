@@ -16,8 +16,8 @@ import pytest
 from authservice import RunningAuthService, SettableClock
 
 from svcd.auth.authority import issueToken
-from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
+from svcd.common.migrations import migrate
 from svcd.common.pat import parseToken
 from svcd.common.permissions import Permission
 

@@ -37,7 +37,7 @@ def svcctl(dsn: str | None, *arguments: str) -> subprocess.CompletedProcess[str]
     if dsn is not None:
         environment["POSTGRES_DSN"] = dsn
     return subprocess.run(
-        [sys.executable, "-m", "svcd.auth.ctl", *arguments],
+        [sys.executable, "-m", "svcd.ctl", *arguments],
         capture_output=True,
         text=True,
         env=environment,

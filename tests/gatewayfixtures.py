@@ -25,9 +25,9 @@ import attrs
 import psycopg
 from authfixtures import Tenant, makeTenant
 
-from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
 from svcd.common.ids import parseUUID
+from svcd.common.migrations import migrate
 from svcd.devkit.daemons import Daemon, authEnvironment
 from svcd.devkit.postgres import PostgresServer
 from svcd.devkit.redis import RedisServer

@@ -33,8 +33,8 @@ import pytest
 from authfixtures import Tenant, makeTenant
 from gatewayfixtures import Answer, request
 
-from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
+from svcd.common.migrations import migrate
 from svcd.devkit.daemons import Daemon, authEnvironment
 from svcd.devkit.postgres import PostgresServer
 from svcd.devkit.redis import RedisServer
@@ -110,7 +110,7 @@ def dollars(nano: int) -> str:
 
 def svcctl(dsn: str, *words: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "svcd.auth.ctl", *words],
+        [sys.executable, "-m", "svcd.ctl", *words],
         env={**os.environ, "POSTGRES_DSN": dsn},
         capture_output=True,
         text=True,

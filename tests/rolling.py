@@ -56,8 +56,8 @@ import psycopg
 import urllib3
 
 from svcd.auth.authority import issueToken
-from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
+from svcd.common.migrations import migrate
 from svcd.common.permissions import Permission
 from svcd.devkit.daemons import Daemon, authEnvironment
 from svcd.devkit.redis import RedisServer

@@ -1,5 +1,5 @@
 """
-svc-auth's admission of gRPC calls (L{svcd.auth.admission}, decisions D10)
+svc-auth's admission of gRPC calls (L{svcd.common.grpcadmission}, decisions D10)
 against a real grpcio server: at most so many calls at once per client
 connection and in total, the excess answered RESOURCE_EXHAUSTED at once
 while the admitted calls are still blocked, and every slot freed when its
@@ -20,7 +20,13 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 from twisted.logger import ILogObserver, Logger, LogLevel
 
-from svcd.auth.admission import STANDARD_STREAMS, AdmissionInterceptor, Bounds, Lane, RefusalLog
+from svcd.common.grpcadmission import (
+    STANDARD_STREAMS,
+    AdmissionInterceptor,
+    Bounds,
+    Lane,
+    RefusalLog,
+)
 
 SERVICE = "test.Blocking"
 HOLD = f"/{SERVICE}/Hold"

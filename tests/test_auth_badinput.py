@@ -26,9 +26,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from twisted.logger import ILogObserver, LogLevel, globalLogPublisher
 
-from svcd.auth.migrations import migrate
-from svcd.auth.store import Store, StoreValueRefused
+from svcd.auth.store import Store
+from svcd.common.migrations import migrate
 from svcd.common.permissions import Permission
+from svcd.common.pgtransactions import StoreValueRefused
 from svcd.devkit.postgres import PostgresServer
 
 SERVICE = "/svc.auth.v1.AuthService/"

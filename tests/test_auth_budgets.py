@@ -19,7 +19,8 @@ from authservice import RunningAuthService
 from waiting import waitUntil
 
 from svcd.auth.limits import BudgetsTable, budgetChange, budgetMessage
-from svcd.auth.store import BudgetRecord, Store
+from svcd.auth.store import Store
+from svcd.auth.store.budgets import BudgetRecord
 from svcd.pb.auth.v1 import auth_pb2
 
 

@@ -27,7 +27,8 @@ from svcd.auth.authority import AGENT_NOT_ACTIVE
 from svcd.auth.cache import CachedToken, ValidationCache
 from svcd.auth.feed import FeedStream, FeedUnavailable
 from svcd.auth.hashing import verifySecret
-from svcd.auth.store import Store, TokenRecord
+from svcd.auth.store import Store
+from svcd.auth.store.tokens import TokenRecord
 from svcd.common.pat import formatToken, newSecret
 from svcd.pb.auth.v1 import auth_pb2
 

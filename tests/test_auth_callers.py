@@ -14,15 +14,10 @@ import trustme
 from prometheus_client import CollectorRegistry
 from twisted.logger import ILogObserver, Logger, LogLevel
 
-from svcd.auth.callers import (
-    BadSubjects,
-    Certificate,
-    DenialLog,
-    InternalSubjects,
-    parseSubjects,
-)
+from svcd.auth.callers import DenialLog
 from svcd.auth.config import AuthConfig
 from svcd.common.config import ConfigError
+from svcd.common.internalcallers import BadSubjects, Certificate, InternalSubjects, parseSubjects
 
 
 def test_subjectsAreACommaSeparatedListOfTrimmedNames() -> None:

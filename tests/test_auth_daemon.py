@@ -18,8 +18,8 @@ import grpc
 import pytest
 from authfixtures import makeTenant
 
-from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
+from svcd.common.migrations import migrate
 from svcd.common.pat import READINESS_SENTINEL
 from svcd.common.readiness import READY_MAX_AGE
 from svcd.devkit.daemons import Daemon, authEnvironment, twistdCommand

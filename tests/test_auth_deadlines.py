@@ -29,7 +29,9 @@ import svcd.auth.authority
 from svcd.auth.authority import Authority, DeadlinePassed
 from svcd.auth.cache import ValidationCache
 from svcd.auth.hashing import hashSecret, verifySecret
-from svcd.auth.store import AgentRecord, Store, TokenRecord
+from svcd.auth.store import Store
+from svcd.auth.store.organizations import AgentRecord
+from svcd.auth.store.tokens import TokenRecord
 from svcd.common.pat import formatToken, newSecret
 from svcd.pb.auth.v1 import auth_pb2
 

@@ -24,7 +24,6 @@ from prometheus_client import CollectorRegistry
 from twisted.internet.interfaces import IReactorThreads
 from waiting import waitUntil
 
-from svcd.auth.admission import Bounds
 from svcd.auth.authority import issueToken
 from svcd.auth.feed import (
     SNAPSHOT_CHUNK_IDS,
@@ -38,8 +37,10 @@ from svcd.auth.feed import (
 )
 from svcd.auth.grpcservice import AuthMetrics, AuthServicer, GrpcServerService
 from svcd.auth.limits import limitsChange
-from svcd.auth.migrations import migrate
-from svcd.auth.store import LimitsRecord, Store
+from svcd.auth.store import Store
+from svcd.auth.store.limits import LimitsRecord
+from svcd.common.grpcadmission import Bounds
+from svcd.common.migrations import migrate
 from svcd.devkit.postgres import PostgresServer
 from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
 

@@ -165,7 +165,7 @@ def test_databaseFailureIsInternalWithoutSecrets(privatePostgres: object, owner:
     When PostgreSQL is down, validating a token not yet cached answers
     Internal, and the message holds neither the token nor the DSN.
     """
-    from svcd.auth.migrations import migrate
+    from svcd.common.migrations import migrate
     from svcd.devkit.postgres import PostgresServer
 
     assert isinstance(privatePostgres, PostgresServer)

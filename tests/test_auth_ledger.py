@@ -1,6 +1,6 @@
 """
 The ledger keyed by the gateway and its rollup (decisions D12 amended,
-sql/0007_ledger_key_and_rollup.sql, svcd/auth/store.py) and its kinds
+sql/0007_ledger_key_and_rollup.sql, svcd/auth/store/ledger.py) and its kinds
 (decisions D13, sql/0008_usage_kind.sql), against a real PostgreSQL and,
 where the answer's shape matters, a real grpcio server: requests sharing a
 request id are each one row; a key sent again is a duplicate with the same
@@ -34,8 +34,9 @@ from prometheus_client import CollectorRegistry, Counter
 from twisted.logger import ILogObserver, Logger
 
 from svcd.auth.grpcservice import RejectedRowsLog
-from svcd.auth.migrations import migrate
-from svcd.auth.store import APPLICATION_ROLE, Store, UsageRecord, UsageSums
+from svcd.auth.store import Store
+from svcd.auth.store.base import APPLICATION_ROLE
+from svcd.auth.store.ledger import UsageRecord, UsageSums
 from svcd.auth.usage import (
     INT64_MAX,
     KINDS,
@@ -45,6 +46,7 @@ from svcd.auth.usage import (
     keyOfRequestID,
 )
 from svcd.common.ids import uuid7Text
+from svcd.common.migrations import migrate
 from svcd.common.permissions import Permission
 from svcd.pb.auth.v1 import auth_pb2
 

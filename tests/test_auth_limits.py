@@ -18,7 +18,8 @@ from authservice import RunningAuthService
 from waiting import waitUntil
 
 from svcd.auth.limits import LimitsTable, limitsChange, limitsMessage
-from svcd.auth.store import LimitsRecord, Store
+from svcd.auth.store import Store
+from svcd.auth.store.limits import LimitsRecord
 from svcd.pb.auth.v1 import auth_pb2
 
 

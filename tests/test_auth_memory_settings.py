@@ -22,8 +22,11 @@ from authservice import RunningAuthService
 from waiting import waitUntil
 
 from svcd.auth.limits import MemorySettingsTable, memorySettingsChange, memorySettingsMessage
-from svcd.auth.migrations import migrate
-from svcd.auth.store import APPLICATION_ROLE, MemorySettingsRecord, Store, StoreRejected
+from svcd.auth.store import Store
+from svcd.auth.store.base import APPLICATION_ROLE
+from svcd.auth.store.memorysettings import MemorySettingsRecord
+from svcd.common.migrations import migrate
+from svcd.common.pgtransactions import StoreRejected
 from svcd.pb.auth.v1 import auth_pb2
 
 _SWITCHES = {"on": True, "off": False, "inherit": None}

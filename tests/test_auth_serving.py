@@ -1,5 +1,5 @@
 """
-The settings svc-auth and svc-memory read alike (svcd.auth.serving's
+The settings svc-auth and svc-memory read alike (svcd.common.serversettings's
 readDatabaseServer): each daemon's defaults, and the same refusals in both.
 """
 

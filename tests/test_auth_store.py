@@ -11,8 +11,10 @@ import psycopg
 import pytest
 from authfixtures import makeTenant, secretOf
 
-from svcd.auth.migrations import migrate, migrationFiles
-from svcd.auth.store import APPLICATION_ROLE, Store, StoreRejected
+from svcd.auth.store import Store
+from svcd.auth.store.base import APPLICATION_ROLE
+from svcd.common.migrations import migrate, migrationFiles
+from svcd.common.pgtransactions import StoreRejected
 
 TENANT_TABLES = ("organizations", "users", "agents", "tokens", "limits", "memory_settings")
 
@@ -269,7 +271,7 @@ def test_aDatabaseRestartCostsNoCallerAnAnswer(privatePostgres: object) -> None:
     where a retry on the next dead connection would fail a caller of a
     database that is up.
     """
-    from svcd.auth.store import connectionPool
+    from svcd.auth.store.base import connectionPool
     from svcd.devkit.postgres import PostgresServer
 
     assert isinstance(privatePostgres, PostgresServer)
@@ -297,7 +299,8 @@ def test_withoutDroppingDeadConnectionsTheRetryFindsAnother(privatePostgres: obj
     reason of its own: the same restart, with the store retrying on the
     pool's next idle connection only, fails the first call.
     """
-    from svcd.auth.store import StoreUnavailable, connectionPool
+    from svcd.auth.store.base import connectionPool
+    from svcd.common.pgtransactions import StoreUnavailable
     from svcd.devkit.postgres import PostgresServer
 
     assert isinstance(privatePostgres, PostgresServer)

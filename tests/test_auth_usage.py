@@ -38,8 +38,9 @@ from authhelpers import (
 from authservice import RunningAuthService
 from waiting import waitUntil
 
-from svcd.auth.migrations import migrate
-from svcd.auth.store import APPLICATION_ROLE, Store, UsageSums
+from svcd.auth.store import Store
+from svcd.auth.store.base import APPLICATION_ROLE
+from svcd.auth.store.ledger import UsageSums
 from svcd.auth.usage import (
     KINDS,
     MAXIMUM_ROW_AMOUNT,
@@ -51,6 +52,7 @@ from svcd.auth.usage import (
     reportSpan,
     usageRecord,
 )
+from svcd.common.migrations import migrate
 from svcd.common.permissions import Permission
 from svcd.devkit.postgres import PostgresServer
 from svcd.ledger import rows as proxyRows

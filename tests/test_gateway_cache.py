@@ -36,8 +36,8 @@ from tcprelay import TcpRelay
 from waiting import waitUntil
 
 from svcd.auth.authority import issueToken
-from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
+from svcd.common.migrations import migrate
 from svcd.devkit.daemons import Daemon, authEnvironment
 from svcd.devkit.flood import floodMadeUp, rssKiB
 from svcd.devkit.postgres import PostgresServer

@@ -41,8 +41,8 @@ from gatewayfixtures import Answer, request, waitFor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
+from svcd.common.migrations import migrate
 from svcd.common.permissions import Permission
 from svcd.devkit.daemons import Daemon, authEnvironment, memoryEnvironment
 from svcd.devkit.postgres import PostgresServer

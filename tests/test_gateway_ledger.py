@@ -76,8 +76,8 @@ from ledgerfixtures import (
 )
 
 from svcd.auth.authority import issueToken
-from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
+from svcd.common.migrations import migrate
 from svcd.common.permissions import Permission
 from svcd.devkit.daemons import Daemon, authEnvironment
 from svcd.devkit.postgres import PostgresServer

@@ -35,8 +35,8 @@ import pytest
 from authfixtures import Tenant, makeTenant
 from gatewayfixtures import Answer, chat, request
 
-from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
+from svcd.common.migrations import migrate
 from svcd.devkit.daemons import Daemon, authEnvironment
 from svcd.devkit.postgres import PostgresServer
 from svcd.devkit.redis import RedisServer
@@ -65,7 +65,7 @@ class Stack:
 
     def svcctl(self, *words: str) -> dict[str, Any]:
         result = subprocess.run(
-            [sys.executable, "-m", "svcd.auth.ctl", *words],
+            [sys.executable, "-m", "svcd.ctl", *words],
             env={**os.environ, "POSTGRES_DSN": self.dsn},
             capture_output=True,
             text=True,

@@ -31,8 +31,8 @@ from gatewayfixtures import Answer, assertEnvelope, request, waitFor
 from ledgerfixtures import ledgerRows
 
 from svcd.auth.authority import issueToken
-from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
+from svcd.common.migrations import migrate
 from svcd.common.permissions import Permission
 from svcd.devkit.daemons import Daemon, authEnvironment, memoryEnvironment
 from svcd.devkit.postgres import PostgresServer

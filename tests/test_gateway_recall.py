@@ -43,8 +43,8 @@ import pytest
 from authfixtures import Tenant, makeTenant
 from gatewayfixtures import request, waitFor
 
-from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
+from svcd.common.migrations import migrate
 from svcd.common.permissions import Permission
 from svcd.devkit.daemons import Daemon, authEnvironment, memoryEnvironment
 from svcd.devkit.postgres import PostgresServer

@@ -22,8 +22,8 @@ from memoryfixtures import appConnection, embedding, scopeOf, secondAgent, store
 from memoryservice import RunningMemoryService
 from psycopg.rows import dict_row
 
-from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
+from svcd.common.migrations import migrate
 from svcd.memory.extracted import Plan
 from svcd.memory.forgetting import FORGOTTEN, recordDeletion
 from svcd.memory.records import NewObservation, QueuedObservation

@@ -26,8 +26,9 @@ from memoryfixtures import (
     within,
 )
 
-from svcd.auth.migrations import migrate
-from svcd.auth.store import Store, StoreRejected
+from svcd.auth.store import Store
+from svcd.common.migrations import migrate
+from svcd.common.pgtransactions import StoreRejected
 from svcd.memory.extracted import Plan
 from svcd.memory.records import ClaimedObservation, MemoryRecord, NewObservation, QueuedObservation
 from svcd.memory.store import MemoryStore

@@ -38,8 +38,8 @@ from authfixtures import Tenant, makeTenant
 from gatewayfixtures import assertEnvelope, chat, request
 from waiting import waitUntil
 
-from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
+from svcd.common.migrations import migrate
 from svcd.devkit.daemons import Daemon, authEnvironment, twistdCommand
 from svcd.devkit.postgres import PostgresServer
 from svcd.devkit.redis import RedisServer

@@ -12,8 +12,8 @@ import pytest
 from authfixtures import makeTenant, secretOf
 from authhelpers import document, failure, svcctl
 
-from svcd.auth.migrations import migrationFiles
 from svcd.auth.store import Store
+from svcd.common.migrations import migrationFiles
 
 
 def test_migrateTwice(databaseDSN: str) -> None:

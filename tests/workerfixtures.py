@@ -24,8 +24,8 @@ import psycopg
 from authfixtures import Tenant, makeTenant
 from ledgerfixtures import ledgerRows
 
-from svcd.auth.migrations import migrate
 from svcd.auth.store import Store
+from svcd.common.migrations import migrate
 from svcd.devkit.daemons import Daemon, authEnvironment, memoryEnvironment
 from svcd.devkit.postgres import PostgresServer
 from svcd.devkit.redis import RedisServer

@@ -7,7 +7,7 @@ Two layers, because svc-auth runs two ways:
  - L{assembleAuth}: the parts beneath the ports (the connection pool, the
    store, the caches and tables, the authority, the change hub and its
    listener, the servicer, the gRPC bounds and interceptors), wired with
-   no reactor. L{svcd.testing.authservice.RunningAuthService} serves them
+   no reactor. C{RunningAuthService} of C{tests/authservice.py} serves them
    from a grpcio server it starts and stops itself, synchronously.
  - L{assembleAuthDaemon}: those parts as Twisted services under a parent
    (the database, gRPC, and the operations port of
@@ -29,29 +29,25 @@ import grpc
 from opentelemetry.trace import Tracer
 from prometheus_client import CollectorRegistry, Histogram
 from psycopg_pool import ConnectionPool
-from twisted.application import strports
 from twisted.application.service import IService
-from twisted.internet.defer import Deferred
-from twisted.internet.endpoints import TCP4ClientEndpoint, quoteStringArgument
-from twisted.internet.interfaces import IReactorTCP
-from twisted.internet.protocol import Factory, Protocol
-from twisted.internet.threads import deferToThreadPool
 from twisted.python.threadpool import ThreadPool
 
-from svcd.auth.admission import Bounds, Lane
 from svcd.auth.authority import Authority
 from svcd.auth.cache import ValidationCache
-from svcd.auth.callers import DenialLog, InternalCallersInterceptor, InternalSubjects
+from svcd.auth.callers import DENIED_DETAILS, INTERNAL_METHODS, SERVICE, DenialLog
 from svcd.auth.config import AuthConfig
 from svcd.auth.feed import FEED_METHOD, ChangeHub, Snapshots
 from svcd.auth.grpcservice import AuthMetrics, AuthServicer, GrpcServerService
 from svcd.auth.limits import BudgetsTable, LimitsTable, MemorySettingsTable
 from svcd.auth.listener import ChangeListener
-from svcd.auth.store import Store, connectionPool
+from svcd.auth.store import Store
+from svcd.auth.store.base import connectionPool
 from svcd.auth.web import AuthOperationsWeb, OperationsSite
+from svcd.common.databasedaemon import grpcCheck, operationsPort, postgresCheck
 from svcd.common.databaseservice import DatabaseService
+from svcd.common.grpcadmission import Bounds, Lane
+from svcd.common.internalcallers import InternalCallersInterceptor, InternalSubjects
 from svcd.common.metrics import BUCKETS
-from svcd.common.readiness import Check, CheckFailed
 from svcd.common.tracing import ServerTracingInterceptor
 
 # Change feed streams one peer may hold at once: its live stream, and the
@@ -172,6 +168,9 @@ def assembleAuth(
                 InternalSubjects(settings.internalSubjects),
                 DenialLog(registry),
                 answered=servicer.metrics.answered,
+                methods=INTERNAL_METHODS,
+                service=SERVICE,
+                details=DENIED_DETAILS,
             )
         )
     if tracer is not None:
@@ -197,26 +196,6 @@ def assembleAuth(
         bounds=bounds,
         interceptors=tuple(interceptors),
     )
-
-
-def _tcpCheck(reactor: IReactorTCP, host: str, port: int) -> Deferred[None]:
-    """
-    Can we open a TCP connection to host:port? (the auth `grpc` check)
-    """
-    target = "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
-    endpoint = TCP4ClientEndpoint(reactor, target, port, timeout=1)
-    factory = Factory.forProtocol(Protocol)
-    factory.noisy = False
-    connecting = endpoint.connect(factory)
-
-    def connected(protocol: Protocol) -> None:
-        assert protocol.transport is not None
-        protocol.transport.loseConnection()
-
-    def failed(failure: Any) -> None:
-        raise CheckFailed(f"gRPC port {port} is not accepting connections")
-
-    return connecting.addCallbacks(connected, failed)
 
 
 @attrs.frozen
@@ -273,28 +252,16 @@ def assembleAuthDaemon(
         tls=settings.tls,
         interceptors=parts.interceptors,
     )
-
-    def postgresCheck() -> Deferred[None]:
-        return deferToThreadPool(reactor, threads, parts.store.ping)
-
-    def grpcCheck() -> Deferred[None]:
-        if grpcService.port is None:
-            raise CheckFailed("gRPC server is not started")
-        return _tcpCheck(reactor, settings.grpcHost, grpcService.port)
-
     web = AuthOperationsWeb(
         reactor,
-        [Check("postgres", postgresCheck), Check("grpc", grpcCheck)],
+        [
+            postgresCheck(reactor, threads, parts.store.ping),
+            grpcCheck(reactor, settings.grpcHost, grpcService),
+        ],
         registry,
         docsBase=settings.errorDocsBase,
     )
-    # strports.service, rather than a StreamServerEndpointService of our
-    # own: the service it makes fails the start at once, with the reason,
-    # when the port cannot be had (Twisted's public way to ask for that).
-    kind = "tcp6" if ":" in settings.host else "tcp"
-    http = strports.service(
-        f"{kind}:port={settings.port}:interface={quoteStringArgument(settings.host)}",
-        OperationsSite(web.resource(), reactor=reactor),
-        reactor=reactor,
+    http = operationsPort(
+        reactor, settings.host, settings.port, OperationsSite(web.resource(), reactor=reactor)
     )
     return AuthDaemon(parts, database, grpcService, web, http)

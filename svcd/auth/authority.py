@@ -27,17 +27,12 @@ from twisted.logger import Logger
 from svcd.auth.cache import CachedAgent, CachedToken, ValidationCache
 from svcd.auth.hashing import SecretDigester, hashSecret, verifySecret
 from svcd.auth.limits import BudgetsTable, LimitsTable, MemorySettingsTable, RowTable
-from svcd.auth.store import (
-    BudgetRecord,
-    LimitsRecord,
-    MemorySettingsRecord,
-    Store,
-    StoreRejected,
-    StoreUnavailable,
-    StoreValueRefused,
-    TokenRecord,
-    UsageSums,
-)
+from svcd.auth.store import Store
+from svcd.auth.store.budgets import BudgetRecord
+from svcd.auth.store.ledger import UsageSums
+from svcd.auth.store.limits import LimitsRecord
+from svcd.auth.store.memorysettings import MemorySettingsRecord
+from svcd.auth.store.tokens import TokenRecord
 from svcd.auth.usage import (
     CONFLICT,
     INVALID,
@@ -51,6 +46,7 @@ from svcd.auth.usage import (
 from svcd.common.ids import parseUUID
 from svcd.common.pat import ParsedToken, formatToken, newSecret, parseToken
 from svcd.common.permissions import Permission
+from svcd.common.pgtransactions import StoreRejected, StoreUnavailable, StoreValueRefused
 
 AGENT_NOT_ACTIVE = "agent is not active"
 

@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 import attrs
 
-from svcd.auth.store import TokenRecord
+from svcd.auth.store.tokens import TokenRecord
 
 # The readAt of an entry no read vouches for any more: never fresh, kept
 # for its secret digest (see the module docstring).

@@ -9,9 +9,9 @@ from collections.abc import Mapping
 
 import attrs
 
-from svcd.auth.serving import ServerDefaults, readDatabaseServer
 from svcd.common import config
 from svcd.common.grpcserver import ServerTLS
+from svcd.common.serversettings import ServerDefaults, readDatabaseServer
 
 
 @attrs.frozen

@@ -48,7 +48,9 @@ from collections.abc import Callable, Iterable, Iterator
 from twisted.logger import Logger
 
 from svcd.auth.limits import budgetChange, limitsChange, memorySettingsChange
-from svcd.auth.store import BudgetRecord, LimitsRecord, MemorySettingsRecord
+from svcd.auth.store.budgets import BudgetRecord
+from svcd.auth.store.limits import LimitsRecord
+from svcd.auth.store.memorysettings import MemorySettingsRecord
 from svcd.pb.auth.v1 import auth_pb2
 
 # The feed's gRPC method, which the server's bounds give a lane of its own.

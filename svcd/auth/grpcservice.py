@@ -7,7 +7,7 @@ beside the HTTP side.
 grpcio runs servicer methods in its own thread pool, which is where the
 blocking work of L{Authority} (database, argon2) belongs: nothing here runs
 on the reactor thread. How many calls that pool serves at once, and per
-client connection, is L{svcd.auth.admission}'s business.
+client connection, is L{svcd.common.grpcadmission}'s business.
 
 Requests are parsed here rather than by grpcio: grpcio answers a request
 that protobuf cannot parse (a string field that is not UTF-8) with INTERNAL
@@ -30,7 +30,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from twisted.internet.interfaces import IReactorThreads
 from twisted.logger import Logger
 
-from svcd.auth.admission import DEADLINE, AdmissionInterceptor, Bounds, RefusalLog
 from svcd.auth.authority import (
     Authority,
     DeadlinePassed,
@@ -59,7 +58,7 @@ from svcd.auth.limits import (
     limitsMessage,
     memorySettingsMessage,
 )
-from svcd.auth.store import StoreUnavailable, TokenRecord
+from svcd.auth.store.tokens import TokenRecord
 from svcd.auth.usage import (
     REJECT_REASONS,
     BadUsage,
@@ -71,9 +70,11 @@ from svcd.auth.usage import (
     usageSum,
 )
 from svcd.common.errors import rfc3339
+from svcd.common.grpcadmission import DEADLINE, AdmissionInterceptor, Bounds, RefusalLog
 from svcd.common.grpcserver import HostedGrpcServer, ServerTLS, buildGrpcServer
 from svcd.common.ids import parseUUID
 from svcd.common.metrics import BUCKETS, Children
+from svcd.common.pgtransactions import StoreUnavailable
 from svcd.pb.auth.v1 import auth_pb2, auth_pb2_grpc
 
 SERVICE_NAME = "svc.auth.v1.AuthService"
@@ -752,7 +753,10 @@ def buildServer(
         threads=bounds.threads,
         streamsPerConnection=bounds.streamsPerConnection,
         admission=AdmissionInterceptor(
-            bounds, RefusalLog(servicer.metrics.refused), answered=servicer.metrics.answered
+            bounds,
+            RefusalLog(servicer.metrics.refused),
+            answered=servicer.metrics.answered,
+            countedService=SERVICE_NAME,
         ),
         threadNamePrefix="svc-auth-grpc",
         tls=tls,

@@ -30,7 +30,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Generic, Protocol, TypeVar
 
-from svcd.auth.store import OBSERVE_OFF, BudgetRecord, LimitsRecord, MemorySettingsRecord
+from svcd.auth.store.budgets import BudgetRecord
+from svcd.auth.store.limits import LimitsRecord
+from svcd.auth.store.memorysettings import OBSERVE_OFF, MemorySettingsRecord
 from svcd.pb.auth.v1 import auth_pb2
 
 Key = tuple[uuid.UUID, uuid.UUID | None]

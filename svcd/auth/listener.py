@@ -37,9 +37,11 @@ import psycopg
 from svcd.auth.cache import ValidationCache
 from svcd.auth.feed import ChangeHub
 from svcd.auth.limits import BudgetsTable, LimitsTable, MemorySettingsTable
-from svcd.auth.store import APPLICATION_ROLE, Store, StoreUnavailable
+from svcd.auth.store import Store
+from svcd.auth.store.base import APPLICATION_ROLE
 from svcd.common.ids import parseUUID
 from svcd.common.listening import BeatsStopped, ListeningThread
+from svcd.common.pgtransactions import StoreUnavailable
 
 CHANNEL = "svc_auth_changes"
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import attrs
 
-from svcd.auth.store import USAGE_GROUPINGS, UsageRecord, UsageSums
+from svcd.auth.store.ledger import USAGE_GROUPINGS, UsageRecord, UsageSums
 from svcd.common.ids import canonicalUUID, parseUUID
 from svcd.common.money import formatDollars
 from svcd.pb.auth.v1 import auth_pb2

@@ -1,12 +1,14 @@
 """
 svc-memory assembled once (decisions D13): what its twistd plugin runs and
 what the tests start are wired here, and only here, in two layers as
-svc-auth's are (L{svcd.auth.assembly}):
+svc-auth's are (L{svcd.auth.assembly}), of the same kit
+(L{svcd.common.databasedaemon}, L{svcd.common.grpcadmission},
+L{svcd.common.internalcallers}):
 
  - L{assembleMemory}: the parts beneath the ports (the connection pool,
    the store, the caches of vectors and of records and their listener, the searcher, the
    servicer, the gRPC bounds and interceptors), wired with no reactor.
-   L{svcd.testing.memoryservice.RunningMemoryService} serves them from a
+   C{RunningMemoryService} of C{tests/memoryservice.py} serves them from a
    grpcio server of its own.
  - L{assembleMemoryDaemon}: those parts as Twisted services (the
    database, gRPC, the operations port of L{svcd.common.opsweb}), which
@@ -22,16 +24,13 @@ import grpc
 from opentelemetry.trace import Tracer
 from prometheus_client import CollectorRegistry
 from psycopg_pool import ConnectionPool
-from twisted.application import strports
 from twisted.application.service import IService
 from twisted.internet.defer import Deferred, fail, succeed
-from twisted.internet.endpoints import quoteStringArgument
-from twisted.internet.threads import deferToThreadPool
 from twisted.python.threadpool import ThreadPool
 
-from svcd.auth.admission import Bounds
-from svcd.auth.assembly import _tcpCheck
+from svcd.common.databasedaemon import grpcCheck, operationsPort, postgresCheck
 from svcd.common.databaseservice import DatabaseService
+from svcd.common.grpcadmission import Bounds
 from svcd.common.readiness import Check, CheckFailed
 from svcd.common.tracing import ServerTracingInterceptor
 from svcd.memory.callers import callerInterceptors
@@ -215,29 +214,17 @@ def assembleMemoryDaemon(
         tls=settings.tls,
         interceptors=parts.interceptors,
     )
-
-    def postgresCheck() -> Deferred[None]:
-        return deferToThreadPool(reactor, threads, parts.store.ping)
-
-    def grpcCheck() -> Deferred[None]:
-        if grpcService.port is None:
-            raise CheckFailed("gRPC server is not started")
-        return _tcpCheck(reactor, settings.grpcHost, grpcService.port)
-
     web = MemoryOperationsWeb(
         reactor,
         [
-            Check("postgres", postgresCheck),
-            Check("grpc", grpcCheck),
+            postgresCheck(reactor, threads, parts.store.ping),
+            grpcCheck(reactor, settings.grpcHost, grpcService),
             listenerCheck(parts),
         ],
         registry,
         docsBase=settings.errorDocsBase,
     )
-    kind = "tcp6" if ":" in settings.host else "tcp"
-    http = strports.service(
-        f"{kind}:port={settings.port}:interface={quoteStringArgument(settings.host)}",
-        MemoryOperationsSite(web.resource(), reactor=reactor),
-        reactor=reactor,
+    http = operationsPort(
+        reactor, settings.host, settings.port, MemoryOperationsSite(web.resource(), reactor=reactor)
     )
     return MemoryDaemon(parts, database, grpcService, web, http)

@@ -1,7 +1,8 @@
 """
 Which clients may call svc-memory (decisions D13, amended: "Internal
-methods by caller"), checked by svc-auth's interceptor
-(L{svcd.auth.callers.InternalCallersInterceptor}) over every method.
+methods by caller"), checked by the daemons' interceptor
+(L{svcd.common.internalcallers.InternalCallersInterceptor}) over every
+method.
 
 Every method of MemoryService takes the scope its caller names on trust,
 and two kinds of caller need different ones. The worker's methods
@@ -25,20 +26,18 @@ C{svc_memory_internal_calls_denied_total}.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterable
 
 from prometheus_client import Counter
 from twisted.logger import Logger
 
-from svcd.auth.callers import (
+from svcd.common.internalcallers import (
     Certificate,
-    DenialLog,
     InternalCallersInterceptor,
     InternalSubjects,
+    ThrottledDenialLog,
 )
-from svcd.common.metrics import Children
 
 SERVICE = "svc.memory.v1.MemoryService"
 
@@ -65,19 +64,16 @@ def deniedDetails(variable: str) -> str:
     )
 
 
-class MemoryDenialLog(DenialLog):
+class MemoryDenialLog(ThrottledDenialLog):
     """
     Counts denied calls in C{svc_memory_internal_calls_denied_total{method}}
     and logs them at most once per C{interval}, with the latest one's
-    certificate (public parts only; never metadata).
-
-    A L{DenialLog} for svc-auth's interceptor, with every part of its own:
-    DenialLog's constructor registers svc-auth's metric.
+    certificate (public parts only; never metadata), naming the list
+    (C{variable}) that would admit it.
     """
 
     log = Logger()
 
-    # DenialLog.__init__ is not called: see the class docstring.
     def __init__(
         self,
         counter: Counter,
@@ -86,33 +82,16 @@ class MemoryDenialLog(DenialLog):
         interval: float = 60.0,
         variable: str = INTERNAL_VARIABLE,
     ) -> None:
-        self.counter = counter
-        self._memoryVariable = variable
-        self._memoryChildren = Children()
-        for method in methods:
-            self._memoryChildren.of(counter, method)
-        self._memoryClock = clock
-        self._memoryInterval = interval
-        self._memoryLock = threading.Lock()
-        self._memoryLastLogged: float | None = None
-        self._memoryUnlogged = 0
+        super().__init__(counter, methods, clock, interval)
+        self._variable = variable
 
-    def denied(self, method: str, certificate: Certificate, peer: str) -> None:
-        self._memoryChildren.of(self.counter, method).inc()
-        now = self._memoryClock()
-        with self._memoryLock:
-            self._memoryUnlogged += 1
-            last = self._memoryLastLogged
-            if last is not None and now - last < self._memoryInterval:
-                return
-            self._memoryLastLogged = now
-            count, self._memoryUnlogged = self._memoryUnlogged, 0
+    def logDenied(self, count: int, method: str, certificate: Certificate, peer: str) -> None:
         self.log.warn(
             "Denied {denied} MemoryService call(s) to client certificates not named in"
             " {variable}; the latest: {method} from {peer}, subject"
             " {subject!r}, DNS names {dns_names!r} (see svc_memory_internal_calls_denied_total)",
             denied=count,
-            variable=self._memoryVariable,
+            variable=self._variable,
             method=method,
             peer=peer,
             subject=certificate.subject,

@@ -10,10 +10,10 @@ from collections.abc import Mapping
 
 import attrs
 
-from svcd.auth.callers import BadSubjects, parseSubjects
-from svcd.auth.serving import ServerDefaults, readDatabaseServer
 from svcd.common import config
 from svcd.common.grpcserver import ServerTLS
+from svcd.common.internalcallers import BadSubjects, parseSubjects
+from svcd.common.serversettings import ServerDefaults, readDatabaseServer
 from svcd.memory.callers import WORKER_VARIABLE
 
 # The memories one agent may keep about one subject.
@@ -136,7 +136,7 @@ class MemoryConfig:
 def readWorkerSubjects(environ: Mapping[str, str], mutual: bool) -> frozenset[str] | None:
     """
     The names of C{SVC_GRPC_WORKER_SUBJECTS}, by the rules of
-    C{SVC_GRPC_INTERNAL_SUBJECTS} (L{svcd.auth.serving.readInternalSubjects}):
+    C{SVC_GRPC_INTERNAL_SUBJECTS} (L{svcd.common.serversettings.readInternalSubjects}):
     required with mutual TLS, refused without it.
 
     Required rather than defaulted: defaulting to the internal subjects

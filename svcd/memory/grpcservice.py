@@ -6,7 +6,7 @@ service so that the gRPC server starts and stops with the reactor.
 Built as svc-auth's is (L{svcd.auth.grpcservice}): grpcio runs the
 methods in its own thread pool, where the blocking work belongs (the
 database, a scope's load on a cache miss, the search's product, which
-releases the GIL); calls are admitted within L{svcd.auth.admission}'s
+releases the GIL); calls are admitted within L{svcd.common.grpcadmission}'s
 bounds (at once and per client connection, refused RESOURCE_EXHAUSTED
 past them, never queued); requests are parsed here, so that one protobuf
 cannot parse (a string that is not UTF-8) is INVALID_ARGUMENT rather than
@@ -34,7 +34,7 @@ from grpc_health.v1 import health
 from twisted.internet.interfaces import IReactorThreads
 from twisted.logger import Logger
 
-from svcd.auth.admission import AdmissionInterceptor, Bounds, RefusalLog
+from svcd.common.grpcadmission import AdmissionInterceptor, Bounds, RefusalLog
 from svcd.common.grpcserver import HostedGrpcServer, ServerTLS, buildGrpcServer
 from svcd.memory.grpcmemories import MemoryMethods
 from svcd.memory.grpcobservations import ObservationMethods

@@ -4,30 +4,26 @@ twistd plugin body of svc-memory: C{twistd -n svc-memory}.
 All configuration comes from the environment (see docs/operations.rst); the only
 command-line options are twistd's own. The daemon is wired in
 L{svcd.memory.assembly}, which the tests use too; this module adds what only
-a real process does: logging, tracing's export, the collector's metrics,
-the stop signals, the heap settled at start and systemd's notification.
+a real process does (L{svcd.common.daemontap}): logging, tracing's export,
+the collector's metrics, the stop signals, the heap settled at start and
+systemd's notification; and one BLAS thread per search.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry
 from threadpoolctl import threadpool_limits
 from twisted.application.service import IService
-from twisted.logger import LogLevel
-from twisted.python import usage
 
-from svcd.common.daemonstart import daemonAssembled, startDaemon
-from svcd.common.gcmetrics import watchCollector
+from svcd.common.daemontap import EnvironmentOptions, buildDaemonTree, makeDaemonService
 from svcd.common.logs import LoggingRootService
-from svcd.common.metrics import processUpGauge
-from svcd.common.tracing import TracingConfig, TracingService, tracerProvider
+from svcd.common.tracing import TracingConfig
 from svcd.memory.assembly import assembleMemoryDaemon
 from svcd.memory.config import MemoryConfig
 
 
-class Options(usage.Options):
+class Options(EnvironmentOptions):
     """
     svc-memory takes its configuration from the environment, not from
     options; see README.rst for the variables.
@@ -51,30 +47,17 @@ def buildService(
 ) -> None:
     """
     svc-memory's service tree under C{rootService}: tracing first, then the
-    daemon of L{assembleMemoryDaemon}, so that a stop (one child at a time,
-    in reverse order) first closes the HTTP port, then drains gRPC calls,
-    then closes the pool, and last flushes the spans of the drained calls.
+    daemon of L{assembleMemoryDaemon} (L{buildDaemonTree}).
 
     @param logCalls: log one DEBUG line per gRPC call.
     """
-    tracing = tracing or TracingConfig(settings.serviceName, settings.environment)
-    provider = tracerProvider(tracing)
-    TracingService(reactor, reactor, provider, tracing).setServiceParent(rootService)
     # One BLAS thread per search: grpcio's threads are the parallelism
     # (and a large scope's blocks, svcd/memory/search.py); OpenBLAS's own
     # threads beside them only spin (setup.py says what that cost).
     threadpool_limits(limits=1, user_api="blas")
-    registry = CollectorRegistry(auto_describe=True)
-    processUpGauge(registry)
-    # The collector's pauses are the process's: timed once per process.
-    watchCollector(registry)
-    assembleMemoryDaemon(
-        reactor,
-        settings,
-        registry,
-        tracer=provider.get_tracer("svcd.memory"),
-        logCalls=logCalls,
-    ).setServiceParent(rootService)
+    buildDaemonTree(
+        reactor, settings, rootService, assembleMemoryDaemon, "svcd.memory", tracing, logCalls
+    )
 
 
 def makeService(options: Options) -> IService:
@@ -84,9 +67,6 @@ def makeService(options: Options) -> IService:
     """
     from twisted.internet import reactor
 
-    start = startDaemon("svc-memory", options, reactor, MemoryConfig.fromEnvironment)
-    buildService(
-        reactor, start.config, start.root, start.tracing, logCalls=start.level <= LogLevel.debug
+    return makeDaemonService(
+        reactor, "svc-memory", options, MemoryConfig.fromEnvironment, buildService
     )
-    daemonAssembled(reactor)
-    return start.root

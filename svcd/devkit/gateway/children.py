@@ -141,7 +141,7 @@ def svcctl(
     never shown unless C{show}, since it may hold a token.
     """
     script = executableBeside("svcctl")
-    command = [script] if script else [sys.executable, "-m", "svcd.auth.ctl"]
+    command = [script] if script else [sys.executable, "-m", "svcd.ctl"]
     what = "svcctl " + " ".join(arguments[:2])
     try:
         result = subprocess.run(  # noqa: S603 - our own svcctl, arguments we built

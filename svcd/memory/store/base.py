@@ -15,7 +15,12 @@ import psycopg
 from prometheus_client import Histogram
 from psycopg_pool import ConnectionPool
 
-from svcd.auth.store import StoreRejected, StoreUnavailable, StoreValueRefused, runTransaction
+from svcd.common.pgtransactions import (
+    StoreRejected,
+    StoreUnavailable,
+    StoreValueRefused,
+    runTransaction,
+)
 
 __all__ = [
     "APPLICATION_ROLE",

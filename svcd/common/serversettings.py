@@ -16,9 +16,9 @@ from typing import TypedDict
 import attrs
 import psycopg
 
-from svcd.auth.callers import BadSubjects, parseSubjects
 from svcd.common import config
 from svcd.common.grpcserver import ServerTLS, isLoopback
+from svcd.common.internalcallers import BadSubjects, parseSubjects
 
 _SUBJECTS = "SVC_GRPC_INTERNAL_SUBJECTS"
 

@@ -1,6 +1,8 @@
 """
-How many gRPC calls svc-auth serves at once, per client connection and in
-total (decisions D10), so that one greedy caller cannot starve the proxies.
+How many gRPC calls a daemon serves at once, per client connection and in
+total (decisions D10), so that one greedy caller cannot starve the proxies:
+written for svc-auth, whose figures these are, and serving svc-memory's
+calls the same way.
 
 Why here, and how it fits grpcio's synchronous server (grpc/_server.py):
 
@@ -55,7 +57,8 @@ from twisted.logger import Logger
 
 from svcd.common.metrics import Children
 
-# The reasons of svc_auth_grpc_refused_total, a fixed set.
+# The reasons of svc_auth_grpc_refused_total (svc_memory_grpc_refused_total),
+# a fixed set.
 PEER = "peer"
 TOTAL = "total"
 DEADLINE = "deadline"
@@ -65,7 +68,7 @@ REASONS = (PEER, TOTAL, DEADLINE)
 @attrs.frozen
 class Lane:
     """
-    A share of svc-auth's gRPC threads: at most C{total} calls of its
+    A share of a daemon's gRPC threads: at most C{total} calls of its
     methods run at once, at most C{perPeer} of them for one client
     connection.
     """
@@ -103,7 +106,7 @@ class Bounds:
     @classmethod
     def standard(cls, total: int, perPeer: int) -> Bounds:
         """
-        svc-auth's policy: C{total} short calls at once, C{perPeer} of them
+        The daemons' policy: C{total} short calls at once, C{perPeer} of them
         per connection, and the standard streams in their own small lane.
         """
         return cls(
@@ -219,9 +222,10 @@ class _Ticket:
 
 class RefusalLog:
     """
-    Counts refused calls in svc_auth_grpc_refused_total{reason} and logs
-    them at most once per C{interval} per reason, with the count since the
-    last line. Refusals by bound are warnings (svc-auth is being pushed);
+    Counts refused calls in C{counter} (svc_auth_grpc_refused_total{reason},
+    svc_memory_grpc_refused_total{reason}) and logs them at most once per
+    C{interval} per reason, with the count since the last line. Refusals by
+    bound are warnings (the daemon is being pushed);
     calls dropped past their deadline are info (the client has gone).
 
     Called from grpcio's threads: the bookkeeping holds a lock.
@@ -289,8 +293,11 @@ class AdmissionInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
     costs nothing more (no span, no parsing).
 
     @param answered: called with the short method name and the status code
-        name of each refused AuthService call, for
-        svc_auth_grpc_requests_total.
+        name of each refused call of C{countedService}, for the daemon's
+        count of answers (svc_auth_grpc_requests_total,
+        svc_memory_grpc_requests_total).
+    @param countedService: the daemon's own service
+        (C{svc.auth.v1.AuthService}), whose refusals C{answered} counts.
     """
 
     def __init__(
@@ -298,7 +305,8 @@ class AdmissionInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
         bounds: Bounds,
         refusals: RefusalLog,
         answered: Callable[[str, str], None] | None = None,
-        countedService: str = "svc.auth.v1.AuthService",
+        *,
+        countedService: str,
     ) -> None:
         self._bounds = bounds
         self._refusals = refusals

@@ -1,0 +1,7 @@
+"""
+C{python -m svcd.ctl}: svcctl without its console script.
+"""
+
+from svcd.ctl.main import main
+
+raise SystemExit(main())
