@@ -118,6 +118,10 @@ setup(
             # end-to-end tests use it as their client, and the scripted
             # upstream of svcd/testing/upstream.py is checked against it.
             "openai>=1.40",
+            # The official Anthropic SDK: svcd/dialects' translations are
+            # checked against its types and its own stream accumulator
+            # (messages.stream), and Anthropic's clients drive /v1/messages.
+            "anthropic>=0.40",
             # A second, independent HTTP/1.1 parser: tests/test_proxy_http1.py
             # checks that the proxy's client accepts and refuses answers as it
             # does, and reads the same bodies.

@@ -156,9 +156,9 @@ def _outputCap(chat: Mapping[str, Any], default: int) -> int:
 
 def _anthropicTool(tool: object, path: str) -> dict[str, Any]:
     tool = mapping(tool, path)
-    only(tool, ("type", "function"), path, TO_ANTHROPIC)
     if tool.get("type") != "function":
         raise Untranslatable(path + ".type", TO_ANTHROPIC)
+    only(tool, ("type", "function"), path, TO_ANTHROPIC)
     function = mapping(tool.get("function"), path + ".function")
     where = path + ".function"
     only(function, ("name", "description", "parameters", "strict"), where, TO_ANTHROPIC)

@@ -175,8 +175,19 @@ def _userMessages(content: object, path: str) -> list[dict[str, Any]]:
         else:
             raise Untranslatable(where + ".type", TO_OPENAI)
     if parts or not results:
-        results.append({"role": "user", "content": parts})
+        results.append({"role": "user", "content": _afterTools(parts, results)})
     return results
+
+
+def _afterTools(parts: list[dict[str, Any]], calls: list[dict[str, Any]]) -> Any:
+    """
+    The content of a chat message beside tool calls or after tool results:
+    one text part is a string, as OpenAI's clients write it (and as the
+    other way reads it, so that a round trip gives it back).
+    """
+    if calls and len(parts) == 1 and parts[0]["type"] == "text":
+        return parts[0]["text"]
+    return parts
 
 
 def _toolMessage(block: Mapping[str, Any], path: str) -> dict[str, Any]:
@@ -224,7 +235,7 @@ def _assistantMessage(content: object, path: str) -> dict[str, Any]:
             raise Untranslatable(where + ".type", TO_OPENAI)
     message: dict[str, Any] = {
         "role": "assistant",
-        "content": parts if parts or not calls else None,
+        "content": _afterTools(parts, calls) if parts or not calls else None,
     }
     if calls:
         message["tool_calls"] = calls
@@ -266,8 +277,7 @@ def anthropicTurnsOf(
             if results is None:
                 turns.append({"role": "user", "content": content})
             elif isinstance(content, str):
-                if content:
-                    results.append({"type": "text", "text": content})
+                results.append({"type": "text", "text": content})
             else:
                 results.extend(content)
             results = None
@@ -391,9 +401,9 @@ def _assistantTurn(message: Mapping[str, Any], path: str) -> dict[str, Any]:
 
 def _toolUse(call: object, path: str) -> dict[str, Any]:
     call = mapping(call, path)
-    only(call, ("id", "type", "function"), path, TO_ANTHROPIC)
     if call.get("type", "function") != "function":
         raise Untranslatable(path + ".type", TO_ANTHROPIC)
+    only(call, ("id", "type", "function"), path, TO_ANTHROPIC)
     function = mapping(call.get("function"), path + ".function")
     only(function, ("name", "arguments"), path + ".function", TO_ANTHROPIC)
     arguments = function.get("arguments")
