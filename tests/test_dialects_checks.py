@@ -258,7 +258,7 @@ _FIELDS = (
 
 @settings(max_examples=300, deadline=None)
 @given(
-    st.dictionaries(_fields, _json, max_size=6),
+    st.dictionaries(st.sampled_from(_FIELDS), _json, max_size=6),
     st.lists(st.dictionaries(st.sampled_from(["role", "content"]), _json)),
 )
 def test_anyJSONGivesFieldErrorsOnly(
