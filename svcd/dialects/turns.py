@@ -10,7 +10,9 @@ The correspondences:
     is gathered there, in order, wherever it stood; one system message
     holding a string ⇄ C{system} a string, otherwise text blocks (one
     system message of text parts ⇄ the same text blocks);
-  - a string content ⇄ a string content, text parts ⇄ text blocks;
+  - a string content ⇄ a string content, text parts ⇄ text blocks; beside
+    tool calls, or after tool results, one text part is a string (as
+    OpenAI's clients write it), so that a round trip gives either form back;
   - an image part: a C{data:} URL in base64 ⇄ an image block of a base64
     source (JPEG, PNG, GIF or WebP, what Anthropic takes), an http(s) URL
     ⇄ an image block of a URL source (both sides fetch the URL
@@ -18,7 +20,12 @@ The correspondences:
     counterpart and is left out;
   - an assistant's C{tool_calls} ⇄ its C{tool_use} blocks (after its text:
     OpenAI's message cannot say where among the text a call stood), ids
-    kept; the arguments string ⇄ the input object (L{toolInputOf});
+    kept; the arguments string ⇄ the input object (L{toolInputOf}: no
+    arguments are C{{}}; arguments that are not a JSON object are refused
+    in a request, which is the client's to mend, and kept under
+    L{INVALID_ARGUMENTS_KEY} in an answer, L{answerInputOf}). An empty
+    text beside tool calls is left out: Anthropic refuses empty text
+    blocks;
   - tool messages ⇄ C{tool_result} blocks: consecutive tool messages, and
     a user message right after them, make one user turn, its results
     first, as Anthropic requires; the other way, a user turn's results
