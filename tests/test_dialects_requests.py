@@ -95,6 +95,16 @@ def test_samplingToAnthropic() -> None:
     """
     body = toAnthropic(temperature=0.5, top_p=1)
     assert (body["temperature"], body["top_p"]) == (0.5, 1)
+    assert toAnthropic(temperature=1)["temperature"] == 1
+
+
+def test_temperatureAboveOneRefused() -> None:
+    """
+    OpenAI's temperatures above 1 have no counterpart in Anthropic's range
+    (0 to 1): refused, not scaled.
+    """
+    assert refusedToAnthropic(temperature=1.2) == "temperature"
+    assert refusedToAnthropic(temperature="hot") == "temperature"
 
 
 def test_stopToAnthropic() -> None:

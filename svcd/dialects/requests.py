@@ -96,6 +96,10 @@ def anthropicRequestOf(chat: Mapping[str, Any], *, defaultMaxTokens: int) -> dic
     for name in ("temperature", "top_p"):
         if chat.get(name) is not None:
             body[name] = number(chat[name], name)
+    # OpenAI's temperatures go to 2, Anthropic's to 1: one above has no
+    # counterpart (scaling it would be a guess at what the client meant).
+    if body.get("temperature", 0) > 1:
+        raise Untranslatable("temperature", "must be at most 1 for Anthropic's models")
     stop = chat.get("stop")
     if isinstance(stop, str):
         body["stop_sequences"] = [stop]
