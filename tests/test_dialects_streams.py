@@ -648,6 +648,18 @@ def test_eventStreamEnds() -> None:
     assert events[-2]["delta"]["stop_reason"] == "max_tokens"
     assert stream.usage == TokenUsage(inputTokens=1, outputTokens=1)
     assert stream.feed(chunk) == [] and stream.end() == []
+    # A provider counting in every chunk: the answer ends with the usage
+    # that comes with or after the finish reason, not before it.
+    stream = MessageEventStream(messageID="msg_x", model="m")
+    early = {
+        "choices": [{"index": 0, "delta": {"content": "a"}}],
+        "usage": {"prompt_tokens": 4, "completion_tokens": 1},
+    }
+    assert [event["type"] for event in stream.feed(early)][-1] == "content_block_delta"
+    finish = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+    assert [event["type"] for event in stream.feed(finish)] == ["content_block_stop"]
+    events = stream.feed({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 9}})
+    assert events[0]["usage"]["output_tokens"] == 9 and events[1] == {"type": "message_stop"}
 
 
 def test_refusalAndTextAfterTools() -> None:

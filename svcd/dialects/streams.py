@@ -295,7 +295,9 @@ class MessageEventStream:
             # A translated request asks for one choice.
             if isinstance(choice, Mapping) and choice.get("index", 0) == 0:
                 events.extend(self._choice(choice))
-        if self._flushed and self.usage is not None:
+        # The usage that ends the answer comes with the finish reason or
+        # after it (some providers count in every chunk, before it too).
+        if self._flushed and usage is not None:
             events.extend(self._stop())
         return events
 
