@@ -118,6 +118,12 @@ setup(
             # end-to-end tests use it as their client, and the scripted
             # upstream of svcd/devkit/upstream is checked against it.
             "openai>=1.40",
+            # The official Anthropic SDK: svcd/dialects' translations are
+            # checked against its types and its own stream accumulator
+            # (messages.stream), and Anthropic's clients drive /v1/messages.
+            # 2.17: the version they were checked with (its HTTP client is
+            # httpx2, whose in-memory transport the tests use).
+            "anthropic>=2.17",
             # A second, independent HTTP/1.1 parser: tests/test_proxy_http1.py
             # checks that the proxy's client accepts and refuses answers as it
             # does, and reads the same bodies.
