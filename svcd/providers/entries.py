@@ -61,15 +61,9 @@ _VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
 _HOST_NAME = re.compile(r"[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)*\.?")
 
-_PROVIDER_KEYS = (
-    "name",
-    "base_url",
-    "api_key_env",
-    "timeout",
-    "idle_timeout",
-    "max_connections",
-    "api",
-)
+_PROVIDER_KEYS = ("name", "base_url", "api_key_env", "timeout", "idle_timeout", "max_connections")
+# Decisions D14: known, but not listed in the fault of an unknown key.
+_PROVIDER_OPTIONS = ("api",)
 # The largest output cap a model may declare (D11): far above any model's.
 MAX_OUTPUT_TOKENS = 10_000_000
 # The longest vectors an embedding model may declare: far above any
@@ -104,7 +98,7 @@ class EntryChecker(FieldChecker):
 
     def provider(self, table: dict[str, Any], number: int) -> Provider:
         where = self.where("provider", table, number, _PROVIDER_NAME, MAX_PROVIDER_NAME)
-        self.refuseUnknownKeys(table, _PROVIDER_KEYS, where)
+        self.refuseUnknownKeys(table, _PROVIDER_KEYS, where, _PROVIDER_OPTIONS)
         name = self.requiredText(
             table, "name", where, _PROVIDER_NAME, MAX_PROVIDER_NAME, _PROVIDER_NAME_RULE
         )
