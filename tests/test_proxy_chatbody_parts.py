@@ -39,7 +39,7 @@ def test_partsAccepted() -> None:
     Text parts, image parts of a base64 data: URL (with a detail), and an
     assistant's tool calls without content (null or absent) parse.
     """
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
         {
             "role": "user",
