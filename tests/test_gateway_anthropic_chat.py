@@ -23,6 +23,7 @@ import attrs
 import openai
 import pytest
 from gatewayfixtures import UNLIMITED, Gateway, runningGateway
+from ledgerfixtures import ledgerRows, waitUntil
 
 from svcd.devkit.postgres import PostgresServer
 from svcd.devkit.upstream.client import ScriptedUpstream
@@ -72,6 +73,20 @@ class Stack:
         ]
         assert len(found) == 1, found
         return found[0]
+
+    def row(self, requestID: str) -> dict[str, Any]:
+        """
+        The ledger's row of the request C{requestID}, once it is written.
+        """
+        rows: dict[str, dict[str, Any]] = {}
+
+        def written() -> bool:
+            nonlocal rows
+            rows = ledgerRows(self.gateway.dsn, "request_id = %s", (requestID,))
+            return bool(rows)
+
+        waitUntil(written, "the ledger's row")
+        return rows[requestID]
 
 
 def providersFile(path: Path, upstream: ScriptedUpstream) -> Path:
@@ -155,6 +170,14 @@ def test_chatCompletion(stack: Stack) -> None:
     assert usage.prompt_tokens_details.cached_tokens == 3
     assert usage.prompt_tokens_details.model_dump()["cache_write_tokens"] == 2
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    # The ledger's prompt is every input, its cached tokens the reads.
+    row = stack.row(requestID)
+    assert (row["provider"], row["upstream_model"], row["outcome"]) == (
+        "anthropic",
+        "echo+cache:3:2",
+        "ok",
+    )
+    assert (row["prompt_tokens"], row["cached_tokens"]) == (usage.prompt_tokens, 3)
 
 
 def test_stream(stack: Stack) -> None:
@@ -162,11 +185,13 @@ def test_stream(stack: Stack) -> None:
     Streamed: chunks the SDK reads (text deltas, the finish reason, the
     usage chunk it asked for, cached tokens included).
     """
+    requestID = str(uuid.uuid4())
     stream = stack.client().chat.completions.create(
         model="claude-cached",
         messages=[{"role": "user", "content": "Say hello to the world"}],
         stream=True,
         stream_options={"include_usage": True},
+        extra_headers={"X-Request-ID": requestID},
     )
     chunks = list(stream)
     text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
@@ -176,6 +201,9 @@ def test_stream(stack: Stack) -> None:
     assert usage is not None and usage.prompt_tokens_details is not None
     assert usage.prompt_tokens_details.cached_tokens == 3
     assert usage.completion_tokens == len(text.split())
+    row = stack.row(requestID)
+    assert row["stream"] and row["outcome"] == "ok"
+    assert (row["prompt_tokens"], row["cached_tokens"]) == (usage.prompt_tokens, 3)
 
 
 def test_toolRoundTrip(stack: Stack) -> None:
