@@ -7,15 +7,19 @@ of it reads as before: tests/test_proxy_providers.py, unchanged).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_proxy_providers import KEY, clock, documentFault, tomlDocument, writeFile
 
+from svcd.common.config import ConfigError
 from svcd.metering.models import ANTHROPIC, OPENAI, Provider
 from svcd.providers.providersfile import loadProviders
 from svcd.providers.table import ProviderTable
+
+KEY = "sk-ant-test-DO-NOT-PRINT-0123456789"
+NOW = 1_700_000_000.0
 
 CLAUDE = {
     "name": "claude",
@@ -27,11 +31,48 @@ LOCAL = {"name": "local", "base_url": "http://127.0.0.1:8000/v1"}
 SONNET = {"name": "sonnet", "provider": "claude", "upstream_model": "claude-sonnet-4-5"}
 
 
+def clock() -> float:
+    return NOW
+
+
+def tomlValue(value: Any) -> str:
+    # Strings as JSON strings, which TOML's basic strings read alike.
+    if isinstance(value, list):
+        return "[" + ", ".join(tomlValue(item) for item in value) + "]"
+    return json.dumps(value)
+
+
+def writeFile(tmp_path: Path, providers: list[dict[str, Any]], models: list[dict[str, Any]]) -> str:
+    lines = []
+    for section, tables in (("providers", providers), ("models", models)):
+        for table in tables:
+            lines.append(f"\n[[{section}]]")
+            lines += [f"{key} = {tomlValue(value)}" for key, value in table.items()]
+    path = tmp_path / "providers.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
 def load(
     tmp_path: Path, providers: list[dict[str, Any]], models: list[dict[str, Any]]
 ) -> ProviderTable:
-    path = writeFile(tmp_path, tomlDocument(providers, models))
-    return loadProviders(path, {"SVC_TEST_KEY": KEY}, clock)
+    return loadProviders(writeFile(tmp_path, providers, models), {"SVC_TEST_KEY": KEY}, clock)
+
+
+def documentFault(
+    tmp_path: Path, providers: list[dict[str, Any]], models: list[dict[str, Any]]
+) -> str:
+    """
+    The one line of the fault that loading the file reports, without the
+    variable and the file's path it starts with, and never the key.
+    """
+    path = writeFile(tmp_path, providers, models)
+    with pytest.raises(ConfigError) as caught:
+        loadProviders(path, {"SVC_TEST_KEY": KEY}, clock)
+    message = str(caught.value)
+    assert message.startswith(f"SVC_PROVIDERS_FILE: {path}: "), message
+    assert "\n" not in message and KEY not in message
+    return message.removeprefix(f"SVC_PROVIDERS_FILE: {path}: ")
 
 
 def test_anthropicProvider(tmp_path: Path) -> None:
