@@ -645,3 +645,34 @@ def test_bodiesForTheReservation() -> None:
     }
     assert CHAT_COMPLETIONS.sendable({**CHAT, "n": 3}, model) is None
     assert COUNT_TOKENS.sendable(CHAT, Model("gpt", Provider("gpt", "http://x/v1"))) is None
+
+
+def test_worstCaseMeasuresTheTranslatedBody() -> None:
+    """
+    Decisions D12 amended, D14: a budget's worst case measures each
+    attempt's body as it is sent (translated for an Anthropic provider),
+    and the forwarder is handed those bodies; a fallback that cannot be
+    sent the request is never tried, and counts nothing.
+    """
+    from svcd.limits.reservation import worstCaseCost
+    from svcd.metering.prices import Price
+    from svcd.proxy.http.chatbody import parseChatBody
+
+    price = Price(input=1000, output=2000, cachedInput=500)
+    anthropic = Provider("claude", "http://127.0.0.1:1/v1", api=ANTHROPIC)
+    openai = Provider("gpt", "http://127.0.0.1:1/v1")
+    claude = Model("claude", anthropic, "claude-x", price=price, fallbacks=("gpt",))
+    gpt = Model("gpt", openai, "gpt-x", price=Price(input=10, output=20, cachedInput=5))
+    chat = parseChatBody(json.dumps({**CHAT, "model": "claude"}).encode())
+    bodies: dict[str, bytes] = {}
+    cost = worstCaseCost(chat, [claude, gpt], 50, 50, 0, bodies, CHAT_COMPLETIONS.sendable)
+    assert json.loads(bodies["claude"])["system"] == "Be brief."
+    assert bodies["claude"] == CHAT_COMPLETIONS.body(chat.document, claude, 50)
+    assert json.loads(bodies["gpt"])["max_completion_tokens"] == 50
+    assert cost == price.worstCase(len(bodies["claude"]), 50)
+    # n = 2 cannot go to Anthropic: only the OpenAI fallback counts.
+    chat = parseChatBody(json.dumps({**CHAT, "model": "claude", "n": 2}).encode())
+    bodies = {}
+    cost = worstCaseCost(chat, [claude, gpt], 50, 50, 0, bodies, CHAT_COMPLETIONS.sendable)
+    assert list(bodies) == ["gpt"]
+    assert cost == gpt.price.worstCase(len(bodies["gpt"]), 100)  # type: ignore[union-attr]
