@@ -108,7 +108,7 @@ def chatHarness(includeUsage: bool = True) -> Harness:
     return harnessFor(chatOfAnthropic(Exchange(document, "rid", 1700000000), MODEL))
 
 
-START = {
+START: dict[str, Any] = {
     "type": "message_start",
     "message": {
         "id": "msg_1",
@@ -126,8 +126,12 @@ START = {
         },
     },
 }
-BLOCK = {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
-PING = {"type": "ping"}
+BLOCK: dict[str, Any] = {
+    "type": "content_block_start",
+    "index": 0,
+    "content_block": {"type": "text", "text": ""},
+}
+PING: dict[str, Any] = {"type": "ping"}
 
 
 def delta(text: str) -> dict[str, Any]:
