@@ -36,10 +36,11 @@ from svcd.limits.reservation import (
 )
 from svcd.metered.embedder import EmbeddingCall
 from svcd.metering.charges import CLIENT_GONE, OK, UPSTREAM_ERROR, chargeOf
-from svcd.metering.models import Model
+from svcd.metering.models import ANTHROPIC, Model
+from svcd.providers.operations import CHAT_COMPLETIONS
 from svcd.providers.table import ProviderTable
-from svcd.providers.upstream import Forwarder
-from svcd.proxy.http.chatbody import ChatRequest, parseChatBody
+from svcd.providers.upstream import ANTHROPIC_BETA_HEADER, Forwarder
+from svcd.proxy.http.chatbody import ChatRequest, checkChatDocument, parseJSONObject
 from svcd.proxy.http.context import Reply, RequestContext
 from svcd.proxy.http.steps import bodyBytes, forwardedLimits
 from svcd.proxy.observe import Observer
@@ -130,7 +131,7 @@ class ChatRoutes:
         nothing (no token limit nor budget).
         """
         try:
-            chat = ctx.chat = parseChatBody(bodyBytes(ctx.request))
+            chat = ctx.chat = self._parse(ctx, orgID)
         except ApiError as refused:
             ctx.chatError = refused
             return None
@@ -138,7 +139,9 @@ class ChatRoutes:
         if model is None:
             # Not forwarded (501): nothing to reserve.
             return None
-        refusal = modelRefusal(chat, model, applicable.budgeted)
+        refusal = modelRefusal(chat, model, applicable.budgeted) or CHAT_COMPLETIONS.refusal(
+            chat.document, model
+        )
         if refusal is not None:
             ctx.chatError = refusal
             return None
@@ -161,14 +164,38 @@ class ChatRoutes:
         # Under a budget, the bodies measured are the bodies sent: serialized
         # once (L{worstCaseCost}).
         bodies = ctx.sentBodies = {} if applicable.budgeted else None
+        # Decisions D14: what is measured is each attempt's body as it is
+        # sent, translated for a provider of Anthropic's dialect.
+        body = CHAT_COMPLETIONS.sendable
         if plan is None:
-            return (*reserve(chat, model, providers, orgID, applicable, bodies=bodies), 0)
+            return (
+                *reserve(chat, model, providers, orgID, applicable, bodies=bodies, body=body),
+                0,
+            )
         prompt, cap, sentCap, cost = reserve(
-            chat, model, providers, orgID, applicable, plan.extraBodyBytes(), bodies
+            chat, model, providers, orgID, applicable, plan.extraBodyBytes(), bodies, body
         )
         if applicable.budgeted:
             cost += plan.embeddingCost(providers, orgID, applicable)
         return prompt, cap, sentCap, cost, plan.reserveTokens()
+
+    def _parse(self, ctx: RequestContext, orgID: str) -> ChatRequest:
+        """
+        The request's body, parsed and checked: for a model of an Anthropic
+        provider, whose body is translated, with content parts (decisions
+        D14, L{checkChatDocument}).
+        """
+        document = parseJSONObject(bodyBytes(ctx.request))
+        name = document.get("model")
+        providers = self._providers
+        model = (
+            providers.modelFor(name, orgID)
+            if providers is not None and isinstance(name, str)
+            else None
+        )
+        return checkChatDocument(
+            document, parts=model is not None and model.provider.api == ANTHROPIC
+        )
 
     def _settle(self, ctx: RequestContext, tokens: int, cost: int = 0) -> None:
         """
@@ -201,7 +228,7 @@ class ChatRoutes:
     async def _chatCompletions(self, ctx: RequestContext) -> Reply:
         if ctx.chatError is not None:
             raise ctx.chatError
-        chat = ctx.chat if ctx.chat is not None else parseChatBody(bodyBytes(ctx.request))
+        chat = ctx.chat if ctx.chat is not None else self._parse(ctx, ctx.orgID or "")
         span = ctx.span
         if span.is_recording():
             # Metadata only, as in the log line: never a message's content.
@@ -229,8 +256,12 @@ class ChatRoutes:
         if model is None:
             # Never a hint that the model exists for another organization.
             raise ApiError(ErrorCode.PROVIDER_NOT_CONFIGURED)
-        refusal = modelRefusal(chat, model, ctx.budgeted)
+        refusal = modelRefusal(chat, model, ctx.budgeted) or CHAT_COMPLETIONS.refusal(
+            chat.document, model
+        )
         if refusal is not None:
+            # Decisions D14: a field its provider's dialect cannot carry;
+            # nothing is forwarded.
             raise refusal
         if self._observer is not None:
             ctx.observing = self._observer.plan(ctx.request, ctx.orgID, ctx.agentID, chat.stream)
@@ -280,6 +311,7 @@ class ChatRoutes:
                 outputCap=ctx.sentCap,
                 bodies=ctx.sentBodies,
                 onEventData=gather,
+                clientHeaders=_anthropicBeta(ctx),
             )
             if ctx.upstream.brokenMidStream:
                 # The stream went out, then ended with an error event.
@@ -412,6 +444,17 @@ class ChatRoutes:
         C{data: {"error": ...}} with the envelope of spec section 7.
         """
         return b"data: " + self._errorReply(ctx, error).body + b"\n\n"
+
+
+def _anthropicBeta(ctx: RequestContext) -> dict[bytes, bytes] | None:
+    """
+    The client's C{anthropic-beta}, which an Anthropic provider is given as
+    it came (decisions D14: a beta of headers alone, such as a longer
+    context window, serves a client of chat completions too); never its
+    C{anthropic-version}: its body is translated for the gateway's own.
+    """
+    beta = ctx.request.getHeader(ANTHROPIC_BETA_HEADER)
+    return {ANTHROPIC_BETA_HEADER: beta} if beta else None
 
 
 def _injected(recall: Recall | None) -> int | None:
