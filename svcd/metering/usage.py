@@ -21,3 +21,4 @@ class Usage:
     # provider's cache, the answer's reasoning tokens.
     cachedTokens: int = 0
     reasoningTokens: int = 0
+    cacheWriteTokens: int = 0
