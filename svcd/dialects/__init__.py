@@ -21,9 +21,3 @@ A field with no counterpart in the other dialect raises
 L{svcd.dialects.errors.Untranslatable} naming it (a dotted path), so that
 the route answers 400 VALIDATION_ERROR and forwards nothing.
 """
-
-# The two dialects: what a route's clients speak, and what a provider's
-# C{api} says it speaks (decisions D14).
-OPENAI = "openai"
-ANTHROPIC = "anthropic"
-DIALECTS = (OPENAI, ANTHROPIC)

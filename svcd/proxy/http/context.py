@@ -20,8 +20,8 @@ from opentelemetry.trace import INVALID_SPAN, Span
 from twisted.web.server import Request
 
 from svcd.common.errors import ApiError
-from svcd.dialects import OPENAI
 from svcd.limits.records import Reservation
+from svcd.metering.models import OPENAI
 from svcd.providers.records import UpstreamRecord
 from svcd.proxy.http.embeddingsbody import EmbeddingsRequest
 from svcd.proxy.observe import Observing

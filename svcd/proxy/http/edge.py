@@ -41,7 +41,6 @@ from svcd.common.logs import REQUEST_ID
 from svcd.common.permissions import Permission
 from svcd.common.readiness import Check
 from svcd.common.tracing import activate, deactivate, parentFromHeaders, untracedProvider
-from svcd.dialects import ANTHROPIC
 from svcd.dialects.errors import anthropicErrorBody
 from svcd.ledger.rows import UsageLedger
 from svcd.limits.admission import Admission
@@ -51,6 +50,7 @@ from svcd.memoryclient.batches import SearchBatches
 from svcd.memoryclient.client import MemoryClient
 from svcd.metered.batches import EmbeddingBatches
 from svcd.metered.embedder import Embedder
+from svcd.metering.models import ANTHROPIC
 from svcd.providers.upstream import Forwarder
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.http.context import (
@@ -196,7 +196,7 @@ class ProxyEdge:
             for dialect in (CHAT, MESSAGES)
         ]
         self.chat, self.messages = conversations
-        self.countTokens = CountTokens(providers)
+        self.countTokens = CountTokens(providers, forwarder)
         # Decisions D13: the memory routes, on svc-memory; off (501) unless
         # both its address and the providers file's [memory] table are
         # given.
@@ -643,7 +643,11 @@ class ProxyEdge:
         headers (Retry-After, Allow) either way.
         """
         if ctx.dialect == ANTHROPIC:
-            document = anthropicErrorBody(error, requestID=ctx.requestID)
+            # A provider that said it was overloaded makes a 5xx an
+            # overloaded_error, which Anthropic's SDKs retry.
+            document = anthropicErrorBody(
+                error, requestID=ctx.requestID, overloaded=ctx.upstream.overloaded
+            )
         else:
             now = datetime.datetime.fromtimestamp(self._clock.seconds(), datetime.UTC)
             document = envelope(error, requestID=ctx.requestID, now=now, docsBase=self._docsBase)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import attrs
 
-from svcd.dialects import OPENAI
+from svcd.providers.operations import CHAT_COMPLETIONS
 from svcd.proxy.http.chatbody import ChatRequest, parseChatBody
 from svcd.proxy.http.routes.conversation import ClientDialect
 from svcd.proxy.recall import assemble
@@ -32,4 +32,4 @@ def _errorEvent(envelope: bytes) -> bytes:
     return b"data: " + envelope + b"\n\n"
 
 
-CHAT = ClientDialect(OPENAI, parseChatBody, _withMemories, "Chat completion", _errorEvent)
+CHAT = ClientDialect(CHAT_COMPLETIONS, parseChatBody, _withMemories, "Chat completion", _errorEvent)

@@ -46,6 +46,7 @@ from svcd.limits.reservation import (
 from svcd.metered.embedder import EmbeddingCall
 from svcd.metering.charges import CLIENT_GONE, OK, UPSTREAM_ERROR, chargeOf
 from svcd.metering.models import Model
+from svcd.providers.operations import Operation
 from svcd.providers.table import ProviderTable
 from svcd.providers.upstream import Forwarder
 from svcd.proxy.http.context import Conversation, Reply, RequestContext
@@ -62,21 +63,41 @@ class ClientDialect:
     """
     What a route of conversations does in its clients' dialect.
 
-    @ivar name: the dialect (L{svcd.dialects.OPENAI},
-        L{svcd.dialects.ANTHROPIC}), as the forwarder takes it.
+    @ivar operation: what its requests ask of a provider, in its dialect
+        (L{svcd.providers.operations}): how each attempt is carried to a
+        provider of either C{api}, translated or not (decisions D14).
     @ivar parse: the body parsed and checked.
     @ivar withMemories: the request with recall's message of memories
         (decisions D13), where the dialect puts it.
     @ivar asked: what the log line says is asked (C{"Chat completion"}).
     @ivar errorEvent: the event that ends a broken stream, for the body of
         the edge's error envelope.
+    @ivar passedOn: the client's headers an Anthropic provider is given as
+        they are (lowercase names; decisions D14: C{anthropic-version},
+        C{anthropic-beta} on the Messages route).
     """
 
-    name: str
+    operation: Operation
     parse: Callable[[bytes], Conversation]
     withMemories: Callable[[Any, dict[str, str]], Conversation]
     asked: str
     errorEvent: Callable[[bytes], bytes]
+    passedOn: tuple[bytes, ...] = ()
+
+    def passedOnOf(self, request: Any) -> dict[bytes, bytes] | None:
+        """
+        The headers of C{passedOn} the client sent, by name; None for a
+        dialect that passes none on.
+        """
+        if not self.passedOn:
+            return None
+        headers = request.requestHeaders
+        passed = {}
+        for name in self.passedOn:
+            values = headers.getRawHeaders(name)
+            if values:
+                passed[name] = values[0]
+        return passed
 
 
 class ConversationRoutes:
@@ -193,13 +214,16 @@ class ConversationRoutes:
         if not (applicable.tokenLimited or applicable.budgeted):
             return None
         # Under a budget, the bodies measured are the bodies sent: serialized
-        # once (L{worstCaseCost}).
+        # once (L{worstCaseCost}), each as its provider is sent it
+        # (decisions D14: translated when its dialect is not the client's).
         bodies = ctx.sentBodies = {} if applicable.budgeted else None
-        if plan is None:
-            return (*reserve(chat, model, providers, orgID, applicable, bodies=bodies), 0)
+        body = self._dialect.operation.sendable
+        extra = plan.extraBodyBytes() if plan is not None else 0
         prompt, cap, sentCap, cost = reserve(
-            chat, model, providers, orgID, applicable, plan.extraBodyBytes(), bodies
+            chat, model, providers, orgID, applicable, extra, bodies, body
         )
+        if plan is None:
+            return prompt, cap, sentCap, cost, 0
         if applicable.budgeted:
             cost += plan.embeddingCost(providers, orgID, applicable)
         return prompt, cap, sentCap, cost, plan.reserveTokens()
@@ -265,6 +289,10 @@ class ConversationRoutes:
             # Never a hint that the model exists for another organization.
             raise ApiError(ErrorCode.PROVIDER_NOT_CONFIGURED)
         refusal = modelRefusal(chat, model, ctx.budgeted)
+        if refusal is None:
+            # Decisions D14: a field its provider's dialect cannot carry,
+            # named; nothing is forwarded.
+            refusal = self._dialect.operation.refusal(chat.document, model)
         if refusal is not None:
             raise refusal
         if self._observer is not None:
@@ -313,8 +341,10 @@ class ConversationRoutes:
                 lambda error: self.errorEvent(ctx, error),
                 ctx.upstream,
                 outputCap=ctx.sentCap,
+                operation=self._dialect.operation,
                 bodies=ctx.sentBodies,
                 onEventData=gather,
+                clientHeaders=self._dialect.passedOnOf(ctx.request),
             )
             if ctx.upstream.brokenMidStream:
                 # The stream went out, then ended with an error event.

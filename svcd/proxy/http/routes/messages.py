@@ -21,13 +21,18 @@ the body.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from twisted.internet.interfaces import IPushProducer
 from twisted.logger import Logger
 
 from svcd.common.errors import ApiError, ErrorCode
 from svcd.common.logbounds import loggedText
-from svcd.dialects import ANTHROPIC
-from svcd.limits.reservation import promptEstimate
+from svcd.limits.reservation import attemptsOf, promptEstimate
+from svcd.providers.operations import COUNT_TOKENS
+from svcd.providers.operations import MESSAGES as MESSAGES_OPERATION
 from svcd.providers.table import ProviderTable
+from svcd.providers.upstream import ANTHROPIC_BETA_HEADER, ANTHROPIC_VERSION_HEADER, Forwarder
 from svcd.proxy.http.context import Reply, RequestContext, jsonBody
 from svcd.proxy.http.messagesbody import parseMessagesRequest, withMemories
 from svcd.proxy.http.routes.conversation import ClientDialect
@@ -39,7 +44,14 @@ def _errorEvent(envelope: bytes) -> bytes:
     return b"event: error\ndata: " + envelope + b"\n\n"
 
 
-MESSAGES = ClientDialect(ANTHROPIC, parseMessagesRequest, withMemories, "Messages", _errorEvent)
+MESSAGES = ClientDialect(
+    MESSAGES_OPERATION,
+    parseMessagesRequest,
+    withMemories,
+    "Messages",
+    _errorEvent,
+    (ANTHROPIC_VERSION_HEADER, ANTHROPIC_BETA_HEADER),
+)
 
 
 class CountTokens:
@@ -47,19 +59,25 @@ class CountTokens:
     The handler of POST /v1/messages/count_tokens.
 
     @param providers: the providers file; None is Phase 1 (501).
+    @param forwarder: the providers' client, None without a providers file.
     """
 
     log = Logger()
 
-    def __init__(self, providers: ProviderTable | None) -> None:
+    def __init__(self, providers: ProviderTable | None, forwarder: Forwarder | None) -> None:
         self._providers = providers
+        self._forwarder = forwarder
 
     async def countTokens(self, ctx: RequestContext) -> Reply:
         """
         The input tokens of a Messages body, for its model: 501 as for
         /v1/messages when no provider is configured or the model is not
-        one the caller's organization may use; else D11's estimate of the
-        body (the one a limit reserves for it on /v1/messages).
+        one the caller's organization may use. A model of an Anthropic
+        provider is counted by it (C{<base_url>/messages/count_tokens}, its
+        answer relayed as given, with its fallbacks of Anthropic providers);
+        any other's count is D11's estimate of the body (the one a limit
+        reserves for it on /v1/messages). Nothing is reserved nor recorded
+        (decisions D14: it counts toward the requests per minute only).
         """
         request = parseMessagesRequest(bodyBytes(ctx.request), countTokens=True)
         self.log.info(
@@ -77,4 +95,45 @@ class CountTokens:
         model = providers.modelFor(request.model, ctx.orgID)
         if model is None:
             raise ApiError(ErrorCode.PROVIDER_NOT_CONFIGURED)
-        return Reply(200, jsonBody({"input_tokens": promptEstimate(request.messages)}))
+        forwarder = self._forwarder
+        if forwarder is None or COUNT_TOKENS.leg(model.provider) is None:
+            return Reply(200, jsonBody({"input_tokens": promptEstimate(request.messages)}))
+        answer = await forwarder.forward(
+            request.document,
+            attemptsOf(providers, model, ctx.orgID, False),
+            ctx.requestID,
+            _UNSTREAMED,
+            _noEvent,
+            ctx.upstream,
+            operation=COUNT_TOKENS,
+            clientHeaders=MESSAGES.passedOnOf(ctx.request),
+        )
+        return Reply(answer.status, answer.body, headers=list(answer.headers))
+
+
+class _Unstreamed:
+    """
+    The client's side of a request that never streams (count_tokens): the
+    forwarder writes nothing to it.
+    """
+
+    def begin(
+        self, status: int, contentType: bytes, headers: Sequence[tuple[bytes, bytes]]
+    ) -> None:
+        raise AssertionError("count_tokens does not stream")
+
+    def write(self, data: bytes) -> None:
+        raise AssertionError("count_tokens does not stream")
+
+    def registerProducer(self, producer: IPushProducer) -> None:
+        raise AssertionError("count_tokens does not stream")
+
+    def unregisterProducer(self) -> None:
+        pass
+
+
+_UNSTREAMED = _Unstreamed()
+
+
+def _noEvent(error: ApiError) -> bytes:
+    raise AssertionError("count_tokens does not stream")
