@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import http.client
 import json
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -877,3 +879,29 @@ def test_rawApiKeyAndBearerTogether(stack: Stack) -> None:
         "authentication_error",
         "INVALID_TOKEN",
     )
+
+
+def test_bodyReadWithTheApiKeyAlone(stack: Stack) -> None:
+    """
+    A request whose token is in x-api-key alone has its body read even
+    when the body comes after the headers, in a write of its own (the site
+    decides from the headers whether a body is worth reading: a token of
+    the token's shape in either header is, decisions D10 and D14).
+    """
+    tenant = stack.tenants["main"]
+    body = json.dumps({"model": "claude", "max_tokens": 5, "messages": question()}).encode()
+    head = (
+        "POST /v1/messages HTTP/1.1\r\nHost: gateway\r\n"
+        "Content-Type: application/json\r\n"
+        f"x-api-key: {tenant.token}\r\nX-SVC-Agent-ID: {tenant.agentID}\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", stack.port), timeout=30) as connection:
+        connection.sendall(head)
+        time.sleep(0.3)
+        connection.sendall(body)
+        response = http.client.HTTPResponse(connection)
+        response.begin()
+        answer = json.loads(response.read())
+    assert response.status == 200, answer
+    assert answer["type"] == "message"

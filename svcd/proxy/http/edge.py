@@ -67,7 +67,7 @@ from svcd.proxy.http.context import (
     newTraceID,
 )
 from svcd.proxy.http.memorybody import parseAddBody, parsePatchBody, parseSearchBody
-from svcd.proxy.http.paths import ANTHROPIC_PATHS, COUNT_TOKENS_PATH, MESSAGES_PATH
+from svcd.proxy.http.paths import COUNT_TOKENS_PATH, MESSAGES_PATH
 from svcd.proxy.http.resource import EdgeResource
 from svcd.proxy.http.routes.chat import CHAT
 from svcd.proxy.http.routes.conversation import ConversationRoutes
@@ -77,7 +77,7 @@ from svcd.proxy.http.routes.messages import MESSAGES, CountTokens
 from svcd.proxy.http.routes.models import ModelRoutes
 from svcd.proxy.http.routes.ops import OperationsRoutes
 from svcd.proxy.http.routes.probes import ProbeRoutes
-from svcd.proxy.http.steps import CallerSteps, Credential, Reserve, apiKeyOrBearer, bearerToken
+from svcd.proxy.http.steps import CallerSteps, Credential, Reserve, apiKeyOrBearer
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.observe import Observer
 from svcd.proxy.recall import Recaller
@@ -624,14 +624,16 @@ class ProxyEdge:
         """
         Whether the site should read C{request}'s body, from its headers
         alone (decisions D10): only the routes with a body read it, and
-        only after the bearer token, so a request without an Authorization
-        of the token's shape (or, on the Messages routes, an C{x-api-key},
-        decisions D14) is answered (413, 415, then 401, as its steps order
-        them) without its body ever being held.
+        only after the token, so a request without a token of the token's
+        shape (in C{Authorization: Bearer}, or in C{x-api-key} as the
+        Messages routes take it, decisions D14) is answered (413, 415, then
+        401, as its steps order them) without its body ever being held.
+        The site asks before the request line's path is known to the
+        request, so every route takes either header here; a route that
+        wants the bearer alone still answers 401 without one.
         """
-        credential = apiKeyOrBearer if request.path in ANTHROPIC_PATHS else bearerToken
         try:
-            credential(request)
+            apiKeyOrBearer(request)
         except ApiError:
             return False
         return True

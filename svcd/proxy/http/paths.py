@@ -52,7 +52,6 @@ from urllib.parse import unquote_to_bytes
 # speak its dialect (errors in its envelope, the token in x-api-key too).
 MESSAGES_PATH = "/v1/messages"
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
-ANTHROPIC_PATHS = frozenset({MESSAGES_PATH.encode("ascii"), COUNT_TOKENS_PATH.encode("ascii")})
 
 _UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
 _SEPARATOR = ord("/")
