@@ -106,6 +106,13 @@ def promptEstimate(messages: Sequence[Mapping[str, Any]]) -> int:
         content = message.get("content")
         if isinstance(content, str):
             contentBytes += len(content.encode("utf-8", "surrogatepass"))
+        elif isinstance(content, list):
+            # Decisions D14: text parts (to a model of an Anthropic
+            # provider) count as the string they would be.
+            for part in content:
+                text = part.get("text") if isinstance(part, dict) else None
+                if isinstance(text, str):
+                    contentBytes += len(text.encode("utf-8", "surrogatepass"))
     return -(-contentBytes // BYTES_PER_TOKEN) + TOKENS_PER_MESSAGE * len(messages)
 
 

@@ -13,7 +13,7 @@ L{svcd.providers.relay.Passage}s a relay takes each event through.
     (L{svcd.dialects.streams.MessageEventStream}).
 
 Each keeps the stream's usage for the ledger, and turns the provider's own
-error event into a L{StreamFault} of kind C{error} (before the client's
+error event into a L{StreamFault} of kind C{error_event} (before the client's
 first byte a fallback may answer; after it, the client's stream ends with
 an error event of its dialect, or, relayed as given, with the provider's).
 """
@@ -86,7 +86,7 @@ def _parsed(data: bytes) -> dict[str, Any]:
 
 def _providerError(error: UpstreamStreamError, *, relayed: bool = False) -> StreamFault:
     return StreamFault(
-        "error",
+        "error_event",
         "the provider's error event",
         error=error.apiError,
         overloaded=error.overloaded,

@@ -120,10 +120,11 @@ class StreamFault(Exception):
     The stream failed: C{kind} is C{timeout}, C{broken} (the connection
     ended without the stream's end), C{invalid} (an event past the size
     bound, or bytes that are not readable HTTP/1.1, or an event a
-    L{Passage} could not read) or C{error} (the provider's own error event,
-    decisions D14).
+    L{Passage} could not read) or C{error_event} (the provider's own
+    error event, decisions D14).
 
-    @ivar error: the gateway's error for the provider's own (C{error}),
+    @ivar error: the gateway's error for the provider's own
+        (C{error_event}),
         which the client's error event says; None for the others.
     @ivar overloaded: the provider said it was overloaded (Anthropic's
         C{overloaded_error}).
@@ -174,7 +175,7 @@ class Passage(typing.Protocol):
         C{data}, or None for an event without data), each a whole event.
 
         @raise StreamFault: the event cannot be read (C{invalid}), or is
-            the provider's error (C{error}).
+            the provider's error (C{error_event}).
         """
 
     def end(self) -> list[bytes]:

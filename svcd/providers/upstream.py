@@ -520,6 +520,7 @@ class Forwarder:
         except StreamFault as fault:
             record.usage = relay.usage
             record.brokenMidStream = True
+            record.overloaded = fault.overloaded
             return f"stream_{fault.kind}"
         finally:
             side.client.unregisterProducer()

@@ -40,8 +40,8 @@ Routes of the API port
 
 With C{--api-key KEY}, every API request whose C{Authorization} is not
 C{Bearer KEY} gets 401 C{invalid_api_key}, before any script runs (on
-Anthropic's routes, whose C{x-api-key} is not C{KEY}: 401
-C{authentication_error}).
+Anthropic's routes, one with neither C{x-api-key: KEY} nor that
+C{Authorization}: 401 C{authentication_error}).
 
 Every answer carries C{x-request-id: req_scripted_<n>}, as OpenAI's do
 (Anthropic's routes: C{request-id}, as Anthropic's do), so a test can check
@@ -144,7 +144,7 @@ How it is delivered (any of these, with any of the above):
   - C{cache:<reads>:<writes>}: of the prompt's tokens (the echo's, or
     C{usage}'s, or C{usage-at-cap}'s), that many were read from the
     provider's prompt cache and written to it: each at most what is left
-    of the prompt, reads first (so C{usage-at-cap+cache:0:1000000000}
+    of the prompt, reads first (so C{usage-at-cap+cache:0:999999999}
     makes the whole prompt cache writes). Anthropic's usage says
     C{cache_read_input_tokens} and C{cache_creation_input_tokens}, its
     C{input_tokens} the rest; OpenAI's C{prompt_tokens} stays the whole
@@ -182,8 +182,9 @@ Anthropic's Messages API
 C{POST <prefix>/messages} answers as Anthropic does (the C{anthropic} SDK
 is pointed at C{ScriptedUpstream.anthropicBaseURL}; a provider's
 C{base_url} is C{baseURL}, with C{/v1}). Before any script: with a key,
-C{x-api-key} must be it (401 C{authentication_error}, "x-api-key header
-is required" or "invalid x-api-key"); C{anthropic-version} must be
+C{x-api-key} must be it, or C{Authorization} C{Bearer} it (what the
+C{anthropic} SDK sends; 401 C{authentication_error}, "x-api-key header is
+required" or "invalid x-api-key"); C{anthropic-version} must be
 present (400); the body must be a JSON object with a string C{model}, a
 C{messages} list and a whole C{max_tokens} of at least 1 (400
 C{invalid_request_error} naming the field). The log keeps every header, so
@@ -231,8 +232,9 @@ forwarded with C{RecordedRequest.header}.
   - C{POST <prefix>/messages/count_tokens} (no C{max_tokens}) answers
     C{{"input_tokens": N}}, N the input tokens of the echo to the same
     body (C{usage}'s prompt when given; C{usage-at-cap}: the body's
-    bytes). The delivery directives and faults apply as to a whole message;
-    C{events}, C{bytes} and C{tool-call} are a 400.
+    bytes). The delivery directives and faults apply as to a whole message
+    (C{no-usage} and C{cache} change nothing); C{events}, C{bytes} and
+    C{tool-call} are a 400.
 
 Extraction
 ==========

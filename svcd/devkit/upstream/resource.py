@@ -222,10 +222,14 @@ class UpstreamResource(Resource):
             request.setHeader(b"allow", b"POST")
             return self._anthropicError(request, record, 405, "Use POST here.")
         if self._apiKey is not None:
+            # Anthropic's API takes the key as x-api-key, or as a bearer
+            # token (what the anthropic SDK of .venv sends).
             given = request.getHeader(b"x-api-key")
-            if given is None:
+            bearer = request.getHeader(b"authorization")
+            key = self._apiKey.encode()
+            if given is None and bearer is None:
                 return self._anthropicError(request, record, 401, "x-api-key header is required")
-            if given != self._apiKey.encode():
+            if given != key and bearer != b"Bearer " + key:
                 return self._anthropicError(request, record, 401, "invalid x-api-key")
         if not request.getHeader(b"anthropic-version"):
             message = "anthropic-version: header is required"

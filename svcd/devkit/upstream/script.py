@@ -256,7 +256,7 @@ def cacheParts(script: Script, prompt: int) -> tuple[int, int]:
     """
     The (reads, writes) of a prompt of C{prompt} tokens: C{cache}'s, or
     C{usage}'s C{<cached>} as reads, each at most what is left of the
-    prompt (reads first), so that C{usage-at-cap+cache:0:1000000000} makes
+    prompt (reads first), so that C{usage-at-cap+cache:0:999999999} makes
     the whole prompt cache writes.
     """
     if script.cache is not None:

@@ -13,6 +13,16 @@ parsed (only numbers with a fraction or an exponent are), and the parsed
 document is searched for surrogates only when the raw bytes hold a
 backslash, without which no escape, and so no surrogate, can be there
 (and, in a small body, a C{\\uD800} to C{\\uDFFF} escape).
+
+A message's C{content} is a string (spec 4.1). For a model of an
+Anthropic provider (decisions D14), whose body the gateway translates and
+so reads whole, it may also be an array of text parts and of image parts
+whose URL is a C{data:} URL of a base64 image (Anthropic's base64 image
+blocks; the gateway fetches no URL for a provider), and an assistant
+message with C{tool_calls} may have no content (as OpenAI's SDKs send the
+message of a tool call back): L{checkChatDocument}'s C{parts}. Every other
+provider is sent the body as the client wrote it, and keeps the rule it
+always had.
 """
 
 from __future__ import annotations
@@ -43,6 +53,10 @@ _ROLES_TEXT = "must be one of " + ", ".join(sorted(ROLES))
 
 _REQUIRED = FieldErrorCode.REQUIRED
 _FORMAT = FieldErrorCode.INVALID_FORMAT
+# Decisions D14: the images a content part may carry, as Anthropic takes
+# them in base64 (svcd.dialects.turns.IMAGE_MEDIA_TYPES).
+_DATA_URL = re.compile(r"data:image/(?:jpeg|png|gif|webp);base64,[A-Za-z0-9+/]*={0,2}")
+_PART_TYPES = "must be a text part or an image_url part"
 
 
 @attrs.frozen
@@ -199,17 +213,32 @@ def checkModel(document: dict[str, Any], errors: list[FieldError]) -> None:
         )
 
 
-def parseChatBody(body: bytes) -> ChatRequest:
+def parseChatBody(body: bytes, *, parts: bool = False) -> ChatRequest:
     """
     Parse and validate a chat body.
 
     A JSON C{null} counts as a missing field.
 
+    @param parts: whether content may be text and image parts (decisions
+        D14, L{checkChatDocument}).
     @raise ApiError: 400 INVALID_JSON when the body is not UTF-8 JSON, or
         holds a number that is not finite or a lone surrogate (decisions
         D10); 400 VALIDATION_ERROR listing every failed rule otherwise.
     """
-    document = parseJSONObject(body)
+    return checkChatDocument(parseJSONObject(body), parts=parts)
+
+
+def checkChatDocument(document: dict[str, Any], *, parts: bool = False) -> ChatRequest:
+    """
+    Validate a chat body's JSON object (L{parseJSONObject}'s).
+
+    @param parts: whether a message's content may be an array of text
+        parts and base64 image parts, and an assistant message with
+        C{tool_calls} may have none: for a model of an Anthropic provider
+        (decisions D14), whose body is translated; else content is a
+        string.
+    @raise ApiError: 400 VALIDATION_ERROR listing every failed rule.
+    """
     errors: list[FieldError] = []
     checkModel(document, errors)
     model = document.get("model")
@@ -230,7 +259,7 @@ def parseChatBody(body: bytes) -> ChatRequest:
         )
     else:
         for index, message in enumerate(messages):
-            _checkMessage(index, message, errors)
+            _checkMessage(index, message, errors, parts)
 
     stream = document.get("stream")
     if stream is not None and not isinstance(stream, bool):
@@ -291,7 +320,7 @@ def _checkCap(document: dict[str, Any], name: str, errors: list[FieldError]) -> 
     return value
 
 
-def _checkMessage(index: int, message: object, errors: list[FieldError]) -> None:
+def _checkMessage(index: int, message: object, errors: list[FieldError], parts: bool) -> None:
     path = f"messages[{index}]"
     if not isinstance(message, dict):
         errors.append(FieldError(path, _FORMAT, "must be an object"))
@@ -308,7 +337,9 @@ def _checkMessage(index: int, message: object, errors: list[FieldError]) -> None
             )
         )
     content = message.get("content")
-    if content is None:
+    if parts and not isinstance(content, str):
+        _checkParts(path, message, content, errors)
+    elif content is None:
         errors.append(FieldError(path + ".content", _REQUIRED, "is required"))
     elif not isinstance(content, str):
         errors.append(FieldError(path + ".content", _FORMAT, "must be a string"))
@@ -318,5 +349,61 @@ def _checkMessage(index: int, message: object, errors: list[FieldError]) -> None
                 path + ".content",
                 FieldErrorCode.TOO_LONG,
                 f"must be at most {MAX_CONTENT_BYTES} bytes of UTF-8",
+            )
+        )
+
+
+def _checkParts(
+    path: str, message: dict[str, Any], content: object, errors: list[FieldError]
+) -> None:
+    """
+    The content of a message to a model of an Anthropic provider that is
+    not a string (decisions D14): none beside an assistant's tool calls,
+    else a non-empty array of text parts (their text at most
+    L{MAX_CONTENT_BYTES} in all) and image parts of a base64 C{data:} URL.
+    """
+    where = path + ".content"
+    if content is None:
+        calls = message.get("tool_calls")
+        if message.get("role") != "assistant" or not isinstance(calls, list) or not calls:
+            errors.append(FieldError(where, _REQUIRED, "is required"))
+        return
+    if not isinstance(content, list):
+        errors.append(FieldError(where, _FORMAT, "must be a string or an array of parts"))
+        return
+    if not content:
+        errors.append(FieldError(where, _REQUIRED, "must hold at least one part"))
+        return
+    textBytes = 0
+    for number, part in enumerate(content):
+        at = f"{where}[{number}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            assert isinstance(part, dict)
+            text = part.get("text")
+            if not isinstance(text, str):
+                errors.append(FieldError(at + ".text", _FORMAT, "must be a string"))
+            else:
+                textBytes += len(text.encode("utf-8", "surrogatepass"))
+        elif kind == "image_url":
+            assert isinstance(part, dict)
+            image = part.get("image_url")
+            url = image.get("url") if isinstance(image, dict) else None
+            if not isinstance(url, str) or not _DATA_URL.fullmatch(url):
+                errors.append(
+                    FieldError(
+                        at + ".image_url.url",
+                        _FORMAT,
+                        "must be a data: URL of a base64 JPEG, PNG, GIF or WebP image",
+                    )
+                )
+        else:
+            errors.append(FieldError(at, _FORMAT, _PART_TYPES))
+    if textBytes > MAX_CONTENT_BYTES:
+        errors.append(
+            FieldError(
+                where,
+                FieldErrorCode.TOO_LONG,
+                f"must hold at most {MAX_CONTENT_BYTES} bytes of UTF-8 text",
             )
         )

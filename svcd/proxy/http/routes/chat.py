@@ -11,10 +11,23 @@ from __future__ import annotations
 
 import attrs
 
+from svcd.metering.models import ANTHROPIC
 from svcd.providers.operations import CHAT_COMPLETIONS
-from svcd.proxy.http.chatbody import ChatRequest, parseChatBody
-from svcd.proxy.http.routes.conversation import ClientDialect
+from svcd.providers.upstream import ANTHROPIC_BETA_HEADER
+from svcd.proxy.http.chatbody import ChatRequest, checkChatDocument, parseJSONObject
+from svcd.proxy.http.routes.conversation import ClientDialect, ModelOf
 from svcd.proxy.recall import assemble
+
+
+def _parse(body: bytes, modelOf: ModelOf) -> ChatRequest:
+    """
+    The request's body, parsed and checked: for a model of an Anthropic
+    provider, whose body is translated, with content parts (decisions
+    D14, L{checkChatDocument}).
+    """
+    document = parseJSONObject(body)
+    model = modelOf(document.get("model"))
+    return checkChatDocument(document, parts=model is not None and model.provider.api == ANTHROPIC)
 
 
 def _withMemories(chat: ChatRequest, message: dict[str, str]) -> ChatRequest:
@@ -32,4 +45,15 @@ def _errorEvent(envelope: bytes) -> bytes:
     return b"data: " + envelope + b"\n\n"
 
 
-CHAT = ClientDialect(CHAT_COMPLETIONS, parseChatBody, _withMemories, "Chat completion", _errorEvent)
+# Decisions D14: of a client of chat completions, an Anthropic provider is
+# given its anthropic-beta as it came (a beta of headers alone, such as a
+# longer context window, serves it too); never its anthropic-version: its
+# body is translated for the gateway's own.
+CHAT = ClientDialect(
+    CHAT_COMPLETIONS,
+    _parse,
+    _withMemories,
+    "Chat completion",
+    _errorEvent,
+    (ANTHROPIC_BETA_HEADER,),
+)

@@ -56,6 +56,8 @@ from svcd.proxy.recall import MEMORIES_HEADER, Recall, Recaller
 
 ErrorReply = Callable[[RequestContext, ApiError], Reply]
 StandardHeaders = Callable[[RequestContext, Reply], None]
+# The model a body's C{model} names for the caller's organization, or None.
+ModelOf = Callable[[object], Model | None]
 
 
 @attrs.frozen
@@ -66,7 +68,9 @@ class ClientDialect:
     @ivar operation: what its requests ask of a provider, in its dialect
         (L{svcd.providers.operations}): how each attempt is carried to a
         provider of either C{api}, translated or not (decisions D14).
-    @ivar parse: the body parsed and checked.
+    @ivar parse: the body parsed and checked, given the model a name
+        refers to for the caller (L{ModelOf}: a chat body's rules depend on
+        its model's provider, decisions D14).
     @ivar withMemories: the request with recall's message of memories
         (decisions D13), where the dialect puts it.
     @ivar asked: what the log line says is asked (C{"Chat completion"}).
@@ -78,7 +82,7 @@ class ClientDialect:
     """
 
     operation: Operation
-    parse: Callable[[bytes], Conversation]
+    parse: Callable[[bytes, ModelOf], Conversation]
     withMemories: Callable[[Any, dict[str, str]], Conversation]
     asked: str
     errorEvent: Callable[[bytes], bytes]
@@ -185,7 +189,7 @@ class ConversationRoutes:
         nothing (no token limit nor budget).
         """
         try:
-            chat = ctx.chat = self._dialect.parse(bodyBytes(ctx.request))
+            chat = ctx.chat = self._parse(ctx, orgID)
         except ApiError as refused:
             ctx.chatError = refused
             return None
@@ -193,7 +197,9 @@ class ConversationRoutes:
         if model is None:
             # Not forwarded (501): nothing to reserve.
             return None
-        refusal = modelRefusal(chat, model, applicable.budgeted)
+        refusal = modelRefusal(chat, model, applicable.budgeted) or self._dialect.operation.refusal(
+            chat.document, model
+        )
         if refusal is not None:
             ctx.chatError = refusal
             return None
@@ -228,6 +234,20 @@ class ConversationRoutes:
             cost += plan.embeddingCost(providers, orgID, applicable)
         return prompt, cap, sentCap, cost, plan.reserveTokens()
 
+    def _parse(self, ctx: RequestContext, orgID: str) -> Conversation:
+        """
+        The request's body, parsed and checked by its dialect's rules for
+        the model it names (L{ClientDialect.parse}).
+        """
+        providers = self._providers
+
+        def modelOf(name: object) -> Model | None:
+            if providers is None or not isinstance(name, str):
+                return None
+            return providers.modelFor(name, orgID)
+
+        return self._dialect.parse(bodyBytes(ctx.request), modelOf)
+
     def _settle(self, ctx: RequestContext, tokens: int, cost: int = 0) -> None:
         """
         Correct this request's reservation to C{tokens} and C{cost}
@@ -259,7 +279,7 @@ class ConversationRoutes:
     async def _handle(self, ctx: RequestContext) -> Reply:
         if ctx.chatError is not None:
             raise ctx.chatError
-        chat = ctx.chat if ctx.chat is not None else self._dialect.parse(bodyBytes(ctx.request))
+        chat = ctx.chat if ctx.chat is not None else self._parse(ctx, ctx.orgID or "")
         span = ctx.span
         if span.is_recording():
             # Metadata only, as in the log line: never a message's content.

@@ -34,8 +34,8 @@ from svcd.providers.operations import MESSAGES as MESSAGES_OPERATION
 from svcd.providers.table import ProviderTable
 from svcd.providers.upstream import ANTHROPIC_BETA_HEADER, ANTHROPIC_VERSION_HEADER, Forwarder
 from svcd.proxy.http.context import Reply, RequestContext, jsonBody
-from svcd.proxy.http.messagesbody import parseMessagesRequest, withMemories
-from svcd.proxy.http.routes.conversation import ClientDialect
+from svcd.proxy.http.messagesbody import MessagesRequest, parseMessagesRequest, withMemories
+from svcd.proxy.http.routes.conversation import ClientDialect, ModelOf
 from svcd.proxy.http.steps import bodyBytes
 
 
@@ -44,9 +44,14 @@ def _errorEvent(envelope: bytes) -> bytes:
     return b"event: error\ndata: " + envelope + b"\n\n"
 
 
+def _parse(body: bytes, modelOf: ModelOf) -> MessagesRequest:
+    # A Messages body's rules are the same for every model.
+    return parseMessagesRequest(body)
+
+
 MESSAGES = ClientDialect(
     MESSAGES_OPERATION,
-    parseMessagesRequest,
+    _parse,
     withMemories,
     "Messages",
     _errorEvent,
