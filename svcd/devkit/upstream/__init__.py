@@ -1,8 +1,10 @@
 """
-A scripted OpenAI-compatible upstream for the tests: a real HTTP server on a
-loopback port that answers C{POST .../chat/completions} the way a provider
-does (JSON answers, chunked server-sent events, OpenAI-shaped errors), or
-misbehaves in exactly the way a test asks for.
+A scripted upstream for the tests: a real HTTP server on a loopback port
+that answers C{POST .../chat/completions} the way an OpenAI-compatible
+provider does (JSON answers, chunked server-sent events, OpenAI-shaped
+errors) and C{POST .../messages} the way Anthropic does (decisions D14;
+see "Anthropic's Messages API" below), or misbehaves in exactly the way a
+test asks for.
 
 Why a separate process: the end-to-end tests drive the gateway with blocking
 clients (the C{openai} SDK, urllib) from the test thread while the daemons
@@ -28,16 +30,22 @@ Routes of the API port
     them apart by C{path}.
   - C{POST <any prefix>/embeddings}: OpenAI's embeddings answer (decisions
     D13; see "Embeddings" below), with the same grammar of C{model}.
+  - C{POST <any prefix>/messages} and C{POST <any prefix>/messages/count_tokens}:
+    Anthropic's Messages API, with the same grammar of C{model} (see
+    "Anthropic's Messages API").
   - C{GET <any prefix>/models}: the OpenAI list shape, naming a few models
     of the grammar.
   - Anything else: 404 (or 405 for a known path with another method) with
     an OpenAI-shaped error.
 
 With C{--api-key KEY}, every API request whose C{Authorization} is not
-C{Bearer KEY} gets 401 C{invalid_api_key}, before any script runs.
+C{Bearer KEY} gets 401 C{invalid_api_key}, before any script runs (on
+Anthropic's routes, one with neither C{x-api-key: KEY} nor that
+C{Authorization}: 401 C{authentication_error}).
 
-Every answer carries C{x-request-id: req_scripted_<n>}, as OpenAI's do, so a
-test can check that the gateway does not pass the upstream's id on.
+Every answer carries C{x-request-id: req_scripted_<n>}, as OpenAI's do
+(Anthropic's routes: C{request-id}, as Anthropic's do), so a test can check
+that the gateway does not pass the upstream's id on.
 
 The grammar of C{model}
 =======================
@@ -95,6 +103,15 @@ What the answer I{is} (at most one of these; C{echo} when none):
   - C{not-json}: 200 with C{Content-Type: application/json} and a body
     that is not JSON. Streaming: 200 C{text/event-stream} whose one event is
     C{data: this is not JSON}, then C{data: [DONE]}.
+  - C{error-mid-stream} (or C{error-mid-stream:<code>}, 400..599; default
+    529): a stream of the role event and two content events, then the
+    provider's own error event for that status, and the end of the answer
+    (a whole one, with its terminating chunk): OpenAI's C{data: {"error":
+    {"message", "type", "param", "code"}}} (no C{[DONE]}), or Anthropic's
+    C{error} event (C{overloaded_error} for 529). Non-streaming: as
+    C{status:<code>}.
+  - C{tool-call} (or C{tool-call:<name>}): the answer calls a tool (see
+    "Tool calls").
 
 How it is delivered (any of these, with any of the above):
 
@@ -124,6 +141,99 @@ How it is delivered (any of these, with any of the above):
   - C{usage-over-cap} (or C{usage-over-cap:<factor>}, 2 to 1000): as
     C{usage-at-cap}, with C{completion_tokens} that many times (default 2)
     more than the request allows: a provider that ignored its cap.
+  - C{cache:<reads>:<writes>}: of the prompt's tokens (the echo's, or
+    C{usage}'s, or C{usage-at-cap}'s), that many were read from the
+    provider's prompt cache and written to it: each at most what is left
+    of the prompt, reads first (so C{usage-at-cap+cache:0:999999999}
+    makes the whole prompt cache writes). Anthropic's usage says
+    C{cache_read_input_tokens} and C{cache_creation_input_tokens}, its
+    C{input_tokens} the rest; OpenAI's C{prompt_tokens} stays the whole
+    prompt, with C{prompt_tokens_details.cached_tokens} (reads) and
+    C{prompt_tokens_details.cache_write_tokens} (writes), the shape of
+    decisions D14. Not with C{no-usage}, nor with C{usage}'s own
+    C{<cached>} count (which, on Anthropic's routes, is its cache reads).
+
+Tool calls
+==========
+
+C{tool-call} answers with one call of a tool: the one C{tool-call:<name>}
+names, else the one the request's C{tool_choice} names, else the first of
+its C{tools} (OpenAI's C{{"function": {"name"}}} or Anthropic's
+C{{"name"}}); a request offering none is a 400. Its arguments are the JSON
+object C{{"text": <the text of the last message>}}; its id
+C{call_scripted_<n>} (OpenAI) or C{toolu_scripted_<n>} (Anthropic), C{n}
+the request's number in the log. OpenAI: C{content} null, one
+C{tool_calls} entry, C{finish_reason} C{tool_calls}; streamed, a first
+chunk with the role, the call's id, name and empty arguments, then the
+arguments in three pieces, then the finish chunk. Anthropic: one
+C{tool_use} block, C{stop_reason} C{tool_use}; streamed, its
+C{content_block_start} (C{input} empty), C{ping}, an empty
+C{input_json_delta} then the arguments in three pieces. The completion
+tokens are the words of the arguments' JSON.
+
+When the conversation's last turn is a tool's result (OpenAI's C{tool}
+message, or an Anthropic user turn with a C{tool_result} block), the
+answer is the C{echo} instead, so that an agent's loop ends: a test can
+send the call's result back with the same model.
+
+Anthropic's Messages API
+========================
+
+C{POST <prefix>/messages} answers as Anthropic does (the C{anthropic} SDK
+is pointed at C{ScriptedUpstream.anthropicBaseURL}; a provider's
+C{base_url} is C{baseURL}, with C{/v1}). Before any script: with a key,
+C{x-api-key} must be it, or C{Authorization} C{Bearer} it (what the
+C{anthropic} SDK sends; 401 C{authentication_error}, "x-api-key header is
+required" or "invalid x-api-key"); C{anthropic-version} must be
+present (400); the body must be a JSON object with a string C{model}, a
+C{messages} list and a whole C{max_tokens} of at least 1 (400
+C{invalid_request_error} naming the field). The log keeps every header, so
+a test reads the C{anthropic-version} and C{anthropic-beta} that were
+forwarded with C{RecordedRequest.header}.
+
+  - Errors: C{{"type": "error", "error": {"type", "message"},
+    "request_id"}}, the type by status: 400 C{invalid_request_error}, 401
+    C{authentication_error}, 402 C{billing_error}, 403
+    C{permission_error}, 404 C{not_found_error}, 413
+    C{request_too_large}, 429 C{rate_limit_error} (with C{status:429}'s
+    Retry-After), 500 C{api_error}, 504 C{timeout_error}, 529
+    C{overloaded_error}; another 4xx C{invalid_request_error}, another 5xx
+    C{api_error}.
+  - C{echo}: a C{message} (C{id} C{msg_scripted_<n>}) whose one text
+    block says C{"Scripted answer to <m> messages; the last has <c>
+    characters."}, where the C{system} prompt, when it has text, counts as
+    one more message before the others (so a conversation is echoed alike
+    in both dialects); input tokens are the words of the system prompt and
+    of every turn's text (text blocks, and the text of C{tool_result}
+    blocks), output tokens the words of the answer. As Anthropic ends an
+    answer: it is cut before the first of the request's C{stop_sequences}
+    it holds (C{stop_reason} C{stop_sequence}, C{stop_sequence} the one
+    found), else after C{max_tokens} words (C{max_tokens}), else it is
+    whole (C{end_turn}); other kinds of answer are never cut.
+  - C{usage}: C{input_tokens}, C{cache_creation_input_tokens},
+    C{cache_read_input_tokens} (see C{cache}), C{cache_creation}
+    (C{ephemeral_5m_input_tokens}: the writes, C{ephemeral_1h_input_tokens}:
+    0), C{output_tokens}, C{service_tier} C{standard}.
+    C{usage:<prompt>:<completion>} makes C{prompt} the sum of the three
+    input counts; C{no-usage} leaves C{usage} out of the message and of
+    the events (which Anthropic never does).
+  - With C{"stream": true}: C{text/event-stream; charset=utf-8}, each event
+    C{event: <type>} then C{data: <JSON>}, in Anthropic's order:
+    C{message_start} (the message with no content, no stop reason, the
+    input usage and C{output_tokens} 1), C{content_block_start} (index 0),
+    C{ping}, one C{content_block_delta} (C{text_delta}) per word, with the
+    space after it, C{content_block_stop}, C{message_delta} (the stop
+    reason and stop sequence, and C{usage} with C{output_tokens} only, the
+    total), C{message_stop}. The first three are the opening events that
+    C{close-mid-stream}, C{stall-stream} and C{error-mid-stream} count
+    (where OpenAI's stream has its role chunk): C{close-mid-stream} closes
+    after them and two deltas. C{not-json} streams one event,
+    C{event: message_start} with C{data: this is not JSON}.
+  - C{POST <prefix>/messages/count_tokens} (no C{max_tokens}) answers
+    C{{"input_tokens": N}}, N the input tokens of the echo to the same
+    body (C{usage}'s prompt when given; C{usage-at-cap}: the body's
+    bytes). The delivery directives and faults apply as to a whole message;
+    C{events}, C{bytes} and C{tool-call} are a 400.
 
 Extraction
 ==========
@@ -160,7 +270,8 @@ The directives of C{model} apply as they do to a non-streaming chat
 completion (C{status}, C{reset}, C{slow}, C{hold}, C{not-json},
 C{close-mid-stream}, C{stall-stream}, C{never-ending}, C{no-usage}, and
 C{usage:<prompt>:<completion>}, whose prompt is the answer's
-C{prompt_tokens}), except C{events} and C{bytes} (a 400). C{usage-at-cap}
+C{prompt_tokens}), except C{events}, C{bytes}, C{tool-call},
+C{error-mid-stream} and C{cache} (a 400). C{usage-at-cap}
 makes C{prompt_tokens} the request body's length in bytes, the most a
 byte-level tokenizer could count (an embedding has no cap), and
 C{usage-over-cap:<factor>} that many times more. C{"stream": true} is
@@ -207,13 +318,14 @@ Where it is written
 
   - L{script}: the grammar of C{model} (L{script.parseScript}).
   - L{content}: what an answer says, whatever its dialect: the echo, the
-    extraction, the embedding of a text.
+    tool call, the extraction, the embedding of a text.
   - L{delivery}: how an answer is played out as its script says (delay,
     hold, gap, the faults, the stream and its backpressure), and the
     request log's record of it.
   - L{openai}: OpenAI's dialect, the shapes of its chat completions (whole
-    and streamed), embeddings and errors. A second dialect is a module
-    beside it, with its own L{delivery.Answer} and a route in L{resource}.
+    and streamed), embeddings and errors.
+  - L{anthropic}: Anthropic's dialect, the shapes of its messages (whole
+    and streamed), token counts and errors.
   - L{resource}: the API port's routes and the control port's.
   - L{server}: the process (C{python -m svcd.devkit.upstream}).
   - L{client}: L{client.ScriptedUpstream}, which runs the process for a

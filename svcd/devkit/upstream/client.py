@@ -130,7 +130,8 @@ class ScriptedUpstream:
         @param baseDirectory: where the port file and C{upstream.log} (the
             process's stderr) go; a new temporary directory when L{None}.
         @param apiKey: when given, the key every API request must carry as
-            C{Authorization: Bearer <key>}.
+            C{Authorization: Bearer <key>} (C{x-api-key: <key>} on
+            Anthropic's routes).
         @param embeddingDimensions: the length of embeddings when a request
             names none; L{DEFAULT_EMBEDDING_DIMENSIONS} when L{None}.
         """
@@ -173,6 +174,15 @@ class ScriptedUpstream:
         the C{openai} SDK: C{http://127.0.0.1:<port>/v1}.
         """
         return self.baseURLUnder("")
+
+    @property
+    def anthropicBaseURL(self) -> str:
+        """
+        The base URL to give the C{anthropic} SDK, which adds C{/v1} itself:
+        C{http://127.0.0.1:<port>}. (A provider's C{base_url} is
+        L{baseURL}, with C{/v1}, whatever its C{api}.)
+        """
+        return f"http://{LOOPBACK}:{self.port}"
 
     def baseURLUnder(self, prefix: str) -> str:
         """

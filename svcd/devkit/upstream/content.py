@@ -1,9 +1,11 @@
 """
 What the scripted model's answers say, whatever the dialect that carries
-them: the echo's content (L{echoContent}), the memories of svc-worker's
-extraction request (L{extractionContent}) and the embedding of a text
-(L{embeddingOf}). See "Extraction" and "Embeddings" in the package's
-manual.
+them: the echo's content (L{echoContent} for a chat completion,
+L{anthropicEchoContent} for a Messages request), the tool call of
+C{tool-call} (L{toolCallOf}), the memories of svc-worker's extraction
+request (L{extractionContent}) and the embedding of a text
+(L{embeddingOf}). See "Tool calls", "Extraction" and "Embeddings" in the
+package's manual.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import math
 import re
 import struct
 
+import attrs
+
 # The vector length of an embeddings answer when the request names none,
 # and the longest one a request may ask for.
 DEFAULT_EMBEDDING_DIMENSIONS = 64
@@ -23,30 +27,135 @@ MAX_EMBEDDING_DIMENSIONS = 4096
 def _textOf(content: object) -> str:
     """
     The text of a message's C{content}: a string, or the C{text} of each
-    part of a list of content parts.
+    part of a list of content parts (or of Anthropic's content blocks,
+    where a C{tool_result} block's text is that of its own C{content}).
     """
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return " ".join(
-            part["text"]
-            for part in content
-            if isinstance(part, dict) and isinstance(part.get("text"), str)
-        )
+        texts = []
+        for part in content:
+            if not isinstance(part, dict):
+                continue
+            if isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            elif part.get("type") == "tool_result":
+                texts.append(_textOf(part.get("content")))
+        return " ".join(texts)
     return ""
+
+
+def _messagesOf(body: object) -> list[object]:
+    messages = body.get("messages") if isinstance(body, dict) else None
+    return messages if isinstance(messages, list) else []
+
+
+def _echoOf(count: int, texts: list[str]) -> tuple[str, int]:
+    last = len(texts[-1]) if texts else 0
+    content = f"Scripted answer to {count} messages; the last has {last} characters."
+    return content, sum(len(text.split()) for text in texts)
 
 
 def echoContent(body: object) -> tuple[str, int]:
     """
     The content of an C{echo} answer to C{body}, and its prompt tokens.
     """
-    messages = body.get("messages") if isinstance(body, dict) else None
-    if not isinstance(messages, list):
-        messages = []
+    messages = _messagesOf(body)
     texts = [_textOf(message.get("content")) for message in messages if isinstance(message, dict)]
-    last = len(texts[-1]) if texts else 0
-    content = f"Scripted answer to {len(messages)} messages; the last has {last} characters."
-    return content, sum(len(text.split()) for text in texts)
+    return _echoOf(len(messages), texts)
+
+
+def anthropicEchoContent(body: object) -> tuple[str, int]:
+    """
+    The content of an C{echo} answer to a Messages request, and its input
+    tokens: as L{echoContent}, with the C{system} prompt (when it has any)
+    counted as one more message before the others, so that a conversation
+    is echoed alike in both dialects.
+    """
+    messages = _messagesOf(body)
+    texts = [_textOf(message.get("content")) for message in messages if isinstance(message, dict)]
+    system = body.get("system") if isinstance(body, dict) else None
+    if isinstance(system, (str, list)) and system:
+        return _echoOf(len(messages) + 1, [_textOf(system), *texts])
+    return _echoOf(len(messages), texts)
+
+
+@attrs.frozen
+class ToolCall:
+    """
+    The one tool call of a C{tool-call} answer: its id, the tool's name,
+    and its arguments as JSON text (an object).
+    """
+
+    id: str
+    name: str
+    arguments: str
+
+    def pieces(self, count: int = 3) -> list[str]:
+        """
+        The arguments cut in C{count} pieces (fewer when too short), as a
+        stream sends them.
+        """
+        size = -(-len(self.arguments) // count)
+        return [
+            self.arguments[start : start + size] for start in range(0, len(self.arguments), size)
+        ]
+
+
+def endsWithToolResult(body: object) -> bool:
+    """
+    Whether the conversation's last turn gives a tool's result: OpenAI's
+    C{tool} message, or an Anthropic user turn with a C{tool_result}
+    block.
+    """
+    messages = _messagesOf(body)
+    last = messages[-1] if messages else None
+    if not isinstance(last, dict):
+        return False
+    if last.get("role") == "tool":
+        return True
+    content = last.get("content")
+    return isinstance(content, list) and any(
+        isinstance(block, dict) and block.get("type") == "tool_result" for block in content
+    )
+
+
+def _toolName(tool: object) -> str | None:
+    # OpenAI's {"type": "function", "function": {"name"}} or Anthropic's {"name"}.
+    if not isinstance(tool, dict):
+        return None
+    function = tool.get("function")
+    name = function.get("name") if isinstance(function, dict) else tool.get("name")
+    return name if isinstance(name, str) and name else None
+
+
+def toolNameOf(body: object) -> str | None:
+    """
+    The tool a C{tool-call} answer to C{body} calls when its script names
+    none: the one C{tool_choice} names, else the first of C{tools}.
+    """
+    if not isinstance(body, dict):
+        return None
+    chosen = _toolName(body.get("tool_choice"))
+    if chosen is not None:
+        return chosen
+    tools = body.get("tools")
+    return _toolName(tools[0]) if isinstance(tools, list) and tools else None
+
+
+def toolCallOf(body: object, name: str, callID: str) -> ToolCall | None:
+    """
+    The tool call of a C{tool-call} answer to C{body}: tool C{name} with
+    the arguments C{{"text": <the text of the last message>}}; or L{None}
+    when the last turn is a tool's result, which is answered as C{echo} (an
+    agent's loop then ends).
+    """
+    if endsWithToolResult(body):
+        return None
+    messages = _messagesOf(body)
+    last = messages[-1] if messages else None
+    lastText = _textOf(last.get("content")) if isinstance(last, dict) else ""
+    return ToolCall(callID, name, json.dumps({"text": lastText}))
 
 
 # A sentence: text up to its end mark (or the end). A statement about the

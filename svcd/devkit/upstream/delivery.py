@@ -19,7 +19,7 @@ from twisted.python.failure import Failure
 from twisted.web.server import Request
 from zope.interface import implementer
 
-from svcd.devkit.upstream.content import echoContent, extractionContent
+from svcd.devkit.upstream.content import ToolCall, echoContent, extractionContent, toolCallOf
 from svcd.devkit.upstream.script import Script
 
 # The event interval of never-ending when no gap is given.
@@ -142,9 +142,18 @@ class Answer:
     """
     The answer to one request, played out as its script says (its delay,
     hold, gap and faults, whole or streamed), and the bookkeeping of its
-    record. A dialect's subclass (L{svcd.devkit.upstream.openai}) gives the
-    shapes: its error, its whole answer and its stream's events.
+    record. A dialect's subclass (L{svcd.devkit.upstream.openai},
+    L{svcd.devkit.upstream.anthropic}) gives the shapes: its error, its
+    whole answer and its stream's events.
     """
+
+    # The stream events before the first content delta (C{close-mid-stream},
+    # C{stall-stream} and C{error-mid-stream} count them): OpenAI's role
+    # chunk.
+    OPENING_EVENTS = 1
+    REQUEST_ID_HEADER = b"x-request-id"
+    STREAM_CONTENT_TYPE = b"text/event-stream"
+    TOOL_ID_PREFIX = "call_scripted_"
 
     def __init__(
         self,
@@ -219,7 +228,7 @@ class Answer:
         kind = self._script.kind
         if kind == "reset":
             self._reset()
-        elif kind == "status":
+        elif kind == "status" or (kind == "error-mid-stream" and not self._stream):
             self._answerError()
         elif kind == "not-json":
             self._answerNotJSON()
@@ -231,14 +240,14 @@ class Answer:
     def _startAnswer(self, status: int, contentType: bytes) -> None:
         setStatus(self._request, status)
         self._request.setHeader(b"content-type", contentType)
-        self._request.setHeader(b"x-request-id", b"req_scripted_%d" % self._record.number)
+        self._request.setHeader(self.REQUEST_ID_HEADER, b"req_scripted_%d" % self._record.number)
         self._record.status = status
 
     def _answerNotJSON(self) -> None:
         if self._stream:
-            self._startAnswer(200, b"text/event-stream")
-            self._writeEvent(b"data: " + _NOT_JSON + b"\n\n")
-            self._writeEvent(b"data: [DONE]\n\n")
+            self._startAnswer(200, self.STREAM_CONTENT_TYPE)
+            for event in self._notJSONEvents():
+                self._writeEvent(event)
         else:
             self._startAnswer(200, b"application/json")
             self._request.write(_NOT_JSON)
@@ -248,7 +257,7 @@ class Answer:
         """
         The answer's content as its stream deltas, and the prompt tokens.
         """
-        content, promptTokens = echoContent(self._body)
+        content, promptTokens = self._echo()
         kind, count = self._script.kind, self._script.count
         if kind == "events":
             filler = "x" * (EVENT_CONTENT_SIZE - 14)
@@ -261,6 +270,22 @@ class Answer:
         if extracted is not None:
             return [extracted], promptTokens
         return re.findall(r"\S+\s*", content), promptTokens
+
+    def _echo(self) -> tuple[str, int]:
+        """
+        The echo's content and prompt tokens, as the dialect counts them.
+        """
+        return echoContent(self._body)
+
+    def _toolCall(self) -> ToolCall | None:
+        """
+        The tool call of a C{tool-call} answer (L{None} for any other, and
+        for one whose conversation ends with a tool's result: an echo).
+        """
+        if self._script.kind != "tool-call" or self._script.tool is None:
+            return None
+        callID = f"{self.TOOL_ID_PREFIX}{self._record.number}"
+        return toolCallOf(self._body, self._script.tool, callID)
 
     def _writeWhole(self, answer: bytes) -> None:
         kind = self._script.kind
@@ -278,7 +303,7 @@ class Answer:
         self._request.finish()
 
     def _answerStream(self) -> None:
-        self._startAnswer(200, b"text/event-stream")
+        self._startAnswer(200, self.STREAM_CONTENT_TYPE)
         self._request.setHeader(b"cache-control", b"no-cache")
         self._afterHold(self._writeStream)
 
@@ -309,11 +334,20 @@ class Answer:
             events = self._streamEvents(ticks, promptTokens)
             self._play(events, self._script.gap or NEVER_ENDING_INTERVAL, None)
         elif kind == "close-mid-stream":
-            events = itertools.islice(self._streamEvents(deltas, promptTokens), 3)
+            opening = self.OPENING_EVENTS + 2
+            events = itertools.islice(self._streamEvents(deltas, promptTokens), opening)
             self._play(events, gap, self._close)
         elif kind == "stall-stream":
-            events = itertools.islice(self._streamEvents(deltas, promptTokens), 1)
+            opening = self.OPENING_EVENTS
+            events = itertools.islice(self._streamEvents(deltas, promptTokens), opening)
             self._play(events, gap, lambda: None)
+        elif kind == "error-mid-stream":
+            opening = self.OPENING_EVENTS + 2
+            events = itertools.chain(
+                itertools.islice(self._streamEvents(deltas, promptTokens), opening),
+                [self._streamError()],
+            )
+            self._play(events, gap, self._finishStream)
         else:
             self._play(self._streamEvents(deltas, promptTokens), gap, self._finishStream)
 
@@ -352,8 +386,21 @@ class Answer:
 
     def _streamEvents(self, deltas: Iterable[str], promptTokens: int) -> Iterator[bytes]:
         """
-        The dialect's stream events carrying C{deltas}, in order, with the
-        first event the one that opens the answer (as
-        C{close-mid-stream} and C{stall-stream} count them).
+        The dialect's stream events carrying C{deltas} (or the tool call of
+        L{_toolCall}), in order, the first L{OPENING_EVENTS} of them those
+        that open the answer (as C{close-mid-stream}, C{stall-stream} and
+        C{error-mid-stream} count them).
         """
         raise NotImplementedError
+
+    def _streamError(self) -> bytes:
+        """
+        The dialect's error event that ends an C{error-mid-stream} stream.
+        """
+        raise NotImplementedError
+
+    def _notJSONEvents(self) -> list[bytes]:
+        """
+        The stream of C{not-json}: an event whose data is no JSON.
+        """
+        return [b"data: " + _NOT_JSON + b"\n\n", b"data: [DONE]\n\n"]

@@ -18,7 +18,7 @@ from twisted.web.server import Request
 
 from svcd.devkit.upstream.content import embeddingOf
 from svcd.devkit.upstream.delivery import Answer, RequestRecord
-from svcd.devkit.upstream.script import Script
+from svcd.devkit.upstream.script import Script, cacheParts
 
 
 def errorBody(message: str, type: str, code: str | None, param: str | None = None) -> bytes:
@@ -48,6 +48,12 @@ class ChatCompletionAnswer(Answer):
     C{data: [DONE]}.
     """
 
+    def _errorOf(self, status: int, message: str) -> dict[str, object]:
+        errorType, code = ERROR_KINDS.get(
+            status, ("server_error" if status >= 500 else "invalid_request_error", None)
+        )
+        return {"message": message, "type": errorType, "param": None, "code": code}
+
     def __init__(
         self,
         reactor: IReactorTime,
@@ -69,14 +75,11 @@ class ChatCompletionAnswer(Answer):
 
     def _answerError(self) -> None:
         status = self._script.count
-        errorType, code = ERROR_KINDS.get(
-            status, ("server_error" if status >= 500 else "invalid_request_error", None)
-        )
         self._startAnswer(status, b"application/json")
         if self._script.retryAfter is not None:
             self._request.setHeader(b"retry-after", str(self._script.retryAfter).encode())
         message = f"Scripted error {status} for model {self._model!r}."
-        body = errorBody(message, errorType, code)
+        body = json.dumps({"error": self._errorOf(status, message)}).encode()
         self._request.setHeader(b"content-length", b"%d" % len(body))
         self._request.write(body)
         self._request.finish()
@@ -92,6 +95,13 @@ class ChatCompletionAnswer(Answer):
             "completion_tokens": completionTokens,
             "total_tokens": promptTokens + completionTokens,
         }
+        if self._script.cache is not None:
+            reads, writes = cacheParts(self._script, promptTokens)
+            usage["prompt_tokens_details"] = {
+                "cached_tokens": reads,
+                "cache_write_tokens": writes,
+                "audio_tokens": 0,
+            }
         if counts is not None and len(counts) == 4:
             usage["prompt_tokens_details"] = {"cached_tokens": counts[2], "audio_tokens": 0}
             usage["completion_tokens_details"] = {
@@ -105,6 +115,21 @@ class ChatCompletionAnswer(Answer):
     def _answerWhole(self) -> None:
         deltas, promptTokens = self._content()
         content = "".join(deltas)
+        message: dict[str, object] = {"role": "assistant", "content": content, "refusal": None}
+        finishReason = "stop"
+        call = self._toolCall()
+        if call is not None:
+            # The words of the arguments are the completion's tokens.
+            content = call.arguments
+            message["content"] = None
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
+            ]
+            finishReason = "tool_calls"
         completion: dict[str, object] = {
             "id": self._completionID,
             "object": "chat.completion",
@@ -113,9 +138,9 @@ class ChatCompletionAnswer(Answer):
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": content, "refusal": None},
+                    "message": message,
                     "logprobs": None,
-                    "finish_reason": "stop",
+                    "finish_reason": finishReason,
                 }
             ],
             "system_fingerprint": None,
@@ -128,7 +153,7 @@ class ChatCompletionAnswer(Answer):
             self._request.setHeader(b"content-length", b"%d" % len(answer))
         self._afterHold(lambda: self._writeWhole(answer))
 
-    def _chunk(self, delta: dict[str, str], finishReason: str | None = None) -> bytes:
+    def _chunk(self, delta: dict[str, object], finishReason: str | None = None) -> bytes:
         chunk: dict[str, object] = {
             "id": self._completionID,
             "object": "chat.completion.chunk",
@@ -144,12 +169,25 @@ class ChatCompletionAnswer(Answer):
         return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
     def _streamEvents(self, deltas: Iterable[str], promptTokens: int) -> Iterator[bytes]:
-        yield self._chunk({"role": "assistant", "content": ""})
+        call = self._toolCall()
         content = []
-        for delta in deltas:
-            content.append(delta)
-            yield self._chunk({"content": delta})
-        yield self._chunk({}, finishReason="stop")
+        if call is None:
+            yield self._chunk({"role": "assistant", "content": ""})
+            for delta in deltas:
+                content.append(delta)
+                yield self._chunk({"content": delta})
+            yield self._chunk({}, finishReason="stop")
+        else:
+            # OpenAI's first chunk of a tool call names it; its arguments
+            # follow in pieces.
+            function = {"name": call.name, "arguments": ""}
+            first = {"index": 0, "id": call.id, "type": "function", "function": function}
+            yield self._chunk({"role": "assistant", "content": None, "tool_calls": [first]})
+            for piece in call.pieces():
+                content.append(piece)
+                arguments = {"index": 0, "function": {"arguments": piece}}
+                yield self._chunk({"tool_calls": [arguments]})
+            yield self._chunk({}, finishReason="tool_calls")
         if self._includeUsage:
             usage = {
                 "id": self._completionID,
@@ -162,6 +200,12 @@ class ChatCompletionAnswer(Answer):
             }
             yield b"data: " + json.dumps(usage).encode() + b"\n\n"
         yield b"data: [DONE]\n\n"
+
+    def _streamError(self) -> bytes:
+        # What OpenAI sends when a stream fails after it began.
+        status = self._script.count
+        message = f"Scripted error {status} mid-stream for model {self._model!r}."
+        return b"data: " + json.dumps({"error": self._errorOf(status, message)}).encode() + b"\n\n"
 
 
 class EmbeddingsAnswer(ChatCompletionAnswer):

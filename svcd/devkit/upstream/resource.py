@@ -20,16 +20,28 @@ from twisted.web.http import Request as HTTPRequest
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
-from svcd.devkit.upstream.content import DEFAULT_EMBEDDING_DIMENSIONS, MAX_EMBEDDING_DIMENSIONS
+from svcd.devkit.upstream import anthropic
+from svcd.devkit.upstream.content import (
+    DEFAULT_EMBEDDING_DIMENSIONS,
+    MAX_EMBEDDING_DIMENSIONS,
+    endsWithToolResult,
+    toolNameOf,
+)
 from svcd.devkit.upstream.delivery import RequestRecord, setStatus
 from svcd.devkit.upstream.openai import ChatCompletionAnswer, EmbeddingsAnswer, errorBody
-from svcd.devkit.upstream.script import ScriptError, capUsage, parseScript
+from svcd.devkit.upstream.script import Script, ScriptError, capUsage, parseScript
+
+# The answer kinds that make sense for a chat answer only (a message or a
+# chat completion): an embeddings request, or a token count, naming one
+# is a 400.
+_CHAT_ONLY = frozenset({"events", "bytes", "tool-call", "error-mid-stream"})
 
 
 class UpstreamResource(Resource):
     """
-    The API port's one resource: chat completions, embeddings and models
-    under any prefix, every request recorded.
+    The API port's one resource: chat completions, embeddings, models and
+    Anthropic's messages and token counts under any prefix, every request
+    recorded.
     """
 
     isLeaf = True
@@ -52,6 +64,8 @@ class UpstreamResource(Resource):
     def render(self, request: Request) -> bytes | int:
         record = self._record(request)
         path = request.path
+        if path.endswith((b"/messages", b"/messages/count_tokens")):
+            return self._messagesRoute(request, record)
         if path.endswith((b"/chat/completions", b"/embeddings")):
             allowed = b"POST"
         elif path.endswith(b"/models"):
@@ -139,12 +153,7 @@ class UpstreamResource(Resource):
         if not isinstance(model, str):
             return self._error(request, record, 400, "You must provide a model parameter.", None)
         try:
-            script = parseScript(model)
-            if script.vectors is not None:
-                raise ScriptError("vectors is for embeddings")
-            if script.capFactor:
-                counts = capUsage(record.body, record.bodyLength, script.capFactor)
-                script = attrs.evolve(script, counts=counts)
+            script = _chatScript(model, record)
         except ScriptError as error:
             return self._error(request, record, 400, f"Bad script {model!r}: {error}", None)
         answer = ChatCompletionAnswer(
@@ -163,8 +172,10 @@ class UpstreamResource(Resource):
             return self._error(request, record, 400, "You must provide a model parameter.", None)
         try:
             script = parseScript(model)
-            if script.kind in ("events", "bytes"):
+            if script.kind in _CHAT_ONLY:
                 raise ScriptError(f"{script.kind} is for chat completions")
+            if script.cache is not None:
+                raise ScriptError("cache is for chat completions")
             if script.capFactor:
                 counts = (record.bodyLength * script.capFactor, 0)
                 script = attrs.evolve(script, counts=counts)
@@ -188,6 +199,118 @@ class UpstreamResource(Resource):
         )
         answer.start()
         return NOT_DONE_YET
+
+    # Anthropic's Messages API
+
+    def _anthropicError(
+        self, request: Request, record: RequestRecord, status: int, message: str
+    ) -> bytes:
+        setStatus(request, status)
+        request.setHeader(b"content-type", b"application/json")
+        requestID = f"req_scripted_{record.number}"
+        request.setHeader(b"request-id", requestID.encode())
+        record.status = status
+        return anthropic.errorBody(status, message, requestID)
+
+    def _messagesRoute(self, request: Request, record: RequestRecord) -> bytes | int:
+        """
+        C{POST .../messages} and C{POST .../messages/count_tokens}, checked
+        as Anthropic checks them: the key (C{x-api-key}), the version header,
+        then the body.
+        """
+        if request.method != b"POST":
+            request.setHeader(b"allow", b"POST")
+            return self._anthropicError(request, record, 405, "Use POST here.")
+        if self._apiKey is not None:
+            # Anthropic's API takes the key as x-api-key, or as a bearer
+            # token (what the anthropic SDK of .venv sends).
+            given = request.getHeader(b"x-api-key")
+            bearer = request.getHeader(b"authorization")
+            key = self._apiKey.encode()
+            if given is None and bearer is None:
+                return self._anthropicError(request, record, 401, "x-api-key header is required")
+            if given != key and bearer != b"Bearer " + key:
+                return self._anthropicError(request, record, 401, "invalid x-api-key")
+        if not request.getHeader(b"anthropic-version"):
+            message = "anthropic-version: header is required"
+            return self._anthropicError(request, record, 400, message)
+        counting = request.path.endswith(b"/count_tokens")
+        body = record.body
+        if not isinstance(body, dict):
+            message = "There was an error parsing the body of your request."
+            return self._anthropicError(request, record, 400, message)
+        problem = _messagesBodyProblem(body, counting)
+        if problem is not None:
+            return self._anthropicError(request, record, 400, problem)
+        model = str(body["model"])
+        try:
+            script = _countScript(model, record) if counting else _chatScript(model, record)
+        except ScriptError as error:
+            message = f"Bad script {model!r}: {error}"
+            return self._anthropicError(request, record, 400, message)
+        answerClass = anthropic.CountTokensAnswer if counting else anthropic.MessageAnswer
+        answer = answerClass(self._reactor, self._clock, request, record, script, record.number)
+        answer.start()
+        return NOT_DONE_YET
+
+
+def _chatScript(model: str, record: RequestRecord) -> Script:
+    """
+    The script of a chat answer (a chat completion or a message): its
+    usage taken from the request for C{usage-at-cap}, its tool chosen for
+    C{tool-call}.
+
+    @raise ScriptError: for a script that cannot answer this request.
+    """
+    body = record.body if isinstance(record.body, dict) else {}
+    script = parseScript(model)
+    if script.vectors is not None:
+        raise ScriptError("vectors is for embeddings")
+    if script.capFactor:
+        counts = capUsage(body, record.bodyLength, script.capFactor)
+        script = attrs.evolve(script, counts=counts)
+    if script.kind == "tool-call" and script.tool is None and not endsWithToolResult(body):
+        tool = toolNameOf(body)
+        if tool is None:
+            raise ScriptError("tool-call needs a tool: the request's tools, or tool-call:<name>")
+        script = attrs.evolve(script, tool=tool)
+    return script
+
+
+def _countScript(model: str, record: RequestRecord) -> Script:
+    """
+    The script of a C{count_tokens} request: its faults and delivery as a
+    whole message's; C{usage-at-cap} counts a token per byte of the body.
+
+    @raise ScriptError: for a script that makes no count.
+    """
+    script = parseScript(model)
+    if script.kind in ("events", "bytes", "tool-call"):
+        raise ScriptError(f"{script.kind} is for messages")
+    if script.vectors is not None:
+        raise ScriptError("vectors is for embeddings")
+    if script.capFactor:
+        script = attrs.evolve(script, counts=(record.bodyLength * script.capFactor, 0))
+    return script
+
+
+def _messagesBodyProblem(body: dict[str, object], counting: bool) -> str | None:
+    """
+    What Anthropic would refuse in a Messages (or C{count_tokens}) body
+    before reading its model, as its message says it, or L{None}.
+    """
+    if not isinstance(body.get("model"), str):
+        return "model: Field required"
+    if not isinstance(body.get("messages"), list):
+        return "messages: Field required"
+    if counting:
+        return None
+    maxTokens = body.get("max_tokens")
+    if maxTokens is None:
+        return "max_tokens: Field required"
+    if not isinstance(maxTokens, int) or isinstance(maxTokens, bool) or maxTokens < 1:
+        return "max_tokens: Input should be a whole number of at least 1"
+    return None
 
 
 def _embeddingInputs(value: object) -> list[str]:

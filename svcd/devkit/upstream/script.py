@@ -25,11 +25,28 @@ _ANSWER_KINDS = frozenset(
         "events",
         "bytes",
         "not-json",
+        "error-mid-stream",
+        "tool-call",
     }
 )
 _DELIVERY_DIRECTIVES = frozenset(
-    {"slow", "hold", "gap", "no-usage", "usage", "usage-at-cap", "usage-over-cap", "vectors"}
+    {
+        "slow",
+        "hold",
+        "gap",
+        "no-usage",
+        "usage",
+        "usage-at-cap",
+        "usage-over-cap",
+        "cache",
+        "vectors",
+    }
 )
+# The status of error-mid-stream without one: Anthropic's overloaded_error,
+# the error its streams most often end with.
+DEFAULT_STREAM_ERROR = 529
+# A tool's name, as Anthropic's API allows it (OpenAI's is alike).
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 # The arguments of the embeddings' directive vectors:<how>.
 VECTOR_FAULTS = frozenset({"short", "long", "huge", "nan", "infinity"})
 DIRECTIVES = _ANSWER_KINDS | _DELIVERY_DIRECTIVES
@@ -48,7 +65,8 @@ class Script:
     What one request asked for, parsed from its model by L{parseScript}.
 
     @ivar kind: one of the answer kinds of the grammar (C{"echo"} ...).
-    @ivar count: the argument of C{events}, C{bytes} or C{status}.
+    @ivar count: the argument of C{events}, C{bytes}, C{status} or
+        C{error-mid-stream} (its status).
     @ivar retryAfter: the Retry-After of a 429, or L{None} for none.
     @ivar delay: seconds to wait before anything.
     @ivar hold: seconds between the headers and the body.
@@ -60,6 +78,13 @@ class Script:
     @ivar capFactor: with C{usage-at-cap} (1) or C{usage-over-cap} (its
         factor), the usage is taken from the request (L{capUsage}) and
         the completion multiplied by this; 0 otherwise.
+    @ivar cache: the (reads, writes) of C{cache:<reads>:<writes>}: how many
+        of the prompt's tokens were read from the cache and written to it
+        (L{cacheParts}); L{None} when not given.
+    @ivar vectors: the argument of C{vectors:<how>}, or L{None}.
+    @ivar tool: the tool a C{tool-call} answer calls: the name it gave, or
+        the one the request offers (L{svcd.devkit.upstream.content.toolNameOf});
+        L{None} before that is known.
     """
 
     kind: str = "echo"
@@ -71,7 +96,9 @@ class Script:
     usage: bool = True
     counts: tuple[int, ...] | None = None
     capFactor: int = 0
+    cache: tuple[int, int] | None = None
     vectors: str | None = None
+    tool: str | None = None
 
 
 def _number(directive: str, text: str, low: int, high: int) -> int:
@@ -135,6 +162,28 @@ def parseScript(model: str) -> Script:
             if len(arguments) > 1:
                 raise ScriptError("usage-over-cap takes at most a factor: usage-over-cap:<factor>")
             fields["capFactor"] = _number(name, arguments[0], 2, 1000) if arguments else 2
+        elif name == "cache":
+            if len(arguments) != 2:
+                raise ScriptError("cache takes cache:<reads>:<writes>")
+            reads, writes = (_number(name, each, 0, 1_000_000_000) for each in arguments)
+            fields["cache"] = (reads, writes)
+        elif name == "error-mid-stream":
+            if len(arguments) > 1:
+                raise ScriptError(
+                    "error-mid-stream takes at most a status: error-mid-stream:<code>"
+                )
+            fields["kind"] = name
+            fields["count"] = (
+                _number(name, arguments[0], 400, 599) if arguments else DEFAULT_STREAM_ERROR
+            )
+        elif name == "tool-call":
+            if len(arguments) > 1 or (arguments and not _TOOL_NAME.fullmatch(arguments[0])):
+                raise ScriptError(
+                    "tool-call takes at most a tool's name (letters, digits, _ and -):"
+                    " tool-call:<name>"
+                )
+            fields["kind"] = name
+            fields["tool"] = arguments[0] if arguments else None
         elif name == "vectors":
             if len(arguments) != 1 or arguments[0] not in VECTOR_FAULTS:
                 raise ScriptError(f"vectors takes one of {sorted(VECTOR_FAULTS)}: vectors:<how>")
@@ -164,6 +213,8 @@ def parseScript(model: str) -> Script:
                 fields["retryAfter"] = DEFAULT_RETRY_AFTER
     if "counts" in fields and fields.get("usage") is False:
         raise ScriptError("usage and no-usage contradict each other")
+    if "cache" in fields and (fields.get("usage") is False or len(fields.get("counts", ())) == 4):
+        raise ScriptError("cache contradicts no-usage, and usage's own <cached> count")
     capped = [name for name in names if name in ("usage", "usage-at-cap", "usage-over-cap")]
     if len(capped) > 1 or (capped and fields.get("usage") is False):
         raise ScriptError(f"at most one of usage, usage-at-cap, usage-over-cap, no-usage: {names}")
@@ -199,3 +250,20 @@ def capUsage(body: dict[str, Any], bodyLength: int, factor: int) -> tuple[int, i
         raise ScriptError("the request has neither max_completion_tokens nor max_tokens")
     choices = _requestCount(body, "n") or 1
     return bodyLength, max(caps) * choices * factor
+
+
+def cacheParts(script: Script, prompt: int) -> tuple[int, int]:
+    """
+    The (reads, writes) of a prompt of C{prompt} tokens: C{cache}'s, or
+    C{usage}'s C{<cached>} as reads, each at most what is left of the
+    prompt (reads first), so that C{usage-at-cap+cache:0:999999999} makes
+    the whole prompt cache writes.
+    """
+    if script.cache is not None:
+        reads, writes = script.cache
+    elif script.counts is not None and len(script.counts) == 4:
+        reads, writes = script.counts[2], 0
+    else:
+        reads, writes = 0, 0
+    reads = min(reads, prompt)
+    return reads, min(writes, prompt - reads)

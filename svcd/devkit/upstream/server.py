@@ -83,12 +83,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     """
     parser = argparse.ArgumentParser(
         prog="python -m svcd.devkit.upstream",
-        description="A scripted OpenAI-compatible upstream for the tests.",
+        description="A scripted upstream for the tests, in OpenAI's and Anthropic's dialects.",
     )
     parser.add_argument("--port", type=int, default=0, help="API port (0: any free one)")
     parser.add_argument("--control-port", type=int, default=0, help="control port (0: any)")
     parser.add_argument("--port-file", type=Path, required=True, help="where to write the ports")
-    parser.add_argument("--api-key", default=None, help="the key expected as Bearer token")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="the key expected as Bearer token (x-api-key on Anthropic's routes)",
+    )
     parser.add_argument(
         "--embedding-dimensions",
         type=int,
