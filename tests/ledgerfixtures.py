@@ -80,6 +80,7 @@ LEDGER_COLUMNS = (
     "duration_us",
     "kind",
     "parent_request_id",
+    "cache_write_tokens",
 )
 
 
