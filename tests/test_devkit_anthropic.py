@@ -378,6 +378,30 @@ def test_scriptedUsageWithCache(client: anthropic.Anthropic) -> None:
     assert final.usage.model_dump(include=set(counts)) == counts
 
 
+def test_usageAtCap(upstream: ScriptedUpstream) -> None:
+    """
+    usage-at-cap: the body's bytes are the input, max_tokens the output;
+    with cache:0:999999999 the whole input is cache writes (the dearest
+    worst case a budget must survive), in a message and in a stream.
+    """
+    upstream.clearRequests()
+    status, _, raw = _post(upstream, _body("usage-at-cap", max_tokens=77))
+    assert status == 200
+    length = upstream.requests()[0].bodyLength
+    usage = json.loads(raw)["usage"]
+    assert (usage["input_tokens"], usage["output_tokens"]) == (length, 77)
+    upstream.clearRequests()
+    status, _, raw = _post(
+        upstream, _body("usage-at-cap+cache:0:999999999", max_tokens=77, stream=True)
+    )
+    length = upstream.requests()[0].bodyLength
+    events = _events(raw)
+    usage = events[0][1]["message"]["usage"]
+    assert (usage["input_tokens"], usage["cache_creation_input_tokens"]) == (0, length)
+    assert usage["cache_read_input_tokens"] == 0
+    assert events[-2][1]["usage"] == {"output_tokens": 77}
+
+
 def test_noUsage(upstream: ScriptedUpstream) -> None:
     """
     no-usage leaves usage out of the message and of the events, as a

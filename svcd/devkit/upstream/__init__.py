@@ -232,8 +232,9 @@ forwarded with C{RecordedRequest.header}.
   - C{POST <prefix>/messages/count_tokens} (no C{max_tokens}) answers
     C{{"input_tokens": N}}, N the input tokens of the echo to the same
     body (C{usage}'s prompt when given; C{usage-at-cap}: the body's
-    bytes). The delivery directives and faults apply as to a whole message;
-    C{events}, C{bytes} and C{tool-call} are a 400.
+    bytes). The delivery directives and faults apply as to a whole message
+    (C{no-usage} and C{cache} change nothing); C{events}, C{bytes} and
+    C{tool-call} are a 400.
 
 Extraction
 ==========

@@ -15,6 +15,7 @@ import psycopg
 from prometheus_client import Histogram
 from psycopg_pool import ConnectionPool
 
+from svcd.common import pgtransactions
 from svcd.common.pgtransactions import (
     StoreRejected,
     StoreUnavailable,
@@ -81,25 +82,17 @@ def connectionPool(
     applicationName: str,
 ) -> ConnectionPool:
     """
-    svc-memory's pool of autocommit connections, not yet opened: each acts
-    as svc_memory_app, whatever role the DSN logs in as, and no statement
-    runs longer than C{statementTimeout}.
+    svc-memory's pool of autocommit connections, not yet opened
+    (L{pgtransactions.connectionPool}): each acts as svc_memory_app,
+    whatever role the DSN logs in as.
     """
-    statementTimeoutMs = int(statementTimeout * 1000)
-
-    def configure(connection: psycopg.Connection[Any]) -> None:
-        connection.execute(f"SET ROLE {APPLICATION_ROLE}")
-        connection.execute(f"SET statement_timeout = {statementTimeoutMs}")
-
-    return ConnectionPool(
+    return pgtransactions.connectionPool(
         dsn,
-        min_size=minimum,
-        max_size=maximum,
-        kwargs={"autocommit": True, "connect_timeout": 3, "application_name": applicationName},
-        configure=configure,
-        timeout=2.0,
-        name=applicationName,
-        open=False,
+        role=APPLICATION_ROLE,
+        minimum=minimum,
+        maximum=maximum,
+        statementTimeout=statementTimeout,
+        applicationName=applicationName,
     )
 
 
