@@ -28,13 +28,13 @@ from svcd.common.errors import ErrorCode
 from svcd.metering.bodies import attemptBody
 from svcd.metering.models import Model, Provider
 from svcd.metering.usage import Usage
+from svcd.providers.faults import refusalFault
 from svcd.providers.relay import (
     MAX_EVENT_BYTES,
     BodyReader,
     StreamFault,
     StreamRelay,
 )
-from svcd.providers.upstream import _refusal
 
 FIRST = 5.0
 IDLE = 2.0
@@ -387,7 +387,7 @@ def test_upstreamStatusesMapAsD9Says(status: int, code: ErrorCode, answered: int
     Each upstream status becomes D9's code and HTTP status; only
     UPSTREAM_REJECTED keeps the upstream's own 4xx and forbids fallbacks.
     """
-    fault = _refusal(FakeResponse(status), b"{}", PROVIDER)  # type: ignore[arg-type]
+    fault = refusalFault(FakeResponse(status), b"{}", PROVIDER)  # type: ignore[arg-type]
     assert fault.error.code is code
     assert fault.error.status == answered
     assert fault.fallback is (code is not ErrorCode.UPSTREAM_REJECTED)
@@ -403,12 +403,12 @@ def test_rejectedCarriesTheUpstreamsMessageWithoutTheKey() -> None:
     body = json.dumps(
         {"error": {"message": "bad key sk-secret-key in " + "x" * 5000, "type": "invalid"}}
     ).encode()
-    fault = _refusal(FakeResponse(400), body, PROVIDER)  # type: ignore[arg-type]
+    fault = refusalFault(FakeResponse(400), body, PROVIDER)  # type: ignore[arg-type]
     detail = fault.error.detail
     assert isinstance(detail, str) and detail.startswith("bad key [redacted] in")
     assert "sk-secret-key" not in detail
     assert len(detail) <= 1000
-    plain = _refusal(FakeResponse(400), b"plain text refusal", PROVIDER)  # type: ignore[arg-type]
+    plain = refusalFault(FakeResponse(400), b"plain text refusal", PROVIDER)  # type: ignore[arg-type]
     assert plain.error.detail == "plain text refusal"
 
 
@@ -418,11 +418,11 @@ def test_retryAfterIsRelayedOnlyWhenSane() -> None:
     left out otherwise (or when absent).
     """
     given = FakeResponse(429, Headers({b"retry-after": [b"7"]}))
-    assert _refusal(given, b"", PROVIDER).error.headers == (("Retry-After", "7"),)  # type: ignore[arg-type]
-    absent = _refusal(FakeResponse(429), b"", PROVIDER)  # type: ignore[arg-type]
+    assert refusalFault(given, b"", PROVIDER).error.headers == (("Retry-After", "7"),)  # type: ignore[arg-type]
+    absent = refusalFault(FakeResponse(429), b"", PROVIDER)  # type: ignore[arg-type]
     assert absent.error.headers == ()
     hostile = FakeResponse(429, Headers({b"retry-after": [b"7\x00" + b"9" * 100]}))
-    assert _refusal(hostile, b"", PROVIDER).error.headers == ()  # type: ignore[arg-type]
+    assert refusalFault(hostile, b"", PROVIDER).error.headers == ()  # type: ignore[arg-type]
 
 
 def bestCPUSeconds(run: Callable[[], object], times: int = 3) -> float:

@@ -40,7 +40,7 @@ token or two per input), three times the estimate.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from svcd.common.errors import ApiError, FieldError, FieldErrorCode, validationError
@@ -51,6 +51,11 @@ from svcd.metering.models import Model
 DEFAULT_OUTPUT_CAP = 4096
 TOKENS_PER_MESSAGE = 4
 BYTES_PER_TOKEN = 3
+
+# The body sent to a model for a request's object and the cap sent with it,
+# or None when that model cannot be sent it and is never tried (decisions
+# D14: a translation that fails); L{attemptBody} by default.
+BodyMaker = Callable[[Mapping[str, Any], Model, "int | None"], "bytes | None"]
 
 
 class AttemptOrder(Protocol):
@@ -144,6 +149,7 @@ def worstCaseCost(
     sentCap: int | None,
     extraBytes: int = 0,
     bodies: dict[str, bytes] | None = None,
+    body: BodyMaker = attemptBody,
 ) -> int:
     """
     The most the answer to C{chat} can cost, in nano-dollars, whichever of
@@ -156,18 +162,22 @@ def worstCaseCost(
     C{extraBytes} are bytes the gateway may add to the body before it is
     sent (decisions D13: a recall's message of memories, at its bound).
     C{bodies}, when given, gets each body measured, by model name, so that
-    the forwarder sends it without serializing the request again.
+    the forwarder sends it without serializing the request again. C{body}
+    makes each body (decisions D14: translated for a provider of another
+    dialect; a model it makes none for is never tried, and counts nothing).
     """
     worst = 0
     for model in attempts:
         price = model.price
         if price is None:
             continue
-        body = attemptBody(chat.document, model, sentCap)
+        sent = body(chat.document, model, sentCap)
+        if sent is None:
+            continue
         if bodies is not None:
-            bodies[model.name] = body
+            bodies[model.name] = sent
         completion = min(sentCap, model.outputCeiling) if sentCap is not None else cap
-        worst = max(worst, price.worstCase(len(body) + extraBytes, completion * chat.choices))
+        worst = max(worst, price.worstCase(len(sent) + extraBytes, completion * chat.choices))
     return worst
 
 
@@ -194,6 +204,7 @@ def reserve(
     applicable: Applicable,
     extraBytes: int = 0,
     bodies: dict[str, bytes] | None = None,
+    body: BodyMaker = attemptBody,
 ) -> tuple[int, int, int | None, int]:
     """
     What a chat completion that will be forwarded to C{model} reserves at
@@ -220,6 +231,7 @@ def reserve(
             sentCap,
             extraBytes,
             bodies,
+            body,
         )
     return prompt, cap, sentCap, cost
 

@@ -69,9 +69,10 @@ from svcd.limits.reservation import (
 from svcd.metering.charges import CLIENT_GONE, OK, UPSTREAM_ERROR, Charge, chargeOf
 from svcd.metering.models import Model
 from svcd.metering.usage import Usage
+from svcd.providers.operations import EMBEDDINGS
 from svcd.providers.records import UpstreamRecord
 from svcd.providers.table import ProviderTable
-from svcd.providers.upstream import EMBEDDINGS, Forwarder
+from svcd.providers.upstream import Forwarder
 from svcd.providers.vectors import vectorsOf
 
 BASE64 = "base64"

@@ -32,19 +32,27 @@ CAP_FIELDS = (MAX_COMPLETION_TOKENS, MAX_TOKENS)
 CHAT = "chat"
 EMBEDDING = "embedding"
 MODEL_KINDS = (CHAT, EMBEDDING)
+# Decisions D14: the dialect a provider speaks, its C{api}: OpenAI's chat
+# completions (the default) or Anthropic's Messages API.
+OPENAI = "openai"
+ANTHROPIC = "anthropic"
+APIS = (OPENAI, ANTHROPIC)
 
 
 @attrs.frozen
 class Provider:
     """
-    One OpenAI-compatible endpoint.
+    One endpoint of an OpenAI-compatible API, or of Anthropic's Messages
+    API (decisions D14).
 
     @ivar baseURL: C{http(s)://host[:port][/path]} without a trailing
         slash; requests go to C{<baseURL>/chat/completions} and
-        C{<baseURL>/embeddings} (D13).
+        C{<baseURL>/embeddings} (D13), or to C{<baseURL>/messages} for an
+        Anthropic provider (D14).
     @ivar apiKey: read at load from the variable named C{apiKeyEnv}, sent
-        as C{Authorization: Bearer}; None for a provider without a key.
-        Never in a repr, a log line, an error or a span.
+        as C{Authorization: Bearer} (an Anthropic provider's as
+        C{x-api-key}); None for a provider without a key. Never in a repr,
+        a log line, an error or a span.
     @ivar timeout: seconds for a whole non-streaming answer.
     @ivar idleTimeout: seconds of the longest gap between stream events
         (the first one included).
@@ -59,6 +67,8 @@ class Provider:
     timeout: float = DEFAULT_TIMEOUT
     idleTimeout: float = DEFAULT_IDLE_TIMEOUT
     maxConnections: int = DEFAULT_MAX_CONNECTIONS
+    # Decisions D14: the dialect it speaks, OPENAI or ANTHROPIC.
+    api: str = OPENAI
 
     @property
     def chatCompletionsURL(self) -> str:
@@ -73,6 +83,13 @@ class Provider:
         Where embeddings requests of this provider are sent (D13).
         """
         return self.baseURL + "/embeddings"
+
+    @property
+    def messagesURL(self) -> str:
+        """
+        Where an Anthropic provider's messages are sent (D14).
+        """
+        return self.baseURL + "/messages"
 
 
 def _ownName(model: Model) -> str:

@@ -18,6 +18,8 @@ from typing import Any
 
 from svcd.common.ids import parseUUID
 from svcd.metering.models import (
+    ANTHROPIC,
+    APIS,
     CAP_FIELDS,
     CHAT,
     DEFAULT_IDLE_TIMEOUT,
@@ -27,6 +29,7 @@ from svcd.metering.models import (
     MAX_COMPLETION_TOKENS,
     MAX_TOKENS,
     MODEL_KINDS,
+    OPENAI,
     Model,
     Provider,
 )
@@ -59,6 +62,8 @@ _VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
 _HOST_NAME = re.compile(r"[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)*\.?")
 
 _PROVIDER_KEYS = ("name", "base_url", "api_key_env", "timeout", "idle_timeout", "max_connections")
+# Decisions D14: known, but not listed in the fault of an unknown key.
+_PROVIDER_OPTIONS = ("api",)
 # The largest output cap a model may declare (D11): far above any model's.
 MAX_OUTPUT_TOKENS = 10_000_000
 # The longest vectors an embedding model may declare: far above any
@@ -93,22 +98,37 @@ class EntryChecker(FieldChecker):
 
     def provider(self, table: dict[str, Any], number: int) -> Provider:
         where = self.where("provider", table, number, _PROVIDER_NAME, MAX_PROVIDER_NAME)
-        self.refuseUnknownKeys(table, _PROVIDER_KEYS, where)
+        self.refuseUnknownKeys(table, _PROVIDER_KEYS, where, _PROVIDER_OPTIONS)
         name = self.requiredText(
             table, "name", where, _PROVIDER_NAME, MAX_PROVIDER_NAME, _PROVIDER_NAME_RULE
         )
         apiKeyEnv, apiKey = self.apiKey(table, where)
+        api = self.api(table, where)
         return Provider(
             name=name,
-            baseURL=self.baseURL(table, where),
+            baseURL=self.baseURL(table, where, api),
             apiKey=apiKey,
             apiKeyEnv=apiKeyEnv,
             timeout=self.duration(table, "timeout", DEFAULT_TIMEOUT, where),
             idleTimeout=self.duration(table, "idle_timeout", DEFAULT_IDLE_TIMEOUT, where),
             maxConnections=self.maxConnections(table, where),
+            api=api,
         )
 
-    def baseURL(self, table: dict[str, Any], where: str) -> str:
+    def api(self, table: dict[str, Any], where: str) -> str:
+        """
+        The dialect the provider speaks (decisions D14).
+        """
+        value = table.get("api")
+        if value is None:
+            return OPENAI
+        if not isinstance(value, str):
+            raise self.fault(f"{where}api must be a string, got {tomlType(value)}")
+        if value not in APIS:
+            raise self.fault(f'{where}api must be "{OPENAI}" or "{ANTHROPIC}", got {quote(value)}')
+        return value
+
+    def baseURL(self, table: dict[str, Any], where: str, api: str = OPENAI) -> str:
         """
         C{http(s)://host[:port][/path]}. The value is never quoted back: a
         URL can hold a password or a key in its query.
@@ -146,7 +166,7 @@ class EntryChecker(FieldChecker):
         if port is not None and not (port.isdigit() and len(port) <= 5 and 1 <= int(port) <= 65535):
             raise self.fault(f"{where}base_url has a port that is not a number from 1 to 65535")
         baseURL = f"{scheme.lower()}://{authority}/{path}".rstrip("/")
-        for route in ("/chat/completions", "/embeddings"):
+        for route in ("/chat/completions", "/embeddings") if api == OPENAI else ("/messages",):
             if baseURL.lower().endswith(route):
                 raise self.fault(
                     f"{where}base_url must not end with {route}: the proxy appends it "
@@ -212,6 +232,8 @@ class EntryChecker(FieldChecker):
             table, "upstream_model", where, _MODEL_NAME, MAX_UPSTREAM_MODEL, _MODEL_NAME_RULE
         )
         kind = self.modelKind(table, where)
+        if provider.api == ANTHROPIC:
+            self.anthropicModel(table, where, kind)
         if kind == EMBEDDING:
             for key in _CHAT_ONLY_KEYS:
                 if key in table:
@@ -235,6 +257,23 @@ class EntryChecker(FieldChecker):
             kind=kind,
             dimensions=self.dimensions(table, where),
         )
+
+    def anthropicModel(self, table: dict[str, Any], where: str, kind: str) -> None:
+        """
+        What a model of an Anthropic provider may not say (decisions D14):
+        Anthropic's API has no embeddings, and takes its output cap under
+        C{max_tokens} only.
+        """
+        if kind == EMBEDDING:
+            raise self.fault(
+                f'{where}kind = "{EMBEDDING}" needs an OpenAI-compatible provider:'
+                f' Anthropic\'s Messages API has no embeddings (provider api = "{ANTHROPIC}")'
+            )
+        if "cap_field" in table:
+            raise self.fault(
+                f"{where}cap_field is for OpenAI-compatible providers; an Anthropic"
+                " provider always takes the output cap as max_tokens (leave it out)"
+            )
 
     def modelKind(self, table: dict[str, Any], where: str) -> str:
         value = table.get("kind")

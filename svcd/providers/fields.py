@@ -132,9 +132,21 @@ class FieldChecker:
             raise self.fault(f"{where}{key} must be from -1 to 1, got {show(value)}")
         return float(value)
 
-    def refuseUnknownKeys(self, table: dict[str, Any], known: tuple[str, ...], where: str) -> None:
+    def refuseUnknownKeys(
+        self,
+        table: dict[str, Any],
+        known: tuple[str, ...],
+        where: str,
+        unlisted: tuple[str, ...] = (),
+    ) -> None:
+        """
+        Refuse the first key of C{table} that is neither C{known} (which
+        the fault lists) nor C{unlisted} (known, but not listed: keys that
+        only some entries need, such as a provider's C{api}, so that the
+        fault of a file that uses none of them reads as it always has).
+        """
         for key in table:
-            if key in known:
+            if key in known or key in unlisted:
                 continue
             hint = ""
             if key.lower() in _SECRET_LIKE:

@@ -44,7 +44,10 @@ They also add the optional C{[memory]} table (L{MemoryConfig}): the
 embedding model that memory uses (required in the table; without the
 table, memory is off; memory uses it alone, never its fallbacks), the
 worker's extraction model, and recall's settings, each checked here like
-the rest of the file.
+the rest of the file. Decisions D14 add a provider's C{api}: C{"openai"}
+(the default) or C{"anthropic"}, a provider of Anthropic's Messages API
+(its base URL without C{/messages}, its models chat models without a
+C{cap_field}).
 
 Here the file is read and its document checked whole (its tables, the
 names fallbacks and C{[memory]} give, the cycles); each C{[[providers]]}

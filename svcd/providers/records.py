@@ -30,3 +30,7 @@ class UpstreamRecord:
     # client had its first bytes: the answer ended with an error event,
     # not as it should (decisions D12's outcome upstream_error).
     brokenMidStream: bool = False
+    # Decisions D14: the last attempt's Anthropic provider said it was
+    # overloaded (its 529, or an overloaded_error): a client of Anthropic's
+    # dialect is told overloaded_error rather than api_error.
+    overloaded: bool = False

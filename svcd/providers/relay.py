@@ -22,12 +22,17 @@ Events are relayed as the upstream wrote them, byte for byte, with two
 exceptions: the usage event the gateway asked for on the client's behalf
 (C{stream_options.include_usage}) is not relayed when the client did not
 ask for it, and a fault after the first byte ends the stream with one
-error event and no C{[DONE]}.
+error event and no C{[DONE]}. That is an OpenAI-shaped stream relayed as
+given; any other (decisions D14: an Anthropic provider's, or one
+translated to the client's dialect) goes through a L{Passage}, which says
+what each event becomes, with the same backpressure, timeouts and
+faults.
 """
 
 from __future__ import annotations
 
 import json
+import typing
 from collections.abc import Callable
 from typing import Any, TypeGuard
 
@@ -40,6 +45,7 @@ from twisted.web.http import PotentialDataLoss
 from zope.interface import implementer
 
 from svcd.common.clocks import Clock
+from svcd.common.errors import ApiError
 from svcd.metering.usage import Usage
 from svcd.providers.http1 import BadAnswer
 
@@ -116,13 +122,72 @@ def _forgetTransport(protocol: Protocol) -> None:
 class StreamFault(Exception):
     """
     The stream failed: C{kind} is C{timeout}, C{broken} (the connection
-    ended without the stream's end) or C{invalid} (an event past the size
-    bound, or bytes that are not readable HTTP/1.1).
+    ended without the stream's end), C{invalid} (an event past the size
+    bound, or bytes that are not readable HTTP/1.1, or an event a
+    L{Passage} could not read) or C{error} (the provider's own error event,
+    decisions D14).
+
+    @ivar error: the gateway's error for the provider's own (C{error}),
+        which the client's error event says; None for the others.
+    @ivar overloaded: the provider said it was overloaded (Anthropic's
+        C{overloaded_error}).
+    @ivar relayed: the provider's error event itself reached the client
+        (a stream relayed as given): no error event of the gateway's
+        follows it.
     """
 
-    def __init__(self, kind: str, detail: str) -> None:
+    def __init__(
+        self,
+        kind: str,
+        detail: str,
+        *,
+        error: ApiError | None = None,
+        overloaded: bool = False,
+        relayed: bool = False,
+    ) -> None:
         super().__init__(detail)
         self.kind = kind
+        self.error = error
+        self.overloaded = overloaded
+        self.relayed = relayed
+
+
+class Passage(typing.Protocol):
+    """
+    What a relay does with a stream that is not OpenAI's relayed as given
+    (decisions D14): each complete event, in order, becomes the events
+    written to the client (none, itself, or its translation), and the
+    stream's usage is kept as it passes.
+    """
+
+    @property
+    def usage(self) -> Usage | None:
+        """
+        The stream's usage so far, for the ledger.
+        """
+
+    @property
+    def done(self) -> bool:
+        """
+        Whether the stream has ended (its last event taken).
+        """
+
+    def take(self, event: bytes, data: bytes | None) -> list[bytes]:
+        """
+        The events to write for C{event} (whose C{data:} lines joined are
+        C{data}, or None for an event without data), each a whole event.
+
+        @raise StreamFault: the event cannot be read (C{invalid}), or is
+            the provider's error (C{error}).
+        """
+
+    def end(self) -> list[bytes]:
+        """
+        The events to write when the provider's stream ended cleanly
+        before L{done}.
+
+        @raise StreamFault: the stream ended before its answer did.
+        """
 
 
 class BodyReader(Protocol):
@@ -188,7 +253,12 @@ class StreamRelay(Protocol):
         as it is relayed: how a chat completion that observes gathers its
         answer's text (decisions D13). None for the others, which pay
         nothing for it. Its faults are its own: the first one stops the
-        calls, never the stream.
+        calls, never the stream. Through a L{Passage}, it is given the
+        data of each event written to the client (in the client's
+        dialect).
+    @param passage: what each event becomes, for a stream that is not
+        OpenAI's relayed as given (decisions D14); C{relayUsage} then
+        means nothing.
     """
 
     def __init__(
@@ -201,8 +271,13 @@ class StreamRelay(Protocol):
         errorEvent: Callable[[StreamFault], bytes],
         relayUsage: bool,
         onData: Callable[[bytes], None] | None = None,
+        passage: Passage | None = None,
     ) -> None:
         self._clock = clock
+        self._passage = passage
+        # A fault of the passage's, met while taking the events of a read:
+        # the stream fails once the events before it are written.
+        self._failing: StreamFault | None = None
         self._onData = onData
         self._idleTimeout = idleTimeout
         self._begin = begin
@@ -322,7 +397,11 @@ class StreamRelay(Protocol):
             self._write(b"".join(out))
         if done:
             # Written first: the end lets the request finish.
-            self._end()
+            failing, self._failing = self._failing, None
+            if failing is not None:
+                self._fail(failing)
+            else:
+                self._end()
             return
         if start < len(data):
             self._hold(data[start:] if start else data, anyCR)
@@ -359,6 +438,9 @@ class StreamRelay(Protocol):
         if reason.check(ResponseDone) and not b"".join(self._partial).strip():
             # The upstream ended its answer cleanly (with or without
             # [DONE], which would have ended the relay already).
+            if self._passage is not None and not self._passage.done:
+                self._endPassage(self._passage)
+                return
             self._end()
             return
         self._fail(_cutShort(reason, "the upstream's stream"))
@@ -372,6 +454,8 @@ class StreamRelay(Protocol):
         stream's end, C{[DONE]}.
         """
         data = _data(event)
+        if self._passage is not None:
+            return self._pass(self._passage, event, data, out)
         if data is not None and data != DONE and b'"usage"' in data:
             if not self._noteUsage(data):
                 return False
@@ -383,6 +467,63 @@ class StreamRelay(Protocol):
         if self._onData is not None and data is not None and data != DONE:
             self._feed(data)
         return data == DONE
+
+    def _pass(self, passage: Passage, event: bytes, data: bytes | None, out: list[bytes]) -> bool:
+        """
+        Take one complete event through the passage: add what it becomes to
+        C{out}. True for the stream's end, or for a fault of the passage's
+        (kept for L{dataReceived} to fail the stream with, once the events
+        before it are written).
+        """
+        try:
+            events = passage.take(event, data)
+        except StreamFault as fault:
+            self.usage = passage.usage
+            if fault.relayed and self._began:
+                # The provider's error event, for a client of its dialect.
+                out.append(event)
+            self._failing = fault
+            return True
+        self.usage = passage.usage
+        self._passed(events, out)
+        return passage.done
+
+    def _passed(self, events: list[bytes], out: list[bytes]) -> None:
+        """
+        Add a passage's C{events} to C{out}: the first commits the client's
+        response.
+        """
+        if not events:
+            return
+        if not self._began:
+            self._began = True
+            self._begin()
+            self.started.callback(None)
+        out.extend(events)
+        for each in events:
+            if self._onData is None:
+                break
+            data = _data(each)
+            if data is not None and data != DONE:
+                self._feed(data)
+
+    def _endPassage(self, passage: Passage) -> None:
+        """
+        The provider's stream ended cleanly before the passage's end: what
+        the passage still has to say, or its fault.
+        """
+        try:
+            events = passage.end()
+        except StreamFault as fault:
+            self.usage = passage.usage
+            self._fail(fault)
+            return
+        self.usage = passage.usage
+        out: list[bytes] = []
+        self._passed(events, out)
+        if out:
+            self._write(b"".join(out))
+        self._end()
 
     def _feed(self, data: bytes) -> None:
         assert self._onData is not None
@@ -433,7 +574,8 @@ class StreamRelay(Protocol):
             if not self.started.called:
                 self.started.errback(fault)
             return
-        self._write(self._errorEvent(fault))
+        if not fault.relayed:
+            self._write(self._errorEvent(fault))
         if not self.finished.called:
             self.finished.errback(fault)
 

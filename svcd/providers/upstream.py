@@ -1,15 +1,19 @@
 """
-Forwarding a chat completion to its provider (decisions D9), or an
-embeddings request (D13: the same path, to C{<base_url>/embeddings}, never
-streamed; L{EMBEDDINGS}): the request sent upstream, the persistent
-connections it goes over, every upstream fault mapped to the gateway's
-error, fallbacks, usage, metrics and the upstream client span.
+Forwarding a chat completion to its provider (decisions D9), an embeddings
+request (D13: the same path, to C{<base_url>/embeddings}, never streamed),
+or a request of Anthropic's Messages API (D14): the request sent upstream,
+the persistent connections it goes over, every upstream fault mapped to
+the gateway's error, fallbacks, usage, metrics and the upstream client
+span.
 
-What differs between the two is an L{Operation}: the path appended to the
-provider's base URL, how the body sent is made from the client's object,
-where the answer's usage is, whether it may stream. Everything else (the
-headers, the timeouts, the fault mapping below, the fallbacks, the pool of
-connections and its bound per provider, which both share) is one code.
+What differs between them is an L{Operation}
+(L{svcd.providers.operations}), the client's dialect, and per attempt
+its L{Leg} for the provider's C{api}: the path appended to the provider's
+base URL, how the body sent is made from the client's object (translated
+when the dialects differ), how the answer and its stream reach the client
+and where their usage is, whether it may stream. Everything else (the
+timeouts, the fault mapping below, the fallbacks, the pool of connections
+and its bound per provider, which all share) is one code.
 
 What is sent: the client's JSON object, with C{model} replaced by the
 model's C{upstream_model} and every other key kept; for a stream,
@@ -20,7 +24,10 @@ C{cap_field} (decisions D12, amended; L{attemptBody}, which the edge also
 uses to measure the bytes a budget reserves for). Headers: C{Content-Type:
 application/json}, C{Authorization: Bearer <key>} when the provider has a
 key, C{X-Request-ID} and C{traceparent}: nothing else of the client's, never
-its token.
+its token. An Anthropic provider (decisions D14) is sent its key as
+C{x-api-key} (never C{Authorization}) and C{anthropic-version} (the
+client's, else L{ANTHROPIC_VERSION}) and C{anthropic-beta} when the route
+passes the client's (C{clientHeaders}).
 
 Connections: a pool of persistent connections per provider
 (L{svcd.providers.http1}), on the reactor (no thread per request);
@@ -56,7 +63,18 @@ Faults before any byte reached the client, in the envelope (D9):
 
 Every fault but UPSTREAM_REJECTED tries the model's fallbacks in order;
 when all fail, the last one's error is the answer. The model that answered
-is named in C{X-SVC-Upstream-Model}.
+is named in C{X-SVC-Upstream-Model}. An Anthropic provider's refusals
+follow the same table (its 529 is a 5xx); one that says it is overloaded
+(529, C{overloaded_error}) is remembered in the record
+(L{UpstreamRecord.overloaded}) for the client's error of Anthropic's
+dialect, and its error event mid-stream is mapped by
+L{svcd.dialects.errors.apiErrorOfAnthropic} (before the client's first
+byte, a fault a fallback may answer).
+
+Every attempt's body is made before the first is sent (decisions D14): a
+request its model cannot be sent (a field with no counterpart in the
+provider's dialect) is a 400 naming the field with nothing forwarded; a
+fallback that cannot take it is skipped.
 """
 
 from __future__ import annotations
@@ -84,23 +102,29 @@ from svcd.common.clocks import Clock, asReactorTime
 from svcd.common.deferreds import timeoutDeferred
 from svcd.common.errors import ApiError, ErrorCode
 from svcd.common.tracing import traceparentOf
-from svcd.metering.bodies import attemptBody, embeddingsBody
-from svcd.metering.models import Model, Provider
+from svcd.dialects.errors import BadAnswer as Untranslated
+from svcd.dialects.errors import Untranslatable
+from svcd.metering.models import ANTHROPIC, Model, Provider
 from svcd.metering.usage import Usage
+from svcd.providers.faults import UpstreamFault, brokenFault, refusalFault, timeoutFault
 from svcd.providers.http1 import BadAnswer, ConnectionPool, UpstreamAnswer
-from svcd.providers.records import UpstreamRecord
-from svcd.providers.relay import (
-    BodyReader,
-    StreamFault,
-    StreamRelay,
-    embeddingUsageOf,
-    usageOf,
+from svcd.providers.operations import (
+    ANTHROPIC_VERSION,
+    CHAT_COMPLETIONS,
+    Leg,
+    Operation,
 )
+from svcd.providers.passages import Exchange
+from svcd.providers.records import UpstreamRecord
+from svcd.providers.relay import BodyReader, StreamFault, StreamRelay
 
 UPSTREAM_MODEL_HEADER = b"X-SVC-Upstream-Model"
 IDLE_CONNECTION_SECONDS = 4.0
-# How much of an upstream's error message goes into C{detail}.
-DETAIL_CHARACTERS = 1000
+ANTHROPIC_VERSION_HEADER = b"anthropic-version"
+ANTHROPIC_BETA_HEADER = b"anthropic-beta"
+_DEFAULT_VERSION = ANTHROPIC_VERSION.encode("ascii")
+_CHAT_COMPLETIONS_PATH = "/chat/completions"
+_MESSAGES_PATH = "/messages"
 _SPAN_ERROR = Status(StatusCode.ERROR)
 _JSON = b"application/json"
 _EVENT_STREAM = b"text/event-stream"
@@ -142,53 +166,6 @@ class Answer:
     headers: list[tuple[bytes, bytes]] = attrs.field(factory=list)
     streamed: bool = False
     document: object = attrs.field(default=None, repr=False, eq=False)
-
-
-@attrs.frozen
-class Operation:
-    """
-    What a request asks of a provider: a chat completion (L{CHAT_COMPLETIONS},
-    decisions D9) or embeddings (L{EMBEDDINGS}, D13).
-
-    @ivar path: appended to the provider's base URL.
-    @ivar spanName: the name of the upstream client span.
-    @ivar body: the body sent to a model for the client's object, with the
-        output cap a budget assumed (or None), as L{attemptBody}.
-    @ivar usage: the usage of a whole answer's parsed JSON.
-    @ivar streams: whether C{"stream": true} asks for a stream.
-    """
-
-    path: str
-    spanName: str
-    body: Callable[[Mapping[str, Any], Model, int | None], bytes]
-    usage: Callable[[object], Usage | None]
-    streams: bool
-
-
-class UpstreamFault(Exception):
-    """
-    One attempt failed before any byte reached the client.
-
-    @ivar error: the client's answer if no fallback does better.
-    @ivar label: the C{status} label of svc_proxy_upstream_requests_total.
-    """
-
-    def __init__(self, error: ApiError, label: str) -> None:
-        super().__init__(error.code.value)
-        self.error = error
-        self.label = label
-
-    @property
-    def fallback(self) -> bool:
-        return self.error.code is not ErrorCode.UPSTREAM_REJECTED
-
-
-def _timeout(label: str = "timeout") -> UpstreamFault:
-    return UpstreamFault(ApiError(ErrorCode.UPSTREAM_TIMEOUT), label)
-
-
-def _broken(label: str) -> UpstreamFault:
-    return UpstreamFault(ApiError(ErrorCode.UPSTREAM_ERROR), label)
 
 
 class UpstreamMetrics(Protocol):
@@ -251,39 +228,65 @@ class Forwarder:
         operation: Operation | None = None,
         bodies: Mapping[str, bytes] | None = None,
         onEventData: Callable[[bytes], None] | None = None,
+        clientHeaders: Mapping[bytes, bytes] | None = None,
     ) -> Answer:
         """
-        Forward C{document} (the client's JSON object) to the first of
-        C{attempts} that answers, trying the next on a fault that allows a
-        fallback; a stream is relayed to C{client} as it comes.
+        Forward C{document} (the client's JSON object, in the dialect of
+        C{operation}) to the first of C{attempts} that answers, trying the
+        next on a fault that allows a fallback; a stream is relayed to
+        C{client} as it comes. Whatever dialect each attempt's provider
+        speaks, the client gets its own (decisions D14): the answer's body,
+        the stream's events and C{errorEvent}'s are in the client's
+        dialect.
 
+        @param errorEvent: the event that ends a stream after a fault, in
+            the client's dialect (C{record.overloaded} says whether the
+            provider said it was overloaded).
         @param outputCap: the output cap to send with each attempt (under
-            that attempt's model's C{cap_field}, see L{attemptBody}), or
-            None to send the client's object as it is.
+            the key of that attempt's provider, see L{Operation.body}), or
+            None to send the client's own (or, to an Anthropic provider,
+            which requires one, the model's).
         @param operation: what is asked; a chat completion by default.
         @param bodies: attempts' bodies already made, by model name, as
             C{operation.body(document, model, outputCap)} makes them (a
             budget's reservation measured them, decisions D12 amended):
             sent as they are rather than serialized again.
         @param onEventData: given the data of each event of a stream as it
-            is relayed (L{StreamRelay}'s C{onData}).
-        @raise ApiError: the last attempt's fault, when none answered.
+            is relayed to the client (L{StreamRelay}'s C{onData}), in the
+            client's dialect.
+        @param clientHeaders: the client's headers that an Anthropic
+            provider is given as they are: C{anthropic-version} and
+            C{anthropic-beta} (lowercase names); others are ignored, and
+            other providers get none.
+        @raise ApiError: 400 VALIDATION_ERROR naming the field when the
+            first attempt cannot be sent the request (nothing was sent);
+            else the last attempt's fault, when none answered.
         """
         if operation is None:
             operation = CHAT_COMPLETIONS
         stream = operation.streams and document.get("stream") is True
+        planned = _plan(operation, document, attempts, outputCap, bodies)
+        exchange = Exchange(document, requestID, int(self._clock.seconds()))
         fault: UpstreamFault | None = None
-        for model in attempts:
-            made = bodies.get(model.name) if bodies is not None else None
-            body = made if made is not None else operation.body(document, model, outputCap)
+        for model, leg, made in planned:
+            body = made if made is not None else leg.body(document, model, outputCap)
             try:
                 if stream:
                     return await self._stream(
-                        model, body, document, requestID, client, errorEvent, record, onEventData
+                        model,
+                        leg,
+                        body,
+                        exchange,
+                        client,
+                        errorEvent,
+                        record,
+                        onEventData,
+                        clientHeaders,
                     )
-                return await self._complete(model, body, requestID, record, operation)
+                return await self._complete(model, leg, body, exchange, record, clientHeaders)
             except UpstreamFault as failed:
                 fault = failed
+                record.overloaded = failed.overloaded
                 if not failed.fallback:
                     break
         assert fault is not None, "a model always has at least one attempt"
@@ -292,27 +295,35 @@ class Forwarder:
     # One attempt.
 
     def _begin(
-        self, model: Model, requestID: str, record: UpstreamRecord, operation: Operation
+        self,
+        model: Model,
+        leg: Leg,
+        requestID: str,
+        record: UpstreamRecord,
+        clientHeaders: Mapping[bytes, bytes] | None,
     ) -> tuple[_Link, dict[bytes, bytes], Span | None]:
         link = self._links[model.provider.name]
         record.provider = model.provider.name
         record.model = model.name
         record.upstreamModel = model.upstreamModel
         record.usage = None
-        # Content-Type and Authorization are the pool's own (_Link).
+        record.overloaded = False
+        # Content-Type and the key are the pool's own (_Link).
         headers = {b"X-Request-ID": requestID.encode("ascii")}
-        span = self._span(model, operation)
+        if model.provider.api == ANTHROPIC:
+            _anthropicHeaders(headers, clientHeaders)
+        span = self._span(model, leg)
         spanContext = (span or trace.get_current_span()).get_span_context()
         if spanContext.is_valid:
             headers[b"traceparent"] = traceparentOf(spanContext).encode("ascii")
         return link, headers, span
 
-    def _span(self, model: Model, operation: Operation) -> Span | None:
+    def _span(self, model: Model, leg: Leg) -> Span | None:
         current = trace.get_current_span()
         if self._tracer is None or not current.is_recording():
             return None
         return self._tracer.start_span(
-            operation.spanName,
+            leg.spanName,
             kind=SpanKind.CLIENT,
             attributes={
                 "http.request.method": "POST",
@@ -348,33 +359,39 @@ class Forwarder:
     async def _complete(
         self,
         model: Model,
+        leg: Leg,
         body: bytes,
-        requestID: str,
+        exchange: Exchange,
         record: UpstreamRecord,
-        operation: Operation,
+        clientHeaders: Mapping[bytes, bytes] | None,
     ) -> Answer:
         """
-        A non-streaming attempt: the whole answer within C{timeout}.
+        A non-streaming attempt: the whole answer within C{timeout}, in
+        the client's dialect.
         """
-        link, headers, span = self._begin(model, requestID, record, operation)
+        link, headers, span = self._begin(model, leg, exchange.requestID, record, clientHeaders)
         began = time.perf_counter()
         label = "cancelled"
         try:
-            work = Deferred.fromCoroutine(link.exchange(body, headers, link.target(operation)))
+            work = Deferred.fromCoroutine(link.exchange(body, headers, link.target(leg)))
             try:
                 response, answer = await timeoutDeferred(
                     work, model.provider.timeout, asReactorTime(self._clock)
                 )
             except TimeoutError:
-                raise _timeout() from None
+                raise timeoutFault() from None
             label = str(response.code)
             if not 200 <= response.code < 300:
-                raise _refusal(response, answer, model.provider)
+                raise refusalFault(response, answer, model.provider)
             try:
                 parsed = json.loads(answer)
-            except ValueError:
-                raise _broken("invalid") from None
-            record.usage = operation.usage(parsed)
+                translated = leg.answer(parsed, exchange)
+            except (ValueError, RecursionError, Untranslated):
+                raise brokenFault("invalid") from None
+            record.usage = translated.usage
+            if translated.document is not None:
+                parsed = translated.document
+                answer = _dumps(parsed)
             return Answer(
                 200,
                 answer,
@@ -390,36 +407,43 @@ class Forwarder:
     async def _stream(
         self,
         model: Model,
+        leg: Leg,
         body: bytes,
-        document: Mapping[str, Any],
-        requestID: str,
+        exchange: Exchange,
         client: ClientStream,
         errorEvent: Callable[[ApiError], bytes],
         record: UpstreamRecord,
-        onEventData: Callable[[bytes], None] | None = None,
+        onEventData: Callable[[bytes], None] | None,
+        clientHeaders: Mapping[bytes, bytes] | None,
     ) -> Answer:
         """
         A streaming attempt: the first event within C{idle_timeout} (until
         then a fault allows a fallback), then every event relayed as it
-        comes, each within C{idle_timeout} of the one before.
+        comes (through the leg's passage, when it has one), each within
+        C{idle_timeout} of the one before.
         """
-        link, headers, span = self._begin(model, requestID, record, CHAT_COMPLETIONS)
+        link, headers, span = self._begin(model, leg, exchange.requestID, record, clientHeaders)
         began = time.perf_counter()
         provider = model.provider
-        side = _StreamSide(client, model.name, errorEvent)
+        side = _StreamSide(client, model.name, errorEvent, record)
         label = "cancelled"
         try:
             async with link.turn(provider.idleTimeout, self._clock) as remaining:
-                response = await self._openStream(link, body, headers, provider, remaining)
-                label = await self._relayStream(
-                    response,
-                    side,
-                    provider,
-                    remaining(),
-                    _wantsUsage(document),
-                    record,
-                    onEventData,
+                response = await self._openStream(
+                    link, body, headers, provider, remaining, link.target(leg)
                 )
+                relay = side.relay = StreamRelay(
+                    self._clock,
+                    remaining(),
+                    provider.idleTimeout,
+                    side.begin,
+                    side.client.write,
+                    side.faultEvent,
+                    _wantsUsage(exchange.document),
+                    onEventData,
+                    leg.passage(exchange, model) if leg.passage is not None else None,
+                )
+                label = await self._relayStream(response, relay, side, record)
             return Answer(200, b"", _EVENT_STREAM, streamed=True)
         except UpstreamFault as fault:
             label = fault.label
@@ -451,6 +475,7 @@ class Forwarder:
         headers: Mapping[bytes, bytes],
         provider: Provider,
         remaining: Callable[[], float],
+        target: bytes | None,
     ) -> UpstreamAnswer:
         """
         The provider's answer to a streamed request, up to its head: a
@@ -458,28 +483,25 @@ class Forwarder:
         """
         try:
             response = await timeoutDeferred(
-                link.send(body, headers), remaining(), asReactorTime(self._clock)
+                link.send(body, headers, target), remaining(), asReactorTime(self._clock)
             )
         except TimeoutError:
-            raise _timeout() from None
+            raise timeoutFault() from None
         if not 200 <= response.code < 300:
             answer = await _readRefusal(response, remaining(), self._clock)
-            raise _refusal(response, answer, provider)
+            raise refusalFault(response, answer, provider)
         contentType = response.headers.getRawHeaders(b"content-type") or [b""]
         if not contentType[0].lower().startswith(_EVENT_STREAM):
             _discard(response)
-            raise _broken("invalid")
+            raise brokenFault("invalid")
         return response
 
     async def _relayStream(
         self,
         response: UpstreamAnswer,
+        relay: StreamRelay,
         side: _StreamSide,
-        provider: Provider,
-        firstEventWithin: float,
-        wantsUsage: bool,
         record: UpstreamRecord,
-        onEventData: Callable[[bytes], None] | None = None,
     ) -> str:
         """
         Relay the answer's events to the client as they come; the label of
@@ -487,21 +509,11 @@ class Forwarder:
         is an L{UpstreamFault} (a fallback may answer); after it, the relay
         ends the stream with its error event.
         """
-        relay = side.relay = StreamRelay(
-            self._clock,
-            firstEventWithin,
-            provider.idleTimeout,
-            side.begin,
-            side.client.write,
-            side.faultEvent,
-            wantsUsage,
-            onEventData,
-        )
         response.deliverBody(relay)
         try:
             await relay.started
         except StreamFault as fault:
-            raise (_timeout() if fault.kind == "timeout" else _broken(fault.kind)) from None
+            raise _faultBeforeFirstByte(fault) from None
         try:
             record.usage = await relay.finished
             return str(response.code)
@@ -523,6 +535,7 @@ class _StreamSide:
     client: ClientStream
     modelName: str
     errorEvent: Callable[[ApiError], bytes]
+    record: UpstreamRecord
     relay: StreamRelay | None = None
     committed: bool = False
 
@@ -533,8 +546,13 @@ class _StreamSide:
         self.client.registerProducer(self.relay)
 
     def faultEvent(self, fault: StreamFault) -> bytes:
-        code = ErrorCode.UPSTREAM_TIMEOUT if fault.kind == "timeout" else ErrorCode.UPSTREAM_ERROR
-        return self.errorEvent(ApiError(code))
+        error = fault.error
+        if error is None:
+            timedOut = fault.kind == "timeout"
+            error = ApiError(ErrorCode.UPSTREAM_TIMEOUT if timedOut else ErrorCode.UPSTREAM_ERROR)
+        # Read by the route's errorEvent (decisions D14: overloaded_error).
+        self.record.overloaded = fault.overloaded
+        return self.errorEvent(error)
 
 
 @attrs.define
@@ -548,35 +566,43 @@ class _Link:
     provider: Provider
     pool: ConnectionPool = attrs.field(init=False)
     slots: DeferredSemaphore = attrs.field(init=False)
-    # The request target of each operation but chat completions (the
-    # pool's own), by its path.
+    # The path of the pool's own URL: chat completions, or an Anthropic
+    # provider's messages (decisions D14).
+    path: str = attrs.field(init=False)
+    # The request target of each other path, by that path.
     targets: dict[str, bytes] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         fixed = {b"Content-Type": _JSON}
-        if self.provider.apiKey:
-            fixed[b"Authorization"] = b"Bearer " + self.provider.apiKey.encode("latin-1")
+        key = self.provider.apiKey
+        if self.provider.api == ANTHROPIC:
+            self.path = _MESSAGES_PATH
+            if key:
+                fixed[b"x-api-key"] = key.encode("latin-1")
+        else:
+            self.path = _CHAT_COMPLETIONS_PATH
+            if key:
+                fixed[b"Authorization"] = b"Bearer " + key.encode("latin-1")
         self.pool = ConnectionPool(
             self.reactor,
             self.clock,
-            self.provider.baseURL.rstrip("/") + CHAT_COMPLETIONS.path,
+            self.provider.baseURL.rstrip("/") + self.path,
             fixed,
             IDLE_CONNECTION_SECONDS,
         )
         self.slots = DeferredSemaphore(self.provider.maxConnections)
 
-    def target(self, operation: Operation) -> bytes | None:
+    def target(self, leg: Leg) -> bytes | None:
         """
-        Where C{operation} is posted on this provider's server: None for
-        chat completions (the pool's URL), else the base URL's path with
-        the operation's appended.
+        Where C{leg} is posted on this provider's server: None for the
+        pool's URL, else the base URL's path with the leg's appended.
         """
-        if operation is CHAT_COMPLETIONS:
+        if leg.path == self.path:
             return None
-        target = self.targets.get(operation.path)
+        target = self.targets.get(leg.path)
         if target is None:
-            path = urlsplit(self.provider.baseURL).path.rstrip("/") + operation.path
-            target = self.targets[operation.path] = path.encode("ascii")
+            path = urlsplit(self.provider.baseURL).path.rstrip("/") + leg.path
+            target = self.targets[leg.path] = path.encode("ascii")
         return target
 
     def send(
@@ -596,8 +622,8 @@ class _Link:
                 # fallback may follow it.
                 return failure
             if failure.check(BadAnswer):
-                raise _broken("invalid") from None
-            raise _broken("connect_error") from None
+                raise brokenFault("invalid") from None
+            raise brokenFault("connect_error") from None
 
         return sending.addErrback(failed)
 
@@ -615,7 +641,7 @@ class _Link:
             try:
                 answer = await reader.finished
             except StreamFault as fault:
-                raise _broken(fault.kind) from None
+                raise brokenFault(fault.kind) from None
             return response, answer
         finally:
             self.slots.release()
@@ -643,19 +669,76 @@ class _Turn:
         try:
             await timeoutDeferred(self._slots.acquire(), self._budget, asReactorTime(self._clock))
         except TimeoutError:
-            raise _timeout() from None
+            raise timeoutFault() from None
         return self.remaining
 
     async def __aexit__(self, *exc: object) -> None:
         self._slots.release()
 
 
-CHAT_COMPLETIONS = Operation(
-    "/chat/completions", "POST chat/completions", attemptBody, usageOf, streams=True
-)
-EMBEDDINGS = Operation(
-    "/embeddings", "POST embeddings", embeddingsBody, embeddingUsageOf, streams=False
-)
+def _plan(
+    operation: Operation,
+    document: Mapping[str, Any],
+    attempts: Sequence[Model],
+    outputCap: int | None,
+    bodies: Mapping[str, bytes] | None,
+) -> list[tuple[Model, Leg, bytes | None]]:
+    """
+    The attempts that can be sent the request, each with its leg and its
+    body when it is made already (decisions D14): every translated body is
+    made here, before anything is sent; a body sent as the client wrote it
+    cannot fail, and is made when its attempt comes.
+
+    @raise ApiError: 400 VALIDATION_ERROR naming the field when the first
+        attempt (the model the client named) cannot be sent the request.
+    """
+    planned: list[tuple[Model, Leg, bytes | None]] = []
+    for model in attempts:
+        made = bodies.get(model.name) if bodies is not None else None
+        leg = operation.leg(model.provider)
+        try:
+            if leg is None:
+                raise Untranslatable("model", f"is not served by {operation.name}")
+            if made is None and leg.translated:
+                made = leg.body(document, model, outputCap)
+        except Untranslatable as untranslatable:
+            if not planned and model is attempts[0]:
+                raise untranslatable.apiError() from None
+            # A fallback that cannot take the request is not tried.
+            continue
+        planned.append((model, leg, made))
+    return planned
+
+
+def _anthropicHeaders(
+    headers: dict[bytes, bytes], clientHeaders: Mapping[bytes, bytes] | None
+) -> None:
+    """
+    Add an Anthropic provider's headers of the request (decisions D14):
+    C{anthropic-version}, the client's or L{ANTHROPIC_VERSION}, and the
+    client's C{anthropic-beta}.
+    """
+    version = beta = None
+    if clientHeaders is not None:
+        version = clientHeaders.get(ANTHROPIC_VERSION_HEADER)
+        beta = clientHeaders.get(ANTHROPIC_BETA_HEADER)
+    headers[ANTHROPIC_VERSION_HEADER] = version or _DEFAULT_VERSION
+    if beta:
+        headers[ANTHROPIC_BETA_HEADER] = beta
+
+
+def _faultBeforeFirstByte(fault: StreamFault) -> UpstreamFault:
+    """
+    A stream's fault before any byte reached the client: a fallback may
+    answer (but for a request the provider refused).
+    """
+    if fault.error is not None:
+        return UpstreamFault(fault.error, "error_event", overloaded=fault.overloaded)
+    return timeoutFault() if fault.kind == "timeout" else brokenFault(fault.kind)
+
+
+def _dumps(document: object) -> bytes:
+    return json.dumps(document, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
 def _wantsUsage(document: Mapping[str, Any]) -> bool:
@@ -684,60 +767,3 @@ async def _readRefusal(response: UpstreamAnswer, budget: float, clock: Clock) ->
         return await timeoutDeferred(reader.finished, budget, asReactorTime(clock))
     except (TimeoutError, StreamFault):
         return b""
-
-
-def _refusal(response: UpstreamAnswer, answer: bytes, provider: Provider) -> UpstreamFault:
-    """
-    The fault of an upstream's non-2xx answer (D9's table).
-    """
-    status = response.code
-    label = str(status)
-    if status == 429:
-        headers: list[tuple[str, str]] = []
-        retryAfter = response.headers.getRawHeaders(b"retry-after")
-        if retryAfter and _plausibleRetryAfter(retryAfter[0]):
-            headers.append(("Retry-After", retryAfter[0].decode("ascii")))
-        return UpstreamFault(ApiError(ErrorCode.UPSTREAM_RATE_LIMITED, headers=headers), label)
-    if status >= 500 or status in (401, 403, 404) or status < 400:
-        return UpstreamFault(ApiError(ErrorCode.UPSTREAM_ERROR), label)
-    return UpstreamFault(
-        ApiError(
-            ErrorCode.UPSTREAM_REJECTED,
-            detail=_upstreamMessage(answer, provider),
-            status=status,
-        ),
-        label,
-    )
-
-
-def _plausibleRetryAfter(value: bytes) -> bool:
-    """
-    Seconds, or an HTTP date, of sane length and printable ASCII only.
-    """
-    return 0 < len(value) <= 64 and all(32 <= byte < 127 for byte in value)
-
-
-def _upstreamMessage(answer: bytes, provider: Provider) -> str:
-    """
-    The upstream's own error message (OpenAI's C{error.message}, else its
-    text), bounded, with the provider's key never in it.
-    """
-    message = ""
-    try:
-        document = json.loads(answer)
-    except ValueError:
-        document = None
-    if isinstance(document, dict):
-        error = document.get("error")
-        if isinstance(error, dict) and isinstance(error.get("message"), str):
-            message = error["message"]
-        elif isinstance(error, str):
-            message = error
-        elif isinstance(document.get("message"), str):
-            message = document["message"]
-    if not message:
-        message = answer.decode("utf-8", "replace")
-    message = message.strip()[:DETAIL_CHARACTERS]
-    if provider.apiKey:
-        message = message.replace(provider.apiKey, "[redacted]")
-    return message or "The provider refused the request."

@@ -72,9 +72,10 @@ from svcd.metered.embedder import (
 )
 from svcd.metering.charges import CLIENT_GONE, OK, UPSTREAM_ERROR, chargeOf
 from svcd.metering.models import Model
+from svcd.providers.operations import CHAT_COMPLETIONS
 from svcd.providers.records import UpstreamRecord
 from svcd.providers.table import MemoryConfig, ProviderTable
-from svcd.providers.upstream import CHAT_COMPLETIONS, Forwarder
+from svcd.providers.upstream import Forwarder
 from svcd.worker.extraction import BadExtraction, Turn, extractionRequest, memoriesOf, userText
 from svcd.worker.lease import LeaseLost, ObservationLease
 from svcd.worker.metrics import DONE, EMPTY, FORGOTTEN, LOST, WorkerMetrics

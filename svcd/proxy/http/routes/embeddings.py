@@ -42,8 +42,9 @@ from svcd.metered.embedder import (
 from svcd.metering.charges import CLIENT_GONE, OK, UPSTREAM_ERROR
 from svcd.metering.models import EMBEDDING as EMBEDDING_MODEL
 from svcd.metering.models import Model
+from svcd.providers.operations import EMBEDDINGS
 from svcd.providers.table import ProviderTable
-from svcd.providers.upstream import EMBEDDINGS, Forwarder
+from svcd.providers.upstream import Forwarder
 from svcd.proxy.http.context import Reply, RequestContext
 from svcd.proxy.http.embeddingsbody import EmbeddingsRequest, parseEmbeddingsBody
 from svcd.proxy.http.steps import bodyBytes, forwardedLimits
