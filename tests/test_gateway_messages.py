@@ -101,7 +101,7 @@ name = "{name}"
 provider = "{provider}"
 upstream_model = "{script}"
 max_output_tokens = {ceiling}
-price = {{ input = "3", output = "15", cached_input = "0.3" }}
+price = {{ input = "3", output = "15", cached_input = "0.3", cache_write = "3.75" }}
 """
 
 
@@ -190,7 +190,8 @@ class Stack:
             with psycopg.connect(self.dsn, autocommit=True) as connection:
                 cursor = connection.execute(
                     "SELECT kind, model_requested, model, provider, upstream_model, stream,"
-                    " outcome, prompt_tokens, cached_tokens, completion_tokens, tokens_from,"
+                    " outcome, prompt_tokens, cached_tokens, cache_write_tokens,"
+                    " completion_tokens, tokens_from,"
                     " cost_nano_usd, memories FROM usage_ledger WHERE request_id = %s"
                     " ORDER BY kind",
                     (requestID,),
@@ -720,7 +721,9 @@ def test_cacheReadsAndWritesInTheRow(stack: Stack, stream: bool) -> None:
     """
     An Anthropic provider's usage with cache reads and writes (decisions
     D14), whole or streamed (message_start, then message_delta): the row's
-    prompt tokens are all three inputs, its cached tokens the reads.
+    prompt tokens are all three inputs, its cached tokens the reads, its
+    cache writes the writes, each priced apart to the nano-dollar (input
+    $3, cache reads $0.30, writes $3.75, output $15 a million).
     """
     client = stack.client()
     arguments: dict[str, Any] = {
@@ -740,7 +743,11 @@ def test_cacheReadsAndWritesInTheRow(stack: Stack, stream: bool) -> None:
     (row,) = stack.rows(requestID)
     assert row["prompt_tokens"] == usage.input_tokens + 2 + 3
     assert row["cached_tokens"] == 2
+    assert row["cache_write_tokens"] == 3
     assert row["completion_tokens"] == usage.output_tokens
+    assert row["cost_nano_usd"] == (
+        usage.input_tokens * 3000 + 2 * 300 + 3 * 3750 + usage.output_tokens * 15000
+    )
 
 
 # Memory.
