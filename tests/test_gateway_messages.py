@@ -27,6 +27,7 @@ import socket
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anthropic
@@ -68,6 +69,9 @@ SCRIPTS = {
     "claude-rejected": "status:422",
     "claude-cache": "cache:2:3",
     "claude-broken": "error-mid-stream",
+    # The most each request allows, every prompt token a cache write (the
+    # dearest input): what a budget must survive (decisions D12 amended).
+    "claude-written": "usage-at-cap+cache:0:999999999",
 }
 
 PROVIDERS = """
@@ -748,6 +752,75 @@ def test_cacheReadsAndWritesInTheRow(stack: Stack, stream: bool) -> None:
     assert row["cost_nano_usd"] == (
         usage.input_tokens * 3000 + 2 * 300 + 3 * 3750 + usage.output_tokens * 15000
     )
+
+
+# Budgets.
+
+
+@pytest.mark.parametrize("model", BOTH)
+def test_aBudgetHoldsOnTheMessagesRoute(stack: Stack, model: str) -> None:
+    """
+    Decisions D12 amended on /v1/messages: the provider answers the most
+    each request allows (every byte of the body it was sent a prompt
+    token, each a cache write, the dearest input; max_tokens of output):
+    each row costs exactly the worst case reserved on the body actually
+    sent (as given, or translated), and of 10 concurrent requests under a
+    budget of three such answers and a nano-dollar, three are answered and
+    the others refused with RateLimitError BUDGET_EXCEEDED.
+    """
+    name = f"{model}-written"
+    arguments: dict[str, Any] = {"model": name, "max_tokens": 50, "messages": question()}
+    raw = stack.client().messages.with_raw_response.create(**arguments)
+    (probe,) = stack.rows(raw.headers["x-request-id"])
+    (received,) = stack.received(raw.headers["x-request-id"])
+    each = received.bodyLength * 3750 + 50 * 15_000
+    assert probe["cost_nano_usd"] == each
+    assert probe["prompt_tokens"] == received.bodyLength
+    tenant = makeTenant(stack.owner, f"budget-{model}")
+    stack.tenants[f"budget-{model}"] = tenant
+    budget = 3 * each + 1
+    stack.owner.setBudget(tenant.orgID, None, budget, "day")
+    client = stack.client(f"budget-{model}")
+
+    def budgeted() -> bool:
+        # Refused for its worst case alone once the budget is known.
+        try:
+            client.messages.create(**{**arguments, "max_tokens": CEILING})
+        except anthropic.RateLimitError as error:
+            return errorBody(error)["code"] == "BUDGET_EXCEEDED"
+        raise AssertionError("a request past the budget was answered")
+
+    waitFor(budgeted, 15)
+
+    def one(_: int) -> str:
+        try:
+            client.messages.create(**arguments)
+        except anthropic.RateLimitError as error:
+            return str(errorBody(error)["code"])
+        return "ok"
+
+    with ThreadPoolExecutor(10) as pool:
+        outcomes = list(pool.map(one, range(10)))
+    assert sorted(outcomes) == ["BUDGET_EXCEEDED"] * 7 + ["ok"] * 3, outcomes
+    costs: list[int] = []
+    waitFor(lambda: _costs(stack, tenant, costs), 15)
+    assert costs == [each] * 3
+    assert sum(costs) <= budget
+
+
+def _costs(stack: Stack, tenant: Tenant, costs: list[int]) -> bool:
+    """
+    Whether C{tenant}'s organization has its three rows, their costs in
+    C{costs}.
+    """
+    with psycopg.connect(stack.dsn, autocommit=True) as connection:
+        costs[:] = [
+            row[0]
+            for row in connection.execute(
+                "SELECT cost_nano_usd FROM usage_ledger WHERE org_id = %s", (tenant.orgID,)
+            )
+        ]
+    return len(costs) == 3
 
 
 # Memory.
