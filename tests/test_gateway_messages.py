@@ -783,12 +783,17 @@ def test_aBudgetHoldsOnTheMessagesRoute(stack: Stack, model: str) -> None:
     client = stack.client(f"budget-{model}")
 
     def budgeted() -> bool:
-        # Refused for its worst case alone once the budget is known.
+        # Refused for its worst case alone once the budget is known; until
+        # then forwarded, to a model that refuses it (and costs nothing).
         try:
-            client.messages.create(**{**arguments, "max_tokens": CEILING})
+            client.messages.create(
+                **{**arguments, "model": f"{model}-rejected", "max_tokens": CEILING}
+            )
         except anthropic.RateLimitError as error:
-            return errorBody(error)["code"] == "BUDGET_EXCEEDED"
-        raise AssertionError("a request past the budget was answered")
+            return bool(errorBody(error)["code"] == "BUDGET_EXCEEDED")
+        except anthropic.UnprocessableEntityError:
+            return False
+        raise AssertionError("a request the provider refuses was answered")
 
     waitFor(budgeted, 15)
 
@@ -803,21 +808,22 @@ def test_aBudgetHoldsOnTheMessagesRoute(stack: Stack, model: str) -> None:
         outcomes = list(pool.map(one, range(10)))
     assert sorted(outcomes) == ["BUDGET_EXCEEDED"] * 7 + ["ok"] * 3, outcomes
     costs: list[int] = []
-    waitFor(lambda: _costs(stack, tenant, costs), 15)
+    waitFor(lambda: _costs(stack, tenant, name, costs), 15)
     assert costs == [each] * 3
     assert sum(costs) <= budget
 
 
-def _costs(stack: Stack, tenant: Tenant, costs: list[int]) -> bool:
+def _costs(stack: Stack, tenant: Tenant, model: str, costs: list[int]) -> bool:
     """
-    Whether C{tenant}'s organization has its three rows, their costs in
-    C{costs}.
+    Whether C{tenant}'s organization has its three rows of C{model}, their
+    costs in C{costs}.
     """
     with psycopg.connect(stack.dsn, autocommit=True) as connection:
         costs[:] = [
             row[0]
             for row in connection.execute(
-                "SELECT cost_nano_usd FROM usage_ledger WHERE org_id = %s", (tenant.orgID,)
+                "SELECT cost_nano_usd FROM usage_ledger WHERE org_id = %s AND model_requested = %s",
+                (tenant.orgID, model),
             )
         ]
     return len(costs) == 3
