@@ -42,8 +42,16 @@ def tomlValue(value: Any) -> str:
     return json.dumps(value)
 
 
-def writeFile(tmp_path: Path, providers: list[dict[str, Any]], models: list[dict[str, Any]]) -> str:
+def writeFile(
+    tmp_path: Path,
+    providers: list[dict[str, Any]],
+    models: list[dict[str, Any]],
+    memory: dict[str, Any] | None = None,
+) -> str:
     lines = []
+    if memory is not None:
+        lines.append("[memory]")
+        lines += [f"{key} = {tomlValue(value)}" for key, value in memory.items()]
     for section, tables in (("providers", providers), ("models", models)):
         for table in tables:
             lines.append(f"\n[[{section}]]")
@@ -60,13 +68,16 @@ def load(
 
 
 def documentFault(
-    tmp_path: Path, providers: list[dict[str, Any]], models: list[dict[str, Any]]
+    tmp_path: Path,
+    providers: list[dict[str, Any]],
+    models: list[dict[str, Any]],
+    memory: dict[str, Any] | None = None,
 ) -> str:
     """
     The one line of the fault that loading the file reports, without the
     variable and the file's path it starts with, and never the key.
     """
-    path = writeFile(tmp_path, providers, models)
+    path = writeFile(tmp_path, providers, models, memory)
     with pytest.raises(ConfigError) as caught:
         loadProviders(path, {"SVC_TEST_KEY": KEY}, clock)
     message = str(caught.value)
@@ -165,3 +176,19 @@ def test_openAIBaseURLMayEndWithMessages(tmp_path: Path) -> None:
         tmp_path, [{**LOCAL, "base_url": "http://h/messages"}], [{**SONNET, "provider": "local"}]
     )
     assert table.models["sonnet"].provider.baseURL == "http://h/messages"
+
+
+def test_extractionModelOfAnOpenAIProvider(tmp_path: Path) -> None:
+    """
+    The worker's extraction asks for JSON output (response_format), which
+    Anthropic's API cannot be asked for: its model is an OpenAI-compatible
+    provider's, or the file is refused at start rather than every
+    extraction later.
+    """
+    embed = {"name": "embed", "provider": "local", "kind": "embedding"}
+    memory = {"embedding_model": "embed", "extraction_model": "sonnet"}
+    assert documentFault(tmp_path, [CLAUDE, LOCAL], [SONNET, embed], memory) == (
+        '[memory]: extraction_model "sonnet" is a model of an Anthropic provider; extraction'
+        " asks for JSON output (response_format), which Anthropic's Messages API cannot be"
+        " asked for: name a model of an OpenAI-compatible provider"
+    )

@@ -1,7 +1,8 @@
 """
-Calling OpenAI-compatible providers (decisions D9), for any daemon that
-needs to: svc-proxy forwards its clients' chat completions and embeddings
-(decisions D13) through it, and a daemon of Phase 4 calls providers as an
+Calling providers, OpenAI-compatible ones (decisions D9) and those of
+Anthropic's Messages API (D14), for any daemon that needs to: svc-proxy
+forwards its clients' chat completions, embeddings (decisions D13) and
+messages through it, and a daemon of Phase 4 calls providers as an
 organization with the same client. It imports nothing of svc-proxy (a test checks it).
 
   - L{svcd.providers.providersfile}: the providers file, read and
@@ -14,11 +15,18 @@ organization with the same client. It imports nothing of svc-proxy (a test check
     share);
   - L{svcd.providers.http1}: the HTTP/1.1 client and its connection pool;
   - L{svcd.providers.upstream}: the request sent upstream over each
-    provider's persistent connections, faults and fallbacks, usage,
-    metrics (through a Protocol the daemon's metrics fill) and the
-    upstream span;
+    provider's persistent connections, fallbacks, usage, metrics (through
+    a Protocol the daemon's metrics fill) and the upstream span;
+  - L{svcd.providers.operations}: what a request asks, in the client's
+    dialect, and how it is carried to a provider of each C{api} (path,
+    body, answer, stream), translated by L{svcd.dialects} where the two
+    differ;
+  - L{svcd.providers.faults}: an attempt's faults, and a provider's
+    refusal mapped to the gateway's error;
   - L{svcd.providers.relay}: reading the answer, a bounded body or a
     stream of events relayed with backpressure;
+  - L{svcd.providers.passages}: the streams that are not OpenAI's relayed
+    as given (Anthropic's as given, or translated), event by event;
   - L{svcd.providers.records}: what an answer leaves behind for the
     access log, a leaf;
   - L{svcd.providers.vectors}: the vectors of an embeddings answer, read

@@ -66,7 +66,7 @@ import tomllib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from svcd.metering.models import CHAT, EMBEDDING, Model, Provider
+from svcd.metering.models import ANTHROPIC, CHAT, EMBEDDING, Model, Provider
 from svcd.providers.entries import EntryChecker
 from svcd.providers.fields import VARIABLE, article, fault, quote, tomlType
 from svcd.providers.table import (
@@ -257,7 +257,7 @@ class _Checker(EntryChecker):
             )
         return MemoryConfig(
             embeddingModel=embedding,
-            extractionModel=self.memoryModel(table, "extraction_model", CHAT, models, where),
+            extractionModel=self.extractionModel(table, models, where),
             recallK=self.boundedInteger(table, "recall_k", 5, 1, MAX_RECALL_K, where),
             minScore=self.score(table, "min_score", 0.25, where),
             maxContextTokens=self.boundedInteger(
@@ -266,6 +266,25 @@ class _Checker(EntryChecker):
             dedupeScore=self.score(table, "dedupe_score", 0.92, where),
             recallMode=mode,
         )
+
+    def extractionModel(
+        self, table: dict[str, Any], models: Mapping[str, Model], where: str
+    ) -> Model | None:
+        """
+        The worker's extraction model: a chat model of an OpenAI-compatible
+        provider (decisions D14): extraction asks for a JSON object
+        (C{response_format}), which Anthropic's Messages API has no
+        counterpart for, so that every extraction would be refused.
+        """
+        model = self.memoryModel(table, "extraction_model", CHAT, models, where)
+        if model is not None and model.provider.api == ANTHROPIC:
+            raise self.fault(
+                f"{where}extraction_model {quote(model.name)} is a model of an Anthropic"
+                " provider; extraction asks for JSON output (response_format), which"
+                " Anthropic's Messages API cannot be asked for: name a model of an"
+                " OpenAI-compatible provider"
+            )
+        return model
 
     def memoryModel(
         self,
