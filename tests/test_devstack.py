@@ -793,6 +793,69 @@ def test_readmeSDKProgramGetsAnswersWithUsage(firstRun: GatewayRun) -> None:
     assert usage.startswith("CompletionUsage(" + usageText)
 
 
+def readmeAnthropicProgram() -> str:
+    """
+    The C{anthropic} SDK program of README's Quick start: the literal
+    block that imports anthropic.
+    """
+    lines = README.read_text().splitlines()
+    quickStart = lines.index("Quick start")
+    start = lines.index("    import anthropic", quickStart)
+    while not lines[start - 1].endswith("::"):
+        start -= 1
+    end = start
+    while end < len(lines) and (lines[end].startswith("    ") or not lines[end].strip()):
+        end += 1
+    return textwrap.dedent("\n".join(lines[start:end]))
+
+
+def test_readmeAnthropicProgramGetsAnswersWithUsage(firstRun: GatewayRun) -> None:
+    """
+    Issue 46, "README (both SDKs in the first run)": the anthropic SDK
+    program of README's Quick start, run as the openai one (from the
+    directory that holds .data, the run's port in place of 8080), prints
+    "demo-claude"'s answer with its usage, streams it a word per line, then
+    prints the final message's usage. As README says, either SDK may name
+    either model: the same program naming "demo" (an OpenAI-compatible
+    provider: translated) prints the same, and so does the openai program
+    naming "demo-claude".
+    """
+    program = readmeAnthropicProgram()
+    assert 'base_url="http://127.0.0.1:8080"' in program
+    assert f'model="{DEMO_CLAUDE_MODEL}"' in program
+
+    def run(source: str) -> list[str]:
+        result = subprocess.run(
+            [sys.executable, "-c", source.replace(':8080"', f':{firstRun.proxyPort}"')],
+            cwd=firstRun.dataDirectory.parent,
+            env=environmentOfTheTests(),
+            capture_output=True,
+            text=True,
+            timeout=COMMAND_LIMIT,
+            check=False,
+        )
+        assert result.returncode == 0, result.stderr
+        return result.stdout.splitlines()
+
+    for source in (program, program.replace(f'"{DEMO_CLAUDE_MODEL}"', f'"{DEMO_MODEL}"')):
+        answer, *streamed, usage = run(source)
+        assert answer.startswith(ECHO_CONTENT + " Usage(")
+        assert usage.startswith("Usage(")
+        for text in (answer, usage):
+            for key, value in ECHO_MESSAGES_USAGE.items():
+                assert f"{key}={value}" in text, text
+        # A word per text delta, its space kept.
+        assert streamed == re.findall(r"\S+\s*", ECHO_CONTENT)
+
+    openaiProgram = readmeSDKProgram().replace(":8080/", f":{firstRun.proxyPort}/")
+    openaiProgram = openaiProgram.replace(f'model="{DEMO_MODEL}"', f'model="{DEMO_CLAUDE_MODEL}"')
+    _, answer, *streamed, usage = run(openaiProgram)
+    usageText = "completion_tokens=10, prompt_tokens=1, total_tokens=11"
+    assert answer.startswith(ECHO_CONTENT + " CompletionUsage(" + usageText)
+    assert "".join(streamed[1:-1]) == ECHO_CONTENT
+    assert usage.startswith("CompletionUsage(" + usageText)
+
+
 def readmeSDKMemoryProgram() -> str:
     """
     README's second C{openai} SDK program: the first run remembering
