@@ -1,10 +1,12 @@
 """
 dev/gateway as a newcomer meets it (issue 24 item 6, "The first run
 serves"): without C{SVC_PROVIDERS_FILE} it runs the scripted model server
-beside the stack, so that the curl commands it prints, and the C{openai}
-SDK program of README's Quick start, get a model's answer with usage on
-the first run; with the variable set it forwards to the file's providers
-(or, set but empty, to none: 501) and runs no model server.
+beside the stack, so that the curl commands it prints (in OpenAI's shape
+and in Anthropic's), the command it prints for each SDK (C{openai} and
+C{anthropic}, issue 46), and the C{openai} SDK program of README's Quick
+start, get a model's answer with usage on the first run; with the
+variable set it forwards to the file's providers (or, set but empty, to
+none: 501) and runs no model server.
 
 Each test runs L{svcd.devkit.gateway} as dev/gateway does after dev/bootstrap
 (C{python -m svcd.devkit.gateway}), as a process of its own with ports of its
@@ -33,21 +35,26 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import attrs
+import openai
 import pytest
 
 from svcd.devkit.gateway.children import stopLeftovers
 from svcd.devkit.gateway.demo import (
+    DEMO_CLAUDE_MODEL,
     DEMO_EMBEDDING_DIMENSIONS,
     DEMO_EMBEDDING_MODEL,
     DEMO_FACT,
     DEMO_MODEL,
     DEMO_OBSERVE_NOTE,
+    DEMO_QUESTION,
 )
 from svcd.devkit.gateway.stack import MODEL_SERVER
 from svcd.devkit.servers import freePort
 from svcd.devkit.upstream.client import ScriptedUpstream
 from svcd.devkit.upstream.content import embeddingOf
+from svcd.metering.models import ANTHROPIC
 from svcd.providers.providersfile import loadProviders
 
 # Starts real daemons or processes (conftest.py, pytest.ini): left out of a
@@ -76,6 +83,14 @@ ANNOUNCED = "Ctrl-C stops everything."
 # message, "hello"): its content, and one prompt word and ten answer words.
 ECHO_CONTENT = "Scripted answer to 1 messages; the last has 5 characters."
 ECHO_USAGE = {"prompt_tokens": 1, "completion_tokens": 10, "total_tokens": 11}
+# The same usage as Anthropic's Messages API says it (the scripted server's,
+# relayed as given from a provider of that API: no cache reads or writes).
+ECHO_MESSAGES_USAGE = {
+    "input_tokens": 1,
+    "cache_creation_input_tokens": 0,
+    "cache_read_input_tokens": 0,
+    "output_tokens": 10,
+}
 
 # What the printed streaming command adds to the body to get the usage.
 INCLUDE_USAGE = '"stream_options":{"include_usage":true},'
@@ -176,6 +191,16 @@ class GatewayRun:
         """
         lines = self.waitForAnnouncement()
         return [line.strip() for line in lines if line.startswith("  curl ")]
+
+    def printedSDKCommands(self) -> list[str]:
+        """
+        The SDKs' commands of the announcement, as printed (without their
+        indentation): this Python (the one dev/gateway ran with) running a
+        program.
+        """
+        lines = self.waitForAnnouncement()
+        python = f"  {shlex.quote(sys.executable)} -c "
+        return [line.strip() for line in lines if line.startswith(python)]
 
     def recorded(self) -> dict[str, dict[str, Any]]:
         """
@@ -350,11 +375,13 @@ needsCurl = pytest.mark.skipif(
 def test_firstRunSaysItRunsTheModelServer(firstRun: GatewayRun) -> None:
     """
     Without SVC_PROVIDERS_FILE, dev/gateway says in one line that the
-    scripted model server answers the models "demo" and "demo-embed",
-    naming its address and the providers file it wrote under .data; that
-    file sends both there, the second an embedding model (decisions D13);
-    processes.json names the server with its command line, so that a
-    killed run's server is stopped by the next.
+    scripted model server answers the models "demo", "demo-claude" and
+    "demo-embed", naming its address and the providers file it wrote under
+    .data; that file sends all three there, the second through a provider
+    of Anthropic's Messages API (decisions D14) at the same address, priced
+    as a Claude model with cache writes, the third an embedding model
+    (decisions D13); processes.json names the server with its command
+    line, so that a killed run's server is stopped by the next.
     """
     lines = firstRun.ourLines()
     [line] = [line for line in lines if "model server" in line]
@@ -363,20 +390,34 @@ def test_firstRunSaysItRunsTheModelServer(firstRun: GatewayRun) -> None:
         re.escape(PREFIX + "model server: the scripted one of the tests on 127.0.0.1:")
         + r"(\d+)"
         + re.escape(
-            f' answers the models "{DEMO_MODEL}" and "{DEMO_EMBEDDING_MODEL}" (providers file'
-            f" {providersFile}; SVC_PROVIDERS_FILE names your own)"
+            f' answers the models "{DEMO_MODEL}", "{DEMO_CLAUDE_MODEL}" (Anthropic\'s Messages'
+            f' API) and "{DEMO_EMBEDDING_MODEL}" (providers file {providersFile};'
+            " SVC_PROVIDERS_FILE names your own)"
         ),
         line,
     )
     assert match is not None, line
     port = int(match.group(1))
     table = loadProviders(str(providersFile), {}, time.time)
-    model, embedding = table.modelsFor("00000000-0000-4000-8000-000000000000")
+    model, claude, embedding = table.modelsFor("00000000-0000-4000-8000-000000000000")
     assert (model.name, model.kind) == (DEMO_MODEL, "chat")
+    assert (claude.name, claude.kind) == (DEMO_CLAUDE_MODEL, "chat")
     assert (embedding.name, embedding.kind) == (DEMO_EMBEDDING_MODEL, "embedding")
     assert embedding.dimensions == DEMO_EMBEDDING_DIMENSIONS
     assert model.provider.baseURL == f"http://127.0.0.1:{port}/v1"
     assert embedding.provider is model.provider
+    assert model.provider.api != ANTHROPIC
+    assert claude.provider.api == ANTHROPIC
+    assert claude.provider.messagesURL == f"http://127.0.0.1:{port}/v1/messages"
+    assert claude.upstreamModel == model.upstreamModel == "echo"
+    # As Anthropic prices a Claude model, in nano-dollars per million tokens.
+    assert claude.price is not None
+    assert (
+        claude.price.input,
+        claude.price.cachedInput,
+        claude.price.cacheWrite,
+        claude.price.output,
+    ) == (3_000_000_000, 300_000_000, 3_750_000_000, 15_000_000_000)
     # svc-worker asks the chat model for memories (decisions D13).
     assert table.memory is not None
     assert table.memory.embeddingModel is embedding
@@ -429,6 +470,111 @@ def test_printedStreamingCommandEndsWithUsageAndDone(firstRun: GatewayRun) -> No
 
 
 @needsCurl
+def test_printedMessagesCommandGetsClaudesAnswer(firstRun: GatewayRun) -> None:
+    """
+    Issue 46: the third printed command, run as printed, sends Anthropic's
+    shape to /v1/messages with the demo token in x-api-key (as the
+    anthropic SDK does) and answers 200 from the model "demo-claude" with
+    a message in Anthropic's shape and its usage (relayed as the Anthropic
+    provider gave it).
+    """
+    _, _, messages, *_ = firstRun.printedCommands()
+    assert messages.startswith(f"curl -i http://127.0.0.1:{firstRun.proxyPort}/v1/messages ")
+    arguments = shlex.split(messages)
+    demo = json.loads((firstRun.dataDirectory / "demo.json").read_text())
+    assert f"x-api-key: {demo['token']}" in arguments
+    assert not any(argument.startswith("Authorization") for argument in arguments)
+    status, headers, answer = parseResponse(runCurl(messages))
+    assert status == 200, answer
+    assert headers["x-svc-upstream-model"] == DEMO_CLAUDE_MODEL
+    assert (answer["type"], answer["role"], answer["stop_reason"]) == (
+        "message",
+        "assistant",
+        "end_turn",
+    )
+    assert answer["content"] == [{"type": "text", "text": ECHO_CONTENT}]
+    assert {key: answer["usage"][key] for key in ECHO_MESSAGES_USAGE} == ECHO_MESSAGES_USAGE
+
+
+def test_printedSDKCommandsGetAnswers(firstRun: GatewayRun) -> None:
+    """
+    Issue 46, "one command for each SDK": the two printed Python commands,
+    run as printed (split as a shell would), answer "hello" through the
+    gateway: the openai SDK's from "demo" with OpenAI's usage, the
+    anthropic SDK's from "demo-claude" (its base URL the gateway's root,
+    the token as its api_key) with Anthropic's.
+    """
+    openaiCommand, anthropicCommand = firstRun.printedSDKCommands()
+    outputs = []
+    for command, sdk, model in (
+        (openaiCommand, "openai", DEMO_MODEL),
+        (anthropicCommand, "anthropic", DEMO_CLAUDE_MODEL),
+    ):
+        arguments = shlex.split(command)
+        assert arguments[:2] == [sys.executable, "-c"], command
+        assert arguments[2].startswith(f"import {sdk}; ")
+        assert f'model="{model}"' in arguments[2]
+        result = subprocess.run(
+            arguments,
+            cwd=firstRun.directory,
+            env=environmentOfTheTests(),
+            capture_output=True,
+            text=True,
+            timeout=COMMAND_LIMIT,
+            check=False,
+        )
+        assert result.returncode == 0, result.stderr
+        outputs.append(result.stdout.strip())
+    openaiOutput, anthropicOutput = outputs
+    assert openaiOutput.startswith(
+        ECHO_CONTENT + " CompletionUsage(completion_tokens=10, prompt_tokens=1, total_tokens=11"
+    )
+    assert anthropicOutput.startswith(ECHO_CONTENT + " Usage(")
+    for key, value in ECHO_MESSAGES_USAGE.items():
+        assert f"{key}={value}" in anthropicOutput, anthropicOutput
+
+
+def test_theClaudeModelIsListedAndAnswersTheAnthropicSDK(firstRun: GatewayRun) -> None:
+    """
+    Issue 46: GET /v1/models lists "demo-claude" beside "demo" and
+    "demo-embed", owned by the Anthropic provider; the official anthropic
+    SDK, pointed at the gateway with the demo token, gets its answer whole
+    and streamed (the text deltas, then the final message with its usage).
+    """
+    demo = json.loads((firstRun.dataDirectory / "demo.json").read_text())
+    proxy = f"http://127.0.0.1:{firstRun.proxyPort}"
+    headers = {"X-SVC-Agent-ID": demo["agent_id"]}
+    with openai.OpenAI(
+        base_url=proxy + "/v1", api_key=demo["token"], default_headers=headers, max_retries=0
+    ) as chat:
+        listed = {model.id: model.owned_by for model in chat.models.list()}
+    assert listed == {
+        DEMO_MODEL: "scripted",
+        DEMO_CLAUDE_MODEL: "scripted-anthropic",
+        DEMO_EMBEDDING_MODEL: "scripted",
+    }
+    hello: list[anthropic.types.MessageParam] = [{"role": "user", "content": "hello"}]
+    with anthropic.Anthropic(
+        base_url=proxy,
+        api_key=demo["token"],
+        default_headers=headers,
+        max_retries=0,
+        timeout=COMMAND_LIMIT,
+    ) as sdk:
+        message = sdk.messages.create(model=DEMO_CLAUDE_MODEL, max_tokens=1024, messages=hello)
+        with sdk.messages.stream(
+            model=DEMO_CLAUDE_MODEL, max_tokens=1024, messages=hello
+        ) as stream:
+            streamed = "".join(stream.text_stream)
+            final = stream.get_final_message()
+    assert message.content[0].type == "text"
+    assert message.content[0].text == streamed == ECHO_CONTENT
+    assert (message.usage.input_tokens, message.usage.output_tokens) == (1, 10)
+    assert final.stop_reason == "end_turn"
+    assert (final.usage.input_tokens, final.usage.output_tokens) == (1, 10)
+
+
+@needsCurl
 def test_printedEmbeddingsCommandGetsVectors(firstRun: GatewayRun) -> None:
     """
     Decisions D13: the printed embeddings command, run as printed, answers
@@ -436,7 +582,7 @@ def test_printedEmbeddingsCommandGetsVectors(firstRun: GatewayRun) -> None:
     text (the scripted server's: texts that share words are near) and the
     usage; the demo token has ProxyEmbeddings.
     """
-    _, _, embeddings, *_ = firstRun.printedCommands()
+    _, _, _, embeddings, *_ = firstRun.printedCommands()
     assert embeddings.startswith(f"curl -i http://127.0.0.1:{firstRun.proxyPort}/v1/embeddings")
     status, headers, answer = parseResponse(runCurl(embeddings))
     assert status == 200, answer
@@ -459,7 +605,7 @@ def test_printedMemoryCommandsStoreAndFind(firstRun: GatewayRun) -> None:
     "demo-embed"); the printed commands, run as printed, store a memory
     of a subject (201) and the search finds it first.
     """
-    _, _, _, store, search, *_ = firstRun.printedCommands()
+    _, _, _, _, store, search, *_ = firstRun.printedCommands()
     assert store.startswith(f"curl -i http://127.0.0.1:{firstRun.proxyPort}/v1/memories ")
     assert "X-SVC-Memory-Subject: " in store
     status, _, memory = parseResponse(runCurl(store))
@@ -481,8 +627,10 @@ def test_printedCommandsTellAFactThatIsRecalled(firstRun: GatewayRun) -> None:
     the worker turns into a memory through the scripted extraction (waited
     for by listing, with a bounded limit); the question then has the
     memory recalled into its prompt (X-SVC-Memories: 1, and the scripted
-    answer counts the message it was given besides the question); the list
-    shows the one memory, extracted, of the fact's words.
+    answer counts the message it was given besides the question); the
+    same question to "demo-claude" with the anthropic SDK (issue 46) has
+    it recalled into its system prompt alike; the list shows the one
+    memory, extracted, of the fact's words.
     """
     *_, tell, ask, listing = firstRun.printedCommands()
     assert "svc-worker" in firstRun.recorded()
@@ -510,13 +658,52 @@ def test_printedCommandsTellAFactThatIsRecalled(firstRun: GatewayRun) -> None:
         f"Scripted answer to 2 messages; the last has {len(question)} characters."
     )
 
-    # The question was observed too; a question states nothing, so it
+    # Issue 46: the same question of the same user, to "demo-claude" with
+    # the anthropic SDK, has the memory recalled into its system prompt
+    # (decisions D14: the block after the client's own, here the only
+    # one), which the scripted answer counts as one more message.
+    demo = json.loads((firstRun.dataDirectory / "demo.json").read_text())
+    with anthropic.Anthropic(
+        base_url=f"http://127.0.0.1:{firstRun.proxyPort}",
+        api_key=demo["token"],
+        default_headers={
+            "X-SVC-Agent-ID": demo["agent_id"],
+            "X-SVC-Memory-Subject": subjectOf(ask),
+        },
+        max_retries=0,
+        timeout=COMMAND_LIMIT,
+    ) as sdk:
+        raw = sdk.messages.with_raw_response.create(
+            model=DEMO_CLAUDE_MODEL,
+            max_tokens=1024,
+            messages=[{"role": "user", "content": DEMO_QUESTION}],
+        )
+    assert raw.headers["X-SVC-Memories"] == "1"
+    recalled = raw.parse().content[0]
+    assert recalled.type == "text"
+    assert recalled.text == (
+        f"Scripted answer to 2 messages; the last has {len(DEMO_QUESTION)} characters."
+    )
+
+    # The questions were observed too; a question states nothing, so it
     # adds no memory.
     listed = json.loads(runCurl(listing))
     assert [(memory["content"], memory["source"]) for memory in listed["data"]] == [
         (DEMO_FACT, "extracted")
     ]
     assert listed["data"][0]["id"] == memories[0]["id"]
+
+
+def subjectOf(command: str) -> str:
+    """
+    The memory subject a printed command names.
+    """
+    [subject] = [
+        argument.removeprefix("X-SVC-Memory-Subject: ")
+        for argument in shlex.split(command)
+        if argument.startswith("X-SVC-Memory-Subject: ")
+    ]
+    return subject
 
 
 def observationsCounted(run: GatewayRun) -> dict[str, float]:
@@ -540,19 +727,23 @@ def test_theDemoAgentObservesOnlyChatsThatNameTheirUser(firstRun: GatewayRun) ->
     not all, and the announcement says so beside the fact's commands
     (which name their user); the first printed command, a hello chat that
     names no user, is answered as usual and left unobserved, counted
-    no_subject, while nothing more is recorded.
+    no_subject, while nothing more is recorded; so is the hello of the
+    printed /v1/messages command to "demo-claude" (issue 46), and of
+    each SDK's command.
     """
     lines = [line.strip() for line in firstRun.waitForAnnouncement()]
     assert DEMO_OBSERVE_NOTE in lines
     assert lines.index(DEMO_OBSERVE_NOTE) < lines.index(firstRun.printedCommands()[-3])
-    plain, *_ = firstRun.printedCommands()
-    assert "X-SVC-Memory-Subject" not in plain
-    before = observationsCounted(firstRun)
-    status, _, answer = parseResponse(runCurl(plain))
-    assert status == 200, answer
-    after = observationsCounted(firstRun)
-    assert after["no_subject"] == before.get("no_subject", 0) + 1
-    assert after["recorded"] == before["recorded"]
+    plain, _, messages, *_ = firstRun.printedCommands()
+    for hello in (plain, messages, *firstRun.printedSDKCommands()):
+        assert "X-SVC-Memory-Subject" not in hello
+    for hello in (plain, messages):
+        before = observationsCounted(firstRun)
+        status, _, answer = parseResponse(runCurl(hello))
+        assert status == 200, answer
+        after = observationsCounted(firstRun)
+        assert after["no_subject"] == before.get("no_subject", 0) + 1
+        assert after["recorded"] == before["recorded"]
 
 
 def readmeSDKProgram() -> str:
@@ -575,7 +766,7 @@ def test_readmeSDKProgramGetsAnswersWithUsage(firstRun: GatewayRun) -> None:
     """
     The openai SDK program of README's Quick start, run from the directory
     that holds .data (as from the checkout) with the run's port in place of
-    8080, lists the models "demo" and "demo-embed", prints its answer with
+    8080, lists the models "demo", "demo-claude" and "demo-embed", prints its answer with
     the usage, and streams it with the usage chunk last.
     """
     program = readmeSDKProgram()
@@ -592,13 +783,76 @@ def test_readmeSDKProgramGetsAnswersWithUsage(firstRun: GatewayRun) -> None:
     )
     assert result.returncode == 0, result.stderr
     models, answer, *streamed, usage = result.stdout.splitlines()
-    assert models == f"['{DEMO_MODEL}', '{DEMO_EMBEDDING_MODEL}']"
+    assert models == f"['{DEMO_MODEL}', '{DEMO_CLAUDE_MODEL}', '{DEMO_EMBEDDING_MODEL}']"
     usageText = "completion_tokens=10, prompt_tokens=1, total_tokens=11"
     assert answer.startswith(ECHO_CONTENT + " CompletionUsage(" + usageText)
     # The role chunk's empty content, a word per chunk (its space kept),
     # the finish chunk's None, then the usage chunk.
     assert "".join(streamed[1:-1]) == ECHO_CONTENT
     assert streamed[-1] == "None"
+    assert usage.startswith("CompletionUsage(" + usageText)
+
+
+def readmeAnthropicProgram() -> str:
+    """
+    The C{anthropic} SDK program of README's Quick start: the literal
+    block that imports anthropic.
+    """
+    lines = README.read_text().splitlines()
+    quickStart = lines.index("Quick start")
+    start = lines.index("    import anthropic", quickStart)
+    while not lines[start - 1].endswith("::"):
+        start -= 1
+    end = start
+    while end < len(lines) and (lines[end].startswith("    ") or not lines[end].strip()):
+        end += 1
+    return textwrap.dedent("\n".join(lines[start:end]))
+
+
+def test_readmeAnthropicProgramGetsAnswersWithUsage(firstRun: GatewayRun) -> None:
+    """
+    Issue 46, "README (both SDKs in the first run)": the anthropic SDK
+    program of README's Quick start, run as the openai one (from the
+    directory that holds .data, the run's port in place of 8080), prints
+    "demo-claude"'s answer with its usage, streams it a word per line, then
+    prints the final message's usage. As README says, either SDK may name
+    either model: the same program naming "demo" (an OpenAI-compatible
+    provider: translated) prints the same, and so does the openai program
+    naming "demo-claude".
+    """
+    program = readmeAnthropicProgram()
+    assert 'base_url="http://127.0.0.1:8080"' in program
+    assert f'model="{DEMO_CLAUDE_MODEL}"' in program
+
+    def run(source: str) -> list[str]:
+        result = subprocess.run(
+            [sys.executable, "-c", source.replace(':8080"', f':{firstRun.proxyPort}"')],
+            cwd=firstRun.dataDirectory.parent,
+            env=environmentOfTheTests(),
+            capture_output=True,
+            text=True,
+            timeout=COMMAND_LIMIT,
+            check=False,
+        )
+        assert result.returncode == 0, result.stderr
+        return result.stdout.splitlines()
+
+    for source in (program, program.replace(f'"{DEMO_CLAUDE_MODEL}"', f'"{DEMO_MODEL}"')):
+        answer, *streamed, usage = run(source)
+        assert answer.startswith(ECHO_CONTENT + " Usage(")
+        assert usage.startswith("Usage(")
+        for text in (answer, usage):
+            for key, value in ECHO_MESSAGES_USAGE.items():
+                assert f"{key}={value}" in text, text
+        # A word per text delta, its space kept.
+        assert streamed == re.findall(r"\S+\s*", ECHO_CONTENT)
+
+    openaiProgram = readmeSDKProgram().replace(":8080/", f":{firstRun.proxyPort}/")
+    openaiProgram = openaiProgram.replace(f'model="{DEMO_MODEL}"', f'model="{DEMO_CLAUDE_MODEL}"')
+    _, answer, *streamed, usage = run(openaiProgram)
+    usageText = "completion_tokens=10, prompt_tokens=1, total_tokens=11"
+    assert answer.startswith(ECHO_CONTENT + " CompletionUsage(" + usageText)
+    assert "".join(streamed[1:-1]) == ECHO_CONTENT
     assert usage.startswith("CompletionUsage(" + usageText)
 
 
@@ -700,7 +954,10 @@ def test_providersFileSetRunsNoModelServer(
     """
     With SVC_PROVIDERS_FILE naming a file, dev/gateway starts no model
     server and writes no providers file; svc-proxy forwards to the file's
-    provider, whose first model the printed commands name.
+    provider, whose first model the printed commands name: the Messages
+    command and the anthropic SDK's too, the file having no Anthropic
+    provider (decisions D14: a model of an OpenAI-compatible provider
+    serves /v1/messages, translated to a chat completion).
     """
     providers = tmp_path / "providers.toml"
     providers.write_text(
@@ -713,8 +970,10 @@ def test_providersFileSetRunsNoModelServer(
         'upstream_model = "echo"\n'
     )
     run = runs.start({**sharedServers, "SVC_PROVIDERS_FILE": str(providers)})
-    plain, streaming = run.printedCommands()
+    plain, streaming, messages = run.printedCommands()
     assert '"model":"fast"' in plain and '"model":"fast"' in streaming
+    assert '"model":"fast"' in messages
+    assert all('model="fast"' in command for command in run.printedSDKCommands())
     assert not any("model server" in line for line in run.ourLines())
     assert set(run.recorded()) == {"svc-auth", "svc-proxy"}
     assert not (run.dataDirectory / "providers.toml").exists()
@@ -723,6 +982,14 @@ def test_providersFileSetRunsNoModelServer(
     assert (headers["x-svc-upstream-model"], answer["usage"]) == ("fast", ECHO_USAGE)
     [forwarded] = scriptedUpstream.requests()
     assert forwarded.body["model"] == "echo"
+    status, headers, answer = parseResponse(runCurl(messages))
+    assert status == 200, answer
+    assert headers["x-svc-upstream-model"] == "fast"
+    assert answer["content"] == [{"type": "text", "text": ECHO_CONTENT}]
+    assert (answer["usage"]["input_tokens"], answer["usage"]["output_tokens"]) == (1, 10)
+    _, translated = scriptedUpstream.requests()
+    assert translated.path == "/v1/chat/completions"
+    assert translated.body["model"] == "echo"
 
 
 @needsCurl

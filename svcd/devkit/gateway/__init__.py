@@ -9,13 +9,16 @@ organization, agent and token once (remembered in C{.data/demo.json}),
 runs C{twistd -n svc-auth} and C{twistd -n svc-proxy} as child processes
 whose output goes straight to this terminal, waits until both report
 ready, and prints curl commands that send a request through the gateway,
-plain and streaming.
+plain and streaming, in OpenAI's shape and in Anthropic's (C{/v1/messages},
+decisions D14), and one command for each SDK (C{openai}, C{anthropic}).
 
 Without C{SVC_PROVIDERS_FILE} in the environment it also runs the
 project's scripted model server (L{svcd.devkit.upstream}) on a free
-loopback port, writes C{.data/providers.toml} with two models answered by
-it, the chat model C{demo} and the embedding model C{demo-embed}
-(decisions D13), with a C{[memory]} table naming C{demo-embed}, and gives
+loopback port, writes C{.data/providers.toml} with three models answered
+by it, the chat model C{demo}, the Claude-shaped chat model
+C{demo-claude} of a provider of Anthropic's Messages API (decisions D14:
+the server speaks both) and the embedding model C{demo-embed} (decisions
+D13), with a C{[memory]} table naming C{demo-embed}, and gives
 that file to svc-proxy alone: the printed commands then get a model's
 answer, with usage, vectors, and a memory stored and found, on the first
 run. Whenever the providers file has a C{[memory]} table, C{twistd -n

@@ -2,7 +2,8 @@
 The demo of a C{dev/gateway} run: its organization, agent and token, made
 once and remembered in C{.data/demo.json} (L{demoTenant}), memory turned
 on for its agent, the providers file of the scripted model server's demo
-models, and the commands printed to try them (L{announce}).
+models, and the commands printed to try them (L{announce}): curl in
+OpenAI's shape and in Anthropic's, and one command for each SDK.
 """
 
 from __future__ import annotations
@@ -10,16 +11,18 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shlex
+import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 
 from svcd.common.permissions import parsePermissions
 from svcd.devkit.gateway.children import DevStackError, say, svcctl, writePrivateJSON
 from svcd.devkit.gateway.settings import Settings
-from svcd.metering.models import CHAT, EMBEDDING
+from svcd.metering.models import ANTHROPIC, CHAT, EMBEDDING
 from svcd.providers.table import ProviderTable
 
 # The model of the providers file written for the scripted model server,
@@ -27,6 +30,19 @@ from svcd.providers.table import ProviderTable
 # normal answer describing the request, with usage.
 DEMO_MODEL = "demo"
 DEMO_UPSTREAM_MODEL = "echo"
+# Decisions D14: a Claude-shaped model of a provider of Anthropic's
+# Messages API, the same scripted server (which speaks both dialects)
+# answering it with the same script, priced as Anthropic prices a Claude
+# model (dollars per million tokens: input, cache reads, cache writes,
+# output), so that its ledger rows show each priced apart.
+DEMO_CLAUDE_MODEL = "demo-claude"
+DEMO_CLAUDE_PRICE = 'input = "3.00", cached_input = "0.30", cache_write = "3.75", output = "15.00"'
+# The anthropic-version the printed Messages command sends, as Anthropic's
+# SDKs do (the gateway would default to it).
+DEMO_ANTHROPIC_VERSION = "2023-06-01"
+# The printed Messages requests' max_tokens, which Anthropic's API requires
+# (the scripted answer to "hello" is ten words).
+DEMO_MAX_TOKENS = 1024
 # The embedding model of that file (decisions D13): the scripted server's
 # vectors, under which texts that share words are near, of this length.
 DEMO_EMBEDDING_MODEL = "demo-embed"
@@ -47,7 +63,7 @@ DEMO_FACT_SUBJECT = "demo-tea-drinker"
 # with them.
 DEMO_OBSERVE_NOTE = (
     "(observe is on for the demo agent: a chat is remembered only when it names its user"
-    " with X-SVC-Memory-Subject, as these do; the hello chats above name none and are not)"
+    " with X-SVC-Memory-Subject, as these do; the hello chats name none and are not)"
 )
 DEMO_FACT = "I drink green tea every morning."
 DEMO_QUESTION = "What do I drink in the morning?"
@@ -208,7 +224,9 @@ def demoMemorySettings(
 def writeDemoProviders(path: Path, port: int) -> None:
     """
     Write, in one step, the providers file that sends the demo models
-    (chat and embedding) to the scripted model server on C{port}.
+    (chat, Claude-shaped chat and embedding) to the scripted model server
+    on C{port}, as two providers: the server speaks OpenAI's API and
+    Anthropic's Messages API (decisions D14) under the same base URL.
     """
     temporary = path.with_name(path.name + ".tmp")
     temporary.write_text(
@@ -222,10 +240,25 @@ def writeDemoProviders(path: Path, port: int) -> None:
         'name = "scripted"\n'
         f'base_url = "http://127.0.0.1:{port}/v1"\n'
         "\n"
+        "# The same server as a provider of Anthropic's Messages API (decisions\n"
+        "# D14): requests to <base_url>/messages. Each model serves both\n"
+        "# /v1/chat/completions and /v1/messages, translated where the dialects\n"
+        "# differ.\n"
+        "[[providers]]\n"
+        'name = "scripted-anthropic"\n'
+        f'api = "{ANTHROPIC}"\n'
+        f'base_url = "http://127.0.0.1:{port}/v1"\n'
+        "\n"
         "[[models]]\n"
         f'name = "{DEMO_MODEL}"\n'
         'provider = "scripted"\n'
         f'upstream_model = "{DEMO_UPSTREAM_MODEL}"   # an answer that describes the request\n'
+        "\n"
+        "[[models]]\n"
+        f'name = "{DEMO_CLAUDE_MODEL}"\n'
+        'provider = "scripted-anthropic"\n'
+        f'upstream_model = "{DEMO_UPSTREAM_MODEL}"   # the same answer, as Anthropic shapes it\n'
+        f"price = {{ {DEMO_CLAUDE_PRICE} }}\n"
         "\n"
         "[[models]]\n"
         f'name = "{DEMO_EMBEDDING_MODEL}"\n'
@@ -246,17 +279,64 @@ def writeDemoProviders(path: Path, port: int) -> None:
     os.replace(temporary, path)
 
 
+class DemoModels(NamedTuple):
+    """
+    The models the printed commands name (L{demoModels}), each None
+    when the demo organization has none of its kind.
+
+    @ivar chat: the first chat model: the chat completions commands', and
+        the C{openai} SDK's.
+    @ivar embedding: the first embedding model (decisions D13).
+    @ivar messages: the first chat model of a provider of Anthropic's
+        Messages API, else the first chat model (decisions D14: a model of
+        either kind of provider serves C{/v1/messages}): the Messages
+        command's, and the C{anthropic} SDK's.
+    """
+
+    chat: str | None
+    embedding: str | None
+    messages: str | None
+
+
+def sdkCommands(proxy: str, demo: Mapping[str, Any], models: DemoModels) -> list[str]:
+    """
+    One command for each SDK (decisions D14): this Python (the one of
+    .venv that runs dev/gateway, where both SDKs are installed) running a
+    program that sends "hello" through the gateway with the demo token, the
+    C{openai} SDK to C{models.chat}, the C{anthropic} SDK (whose base URL
+    is the gateway's root: it adds C{/v1/messages}) to C{models.messages},
+    and prints the answer and its usage. Each is one shell word, in single
+    quotes, so that it pastes as printed.
+    """
+    token, agent = json.dumps(demo["token"]), json.dumps(demo["agent_id"])
+    headers = f'default_headers={{"X-SVC-Agent-ID": {agent}}}'
+    hello = 'messages=[{"role": "user", "content": "hello"}]'
+    openaiBase = json.dumps(proxy + "/v1")
+    programs = [
+        "import openai; "
+        f"client = openai.OpenAI(base_url={openaiBase}, api_key={token}, {headers}); "
+        f"answer = client.chat.completions.create(model={json.dumps(models.chat)}, {hello}); "
+        "print(answer.choices[0].message.content, answer.usage)",
+        "import anthropic; "
+        f"client = anthropic.Anthropic(base_url={json.dumps(proxy)}, api_key={token}, {headers}); "
+        f"answer = client.messages.create(model={json.dumps(models.messages)},"
+        f" max_tokens={DEMO_MAX_TOKENS}, {hello}); "
+        "print(answer.content[0].text, answer.usage)",
+    ]
+    return [f"{shlex.quote(sys.executable)} -c {shlex.quote(program)}" for program in programs]
+
+
 def announce(
     settings: Settings,
     demo: Mapping[str, Any],
-    models: tuple[str | None, str | None],
+    models: DemoModels,
     proxyAvailable: bool,
     memory: bool,
 ) -> None:
     """
     Print what runs, and the commands that try it with the demo token:
-    C{models} are the demo organization's first chat and embedding
-    models (L{demoModels}), C{memory} whether svc-memory runs.
+    C{models} are the demo organization's models the commands name
+    (L{demoModels}), C{memory} whether svc-memory runs.
     """
     proxy = f"http://127.0.0.1:{settings.proxyPort}"
     lines = [
@@ -267,7 +347,7 @@ def announce(
     ]
     if proxyAvailable:
         lines.append(f"  svc-proxy  {proxy}")
-    model, embeddingModel = models
+    model, embeddingModel, messagesModel = models
     headers = (
         f' -H "Authorization: Bearer {demo["token"]}"'
         f' -H "X-SVC-Agent-ID: {demo["agent_id"]}"'
@@ -292,6 +372,30 @@ def announce(
             f"Stream the answer of {model} (its usage comes last):",
             "",
             f"  curl -N {proxy}/v1/chat/completions{headers} -d '{body % (model, streaming)}'",
+        ]
+    if messagesModel is not None:
+        # Decisions D14: Anthropic's Messages API, the token in x-api-key
+        # as Anthropic's SDKs send it.
+        anthropicHeaders = (
+            f' -H "x-api-key: {demo["token"]}"'
+            f' -H "X-SVC-Agent-ID: {demo["agent_id"]}"'
+            f' -H "anthropic-version: {DEMO_ANTHROPIC_VERSION}"'
+            ' -H "Content-Type: application/json"'
+        )
+        message = json.dumps(
+            {
+                "model": messagesModel,
+                "max_tokens": DEMO_MAX_TOKENS,
+                "messages": [{"role": "user", "content": "hello"}],
+            },
+            separators=(",", ":"),
+        )
+        lines += [
+            "",
+            f"Send it to {messagesModel} in Anthropic's shape (/v1/messages, the token in"
+            " x-api-key as the anthropic SDK sends it):",
+            "",
+            f"  curl -i {proxy}/v1/messages{anthropicHeaders} -d '{message}'",
         ]
     if embeddingModel is not None:
         # Decisions D13: the embeddings route, with two texts.
@@ -340,22 +444,31 @@ def announce(
             f"  curl {proxy}/v1/memories{headers}{subject}",
         ]
     if model is not None:
-        lines += ["", 'With the openai Python SDK: README.rst, "Quick start".']
+        lines += [
+            "",
+            "With the openai SDK, then the anthropic SDK (longer programs: README.rst,"
+            ' "Quick start"):',
+            "",
+            *(f"  {command}" for command in sdkCommands(proxy, demo, models)),
+        ]
     lines += ["", "Ctrl-C stops everything.", ""]
     print("\n".join(lines), flush=True)
 
 
-def demoModels(table: ProviderTable | None, orgID: str) -> tuple[str | None, str | None]:
+def demoModels(table: ProviderTable | None, orgID: str) -> DemoModels:
     """
-    The first chat model and the first embedding model (decisions D13)
-    of C{table}, the providers file (SVC_PROVIDERS_FILE, or the one
-    written for the model server), that the demo organization may use,
-    each None without one (a chat request then answers 501; no
-    embeddings command is printed).
+    The first chat model, the first embedding model (decisions D13) and
+    the first chat model of an Anthropic provider (decisions D14; else the
+    first chat model) of C{table}, the providers file
+    (SVC_PROVIDERS_FILE, or the one written for the model server), that
+    the demo organization may use, each None without one (a chat request
+    then answers 501; no embeddings command is printed).
     """
     if table is None:
-        return None, None
+        return DemoModels(None, None, None)
     models = table.modelsFor(orgID)
-    chat = next((model.name for model in models if model.kind == CHAT), None)
+    chats = [model for model in models if model.kind == CHAT]
+    chat = chats[0].name if chats else None
     embedding = next((model.name for model in models if model.kind == EMBEDDING), None)
-    return chat, embedding
+    messages = next((model.name for model in chats if model.provider.api == ANTHROPIC), chat)
+    return DemoModels(chat, embedding, messages)

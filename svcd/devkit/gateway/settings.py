@@ -34,11 +34,13 @@ environment variables:
   SVC_PROVIDERS_FILE   a providers file: svc-proxy forwards chat requests to
                        its models, and the commands printed at the end use
                        the first one (and its first embedding model, if
-                       any). Unset: the scripted model server of the tests
-                       answers the models "demo" and "demo-embed"
-                       (.data/providers.toml), and memory is on with
-                       "demo-embed" (svc-memory and svc-worker run beside
-                       the others).
+                       any; for Anthropic's Messages API, its first model
+                       of an Anthropic provider, if any). Unset: the
+                       scripted model server of the tests answers the models
+                       "demo", "demo-claude" (an Anthropic provider) and
+                       "demo-embed" (.data/providers.toml), and memory is
+                       on with "demo-embed" (svc-memory and svc-worker run
+                       beside the others).
                        With a file of your own, they run when the
                        file has a [memory] table.
                        Set but empty: no provider, chat requests answer 501

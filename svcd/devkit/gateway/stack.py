@@ -31,6 +31,7 @@ from svcd.devkit.gateway.children import (
     writePrivateJSON,
 )
 from svcd.devkit.gateway.demo import (
+    DEMO_CLAUDE_MODEL,
     DEMO_EMBEDDING_DIMENSIONS,
     DEMO_EMBEDDING_MODEL,
     DEMO_MODEL,
@@ -154,7 +155,8 @@ class DevStack:
         Run the scripted model server of the tests on a free loopback port,
         as a child stopped with the daemons (after svc-proxy, which was
         started after it), and write the providers file that sends the demo
-        models (chat and embedding) to it; return the file's path.
+        models (chat, Claude-shaped chat and embedding) to it; return the
+        file's path.
         """
         directory = self._settings.dataDirectory / "model-server"
         directory.mkdir(exist_ok=True)
@@ -205,8 +207,8 @@ class DevStack:
         writeDemoProviders(path, port)
         say(
             f"model server: the scripted one of the tests on 127.0.0.1:{port} answers the models "
-            f'"{DEMO_MODEL}" and "{DEMO_EMBEDDING_MODEL}" (providers file {path};'
-            " SVC_PROVIDERS_FILE names your own)"
+            f'"{DEMO_MODEL}", "{DEMO_CLAUDE_MODEL}" (Anthropic\'s Messages API) and'
+            f' "{DEMO_EMBEDDING_MODEL}" (providers file {path}; SVC_PROVIDERS_FILE names your own)'
         )
         return path
 
