@@ -17,6 +17,7 @@ from typing import Any
 
 import attrs
 import pytest
+from test_proxy_providers import tomlDocument, writeFile
 
 from svcd.common.config import ConfigError
 from svcd.metering.models import (
@@ -29,7 +30,6 @@ from svcd.metering.models import (
 )
 from svcd.providers.providersfile import loadProviders
 from svcd.providers.table import ProviderTable, modelsDocument
-from tests.test_proxy_providers import tomlDocument, writeFile
 
 NOW = 1_700_000_000.0
 ORG = "5b0c6a9e-0000-4000-8000-000000000001"

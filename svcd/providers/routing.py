@@ -23,9 +23,13 @@ than none. The order of a model's deployments:
     (L{LatencyMean}: over about a minute); a deployment without a
     measure (none yet, or none for L{LATENCY_WINDOW} seconds) first of
     all, so that a new or forgotten one is measured; ties in weighted
-    random order. A try that failed counts as one that waited its whole
-    deadline, so that a deployment that fails fast is not taken for a
-    fast one.
+    random order. A deployment with a try still waiting for its first
+    byte counts as at least as slow as that wait (so that one try
+    measures a new deployment while the others wait for its answer,
+    rather than every request piling on it, and a deployment that stops
+    answering is left at once, not when its tries time out). A try that
+    failed counts as one that waited its whole deadline, so that a
+    deployment that fails fast is not taken for a fast one.
 
 A try is followed from start to end by a L{Flight} (L{Router.start}):
 in flight until it ends, its first byte timed, its failure counted.
@@ -145,14 +149,36 @@ class LatencyMean:
             return None
         return self._sum / self._weight
 
+    def last(self) -> float:
+        """
+        The mean however old its samples, 0 without any.
+        """
+        return self._sum / self._weight if self._weight else 0.0
+
 
 class _DeploymentState:
-    __slots__ = ("cooling", "inFlight", "latency")
+    __slots__ = ("cooling", "inFlight", "latency", "waiting")
 
     def __init__(self) -> None:
         self.inFlight = 0
         self.cooling = Cooling()
         self.latency = LatencyMean()
+        # The tries waiting for their first byte, oldest first, each with
+        # the time it started.
+        self.waiting: dict[Flight, float] = {}
+
+    def latencyKey(self, now: float) -> tuple[bool, float]:
+        """
+        Where C{latency} routing puts the deployment: those to measure
+        (False) first, then by their measure.
+        """
+        if self.waiting:
+            since = next(iter(self.waiting.values()))
+            return True, max(now - since, self.latency.last())
+        mean = self.latency.value(now)
+        if mean is None:
+            return False, 0.0
+        return True, mean
 
 
 class _ModelState:
@@ -183,6 +209,7 @@ class Flight:
         self._firstByte = False
         self._counted = False
         state.inFlight += 1
+        state.waiting[self] = self._started
 
     @property
     def attempt(self) -> Try:
@@ -198,6 +225,7 @@ class Flight:
         elapsed = max(now - self._started, 0.0)
         if not self._firstByte:
             self._firstByte = True
+            self._state.waiting.pop(self, None)
             self._state.latency.add(now, elapsed)
         return elapsed
 
@@ -241,6 +269,7 @@ class Flight:
         if not self._ended:
             self._ended = True
             self._state.inFlight -= 1
+            self._state.waiting.pop(self, None)
 
 
 class Router:
@@ -344,13 +373,15 @@ class Router:
             )
             return [index for _, _, index in busy]
         if model.routing == LATENCY:
-            fast = []
-            for index in ready:
-                mean = states[index].latency.value(now)
-                race = -math.log(1.0 - draw()) / deployments[index].weight
-                fast.append((mean is not None, mean or 0.0, race, index))
-            fast.sort()
-            return [index for _, _, _, index in fast]
+            fast = sorted(
+                (
+                    states[index].latencyKey(now),
+                    -math.log(1.0 - draw()) / deployments[index].weight,
+                    index,
+                )
+                for index in ready
+            )
+            return [index for _, _, index in fast]
         weighted = sorted(
             (-math.log(1.0 - draw()) / deployments[index].weight, index) for index in ready
         )
