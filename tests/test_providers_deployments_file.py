@@ -12,12 +12,13 @@ odd values).
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 from typing import Any
 
 import attrs
 import pytest
-from test_proxy_providers import tomlDocument, writeFile
 
 from svcd.common.config import ConfigError
 from svcd.metering.models import (
@@ -48,17 +49,52 @@ def clock() -> float:
     return NOW
 
 
-def load(tmp_path: Path, models: list[dict[str, Any]], **top: Any) -> ProviderTable:
-    path = writeFile(tmp_path, tomlDocument(PROVIDERS, models, top or None))
-    return loadProviders(path, {}, clock)
+def tomlValue(value: Any) -> str:
+    """
+    A value written as TOML: strings as JSON strings (which TOML's basic
+    strings read alike), inline tables, and inf and nan as TOML says them.
+    """
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else "inf" if value > 0 else "-inf"
+    if isinstance(value, list):
+        return "[" + ", ".join(tomlValue(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key} = {tomlValue(item)}" for key, item in value.items()) + "}"
+    return json.dumps(value)
 
 
-def problem(tmp_path: Path, models: list[dict[str, Any]], **top: Any) -> str:
+def writeFile(
+    tmp_path: Path, models: list[dict[str, Any]], memory: dict[str, Any] | None = None
+) -> str:
+    """
+    A providers file of L{PROVIDERS}, C{models} and C{memory}.
+    """
+    lines = []
+    if memory is not None:
+        lines.append(f"memory = {tomlValue(memory)}")
+    for section, tables in (("providers", PROVIDERS), ("models", models)):
+        for table in tables:
+            lines.append(f"\n[[{section}]]")
+            lines += [f"{key} = {tomlValue(value)}" for key, value in table.items()]
+    path = tmp_path / "providers.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def load(tmp_path: Path, models: list[dict[str, Any]]) -> ProviderTable:
+    return loadProviders(writeFile(tmp_path, models), {}, clock)
+
+
+def problem(
+    tmp_path: Path, models: list[dict[str, Any]], memory: dict[str, Any] | None = None
+) -> str:
     """
     The one-line fault that loading a file of C{models} reports, less its
     prefix (the variable and the file).
     """
-    path = writeFile(tmp_path, tomlDocument(PROVIDERS, models, top or None))
+    path = writeFile(tmp_path, models, memory)
     with pytest.raises(ConfigError) as caught:
         loadProviders(path, {}, clock)
     message = str(caught.value)
