@@ -80,20 +80,26 @@ LEDGER_COLUMNS = (
     "duration_us",
     "kind",
     "parent_request_id",
+    "cache_write_tokens",
 )
 
 
-def nanoCost(price: Mapping[str, str] | None, prompt: int, cached: int, completion: int) -> int:
+def nanoCost(
+    price: Mapping[str, str] | None, prompt: int, cached: int, completion: int, written: int = 0
+) -> int:
     """
-    D12's cost in nano-dollars, rounded half up, computed in decimal.
+    D12's cost in nano-dollars, rounded half up, computed in decimal; with
+    D14's C{written} tokens of the prompt (cache writes) at C{cache_write}.
     """
     if price is None:
         return 0
     inputPrice = Decimal(price["input"])
     cachedPrice = Decimal(price.get("cached_input", price["input"]))
+    writePrice = Decimal(price.get("cache_write", price["input"]))
     dollars = (
-        (prompt - cached) * inputPrice
+        (prompt - cached - written) * inputPrice
         + cached * cachedPrice
+        + written * writePrice
         + completion * Decimal(price["output"])
     ) / 10**6
     return int((dollars * 10**9).to_integral_value(ROUND_HALF_UP))
@@ -178,11 +184,14 @@ def headersOf(tenant: Tenant, agent: uuid.UUID | None = None) -> dict[str, str]:
 
 
 def post(
-    port: int, tenant: Tenant, body: bytes, agent: uuid.UUID | None = None, timeout: float = 60
+    port: int,
+    tenant: Tenant,
+    body: bytes,
+    agent: uuid.UUID | None = None,
+    timeout: float = 60,
+    path: str = "/v1/chat/completions",
 ) -> Answer:
-    return request(
-        port, "POST", "/v1/chat/completions", headersOf(tenant, agent), body, timeout=timeout
-    )
+    return request(port, "POST", path, headersOf(tenant, agent), body, timeout=timeout)
 
 
 # The longest any test of the modules that use it takes, and more: none
@@ -290,17 +299,22 @@ class Received:
 
 
 def burst(
-    stack: Stack, tenant: Tenant, body: bytes, count: int = 64, agent: uuid.UUID | None = None
+    stack: Stack,
+    tenant: Tenant,
+    body: bytes,
+    count: int = 64,
+    agent: uuid.UUID | None = None,
+    path: str = "/v1/chat/completions",
 ) -> list[Received]:
     """
-    C{count} requests at once (one thread each), alternating between the
-    two proxies; each answer with the time it arrived.
+    C{count} requests at once (one thread each) to C{path}, alternating
+    between the two proxies; each answer with the time it arrived.
     """
     ready = threading.Barrier(count)
 
     def send(index: int) -> Received:
         ready.wait(timeout=30)
-        answer = post(stack.proxies[index % 2].httpPort, tenant, body, agent)
+        answer = post(stack.proxies[index % 2].httpPort, tenant, body, agent, path=path)
         return Received(answer, time.time())
 
     with ThreadPoolExecutor(count) as pool:
