@@ -467,6 +467,19 @@ def test_maxAttempts() -> None:
     assert [name for name, _ in tries(router.plan([spare, pool]))] == ["spare"]
 
 
+def test_triesNotAcceptedAreNotCounted() -> None:
+    """
+    A try the caller cannot send (accepts says no) is passed over, and
+    max_attempts counts only the tries the plan gives.
+    """
+    router = Router(Clock(), Random(18))
+    pool = model("pool", [1, 1, 1], fallbacks=("spare",), maxAttempts=3)
+    spare = model("spare", [1, 1])
+    plan = tries(router.plan([pool, spare], accepts=lambda attempt: attempt.index != 1))
+    assert sorted(plan[:2]) == [("pool", 0), ("pool", 2)]
+    assert len(plan) == 3 and plan[2][0] == "spare"
+
+
 def test_planIsLazy() -> None:
     """
     A fallback's order is drawn when the plan reaches it: a deployment

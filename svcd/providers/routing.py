@@ -44,7 +44,7 @@ file without C{deployments}) is tried as before, whatever its state.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from random import Random
 
 import attrs
@@ -286,7 +286,9 @@ class Router:
         self._random = random
         self._states: dict[str, _ModelState] = {}
 
-    def plan(self, chain: Sequence[Model]) -> Iterator[Try]:
+    def plan(
+        self, chain: Sequence[Model], accepts: Callable[[Try], bool] | None = None
+    ) -> Iterator[Try]:
         """
         The tries of a request, in order: each model of C{chain} (the model
         the client named, then its fallbacks, as
@@ -296,6 +298,11 @@ class Router:
         is reached, from the state of then (a deployment that cooled
         meanwhile is left out); take the next try only when the one
         before failed.
+
+        @param accepts: whether a try can be sent the request at all (a
+            deployment whose provider's dialect cannot carry it, decisions
+            D14): one it refuses is passed over, and is not a try that
+            C{maxAttempts} counts.
         """
         if not chain:
             return
@@ -303,7 +310,10 @@ class Router:
         count = 0
         for model in chain:
             for index in self._order(model):
-                yield Try(model, index)
+                attempt = Try(model, index)
+                if accepts is not None and not accepts(attempt):
+                    continue
+                yield attempt
                 count += 1
                 if limit is not None and count >= limit:
                     return
