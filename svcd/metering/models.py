@@ -196,8 +196,9 @@ class Model:
     firstByteTimeout: float | None = None
     cooldown: float = DEFAULT_COOLDOWN
     cooldownFailures: int = DEFAULT_COOLDOWN_FAILURES
-    # Index for index with the deployments: the model as a try on each
-    # sees it (L{atDeployment}), made once here rather than on each try.
+    # The model as a try on each deployment but the first sees it
+    # (L{atDeployment}), made once here rather than on each try. Not the
+    # model itself: a model holding itself would be a reference cycle.
     _views: tuple[Model, ...] = attrs.field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
@@ -206,7 +207,7 @@ class Model:
         first = self.deployments[0]
         if first.provider != self.provider or first.upstreamModel != self.upstreamModel:
             raise ValueError("a model's provider and upstreamModel are its first deployment's")
-        views = [self]
+        views = []
         for deployment in self.deployments[1:]:
             views.append(
                 attrs.evolve(
@@ -226,7 +227,9 @@ class Model:
         that sends, translates and bills a try reads one model as before
         (decisions D15). The first deployment's is the model itself.
         """
-        return self._views[index]
+        if index == 0:
+            return self
+        return self._views[index - 1]
 
     @property
     def outputCeiling(self) -> int:
