@@ -1006,6 +1006,23 @@ _ODD_VALUES = {
     "dimensions": st.integers(-(2**70), 2**70),
     "surplus": _anything,
     "api_key": st.just(KEY),
+    # Decisions D15: deployments and how a request chooses among them.
+    "deployments": st.lists(
+        st.fixed_dictionaries(
+            {"provider": st.sampled_from(["local", "remote", "nope", ""])},
+            optional={
+                "upstream_model": st.sampled_from(["m", "a b", ""]),
+                "weight": st.sampled_from([0, -1, 1, 2.5, 10**7, "1", True]),
+                "surplus": _anything,
+            },
+        ),
+        max_size=34,
+    ),
+    "routing": st.sampled_from(["weighted", "least_busy", "latency", "fastest", ""]),
+    "max_attempts": st.integers(-(2**70), 2**70),
+    "first_byte_timeout": st.sampled_from(["0", "1s", "2h", ""]) | st.floats(),
+    "cooldown": st.sampled_from(["0", "10s", "61m", ""]) | st.floats(),
+    "cooldown_failures": st.integers(-(2**70), 2**70),
 }
 
 
@@ -1045,6 +1062,13 @@ def _documents(draw: st.DrawFn) -> str:
             )
         if draw(st.booleans()):
             model["upstream_model"] = draw(st.sampled_from(["llama3.1:8b", "org/m@v1"]))
+        if draw(st.booleans()):
+            # Decisions D15: the model served by several deployments.
+            served = draw(st.lists(st.sampled_from(names), min_size=1, max_size=3, unique=True))
+            model["deployments"] = [
+                {"provider": name, "weight": draw(st.integers(1, 5))} for name in served
+            ]
+            del model["provider"]
         models.append(model)
     for _ in range(draw(st.integers(0, 2))):
         table = draw(st.sampled_from(providers + models))
@@ -1106,6 +1130,11 @@ def test_onlyConfigErrors(tmp_path: Path, content: str) -> None:
         return
     for model in table.models.values():
         assert model.provider is table.providers[model.provider.name]
+        assert model.deployments[0].provider is model.provider
+        assert model.deployments[0].upstreamModel == model.upstreamModel
+        for deployment in model.deployments:
+            assert deployment.provider is table.providers[deployment.provider.name]
+        assert len({deployment.name for deployment in model.deployments}) == len(model.deployments)
         assert all(name in table.models for name in model.fallbacks)
         chain = table.attempts(model, ORG)
         assert len(chain) <= len(table.models)

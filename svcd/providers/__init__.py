@@ -13,6 +13,11 @@ organization with the same client. It imports nothing of svc-proxy (a test check
     themselves, L{svcd.metering.models}, and their prices,
     L{svcd.metering.prices}, are on the floor the limits and the ledger
     share);
+  - L{svcd.providers.routing}: which deployment of a model a request
+    tries, and in what order the others and the fallbacks (decisions D15),
+    from the state of this proxy (tries in flight, time to the first
+    byte, the cooldowns of L{svcd.providers.cooldowns}); pure, clocked by
+    its caller;
   - L{svcd.providers.http1}: the HTTP/1.1 client and its connection pool;
   - L{svcd.providers.upstream}: the request sent upstream over each
     provider's persistent connections, fallbacks, usage, metrics (through

@@ -3,6 +3,14 @@ One entry of the providers file (L{svcd.providers.providersfile}) checked
 into its record: a C{[[providers]]} table into a L{Provider}, a
 C{[[models]]} table into a L{Model}, each key for its type and bounds.
 
+A model names one C{provider}, or (decisions D15) C{deployments}: one to
+L{MAX_DEPLOYMENTS} tables C{{provider, upstream_model?, weight?}}, each
+upstream model by default the model's C{upstream_model}, else its name.
+One C{provider} is a model with one deployment of weight 1, and a file
+that uses none of D15's keys reads exactly as before, its faults in the
+same words (D15's keys are known but not listed in the fault of an
+unknown key).
+
 A provider's key never sits in the file: C{api_key_env} names the
 environment variable that holds it, read here at load. The key is kept out
 of every repr, and no error repeats it, nor anything of C{base_url} (a URL
@@ -13,6 +21,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,14 +31,20 @@ from svcd.metering.models import (
     APIS,
     CAP_FIELDS,
     CHAT,
+    DEFAULT_COOLDOWN,
+    DEFAULT_COOLDOWN_FAILURES,
     DEFAULT_IDLE_TIMEOUT,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_TIMEOUT,
     EMBEDDING,
     MAX_COMPLETION_TOKENS,
+    MAX_DEPLOYMENTS,
     MAX_TOKENS,
     MODEL_KINDS,
     OPENAI,
+    ROUTINGS,
+    WEIGHTED,
+    Deployment,
     Model,
     Provider,
 )
@@ -81,6 +96,20 @@ _MODEL_KEYS = (
     "kind",
     "dimensions",
 )
+# Decisions D15: known, but not listed in the fault of an unknown key.
+_MODEL_OPTIONS = (
+    "deployments",
+    "routing",
+    "max_attempts",
+    "first_byte_timeout",
+    "cooldown",
+    "cooldown_failures",
+)
+_DEPLOYMENT_KEYS = ("provider", "upstream_model", "weight")
+# Bounds against the absurd (D15): a weight's range, the most tries.
+MAX_WEIGHT = 1_000_000
+MAX_ATTEMPTS = 100
+MAX_COOLDOWN_FAILURES = 1000
 # The keys that bound a chat answer's output, meaningless for embeddings.
 _CHAT_ONLY_KEYS = ("max_output_tokens", "cap_field")
 _PRICE_KEYS = ("input", "output", "cached_input", "cache_write")
@@ -216,23 +245,19 @@ class EntryChecker(FieldChecker):
 
     def model(self, table: dict[str, Any], number: int, providers: Mapping[str, Provider]) -> Model:
         where = self.where("model", table, number, _MODEL_NAME, MAX_MODEL_NAME)
-        self.refuseUnknownKeys(table, _MODEL_KEYS, where)
+        self.refuseUnknownKeys(table, _MODEL_KEYS, where, _MODEL_OPTIONS)
         name = self.requiredText(
             table, "name", where, _MODEL_NAME, MAX_MODEL_NAME, _MODEL_NAME_RULE
         )
-        providerName = table.get("provider")
-        if providerName is None:
-            raise self.fault(f"{where}provider is required")
-        if not isinstance(providerName, str):
-            raise self.fault(f"{where}provider must be a string, got {tomlType(providerName)}")
-        provider = providers.get(providerName)
-        if provider is None:
-            raise self.fault(f"{where}provider {quote(providerName)} is not defined")
-        upstreamModel = self.text(
-            table, "upstream_model", where, _MODEL_NAME, MAX_UPSTREAM_MODEL, _MODEL_NAME_RULE
-        )
+        if "deployments" in table:
+            upstreamModel = self.upstreamModel(table, where)
+            deployments = self.deployments(table, where, providers, upstreamModel or name)
+        else:
+            provider = self.modelProvider(table, where, providers)
+            upstreamModel = self.upstreamModel(table, where)
+            deployments = (Deployment(provider, upstreamModel or name),)
         kind = self.modelKind(table, where)
-        if provider.api == ANTHROPIC:
+        if any(deployment.provider.api == ANTHROPIC for deployment in deployments):
             self.anthropicModel(table, where, kind)
         if kind == EMBEDDING:
             for key in _CHAT_ONLY_KEYS:
@@ -247,8 +272,8 @@ class EntryChecker(FieldChecker):
             )
         return Model(
             name=name,
-            provider=provider,
-            upstreamModel=upstreamModel or name,
+            provider=deployments[0].provider,
+            upstreamModel=deployments[0].upstreamModel,
             orgs=self.orgs(table, where),
             fallbacks=self.fallbacks(table, where),
             maxOutputTokens=self.maxOutputTokens(table, where),
@@ -256,7 +281,132 @@ class EntryChecker(FieldChecker):
             capField=self.capField(table, where),
             kind=kind,
             dimensions=self.dimensions(table, where),
+            deployments=deployments,
+            routing=self.routing(table, where),
+            maxAttempts=self.maxAttempts(table, where),
+            firstByteTimeout=self.optionalDuration(table, "first_byte_timeout", where),
+            cooldown=self.duration(table, "cooldown", DEFAULT_COOLDOWN, where),
+            cooldownFailures=self.boundedInteger(
+                table,
+                "cooldown_failures",
+                DEFAULT_COOLDOWN_FAILURES,
+                1,
+                MAX_COOLDOWN_FAILURES,
+                where,
+            ),
         )
+
+    def modelProvider(
+        self, table: dict[str, Any], where: str, providers: Mapping[str, Provider]
+    ) -> Provider:
+        """
+        The provider a C{provider} key names, of a model or of one of its
+        deployments (decisions D15).
+        """
+        providerName = table.get("provider")
+        if providerName is None:
+            raise self.fault(f"{where}provider is required")
+        if not isinstance(providerName, str):
+            raise self.fault(f"{where}provider must be a string, got {tomlType(providerName)}")
+        provider = providers.get(providerName)
+        if provider is None:
+            raise self.fault(f"{where}provider {quote(providerName)} is not defined")
+        return provider
+
+    def upstreamModel(self, table: dict[str, Any], where: str) -> str | None:
+        return self.text(
+            table, "upstream_model", where, _MODEL_NAME, MAX_UPSTREAM_MODEL, _MODEL_NAME_RULE
+        )
+
+    def deployments(
+        self,
+        table: dict[str, Any],
+        where: str,
+        providers: Mapping[str, Provider],
+        upstreamModel: str,
+    ) -> tuple[Deployment, ...]:
+        """
+        A model's C{deployments} (decisions D15), each named for metrics
+        and the access log by its provider, or by C{provider/upstream_model}
+        where the model has another deployment on the same provider; the
+        same provider and upstream model twice is a fault (a weight says
+        what listing it twice would).
+        """
+        if "provider" in table:
+            raise self.fault(
+                f"{where}provider and deployments are exclusive: name one provider,"
+                " or list every deployment"
+            )
+        value = table["deployments"]
+        if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+            raise self.fault(
+                f"{where}deployments must be an array of tables such as"
+                f' [{{ provider = "a" }}, {{ provider = "b", weight = 2 }}], got {tomlType(value)}'
+            )
+        if not value:
+            raise self.fault(
+                f"{where}deployments is empty (list 1 to {MAX_DEPLOYMENTS} deployments,"
+                " or name one provider)"
+            )
+        if len(value) > MAX_DEPLOYMENTS:
+            raise self.fault(f"{where}deployments lists more than {MAX_DEPLOYMENTS} deployments")
+        served: list[tuple[Provider, str, float]] = []
+        for number, item in enumerate(value, 1):
+            at = f"{where}deployment {number}: "
+            self.refuseUnknownKeys(item, _DEPLOYMENT_KEYS, at)
+            provider = self.modelProvider(item, at, providers)
+            upstream = self.upstreamModel(item, at) or upstreamModel
+            if any(provider is other and upstream == same for other, same, _ in served):
+                raise self.fault(
+                    f"{at}provider {quote(provider.name)} with upstream_model"
+                    f" {quote(upstream)} is listed twice (a weight says how much more to use it)"
+                )
+            served.append((provider, upstream, self.weight(item, at)))
+        uses = Counter(provider.name for provider, _, _ in served)
+        return tuple(
+            Deployment(
+                provider,
+                upstream,
+                weight,
+                f"{provider.name}/{upstream}" if uses[provider.name] > 1 else provider.name,
+            )
+            for provider, upstream, weight in served
+        )
+
+    def weight(self, table: dict[str, Any], where: str) -> float:
+        value = table.get("weight", 1)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.fault(f"{where}weight must be a number, got {tomlType(value)}")
+        if not 0 < value <= MAX_WEIGHT:
+            raise self.fault(
+                f"{where}weight must be greater than zero and at most {MAX_WEIGHT:,},"
+                f" got {show(value)}"
+            )
+        return float(value)
+
+    def routing(self, table: dict[str, Any], where: str) -> str:
+        value = table.get("routing")
+        if value is None:
+            return WEIGHTED
+        if not isinstance(value, str):
+            raise self.fault(f"{where}routing must be a string, got {tomlType(value)}")
+        if value not in ROUTINGS:
+            raise self.fault(
+                f"{where}routing must be one of "
+                + ", ".join(f'"{each}"' for each in ROUTINGS)
+                + f", got {quote(value)}"
+            )
+        return value
+
+    def maxAttempts(self, table: dict[str, Any], where: str) -> int | None:
+        if "max_attempts" not in table:
+            return None
+        return self.boundedInteger(table, "max_attempts", 1, 1, MAX_ATTEMPTS, where)
+
+    def optionalDuration(self, table: dict[str, Any], key: str, where: str) -> float | None:
+        if key not in table:
+            return None
+        return self.duration(table, key, 0.0, where)
 
     def anthropicModel(self, table: dict[str, Any], where: str, kind: str) -> None:
         """

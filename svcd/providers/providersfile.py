@@ -47,7 +47,12 @@ worker's extraction model, and recall's settings, each checked here like
 the rest of the file. Decisions D14 add a provider's C{api}: C{"openai"}
 (the default) or C{"anthropic"}, a provider of Anthropic's Messages API
 (its base URL without C{/messages}, its models chat models without a
-C{cap_field}).
+C{cap_field}). Decisions D15 let a model name C{deployments} instead of
+one C{provider} (L{svcd.providers.entries}), and say how a request
+chooses among them and retries: C{routing}, C{max_attempts},
+C{first_byte_timeout}, C{cooldown} and C{cooldown_failures} (what they
+do is L{svcd.providers.routing}'s); a model with a deployment of an
+Anthropic provider is held to what a model of one is.
 
 Here the file is read and its document checked whole (its tables, the
 names fallbacks and C{[memory]} give, the cycles); each C{[[providers]]}
@@ -277,7 +282,9 @@ class _Checker(EntryChecker):
         counterpart for, so that every extraction would be refused.
         """
         model = self.memoryModel(table, "extraction_model", CHAT, models, where)
-        if model is not None and model.provider.api == ANTHROPIC:
+        if model is not None and any(
+            deployment.provider.api == ANTHROPIC for deployment in model.deployments
+        ):
             raise self.fault(
                 f"{where}extraction_model {quote(model.name)} is a model of an Anthropic"
                 " provider; extraction asks for JSON output (response_format), which"

@@ -8,7 +8,10 @@ named, the models to try in turn, the models an organization sees).
 
 Fallbacks are transitive: when a model fails, its fallbacks are tried in
 order, each followed by its own fallbacks (L{ProviderTable.attempts}). A
-cycle would make that order endless, so it is a fault at load.
+cycle would make that order endless, so it is a fault at load. Which
+deployments of each model are tried, and in what order (decisions D15),
+is the router's (L{svcd.providers.routing}): it takes this order of
+models as it is.
 
 Nothing here reads a file or the environment: the records are values,
 and so can be built by hand (the tests do) as well as from the file.
