@@ -29,7 +29,7 @@ from svcd.metering.models import (
     Model,
     Provider,
 )
-from svcd.providers.providersfile import loadProviders
+from svcd.providers.providersfile import loadProviders, providersFromEnvironment
 from svcd.providers.table import ProviderTable, modelsDocument
 
 NOW = 1_700_000_000.0
@@ -470,3 +470,25 @@ def test_modelWithoutProviderReadsAsBefore(tmp_path: Path) -> None:
     required, as before.
     """
     assert problem(tmp_path, [{"name": "pool"}]) == 'model "pool": provider is required'
+
+
+def test_daemonsRefuseSeveralDeploymentsUntilTheyAreServed(tmp_path: Path) -> None:
+    """
+    A daemon reads its file through providersFromEnvironment, which refuses
+    a model of several deployments in one line naming it: the forwarder of
+    this release sends every request to a model's first deployment, and a
+    file asking for balancing must not be half obeyed in silence. A model
+    of one deployment, written either way, still loads.
+    """
+    one = {"name": "solo", "deployments": [{"provider": "east"}], "routing": "latency"}
+    path = writeFile(tmp_path, [one, {"name": "plain", "provider": "local"}])
+    table = providersFromEnvironment({"SVC_PROVIDERS_FILE": path}, clock)
+    assert table is not None and set(table.models) == {"solo", "plain"}
+
+    path = writeFile(tmp_path, [{"name": "plain", "provider": "local"}, POOL])
+    with pytest.raises(ConfigError) as caught:
+        providersFromEnvironment({"SVC_PROVIDERS_FILE": path}, clock)
+    assert str(caught.value) == (
+        f'SVC_PROVIDERS_FILE: {path}: model "pool": several deployments are not served by'
+        " this release yet (the forwarder does not balance over them); name one provider"
+    )
