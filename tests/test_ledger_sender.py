@@ -45,6 +45,7 @@ AT = microseconds(JUNE + datetime.timedelta(hours=1))
 _SEND = """
 import json, sys
 
+import grpc
 from twisted.internet.defer import ensureDeferred
 from twisted.internet.interfaces import IReactorFromThreads
 from twisted.internet.task import react
@@ -64,6 +65,10 @@ async def main(reactor):
         lambda: authChannel(address), IReactorFromThreads(reactor), reactor
     )
     connection.start()
+    # The channel's first handshake, waited for with a bound: a machine
+    # whose cores are busy may take seconds to make it, longer than a
+    # call's deadline, and what is tested is the sender, not that race.
+    grpc.channel_ready_future(connection.startedChannel()).result(timeout=30)
     try:
         sender = LedgerSender(connection)
         first = await sender.recordUsage(rows)
