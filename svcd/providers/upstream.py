@@ -71,6 +71,19 @@ dialect, and its error event mid-stream is mapped by
 L{svcd.dialects.errors.apiErrorOfAnthropic} (before the client's first
 byte, a fault a fallback may answer).
 
+The tries (decisions D15) are the router's plan (L{svcd.providers.routing}):
+the model's deployments, then each fallback's, each in its routing order;
+each try is sent, translated and recorded as its deployment's model
+(L{svcd.metering.models.Model.atDeployment}: the record and the ledger row name its provider
+and upstream model), and tells the router how it went: its first byte (a
+whole answer's head, a stream's first event), a 429 and its
+C{Retry-After} (a cooldown), any other fault before the first byte or a
+stream broken after it (a failure); a refusal of the request
+(UPSTREAM_REJECTED) or a client gone only ends it. With the model's
+C{first_byte_timeout}, a try without its first byte in that time is
+cancelled as when its client goes away (the upstream sees its connection
+closed), and the next try follows.
+
 Every attempt's body is made before the first is sent (decisions D14): a
 request its model cannot be sent (a field with no counterpart in the
 provider's dialect) is a 400 naming the field with nothing forwarded; a
