@@ -472,23 +472,17 @@ def test_modelWithoutProviderReadsAsBefore(tmp_path: Path) -> None:
     assert problem(tmp_path, [{"name": "pool"}]) == 'model "pool": provider is required'
 
 
-def test_daemonsRefuseSeveralDeploymentsUntilTheyAreServed(tmp_path: Path) -> None:
+def test_daemonsServeSeveralDeployments(tmp_path: Path) -> None:
     """
-    A daemon reads its file through providersFromEnvironment, which refuses
-    a model of several deployments in one line naming it: the forwarder of
-    this release sends every request to a model's first deployment, and a
-    file asking for balancing must not be half obeyed in silence. A model
-    of one deployment, written either way, still loads.
+    A daemon reads its file through providersFromEnvironment, which loads
+    a model of several deployments (the forwarder balances over them,
+    tests/test_providers_wiring.py) as it loads a model of one deployment,
+    written either way.
     """
     one = {"name": "solo", "deployments": [{"provider": "east"}], "routing": "latency"}
-    path = writeFile(tmp_path, [one, {"name": "plain", "provider": "local"}])
+    path = writeFile(tmp_path, [one, {"name": "plain", "provider": "local"}, POOL])
     table = providersFromEnvironment({"SVC_PROVIDERS_FILE": path}, clock)
-    assert table is not None and set(table.models) == {"solo", "plain"}
-
-    path = writeFile(tmp_path, [{"name": "plain", "provider": "local"}, POOL])
-    with pytest.raises(ConfigError) as caught:
-        providersFromEnvironment({"SVC_PROVIDERS_FILE": path}, clock)
-    assert str(caught.value) == (
-        f'SVC_PROVIDERS_FILE: {path}: model "pool": several deployments are not served by'
-        " this release yet (the forwarder does not balance over them); name one provider"
-    )
+    assert table is not None and set(table.models) == {"solo", "plain", "pool"}
+    pool = table.models["pool"]
+    assert [deployment.provider.name for deployment in pool.deployments] == ["east", "west"]
+    assert [deployment.weight for deployment in pool.deployments] == [1.0, 2.0]

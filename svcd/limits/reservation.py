@@ -47,6 +47,7 @@ from svcd.common.errors import ApiError, FieldError, FieldErrorCode, validationE
 from svcd.limits.book import Applicable
 from svcd.metering.bodies import attemptBody, embeddingsBody
 from svcd.metering.models import Model
+from svcd.providers.routing import bodyKey
 
 DEFAULT_OUTPUT_CAP = 4096
 TOKENS_PER_MESSAGE = 4
@@ -168,8 +169,10 @@ def worstCaseCost(
     without a price count nothing (under a budget they are never tried).
     C{extraBytes} are bytes the gateway may add to the body before it is
     sent (decisions D13: a recall's message of memories, at its bound).
-    C{bodies}, when given, gets each body measured, by model name, so that
-    the forwarder sends it without serializing the request again. C{body}
+    C{bodies}, when given, gets each body measured, by
+    L{svcd.providers.routing.bodyKey} (every deployment of each model,
+    decisions D15: the worst case is the largest over them), so that the
+    forwarder sends it without serializing the request again. C{body}
     makes each body (decisions D14: translated for a provider of another
     dialect; a model it makes none for is never tried, and counts nothing).
     """
@@ -178,13 +181,16 @@ def worstCaseCost(
         price = model.price
         if price is None:
             continue
-        sent = body(chat.document, model, sentCap)
-        if sent is None:
-            continue
-        if bodies is not None:
-            bodies[model.name] = sent
         completion = min(sentCap, model.outputCeiling) if sentCap is not None else cap
-        worst = max(worst, price.worstCase(len(sent) + extraBytes, completion * chat.choices))
+        # Decisions D15: every deployment may answer, each sent its own
+        # body (its upstream model, its provider's dialect).
+        for index in range(len(model.deployments)):
+            sent = body(chat.document, model.atDeployment(index), sentCap)
+            if sent is None:
+                continue
+            if bodies is not None:
+                bodies[bodyKey(model, index)] = sent
+            worst = max(worst, price.worstCase(len(sent) + extraBytes, completion * chat.choices))
     return worst
 
 
@@ -341,8 +347,9 @@ def reserveEmbeddings(
         for attempt in attempts:
             price = attempt.price
             assert price is not None
-            body = embeddingsBody(embeddings.document, attempt)
-            cost = max(cost, price.worstCase(len(body), 0))
+            for index in range(len(attempt.deployments)):
+                body = embeddingsBody(embeddings.document, attempt.atDeployment(index))
+                cost = max(cost, price.worstCase(len(body), 0))
     return inputsEstimate(embeddings.inputs), cost
 
 

@@ -20,8 +20,14 @@ organization with the same client. It imports nothing of svc-proxy (a test check
     its caller;
   - L{svcd.providers.http1}: the HTTP/1.1 client and its connection pool;
   - L{svcd.providers.upstream}: the request sent upstream over each
-    provider's persistent connections, fallbacks, usage, metrics (through
-    a Protocol the daemon's metrics fill) and the upstream span;
+    provider's persistent connections, its tries over the deployments and
+    fallbacks as the router plans them, usage, metrics (through a
+    Protocol the daemon's metrics fill) and the upstream span;
+  - L{svcd.providers.tries}: what the forwarder keeps of each try: which
+    can be sent the request and their bodies, the wait for its first
+    byte (C{first_byte_timeout}), the deployment metrics' Protocol;
+  - L{svcd.providers.links}: one provider's pool of connections and its
+    bound on requests in flight;
   - L{svcd.providers.operations}: what a request asks, in the client's
     dialect, and how it is carried to a provider of each C{api} (path,
     body, answer, stream), translated by L{svcd.dialects} where the two

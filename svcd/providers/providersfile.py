@@ -81,7 +81,7 @@ from svcd.providers.table import (
     ProviderTable,
 )
 
-__all__ = ["VARIABLE", "loadProviders", "providersFromEnvironment", "refuseUnservedDeployments"]
+__all__ = ["VARIABLE", "loadProviders", "providersFromEnvironment"]
 
 # Bounds against the absurd, well above any sensible value.
 MAX_FILE_BYTES = 1024 * 1024
@@ -133,26 +133,7 @@ def providersFromEnvironment(
     if not path:
         return None
     table = loadProviders(path, environ, clock)
-    refuseUnservedDeployments(path, table)
     return table
-
-
-def refuseUnservedDeployments(path: str, table: ProviderTable) -> None:
-    """
-    Refuse, at start, a model of several deployments (decisions D15): the
-    file reads them, but this release's forwarder does not yet plan its
-    tries over them, and a daemon that silently sent every request to the
-    first deployment would betray the file that asked for balancing.
-
-    @raise ConfigError: naming the first such model.
-    """
-    for model in table.models.values():
-        if len(model.deployments) > 1:
-            raise fault(
-                path,
-                f"model {quote(model.name)}: several deployments are not served by this"
-                " release yet (the forwarder does not balance over them); name one provider",
-            )
 
 
 def _readFile(path: str) -> bytes:

@@ -34,3 +34,7 @@ class UpstreamRecord:
     # overloaded (its 529, or an overloaded_error): a client of Anthropic's
     # dialect is told overloaded_error rather than api_error.
     overloaded: bool = False
+    # Decisions D15: the deployment of the last try (its name among its
+    # model's deployments), and how many tries the request made.
+    deployment: str | None = None
+    tries: int = 0

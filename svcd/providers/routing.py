@@ -61,6 +61,7 @@ __all__ = [
     "LatencyMean",
     "Router",
     "Try",
+    "bodyKey",
 ]
 
 # The mean time to the first byte weighs a sample of t seconds ago by
@@ -70,6 +71,17 @@ LATENCY_TIME_CONSTANT = 30.0
 # deployment is tried first again, and so measured again (a deployment
 # left aside for being slow is looked at again about once a minute).
 LATENCY_WINDOW = 60.0
+
+
+def bodyKey(model: Model, index: int) -> str:
+    """
+    The key of the body a try of C{model} on its deployment C{index} is
+    sent, among the bodies a budget's reservation measures
+    (L{svcd.limits.reservation.worstCaseCost}) and the forwarder sends: the
+    model's name for its first deployment (a model of one deployment as
+    before), else the name and the index.
+    """
+    return model.name if index == 0 else f"{model.name}#{index}"
 
 
 @attrs.frozen

@@ -71,6 +71,19 @@ dialect, and its error event mid-stream is mapped by
 L{svcd.dialects.errors.apiErrorOfAnthropic} (before the client's first
 byte, a fault a fallback may answer).
 
+The tries (decisions D15) are the router's plan (L{svcd.providers.routing}):
+the model's deployments, then each fallback's, each in its routing order;
+each try is sent, translated and recorded as its deployment's model
+(L{svcd.metering.models.Model.atDeployment}: the record and the ledger row name its provider
+and upstream model), and tells the router how it went: its first byte (a
+whole answer's head, a stream's first event), a 429 and its
+C{Retry-After} (a cooldown), any other fault before the first byte or a
+stream broken after it (a failure); a refusal of the request
+(UPSTREAM_REJECTED) or a client gone only ends it. With the model's
+C{first_byte_timeout}, a try without its first byte in that time is
+cancelled as when its client goes away (the upstream sees its connection
+closed), and the next try follows.
+
 Every attempt's body is made before the first is sent (decisions D14): a
 request its model cannot be sent (a field with no counterpart in the
 provider's dialect) is a 400 naming the field with nothing forwarded; a
@@ -82,8 +95,8 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
+from random import Random
 from typing import Any, Protocol
-from urllib.parse import urlsplit
 
 import attrs
 from opentelemetry import trace
@@ -91,7 +104,6 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from twisted.internet.defer import (
     CancelledError,
     Deferred,
-    DeferredSemaphore,
     TimeoutError,
     succeed,
 )
@@ -103,11 +115,12 @@ from svcd.common.deferreds import timeoutDeferred
 from svcd.common.errors import ApiError, ErrorCode
 from svcd.common.tracing import traceparentOf
 from svcd.dialects.errors import BadAnswer as Untranslated
-from svcd.dialects.errors import Untranslatable
 from svcd.metering.models import ANTHROPIC, Model, Provider
 from svcd.metering.usage import Usage
+from svcd.providers.cooldowns import Cooldown, retryAfterSeconds
 from svcd.providers.faults import UpstreamFault, brokenFault, refusalFault, timeoutFault
-from svcd.providers.http1 import BadAnswer, ConnectionPool, UpstreamAnswer
+from svcd.providers.http1 import UpstreamAnswer
+from svcd.providers.links import Link
 from svcd.providers.operations import (
     ANTHROPIC_VERSION,
     CHAT_COMPLETIONS,
@@ -117,14 +130,24 @@ from svcd.providers.operations import (
 from svcd.providers.passages import Exchange
 from svcd.providers.records import UpstreamRecord
 from svcd.providers.relay import BodyReader, StreamFault, StreamRelay
+from svcd.providers.routing import Flight, Router, Try, bodyKey
+from svcd.providers.tries import (
+    BROKEN,
+    CANCELLED,
+    FAILED,
+    FIRST_BYTE_TIMEOUT,
+    OK,
+    RATE_LIMITED,
+    REJECTED,
+    DeploymentMetrics,
+    FirstByte,
+    prepare,
+)
 
 UPSTREAM_MODEL_HEADER = b"X-SVC-Upstream-Model"
-IDLE_CONNECTION_SECONDS = 4.0
 ANTHROPIC_VERSION_HEADER = b"anthropic-version"
 ANTHROPIC_BETA_HEADER = b"anthropic-beta"
 _DEFAULT_VERSION = ANTHROPIC_VERSION.encode("ascii")
-_CHAT_COMPLETIONS_PATH = "/chat/completions"
-_MESSAGES_PATH = "/messages"
 _SPAN_ERROR = Status(StatusCode.ERROR)
 _JSON = b"application/json"
 _EVENT_STREAM = b"text/event-stream"
@@ -191,6 +214,8 @@ class Forwarder:
     @param providers: every configured provider (a client and a pool each
         are made here).
     @param tracer: makes the upstream client span of a sampled request.
+    @param router: the deployments' routing state (decisions D15); by
+        default one of the forwarder's own, on C{clock}.
     """
 
     log = Logger()
@@ -202,11 +227,14 @@ class Forwarder:
         providers: Sequence[Provider],
         metrics: UpstreamMetrics,
         tracer: Tracer | None = None,
+        router: Router | None = None,
     ) -> None:
         self._clock = clock
         self._metrics = metrics
+        self._deployments = metrics if isinstance(metrics, DeploymentMetrics) else None
         self._tracer = tracer
-        self._links = {provider.name: _Link(reactor, clock, provider) for provider in providers}
+        self._router = router if router is not None else Router(clock, Random())
+        self._links = {provider.name: Link(reactor, clock, provider) for provider in providers}
 
     def close(self) -> Deferred[None]:
         """
@@ -247,10 +275,13 @@ class Forwarder:
             None to send the client's own (or, to an Anthropic provider,
             which requires one, the model's).
         @param operation: what is asked; a chat completion by default.
-        @param bodies: attempts' bodies already made, by model name, as
-            C{operation.body(document, model, outputCap)} makes them (a
-            budget's reservation measured them, decisions D12 amended):
-            sent as they are rather than serialized again.
+        @param bodies: attempts' bodies already made, by
+            L{svcd.providers.routing.bodyKey} (a model's name, and its
+            deployment's index past the first), as
+            C{operation.body(document, model.atDeployment(index),
+            outputCap)} makes them (a budget's reservation measured them,
+            decisions D12 amended): sent as they are rather than
+            serialized again.
         @param onEventData: given the data of each event of a stream as it
             is relayed to the client (L{StreamRelay}'s C{onData}), in the
             client's dialect.
@@ -265,34 +296,143 @@ class Forwarder:
         if operation is None:
             operation = CHAT_COMPLETIONS
         stream = operation.streams and document.get("stream") is True
-        planned = _plan(operation, document, attempts, outputCap, bodies)
+        prepared = prepare(operation, document, attempts, outputCap, bodies)
         exchange = Exchange(document, requestID, int(self._clock.seconds()))
         fault: UpstreamFault | None = None
-        for model, leg, made in planned:
+        record.tries = 0
+
+        def accepts(attempt: Try) -> bool:
+            return bodyKey(attempt.model, attempt.index) in prepared
+
+        for attempt in self._router.plan(attempts, accepts=accepts):
+            leg, made = prepared[bodyKey(attempt.model, attempt.index)]
+            model = attempt.target
             body = made if made is not None else leg.body(document, model, outputCap)
+            record.tries += 1
+            record.deployment = attempt.deployment.name
+            flight = self._router.start(attempt)
+            self._started(attempt)
+            outcome = CANCELLED
             try:
-                if stream:
-                    return await self._stream(
-                        model,
-                        leg,
-                        body,
-                        exchange,
-                        client,
-                        errorEvent,
-                        record,
-                        onEventData,
-                        clientHeaders,
-                    )
-                return await self._complete(model, leg, body, exchange, record, clientHeaders)
+                answer = await self._try(
+                    model,
+                    leg,
+                    body,
+                    exchange,
+                    flight,
+                    stream,
+                    client,
+                    errorEvent,
+                    record,
+                    onEventData,
+                    clientHeaders,
+                )
+                if record.brokenMidStream:
+                    # After the client's first byte: no retry (D9), but the
+                    # deployment failed.
+                    outcome = BROKEN
+                    self._cooled(attempt, flight.failed())
+                else:
+                    outcome = OK
+                return answer
             except UpstreamFault as failed:
                 fault = failed
                 record.overloaded = failed.overloaded
+                outcome = self._failedTry(attempt, flight, failed)
                 if not failed.fallback:
                     break
+            finally:
+                flight.finished()
+                if self._deployments is not None:
+                    self._deployments.deploymentEnded(
+                        attempt.model.name, attempt.deployment.name, outcome
+                    )
         assert fault is not None, "a model always has at least one attempt"
         raise fault.error
 
-    # One attempt.
+    # One try.
+
+    async def _try(
+        self,
+        model: Model,
+        leg: Leg,
+        body: bytes,
+        exchange: Exchange,
+        flight: Flight,
+        stream: bool,
+        client: ClientStream,
+        errorEvent: Callable[[ApiError], bytes],
+        record: UpstreamRecord,
+        onEventData: Callable[[bytes], None] | None,
+        clientHeaders: Mapping[bytes, bytes] | None,
+    ) -> Answer:
+        """
+        One try on one deployment, its wait for the first byte bounded by
+        the model's C{first_byte_timeout} (decisions D15): on expiry the
+        try is cancelled as when its client goes away (the upstream sees
+        its connection closed), and it is a fault that allows the next
+        try.
+        """
+        waiting = FirstByte(flight)
+        work: Deferred[Answer]
+        if stream:
+            work = Deferred.fromCoroutine(
+                self._stream(
+                    model,
+                    leg,
+                    body,
+                    exchange,
+                    client,
+                    errorEvent,
+                    record,
+                    onEventData,
+                    clientHeaders,
+                    waiting,
+                )
+            )
+        else:
+            work = Deferred.fromCoroutine(
+                self._complete(model, leg, body, exchange, record, clientHeaders, waiting)
+            )
+        if model.firstByteTimeout is not None and not work.called:
+            waiting.timer = asReactorTime(self._clock).callLater(
+                model.firstByteTimeout, waiting.expire, work
+            )
+        try:
+            return await work
+        except CancelledError:
+            if waiting.expired:
+                raise timeoutFault(FIRST_BYTE_TIMEOUT) from None
+            raise
+        finally:
+            waiting.disarm()
+
+    def _started(self, attempt: Try) -> None:
+        if self._deployments is not None:
+            self._deployments.deploymentStarted(attempt.model.name, attempt.deployment.name)
+
+    def _cooled(self, attempt: Try, cooldown: Cooldown | None) -> None:
+        if cooldown is not None and self._deployments is not None:
+            self._deployments.deploymentCooled(
+                attempt.model.name, attempt.deployment.name, cooldown.reason
+            )
+
+    def _failedTry(self, attempt: Try, flight: Flight, fault: UpstreamFault) -> str:
+        """
+        Tell the router how a try failed before the client's first byte;
+        the outcome label. A refusal of the client's request is not the
+        deployment's failure.
+        """
+        code = fault.error.code
+        if code is ErrorCode.UPSTREAM_REJECTED:
+            return REJECTED
+        if code is ErrorCode.UPSTREAM_RATE_LIMITED:
+            retryAfter = dict(fault.error.headers or ()).get("Retry-After")
+            now = self._clock.seconds()
+            self._cooled(attempt, flight.rateLimited(retryAfterSeconds(retryAfter, now)))
+            return RATE_LIMITED
+        self._cooled(attempt, flight.failed())
+        return FAILED
 
     def _begin(
         self,
@@ -301,14 +441,14 @@ class Forwarder:
         requestID: str,
         record: UpstreamRecord,
         clientHeaders: Mapping[bytes, bytes] | None,
-    ) -> tuple[_Link, dict[bytes, bytes], Span | None]:
+    ) -> tuple[Link, dict[bytes, bytes], Span | None]:
         link = self._links[model.provider.name]
         record.provider = model.provider.name
         record.model = model.name
         record.upstreamModel = model.upstreamModel
         record.usage = None
         record.overloaded = False
-        # Content-Type and the key are the pool's own (_Link).
+        # Content-Type and the key are the pool's own (Link).
         headers = {b"X-Request-ID": requestID.encode("ascii")}
         if model.provider.api == ANTHROPIC:
             _anthropicHeaders(headers, clientHeaders)
@@ -364,16 +504,19 @@ class Forwarder:
         exchange: Exchange,
         record: UpstreamRecord,
         clientHeaders: Mapping[bytes, bytes] | None,
+        waiting: FirstByte,
     ) -> Answer:
         """
         A non-streaming attempt: the whole answer within C{timeout}, in
-        the client's dialect.
+        the client's dialect; its first byte is its response's head.
         """
         link, headers, span = self._begin(model, leg, exchange.requestID, record, clientHeaders)
         began = time.perf_counter()
         label = "cancelled"
         try:
-            work = Deferred.fromCoroutine(link.exchange(body, headers, link.target(leg)))
+            work = Deferred.fromCoroutine(
+                link.exchange(body, headers, link.target(leg), waiting.arrived)
+            )
             try:
                 response, answer = await timeoutDeferred(
                     work, model.provider.timeout, asReactorTime(self._clock)
@@ -401,6 +544,9 @@ class Forwarder:
         except UpstreamFault as fault:
             label = fault.label
             raise
+        except CancelledError:
+            label = FIRST_BYTE_TIMEOUT if waiting.expired else "cancelled"
+            raise
         finally:
             self._finish(model, span, label, began, record)
 
@@ -415,17 +561,19 @@ class Forwarder:
         record: UpstreamRecord,
         onEventData: Callable[[bytes], None] | None,
         clientHeaders: Mapping[bytes, bytes] | None,
+        waiting: FirstByte,
     ) -> Answer:
         """
         A streaming attempt: the first event within C{idle_timeout} (until
         then a fault allows a fallback), then every event relayed as it
         comes (through the leg's passage, when it has one), each within
-        C{idle_timeout} of the one before.
+        C{idle_timeout} of the one before. Its first byte is its first
+        event.
         """
         link, headers, span = self._begin(model, leg, exchange.requestID, record, clientHeaders)
         began = time.perf_counter()
         provider = model.provider
-        side = _StreamSide(client, model.name, errorEvent, record)
+        side = _StreamSide(client, model.name, errorEvent, record, waiting.arrived)
         label = "cancelled"
         try:
             async with link.turn(provider.idleTimeout, self._clock) as remaining:
@@ -449,7 +597,7 @@ class Forwarder:
             label = fault.label
             raise
         except CancelledError:
-            label = "cancelled"
+            label = FIRST_BYTE_TIMEOUT if waiting.expired else "cancelled"
             raise
         except Exception:
             if not side.committed:
@@ -470,7 +618,7 @@ class Forwarder:
 
     async def _openStream(
         self,
-        link: _Link,
+        link: Link,
         body: bytes,
         headers: Mapping[bytes, bytes],
         provider: Provider,
@@ -537,10 +685,12 @@ class _StreamSide:
     modelName: str
     errorEvent: Callable[[ApiError], bytes]
     record: UpstreamRecord
+    arrived: Callable[[], None]
     relay: StreamRelay | None = None
     committed: bool = False
 
     def begin(self) -> None:
+        self.arrived()
         self.committed = True
         self.client.begin(200, _EVENT_STREAM, [(UPSTREAM_MODEL_HEADER, _ascii(self.modelName))])
         assert self.relay is not None
@@ -554,161 +704,6 @@ class _StreamSide:
         # Read by the route's errorEvent (decisions D14: overloaded_error).
         self.record.overloaded = fault.overloaded
         return self.errorEvent(error)
-
-
-@attrs.define
-class _Link:
-    """
-    One provider's pool of connections and bound on requests in flight.
-    """
-
-    reactor: Any
-    clock: Clock
-    provider: Provider
-    pool: ConnectionPool = attrs.field(init=False)
-    slots: DeferredSemaphore = attrs.field(init=False)
-    # The path of the pool's own URL: chat completions, or an Anthropic
-    # provider's messages (decisions D14).
-    path: str = attrs.field(init=False)
-    # The request target of each other path, by that path.
-    targets: dict[str, bytes] = attrs.field(init=False, factory=dict)
-
-    def __attrs_post_init__(self) -> None:
-        fixed = {b"Content-Type": _JSON}
-        key = self.provider.apiKey
-        if self.provider.api == ANTHROPIC:
-            self.path = _MESSAGES_PATH
-            if key:
-                fixed[b"x-api-key"] = key.encode("latin-1")
-        else:
-            self.path = _CHAT_COMPLETIONS_PATH
-            if key:
-                fixed[b"Authorization"] = b"Bearer " + key.encode("latin-1")
-        self.pool = ConnectionPool(
-            self.reactor,
-            self.clock,
-            self.provider.baseURL.rstrip("/") + self.path,
-            fixed,
-            IDLE_CONNECTION_SECONDS,
-        )
-        self.slots = DeferredSemaphore(self.provider.maxConnections)
-
-    def target(self, leg: Leg) -> bytes | None:
-        """
-        Where C{leg} is posted on this provider's server: None for the
-        pool's URL, else the base URL's path with the leg's appended.
-        """
-        if leg.path == self.path:
-            return None
-        target = self.targets.get(leg.path)
-        if target is None:
-            path = urlsplit(self.provider.baseURL).path.rstrip("/") + leg.path
-            target = self.targets[leg.path] = path.encode("ascii")
-        return target
-
-    def send(
-        self, body: bytes, headers: Mapping[bytes, bytes], target: bytes | None = None
-    ) -> Deferred[UpstreamAnswer]:
-        """
-        POST C{body} (to C{target}, else to chat completions); fires with
-        the answer, its body unread. Failures to connect or to get an
-        answer become L{UpstreamFault}s.
-        """
-        sending = self.pool.post(body, headers, target)
-
-        def failed(failure: Any) -> Any:
-            if failure.check(CancelledError, UpstreamFault):
-                # Cancelled in flight (its client went away, or its
-                # deadline passed): not the provider's fault, and no
-                # fallback may follow it.
-                return failure
-            if failure.check(BadAnswer):
-                raise brokenFault("invalid") from None
-            raise brokenFault("connect_error") from None
-
-        return sending.addErrback(failed)
-
-    async def exchange(
-        self, body: bytes, headers: Mapping[bytes, bytes], target: bytes | None = None
-    ) -> tuple[UpstreamAnswer, bytes]:
-        """
-        A whole exchange within a turn: the response and its whole body.
-        """
-        await self.slots.acquire()
-        try:
-            response = await self.send(body, headers, target)
-            reader = BodyReader()
-            response.deliverBody(reader)
-            try:
-                answer = await reader.finished
-            except StreamFault as fault:
-                raise brokenFault(fault.kind) from None
-            return response, answer
-        finally:
-            self.slots.release()
-
-    def turn(self, budget: float, clock: Clock) -> _Turn:
-        return _Turn(self.slots, budget, clock)
-
-
-class _Turn:
-    """
-    A slot of a provider's bound, taken within C{budget} seconds; inside,
-    C{remaining()} says how much of the budget is left.
-    """
-
-    def __init__(self, slots: DeferredSemaphore, budget: float, clock: Clock) -> None:
-        self._slots = slots
-        self._budget = budget
-        self._clock = clock
-        self._began = clock.seconds()
-
-    def remaining(self) -> float:
-        return max(0.001, self._budget - (self._clock.seconds() - self._began))
-
-    async def __aenter__(self) -> Callable[[], float]:
-        try:
-            await timeoutDeferred(self._slots.acquire(), self._budget, asReactorTime(self._clock))
-        except TimeoutError:
-            raise timeoutFault() from None
-        return self.remaining
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._slots.release()
-
-
-def _plan(
-    operation: Operation,
-    document: Mapping[str, Any],
-    attempts: Sequence[Model],
-    outputCap: int | None,
-    bodies: Mapping[str, bytes] | None,
-) -> list[tuple[Model, Leg, bytes | None]]:
-    """
-    The attempts that can be sent the request, each with its leg and its
-    body when it is made already (decisions D14): every translated body is
-    made here, before anything is sent; a body sent as the client wrote it
-    cannot fail, and is made when its attempt comes.
-
-    @raise ApiError: 400 VALIDATION_ERROR naming the field when the first
-        attempt (the model the client named) cannot be sent the request.
-    """
-    planned: list[tuple[Model, Leg, bytes | None]] = []
-    for model in attempts:
-        made = bodies.get(model.name) if bodies is not None else None
-        leg = operation.leg(model.provider)
-        try:
-            if leg is None:
-                raise Untranslatable("model", f"is not served by {operation.name}")
-            if made is None and leg.translated:
-                made = leg.body(document, model, outputCap)
-        except Untranslatable as untranslatable:
-            if not planned and model is attempts[0]:
-                raise untranslatable.apiError() from None
-            # A fallback that cannot take the request is not tried.
-            continue
-        planned.append((model, leg, made))
-    return planned
 
 
 def _anthropicHeaders(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import time
+from random import Random
 from typing import Any
 
 import attrs
@@ -37,6 +38,7 @@ from svcd.limits.limiter import RateLimiter, RedisRateLimiter, makeRateLimiter
 from svcd.limits.link import RedisCounters
 from svcd.memoryclient.channel import ClientTLS, memoryChannel
 from svcd.memoryclient.client import DEFAULT_TIMEOUT, MemoryClient
+from svcd.providers.routing import Router
 from svcd.providers.upstream import Forwarder
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.http.edge import ProxyEdge
@@ -192,8 +194,10 @@ def assembleProxy(
     forwarder = None
     outbox = None
     if config.providers is not None:
+        # Decisions D15: the deployments' routing state of this proxy.
+        router = Router(reactor, Random())
         forwarder = Forwarder(
-            reactor, reactor, tuple(config.providers.providers.values()), metrics, tracer
+            reactor, reactor, tuple(config.providers.providers.values()), metrics, tracer, router
         )
         if sender is None:
             if ledgerSender is None:

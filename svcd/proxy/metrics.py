@@ -104,6 +104,28 @@ class ProxyMetrics(ProviderCallMetrics):
         )
         for outcome in ("ok", "empty", "timeout", "error"):
             self.memoryRecalls.labels(outcome)
+        self.deploymentRequests = Counter(
+            "svc_proxy_deployment_requests",
+            "Tries of requests on the deployments of models (decisions D15), by model,"
+            " deployment and outcome: ok, failed (before the client's first byte; the"
+            " next try followed), rate_limited (a 429), rejected (the provider refused"
+            " the request, 4xx), broken (after the client's first byte) or cancelled",
+            ["model", "deployment", "outcome"],
+            registry=self.registry,
+        )
+        self.deploymentInFlight = Gauge(
+            "svc_proxy_deployment_in_flight",
+            "Tries in flight on each deployment of a model, on this proxy",
+            ["model", "deployment"],
+            registry=self.registry,
+        )
+        self.deploymentCooldowns = Counter(
+            "svc_proxy_deployment_cooldowns",
+            "Cooldowns begun by deployments of models (decisions D15), by reason:"
+            " rate_limited (a 429) or failures (cooldown_failures failures within 10 s)",
+            ["model", "deployment", "reason"],
+            registry=self.registry,
+        )
         self.processUp = processUpGauge(self.registry)
 
     def observeRequest(self, route: str, method: str, code: int, seconds: float) -> None:
@@ -130,6 +152,17 @@ class ProxyMetrics(ProviderCallMetrics):
 
     def memoryRecall(self, outcome: str) -> None:
         self._children.of(self.memoryRecalls, outcome).inc()
+
+    def deploymentStarted(self, model: str, deployment: str) -> None:
+        self._children.of(self.deploymentInFlight, model, deployment).inc()
+
+    def deploymentEnded(self, model: str, deployment: str, outcome: str) -> None:
+        children = self._children
+        children.of(self.deploymentInFlight, model, deployment).dec()
+        children.of(self.deploymentRequests, model, deployment, outcome).inc()
+
+    def deploymentCooled(self, model: str, deployment: str, reason: str) -> None:
+        self._children.of(self.deploymentCooldowns, model, deployment, reason).inc()
 
     def watchFeed(self, live: Callable[[], bool]) -> None:
         """

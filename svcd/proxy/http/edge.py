@@ -556,6 +556,8 @@ class ProxyEdge:
                 provider=upstream.provider,
                 model=upstream.model,
                 upstream_model=upstream.upstreamModel,
+                deployment=upstream.deployment,
+                tries=upstream.tries,
                 upstream_ms=upstream.upstreamMilliseconds,
                 prompt_tokens=usage.promptTokens if usage is not None else None,
                 completion_tokens=usage.completionTokens if usage is not None else None,
