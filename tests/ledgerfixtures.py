@@ -80,20 +80,26 @@ LEDGER_COLUMNS = (
     "duration_us",
     "kind",
     "parent_request_id",
+    "cache_write_tokens",
 )
 
 
-def nanoCost(price: Mapping[str, str] | None, prompt: int, cached: int, completion: int) -> int:
+def nanoCost(
+    price: Mapping[str, str] | None, prompt: int, cached: int, completion: int, written: int = 0
+) -> int:
     """
-    D12's cost in nano-dollars, rounded half up, computed in decimal.
+    D12's cost in nano-dollars, rounded half up, computed in decimal; with
+    D14's C{written} tokens of the prompt (cache writes) at C{cache_write}.
     """
     if price is None:
         return 0
     inputPrice = Decimal(price["input"])
     cachedPrice = Decimal(price.get("cached_input", price["input"]))
+    writePrice = Decimal(price.get("cache_write", price["input"]))
     dollars = (
-        (prompt - cached) * inputPrice
+        (prompt - cached - written) * inputPrice
         + cached * cachedPrice
+        + written * writePrice
         + completion * Decimal(price["output"])
     ) / 10**6
     return int((dollars * 10**9).to_integral_value(ROUND_HALF_UP))

@@ -52,7 +52,25 @@ from svcd.pb.auth.v1 import auth_pb2
 
 UTC = datetime.UTC
 DAY = datetime.timedelta(days=1)
-SUMMED = ("promptTokens", "cachedTokens", "completionTokens", "reasoningTokens", "costNanoUSD")
+SUMMED = (
+    "promptTokens",
+    "cachedTokens",
+    "completionTokens",
+    "reasoningTokens",
+    "costNanoUSD",
+    "cacheWriteTokens",
+)
+# The rollup's sums before decisions D14 (sql/0020_usage_cache_writes.sql).
+SUMMED_BEFORE_CACHE_WRITES = SUMMED[:-1]
+# Each sum's column.
+COLUMNS = {
+    "promptTokens": "prompt_tokens",
+    "cachedTokens": "cached_tokens",
+    "completionTokens": "completion_tokens",
+    "reasoningTokens": "reasoning_tokens",
+    "costNanoUSD": "cost_nano_usd",
+    "cacheWriteTokens": "cache_write_tokens",
+}
 
 
 @contextlib.contextmanager
@@ -102,29 +120,36 @@ def usageRecord(orgID: uuid.UUID, **changes: Any) -> UsageRecord:
 Group = tuple[uuid.UUID, datetime.date, uuid.UUID | None, uuid.UUID | None, str, str]
 
 
-def expectedRollup(records: list[UsageRecord]) -> dict[Group, tuple[int, ...]]:
+def expectedRollup(
+    records: list[UsageRecord], summed: tuple[str, ...] = SUMMED
+) -> dict[Group, tuple[int, ...]]:
     """
     What the rollup must hold for C{records}, summed here in Python.
     """
     sums: dict[Group, list[int]] = {}
     for each in records:
         key = (each.orgID, each.startedAt.astimezone(UTC).date(), each.agentID, each.tokenID)
-        group = sums.setdefault((*key, each.model, each.kind), [0] * 6)
+        group = sums.setdefault((*key, each.model, each.kind), [0] * (len(summed) + 1))
         group[0] += 1
-        for index, field in enumerate(SUMMED, 1):
+        for index, field in enumerate(summed, 1):
             group[index] += getattr(each, field)
     return {key: tuple(value) for key, value in sums.items()}
 
 
-def storedRollup(dsn: str, orgIDs: list[uuid.UUID]) -> dict[Group, tuple[int, ...]]:
+def _sums(summed: tuple[str, ...]) -> str:
+    return ", ".join(f"sum({COLUMNS[field]})" for field in summed)
+
+
+def storedRollup(
+    dsn: str, orgIDs: list[uuid.UUID], summed: tuple[str, ...] = SUMMED
+) -> dict[Group, tuple[int, ...]]:
     """
     The rollup's sums of each group, its slots added up.
     """
     with psycopg.connect(dsn, autocommit=True) as connection:
         rows = connection.execute(
             "SELECT org_id, day, agent_id, token_id, model, kind, sum(requests),"
-            " sum(prompt_tokens), sum(cached_tokens), sum(completion_tokens),"
-            " sum(reasoning_tokens), sum(cost_nano_usd) FROM usage_rollup"
+            f" {_sums(summed)} FROM usage_rollup"
             " WHERE org_id = ANY(%s) GROUP BY 1, 2, 3, 4, 5, 6",
             (orgIDs,),
         ).fetchall()
@@ -138,8 +163,7 @@ def ledgerRollup(dsn: str, orgIDs: list[uuid.UUID]) -> dict[Group, tuple[int, ..
     with psycopg.connect(dsn, autocommit=True) as connection:
         rows = connection.execute(
             "SELECT org_id, (started_at AT TIME ZONE 'UTC')::date, agent_id, token_id, model,"
-            " kind, count(*), sum(prompt_tokens), sum(cached_tokens), sum(completion_tokens),"
-            " sum(reasoning_tokens), sum(cost_nano_usd)"
+            f" kind, count(*), {_sums(SUMMED)}"
             " FROM usage_ledger WHERE org_id = ANY(%s) GROUP BY 1, 2, 3, 4, 5, 6",
             (orgIDs,),
         ).fetchall()
@@ -564,11 +588,12 @@ contents = st.fixed_dictionaries(
 )
 # A row of a batch: a new one, or one recorded before (by its position in
 # the rows made so far) sent again as it was, with another cost, under
-# another organization, as another kind, or with another parent.
+# another organization, as another kind, with another parent, or with
+# other cache writes.
 actions = st.one_of(
     st.tuples(st.just("new"), contents),
     st.tuples(
-        st.sampled_from(["same", "changed", "stolen", "rekinded", "reparented"]),
+        st.sampled_from(["same", "changed", "stolen", "rekinded", "reparented", "rewritten"]),
         st.integers(0, 10_000),
     ),
 )
@@ -585,7 +610,8 @@ def test_theRollupEqualsTheLedgersSumsAfterAnyBatches(
 ) -> None:
     """
     After any batches of new rows of every kind, rows sent again, rows sent
-    again with other content (another cost, kind or parent) and keys taken
+    again with other content (another cost, kind, parent or count of cache
+    writes) and keys taken
     by another organization, each row is recorded, a duplicate or a
     conflict exactly as a plain model of the ledger says, and the rollup
     holds exactly the sums of the rows recorded by organization, day,
@@ -616,6 +642,11 @@ def test_theRollupEqualsTheLedgersSumsAfterAnyBatches(
                 elif kind == "reparented":
                     row = attrs.evolve(
                         row, parentRequestID=None if row.parentRequestID else row.requestID
+                    )
+                elif kind == "rewritten":
+                    written = row.cacheWriteTokens
+                    row = attrs.evolve(
+                        row, cacheWriteTokens=written + (1 if written < MAXIMUM_ROW_AMOUNT else -1)
                     )
             rows.append(row)
         expected = {"recorded": 0, "duplicates": 0, "conflicts": []}
@@ -834,6 +865,7 @@ def test_sumsPastInt64NeverBreakAnAnswer(
                 completion_tokens=most,
                 reasoning_tokens=most,
                 cost_nano_usd=most,
+                cache_write_tokens=most,
                 started_at_us=microseconds(JUNE) + index,
                 duration_us=2**63 - 1,
             )
@@ -857,6 +889,7 @@ def test_sumsPastInt64NeverBreakAnAnswer(
         assert each.completion_tokens == INT64_MAX
         assert each.reasoning_tokens == INT64_MAX
         assert each.cached_tokens == 7 * count
+        assert each.cache_write_tokens == INT64_MAX
         assert each.cost_usd == "9300000000.00"
     printed = document(
         svcctl(
@@ -871,6 +904,7 @@ def test_sumsPastInt64NeverBreakAnAnswer(
         )
     )
     assert printed["total"]["prompt_tokens"] == count * most
+    assert printed["total"]["cache_write_tokens"] == count * most
     assert printed["total"]["cost_usd"] == "9300000000.00"
 
 
@@ -996,7 +1030,9 @@ def test_theKindMigrationKeepsALedgerHoldingRowsAndItsSums(databaseDSN: str) -> 
     assert storedKinds(databaseDSN, [each.ledgerID for each in old]) == {
         each.ledgerID: ("chat", None) for each in old
     }
-    assert storedRollup(databaseDSN, orgs) == expectedRollup(old)
+    assert storedRollup(databaseDSN, orgs, SUMMED_BEFORE_CACHE_WRITES) == expectedRollup(
+        old, SUMMED_BEFORE_CACHE_WRITES
+    )
     with psycopg.connect(databaseDSN, autocommit=True) as connection:
         security = connection.execute(
             "SELECT relname, relrowsecurity, relforcerowsecurity FROM pg_class"
@@ -1043,6 +1079,96 @@ def test_theKindMigrationKeepsALedgerHoldingRowsAndItsSums(databaseDSN: str) -> 
             assert refused.value.diag.constraint_name == check
         with pytest.raises(psycopg.errors.CheckViolation):
             connection.execute("UPDATE usage_rollup SET kind = 'summary'")
+
+
+def test_theCacheWritesMigrationKeepsALedgerHoldingRowsAndItsSums(databaseDSN: str) -> None:
+    """
+    On a ledger and rollup written before sql/0020 (decisions D14): every
+    row and every rollup group reads no cache writes and keeps its sums;
+    the old rows sent again are duplicates, and sent again with cache
+    writes, conflicts naming the column; new rows' writes are summed in
+    the rollup and the reports beside the old ones; both tables stay under
+    forced row-level security, and the new columns' checks hold for rows
+    written from now on.
+    """
+    assert migrate(databaseDSN, through="0019_notify_ids.sql")[-1] == "0019_notify_ids.sql"
+    orgs = [uuid.uuid4(), uuid.uuid4()]
+    generator = random.Random(14)
+    old = [
+        usageRecord(
+            generator.choice(orgs),
+            agentID=generator.choice(AGENTS),
+            model=generator.choice(["fast", "slow"]),
+            kind=generator.choice(KINDS),
+            startedAt=JUNE + datetime.timedelta(minutes=generator.randrange(-3000, 3000)),
+            costNanoUSD=generator.randrange(10**9),
+        )
+        for _ in range(200)
+    ]
+    with psycopg.connect(databaseDSN, autocommit=True) as connection:
+        with connection.cursor() as cursor:
+            cursor.executemany(
+                "INSERT INTO usage_ledger (ledger_id, request_id, org_id, agent_id, token_id,"
+                " model_requested, model, provider, upstream_model, stream, outcome,"
+                " prompt_tokens, cached_tokens, completion_tokens, reasoning_tokens,"
+                " tokens_from, cost_nano_usd, price_version, started_at, duration_us, kind,"
+                " parent_request_id, memories)"
+                f" VALUES ({', '.join(['%s'] * 23)})",
+                [attrs.astuple(each)[:23] for each in old],
+            )
+        # The rollup as the store kept it before sql/0020.
+        connection.execute(
+            "INSERT INTO usage_rollup (org_id, day, agent_id, token_id, model, kind, requests,"
+            " prompt_tokens, cached_tokens, completion_tokens, reasoning_tokens, cost_nano_usd)"
+            " SELECT org_id, (started_at AT TIME ZONE 'UTC')::date, agent_id, token_id, model,"
+            " kind, count(*), sum(prompt_tokens), sum(cached_tokens), sum(completion_tokens),"
+            " sum(reasoning_tokens), sum(cost_nano_usd) FROM usage_ledger"
+            " GROUP BY 1, 2, 3, 4, 5, 6"
+        )
+    assert migrate(databaseDSN, through="0020_usage_cache_writes.sql") == [
+        "0020_usage_cache_writes.sql"
+    ]
+    assert storedRollup(databaseDSN, orgs) == expectedRollup(old)
+    assert ledgerRollup(databaseDSN, orgs) == expectedRollup(old)
+    with psycopg.connect(databaseDSN, autocommit=True) as connection:
+        security = connection.execute(
+            "SELECT relname, relrowsecurity, relforcerowsecurity FROM pg_class"
+            " WHERE relname IN ('usage_ledger', 'usage_rollup') ORDER BY relname"
+        ).fetchall()
+    assert security == [("usage_ledger", True, True), ("usage_rollup", True, True)]
+    migrate(databaseDSN)
+
+    with applicationStore(databaseDSN) as store:
+        again = store.recordUsage(old)
+        assert (again.recorded, again.duplicates, again.conflicts) == (0, len(old), [])
+        rewritten = store.recordUsage([attrs.evolve(old[0], cacheWriteTokens=3)])
+        assert rewritten.conflicts == [
+            (0, "ledger_id is recorded with other content (cache_write_tokens differ)")
+        ]
+        sameGroups = [
+            attrs.evolve(each, ledgerID=uuid7Text(), cacheWriteTokens=generator.randrange(1, 90))
+            for each in old[:40]
+        ]
+        written = store.recordUsage(sameGroups)
+        assert (written.recorded, written.conflicts, written.refused) == (40, [], [])
+        for by in REPORT_KEYS:
+            assert store.usageSums(orgs[0], None, JUNE - 5 * DAY, JUNE + 5 * DAY, by) == (
+                plainSums([each for each in [*old, *sameGroups] if each.orgID == orgs[0]], by)
+            )
+    assert storedRollup(databaseDSN, orgs) == expectedRollup([*old, *sameGroups])
+    assert ledgerRollup(databaseDSN, orgs) == expectedRollup([*old, *sameGroups])
+    assert sum(each[-1] for each in storedRollup(databaseDSN, orgs).values()) == sum(
+        each.cacheWriteTokens for each in sameGroups
+    )
+
+    with psycopg.connect(databaseDSN, autocommit=True) as connection:
+        for table, check in [
+            ("usage_ledger", "usage_ledger_cache_write_tokens_check"),
+            ("usage_rollup", "usage_rollup_cache_write_tokens_check"),
+        ]:
+            with pytest.raises(psycopg.errors.CheckViolation) as refused:
+                connection.execute(f"UPDATE {table} SET cache_write_tokens = -1")
+            assert refused.value.diag.constraint_name == check
 
 
 # The log

@@ -112,6 +112,7 @@ def test_aRowKeepsEveryField(
         tokens_from="reservation",
         kind="extraction",
         parent_request_id="p" * 128,
+        cache_write_tokens=40,
     )
     full.started_at_us = microseconds(started)
     bare = usageRow(tenant, agent_id="", token_id="", price_version="", cost_nano_usd=0)
@@ -122,12 +123,13 @@ def test_aRowKeepsEveryField(
             " upstream_model, stream, outcome, prompt_tokens, cached_tokens,"
             " completion_tokens, reasoning_tokens, tokens_from, cost_nano_usd,"
             " price_version, started_at, duration_us, recorded_at IS NOT NULL, request_id,"
-            " kind, parent_request_id FROM usage_ledger WHERE ledger_id = %s",
+            " kind, parent_request_id, cache_write_tokens FROM usage_ledger"
+            " WHERE ledger_id = %s",
             (full.ledger_id,),
         ).fetchone()
         empty = connection.execute(
-            "SELECT agent_id, token_id, price_version, kind, parent_request_id"
-            " FROM usage_ledger WHERE ledger_id = %s",
+            "SELECT agent_id, token_id, price_version, kind, parent_request_id,"
+            " cache_write_tokens FROM usage_ledger WHERE ledger_id = %s",
             (bare.ledger_id,),
         ).fetchone()
     assert stored == (
@@ -153,8 +155,10 @@ def test_aRowKeepsEveryField(
         full.request_id,
         "extraction",
         "p" * 128,
+        40,
     )
-    assert empty == (None, None, "", "chat", None)
+    # A row without cache writes (or from a proxy older than the field).
+    assert empty == (None, None, "", "chat", None, 0)
 
 
 @pytest.mark.parametrize(
@@ -183,6 +187,8 @@ def test_aRowKeepsEveryField(
         ({"completion_tokens": 2**63 - 1}, "completion_tokens"),
         ({"reasoning_tokens": MAXIMUM_ROW_AMOUNT + 1}, "reasoning_tokens"),
         ({"cost_nano_usd": MAXIMUM_ROW_AMOUNT + 1}, "cost_nano_usd"),
+        ({"cache_write_tokens": -1}, "cache_write_tokens"),
+        ({"cache_write_tokens": MAXIMUM_ROW_AMOUNT + 1}, "cache_write_tokens"),
         ({"kind": "summary"}, "kind"),
         ({"kind": "Chat"}, "kind"),
         ({"kind": " chat"}, "kind"),
@@ -395,8 +401,8 @@ def reported(
     """
     An organization with a UsageRead token and a second agent, rows over
     two days, two models and every kind in June 2025 (one on June 30; one
-    from a proxy older than kinds, so chat), and another organization with
-    rows of its own.
+    from a proxy older than kinds, so chat; two with cache writes), and
+    another organization with rows of its own.
     """
     tenant = makeTenant(
         owner, "acme", permissions=int(Permission.ProxyChatCompletion | Permission.UsageRead)
@@ -405,7 +411,12 @@ def reported(
     secondAgent = owner.createAgent(tenant.orgID, "second").agentID
     day = datetime.timedelta(days=1)
     rows = [
-        usageRow(tenant, cost_nano_usd=1_500_000_000, started_at_us=microseconds(JUNE)),
+        usageRow(
+            tenant,
+            cost_nano_usd=1_500_000_000,
+            cache_write_tokens=30,
+            started_at_us=microseconds(JUNE),
+        ),
         usageRow(
             tenant,
             model="slow",
@@ -426,7 +437,11 @@ def reported(
             started_at_us=microseconds(JUNE + day + datetime.timedelta(hours=23)),
         ),
         usageRow(
-            tenant, kind="chat", cost_nano_usd=99, started_at_us=microseconds(JUNE + 29 * day)
+            tenant,
+            kind="chat",
+            cost_nano_usd=99,
+            cache_write_tokens=7,
+            started_at_us=microseconds(JUNE + 29 * day),
         ),
         usageRow(other, kind="embedding", cost_nano_usd=10**12, started_at_us=microseconds(JUNE)),
     ]
@@ -450,10 +465,17 @@ def expectedSums(rows: list[auth_pb2.UsageRow], key: Any) -> dict[str, dict[str,
                 "completion_tokens": 0,
                 "reasoning_tokens": 0,
                 "cost_usd": 0,
+                "cache_write_tokens": 0,
             },
         )
         group["requests"] += 1
-        for field in ("prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens"):
+        for field in (
+            "prompt_tokens",
+            "cached_tokens",
+            "completion_tokens",
+            "reasoning_tokens",
+            "cache_write_tokens",
+        ):
             group[field] += getattr(row, field)
         group["cost_usd"] += row.cost_nano_usd
     return sums
@@ -510,6 +532,7 @@ def test_getUsageSumsTheCallersOrganization(
             "completion_tokens": each.completion_tokens,
             "reasoning_tokens": each.reasoning_tokens,
             "cost_usd": nano(each.cost_usd),
+            "cache_write_tokens": each.cache_write_tokens,
         }
         for each in answer.rows
     }
@@ -518,6 +541,7 @@ def test_getUsageSumsTheCallersOrganization(
     assert answer.total.key == ""
     assert answer.total.requests == 3
     assert answer.total.cost_usd == "1.750000007"
+    assert answer.total.cache_write_tokens == 30
 
 
 def test_getUsageOfOneAgentAndItsDefaultSpan(
@@ -620,6 +644,7 @@ def test_svcctlUsagePrintsTheSameSumsAsJSONAndCSV(
         "completion_tokens": sum(row.completion_tokens for row in rows[:4]),
         "reasoning_tokens": sum(row.reasoning_tokens for row in rows[:4]),
         "cost_usd": "1.750000106",
+        "cache_write_tokens": 37,
     }
 
     result = svcctl(migratedDSN, "usage", "--org", str(tenant.orgID), *span, "--format", "csv")
@@ -633,6 +658,7 @@ def test_svcctlUsagePrintsTheSameSumsAsJSONAndCSV(
         "completion_tokens",
         "reasoning_tokens",
         "cost_usd",
+        "cache_write_tokens",
     ]
     assert lines[1:] == [
         [each["key"], *(str(value) for key, value in each.items() if key != "key")]
@@ -677,6 +703,7 @@ def test_svcctlUsageOfOneAgent(
             "completion_tokens": 50,
             "reasoning_tokens": 0,
             "cost_usd": "0.25",
+            "cache_write_tokens": 0,
         }
     ]
     line = failure(svcctl(migratedDSN, "usage", "--org", org, "--agent", str(other.agentID)))
@@ -707,6 +734,7 @@ def test_svcctlUsageByKind(
             "completion_tokens": 100,
             "reasoning_tokens": 10,
             "cost_usd": "1.500000099",
+            "cache_write_tokens": 37,
         },
         {
             "key": "embedding",
@@ -716,6 +744,7 @@ def test_svcctlUsageByKind(
             "completion_tokens": 50,
             "reasoning_tokens": 5,
             "cost_usd": "0.000000007",
+            "cache_write_tokens": 0,
         },
         {
             "key": "extraction",
@@ -725,16 +754,18 @@ def test_svcctlUsageByKind(
             "completion_tokens": 50,
             "reasoning_tokens": 0,
             "cost_usd": "0.25",
+            "cache_write_tokens": 0,
         },
     ]
     assert printed["total"]["cost_usd"] == "1.750000106"
     result = svcctl(migratedDSN, "usage", "--org", org, *span, "--format", "csv")
     assert result.returncode == 0 and result.stderr == ""
     assert result.stdout.splitlines() == [
-        "key,requests,prompt_tokens,cached_tokens,completion_tokens,reasoning_tokens,cost_usd",
-        "chat,2,200,20,100,10,1.500000099",
-        "embedding,1,1000,0,50,5,0.000000007",
-        "extraction,1,100,10,50,0,0.25",
+        "key,requests,prompt_tokens,cached_tokens,completion_tokens,reasoning_tokens,cost_usd,"
+        "cache_write_tokens",
+        "chat,2,200,20,100,10,1.500000099,37",
+        "embedding,1,1000,0,50,5,0.000000007,0",
+        "extraction,1,100,10,50,0,0.25,0",
     ]
     ofAgent = document(
         svcctl(migratedDSN, "usage", "--org", org, "--agent", str(secondAgent), *span)
@@ -817,9 +848,9 @@ def test_costsAreExactDollars() -> None:
     """
     huge = UsageSums("m", 1, 0, 0, 0, 0, 123_456_789_012_345_678_901)
     tiny = UsageSums("n", 1, 0, 0, 0, 0, 1)
-    lines = reportCSV([huge, tiny]).splitlines()
-    assert lines[1].endswith(",123456789012.345678901")
-    assert lines[2].endswith(",0.000000001")
+    lines = list(csv.DictReader(io.StringIO(reportCSV([huge, tiny]))))
+    assert lines[0]["cost_usd"] == "123456789012.345678901"
+    assert lines[1]["cost_usd"] == "0.000000001"
 
 
 def test_checkBatchChecksEachRow() -> None:

@@ -668,6 +668,8 @@ def test_theSdkSeesRateLimitErrorForABudget(stack: Stack) -> None:
 # 4. Reports.
 
 SUMMED = ("prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens")
+# Decisions D14: after cost_usd, so that D12's columns stay where they were.
+WRITES = "cache_write_tokens"
 
 
 def clientSums(records: list[dict[str, Any]], key: str) -> dict[str, dict[str, Any]]:
@@ -677,10 +679,10 @@ def clientSums(records: list[dict[str, Any]], key: str) -> dict[str, dict[str, A
     sums: dict[str, dict[str, Any]] = {}
     for each in records:
         group = sums.setdefault(
-            each[key], {"requests": 0, **dict.fromkeys(SUMMED, 0), "cost_usd": 0}
+            each[key], {"requests": 0, **dict.fromkeys(SUMMED, 0), "cost_usd": 0, WRITES: 0}
         )
         group["requests"] += 1
-        for field in SUMMED:
+        for field in (*SUMMED, WRITES):
             group[field] += each[field]
         group["cost_usd"] += each["cost"]
     return {
@@ -722,6 +724,7 @@ def test_reportsEqualTheClientsRecords(stack: Stack) -> None:
         assert usage is not None
         prompt, completion = usage["prompt_tokens"], usage["completion_tokens"]
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        written = (usage.get("prompt_tokens_details") or {}).get(WRITES, 0)
         reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
         records.append(
             {
@@ -732,7 +735,8 @@ def test_reportsEqualTheClientsRecords(stack: Stack) -> None:
                 "cached_tokens": cached,
                 "completion_tokens": completion,
                 "reasoning_tokens": reasoning,
-                "cost": nanoCost(MODELS[model][1], prompt, cached, completion),
+                WRITES: written,
+                "cost": nanoCost(MODELS[model][1], prompt, cached, completion, written),
             }
         )
     waitForRows(stack.dsn, tenant.orgID, len(plan))
@@ -753,7 +757,7 @@ def test_reportsEqualTheClientsRecords(stack: Stack) -> None:
             result = svcctl(stack.dsn, *arguments, "--format", "csv")
             assert result.returncode == 0 and result.stderr == "", result.stderr
             lines = list(csv.reader(io.StringIO(result.stdout)))
-            assert lines[0] == ["key", "requests", *SUMMED, "cost_usd"]
+            assert lines[0] == ["key", "requests", *SUMMED, "cost_usd", WRITES]
             assert {
                 line[0]: dict(zip(lines[0][1:], line[1:], strict=True)) for line in lines[1:]
             } == {
@@ -762,7 +766,7 @@ def test_reportsEqualTheClientsRecords(stack: Stack) -> None:
             }
             answer = stub.GetUsage(auth_pb2.GetUsageRequest(by=by), metadata=metadata, timeout=10)
             assert (answer.org_id, answer.by) == (str(tenant.orgID), by)
-            fields = ("requests", *SUMMED, "cost_usd")
+            fields = ("requests", *SUMMED, "cost_usd", WRITES)
             assert {
                 each.key: {field: getattr(each, field) for field in fields} for each in answer.rows
             } == expected, by

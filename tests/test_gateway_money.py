@@ -15,7 +15,12 @@ C{svcctl budget}. What is checked, from outside the gateway only:
   - a provider answering more than the cap allows is billed as it
     reported, counted, and the budget refuses from then on;
   - an unpriced fallback is never tried under a budget; an absurd output
-    cap is 400 and nothing is forwarded.
+    cap is 400 and nothing is forwarded;
+  - cache writes (decisions D14): a provider's C{prompt_tokens_details}
+    with cache reads and writes is billed each part at its own price, to
+    the nano-dollar, streamed or not, and svcctl usage sums the writes;
+    a budget holds against a provider that bills every byte of the prompt
+    as a cache write, dearer than input.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from ledgerfixtures import (
     assertBudgetRefusal,
     burst,
     counter,
+    dollars,
     headersOf,
     nanoCost,
     orgRows,
@@ -49,6 +55,7 @@ from ledgerfixtures import (
     roomInTheDay,  # noqa: F401
     runningStack,
     spend,
+    svcctlDocument,
     waitForRows,
     waitUntil,
 )
@@ -65,6 +72,14 @@ pytestmark = pytest.mark.e2e
 # it received for each of its n choices), and twice that completion.
 MOST_ALLOWED = "usage-at-cap"
 TWICE_ALLOWED = "usage-over-cap:2"
+# The same, every token of the prompt a cache write (decisions D14).
+MOST_ALLOWED_WRITTEN = "usage-at-cap+cache:0:999999999"
+# An answer of 1,200 prompt tokens, 200 read from the cache and 500
+# written to it, and 300 of output.
+CACHED_AND_WRITTEN = "usage:1200:300+cache:200:500"
+
+# A Claude-like price: reads a tenth of the input, writes a quarter more.
+PRICE_W = {"input": "3.00", "output": "15.00", "cached_input": "0.30", "cache_write": "3.75"}
 
 # The output cap of the capped models (providers file max_output_tokens):
 # the cap the gateway sends when a request names none.
@@ -85,6 +100,8 @@ MODELS: dict[str, tuple[str, dict[str, str] | None, int | None, list[str], str |
     # Fails, and its fallback has no price.
     "priced-failing": ("status:503", PRICE_A, CAP, ["free"], None),
     "free": ("usage:10:5", None, None, [], None),
+    "caching": (CACHED_AND_WRITTEN, PRICE_W, None, [], None),
+    "written-at-cap": (MOST_ALLOWED_WRITTEN, PRICE_W, CAP, [], None),
 }
 
 
@@ -230,10 +247,16 @@ def forwardedLength(stack: Stack, body: bytes, upstreamModel: str) -> tuple[int,
 def worstCase(price: Mapping[str, str], bodyLength: int) -> int:
     """
     The most a request can cost, by hand (decisions D12 amended): every
-    byte of the body a token at the dearest input price, the cap for each
-    choice at the output price.
+    byte of the body a token at the dearest input price (of an input, a
+    cache read and, decisions D14, a cache write), the cap for each choice
+    at the output price.
     """
-    dearestInput = max(price["input"], price.get("cached_input", price["input"]), key=float)
+    dearestInput = max(
+        price["input"],
+        price.get("cached_input", price["input"]),
+        price.get("cache_write", price["input"]),
+        key=float,
+    )
     return nanoCost(
         {"input": dearestInput, "output": price["output"]}, bodyLength, 0, CAP * CHOICES
     )
@@ -378,3 +401,106 @@ def test_anAbsurdCapIsRefusedAndNothingForwarded(stack: Stack, field: str) -> No
     assert post(stack.proxies[0].httpPort, tenant, body).status == 200
     assert len(stack.upstream.requests()) == before + 1
     waitForRows(stack.dsn, tenant.orgID, 1)
+
+
+# Cache writes (decisions D14).
+
+
+def streamedUsage(answer: Answer) -> dict[str, Any] | None:
+    usage = None
+    for line in answer.body.split(b"\n"):
+        if line.startswith(b"data: {"):
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                usage = event["usage"]
+    return usage
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["answer", "stream"])
+def test_cacheReadsAndWritesArePricedApart(stack: Stack, stream: bool) -> None:
+    """
+    A provider's usage of 1,200 prompt tokens, 200 read from its cache and
+    500 written to it (OpenAI's shape: C{prompt_tokens_details}'s
+    C{cached_tokens} and C{cache_write_tokens}), and 300 of output: the
+    client sees it as the provider said, and the row counts each part and
+    costs each at its own price, to the nano-dollar, in a stream as in an
+    answer; svcctl usage sums the writes apart.
+    """
+    tenant = stack.tenant(f"caching-{'stream' if stream else 'answer'}")
+    extra: dict[str, Any] = (
+        {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+    )
+    body = json.dumps(
+        {"model": "caching", "messages": [{"role": "user", "content": "hi"}], **extra}
+    ).encode()
+    answer = post(stack.proxies[0].httpPort, tenant, body)
+    assert answer.status == 200, answer.body
+    usage = streamedUsage(answer) if stream else answer.json()["usage"]
+    assert usage is not None
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (1200, 300)
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 200
+    assert usage["prompt_tokens_details"]["cache_write_tokens"] == 500
+    (row,) = waitForRows(stack.dsn, tenant.orgID, 1).values()
+    assert (
+        row["prompt_tokens"],
+        row["cached_tokens"],
+        row["cache_write_tokens"],
+        row["completion_tokens"],
+        row["tokens_from"],
+    ) == (1200, 200, 500, 300, "provider")
+    # 500 uncached at $3.00, 200 reads at $0.30, 500 writes at $3.75 and
+    # 300 of output at $15.00 a million.
+    expected = 500 * 3000 + 200 * 300 + 500 * 3750 + 300 * 15_000
+    assert row["cost_nano_usd"] == nanoCost(PRICE_W, 1200, 200, 300, 500) == expected
+    printed = svcctlDocument(stack.dsn, "usage", "--org", str(tenant.orgID), "--by", "model")
+    assert printed["rows"] == [
+        {
+            "key": "caching",
+            "requests": 1,
+            "prompt_tokens": 1200,
+            "cached_tokens": 200,
+            "completion_tokens": 300,
+            "reasoning_tokens": 0,
+            "cost_usd": dollars(expected),
+            "cache_write_tokens": 500,
+        }
+    ]
+
+
+def test_aBudgetHoldsAgainstAnswersWrittenToTheCache(stack: Stack) -> None:
+    """
+    The provider answers the most each request allows, and bills every
+    token of its prompt as a cache write, a quarter dearer than input
+    (decisions D14): reserved at the write price, a budget of five such
+    answers and a nano-dollar admits five of 64 concurrent requests over
+    two proxies, each row costs exactly what it reserved, and the ledger's
+    total stays within the budget. (Reserved at the input price, six would
+    pass and the sixth overspend.)
+    """
+    body = heavyBody("written-at-cap")
+    length, _ = forwardedLength(stack, body, MOST_ALLOWED_WRITTEN)
+    each = worstCase(PRICE_W, length)
+    assert each == length * 3750 + CAP * CHOICES * 15_000
+    tenant = stack.tenant("written-at-cap")
+    budget = 5 * each + 1
+    stack.budget(tenant, budget)
+    stack.seenEverywhere()
+    overruns = sum(
+        counter(proxy, "svc_proxy_reservation_overruns_total") for proxy in stack.proxies
+    )
+    got = burst(stack, tenant, body)
+    admitted = [one for one in got if one.answer.status == 200]
+    for one in got:
+        if one.answer.status != 200:
+            assertBudgetRefusal(one, "org")
+    rows = waitForRows(stack.dsn, tenant.orgID, len(admitted))
+    assert {(row["prompt_tokens"], row["cache_write_tokens"]) for row in rows.values()} == {
+        (length, length)
+    }
+    assert all(row["cost_nano_usd"] == each for row in rows.values())
+    assert len(admitted) == 5
+    assert spend(rows) <= budget
+    assert (
+        sum(counter(proxy, "svc_proxy_reservation_overruns_total") for proxy in stack.proxies)
+        == overruns
+    )

@@ -1211,6 +1211,9 @@ def test_middlewareOrder() -> None:
         "/v1/memories": {"POST": chat, "GET": plain, "DELETE": plain},
         "/v1/memories/search": {"POST": chat},
         "/v1/memories/{id}": {"GET": plain, "PATCH": chat, "DELETE": plain},
+        # Decisions D14: Anthropic's Messages API, as chat completions.
+        "/v1/messages": {"POST": chat},
+        "/v1/messages/count_tokens": {"POST": chat},
     }
 
 

@@ -21,6 +21,7 @@ from svcd.metering.charges import chargeOf
 from svcd.metering.prices import BadPrice, Price, formatDollars, parseDollars
 from svcd.metering.usage import Usage
 from svcd.providers.providersfile import loadProviders
+from svcd.providers.relay import usageOf
 
 
 @pytest.mark.parametrize(
@@ -299,3 +300,236 @@ def test_rowsOfAnswersThatFailed() -> None:
         40,
         "provider",
     )
+    assert (counted.cache_write_tokens, counted.cost_nano_usd) == (
+        0,
+        60 * 2500 + 40 * 1250 + 5 * 10_000,
+    )
+
+
+# Cache writes (decisions D14)
+
+# Anthropic's prices for a Claude model: reads a tenth of the input, writes
+# (five minutes) a quarter more.
+SONNET = Price(
+    input=parseDollars("3.00"),
+    output=parseDollars("15.00"),
+    cachedInput=parseDollars("0.30"),
+    cacheWrite=parseDollars("3.75"),
+)
+
+
+def test_cacheWritesArePricedApart() -> None:
+    """
+    A prompt of 100 uncached tokens, 2,000 read from the cache and 500
+    written to it (Anthropic's input_tokens, cache_read_input_tokens and
+    cache_creation_input_tokens), and 300 of output: each part at its own
+    price, to the nano-dollar; C{prompt} is all three inputs.
+    """
+    assert SONNET.cost(2600, 2000, 300, 500) == (
+        100 * 3000 + 2000 * 300 + 500 * 3750 + 300 * 15_000
+    )
+    # Without writes, D12's formula as it always was.
+    assert SONNET.cost(2600, 2000, 300) == 600 * 3000 + 2000 * 300 + 300 * 15_000
+
+
+def test_cacheWritesNeverCountPastThePrompt() -> None:
+    """
+    Writes are never more than the prompt's tokens that are not reads,
+    nor fewer than none; the prompt is never billed twice.
+    """
+    assert SONNET.cost(100, 40, 0, 500) == 40 * 300 + 60 * 3750
+    assert SONNET.cost(100, 400, 0, 500) == 100 * 300
+    assert SONNET.cost(100, 0, 0, -5) == 100 * 3000
+
+
+def test_cacheWriteDefaultsToTheInputPrice() -> None:
+    """
+    A price without cache_write bills writes as input: the cost of any
+    usage is D12's, whatever part of it was written.
+    """
+    assert GPT4O.cacheWrite == GPT4O.input
+    assert GPT4O.cost(1000, 200, 10, 300) == GPT4O.cost(1000, 200, 10)
+
+
+def test_priceVersionsOfEveryPriceBeforeCacheWritesStayTheSame() -> None:
+    """
+    The version of a price whose cache_write is its input (every price
+    written before decisions D14) is the one its ledger rows already
+    keep; a cache_write of its own makes another version.
+    """
+    assert GPT4O.version == "81d58b4fb98401db"
+    assert Price(1, 2, 1).version == "a8150f58834f653d"
+    explicit = Price(
+        input=2_500_000_000,
+        output=10_000_000_000,
+        cachedInput=1_250_000_000,
+        cacheWrite=2_500_000_000,
+    )
+    assert explicit == GPT4O and explicit.version == GPT4O.version
+    assert Price(1, 2, 1, cacheWrite=3).version not in {Price(1, 2, 1).version, ""}
+    assert Price(1, 2, 1, cacheWrite=3).version != Price(1, 2, 1, cacheWrite=4).version
+
+
+@given(
+    prices=st.tuples(*[st.integers(min_value=0, max_value=10**15)] * 4),
+    prompt=st.integers(min_value=0, max_value=10**9),
+    completion=st.integers(min_value=0, max_value=10**9),
+    parts=st.tuples(*[st.integers(min_value=-10, max_value=10**9)] * 3),
+)
+def test_noAnswerWithinTheCapsCostsMoreThanTheWorstCase(
+    prices: tuple[int, int, int, int],
+    prompt: int,
+    completion: int,
+    parts: tuple[int, int, int],
+) -> None:
+    """
+    Decisions D12 amended with D14: whatever a provider makes of a prompt
+    of at most C{prompt} tokens (some read from its cache, some written to
+    it, in any proportion, at any prices) and an answer of at most
+    C{completion}, it costs no more than the worst case a budget reserved.
+    """
+    inputPrice, output, cachedInput, cacheWrite = prices
+    price = Price(inputPrice, output, cachedInput, cacheWrite)
+    used, cached, written = parts
+    used = min(max(used, 0), prompt)
+    assert price.cost(used, cached, completion, written) <= price.worstCase(prompt, completion)
+
+
+def test_theWorstCaseCountsEveryPromptTokenAsAWriteWhenWritesAreDearest() -> None:
+    """
+    A model whose cache writes cost more than its input reserves every
+    prompt token at the write price (any of them may be written); one
+    whose reads cost more (an odd price, but a price) at the read price.
+    """
+    assert SONNET.worstCase(100, 50) == 100 * 3750 + 50 * 15_000
+    assert SONNET.cost(100, 0, 50, 100) == SONNET.worstCase(100, 50)
+    odd = Price(input=1000, output=0, cachedInput=3000, cacheWrite=2000)
+    assert odd.worstCase(10**6, 0) == 3000
+
+
+def test_usageOfAnOpenAIShapedAnswerWithCacheWrites() -> None:
+    """
+    OpenAI's shape of a usage with cache writes (decisions D14:
+    C{prompt_tokens_details.cache_write_tokens}, as a translated answer
+    carries it and some providers send it) is read with its reads and
+    writes apart; writes past what the reads leave of the prompt are cut
+    to it; a usage without them has none.
+    """
+    usage = usageOf(
+        {
+            "usage": {
+                "prompt_tokens": 2600,
+                "completion_tokens": 300,
+                "prompt_tokens_details": {"cached_tokens": 2000, "cache_write_tokens": 500},
+            }
+        }
+    )
+    assert usage == Usage(2600, 300, cachedTokens=2000, cacheWriteTokens=500)
+    cut = usageOf(
+        {
+            "usage": {
+                "prompt_tokens": 10,
+                "completion_tokens": 1,
+                "prompt_tokens_details": {"cached_tokens": 4, "cache_write_tokens": 9},
+            }
+        }
+    )
+    assert cut is not None and (cut.cachedTokens, cut.cacheWriteTokens) == (4, 6)
+    for odd in (-1, "5", 2.5, True, None):
+        strange = usageOf(
+            {
+                "usage": {
+                    "prompt_tokens": 10,
+                    "completion_tokens": 1,
+                    "prompt_tokens_details": {"cache_write_tokens": odd},
+                }
+            }
+        )
+        assert strange is not None and strange.cacheWriteTokens == 0
+    plain = usageOf({"usage": {"prompt_tokens": 10, "completion_tokens": 1}})
+    assert plain is not None and plain.cacheWriteTokens == 0
+
+
+def test_aRowCountsAndCostsCacheWrites() -> None:
+    """
+    chargeOf and usageRow: a row from the provider's usage counts its
+    cache writes and costs them at cache_write; a row from the reservation
+    or of a fault before the first byte counts none.
+    """
+    charge = chargeOf(Usage(2600, 300, 2000, 0, 500), "ok", (8, 10), SONNET)
+    assert (charge.promptTokens, charge.cachedTokens, charge.cacheWriteTokens) == (2600, 2000, 500)
+    assert charge.cost == 100 * 3000 + 2000 * 300 + 500 * 3750 + 300 * 15_000
+    assert charge.priceVersion == SONNET.version
+    row = usageRow(
+        ledgerID="0190f0c4-1d2e-7a3b-8c4d-5e6f7a8b9c0d",
+        requestID="r",
+        orgID="o",
+        agentID=None,
+        tokenID=None,
+        modelRequested="m",
+        model="m",
+        provider="p",
+        upstreamModel="u",
+        stream=True,
+        outcome="ok",
+        charge=charge,
+        startedAt=1.0,
+        endedAt=2.0,
+    )
+    assert (row.prompt_tokens, row.cached_tokens, row.cache_write_tokens) == (2600, 2000, 500)
+    assert row.cost_nano_usd == charge.cost
+    # Writes past what the reads leave of the prompt count what is left.
+    assert chargeOf(Usage(100, 1, 40, 0, 500), "ok", (8, 10), SONNET).cacheWriteTokens == 60
+    estimated = chargeOf(None, "client_gone", (8, 10), SONNET)
+    assert (estimated.cacheWriteTokens, estimated.tokensFrom) == (0, "reservation")
+    failed = chargeOf(None, "upstream_error", (8, 10), SONNET)
+    assert (failed.cacheWriteTokens, failed.cost) == (0, 0)
+
+
+def test_cacheWriteInTheProvidersFile(tmp_path: Path) -> None:
+    """
+    A model's price may name cache_write, read exactly; without it, writes
+    cost the input price, and the version is D12's.
+    """
+    table = loadProviders(
+        str(
+            providersFile(
+                tmp_path,
+                'price = { input = "3.00", output = "15.00", cached_input = "0.30",'
+                ' cache_write = "3.75" }',
+            )
+        ),
+        {},
+        lambda: 0.0,
+    )
+    assert table.models["fast"].price == SONNET
+    plain = (
+        loadProviders(
+            str(providersFile(tmp_path, 'price = { input = "2.50", output = "10.00" }')),
+            {},
+            lambda: 0.0,
+        )
+        .models["fast"]
+        .price
+    )
+    assert plain is not None and plain.cacheWrite == 2_500_000_000
+    assert plain.version == Price(2_500_000_000, 10_000_000_000, 2_500_000_000).version
+
+
+@pytest.mark.parametrize(
+    ("price", "fault"),
+    [
+        ('price = { input = "2.5", output = "1", cache_write = 3 }', "price.cache_write must be"),
+        ('price = { input = "2.5", output = "1", cache_write = "-1" }', "price.cache_write"),
+        (
+            'price = { input = "2.5", output = "1", cache_write = "0.0000000001" }',
+            "at most 9 decimals",
+        ),
+    ],
+    ids=["number", "negative", "too fine"],
+)
+def test_aBadCacheWriteStopsTheProxy(tmp_path: Path, price: str, fault: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        loadProviders(str(providersFile(tmp_path, price)), {}, lambda: 0.0)
+    assert fault in str(caught.value)
+    assert 'model "fast"' in str(caught.value)

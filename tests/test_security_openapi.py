@@ -79,8 +79,15 @@ STANDARD_HEADERS = ("X-Request-ID", "X-Trace-ID", "X-Response-Time")
 RATE_LIMIT_HEADERS = ("X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset")
 CHAT_PATHS = ("/v1/chat/completions", "/proxy/v1/chat/completions")
 EMBEDDINGS_PATH = "/v1/embeddings"
-# The routes forwarded to a provider (decisions D9, D13).
-FORWARDED_PATHS = (*CHAT_PATHS, EMBEDDINGS_PATH)
+# Decisions D14: Anthropic's Messages API, whose errors are in Anthropic's
+# envelope.
+MESSAGES_PATH = "/v1/messages"
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
+ANTHROPIC_PATHS = (MESSAGES_PATH, COUNT_TOKENS_PATH)
+# The routes forwarded to a provider (decisions D9, D13, D14); all but
+# count_tokens (whose estimate no provider makes) name the model that
+# answered.
+FORWARDED_PATHS = (*CHAT_PATHS, EMBEDDINGS_PATH, *ANTHROPIC_PATHS)
 # The memory routes that embed (decisions D13): a provider's fault is
 # answered as on the forwarded routes, so their 429 may be
 # UPSTREAM_RATE_LIMITED too.
@@ -251,7 +258,7 @@ def test_everyResponseHasTheStandardHeaders(document: dict[str, Any]) -> None:
             if not required:
                 for code in (ErrorCode.RATE_LIMITED, ErrorCode.UPSTREAM_RATE_LIMITED):
                     assert code.value in response["description"], (path, code)
-        if path in FORWARDED_PATHS and status == "200":
+        if path in FORWARDED_PATHS and path != COUNT_TOKENS_PATH and status == "200":
             assert resolve(document, headers["X-SVC-Upstream-Model"])["required"] is True
 
 
@@ -372,7 +379,13 @@ def envelopeAndHeaders(ctx: Any, response: Any, case: Any) -> None:
     if response.status_code >= 400:
         requestID = response.headers[STANDARD_HEADERS[0].lower()]
         requestID = requestID[0] if isinstance(requestID, list) else requestID
-        assert response.json()["error"]["request_id"] == requestID
+        document = response.json()
+        if case.path in ANTHROPIC_PATHS:
+            # Decisions D14: Anthropic's envelope, its request id at the top.
+            assert document["type"] == "error", document
+            assert document["request_id"] == requestID
+        else:
+            assert document["error"]["request_id"] == requestID
 
 
 def _header(response: Any, name: str) -> str | None:
@@ -605,12 +618,177 @@ def test_forwardedAnswersConformToTheDocument(
                     assert _header(response, "Retry-After") == retryAfter, outcome
 
 
+_ANTHROPIC_ENVELOPE = Draft202012Validator(
+    {
+        "$ref": "#/components/schemas/AnthropicErrorEnvelope",
+        "components": yaml.safe_load(DOCUMENT.read_text())["components"],
+    }
+)
+
+
+def _namedEvents(content: bytes) -> list[tuple[str | None, str]]:
+    """
+    The name and data of each event of a server-sent event stream.
+    """
+    text = content.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+    events = []
+    for block in text.split("\n\n"):
+        name = None
+        data = []
+        for line in block.split("\n"):
+            if line.startswith("event:"):
+                name = line[6:].strip()
+            elif line.startswith("data:"):
+                data.append(line[5:].removeprefix(" "))
+        if data:
+            events.append((name, "\n".join(data)))
+    return events
+
+
+def messagesMediaType(response: Any) -> str:
+    """
+    The media type of a Messages answer, "(cut)" added to a stream that
+    does not end with message_stop.
+    """
+    mediaType = (_header(response, "Content-Type") or "").split(";")[0]
+    if mediaType == EVENT_STREAM and [name for name, _ in _namedEvents(response.content)[-1:]] != [
+        "message_stop"
+    ]:
+        mediaType += " (cut)"
+    return mediaType
+
+
+@schemathesis.check
+def messagesAnswers(ctx: Any, response: Any, case: Any) -> None:
+    """
+    Decisions D14: a Messages answer names the model that answered; a
+    stream is Anthropic's events, ending with message_stop or, cut by a
+    fault, with one error event holding the gateway's Anthropic envelope
+    (request_id equal to X-Request-ID).
+    """
+    if case.path != MESSAGES_PATH or response.status_code != 200:
+        return
+    assert _header(response, "X-SVC-Upstream-Model") == case.body["model"]
+    if not (_header(response, "Content-Type") or "").startswith(EVENT_STREAM):
+        assert response.json()["type"] == "message"
+        return
+    events = _namedEvents(response.content)
+    assert events and events[0][0] == "message_start", events[:1]
+    for name, data in events:
+        assert name == json.loads(data)["type"], (name, data)
+    if events[-1][0] == "message_stop":
+        assert all(name != "error" for name, _ in events)
+        return
+    name, data = events[-1]
+    assert name == "error", events[-1]
+    envelope = json.loads(data)
+    _ANTHROPIC_ENVELOPE.validate(envelope)
+    assert envelope["error"]["code"] in ("UPSTREAM_ERROR", "UPSTREAM_TIMEOUT"), envelope
+    assert envelope["request_id"] == _header(response, "X-Request-ID")
+
+
+def test_messagesAnswersConformToTheDocument(
+    liveGateway: Gateway, document: dict[str, Any]
+) -> None:
+    """
+    Decisions D14: every answer of POST /v1/messages (to the live
+    gateway's OpenAI-compatible provider: translated both ways), streamed
+    or not, and of count_tokens passes schemathesis's checks against the
+    document: the translated answer and stream, each fault of the
+    provider in Anthropic's envelope, streams ended by the error event,
+    a field with no counterpart refused; then generated positive bodies
+    (asking for the example models) meet the same checks, and some are
+    answered.
+    """
+    schema = schemathesis.openapi.from_path(DOCUMENT)
+    tenant = liveGateway.tenants["main"]
+    credentials = {"x-api-key": tenant.token, "X-SVC-Agent-ID": str(tenant.agentID)}
+    examples = document["components"]["requestBodies"]["Messages"]["content"]["application/json"][
+        "examples"
+    ]
+    body = examples["message"]["value"]
+    expectations = {model: ECHO_ANSWERS for model in exampleModels(document)} | FAULT_ANSWERS
+    baseURL = f"http://127.0.0.1:{liveGateway.port}"
+    checks = [*CHECKS, messagesAnswers]
+    operation = schema[MESSAGES_PATH]["POST"]
+    for model, answers in expectations.items():
+        for stream, (status, expected) in zip((False, True), answers, strict=True):
+            case = operation.Case(
+                headers=credentials,
+                body={**body, "model": model, "stream": stream},
+                media_type="application/json",
+            )
+            response = case.call_and_validate(base_url=baseURL, checks=checks, timeout=10)
+            outcome = (model, stream)
+            assert response.status_code == status, (outcome, response.text)
+            if status == 200:
+                assert messagesMediaType(response) == expected, outcome
+                continue
+            assert response.json()["error"]["code"] == expected, outcome
+            if model in ("limited", "limited-quietly"):
+                retryAfter = "7" if model == "limited" else None
+                assert _header(response, "Retry-After") == retryAfter, outcome
+    model = sorted(exampleModels(document))[0]
+    refused = operation.Case(
+        headers=credentials,
+        body={**body, "model": model, "top_k": 3},
+        media_type="application/json",
+    )
+    response = refused.call_and_validate(base_url=baseURL, checks=checks, timeout=10)
+    assert response.status_code == 400
+    assert response.json()["error"]["field_errors"][0]["field"] == "top_k"
+    counting = schema[COUNT_TOKENS_PATH]["POST"]
+    for example in document["components"]["requestBodies"]["CountTokens"]["content"][
+        "application/json"
+    ]["examples"].values():
+        case = counting.Case(
+            headers=credentials, body=example["value"], media_type="application/json"
+        )
+        response = case.call_and_validate(base_url=baseURL, checks=checks, timeout=10)
+        assert response.status_code == 200 and response.json()["input_tokens"] > 0
+
+    seen: Counter[int] = Counter()
+    models = sorted(exampleModels(document))
+
+    def withModel(case: Any, model: str, stream: bool) -> Any:
+        if isinstance(case.body, dict):
+            case.body = {**case.body, "model": model} | ({"stream": True} if stream else {})
+        return case
+
+    @settings(
+        max_examples=60,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        derandomize=True,
+    )
+    @given(
+        st.builds(
+            withModel,
+            st.one_of(
+                operation.as_strategy(GenerationMode.POSITIVE, headers=credentials),
+                counting.as_strategy(GenerationMode.POSITIVE, headers=credentials),
+                operation.as_strategy(GenerationMode.NEGATIVE, headers=credentials),
+            ),
+            st.sampled_from(models),
+            st.booleans(),
+        )
+    )
+    def run(case: Any) -> None:
+        response = case.call_and_validate(base_url=baseURL, checks=checks, timeout=10)
+        seen[response.status_code] += 1
+
+    run()
+    assert seen[200] and seen[400], seen
+
+
 def test_undocumentedMethodsAre405(liveGateway: Gateway, document: dict[str, Any]) -> None:
     """
     Every method a documented path does not list, HEAD and OPTIONS
     included, is 405 METHOD_NOT_ALLOWED with an Allow header naming the
-    documented methods; the envelope and the standard headers come along
-    (HEAD gets the headers only).
+    documented methods; the envelope (Anthropic's on the Messages routes,
+    decisions D14) and the standard headers come along (HEAD gets the
+    headers only).
     """
     for path, item in document["paths"].items():
         concrete = path.replace("{org_id}", str(liveGateway.tenants["main"].orgID))
@@ -625,6 +803,12 @@ def test_undocumentedMethodsAre405(liveGateway: Gateway, document: dict[str, Any
             assert set(answer.headers["allow"].replace(" ", "").split(",")) == allowed
             if method == "HEAD":
                 assertCommonHeaders(answer)
+            elif path in ANTHROPIC_PATHS:
+                assertCommonHeaders(answer)
+                document = answer.json()
+                assert document["type"] == "error"
+                assert document["error"]["code"] == "METHOD_NOT_ALLOWED"
+                assert document["request_id"] == answer.headers["x-request-id"]
             else:
                 assertEnvelope(answer, 405, "METHOD_NOT_ALLOWED")
 

@@ -1,5 +1,5 @@
 """
-The usage ledger's rules outside SQL (decisions D12 and D12 amended): what
+The usage ledger's rules outside SQL (decisions D12, D12 amended, D14): what
 a usage row from svc-proxy must be before it is recorded (each row checked
 on its own), the span and grouping of a report, and a report as svcctl
 usage prints it. The SQL itself is in
@@ -83,6 +83,7 @@ _COUNT_FIELDS: tuple[tuple[str, int], ...] = (
     ("completion_tokens", MAXIMUM_ROW_AMOUNT),
     ("reasoning_tokens", MAXIMUM_ROW_AMOUNT),
     ("cost_nano_usd", MAXIMUM_ROW_AMOUNT),
+    ("cache_write_tokens", MAXIMUM_ROW_AMOUNT),
     ("duration_us", INT64_MAX),
 )
 
@@ -91,7 +92,9 @@ INVALID = "invalid"
 CONFLICT = "conflict"
 REJECT_REASONS = (INVALID, CONFLICT)
 
-# Report columns, in the order of D12's JSON and of the CSV header.
+# Report columns, in the order of D12's JSON and of the CSV header; the
+# cache writes of decisions D14 after D12's, so that a reader of the CSV
+# by position reads D12's columns where they were.
 REPORT_COLUMNS = (
     "requests",
     "prompt_tokens",
@@ -99,6 +102,7 @@ REPORT_COLUMNS = (
     "completion_tokens",
     "reasoning_tokens",
     "cost_usd",
+    "cache_write_tokens",
 )
 
 # ASCII digits only (decisions D12 amended): \d would take full-width ones.
@@ -214,6 +218,7 @@ def usageRecord(row: auth_pb2.UsageRow) -> UsageRecord:
         kind=kind,
         parentRequestID=row.parent_request_id or None,
         memories=memories,
+        cacheWriteTokens=row.cache_write_tokens,
     )
 
 
@@ -395,6 +400,7 @@ def totalOf(sums: Sequence[UsageSums]) -> UsageSums:
         completionTokens=sum(each.completionTokens for each in sums),
         reasoningTokens=sum(each.reasoningTokens for each in sums),
         costNanoUSD=sum(each.costNanoUSD for each in sums),
+        cacheWriteTokens=sum(each.cacheWriteTokens for each in sums),
     )
 
 
@@ -406,6 +412,7 @@ def _columns(sums: UsageSums) -> dict[str, Any]:
         "completion_tokens": sums.completionTokens,
         "reasoning_tokens": sums.reasoningTokens,
         "cost_usd": formatDollars(sums.costNanoUSD),
+        "cache_write_tokens": sums.cacheWriteTokens,
     }
 
 
@@ -466,4 +473,5 @@ def usageSum(sums: UsageSums) -> auth_pb2.UsageSum:
         completion_tokens=clampInt64(sums.completionTokens),
         reasoning_tokens=clampInt64(sums.reasoningTokens),
         cost_usd=formatDollars(sums.costNanoUSD),
+        cache_write_tokens=clampInt64(sums.cacheWriteTokens),
     )

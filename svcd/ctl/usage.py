@@ -1,5 +1,5 @@
 """
-svcctl usage (decisions D12): the sums of an organization's ledger rows
+svcctl usage (decisions D12, D14): the sums of an organization's ledger rows
 over a span, grouped by day, model, agent, token or kind, as JSON or CSV;
 the same sums as GetUsage, from the same query.
 """

@@ -91,6 +91,7 @@ def usageRow(
         cached_tokens=charge.cachedTokens,
         completion_tokens=charge.completionTokens,
         reasoning_tokens=charge.reasoningTokens,
+        cache_write_tokens=charge.cacheWriteTokens,
         tokens_from=charge.tokensFrom,
         cost_nano_usd=charge.cost,
         price_version=charge.priceVersion,

@@ -183,7 +183,12 @@ class Admission:
             return
         price = answered.price
         cost = (
-            price.cost(usage.promptTokens, usage.cachedTokens, usage.completionTokens)
+            price.cost(
+                usage.promptTokens,
+                usage.cachedTokens,
+                usage.completionTokens,
+                usage.cacheWriteTokens,
+            )
             if price is not None
             else 0
         ) + plus[1]

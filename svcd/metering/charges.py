@@ -1,5 +1,5 @@
 """
-What a provider call is charged (decisions D11, D12, D13): the tokens its
+What a provider call is charged (decisions D11, D12, D13, D14): the tokens its
 ledger row counts, where they came from, and what they cost at its price
 (L{Charge}, L{chargeOf}), however the call ended (L{OK},
 L{UPSTREAM_ERROR}, L{CLIENT_GONE}).
@@ -32,6 +32,9 @@ class Charge:
     """
     The tokens a call's ledger row counts, and their cost.
 
+    @ivar cacheWriteTokens: the prompt's tokens written to the provider's
+        cache (decisions D14), part of C{promptTokens} as C{cachedTokens}
+        (the reads) are; last, so that rows made before it read the same.
     @ivar tokensFrom: L{FROM_PROVIDER} (its usage, or none after a fault
         before its first byte) or L{FROM_RESERVATION} (the estimate the
         token limits kept).
@@ -46,6 +49,7 @@ class Charge:
     tokensFrom: str
     cost: int
     priceVersion: str
+    cacheWriteTokens: int = 0
 
     @property
     def tokens(self) -> int:
@@ -74,12 +78,15 @@ def chargeOf(
     if usage is not None:
         prompt, cached = usage.promptTokens, usage.cachedTokens
         completion, reasoning = usage.completionTokens, usage.reasoningTokens
+        # The writes, never more than the prompt's tokens that are not
+        # reads, as the price counts them (decisions D14).
+        written = max(0, min(usage.cacheWriteTokens, prompt - min(max(cached, 0), prompt)))
         tokensFrom = FROM_PROVIDER
     elif outcome == UPSTREAM_ERROR and not afterFirstByte:
-        prompt = cached = completion = reasoning = 0
+        prompt = cached = written = completion = reasoning = 0
         tokensFrom = FROM_PROVIDER
     else:
-        (prompt, completion), cached, reasoning = estimate, 0, 0
+        (prompt, completion), cached, written, reasoning = estimate, 0, 0, 0
         tokensFrom = FROM_RESERVATION
     return Charge(
         promptTokens=prompt,
@@ -87,6 +94,7 @@ def chargeOf(
         completionTokens=completion,
         reasoningTokens=reasoning,
         tokensFrom=tokensFrom,
-        cost=price.cost(prompt, cached, completion) if price is not None else 0,
+        cost=price.cost(prompt, cached, completion, written) if price is not None else 0,
         priceVersion=price.version if price is not None else "",
+        cacheWriteTokens=written,
     )

@@ -13,6 +13,11 @@ import attrs
 class Usage:
     """
     Tokens the upstream counted for one answer.
+
+    C{promptTokens} is every input token: those neither read from nor
+    written to the provider's cache, C{cachedTokens} (the reads) and
+    C{cacheWriteTokens} (the writes, decisions D14), each priced apart
+    (L{svcd.metering.prices.Price.cost}).
     """
 
     promptTokens: int

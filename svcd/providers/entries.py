@@ -83,7 +83,7 @@ _MODEL_KEYS = (
 )
 # The keys that bound a chat answer's output, meaningless for embeddings.
 _CHAT_ONLY_KEYS = ("max_output_tokens", "cap_field")
-_PRICE_KEYS = ("input", "output", "cached_input")
+_PRICE_KEYS = ("input", "output", "cached_input", "cache_write")
 
 
 class EntryChecker(FieldChecker):
@@ -346,6 +346,7 @@ class EntryChecker(FieldChecker):
             input=dollars["input"],
             output=dollars.get("output", 0),
             cachedInput=dollars.get("cached_input", dollars["input"]),
+            cacheWrite=dollars.get("cache_write", dollars["input"]),
         )
 
     def maxOutputTokens(self, table: dict[str, Any], where: str) -> int | None:

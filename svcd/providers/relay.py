@@ -75,7 +75,11 @@ def usageOf(document: object) -> Usage | None:
     # shape); never more than the whole.
     cached = _detail(usage, "prompt_tokens_details", "cached_tokens", prompt)
     reasoning = _detail(usage, "completion_tokens_details", "reasoning_tokens", completion)
-    return Usage(prompt, completion, cached, reasoning)
+    # Decisions D14: the part written to the provider's cache, which a
+    # translated answer carries and some OpenAI-compatible providers send;
+    # never more than the prompt's tokens that are not reads.
+    written = _detail(usage, "prompt_tokens_details", "cache_write_tokens", prompt - cached)
+    return Usage(prompt, completion, cached, reasoning, written)
 
 
 def embeddingUsageOf(document: object) -> Usage | None:

@@ -162,11 +162,13 @@ def endedAtText(seconds: float) -> str:
 
 class AnswerText:
     """
-    The text of a streamed answer, gathered from its deltas
-    (C{choices[0].delta.content} of each event) as the relay parses them.
-    Bounded: once L{MAX_OBSERVED_MESSAGE_BYTES} worth of characters are
-    held, later deltas are not kept (a character is at most 4 bytes, so
-    holding that many characters always suffices for the cut).
+    The text of a streamed answer, gathered from its deltas as the relay
+    parses them: C{choices[0].delta.content} of each chunk of chat
+    completions, the C{text_delta}s of Anthropic's C{content_block_delta}
+    events (decisions D14), whichever the stream is. Bounded: once
+    L{MAX_OBSERVED_MESSAGE_BYTES} worth of characters are held, later
+    deltas are not kept (a character is at most 4 bytes, so holding that
+    many characters always suffices for the cut).
     """
 
     def __init__(self, limit: int = MAX_OBSERVED_MESSAGE_BYTES) -> None:
@@ -181,6 +183,11 @@ class AnswerText:
         """
         if self._held >= self._limit:
             return
+        if event.get("type") == "content_block_delta":
+            delta = event.get("delta")
+            if isinstance(delta, dict) and delta.get("type") == "text_delta":
+                self._add(delta.get("text"))
+            return
         choices = event.get("choices")
         if not isinstance(choices, list) or not choices:
             return
@@ -190,7 +197,9 @@ class AnswerText:
         delta = first.get("delta")
         if not isinstance(delta, dict):
             return
-        content = delta.get("content")
+        self._add(delta.get("content"))
+
+    def _add(self, content: object) -> None:
         if isinstance(content, str) and content:
             self._parts.append(content)
             self._held += len(content)
@@ -216,8 +225,11 @@ class AnswerText:
 
 def completionText(body: Mapping[str, Any]) -> str:
     """
-    The text of a non-streamed answer: its first choice's message content.
+    The text of a non-streamed answer: its first choice's message content,
+    or an Anthropic message's text blocks (decisions D14).
     """
+    if body.get("type") == "message":
+        return messageText(body.get("content"))
     choices = body.get("choices")
     if isinstance(choices, list) and choices and isinstance(choices[0], dict):
         message = choices[0].get("message")

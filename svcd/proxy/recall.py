@@ -20,6 +20,9 @@ The route (L{svcd.proxy.http.routes.chat}) asks two things of this module:
     searched by the table's C{recall_mode}, both within
     C{SVC_MEMORY_TIMEOUT}; the memories
     assembled into one system message (L{memoryMessage}, L{assemble}).
+    The Messages route (decisions D14) asks L{Recaller.memories} for that
+    message alone, and puts its text in C{system}, as a text block after
+    the client's own (L{svcd.proxy.http.messagesbody.withMemories}).
     Any fault or timeout is an answer without memories (C{unavailable}),
     never an error of the chat's.
 
@@ -113,7 +116,10 @@ CLOSING = "</memories>"
 _ESCAPES = {ord(character): f"\\u{ord(character):04x}" for character in "<>&\x85\u2028\u2029"}
 
 # The framing of the inserted message in the forwarded JSON, past its
-# content: C{,{"role":"system","content":""}}, with room to spare.
+# content: C{,{"role":"system","content":""}}, with room to spare; or of
+# the text block a Messages body gets (decisions D14), with a string
+# system prompt made a block: C{[{"type":"text","text":""},...]} and
+# C{,{"type":"text","text":""}}, some 50 bytes.
 _MESSAGE_FRAMING_BYTES = 64
 
 _LEADING_ROLES = frozenset({"system", "developer"})
@@ -457,6 +463,17 @@ class Recaller:
         the caller's own cancellation (L{CancelledError}: the client
         gone).
         """
+        message = await self.memories(recall, call, budgeted)
+        return None if message is None else assemble(messages, message)
+
+    async def memories(
+        self, recall: Recall, call: EmbeddingCall, budgeted: bool
+    ) -> dict[str, str] | None:
+        """
+        L{recall}'s message of memories, for a route that puts it where
+        its dialect does (decisions D14: a Messages body's C{system}); None
+        when there is none to add. Fills C{recall} and fails as L{recall}.
+        """
         plan = recall.plan
         query, model = plan.query, plan.model
         if query is None:
@@ -526,7 +543,7 @@ class Recaller:
         recall.count = count
         recall.outcome = RECALL_EMPTY if message is None else RECALL_OK
         self._metrics.memoryRecall(recall.outcome)
-        return None if message is None else assemble(messages, message)
+        return message
 
     def _failed(self, recall: Recall, error: Exception, call: EmbeddingCall) -> None:
         recall.outcome = RECALL_ERROR

@@ -23,7 +23,8 @@ from svcd.common.pgtransactions import Cursor, StoreRejected, StoreValueRefused
 class UsageRecord:
     """
     One forwarded request as the ledger keeps it (decisions D12, the
-    usage_ledger table of sql/0006_usage.sql, sql/0007 and sql/0008):
+    usage_ledger table of sql/0006_usage.sql, sql/0007, sql/0008, sql/0012
+    and sql/0020):
     identifiers, names and numbers, never a message's content. Costs are
     nano-dollars. C{ledgerID} is the key, made by the gateway (a UUID in
     its canonical lower-case text, as PostgreSQL and the JSON batch spell
@@ -64,6 +65,9 @@ class UsageRecord:
     # Decisions D13: memories a recall put in a chat's prompt; None
     # without recall (sql/0012_usage_memories.sql).
     memories: int | None = None
+    # Decisions D14: the prompt's tokens written to the provider's cache,
+    # part of promptTokens (sql/0020_usage_cache_writes.sql).
+    cacheWriteTokens: int = 0
 
 
 # The ledger's columns, in UsageRecord's order, with their types (see
@@ -92,15 +96,18 @@ _LEDGER_COLUMNS = (
     ("kind", "text"),
     ("parent_request_id", "text"),
     ("memories", "integer"),
+    ("cache_write_tokens", "bigint"),
 )
 _LEDGER_NAMES = ", ".join(name for name, _ in _LEDGER_COLUMNS)
-# The amounts the rollup sums (sql/0007_ledger_key_and_rollup.sql).
+# The amounts the rollup sums (sql/0007_ledger_key_and_rollup.sql; cache
+# writes since sql/0020_usage_cache_writes.sql).
 _ROLLUP_SUMS = (
     "prompt_tokens",
     "cached_tokens",
     "completion_tokens",
     "reasoning_tokens",
     "cost_nano_usd",
+    "cache_write_tokens",
 )
 # The rollup's key, in its unique constraint's order (kind since
 # sql/0008_usage_kind.sql).
@@ -182,6 +189,7 @@ def _ledgerObject(row: UsageRecord) -> dict[str, object]:
         "kind": row.kind,
         "parent_request_id": row.parentRequestID,
         "memories": row.memories,
+        "cache_write_tokens": row.cacheWriteTokens,
     }
 
 
@@ -312,7 +320,8 @@ def _midnight(day: datetime.date) -> datetime.datetime:
 class UsageSums:
     """
     The sums of a group of ledger rows (a report's row, or its total with
-    C{key} empty); the cost in nano-dollars.
+    C{key} empty); the cost in nano-dollars. C{cacheWriteTokens}
+    (decisions D14) is part of C{promptTokens}, as C{cachedTokens} is.
     """
 
     key: str
@@ -322,11 +331,13 @@ class UsageSums:
     completionTokens: int
     reasoningTokens: int
     costNanoUSD: int
+    cacheWriteTokens: int = 0
 
 
 class LedgerStore(StoreBase):
     """
-    The usage ledger and its rollup (sql/0006_usage.sql, sql/0007, sql/0008).
+    The usage ledger and its rollup (sql/0006_usage.sql, sql/0007, sql/0008,
+    sql/0020).
     """
 
     def recordUsage(self, rows: Sequence[UsageRecord]) -> UsageWritten:
@@ -545,7 +556,7 @@ class LedgerStore(StoreBase):
             f"SELECT {_ROLLUP_GROUPINGS[by]} AS key, requests,"
             " prompt_tokens AS prompt, cached_tokens AS cached,"
             " completion_tokens AS completion, reasoning_tokens AS reasoning,"
-            " cost_nano_usd AS cost FROM usage_rollup"
+            " cost_nano_usd AS cost, cache_write_tokens AS written FROM usage_rollup"
             " WHERE org_id = %(org)s AND day >= %(firstDay)s AND day < %(endDay)s"
             f"{agentCondition}"
         ]
@@ -555,7 +566,8 @@ class LedgerStore(StoreBase):
                 f"SELECT {USAGE_GROUPINGS[by]} AS key, count(*) AS requests,"
                 " sum(prompt_tokens) AS prompt, sum(cached_tokens) AS cached,"
                 " sum(completion_tokens) AS completion, sum(reasoning_tokens) AS reasoning,"
-                " sum(cost_nano_usd) AS cost FROM usage_ledger"
+                " sum(cost_nano_usd) AS cost, sum(cache_write_tokens) AS written"
+                " FROM usage_ledger"
                 f" WHERE org_id = %(org)s AND started_at >= %(start{index})s"
                 f" AND started_at < %(end{index})s{agentCondition} GROUP BY 1"
             )
@@ -564,7 +576,7 @@ class LedgerStore(StoreBase):
             cursor.execute(
                 "SELECT key, sum(requests) AS requests, sum(prompt) AS prompt,"
                 " sum(cached) AS cached, sum(completion) AS completion,"
-                " sum(reasoning) AS reasoning, sum(cost) AS cost"
+                " sum(reasoning) AS reasoning, sum(cost) AS cost, sum(written) AS written"
                 f" FROM ({' UNION ALL '.join(sources)}) AS parts GROUP BY key ORDER BY key",
                 parameters,
             )
@@ -577,6 +589,7 @@ class LedgerStore(StoreBase):
                     completionTokens=int(row["completion"]),
                     reasoningTokens=int(row["reasoning"]),
                     costNanoUSD=int(row["cost"]),
+                    cacheWriteTokens=int(row["written"]),
                 )
                 for row in cursor.fetchall()
             ]

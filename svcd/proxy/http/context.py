@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import attrs
 from opentelemetry.trace import INVALID_SPAN, Span
@@ -20,8 +21,8 @@ from twisted.web.server import Request
 
 from svcd.common.errors import ApiError
 from svcd.limits.records import Reservation
+from svcd.metering.models import OPENAI
 from svcd.providers.records import UpstreamRecord
-from svcd.proxy.http.chatbody import ChatRequest
 from svcd.proxy.http.embeddingsbody import EmbeddingsRequest
 from svcd.proxy.observe import Observing
 from svcd.proxy.recall import Recall
@@ -53,6 +54,45 @@ class Reply:
     streamed: bool = False
 
 
+class Conversation(Protocol):
+    """
+    What the routes that forward a conversation to a model (chat
+    completions, messages) read of their parsed body, whichever dialect it
+    is in: L{svcd.proxy.http.chatbody.ChatRequest} and
+    L{svcd.proxy.http.messagesbody.MessagesRequest} are ones, and both are
+    L{svcd.limits.reservation.ChatBody}s.
+    """
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def stream(self) -> bool: ...
+
+    @property
+    def messages(self) -> Sequence[Mapping[str, Any]]:
+        """
+        The conversation as chat messages (role, content string or text
+        parts): what D11's estimate, a recall's query and an observation
+        read (decisions D11, D13).
+        """
+
+    @property
+    def document(self) -> Mapping[str, Any]:
+        """
+        The whole JSON object as the client sent it: what is forwarded.
+        """
+
+    @property
+    def maxTokens(self) -> int | None: ...
+
+    @property
+    def maxCompletionTokens(self) -> int | None: ...
+
+    @property
+    def choices(self) -> int: ...
+
+
 @attrs.define(slots=True, repr=False)
 class RequestContext:
     """
@@ -82,10 +122,10 @@ class RequestContext:
     status: int = 0
     # What forwarding to a provider did, for the access log.
     upstream: UpstreamRecord = attrs.field(factory=UpstreamRecord)
-    # The chat body, when a token reservation needed it before the
-    # handler (decisions D11), or why it was refused (for the handler to
-    # answer, in the spec's order).
-    chat: ChatRequest | None = None
+    # The chat body (or the messages body, decisions D14), when a token
+    # reservation needed it before the handler (decisions D11), or why it
+    # was refused (for the handler to answer, in the spec's order).
+    chat: Conversation | None = None
     chatError: ApiError | None = None
     # The same of an embeddings body (decisions D13).
     embeddings: EmbeddingsRequest | None = None
@@ -117,6 +157,14 @@ class RequestContext:
     # and its observation, when observe is.
     recall: Recall | None = None
     observing: Observing | None = None
+
+    @property
+    def dialect(self) -> str:
+        """
+        The dialect this request's answers, errors included, are written
+        in: its route's (decisions D14).
+        """
+        return self.route.dialect
 
 
 Step = Callable[[RequestContext], Awaitable[None]]
@@ -173,11 +221,14 @@ class Route:
     """
     A path template and what each allowed method runs; C{template} is the
     C{route} label of metrics, the C{http.route} of spans and the second
-    word of their names (C{spanNames}, made once, by method).
+    word of their names (C{spanNames}, made once, by method). C{dialect}
+    is the one its clients speak, in which its errors are written
+    (decisions D14: Anthropic's envelope on C{/v1/messages}).
     """
 
     template: str
     methods: Mapping[str, Pipeline]
+    dialect: str = OPENAI
     spanNames: Mapping[str, str] = attrs.field(
         init=False, default=attrs.Factory(_spanNames, takes_self=True), eq=False, repr=False
     )

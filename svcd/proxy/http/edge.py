@@ -41,6 +41,7 @@ from svcd.common.logs import REQUEST_ID
 from svcd.common.permissions import Permission
 from svcd.common.readiness import Check
 from svcd.common.tracing import activate, deactivate, parentFromHeaders, untracedProvider
+from svcd.dialects.errors import anthropicErrorBody
 from svcd.ledger.rows import UsageLedger
 from svcd.limits.admission import Admission
 from svcd.limits.book import LimitBook
@@ -49,6 +50,7 @@ from svcd.memoryclient.batches import SearchBatches
 from svcd.memoryclient.client import MemoryClient
 from svcd.metered.batches import EmbeddingBatches
 from svcd.metered.embedder import Embedder
+from svcd.metering.models import ANTHROPIC
 from svcd.providers.upstream import Forwarder
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.http.context import (
@@ -65,14 +67,17 @@ from svcd.proxy.http.context import (
     newTraceID,
 )
 from svcd.proxy.http.memorybody import parseAddBody, parsePatchBody, parseSearchBody
+from svcd.proxy.http.paths import COUNT_TOKENS_PATH, MESSAGES_PATH
 from svcd.proxy.http.resource import EdgeResource
-from svcd.proxy.http.routes.chat import ChatRoutes
+from svcd.proxy.http.routes.chat import CHAT
+from svcd.proxy.http.routes.conversation import ConversationRoutes
 from svcd.proxy.http.routes.embeddings import EmbeddingsRoutes
 from svcd.proxy.http.routes.memories import MemoryRoutes, addTexts, changeTexts, searchTexts
+from svcd.proxy.http.routes.messages import MESSAGES, CountTokens
 from svcd.proxy.http.routes.models import ModelRoutes
 from svcd.proxy.http.routes.ops import OperationsRoutes
 from svcd.proxy.http.routes.probes import ProbeRoutes
-from svcd.proxy.http.steps import CallerSteps, Reserve, bearerToken
+from svcd.proxy.http.steps import CallerSteps, Credential, Reserve, apiKeyOrBearer
 from svcd.proxy.metrics import ProxyMetrics
 from svcd.proxy.observe import Observer
 from svcd.proxy.recall import Recaller
@@ -173,17 +178,25 @@ class ProxyEdge:
                 config.memoryTimeout,
                 metrics,
             )
-        self.chat = ChatRoutes(
-            providers,
-            forwarder,
-            ledger,
-            admission,
-            clock,
-            self.errorReply,
-            self._addStandardHeaders,
-            recaller,
-            observer if memory is not None and config.memory is not None else None,
-        )
+        # The routes of conversations: chat completions, and Anthropic's
+        # Messages API (decisions D14), through the same steps.
+        conversations = [
+            ConversationRoutes(
+                dialect,
+                providers,
+                forwarder,
+                ledger,
+                admission,
+                clock,
+                self.errorReply,
+                self._addStandardHeaders,
+                recaller,
+                observer if memory is not None and config.memory is not None else None,
+            )
+            for dialect in (CHAT, MESSAGES)
+        ]
+        self.chat, self.messages = conversations
+        self.countTokens = CountTokens(providers, forwarder)
         # Decisions D13: the memory routes, on svc-memory; off (501) unless
         # both its address and the providers file's [memory] table are
         # given.
@@ -222,21 +235,23 @@ class ProxyEdge:
         reserve: Reserve | None = None,
         body: bool = False,
         matchPathOrg: bool = False,
+        credential: Credential | None = None,
     ) -> tuple[Step, ...]:
         """
         Spec 4.1: how every route of a caller opens, in this order: the
         body's size and type (a route that reads a C{body}), the bearer
-        token with the route's C{permission} (for the org-scoped probe, the
-        path org equal to the token's: C{matchPathOrg}), the agent, then
-        the per-minute limit, which also reserves what the route's
-        C{reserve} says (decisions D11, D12), in the same Redis call. The
-        steps are L{CallerSteps}'.
+        token (or where C{credential} finds it, decisions D14) with the
+        route's C{permission} (for the org-scoped probe, the path org
+        equal to the token's: C{matchPathOrg}), the agent, then the
+        per-minute limit, which also reserves what the route's C{reserve}
+        says (decisions D11, D12), in the same Redis call. The steps are
+        L{CallerSteps}'.
         """
         caller = self.caller
         bounds = (caller.bodySizeLimit, caller.contentType) if body else ()
         return (
             *bounds,
-            caller.tokenAuth(permission, matchPathOrg),
+            caller.tokenAuth(permission, matchPathOrg, credential),
             caller.agentVerify,
             caller.rateLimit(reserve),
         )
@@ -258,7 +273,7 @@ class ProxyEdge:
         )
         chatCompletions = Pipeline(
             opening(Permission.ProxyChatCompletion, chat.reserve, body=True),
-            chat.chatCompletions,
+            chat.handle,
         )
         embeddingsRoute = Pipeline(
             opening(Permission.ProxyEmbeddings, embeddings.reserve, body=True),
@@ -280,11 +295,44 @@ class ProxyEdge:
             Route("/v1/chat/completions", {"POST": chatCompletions}),
             Route("/proxy/v1/chat/completions", {"POST": chatCompletions}),
             Route("/v1/embeddings", {"POST": embeddingsRoute}),
+            *self._messagesRoutes(),
             *self._memoryRoutes(),
         )
         if self.models is not None:
             routes += (Route("/v1/models", {"GET": Pipeline(opening(), self.models.modelsList)}),)
         return routes
+
+    def _messagesRoutes(self) -> tuple[Route, ...]:
+        """
+        Decisions D14: Anthropic's Messages API, its token in C{x-api-key}
+        or C{Authorization: Bearer}, its errors in Anthropic's envelope
+        (the routes' dialect); /v1/messages opens as chat completions do,
+        count_tokens the same but reserves nothing (it counts toward the
+        requests per minute only).
+        """
+        opening, messages = self._opening, self.messages
+        chat, found = Permission.ProxyChatCompletion, apiKeyOrBearer
+        return (
+            Route(
+                MESSAGES_PATH,
+                {
+                    "POST": Pipeline(
+                        opening(chat, messages.reserve, body=True, credential=found),
+                        messages.handle,
+                    )
+                },
+                dialect=ANTHROPIC,
+            ),
+            Route(
+                COUNT_TOKENS_PATH,
+                {
+                    "POST": Pipeline(
+                        opening(chat, body=True, credential=found), self.countTokens.countTokens
+                    )
+                },
+                dialect=ANTHROPIC,
+            ),
+        )
 
     def _memoryRoutes(self) -> tuple[Route, ...]:
         """
@@ -575,23 +623,36 @@ class ProxyEdge:
     def bodyWanted(self, request: Request) -> bool:
         """
         Whether the site should read C{request}'s body, from its headers
-        alone (decisions D10): only the chat and embeddings routes read a
-        body, and only after the bearer token, so a request without an
-        Authorization of the token's shape is answered (413, 415, then
+        alone (decisions D10): only the routes with a body read it, and
+        only after the token, so a request without a token of the token's
+        shape (in C{Authorization: Bearer}, or in C{x-api-key} as the
+        Messages routes take it, decisions D14) is answered (413, 415, then
         401, as its steps order them) without its body ever being held.
+        The site asks before the request line's path is known to the
+        request, so every route takes either header here; a route that
+        wants the bearer alone still answers 401 without one.
         """
         try:
-            bearerToken(request)
+            apiKeyOrBearer(request)
         except ApiError:
             return False
         return True
 
     def errorReply(self, ctx: RequestContext, error: ApiError) -> Reply:
         """
-        The envelope of spec section 7 for C{error}.
+        The envelope of spec section 7 for C{error}, or Anthropic's on the
+        routes of its dialect (decisions D14): the same status, code and
+        headers (Retry-After, Allow) either way.
         """
-        now = datetime.datetime.fromtimestamp(self._clock.seconds(), datetime.UTC)
-        document = envelope(error, requestID=ctx.requestID, now=now, docsBase=self._docsBase)
+        if ctx.dialect == ANTHROPIC:
+            # A provider that said it was overloaded makes a 5xx an
+            # overloaded_error, which Anthropic's SDKs retry.
+            document = anthropicErrorBody(
+                error, requestID=ctx.requestID, overloaded=ctx.upstream.overloaded
+            )
+        else:
+            now = datetime.datetime.fromtimestamp(self._clock.seconds(), datetime.UTC)
+            document = envelope(error, requestID=ctx.requestID, now=now, docsBase=self._docsBase)
         reply = Reply(error.status, jsonBody(document))
         for name, value in error.headers:
             reply.headers.append((name.encode("latin-1"), value.encode("latin-1")))

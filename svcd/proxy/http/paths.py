@@ -48,6 +48,11 @@ from collections.abc import Iterable, Mapping
 from typing import Generic, TypeVar
 from urllib.parse import unquote_to_bytes
 
+# Decisions D14: the routes of Anthropic's Messages API, whose clients
+# speak its dialect (errors in its envelope, the token in x-api-key too).
+MESSAGES_PATH = "/v1/messages"
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
+
 _UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
 _SEPARATOR = ord("/")
 _ESCAPE = re.compile(rb"%(?:([0-9A-Fa-f]{2})|)")

@@ -32,6 +32,10 @@ _AGENT_HEADER = AGENT_HEADER.encode("ascii")
 Reserve = Callable[[RequestContext, str], tuple[int, int]]
 _NOTHING = (0, 0)
 
+# Where a route finds the caller's token in a request (L{bearerToken}, or
+# L{apiKeyOrBearer} on the routes of Anthropic's dialect).
+Credential = Callable[[Request], str]
+
 
 class CallerSteps:
     """
@@ -79,15 +83,22 @@ class CallerSteps:
         if value is None or value.split(b";", 1)[0].strip().lower() != b"application/json":
             raise ApiError(ErrorCode.UNSUPPORTED_MEDIA_TYPE)
 
-    def tokenAuth(self, permission: Permission | None = None, matchPathOrg: bool = False) -> Step:
+    def tokenAuth(
+        self,
+        permission: Permission | None = None,
+        matchPathOrg: bool = False,
+        credential: Credential | None = None,
+    ) -> Step:
         """
-        The token auth step: the bearer token, validated by svc-auth, with
-        the route's permission bit and, for the org-scoped probe, the path
-        org equal to the token's org (403 INSUFFICIENT_PERMISSIONS).
+        The token auth step: the bearer token (or where C{credential}
+        finds it), validated by svc-auth, with the route's permission bit
+        and, for the org-scoped probe, the path org equal to the token's
+        org (403 INSUFFICIENT_PERMISSIONS).
         """
+        found = credential if credential is not None else bearerToken
 
         async def tokenAuth(ctx: RequestContext) -> None:
-            accessToken = bearerToken(ctx.request)
+            accessToken = found(ctx.request)
             token = await self._auth.validateToken(accessToken)
             if permission is not None and not token.permissions & permission:
                 raise ApiError(ErrorCode.INSUFFICIENT_PERMISSIONS)
@@ -196,4 +207,35 @@ def bearerToken(request: Request) -> str:
     token = credential.decode("latin-1")
     if not isToken(token):
         raise ApiError(ErrorCode.INVALID_TOKEN)
+    return token
+
+
+_API_KEY_HEADER = b"x-api-key"
+
+
+def apiKeyOrBearer(request: Request) -> str:
+    """
+    The token of a route of Anthropic's dialect (decisions D14): in
+    C{x-api-key}, which Anthropic's SDKs send, or in C{Authorization:
+    Bearer}, as on every other route (their C{auth_token}); both may be
+    sent, holding the same token.
+
+    @raise ApiError: as L{bearerToken} without C{x-api-key}; 401
+        INVALID_TOKEN when C{x-api-key} is not one token of our PAT
+        format, or when both headers are sent and do not hold the same
+        token.
+    """
+    keys = request.requestHeaders.getRawHeaders(_API_KEY_HEADER)
+    if keys is None:
+        return bearerToken(request)
+    if len(keys) != 1:
+        raise ApiError(ErrorCode.INVALID_TOKEN)
+    token = keys[0].strip().decode("latin-1")
+    if not isToken(token):
+        raise ApiError(ErrorCode.INVALID_TOKEN)
+    if request.requestHeaders.hasHeader(b"authorization") and bearerToken(request) != token:
+        raise ApiError(
+            ErrorCode.INVALID_TOKEN,
+            "The x-api-key header and the Authorization bearer token differ.",
+        )
     return token

@@ -203,7 +203,7 @@ class BudgetChanged(_message.Message):
     def __init__(self, org_id: _Optional[bytes] = ..., agent_id: _Optional[bytes] = ..., budget: _Optional[_Union[Budget, _Mapping]] = ...) -> None: ...
 
 class UsageRow(_message.Message):
-    __slots__ = ("request_id", "org_id", "agent_id", "token_id", "model_requested", "model", "provider", "upstream_model", "stream", "outcome", "prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens", "tokens_from", "cost_nano_usd", "price_version", "started_at_us", "duration_us", "ledger_id", "kind", "parent_request_id", "memories")
+    __slots__ = ("request_id", "org_id", "agent_id", "token_id", "model_requested", "model", "provider", "upstream_model", "stream", "outcome", "prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens", "tokens_from", "cost_nano_usd", "price_version", "started_at_us", "duration_us", "ledger_id", "kind", "parent_request_id", "memories", "cache_write_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ORG_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +227,7 @@ class UsageRow(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     PARENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MEMORIES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_WRITE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     org_id: str
     agent_id: str
@@ -250,7 +251,8 @@ class UsageRow(_message.Message):
     kind: str
     parent_request_id: str
     memories: int
-    def __init__(self, request_id: _Optional[str] = ..., org_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., token_id: _Optional[str] = ..., model_requested: _Optional[str] = ..., model: _Optional[str] = ..., provider: _Optional[str] = ..., upstream_model: _Optional[str] = ..., stream: _Optional[bool] = ..., outcome: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ..., tokens_from: _Optional[str] = ..., cost_nano_usd: _Optional[int] = ..., price_version: _Optional[str] = ..., started_at_us: _Optional[int] = ..., duration_us: _Optional[int] = ..., ledger_id: _Optional[str] = ..., kind: _Optional[str] = ..., parent_request_id: _Optional[str] = ..., memories: _Optional[int] = ...) -> None: ...
+    cache_write_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., org_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., token_id: _Optional[str] = ..., model_requested: _Optional[str] = ..., model: _Optional[str] = ..., provider: _Optional[str] = ..., upstream_model: _Optional[str] = ..., stream: _Optional[bool] = ..., outcome: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ..., tokens_from: _Optional[str] = ..., cost_nano_usd: _Optional[int] = ..., price_version: _Optional[str] = ..., started_at_us: _Optional[int] = ..., duration_us: _Optional[int] = ..., ledger_id: _Optional[str] = ..., kind: _Optional[str] = ..., parent_request_id: _Optional[str] = ..., memories: _Optional[int] = ..., cache_write_tokens: _Optional[int] = ...) -> None: ...
 
 class RecordUsageRequest(_message.Message):
     __slots__ = ("rows",)
@@ -309,7 +311,7 @@ class GetUsageRequest(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., since: _Optional[str] = ..., until: _Optional[str] = ..., by: _Optional[str] = ...) -> None: ...
 
 class UsageSum(_message.Message):
-    __slots__ = ("key", "requests", "prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens", "cost_usd")
+    __slots__ = ("key", "requests", "prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens", "cost_usd", "cache_write_tokens")
     KEY_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -317,6 +319,7 @@ class UsageSum(_message.Message):
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REASONING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COST_USD_FIELD_NUMBER: _ClassVar[int]
+    CACHE_WRITE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     key: str
     requests: int
     prompt_tokens: int
@@ -324,7 +327,8 @@ class UsageSum(_message.Message):
     completion_tokens: int
     reasoning_tokens: int
     cost_usd: str
-    def __init__(self, key: _Optional[str] = ..., requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ..., cost_usd: _Optional[str] = ...) -> None: ...
+    cache_write_tokens: int
+    def __init__(self, key: _Optional[str] = ..., requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ..., cost_usd: _Optional[str] = ..., cache_write_tokens: _Optional[int] = ...) -> None: ...
 
 class GetUsageResponse(_message.Message):
     __slots__ = ("org_id", "since", "until", "by", "rows", "total")

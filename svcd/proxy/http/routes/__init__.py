@@ -7,7 +7,10 @@ shared steps (L{svcd.proxy.http.steps}).
   - L{ops}: /health, /ready and /metrics;
   - L{probes}: the auth probes;
   - L{models}: GET /v1/models;
-  - L{chat}: POST /v1/chat/completions, forwarded to a provider;
+  - L{conversation}: the steps of the routes that forward a
+    conversation to a provider, in their clients' dialect: L{chat}, POST
+    /v1/chat/completions, and L{messages}, POST /v1/messages and
+    /v1/messages/count_tokens (decisions D14);
   - L{embeddings}: POST /v1/embeddings, forwarded to a provider (decisions
     D13);
   - L{memories}: the memory routes, on svc-memory (decisions D13).
