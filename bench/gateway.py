@@ -1311,7 +1311,7 @@ def _compareDialects(results: list[dict[str, Any]], latency: dict[str, dict[str,
         print(
             f"{each['row']} at {each['connections']} connections, {each['workers']}"
             f" worker(s): {each['rps'] / rps:.1%} of the {against} row's requests/s,"
-            f" p50 {each['p50_ms'] - p50:+.2f} ms over its"
+            f" p50 {each['p50_ms'] - p50:+.2f} ms over {against}'s"
         )
     for row, each in latency.items():
         if row not in (*_DIALECTS, *_DIALECT_STREAMS):
