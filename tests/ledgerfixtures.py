@@ -184,11 +184,14 @@ def headersOf(tenant: Tenant, agent: uuid.UUID | None = None) -> dict[str, str]:
 
 
 def post(
-    port: int, tenant: Tenant, body: bytes, agent: uuid.UUID | None = None, timeout: float = 60
+    port: int,
+    tenant: Tenant,
+    body: bytes,
+    agent: uuid.UUID | None = None,
+    timeout: float = 60,
+    path: str = "/v1/chat/completions",
 ) -> Answer:
-    return request(
-        port, "POST", "/v1/chat/completions", headersOf(tenant, agent), body, timeout=timeout
-    )
+    return request(port, "POST", path, headersOf(tenant, agent), body, timeout=timeout)
 
 
 # The longest any test of the modules that use it takes, and more: none
@@ -296,17 +299,22 @@ class Received:
 
 
 def burst(
-    stack: Stack, tenant: Tenant, body: bytes, count: int = 64, agent: uuid.UUID | None = None
+    stack: Stack,
+    tenant: Tenant,
+    body: bytes,
+    count: int = 64,
+    agent: uuid.UUID | None = None,
+    path: str = "/v1/chat/completions",
 ) -> list[Received]:
     """
-    C{count} requests at once (one thread each), alternating between the
-    two proxies; each answer with the time it arrived.
+    C{count} requests at once (one thread each) to C{path}, alternating
+    between the two proxies; each answer with the time it arrived.
     """
     ready = threading.Barrier(count)
 
     def send(index: int) -> Received:
         ready.wait(timeout=30)
-        answer = post(stack.proxies[index % 2].httpPort, tenant, body, agent)
+        answer = post(stack.proxies[index % 2].httpPort, tenant, body, agent, path=path)
         return Received(answer, time.time())
 
     with ThreadPoolExecutor(count) as pool:

@@ -16,11 +16,15 @@ C{svcctl budget}. What is checked, from outside the gateway only:
     reported, counted, and the budget refuses from then on;
   - an unpriced fallback is never tried under a budget; an absurd output
     cap is 400 and nothing is forwarded;
-  - cache writes (decisions D14): a provider's C{prompt_tokens_details}
-    with cache reads and writes is billed each part at its own price, to
-    the nano-dollar, streamed or not, and svcctl usage sums the writes;
-    a budget holds against a provider that bills every byte of the prompt
-    as a cache write, dearer than input.
+  - cache writes (decisions D14): a provider's usage with cache reads and
+    writes is billed each part at its own price, to the nano-dollar,
+    streamed or not, on every path (an OpenAI or an Anthropic client, to
+    an OpenAI-compatible or an Anthropic provider), the client seeing its
+    own dialect's counts (C{prompt_tokens_details}' C{cached_tokens} and
+    C{cache_write_tokens}, or C{cache_read_input_tokens} and
+    C{cache_creation_input_tokens}); svcctl usage sums the writes; a
+    budget holds on both routes against a provider that bills every byte
+    of the prompt as a cache write, dearer than input.
 """
 
 from __future__ import annotations
@@ -103,6 +107,12 @@ MODELS: dict[str, tuple[str, dict[str, str] | None, int | None, list[str], str |
     "caching": (CACHED_AND_WRITTEN, PRICE_W, None, [], None),
     "written-at-cap": (MOST_ALLOWED_WRITTEN, PRICE_W, CAP, [], None),
 }
+# The same answers from a provider of Anthropic's API (decisions D14):
+# name -> (upstream model, price, max_output_tokens).
+ANTHROPIC_MODELS: dict[str, tuple[str, dict[str, str], int | None]] = {
+    "claude-caching": (CACHED_AND_WRITTEN, PRICE_W, None),
+    "claude-written-at-cap": (MOST_ALLOWED_WRITTEN, PRICE_W, CAP),
+}
 
 
 def providersFile(path: Path, upstream: ScriptedUpstream) -> Path:
@@ -126,6 +136,22 @@ def providersFile(path: Path, upstream: ScriptedUpstream) -> Path:
         if price is not None:
             entries = ", ".join(f'{key} = "{value}"' for key, value in price.items())
             text.append(f"price = {{ {entries} }}")
+    text += [
+        "",
+        "[[providers]]",
+        'name = "scripted-anthropic"',
+        f'base_url = "{upstream.baseURL}"',
+        'api = "anthropic"',
+        'timeout = "30s"',
+        'idle_timeout = "30s"',
+        "max_connections = 128",
+    ]
+    for name, (upstreamModel, price, cap) in ANTHROPIC_MODELS.items():
+        entries = ", ".join(f'{key} = "{value}"' for key, value in price.items())
+        text += ["", "[[models]]", f'name = "{name}"', 'provider = "scripted-anthropic"']
+        text += [f'upstream_model = "{upstreamModel}"', f"price = {{ {entries} }}"]
+        if cap is not None:
+            text.append(f"max_output_tokens = {cap}")
     path.write_text("\n".join(text) + "\n")
     return path
 
@@ -190,7 +216,7 @@ def test_requestsSharingAnIdAreEachOneRow(stack: Stack) -> None:
 # A prompt full of what bytes/3 undercounts (digits), and tools whose
 # schemas the old estimate did not count at all.
 DIGITS = "0123456789" * 30
-TOOLS = [
+TOOLS: list[dict[str, Any]] = [
     {
         "type": "function",
         "function": {
@@ -223,17 +249,19 @@ def heavyBody(model: str) -> bytes:
     ).encode()
 
 
-def forwardedLength(stack: Stack, body: bytes, upstreamModel: str) -> tuple[int, Any]:
+def forwardedLength(
+    stack: Stack, body: bytes, upstreamModel: str, path: str = "/v1/chat/completions"
+) -> tuple[int, Any]:
     """
-    Send C{body} once for an organization with a large budget (so the
-    gateway adds its cap, as under any budget) and read what the provider
-    received: the body's length in bytes and the body.
+    Send C{body} once to C{path} for an organization with a large budget
+    (so the gateway adds its cap, as under any budget) and read what the
+    provider received: the body's length in bytes and the body.
     """
     probe = stack.tenant(f"probe-{uuid.uuid4().hex[:6]}")
     stack.budget(probe, 10**12)
     stack.seenEverywhere()
     before = {each.number for each in stack.upstream.requests()}
-    answer = post(stack.proxies[0].httpPort, probe, body)
+    answer = post(stack.proxies[0].httpPort, probe, body, path=path)
     assert answer.status == 200, answer.body
     received = [
         each
@@ -244,7 +272,7 @@ def forwardedLength(stack: Stack, body: bytes, upstreamModel: str) -> tuple[int,
     return received[0].bodyLength, received[0].body
 
 
-def worstCase(price: Mapping[str, str], bodyLength: int) -> int:
+def worstCase(price: Mapping[str, str], bodyLength: int, completion: int = CAP * CHOICES) -> int:
     """
     The most a request can cost, by hand (decisions D12 amended): every
     byte of the body a token at the dearest input price (of an input, a
@@ -257,9 +285,7 @@ def worstCase(price: Mapping[str, str], bodyLength: int) -> int:
         price.get("cache_write", price["input"]),
         key=float,
     )
-    return nanoCost(
-        {"input": dearestInput, "output": price["output"]}, bodyLength, 0, CAP * CHOICES
-    )
+    return nanoCost({"input": dearestInput, "output": price["output"]}, bodyLength, 0, completion)
 
 
 @pytest.mark.parametrize("model", ["maxed", "maxed-legacy"])
@@ -504,3 +530,175 @@ def test_aBudgetHoldsAgainstAnswersWrittenToTheCache(stack: Stack) -> None:
         sum(counter(proxy, "svc_proxy_reservation_overruns_total") for proxy in stack.proxies)
         == overruns
     )
+
+
+# Both dialects, both kinds of provider (decisions D14).
+
+MESSAGES = "/v1/messages"
+CHAT = "/v1/chat/completions"
+
+
+def anthropicStreamUsage(answer: Answer) -> dict[str, Any]:
+    """
+    The usage of an Anthropic stream as its SDK makes it: message_start's,
+    then each message_delta's counts over it.
+    """
+    usage: dict[str, Any] = {}
+    for line in answer.body.split(b"\n"):
+        if not line.startswith(b"data: {"):
+            continue
+        event = json.loads(line[6:])
+        if event.get("type") == "message_start":
+            usage = dict(event["message"]["usage"])
+        elif event.get("type") == "message_delta":
+            usage.update({key: value for key, value in event["usage"].items() if value is not None})
+    return usage
+
+
+@pytest.mark.parametrize(
+    ("path", "model", "stream"),
+    [
+        (CHAT, "claude-caching", False),
+        (CHAT, "claude-caching", True),
+        (MESSAGES, "claude-caching", False),
+        (MESSAGES, "claude-caching", True),
+        (MESSAGES, "caching", False),
+        (MESSAGES, "caching", True),
+    ],
+    ids=[
+        "chat-to-anthropic",
+        "chat-to-anthropic-stream",
+        "messages-to-anthropic",
+        "messages-to-anthropic-stream",
+        "messages-to-openai",
+        "messages-to-openai-stream",
+    ],
+)
+def test_cacheReadsAndWritesArePricedApartOnEveryPath(
+    stack: Stack, path: str, model: str, stream: bool
+) -> None:
+    """
+    The answer of test_cacheReadsAndWritesArePricedApart (1,200 prompt
+    tokens: 500 uncached, 200 read from the cache, 500 written to it; 300
+    of output) on the other paths: an OpenAI client to an Anthropic
+    provider (the client sees C{prompt_tokens_details}' reads and writes),
+    an Anthropic client to an Anthropic provider (relayed as given) and to
+    an OpenAI-compatible one (the client sees C{cache_read_input_tokens}
+    and C{cache_creation_input_tokens}), whole or streamed (from
+    C{message_start} and C{message_delta}): every row counts and costs
+    each part apart, to the nano-dollar.
+    """
+    tenant = stack.tenant(f"paths-{uuid.uuid4().hex[:8]}")
+    document: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+    if path == MESSAGES:
+        document["max_tokens"] = 1000
+    if stream:
+        document["stream"] = True
+        if path == CHAT:
+            document["stream_options"] = {"include_usage": True}
+    answer = post(stack.proxies[0].httpPort, tenant, json.dumps(document).encode(), path=path)
+    assert answer.status == 200, answer.body
+    if path == CHAT:
+        usage = streamedUsage(answer) if stream else answer.json()["usage"]
+        assert usage is not None
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (1200, 300)
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 200
+        assert usage["prompt_tokens_details"]["cache_write_tokens"] == 500
+    else:
+        usage = anthropicStreamUsage(answer) if stream else answer.json()["usage"]
+        assert (
+            usage["input_tokens"],
+            usage["cache_read_input_tokens"],
+            usage["cache_creation_input_tokens"],
+            usage["output_tokens"],
+        ) == (500, 200, 500, 300)
+    (row,) = waitForRows(stack.dsn, tenant.orgID, 1).values()
+    assert (
+        row["model"],
+        row["prompt_tokens"],
+        row["cached_tokens"],
+        row["cache_write_tokens"],
+        row["completion_tokens"],
+        row["tokens_from"],
+    ) == (model, 1200, 200, 500, 300, "provider")
+    assert row["cost_nano_usd"] == 500 * 3000 + 200 * 300 + 500 * 3750 + 300 * 15_000
+
+
+def messagesBody(model: str) -> bytes:
+    """
+    A Messages body heavy with what a byte-level tokenizer counts a token
+    a byte of (digits, tools' schemas), its cap the model's ceiling.
+    """
+    return json.dumps(
+        {
+            "model": model,
+            "max_tokens": CAP,
+            "system": DIGITS,
+            "tools": [
+                {
+                    "name": each["function"]["name"],
+                    "description": each["function"]["description"],
+                    "input_schema": each["function"]["parameters"],
+                }
+                for each in TOOLS
+            ],
+            "messages": [{"role": "user", "content": DIGITS}],
+        }
+    ).encode()
+
+
+@pytest.mark.parametrize(
+    ("path", "model"),
+    [
+        (MESSAGES, "claude-written-at-cap"),
+        (MESSAGES, "written-at-cap"),
+        (CHAT, "claude-written-at-cap"),
+    ],
+    ids=["messages-to-anthropic", "messages-to-openai", "chat-to-anthropic"],
+)
+def test_aBudgetHoldsOnBothRoutesAgainstAnswersWrittenToTheCache(
+    stack: Stack, path: str, model: str
+) -> None:
+    """
+    test_aBudgetHoldsAgainstAnswersWrittenToTheCache on the other paths:
+    the provider (of either kind) bills every byte it received as a cache
+    write and answers the whole cap; reserved at the write price on the
+    body each provider is sent (translated or not), a budget of five such
+    answers and a nano-dollar admits five of 64 concurrent requests over
+    two proxies, each row costs exactly its reservation, and the ledger's
+    total stays within the budget.
+    """
+    if path == MESSAGES:
+        body = messagesBody(model)
+    else:
+        body = json.dumps(
+            {
+                "model": model,
+                "tools": TOOLS,
+                "messages": [
+                    {"role": "system", "content": DIGITS},
+                    {"role": "user", "content": DIGITS},
+                ],
+            }
+        ).encode()
+    length, received = forwardedLength(stack, body, MOST_ALLOWED_WRITTEN, path)
+    assert CAP in (received.get("max_tokens"), received.get("max_completion_tokens"))
+    each = worstCase(PRICE_W, length, CAP)
+    assert each == length * 3750 + CAP * 15_000
+    tenant = stack.tenant(f"written-{uuid.uuid4().hex[:8]}")
+    budget = 5 * each + 1
+    stack.budget(tenant, budget)
+    stack.seenEverywhere()
+    got = burst(stack, tenant, body, path=path)
+    admitted = [one for one in got if one.answer.status == 200]
+    for one in got:
+        if one.answer.status != 200:
+            assert one.answer.status == 429, one.answer.body
+            assert one.answer.json()["error"]["code"] == "BUDGET_EXCEEDED"
+    rows = waitForRows(stack.dsn, tenant.orgID, len(admitted))
+    assert {(row["prompt_tokens"], row["cache_write_tokens"]) for row in rows.values()} == {
+        (length, length)
+    }
+    assert all(row["cost_nano_usd"] == each for row in rows.values())
+    assert len(admitted) == 5
+    assert spend(rows) <= budget

@@ -1,26 +1,30 @@
 """
 A budget's worst case is an upper bound (decisions D12 amended), cache
-writes included (decisions D14), as a property of the real pieces: the
-chat route's reservation (L{svcd.limits.reservation.reserve}), the
-admission against in-memory counters (L{svcd.limits.admission.Admission}
-over L{svcd.limits.limiter.RedisRateLimiter}), the charge of an answer
+writes included (decisions D14), on both routes (C{/v1/chat/completions}
+and C{/v1/messages}) to both kinds of provider (OpenAI-compatible and
+Anthropic), as a property of the real pieces: each route's parsed body
+and reservation (L{svcd.limits.reservation.reserve}, measuring the body
+each attempt is sent, translated or not: the route's
+L{svcd.providers.operations.Operation.sendable}), the admission against
+in-memory counters (L{svcd.limits.admission.Admission} over
+L{svcd.limits.limiter.RedisRateLimiter}), the charge of an answer
 (L{svcd.metering.charges.chargeOf}) and its settlement.
 
 Hypothesis draws the prices (input, cache reads, cache writes and output,
-in any order of dearness), a model and a dearer or cheaper fallback, a
-budget, and a sequence of requests, some in flight at once; each answer is
-any a provider could give within what it was sent: a prompt of at most
-one token per byte of the body it received, split in any way between
-uncached inputs, cache reads and cache writes, and at most the cap it
-received for each choice. No sequence passes the budget: the counter
-never holds more than the budget, and the ledger's total of the admitted
-requests (their charges) stays within it.
+in any order of dearness), a model and a dearer or cheaper fallback, each
+of either kind of provider, a budget, and a sequence of requests, some in
+flight at once; each answer is any a provider could give within what it
+was sent: a prompt of at most one token per byte of the body it received,
+split in any way between uncached inputs, cache reads and cache writes,
+and at most the cap it received for each choice. No sequence passes the
+budget: the counter never holds more than the budget, and the ledger's
+total of the admitted requests (their charges) stays within it.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import attrs
@@ -39,11 +43,13 @@ from svcd.limits.records import Budget, Reservation
 from svcd.limits.reservation import attemptsOf, reserve
 from svcd.metering.bodies import attemptBody
 from svcd.metering.charges import OK, chargeOf
-from svcd.metering.models import MAX_TOKENS, Model, Provider
+from svcd.metering.models import ANTHROPIC, MAX_TOKENS, OPENAI, Model, Provider
 from svcd.metering.prices import Price
 from svcd.metering.usage import Usage
+from svcd.providers.operations import CHAT_COMPLETIONS, MESSAGES, Operation
 from svcd.providers.table import ProviderTable
 from svcd.proxy.http.chatbody import parseChatBody
+from svcd.proxy.http.messagesbody import parseMessagesRequest
 from svcd.proxy.metrics import ProxyMetrics
 
 # Prices in nano-dollars per million tokens: up to $1,000 a million.
@@ -71,34 +77,80 @@ class Ask:
 
 asks = st.builds(
     Ask,
-    content=st.text(max_size=40),
+    content=st.text(min_size=1, max_size=40).filter(str.strip),
     choices=st.integers(1, 3),
     cap=st.one_of(st.none(), st.integers(1, 64)),
     model=st.sampled_from(["asked", "fallback"]),
 )
 
 
-def providers(asked: Price, fallback: Price, ceiling: int) -> ProviderTable:
+def providers(
+    asked: Price, fallback: Price, ceiling: int, apis: tuple[str, str] = (OPENAI, OPENAI)
+) -> ProviderTable:
     """
-    A model that falls back to another (its provider takes the older
-    C{max_tokens}, with a longer upstream name), both priced, both with
-    the output ceiling C{ceiling}.
+    A model that falls back to another (with a longer upstream name; an
+    OpenAI-compatible one takes the older C{max_tokens}), both priced,
+    both with the output ceiling C{ceiling}, their providers of the
+    C{apis} given (decisions D14).
     """
-    provider = Provider("scripted", "http://127.0.0.1:9/v1")
+    first = Provider("first", "http://127.0.0.1:9/v1", api=apis[0])
+    second = Provider("second", "http://127.0.0.1:9/v2", api=apis[1])
     models = {
         "asked": Model(
-            "asked", provider, "a", fallbacks=("fallback",), maxOutputTokens=ceiling, price=asked
+            "asked", first, "a", fallbacks=("fallback",), maxOutputTokens=ceiling, price=asked
         ),
         "fallback": Model(
             "fallback",
-            provider,
+            second,
             "a-longer-upstream-name",
             maxOutputTokens=ceiling,
             price=fallback,
             capField=MAX_TOKENS,
         ),
     }
-    return ProviderTable(providers={"scripted": provider}, models=models, path="p", loadedAt=0)
+    return ProviderTable(
+        providers={"first": first, "second": second}, models=models, path="p", loadedAt=0
+    )
+
+
+@attrs.frozen
+class Route:
+    """
+    A route as its reservation sees it: the body a client sends for an
+    L{Ask}, how the route parses it, and the operation that makes each
+    attempt's body.
+    """
+
+    document: Callable[[Ask, int], dict[str, Any]]
+    parse: Callable[[bytes], Any]
+    operation: Operation
+
+
+def chatDocument(ask: Ask, ceiling: int) -> dict[str, Any]:
+    document: dict[str, Any] = {
+        "model": ask.model,
+        "messages": [{"role": "user", "content": ask.content}],
+    }
+    if ask.choices > 1:
+        document["n"] = ask.choices
+    if ask.cap is not None:
+        document["max_completion_tokens"] = min(ask.cap, ceiling)
+    return document
+
+
+def messagesDocument(ask: Ask, ceiling: int) -> dict[str, Any]:
+    # Anthropic's max_tokens is required; no choices.
+    return {
+        "model": ask.model,
+        "max_tokens": min(ask.cap or ceiling, ceiling),
+        "messages": [{"role": "user", "content": ask.content}],
+    }
+
+
+ROUTES = {
+    "chat": Route(chatDocument, parseChatBody, CHAT_COMPLETIONS),
+    "messages": Route(messagesDocument, parseMessagesRequest, MESSAGES),
+}
 
 
 def now(coroutine: Coroutine[Any, Any, Any]) -> Any:
@@ -134,34 +186,75 @@ class InFlight:
     choices: int
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
+@attrs.frozen
+class Scenario:
+    """
+    What one example draws: the prices of the model and its fallback,
+    their providers' kinds, their output ceiling, the budget, and the
+    sequence of requests (each with how many of those in flight are then
+    answered).
+    """
+
+    asked: Price
+    fallback: Price
+    apis: tuple[str, str]
+    ceiling: int
+    budget: int
+    sequence: list[tuple[Ask, int]]
+
+
+scenarios = st.builds(
+    Scenario,
     asked=prices,
     fallback=prices,
+    apis=st.tuples(*[st.sampled_from([OPENAI, ANTHROPIC])] * 2),
     ceiling=st.integers(1, 64),
-    budget=st.integers(1, 10**9),
+    # Budgets that admit a few requests, and budgets that admit most.
+    budget=st.one_of(st.integers(1, 10**9), st.integers(10**9, 10**11)),
     sequence=st.lists(st.tuples(asks, st.integers(0, 3)), min_size=1, max_size=12),
-    data=st.data(),
 )
-def test_noSequenceOfAnswersWithinTheCapsPassesABudget(
-    asked: Price,
-    fallback: Price,
-    ceiling: int,
-    budget: int,
-    sequence: list[tuple[Ask, int]],
-    data: st.DataObject,
+# One property per route: pytest-twisted wraps a Hypothesis test once per
+# function, so a parametrized one would be wrapped twice.
+PROPERTY = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@PROPERTY
+@given(scenario=scenarios, data=st.data())
+def test_noSequenceOfChatAnswersWithinTheCapsPassesABudget(
+    scenario: Scenario, data: st.DataObject
 ) -> None:
     """
-    Requests are admitted against an organization's day budget as the chat
-    route admits them; after each, up to three of those in flight are
-    answered (by the model or its fallback, whichever the draw says) with
-    any usage within what the provider received, cache reads and writes in
-    any proportion, and settled at the price of the model that answered.
-    The budget's counter never passes the budget, no settlement passes its
-    reservation, and the admitted requests' charges add up to at most the
-    budget.
+    L{assertTheBudgetHolds} on C{/v1/chat/completions}.
     """
-    table = providers(asked, fallback, ceiling)
+    assertTheBudgetHolds("chat", scenario, data)
+
+
+@PROPERTY
+@given(scenario=scenarios, data=st.data())
+def test_noSequenceOfMessagesAnswersWithinTheCapsPassesABudget(
+    scenario: Scenario, data: st.DataObject
+) -> None:
+    """
+    L{assertTheBudgetHolds} on C{/v1/messages}.
+    """
+    assertTheBudgetHolds("messages", scenario, data)
+
+
+def assertTheBudgetHolds(route: str, scenario: Scenario, data: st.DataObject) -> None:
+    """
+    Requests are admitted against an organization's day budget as the
+    route admits them; after each, up to three of those in flight are
+    answered (by the model or its fallback, whichever the draw says, of
+    those that can be sent the request) with any usage within what the
+    provider received, cache reads and writes in any proportion, and
+    settled at the price of the model that answered. The budget's counter
+    never passes the budget, no settlement passes its reservation, and the
+    admitted requests' charges add up to at most the budget.
+    """
+    asked, fallback, apis = scenario.asked, scenario.fallback, scenario.apis
+    ceiling, budget, sequence = scenario.ceiling, scenario.budget, scenario.sequence
+    table = providers(asked, fallback, ceiling, apis)
+    way = ROUTES[route]
     clock = fakeClock(WINDOW + 30)
     counters = MemoryCounters()
     limiter = RedisRateLimiter(
@@ -193,18 +286,21 @@ def test_noSequenceOfAnswersWithinTheCapsPassesABudget(
         clock.advance(0)
 
     for ask, answered in sequence:
-        document: dict[str, Any] = {
-            "model": ask.model,
-            "messages": [{"role": "user", "content": ask.content}],
-            "n": ask.choices,
-        }
-        if ask.cap is not None:
-            document["max_completion_tokens"] = min(ask.cap, ceiling)
-        chat = parseChatBody(json.dumps(document).encode())
+        chat = way.parse(json.dumps(way.document(ask, ceiling)).encode())
         model = table.models[ask.model]
         applicable = admission.applicable(ORG_ID, AGENT_ID)
         assert applicable.budgeted
-        prompt, cap, sentCap, cost = reserve(chat, model, table, ORG_ID, applicable)
+        sendable = way.operation.sendable
+        attempts = [
+            each
+            for each in attemptsOf(table, model, ORG_ID, True)
+            if sendable(chat.document, each, None) is not None
+        ]
+        if not attempts:
+            # Refused 400 before anything is forwarded (a field the
+            # providers' dialect cannot carry): nothing reserved.
+            continue
+        prompt, cap, sentCap, cost = reserve(chat, model, table, ORG_ID, applicable, body=sendable)
         try:
             reservation = now(
                 admission.admit(
@@ -214,17 +310,10 @@ def test_noSequenceOfAnswersWithinTheCapsPassesABudget(
         except ApiError as refused:
             assert refused.code is ErrorCode.BUDGET_EXCEEDED
         else:
-            attempts = attemptsOf(table, model, ORG_ID, True)
             which = data.draw(st.sampled_from(attempts), label="answered by")
-            inFlight.append(
-                InFlight(
-                    reservation,
-                    cost,
-                    attemptBody(chat.document, which, sentCap),
-                    which,
-                    chat.choices,
-                )
-            )
+            sent = sendable(chat.document, which, sentCap)
+            assert sent is not None
+            inFlight.append(InFlight(reservation, cost, sent, which, chat.choices))
         assert counters.counts.get(ORG_DAY, 0) <= budget
         for _ in range(min(answered, len(inFlight))):
             answer(inFlight.pop(data.draw(st.integers(0, len(inFlight) - 1), label="which")))

@@ -280,13 +280,16 @@ class ConversationRoutes:
         if ctx.chatError is not None:
             raise ctx.chatError
         chat = ctx.chat if ctx.chat is not None else self._parse(ctx, ctx.orgID or "")
+        # The client's own messages (a Messages body's turns, not the chat
+        # messages the shared steps read of it).
+        turns = len(chat.document.get("messages") or ())
         span = ctx.span
         if span.is_recording():
             # Metadata only, as in the log line: never a message's content.
             span.set_attributes(
                 {
                     "gen_ai.request.model": loggedText(chat.model),
-                    "svc.chat.message_count": len(chat.messages),
+                    "svc.chat.message_count": turns,
                     "svc.chat.stream": chat.stream,
                 }
             )
@@ -297,7 +300,7 @@ class ConversationRoutes:
             request_id=ctx.requestID,
             trace_id=ctx.traceID,
             model=loggedText(chat.model),
-            message_count=len(chat.messages),
+            message_count=turns,
             stream=chat.stream,
         )
         providers, forwarder = self._providers, self._forwarder
