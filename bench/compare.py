@@ -25,8 +25,10 @@ forward-limits and forward-budget are bench/gateway.py's rows of the
 same names (limits rows; a budget and a priced model), and so is
 forward-recall (recall on, decisions D13: one svc-memory, shared by every
 SPEC's proxy, holding the row's 1,000 memories; its CPU per request is
-printed with the row's); --connections 1,32 measures every row, the floor
-included, at each count in turn.
+printed with the row's); messages, chat-to-anthropic, messages-to-openai
+and each of those with -stream are the rows of Anthropic's dialect
+(decisions D14) of bench/gateway.py; --connections 1,32 measures every
+row, the floor included, at each count in turn.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import attrs
 
@@ -46,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gateway import (  # noqa: E402
+    DIALECT_ROWS,
     cpuSeconds,
     gcCells,
     gcDuring,
@@ -60,7 +64,16 @@ from svcd.devkit.daemons import Daemon, authEnvironment  # noqa: E402
 from svcd.devkit.servers import freePort  # noqa: E402
 
 # The rows forwarded to nginx (bench/gateway.py says what each is).
-FORWARDED = ("forward", "stream", "forward-limits", "forward-budget", "forward-recall")
+FORWARDED = (
+    "forward",
+    "stream",
+    "forward-limits",
+    "forward-budget",
+    "forward-recall",
+    *DIALECT_ROWS,
+)
+# Wide enough for the longest row's name (chat-to-anthropic-stream).
+ROW_WIDTH = max(len(row) for row in FORWARDED)
 
 
 @attrs.frozen
@@ -120,6 +133,7 @@ def _measureSpec(
     auth: Daemon,
     proxy: Daemon,
     connections: int,
+    path: str,
     environment: dict[str, str],
     expected: int,
     floor: dict[str, float],
@@ -127,9 +141,10 @@ def _measureSpec(
     memory: Daemon | None = None,
 ) -> dict[str, dict[str, Any]]:
     """
-    One row of one SPEC: wrk, then a line with its figures; returns what
-    the cycle collector did meanwhile (L{gcDuring}). C{memory}: svc-memory,
-    whose CPU the row's recalls cost too.
+    One row of one SPEC (its requests to C{path}): wrk, then a line with
+    its figures; returns what the cycle collector did meanwhile
+    (L{gcDuring}). C{memory}: svc-memory, whose CPU the row's recalls
+    cost too.
     """
     pids = {"svc-auth": auth.process.pid, "svc-proxy": proxy.process.pid}  # type: ignore[union-attr]
     if memory is not None:
@@ -138,7 +153,7 @@ def _measureSpec(
     reactorCPU = reactorCPUSeconds(pids["svc-proxy"])
     switches = {name: contextSwitches(pid) for name, pid in pids.items()}
     pauses = gcPauses([proxy])
-    raw = runWrk(proxy.url("/v1/chat/completions"), connections, duration, environment)
+    raw = runWrk(proxy.url(path), connections, duration, environment)
     collector = gcDuring(pauses, gcPauses([proxy]), raw["duration_us"] / 1e6)
     result = summarize(row, connections, expected, raw)
     requests = max(1, raw["requests"])
@@ -150,15 +165,15 @@ def _measureSpec(
         for name, pid in pids.items()
     )
     print(
-        f"  {spec.label:<24} {row:<7} {result['rps']:7.0f} req/s"
+        f"  {spec.label:<24} {row:<{ROW_WIDTH}} {result['rps']:7.0f} req/s"
         f" {result['rps'] / floor['rps']:6.1%} of floor"
         f"  p50 {result['p50_ms']:6.2f} p99 {result['p99_ms']:6.2f} ms"
         f"  errors {result['errors']}  {costs}",
         flush=True,
     )
     if result["errors"]:
-        print(f"  {'':<24} {'':<7} statuses {result['statuses']}", flush=True)
-    print(f"  {'':<24} {'':<7} {gcCells(collector)}", flush=True)
+        print(f"  {'':<24} {'':<{ROW_WIDTH}} statuses {result['statuses']}", flush=True)
+    print(f"  {'':<24} {'':<{ROW_WIDTH}} {gcCells(collector)}", flush=True)
     return collector
 
 
@@ -177,7 +192,7 @@ def _printHistograms(
     header = " ".join(
         f"{'+Inf' if bound == float('inf') else f'{bound * 1000:g}':>6}" for bound, _ in bounds
     )
-    print(f"  {'SPEC':<24} {'row':<7} {'conns':>5} gen {header}")
+    print(f"  {'SPEC':<24} {'row':<{ROW_WIDTH}} {'conns':>5} gen {header}")
     for (label, row, connections, generation), buckets in histograms.items():
         if not buckets:
             # A revision that does not export svc_python_gc_pause_seconds.
@@ -187,7 +202,7 @@ def _printHistograms(
             counts.append(cumulative - below)
             below = cumulative
         cells = " ".join(f"{count:>6.0f}" for count in counts)
-        print(f"  {label:<24} {row:<7} {connections:>5} {generation:>3} {cells}")
+        print(f"  {label:<24} {row:<{ROW_WIDTH}} {connections:>5} {generation:>3} {cells}")
 
 
 def main() -> int:
@@ -205,7 +220,9 @@ def main() -> int:
     if not rows or set(rows) - {"chat", *FORWARDED}:
         raise SystemExit(
             "compare.py: --rows takes chat, forward, stream, forward-limits,"
-            f" forward-budget and forward-recall, got {arguments.rows!r}"
+            " forward-budget, forward-recall, messages, chat-to-anthropic,"
+            " messages-to-openai and each of those three with -stream,"
+            f" got {arguments.rows!r}"
         )
     specs = [Spec.parse(each) for each in arguments.specs]
     connectionCounts = [int(each) for each in arguments.connections.split(",")]
@@ -281,15 +298,20 @@ def main() -> int:
             proxy.waitForReady()
             served.append((spec, auth, proxy))
 
-        shapes = {row: shared.shape(row, 1)[1:] for row in rows}
+        # Each row's path (the messages rows' is /v1/messages), the wrk
+        # script's environment and the expected status.
+        shapes = {
+            row: (urlsplit(url).path, environment, expected)
+            for row in rows
+            for url, environment, expected in [shared.shape(row, 1)]
+        }
         floorURL = f"{shared.floorURL}/v1/chat/completions"
         _, floorEnvironment, _ = shared.shape("floor", 1)
         if arguments.warmup:
             # Fill each svc-auth's cache and thread pool before measuring.
             for _, _, proxy in served:
-                for environment, _ in shapes.values():
-                    url = proxy.url("/v1/chat/completions")
-                    runWrk(url, max(connectionCounts), arguments.warmup, environment)
+                for path, environment, _ in shapes.values():
+                    runWrk(proxy.url(path), max(connectionCounts), arguments.warmup, environment)
         histograms: dict[tuple[str, str, int, str], list[tuple[float, float]]] = {}
         for number in range(1, arguments.rounds + 1):
             for connections in connectionCounts:
@@ -305,13 +327,14 @@ def main() -> int:
                     flush=True,
                 )
                 for spec, auth, proxy in served:
-                    for row, (environment, expected) in shapes.items():
+                    for row, (path, environment, expected) in shapes.items():
                         collector = _measureSpec(
                             spec,
                             row,
                             auth,
                             proxy,
                             connections,
+                            path,
                             environment,
                             expected,
                             floor,

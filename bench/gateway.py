@@ -74,6 +74,28 @@ the gateway saw an unexpected status):
               compared with the forward row's requests/s in the same run,
               and in the 1-connection pass with its p50; the recalls'
               outcomes are printed (every one should be ok)
+    messages  POST /v1/messages (decisions D14: Anthropic's body, the token
+              in x-api-key, anthropic-version sent as Anthropic's SDKs send
+              it) to a model of an api = "anthropic" provider, nginx
+              answering a fixed Anthropic message (of the forward row's
+              answer's size), relayed as given -> 200
+    chat-to-anthropic
+              the forward row's chat completion to that Anthropic
+              provider's model: the body translated to a Messages body,
+              the answer back to a chat completion -> 200
+    messages-to-openai
+              the messages row's body to the forward row's model (an
+              OpenAI-compatible provider): translated to a chat completion,
+              nginx's chat completion back to an Anthropic message -> 200
+    messages-stream, chat-to-anthropic-stream, messages-to-openai-stream
+              the same three with "stream": true: nginx answers a fixed
+              Anthropic event stream (8 events) or the stream row's, the
+              proxy relays it as given or translates it event by event
+              -> 200
+              The three are compared with the forward row's requests/s
+              and p50 at each connection count, the streamed three with
+              the stream row's; and in the 1-connection pass, their p50
+              with forward's (stream's)
 
 With the forwarding rows, a 1-connection pass of upstream, forward,
 upstream-stream and stream follows: the gateway's added latency (p50 of
@@ -154,6 +176,14 @@ MEMORY_CONTENT = "the user likes green tea in the morning"
 MEMORY_SUBJECTS = 1024
 # Forwarded rows under limits rows, compared with the forward row.
 _LIMITED = ("forward-limits", "forward-budget")
+# Rows of Anthropic's dialect (decisions D14), on either side or both,
+# compared with the forward row; their streamed variants with the stream
+# row.
+_DIALECTS = ("messages", "chat-to-anthropic", "messages-to-openai")
+_DIALECT_STREAMS = tuple(row + "-stream" for row in _DIALECTS)
+# All six, for bench/compare.py.
+DIALECT_ROWS = (*_DIALECTS, *_DIALECT_STREAMS)
+ANTHROPIC_MODEL = "bench-anthropic"
 # The forwarded row with recall (decisions D13), compared with the forward
 # row; its scope's memories, and how many go into each prompt.
 _RECALLED = ("forward-recall",)
@@ -183,6 +213,85 @@ ANSWER = json.dumps(
     },
     separators=(",", ":"),
 )
+
+
+# The messages rows' answer: what Anthropic's API answers for the forward
+# row's text, its usage with the cache counts the API writes (a few bytes
+# less than ANSWER).
+ANTHROPIC_ANSWER = json.dumps(
+    {
+        "id": "msg_bench",
+        "type": "message",
+        "role": "assistant",
+        "model": "bench-upstream",
+        "content": [{"type": "text", "text": "Hello! How can I help you today?"}],
+        "stop_reason": "end_turn",
+        "stop_sequence": None,
+        "usage": {
+            "input_tokens": 9,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0,
+            "output_tokens": 9,
+        },
+    },
+    separators=(",", ":"),
+)
+
+
+def _anthropicStreamAnswer() -> str:
+    """
+    The streamed messages rows' answer: Anthropic's events for the stream
+    row's text (three deltas), as its API sends them.
+    """
+
+    def event(document: dict[str, Any]) -> str:
+        return f"event: {document['type']}\ndata: {json.dumps(document, separators=(',', ':'))}\n\n"
+
+    usage = {
+        "input_tokens": 9,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+        "output_tokens": 1,
+    }
+    message: dict[str, Any] = {
+        "id": "msg_bench",
+        "type": "message",
+        "role": "assistant",
+        "model": "bench-upstream",
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": usage,
+    }
+    return (
+        event({"type": "message_start", "message": message})
+        + event(
+            {
+                "type": "content_block_start",
+                "index": 0,
+                "content_block": {"type": "text", "text": ""},
+            }
+        )
+        + "".join(
+            event(
+                {
+                    "type": "content_block_delta",
+                    "index": 0,
+                    "delta": {"type": "text_delta", "text": word},
+                }
+            )
+            for word in ("Hello! ", "How can ", "I help?")
+        )
+        + event({"type": "content_block_stop", "index": 0})
+        + event(
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                "usage": {"output_tokens": 5},
+            }
+        )
+        + event({"type": "message_stop"})
+    )
 
 
 def _embeddingVector() -> str:
@@ -243,8 +352,10 @@ def _streamAnswer() -> str:
 def _nginxConfig(workdir: Path, port: int) -> str:
     """
     nginx answering POST .../chat/completions with a fixed answer: JSON
-    under /v1, an event stream under /stream/v1; and POST /v1/embeddings
-    with a fixed embedding.
+    under /v1, an event stream under /stream/v1; POST /v1/embeddings
+    with a fixed embedding; and POST .../messages with a fixed Anthropic
+    message (decisions D14): JSON under /anthropic/v1, events under
+    /anthropic-stream/v1.
     """
     temp = workdir / "nginx-temp"
     temp.mkdir(exist_ok=True)
@@ -285,6 +396,14 @@ http {{
     location = /stream/v1/chat/completions {{
       default_type text/event-stream;
       return 200 {quoted(_streamAnswer())};
+    }}
+    location = /anthropic/v1/messages {{
+      default_type application/json;
+      return 200 {quoted(ANTHROPIC_ANSWER)};
+    }}
+    location = /anthropic-stream/v1/messages {{
+      default_type text/event-stream;
+      return 200 {quoted(_anthropicStreamAnswer())};
     }}
     location = /v1/embeddings {{
       client_body_buffer_size 1m;
@@ -342,9 +461,29 @@ name = "nginx-stream"
 base_url = "http://127.0.0.1:{nginxPort}/stream/v1"
 max_connections = 256
 
+[[providers]]
+name = "nginx-anthropic"
+api = "anthropic"
+base_url = "http://127.0.0.1:{nginxPort}/anthropic/v1"
+max_connections = 256
+
+[[providers]]
+name = "nginx-anthropic-stream"
+api = "anthropic"
+base_url = "http://127.0.0.1:{nginxPort}/anthropic-stream/v1"
+max_connections = 256
+
 [[models]]
 name = "{FORWARDED_MODEL}"
 provider = "nginx"
+
+[[models]]
+name = "{ANTHROPIC_MODEL}"
+provider = "nginx-anthropic"
+
+[[models]]
+name = "{ANTHROPIC_MODEL}-stream"
+provider = "nginx-anthropic-stream"
 
 [[models]]
 name = "{FORWARDED_MODEL}-stream"
@@ -792,6 +931,8 @@ class Stack:
             environment["SVC_BENCH_MODEL"] = FORWARDED_MODEL + "-stream"
             environment["SVC_BENCH_STREAM"] = "true"
             return f"{base}/v1/chat/completions", environment, 200
+        if row in (*_DIALECTS, *_DIALECT_STREAMS):
+            return self._dialectShape(base, row)
         if row == "probe":
             environment = _wrkEnvironment("GET", self.token, self.agentID)
             return f"{base}/v1/internal/auth-probe", environment, 200
@@ -801,8 +942,29 @@ class Stack:
         raise SystemExit(
             f"unknown row {row!r}: use floor, ceiling, prototype, chat, spread, probe,"
             " rejected, chat-phase1, spread-phase1, upstream, forward, upstream-stream,"
-            " stream, forward-limits, forward-budget, forward-recall, embed or memory-add"
+            " stream, forward-limits, forward-budget, forward-recall, embed, memory-add,"
+            " messages, chat-to-anthropic, messages-to-openai or each of those three"
+            " with -stream"
         )
+
+    def _dialectShape(self, base: str, row: str) -> tuple[str, dict[str, str], int]:
+        """
+        The rows of Anthropic's dialect (decisions D14): a Messages body
+        (its token in x-api-key, as Anthropic's SDKs send it) or a chat
+        completion, to a model of the Anthropic provider or of the
+        forward row's, whole or streamed.
+        """
+        streamed = row.endswith("-stream")
+        row = row.removesuffix("-stream")
+        environment = _wrkEnvironment("POST", self.token, self.agentID)
+        model = FORWARDED_MODEL if row == "messages-to-openai" else ANTHROPIC_MODEL
+        environment["SVC_BENCH_MODEL"] = model + ("-stream" if streamed else "")
+        environment["SVC_BENCH_STREAM"] = "true" if streamed else "false"
+        if row == "chat-to-anthropic":
+            return f"{base}/v1/chat/completions", environment, 200
+        environment["SVC_BENCH_SHAPE"] = "messages"
+        environment["SVC_BENCH_KEY_HEADER"] = "x-api-key"
+        return f"{base}/v1/messages", environment, 200
 
 
 def _measure(
@@ -1123,6 +1285,46 @@ def _ledgerHoldsEveryAnswer(stack: Stack, answered: int, connections: int = 32) 
     return verdict == "ok"
 
 
+def _compareDialects(results: list[dict[str, Any]], latency: dict[str, dict[str, Any]]) -> None:
+    """
+    Decisions D14's rows against the row they are measured by, in the same
+    run: the whole three against forward's, the streamed three against
+    stream's (its mean, for a row named several times in --rows), their
+    requests/s and p50 at each connection count; then their p50 in the
+    1-connection pass against that row's in the same pass.
+    """
+    runs: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
+    for each in results:
+        if each["row"] in ("forward", "stream"):
+            runs.setdefault((each["row"], each["connections"], each["workers"]), []).append(each)
+    for each in results:
+        if each["row"] not in (*_DIALECTS, *_DIALECT_STREAMS):
+            continue
+        against = "stream" if each["row"] in _DIALECT_STREAMS else "forward"
+        measured = runs.get((against, each["connections"], each["workers"]))
+        if not measured:
+            continue
+        rps = sum(run["rps"] for run in measured) / len(measured)
+        p50 = sum(run["p50_ms"] for run in measured) / len(measured)
+        each[f"ratio_to_{against}"] = each["rps"] / rps
+        each[f"p50_over_{against}_ms"] = each["p50_ms"] - p50
+        print(
+            f"{each['row']} at {each['connections']} connections, {each['workers']}"
+            f" worker(s): {each['rps'] / rps:.1%} of the {against} row's requests/s,"
+            f" p50 {each['p50_ms'] - p50:+.2f} ms over {against}'s"
+        )
+    for row, each in latency.items():
+        if row not in (*_DIALECTS, *_DIALECT_STREAMS):
+            continue
+        against = "stream" if row in _DIALECT_STREAMS else "forward"
+        if against in latency:
+            added = each["p50_ms"] - latency[against]["p50_ms"]
+            print(
+                f"1 connection: {row} p50 {each['p50_ms']:.2f} ms, {against} p50"
+                f" {latency[against]['p50_ms']:.2f} ms: {added:+.2f} ms over {against}"
+            )
+
+
 def _copyLogs(scratch: Path, destination: Path) -> None:
     destination.mkdir(parents=True, exist_ok=True)
     for log in scratch.glob("*.log"):
@@ -1211,7 +1413,16 @@ def main() -> int:
             withCeiling="ceiling" in rows,
             withPhase1=any(row.endswith(_PHASE1) for row in rows),
             withForwarding=any(
-                row in (*_FORWARDING, *_LIMITED, *_EMBEDDED, *_MEMORY, *_RECALLED)
+                row
+                in (
+                    *_FORWARDING,
+                    *_LIMITED,
+                    *_EMBEDDED,
+                    *_MEMORY,
+                    *_RECALLED,
+                    *_DIALECTS,
+                    *_DIALECT_STREAMS,
+                )
                 for row in [*rows, *([arguments.soak_row] if arguments.soak else [])]
             ),
             withMemory=any(
@@ -1243,15 +1454,17 @@ def main() -> int:
             # only proxies started when that count is not 1.
             latency = {
                 row: _measure(stack, row, 1, workerCounts[0], arguments.duration, arguments.warmup)
-                for row in (*_FORWARDING, *_RECALLED)
+                for row in (*_FORWARDING, *_RECALLED, *_DIALECTS, *_DIALECT_STREAMS)
                 if row in rows
             }
             recalls = _recallsSince(recallsBefore, _recalls(stack, workerCounts))
             validateRate, validateErrors = validateTokenDirect(stack, arguments.duration, 16)
 
     floors = {each["connections"]: each["rps"] for each in results if each["row"] == "floor"}
+    # Wide enough for the longest row's name (chat-to-anthropic-stream).
+    width = max([13, *(len(each["row"]) for each in results)])
     header = (
-        f"{'row':<13} {'workers':>7} {'conns':>5} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8}"
+        f"{'row':<{width}} {'workers':>7} {'conns':>5} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8}"
         f" {'p99.9 ms':>9} {'errors':>7} {'vs floor':>9}  CPU µs/request"
     )
     print(header)
@@ -1262,7 +1475,7 @@ def main() -> int:
         each["ratio_to_floor"] = None if not floorRPS else each["rps"] / floorRPS
         workersCell = "-" if each["row"] in _SINGLE else str(each["workers"])
         print(
-            f"{each['row']:<13} {workersCell:>7} {each['connections']:>5} {each['rps']:>9.0f}"
+            f"{each['row']:<{width}} {workersCell:>7} {each['connections']:>5} {each['rps']:>9.0f}"
             f" {each['p50_ms']:>8.2f} {each['p99_ms']:>8.2f} {each['p999_ms']:>9.2f}"
             f" {each['errors']:>7} {ratio:>9}  "
             + " ".join(f"{name} {us:.0f}" for name, us in each["cpu_us_per_request"].items())
@@ -1271,7 +1484,7 @@ def main() -> int:
     for each in [*results, *latency.values()]:
         if "gc" in each:
             print(
-                f"  {each['row']:<13} {each['workers']:>7} {each['connections']:>5}  "
+                f"  {each['row']:<{width}} {each['workers']:>7} {each['connections']:>5}  "
                 + gcCells(each["gc"])
             )
     chats = {
@@ -1301,6 +1514,7 @@ def main() -> int:
                 f"{each['row']} at {each['connections']} connections, {each['workers']}"
                 f" worker(s): {each['rps'] / forwardRPS:.1%} of the forward row's requests/s"
             )
+    _compareDialects(results, latency)
     # The memory rows against the embed row's mean: what storing adds to
     # embedding.
     embedRuns: dict[tuple[int, int], list[float]] = {}

@@ -22,6 +22,12 @@
 --                     ("hello <n>", n counting per thread from its own
 --                     start), so that nothing of one request's recall
 --                     (decisions D13) answers the next
+--   SVC_BENCH_SHAPE   "messages": the body is Anthropic's Messages API's
+--                     (decisions D14: max_tokens, the same one user turn)
+--                     instead of a chat completion's, with the
+--                     anthropic-version header Anthropic's SDKs send
+--   SVC_BENCH_KEY_HEADER  "x-api-key": the token goes in that header (as
+--                     Anthropic's SDKs send it) instead of Authorization
 
 local method = os.getenv("SVC_BENCH_METHOD") or "POST"
 local token = os.getenv("SVC_BENCH_TOKEN") or ""
@@ -33,6 +39,26 @@ local input = os.getenv("SVC_BENCH_INPUT") or ""
 local content = os.getenv("SVC_BENCH_CONTENT") or ""
 local subjects = tonumber(os.getenv("SVC_BENCH_SUBJECTS") or "0") or 0
 local vary = os.getenv("SVC_BENCH_VARY") or "false"
+local shape = os.getenv("SVC_BENCH_SHAPE") or "chat"
+local keyHeader = os.getenv("SVC_BENCH_KEY_HEADER") or ""
+
+-- The header and value that carry a token.
+local function credential(secret)
+  if keyHeader ~= "" then
+    return keyHeader, secret
+  end
+  return "Authorization", "Bearer " .. secret
+end
+
+-- The body of one chat completion or Messages request of this text.
+local function conversation(text)
+  if shape == "messages" then
+    return '{"model":"' .. model .. '","max_tokens":256,'
+      .. '"messages":[{"role":"user","content":"' .. text .. '"}],"stream":' .. stream .. '}'
+  end
+  return '{"model":"' .. model .. '","messages":[{"role":"user","content":"' .. text .. '"}],'
+    .. '"stream":' .. stream .. '}'
+end
 
 wrk.method = method
 if method == "POST" then
@@ -41,13 +67,16 @@ if method == "POST" then
   elseif input ~= "" then
     wrk.body = '{"model":"' .. model .. '","input":"' .. input .. '"}'
   else
-    wrk.body = '{"model":"' .. model .. '","messages":[{"role":"user","content":"hello"}],'
-      .. '"stream":' .. stream .. '}'
+    wrk.body = conversation("hello")
   end
   wrk.headers["Content-Type"] = "application/json"
+  if shape == "messages" then
+    wrk.headers["anthropic-version"] = "2023-06-01"
+  end
 end
 if token ~= "" then
-  wrk.headers["Authorization"] = "Bearer " .. token
+  local name, value = credential(token)
+  wrk.headers[name] = value
 end
 if agent ~= "" then
   wrk.headers["X-SVC-Agent-ID"] = agent
@@ -66,7 +95,8 @@ function init(args)
     -- Formatted once here, so that each request costs wrk a table lookup.
     requests = {}
     for line in io.lines(tokensFile) do
-      wrk.headers["Authorization"] = "Bearer " .. line
+      local name, value = credential(line)
+      wrk.headers[name] = value
       table.insert(requests, wrk.format())
     end
     nextRequest = offset % #requests
@@ -83,9 +113,7 @@ end
 if vary == "true" then
   function request()
     counter = (counter or offset * 1000000) + 1
-    return wrk.format(nil, nil, nil,
-      '{"model":"' .. model .. '","messages":[{"role":"user","content":"hello '
-        .. counter .. '"}],"stream":' .. stream .. '}')
+    return wrk.format(nil, nil, nil, conversation("hello " .. counter))
   end
 elseif tokensFile ~= "" or subjects > 0 then
   function request()

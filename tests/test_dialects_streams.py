@@ -733,6 +733,17 @@ def test_serverSentEventBytes() -> None:
     assert DONE == b"data: [DONE]\n\n"
 
 
+def test_loneSurrogateEscaped() -> None:
+    """
+    A lone surrogate a provider sent (JSON's escape of one) goes to the
+    client escaped as it came: UTF-8 cannot carry it, and the event is
+    still written.
+    """
+    assert chunkBytes({"a": "é\ud800"}) == b'data: {"a":"\\u00e9\\ud800"}\n\n'
+    written = eventBytes({"type": "x", "text": "\udfff"})
+    assert json.loads(written.split(b"data: ")[1]) == {"type": "x", "text": "\udfff"}
+
+
 # Streams agree with answers.
 
 

@@ -265,6 +265,34 @@ def test_notJSON() -> None:
     assert isinstance(failure.value, StreamFault) and failure.value.kind == "invalid"
 
 
+def test_eventsReadAsJSONReadsBytes() -> None:
+    """
+    An event's data is read as C{json.loads} reads bytes (the passage skips
+    its guess at the encoding for data that can only be UTF-8): text
+    beyond ASCII, a lone surrogate (its bytes, or JSON's escape), a BOM
+    before the object; bytes that are not UTF-8 are invalid.
+    """
+    texts = []
+    for data in (
+        '{"type":"content_block_delta","index":0,'
+        '"delta":{"type":"text_delta","text":"é 🙂"}}'.encode(),
+        b'{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"\xed\xa0\x80"}}',
+        b'{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"\\udfff"}}',
+        b'\xef\xbb\xbf{"type":"content_block_delta","index":0,'
+        b'"delta":{"type":"text_delta","text":"bom"}}',
+    ):
+        harness = chatHarness()
+        harness.feed(START, BLOCK)
+        harness.relay.dataReceived(b"event: content_block_delta\ndata: " + data + b"\n\n")
+        texts.append(harness.chunks()[-1]["choices"][0]["delta"]["content"])
+        assert texts[-1] == json.loads(data)["delta"]["text"]
+    assert texts == ["é 🙂", "\ud800", "\udfff", "bom"]
+    harness = chatHarness()
+    harness.relay.dataReceived(b'event: message_start\ndata: {"type":"\xff"}\n\n')
+    failure = harness.outcome(harness.relay.started)
+    assert isinstance(failure.value, StreamFault) and failure.value.kind == "invalid"
+
+
 def test_asGiven() -> None:
     """
     An Anthropic stream to a client of its dialect is relayed byte for

@@ -71,8 +71,20 @@ from svcd.dialects.usage import (
 DONE = b"data: [DONE]\n\n"
 
 
+# json.dumps with these arguments makes an encoder at each call; a
+# translated stream encodes every event (issue 46's benchmark).
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+_ASCII_ENCODER = json.JSONEncoder(separators=(",", ":"))
+
+
 def _json(document: object) -> bytes:
-    return json.dumps(document, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    try:
+        return _ENCODER.encode(document).encode("utf-8")
+    except UnicodeEncodeError:
+        # A lone surrogate, which a provider may send escaped (JSON's
+        # "\\ud800"): escaped again, as it came, since UTF-8 cannot
+        # carry it.
+        return _ASCII_ENCODER.encode(document).encode("ascii")
 
 
 def chunkBytes(chunk: Mapping[str, Any]) -> bytes:

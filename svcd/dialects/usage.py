@@ -48,6 +48,9 @@ class TokenUsage:
         return self.outputTokens
 
 
+_NO_TOKENS = TokenUsage()
+
+
 def _count(value: object) -> int | None:
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
@@ -65,17 +68,22 @@ def usageOfAnthropic(usage: object, *, before: TokenUsage | None = None) -> Toke
     """
     if not isinstance(usage, Mapping):
         return None
-    base = before if before is not None else TokenUsage()
-    values = {
-        "inputTokens": _count(usage.get("input_tokens")),
-        "cacheReadTokens": _count(usage.get("cache_read_input_tokens")),
-        "cacheWriteTokens": _count(usage.get("cache_creation_input_tokens")),
-        "outputTokens": _count(usage.get("output_tokens")),
-    }
-    if all(value is None for value in values.values()):
+    # Read on every Anthropic answer and usage event (issue 46's
+    # benchmark): the record is built at once, not evolved from a
+    # mapping of the counts.
+    inputTokens = _count(usage.get("input_tokens"))
+    cacheRead = _count(usage.get("cache_read_input_tokens"))
+    cacheWrite = _count(usage.get("cache_creation_input_tokens"))
+    output = _count(usage.get("output_tokens"))
+    if inputTokens is None and cacheRead is None and cacheWrite is None and output is None:
         return None
-    return attrs.evolve(
-        base, **{name: value for name, value in values.items() if value is not None}
+    base = before if before is not None else _NO_TOKENS
+    return TokenUsage(
+        inputTokens=base.inputTokens if inputTokens is None else inputTokens,
+        cacheReadTokens=base.cacheReadTokens if cacheRead is None else cacheRead,
+        cacheWriteTokens=base.cacheWriteTokens if cacheWrite is None else cacheWrite,
+        outputTokens=base.outputTokens if output is None else output,
+        reasoningTokens=base.reasoningTokens,
     )
 
 

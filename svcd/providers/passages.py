@@ -74,9 +74,35 @@ def usageOfTokens(usage: TokenUsage) -> Usage:
     )
 
 
+@attrs.define
+class _Ledgered:
+    """
+    The ledger's L{Usage} of a stream's counts, made again only when they
+    change: a relay reads a passage's usage after every event, and the
+    counts change at one or two of them (their records are frozen, and
+    replaced when they change).
+    """
+
+    _counted: TokenUsage | None = None
+    _usage: Usage | None = None
+
+    def of(self, counted: TokenUsage | None) -> Usage | None:
+        if counted is not self._counted:
+            self._counted = counted
+            self._usage = usageOfTokens(counted) if counted is not None else None
+        return self._usage
+
+
 def _parsed(data: bytes) -> dict[str, Any]:
     try:
-        document = json.loads(data)
+        if data[:1] == b"{" and data[1:2] != b"\x00":
+            # What json.loads reads these bytes as (it takes them for
+            # UTF-8 unless they begin with a BOM or a zero byte), without
+            # its guess at the encoding: a translated stream parses every
+            # event (issue 46's benchmark).
+            document = json.loads(data.decode("utf-8", "surrogatepass"))
+        else:
+            document = json.loads(data)
     except (ValueError, RecursionError):
         raise StreamFault("invalid", "an event that is not JSON") from None
     if not isinstance(document, dict):
@@ -113,11 +139,11 @@ class AnthropicAsGiven:
 
     _counts: StreamUsage = attrs.field(factory=StreamUsage)
     done: bool = False
+    _ledgered: _Ledgered = attrs.field(factory=_Ledgered)
 
     @property
     def usage(self) -> Usage | None:
-        counted = self._counts.usage
-        return usageOfTokens(counted) if counted is not None else None
+        return self._ledgered.of(self._counts.usage)
 
     def take(self, event: bytes, data: bytes | None) -> list[bytes]:
         if data is None or not (
@@ -148,11 +174,11 @@ class ChatOfAnthropic:
 
     _chunks: ChatChunkStream
     done: bool = False
+    _ledgered: _Ledgered = attrs.field(factory=_Ledgered)
 
     @property
     def usage(self) -> Usage | None:
-        counted = self._chunks.usage
-        return usageOfTokens(counted) if counted is not None else None
+        return self._ledgered.of(self._chunks.usage)
 
     def take(self, event: bytes, data: bytes | None) -> list[bytes]:
         if data is None:
@@ -181,11 +207,11 @@ class MessagesOfOpenAI:
 
     _events: MessageEventStream
     done: bool = False
+    _ledgered: _Ledgered = attrs.field(factory=_Ledgered)
 
     @property
     def usage(self) -> Usage | None:
-        counted = self._events.usage
-        return usageOfTokens(counted) if counted is not None else None
+        return self._ledgered.of(self._events.usage)
 
     def take(self, event: bytes, data: bytes | None) -> list[bytes]:
         if data is None:
