@@ -82,6 +82,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import floorselection
 import pytest
 import xdistprivate
 
@@ -222,10 +223,22 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return xdistprivate.serialLastScheduling(config, log, SERIAL)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--twisted-floor",
+        action="store_true",
+        default=False,
+        help="run only the test modules a Twisted release can change the outcome of "
+        "(tests/floorselection.py); dev/floor passes it",
+    )
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """
-    Keep together on one worker the tests that share a fixture of a wider
+    With C{--twisted-floor}, first leave out the modules
+    L{floorselection.leftOut} names. Then keep together on one worker the
+    tests that share a fixture of a wider
     scope than the test (a module's gateway, the session's forwarding
     gateway): spread over several workers, each would start its own copy,
     daemons and all, which costs more than the parallelism gains. Other
@@ -235,6 +248,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     module for a module's. xdist's loadgroup scheduling then sends each
     group to one worker, largest groups first.
     """
+    if config.getoption("--twisted-floor"):
+        _leaveOutOfTheFloor(config, items)
     groups: dict[pytest.Item, str] = {}
     for item in items:
         group = _sharedFixtureGroup(item)
@@ -244,6 +259,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     workerInput = getattr(config, "workerinput", None)
     if workerInput is not None and workerInput.get(_LOADGROUP):
         items[:] = _heaviestFirst(items, groups)
+
+
+def _leaveOutOfTheFloor(config: pytest.Config, items: list[pytest.Item]) -> None:
+    kept: list[pytest.Item] = []
+    left: list[pytest.Item] = []
+    for item in items:
+        e2e = item.get_closest_marker("e2e") is not None
+        (left if floorselection.leftOut(item.path, e2e) else kept).append(item)
+    if left:
+        config.hook.pytest_deselected(items=left)
+        items[:] = kept
 
 
 # What a test costs the run, in units of a unit test's: one that starts
