@@ -35,8 +35,9 @@ base directory), its own reactor. What they share is the machine, and so:
     session's forwarding gateway) would be started once per worker that
     runs one of their tests: L{pytest_collection_modifyitems} puts their
     tests in one xdist group, and the loadgroup scheduling sends each group
-    to one worker, largest first. Every other test goes to whichever worker
-    is free.
+    to one worker, the heaviest first (L{_heaviestFirst}: a group of tests
+    that start daemons before one of unit tests). Every other test goes to
+    whichever worker is free, the end-to-end ones first.
   - Time. The suite waits much more than it computes (daemons starting,
     promises of "within a second", servers frozen for seconds), so more
     workers than cores pay off: on the 2-core machine, shared with other
@@ -238,15 +239,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """
     With C{--twisted-floor}, first leave out the modules
     L{floorselection.leftOut} names. Then keep together on one worker the
-    tests that share a fixture of a wider
-    scope than the test (a module's gateway, the session's forwarding
-    gateway): spread over several workers, each would start its own copy,
-    daemons and all, which costs more than the parallelism gains. Other
-    tests go one by one to whichever worker is free.
+    tests that share a fixture of a wider scope than the test (a module's
+    gateway, the session's forwarding gateway): spread over several
+    workers, each would start its own copy, daemons and all, which costs
+    more than the parallelism gains. Other tests go one by one to whichever
+    worker is free.
 
     The group is the widest such fixture: its name for a session's, its
     module for a module's. xdist's loadgroup scheduling then sends each
-    group to one worker, largest groups first.
+    group to one worker, in the order of the workers' collection, which
+    on workers is the heaviest group first (L{_heaviestFirst}).
     """
     if config.getoption("--twisted-floor"):
         _leaveOutOfTheFloor(config, items)

@@ -126,7 +126,8 @@ def monitor(connection):
 
 listener = socket.socket(fileno=int(sys.argv[1]))
 client = int(sys.argv[2])
-for name in sys.argv[3:]:
+address = sys.argv[3]
+for name in sys.argv[4:]:
     __import__(name)
 assert not [name for name in sys.modules if name.split(".")[0] == "svcd"], "svcd preloaded"
 # Monitors are reaped by the kernel; each monitor waits for its command.
@@ -137,6 +138,10 @@ selector.register(client, selectors.EVENT_READ)
 while True:
     for key, _ in selector.select():
         if key.fileobj == client:
+            # The client is gone (a pytest worker may end without its
+            # atexit functions): take the address away with the server.
+            os.unlink(address)
+            os.rmdir(os.path.dirname(address))
             os._exit(0)
         connection, _ = listener.accept()
         if os.fork() == 0:
@@ -161,8 +166,7 @@ class _Server:
     """
 
     def __init__(self) -> None:
-        self._directory = tempfile.mkdtemp(prefix="forkedpython-")
-        self.address = str(Path(self._directory) / "server")
+        self.address = str(Path(tempfile.mkdtemp(prefix="forkedpython-")) / "server")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         listener.bind(self.address)
         listener.listen(64)
@@ -176,6 +180,7 @@ class _Server:
                 _SERVER,
                 str(listener.fileno()),
                 str(gone),
+                self.address,
                 *PRELOADED,
             ],
             pass_fds=(listener.fileno(), gone),
@@ -188,10 +193,12 @@ class _Server:
         self.pid = os.getpid()
 
     def close(self) -> None:
+        """
+        Stop the server (it leaves when this end of its pipe closes, and
+        removes its address).
+        """
         os.close(self._alive)
         self.process.wait(10)
-        os.unlink(self.address)
-        os.rmdir(self._directory)
 
     def run(
         self, module: str, arguments: Sequence[str], environment: Mapping[str, str], timeout: float
