@@ -29,6 +29,7 @@ import treq
 from twisted.internet.defer import succeed
 from twisted.internet.task import deferLater
 from twisted.logger import ILogObserver, LogEvent, globalLogPublisher
+from upstreamfixtures import clearedUpstream
 from zope.interface import provider
 
 from svcd.common.permissions import Permission
@@ -48,6 +49,17 @@ from svcd.testing.upstream import DEFAULT_EMBEDDING_DIMENSIONS, ScriptedUpstream
 # Starts the scripted upstream process (conftest.py, pytest.ini): left out
 # of a quick run, dev/test -m "not e2e".
 pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def scriptedUpstream(moduleUpstream: ScriptedUpstream) -> ScriptedUpstream:
+    """
+    The module's one scripted upstream (upstreamfixtures.py), its log of
+    requests emptied: the tests read only their own requests, and one
+    upstream per test was most of the module's time.
+    """
+    return clearedUpstream(moduleUpstream)
+
 
 BOTH = Permission.ProxyChatCompletion | Permission.ProxyEmbeddings
 
