@@ -45,7 +45,14 @@ base directory), its own reactor. What they share is the machine, and so:
     million made-up ids, which alone took over 20 minutes) and 10m35s on
     four workers under about the same load (load average 10 to 13).
     Fewer workers were not measured under comparable load; more would
-    start more daemons at once on two cores.
+    start more daemons at once on two cores. On four workers the run
+    computes about as much as two cores give it: 586 s of CPU in a run of
+    588 s (load average 5 to 13, PostgreSQL's own aside), most of it
+    processes starting (some 300 twistd daemons and 100 scripted
+    upstreams, each 0.4 to 0.6 s of CPU). What shortens it is less CPU:
+    a module's tests sharing daemons that none of them needs to itself
+    (workerfixtures.WorkerStack, upstreamfixtures.moduleUpstream), svcctl
+    forked rather than started (forkedpython.py).
   - Load. Tests about svc-auth's 50 ms deadline keep it; the gateways of
     the others use one a loaded machine meets (PATIENT_AUTH in
     gatewayfixtures.py), since a deadline missed by scheduling alone
