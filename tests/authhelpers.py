@@ -24,6 +24,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, cast
 
+import forkedpython
 import grpc
 from authfixtures import Tenant
 from authservice import RunningAuthService
@@ -36,13 +37,10 @@ def svcctl(dsn: str | None, *arguments: str) -> subprocess.CompletedProcess[str]
     environment = {key: value for key, value in os.environ.items() if key != "POSTGRES_DSN"}
     if dsn is not None:
         environment["POSTGRES_DSN"] = dsn
-    return subprocess.run(
-        [sys.executable, "-m", "svcd.ctl", *arguments],
-        capture_output=True,
-        text=True,
-        env=environment,
-        timeout=60,
-        check=False,
+    # A process of its own forked from one that has svcctl's libraries
+    # imported already (forkedpython.py says what stays as it was).
+    return forkedpython.run(
+        [sys.executable, "-m", "svcd.ctl", *arguments], env=environment, timeout=60
     )
 
 

@@ -35,8 +35,9 @@ base directory), its own reactor. What they share is the machine, and so:
     session's forwarding gateway) would be started once per worker that
     runs one of their tests: L{pytest_collection_modifyitems} puts their
     tests in one xdist group, and the loadgroup scheduling sends each group
-    to one worker, largest first. Every other test goes to whichever worker
-    is free.
+    to one worker, the heaviest first (L{_heaviestFirst}: a group of tests
+    that start daemons before one of unit tests). Every other test goes to
+    whichever worker is free, the end-to-end ones first.
   - Time. The suite waits much more than it computes (daemons starting,
     promises of "within a second", servers frozen for seconds), so more
     workers than cores pay off: on the 2-core machine, shared with other
@@ -44,7 +45,14 @@ base directory), its own reactor. What they share is the machine, and so:
     million made-up ids, which alone took over 20 minutes) and 10m35s on
     four workers under about the same load (load average 10 to 13).
     Fewer workers were not measured under comparable load; more would
-    start more daemons at once on two cores.
+    start more daemons at once on two cores. On four workers the run
+    computes about as much as two cores give it: 586 s of CPU in a run of
+    588 s (load average 5 to 13, PostgreSQL's own aside), most of it
+    processes starting (some 300 twistd daemons and 100 scripted
+    upstreams, each 0.4 to 0.6 s of CPU). What shortens it is less CPU:
+    a module's tests sharing daemons that none of them needs to itself
+    (workerfixtures.WorkerStack, upstreamfixtures.moduleUpstream), svcctl
+    forked rather than started (forkedpython.py).
   - Load. Tests about svc-auth's 50 ms deadline keep it; the gateways of
     the others use one a loaded machine meets (PATIENT_AUTH in
     gatewayfixtures.py), since a deadline missed by scheduling alone
@@ -82,6 +90,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import floorselection
 import pytest
 import xdistprivate
 
@@ -182,6 +191,9 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(str(incompatible)) from None
     if getattr(config.option, "dist", "no") == "load":
         config.option.dist = "loadgroup"
+        # The groups in the order the workers collected them (heaviest
+        # first: L{_heaviestFirst}), not by their number of tests.
+        config.option.loadscopereorder = False
     workerInput = getattr(config, "workerinput", None)
     if workerInput is not None and workerInput.get(_LOADGROUP):
         # A worker parses the command line anew and decides from C{--dist}
@@ -220,23 +232,86 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return xdistprivate.serialLastScheduling(config, log, SERIAL)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--twisted-floor",
+        action="store_true",
+        default=False,
+        help="run only the test modules a Twisted release can change the outcome of "
+        "(tests/floorselection.py); dev/floor passes it",
+    )
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """
-    Keep together on one worker the tests that share a fixture of a wider
-    scope than the test (a module's gateway, the session's forwarding
-    gateway): spread over several workers, each would start its own copy,
-    daemons and all, which costs more than the parallelism gains. Other
-    tests go one by one to whichever worker is free.
+    With C{--twisted-floor}, first leave out the modules
+    L{floorselection.leftOut} names. Then keep together on one worker the
+    tests that share a fixture of a wider scope than the test (a module's
+    gateway, the session's forwarding gateway): spread over several
+    workers, each would start its own copy, daemons and all, which costs
+    more than the parallelism gains. Other tests go one by one to whichever
+    worker is free.
 
     The group is the widest such fixture: its name for a session's, its
     module for a module's. xdist's loadgroup scheduling then sends each
-    group to one worker, largest groups first.
+    group to one worker, in the order of the workers' collection, which
+    on workers is the heaviest group first (L{_heaviestFirst}).
     """
+    if config.getoption("--twisted-floor"):
+        _leaveOutOfTheFloor(config, items)
+    groups: dict[pytest.Item, str] = {}
     for item in items:
         group = _sharedFixtureGroup(item)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
+        groups[item] = group or item.nodeid
+    workerInput = getattr(config, "workerinput", None)
+    if workerInput is not None and workerInput.get(_LOADGROUP):
+        items[:] = _heaviestFirst(items, groups)
+
+
+def _leaveOutOfTheFloor(config: pytest.Config, items: list[pytest.Item]) -> None:
+    kept: list[pytest.Item] = []
+    left: list[pytest.Item] = []
+    for item in items:
+        e2e = item.get_closest_marker("e2e") is not None
+        (left if floorselection.leftOut(item.path, e2e) else kept).append(item)
+    if left:
+        config.hook.pytest_deselected(items=left)
+        items[:] = kept
+
+
+# What a test costs the run, in units of a unit test's: one that starts
+# real daemons (marked e2e) took about nine times a unit test's time in a
+# whole run on four workers (3.7 s against 0.43 s on average, module
+# fixtures' starts included), and every test in a group waits for its
+# fixture's start.
+E2E_WEIGHT = 8
+
+
+def _heaviestFirst(items: list[pytest.Item], groups: dict[pytest.Item, str]) -> list[pytest.Item]:
+    """
+    The tests in the order the workers are to take their groups: the
+    heaviest group first (by L{E2E_WEIGHT}), each group's tests in their
+    order, ties in the order collected.
+
+    xdist's own order (with its C{--loadscope-reorder}) is by the number
+    of tests in a group, and every test outside a group is a group of one
+    taken in the order collected: the slowest end-to-end tests (svcctl's,
+    svc-worker's, late in the alphabet) ran last, and a module's gateway
+    of a few slow tests waited behind one of many quick ones. Taking the
+    heaviest first (longest processing time first), the quick unit tests
+    are what is left to even out the workers at the end.
+    """
+    weights: dict[str, float] = {}
+    first: dict[str, int] = {}
+    for index, item in enumerate(items):
+        group = groups[item]
+        weight = E2E_WEIGHT if item.get_closest_marker("e2e") is not None else 1
+        weights[group] = weights.get(group, 0) + weight
+        first.setdefault(group, index)
+    return sorted(items, key=lambda item: (-weights[groups[item]], first[groups[item]]))
 
 
 def _sharedFixtureGroup(item: pytest.Item) -> str | None:

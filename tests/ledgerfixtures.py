@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import forkedpython
 import psycopg
 import pytest
 from authfixtures import Tenant, makeTenant
@@ -115,13 +116,11 @@ def dollars(nano: int) -> str:
 
 
 def svcctl(dsn: str, *words: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    # Forked, as authhelpers.svcctl (forkedpython.py).
+    return forkedpython.run(
         [sys.executable, "-m", "svcd.ctl", *words],
         env={**os.environ, "POSTGRES_DSN": dsn},
-        capture_output=True,
-        text=True,
         timeout=60,
-        check=False,
     )
 
 

@@ -98,6 +98,20 @@ class Sender:
         if events & selectors.EVENT_READ and not self.readingDone:
             self.receive()
 
+    def answered(self) -> bool:
+        """
+        Whether the whole answer is in: its head and as many bytes of body
+        as its Content-Length says.
+        """
+        head, separator, body = self.received.partition(b"\r\n\r\n")
+        if not separator:
+            return False
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                return len(body) >= int(value)
+        return False
+
     def status(self) -> tuple[int, str | None]:
         head, _, body = self.received.partition(b"\r\n\r\n")
         if not head:
@@ -110,11 +124,15 @@ class Sender:
         return status, code
 
 
-def drive(senders: list[Sender], pid: int, limit: float = 300.0) -> int:
+def drive(
+    senders: list[Sender], pid: int, limit: float = 300.0, untilAnswered: bool = False
+) -> int:
     """
     Send and read on every connection until each has sent all it meant
-    to and seen the proxy close; return the proxy's highest RSS (KiB)
-    sampled meanwhile.
+    to and seen the proxy close (or, C{untilAnswered}, until each has its
+    whole answer: a connection the proxy keeps alive after its answer
+    closes only when idle long enough); return the proxy's highest RSS
+    (KiB) sampled meanwhile.
     """
     selector = selectors.DefaultSelector()
     for sender in senders:
@@ -134,7 +152,7 @@ def drive(senders: list[Sender], pid: int, limit: float = 300.0) -> int:
                 selector.modify(sender.socket, selectors.EVENT_WRITE, sender)
             elif sender.sendingDone and not sender.readingDone:
                 selector.modify(sender.socket, selectors.EVENT_READ, sender)
-            if sender.sendingDone and sender.readingDone:
+            if (sender.sendingDone and sender.readingDone) or (untilAnswered and sender.answered()):
                 selector.unregister(sender.socket)
                 sender.socket.close()
                 live -= 1
@@ -276,7 +294,7 @@ def test_bodiesOfTokenShapedBearersAreCapped(gateway: Gateway) -> None:
     )
     waitedBy = time.monotonic() + 10
     while True:
-        drive([follower], pid)
+        drive([follower], pid, untilAnswered=True)
         if follower.status() != (503, "SERVICE_DEGRADED"):
             break
         assert time.monotonic() < waitedBy, "held bodies were never given back"

@@ -24,6 +24,7 @@ import pytest_twisted
 from proxydoubles import MemoryCounters, MemoryLedger
 from twisted.internet.defer import CancelledError, TimeoutError, succeed
 from twisted.internet.task import deferLater
+from upstreamfixtures import clearedUpstream
 
 from svcd.common.errors import ApiError, ErrorCode
 from svcd.devkit.upstream.client import ScriptedUpstream
@@ -44,6 +45,17 @@ from svcd.proxy.metrics import ProxyMetrics
 
 # Starts the scripted upstream process (conftest.py, pytest.ini).
 pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def scriptedUpstream(moduleUpstream: ScriptedUpstream) -> ScriptedUpstream:
+    """
+    The module's one scripted upstream (upstreamfixtures.py), its log of
+    requests emptied: the tests read only their own requests, and one
+    upstream per test was most of the module's time.
+    """
+    return clearedUpstream(moduleUpstream)
+
 
 ORG = "0190f0a0-0000-7000-8000-000000000001"
 AGENT = "0190f0a0-0000-7000-8000-000000000002"

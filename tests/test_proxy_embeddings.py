@@ -30,6 +30,7 @@ from proxydoubles import FakeAuthClient, MemoryCounters, MemoryLedger
 from twisted.internet.defer import succeed
 from twisted.internet.task import deferLater
 from twisted.logger import ILogObserver, LogEvent, globalLogPublisher
+from upstreamfixtures import clearedUpstream
 from zope.interface import provider
 
 from svcd.common.permissions import Permission
@@ -49,6 +50,17 @@ from svcd.proxy.metrics import ProxyMetrics
 # Starts the scripted upstream process (conftest.py, pytest.ini): left out
 # of a quick run, dev/test -m "not e2e".
 pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def scriptedUpstream(moduleUpstream: ScriptedUpstream) -> ScriptedUpstream:
+    """
+    The module's one scripted upstream (upstreamfixtures.py), its log of
+    requests emptied: the tests read only their own requests, and one
+    upstream per test was most of the module's time.
+    """
+    return clearedUpstream(moduleUpstream)
+
 
 BOTH = Permission.ProxyChatCompletion | Permission.ProxyEmbeddings
 

@@ -32,6 +32,7 @@ from proxydoubles import FakeAuthClient, MemoryCounters, MemoryLedger, newToken
 from twisted.internet.defer import maybeDeferred, succeed
 from twisted.internet.interfaces import IReactorFromThreads
 from twisted.internet.task import deferLater
+from upstreamfixtures import clearedUpstream
 
 from svcd.common.permissions import Permission
 from svcd.devkit.upstream.client import ScriptedUpstream
@@ -52,6 +53,17 @@ from svcd.proxy.records import AgentInfo, TokenInfo
 
 # Starts the scripted upstream process (conftest.py, pytest.ini).
 pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def scriptedUpstream(moduleUpstream: ScriptedUpstream) -> ScriptedUpstream:
+    """
+    The module's one scripted upstream (upstreamfixtures.py), its log of
+    requests emptied: the tests read only their own requests, and one
+    upstream per test was most of the module's time.
+    """
+    return clearedUpstream(moduleUpstream)
+
 
 MEMORY = int(Permission.MemoryRead | Permission.MemoryWrite)
 ELSEWHERE = "0190f0a0-0000-7000-8000-0000000000ff"

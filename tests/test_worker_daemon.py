@@ -15,15 +15,17 @@ import json
 import os
 import signal
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from authhelpers import document, svcctl
 from workerfixtures import (
     WorkerRig,
+    WorkerStack,
     factsOf,
     newRequestIDs,
-    runningWorkerRig,
+    runningWorkerStack,
     waitUntil,
 )
 
@@ -32,6 +34,20 @@ from svcd.devkit.postgres import PostgresServer
 
 # Starts real daemons (conftest.py, pytest.ini): left out of a quick run.
 pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def stack(
+    postgresServer: PostgresServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[WorkerStack]:
+    """
+    One svc-auth, svc-memory, Redis and scripted upstream for the module's
+    tests: each test's rig has its own organization, models and workers,
+    and leaves no observation behind (L{WorkerStack.rig}). Started per
+    test, the stack took most of the module's time.
+    """
+    with runningWorkerStack(postgresServer, tmp_path_factory.mktemp("workerstack")) as running:
+        yield running
 
 
 def expectedFacts(requestIDs: list[str], count: int = 2) -> list[str]:
@@ -48,7 +64,7 @@ def waitForMetric(rig: WorkerRig, worker: Daemon, line: str, value: float) -> No
 
 
 def test_observationsBecomeMemoriesPaidByTheOrganization(
-    postgresServer: PostgresServer, tmp_path: Path
+    stack: WorkerStack, tmp_path: Path
 ) -> None:
     """
     Observations queued become the memories the extraction model found in
@@ -59,7 +75,7 @@ def test_observationsBecomeMemoriesPaidByTheOrganization(
     metrics count them done; /ready reports the feed, svc-memory and Redis;
     no memory's content is in any log.
     """
-    with runningWorkerRig(postgresServer, tmp_path) as rig:
+    with stack.rig(tmp_path) as rig:
         worker = rig.startWorker()
         status, body = worker.get("/ready")
         assert status == 200, body
@@ -91,13 +107,13 @@ def test_observationsBecomeMemoriesPaidByTheOrganization(
 
 
 def test_withoutAnExtractionModelTheUsersTextIsTheMemory(
-    postgresServer: PostgresServer, tmp_path: Path
+    stack: WorkerStack, tmp_path: Path
 ) -> None:
     """
     Without an extraction_model the user's text is the one memory, and
     the only provider call is the embedding (one row).
     """
-    with runningWorkerRig(postgresServer, tmp_path, extraction=False) as rig:
+    with stack.rig(tmp_path, extraction=False) as rig:
         rig.startWorker()
         [requestID] = newRequestIDs(1)
         rig.queue({requestID: "I prefer tea to coffee."})
@@ -109,16 +125,14 @@ def test_withoutAnExtractionModelTheUsersTextIsTheMemory(
         ]
 
 
-def test_processingAgainNeverAddsAMemoryTwice(
-    postgresServer: PostgresServer, tmp_path: Path
-) -> None:
+def test_processingAgainNeverAddsAMemoryTwice(stack: WorkerStack, tmp_path: Path) -> None:
     """
     An observation processed, then queued and processed again (as when a
     copy arrives after svc-memory's record of it expired): its facts are each
     still one memory, the same ids, updated in place (the search finds
     each at similarity 1, at or above dedupe_score).
     """
-    with runningWorkerRig(postgresServer, tmp_path) as rig:
+    with stack.rig(tmp_path) as rig:
         worker = rig.startWorker()
         [requestID] = newRequestIDs(1)
         rig.queue({requestID: factsOf(requestID, 3)})
@@ -139,16 +153,14 @@ def test_processingAgainNeverAddsAMemoryTwice(
         waitForMetric(rig, worker, 'svc_worker_memories_total{action="updated"}', 3)
 
 
-def test_killedMidBatchAndRestartedStoresEachFactOnce(
-    postgresServer: PostgresServer, tmp_path: Path
-) -> None:
+def test_killedMidBatchAndRestartedStoresEachFactOnce(stack: WorkerStack, tmp_path: Path) -> None:
     """
     A worker C{kill -9}ed while it holds a batch (the model slow, so that
     some observations are done and others in hand), then started again:
     once its leases have run out, every observation is processed and every
     fact is stored exactly once.
     """
-    with runningWorkerRig(postgresServer, tmp_path, extractor="slow:300") as rig:
+    with stack.rig(tmp_path, extractor="slow:300") as rig:
         worker = rig.startWorker(SVC_WORKER_LEASE="5s", SVC_WORKER_CONCURRENCY="4")
         requestIDs = newRequestIDs(12)
         rig.queue({each: factsOf(each) for each in requestIDs})
@@ -162,15 +174,13 @@ def test_killedMidBatchAndRestartedStoresEachFactOnce(
         assert sorted(contents) == expectedFacts(requestIDs)
 
 
-def test_twoWorkersNeverProcessAnObservationTwice(
-    postgresServer: PostgresServer, tmp_path: Path
-) -> None:
+def test_twoWorkersNeverProcessAnObservationTwice(stack: WorkerStack, tmp_path: Path) -> None:
     """
     Two workers drain one queue together: each observation's extraction
     is asked for once (one extraction row per observation, no more), both
     workers did some, and every fact is stored once.
     """
-    with runningWorkerRig(postgresServer, tmp_path, extractor="slow:50") as rig:
+    with stack.rig(tmp_path, extractor="slow:50") as rig:
         first = rig.startWorker("first", SVC_WORKER_CONCURRENCY="4")
         second = rig.startWorker("second", SVC_WORKER_CONCURRENCY="4")
         requestIDs = newRequestIDs(40)
@@ -189,14 +199,14 @@ def test_twoWorkersNeverProcessAnObservationTwice(
         assert sum(done) == 40 and all(done), done
 
 
-def test_sigtermFinishesWhatItHolds(postgresServer: PostgresServer, tmp_path: Path) -> None:
+def test_sigtermFinishesWhatItHolds(stack: WorkerStack, tmp_path: Path) -> None:
     """
     SIGTERM while observations are in hand: the worker finishes them (or
     hands them back, due at once and with no attempt counted) within its
     stop timeout and exits 0; nothing stays leased to it, and a worker
     started after it stores every fact once.
     """
-    with runningWorkerRig(postgresServer, tmp_path, extractor="slow:400") as rig:
+    with stack.rig(tmp_path, extractor="slow:400") as rig:
         worker = rig.startWorker(SVC_WORKER_CONCURRENCY="4", SVC_SHUTDOWN_TIMEOUT="4s")
         requestIDs = newRequestIDs(8)
         rig.queue({each: factsOf(each) for each in requestIDs})
@@ -214,9 +224,7 @@ def test_sigtermFinishesWhatItHolds(postgresServer: PostgresServer, tmp_path: Pa
         assert sorted(each["content"] for each in rig.memories()) == expectedFacts(requestIDs)
 
 
-def test_aBudgetsRefusalWaitsUnchargedAndUncounted(
-    postgresServer: PostgresServer, tmp_path: Path
-) -> None:
+def test_aBudgetsRefusalWaitsUnchargedAndUncounted(stack: WorkerStack, tmp_path: Path) -> None:
     """
     An organization whose day's budget cannot hold the extraction's worst
     case: the observation is refused, released with no attempt counted and
@@ -240,7 +248,7 @@ def test_aBudgetsRefusalWaitsUnchargedAndUncounted(
             )
         )
 
-    with runningWorkerRig(postgresServer, tmp_path, prepare=tinyBudget) as rig:
+    with stack.rig(tmp_path, prepare=tinyBudget) as rig:
         worker = rig.startWorker()
         [requestID] = newRequestIDs(1)
         rig.queue({requestID: factsOf(requestID)})
@@ -311,14 +319,14 @@ def retryUntilProcessed(rig: WorkerRig, worker: Daemon) -> None:
     waitUntil(processed, "the job processed once the budget was raised", 30)
 
 
-def test_failuresBackOffThenEndFailed(postgresServer: PostgresServer, tmp_path: Path) -> None:
+def test_failuresBackOffThenEndFailed(stack: WorkerStack, tmp_path: Path) -> None:
     """
     An extraction model whose answer is not {"memories": [...]}: each
     attempt fails and is counted, the next due 1 s, then 2 s ... later,
     and at SVC_WORKER_MAX_ATTEMPTS the observation is kept as failed with
     its reason (never content); each attempt's call is in the ledger.
     """
-    with runningWorkerRig(postgresServer, tmp_path, extractor="bytes:10") as rig:
+    with stack.rig(tmp_path, extractor="bytes:10") as rig:
         worker = rig.startWorker(SVC_WORKER_MAX_ATTEMPTS="3")
         [requestID] = newRequestIDs(1)
         rig.queue({requestID: factsOf(requestID)})
@@ -339,7 +347,7 @@ def test_failuresBackOffThenEndFailed(postgresServer: PostgresServer, tmp_path: 
 
 @pytest.mark.parametrize("embedder", ["vectors:huge", "vectors:short"])
 def test_aVectorMemoryCannotUseIsAFailedAttempt(
-    postgresServer: PostgresServer, tmp_path: Path, embedder: str
+    stack: WorkerStack, tmp_path: Path, embedder: str
 ) -> None:
     """
     Vectors memory cannot use (a JSON number beyond float32, which raised
@@ -349,7 +357,7 @@ def test_aVectorMemoryCannotUseIsAFailedAttempt(
     attempt like any other, nothing stored, the embedding's row kept with
     what the provider counted, nothing logged as unexpected.
     """
-    with runningWorkerRig(postgresServer, tmp_path, extraction=False, embedder=embedder) as rig:
+    with stack.rig(tmp_path, extraction=False, embedder=embedder) as rig:
         worker = rig.startWorker(SVC_WORKER_MAX_ATTEMPTS="1")
         [requestID] = newRequestIDs(1)
         rig.queue({requestID: "I prefer tea to coffee."})
@@ -406,14 +414,14 @@ def test_refusesToStartWithoutMemory(tmp_path: Path) -> None:
     assert "has no [memory] table" in lines[0]
 
 
-def test_daemonised(postgresServer: PostgresServer, tmp_path: Path) -> None:
+def test_daemonised(stack: WorkerStack, tmp_path: Path) -> None:
     """
     Daemonised (no -n, with --pidfile and --logfile), svc-worker makes its
     channels and its feed's thread after the fork: it becomes ready,
     processes an observation, logs JSON lines to its log file, and stops on
     SIGTERM, removing its pidfile.
     """
-    with runningWorkerRig(postgresServer, tmp_path / "rig") as rig:
+    with stack.rig(tmp_path / "rig") as rig:
         pidFile, logFile = tmp_path / "worker.pid", tmp_path / "worker.log"
         environment = rig.workerEnvironment(SVC_LOG_LEVEL="INFO")
         command = [
@@ -452,16 +460,14 @@ def _ready(daemon: Daemon) -> bool:
         return False
 
 
-def test_anExtractionSlowerThanTheLeaseSucceedsOnce(
-    postgresServer: PostgresServer, tmp_path: Path
-) -> None:
+def test_anExtractionSlowerThanTheLeaseSucceedsOnce(stack: WorkerStack, tmp_path: Path) -> None:
     """
     A model slower than SVC_WORKER_LEASE (12 s against 5 s): the worker
     renews the observation's lease while it waits, so a second worker
     running beside it never claims the observation; the extraction is
     asked for once (one extraction row, ok) and its facts are stored once.
     """
-    with runningWorkerRig(postgresServer, tmp_path, extractor="slow:12000") as rig:
+    with stack.rig(tmp_path, extractor="slow:12000") as rig:
         first = rig.startWorker("first", SVC_WORKER_LEASE="5s")
         second = rig.startWorker("second", SVC_WORKER_LEASE="5s")
         [requestID] = newRequestIDs(1)
@@ -486,9 +492,7 @@ def test_anExtractionSlowerThanTheLeaseSucceedsOnce(
             assert rig.metric(each, 'svc_worker_observations_total{outcome="lost"}') == 0
 
 
-def test_aLostLeaseIsAbandonedWithoutStoringAnything(
-    postgresServer: PostgresServer, tmp_path: Path
-) -> None:
+def test_aLostLeaseIsAbandonedWithoutStoringAnything(stack: WorkerStack, tmp_path: Path) -> None:
     """
     A worker paused (SIGSTOP) while its model answers, past its lease: a
     second worker claims the observation and stores its facts. Resumed,
@@ -496,7 +500,7 @@ def test_aLostLeaseIsAbandonedWithoutStoringAnything(
     claim: it abandons the observation (outcome lost) without embedding
     or storing anything, and every fact is stored once.
     """
-    with runningWorkerRig(postgresServer, tmp_path, extractor="slow:3000") as rig:
+    with stack.rig(tmp_path, extractor="slow:3000") as rig:
         paused = rig.startWorker("paused", SVC_WORKER_LEASE="5s")
         [requestID] = newRequestIDs(1)
         rig.queue({requestID: factsOf(requestID)})

@@ -27,6 +27,31 @@ def scriptedUpstream(tmp_path: Path) -> Iterator[ScriptedUpstream]:
     upstream.stop()
 
 
+@pytest.fixture(scope="module")
+def moduleUpstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ScriptedUpstream]:
+    """
+    One scripted upstream for a whole test module, for the modules whose
+    tests need one only to answer (its scripts keep no state from one
+    request to the next) and read nothing of it but their own requests:
+    such a module defines its C{scriptedUpstream} as this one with its
+    log of requests emptied (L{clearedUpstream}). Its tests then run on
+    one worker (conftest.py), and the module starts one upstream process
+    instead of one per test (each some 0.4 s of CPU).
+    """
+    upstream = ScriptedUpstream(tmp_path_factory.mktemp("upstream")).start()
+    yield upstream
+    upstream.stop()
+
+
+def clearedUpstream(upstream: ScriptedUpstream) -> ScriptedUpstream:
+    """
+    C{upstream} with its log of requests emptied, for a test to read only
+    its own.
+    """
+    upstream.clearRequests()
+    return upstream
+
+
 @pytest.fixture
 def startScriptedUpstream(tmp_path: Path) -> Iterator[Callable[..., ScriptedUpstream]]:
     """

@@ -178,6 +178,107 @@ class WorkerRig:
         return 0.0
 
 
+@attrs.define
+class WorkerStack:
+    """
+    What a worker rig runs on and a module's tests may share: a migrated
+    database, Redis, the scripted upstream, svc-auth and svc-memory. What
+    a test may change is its own: each L{rig} has a new organization (the
+    tests read memories, observations and ledger rows by it), its own
+    providers file (the scripted models it names) and its own workers.
+    Starting the stack (two twistd daemons, the upstream and Redis) was
+    most of a worker test's cost (test_worker_daemon.py shares one per
+    module).
+    """
+
+    dsn: str
+    redis: RedisServer
+    auth: Daemon
+    memory: Daemon
+    upstream: ScriptedUpstream
+    owner: Store
+
+    @contextlib.contextmanager
+    def rig(
+        self,
+        workdir: Path,
+        extractor: str = "echo",
+        extraction: bool = True,
+        prepare: Callable[[WorkerRig], None] | None = None,
+        embedder: str = "echo",
+    ) -> Iterator[WorkerRig]:
+        """
+        A rig on this stack for one test, without a worker (the test starts
+        its own, after C{prepare} has set budgets or limits if it needs
+        to), whose tenant is a new organization. Afterwards its workers are
+        stopped and every observation still queued is deleted, whichever
+        organization it is of: a later rig's workers claim any organization's
+        due observations, and must find only their own test's.
+        """
+        workdir.mkdir(parents=True, exist_ok=True)
+        rig = WorkerRig(
+            dsn=self.dsn,
+            redis=self.redis,
+            auth=self.auth,
+            memory=self.memory,
+            upstream=self.upstream,
+            workdir=workdir,
+            owner=self.owner,
+            tenant=makeTenant(self.owner, "main"),
+            providers=memoryProvidersFile(
+                workdir / "providers.toml", self.upstream, extractor, extraction, embedder
+            ),
+        )
+        try:
+            if prepare is not None:
+                prepare(rig)
+            yield rig
+        finally:
+            for worker in rig.workers:
+                worker.terminate()
+            # A test may have restarted svc-memory (rig.memory is then a new
+            # daemon): stop it; the stack stops its own.
+            if rig.memory is not self.memory:
+                rig.memory.terminate()
+            rig.query("DELETE FROM memory_observations RETURNING id", ())
+
+
+@contextlib.contextmanager
+def runningWorkerStack(postgres: PostgresServer, workdir: Path) -> Iterator[WorkerStack]:
+    """
+    A L{WorkerStack} on a new database of C{postgres}, its files (logs,
+    Redis) under C{workdir}; stopped afterwards.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    dsn = postgres.createDatabase(f"worker_{secrets.token_hex(6)}")
+    migrate(dsn)
+    redis = RedisServer.create(workdir / "redis")
+    redis.start()
+    connection = psycopg.connect(dsn, autocommit=True)
+    upstream = ScriptedUpstream(
+        workdir / "upstream", embeddingDimensions=MEMORY_EMBEDDING_DIMENSIONS
+    ).start()
+    auth = Daemon("svc-auth", authEnvironment(dsn), workdir / "auth.log").start()
+    memory = Daemon("svc-memory", memoryEnvironment(dsn), workdir / "memory.log").start()
+    try:
+        auth.waitForReady()
+        memory.waitForReady()
+        yield WorkerStack(
+            dsn=dsn,
+            redis=redis,
+            auth=auth,
+            memory=memory,
+            upstream=upstream,
+            owner=Store(lambda: contextlib.nullcontext(connection)),
+        )
+    finally:
+        memory.terminate()
+        auth.terminate()
+        upstream.stop()
+        redis.stop()
+        connection.close()
+
+
 @contextlib.contextmanager
 def runningWorkerRig(
     postgres: PostgresServer,
@@ -188,53 +289,12 @@ def runningWorkerRig(
     embedder: str = "echo",
 ) -> Iterator[WorkerRig]:
     """
-    The stack, without a worker (the test starts its own, after
-    C{prepare} has set budgets or limits if it needs to).
+    The stack and a rig on it, for one test alone (L{WorkerStack.rig}
+    says what the rig is).
     """
-    workdir.mkdir(parents=True, exist_ok=True)
-    dsn = postgres.createDatabase(f"worker_{secrets.token_hex(6)}")
-    migrate(dsn)
-    redis = RedisServer.create(workdir / "redis")
-    redis.start()
-    connection = psycopg.connect(dsn, autocommit=True)
-    owner = Store(lambda: contextlib.nullcontext(connection))
-    tenant = makeTenant(owner, "main")
-    upstream = ScriptedUpstream(
-        workdir / "upstream", embeddingDimensions=MEMORY_EMBEDDING_DIMENSIONS
-    ).start()
-    auth = Daemon("svc-auth", authEnvironment(dsn), workdir / "auth.log").start()
-    memory = Daemon("svc-memory", memoryEnvironment(dsn), workdir / "memory.log").start()
-    rig = WorkerRig(
-        dsn=dsn,
-        redis=redis,
-        auth=auth,
-        memory=memory,
-        upstream=upstream,
-        workdir=workdir,
-        owner=owner,
-        tenant=tenant,
-        providers=memoryProvidersFile(
-            workdir / "providers.toml", upstream, extractor, extraction, embedder
-        ),
-    )
-    try:
-        auth.waitForReady()
-        memory.waitForReady()
-        if prepare is not None:
-            prepare(rig)
-        yield rig
-    finally:
-        for worker in rig.workers:
-            worker.terminate()
-        # A test may have restarted svc-memory (rig.memory is then a new
-        # daemon): stop whichever is current, and the first.
-        if rig.memory is not memory:
-            rig.memory.terminate()
-        memory.terminate()
-        auth.terminate()
-        upstream.stop()
-        redis.stop()
-        connection.close()
+    with runningWorkerStack(postgres, workdir) as stack:
+        with stack.rig(workdir, extractor, extraction, prepare, embedder) as rig:
+            yield rig
 
 
 def newRequestIDs(count: int) -> list[str]:
