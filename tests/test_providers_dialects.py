@@ -676,3 +676,21 @@ def test_worstCaseMeasuresTheTranslatedBody() -> None:
     cost = worstCaseCost(chat, [claude, gpt], 50, 50, 0, bodies, CHAT_COMPLETIONS.sendable)
     assert list(bodies) == ["gpt"]
     assert cost == gpt.price.worstCase(len(bodies["gpt"]), 100)  # type: ignore[union-attr]
+
+
+def test_aLoneSurrogateIsWrittenEscaped() -> None:
+    """
+    A body or a translated answer holding a lone surrogate (JSON's escape
+    of one, which a client or a provider may send) is written as the same
+    JSON with its non-ASCII characters escaped, not an UnicodeEncodeError
+    on the request's path; any other document stays UTF-8 as it was.
+    """
+    from svcd.providers import operations, upstream
+
+    lone = {"content": "caf\u00e9 \ud800 end"}
+    plain = {"content": "caf\u00e9"}
+    for dumps in (operations._dumps, upstream._dumps):
+        written = dumps(lone)
+        assert written.isascii()
+        assert json.loads(written) == lone
+        assert dumps(plain) == '{"content":"café"}'.encode()

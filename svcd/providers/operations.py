@@ -198,7 +198,17 @@ def anthropicUsageOf(document: object) -> Usage | None:
 
 
 def _dumps(document: Mapping[str, Any]) -> bytes:
-    return json.dumps(document, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    """
+    C{document} as compact UTF-8 JSON; a lone surrogate (JSON's escape of
+    one, which a client or a provider may send) has no UTF-8 form, and such
+    a document is written with every non-ASCII character escaped instead:
+    the same JSON, never an exception on the request's path.
+    """
+    text = json.dumps(document, ensure_ascii=False, separators=(",", ":"))
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(document, separators=(",", ":")).encode("ascii")
 
 
 def _sentCap(outputCap: int, model: Model) -> int:
