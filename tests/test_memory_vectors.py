@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from memoryfixtures import vectorBytes
 
@@ -211,6 +211,9 @@ def tiedScopes(draw: st.DrawFn) -> tuple[list[list[float]], list[int], list[floa
 
 @settings(max_examples=150, deadline=None)
 @given(tiedScopes(), st.lists(st.integers(0, 299), max_size=40))
+# Found by CI: a twin forgotten (row 1) before the row it followed (row 0);
+# the live rows were handed the dead one as their twin and all scored 0.
+@example(([[-4.0]] * 80, [2, 1, 2, 3, 3] * 16, [4.0], 12), [1, 0, 195, 38, 155])
 def test_manyTiedCandidatesRankAsFewDo(
     case: tuple[list[list[float]], list[int], list[float], int], removed: list[int]
 ) -> None:

@@ -205,14 +205,16 @@ def exactOfTwins(
     return result
 
 
-def handTwinOn(twins: Indices, row: int) -> None:
+def handTwinOn(twins: Indices, row: int, alive: numpy.typing.NDArray[numpy.bool_]) -> None:
     """
     Before the bits of C{row} go (its memory forgotten: its vector is
-    zeroed at once, decisions D13 amended), the rows that took it as their
-    twin take the first of them instead: they hold the same bits, and a
-    twin is where their scores come from.
+    zeroed at once, decisions D13 amended), the live rows that took it as
+    their twin take the first of them instead: they hold the same bits, and
+    a twin is where their scores come from. A dead follower is passed over:
+    its bits were zeroed when it was forgotten, and a twin of zeroed bits
+    would score every live row 0.
     """
-    followers = numpy.flatnonzero(twins == row)
+    followers = numpy.flatnonzero((twins == row) & alive)
     followers = followers[followers != row]
     if len(followers):
         twins[followers] = followers[0]

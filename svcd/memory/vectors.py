@@ -302,7 +302,9 @@ class ScopeVectors:
                 # (svcd.memory.exact) take the first of them instead,
                 # before the bits go: a twin is where their scores come
                 # from.
-                handTwinOn(self._view.twins[: self._view.count], row)
+                handTwinOn(
+                    self._view.twins[: self._view.count], row, self._view.alive[: self._view.count]
+                )
                 # Overwritten at once (D13 amended), not left in the
                 # arrays until a compaction: a search reading this view
                 # masks the row as dead, and one that read it alive before
