@@ -256,6 +256,7 @@ def main() -> int:
                 [1],
                 withForwarding=bool(set(FORWARDED) & set(rows)),
                 withMemory="forward-recall" in rows,
+                withDialects=bool(set(DIALECT_ROWS) & set(rows)),
             )
         )
         base = shared.proxies[1, False][0]

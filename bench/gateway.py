@@ -441,26 +441,18 @@ def startNginx(stack: contextlib.ExitStack, workdir: Path) -> tuple[int, subproc
             time.sleep(0.05)
 
 
-def _providersFile(workdir: Path, nginxPort: int, recallMode: str = "vector") -> Path:
+def _providersFile(
+    workdir: Path, nginxPort: int, recallMode: str = "vector", withDialects: bool = True
+) -> Path:
     """
     The providers file: nginx's routes as models, and the [memory] table of
     the memory rows (used only where SVC_MEMORY_GRPC_ADDR is set; every
     memory scores at least -1, so each recall of the forward-recall row
     injects the C{RECALL_K} best), recalling by C{recallMode} (--recall-mode).
+    Without C{withDialects}, no Anthropic provider: a revision from before
+    decisions D14 (compare.py) refuses the file's C{api} key.
     """
-    path = workdir / "providers.toml"
-    path.write_text(
-        f"""
-[[providers]]
-name = "nginx"
-base_url = "http://127.0.0.1:{nginxPort}/v1"
-max_connections = 256
-
-[[providers]]
-name = "nginx-stream"
-base_url = "http://127.0.0.1:{nginxPort}/stream/v1"
-max_connections = 256
-
+    anthropic = f"""
 [[providers]]
 name = "nginx-anthropic"
 api = "anthropic"
@@ -474,16 +466,29 @@ base_url = "http://127.0.0.1:{nginxPort}/anthropic-stream/v1"
 max_connections = 256
 
 [[models]]
-name = "{FORWARDED_MODEL}"
-provider = "nginx"
-
-[[models]]
 name = "{ANTHROPIC_MODEL}"
 provider = "nginx-anthropic"
 
 [[models]]
 name = "{ANTHROPIC_MODEL}-stream"
 provider = "nginx-anthropic-stream"
+"""
+    path = workdir / "providers.toml"
+    path.write_text(
+        f"""
+[[providers]]
+name = "nginx"
+base_url = "http://127.0.0.1:{nginxPort}/v1"
+max_connections = 256
+
+[[providers]]
+name = "nginx-stream"
+base_url = "http://127.0.0.1:{nginxPort}/stream/v1"
+max_connections = 256
+{anthropic if withDialects else ""}
+[[models]]
+name = "{FORWARDED_MODEL}"
+provider = "nginx"
 
 [[models]]
 name = "{FORWARDED_MODEL}-stream"
@@ -648,6 +653,7 @@ def runningStack(
     recallMode: str = "vector",
     recallMemories: int = RECALL_MEMORIES,
     recallTied: bool = False,
+    withDialects: bool = True,
 ) -> Iterator[Stack]:
     """
     PostgreSQL, Redis, svc-auth, one group of svc-proxy processes per
@@ -697,7 +703,7 @@ def runningStack(
         if withForwarding:
             nginxPort, nginx = startNginx(stack, workdir)
             forwardingEnvironment["SVC_PROVIDERS_FILE"] = str(
-                _providersFile(workdir, nginxPort, recallMode)
+                _providersFile(workdir, nginxPort, recallMode, withDialects)
             )
 
         auth = Daemon(
