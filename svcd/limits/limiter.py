@@ -36,7 +36,7 @@ from twisted.internet.interfaces import IReactorTCP
 from twisted.logger import Logger
 
 from svcd.common.clocks import Clock
-from svcd.common.config import RedisTarget
+from svcd.common.config import RedisTarget, SentinelTarget
 from svcd.common.logthrottle import ThrottledWarning
 from svcd.common.readiness import CheckFailed
 from svcd.limits.book import NO_LIMITS, Applicable, LimitBook
@@ -46,6 +46,7 @@ from svcd.limits.check import LabelledCounter, RateDecision, RequestCheck
 from svcd.limits.link import RedisCounters, RedisLink
 from svcd.limits.members import BudgetMembers
 from svcd.limits.reconciliation import Reconciliation, Spend
+from svcd.limits.sentinellink import SentinelLink
 from svcd.limits.records import Reservation
 from svcd.limits.settlements import Settlements
 
@@ -415,7 +416,7 @@ class DisabledRateLimiter:
 def makeRateLimiter(
     reactor: IReactorTCP,
     clock: Clock,
-    target: RedisTarget | None,
+    target: RedisTarget | SentinelTarget | None,
     defaultRPM: int,
     orgRPM: Mapping[str, int],
     circuitOpen: Gauge | None = None,
@@ -428,12 +429,18 @@ def makeRateLimiter(
     reconcileInterval: float = 30.0,
 ) -> RedisRateLimiter | DisabledRateLimiter:
     """
-    The limiter for a configuration: over Redis when REDIS_URL is set.
+    The limiter for a configuration: over Redis when REDIS_URL is set (a
+    master found through Sentinel when it names a group, decisions D16).
     """
     if target is None:
         return DisabledRateLimiter(clock)
+    link: RedisLink
+    if isinstance(target, SentinelTarget):
+        link = SentinelLink(reactor, clock, target)
+    else:
+        link = RedisLink(reactor, target)
     return RedisRateLimiter(
-        RedisLink(reactor, target),
+        link,
         clock,
         defaultRPM,
         orgRPM,

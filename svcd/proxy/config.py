@@ -20,6 +20,7 @@ from svcd.common.config import (
     ConfigError,
     GrpcTLS,
     RedisTarget,
+    SentinelTarget,
     budgetTiming,
     grpcAddress,
     grpcTLS,
@@ -56,7 +57,7 @@ class ProxyConfig:
     port: int = 8080
     reusePort: bool = False
     authTLS: GrpcTLS | None = None
-    redis: RedisTarget | None = None
+    redis: RedisTarget | SentinelTarget | None = None
     validateTimeout: float = 0.05
     authMaxInFlight: int = 16
     authQueueTimeout: float = 1.0

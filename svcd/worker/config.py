@@ -21,6 +21,7 @@ from svcd.common.config import (
     ConfigError,
     GrpcTLS,
     RedisTarget,
+    SentinelTarget,
     budgetTiming,
     grpcAddress,
     grpcTLS,
@@ -54,7 +55,7 @@ class WorkerConfig:
     providers: ProviderTable
     memoryTLS: GrpcTLS | None = None
     authTLS: GrpcTLS | None = None
-    redis: RedisTarget | None = None
+    redis: RedisTarget | SentinelTarget | None = None
     host: str = "0.0.0.0"
     port: int = 8083
     lease: float = 60.0
