@@ -54,8 +54,7 @@ def findRedisSentinel() -> Path:
                 break
     if found is None:
         raise MissingBinaries(
-            "redis-sentinel was not found on PATH. "
-            + INSTALL_HINT.format(package="redis-sentinel")
+            "redis-sentinel was not found on PATH. " + INSTALL_HINT.format(package="redis-sentinel")
         )
     return Path(found)
 
@@ -301,7 +300,11 @@ class SentinelGroup:
         master.start(timeout)
         replica.start(timeout)
         command(replica.port, "REPLICAOF", LOOPBACK, str(master.port))
-        if not waitUntil(lambda: info(replica.port, "replication").get("master_link_status") == "up", timeout):
+
+        def replicating() -> bool:
+            return info(replica.port, "replication").get("master_link_status") == "up"
+
+        if not waitUntil(replicating, timeout):
             raise ServerError("the replica did not connect to its master")
         for sentinel in self.sentinels:
             sentinel.configure(master.port, self._downAfter, self._failoverTimeout)

@@ -46,8 +46,8 @@ from svcd.limits.check import LabelledCounter, RateDecision, RequestCheck
 from svcd.limits.link import RedisCounters, RedisLink
 from svcd.limits.members import BudgetMembers
 from svcd.limits.reconciliation import Reconciliation, Spend
-from svcd.limits.sentinellink import SentinelLink
 from svcd.limits.records import Reservation
+from svcd.limits.sentinellink import SentinelLink
 from svcd.limits.settlements import Settlements
 
 
@@ -216,6 +216,11 @@ class RedisRateLimiter:
         log = self.log
         unavailable = ThrottledWarning(log, clock, warnInterval)
         breaker = CircuitBreaker(clock, openSeconds)
+        if isinstance(counters, SentinelLink):
+            # Decisions D16: limits and budgets checked again within a
+            # second of a new master answering, not a breaker's second
+            # after the failover's failures.
+            counters.onMaster(breaker.retryNow)
         self._members = BudgetMembers(
             counters, clock, unavailable, timeout=timeout, lease=lease, recordGrace=recordGrace
         )

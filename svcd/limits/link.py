@@ -171,15 +171,11 @@ class RedisLink:
         return reply.addCallback(parseAdmitReply)
 
     def renew(self, keys: list[str], leaseMs: int, triples: str) -> Deferred[object]:
-        result: Deferred[object] = self._eval(
-            RENEW_SCRIPT, keys, [leaseMs, triples]
-        )
+        result: Deferred[object] = self._eval(RENEW_SCRIPT, keys, [leaseMs, triples])
         return result
 
     def reconcile(self, key: str, t0: int, spent: int, ttl: int) -> Deferred[tuple[int, int, int]]:
-        reply: Deferred[str | bytes] = self._eval(
-            RECONCILE_SCRIPT, [key], [t0, spent, ttl]
-        )
+        reply: Deferred[str | bytes] = self._eval(RECONCILE_SCRIPT, [key], [t0, spent, ttl])
         return reply.addCallback(parseReconcileReply)
 
     def redisTime(self) -> Deferred[int]:

@@ -119,6 +119,7 @@ class SentinelLink(RedisLink):
         self._watch: txredisapi.SubscriberProtocol | None = None
         self._watching: Deferred[None] | None = None
         self._trouble = ThrottledWarning(self.log, clock, 10.0)
+        self._listeners: list[Callable[[], None]] = []
         self.masters = 0
         self.replicasRefused = 0
         self.readOnlyAnswers = 0
@@ -134,6 +135,13 @@ class SentinelLink(RedisLink):
         The master in use, or None while none is known.
         """
         return self._masterAddress if self.connected else None
+
+    def onMaster(self, listener: Callable[[], None]) -> None:
+        """
+        Call C{listener} each time a master is found (at start, and after
+        each failover followed).
+        """
+        self._listeners.append(listener)
 
     def start(self) -> None:
         self._running = True
@@ -168,7 +176,7 @@ class SentinelLink(RedisLink):
     def _command(self, send: Callable[[txredisapi.RedisProtocol], Deferred[Any]]) -> Deferred[Any]:
         master = self._master
         if master is None:
-            return fail(NoMasterKnown("no Redis master is known now; the sentinels are being asked"))
+            return fail(NoMasterKnown("no Redis master is known; the sentinels are being asked"))
         sent: Deferred[Any] = maybeDeferred(send, master)
         return sent.addErrback(self._refused, master)
 
@@ -244,8 +252,10 @@ class SentinelLink(RedisLink):
             except Exception as error:
                 problems.append(f"master {_shown(address)}: {_describe(error)}")
                 continue
-            self._use(master, address, sentinel)
-            return
+            if master.connected:
+                self._use(master, address, sentinel)
+                return
+            problems.append(f"master {_shown(address)}: closed the connection")
         raise NoMasterKnown("; ".join(problems))
 
     def _found(self, result: object) -> None:
@@ -286,6 +296,8 @@ class SentinelLink(RedisLink):
                 sentinel=_shown(sentinel),
             )
         self._watchSentinel(sentinel)
+        for listener in self._listeners:
+            listener()
 
     def _lost(self, master: txredisapi.RedisProtocol) -> None:
         if master is not self._master:
@@ -311,9 +323,7 @@ class SentinelLink(RedisLink):
         protocol = await self._connect(sentinel, txredisapi.RedisProtocol)
         try:
             await self._authenticate(protocol, sentinel=True)
-            reply = await protocol.sentinel_get_master_addr_by_name(
-                self._sentinelTarget.masterName
-            )
+            reply = await protocol.sentinel_get_master_addr_by_name(self._sentinelTarget.masterName)
         finally:
             protocol.transport.loseConnection()
         if not reply:
@@ -415,7 +425,7 @@ class SentinelLink(RedisLink):
             self._drop()
 
 
-class _SwitchWatch(txredisapi.SubscriberProtocol):
+class _SwitchWatch(txredisapi.SubscriberProtocol):  # type: ignore[misc]
     """
     A subscription to a sentinel's C{+switch-master} channel.
     """
