@@ -299,6 +299,11 @@ class SentinelGroup:
         master, replica = self.servers
         master.start(timeout)
         replica.start(timeout)
+        for server in self.servers:
+            # Redis 7 waits 5 s for more replicas before a diskless full
+            # sync; this group has one (and after a failover, the old master
+            # comes back as the other).
+            command(server.port, "CONFIG", "SET", "repl-diskless-sync-delay", "0")
         command(replica.port, "REPLICAOF", LOOPBACK, str(master.port))
 
         def replicating() -> bool:
