@@ -13,13 +13,16 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import pytest_twisted
+import trustme
 from limitshelpers import waitFor
 from twisted.internet import protocol
-from twisted.internet.defer import Deferred
+from twisted.internet.address import IPv4Address
+from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.internet.ssl import PrivateCertificate
 from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
 
@@ -35,6 +38,9 @@ from svcd.devkit.servers import LOOPBACK, MissingBinaries, freePort
 from svcd.limits.calls import UNCHECKED_REASONS
 from svcd.limits.limiter import RedisRateLimiter, makeRateLimiter
 from svcd.limits.sentinellink import SentinelLink
+from svcd.proxy.config import ProxyConfig
+from svcd.proxy.tap import Options
+from svcd.worker.config import WorkerConfig
 
 # The URL forms, and what each malformed one says.
 
@@ -109,6 +115,41 @@ def test_malformedSentinelURLs(url: str, problem: str) -> None:
     assert "\n" not in str(caught.value)
 
 
+def test_daemonsTakeSentinelURLs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """
+    svc-proxy and svc-worker read a Sentinel C{REDIS_URL}; a malformed one
+    stops svc-proxy with one line naming the variable.
+    """
+    url = "redis+sentinel://:pw@10.0.0.1,10.0.0.2:26380/main?db=2"
+    expected = SentinelTarget(
+        (("10.0.0.1", 26379), ("10.0.0.2", 26380)), "main", db=2, password="pw"
+    )
+    proxy = ProxyConfig.fromEnvironment({"SVC_AUTH_GRPC_ADDR": "a:1", "REDIS_URL": url})
+    assert proxy.redis == expected
+    providers = tmp_path / "providers.toml"
+    providers.write_text(
+        '[[providers]]\nname = "p"\nbase_url = "http://127.0.0.1:9/v1"\n\n'
+        '[[models]]\nname = "embed"\nprovider = "p"\nkind = "embedding"\n\n'
+        '[memory]\nembedding_model = "embed"\n'
+    )
+    worker = WorkerConfig.fromEnvironment(
+        {
+            "SVC_MEMORY_GRPC_ADDR": "a:2",
+            "SVC_AUTH_GRPC_ADDR": "a:1",
+            "SVC_PROVIDERS_FILE": str(providers),
+            "REDIS_URL": url,
+        }
+    )
+    assert worker.redis == expected
+    options = Options(environ={"SVC_AUTH_GRPC_ADDR": "a:1", "REDIS_URL": "redis+sentinel://a"})
+    with pytest.raises(SystemExit):
+        options.parseOptions([])
+    assert capsys.readouterr().err == (
+        "svc-proxy: configuration error: REDIS_URL: must name the master after the"
+        " sentinels, such as redis+sentinel://host:26379,host2:26379/mymaster\n"
+    )
+
+
 def test_theLinkIsChosenByTheURL() -> None:
     """
     A Sentinel URL gives the limiter a L{SentinelLink}; redis:// the plain
@@ -140,6 +181,7 @@ class _FakeSentinel(protocol.Protocol):
             words = self._parse()
             if words is None:
                 return
+            assert self.transport is not None
             self.transport.write(self._owner.answer(words))
 
     def _parse(self) -> list[str] | None:
@@ -227,11 +269,11 @@ async def test_aReplicaIsNeverWrittenTo(twoServers: tuple[RedisServer, RedisServ
     for server in twoServers:
         command(server.port, "CONFIG", "SET", "requirepass", password)
     fake = FakeSentinel()
-    listening = reactor.listenTCP(0, fake, interface=LOOPBACK)
+    listening = reactor.listenTCP(0, fake, interface=LOOPBACK)  # type: ignore[arg-type]
     closedPort = freePort()
     target = parseRedisURL(
         f"redis+sentinel://:{password}@{LOOPBACK}:{closedPort},"
-        f"{LOOPBACK}:{listening.getHost().port}/svcmaster"
+        f"{LOOPBACK}:{cast(IPv4Address, listening.getHost()).port}/svcmaster"
     )
     assert isinstance(target, SentinelTarget)
     link = SentinelLink(reactor, reactor, target)
@@ -266,8 +308,71 @@ async def test_aReplicaIsNeverWrittenTo(twoServers: tuple[RedisServer, RedisServ
         assert link.masterAddress == (LOOPBACK, one.port)
     finally:
         await link.stop()
-        await listening.stopListening()
+        await maybeDeferred(listening.stopListening)
     assert not link.connected
+
+
+@pytest_twisted.ensureDeferred
+async def test_tlsToTheSentinelsAndTheMaster(tmp_path: Path) -> None:
+    """
+    C{rediss+sentinel://}: the sentinel and the master are reached over
+    TLS, their certificates checked against the authority C{ca=} names;
+    with another authority nothing is used.
+    """
+    from twisted.internet import reactor
+
+    authority, stranger = trustme.CA(), trustme.CA()
+    issued = authority.issue_cert(LOOPBACK)
+    files = {
+        "cert": tmp_path / "cert.pem",
+        "key": tmp_path / "key.pem",
+        "ca": tmp_path / "ca.pem",
+        "stranger": tmp_path / "stranger.pem",
+    }
+    issued.cert_chain_pems[0].write_to_path(str(files["cert"]))
+    issued.private_key_pem.write_to_path(str(files["key"]))
+    authority.cert_pem.write_to_path(str(files["ca"]))
+    stranger.cert_pem.write_to_path(str(files["stranger"]))
+    server = RedisServer.create(tmp_path / "redis")
+    server.start()
+    tlsPort = freePort()
+    for name, value in (
+        ("tls-cert-file", files["cert"]),
+        ("tls-key-file", files["key"]),
+        ("tls-ca-cert-file", files["ca"]),
+        ("tls-auth-clients", "no"),
+        ("tls-port", tlsPort),
+    ):
+        assert command(server.port, "CONFIG", "SET", name, str(value)) == b"OK"
+    fake = FakeSentinel()
+    fake.address = (LOOPBACK, tlsPort)
+    identity = PrivateCertificate.loadPEM(files["key"].read_text() + files["cert"].read_text())
+    listening = reactor.listenSSL(  # type: ignore[attr-defined]
+        0, fake, identity.options(), interface=LOOPBACK
+    )
+    sentinel = f"{LOOPBACK}:{listening.getHost().port}"
+    links = []
+    try:
+        for ca in ("stranger", "ca"):
+            target = parseRedisURL(f"rediss+sentinel://{sentinel}/svcmaster?ca={files[ca]}")
+            assert isinstance(target, SentinelTarget) and target.tls
+            link = SentinelLink(reactor, reactor, target)
+            links.append(link)
+            link.start()
+        untrusting, trusting = links
+        await waitFor(lambda: trusting.connected)
+        assert await trusting.increment("k", 2, 60) == 2
+        # The untrusting link asked the sentinel no question: the
+        # handshake failed first.
+        asked = fake.asked
+        await deferLater(reactor, 0.5, lambda: None)
+        assert not untrusting.connected
+        assert fake.asked == asked
+    finally:
+        for link in links:
+            await link.stop()
+        await maybeDeferred(listening.stopListening)
+        server.destroy()
 
 
 # With real sentinels.
@@ -298,7 +403,8 @@ class Tally:
     def __init__(self) -> None:
         self.counts: dict[str, int] = {}
 
-    def labels(self, reason: str) -> Tally._Child:
+    def labels(self, *labelvalues: str) -> Tally._Child:
+        (reason,) = labelvalues
         return Tally._Child(self, reason)
 
     class _Child:

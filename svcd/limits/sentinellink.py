@@ -437,7 +437,7 @@ class _SwitchWatch(txredisapi.SubscriberProtocol):  # type: ignore[misc]
             self.switched(_text(message))
 
 
-def _isReadOnly(error: BaseException) -> bool:
+def _isReadOnly(error: object) -> bool:
     # Redis says READONLY for a command, and (7.0) for a write inside a
     # script, whose message then carries the script's name after it.
     return str(error).lstrip("-").startswith("READONLY")
