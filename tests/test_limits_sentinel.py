@@ -30,7 +30,7 @@ from svcd.common.config import (
     ConfigError,
     RedisTarget,
     SentinelTarget,
-    parseRedisURL,
+    parseRedisTarget,
 )
 from svcd.devkit.redis import RedisServer
 from svcd.devkit.sentinel import SentinelGroup, command, info
@@ -51,18 +51,18 @@ def test_sentinelURLs() -> None:
     the master; the user and password, the database and TLS are optional.
     C{redis://} is parsed as before.
     """
-    assert parseRedisURL("redis+sentinel://a:1,b,[::1]:3/main") == SentinelTarget(
+    assert parseRedisTarget("redis+sentinel://a:1,b,[::1]:3/main") == SentinelTarget(
         (("a", 1), ("b", 26379), ("::1", 3)), "main"
     )
-    parsed = parseRedisURL("rediss+sentinel://svc:s%40cret@a:1/my%20master?db=3")
+    parsed = parseRedisTarget("rediss+sentinel://svc:s%40cret@a:1/my%20master?db=3")
     assert parsed == SentinelTarget(
         (("a", 1),), "my master", db=3, password="s@cret", username="svc", tls=True
     )
-    assert parseRedisURL("redis+sentinel://:pw@a:1/m") == SentinelTarget(
+    assert parseRedisTarget("redis+sentinel://:pw@a:1/m") == SentinelTarget(
         (("a", 1),), "m", password="pw"
     )
-    assert "pw" not in repr(parseRedisURL("redis+sentinel://:pw@a:1/m"))
-    assert parseRedisURL("redis://u:p@h:1/3") == RedisTarget("h", 1, 3, "p", "u")
+    assert "pw" not in repr(parseRedisTarget("redis+sentinel://:pw@a:1/m"))
+    assert parseRedisTarget("redis://u:p@h:1/3") == RedisTarget("h", 1, 3, "p", "u")
 
 
 def test_sentinelCertificateAuthority(tmp_path: Path) -> None:
@@ -72,12 +72,12 @@ def test_sentinelCertificateAuthority(tmp_path: Path) -> None:
     """
     pem = tmp_path / "ca.pem"
     pem.write_bytes(b"-----BEGIN CERTIFICATE-----\n")
-    parsed = parseRedisURL(f"rediss+sentinel://a:1/m?ca={pem}")
+    parsed = parseRedisTarget(f"rediss+sentinel://a:1/m?ca={pem}")
     assert isinstance(parsed, SentinelTarget) and parsed.caPEM == pem.read_bytes()
     with pytest.raises(ConfigError, match="ca: cannot read"):
-        parseRedisURL(f"rediss+sentinel://a:1/m?ca={tmp_path / 'missing.pem'}")
+        parseRedisTarget(f"rediss+sentinel://a:1/m?ca={tmp_path / 'missing.pem'}")
     with pytest.raises(ConfigError, match="unknown parameter 'ca'"):
-        parseRedisURL(f"redis+sentinel://a:1/m?ca={pem}")
+        parseRedisTarget(f"redis+sentinel://a:1/m?ca={pem}")
 
 
 @pytest.mark.parametrize(
@@ -109,7 +109,7 @@ def test_malformedSentinelURLs(url: str, problem: str) -> None:
     Every malformed form is one line naming REDIS_URL and what is wrong.
     """
     with pytest.raises(ConfigError) as caught:
-        parseRedisURL(url)
+        parseRedisTarget(url)
     assert caught.value.variable == "REDIS_URL"
     assert problem in caught.value.problem
     assert "\n" not in str(caught.value)
@@ -157,11 +157,11 @@ def test_theLinkIsChosenByTheURL() -> None:
     """
     from twisted.internet import reactor
 
-    target = parseRedisURL("redis+sentinel://127.0.0.1:1/m")
+    target = parseRedisTarget("redis+sentinel://127.0.0.1:1/m")
     limiter = makeRateLimiter(reactor, reactor, target, 60, {})
     assert isinstance(limiter, RedisRateLimiter)
     assert isinstance(limiter._counters, SentinelLink)
-    plain = makeRateLimiter(reactor, reactor, parseRedisURL("redis://127.0.0.1:1/0"), 60, {})
+    plain = makeRateLimiter(reactor, reactor, parseRedisTarget("redis://127.0.0.1:1/0"), 60, {})
     assert isinstance(plain, RedisRateLimiter)
     assert not isinstance(plain._counters, SentinelLink)
 
@@ -271,7 +271,7 @@ async def test_aReplicaIsNeverWrittenTo(twoServers: tuple[RedisServer, RedisServ
     fake = FakeSentinel()
     listening = reactor.listenTCP(0, fake, interface=LOOPBACK)  # type: ignore[arg-type]
     closedPort = freePort()
-    target = parseRedisURL(
+    target = parseRedisTarget(
         f"redis+sentinel://:{password}@{LOOPBACK}:{closedPort},"
         f"{LOOPBACK}:{cast(IPv4Address, listening.getHost()).port}/svcmaster"
     )
@@ -354,7 +354,7 @@ async def test_tlsToTheSentinelsAndTheMaster(tmp_path: Path) -> None:
     links = []
     try:
         for ca in ("stranger", "ca"):
-            target = parseRedisURL(f"rediss+sentinel://{sentinel}/svcmaster?ca={files[ca]}")
+            target = parseRedisTarget(f"rediss+sentinel://{sentinel}/svcmaster?ca={files[ca]}")
             assert isinstance(target, SentinelTarget) and target.tls
             link = SentinelLink(reactor, reactor, target)
             links.append(link)
@@ -491,7 +491,7 @@ async def test_aKilledMasterIsFollowed(sentinelGroup: SentinelGroup) -> None:
 
     group = sentinelGroup
     group.sentinels[0].stop()
-    target = parseRedisURL(group.url)
+    target = parseRedisTarget(group.url)
     assert isinstance(target, SentinelTarget)
     link = SentinelLink(reactor, reactor, target)
     tally = Tally()
@@ -531,7 +531,7 @@ async def test_aGracefulFailoverIsFollowed(sentinelGroup: SentinelGroup) -> None
     from twisted.internet import reactor
 
     group = sentinelGroup
-    target = parseRedisURL(group.url)
+    target = parseRedisTarget(group.url)
     assert isinstance(target, SentinelTarget)
     link = SentinelLink(reactor, reactor, target)
     tally = Tally()

@@ -210,16 +210,24 @@ SENTINEL_DEFAULT_PORT = 26379
 _SENTINEL_EXAMPLE = "such as redis+sentinel://host:26379,host2:26379/mymaster"
 
 
-def parseRedisURL(url: str, name: str = "REDIS_URL") -> RedisTarget | SentinelTarget | None:
+def parseRedisTarget(url: str, name: str = "REDIS_URL") -> RedisTarget | SentinelTarget | None:
     """
-    C{redis://[[user]:password@]host[:port][/db]}, or a Sentinel group
-    (L{parseSentinelURL}); empty means no Redis (for svc-proxy: rate
-    limiting is then a no-op and /ready reports redis failed).
+    What C{REDIS_URL} may name: one server (L{parseRedisURL}) or a
+    Sentinel group (L{parseSentinelURL}); empty means no Redis.
+    """
+    if url.split(":", 1)[0].lower() in SENTINEL_SCHEMES:
+        return parseSentinelURL(url, name)
+    return parseRedisURL(url, name)
+
+
+def parseRedisURL(url: str, name: str = "REDIS_URL") -> RedisTarget | None:
+    """
+    C{redis://[[user]:password@]host[:port][/db]}; empty means no Redis
+    (for svc-proxy: rate limiting is then a no-op and /ready reports redis
+    failed).
     """
     if not url:
         return None
-    if url.split(":", 1)[0].lower() in SENTINEL_SCHEMES:
-        return parseSentinelURL(url, name)
     try:
         parts = urllib.parse.urlsplit(url)
         port = parts.port or 6379

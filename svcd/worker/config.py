@@ -25,7 +25,7 @@ from svcd.common.config import (
     budgetTiming,
     grpcAddress,
     grpcTLS,
-    parseRedisURL,
+    parseRedisTarget,
 )
 from svcd.ledger.journalfile import journalFromEnvironment
 from svcd.providers.providersfile import VARIABLE, providersFromEnvironment
@@ -125,7 +125,7 @@ class WorkerConfig:
                 ("SVC_MEMORY_GRPC_TLS_CA", "SVC_MEMORY_GRPC_TLS_CERT", "SVC_MEMORY_GRPC_TLS_KEY"),
             ),
             authTLS=grpcTLS(environ),
-            redis=parseRedisURL(config.text(environ, "REDIS_URL", "")),
+            redis=parseRedisTarget(config.text(environ, "REDIS_URL", "")),
             host=config.text(environ, "SVC_HOST", "0.0.0.0") or "0.0.0.0",
             port=config.port(environ, "SVC_PORT", 8083),
             lease=lease,
