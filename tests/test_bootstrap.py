@@ -246,6 +246,7 @@ def sandbox(tmp_path: Path) -> Sandbox:
     for name, value in (
         ("postgres_versions", "/usr/lib/postgresql"),
         ("redis_sbin", "/usr/sbin/redis-server"),
+        ("redis_sentinel_bin", "/usr/bin/redis-sentinel"),
     ):
         line = f"{name}={value}\n"
         assert script.count(line) == 1, f"dev/bootstrap no longer says {line!r}"
@@ -389,6 +390,31 @@ def test_servicesLineNamesOnlyWhatIsInstalled(sandbox: Sandbox) -> None:
         "apt-get install -y -q --no-install-recommends redis-server"
         " DEBIAN_FRONTEND=noninteractive" in sandbox.recorded("apt-get")
     )
+
+
+def test_sentinelOnlyWhenAsked(sandbox: Sandbox) -> None:
+    """
+    redis-sentinel (the Sentinel tests, decisions D16) is installed only
+    with SVC_INSTALL_HA=1, as .ci/run asks: a developer's run installs
+    nothing new.
+    """
+    sandbox.provideEverything()
+    quiet = sandbox.run(FAKE_UID="0")
+    assert quiet.returncode == 0, quiet.stderr
+    assert sandbox.recorded("apt-get") == []
+    asked = sandbox.run(FAKE_UID="0", SVC_INSTALL_HA="1")
+    assert asked.returncode == 0, asked.stderr
+    line = lineAbout(terminalLines(asked), "installing redis-sentinel: ")
+    assert line.endswith("(SVC_INSTALL_HA=1)")
+    assert (
+        "apt-get install -y -q --no-install-recommends redis-sentinel"
+        " DEBIAN_FRONTEND=noninteractive" in sandbox.recorded("apt-get")
+    )
+    sandbox.calls.write_text("")
+    sandbox.provide("redis-sentinel")
+    again = sandbox.run(FAKE_UID="0", SVC_INSTALL_HA="1")
+    assert again.returncode == 0, again.stderr
+    assert sandbox.recorded("apt-get") == []
 
 
 def test_curlIsInstalledWhenMissing(sandbox: Sandbox) -> None:

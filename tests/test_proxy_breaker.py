@@ -108,6 +108,27 @@ def test_trialSuccessCloses() -> None:
     assert [breaker.permit() for _ in range(3)] == [Permit.ORDINARY] * 3
 
 
+def test_retryNowMakesTheNextCallTheTrial() -> None:
+    """
+    retryNow (a new Redis master found, decisions D16) lets the next call
+    of an open circuit be its trial at once, and only one; on a closed
+    circuit it changes nothing.
+    """
+    clock = Clock()
+    breaker = CircuitBreaker(clock)
+    breaker.retryNow()
+    assert not breaker.isOpen
+    breaker.failed(Permit.ORDINARY)
+    clock.advance(0.1)
+    assert breaker.permit() is None
+    breaker.retryNow()
+    trial = breaker.permit()
+    assert trial is Permit.TRIAL
+    assert breaker.permit() is None
+    assert breaker.succeeded(trial)
+    assert breaker.permit() is Permit.ORDINARY
+
+
 def test_abandonedTrialPassesItsTurn() -> None:
     """
     A trial whose request went away without an outcome frees its place:

@@ -183,6 +183,43 @@ class RedisTarget:
     username: str | None = None
 
 
+@attrs.frozen
+class SentinelTarget:
+    """
+    A Redis master found through a group of Sentinels (decisions D16),
+    parsed from C{redis+sentinel://} (C{rediss+sentinel://}: TLS to the
+    sentinels and to the master). The user and password are the master's
+    and the sentinels' alike: a sentinel without a password of its own
+    accepts the connection all the same (L{svcd.limits.sentinellink}).
+    """
+
+    sentinels: tuple[tuple[str, int], ...]
+    masterName: str
+    db: int = 0
+    password: str | None = attrs.field(default=None, repr=False)
+    username: str | None = None
+    tls: bool = False
+    # With TLS: the certificates (PEM) of the authorities to trust, read
+    # from the file C{?ca=} names at start; None: the system's.
+    caPEM: bytes | None = attrs.field(default=None, repr=False)
+
+
+SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}
+# A sentinel's port when the URL names none.
+SENTINEL_DEFAULT_PORT = 26379
+_SENTINEL_EXAMPLE = "such as redis+sentinel://host:26379,host2:26379/mymaster"
+
+
+def parseRedisTarget(url: str, name: str = "REDIS_URL") -> RedisTarget | SentinelTarget | None:
+    """
+    What C{REDIS_URL} may name: one server (L{parseRedisURL}) or a
+    Sentinel group (L{parseSentinelURL}); empty means no Redis.
+    """
+    if url.split(":", 1)[0].lower() in SENTINEL_SCHEMES:
+        return parseSentinelURL(url, name)
+    return parseRedisURL(url, name)
+
+
 def parseRedisURL(url: str, name: str = "REDIS_URL") -> RedisTarget | None:
     """
     C{redis://[[user]:password@]host[:port][/db]}; empty means no Redis
@@ -208,6 +245,95 @@ def parseRedisURL(url: str, name: str = "REDIS_URL") -> RedisTarget | None:
         password=urllib.parse.unquote(parts.password) if parts.password else None,
         username=urllib.parse.unquote(parts.username) if parts.username else None,
     )
+
+
+def parseSentinelURL(url: str, name: str = "REDIS_URL") -> SentinelTarget:
+    """
+    C{redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/<master
+    name>[?db=N]}, and C{rediss+sentinel://} for TLS (with C{&ca=<PEM
+    file>} to trust other authorities than the system's); a sentinel's
+    port defaults to 26379. Every malformed form is one L{ConfigError}
+    saying what is wrong.
+    """
+    scheme, separator, rest = url.partition("://")
+    tls = SENTINEL_SCHEMES.get(scheme.lower())
+    if not separator or tls is None:
+        raise ConfigError(name, f"must be a URL {_SENTINEL_EXAMPLE}")
+    if any(character.isspace() for character in url):
+        raise ConfigError(name, "must not contain spaces")
+    if "#" in rest:
+        raise ConfigError(name, "must not have a fragment (#...)")
+    rest, _, query = rest.partition("?")
+    netloc, slash, path = rest.partition("/")
+    userinfo, at, hosts = netloc.rpartition("@")
+    username = password = None
+    if at:
+        user, colon, secret = userinfo.partition(":")
+        username = urllib.parse.unquote(user) or None
+        password = urllib.parse.unquote(secret) if colon and secret else None
+        if password is None and username is not None:
+            raise ConfigError(name, "a user needs a password (user:password@)")
+    sentinels = tuple(_sentinelAddress(name, address) for address in hosts.split(","))
+    masterName = urllib.parse.unquote(path)
+    if not slash or not masterName:
+        raise ConfigError(name, f"must name the master after the sentinels, {_SENTINEL_EXAMPLE}")
+    if "/" in masterName:
+        raise ConfigError(name, "the path must be the master's name alone, such as /mymaster")
+    db = 0
+    caPEM = None
+    try:
+        fields = urllib.parse.parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError:
+        raise ConfigError(name, "the query must be such as ?db=0") from None
+    seen: set[str] = set()
+    for field, value in fields:
+        if field in seen:
+            raise ConfigError(name, f"{field} is given twice")
+        seen.add(field)
+        if field == "db":
+            if not _isDecimal(value):
+                raise ConfigError(name, "db must be a database number such as ?db=0")
+            db = int(value)
+        elif field == "ca" and tls:
+            try:
+                with open(value, "rb") as pem:
+                    caPEM = pem.read()
+            except OSError as error:
+                raise ConfigError(name, f"ca: cannot read {value!r}: {error.strerror}") from None
+        else:
+            allowed = "db and ca" if tls else "db"
+            raise ConfigError(name, f"unknown parameter {field!r} (only {allowed} are allowed)")
+    return SentinelTarget(
+        sentinels=sentinels,
+        masterName=masterName,
+        db=db,
+        password=password,
+        username=username,
+        tls=tls,
+        caPEM=caPEM,
+    )
+
+
+def _sentinelAddress(name: str, address: str) -> tuple[str, int]:
+    """
+    One C{host[:port]} of a Sentinel URL (C{[v6 address]:port} too).
+    """
+    if not address:
+        raise ConfigError(name, f"needs one or more sentinels, {_SENTINEL_EXAMPLE}")
+    if address.startswith("["):
+        host, bracket, after = address[1:].partition("]")
+        if not bracket or not host or (after and not after.startswith(":")):
+            raise ConfigError(name, f"{address!r} is not a host:port address")
+        portText = after[1:] if after else ""
+    else:
+        host, colon, portText = address.partition(":")
+        if not host or (colon and not portText) or ":" in portText:
+            raise ConfigError(name, f"{address!r} is not a host:port address")
+    if not portText:
+        return host, SENTINEL_DEFAULT_PORT
+    if not _isDecimal(portText) or not 0 < int(portText) < 65536:
+        raise ConfigError(name, f"{address!r}: the port must be a number from 1 to 65535")
+    return host, int(portText)
 
 
 # Clients of the gateway's gRPC services (svc-proxy and svc-worker): where

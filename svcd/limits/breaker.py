@@ -103,6 +103,17 @@ class CircuitBreaker:
         self._retryAt = self._clock.seconds() + self._openSeconds
         return True
 
+    def retryNow(self) -> None:
+        """
+        What the open circuit waits for came sooner than its timer: a new
+        connection (the master a Sentinel failover promoted,
+        L{svcd.limits.sentinellink}). The next call is the trial, at once,
+        rather than up to C{openSeconds} later: a failover's failures
+        opened the circuit just before the new master was found.
+        """
+        if self._open:
+            self._retryAt = min(self._retryAt, self._clock.seconds())
+
     def abandoned(self, permit: Permit) -> None:
         """
         The call made with C{permit} ended without an outcome (its request

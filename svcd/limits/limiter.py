@@ -36,7 +36,7 @@ from twisted.internet.interfaces import IReactorTCP
 from twisted.logger import Logger
 
 from svcd.common.clocks import Clock
-from svcd.common.config import RedisTarget
+from svcd.common.config import RedisTarget, SentinelTarget
 from svcd.common.logthrottle import ThrottledWarning
 from svcd.common.readiness import CheckFailed
 from svcd.limits.book import NO_LIMITS, Applicable, LimitBook
@@ -47,6 +47,7 @@ from svcd.limits.link import RedisCounters, RedisLink
 from svcd.limits.members import BudgetMembers
 from svcd.limits.reconciliation import Reconciliation, Spend
 from svcd.limits.records import Reservation
+from svcd.limits.sentinellink import SentinelLink
 from svcd.limits.settlements import Settlements
 
 
@@ -215,6 +216,11 @@ class RedisRateLimiter:
         log = self.log
         unavailable = ThrottledWarning(log, clock, warnInterval)
         breaker = CircuitBreaker(clock, openSeconds)
+        if isinstance(counters, SentinelLink):
+            # Decisions D16: limits and budgets checked again within a
+            # second of a new master answering, not a breaker's second
+            # after the failover's failures.
+            counters.onMaster(breaker.retryNow)
         self._members = BudgetMembers(
             counters, clock, unavailable, timeout=timeout, lease=lease, recordGrace=recordGrace
         )
@@ -415,7 +421,7 @@ class DisabledRateLimiter:
 def makeRateLimiter(
     reactor: IReactorTCP,
     clock: Clock,
-    target: RedisTarget | None,
+    target: RedisTarget | SentinelTarget | None,
     defaultRPM: int,
     orgRPM: Mapping[str, int],
     circuitOpen: Gauge | None = None,
@@ -428,12 +434,18 @@ def makeRateLimiter(
     reconcileInterval: float = 30.0,
 ) -> RedisRateLimiter | DisabledRateLimiter:
     """
-    The limiter for a configuration: over Redis when REDIS_URL is set.
+    The limiter for a configuration: over Redis when REDIS_URL is set (a
+    master found through Sentinel when it names a group, decisions D16).
     """
     if target is None:
         return DisabledRateLimiter(clock)
+    link: RedisLink
+    if isinstance(target, SentinelTarget):
+        link = SentinelLink(reactor, clock, target)
+    else:
+        link = RedisLink(reactor, target)
     return RedisRateLimiter(
-        RedisLink(reactor, target),
+        link,
         clock,
         defaultRPM,
         orgRPM,

@@ -144,8 +144,17 @@ class RedisLink:
         done: Deferred[None] = factory.disconnect()
         return done
 
+    def _eval(self, script: str, keys: list[str], arguments: list[Any]) -> Deferred[Any]:
+        """
+        Run C{script} (EVALSHA once cached): the one way every operation
+        reaches Redis, so that a link over another topology
+        (L{svcd.limits.sentinellink}) changes only this.
+        """
+        result: Deferred[Any] = self._factory.handler.eval(script, keys, arguments)
+        return result
+
     def increment(self, key: str, hits: int, ttl: int) -> Deferred[int]:
-        result: Deferred[int] = self._factory.handler.eval(INCREMENT_SCRIPT, [key], [ttl, hits])
+        result: Deferred[int] = self._eval(INCREMENT_SCRIPT, [key], [ttl, hits])
         return result
 
     def admit(
@@ -158,31 +167,27 @@ class RedisLink:
         packed = [packAdmitArguments(arguments), packAdmitArguments(adjustments or [])]
         if ledger is not None:
             packed += ledger.arguments()
-        reply: Deferred[str | bytes] = self._factory.handler.eval(ADMIT_SCRIPT, keys, packed)
+        reply: Deferred[str | bytes] = self._eval(ADMIT_SCRIPT, keys, packed)
         return reply.addCallback(parseAdmitReply)
 
     def renew(self, keys: list[str], leaseMs: int, triples: str) -> Deferred[object]:
-        result: Deferred[object] = self._factory.handler.eval(
-            RENEW_SCRIPT, keys, [leaseMs, triples]
-        )
+        result: Deferred[object] = self._eval(RENEW_SCRIPT, keys, [leaseMs, triples])
         return result
 
     def reconcile(self, key: str, t0: int, spent: int, ttl: int) -> Deferred[tuple[int, int, int]]:
-        reply: Deferred[str | bytes] = self._factory.handler.eval(
-            RECONCILE_SCRIPT, [key], [t0, spent, ttl]
-        )
+        reply: Deferred[str | bytes] = self._eval(RECONCILE_SCRIPT, [key], [t0, spent, ttl])
         return reply.addCallback(parseReconcileReply)
 
     def redisTime(self) -> Deferred[int]:
-        result: Deferred[int] = self._factory.handler.eval(TIME_SCRIPT, [], [])
+        result: Deferred[int] = self._eval(TIME_SCRIPT, [], [])
         return result
 
     def adjust(self, keys: list[str], deltas: list[int]) -> Deferred[object]:
-        result: Deferred[object] = self._factory.handler.eval(ADJUST_SCRIPT, keys, deltas)
+        result: Deferred[object] = self._eval(ADJUST_SCRIPT, keys, deltas)
         return result
 
     def seed(self, key: str, value: int, ttl: int) -> Deferred[object]:
-        result: Deferred[object] = self._factory.handler.eval(SEED_SCRIPT, [key], [value, ttl])
+        result: Deferred[object] = self._eval(SEED_SCRIPT, [key], [value, ttl])
         return result
 
     def ping(self) -> Deferred[object]:

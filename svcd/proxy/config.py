@@ -20,11 +20,12 @@ from svcd.common.config import (
     ConfigError,
     GrpcTLS,
     RedisTarget,
+    SentinelTarget,
     budgetTiming,
     grpcAddress,
     grpcTLS,
     optionalGrpcAddress,
-    parseRedisURL,
+    parseRedisTarget,
 )
 from svcd.common.ids import parseUUID
 from svcd.ledger.journalfile import MEMORY_JOURNAL_MAGIC, journalFromEnvironment
@@ -56,7 +57,7 @@ class ProxyConfig:
     port: int = 8080
     reusePort: bool = False
     authTLS: GrpcTLS | None = None
-    redis: RedisTarget | None = None
+    redis: RedisTarget | SentinelTarget | None = None
     validateTimeout: float = 0.05
     authMaxInFlight: int = 16
     authQueueTimeout: float = 1.0
@@ -163,7 +164,7 @@ class ProxyConfig:
             memoryRecallCalls=config.positiveInteger(
                 _asciiDigits(environ, "SVC_MEMORY_RECALL_CALLS"), "SVC_MEMORY_RECALL_CALLS", 2
             ),
-            redis=parseRedisURL(config.text(environ, "REDIS_URL", "")),
+            redis=parseRedisTarget(config.text(environ, "REDIS_URL", "")),
             validateTimeout=config.duration(environ, "SVC_AUTH_VALIDATE_TIMEOUT", 0.05),
             authMaxInFlight=config.positiveInteger(environ, "SVC_AUTH_MAX_IN_FLIGHT", 16),
             authQueueTimeout=config.duration(environ, "SVC_AUTH_QUEUE_TIMEOUT", 1.0),

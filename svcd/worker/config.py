@@ -21,10 +21,11 @@ from svcd.common.config import (
     ConfigError,
     GrpcTLS,
     RedisTarget,
+    SentinelTarget,
     budgetTiming,
     grpcAddress,
     grpcTLS,
-    parseRedisURL,
+    parseRedisTarget,
 )
 from svcd.ledger.journalfile import journalFromEnvironment
 from svcd.providers.providersfile import VARIABLE, providersFromEnvironment
@@ -54,7 +55,7 @@ class WorkerConfig:
     providers: ProviderTable
     memoryTLS: GrpcTLS | None = None
     authTLS: GrpcTLS | None = None
-    redis: RedisTarget | None = None
+    redis: RedisTarget | SentinelTarget | None = None
     host: str = "0.0.0.0"
     port: int = 8083
     lease: float = 60.0
@@ -124,7 +125,7 @@ class WorkerConfig:
                 ("SVC_MEMORY_GRPC_TLS_CA", "SVC_MEMORY_GRPC_TLS_CERT", "SVC_MEMORY_GRPC_TLS_KEY"),
             ),
             authTLS=grpcTLS(environ),
-            redis=parseRedisURL(config.text(environ, "REDIS_URL", "")),
+            redis=parseRedisTarget(config.text(environ, "REDIS_URL", "")),
             host=config.text(environ, "SVC_HOST", "0.0.0.0") or "0.0.0.0",
             port=config.port(environ, "SVC_PORT", 8083),
             lease=lease,
