@@ -21,11 +21,22 @@ from typing import Any
 
 import pytest
 import pytest_twisted
-from limitshelpers import AGENT_ID, ORG_ID, WINDOW, fakeClock, waitFor
+from limitshelpers import (
+    AGENT_ID,
+    DAY_START,
+    ORG_DAY,
+    ORG_ID,
+    WINDOW,
+    Ledger,
+    counter,
+    fakeClock,
+    waitFor,
+)
 from proxydoubles import ClusterCounters
 from twisted.internet.defer import Deferred
 
 from svcd.common.config import ConfigError, RedisTarget, parseRedisURL
+from svcd.devkit.redis import RedisServer
 from svcd.devkit.rediscluster import RedisCluster, call
 from svcd.limits.book import BudgetRow, LimitBook, LimitsRow
 from svcd.limits.check import RateDecision
@@ -253,6 +264,48 @@ def test_renewalsGoOnePerSlot() -> None:
     limiter.stop()
 
 
+@pytest_twisted.ensureDeferred
+async def test_theKeysOfEarlierReleasesAreLeftAlone(
+    redisURL: str, redisServer: RedisServer
+) -> None:
+    """
+    An upgrade under traffic: the keys of the releases before D16
+    (C{ratelimit:<org>:...}, C{budget:<org>:...}, the organization without
+    braces), here at a full minute and a spent budget, are neither read
+    nor changed; the budget's counter of the new form is seeded from the
+    ledger, so the period's spend is not forgotten.
+    """
+    from twisted.internet import reactor
+
+    oldMinute = f"ratelimit:{ORG_ID}:{WINDOW}"
+    oldDay = f"budget:{ORG_ID}:day:{DAY_START}"
+    redisServer.command("SET", oldMinute, "1000")
+    redisServer.command("SET", oldDay, "999999")
+    book = LimitBook()
+    book.replace(
+        [LimitsRow(ORG_ID, None, Limits(rpm=5)), BudgetRow(ORG_ID, None, Budget(1000, "day"))]
+    )
+    target = parseRedisURL(redisURL)
+    assert target is not None
+    link = linkFor(reactor, target)
+    ledger = Ledger(spent=600)
+    limiter = RedisRateLimiter(
+        link, fakeClock(WINDOW + 30), 60, book=book, spend=ledger, settleDelay=0
+    )
+    limiter.start()
+    try:
+        await waitFor(lambda: link.connected)
+        decision = await limiter.hit(ORG_ID, None, cost=300)
+        assert decision is not None and decision.allowed and decision.remaining == 4
+        assert counter(redisServer, ORG_DAY) == 900
+        refused = await limiter.hit(ORG_ID, None, cost=101)
+        assert refused is not None and not refused.allowed
+        assert counter(redisServer, oldMinute) == 1000
+        assert counter(redisServer, oldDay) == 999999
+    finally:
+        await limiter.stop()
+
+
 # A real Cluster
 
 
@@ -288,9 +341,9 @@ async def test_aClusterLinkFollowsAskAndMovedAndOutlivesAMaster(
     a slot migrates, a key already moved is found after ASK (ASKING, the
     call once more on the importing master); once it has moved, MOVED
     sends the call where the slot is and corrects the map. A master
-    stopped fails the calls of its slots at once (the limiter's fail-open
-    path), the others' are answered, the readiness check names it; back,
-    its slots are answered again.
+    stopped makes the link not connected (the limiter's fail-open path)
+    and fails the calls of its slots at once, the others' are answered,
+    the readiness check names it; back, all is answered again.
     """
     from twisted.internet import reactor
 
@@ -333,20 +386,24 @@ async def test_aClusterLinkFollowsAskAndMovedAndOutlivesAMaster(
         assert link.addressOf(moving) == (cluster.host, destination.port)
         assert link.redirected == {"MOVED": 1, "ASK": 1}
 
-        # A master down: its slots' calls fail at once, the others' go on.
+        # A master down: the link is not connected (the limiter goes on
+        # unchecked), its slots' calls fail at once, the others' are
+        # answered.
         down = cluster.nodes[2]
         down.stop()
-        await waitFor(lambda: not link.mastersUp()[(cluster.host, down.port)])
+        await waitFor(lambda: not link.connected)
+        assert link.mastersUp() == {
+            (cluster.host, node.port): node is not down for node in cluster.nodes
+        }
         began = time.monotonic()
         with pytest.raises(Exception, match="no connection"):
             await link.increment(keys[2], 1, 120)
         assert time.monotonic() - began < 0.05
         assert await link.increment(keys[0], 1, 120) == 3
-        assert link.connected
         with pytest.raises(Exception, match=f"{down.port} is down"):
             await link.ping()
         down.start()
-        await waitFor(lambda: all(link.mastersUp().values()), 15)
+        await waitFor(lambda: link.connected, 15)
         assert await link.increment(keys[2], 1, 120) == 3
         await link.ping()
     finally:

@@ -157,9 +157,12 @@ class RedisCluster:
             raise ServerError(f"the Redis Cluster is not ok within {timeout:.0f} s: {states}")
 
     def _form(self) -> None:
-        for node, (first, last) in zip(self.nodes, self.ranges(), strict=True):
+        for epoch, (node, (first, last)) in enumerate(zip(self.nodes, self.ranges(), strict=True)):
             slots = [str(slot) for slot in range(first, last + 1)]
             call(self.host, node.port, "CLUSTER", "ADDSLOTS", *slots)
+            # Distinct epochs at once, as redis-cli gives them: no
+            # collision for the masters to settle first.
+            call(self.host, node.port, "CLUSTER", "SET-CONFIG-EPOCH", str(epoch + 1))
         first = self.nodes[0]
         for node in self.nodes[1:]:
             call(self.host, first.port, "CLUSTER", "MEET", self.host, str(node.port))

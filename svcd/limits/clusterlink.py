@@ -11,12 +11,13 @@ could mix organizations split their calls per slot with L{ClusterLink.slotOf}
 single server, atomically, with no cross-slot call.
 
 The slot map comes from CLUSTER SLOTS, asked of any node that answers (the
-URL's at first); it is asked again every few seconds, after a call found
-no connection to its master, and after a MOVED reply, whose call is sent
-once more to the node named. An ASK reply (a slot being migrated) sends
-the call once to the node named, after ASKING. A master down fails the
-calls of its slots at once, as a single server down does: the limiter's
-breaker and unchecked admissions follow (decisions D12, amended).
+URL's at first); it is asked again every few seconds, every half second
+while a master is not connected (until a replica has taken over), and
+after a MOVED reply, whose call is sent once more to the node named. An
+ASK reply (a slot being migrated) sends the call once to the node named,
+after ASKING. While a master is down the link is not L{connected}, and
+a call of its slots fails at once: the limiter goes on unchecked, counted,
+as for a single server down (decisions D12, amended).
 """
 
 from __future__ import annotations
@@ -171,10 +172,13 @@ class ClusterLink:
     @property
     def connected(self) -> bool:
         """
-        The slot map is known and a master answers; the calls of a master
-        that does not fail at once.
+        The slot map is known and every master in it is connected: while
+        one is not, the limiter goes on unchecked as for a single server
+        down (its breaker is one for all masters: the calls of the others
+        would not be checked for long either), and the map is read again
+        every half second until a replica has taken over.
         """
-        return self._mapped and any(node.connected for node in self._masters)
+        return self._mapped and all(node.connected for node in self._masters)
 
     def slotOf(self, key: str) -> int:
         """
@@ -253,6 +257,8 @@ class ClusterLink:
         since = self._clock.seconds() - self._lastRefresh
         if since < self.minRefreshInterval:
             return
+        if not self._stale and any(not node.connected for node in self._masters):
+            self._stale = True
         if self._mapped and not self._stale and since < self.refreshInterval:
             return
         refreshing = self._refreshing = Deferred.fromCoroutine(self._refresh())
@@ -319,7 +325,7 @@ class ClusterLink:
         for address, node in list(self._nodes.items()):
             if address not in masters and address not in self._seeds:
                 del self._nodes[address]
-                node.factory.disconnect()
+                node.factory.disconnect().addErrback(lambda _: None)
 
     # Calls.
 
