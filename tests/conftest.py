@@ -395,6 +395,23 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("redisTopology", ["server", "cluster"], indirect=True)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> Iterator[None]:
+    """
+    A Hypothesis test run more than once in a session (parametrized, as
+    by C{redisTopology}) runs its examples as the first run did.
+    pytest-twisted (1.14) replaces the function's C{hypothesis.inner_test}
+    with its own wrapper and leaves it there, so that a second item of
+    the same function wrapped the wrapper, and its first example failed
+    with "blockon cannot be called from the twisted greenlet".
+    """
+    hypothesis = getattr(pyfuncitem.obj, "hypothesis", None)
+    original = getattr(hypothesis, "inner_test", None)
+    yield
+    if original is not None:
+        hypothesis.inner_test = original  # type: ignore[union-attr]
+
+
 @pytest.fixture
 def redisTopology(request: pytest.FixtureRequest) -> str:
     """

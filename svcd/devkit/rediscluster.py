@@ -10,12 +10,15 @@ C{start}, C{freeze}, C{thaw}), each command sent to the master of its key.
 
 # Running the installed server program is this module's purpose (through
 # RedisServer); every command is a fixed program with arguments we build.
+# ruff: noqa: S603
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -30,27 +33,45 @@ SLOTS = 16384
 _KEYLESS = frozenset({b"PING", b"TIME", b"FLUSHALL", b"FLUSHDB", b"INFO", b"CLUSTER", b"DBSIZE"})
 
 
+_CLUSTER_ARGUMENTS = (
+    "--cluster-enabled",
+    "yes",
+    "--cluster-config-file",
+    "nodes.conf",
+    # A master that stops answering is seen as failed within about a
+    # second (the tests kill one).
+    "--cluster-node-timeout",
+    "1000",
+    # The other masters go on serving their slots meanwhile, as an
+    # operator of svc is advised to configure (docs/operations.rst).
+    "--cluster-require-full-coverage",
+    "no",
+)
+
+
 class ClusterNode(RedisServer):
     """
     One master of a L{RedisCluster}: its cluster state (nodes.conf) is
     kept in its directory, so that it comes back with its slots after a
     stop.
+
+    @param busPort: the port of the cluster's bus (Redis 7's
+        C{--cluster-port}); None for the port plus 10000, the only one
+        Redis 6 knows.
     """
 
-    serverArguments = (
-        "--cluster-enabled",
-        "yes",
-        "--cluster-config-file",
-        "nodes.conf",
-        # A master that stops answering is seen as failed within about a
-        # second (the tests kill one).
-        "--cluster-node-timeout",
-        "1000",
-        # The other masters go on serving their slots meanwhile, as an
-        # operator of svc is advised to configure (docs/operations.rst).
-        "--cluster-require-full-coverage",
-        "no",
-    )
+    def __init__(
+        self,
+        executable: Path,
+        baseDirectory: Path,
+        port: int,
+        portChosen: bool,
+        busPort: int | None = None,
+    ) -> None:
+        super().__init__(executable, baseDirectory, port, portChosen)
+        self.busPort = busPort
+        bus = ("--cluster-port", str(busPort)) if busPort is not None else ()
+        self.serverArguments = (*_CLUSTER_ARGUMENTS, *bus)
 
 
 def call(host: str, port: int, *words: str | bytes, timeout: float = 5.0) -> Any:
@@ -85,6 +106,17 @@ def call(host: str, port: int, *words: str | bytes, timeout: float = 5.0) -> Any
         return read()
 
 
+def _redisMajor(executable: Path) -> int:
+    """
+    The major version of the redis-server program.
+    """
+    version = subprocess.run(
+        [str(executable), "--version"], capture_output=True, text=True, check=False
+    ).stdout
+    found = re.search(r"v=(\d+)\.", version)
+    return int(found.group(1)) if found else 0
+
+
 class RedisCluster:
     """
     A Redis Cluster of C{masters} private servers on 127.0.0.1, slots
@@ -106,12 +138,18 @@ class RedisCluster:
         @raise MissingBinaries: when Redis is not installed.
         """
         executable = findRedisServer()
+        busPorts = _redisMajor(executable) >= 7
         baseDirectory = Path(os.path.abspath(baseDirectory))
         nodes = []
         for index in range(masters):
             directory = baseDirectory / f"node{index}"
             directory.mkdir(parents=True, exist_ok=True)
-            nodes.append(ClusterNode(executable, directory, freePort(), portChosen=True))
+            port = freePort()
+            # Redis 6's bus is the port plus 10000, which must be a port.
+            while not busPorts and port > 55535:
+                port = freePort()
+            bus = freePort() if busPorts else None
+            nodes.append(ClusterNode(executable, directory, port, portChosen=False, busPort=bus))
         return cls(baseDirectory, nodes)
 
     @property
@@ -165,7 +203,10 @@ class RedisCluster:
             call(self.host, node.port, "CLUSTER", "SET-CONFIG-EPOCH", str(epoch + 1))
         first = self.nodes[0]
         for node in self.nodes[1:]:
-            call(self.host, first.port, "CLUSTER", "MEET", self.host, str(node.port))
+            meet = ["CLUSTER", "MEET", self.host, str(node.port)]
+            if node.busPort is not None:
+                meet.append(str(node.busPort))
+            call(self.host, first.port, *meet)
 
     def _info(self, node: ClusterNode) -> dict[str, str]:
         try:
@@ -178,19 +219,21 @@ class RedisCluster:
     def _ok(self) -> bool:
         """
         Every master says the cluster is ok and knows every other, and
-        every master's map names every master (gossip is done).
+        every master's map covers every slot with every master (gossip is
+        done).
         """
         count = str(len(self.nodes))
+        ports = {node.port for node in self.nodes}
         for node in self.nodes:
             info = self._info(node)
             if info.get("cluster_state") != "ok" or info.get("cluster_known_nodes") != count:
                 return False
             try:
-                if len(call(self.host, node.port, "CLUSTER", "SLOTS", timeout=1.0)) != len(
-                    self.nodes
-                ):
-                    return False
+                ranges = call(self.host, node.port, "CLUSTER", "SLOTS", timeout=1.0)
             except (OSError, ServerError):
+                return False
+            covered = sum(int(last) - int(first) + 1 for first, last, *_ in ranges)
+            if covered != SLOTS or {int(entry[2][1]) for entry in ranges} != ports:
                 return False
         return True
 
