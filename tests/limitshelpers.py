@@ -52,7 +52,7 @@ ORG_ID = "5b0c1d2e-3f40-4a51-8b62-7c83d94ea5f6"
 AGENT_ID = "0a1b2c3d-4e5f-4061-8273-94a5b6c7d8e9"
 
 
-def redisCall(server: RedisServer, *words: str | bytes) -> Any:
+def redisCall(server: RedisServer | RedisCluster, *words: str | bytes) -> Any:
     """
     One command over a plain socket, with the reply read whole (RESP
     integers, simple and bulk strings, nil and arrays); to the master of

@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import pytest_twisted
@@ -122,7 +122,7 @@ def test_clusterURL() -> None:
 def _done(coroutine: Coroutine[Any, Any, RateDecision | None]) -> RateDecision:
     result = Deferred.fromCoroutine(coroutine)
     assert result.called
-    decision: RateDecision | None = result.result
+    decision = cast("RateDecision | None", result.result)
     assert decision is not None
     return decision
 

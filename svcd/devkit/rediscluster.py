@@ -201,12 +201,12 @@ class RedisCluster:
             # Distinct epochs at once, as redis-cli gives them: no
             # collision for the masters to settle first.
             call(self.host, node.port, "CLUSTER", "SET-CONFIG-EPOCH", str(epoch + 1))
-        first = self.nodes[0]
+        introducer = self.nodes[0]
         for node in self.nodes[1:]:
             meet = ["CLUSTER", "MEET", self.host, str(node.port)]
             if node.busPort is not None:
                 meet.append(str(node.busPort))
-            call(self.host, first.port, *meet)
+            call(self.host, introducer.port, *meet)
 
     def _info(self, node: ClusterNode) -> dict[str, str]:
         try:

@@ -26,7 +26,7 @@ import math
 from typing import Any, cast
 
 import txredisapi
-from twisted.internet.defer import Deferred, fail, gatherResults, succeed
+from twisted.internet.defer import Deferred, fail, gatherResults
 from twisted.internet.endpoints import HostnameEndpoint
 from twisted.internet.interfaces import IReactorTCP
 from twisted.internet.task import LoopingCall
@@ -421,5 +421,7 @@ class ClusterLink:
         if down:
             host, port = down[0].address
             return fail(txredisapi.ConnectionError(f"Redis Cluster master {host}:{port} is down"))
+        answered: Deferred[object] = Deferred()
         pings = [node.factory.handler.ping() for node in self._masters]
-        return gatherResults(pings, consumeErrors=True) if pings else succeed(None)
+        gatherResults(pings, consumeErrors=True).addCallbacks(answered.callback, answered.errback)
+        return answered

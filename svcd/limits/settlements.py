@@ -287,7 +287,10 @@ class Settlements:
         if not calls:
             return
         # A single server's settlements are one slot's: one call.
-        adjusting = calls[0] if len(calls) == 1 else gatherResults(calls)
+        adjusting: Deferred[object] = calls[0]
+        if len(calls) > 1:
+            adjusting = Deferred()
+            gatherResults(calls).addBoth(adjusting.callback)
         self._adjusting = adjusting
         adjusting.addBoth(self._adjusted)
 
