@@ -161,9 +161,10 @@ REDIS_CLUSTER_MODULES = frozenset(
     {"test_proxy_ratelimit.py", "test_proxy_limits.py", "test_proxy_budget_drift.py"}
 )
 _REDIS_FIXTURES = frozenset({"redisURL", "redisServer", "privateRedis"})
-# The xdist group of the Cluster's runs: one Cluster per run, not one per
-# worker.
-REDIS_CLUSTER_GROUP = "redisCluster"
+# The xdist group of the Cluster's runs, named as the group of the tests
+# that ask for the session's Cluster itself: one Cluster per run, not one
+# per worker.
+REDIS_CLUSTER_GROUP = "sharedRedisCluster"
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -42,7 +42,7 @@ from svcd.limits.book import BudgetRow, LimitBook, LimitsRow
 from svcd.limits.check import RateDecision
 from svcd.limits.clusterlink import ClusterLink, crc16, keySlot
 from svcd.limits.keys import budgetCounter, minuteKey
-from svcd.limits.limiter import RedisRateLimiter
+from svcd.limits.limiter import RedisRateLimiter, makeRateLimiter
 from svcd.limits.link import keySlots, linkFor
 from svcd.limits.records import Budget, Limits
 
@@ -307,6 +307,36 @@ async def test_theKeysOfEarlierReleasesAreLeftAlone(
 
 
 # A real Cluster
+
+
+@pytest_twisted.ensureDeferred
+async def test_aDaemonsLimiterOverACluster(sharedRedisCluster: RedisCluster) -> None:
+    """
+    The limiter a daemon makes of REDIS_URL=redis+cluster://... (as
+    svc-proxy's and svc-worker's assemblies do) counts on the Cluster:
+    each organization's minute on the master of its slot.
+    """
+    from twisted.internet import reactor
+
+    cluster = sharedRedisCluster
+    cluster.flushAll()
+    # The limiter's own clock in one minute; the link's is the reactor.
+    clock = fakeClock(WINDOW + 30)
+    limiter = makeRateLimiter(reactor, clock, parseRedisURL(cluster.url), 2, {})
+    assert isinstance(limiter, RedisRateLimiter)
+    limiter.start()
+    try:
+        await waitFor(limiter.connected)
+        taken: set[str] = set()
+        for index in range(3):
+            org = _orgOn(cluster, index, taken)
+            decisions = [await limiter.hit(org, None) for _ in range(3)]
+            assert [d is not None and d.allowed for d in decisions] == [True, True, False]
+            port = cluster.nodes[index].port
+            assert call(cluster.host, port, "GET", minuteKey(org, WINDOW)) == b"3"
+        await limiter.checkReady()
+    finally:
+        await limiter.stop()
 
 
 def _orgOn(cluster: RedisCluster, index: int, taken: set[str]) -> str:
