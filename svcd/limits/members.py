@@ -129,9 +129,9 @@ class BudgetMembers:
         per round, or one per L{_RENEWALS_PER_CALL} members for a proxy
         holding more (so that no call keeps Redis from the admissions of
         every proxy for long), and against a Redis Cluster one per hash
-        slot (an organization's members are one slot's); a reservation held past
-        L{_MAX_HOLD_SECONDS} (one whose settlement never came) is left to
-        its lease.
+        slot (an organization's members are one slot's); a reservation
+        held past L{_MAX_HOLD_SECONDS} (one whose settlement never came)
+        is left to its lease.
         """
         if not self._inFlight or self._renewing is not None or not self._counters.connected:
             return
