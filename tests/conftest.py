@@ -88,7 +88,7 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import floorselection
 import pytest
@@ -96,6 +96,7 @@ import xdistprivate
 
 from svcd.devkit.postgres import PostgresServer
 from svcd.devkit.redis import RedisServer
+from svcd.devkit.rediscluster import RedisCluster
 
 # The check that keeps the e2e marker honest (first: it must wrap
 # twistdCommand before any module imports it by name); fixtures of svc-auth
@@ -151,7 +152,19 @@ SERIAL = "serial"
 # Fixtures of a wider scope than a test whose tests need not stay together:
 # every worker has its own PostgreSQL and Redis servers, and starting them
 # takes a second.
-_PER_WORKER = frozenset({"postgresServer", "redisServer", "tmp_path_factory"})
+_PER_WORKER = frozenset({"postgresServer", "sharedRedisServer", "tmp_path_factory"})
+
+# Decisions D16: the modules whose tests of a real Redis (C{redisURL},
+# C{redisServer}, C{privateRedis}) run twice, against one server and
+# against a Redis Cluster of three masters (C{redisTopology}), unchanged.
+REDIS_CLUSTER_MODULES = frozenset(
+    {"test_proxy_ratelimit.py", "test_proxy_limits.py", "test_proxy_budget_drift.py"}
+)
+_REDIS_FIXTURES = frozenset({"redisURL", "redisServer", "privateRedis"})
+# The xdist group of the Cluster's runs, named as the group of the tests
+# that ask for the session's Cluster itself: one Cluster per run, not one
+# per worker.
+REDIS_CLUSTER_GROUP = "sharedRedisCluster"
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -317,6 +330,9 @@ def _heaviestFirst(items: list[pytest.Item], groups: dict[pytest.Item, str]) -> 
 def _sharedFixtureGroup(item: pytest.Item) -> str | None:
     if item.get_closest_marker("serial") is not None:
         return SERIAL
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and callspec.params.get("redisTopology") == "cluster":
+        return REDIS_CLUSTER_GROUP
     moduleGroup: str | None = None
     name: str
     for name, definitions in xdistprivate.fixtureDefinitions(item).items():
@@ -369,11 +385,48 @@ def databaseDSN(postgresServer: PostgresServer) -> Iterator[str]:
         yield dsn
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """
+    The tests of a real Redis in L{REDIS_CLUSTER_MODULES} run against one
+    server and against a Redis Cluster (decisions D16).
+    """
+    if metafunc.definition.path.name in REDIS_CLUSTER_MODULES and _REDIS_FIXTURES.intersection(
+        metafunc.fixturenames
+    ):
+        metafunc.parametrize("redisTopology", ["server", "cluster"], indirect=True)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> Iterator[None]:
+    """
+    A Hypothesis test run more than once in a session (parametrized, as
+    by C{redisTopology}) runs its examples as the first run did.
+    pytest-twisted (1.14) replaces the function's C{hypothesis.inner_test}
+    with its own wrapper and leaves it there, so that a second item of
+    the same function wrapped the wrapper, and its first example failed
+    with "blockon cannot be called from the twisted greenlet".
+    """
+    hypothesis = getattr(pyfuncitem.obj, "hypothesis", None)
+    original = getattr(hypothesis, "inner_test", None)
+    yield
+    if original is not None:
+        hypothesis.inner_test = original  # type: ignore[union-attr]
+
+
+@pytest.fixture
+def redisTopology(request: pytest.FixtureRequest) -> str:
+    """
+    What C{redisServer}, C{redisURL} and C{privateRedis} are: one server
+    (C{"server"}), or a Redis Cluster of three masters (C{"cluster"}).
+    """
+    return str(getattr(request, "param", "server"))
+
+
 @pytest.fixture(scope="session")
-def redisServer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+def sharedRedisServer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """
     One private Redis server for the whole run; tests reach it through
-    C{redisURL}, which empties it first.
+    C{redisServer} and C{redisURL}, which empties it first.
     """
     server = RedisServer.create(tmp_path_factory.mktemp("redis"))
     try:
@@ -381,6 +434,34 @@ def redisServer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServe
         yield server
     finally:
         server.destroy()
+
+
+@pytest.fixture(scope="session")
+def sharedRedisCluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    """
+    One private Redis Cluster (three masters) for the whole run, started
+    by the first test of L{REDIS_CLUSTER_MODULES} run against one.
+    """
+    cluster = RedisCluster.create(tmp_path_factory.mktemp("rediscluster"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.destroy()
+
+
+@pytest.fixture
+def redisServer(request: pytest.FixtureRequest, redisTopology: str) -> RedisServer:
+    """
+    The Redis server shared by the whole run, or its Redis Cluster (which
+    answers the same commands: L{RedisCluster}) when C{redisTopology}
+    says so.
+    """
+    if redisTopology == "cluster":
+        cluster: RedisServer = request.getfixturevalue("sharedRedisCluster")
+        return cluster
+    server: RedisServer = request.getfixturevalue("sharedRedisServer")
+    return server
 
 
 @pytest.fixture
@@ -408,14 +489,23 @@ def privatePostgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Postgr
 
 
 @pytest.fixture
-def privateRedis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+def privateRedis(
+    tmp_path_factory: pytest.TempPathFactory, redisTopology: str
+) -> Iterator[RedisServer]:
     """
     A running Redis server of this test's own, which it may stop, freeze,
-    thaw and start again (on the same port); destroyed afterwards.
+    thaw and start again (on the same port); destroyed afterwards. A
+    Redis Cluster of its own, every master at once, when
+    C{redisTopology} says so.
     """
-    server = RedisServer.create(tmp_path_factory.mktemp("privateRedis"))
+    server: RedisServer | RedisCluster
+    if redisTopology == "cluster":
+        server = RedisCluster.create(tmp_path_factory.mktemp("privateRedisCluster"))
+    else:
+        server = RedisServer.create(tmp_path_factory.mktemp("privateRedis"))
     try:
         server.start()
-        yield server
+        # A Cluster answers what the tests ask of a server.
+        yield cast(RedisServer, server)
     finally:
         server.destroy()

@@ -18,6 +18,7 @@ from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.task import Clock, deferLater
 
 from svcd.devkit.redis import RedisServer
+from svcd.devkit.rediscluster import RedisCluster
 from svcd.limits.book import BudgetRow, LimitBook
 from svcd.limits.keys import budgetPeriod
 from svcd.limits.records import Budget
@@ -51,16 +52,22 @@ ORG_ID = "5b0c1d2e-3f40-4a51-8b62-7c83d94ea5f6"
 AGENT_ID = "0a1b2c3d-4e5f-4061-8273-94a5b6c7d8e9"
 
 
-def redisCall(server: RedisServer, *words: str | bytes) -> Any:
+def redisCall(server: RedisServer | RedisCluster, *words: str | bytes) -> Any:
     """
     One command over a plain socket, with the reply read whole (RESP
-    integers, simple and bulk strings, nil and arrays).
+    integers, simple and bulk strings, nil and arrays); to the master of
+    its key when C{server} is a Redis Cluster (decisions D16).
     """
     encoded = [word.encode() if isinstance(word, str) else word for word in words]
     request = b"*%d\r\n" % len(encoded) + b"".join(
         b"$%d\r\n%s\r\n" % (len(word), word) for word in encoded
     )
-    with socket.create_connection((server.host, server.port), timeout=5) as connection:
+    address = (
+        server.addressFor(*encoded)
+        if isinstance(server, RedisCluster)
+        else (server.host, server.port)
+    )
+    with socket.create_connection(address, timeout=5) as connection:
         connection.sendall(request)
         reader = connection.makefile("rb")
 
@@ -88,7 +95,7 @@ def budgetBook(org: Budget | None = None, agent: Budget | None = None) -> LimitB
 
 # 2023-11-14T22:14:00Z, inside WINDOW's day.
 DAY_START, DAY_END = budgetPeriod("day", WINDOW)
-ORG_DAY = f"budget:{ORG_ID}:day:{DAY_START}"
+ORG_DAY = f"budget:{{{ORG_ID}}}:day:{DAY_START}"
 
 
 class Ledger:

@@ -14,11 +14,13 @@ from typing import Any
 import attrs
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.python.failure import Failure
+from txredisapi import ResponseError
 
 from svcd.common.errors import ApiError, ErrorCode
 from svcd.common.pat import formatToken, newSecret
 from svcd.common.permissions import Permission
 from svcd.common.readiness import CheckFailed
+from svcd.limits.clusterlink import keySlot
 from svcd.proxy.records import AgentInfo, TokenInfo
 
 
@@ -323,7 +325,7 @@ class MemoryCounters:
         self.ttls.setdefault(key, ttl)
         return succeed((before, self.counts[key], len(members)))
 
-    def redisTime(self) -> Deferred[int]:
+    def redisTime(self, key: str = "") -> Deferred[int]:
         if self.failure is not None:
             return fail(self.failure)
         return succeed(self.now())
@@ -351,6 +353,47 @@ class MemoryCounters:
     def stop(self) -> Deferred[None]:
         self.stopped = True
         return succeed(None)
+
+
+@attrs.define
+class ClusterCounters(MemoryCounters):
+    """
+    L{MemoryCounters} as a Redis Cluster's (decisions D16): they have
+    C{slotOf}, so the limiter splits its calls per hash slot, and a call
+    over keys of several slots fails as CROSSSLOT does; each call's kind
+    and slot noted in C{slotCalls}.
+    """
+
+    slotCalls: list[tuple[str, int]] = attrs.field(factory=list)
+
+    def slotOf(self, key: str) -> int:
+        return keySlot(key)
+
+    def _oneSlot(self, kind: str, keys: list[str]) -> Deferred[Any] | None:
+        slots = {keySlot(key) for key in keys}
+        if len(slots) > 1:
+            return fail(ResponseError("CROSSSLOT Keys in request don't hash to the same slot"))
+        self.slotCalls.append((kind, slots.pop() if slots else -1))
+        return None
+
+    def increment(self, key: str, hits: int, ttl: int) -> Deferred[int]:
+        return self._oneSlot("increment", [key]) or super().increment(key, hits, ttl)
+
+    def admit(
+        self,
+        keys: list[str],
+        arguments: list[int],
+        adjustments: list[int] | None = None,
+        ledger: Any = None,
+    ) -> Deferred[list[list[int]]]:
+        crossed = self._oneSlot("admit" if arguments != [0] else "settle", keys)
+        return crossed or super().admit(keys, arguments, adjustments, ledger)
+
+    def adjust(self, keys: list[str], deltas: list[int]) -> Deferred[object]:
+        return self._oneSlot("adjust", keys) or super().adjust(keys, deltas)
+
+    def renew(self, keys: list[str], leaseMs: int, triples: str) -> Deferred[object]:
+        return self._oneSlot("renew", keys) or super().renew(keys, leaseMs, triples)
 
 
 async def listeningProxy(

@@ -163,7 +163,7 @@ def budgetKey(tenant: Tenant) -> str:
     """
     today = datetime.datetime.now(datetime.UTC)
     start = datetime.datetime(today.year, today.month, 1, tzinfo=datetime.UTC)
-    return f"budget:{tenant.orgID}:month:{int(start.timestamp())}"
+    return f"budget:{{{tenant.orgID}}}:month:{int(start.timestamp())}"
 
 
 def counted(stack: Stack, tenant: Tenant) -> int | None:

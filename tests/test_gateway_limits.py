@@ -254,7 +254,7 @@ def test_exactlyRpmAdmittedAcrossTwoProxies(stack: Stack) -> None:
         if answer.status == 429:
             assert answer.json()["error"]["detail"] == {"limit": "requests", "scope": "org"}
             assert int(answer.headers["retry-after"]) >= 1
-    assert stack.count(f"ratelimit:{stack.tenants['burst'].orgID}:{window}") == 50
+    assert stack.count(f"ratelimit:{{{stack.tenants['burst'].orgID}}}:{window}") == 50
 
 
 def test_tokensReservedNeverPassTpmAndSettleToUsage(stack: Stack) -> None:
@@ -281,7 +281,7 @@ def test_tokensReservedNeverPassTpmAndSettleToUsage(stack: Stack) -> None:
         a.json()["usage"]["prompt_tokens"] + a.json()["usage"]["completion_tokens"]
         for a in admitted
     )
-    key = f"ratelimit:{stack.tenants['tokens'].orgID}:{window}:tokens"
+    key = f"ratelimit:{{{stack.tenants['tokens'].orgID}}}:{window}:tokens"
     deadline = time.monotonic() + 5
     while stack.count(key) != usage:
         assert time.monotonic() < deadline, (stack.count(key), usage)
@@ -319,7 +319,7 @@ def test_aChangeUnderLoadReachesBothProxiesWithinASecond(stack: Stack) -> None:
     stack.limit("change", "--rpm", "100000")
     seenEverywhere(stack, "1004")
     window = ensureRoomInTheMinute(40)
-    key = f"ratelimit:{tenant.orgID}:{window}"
+    key = f"ratelimit:{{{tenant.orgID}}}:{window}"
     for index in range(20):
         assert chat(stack.proxies[index % 2].httpPort, tenant, body=chatBody()).status == 200
     assert stack.count(key) == 20

@@ -721,7 +721,9 @@ def budgetCounter(stack: Stack, tenant: Tenant) -> int | None:
     """
     today = datetime.datetime.now(datetime.UTC)
     start = datetime.datetime(today.year, today.month, 1, tzinfo=datetime.UTC)
-    value = redisCLI(stack.redis, "GET", f"budget:{tenant.orgID}:month:{int(start.timestamp())}")
+    value = redisCLI(
+        stack.redis, "GET", f"budget:{{{tenant.orgID}}}:month:{int(start.timestamp())}"
+    )
     return int(value) if value else None
 
 

@@ -41,7 +41,7 @@ from svcd.limits.book import LimitBook
 from svcd.limits.check import RateDecision
 from svcd.limits.keys import BUDGET, ORG
 from svcd.limits.limiter import RedisRateLimiter
-from svcd.limits.link import RedisLink
+from svcd.limits.link import linkFor
 from svcd.limits.records import Budget, Reservation
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.metrics import ProxyMetrics
@@ -62,7 +62,7 @@ class Proxy:
 
         target = parseRedisURL(redisURL)
         assert target is not None
-        self.link = RedisLink(reactor, target)
+        self.link = linkFor(reactor, target)
         self.clock = fakeClock(WINDOW + 30)
         self.metrics = ProxyMetrics()
         self.limiter = RedisRateLimiter(

@@ -893,7 +893,7 @@ async def test_invalidJSONAfterEverything(proxy: Harness) -> None:
     response, content = await proxy.chat(token, agentID, body=b"{nope")
     assertError(response, content, 400, "INVALID_JSON")
     assert header(response, "X-RateLimit-Remaining") == "59"
-    assert proxy.counters.counts == {f"ratelimit:{orgID}:{NEXT_MINUTE - 60}": 1}
+    assert proxy.counters.counts == {f"ratelimit:{{{orgID}}}:{NEXT_MINUTE - 60}": 1}
 
 
 @pytest_twisted.ensureDeferred
@@ -1038,8 +1038,8 @@ async def test_rateLimitWindowRollsOver(proxy: Harness) -> None:
     assert response.code == 200
     assert header(response, "X-RateLimit-Reset") == str(NEXT_MINUTE + 60)
     assert harness.counters.counts == {
-        f"ratelimit:{orgID}:{NEXT_MINUTE - 60}": 2,
-        f"ratelimit:{orgID}:{NEXT_MINUTE}": 1,
+        f"ratelimit:{{{orgID}}}:{NEXT_MINUTE - 60}": 2,
+        f"ratelimit:{{{orgID}}}:{NEXT_MINUTE}": 1,
     }
     assert set(harness.counters.ttls.values()) == {120}
 

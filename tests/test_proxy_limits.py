@@ -43,7 +43,7 @@ from svcd.limits.book import NO_LIMITS, Applicable, LimitBook, LimitsRow
 from svcd.limits.check import RateDecision
 from svcd.limits.keys import AGENT, BUDGET, ORG, REQUESTS, TOKENS, Counter, budgetPeriod
 from svcd.limits.limiter import RedisRateLimiter
-from svcd.limits.link import RedisLink
+from svcd.limits.link import linkFor
 from svcd.limits.records import Budget, Limits, Reservation
 from svcd.limits.reservation import (
     DEFAULT_OUTPUT_CAP,
@@ -205,7 +205,7 @@ async def limiterWith(
 
     target = parseRedisURL(redisURL)
     assert target is not None
-    link = RedisLink(reactor, target)
+    link = linkFor(reactor, target)
     # Settlements at once: these tests' clock does not move by itself
     # (test_settlementsRideOnTheNextAdmission covers the delay).
     limiter = RedisRateLimiter(
@@ -227,7 +227,7 @@ def bookOf(org: Limits | None = None, agent: Limits | None = None) -> LimitBook:
     return book
 
 
-ORG_REQUESTS = f"ratelimit:{ORG_ID}:{WINDOW}"
+ORG_REQUESTS = f"ratelimit:{{{ORG_ID}}}:{WINDOW}"
 ORG_TOKENS = ORG_REQUESTS + ":tokens"
 AGENT_REQUESTS = f"{ORG_REQUESTS}:agent:{AGENT_ID}"
 AGENT_TOKENS = AGENT_REQUESTS + ":tokens"
@@ -623,7 +623,8 @@ def test_scriptAgreesWithItsTwin(
     request by request, and leave the same counts, members, leases (to
     the clock's drift) and marks.
     """
-    prefix = f"twin:{uuid.uuid4()}:"
+    # In braces: every key of one call in one slot of a Redis Cluster.
+    prefix = f"twin:{{{uuid.uuid4()}}}:"
     memory = MemoryCounters()
     # One key exists from the start in both, so counters that must exist
     # are sometimes found.
@@ -710,7 +711,7 @@ def test_scriptCountsExactlyToWhatADoubleHolds(redisServer: RedisServer) -> None
 
 # 2023-11-14T22:14:00Z, inside WINDOW's month.
 MONTH_START, MONTH_END = budgetPeriod("month", WINDOW)
-AGENT_MONTH = f"budget:{ORG_ID}:month:{MONTH_START}:agent:{AGENT_ID}"
+AGENT_MONTH = f"budget:{{{ORG_ID}}}:month:{MONTH_START}:agent:{AGENT_ID}"
 
 
 @given(moment=st.integers(min_value=0, max_value=4_102_444_799), fraction=st.floats(0, 0.999))
@@ -748,7 +749,7 @@ async def budgetLimiter(redisURL: str, book: LimitBook, ledger: Ledger) -> Redis
 
     target = parseRedisURL(redisURL)
     assert target is not None
-    link = RedisLink(reactor, target)
+    link = linkFor(reactor, target)
     limiter = RedisRateLimiter(
         link, fakeClock(WINDOW + 30), 60, book=book, spend=ledger, settleDelay=0
     )

@@ -27,7 +27,7 @@ from svcd.devkit.redis import RedisServer
 from svcd.limits.check import RateDecision
 from svcd.limits.keys import KEY_TTL_SECONDS
 from svcd.limits.limiter import DisabledRateLimiter, RedisRateLimiter
-from svcd.limits.link import RedisCounters, RedisLink
+from svcd.limits.link import RedisCounters, linkFor
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.http.edge import ProxyEdge
 from svcd.proxy.metrics import ProxyMetrics
@@ -35,12 +35,12 @@ from svcd.proxy.metrics import ProxyMetrics
 
 async def connectedLimiter(
     url: str, clock: Any = None, defaultRPM: int = 60, orgRPM: dict[str, int] | None = None
-) -> tuple[RedisRateLimiter, RedisLink]:
+) -> tuple[RedisRateLimiter, RedisCounters]:
     from twisted.internet import reactor
 
     target = parseRedisURL(url)
     assert target is not None
-    link = RedisLink(reactor, target)
+    link = linkFor(reactor, target)
     limiter = RedisRateLimiter(
         link, reactor if clock is None else clock, defaultRPM, orgRPM or {}, warnInterval=10.0
     )
@@ -52,7 +52,7 @@ async def connectedLimiter(
 @pytest_twisted.ensureDeferred
 async def test_countsInRedis(redisURL: str, redisServer: RedisServer) -> None:
     """
-    Each hit increments ratelimit:<org_id>:<window start> in Redis, which
+    Each hit increments ratelimit:{<org_id>}:<window start> in Redis, which
     gets a TTL of at least 60 s; the decision carries limit, remaining and
     reset.
     """
@@ -64,7 +64,7 @@ async def test_countsInRedis(redisURL: str, redisServer: RedisServer) -> None:
             RateDecision(allowed=True, limit=60, remaining=left, reset=WINDOW + 60, retryAfter=40)
             for left in (59, 58, 57)
         ]
-        key = f"ratelimit:{orgID}:{WINDOW}"
+        key = f"ratelimit:{{{orgID}}}:{WINDOW}"
         assert counter(redisServer, key) == 3
         ttl = int(redisServer.command("TTL", key)[1:])
         assert 60 <= ttl <= KEY_TTL_SECONDS
@@ -114,8 +114,8 @@ async def test_windowRollover(redisURL: str, redisServer: RedisServer) -> None:
         allowed = await limiter.hit(orgID, None)
         assert allowed is not None and allowed.allowed
         assert allowed.reset == WINDOW + 120
-        assert counter(redisServer, f"ratelimit:{orgID}:{WINDOW}") == 2
-        assert counter(redisServer, f"ratelimit:{orgID}:{WINDOW + 60}") == 1
+        assert counter(redisServer, f"ratelimit:{{{orgID}}}:{WINDOW}") == 2
+        assert counter(redisServer, f"ratelimit:{{{orgID}}}:{WINDOW + 60}") == 1
     finally:
         await limiter.stop()
 
@@ -305,7 +305,7 @@ class CountingLink:
     A real L{RedisLink} that also notes each call's number of hits.
     """
 
-    def __init__(self, link: RedisLink) -> None:
+    def __init__(self, link: RedisCounters) -> None:
         self.link = link
         self.calls: list[int] = []
 
@@ -339,7 +339,7 @@ async def test_concurrentHitsShareCalls(redisURL: str, redisServer: RedisServer)
 
     target = parseRedisURL(redisURL)
     assert target is not None
-    link = CountingLink(RedisLink(reactor, target))
+    link = CountingLink(linkFor(reactor, target))
     # CountingLink has only what a limiter without a book calls (increment).
     limiter = RedisRateLimiter(cast(RedisCounters, link), fakeClock(WINDOW + 1), 40)
     limiter.start()
@@ -351,7 +351,7 @@ async def test_concurrentHitsShareCalls(redisURL: str, redisServer: RedisServer)
         assert [d.remaining for d in decisions if d is not None] == list(range(39, -1, -1))
         assert all(d is not None and d.allowed for d in decisions)
         assert link.calls == [1, 39]
-        assert counter(redisServer, f"ratelimit:{orgID}:{WINDOW}") == 40
+        assert counter(redisServer, f"ratelimit:{{{orgID}}}:{WINDOW}") == 40
         over = await limiter.hit(orgID, None)
         assert over is not None and not over.allowed
         assert link.calls == [1, 39, 1]

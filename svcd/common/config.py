@@ -181,6 +181,9 @@ class RedisTarget:
     db: int
     password: str | None = attrs.field(default=None, repr=False)
     username: str | None = None
+    # A Redis Cluster's nodes to ask for its slots (redis+cluster://,
+    # L{parseRedisClusterURL}); empty for a single server.
+    clusterNodes: tuple[tuple[str, int], ...] = ()
 
 
 @attrs.frozen
@@ -228,6 +231,8 @@ def parseRedisURL(url: str, name: str = "REDIS_URL") -> RedisTarget | None:
     """
     if not url:
         return None
+    if url.startswith(CLUSTER_SCHEME):
+        return parseRedisClusterURL(url, name)
     try:
         parts = urllib.parse.urlsplit(url)
         port = parts.port or 6379
@@ -334,6 +339,48 @@ def _sentinelAddress(name: str, address: str) -> tuple[str, int]:
     if not _isDecimal(portText) or not 0 < int(portText) < 65536:
         raise ConfigError(name, f"{address!r}: the port must be a number from 1 to 65535")
     return host, int(portText)
+
+
+CLUSTER_SCHEME = "redis+cluster://"
+_CLUSTER_EXAMPLE = "must be a URL such as redis+cluster://host:7000,host:7001"
+
+
+def parseRedisClusterURL(url: str, name: str = "REDIS_URL") -> RedisTarget:
+    """
+    C{redis+cluster://[[user]:password@]host:port[,host:port...]}: a Redis
+    Cluster (decisions D16), whose slots the limiter asks of any of these
+    nodes (L{svcd.limits.clusterlink}); a Cluster has database 0 only, so
+    a path may only be C{/0}. The target's host and port are the first
+    node's.
+    """
+    rest = url[len(CLUSTER_SCHEME) :]
+    rest, _, path = rest.partition("/")
+    if path not in ("", "0") or "?" in rest or "#" in rest:
+        raise ConfigError(name, "a Redis Cluster has database 0 only; " + _CLUSTER_EXAMPLE)
+    userInfo, _, hosts = rest.rpartition("@")
+    username = password = None
+    if userInfo:
+        user, colon, secret = userInfo.partition(":")
+        username = urllib.parse.unquote(user) or None
+        password = urllib.parse.unquote(secret) if colon else None
+    nodes: list[tuple[str, int]] = []
+    for node in hosts.split(","):
+        try:
+            parts = urllib.parse.urlsplit("//" + node.strip())
+            host, port = parts.hostname, parts.port or 6379
+        except ValueError:
+            raise ConfigError(name, _CLUSTER_EXAMPLE) from None
+        if not host or parts.path or parts.username is not None:
+            raise ConfigError(name, _CLUSTER_EXAMPLE)
+        nodes.append((host, port))
+    return RedisTarget(
+        host=nodes[0][0],
+        port=nodes[0][1],
+        db=0,
+        password=password,
+        username=username,
+        clusterNodes=tuple(nodes),
+    )
 
 
 # Clients of the gateway's gRPC services (svc-proxy and svc-worker): where

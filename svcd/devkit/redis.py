@@ -63,6 +63,9 @@ class RedisServer:
     """
 
     host = LOOPBACK
+    # More of redis-server's options, for a kind of server of its own (a
+    # Redis Cluster's node: L{svcd.devkit.rediscluster}).
+    serverArguments: tuple[str, ...] = ()
 
     def __init__(self, executable: Path, baseDirectory: Path, port: int, portChosen: bool) -> None:
         self._executable = executable
@@ -158,6 +161,7 @@ class RedisServer:
             "no",
             "--logfile",
             "",
+            *self.serverArguments,
         ]
         with self.logFile.open("ab") as log:
             # A session of its own: a Ctrl-C in the terminal of dev/gateway

@@ -159,9 +159,11 @@ class SharedCalls:
             return
         calls.sent = hits
         request: Deferred[Any]
+        slot = 0
         if admissions is not None:
             keys, arguments = admitArguments([counters for counters, _ in admissions])
-            # Settlements waiting ride on this call (C{ADMIT_SCRIPT}).
+            # Settlements waiting ride on this call (C{ADMIT_SCRIPT}), those
+            # of its hash slot (one organization's keys are one slot: D16).
             adjustments, settlements, marks = self._settlements.take(keys)
             ledger = None
             if settlements or marks or any(ledgerID for _, ledgerID in admissions):
@@ -171,7 +173,7 @@ class SharedCalls:
                     marks,
                     self._timing,
                 )
-            self._settlements.admissionSent()
+            slot = self._settlements.admissionSent(keys)
             request = self._counters.admit(keys, arguments, adjustments, ledger)
         else:
             request = self._counters.increment(key, len(hits), KEY_TTL_SECONDS)
@@ -189,10 +191,10 @@ class SharedCalls:
         if admissions is not None:
             # After _counted or _failed, which send the next call of the
             # organization, if any, first.
-            call.addBoth(self._admitted)
+            call.addBoth(self._admitted, slot)
 
-    def _admitted(self, result: object) -> object:
-        self._settlements.admitted()
+    def _admitted(self, result: object, slot: int) -> object:
+        self._settlements.admitted(slot)
         return result
 
     def _counted(

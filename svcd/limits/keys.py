@@ -1,10 +1,16 @@
 """
 What the limiter counts in Redis, and under which keys (decisions D5,
-D11, D12): a calendar minute's requests and tokens,
-C{ratelimit:<org_id>:<window_start_unix_seconds>} (C{:tokens} after it for
-the tokens, C{:agent:<agent_id>} for an agent's), and a budget's calendar
-day or month, C{budget:<org_id>:<period>:<start>[:agent:<agent_id>]};
-L{Counter}, one of them as a request is checked against it.
+D11, D12, D16): a calendar minute's requests and tokens,
+C{ratelimit:{<org_id>}:<window_start_unix_seconds>} (C{:tokens} after it
+for the tokens, C{:agent:<agent_id>} for an agent's), and a budget's
+calendar day or month,
+C{budget:{<org_id>}:<period>:<start>[:agent:<agent_id>]}; L{Counter}, one
+of them as a request is checked against it.
+
+The organization is in braces, Redis Cluster's hash tag (D16): every key
+of one organization, and the companions the scripts derive from them
+(C{:members}, C{:leases}, C{:recorded}), hash to one slot, so that each
+script call over one organization's keys runs on one Cluster node.
 
 It imports nothing of the limiter but the shapes of the limit book
 (L{svcd.limits.records}), so that the scripts (L{svcd.limits.scripts}) and
@@ -61,9 +67,9 @@ def minuteKey(orgID: str, windowStart: int) -> str:
     """
     The key of an organization's requests in the minute that starts at
     C{windowStart} (decisions D5: the org id second, as the
-    specification's tenancy rule asks).
+    specification's tenancy rule asks; in braces, D16).
     """
-    return f"ratelimit:{orgID}:{windowStart}"
+    return f"ratelimit:{{{orgID}}}:{windowStart}"
 
 
 def budgetPeriod(period: str, now: float) -> tuple[int, int]:
@@ -97,7 +103,7 @@ def _calendarPeriod(period: str, now: int) -> tuple[int, int]:
 
 
 def _budgetKey(orgID: str, agentID: str | None, period: str, start: int) -> str:
-    key = f"budget:{orgID}:{period}:{start}"
+    key = f"budget:{{{orgID}}}:{period}:{start}"
     return key if agentID is None else f"{key}:agent:{agentID}"
 
 
@@ -106,7 +112,7 @@ def budgetPeriodAt(key: str, now: float) -> tuple[int, int]:
     The period of a budget counter's kind (day or month) that holds
     C{now}.
     """
-    # budget:<org>:<period>:<start>[:agent:<agent>]
+    # budget:{<org>}:<period>:<start>[:agent:<agent>]
     return budgetPeriod(key.split(":")[2], now)
 
 

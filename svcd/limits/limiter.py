@@ -1,7 +1,7 @@
 """
 The organization rate limit of spec section 8 and decisions D5: a fixed
 calendar-minute window per organization, counted in Redis under
-C{ratelimit:<org_id>:<window_start_unix_seconds>}.
+C{ratelimit:{<org_id>}:<window_start_unix_seconds>} (the braces: D16).
 
 At most one round trip per request, and under load far fewer: a Lua
 script adds to the counter and gives a fresh key its TTL atomically
@@ -43,7 +43,7 @@ from svcd.limits.book import NO_LIMITS, Applicable, LimitBook
 from svcd.limits.breaker import CircuitBreaker
 from svcd.limits.calls import Gauge, SharedCalls
 from svcd.limits.check import LabelledCounter, RateDecision, RequestCheck
-from svcd.limits.link import RedisCounters, RedisLink
+from svcd.limits.link import RedisCounters, linkFor
 from svcd.limits.members import BudgetMembers
 from svcd.limits.reconciliation import Reconciliation, Spend
 from svcd.limits.records import Reservation
@@ -439,11 +439,11 @@ def makeRateLimiter(
     """
     if target is None:
         return DisabledRateLimiter(clock)
-    link: RedisLink
+    link: RedisCounters
     if isinstance(target, SentinelTarget):
         link = SentinelLink(reactor, clock, target)
     else:
-        link = RedisLink(reactor, target)
+        link = linkFor(reactor, target)
     return RedisRateLimiter(
         link,
         clock,

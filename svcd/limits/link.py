@@ -1,11 +1,13 @@
 """
 The limiter's connection to Redis: L{RedisCounters}, the Redis operations
 the limiter uses (each one call of a script of L{svcd.limits.scripts}, or
-PING), and L{RedisLink}, the real one over txredisapi.
+PING), L{RedisLink}, the real one over txredisapi, and L{linkFor}, the
+link of a target (a Redis Cluster's: L{svcd.limits.clusterlink}).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import txredisapi
@@ -14,6 +16,7 @@ from twisted.internet.endpoints import HostnameEndpoint
 from twisted.internet.interfaces import IReactorTCP
 
 from svcd.common.config import RedisTarget
+from svcd.limits.clusterlink import ClusterLink
 from svcd.limits.scripts import (
     ADJUST_SCRIPT,
     ADMIT_SCRIPT,
@@ -65,9 +68,10 @@ class RedisCounters(Protocol):
         Bring a budget's counter back to the ledger (C{RECONCILE_SCRIPT}).
         """
 
-    def redisTime(self) -> Deferred[int]:
+    def redisTime(self, key: str = "") -> Deferred[int]:
         """
-        Redis's own time, in ms.
+        Redis's own time, in ms: of the server holding C{key} (a Redis
+        Cluster's nodes each have a clock of their own).
         """
 
     def adjust(self, keys: list[str], deltas: list[int]) -> Deferred[object]:
@@ -85,6 +89,21 @@ class RedisCounters(Protocol):
     def start(self) -> None: ...
 
     def stop(self) -> Deferred[None]: ...
+
+
+def keySlots(counters: object) -> Callable[[str], int] | None:
+    """
+    The hash slot of a key, for counters each of whose calls must keep to
+    one slot (a Redis Cluster's, L{svcd.limits.clusterlink}: they have
+    C{slotOf}); None for a single server, where any keys go together.
+
+    The limiter's parts split what they send per slot with it (decisions
+    D16): settlements ride only on an admission of their slot, renewals
+    and settlements sent alone go in one call per slot. Asked once, when a
+    part is made, so that a single server's calls cost nothing more.
+    """
+    slotOf = getattr(counters, "slotOf", None)
+    return slotOf if callable(slotOf) else None
 
 
 class RedisLink:
@@ -178,7 +197,7 @@ class RedisLink:
         reply: Deferred[str | bytes] = self._eval(RECONCILE_SCRIPT, [key], [t0, spent, ttl])
         return reply.addCallback(parseReconcileReply)
 
-    def redisTime(self) -> Deferred[int]:
+    def redisTime(self, key: str = "") -> Deferred[int]:
         result: Deferred[int] = self._eval(TIME_SCRIPT, [], [])
         return result
 
@@ -193,3 +212,13 @@ class RedisLink:
     def ping(self) -> Deferred[object]:
         result: Deferred[object] = self._factory.handler.ping()
         return result
+
+
+def linkFor(reactor: IReactorTCP, target: RedisTarget) -> RedisCounters:
+    """
+    The link to C{target}: to each master of a Redis Cluster
+    (redis+cluster://, decisions D16), else to one server.
+    """
+    if target.clusterNodes:
+        return ClusterLink(reactor, target)
+    return RedisLink(reactor, target)

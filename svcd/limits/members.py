@@ -16,7 +16,7 @@ from twisted.python.failure import Failure
 from svcd.common.clocks import Clock, asReactorTime
 from svcd.common.deferreds import timeoutDeferred
 from svcd.common.logthrottle import ThrottledWarning
-from svcd.limits.link import RedisCounters
+from svcd.limits.link import RedisCounters, keySlots
 
 # A reservation whose settlement has not come after this many seconds is
 # no longer renewed (its request cannot still run: the edge settles every
@@ -52,6 +52,9 @@ class BudgetMembers:
         recordGrace: float,
     ) -> None:
         self._counters = counters
+        # A Redis Cluster's hash slot of a key (decisions D16): each
+        # renewal call keeps to one.
+        self._slotOf = keySlots(counters)
         self._clock = clock
         self._unavailable = unavailable
         self._timeout = timeout
@@ -125,9 +128,10 @@ class BudgetMembers:
         Push the leases of this proxy's reservations in flight: one call
         per round, or one per L{_RENEWALS_PER_CALL} members for a proxy
         holding more (so that no call keeps Redis from the admissions of
-        every proxy for long); a reservation held past
-        L{_MAX_HOLD_SECONDS} (one whose settlement never came) is left to
-        its lease.
+        every proxy for long), and against a Redis Cluster one per hash
+        slot (an organization's members are one slot's); a reservation
+        held past L{_MAX_HOLD_SECONDS} (one whose settlement never came)
+        is left to its lease.
         """
         if not self._inFlight or self._renewing is not None or not self._counters.connected:
             return
@@ -146,11 +150,11 @@ class BudgetMembers:
 
     async def _renewAll(self, members: list[tuple[str, str, int]]) -> None:
         leaseMs = round(self._lease * 1000)
-        for start in range(0, len(members), _RENEWALS_PER_CALL):
+        for batch in self._batches(members):
             keys: list[str] = []
             where: dict[str, int] = {}
             triples: list[str] = []
-            for key, ledgerID, amount in members[start : start + _RENEWALS_PER_CALL]:
+            for key, ledgerID, amount in batch:
                 index = where.get(key)
                 if index is None:
                     keys.append(key)
@@ -161,6 +165,24 @@ class BudgetMembers:
                 max(self._timeout, BACKGROUND_TIMEOUT),
                 asReactorTime(self._clock),
             )
+
+    def _batches(self, members: list[tuple[str, str, int]]) -> list[list[tuple[str, str, int]]]:
+        """
+        C{members} in calls of L{_RENEWALS_PER_CALL} at most, each of one
+        hash slot against a Redis Cluster.
+        """
+        if self._slotOf is None:
+            groups = [members]
+        else:
+            bySlot: dict[int, list[tuple[str, str, int]]] = {}
+            for member in members:
+                bySlot.setdefault(self._slotOf(member[0]), []).append(member)
+            groups = list(bySlot.values())
+        return [
+            group[start : start + _RENEWALS_PER_CALL]
+            for group in groups
+            for start in range(0, len(group), _RENEWALS_PER_CALL)
+        ]
 
     def _renewed(self, result: object) -> object:
         self._renewing = None

@@ -198,8 +198,10 @@ class Reconciliation:
         assert self._spend is not None
         reactorTime = asReactorTime(self._clock)
         deadline = max(self._timeout, BACKGROUND_TIMEOUT)
-        # t0 before the ledger is read: a row recorded before t0 is in L.
-        t0 = await timeoutDeferred(self._counters.redisTime(), deadline, reactorTime)
+        # t0 before the ledger is read: a row recorded before t0 is in L;
+        # in the time of the server holding the counter, whose time the
+        # marks of recorded rows are in.
+        t0 = await timeoutDeferred(self._counters.redisTime(key), deadline, reactorTime)
         spent = await self._spend(use.orgID, use.agentID, start, end)
         ttl = max(1, end - int(now) + BUDGET_KEY_SLACK)
         before, after, members = await timeoutDeferred(
