@@ -150,6 +150,7 @@ class ChangeListener(ListeningThread[Store]):
                 sent[number] = now
                 nextBeat = now + self._beatInterval
                 connection.execute("SELECT pg_notify(%s, %s)", (CHANNEL, f"beat:{nonce}:{number}"))
+                self._stayOnTarget(connection)
             wait = max(0.0, nextBeat - self._monotonic())
             for notification in list(connection.notifies(timeout=wait, stop_after=1)):
                 payload = notification.payload

@@ -17,6 +17,16 @@ never dies of one, and whatever was trusted is not any more. That
 loop is here once; each listener says what it does once connected
 (L{ListeningThread._begin}, L{ListeningThread._drain}) and once not
 (L{ListeningThread._lost}).
+
+After a failover (decisions D16) a listener must listen on the new
+primary: notifications are the server's own, so one still connected to
+the old primary, fenced by being made read-only, would go on hearing its
+own beats and none of the changes written on the new one. So with a DSN
+whose C{target_session_attrs} asks for a server taking writes, a listener
+gives its connection up as soon as the server is off that target
+(L{ListeningThread._stayOnTarget}, checked at every beat), and libpq finds
+the new primary for the next one; what was missed in between is loaded
+again, as after any lost connection.
 """
 
 from __future__ import annotations
@@ -28,6 +38,8 @@ from typing import ClassVar, Generic, TypeVar
 import psycopg
 from twisted.logger import Logger
 
+from svcd.common.pgtransactions import offTarget, sessionTarget, withTCPSettings
+
 # No read of a listener's may hold up its notifications and beats for long.
 STATEMENT_TIMEOUT_MS = 5_000
 
@@ -38,6 +50,13 @@ class BeatsStopped(Exception):
     """
     None of the listener's own beats came back for too long: the
     connection is presumed dead.
+    """
+
+
+class ServerOffTarget(Exception):
+    """
+    The listener's server no longer takes writes, as the DSN asks
+    (L{svcd.common.pgtransactions.offTarget}): writes now go elsewhere.
     """
 
 
@@ -65,10 +84,15 @@ class ListeningThread(Generic[SessionT]):
     applicationName: ClassVar[str]
     threadName: ClassVar[str]
     lostWarning: ClassVar[str]
-    failures: ClassVar[tuple[type[Exception], ...]] = (psycopg.Error, BeatsStopped)
+    failures: ClassVar[tuple[type[Exception], ...]] = (
+        psycopg.Error,
+        BeatsStopped,
+        ServerOffTarget,
+    )
 
     def __init__(self, dsn: str, reconnectDelay: float) -> None:
-        self._dsn = dsn
+        self._dsn = withTCPSettings(dsn)
+        self._target = sessionTarget(dsn)
         self._reconnectDelay = reconnectDelay
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -105,12 +129,9 @@ class ListeningThread(Generic[SessionT]):
                     autocommit=True,
                     connect_timeout=3,
                     application_name=self.applicationName,
-                    keepalives=1,
-                    keepalives_idle=5,
-                    keepalives_interval=2,
-                    keepalives_count=3,
                 ) as connection:
                     connection.execute(f"SET ROLE {self.role}")
+                    self._stayOnTarget(connection)
                     connection.execute(f"SET statement_timeout = {STATEMENT_TIMEOUT_MS}")
                     connection.execute(f"LISTEN {self.channel}")
                     session = self._begin(connection)
@@ -137,6 +158,17 @@ class ListeningThread(Generic[SessionT]):
             self._lost()
         except Exception:
             self.log.failure("A change listener could not empty its caches")
+
+    def _stayOnTarget(self, connection: psycopg.Connection[object]) -> None:
+        """
+        Give the connection up if its server is off the DSN's target: a
+        listener calls this after each beat, whose answer brings the
+        server's parameters up to date.
+
+        @raise ServerOffTarget: it is.
+        """
+        if offTarget(connection, self._target):
+            raise ServerOffTarget("the server no longer takes writes")
 
     def _begin(self, connection: psycopg.Connection[object]) -> SessionT:
         """
