@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 import psycopg
 import pytest
+from waiting import waitUntil
 
 from svcd.auth.store.ledger import UsageRecord
 from svcd.common.ids import uuid7Text
@@ -85,6 +86,15 @@ def fence(server: PostgresServer) -> None:
     """
     server.alterSystem({"default_transaction_read_only": "on", "synchronous_standby_names": ""})
 
+    def reloaded() -> bool:
+        # A new backend is forked by a postmaster that has read the file
+        # again, and that signalled every existing backend before.
+        with server.connect() as connection:
+            row = connection.execute("SHOW default_transaction_read_only").fetchone()
+        return row is not None and row[0] == "on"
+
+    waitUntil(reloaded, 10.0)
+
 
 def usageRecord(orgID: uuid.UUID, **changes: Any) -> UsageRecord:
     """
@@ -127,7 +137,8 @@ def ledgerRequestIDs(dsn: str) -> set[str]:
 
 def isPrimary(dsn: str) -> bool:
     """
-    Whether the one server of C{dsn} answers and takes writes.
+    Whether the one server of C{dsn} answers and is not in recovery (a
+    fenced old primary, read-only, is not in recovery either).
     """
     try:
         with psycopg.connect(dsn, autocommit=True, connect_timeout=2) as connection:

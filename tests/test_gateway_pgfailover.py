@@ -90,9 +90,7 @@ class Stack:
     proxy: Daemon
     tenant: Tenant
 
-    def call(
-        self, method: str, path: str, body: object = None, token: str | None = None
-    ) -> Answer:
+    def call(self, method: str, path: str, body: object = None, token: str | None = None) -> Answer:
         headers = {
             "Authorization": f"Bearer {token or self.tenant.token}",
             "X-SVC-Agent-ID": str(self.tenant.agentID),
@@ -245,8 +243,10 @@ def test_theDaemonsFollowAFailoverWithoutARestart(tmp_path: Path) -> None:
         assert keptID in (stack.found("green tea") or [])
         assert forgottenID in (stack.found("plays the cello") or [])
         waitFor(
-            lambda: gauge(stack.memory, "svc_memory_cache_scopes") >= 1
-            and gauge(stack.memory, "svc_memory_record_cache_scopes") >= 1,
+            lambda: (
+                gauge(stack.memory, "svc_memory_cache_scopes") >= 1
+                and gauge(stack.memory, "svc_memory_record_cache_scopes") >= 1
+            ),
             WAIT,
         )
         with Load(stack) as load:
@@ -267,9 +267,7 @@ def test_theDaemonsFollowAFailoverWithoutARestart(tmp_path: Path) -> None:
                     Scope(stack.tenant.orgID, stack.tenant.agentID, SUBJECT),
                     uuid.UUID(forgottenID),
                 )
-                token, _ = issueToken(
-                    owner, orgID=stack.tenant.orgID, permissions=EVERYTHING
-                )
+                token, _ = issueToken(owner, orgID=stack.tenant.orgID, permissions=EVERYTHING)
             timings: dict[str, float] = {"promotion": promoted - killed}
 
             def validates() -> bool:

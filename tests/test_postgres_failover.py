@@ -17,8 +17,8 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from psycopg.conninfo import conninfo_to_dict
 from authfixtures import makeTenant, ownerStore
+from psycopg.conninfo import conninfo_to_dict
 from standbyfixtures import (
     MigratedPair,
     applicationsOn,
@@ -35,6 +35,7 @@ from svcd.auth.config import AuthConfig
 from svcd.auth.listener import ChangeListener
 from svcd.auth.store import Store
 from svcd.auth.store.base import connectionPool
+from svcd.common import listening as listeningModule
 from svcd.common import pgtransactions
 from svcd.common.config import ConfigError
 from svcd.common.pgtransactions import StoreUnavailable, sessionTarget, withTCPSettings
@@ -149,138 +150,118 @@ def recordsOnce(store: Store, orgID: uuid.UUID) -> bool:
     return True
 
 
-def test_theStoreFollowsACrashAndPromotion(pair: MigratedPair) -> None:
+@contextlib.contextmanager
+def listening(dsn: str) -> Iterator[ChangeListener]:
     """
-    With the standby named first, the pool still writes on the primary;
-    the primary killed and the standby promoted, the same pool writes on
-    the new primary within seconds, every row it acknowledged before is
-    there (the standby is synchronous), and a batch sent again, as the
-    proxy's journal sends what was not acknowledged, is recorded once.
+    svc-auth's change listener on C{dsn}, started, with the tests' quick
+    reconnection.
+    """
+    listener = ChangeListener(dsn, ValidationCache(time.monotonic), reconnectDelay=0.2)
+    listener.start()
+    try:
+        yield listener
+    finally:
+        listener.stop()
+
+
+LISTENER = "svc-auth-listener"
+
+
+def test_theStoreAndListenerFollowACrashAndPromotion(pair: MigratedPair) -> None:
+    """
+    With the standby named first, the pool and the change listener still
+    connect to the primary (without target_session_attrs libpq would take
+    the standby). The primary killed and the standby promoted, the same
+    pool writes on the new primary and the same listener listens there
+    within seconds; every row acknowledged before is there (the standby
+    is synchronous), and a batch sent again, as the proxy's journal sends
+    what was not acknowledged, is recorded once.
     """
     primary, standby = pair.servers
+    untargeted = pair.dsn(first="standby").replace("?target_session_attrs=read-write", "")
+    with psycopg.connect(untargeted, autocommit=True) as chosen:
+        row = chosen.execute("SELECT pg_is_in_recovery()").fetchone()
+    assert row is not None and row[0] is True
     owner, connection = ownerStore(pair.dsn())
     tenant = makeTenant(owner, "acme")
     connection.close()
-    with appStore(pair.dsn(first="standby")) as store:
+    with appStore(pair.dsn(first="standby")) as store, listening(pair.dsn(first="standby")):
+        waitUntil(lambda: applicationsOn(pair.only(primary), LISTENER) == 1, 10.0)
         before = [usageRecord(tenant.orgID) for _ in range(5)]
         assert store.recordUsage(before).recorded == 5
         assert {row.requestID for row in before} <= ledgerRequestIDs(pair.only(primary))
         pair.pair.failOver()
         promoted = time.monotonic()
         took = waitUntil(lambda: recordsOnce(store, tenant.orgID), FOLLOWS_WITHIN, 0.05)
-        print(f"\nthe pool wrote on the new primary {took:.2f} s after the promotion")
+        heard = waitUntil(
+            lambda: applicationsOn(pair.only(standby), LISTENER) == 1,
+            FOLLOWS_WITHIN - (time.monotonic() - promoted),
+        )
+        print(
+            f"\nafter the promotion: the pool wrote on the new primary in {took:.2f} s,"
+            f" the listener listened there {heard:.2f} s later"
+        )
         assert {row.requestID for row in before} <= ledgerRequestIDs(pair.only(standby))
         again = store.recordUsage(before)
         assert (again.recorded, again.duplicates) == (0, 5)
-        assert time.monotonic() - promoted < FOLLOWS_WITHIN
+
+
+def fencedFailover(pair: MigratedPair, store: Store, orgID: uuid.UUID) -> int:
+    """
+    Fence the primary (read-only, up) and promote the standby, with
+    C{store}'s pool and a listener on the primary; how many writes failed
+    before one succeeded (at most 20 tried).
+    """
+    primary, standby = pair.servers
+    assert recordsOnce(store, orgID)
+    waitUntil(lambda: applicationsOn(pair.only(primary), LISTENER) == 1, 10.0)
+    fence(primary)
+    standby.promote()
+    failures = 0
+    while not recordsOnce(store, orgID) and failures < 20:
+        failures += 1
+    return failures
 
 
 def test_aPrimaryMadeReadOnlyIsLeft(pair: MigratedPair) -> None:
     """
     A primary fenced by making it read-only while the standby is promoted
-    keeps the pool's connections open: the first write on one of them is
-    refused (SQLSTATE 25006, answered UNAVAILABLE), and that connection and
-    the pool's other ones to that server are dropped, so that the next
-    writes, within seconds, land on the new primary.
+    keeps the pool's and the listener's connections open. The first write
+    on one of the pool's is refused (SQLSTATE 25006, answered UNAVAILABLE),
+    and that connection and the pool's other ones to that server are
+    dropped, so that the next write lands on the new primary; the listener
+    leaves at its next beat (it would hear its own beats there and none of
+    the new primary's changes).
     """
     primary, standby = pair.servers
     owner, connection = ownerStore(pair.dsn())
     tenant = makeTenant(owner, "acme")
     connection.close()
-    with appStore(pair.dsn()) as store:
-        assert recordsOnce(store, tenant.orgID)
-        fence(primary)
-        standby.promote()
-        failures = 0
-        while not recordsOnce(store, tenant.orgID):
-            failures += 1
-            assert failures < 20, "the pool kept its connections to the read-only server"
+    with appStore(pair.dsn()) as store, listening(pair.dsn()):
+        failures = fencedFailover(pair, store, tenant.orgID)
+        assert 1 <= failures < 20, failures
         assert isPrimary(pair.only(primary))  # still up: it was fenced, not killed
         waitUntil(lambda: applicationsOn(pair.only(primary), "failover-test") == 0, 5.0)
         waitUntil(lambda: applicationsOn(pair.only(standby), "failover-test") == 3, 5.0)
+        waitUntil(lambda: applicationsOn(pair.only(standby), LISTENER) == 1, FOLLOWS_WITHIN)
+        assert applicationsOn(pair.only(primary), LISTENER) == 0
 
 
-def test_withoutLeavingTheReadOnlyServerWritesKeepFailing(
+def test_withoutLeavingTheReadOnlyServerBothStayThere(
     pair: MigratedPair, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """
     The counterpart of the test above, so that it cannot pass for a
-    reason of its own: a pool that keeps connections to a server gone
-    read-only goes on failing writes there.
+    reason of its own: a pool and a listener that do not check their
+    server stay on the fenced primary, the pool failing every write there.
     """
     monkeypatch.setattr(pgtransactions, "offTarget", lambda connection, target: False)
+    monkeypatch.setattr(listeningModule, "offTarget", lambda connection, target: False)
     primary, standby = pair.servers
     owner, connection = ownerStore(pair.dsn())
     tenant = makeTenant(owner, "acme")
     connection.close()
-    with appStore(pair.dsn()) as store:
-        assert recordsOnce(store, tenant.orgID)
-        fence(primary)
-        standby.promote()
-        assert not any(recordsOnce(store, tenant.orgID) for _ in range(10))
-
-
-@pytest.mark.parametrize("fenced", [True, False])
-def test_theChangeListenerMovesToTheNewPrimary(pair: MigratedPair, fenced: bool) -> None:
-    """
-    svc-auth's change listener, on the primary, listens on the new one
-    within seconds of the promotion, whether the old one was killed or
-    fenced read-only (notifications are a server's own: one left on the
-    old primary would hear none of the changes written on the new one).
-    """
-    primary, standby = pair.servers
-    listener = ChangeListener(pair.dsn(), ValidationCache(time.monotonic), reconnectDelay=0.2)
-    listener.start()
-    try:
-        waitUntil(lambda: applicationsOn(pair.only(primary), "svc-auth-listener") == 1, 10.0)
-        if fenced:
-            fence(primary)
-            standby.promote()
-        else:
-            pair.pair.failOver()
-        took = waitUntil(
-            lambda: applicationsOn(pair.only(standby), "svc-auth-listener") == 1,
-            FOLLOWS_WITHIN,
-        )
-        print(f"\nthe listener listened on the new primary {took:.2f} s after the promotion")
-        if fenced:
-            waitUntil(lambda: applicationsOn(pair.only(primary), "svc-auth-listener") == 0, 5.0)
-    finally:
-        listener.stop()
-
-
-def test_aListenerKeptOnTheFencedPrimaryWouldStay(
-    pair: MigratedPair, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """
-    The counterpart of the fenced case above: without the check of the
-    server at each beat, the listener stays on the read-only old primary,
-    hearing its own beats and nothing written on the new one.
-    """
-    monkeypatch.setattr("svcd.common.listening.offTarget", lambda connection, target: False)
-    primary, standby = pair.servers
-    listener = ChangeListener(pair.dsn(), ValidationCache(time.monotonic), reconnectDelay=0.2)
-    listener.start()
-    try:
-        waitUntil(lambda: applicationsOn(pair.only(primary), "svc-auth-listener") == 1, 10.0)
-        fence(primary)
-        standby.promote()
-        deadline = time.monotonic() + 3.0
-        while time.monotonic() < deadline:
-            assert applicationsOn(pair.only(standby), "svc-auth-listener") == 0
-            time.sleep(0.2)
-        assert applicationsOn(pair.only(primary), "svc-auth-listener") == 1
-    finally:
-        listener.stop()
-
-
-def test_aDSNWithoutATargetMayChooseTheStandby(pair: MigratedPair) -> None:
-    """
-    Why the target is needed: without target_session_attrs, libpq takes
-    the first server that answers, here the standby named first, where
-    every write fails.
-    """
-    dsn = pair.dsn(first="standby").replace("?target_session_attrs=read-write", "")
-    with psycopg.connect(dsn, autocommit=True) as connection:
-        row = connection.execute("SELECT pg_is_in_recovery()").fetchone()
-    assert row is not None and row[0] is True
+    with appStore(pair.dsn()) as store, listening(pair.dsn()):
+        assert fencedFailover(pair, store, tenant.orgID) == 20
+        assert applicationsOn(pair.only(primary), LISTENER) == 1
+        assert applicationsOn(pair.only(standby), LISTENER) == 0

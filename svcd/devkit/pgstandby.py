@@ -57,9 +57,7 @@ class StreamingPair:
             standby.start(timeout)
             pair.waitUntilStreaming(timeout)
             if synchronous:
-                primary.alterSystem(
-                    {"synchronous_standby_names": "*", "synchronous_commit": "on"}
-                )
+                primary.alterSystem({"synchronous_standby_names": "*", "synchronous_commit": "on"})
                 pair.waitUntilStreaming(timeout, synchronous=True)
         except BaseException:
             if standby is not None:
