@@ -2,8 +2,9 @@
 A PostgreSQL failover end to end (decisions D16, issue 48): real svc-auth,
 svc-memory and svc-proxy daemons whose POSTGRES_DSN names a primary and its
 synchronous streaming standby (C{target_session_attrs=read-write}), a
-proxy answering chat completions all along; then the primary killed
-(SIGKILL, every process) and the standby promoted.
+proxy answering chat completions all along; then the primary frozen (the
+proxy's rows in flight to svc-auth hang), killed (SIGKILL, every process)
+and the standby promoted.
 
 Without a restart, both daemons serve again within seconds of the
 promotion: svc-auth validates a token made on the new primary, svc-memory
@@ -42,9 +43,8 @@ from svcd.memoryclient.records import Scope
 # Starts real daemons (conftest.py, pytest.ini): left out of a quick run.
 pytestmark = pytest.mark.e2e
 
-# The promise measured: from the primary's death to both daemons serving
-# again, the promotion included (a second here; a failover manager takes
-# longer, and what the daemons add to it is what is bounded).
+# The promise measured: from the promotion (the failover manager's part
+# done) to both daemons serving again.
 SERVES_AGAIN_WITHIN = 15.0
 # Bounds on what the daemons do on their own afterwards (the outbox's
 # backoff is at most 5 s): guards against a hang, not promises.
@@ -223,7 +223,8 @@ def ready(daemon: Daemon) -> bool:
 def test_theDaemonsFollowAFailoverWithoutARestart(tmp_path: Path) -> None:
     """
     The primary killed under a steady load of chat completions and the
-    standby promoted: within L{SERVES_AGAIN_WITHIN} of the kill, the same
+    standby promoted once both daemons report the outage: within
+    L{SERVES_AGAIN_WITHIN} of the promotion, the same
     svc-auth validates a token made on the new primary and the same
     svc-memory finds what was written before and not what was deleted on
     the new primary in the gap; both report ready; every request answered
@@ -251,9 +252,34 @@ def test_theDaemonsFollowAFailoverWithoutARestart(tmp_path: Path) -> None:
         )
         with Load(stack) as load:
             waitFor(lambda: load.okSince(0) >= 10, WAIT)
+            # The primary hangs first, then dies, as a machine whose
+            # database stalled and was then fenced would: requests go on
+            # being answered (svc-auth validates from its cache, its
+            # listener blocked on the silent server), their rows sent to
+            # an svc-auth whose transactions hang, and not acknowledged;
+            # once the primary is killed, svc-auth refuses what its cache
+            # cannot vouch for and every request waits for a primary.
+            atFreeze = len(load.answers)
+            primary.freeze()
+            waitFor(
+                lambda: (
+                    load.okSince(atFreeze) >= 1
+                    and "RecordUsage to svc-auth failed" in stack.proxy.output()
+                ),
+                WAIT,
+            )
             primary.kill()
             killed = time.monotonic()
             atKill = len(load.answers)
+            waitFor(
+                lambda: (
+                    not ready(stack.auth)
+                    and not ready(stack.memory)
+                    and any(status != 200 for status, _ in load.answers[atKill:])
+                ),
+                WAIT,
+            )
+            duringOutage = len(load.answers)
             standby.promote()
             promoted = time.monotonic()
             # Deleted on the new primary as svcctl would, most likely
@@ -268,18 +294,18 @@ def test_theDaemonsFollowAFailoverWithoutARestart(tmp_path: Path) -> None:
                     uuid.UUID(forgottenID),
                 )
                 token, _ = issueToken(owner, orgID=stack.tenant.orgID, permissions=EVERYTHING)
-            timings: dict[str, float] = {"promotion": promoted - killed}
+            timings: dict[str, float] = {"outage until promoted": promoted - killed}
 
             def validates() -> bool:
                 answer = stack.call("POST", "/v1/chat/completions", CHAT, token=token)
                 return answer.status == 200
 
             waitFor(validates, SERVES_AGAIN_WITHIN)
-            timings["svc-auth validates"] = time.monotonic() - killed
+            timings["svc-auth validates"] = time.monotonic() - promoted
             waitFor(lambda: keptID in (stack.found("green tea") or []), SERVES_AGAIN_WITHIN)
-            timings["svc-memory searches"] = time.monotonic() - killed
+            timings["svc-memory searches"] = time.monotonic() - promoted
             waitFor(lambda: ready(stack.auth) and ready(stack.memory), SERVES_AGAIN_WITHIN)
-            timings["both ready"] = time.monotonic() - killed
+            timings["both ready"] = time.monotonic() - promoted
             results = stack.found("plays the cello")
             assert results is not None and forgottenID not in results
             assert keptID in (stack.found("green tea") or [])
@@ -288,10 +314,16 @@ def test_theDaemonsFollowAFailoverWithoutARestart(tmp_path: Path) -> None:
         statuses: dict[int, int] = {}
         for status, _ in load.answers:
             statuses[status] = statuses.get(status, 0) + 1
-        print(f"\ntimings after the kill (s): {timings}; answers: {statuses}")
+        frozen, outage = load.answers[atFreeze:atKill], load.answers[atKill:duringOutage]
+        print(
+            f"\ntimings (s): {timings}; answers: {statuses}; while frozen"
+            f" {sum(status == 200 for status, _ in frozen)} of {len(frozen)} were 200,"
+            f" once killed {sum(status == 200 for status, _ in outage)} of {len(outage)}"
+        )
         for name, seconds in timings.items():
-            assert seconds < SERVES_AGAIN_WITHIN, (name, seconds)
-        assert load.okSince(atKill) > 0
+            if name != "outage until promoted":
+                assert seconds < SERVES_AGAIN_WITHIN, (name, seconds)
+        assert load.okSince(atFreeze) > 0
         answered = {requestID for status, requestID in load.answers if status == 200}
         missing: set[str] = set()
 
@@ -308,6 +340,8 @@ def test_theDaemonsFollowAFailoverWithoutARestart(tmp_path: Path) -> None:
             assert processID(daemon) == pid
             assert daemon.process is not None and daemon.process.poll() is None
         assert not primary.isRunning
+        # What svc-auth could not take during the outage was sent again.
+        assert "failed attempt(s)" in stack.proxy.output()
 
 
 def processID(daemon: Daemon) -> int:
