@@ -38,6 +38,7 @@ from svcd.auth.store.base import connectionPool
 from svcd.common import listening as listeningModule
 from svcd.common import pgtransactions
 from svcd.common.config import ConfigError
+from svcd.common.listening import BLOCKED_LIMIT
 from svcd.common.migrations import migrate
 from svcd.common.pgtransactions import StoreUnavailable, sessionTarget, withTCPSettings
 from svcd.devkit.postgres import PostgresServer
@@ -191,12 +192,12 @@ def pings(store: Store) -> bool:
 
 
 @contextlib.contextmanager
-def listening(dsn: str) -> Iterator[ChangeListener]:
+def listening(dsn: str, cache: ValidationCache | None = None) -> Iterator[ChangeListener]:
     """
     svc-auth's change listener on C{dsn}, started, with the tests' quick
     reconnection.
     """
-    listener = ChangeListener(dsn, ValidationCache(time.monotonic), reconnectDelay=0.2)
+    listener = ChangeListener(dsn, cache or ValidationCache(time.monotonic), reconnectDelay=0.2)
     listener.start()
     try:
         yield listener
@@ -205,6 +206,31 @@ def listening(dsn: str) -> Iterator[ChangeListener]:
 
 
 LISTENER = "svc-auth-listener"
+
+
+def test_aListenerBlockedOnASilentServerIsCutOff(privatePostgres: PostgresServer) -> None:
+    """
+    A server that stops answering without closing (frozen: its kernel
+    still acknowledges, so no TCP timeout fires) holds svc-auth's
+    listener in its next beat, where it cannot notice that beats stopped
+    coming back; while it is held its cache trusts its entries. The
+    watchdog cuts the connection once no beat came back for
+    BLOCKED_LIMIT seconds: the cache stops trusting, and once the server
+    answers again the listener listens again.
+    """
+    dsn = privatePostgres.createDatabase("silent")
+    migrate(dsn)
+    cache = ValidationCache(time.monotonic)
+    with listening(dsn, cache):
+        waitUntil(cache.isListening, 10.0)
+        privatePostgres.freeze()
+        try:
+            took = waitUntil(lambda: not cache.isListening(), BLOCKED_LIMIT + 5.0, 0.05)
+        finally:
+            privatePostgres.thaw()
+        print(f"\nthe listener stopped vouching {took:.2f} s after the server froze")
+        assert took > BLOCKED_LIMIT - 2.0  # its own 5 s limit could not apply
+        waitUntil(cache.isListening, 15.0)
 
 
 def test_theStoreAndListenerFollowACrashAndPromotion(pair: MigratedPair) -> None:

@@ -157,6 +157,7 @@ class ChangeListener(ListeningThread[Store]):
                 if payload.startswith("beat:"):
                     if self._beatCameBack(payload, nonce, sent):
                         lastBack = self._monotonic()
+                        self._heard()
                     continue
                 self._apply(payload, store)
             if self._monotonic() - lastBack > self._beatTimeout:

@@ -27,11 +27,24 @@ gives its connection up as soon as the server is off that target
 (L{ListeningThread._stayOnTarget}, checked at every beat), and libpq finds
 the new primary for the next one; what was missed in between is loaded
 again, as after any lost connection.
+
+A server that stops answering without closing (a stalled or frozen
+process, whose kernel still acknowledges every packet, so that neither
+keepalives nor tcp_user_timeout fire) would hold the thread in a read for
+ever, and with it whatever the listener vouches for (svc-auth's cache
+trusts its entries while listening). A watchdog thread cuts such a
+connection (shuts its socket down, which ends the read with an error)
+once none of the listener's beats has come back for L{BLOCKED_LIMIT}
+seconds, and the loop connects anew, to the new primary after a failover
+(libpq's connect_timeout, 3 s, passes over the silent one).
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
+import time
 import traceback
 from typing import ClassVar, Generic, TypeVar
 
@@ -42,6 +55,13 @@ from svcd.common.pgtransactions import offTarget, sessionTarget, withTCPSettings
 
 # No read of a listener's may hold up its notifications and beats for long.
 STATEMENT_TIMEOUT_MS = 5_000
+
+# How long a connection may go without a beat coming back before the
+# watchdog cuts it: longer than any listener's own limit (svc-auth's 5 s,
+# svc-memory's 1 s lease), which a thread that is not blocked applies
+# itself, and than the statements of a listener's load when it connects
+# (STATEMENT_TIMEOUT_MS each).
+BLOCKED_LIMIT = 10.0
 
 SessionT = TypeVar("SessionT")
 
@@ -96,11 +116,21 @@ class ListeningThread(Generic[SessionT]):
         self._reconnectDelay = reconnectDelay
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self._watchdog: threading.Thread | None = None
+        # The socket of the connection in use and when a beat last came
+        # back on it, under the lock (the watchdog reads them).
+        self._watchLock = threading.Lock()
+        self._socket: int | None = None
+        self._lastHeard = 0.0
 
     def start(self) -> None:
         self._stopping.clear()
         self._thread = threading.Thread(target=self._run, name=self.threadName, daemon=True)
         self._thread.start()
+        self._watchdog = threading.Thread(
+            target=self._watch, name=f"{self.threadName}-watchdog", daemon=True
+        )
+        self._watchdog.start()
 
     def stop(self, timeout: float = 2.0) -> None:
         """
@@ -108,9 +138,46 @@ class ListeningThread(Generic[SessionT]):
         thread or at shutdown).
         """
         self._stopping.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
+        for thread in (self._thread, self._watchdog):
+            if thread is not None:
+                thread.join(timeout)
+        self._thread = self._watchdog = None
+
+    def _heard(self) -> None:
+        """
+        One of the listener's beats came back: the connection answers.
+        """
+        with self._watchLock:
+            self._lastHeard = time.monotonic()
+
+    def _watching(self, connection: psycopg.Connection[object] | None) -> None:
+        with self._watchLock:
+            self._socket = None if connection is None else connection.pgconn.socket
+            self._lastHeard = time.monotonic()
+
+    def _watch(self, interval: float = 0.5) -> None:
+        """
+        The watchdog: cut the connection once no beat has come back on it
+        for L{BLOCKED_LIMIT} seconds. The socket is duplicated under the
+        lock, while it is surely the connection's (the listener forgets it
+        under the lock before closing it), so that the shutdown can never
+        reach another socket that took its number since.
+        """
+        while not self._stopping.wait(interval):
+            with self._watchLock:
+                if self._socket is None or time.monotonic() - self._lastHeard < BLOCKED_LIMIT:
+                    continue
+                duplicate = os.dup(self._socket)
+                self._socket = None
+            self.log.warn(
+                "Change listener heard nothing back for {limit} s; cutting its connection",
+                limit=BLOCKED_LIMIT,
+            )
+            with socket.socket(fileno=duplicate) as cut:
+                try:
+                    cut.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
     def _run(self) -> None:
         """
@@ -130,13 +197,18 @@ class ListeningThread(Generic[SessionT]):
                     connect_timeout=3,
                     application_name=self.applicationName,
                 ) as connection:
-                    connection.execute(f"SET ROLE {self.role}")
-                    self._stayOnTarget(connection)
-                    connection.execute(f"SET statement_timeout = {STATEMENT_TIMEOUT_MS}")
-                    connection.execute(f"LISTEN {self.channel}")
-                    session = self._begin(connection)
-                    failing = False
-                    self._drain(connection, session)
+                    self._watching(connection)
+                    try:
+                        connection.execute(f"SET ROLE {self.role}")
+                        self._stayOnTarget(connection)
+                        connection.execute(f"SET statement_timeout = {STATEMENT_TIMEOUT_MS}")
+                        connection.execute(f"LISTEN {self.channel}")
+                        session = self._begin(connection)
+                        self._heard()
+                        failing = False
+                        self._drain(connection, session)
+                    finally:
+                        self._watching(None)
             except Exception as error:
                 self._lostSafely()
                 if not failing:

@@ -230,6 +230,7 @@ class MemoryListener(ListeningThread[MemoryStore]):
             for sync in syncs:
                 self._cache.heardSync(sync)
             if back is not None:
+                self._heard()
                 until = back + self._lease
                 for cache in self._caches():
                     cache.heard(until)
