@@ -101,12 +101,17 @@ class ChangeListener(ListeningThread[Store]):
         store = Store(lambda: contextlib.nullcontext(connection))
         # After LISTEN: a change committed from now on is both announced
         # and maybe in these reads, never in neither.
+        # Each load answered is news of the connection for the watchdog:
+        # only a server that stopped answering is cut off.
         if self._limits is not None:
             self._limits.replace(store.allLimits())
+            self._heard()
         if self._budgets is not None:
             self._budgets.replace(store.allBudgets())
+            self._heard()
         if self._memorySettings is not None:
             self._memorySettings.replace(store.allMemorySettings())
+            self._heard()
         self._cache.listening()
         if self._hub is not None:
             self._hub.listenerUp()

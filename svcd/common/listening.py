@@ -56,11 +56,10 @@ from svcd.common.pgtransactions import offTarget, sessionTarget, withTCPSettings
 # No read of a listener's may hold up its notifications and beats for long.
 STATEMENT_TIMEOUT_MS = 5_000
 
-# How long a connection may go without a beat coming back before the
-# watchdog cuts it: longer than any listener's own limit (svc-auth's 5 s,
-# svc-memory's 1 s lease), which a thread that is not blocked applies
-# itself, and than the statements of a listener's load when it connects
-# (STATEMENT_TIMEOUT_MS each).
+# How long a connection may go without answering (a beat back, a load
+# done) before the watchdog cuts it: longer than any listener's own limit
+# (svc-auth's 5 s, svc-memory's 1 s lease), which a thread that is not
+# blocked applies itself, and than any one statement (STATEMENT_TIMEOUT_MS).
 BLOCKED_LIMIT = 10.0
 
 SessionT = TypeVar("SessionT")
@@ -145,7 +144,9 @@ class ListeningThread(Generic[SessionT]):
 
     def _heard(self) -> None:
         """
-        One of the listener's beats came back: the connection answers.
+        The connection answered (one of the listener's beats came back, or
+        a load finished): the watchdog leaves it for L{BLOCKED_LIMIT} more
+        seconds.
         """
         with self._watchLock:
             self._lastHeard = time.monotonic()
