@@ -222,13 +222,14 @@ def ready(daemon: Daemon) -> bool:
 
 def test_theDaemonsFollowAFailoverWithoutARestart(tmp_path: Path) -> None:
     """
-    The primary killed under a steady load of chat completions and the
-    standby promoted once both daemons report the outage: within
-    L{SERVES_AGAIN_WITHIN} of the promotion, the same
+    The primary frozen, then killed, under a steady load of chat
+    completions, and the standby promoted once both daemons report the
+    outage: within L{SERVES_AGAIN_WITHIN} of the promotion the same
     svc-auth validates a token made on the new primary and the same
     svc-memory finds what was written before and not what was deleted on
     the new primary in the gap; both report ready; every request answered
-    200 has its ledger row on the new primary.
+    200 (those answered while the primary was frozen included) has its
+    ledger row on the new primary, sent again by the proxy.
     """
     with runningStack(tmp_path) as stack:
         primary, standby = stack.pair.servers
