@@ -61,7 +61,9 @@ setup(
         # query are kept for notifies() (psycopg #962); svc-auth's and
         # svc-memory's listeners query between their reads of them.
         "psycopg[binary]>=3.2.4",
-        "psycopg-pool>=3.2",
+        # 3.3: ConnectionPool.drain(), with which a daemon's pool leaves a
+        # server that stopped taking writes (svcd/common/pgtransactions.py).
+        "psycopg-pool>=3.3",
         "argon2-cffi>=23.1",
         "prometheus-client>=0.20",
         "opentelemetry-sdk>=1.25",

@@ -101,12 +101,17 @@ class ChangeListener(ListeningThread[Store]):
         store = Store(lambda: contextlib.nullcontext(connection))
         # After LISTEN: a change committed from now on is both announced
         # and maybe in these reads, never in neither.
+        # Each load answered is news of the connection for the watchdog:
+        # only a server that stopped answering is cut off.
         if self._limits is not None:
             self._limits.replace(store.allLimits())
+            self._heard()
         if self._budgets is not None:
             self._budgets.replace(store.allBudgets())
+            self._heard()
         if self._memorySettings is not None:
             self._memorySettings.replace(store.allMemorySettings())
+            self._heard()
         self._cache.listening()
         if self._hub is not None:
             self._hub.listenerUp()
@@ -150,12 +155,14 @@ class ChangeListener(ListeningThread[Store]):
                 sent[number] = now
                 nextBeat = now + self._beatInterval
                 connection.execute("SELECT pg_notify(%s, %s)", (CHANNEL, f"beat:{nonce}:{number}"))
+                self._stayOnTarget(connection)
             wait = max(0.0, nextBeat - self._monotonic())
             for notification in list(connection.notifies(timeout=wait, stop_after=1)):
                 payload = notification.payload
                 if payload.startswith("beat:"):
                     if self._beatCameBack(payload, nonce, sent):
                         lastBack = self._monotonic()
+                        self._heard()
                     continue
                 self._apply(payload, store)
             if self._monotonic() - lastBack > self._beatTimeout:

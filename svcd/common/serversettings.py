@@ -139,6 +139,49 @@ class ServerDefaults:
     internalCallers: str
 
 
+# The values of target_session_attrs a daemon that writes may be given
+# (libpq's others, read-only, standby and prefer-standby, choose servers
+# that refuse writes).
+_WRITING_TARGETS = ("any", "read-write", "primary")
+_READING_TARGETS = ("read-only", "standby", "prefer-standby")
+
+
+def checkServers(dsn: str) -> None:
+    """
+    Refuse a C{POSTGRES_DSN} that libpq could never use to write: not a
+    connection string at all, several hosts with a number of ports that
+    matches neither one nor each, or a C{target_session_attrs} that
+    chooses a standby (decisions D16: svc-auth and svc-memory write, and
+    with several hosts they must be told to find the server that takes
+    writes, C{read-write}). Said at the start, rather than as a daemon
+    that never becomes ready.
+    """
+    try:
+        parameters = psycopg.conninfo.conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError:
+        raise config.ConfigError(
+            "POSTGRES_DSN", "is not a valid PostgreSQL connection string"
+        ) from None
+    hosts = str(parameters.get("host") or parameters.get("hostaddr") or "").split(",")
+    ports = str(parameters.get("port") or "").split(",")
+    if len(ports) > 1 and len(ports) != len(hosts):
+        raise config.ConfigError(
+            "POSTGRES_DSN", f"names {len(hosts)} host(s) but {len(ports)} ports (one, or one each)"
+        )
+    target = str(parameters.get("target_session_attrs") or "any")
+    if target in _READING_TARGETS:
+        raise config.ConfigError(
+            "POSTGRES_DSN",
+            f"has target_session_attrs={target}, which chooses a server that takes no"
+            " writes; use read-write",
+        )
+    if target not in _WRITING_TARGETS:
+        # Not quoted: it is the operator's text, of a connection string.
+        raise config.ConfigError(
+            "POSTGRES_DSN", "has a target_session_attrs libpq does not know; use read-write"
+        )
+
+
 def readDatabaseServer(
     environ: Mapping[str, str], defaults: ServerDefaults
 ) -> DatabaseServerSettings:
@@ -149,12 +192,7 @@ def readDatabaseServer(
     subjects, refusing plaintext on a reachable address in production.
     """
     dsn = config.required(environ, "POSTGRES_DSN")
-    try:
-        psycopg.conninfo.conninfo_to_dict(dsn)
-    except psycopg.ProgrammingError:
-        raise config.ConfigError(
-            "POSTGRES_DSN", "is not a valid PostgreSQL connection string"
-        ) from None
+    checkServers(dsn)
     environment = config.choice(
         environ, "SVC_ENV", "development", ("development", "staging", "production")
     )

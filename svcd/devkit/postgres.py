@@ -452,6 +452,139 @@ class PostgresServer:
         signalProcesses(childProcesses(pid), signal.SIGCONT)
         os.kill(pid, signal.SIGCONT)
 
+    def kill(self, timeout: float = 10.0) -> None:
+        """
+        SIGKILL the postmaster and every one of its processes at once: a
+        crash, not a shutdown (nothing is flushed, no client is told), the
+        way to test a failover. Its shared memory interlock, which only a
+        shutdown or the next start would remove, is removed here, since a
+        killed server of a test is never started again.
+        """
+        running.discard(self)
+        pid = self.postmasterPid()
+        if pid is None:
+            return
+        # The children first known, then the postmaster killed before
+        # them, so that it neither forks a new one nor restarts them.
+        children = childProcesses(pid)
+        signalProcesses([pid, *children], signal.SIGKILL)
+        if not waitUntil(
+            lambda: not any(processExists(each) for each in [pid, *children]), timeout
+        ):
+            raise ServerError(f"PostgreSQL (pid {pid}) survived SIGKILL")
+        self._removeSharedMemory()
+
+    def _removeSharedMemory(self) -> None:
+        try:
+            lines = (self.dataDirectory / "postmaster.pid").read_text().splitlines()
+            shmid = lines[6].split()[1]
+        except (OSError, IndexError):
+            return
+        ipcrm = shutil.which("ipcrm")
+        if ipcrm is not None and shmid.isdigit():
+            subprocess.run(
+                [*self._runAs, ipcrm, "-m", shmid],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                timeout=10,
+                check=False,
+            )
+
+    def alterSystem(self, settings: dict[str, str]) -> None:
+        """
+        Write C{settings} into postgresql.auto.conf (ALTER SYSTEM) and have
+        the server read its configuration again: for settings that need
+        no restart.
+        """
+        with self.connect() as connection:
+            for name, value in settings.items():
+                connection.execute(
+                    sql.SQL("ALTER SYSTEM SET {} = {}").format(
+                        sql.Identifier(name), sql.Literal(value)
+                    )
+                )
+            connection.execute("SELECT pg_reload_conf()")
+
+    def makeStandby(self, baseDirectory: Path, timeout: float = DEFAULT_TIMEOUT) -> PostgresServer:
+        """
+        A streaming standby of this running server, not yet started: its
+        cluster copied with C{pg_basebackup -R} (which writes the
+        primary's address into the standby's configuration and marks it a
+        standby), on a free port of its own. The replication connection
+        needs a C{replication} line in pg_hba.conf, which initdb writes
+        for the loopback addresses with trust.
+
+        @raise MissingBinaries: pg_basebackup is not installed.
+        @raise ServerError: the copy failed.
+        """
+        baseBackup = self._binaries / "pg_basebackup"
+        if not os.access(baseBackup, os.X_OK):
+            raise MissingBinaries(
+                f"pg_basebackup was not found beside {self._binaries / 'pg_ctl'}. "
+                + INSTALL_HINT.format(package="postgresql")
+            )
+        baseDirectory = Path(os.path.abspath(baseDirectory))
+        baseDirectory.mkdir(parents=True, exist_ok=True)
+        clusterDirectory = _makeClusterDirectory(baseDirectory, self._runAs)
+        log = baseDirectory / "postgres.log"
+        command = [
+            *self._runAs,
+            str(baseBackup),
+            "-h",
+            self.host,
+            "-p",
+            str(self._port),
+            "-U",
+            "postgres",
+            "-D",
+            str(clusterDirectory / "data"),
+            "-R",
+            "-X",
+            "stream",
+            "-c",
+            "fast",
+            "--no-sync",
+        ]
+        with log.open("ab") as output:
+            result = subprocess.run(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                cwd=clusterDirectory,
+                timeout=timeout * 4,
+                check=False,
+            )
+        if result.returncode != 0:
+            _removeCluster(baseDirectory / "cluster")
+            raise ServerError(f"pg_basebackup failed; the end of {log}:\n{logTail(log)}")
+        return PostgresServer(
+            self._binaries, baseDirectory, clusterDirectory, freePort(), portChosen=True
+        )
+
+    def promote(self, timeout: float = DEFAULT_TIMEOUT) -> None:
+        """
+        Promote this standby to a primary (C{pg_ctl promote}) and return
+        once it takes writes.
+        """
+        with self.logFile.open("ab") as log:
+            status = self._pgCtl(
+                "promote",
+                "-D",
+                str(self.dataDirectory),
+                "-w",
+                "-t",
+                str(max(1, int(timeout))),
+                timeout=timeout,
+                output=log,
+            )
+        if status != 0:
+            raise ServerError(
+                f"pg_ctl promote failed on port {self._port}; the end of "
+                f"{self.logFile}:\n{logTail(self.logFile)}"
+            )
+
     def destroy(self) -> None:
         """
         Stop the server and remove C{baseDirectory} with the cluster.

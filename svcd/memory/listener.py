@@ -194,6 +194,7 @@ class MemoryListener(ListeningThread[MemoryStore]):
                 nextBeat = now + self._beatInterval
                 sent[number] = now
                 connection.execute("SELECT pg_notify(%s, %s)", (CHANNEL, f"beat:{nonce}:{number}"))
+                self._stayOnTarget(connection)
             if now >= nextCount:
                 nextCount = now + self._waitingInterval
                 self._waiting(store.observationsWaiting())
@@ -229,6 +230,7 @@ class MemoryListener(ListeningThread[MemoryStore]):
             for sync in syncs:
                 self._cache.heardSync(sync)
             if back is not None:
+                self._heard()
                 until = back + self._lease
                 for cache in self._caches():
                     cache.heard(until)
