@@ -187,7 +187,7 @@ class Stream:
 def budgetKey(tenant: Tenant) -> str:
     today = datetime.datetime.now(datetime.UTC)
     start = datetime.datetime(today.year, today.month, 1, tzinfo=datetime.UTC)
-    return f"budget:{tenant.orgID}:month:{int(start.timestamp())}"
+    return f"budget:{{{tenant.orgID}}}:month:{int(start.timestamp())}"
 
 
 def counted(group: SentinelGroup, tenant: Tenant) -> int | None:
