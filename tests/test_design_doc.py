@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DESIGN = ROOT / "docs" / "design.rst"
 
 # The decisions that exist: D1 to D13, and the amendments of D12 and D13.
-DECISIONS = range(1, 16)
+DECISIONS = range(1, 17)
 AMENDED = {12, 13}
 
 # Where citations are looked for: every text file of these places.
