@@ -1,7 +1,7 @@
 """
 What routing costs a request (decisions D15), in process.
 
-    python bench/routing.py [--requests 200000] [--repeat 5]
+    python bench/routing.py [--requests 50000] [--repeat 5]
 
 The forwarder's routing work for one request that its first try answers,
 as svcd.providers.upstream.Forwarder.forward does it: the plan (the
@@ -17,7 +17,10 @@ of reach, so that every request pays its retry rather than a cooled
 deployment sparing it).
 
 Prints, for each, the best of --repeat runs of --requests requests, in µs
-per request: compare with the forward row's CPU per request in
+of this process's CPU time per request (the cases take turns, run after
+run, so that a loaded machine weighs on each alike; CPU time rather than
+the clock's, which counts the other processes' turns on the core): compare
+with the forward row's CPU per request in
 bench/gateway.py (the proxy's column, 300 to 400 µs on the shared 2-core
 machine) to see what share of a forwarded request routing is.
 """
@@ -25,6 +28,7 @@ machine) to see what share of a forwarded request routing is.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -121,22 +125,19 @@ def requests(chain: Model, failFirst: bool) -> Callable[[int], None]:
     return run
 
 
-def best(run: Callable[[int], None], count: int, repeat: int) -> float:
+def timed(run: Callable[[int], None], count: int) -> float:
     """
-    The fastest of C{repeat} runs, in µs per request.
+    One run of C{count} requests: this process's CPU time, in µs per
+    request.
     """
-    run(min(count, 10_000))
-    times = []
-    for _ in range(repeat):
-        started = time.perf_counter()
-        run(count)
-        times.append(time.perf_counter() - started)
-    return min(times) / count * 1e6
+    started = time.process_time()
+    run(count)
+    return (time.process_time() - started) / count * 1e6
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=200_000)
+    parser.add_argument("--requests", type=int, default=50_000)
     parser.add_argument("--repeat", type=int, default=5)
     arguments = parser.parse_args()
     never = 10**12
@@ -151,11 +152,20 @@ def main() -> int:
                 True,
             )
         )
+    runs = [requests(chain, failFirst) for _, chain, failFirst in cases]
+    for run in runs:
+        run(min(arguments.requests, 10_000))
+    times: list[list[float]] = [[] for _ in cases]
+    for _ in range(arguments.repeat):
+        for run, taken in zip(runs, times, strict=True):
+            taken.append(timed(run, arguments.requests))
     width = max(len(name) for name, _, _ in cases)
-    print(f"{'case':<{width}}  µs/request (best of {arguments.repeat} x {arguments.requests:,})")
-    for name, chain, failFirst in cases:
-        micro = best(requests(chain, failFirst), arguments.requests, arguments.repeat)
-        print(f"{name:<{width}}  {micro:6.2f}")
+    print(
+        f"{'case':<{width}}  CPU µs/request: best, median"
+        f" ({arguments.repeat} runs of {arguments.requests:,})"
+    )
+    for (name, _, _), taken in zip(cases, times, strict=True):
+        print(f"{name:<{width}}  {min(taken):6.2f} {statistics.median(taken):6.2f}")
     return 0
 
 
