@@ -25,8 +25,9 @@ The floods go over many keep-alive connections driven by one selector
 (L{svcd.devkit.flood}), so that the 20,000 requests of the module cost the
 client little CPU beside the proxy's; every test shares the module's one
 stack. Measured on the shared 2-core machine at load 14 to 16: the module
-in 185 s (55 s of CPU), of which the stack's start 35 s, the 8,000
-requests 42 s, the 10,000 72 s and the steering tests 25 s.
+in 185 s, of which the stack's start 35 s, the 8,000 requests 42 s, the
+10,000 72 s and the steering tests 25 s; at load 25 to 44 in 243 s (the
+floods 67 and 104 s); 55 s of CPU either time.
 """
 
 from __future__ import annotations
