@@ -27,8 +27,10 @@ forward-recall (recall on, decisions D13: one svc-memory, shared by every
 SPEC's proxy, holding the row's 1,000 memories; its CPU per request is
 printed with the row's); messages, chat-to-anthropic, messages-to-openai
 and each of those with -stream are the rows of Anthropic's dialect
-(decisions D14) of bench/gateway.py; --connections 1,32 measures every
-row, the floor included, at each count in turn.
+(decisions D14) of bench/gateway.py, and forward-deployments and
+forward-failing its rows of a model of three deployments (decisions D15);
+--connections 1,32 measures every row, the floor included, at each count
+in turn.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gateway import (  # noqa: E402
+    DEPLOYMENT_ROWS,
     DIALECT_ROWS,
     cpuSeconds,
     gcCells,
@@ -71,6 +74,7 @@ FORWARDED = (
     "forward-budget",
     "forward-recall",
     *DIALECT_ROWS,
+    *DEPLOYMENT_ROWS,
 )
 # Wide enough for the longest row's name (chat-to-anthropic-stream).
 ROW_WIDTH = max(len(row) for row in FORWARDED)
@@ -222,6 +226,7 @@ def main() -> int:
             "compare.py: --rows takes chat, forward, stream, forward-limits,"
             " forward-budget, forward-recall, messages, chat-to-anthropic,"
             " messages-to-openai and each of those three with -stream,"
+            " forward-deployments, forward-failing,"
             f" got {arguments.rows!r}"
         )
     specs = [Spec.parse(each) for each in arguments.specs]

@@ -96,6 +96,18 @@ the gateway saw an unexpected status):
               and p50 at each connection count, the streamed three with
               the stream row's; and in the 1-connection pass, their p50
               with forward's (stream's)
+    forward-deployments
+              the forward row to a model of three deployments (decisions
+              D15: weighted 1:1:2, three providers on three ports of
+              nginx, each its own pool of connections) -> 200; compared
+              with the forward row's requests/s
+    forward-failing
+              the forward row to a model of three deployments, one of
+              which answers 503 to every request (nginx's /failing/v1):
+              its tries are retried on the others, and it cools down for
+              10 s after 3 failures, then fails 3 more -> 200; compared
+              with the forward row's requests/s, and the tries of both
+              rows are printed by deployment and outcome
 
 With the forwarding rows, a 1-connection pass of upstream, forward,
 upstream-stream and stream follows: the gateway's added latency (p50 of
@@ -184,6 +196,13 @@ _DIALECT_STREAMS = tuple(row + "-stream" for row in _DIALECTS)
 # All six, for bench/compare.py.
 DIALECT_ROWS = (*_DIALECTS, *_DIALECT_STREAMS)
 ANTHROPIC_MODEL = "bench-anthropic"
+# Forwarded rows to models of three deployments (decisions D15), compared
+# with the forward row: all three answering, and one failing every request.
+DEPLOYMENT_ROWS = ("forward-deployments", "forward-failing")
+DEPLOYED_MODEL = "bench-deployed"
+FAILING_MODEL = "bench-failing"
+# Ports of nginx besides the first: the other deployments' upstreams.
+_DEPLOYMENT_PORTS = 2
 # The forwarded row with recall (decisions D13), compared with the forward
 # row; its scope's memories, and how many go into each prompt.
 _RECALLED = ("forward-recall",)
@@ -349,13 +368,15 @@ def _streamAnswer() -> str:
     )
 
 
-def _nginxConfig(workdir: Path, port: int) -> str:
+def _nginxConfig(workdir: Path, port: int, morePorts: list[int]) -> str:
     """
     nginx answering POST .../chat/completions with a fixed answer: JSON
     under /v1, an event stream under /stream/v1; POST /v1/embeddings
     with a fixed embedding; and POST .../messages with a fixed Anthropic
     message (decisions D14): JSON under /anthropic/v1, events under
-    /anthropic-stream/v1.
+    /anthropic-stream/v1; 503 to every chat completion under /failing/v1
+    (a deployment that fails, decisions D15). The same on C{morePorts}:
+    the upstreams of the other deployments.
     """
     temp = workdir / "nginx-temp"
     temp.mkdir(exist_ok=True)
@@ -370,6 +391,8 @@ def _nginxConfig(workdir: Path, port: int) -> str:
 
     def quoted(text: str) -> str:
         return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+    listens = "".join(f"    listen 127.0.0.1:{each} backlog=511;\n" for each in morePorts)
 
     return f"""load_module {_NJS_MODULE};
 {user}worker_processes 1;
@@ -389,6 +412,11 @@ http {{
   js_import embed from {script};
   server {{
     listen 127.0.0.1:{port} backlog=511;
+{listens}
+    location = /failing/v1/chat/completions {{
+      default_type application/json;
+      return 503 '{{"error":{{"message":"overloaded","type":"server_error"}}}}';
+    }}
     location = /v1/chat/completions {{
       default_type application/json;
       return 200 {quoted(ANSWER)};
@@ -415,9 +443,12 @@ http {{
 """
 
 
-def startNginx(stack: contextlib.ExitStack, workdir: Path) -> tuple[int, subprocess.Popen[bytes]]:
+def startNginx(
+    stack: contextlib.ExitStack, workdir: Path, morePorts: list[int] | None = None
+) -> tuple[int, subprocess.Popen[bytes]]:
     """
-    The fast local upstream of the forwarding rows, on a free port.
+    The fast local upstream of the forwarding rows, on a free port (and on
+    C{morePorts}).
     """
     nginx = shutil.which("nginx") or (
         "/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None
@@ -426,7 +457,7 @@ def startNginx(stack: contextlib.ExitStack, workdir: Path) -> tuple[int, subproc
         raise SystemExit("nginx is missing: apt-get install nginx (or drop the forwarding rows)")
     port = freePort()
     config = workdir / "nginx.conf"
-    config.write_text(_nginxConfig(workdir, port))
+    config.write_text(_nginxConfig(workdir, port, morePorts or []))
     process = subprocess.Popen([nginx, "-c", str(config), "-p", str(workdir)])
     stack.callback(process.wait, 10)
     stack.callback(process.terminate)
@@ -442,16 +473,31 @@ def startNginx(stack: contextlib.ExitStack, workdir: Path) -> tuple[int, subproc
 
 
 def _providersFile(
-    workdir: Path, nginxPort: int, recallMode: str = "vector", withDialects: bool = True
+    workdir: Path,
+    nginxPort: int,
+    morePorts: list[int],
+    recallMode: str = "vector",
+    withDialects: bool = True,
 ) -> Path:
     """
-    The providers file: nginx's routes as models, and the [memory] table of
-    the memory rows (used only where SVC_MEMORY_GRPC_ADDR is set; every
-    memory scores at least -1, so each recall of the forward-recall row
-    injects the C{RECALL_K} best), recalling by C{recallMode} (--recall-mode).
-    Without C{withDialects}, no Anthropic provider: a revision from before
-    decisions D14 (compare.py) refuses the file's C{api} key.
+    The providers file: nginx's routes as models, the deployments' models
+    over nginx's ports (C{nginxPort} and C{morePorts}), and the [memory]
+    table of the memory rows (used only where SVC_MEMORY_GRPC_ADDR is set;
+    every memory scores at least -1, so each recall of the forward-recall
+    row injects the C{RECALL_K} best), recalling by C{recallMode}
+    (--recall-mode). Without C{withDialects}, no Anthropic provider: a
+    revision from before decisions D14 (compare.py) refuses the file's
+    C{api} key.
     """
+    deployed = "".join(
+        f"""
+[[providers]]
+name = "nginx-port-{number}"
+base_url = "http://127.0.0.1:{port}/v1"
+max_connections = 256
+"""
+        for number, port in enumerate(morePorts, start=2)
+    )
     anthropic = f"""
 [[providers]]
 name = "nginx-anthropic"
@@ -503,6 +549,29 @@ kind = "embedding"
 name = "{PRICED_MODEL}"
 provider = "nginx"
 price = {{ input = "2.50", output = "10.00", cached_input = "1.25" }}
+
+[[providers]]
+name = "nginx-failing"
+base_url = "http://127.0.0.1:{nginxPort}/failing/v1"
+max_connections = 256
+{deployed}
+# Three deployments: nginx's three ports, weighted 1:1:2.
+[[models]]
+name = "{DEPLOYED_MODEL}"
+deployments = [
+    {{ provider = "nginx" }},
+    {{ provider = "nginx-port-2" }},
+    {{ provider = "nginx-port-3", weight = 2 }},
+]
+
+# Three deployments, the second failing every request.
+[[models]]
+name = "{FAILING_MODEL}"
+deployments = [
+    {{ provider = "nginx" }},
+    {{ provider = "nginx-failing" }},
+    {{ provider = "nginx-port-2" }},
+]
 
 # Used only where SVC_MEMORY_GRPC_ADDR is set (the memory rows).
 [memory]
@@ -701,9 +770,10 @@ def runningStack(
         nginxPort = 0
         forwardingEnvironment: dict[str, str] = {}
         if withForwarding:
-            nginxPort, nginx = startNginx(stack, workdir)
+            morePorts = [freePort() for _ in range(_DEPLOYMENT_PORTS)]
+            nginxPort, nginx = startNginx(stack, workdir, morePorts)
             forwardingEnvironment["SVC_PROVIDERS_FILE"] = str(
-                _providersFile(workdir, nginxPort, recallMode, withDialects)
+                _providersFile(workdir, nginxPort, morePorts, recallMode, withDialects)
             )
 
         auth = Daemon(
@@ -919,6 +989,12 @@ class Stack:
             environment["SVC_BENCH_CONTENT"] = MEMORY_CONTENT
             environment["SVC_BENCH_SUBJECTS"] = str(MEMORY_SUBJECTS)
             return f"{base}/v1/memories", environment, 201
+        if row in DEPLOYMENT_ROWS:
+            environment = _wrkEnvironment("POST", self.token, self.agentID)
+            environment["SVC_BENCH_MODEL"] = (
+                DEPLOYED_MODEL if row == "forward-deployments" else FAILING_MODEL
+            )
+            return f"{base}/v1/chat/completions", environment, 200
         if row == "forward-limits":
             environment = _wrkEnvironment("POST", self.limitedToken, self.limitedAgentID)
             environment["SVC_BENCH_MODEL"] = FORWARDED_MODEL
@@ -949,6 +1025,7 @@ class Stack:
             f"unknown row {row!r}: use floor, ceiling, prototype, chat, spread, probe,"
             " rejected, chat-phase1, spread-phase1, upstream, forward, upstream-stream,"
             " stream, forward-limits, forward-budget, forward-recall, embed, memory-add,"
+            " forward-deployments, forward-failing,"
             " messages, chat-to-anthropic, messages-to-openai or each of those three"
             " with -stream"
         )
@@ -1037,6 +1114,31 @@ def _recalls(stack: Stack, workerCounts: list[int]) -> dict[str, float]:
                     if sample.name == "svc_proxy_memory_recalls_total":
                         outcome = sample.labels["outcome"]
                         counts[outcome] = counts.get(outcome, 0.0) + sample.value
+    return counts
+
+
+def _deploymentTries(stack: Stack, workerCounts: list[int]) -> dict[tuple[str, ...], float]:
+    """
+    svc_proxy_deployment_requests_total (by model, deployment and outcome)
+    and svc_proxy_deployment_cooldowns_total (by model, deployment and
+    reason) of the deployment rows' models, summed over every proxy.
+    """
+    counts: dict[tuple[str, ...], float] = {}
+    for workers in workerCounts:
+        for proxy in stack.proxies[workers, False]:
+            for family in text_string_to_metric_families(proxy.get("/metrics")[1].decode()):
+                for sample in family.samples:
+                    labels = sample.labels
+                    if labels.get("model") not in (DEPLOYED_MODEL, FAILING_MODEL):
+                        continue
+                    if sample.name == "svc_proxy_deployment_requests_total":
+                        kind = "tries " + labels["outcome"]
+                    elif sample.name == "svc_proxy_deployment_cooldowns_total":
+                        kind = "cooldowns " + labels["reason"]
+                    else:
+                        continue
+                    key = (labels["model"], labels["deployment"], kind)
+                    counts[key] = counts.get(key, 0.0) + sample.value
     return counts
 
 
@@ -1428,6 +1530,7 @@ def main() -> int:
                     *_RECALLED,
                     *_DIALECTS,
                     *_DIALECT_STREAMS,
+                    *DEPLOYMENT_ROWS,
                 )
                 for row in [*rows, *([arguments.soak_row] if arguments.soak else [])]
             ),
@@ -1464,6 +1567,11 @@ def main() -> int:
                 if row in rows
             }
             recalls = _recallsSince(recallsBefore, _recalls(stack, workerCounts))
+            deploymentTries = (
+                _deploymentTries(stack, workerCounts)
+                if any(row in DEPLOYMENT_ROWS for row in rows)
+                else {}
+            )
             validateRate, validateErrors = validateTokenDirect(stack, arguments.duration, 16)
 
     floors = {each["connections"]: each["rps"] for each in results if each["row"] == "floor"}
@@ -1514,7 +1622,7 @@ def main() -> int:
     for each in results:
         runs = forwardRuns.get((each["connections"], each["workers"]))
         forwardRPS = sum(runs) / len(runs) if runs else None
-        if each["row"] in (*_LIMITED, *_EMBEDDED, *_RECALLED) and forwardRPS:
+        if each["row"] in (*_LIMITED, *_EMBEDDED, *_RECALLED, *DEPLOYMENT_ROWS) and forwardRPS:
             each["ratio_to_forward"] = each["rps"] / forwardRPS
             print(
                 f"{each['row']} at {each['connections']} connections, {each['workers']}"
@@ -1547,6 +1655,10 @@ def main() -> int:
                 f"1 connection: {forwarded} p50 {latency[forwarded]['p50_ms']:.2f} ms,"
                 f" {alone} p50 {latency[alone]['p50_ms']:.2f} ms: {what} {added:.2f} ms"
             )
+    if deploymentTries:
+        print("the deployment rows' tries over the run (warm-ups included), by deployment:")
+        for (model, deployment, kind), count in sorted(deploymentTries.items()):
+            print(f"  {model:<15} {deployment:<13} {kind:<24} {count:>10.0f}")
     if recalls:
         print(
             "recalls in the 1-connection pass (svc_proxy_memory_recalls_total): "

@@ -1,8 +1,10 @@
 """
-A flood of chat requests whose bearers carry made-up token ids, for the
-test that the proxy keeps nothing per made-up id
-(tests/test_gateway_cache.py) and for the benchmark that sends a million
-of them (bench/madeup.py).
+Floods of chat requests over many keep-alive connections: of bearers
+carrying made-up token ids, for the test that the proxy keeps nothing per
+made-up id (tests/test_gateway_cache.py) and for the benchmark that sends a
+million of them (bench/madeup.py); and of one tenant's requests, for the
+tests that count how thousands of requests split over a model's
+deployments (tests/test_gateway_deployments.py).
 
 One selector drives every connection, so the flood costs the client as
 little CPU as it can: on a 2-core machine the client shares the cores with
@@ -20,6 +22,7 @@ import selectors
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 # A valid chat body: the requests are refused for their token, not for
@@ -51,6 +54,45 @@ def floodMadeUp(
         f"X-SVC-Agent-ID: {agentID}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\nAuthorization: Bearer svc_pat_"
     )
+
+    def madeUp() -> bytes:
+        tokenID = uuid.UUID(bytes=os.urandom(16), version=4)
+        return (head + f"{tokenID}_{secret}\r\n\r\n").encode() + body
+
+    return flood(port, madeUp, count, connections, limit)
+
+
+def chatRequest(token: str, agentID: str, body: bytes) -> bytes:
+    """
+    One chat completion request of C{token}'s tenant, as sent on the wire.
+    """
+    return (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\n"
+        f"X-SVC-Agent-ID: {agentID}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nAuthorization: Bearer {token}\r\n\r\n"
+    ).encode() + body
+
+
+def flood(
+    port: int,
+    nextRequest: Callable[[], bytes] | bytes,
+    count: int,
+    connections: int = 200,
+    limit: float = 1800.0,
+) -> collections.Counter[int]:
+    """
+    Send C{count} requests to 127.0.0.1:C{port} over C{connections}
+    keep-alive connections, each connection sending its next request when
+    its answer has come (so at most C{connections} in flight). Returns the
+    answers' statuses, counted.
+
+    @param nextRequest: the bytes of each request (the same every time),
+        or what makes the next one; each answer must carry a
+        Content-Length.
+    @raise AssertionError: when the proxy closes a connection, or the
+        flood has not finished within C{limit} seconds.
+    """
+    make = (lambda: nextRequest) if isinstance(nextRequest, bytes) else nextRequest
     selector = selectors.DefaultSelector()
     buffers: dict[socket.socket, bytes] = {}
     sent = 0
@@ -58,8 +100,7 @@ def floodMadeUp(
 
     def sendNext(sock: socket.socket) -> None:
         nonlocal sent
-        tokenID = uuid.UUID(bytes=os.urandom(16), version=4)
-        sock.sendall((head + f"{tokenID}_{secret}\r\n\r\n").encode() + body)
+        sock.sendall(make())
         sent += 1
 
     for _ in range(min(connections, count)):
@@ -82,7 +123,9 @@ def floodMadeUp(
                     if end < 0:
                         break
                     header = buffer[:end]
-                    length = int(header.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                    lengths = header.lower().split(b"content-length:")
+                    assert len(lengths) == 2, f"an answer without a Content-Length: {header!r}"
+                    length = int(lengths[1].split(b"\r\n")[0])
                     if len(buffer) < end + 4 + length:
                         break
                     statuses[int(header[9:12])] += 1

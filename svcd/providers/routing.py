@@ -12,9 +12,17 @@ in all (by default one of each). A deployment cooling down
 its model is: then the one whose cooldown ends first is tried rather
 than none. The order of a model's deployments:
 
-  - C{weighted}: a weighted random order (each next one drawn among the
-    rest with the chance of its weight), so that the first tries of many
-    requests split as the weights do;
+  - C{weighted}: first the deployment that smooth weighted round-robin
+    picks (nginx's: each deployment not cooling down adds its weight to
+    its credit, the one of most credit goes first and gives back the sum
+    of those weights), then the rest in weighted random order (each next
+    one drawn among the rest with the chance of its weight). The first
+    tries of any run of requests on this proxy split as the weights do,
+    each within about one try of its share (a weighted random draw is off
+    by about the square root of its count: 39 tries, 1.9%, of a quarter's
+    2,000 in 8,000), and they interleave (1:1:2 goes c, a, b, c, again)
+    rather than coming in bursts; a deployment cooling down gains no
+    credit, so it makes up nothing when it comes back;
   - C{least_busy}: fewest tries in flight on this proxy first; ties (the
     usual case at a light load, when none is busy) in weighted random
     order, so that a quiet model is spread by weight rather than sent
@@ -194,11 +202,32 @@ class _DeploymentState:
 
 
 class _ModelState:
-    __slots__ = ("deployments", "model")
+    __slots__ = ("credits", "deployments", "model")
 
     def __init__(self, model: Model) -> None:
         self.model = model
         self.deployments = tuple(_DeploymentState() for _ in model.deployments)
+        # Smooth weighted round-robin's credit of each deployment.
+        self.credits = [0.0] * len(model.deployments)
+
+    def smoothPick(self, ready: Sequence[int]) -> int:
+        """
+        The next of C{ready} by smooth weighted round-robin: each adds its
+        weight to its credit, the first of most credit is picked and gives
+        back the sum of the weights added.
+        """
+        deployments = self.model.deployments
+        credits = self.credits
+        total = 0.0
+        picked = ready[0]
+        for index in ready:
+            weight = deployments[index].weight
+            credits[index] += weight
+            total += weight
+            if credits[index] > credits[picked]:
+                picked = index
+        credits[picked] -= total
+        return picked
 
 
 class Flight:
@@ -377,7 +406,8 @@ class Router:
         if len(deployments) == 1:
             return [0]
         now = self._clock.seconds()
-        states = self._state(model).deployments
+        modelState = self._state(model)
+        states = modelState.deployments
         ready = [index for index, state in enumerate(states) if not state.cooling.active(now)]
         if not ready:
             return [min(range(len(states)), key=lambda index: states[index].cooling.until)]
@@ -404,7 +434,10 @@ class Router:
                 for index in ready
             )
             return [index for _, _, index in fast]
+        first = modelState.smoothPick(ready)
         weighted = sorted(
-            (-math.log(1.0 - draw()) / deployments[index].weight, index) for index in ready
+            (-math.log(1.0 - draw()) / deployments[index].weight, index)
+            for index in ready
+            if index != first
         )
-        return [index for _, index in weighted]
+        return [first, *(index for _, index in weighted)]
