@@ -48,6 +48,7 @@ from svcd.proxy.recall import (
     RecallPlan,
     assemble,
     extraBodyBytes,
+    memoryLine,
     memoryMessage,
     recalledOf,
     recallQuery,
@@ -280,6 +281,21 @@ _HOSTILE = st.lists(
     | st.text(max_size=8),
     max_size=12,
 ).map("".join)
+
+
+# Timing is no part of it: busy cores must not fail it.
+@settings(deadline=None)
+@given(content=_HOSTILE | st.text(), date=st.sampled_from(["2026-12-06", ""]))
+def test_aLineIsJSONsOwn(content: str, date: str) -> None:
+    """
+    A memory's line is what json.dumps writes of {"date", "memory"} (its
+    separators, its escapes, non-ASCII kept), with <, >, &, NEL and the
+    Unicode line and paragraph separators escaped after it.
+    """
+    written = json.dumps({"date": date, "memory": content}, ensure_ascii=False)
+    for character in "<>&\x85\u2028\u2029":
+        written = written.replace(character, f"\\u{ord(character):04x}")
+    assert memoryLine(Recalled(content, date)) == written
 
 
 # Timing is no part of it: busy cores must not fail it.

@@ -39,6 +39,7 @@ Memory content, like message content, is never logged nor put on a span.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import uuid
 from collections.abc import Mapping, Sequence
@@ -123,6 +124,10 @@ _ESCAPES = {ord(character): f"\\u{ord(character):04x}" for character in "<>&\x85
 _MESSAGE_FRAMING_BYTES = 64
 
 _LEADING_ROLES = frozenset({"system", "developer"})
+
+# An organization's or agent's id as a UUID, remembered: a proxy plans the
+# recalls of the same few over and over (ids only: never a subject).
+_uuidOf = functools.lru_cache(maxsize=4096)(uuid.UUID)
 
 
 def messageText(content: object) -> str:
@@ -211,8 +216,15 @@ def memoryLine(memory: Recalled) -> str:
     tokens of the bound, for no gain in safety (no character past ASCII
     closes a JSON string or a line here).
     """
-    line = json.dumps({"date": memory.date, "memory": memory.content}, ensure_ascii=False)
+    # What json.dumps({"date": ..., "memory": ...}, ensure_ascii=False)
+    # writes, without building an encoder and a dict per line.
+    line = f'{{"date": {_jsonString(memory.date)}, "memory": {_jsonString(memory.content)}}}'
     return line.translate(_ESCAPES)
+
+
+# A string in JSON as json.dumps(..., ensure_ascii=False) writes it (quotes,
+# backslashes and control characters escaped; the rest as it is).
+_jsonString = json.JSONEncoder(ensure_ascii=False).encode
 
 
 def memoryMessage(
@@ -443,7 +455,7 @@ class Recaller:
             model = None
         return RecallPlan(
             recallQuery(messages),
-            Scope(uuid.UUID(orgID), uuid.UUID(agentID), subject),
+            Scope(_uuidOf(orgID), _uuidOf(agentID), subject),
             model,
             config.maxContextTokens,
             config.recallMode,
