@@ -29,7 +29,13 @@ from svcd.limits.reservation import promptEstimate
 from svcd.memoryclient.client import MemoryClient
 from svcd.memoryclient.errors import MemoryUnavailable
 from svcd.memoryclient.records import Scope
-from svcd.metered.embedder import Embedded, Embedder, EmbeddingCall, embeddingCharge
+from svcd.metered.embedder import (
+    Embedded,
+    Embedder,
+    EmbeddingCall,
+    RowsDue,
+    embeddingCharge,
+)
 from svcd.metering.models import Model, Provider
 from svcd.metering.prices import Price
 from svcd.metering.usage import Usage
@@ -427,9 +433,11 @@ class _FakeEmbedder:
         *,
         budgeted: bool,
         record: UpstreamRecord,
+        rowsDue: RowsDue | None = None,
     ) -> Deferred[Embedded]:
         self.calls.append(texts)
         self.record = record
+        self.rowsDue = rowsDue
         return self.answer
 
 
@@ -539,6 +547,44 @@ def test_recallAssemblesWhatIsFound() -> None:
     # The embedding's exchange, for the access log.
     assert recall.embeddingMilliseconds == 0.4
     assert metrics.outcomes == [RECALL_OK]
+
+
+def test_theEmbeddingsRowIsRecordedOnceTheSearchIsSent() -> None:
+    """
+    The embedding's row (its settlement and ledger row) is recorded after
+    the search is sent, in the same turn, not before: its bookkeeping
+    overlaps svc-memory's work instead of delaying it. A recall that ends
+    before its search (out of time) leaves no row behind either.
+    """
+    recaller, embedder, memory, clock, _ = _recaller()
+    plan = recaller.plan(_request(), ORG, AGENT, QUESTION, False)
+    assert plan is not None
+    Deferred.fromCoroutine(
+        recaller.recall(Recall(plan), QUESTION, EmbeddingCall(ORG, AGENT, None, "r"), False)
+    )
+    rows = embedder.rowsDue
+    assert rows is not None
+    recorded: list[int] = []
+    rows.add(lambda: recorded.append(len(memory.searches)))
+    embedder.answer.callback(Embedded("embed", (b"\0" * 8,), 7))
+    # Recorded with the search already sent, before its answer.
+    assert recorded == [1]
+    assert not memory.answer.called
+
+    recaller, embedder, memory, clock, _ = _recaller()
+    plan = recaller.plan(_request(), ORG, AGENT, QUESTION, False)
+    assert plan is not None
+    Deferred.fromCoroutine(
+        recaller.recall(Recall(plan), QUESTION, EmbeddingCall(ORG, AGENT, None, "r"), False)
+    )
+    rows = embedder.rowsDue
+    assert rows is not None
+    late: list[str] = []
+    clock.advance(1)
+    # The recall ended out of time: a row that comes now is recorded at once.
+    rows.add(lambda: late.append("recorded"))
+    assert late == ["recorded"]
+    assert memory.searches == []
 
 
 def test_textRecallEmbedsNothing() -> None:
