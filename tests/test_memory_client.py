@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent import futures
 from typing import Any
@@ -36,6 +37,7 @@ from svcd.memoryclient.errors import (
     MemoryNotFound,
     MemoryUnavailable,
 )
+from svcd.memoryclient.records import Scope
 from svcd.pb.memory.v1 import memory_pb2
 
 
@@ -445,6 +447,38 @@ async def test_callsPastTheBoundWaitTheirTurn(slowServer: str, acme: Tenant) -> 
         assert time.monotonic() - started > 3.9
     finally:
         client.close()
+
+
+class _RefusingChannel:
+    """
+    A channel whose calls raise as they are made, as grpcio's does once it
+    is closed.
+    """
+
+    def unary_unary(self, *_: object, **__: object) -> Any:
+        return self
+
+    def future(self, *_: object, **__: object) -> Any:
+        raise ValueError("Cannot invoke RPC on closed channel!")
+
+
+@pytest_twisted.ensureDeferred
+async def test_aCallThatCannotBeMadeGivesItsTurnBack() -> None:
+    """
+    With maxInFlight, a call sent at once (a slot was free) that grpcio
+    refuses as it is made fails its Deferred, and its slot is free again:
+    the next call is made at once, not held until its deadline.
+    """
+    from twisted.internet import reactor
+
+    client = MemoryClient(
+        _RefusingChannel, IReactorFromThreads(reactor), timeout=5.0, maxInFlight=1, clock=reactor
+    )
+    started = time.monotonic()
+    for _ in range(2):
+        with pytest.raises(ValueError):
+            await client.search(Scope(uuid.uuid4(), uuid.uuid4()), embedding([1.0]), k=1)
+    assert time.monotonic() - started < 1
 
 
 def test_aBoundNeedsAClock() -> None:

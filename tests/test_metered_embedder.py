@@ -34,7 +34,7 @@ from svcd.limits.book import LimitBook, LimitsRow
 from svcd.limits.limiter import RedisRateLimiter
 from svcd.limits.records import Limits, Reservation
 from svcd.limits.reservation import inputsEstimate
-from svcd.metered.embedder import Embedder, EmbeddingCall, reserveTexts
+from svcd.metered.embedder import Embedder, EmbeddingCall, RowsDue, reserveTexts
 from svcd.metering.usage import Usage
 from svcd.providers.providersfile import providersFromEnvironment
 from svcd.providers.records import UpstreamRecord
@@ -383,6 +383,54 @@ async def test_aCallOutOfTimeIsCancelled(harness: Harness) -> None:
     assert time.monotonic() - began < 3
     [row] = harness.ledger.rows
     assert row.outcome == "client_gone"
+
+
+@pytest_twisted.ensureDeferred
+async def test_anAnsweredCallsRowWaitsForItsCaller(harness: Harness) -> None:
+    """
+    With C{rowsDue}, a call that answered gives its vectors before its row
+    is recorded, and the row is recorded, once, when the caller says so; a
+    row that comes after that is recorded at once.
+    """
+    model = harness.providers.models["embed"]
+    rows = RowsDue()
+    embedded = await harness.embedder.embed(model, ["the cat sat"], call(), rowsDue=rows)
+    assert embedded.promptTokens is not None
+    assert harness.ledger.rows == []
+    rows.record()
+    [row] = harness.ledger.rows
+    assert (row.kind, row.outcome, row.prompt_tokens) == (
+        "embedding",
+        "ok",
+        embedded.promptTokens,
+    )
+    rows.record()
+    assert len(harness.ledger.rows) == 1
+    await harness.embedder.embed(model, ["a dog ran"], call(), rowsDue=rows)
+    assert len(harness.ledger.rows) == 2
+
+
+@pytest_twisted.ensureDeferred
+async def test_aFailedOrCancelledCallsRowIsRecordedAtOnce(harness: Harness) -> None:
+    """
+    With C{rowsDue}, a call that failed or was cancelled is recorded when
+    it ends, as without it: nothing is left for the caller to record.
+    """
+    rows = RowsDue()
+    with pytest.raises(ApiError):
+        await harness.embedder.embed(
+            harness.providers.models["embed-failing"], ["the cat"], call(), rowsDue=rows
+        )
+    [failed] = harness.ledger.rows
+    assert failed.outcome == "upstream_error"
+    embedding = harness.embedder.embed(
+        harness.providers.models["embed-slow"], ["the cat"], call(), rowsDue=rows
+    )
+    await waitFor(lambda: len(harness.upstream.requests()) == 2)
+    embedding.cancel()
+    with pytest.raises(CancelledError):
+        await embedding
+    assert [row.outcome for row in harness.ledger.rows] == ["upstream_error", "client_gone"]
 
 
 @pytest_twisted.ensureDeferred

@@ -29,7 +29,13 @@ from svcd.limits.reservation import promptEstimate
 from svcd.memoryclient.client import MemoryClient
 from svcd.memoryclient.errors import MemoryUnavailable
 from svcd.memoryclient.records import Scope
-from svcd.metered.embedder import Embedded, Embedder, EmbeddingCall, embeddingCharge
+from svcd.metered.embedder import (
+    Embedded,
+    Embedder,
+    EmbeddingCall,
+    RowsDue,
+    embeddingCharge,
+)
 from svcd.metering.models import Model, Provider
 from svcd.metering.prices import Price
 from svcd.metering.usage import Usage
@@ -48,6 +54,7 @@ from svcd.proxy.recall import (
     RecallPlan,
     assemble,
     extraBodyBytes,
+    memoryLine,
     memoryMessage,
     recalledOf,
     recallQuery,
@@ -284,6 +291,21 @@ _HOSTILE = st.lists(
 
 # Timing is no part of it: busy cores must not fail it.
 @settings(deadline=None)
+@given(content=_HOSTILE | st.text(), date=st.sampled_from(["2026-12-06", ""]))
+def test_aLineIsJSONsOwn(content: str, date: str) -> None:
+    """
+    A memory's line is what json.dumps writes of {"date", "memory"} (its
+    separators, its escapes, non-ASCII kept), with <, >, &, NEL and the
+    Unicode line and paragraph separators escaped after it.
+    """
+    written = json.dumps({"date": date, "memory": content}, ensure_ascii=False)
+    for character in "<>&\x85\u2028\u2029":
+        written = written.replace(character, f"\\u{ord(character):04x}")
+    assert memoryLine(Recalled(content, date)) == written
+
+
+# Timing is no part of it: busy cores must not fail it.
+@settings(deadline=None)
 @given(contents=st.lists(_HOSTILE, min_size=1, max_size=5))
 def test_aMemoryNeverLeavesItsLine(contents: list[str]) -> None:
     """
@@ -411,9 +433,11 @@ class _FakeEmbedder:
         *,
         budgeted: bool,
         record: UpstreamRecord,
+        rowsDue: RowsDue | None = None,
     ) -> Deferred[Embedded]:
         self.calls.append(texts)
         self.record = record
+        self.rowsDue = rowsDue
         return self.answer
 
 
@@ -523,6 +547,44 @@ def test_recallAssemblesWhatIsFound() -> None:
     # The embedding's exchange, for the access log.
     assert recall.embeddingMilliseconds == 0.4
     assert metrics.outcomes == [RECALL_OK]
+
+
+def test_theEmbeddingsRowIsRecordedOnceTheSearchIsSent() -> None:
+    """
+    The embedding's row (its settlement and ledger row) is recorded after
+    the search is sent, in the same turn, not before: its bookkeeping
+    overlaps svc-memory's work instead of delaying it. A recall that ends
+    before its search (out of time) leaves no row behind either.
+    """
+    recaller, embedder, memory, clock, _ = _recaller()
+    plan = recaller.plan(_request(), ORG, AGENT, QUESTION, False)
+    assert plan is not None
+    Deferred.fromCoroutine(
+        recaller.recall(Recall(plan), QUESTION, EmbeddingCall(ORG, AGENT, None, "r"), False)
+    )
+    rows = embedder.rowsDue
+    assert rows is not None
+    recorded: list[int] = []
+    rows.add(lambda: recorded.append(len(memory.searches)))
+    embedder.answer.callback(Embedded("embed", (b"\0" * 8,), 7))
+    # Recorded with the search already sent, before its answer.
+    assert recorded == [1]
+    assert not memory.answer.called
+
+    recaller, embedder, memory, clock, _ = _recaller()
+    plan = recaller.plan(_request(), ORG, AGENT, QUESTION, False)
+    assert plan is not None
+    Deferred.fromCoroutine(
+        recaller.recall(Recall(plan), QUESTION, EmbeddingCall(ORG, AGENT, None, "r"), False)
+    )
+    rows = embedder.rowsDue
+    assert rows is not None
+    late: list[str] = []
+    clock.advance(1)
+    # The recall ended out of time: a row that comes now is recorded at once.
+    rows.add(lambda: late.append("recorded"))
+    assert late == ["recorded"]
+    assert memory.searches == []
 
 
 def test_textRecallEmbedsNothing() -> None:

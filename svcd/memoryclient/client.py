@@ -14,6 +14,7 @@ current span's trace context.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,10 +37,23 @@ _SERVICE = "/svc.memory.v1.MemoryService/"
 DEFAULT_TIMEOUT = 2.0
 
 
+def _released(result: Any, slots: DeferredSemaphore) -> Any:
+    """
+    Give a call's slot back once it has ended, however it ended.
+    """
+    slots.release()
+    return result
+
+
 def scopeMessage(scope: Scope) -> memory_pb2.Scope:
     return memory_pb2.Scope(
-        org_id=str(scope.orgID), agent_id=str(scope.agentID), subject=scope.subject
+        org_id=_idText(scope.orgID), agent_id=_idText(scope.agentID), subject=scope.subject
     )
+
+
+# An organization's or agent's id in its text form, remembered: a proxy
+# sends the same few with every recall's search.
+_idText = functools.lru_cache(maxsize=4096)(str)
 
 
 def embeddingMessage(embedding: Embedding) -> memory_pb2.Embedding:
@@ -58,12 +72,22 @@ def searchRequest(
     A Search's request, as L{MemoryClient.search} and L{SearchBatches}
     send it (see L{MemoryClient.search} for the arguments).
     """
-    request = memory_pb2.SearchRequest(scope=scopeMessage(scope), k=k, mode=mode, text=text)
-    if query is not None:
-        request.query.CopyFrom(embeddingMessage(query))
-    if minScore is not None:
-        request.min_score = minScore
-    return request
+    # Built by one constructor: each field set afterwards is a call into
+    # protobuf of its own, on every recall.
+    if query is None:
+        if minScore is None:
+            return memory_pb2.SearchRequest(scope=scopeMessage(scope), k=k, mode=mode, text=text)
+        return memory_pb2.SearchRequest(
+            scope=scopeMessage(scope), k=k, mode=mode, text=text, min_score=minScore
+        )
+    embedding = memory_pb2.Embedding(model=query.model, vector=query.vector)
+    if minScore is None:
+        return memory_pb2.SearchRequest(
+            scope=scopeMessage(scope), query=embedding, k=k, mode=mode, text=text
+        )
+    return memory_pb2.SearchRequest(
+        scope=scopeMessage(scope), query=embedding, k=k, mode=mode, text=text, min_score=minScore
+    )
 
 
 class MemoryClient:
@@ -157,30 +181,44 @@ class MemoryClient:
 
     def _call(self, name: str, request: Any, timeout: float | None = None) -> Deferred[Any]:
         deadline = self._timeout if timeout is None else timeout
-        if self._slots is None:
+        slots = self._slots
+        if slots is None:
             return self._send(name, request, deadline)
-        return Deferred.fromCoroutine(self._inTurn(name, request, deadline, self._slots))
+        turn = slots.acquire()
+        if turn.called:
+            # A slot was free: the call goes now, as without a bound (no
+            # coroutine to wait in), and gives its slot back when it ends.
+            try:
+                sent = self._send(name, request, deadline)
+            except Exception:
+                slots.release()
+                return fail()
+            return sent.addBoth(_released, slots)
+        return Deferred.fromCoroutine(self._inTurn(name, request, deadline, slots, turn))
 
     async def _inTurn(
-        self, name: str, request: Any, deadline: float, slots: DeferredSemaphore
+        self,
+        name: str,
+        request: Any,
+        deadline: float,
+        slots: DeferredSemaphore,
+        turn: Deferred[DeferredSemaphore],
     ) -> Any:
         """
-        Send the call once a slot is free, with what is left of its
-        deadline. The span's context is the caller's still: a coroutine runs
-        in the context it was made in.
+        Send the call once its C{turn} for a slot comes, with what is left
+        of its deadline. The span's context is the caller's still: a
+        coroutine runs in the context it was made in.
         """
         assert self._clock is not None
-        turn = slots.acquire()
-        if not turn.called:
-            began = self._clock.seconds()
-            turn.addTimeout(deadline, self._clock)
-            try:
-                await turn
-            except TimeoutError:
-                raise MemoryUnavailable(
-                    None, f"no turn for a call to svc-memory within {deadline}s"
-                ) from None
-            deadline -= self._clock.seconds() - began
+        began = self._clock.seconds()
+        turn.addTimeout(deadline, self._clock)
+        try:
+            await turn
+        except TimeoutError:
+            raise MemoryUnavailable(
+                None, f"no turn for a call to svc-memory within {deadline}s"
+            ) from None
+        deadline -= self._clock.seconds() - began
         try:
             return await self._send(name, request, deadline)
         finally:

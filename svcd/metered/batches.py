@@ -18,7 +18,14 @@ from twisted.python.failure import Failure
 from svcd.common.coalesce import Coalescer
 from svcd.common.deferreds import fireUnlessCalled
 from svcd.common.ids import uuid7Text
-from svcd.metered.embedder import Embedded, Embedder, EmbeddingCall, RejectedTogether, SharedText
+from svcd.metered.embedder import (
+    Embedded,
+    Embedder,
+    EmbeddingCall,
+    RejectedTogether,
+    RowsDue,
+    SharedText,
+)
 from svcd.metering.models import Model
 from svcd.providers.records import UpstreamRecord
 from svcd.providers.table import ProviderTable
@@ -36,6 +43,7 @@ class _Queued:
     model: Model
     budgeted: bool
     shared: SharedText
+    rowsDue: RowsDue | None = None
     result: Deferred[Embedded] = attrs.field(init=False)
     startedAt: float = 0.0
     forward: Deferred[Any] | None = None
@@ -85,15 +93,20 @@ class EmbeddingBatches:
         *,
         budgeted: bool = False,
         record: UpstreamRecord | None = None,
+        rowsDue: RowsDue | None = None,
     ) -> Deferred[Embedded]:
         """
-        As L{Embedder.embed}, for one text and no reservation.
+        As L{Embedder.embed}, for one text and no reservation. C{rowsDue}
+        holds the row of a text forwarded alone; a shared forward's rows
+        are recorded at once (L{Embedder.embedEach}).
         """
         if len(texts) != 1:
             raise ValueError("a batch's caller embeds one text")
         if not call.ledgerID:
             call = attrs.evolve(call, ledgerID=uuid7Text())
-        queued = _Queued(model, budgeted, SharedText(texts[0], call, record or UpstreamRecord()))
+        queued = _Queued(
+            model, budgeted, SharedText(texts[0], call, record or UpstreamRecord()), rowsDue
+        )
         queued.result = Deferred(lambda _: self._cancelled(queued))
         queued.startedAt = self._embedder.now()
         self._coalescer.submit(_key(queued), queued)
@@ -124,6 +137,7 @@ class EmbeddingBatches:
                 first.shared.call,
                 budgeted=first.budgeted,
                 record=first.shared.record,
+                rowsDue=first.rowsDue,
             )
             first.forward, first.batch = forward, batch
             return forward.addBoth(fireUnlessCalled, first.result)

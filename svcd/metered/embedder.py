@@ -47,7 +47,7 @@ use it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -291,6 +291,40 @@ def ledgerFull() -> ApiError:
     )
 
 
+class RowsDue:
+    """
+    The ledger rows of a caller's embeddings that answered, recorded when
+    the caller says (L{record}) rather than before their vectors are given:
+    a recall sends its search first, in the same turn of the reactor, so
+    that the row is not on the way to its answer. Each row is recorded
+    once; one left here after L{record} is recorded at once.
+    """
+
+    def __init__(self) -> None:
+        self._due: list[Callable[[], None]] = []
+        self._recorded = False
+
+    def add(self, account: Callable[[], None]) -> None:
+        """
+        Hold C{account} (a row's recording) until L{record}; after it, run
+        it now.
+        """
+        if self._recorded:
+            account()
+        else:
+            self._due.append(account)
+
+    def record(self) -> None:
+        """
+        Record every row held, and from now on each as it comes. Called
+        again, it records only what came since.
+        """
+        self._recorded = True
+        due, self._due = self._due, []
+        for account in due:
+            account()
+
+
 class Embedder:
     """
     Embeds texts for the gateway, as an organization, and pays for it (see
@@ -328,6 +362,7 @@ class Embedder:
         budgeted: bool = False,
         record: UpstreamRecord | None = None,
         timeout: float | None = None,
+        rowsDue: RowsDue | None = None,
     ) -> Deferred[Embedded]:
         """
         Embed C{texts} (one or more, none empty) with C{model} (one the
@@ -346,6 +381,11 @@ class Embedder:
         @param timeout: seconds the call may take before it is cancelled
             and fails with L{twisted.internet.defer.TimeoutError}; None
             for the providers' own timeouts only.
+        @param rowsDue: where a call that answered leaves the recording
+            of its row (its settlement and ledger row, L{accountEmbedding})
+            rather than make it before its vectors are given (L{RowsDue}).
+            A call that failed or was cancelled is recorded at once, as
+            without it. None: the row at once.
 
         @return: a Deferred of the vectors (L{Embedded}); it fails with
             L{ApiError}: the provider's fault as decisions D9 maps it (no
@@ -365,6 +405,7 @@ class Embedder:
                 reservation,
                 budgeted,
                 record if record is not None else UpstreamRecord(),
+                rowsDue,
             )
         )
         if timeout is not None:
@@ -419,6 +460,7 @@ class Embedder:
         reservation: Reservation | None,
         budgeted: bool,
         record: UpstreamRecord,
+        rowsDue: RowsDue | None = None,
     ) -> Embedded:
         ledger = self._ledger
         if ledger is not None and not ledger.hasRoom():
@@ -427,15 +469,8 @@ class Embedder:
             raise ledgerFull()
         startedAt = self._clock.seconds()
         outcome = OK
-        try:
-            vectors = await self._forward(model, texts, call, budgeted, record)
-        except ApiError:
-            outcome = UPSTREAM_ERROR
-            raise
-        except CancelledError:
-            outcome = CLIENT_GONE
-            raise
-        finally:
+
+        def account() -> None:
             accountEmbedding(
                 self._admission,
                 ledger,
@@ -448,8 +483,25 @@ class Embedder:
                 outcome=outcome,
                 estimate=inputsEstimate(texts),
                 startedAt=startedAt,
-                endedAt=self._clock.seconds(),
+                endedAt=endedAt,
             )
+
+        answered = False
+        try:
+            vectors = await self._forward(model, texts, call, budgeted, record)
+            answered = True
+        except ApiError:
+            outcome = UPSTREAM_ERROR
+            raise
+        except CancelledError:
+            outcome = CLIENT_GONE
+            raise
+        finally:
+            endedAt = self._clock.seconds()
+            if answered and rowsDue is not None:
+                rowsDue.add(account)
+            else:
+                account()
         usage = record.usage
         return Embedded(
             model.name,

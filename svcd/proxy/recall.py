@@ -39,6 +39,7 @@ Memory content, like message content, is never logged nor put on a span.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import uuid
 from collections.abc import Mapping, Sequence
@@ -62,6 +63,7 @@ from svcd.metered.batches import EmbeddingBatches
 from svcd.metered.embedder import (
     Embedder,
     EmbeddingCall,
+    RowsDue,
     embeddingCharge,
     embeddingRefusal,
     reserveTexts,
@@ -123,6 +125,10 @@ _ESCAPES = {ord(character): f"\\u{ord(character):04x}" for character in "<>&\x85
 _MESSAGE_FRAMING_BYTES = 64
 
 _LEADING_ROLES = frozenset({"system", "developer"})
+
+# An organization's or agent's id as a UUID, remembered: a proxy plans the
+# recalls of the same few over and over (ids only: never a subject).
+_uuidOf = functools.lru_cache(maxsize=4096)(uuid.UUID)
 
 
 def messageText(content: object) -> str:
@@ -211,8 +217,15 @@ def memoryLine(memory: Recalled) -> str:
     tokens of the bound, for no gain in safety (no character past ASCII
     closes a JSON string or a line here).
     """
-    line = json.dumps({"date": memory.date, "memory": memory.content}, ensure_ascii=False)
+    # What json.dumps({"date": ..., "memory": ...}, ensure_ascii=False)
+    # writes, without building an encoder and a dict per line.
+    line = f'{{"date": {_jsonString(memory.date)}, "memory": {_jsonString(memory.content)}}}'
     return line.translate(_ESCAPES)
+
+
+# A string in JSON as json.dumps(..., ensure_ascii=False) writes it (quotes,
+# backslashes and control characters escaped; the rest as it is).
+_jsonString = json.JSONEncoder(ensure_ascii=False).encode
 
 
 def memoryMessage(
@@ -443,7 +456,7 @@ class Recaller:
             model = None
         return RecallPlan(
             recallQuery(messages),
-            Scope(uuid.UUID(orgID), uuid.UUID(agentID), subject),
+            Scope(_uuidOf(orgID), _uuidOf(agentID), subject),
             model,
             config.maxContextTokens,
             config.recallMode,
@@ -493,8 +506,9 @@ class Recaller:
         started = self._clock.seconds()
         record = UpstreamRecord()
         embedOutcome: list[str] = []
+        rows = RowsDue()
         work = Deferred.fromCoroutine(
-            self._search(plan, query, model, call, budgeted, record, embedOutcome, started)
+            self._search(plan, query, model, call, budgeted, record, embedOutcome, started, rows)
         )
         found: list[Recalled] = []
         try:
@@ -521,6 +535,9 @@ class Recaller:
         except Exception as error:
             self._failed(recall, error, call)
         finally:
+            # The embedding's row, if the search was not sent (it is
+            # recorded once, however the recall ended).
+            rows.record()
             # However it ended, the client's cancellation included: the
             # chat's settlement counts what the embedding's row counts
             # (no row in text mode, which embeds nothing).
@@ -564,12 +581,13 @@ class Recaller:
         record: UpstreamRecord,
         embedOutcome: list[str],
         started: float,
+        rows: RowsDue,
     ) -> list[Recalled]:
         embedding: Embedding | None = None
         if plan.embeds and model is not None:
             try:
                 embedded = await self._embedder.embed(
-                    model, (query,), call, budgeted=budgeted, record=record
+                    model, (query,), call, budgeted=budgeted, record=record, rowsDue=rows
                 )
             except ApiError:
                 embedOutcome.append(UPSTREAM_ERROR)
@@ -580,17 +598,24 @@ class Recaller:
             embedOutcome.append(OK)
             embedding = Embedding(embedded.model, embedded.vectors[0])
         config = self._config
-        found = await self._client.search(
-            plan.scope,
-            embedding,
-            config.recallK,
-            # D13: min_score is a cosine similarity, for vector mode only.
-            config.minScore if plan.mode == VECTOR else None,
-            # The deadline on the call itself is what the embedding left of
-            # the one both share: grpcio ends the call then, whatever the
-            # reactor is doing.
-            timeout=max(self._timeout - (self._clock.seconds() - started), _LEAST_CALL_SECONDS),
-            mode=plan.mode,
-            text=query,
-        )
+        try:
+            searching = self._client.search(
+                plan.scope,
+                embedding,
+                config.recallK,
+                # D13: min_score is a cosine similarity, for vector mode only.
+                config.minScore if plan.mode == VECTOR else None,
+                # The deadline on the call itself is what the embedding left
+                # of the one both share: grpcio ends the call then, whatever
+                # the reactor is doing.
+                timeout=max(self._timeout - (self._clock.seconds() - started), _LEAST_CALL_SECONDS),
+                mode=plan.mode,
+                text=query,
+            )
+        finally:
+            # The embedding's row, now that the search is on its way: its
+            # recording overlaps svc-memory's work instead of coming
+            # before it (the same turn of the reactor, so never lost).
+            rows.record()
+        found = await searching
         return [recalledOf(scored.memory) for scored in found.results]
