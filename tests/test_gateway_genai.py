@@ -71,7 +71,6 @@ name = "embed"
 provider = "a"
 upstream_model = "usage:6:0"
 kind = "embedding"
-dimensions = 8
 """
 
 
@@ -187,10 +186,6 @@ def run(postgresServer: PostgresServer, tmp_path_factory: pytest.TempPathFactory
         upstream.stop()
 
 
-def _port(upstream: ScriptedUpstream) -> int:
-    return int(upstream.baseURL.split(":")[2].split("/")[0])
-
-
 def test_triesAreSpansOfTheirDeployments(run: Run) -> None:
     """
     A request answered at its second try has two client spans, one per
@@ -208,7 +203,7 @@ def test_triesAreSpansOfTheirDeployments(run: Run) -> None:
         "gen_ai.provider.name": "openai",
         "gen_ai.request.max_tokens": 64,
         "server.address": "127.0.0.1",
-        "server.port": _port(run.upstream),
+        "server.port": run.upstream.port,
         "svc.model": "retried",
     }
     for span in spans:
@@ -283,7 +278,7 @@ def test_operationDuration(run: Run) -> None:
     conventions' buckets, one point per try with the conventions'
     attributes; the failed try's has its error.type.
     """
-    server = {"server.address": "127.0.0.1", "server.port": _port(run.upstream)}
+    server = {"server.address": "127.0.0.1", "server.port": run.upstream.port}
     failed = run.point(
         "gen_ai.client.operation.duration",
         **{"gen_ai.request.model": "status:503"},
