@@ -124,7 +124,11 @@ def _body(model: str, **extra: Any) -> bytes:
 def _providers(path: Path, upstream: ScriptedUpstream) -> Path:
     lines = []
     for name in ("a", "b"):
-        lines += ["[[providers]]", f'name = "{name}"', f'base_url = "{upstream.baseURLUnder(name)}"']
+        lines += [
+            "[[providers]]",
+            f'name = "{name}"',
+            f'base_url = "{upstream.baseURLUnder(name)}"',
+        ]
     lines += [
         "[[providers]]",
         'name = "claude"',
@@ -334,9 +338,10 @@ def test_tokenUsage(run: Run) -> None:
         assert point.unit == "{token}"
         assert point.bounds == tuple(TOKEN_BUCKETS)
         assert point.attributes["gen_ai.response.model"] == model
-    models = {each.attributes["gen_ai.request.model"] for each in run.receiver.points(
-        "gen_ai.client.token.usage"
-    )}
+    models = {
+        each.attributes["gen_ai.request.model"]
+        for each in run.receiver.points("gen_ai.client.token.usage")
+    }
     assert "status:503" not in models
     assert not [
         each

@@ -33,9 +33,12 @@ from svcd.providers.genai import (
     maxTokensOf,
     providerNameOf,
 )
+from svcd.providers.operations import CHAT_COMPLETIONS
+from svcd.providers.passages import Exchange
 
 OPENAI = Provider("vllm", "http://10.0.0.7:8000/v1")
 MODEL = Model("fast", OPENAI, upstreamModel="llama-3-8b", maxOutputTokens=500)
+LEG = CHAT_COMPLETIONS.legs["openai"]
 
 
 @pytest.mark.parametrize(
@@ -116,9 +119,9 @@ def test_tryWithSpanAndMetrics() -> None:
     parent = tracer.start_span("POST /v1/chat/completions")
     token = activate(parent)
     try:
-        span = telemetry.span("chat", MODEL, "vllm", True, 64)
+        span = telemetry.span(LEG, MODEL, "vllm", True, Exchange({"max_tokens": 64}, "r", 0))
         telemetry.ended(span, "chat", MODEL, "200", 0.25, Usage(12, 34), "llama-3-8b-0613")
-        failed = telemetry.span("chat", MODEL, "vllm", False, None)
+        failed = telemetry.span(LEG, MODEL, "vllm", False, Exchange({}, "r", 0))
         telemetry.ended(failed, "chat", MODEL, "timeout", 1.5, None, None)
     finally:
         deactivate(token)
@@ -149,7 +152,8 @@ def test_tryWithSpanAndMetrics() -> None:
 
     points = _points(reader)
     durations = {
-        point.attributes.get("error.type"): point for point in points["gen_ai.client.operation.duration"]
+        point.attributes.get("error.type"): point
+        for point in points["gen_ai.client.operation.duration"]
     }
     assert set(durations) == {None, "timeout"}
     assert durations[None].sum == 0.25 and durations["timeout"].sum == 1.5
@@ -163,7 +167,8 @@ def test_tryWithSpanAndMetrics() -> None:
         "server.port": 8000,
     }
     tokens = {
-        point.attributes["gen_ai.token.type"]: point for point in points["gen_ai.client.token.usage"]
+        point.attributes["gen_ai.token.type"]: point
+        for point in points["gen_ai.client.token.usage"]
     }
     assert {kind: point.sum for kind, point in tokens.items()} == {"input": 12, "output": 34}
     assert tuple(tokens["input"].explicit_bounds) == tuple(TOKEN_BUCKETS)
@@ -191,7 +196,7 @@ def test_unsampledAndUnboundCostNothing() -> None:
     provider, exporter = recordingProvider(ratio=0.0)
     metrics = GenAIMetrics()
     telemetry = CallTelemetry([OPENAI], provider.get_tracer("test"), metrics)
-    assert telemetry.span("chat", MODEL, None, False, None) is None
+    assert telemetry.span(LEG, MODEL, None, False, Exchange({}, "r", 0)) is None
     telemetry.ended(None, "chat", MODEL, "200", 0.1, Usage(1, 1), None)
     reader = InMemoryMetricReader()
     metrics.bind(MeterProvider(metric_readers=[reader]).get_meter("test"))
@@ -259,7 +264,7 @@ async def test_meterServiceBindsOnlyWhenExporting() -> None:
         IReactorFromThreads(reactor), reactor, settings, [metrics], "svcd.test", factory
     )
     service.startService()
-    assert made == [("127.0.0.1:4317", 60.0)] and metrics.bound
+    assert (made, metrics.bound) == ([("127.0.0.1:4317", 60.0)], True)
     CallTelemetry([OPENAI], None, metrics).ended(None, "chat", MODEL, "200", 0.1, None, None)
     provider = service.provider
     assert provider is not None
@@ -270,4 +275,4 @@ async def test_meterServiceBindsOnlyWhenExporting() -> None:
     assert resource.resource.attributes["service.name"] == "svc-test"
     assert resource.scope_metrics[0].scope.name == "svcd.test"
     await service.stopService()
-    assert not metrics.bound and service.provider is None
+    assert (metrics.bound, service.provider) == (False, None)

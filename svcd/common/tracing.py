@@ -316,12 +316,12 @@ async def flushInThread(
     reactor: IReactorFromThreads,
     clock: Clock,
     flush: Callable[[], None],
-    timeout: float,
+    limit: float,
     threadName: str,
 ) -> bool:
     """
     Run C{flush} (an exporter's blocking flush and shutdown) in a daemon
-    thread of its own and wait for it at most C{timeout} seconds; False
+    thread of its own and wait for it at most C{limit} seconds; False
     when it did not end in time (it is left to end, or not, by itself).
     """
     done: Deferred[None] = Deferred()
@@ -334,7 +334,7 @@ async def flushInThread(
 
     threading.Thread(target=run, name=threadName, daemon=True).start()
     try:
-        await timeoutDeferred(done, timeout, asReactorTime(clock))
+        await timeoutDeferred(done, limit, asReactorTime(clock))
     except TimeoutError:
         return False
     return True

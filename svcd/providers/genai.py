@@ -7,7 +7,8 @@ The conventions are those of the GenAI semantic conventions after 1.37
 (now kept in open-telemetry/semantic-conventions-genai): the provider is
 C{gen_ai.provider.name}, which replaced C{gen_ai.system}; only the new
 name is set (the gateway never emitted the old one, so there is no
-version to stay on, and C{OTEL_SEMCONV_STABILITY_OPT_IN} is not read).
+version to stay on, and the conventions' variable to opt into the new
+one is not read).
 
 A try's span (L{CallTelemetry.span}) is made only under a recording
 (sampled) server span, as the forwarder's span always was; it is named
@@ -39,7 +40,8 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from svcd.common.logbounds import loggedText
 from svcd.metering.models import ANTHROPIC, Model, Provider
 from svcd.metering.usage import Usage
-from svcd.providers.operations import DEFAULT_ANTHROPIC_CAP, EMBEDDINGS_NAME
+from svcd.providers.operations import DEFAULT_ANTHROPIC_CAP, EMBEDDINGS_NAME, Leg
+from svcd.providers.passages import Exchange
 
 OPERATION_NAME = "gen_ai.operation.name"
 PROVIDER_NAME = "gen_ai.provider.name"
@@ -49,13 +51,13 @@ REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
 REQUEST_STREAM = "gen_ai.request.stream"
 INPUT_TOKENS = "gen_ai.usage.input_tokens"
 OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
-TOKEN_TYPE = "gen_ai.token.type"
+TOKEN_TYPE = "gen_ai.token.type"  # noqa: S105 (a name, not a secret)
 SERVER_ADDRESS = "server.address"
 SERVER_PORT = "server.port"
 ERROR_TYPE = "error.type"
 DEPLOYMENT = "svc.deployment"
 
-TOKEN_USAGE = "gen_ai.client.token.usage"
+TOKEN_USAGE = "gen_ai.client.token.usage"  # noqa: S105 (a name, not a secret)
 OPERATION_DURATION = "gen_ai.client.operation.duration"
 # The conventions' ExplicitBucketBoundaries of each histogram.
 TOKEN_BUCKETS: Sequence[float] = tuple(4**power for power in range(14))
@@ -131,10 +133,8 @@ class GenAIMetrics:
     def __init__(self) -> None:
         self._tokens: Histogram | None = None
         self._duration: Histogram | None = None
-
-    @property
-    def bound(self) -> bool:
-        return self._duration is not None
+        # A plain attribute: tested on every try.
+        self.bound = False
 
     def bind(self, meter: Meter) -> None:
         self._tokens = meter.create_histogram(
@@ -149,8 +149,10 @@ class GenAIMetrics:
             description="GenAI operation duration.",
             explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
         )
+        self.bound = True
 
     def unbind(self) -> None:
+        self.bound = False
         self._tokens = self._duration = None
 
     def record(
@@ -222,18 +224,15 @@ class CallTelemetry:
         self._peers = {provider.name: Peer.of(provider) for provider in providers}
 
     def span(
-        self,
-        operation: str,
-        model: Model,
-        deployment: str | None,
-        stream: bool,
-        maxTokens: int | None,
+        self, leg: Leg, model: Model, deployment: str | None, stream: bool, exchange: Exchange
     ) -> Span | None:
         """
         The client span of one try, when the request's span records.
         """
         if self._tracer is None or not trace.get_current_span().is_recording():
             return None
+        operation = leg.genAIOperation
+        maxTokens = maxTokensOf(exchange.document, model, exchange.outputCap, leg.translated)
         attributes: dict[str, Any] = {
             **self._peers[model.provider.name].attributes,
             OPERATION_NAME: operation,
@@ -269,6 +268,11 @@ class CallTelemetry:
         A try ended with C{label} (its HTTP status, or the fault's label,
         which is its C{error.type} when it is not a 2xx) after C{seconds}.
         """
+        metrics = self._metrics
+        recording = metrics is not None and metrics.bound
+        if span is None and not recording:
+            # Unsampled, and no meter: what most tries pay.
+            return
         ok = label.isdigit() and label.startswith("2")
         output = operation != EMBEDDINGS_NAME
         if responseModel:
@@ -287,8 +291,7 @@ class CallTelemetry:
                 if output:
                     span.set_attribute(OUTPUT_TOKENS, usage.completionTokens)
             span.end()
-        metrics = self._metrics
-        if metrics is None or not metrics.bound:
+        if metrics is None or not recording:
             return
         attributes: dict[str, str | int] = {
             **self._peers[model.provider.name].attributes,

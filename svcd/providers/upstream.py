@@ -119,7 +119,7 @@ from svcd.metering.models import ANTHROPIC, Model, Provider
 from svcd.metering.usage import Usage
 from svcd.providers.cooldowns import Cooldown, retryAfterSeconds
 from svcd.providers.faults import UpstreamFault, brokenFault, refusalFault, timeoutFault
-from svcd.providers.genai import CallTelemetry, GenAIMetrics, maxTokensOf, responseModelOf
+from svcd.providers.genai import CallTelemetry, GenAIMetrics, responseModelOf
 from svcd.providers.http1 import UpstreamAnswer
 from svcd.providers.links import Link
 from svcd.providers.operations import (
@@ -457,13 +457,7 @@ class Forwarder:
         headers = {b"X-Request-ID": exchange.requestID.encode("ascii")}
         if model.provider.api == ANTHROPIC:
             _anthropicHeaders(headers, clientHeaders)
-        span = self._telemetry.span(
-            leg.genAIOperation,
-            model,
-            record.deployment,
-            stream,
-            maxTokensOf(exchange.document, model, exchange.outputCap, leg.translated),
-        )
+        span = self._telemetry.span(leg, model, record.deployment, stream, exchange)
         spanContext = (span or trace.get_current_span()).get_span_context()
         if spanContext.is_valid:
             headers[b"traceparent"] = traceparentOf(spanContext).encode("ascii")

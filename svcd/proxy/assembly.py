@@ -38,8 +38,8 @@ from svcd.limits.limiter import RateLimiter, RedisRateLimiter, makeRateLimiter
 from svcd.limits.link import RedisCounters
 from svcd.memoryclient.channel import ClientTLS, memoryChannel
 from svcd.memoryclient.client import DEFAULT_TIMEOUT, MemoryClient
-from svcd.providers.routing import Router
 from svcd.providers.genai import GenAIMetrics
+from svcd.providers.routing import Router
 from svcd.providers.upstream import Forwarder
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.http.edge import ProxyEdge
