@@ -62,6 +62,9 @@ from svcd.common.config import ConfigError
 from svcd.common.deferreds import timeoutDeferred
 
 DEFAULT_SAMPLE_RATIO = 0.01
+# Seconds between two exports of the meter's metrics (OpenTelemetry's
+# default for OTEL_METRIC_EXPORT_INTERVAL, 60000 ms).
+DEFAULT_METRIC_INTERVAL = 60.0
 # How long a stop waits for the last spans to reach the collector.
 FLUSH_TIMEOUT = 3.0
 
@@ -100,22 +103,32 @@ class TracingConfig:
 
     @ivar endpoint: C{host:port} of an OTLP gRPC collector (plaintext), or
         None to export nothing.
+    @ivar metricInterval: seconds between two exports of the meter's
+        metrics (L{svcd.common.meters}).
+    @ivar exportMetrics: whether the meter's metrics go to C{endpoint} too
+        (they never go anywhere without one).
     """
 
     serviceName: str
     environment: str
     sampleRatio: float = DEFAULT_SAMPLE_RATIO
     endpoint: str | None = None
+    metricInterval: float = DEFAULT_METRIC_INTERVAL
+    exportMetrics: bool = True
 
     @classmethod
     def fromEnvironment(cls, environ: Mapping[str, str], defaultServiceName: str) -> TracingConfig:
         """
         OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SAMPLE_RATIO, OTEL_SERVICE_NAME
         (else SVC_SERVICE_NAME, else C{defaultServiceName}) and
-        OTEL_DEPLOYMENT_ENVIRONMENT (else SVC_ENV, else development).
+        OTEL_DEPLOYMENT_ENVIRONMENT (else SVC_ENV, else development);
+        for the meter, OTEL_METRIC_EXPORT_INTERVAL (milliseconds, default
+        60000) and OTEL_METRICS_EXPORTER (C{otlp}, the default, or
+        C{none}).
 
-        @raise ConfigError: for a ratio outside [0, 1] or an endpoint that
-            is not C{host:port}.
+        @raise ConfigError: for a ratio outside [0, 1], an endpoint that
+            is not C{host:port}, an interval that is not a whole number of
+            milliseconds from 1 to 86400000, or another exporter.
         """
         return cls(
             serviceName=(
@@ -130,7 +143,33 @@ class TracingConfig:
             ),
             sampleRatio=_ratio(environ, "OTEL_SAMPLE_RATIO", DEFAULT_SAMPLE_RATIO),
             endpoint=_endpoint(environ, "OTEL_EXPORTER_OTLP_ENDPOINT"),
+            metricInterval=_milliseconds(
+                environ, "OTEL_METRIC_EXPORT_INTERVAL", DEFAULT_METRIC_INTERVAL
+            ),
+            exportMetrics=_metricsExporter(environ, "OTEL_METRICS_EXPORTER"),
         )
+
+
+def _milliseconds(environ: Mapping[str, str], name: str, default: float) -> float:
+    """
+    A whole number of milliseconds (as OpenTelemetry's variables give
+    them), in seconds.
+    """
+    raw = config.text(environ, name, "")
+    if not raw:
+        return default
+    if not (raw.isascii() and raw.isdigit() and 1 <= int(raw) <= 86_400_000):
+        raise ConfigError(name, f"must be milliseconds from 1 to 86400000, got {raw!r}")
+    return int(raw) / 1000
+
+
+def _metricsExporter(environ: Mapping[str, str], name: str) -> bool:
+    raw = config.text(environ, name, "").lower()
+    if raw in ("", "otlp"):
+        return True
+    if raw == "none":
+        return False
+    raise ConfigError(name, f"must be otlp or none, got {raw!r}")
 
 
 def _ratio(environ: Mapping[str, str], name: str, default: float) -> float:
@@ -168,15 +207,22 @@ def tracerProvider(settings: TracingConfig) -> TracerProvider:
     naming the service and its environment. Span processors (the exporter)
     are added by L{TracingService} once the daemon runs.
     """
-    resource = Resource.create(
-        {"service.name": settings.serviceName, DEPLOYMENT_ENVIRONMENT: settings.environment}
-    )
     return TracerProvider(
         sampler=ParentBased(TraceIdRatioBased(settings.sampleRatio)),
-        resource=resource,
+        resource=resourceOf(settings),
         # TracingService shuts it down in order; an atexit hook per
         # provider would also pile up in a test process.
         shutdown_on_exit=False,
+    )
+
+
+def resourceOf(settings: TracingConfig) -> Resource:
+    """
+    The resource of a daemon's spans and metrics: its service and
+    environment.
+    """
+    return Resource.create(
+        {"service.name": settings.serviceName, DEPLOYMENT_ENVIRONMENT: settings.environment}
     )
 
 
@@ -252,23 +298,46 @@ class TracingService(Service):
         return Deferred.fromCoroutine(self._stop())
 
     async def _stop(self) -> None:
-        done: Deferred[None] = Deferred()
-
         def shutdownProvider() -> None:
-            try:
-                self.provider.force_flush()
-                self.provider.shutdown()
-            finally:
-                self._reactor.callFromThread(done.callback, None)
+            self.provider.force_flush()
+            self.provider.shutdown()
 
-        threading.Thread(target=shutdownProvider, name="svc-span-flush", daemon=True).start()
-        try:
-            await timeoutDeferred(done, self._flushTimeout, asReactorTime(self._clock))
-        except TimeoutError:
+        flushed = await flushInThread(
+            self._reactor, self._clock, shutdownProvider, self._flushTimeout, "svc-span-flush"
+        )
+        if not flushed:
             self.log.warn(
                 "Spans not exported within {timeout} s of the stop; dropping them",
                 timeout=self._flushTimeout,
             )
+
+
+async def flushInThread(
+    reactor: IReactorFromThreads,
+    clock: Clock,
+    flush: Callable[[], None],
+    limit: float,
+    threadName: str,
+) -> bool:
+    """
+    Run C{flush} (an exporter's blocking flush and shutdown) in a daemon
+    thread of its own and wait for it at most C{limit} seconds; False
+    when it did not end in time (it is left to end, or not, by itself).
+    """
+    done: Deferred[None] = Deferred()
+
+    def run() -> None:
+        try:
+            flush()
+        finally:
+            reactor.callFromThread(done.callback, None)
+
+    threading.Thread(target=run, name=threadName, daemon=True).start()
+    try:
+        await timeoutDeferred(done, limit, asReactorTime(clock))
+    except TimeoutError:
+        return False
+    return True
 
 
 def traceIDOf(span: Span) -> str | None:

@@ -22,7 +22,10 @@ organization with the same client. It imports nothing of svc-proxy (a test check
   - L{svcd.providers.upstream}: the request sent upstream over each
     provider's persistent connections, its tries over the deployments and
     fallbacks as the router plans them, usage, metrics (through a
-    Protocol the daemon's metrics fill) and the upstream span;
+    Protocol the daemon's metrics fill) and each try's span;
+  - L{svcd.providers.genai}: OpenTelemetry's GenAI conventions on each
+    try: its client span's attributes, and the two GenAI histograms,
+    recorded while a meter is bound to them (decisions D15);
   - L{svcd.providers.tries}: what the forwarder keeps of each try: which
     can be sent the request and their bodies, the wait for its first
     byte (C{first_byte_timeout}), the deployment metrics' Protocol;

@@ -76,6 +76,13 @@ ANTHROPIC_VERSION = "2023-06-01"
 # package may not import).
 DEFAULT_ANTHROPIC_CAP = 4096
 
+# Each leg's gen_ai.operation.name (OpenTelemetry's GenAI conventions,
+# svcd.providers.genai): its well-known values, and for Anthropic's token
+# counting, which they leave open, a name of our own.
+CHAT_NAME = "chat"
+EMBEDDINGS_NAME = "embeddings"
+COUNT_TOKENS_NAME = "count_tokens"
+
 BodyMaker = Callable[[Mapping[str, Any], Model, "int | None"], bytes]
 
 
@@ -112,6 +119,8 @@ class Leg:
         given (None: L{svcd.providers.relay.StreamRelay}'s own way).
     @ivar translated: whether the client's and the provider's dialects
         differ (a body that may fail to translate).
+    @ivar genAIOperation: its C{gen_ai.operation.name} on spans and
+        metrics.
     """
 
     path: str
@@ -119,10 +128,7 @@ class Leg:
     answer: AnswerReader
     passage: PassageMaker | None = None
     translated: bool = False
-
-    @property
-    def spanName(self) -> str:
-        return "POST " + self.path.lstrip("/")
+    genAIOperation: str = CHAT_NAME
 
 
 @attrs.frozen
@@ -343,10 +349,18 @@ MESSAGES = Operation(
 COUNT_TOKENS = Operation(
     "count_tokens",
     streams=False,
-    legs={ANTHROPIC: Leg("/messages/count_tokens", countTokensBody, _noUsage)},
+    legs={
+        ANTHROPIC: Leg(
+            "/messages/count_tokens", countTokensBody, _noUsage, genAIOperation=COUNT_TOKENS_NAME
+        )
+    },
 )
 EMBEDDINGS = Operation(
     "embeddings",
     streams=False,
-    legs={OPENAI: Leg("/embeddings", embeddingsBody, _asGivenEmbeddings)},
+    legs={
+        OPENAI: Leg(
+            "/embeddings", embeddingsBody, _asGivenEmbeddings, genAIOperation=EMBEDDINGS_NAME
+        )
+    },
 )

@@ -51,12 +51,14 @@ from svcd.providers.relay import StreamFault
 class Exchange:
     """
     What the attempts of one request share, for translating its answer:
-    the client's object, the request's id, the time its answer is dated.
+    the client's object, the request's id, the time its answer is dated
+    (and, for its spans, the output cap a budget assumed, if any).
     """
 
     document: Mapping[str, Any] = attrs.field(repr=False)
     requestID: str
     created: int
+    outputCap: int | None = None
 
 
 def usageOfTokens(usage: TokenUsage) -> Usage:

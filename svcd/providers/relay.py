@@ -296,6 +296,9 @@ class StreamRelay(Protocol):
         self._ended = False
         self._pausedByClient = False
         self.usage: Usage | None = None
+        # The model the usage event names (OpenAI's streams relayed as
+        # given), for the try's span and metrics.
+        self.responseModel: str | None = None
         self.started: Deferred[None] = Deferred(lambda _: self._stop())
         self.finished: Deferred[Usage | None] = Deferred(lambda _: self._stop())
         self._idle: IDelayedCall | None = clock.callLater(
@@ -551,6 +554,10 @@ class StreamRelay(Protocol):
         if usage is None:
             return True
         self.usage = usage
+        if isinstance(document, dict):
+            model = document.get("model")
+            if isinstance(model, str):
+                self.responseModel = model
         choices = document.get("choices") if isinstance(document, dict) else None
         return self._relayUsage or bool(choices)
 

@@ -100,7 +100,7 @@ from typing import Any, Protocol
 
 import attrs
 from opentelemetry import trace
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
+from opentelemetry.trace import Span, Tracer
 from twisted.internet.defer import (
     CancelledError,
     Deferred,
@@ -119,6 +119,7 @@ from svcd.metering.models import ANTHROPIC, Model, Provider
 from svcd.metering.usage import Usage
 from svcd.providers.cooldowns import Cooldown, retryAfterSeconds
 from svcd.providers.faults import UpstreamFault, brokenFault, refusalFault, timeoutFault
+from svcd.providers.genai import CallTelemetry, GenAIMetrics, responseModelOf
 from svcd.providers.http1 import UpstreamAnswer
 from svcd.providers.links import Link
 from svcd.providers.operations import (
@@ -148,7 +149,6 @@ UPSTREAM_MODEL_HEADER = b"X-SVC-Upstream-Model"
 ANTHROPIC_VERSION_HEADER = b"anthropic-version"
 ANTHROPIC_BETA_HEADER = b"anthropic-beta"
 _DEFAULT_VERSION = ANTHROPIC_VERSION.encode("ascii")
-_SPAN_ERROR = Status(StatusCode.ERROR)
 _JSON = b"application/json"
 _EVENT_STREAM = b"text/event-stream"
 
@@ -213,9 +213,12 @@ class Forwarder:
 
     @param providers: every configured provider (a client and a pool each
         are made here).
-    @param tracer: makes the upstream client span of a sampled request.
+    @param tracer: makes the upstream client span of each try of a
+        sampled request (L{svcd.providers.genai}).
     @param router: the deployments' routing state (decisions D15); by
         default one of the forwarder's own, on C{clock}.
+    @param genai: the GenAI histograms each try is recorded in while they
+        are bound to a meter.
     """
 
     log = Logger()
@@ -228,11 +231,12 @@ class Forwarder:
         metrics: UpstreamMetrics,
         tracer: Tracer | None = None,
         router: Router | None = None,
+        genai: GenAIMetrics | None = None,
     ) -> None:
         self._clock = clock
         self._metrics = metrics
         self._deployments = metrics if isinstance(metrics, DeploymentMetrics) else None
-        self._tracer = tracer
+        self._telemetry = CallTelemetry(providers, tracer, genai)
         self._router = router if router is not None else Router(clock, Random())
         self._links = {provider.name: Link(reactor, clock, provider) for provider in providers}
 
@@ -297,7 +301,7 @@ class Forwarder:
             operation = CHAT_COMPLETIONS
         stream = operation.streams and document.get("stream") is True
         prepared = prepare(operation, document, attempts, outputCap, bodies)
-        exchange = Exchange(document, requestID, int(self._clock.seconds()))
+        exchange = Exchange(document, requestID, int(self._clock.seconds()), outputCap)
         fault: UpstreamFault | None = None
         record.tries = 0
 
@@ -438,9 +442,10 @@ class Forwarder:
         self,
         model: Model,
         leg: Leg,
-        requestID: str,
+        exchange: Exchange,
         record: UpstreamRecord,
         clientHeaders: Mapping[bytes, bytes] | None,
+        stream: bool,
     ) -> tuple[Link, dict[bytes, bytes], Span | None]:
         link = self._links[model.provider.name]
         record.provider = model.provider.name
@@ -449,52 +454,31 @@ class Forwarder:
         record.usage = None
         record.overloaded = False
         # Content-Type and the key are the pool's own (Link).
-        headers = {b"X-Request-ID": requestID.encode("ascii")}
+        headers = {b"X-Request-ID": exchange.requestID.encode("ascii")}
         if model.provider.api == ANTHROPIC:
             _anthropicHeaders(headers, clientHeaders)
-        span = self._span(model, leg)
+        span = self._telemetry.span(leg, model, record.deployment, stream, exchange)
         spanContext = (span or trace.get_current_span()).get_span_context()
         if spanContext.is_valid:
             headers[b"traceparent"] = traceparentOf(spanContext).encode("ascii")
         return link, headers, span
 
-    def _span(self, model: Model, leg: Leg) -> Span | None:
-        current = trace.get_current_span()
-        if self._tracer is None or not current.is_recording():
-            return None
-        return self._tracer.start_span(
-            leg.spanName,
-            kind=SpanKind.CLIENT,
-            attributes={
-                "http.request.method": "POST",
-                "svc.provider": model.provider.name,
-                "gen_ai.request.model": model.upstreamModel,
-                "svc.model": model.name,
-            },
-            record_exception=False,
-        )
-
     def _finish(
         self,
         model: Model,
+        leg: Leg,
         span: Span | None,
         label: str,
         began: float,
         record: UpstreamRecord,
+        responseModel: str | None,
     ) -> None:
         elapsed = time.perf_counter() - began
         record.upstreamMilliseconds = round(elapsed * 1000, 3)
         self._metrics.observeUpstream(model.provider.name, model.name, label, elapsed, record.usage)
-        if span is not None:
-            if label.isdigit():
-                span.set_attribute("http.response.status_code", int(label))
-            if not (label.isdigit() and label.startswith("2")):
-                span.set_attribute("error.type", label)
-                span.set_status(_SPAN_ERROR)
-            if record.usage is not None:
-                span.set_attribute("gen_ai.usage.input_tokens", record.usage.promptTokens)
-                span.set_attribute("gen_ai.usage.output_tokens", record.usage.completionTokens)
-            span.end()
+        self._telemetry.ended(
+            span, leg.genAIOperation, model, label, elapsed, record.usage, responseModel
+        )
 
     async def _complete(
         self,
@@ -510,9 +494,10 @@ class Forwarder:
         A non-streaming attempt: the whole answer within C{timeout}, in
         the client's dialect; its first byte is its response's head.
         """
-        link, headers, span = self._begin(model, leg, exchange.requestID, record, clientHeaders)
+        link, headers, span = self._begin(model, leg, exchange, record, clientHeaders, False)
         began = time.perf_counter()
         label = "cancelled"
+        responseModel = None
         try:
             work = Deferred.fromCoroutine(
                 link.exchange(body, headers, link.target(leg), waiting.arrived)
@@ -528,6 +513,7 @@ class Forwarder:
                 raise refusalFault(response, answer, model.provider)
             try:
                 parsed = json.loads(answer)
+                responseModel = responseModelOf(parsed)
                 translated = leg.answer(parsed, exchange)
             except (ValueError, RecursionError, Untranslated):
                 raise brokenFault("invalid") from None
@@ -548,7 +534,7 @@ class Forwarder:
             label = FIRST_BYTE_TIMEOUT if waiting.expired else "cancelled"
             raise
         finally:
-            self._finish(model, span, label, began, record)
+            self._finish(model, leg, span, label, began, record, responseModel)
 
     async def _stream(
         self,
@@ -570,7 +556,7 @@ class Forwarder:
         C{idle_timeout} of the one before. Its first byte is its first
         event.
         """
-        link, headers, span = self._begin(model, leg, exchange.requestID, record, clientHeaders)
+        link, headers, span = self._begin(model, leg, exchange, record, clientHeaders, True)
         began = time.perf_counter()
         provider = model.provider
         side = _StreamSide(client, model.name, errorEvent, record, waiting.arrived)
@@ -613,8 +599,9 @@ class Forwarder:
             # The relay holds the side's begin, and the side the relay: a
             # reference cycle, through the client to the whole request,
             # until this (tests/test_gc_cycles.py).
+            responseModel = side.relay.responseModel if side.relay is not None else None
             side.relay = None
-            self._finish(model, span, label, began, record)
+            self._finish(model, leg, span, label, began, record, responseModel)
 
     async def _openStream(
         self,

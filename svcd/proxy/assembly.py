@@ -38,6 +38,7 @@ from svcd.limits.limiter import RateLimiter, RedisRateLimiter, makeRateLimiter
 from svcd.limits.link import RedisCounters
 from svcd.memoryclient.channel import ClientTLS, memoryChannel
 from svcd.memoryclient.client import DEFAULT_TIMEOUT, MemoryClient
+from svcd.providers.genai import GenAIMetrics
 from svcd.providers.routing import Router
 from svcd.providers.upstream import Forwarder
 from svcd.proxy.config import ProxyConfig
@@ -90,6 +91,7 @@ def assembleProxy(
     *,
     metrics: ProxyMetrics | None = None,
     tracer: Tracer | None = None,
+    genai: GenAIMetrics | None = None,
     auth: LifecycleAuthClient | None = None,
     sender: UsageSender | None = None,
     counters: RedisCounters | None = None,
@@ -101,13 +103,15 @@ def assembleProxy(
     Wire svc-proxy for C{config}: it listens on C{config.host} and
     C{config.port} once started.
 
-    The daemon passes C{metrics} and C{tracer} only; the other keyword
-    arguments are the tests' overrides.
+    The daemon passes C{metrics}, C{tracer} and C{genai} only; the other
+    keyword arguments are the tests' overrides.
 
     @param metrics: where the proxy counts; by default, metrics on a
         registry of their own.
     @param tracer: makes the server span of each request and the client
         span of each forwarded one; by default, spans that record nothing.
+    @param genai: the GenAI histograms of the calls to providers (decisions
+        D15), recorded while a meter is bound to them; by default none.
     @param auth: answers validations and is started and closed with the
         proxy, in place of the gRPC client of svc-auth and its cache and
         change feed (and the proxy waits for none of them before it
@@ -197,7 +201,13 @@ def assembleProxy(
         # Decisions D15: the deployments' routing state of this proxy.
         router = Router(reactor, Random())
         forwarder = Forwarder(
-            reactor, reactor, tuple(config.providers.providers.values()), metrics, tracer, router
+            reactor,
+            reactor,
+            tuple(config.providers.providers.values()),
+            metrics,
+            tracer,
+            router,
+            genai,
         )
         if sender is None:
             if ledgerSender is None:

@@ -30,9 +30,11 @@ from svcd.common.config import ConfigError
 from svcd.common.gcmetrics import watchCollector
 from svcd.common.lifecycle import exitZeroOnStopSignals, settleHeapWhenRunning
 from svcd.common.logs import LoggingRootService, daemonLogWriter, logSettings, makeObserver
+from svcd.common.meters import MeterService
 from svcd.common.tracing import TracingConfig, TracingService, tracerProvider
 from svcd.common.twistedprivate import TwistedIncompatible, requireTwistedInternals
 from svcd.ledger.journalfile import JournalError
+from svcd.providers.genai import GenAIMetrics
 from svcd.proxy.assembly import assembleProxy
 from svcd.proxy.config import ProxyConfig
 from svcd.proxy.metrics import ProxyMetrics
@@ -101,12 +103,18 @@ def makeService(options: Options) -> LoggingRootService:
     tracing = TracingService(IReactorFromThreads(reactor), reactor, provider, options.tracing)
     tracing.setServiceParent(root)  # type: ignore[no-untyped-call, unused-ignore]
     tracer = provider.get_tracer("svcd.proxy")
+    # Decisions D15: the GenAI histograms of provider calls, exported with
+    # the spans; stopped after the proxy service, which records them.
+    genai = GenAIMetrics()
+    MeterService(
+        IReactorFromThreads(reactor), reactor, options.tracing, [genai], "svcd.proxy"
+    ).setServiceParent(root)  # type: ignore[no-untyped-call, unused-ignore]
 
     metrics = ProxyMetrics(CollectorRegistry())
     # The collector's pauses are the process's: timed once per process.
     watchCollector(metrics.registry)
     try:
-        daemon = assembleProxy(config, reactor, metrics=metrics, tracer=tracer)
+        daemon = assembleProxy(config, reactor, metrics=metrics, tracer=tracer, genai=genai)
     except JournalError as error:
         _cannotStart(str(error))
     daemon.service.setServiceParent(root)  # type: ignore[no-untyped-call, unused-ignore]

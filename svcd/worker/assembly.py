@@ -50,6 +50,7 @@ from svcd.limits.limiter import RateLimiter, makeRateLimiter
 from svcd.memoryclient.channel import ClientTLS, memoryChannel
 from svcd.memoryclient.client import MemoryClient
 from svcd.metered.embedder import Embedder
+from svcd.providers.genai import GenAIMetrics
 from svcd.providers.upstream import Forwarder
 from svcd.worker.config import WorkerConfig
 from svcd.worker.loop import ObservationLoop, leaseOwner
@@ -149,9 +150,13 @@ def assembleWorker(
     *,
     metrics: WorkerMetrics | None = None,
     tracer: Tracer | None = None,
+    genai: GenAIMetrics | None = None,
 ) -> WorkerParts:
     """
     Wire svc-worker's parts for C{config}; nothing is started.
+
+    @param genai: the GenAI histograms of its calls to providers (decisions
+        D15), recorded while a meter is bound to them.
 
     @raise svcd.ledger.journalfile.JournalError: when the usage journal is
         held by another process.
@@ -210,7 +215,9 @@ def assembleWorker(
     )
     admission = Admission(limiter, metrics, reactor)
     providers = config.providers
-    forwarder = Forwarder(reactor, reactor, tuple(providers.providers.values()), metrics, tracer)
+    forwarder = Forwarder(
+        reactor, reactor, tuple(providers.providers.values()), metrics, tracer, genai=genai
+    )
     embedder = Embedder(providers, forwarder, admission, outbox, reactor)
     memory = MemoryClient(
         functools.partial(memoryChannel, config.memoryGrpcAddr, _clientTLS(config.memoryTLS)),
@@ -255,6 +262,7 @@ def assembleWorkerDaemon(
     registry: CollectorRegistry,
     *,
     tracer: Tracer | None = None,
+    genai: GenAIMetrics | None = None,
 ) -> MultiService:
     """
     svc-worker's service tree: the worker, then its operations port
@@ -263,7 +271,9 @@ def assembleWorkerDaemon(
     last claim was answered) and Redis (not critical: without it limits
     fail open, as on the proxies).
     """
-    parts = assembleWorker(config, reactor, metrics=WorkerMetrics(registry), tracer=tracer)
+    parts = assembleWorker(
+        config, reactor, metrics=WorkerMetrics(registry), tracer=tracer, genai=genai
+    )
     root = MultiService()
     WorkerService(parts, config.shutdownTimeout).setServiceParent(root)
 

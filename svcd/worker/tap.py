@@ -19,8 +19,10 @@ from twisted.python import usage
 
 from svcd.common.daemonstart import cannotStart, daemonAssembled, startDaemon
 from svcd.common.gcmetrics import watchCollector
+from svcd.common.meters import MeterService
 from svcd.common.tracing import TracingService, tracerProvider
 from svcd.ledger.journalfile import JournalError
+from svcd.providers.genai import GenAIMetrics
 from svcd.worker.assembly import assembleWorkerDaemon
 from svcd.worker.config import WorkerConfig
 
@@ -56,12 +58,17 @@ def makeService(options: Options) -> IService:
     TracingService(IReactorFromThreads(reactorAny), reactorAny, provider, tracing).setServiceParent(
         root
     )
+    # Decisions D15: the GenAI histograms of its provider calls.
+    genai = GenAIMetrics()
+    MeterService(
+        IReactorFromThreads(reactorAny), reactorAny, tracing, [genai], "svcd.worker"
+    ).setServiceParent(root)
     registry = CollectorRegistry(auto_describe=True)
     # The collector's pauses are the process's: timed once per process.
     watchCollector(registry)
     try:
         daemon = assembleWorkerDaemon(
-            reactor, start.config, registry, tracer=provider.get_tracer("svcd.worker")
+            reactor, start.config, registry, tracer=provider.get_tracer("svcd.worker"), genai=genai
         )
     except JournalError as error:
         cannotStart("svc-worker", f"cannot start: {error}")
