@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from twisted.logger import Logger
 
 from svcd.common.errors import rfc3339
-from svcd.memory.extracted import RECENT_WINDOW, OtherScope, Plan
+from svcd.memory.extracted import RECENT_WINDOW, OtherScope, Plan, Stored
 from svcd.memory.grpcrequests import (
     bounded,
     embeddingOf,
@@ -230,31 +230,46 @@ class ObservationMethods:
             if memories[index][1].dimensions != memories[0][1].dimensions:
                 # One provider's answer: one length (its planning compares them).
                 raise InvalidMemory(f"memories[{index}].embedding", OTHER_LENGTH)
-        # The observation's scope never changes: a second round always
-        # finds it.
-        for _ in range(2):
-            plan = self._plan(scope, memories, dedupeScore)
-            try:
-                stored = self._store.storeExtracted(
-                    orgID, observationID, owner, token, scope, requestID, plan, self._maxPerScope
-                )
-                break
-            except OtherScope as other:
-                self.log.warn(
-                    "StoreObservation for observation {observation_id} of organization"
-                    " {org_id} named another agent or subject than the observation's;"
-                    " its memories go to the observation's agent {agent_id}",
-                    observation_id=str(observationID),
-                    org_id=str(orgID),
-                    agent_id=str(other.scope.agentID),
-                )
-                scope = other.scope
-        else:
-            raise StoreUnavailable("the observation's scope changed twice")
+        # The sync marker goes in the storing transaction (one transaction
+        # fewer than a marker sent after it).
+        pending = self._searcher.expectWrite()
+        stored: Stored | None = None
+        try:
+            # The observation's scope never changes: a second round always
+            # finds it.
+            for _ in range(2):
+                plan = self._plan(scope, memories, dedupeScore)
+                try:
+                    stored = self._store.storeExtracted(
+                        orgID,
+                        observationID,
+                        owner,
+                        token,
+                        scope,
+                        requestID,
+                        plan,
+                        self._maxPerScope,
+                        None if pending is None else pending.nonce,
+                    )
+                    break
+                except OtherScope as other:
+                    self.log.warn(
+                        "StoreObservation for observation {observation_id} of organization"
+                        " {org_id} named another agent or subject than the observation's;"
+                        " its memories go to the observation's agent {agent_id}",
+                        observation_id=str(observationID),
+                        org_id=str(orgID),
+                        agent_id=str(other.scope.agentID),
+                    )
+                    scope = other.scope
+            else:
+                raise StoreUnavailable("the observation's scope changed twice")
+        finally:
+            self._searcher.settleWrite(
+                scope, pending, stored is not None and bool(stored.added or stored.updated)
+            )
         if stored is None:
             return memory_pb2.StoreObservationResponse(stored=False)
-        if stored.added or stored.updated:
-            self._searcher.settle(scope)
         return memory_pb2.StoreObservationResponse(
             stored=True,
             added_ids=[str(each.memoryID) for each in stored.added],

@@ -201,6 +201,7 @@ class LeasesStore(BaseStore):
         sourceRequestID: str,
         plan: Plan,
         maxPerScope: int,
+        syncNonce: str | None = None,
     ) -> Stored | None:
         """
         svc-worker's memories of one observation written (source
@@ -232,6 +233,8 @@ class LeasesStore(BaseStore):
         per request and content (one the scope already holds from this
         request with this content is answered instead), within the cap.
 
+        @param syncNonce: the sync marker to send once everything is
+            written, in this transaction (L{svcd.memory.search.Searcher.expectWrite}).
         @return: what was written; None when the lease is no longer the
             claim's (nothing written).
         @raise MemoryNotFound: the observation is gone (dropped; or
@@ -267,28 +270,37 @@ class LeasesStore(BaseStore):
             )
             adds = [(write.content, write.embedding) for write in writes if write.target is None]
             records = _addExtracted(cursor, own, sourceRequestID, adds, maxPerScope)
-            cursor.execute(_finishing("id = %s"), (observationID,))
+            if syncNonce is None:
+                cursor.execute(_finishing("id = %s"), (observationID,))
+            else:
+                # The marker after the changes: their notifications were
+                # sent by the statements above (sql/0019_notify_ids.sql).
+                cursor.execute(
+                    _finishing("id = %s", sync=True), (observationID, f"sync:{syncNonce}")
+                )
             return Stored(records, updated, dropped)
 
         return self._run("observation_store", store, orgID)
 
 
-def _finishing(condition: str) -> str:
+def _finishing(condition: str, sync: bool = False) -> str:
     """
     The statement that finishes the observation C{condition} selects (a
     constant of this module, with its parameters): its row deleted and its
     key (sql/0015; its request id beside it) remembered in
     memory_observations_done (sql/0014), in one statement, so that a
     resent copy is not queued again while the record lasts; it answers
-    the deleted row's id.
+    the deleted row's id. With C{sync}, it also sends the payload of one
+    more parameter on the change listeners' channel.
     """
+    notify = ", pg_notify('svc_memory_changes', %s)" if sync else ""
     return (
         f"WITH gone AS (DELETE FROM memory_observations WHERE {condition}"
         " RETURNING id, org_id, request_id, observation_key),"
         " done AS (INSERT INTO memory_observations_done"
         " (org_id, request_id, observation_key, observation_id)"
         " SELECT org_id, request_id, observation_key, id FROM gone ON CONFLICT DO NOTHING)"
-        " SELECT id FROM gone"
+        f" SELECT id{notify} FROM gone"
     )
 
 
