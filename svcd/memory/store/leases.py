@@ -17,7 +17,7 @@ import attrs
 from svcd.common.ids import uuid7
 from svcd.memory.extracted import OtherScope, Plan, Stored, recentRows, updateExtracted
 from svcd.memory.forgetting import forgottenSince
-from svcd.memory.records import EXTRACTED, MemoryRecord
+from svcd.memory.records import EXTRACTED, OTHER_LENGTH, MemoryRecord
 from svcd.memory.store.base import (
     BaseStore,
     Cursor,
@@ -29,7 +29,7 @@ from svcd.memory.store.base import (
     refuse,
 )
 from svcd.memory.store.memories import MEMORY_COLUMNS, checkLength, lockScope, memoryRecord
-from svcd.memoryclient.records import Embedding, Scope
+from svcd.memoryclient.records import Embedding, InvalidMemory, Scope
 
 
 @attrs.frozen
@@ -326,61 +326,84 @@ def _addExtracted(
 ) -> list[MemoryRecord]:
     """
     The additions of L{LeasesStore.storeExtracted}, under the scope's lock
-    (taken by the caller).
+    (taken by the caller): what the scope holds from this request, its
+    count and its newest vector's length read in one statement, the new
+    memories written in another.
     """
     if not memories:
         return []
+    model = memories[0][1].model
     cursor.execute(
-        f"SELECT {MEMORY_COLUMNS} FROM memories"
+        f"SELECT scope.held, scope.newest, mine.* FROM (SELECT"
+        " (SELECT count(*) FROM memories"
+        " WHERE org_id = %s AND agent_id = %s AND subject = %s) AS held,"
+        " (SELECT dimensions FROM memories WHERE org_id = %s AND agent_id = %s"
+        " AND subject = %s AND embedding_model = %s"
+        " ORDER BY created_at DESC, id DESC LIMIT 1) AS newest) AS scope"
+        f" LEFT JOIN LATERAL (SELECT {MEMORY_COLUMNS} FROM memories"
         " WHERE org_id = %s AND source = 'extracted' AND source_request_id = %s"
-        " AND agent_id = %s AND subject = %s ORDER BY created_at DESC, id DESC",
-        (scope.orgID, sourceRequestID, scope.agentID, scope.subject),
+        " AND agent_id = %s AND subject = %s) AS mine ON true"
+        " ORDER BY mine.created_at DESC, mine.id DESC",
+        (
+            *(scope.orgID, scope.agentID, scope.subject),
+            *(scope.orgID, scope.agentID, scope.subject, model),
+            *(scope.orgID, sourceRequestID, scope.agentID, scope.subject),
+        ),
     )
+    rows = cursor.fetchall()
+    count = oneRow(rows[0] if rows else None)["held"]
     # The oldest of each content last, so that it wins, as add's LIMIT 1 of
     # the oldest does.
-    held = {row["content"]: memoryRecord(row) for row in cursor.fetchall()}
-    cursor.execute(
-        "SELECT count(*) AS held FROM memories"
-        " WHERE org_id = %s AND agent_id = %s AND subject = %s",
-        (scope.orgID, scope.agentID, scope.subject),
-    )
-    count = oneRow(cursor.fetchone())["held"]
-    records = []
-    # Each length of each model checked once: after the first insert, the
-    # scope's newest memory of the model is one of these.
-    checked = set()
+    held = {row["content"]: memoryRecord(row) for row in rows if row["id"] is not None}
+    fresh: dict[str, Embedding] = {}
     for content, embedding in memories:
-        if content in held:
-            records.append(held[content])
-            continue
-        if count >= maxPerScope:
-            raise ScopeFull(f"the scope holds {maxPerScope} memories already")
-        if (embedding.model, embedding.dimensions) not in checked:
+        if content not in held and content not in fresh:
+            fresh[content] = embedding
+    if not fresh:
+        return [held[content] for content, _ in memories]
+    if count + len(fresh) > maxPerScope:
+        raise ScopeFull(f"the scope holds {maxPerScope} memories already")
+    # Each length of each model checked once: the scope's newest vector of
+    # the model has the length every other one has, and those added here
+    # are of one length (StoreObservation checks).
+    lengths: dict[str, set[int]] = {}
+    for each in fresh.values():
+        lengths.setdefault(each.model, set()).add(each.dimensions)
+    for embedding in {each.model: each for each in fresh.values()}.values():
+        if len(lengths[embedding.model]) > 1:
+            # Two lengths of one model: one of them is not the other's.
+            raise InvalidMemory("embedding", OTHER_LENGTH)
+        if embedding.model != model:
             checkLength(cursor, scope, embedding)
-            checked.add((embedding.model, embedding.dimensions))
-        # Stamped after the scope's lock (svcd.memory.extracted).
-        cursor.execute(
-            "INSERT INTO memories (id, org_id, agent_id, subject, content, metadata,"
-            " source, source_request_id, embedding_model, dimensions, vector, created_at,"
-            " updated_at)"
-            " SELECT %s, %s, %s, %s, %s, '{}'::jsonb, %s, %s, %s, %s, %s, stamp, stamp"
-            " FROM clock_timestamp() AS stamp"
-            f" RETURNING {MEMORY_COLUMNS}",
-            (
-                uuid7(),
-                scope.orgID,
-                scope.agentID,
-                scope.subject,
-                content,
-                EXTRACTED,
-                sourceRequestID,
-                embedding.model,
-                embedding.dimensions,
-                embedding.vector,
-            ),
-        )
-        record = memoryRecord(oneRow(cursor.fetchone()))
-        held[content] = record
-        records.append(record)
-        count += 1
-    return records
+        elif rows[0]["newest"] not in (None, embedding.dimensions):
+            raise InvalidMemory("embedding", OTHER_LENGTH)
+    ids = [uuid7() for _ in fresh]
+    # One statement for them all, stamped after the scope's lock
+    # (svcd.memory.extracted); the ids, made in order, order them as
+    # their creation did.
+    cursor.execute(
+        "INSERT INTO memories (id, org_id, agent_id, subject, content, metadata,"
+        " source, source_request_id, embedding_model, dimensions, vector, created_at,"
+        " updated_at)"
+        " SELECT new.id, %s, %s, %s, new.content, '{}'::jsonb, %s, %s, new.model,"
+        " new.dimensions, new.vector, stamp, stamp"
+        " FROM unnest(%s::uuid[], %s::text[], %s::text[], %s::integer[], %s::bytea[])"
+        " AS new (id, content, model, dimensions, vector), clock_timestamp() AS stamp"
+        f" RETURNING {MEMORY_COLUMNS}",
+        (
+            scope.orgID,
+            scope.agentID,
+            scope.subject,
+            EXTRACTED,
+            sourceRequestID,
+            ids,
+            list(fresh),
+            [each.model for each in fresh.values()],
+            [each.dimensions for each in fresh.values()],
+            [each.vector for each in fresh.values()],
+        ),
+    )
+    added = {row["id"]: memoryRecord(row) for row in cursor.fetchall()}
+    for content, memoryID in zip(fresh, ids, strict=True):
+        held[content] = added[memoryID]
+    return [held[content] for content, _ in memories]
