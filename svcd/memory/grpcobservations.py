@@ -34,6 +34,7 @@ from svcd.memory.records import (
 from svcd.memory.search import Searcher
 from svcd.memory.store import MemoryStore
 from svcd.memory.store.base import StoreUnavailable
+from svcd.memory.store.cacheloads import CachedRow
 from svcd.memory.store.leases import ObservationRelease
 from svcd.memoryclient.records import Embedding, InvalidMemory, Scope
 from svcd.pb.memory.v1 import memory_pb2
@@ -234,6 +235,14 @@ class ObservationMethods:
         # fewer than a marker sent after it).
         pending = self._searcher.expectWrite()
         stored: Stored | None = None
+        # The rows added, told to the cache before the commit, so that its
+        # listener need not read them back (forgotten if it fails).
+        written: list[CachedRow] = []
+
+        def tell(rows: Sequence[CachedRow]) -> None:
+            written.extend(rows)
+            self._searcher.expectWritten(rows)
+
         try:
             # The observation's scope never changes: a second round always
             # finds it.
@@ -250,6 +259,7 @@ class ObservationMethods:
                         plan,
                         self._maxPerScope,
                         None if pending is None else pending.nonce,
+                        tell,
                     )
                     break
                 except OtherScope as other:
@@ -264,6 +274,9 @@ class ObservationMethods:
                     scope = other.scope
             else:
                 raise StoreUnavailable("the observation's scope changed twice")
+        except BaseException:
+            self._searcher.forgetWritten([row.memoryID for row in written])
+            raise
         finally:
             self._searcher.settleWrite(
                 scope, pending, stored is not None and bool(stored.added or stored.updated)

@@ -18,6 +18,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 
 import attrs
@@ -31,6 +32,7 @@ from svcd.memory.ranking import Hit, Ranking, parallelProduct
 from svcd.memory.recordcache import RecordCache
 from svcd.memory.records import OTHER_LENGTH, Query
 from svcd.memory.store import MemoryStore
+from svcd.memory.store.cacheloads import CachedRow
 from svcd.memory.text import FUSED_DEPTH, ScopeText, TextKey, fuse
 from svcd.memory.vectorcache import ScopeKey, VectorCache
 from svcd.memory.vectors import ScopeVectors
@@ -228,6 +230,21 @@ class Searcher:
         finally:
             if pending is not None:
                 self._cache.forgetSync(pending.nonce)
+
+    def expectWritten(self, rows: Sequence[CachedRow]) -> None:
+        """
+        Rows a transaction of this replica is about to commit, for the
+        change listener to take instead of reading them back
+        (L{VectorCache.expectWritten}).
+        """
+        self._cache.expectWritten(rows)
+
+    def forgetWritten(self, memoryIDs: Sequence[uuid.UUID]) -> None:
+        """
+        Rows given to L{expectWritten} whose transaction failed.
+        """
+        if memoryIDs:
+            self._cache.forgetWritten(memoryIDs)
 
     def _watches(self, scope: Scope) -> bool:
         triple = (scope.orgID, scope.agentID, scope.subject)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 
@@ -28,6 +28,7 @@ from svcd.memory.store.base import (
     oneRow,
     refuse,
 )
+from svcd.memory.store.cacheloads import MICROS, CachedRow
 from svcd.memory.store.memories import MEMORY_COLUMNS, checkLength, lockScope, memoryRecord
 from svcd.memoryclient.records import Embedding, InvalidMemory, Scope
 
@@ -202,6 +203,7 @@ class LeasesStore(BaseStore):
         plan: Plan,
         maxPerScope: int,
         syncNonce: str | None = None,
+        written: Callable[[Sequence[CachedRow]], None] | None = None,
     ) -> Stored | None:
         """
         svc-worker's memories of one observation written (source
@@ -235,6 +237,9 @@ class LeasesStore(BaseStore):
 
         @param syncNonce: the sync marker to send once everything is
             written, in this transaction (L{svcd.memory.search.Searcher.expectWrite}).
+        @param written: told the rows added, as the change listener would
+            read them, before the transaction commits
+            (L{svcd.memory.vectorcache.VectorCache.expectWritten}).
         @return: what was written; None when the lease is no longer the
             claim's (nothing written).
         @raise MemoryNotFound: the observation is gone (dropped; or
@@ -269,7 +274,7 @@ class LeasesStore(BaseStore):
                 cursor, own, [write for write in writes if write.target is not None]
             )
             adds = [(write.content, write.embedding) for write in writes if write.target is None]
-            records = _addExtracted(cursor, own, sourceRequestID, adds, maxPerScope)
+            records = _addExtracted(cursor, own, sourceRequestID, adds, maxPerScope, written)
             if syncNonce is None:
                 cursor.execute(_finishing("id = %s"), (observationID,))
             else:
@@ -323,12 +328,14 @@ def _addExtracted(
     sourceRequestID: str,
     memories: Sequence[tuple[str, Embedding]],
     maxPerScope: int,
+    written: Callable[[Sequence[CachedRow]], None] | None = None,
 ) -> list[MemoryRecord]:
     """
     The additions of L{LeasesStore.storeExtracted}, under the scope's lock
     (taken by the caller): what the scope holds from this request, its
     count and its newest vector's length read in one statement, the new
-    memories written in another.
+    memories written in another, and told to C{written} as the change
+    listener would read them back.
     """
     if not memories:
         return []
@@ -389,7 +396,7 @@ def _addExtracted(
         " new.dimensions, new.vector, stamp, stamp"
         " FROM unnest(%s::uuid[], %s::text[], %s::text[], %s::integer[], %s::bytea[])"
         " AS new (id, content, model, dimensions, vector), clock_timestamp() AS stamp"
-        f" RETURNING {MEMORY_COLUMNS}",
+        f" RETURNING {MEMORY_COLUMNS}, {MICROS}",
         (
             scope.orgID,
             scope.agentID,
@@ -403,7 +410,24 @@ def _addExtracted(
             [each.vector for each in fresh.values()],
         ),
     )
-    added = {row["id"]: memoryRecord(row) for row in cursor.fetchall()}
-    for content, memoryID in zip(fresh, ids, strict=True):
-        held[content] = added[memoryID]
+    inserted = {row["id"]: row for row in cursor.fetchall()}
+    rowsForCache = []
+    for (content, embedding), memoryID in zip(fresh.items(), ids, strict=True):
+        row = inserted[memoryID]
+        held[content] = record = memoryRecord(row)
+        rowsForCache.append(
+            CachedRow(
+                memoryID=memoryID,
+                agentID=scope.agentID,
+                subject=scope.subject,
+                model=embedding.model,
+                dimensions=embedding.dimensions,
+                createdMicros=row["created_micros"],
+                vector=embedding.vector,
+                content=content,
+                record=record,
+            )
+        )
+    if written is not None:
+        written(rowsForCache)
     return [held[content] for content, _ in memories]
