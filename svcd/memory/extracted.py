@@ -233,20 +233,23 @@ def recentRows(
     cursor: Any, scope: Scope, since: datetime.datetime, models: Sequence[str]
 ) -> list[RecentRow]:
     """
-    The scope's memories made by one of C{models} written since C{since}.
+    The scope's memories made by one of C{models} written since C{since}:
+    read in binary and as tuples, on a cursor of C{cursor}'s connection
+    (so in its transaction), since a scope written many times a second
+    has dozens, each a vector (hex in text, and a dictionary per row).
     """
     if not models:
         return []
-    cursor.execute(
-        "SELECT id, embedding_model, vector FROM memories"
-        " WHERE org_id = %s AND agent_id = %s AND subject = %s"
-        " AND updated_at >= %s AND embedding_model = ANY(%s)",
-        (scope.orgID, scope.agentID, scope.subject, since, list(models)),
-    )
-    return [
-        RecentRow(row["id"], row["embedding_model"], bytes(row["vector"]))
-        for row in cursor.fetchall()
-    ]
+    with cursor.connection.cursor(binary=True) as raw:
+        raw.execute(
+            "SELECT id, embedding_model, vector FROM memories"
+            " WHERE org_id = %s AND agent_id = %s AND subject = %s"
+            " AND updated_at >= %s AND embedding_model = ANY(%s)",
+            (scope.orgID, scope.agentID, scope.subject, since, list(models)),
+        )
+        return [
+            RecentRow(memoryID, model, bytes(vector)) for memoryID, model, vector in raw.fetchall()
+        ]
 
 
 def updateExtracted(cursor: Any, scope: Scope, writes: Sequence[Write]) -> tuple[int, int]:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from twisted.logger import Logger
 
 from svcd.common.errors import rfc3339
-from svcd.memory.extracted import RECENT_WINDOW, OtherScope, Plan
+from svcd.memory.extracted import RECENT_WINDOW, OtherScope, Plan, Stored
 from svcd.memory.grpcrequests import (
     bounded,
     embeddingOf,
@@ -34,6 +34,7 @@ from svcd.memory.records import (
 from svcd.memory.search import Searcher
 from svcd.memory.store import MemoryStore
 from svcd.memory.store.base import StoreUnavailable
+from svcd.memory.store.cacheloads import CachedRow
 from svcd.memory.store.leases import ObservationRelease
 from svcd.memoryclient.records import Embedding, InvalidMemory, Scope
 from svcd.pb.memory.v1 import memory_pb2
@@ -230,31 +231,58 @@ class ObservationMethods:
             if memories[index][1].dimensions != memories[0][1].dimensions:
                 # One provider's answer: one length (its planning compares them).
                 raise InvalidMemory(f"memories[{index}].embedding", OTHER_LENGTH)
-        # The observation's scope never changes: a second round always
-        # finds it.
-        for _ in range(2):
-            plan = self._plan(scope, memories, dedupeScore)
-            try:
-                stored = self._store.storeExtracted(
-                    orgID, observationID, owner, token, scope, requestID, plan, self._maxPerScope
-                )
-                break
-            except OtherScope as other:
-                self.log.warn(
-                    "StoreObservation for observation {observation_id} of organization"
-                    " {org_id} named another agent or subject than the observation's;"
-                    " its memories go to the observation's agent {agent_id}",
-                    observation_id=str(observationID),
-                    org_id=str(orgID),
-                    agent_id=str(other.scope.agentID),
-                )
-                scope = other.scope
-        else:
-            raise StoreUnavailable("the observation's scope changed twice")
+        # The sync marker goes in the storing transaction (one transaction
+        # fewer than a marker sent after it).
+        pending = self._searcher.expectWrite()
+        stored: Stored | None = None
+        # The rows added, told to the cache before the commit, so that its
+        # listener need not read them back (forgotten if it fails).
+        written: list[CachedRow] = []
+
+        def tell(rows: Sequence[CachedRow]) -> None:
+            written.extend(rows)
+            self._searcher.expectWritten(rows)
+
+        try:
+            # The observation's scope never changes: a second round always
+            # finds it.
+            for _ in range(2):
+                plan = self._plan(scope, memories, dedupeScore)
+                try:
+                    stored = self._store.storeExtracted(
+                        orgID,
+                        observationID,
+                        owner,
+                        token,
+                        scope,
+                        requestID,
+                        plan,
+                        self._maxPerScope,
+                        None if pending is None else pending.nonce,
+                        tell,
+                    )
+                    break
+                except OtherScope as other:
+                    self.log.warn(
+                        "StoreObservation for observation {observation_id} of organization"
+                        " {org_id} named another agent or subject than the observation's;"
+                        " its memories go to the observation's agent {agent_id}",
+                        observation_id=str(observationID),
+                        org_id=str(orgID),
+                        agent_id=str(other.scope.agentID),
+                    )
+                    scope = other.scope
+            else:
+                raise StoreUnavailable("the observation's scope changed twice")
+        except BaseException:
+            self._searcher.forgetWritten([row.memoryID for row in written])
+            raise
+        finally:
+            self._searcher.settleWrite(
+                scope, pending, stored is not None and bool(stored.added or stored.updated)
+            )
         if stored is None:
             return memory_pb2.StoreObservationResponse(stored=False)
-        if stored.added or stored.updated:
-            self._searcher.settle(scope)
         return memory_pb2.StoreObservationResponse(
             stored=True,
             added_ids=[str(each.memoryID) for each in stored.added],

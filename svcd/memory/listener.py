@@ -53,6 +53,7 @@ need a connection and a thread, which this one has.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 import uuid
@@ -243,14 +244,32 @@ class MemoryListener(ListeningThread[MemoryStore]):
         its subject read with it (a notification names none). The records
         first, then the vectors (see the module's docstring).
         """
+        # The rows this replica inserted, as it wrote them: taken for
+        # every insert heard, watched or not, so none is left behind.
+        written = {
+            memoryID: row
+            for operation, _, _, memoryID in changes
+            if operation == "insert"
+            for row in (self._cache.takeWritten(memoryID),)
+            if row is not None
+        }
         watched = [each for each in changes if self._watchesAgent(each[1], each[2])]
         if not watched:
             return
+        # A row written here is as it is now unless the packet names it
+        # again (a change since its insert): then it is read.
+        named = collections.Counter(memoryID for _, _, _, memoryID in watched)
         toRead: dict[uuid.UUID, set[uuid.UUID]] = {}
         for operation, orgID, _, memoryID in watched:
-            if operation != "delete":
-                toRead.setdefault(orgID, set()).add(memoryID)
-        rows = store.rowsForCacheByOrganization(toRead)
+            if operation == "delete":
+                continue
+            if memoryID in written and named[memoryID] == 1:
+                continue
+            toRead.setdefault(orgID, set()).add(memoryID)
+        rows = store.rowsForCacheByOrganization(toRead) if toRead else {}
+        for memoryID, row in written.items():
+            if named[memoryID] == 1:
+                rows[memoryID] = row
         # A deletion is applied as one (a memory whose subject changed is
         # announced deleted, then updated: it leaves its old scope first).
         now = [

@@ -342,25 +342,42 @@ class RecordCache(FollowedCache):
         load in progress of the agent when it is gone (see
         L{svcd.memory.vectorcache.VectorCache.applyHeard}).
         """
-        encoded = [
+        named = [
             (
                 orgID,
                 agentID,
                 memoryID.int,
                 None if record is None else (orgID, record.agentID, record.subject),
-                None if record is None else encodedMemory(record),
+                record,
             )
             for orgID, agentID, memoryID, record in changes
         ]
+        # Only the records of scopes held or being loaded are encoded (a
+        # worker's writes are heard for every scope it writes, whose
+        # records are seldom held), before the lock is taken for the
+        # changes; one whose scope began to load in between is encoded
+        # under it.
+        with self._lock:
+            wanted = {now for _, _, _, now, _ in named if self._holdsOrLoads(now)}
+        encoded = {
+            key: encodedMemory(record)
+            for _, _, key, now, record in named
+            if record is not None and now in wanted
+        }
         with self._lock:
             self._expireIfLate()
             touched = False
-            for orgID, agentID, key, now, change in encoded:
+            for orgID, agentID, key, now, record in named:
                 home = self._home.get(key)
                 if home is not None and home != now:
                     touched = self._putOne(home, key, None) or touched
                 if now is not None:
-                    touched = self._putOne(now, key, change) or touched
+                    assert record is not None
+                    if self._holdsOrLoads(now):
+                        change = encoded.get(key)
+                        if change is None:
+                            change = encodedMemory(record)
+                        touched = self._putOne(now, key, change) or touched
                     continue
                 for triple, loads in self._loads.items():
                     if triple[:2] == (orgID, agentID) and triple != home:
@@ -369,6 +386,13 @@ class RecordCache(FollowedCache):
             if touched:
                 self._evictBeyond(self.maxBytes)
                 self._reportSize()
+
+    def _holdsOrLoads(self, triple: Triple | None) -> bool:
+        """
+        Whether this scope's records are held or being loaded (under
+        C{_lock}): only then does a change of them do anything here.
+        """
+        return triple is not None and (triple in self._scopes or triple in self._loads)
 
     def _putOne(self, triple: Triple, key: int, change: bytes | None) -> bool:
         """

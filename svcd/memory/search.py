@@ -15,10 +15,13 @@ blocks that thread only, and the product releases the GIL.
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 
+import attrs
 from prometheus_client import Histogram
 from twisted.logger import Logger
 
@@ -29,6 +32,7 @@ from svcd.memory.ranking import Hit, Ranking, parallelProduct
 from svcd.memory.recordcache import RecordCache
 from svcd.memory.records import OTHER_LENGTH, Query
 from svcd.memory.store import MemoryStore
+from svcd.memory.store.cacheloads import CachedRow
 from svcd.memory.text import FUSED_DEPTH, ScopeText, TextKey, fuse
 from svcd.memory.vectorcache import ScopeKey, VectorCache
 from svcd.memory.vectors import ScopeVectors
@@ -63,6 +67,17 @@ def usableCores(cgroup: str = "/sys/fs/cgroup") -> int:
         # No cgroup v2 here, or no limit it says: the affinity's count.
         pass
     return cores
+
+
+@attrs.frozen
+class PendingSync:
+    """
+    A sync marker a write's transaction sends (L{Searcher.expectWrite}),
+    and the event set once the listener hears it.
+    """
+
+    nonce: str
+    heard: threading.Event = attrs.field(repr=False)
 
 
 class Searcher:
@@ -178,6 +193,58 @@ class Searcher:
             heard.wait(timeout)
         finally:
             self._cache.forgetSync(nonce)
+
+    def expectWrite(self) -> PendingSync | None:
+        """
+        A sync marker for a write about to be made (L{settleWrite}), for its
+        transaction to send last (C{sync:<nonce>} on the listeners'
+        channel, after the changes it makes: PostgreSQL delivers a
+        transaction's notifications in the order they were sent, at its
+        commit); None when nothing is cached now. One transaction fewer than
+        L{settle}'s marker, sent after the commit in a transaction of its
+        own.
+        """
+        if not self._cache.isListening():
+            return None
+        nonce = uuid.uuid4().hex
+        return PendingSync(nonce, self._cache.expectSync(nonce))
+
+    def settleWrite(
+        self, scope: Scope, pending: PendingSync | None, written: bool, timeout: float = 1.0
+    ) -> None:
+        """
+        After a write to C{scope} whose transaction sent the marker of
+        C{pending} (L{expectWrite}) has committed, or failed: when it wrote
+        something, return once this replica's cache holds it (as
+        L{settle}); the marker is forgotten either way. A write whose
+        transaction sent none (the listener was not listening then) is
+        settled by L{settle}.
+        """
+        try:
+            if not written:
+                return
+            if pending is None:
+                self.settle(scope, timeout)
+            elif self._cache.isListening() and self._watches(scope):
+                pending.heard.wait(timeout)
+        finally:
+            if pending is not None:
+                self._cache.forgetSync(pending.nonce)
+
+    def expectWritten(self, rows: Sequence[CachedRow]) -> None:
+        """
+        Rows a transaction of this replica is about to commit, for the
+        change listener to take instead of reading them back
+        (L{VectorCache.expectWritten}).
+        """
+        self._cache.expectWritten(rows)
+
+    def forgetWritten(self, memoryIDs: Sequence[uuid.UUID]) -> None:
+        """
+        Rows given to L{expectWritten} whose transaction failed.
+        """
+        if memoryIDs:
+            self._cache.forgetWritten(memoryIDs)
 
     def _watches(self, scope: Scope) -> bool:
         triple = (scope.orgID, scope.agentID, scope.subject)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import collections
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, TypeVar, cast
 
 import attrs
@@ -42,6 +42,9 @@ from svcd.memory.store.cacheloads import CachedRow
 
 # What a scope costs besides its arrays (the Python objects around them).
 SCOPE_OVERHEAD_BYTES = 1024
+# Rows this replica wrote whose notifications were never heard (a
+# connection lost meanwhile) are dropped past this many.
+MAX_WRITTEN_ROWS = 10_000
 
 
 Triple = tuple[uuid.UUID, uuid.UUID, str]
@@ -170,6 +173,9 @@ class VectorCache(FollowedCache):
         self._home: dict[int, Triple] = {}
         self._loads: dict[CacheKey, list[_Load]] = {}
         self._syncs: dict[str, threading.Event] = {}
+        # Rows this replica inserted, by id, until the listener hears of
+        # them (L{expectWritten}).
+        self._written: dict[uuid.UUID, CachedRow] = {}
 
     @property
     def totalBytes(self) -> int:
@@ -187,6 +193,7 @@ class VectorCache(FollowedCache):
         self._agents.clear()
         self._home.clear()
         self._loads.clear()
+        self._written.clear()
         self._reportSize()
 
     # Searches.
@@ -331,6 +338,35 @@ class VectorCache(FollowedCache):
         with self._lock:
             self._syncs[nonce] = event
         return event
+
+    def expectWritten(self, rows: Sequence[CachedRow]) -> None:
+        """
+        Rows a transaction of this replica inserted, as the listener would
+        read them (L{svcd.memory.store.cacheloads.CachedRow}), given before
+        it commits: the listener takes each when it hears of its insert
+        (L{takeWritten}) instead of reading it back from PostgreSQL. What
+        is never heard (the transaction rolled back, the connection lost)
+        is forgotten (L{forgetWritten}), or dropped with the cache's other
+        state, or past L{MAX_WRITTEN_ROWS}.
+        """
+        with self._lock:
+            if len(self._written) + len(rows) > MAX_WRITTEN_ROWS:
+                self._written.clear()
+            for row in rows:
+                self._written[row.memoryID] = row
+
+    def forgetWritten(self, memoryIDs: Iterable[uuid.UUID]) -> None:
+        with self._lock:
+            for memoryID in memoryIDs:
+                self._written.pop(memoryID, None)
+
+    def takeWritten(self, memoryID: uuid.UUID) -> CachedRow | None:
+        """
+        The row this replica inserted as C{memoryID}, if it said so
+        (L{expectWritten}); forgotten here either way.
+        """
+        with self._lock:
+            return self._written.pop(memoryID, None)
 
     def heardSync(self, nonce: str) -> None:
         with self._lock:

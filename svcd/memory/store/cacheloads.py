@@ -81,7 +81,8 @@ class ScopeTexts:
         return len(self.ids) // 16
 
 
-_MICROS = "(extract(epoch FROM created_at) * 1000000)::bigint AS created_micros"
+# A memory's creation in microseconds since the epoch, as every cache holds it.
+MICROS = "(extract(epoch FROM created_at) * 1000000)::bigint AS created_micros"
 
 
 class CacheLoadsStore(BaseStore):
@@ -98,7 +99,7 @@ class CacheLoadsStore(BaseStore):
 
         def query(cursor: Cursor) -> ScopeRows:
             cursor.execute(
-                f"SELECT uuid_send(id) AS id, {_MICROS}, vector FROM memories"
+                f"SELECT uuid_send(id) AS id, {MICROS}, vector FROM memories"
                 " WHERE org_id = %s AND agent_id = %s AND subject = %s"
                 " AND embedding_model = %s AND dimensions = %s",
                 (scope.orgID, scope.agentID, scope.subject, model, dimensions),
@@ -130,7 +131,7 @@ class CacheLoadsStore(BaseStore):
 
         def query(cursor: Cursor) -> ScopeTexts:
             cursor.execute(
-                f"SELECT uuid_send(id) AS id, {_MICROS}, content FROM memories"
+                f"SELECT uuid_send(id) AS id, {MICROS}, content FROM memories"
                 " WHERE org_id = %s AND agent_id = %s AND subject = %s",
                 (scope.orgID, scope.agentID, scope.subject),
             )
@@ -190,7 +191,7 @@ class CacheLoadsStore(BaseStore):
                 if index:
                     cursor.execute("SELECT set_config('svc.org_id', %s, true)", (str(orgID),))
                 cursor.execute(
-                    f"SELECT {MEMORY_COLUMNS}, {_MICROS}, vector FROM memories WHERE id = ANY(%s)",
+                    f"SELECT {MEMORY_COLUMNS}, {MICROS}, vector FROM memories WHERE id = ANY(%s)",
                     (ids,),
                 )
                 for row in cursor.fetchall():

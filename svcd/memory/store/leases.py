@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import datetime
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 
 from svcd.common.ids import uuid7
 from svcd.memory.extracted import OtherScope, Plan, Stored, recentRows, updateExtracted
 from svcd.memory.forgetting import forgottenSince
-from svcd.memory.records import EXTRACTED, MemoryRecord
+from svcd.memory.records import EXTRACTED, OTHER_LENGTH, MemoryRecord
 from svcd.memory.store.base import (
     BaseStore,
     Cursor,
@@ -28,8 +28,9 @@ from svcd.memory.store.base import (
     oneRow,
     refuse,
 )
+from svcd.memory.store.cacheloads import MICROS, CachedRow
 from svcd.memory.store.memories import MEMORY_COLUMNS, checkLength, lockScope, memoryRecord
-from svcd.memoryclient.records import Embedding, Scope
+from svcd.memoryclient.records import Embedding, InvalidMemory, Scope
 
 
 @attrs.frozen
@@ -201,6 +202,8 @@ class LeasesStore(BaseStore):
         sourceRequestID: str,
         plan: Plan,
         maxPerScope: int,
+        syncNonce: str | None = None,
+        written: Callable[[Sequence[CachedRow]], None] | None = None,
     ) -> Stored | None:
         """
         svc-worker's memories of one observation written (source
@@ -232,6 +235,11 @@ class LeasesStore(BaseStore):
         per request and content (one the scope already holds from this
         request with this content is answered instead), within the cap.
 
+        @param syncNonce: the sync marker to send once everything is
+            written, in this transaction (L{svcd.memory.search.Searcher.expectWrite}).
+        @param written: told the rows added, as the change listener would
+            read them, before the transaction commits
+            (L{svcd.memory.vectorcache.VectorCache.expectWritten}).
         @return: what was written; None when the lease is no longer the
             claim's (nothing written).
         @raise MemoryNotFound: the observation is gone (dropped; or
@@ -266,29 +274,38 @@ class LeasesStore(BaseStore):
                 cursor, own, [write for write in writes if write.target is not None]
             )
             adds = [(write.content, write.embedding) for write in writes if write.target is None]
-            records = _addExtracted(cursor, own, sourceRequestID, adds, maxPerScope)
-            cursor.execute(_finishing("id = %s"), (observationID,))
+            records = _addExtracted(cursor, own, sourceRequestID, adds, maxPerScope, written)
+            if syncNonce is None:
+                cursor.execute(_finishing("id = %s"), (observationID,))
+            else:
+                # The marker after the changes: their notifications were
+                # sent by the statements above (sql/0019_notify_ids.sql).
+                cursor.execute(
+                    _finishing("id = %s", sync=True), (observationID, f"sync:{syncNonce}")
+                )
             return Stored(records, updated, dropped)
 
         return self._run("observation_store", store, orgID)
 
 
-def _finishing(condition: str) -> str:
+def _finishing(condition: str, sync: bool = False) -> str:
     """
     The statement that finishes the observation C{condition} selects (a
     constant of this module, with its parameters): its row deleted and its
     key (sql/0015; its request id beside it) remembered in
     memory_observations_done (sql/0014), in one statement, so that a
     resent copy is not queued again while the record lasts; it answers
-    the deleted row's id.
+    the deleted row's id. With C{sync}, it also sends the payload of one
+    more parameter on the change listeners' channel.
     """
+    notify = ", pg_notify('svc_memory_changes', %s)" if sync else ""
     return (
         f"WITH gone AS (DELETE FROM memory_observations WHERE {condition}"
         " RETURNING id, org_id, request_id, observation_key),"
         " done AS (INSERT INTO memory_observations_done"
         " (org_id, request_id, observation_key, observation_id)"
         " SELECT org_id, request_id, observation_key, id FROM gone ON CONFLICT DO NOTHING)"
-        " SELECT id FROM gone"
+        f" SELECT id{notify} FROM gone"
     )
 
 
@@ -311,64 +328,106 @@ def _addExtracted(
     sourceRequestID: str,
     memories: Sequence[tuple[str, Embedding]],
     maxPerScope: int,
+    written: Callable[[Sequence[CachedRow]], None] | None = None,
 ) -> list[MemoryRecord]:
     """
     The additions of L{LeasesStore.storeExtracted}, under the scope's lock
-    (taken by the caller).
+    (taken by the caller): what the scope holds from this request, its
+    count and its newest vector's length read in one statement, the new
+    memories written in another, and told to C{written} as the change
+    listener would read them back.
     """
     if not memories:
         return []
+    model = memories[0][1].model
     cursor.execute(
-        f"SELECT {MEMORY_COLUMNS} FROM memories"
+        f"SELECT scope.held, scope.newest, mine.* FROM (SELECT"
+        " (SELECT count(*) FROM memories"
+        " WHERE org_id = %s AND agent_id = %s AND subject = %s) AS held,"
+        " (SELECT dimensions FROM memories WHERE org_id = %s AND agent_id = %s"
+        " AND subject = %s AND embedding_model = %s"
+        " ORDER BY created_at DESC, id DESC LIMIT 1) AS newest) AS scope"
+        f" LEFT JOIN LATERAL (SELECT {MEMORY_COLUMNS} FROM memories"
         " WHERE org_id = %s AND source = 'extracted' AND source_request_id = %s"
-        " AND agent_id = %s AND subject = %s ORDER BY created_at DESC, id DESC",
-        (scope.orgID, sourceRequestID, scope.agentID, scope.subject),
+        " AND agent_id = %s AND subject = %s) AS mine ON true"
+        " ORDER BY mine.created_at DESC, mine.id DESC",
+        (
+            *(scope.orgID, scope.agentID, scope.subject),
+            *(scope.orgID, scope.agentID, scope.subject, model),
+            *(scope.orgID, sourceRequestID, scope.agentID, scope.subject),
+        ),
     )
+    rows = cursor.fetchall()
+    count = oneRow(rows[0] if rows else None)["held"]
     # The oldest of each content last, so that it wins, as add's LIMIT 1 of
     # the oldest does.
-    held = {row["content"]: memoryRecord(row) for row in cursor.fetchall()}
-    cursor.execute(
-        "SELECT count(*) AS held FROM memories"
-        " WHERE org_id = %s AND agent_id = %s AND subject = %s",
-        (scope.orgID, scope.agentID, scope.subject),
-    )
-    count = oneRow(cursor.fetchone())["held"]
-    records = []
-    # Each length of each model checked once: after the first insert, the
-    # scope's newest memory of the model is one of these.
-    checked = set()
+    held = {row["content"]: memoryRecord(row) for row in rows if row["id"] is not None}
+    fresh: dict[str, Embedding] = {}
     for content, embedding in memories:
-        if content in held:
-            records.append(held[content])
-            continue
-        if count >= maxPerScope:
-            raise ScopeFull(f"the scope holds {maxPerScope} memories already")
-        if (embedding.model, embedding.dimensions) not in checked:
+        if content not in held and content not in fresh:
+            fresh[content] = embedding
+    if not fresh:
+        return [held[content] for content, _ in memories]
+    if count + len(fresh) > maxPerScope:
+        raise ScopeFull(f"the scope holds {maxPerScope} memories already")
+    # Each length of each model checked once: the scope's newest vector of
+    # the model has the length every other one has, and those added here
+    # are of one length (StoreObservation checks).
+    lengths: dict[str, set[int]] = {}
+    for each in fresh.values():
+        lengths.setdefault(each.model, set()).add(each.dimensions)
+    for embedding in {each.model: each for each in fresh.values()}.values():
+        if len(lengths[embedding.model]) > 1:
+            # Two lengths of one model: one of them is not the other's.
+            raise InvalidMemory("embedding", OTHER_LENGTH)
+        if embedding.model != model:
             checkLength(cursor, scope, embedding)
-            checked.add((embedding.model, embedding.dimensions))
-        # Stamped after the scope's lock (svcd.memory.extracted).
-        cursor.execute(
-            "INSERT INTO memories (id, org_id, agent_id, subject, content, metadata,"
-            " source, source_request_id, embedding_model, dimensions, vector, created_at,"
-            " updated_at)"
-            " SELECT %s, %s, %s, %s, %s, '{}'::jsonb, %s, %s, %s, %s, %s, stamp, stamp"
-            " FROM clock_timestamp() AS stamp"
-            f" RETURNING {MEMORY_COLUMNS}",
-            (
-                uuid7(),
-                scope.orgID,
-                scope.agentID,
-                scope.subject,
-                content,
-                EXTRACTED,
-                sourceRequestID,
-                embedding.model,
-                embedding.dimensions,
-                embedding.vector,
-            ),
+        elif rows[0]["newest"] not in (None, embedding.dimensions):
+            raise InvalidMemory("embedding", OTHER_LENGTH)
+    ids = [uuid7() for _ in fresh]
+    # One statement for them all, stamped after the scope's lock
+    # (svcd.memory.extracted); the ids, made in order, order them as
+    # their creation did.
+    cursor.execute(
+        "INSERT INTO memories (id, org_id, agent_id, subject, content, metadata,"
+        " source, source_request_id, embedding_model, dimensions, vector, created_at,"
+        " updated_at)"
+        " SELECT new.id, %s, %s, %s, new.content, '{}'::jsonb, %s, %s, new.model,"
+        " new.dimensions, new.vector, stamp, stamp"
+        " FROM unnest(%s::uuid[], %s::text[], %s::text[], %s::integer[], %s::bytea[])"
+        " AS new (id, content, model, dimensions, vector), clock_timestamp() AS stamp"
+        f" RETURNING {MEMORY_COLUMNS}, {MICROS}",
+        (
+            scope.orgID,
+            scope.agentID,
+            scope.subject,
+            EXTRACTED,
+            sourceRequestID,
+            ids,
+            list(fresh),
+            [each.model for each in fresh.values()],
+            [each.dimensions for each in fresh.values()],
+            [each.vector for each in fresh.values()],
+        ),
+    )
+    inserted = {row["id"]: row for row in cursor.fetchall()}
+    rowsForCache = []
+    for (content, embedding), memoryID in zip(fresh.items(), ids, strict=True):
+        row = inserted[memoryID]
+        held[content] = record = memoryRecord(row)
+        rowsForCache.append(
+            CachedRow(
+                memoryID=memoryID,
+                agentID=scope.agentID,
+                subject=scope.subject,
+                model=embedding.model,
+                dimensions=embedding.dimensions,
+                createdMicros=row["created_micros"],
+                vector=embedding.vector,
+                content=content,
+                record=record,
+            )
         )
-        record = memoryRecord(oneRow(cursor.fetchone()))
-        held[content] = record
-        records.append(record)
-        count += 1
-    return records
+    if written is not None:
+        written(rowsForCache)
+    return [held[content] for content, _ in memories]
