@@ -160,7 +160,7 @@ class TLSAuth:
 @pytest.fixture(scope="module")
 def tlsAuth(
     postgresServer: PostgresServer,
-    redisServer: RedisServer,
+    sharedRedisServer: RedisServer,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[TLSAuth]:
     """
@@ -181,7 +181,7 @@ def tlsAuth(
     ).start()
     try:
         auth.waitForReady()
-        yield TLSAuth(auth, pems, tenant, redisServer.url, workdir, dsn, owner)
+        yield TLSAuth(auth, pems, tenant, sharedRedisServer.url, workdir, dsn, owner)
     finally:
         auth.terminate()
         connection.close()

@@ -32,7 +32,6 @@ import psycopg
 from prometheus_client import Histogram
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool, PoolTimeout
-from twisted.logger import Logger
 
 T = TypeVar("T")
 
@@ -127,8 +126,6 @@ class DaemonPool(ConnectionPool):
     # after a drain); a second drain would close the new ones.
     DRAIN_INTERVAL = 1.0
 
-    log = Logger()
-
     def __init__(
         self,
         dsn: str,
@@ -157,7 +154,11 @@ class DaemonPool(ConnectionPool):
             if now - self._drainedAt < self.DRAIN_INTERVAL:
                 return
             self._drainedAt = now
-        self.log.warn(
+        # Imported here: svcctl imports this module and loads no Twisted
+        # (tests/floorselection.py); only a daemon's pool ever drains.
+        from twisted.logger import Logger
+
+        Logger(namespace=__name__).warn(
             "A PostgreSQL server no longer takes writes (target_session_attrs={target}):"
             " its connections are closed, new ones go to the server that does",
             target=self._target,
