@@ -245,9 +245,17 @@ def test_theStoreAndListenerFollowACrashAndPromotion(pair: MigratedPair) -> None
     """
     primary, standby = pair.servers
     untargeted = pair.dsn(first="standby").replace("?target_session_attrs=read-write", "")
-    with psycopg.connect(untargeted, autocommit=True) as chosen:
-        row = chosen.execute("SELECT pg_is_in_recovery()").fetchone()
-    assert row is not None and row[0] is True
+
+    def takesTheStandby() -> bool:
+        # libpq goes on to the next host when the first refuses a
+        # connection, which a standby just made may still do (a floor run
+        # of the suite landed on the primary once): wait until it takes
+        # the standby, which it then must.
+        with psycopg.connect(untargeted, autocommit=True) as chosen:
+            row = chosen.execute("SELECT pg_is_in_recovery()").fetchone()
+        return row is not None and row[0] is True
+
+    waitUntil(takesTheStandby, 15.0, 0.1)
     owner, connection = ownerStore(pair.dsn())
     tenant = makeTenant(owner, "acme")
     connection.close()
