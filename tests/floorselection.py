@@ -28,6 +28,9 @@ the floor by others:
   - I{Tests a program that imports no Twisted} (L{TWISTED_FREE}): modules
     that reach Twisted only through a helper module's other fixtures; what
     they run (named, and checked by test_floorselection.py) imports none.
+    pytest-twisted still calls each of their test functions through the
+    reactor (a Deferred and a greenlet switch), as it calls every test's:
+    that part of Twisted is run on the floor by every module kept there.
 """
 
 from __future__ import annotations
@@ -52,10 +55,55 @@ GATEWAY_FROM_OUTSIDE = (
 
 # Modules whose tests run only the code named, which imports no Twisted
 # (test_floorselection.py imports each in a new interpreter to check).
+# Every svcd module such a test module imports must be named here (also
+# checked), so that one importing Twisted cannot come in unseen.
 TWISTED_FREE: dict[str, tuple[str, ...]] = {
     # svcctl, run as a process, and the synchronous Store and migrations
     # the tests set its database up with.
     "tests/test_svcctl.py": ("svcd.ctl.main", "svcd.auth.store", "svcd.common.migrations"),
+    # svc-auth's synchronous Store on psycopg and psycopg_pool (threads, no
+    # reactor), the migrations and row-level security, PostgreSQL restarted
+    # under a pool: 11.6 s of the floor's run. Its pool's warning of a
+    # server turned read-only imports Twisted's logger, and no test here
+    # turns one read-only.
+    "tests/test_auth_store.py": (
+        "svcd.auth.store",
+        "svcd.auth.store.base",
+        "svcd.common.migrations",
+        "svcd.common.pgtransactions",
+        "svcd.devkit.postgres",
+    ),
+    # svc-memory's synchronous MemoryStore on its own psycopg_pool
+    # (memoryfixtures.storeOn), no service: 10.1 s.
+    "tests/test_memory_store.py": (
+        "svcd.auth.store",
+        "svcd.common.migrations",
+        "svcd.common.pgtransactions",
+        "svcd.memory.extracted",
+        "svcd.memory.records",
+        "svcd.memory.store",
+        "svcd.memory.store.base",
+        "svcd.memory.store.leases",
+        "svcd.memoryclient.records",
+    ),
+    # Hypothesis against the chat body's parser and the token's, pure
+    # functions (rawhttp.outcome calls parseChatBody): 15.6 s and 6.8 s.
+    "tests/test_hostile_parsers.py": (
+        "svcd.common.errors",
+        "svcd.common.ids",
+        "svcd.common.pat",
+        "svcd.proxy.http.chatbody",
+    ),
+    "tests/test_hostile_json.py": ("svcd.common.errors", "svcd.proxy.http.chatbody"),
+    # svc-memory's text ranking and caches, in memory: 4.7 s.
+    "tests/test_memory_text.py": (
+        "svcd.memory.ranking",
+        "svcd.memory.store.cacheloads",
+        "svcd.memory.text",
+        "svcd.memory.vectorcache",
+        "svcd.memory.vectors",
+        "svcd.memory.words",
+    ),
 }
 
 
