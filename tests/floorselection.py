@@ -16,7 +16,10 @@ the floor by others:
     twistd's own part (plugins, options, daemonising, signals, stopping
     with work in flight, the private-API fence) is what the daemon modules
     (test_*_daemon.py, test_observability_shutdown.py) test, which the
-    floor keeps. These modules took most of the floor's time.
+    floor keeps. These modules took most of the floor's time. svc-worker's
+    behaviour driven from outside (test_worker_e2e.py, test_worker_dedupe.py)
+    is left out for the same reason: its loop and lease are unit-tested
+    in-process, its twistd part in test_worker_daemon.py.
   - I{Reaches no Twisted} (L{reachesTwisted}): a module not marked e2e
     (so it starts no twistd and no scripted upstream: e2eguard.py fails
     one that does) whose imports, followed through tests/ and svcd/,
@@ -51,6 +54,11 @@ GATEWAY_FROM_OUTSIDE = (
     "tests/test_gc_cycles.py",
     "tests/test_rolling_restart.py",
     "tests/test_devstack.py",
+    # svc-worker driven from outside beside svc-auth and svc-memory (the
+    # module's *_e2e.py, and the dedupe test's replicas): the worker's loop
+    # and lease run in-process in test_worker_lease and test_worker_units,
+    # its twistd part in test_worker_daemon, all kept.
+    "tests/test_worker_dedupe.py",
 )
 
 # Modules whose tests run only the code named, which imports no Twisted

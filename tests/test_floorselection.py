@@ -72,6 +72,8 @@ def test_reachingTwisted() -> None:
     [
         ("test_gateway_e2e.py", True, "drives a gateway from outside"),
         ("test_security_mtls.py", True, "drives a gateway from outside"),
+        ("test_worker_e2e.py", True, "drives a gateway from outside"),
+        ("test_worker_dedupe.py", True, "drives a gateway from outside"),
         ("test_svcctl.py", False, "tests a program that imports no Twisted"),
         ("test_auth_store.py", False, "tests a program that imports no Twisted"),
         ("test_hostile_parsers.py", False, "tests a program that imports no Twisted"),

@@ -187,8 +187,8 @@ class WorkerStack:
     tests read memories, observations and ledger rows by it), its own
     providers file (the scripted models it names) and its own workers.
     Starting the stack (two twistd daemons, the upstream and Redis) was
-    most of a worker test's cost (test_worker_daemon.py shares one per
-    module).
+    most of a worker test's cost (test_worker_daemon.py and
+    test_worker_e2e.py share one per module).
     """
 
     dsn: str
@@ -308,6 +308,22 @@ def factsOf(requestID: str, count: int = 2) -> str:
     """
     facts = " ".join(f"My fact number {n} is {requestID}-{n}." for n in range(count))
     return f"{facts} What do you think?"
+
+
+def expectedFacts(requestIDs: list[str], count: int = 2) -> list[str]:
+    """
+    The memories L{factsOf} of each of C{requestIDs} make, sorted.
+    """
+    return sorted(f"My fact number {n} is {each}-{n}." for each in requestIDs for n in range(count))
+
+
+def waitForMetric(rig: WorkerRig, worker: Daemon, line: str, value: float) -> None:
+    """
+    Wait (bounded) until C{worker}'s metric C{line} reads C{value}: svc-memory
+    commits an observation's completion before the worker has its answer and
+    counts it, so a count read once right after the drain can lag.
+    """
+    waitUntil(lambda: rig.metric(worker, line) == value, f"{line} == {value}")
 
 
 def asJSON(value: Any) -> str:
