@@ -237,9 +237,14 @@ class WorkerStack:
             for worker in rig.workers:
                 worker.terminate()
             # A test may have restarted svc-memory (rig.memory is then a new
-            # daemon): stop it; the stack stops its own.
+            # daemon, on the stack's environment and ports): when the
+            # stack's own has stopped, the new one is the stack's from now
+            # on (the next rig's), else stop it; the stack stops its own.
             if rig.memory is not self.memory:
-                rig.memory.terminate()
+                if self.memory.process is not None and self.memory.process.poll() is not None:
+                    self.memory = rig.memory
+                else:
+                    rig.memory.terminate()
             rig.query("DELETE FROM memory_observations RETURNING id", ())
 
 
@@ -260,10 +265,11 @@ def runningWorkerStack(postgres: PostgresServer, workdir: Path) -> Iterator[Work
     ).start()
     auth = Daemon("svc-auth", authEnvironment(dsn), workdir / "auth.log").start()
     memory = Daemon("svc-memory", memoryEnvironment(dsn), workdir / "memory.log").start()
+    stack: WorkerStack | None = None
     try:
         auth.waitForReady()
         memory.waitForReady()
-        yield WorkerStack(
+        stack = WorkerStack(
             dsn=dsn,
             redis=redis,
             auth=auth,
@@ -271,7 +277,11 @@ def runningWorkerStack(postgres: PostgresServer, workdir: Path) -> Iterator[Work
             upstream=upstream,
             owner=Store(lambda: contextlib.nullcontext(connection)),
         )
+        yield stack
     finally:
+        # The svc-memory a rig's test started again, if the stack kept one.
+        if stack is not None and stack.memory is not memory:
+            stack.memory.terminate()
         memory.terminate()
         auth.terminate()
         upstream.stop()
