@@ -16,7 +16,10 @@ the floor by others:
     twistd's own part (plugins, options, daemonising, signals, stopping
     with work in flight, the private-API fence) is what the daemon modules
     (test_*_daemon.py, test_observability_shutdown.py) test, which the
-    floor keeps. These modules took most of the floor's time.
+    floor keeps. These modules took most of the floor's time. svc-worker's
+    behaviour driven from outside (test_worker_e2e.py, test_worker_dedupe.py)
+    is left out for the same reason: its loop and lease are unit-tested
+    in-process, its twistd part in test_worker_daemon.py.
   - I{Reaches no Twisted} (L{reachesTwisted}): a module not marked e2e
     (so it starts no twistd and no scripted upstream: e2eguard.py fails
     one that does) whose imports, followed through tests/ and svcd/,
@@ -28,6 +31,9 @@ the floor by others:
   - I{Tests a program that imports no Twisted} (L{TWISTED_FREE}): modules
     that reach Twisted only through a helper module's other fixtures; what
     they run (named, and checked by test_floorselection.py) imports none.
+    pytest-twisted still calls each of their test functions through the
+    reactor (a Deferred and a greenlet switch), as it calls every test's:
+    that part of Twisted is run on the floor by every module kept there.
 """
 
 from __future__ import annotations
@@ -48,14 +54,64 @@ GATEWAY_FROM_OUTSIDE = (
     "tests/test_gc_cycles.py",
     "tests/test_rolling_restart.py",
     "tests/test_devstack.py",
+    # svc-worker driven from outside beside svc-auth and svc-memory (the
+    # module's *_e2e.py, and the dedupe test's replicas): the worker's loop
+    # and lease run in-process in test_worker_lease and test_worker_units,
+    # its twistd part in test_worker_daemon, all kept.
+    "tests/test_worker_dedupe.py",
 )
 
 # Modules whose tests run only the code named, which imports no Twisted
 # (test_floorselection.py imports each in a new interpreter to check).
+# Every svcd module such a test module imports must be named here (also
+# checked), so that one importing Twisted cannot come in unseen.
 TWISTED_FREE: dict[str, tuple[str, ...]] = {
     # svcctl, run as a process, and the synchronous Store and migrations
     # the tests set its database up with.
     "tests/test_svcctl.py": ("svcd.ctl.main", "svcd.auth.store", "svcd.common.migrations"),
+    # svc-auth's synchronous Store on psycopg and psycopg_pool (threads, no
+    # reactor), the migrations and row-level security, PostgreSQL restarted
+    # under a pool: 11.6 s of the floor's run. Its pool's warning of a
+    # server turned read-only imports Twisted's logger, and no test here
+    # turns one read-only.
+    "tests/test_auth_store.py": (
+        "svcd.auth.store",
+        "svcd.auth.store.base",
+        "svcd.common.migrations",
+        "svcd.common.pgtransactions",
+        "svcd.devkit.postgres",
+    ),
+    # svc-memory's synchronous MemoryStore on its own psycopg_pool
+    # (memoryfixtures.storeOn), no service: 10.1 s.
+    "tests/test_memory_store.py": (
+        "svcd.auth.store",
+        "svcd.common.migrations",
+        "svcd.common.pgtransactions",
+        "svcd.memory.extracted",
+        "svcd.memory.records",
+        "svcd.memory.store",
+        "svcd.memory.store.base",
+        "svcd.memory.store.leases",
+        "svcd.memoryclient.records",
+    ),
+    # Hypothesis against the chat body's parser and the token's, pure
+    # functions (rawhttp.outcome calls parseChatBody): 15.6 s and 6.8 s.
+    "tests/test_hostile_parsers.py": (
+        "svcd.common.errors",
+        "svcd.common.ids",
+        "svcd.common.pat",
+        "svcd.proxy.http.chatbody",
+    ),
+    "tests/test_hostile_json.py": ("svcd.common.errors", "svcd.proxy.http.chatbody"),
+    # svc-memory's text ranking and caches, in memory: 4.7 s.
+    "tests/test_memory_text.py": (
+        "svcd.memory.ranking",
+        "svcd.memory.store.cacheloads",
+        "svcd.memory.text",
+        "svcd.memory.vectorcache",
+        "svcd.memory.vectors",
+        "svcd.memory.words",
+    ),
 }
 
 

@@ -38,6 +38,24 @@ def test_whatATwistedFreeModuleRunsImportsNoTwisted(module: str) -> None:
     assert result.stdout.strip() == "[]", (module, result.stdout)
 
 
+@pytest.mark.parametrize("module", sorted(floorselection.TWISTED_FREE))
+def test_aTwistedFreeModuleNamesEverySvcdModuleItImports(module: str) -> None:
+    """
+    Every module of svcd a module left out as testing a program that
+    imports no Twisted imports (function bodies included) is among those
+    the check above imports: one reaching Twisted cannot come in unnamed.
+    """
+    imported = {
+        name
+        for name in floorselection._imports(TESTS.parent / module)
+        if name.split(".")[0] == "svcd" and floorselection._source(name) is not None
+    }
+    assert imported <= set(floorselection.TWISTED_FREE[module]), (
+        module,
+        sorted(imported - set(floorselection.TWISTED_FREE[module])),
+    )
+
+
 def test_reachingTwisted() -> None:
     """
     A module whose helpers import Twisted reaches it; one of pure parsing
@@ -54,7 +72,11 @@ def test_reachingTwisted() -> None:
     [
         ("test_gateway_e2e.py", True, "drives a gateway from outside"),
         ("test_security_mtls.py", True, "drives a gateway from outside"),
+        ("test_worker_e2e.py", True, "drives a gateway from outside"),
+        ("test_worker_dedupe.py", True, "drives a gateway from outside"),
         ("test_svcctl.py", False, "tests a program that imports no Twisted"),
+        ("test_auth_store.py", False, "tests a program that imports no Twisted"),
+        ("test_hostile_parsers.py", False, "tests a program that imports no Twisted"),
         ("test_dialects_requests.py", False, "reaches no Twisted"),
         # Daemons under twistd, and Twisted in the test process: run.
         ("test_worker_daemon.py", True, None),

@@ -5,7 +5,7 @@ observation is in hand, given up the moment svc-memory says another claim
 holds it (the work cancelled, nothing released), retried when svc-memory
 does not answer, and renewed before a step that stores when the periodic
 renewal is late. The same behaviour with real daemons is in
-tests/test_worker_daemon.py.
+tests/test_worker_e2e.py.
 """
 
 from __future__ import annotations

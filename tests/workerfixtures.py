@@ -187,8 +187,8 @@ class WorkerStack:
     tests read memories, observations and ledger rows by it), its own
     providers file (the scripted models it names) and its own workers.
     Starting the stack (two twistd daemons, the upstream and Redis) was
-    most of a worker test's cost (test_worker_daemon.py shares one per
-    module).
+    most of a worker test's cost (test_worker_daemon.py and
+    test_worker_e2e.py share one per module).
     """
 
     dsn: str
@@ -237,9 +237,14 @@ class WorkerStack:
             for worker in rig.workers:
                 worker.terminate()
             # A test may have restarted svc-memory (rig.memory is then a new
-            # daemon): stop it; the stack stops its own.
+            # daemon, on the stack's environment and ports): when the
+            # stack's own has stopped, the new one is the stack's from now
+            # on (the next rig's), else stop it; the stack stops its own.
             if rig.memory is not self.memory:
-                rig.memory.terminate()
+                if self.memory.process is not None and self.memory.process.poll() is not None:
+                    self.memory = rig.memory
+                else:
+                    rig.memory.terminate()
             rig.query("DELETE FROM memory_observations RETURNING id", ())
 
 
@@ -260,10 +265,11 @@ def runningWorkerStack(postgres: PostgresServer, workdir: Path) -> Iterator[Work
     ).start()
     auth = Daemon("svc-auth", authEnvironment(dsn), workdir / "auth.log").start()
     memory = Daemon("svc-memory", memoryEnvironment(dsn), workdir / "memory.log").start()
+    stack: WorkerStack | None = None
     try:
         auth.waitForReady()
         memory.waitForReady()
-        yield WorkerStack(
+        stack = WorkerStack(
             dsn=dsn,
             redis=redis,
             auth=auth,
@@ -271,7 +277,11 @@ def runningWorkerStack(postgres: PostgresServer, workdir: Path) -> Iterator[Work
             upstream=upstream,
             owner=Store(lambda: contextlib.nullcontext(connection)),
         )
+        yield stack
     finally:
+        # The svc-memory a rig's test started again, if the stack kept one.
+        if stack is not None and stack.memory is not memory:
+            stack.memory.terminate()
         memory.terminate()
         auth.terminate()
         upstream.stop()
@@ -308,6 +318,22 @@ def factsOf(requestID: str, count: int = 2) -> str:
     """
     facts = " ".join(f"My fact number {n} is {requestID}-{n}." for n in range(count))
     return f"{facts} What do you think?"
+
+
+def expectedFacts(requestIDs: list[str], count: int = 2) -> list[str]:
+    """
+    The memories L{factsOf} of each of C{requestIDs} make, sorted.
+    """
+    return sorted(f"My fact number {n} is {each}-{n}." for each in requestIDs for n in range(count))
+
+
+def waitForMetric(rig: WorkerRig, worker: Daemon, line: str, value: float) -> None:
+    """
+    Wait (bounded) until C{worker}'s metric C{line} reads C{value}: svc-memory
+    commits an observation's completion before the worker has its answer and
+    counts it, so a count read once right after the drain can lag.
+    """
+    waitUntil(lambda: rig.metric(worker, line) == value, f"{line} == {value}")
 
 
 def asJSON(value: Any) -> str:
