@@ -29,6 +29,16 @@ from urllib.parse import quote
 import psycopg
 from psycopg import sql
 
+from svcd.devkit.pgfiles import (
+    MEMORY_DIRECTORY,
+    OWNER_FILE,
+    POSTGRES_SYSTEM_USER,
+    copyInitdb,
+    giveToPostgresUser,
+    hasRoom,
+    initdb,
+    removeAbandoned,
+)
 from svcd.devkit.servers import (
     DEFAULT_TIMEOUT,
     INSTALL_HINT,
@@ -48,26 +58,6 @@ from svcd.devkit.servers import (
 # Where Debian's postgresql packages put the server binaries, one folder per
 # major version (/usr/lib/postgresql/15/bin/initdb).
 POSTGRES_INSTALL_ROOT = Path("/usr/lib/postgresql")
-
-# The system account that owns PostgreSQL's files on Debian. initdb and the
-# postmaster refuse to run as root, so root runs them as this user.
-POSTGRES_SYSTEM_USER = "postgres"
-
-# Where a cluster asked to be in memory lives (L{PostgresServer.create}): a
-# tmpfs. CREATE DATABASE writes a database's every file: on this machine's
-# ext4 150 to 280 ms of system CPU a database, on tmpfs 10 to 20 ms.
-MEMORY_DIRECTORY = Path("/dev/shm")  # noqa: S108
-
-# The free room MEMORY_DIRECTORY must have for a cluster to go there: a
-# cluster holds some 40 MB, its WAL up to max_wal_size more, and every
-# database of it some 8 MB while it exists.
-_MEMORY_ROOM = 2 * 1024**3
-
-# The file in a cluster's directory under MEMORY_DIRECTORY naming the
-# process that made it: once that process is gone and no server runs
-# there, a later create removes the directory, which would otherwise hold
-# memory until the machine restarts (a run killed before its teardown).
-_OWNER_FILE = "owner.pid"
 
 # A Unix socket path may hold at most 107 bytes (sun_path); PostgreSQL
 # refuses to start when "<socket dir>/.s.PGSQL.<port>" is longer.
@@ -159,15 +149,6 @@ def _runAsPrefix() -> list[str]:
     if not os.access(runuser, os.X_OK):
         raise MissingBinaries("runuser (from util-linux) is needed to run PostgreSQL as root.")
     return [runuser, "-u", POSTGRES_SYSTEM_USER, "--"]
-
-
-def _giveToPostgresUser(path: Path) -> None:
-    """
-    As root, make C{path} belong to the user that runs PostgreSQL.
-    """
-    if os.geteuid() == 0:
-        account = pwd.getpwnam(POSTGRES_SYSTEM_USER)
-        os.chown(path, account.pw_uid, account.pw_gid)
 
 
 def _usableByServer(directory: Path, runAs: list[str]) -> bool:
@@ -269,7 +250,10 @@ class PostgresServer:
             # /tmp, or the remains of an interrupted initdb.
             _removeCluster(clusterLink)
             clusterDirectory = _makeClusterDirectory(baseDirectory, runAs, inMemory)
-            _initdb(binaries, clusterDirectory, runAs, log, timeout)
+            if clusterDirectory.resolve().is_relative_to(MEMORY_DIRECTORY.resolve()):
+                copyInitdb(binaries, clusterDirectory, runAs, log, timeout)
+            else:
+                initdb(binaries, clusterDirectory, runAs, log, timeout)
 
         return cls(
             binaries,
@@ -372,7 +356,7 @@ class PostgresServer:
     def _startOnce(self, timeout: float) -> bool:
         socketDirectory = self.socketDirectory
         socketDirectory.mkdir(exist_ok=True)
-        _giveToPostgresUser(socketDirectory)
+        giveToPostgresUser(socketDirectory)
         # pg_ctl hands -o to /bin/sh, hence the quoting. The port and the
         # socket directory are options rather than postgresql.conf lines so
         # that a reused cluster can move to another port.
@@ -690,12 +674,12 @@ def _makeClusterDirectory(baseDirectory: Path, runAs: list[str], inMemory: bool)
     """
     clusterLink = baseDirectory / "cluster"
     parents = [tempfile.gettempdir(), "/tmp", "/var/tmp"]  # noqa: S108
-    if inMemory and _hasRoom(MEMORY_DIRECTORY):
-        _removeAbandoned(MEMORY_DIRECTORY)
+    if inMemory and hasRoom(MEMORY_DIRECTORY):
+        removeAbandoned(MEMORY_DIRECTORY)
         parents.insert(0, str(MEMORY_DIRECTORY))
     else:
         clusterLink.mkdir(mode=0o700)
-        _giveToPostgresUser(clusterLink)
+        giveToPostgresUser(clusterLink)
         socketPath = clusterLink / "socket" / ".s.PGSQL.65535"
         if len(os.fsencode(socketPath)) <= _MAX_SOCKET_PATH and _usableByServer(clusterLink, runAs):
             return clusterLink
@@ -705,9 +689,9 @@ def _makeClusterDirectory(baseDirectory: Path, runAs: list[str], inMemory: bool)
         if not os.path.isdir(parent):
             continue
         candidate = Path(tempfile.mkdtemp(prefix="svc-postgres-", dir=parent))
-        _giveToPostgresUser(candidate)
+        giveToPostgresUser(candidate)
         if _usableByServer(candidate, runAs):
-            (candidate / _OWNER_FILE).write_text(f"{os.getpid()}\n")
+            (candidate / OWNER_FILE).write_text(f"{os.getpid()}\n")
             clusterLink.symlink_to(candidate, target_is_directory=True)
             return candidate
         candidate.rmdir()
@@ -715,81 +699,3 @@ def _makeClusterDirectory(baseDirectory: Path, runAs: list[str], inMemory: bool)
         f"The {POSTGRES_SYSTEM_USER!r} user can neither use {baseDirectory} nor a "
         "directory under /tmp for the PostgreSQL cluster."
     )
-
-
-def _hasRoom(directory: Path) -> bool:
-    try:
-        status = os.statvfs(directory)
-    except OSError:
-        return False
-    return status.f_bavail * status.f_frsize >= _MEMORY_ROOM
-
-
-def _removeAbandoned(directory: Path) -> None:
-    """
-    Remove the clusters under C{directory} whose maker (L{_OWNER_FILE}) has
-    exited and where no server runs: what a killed run left in memory.
-    """
-    for candidate in directory.glob("svc-postgres-*"):
-        try:
-            owner = int((candidate / _OWNER_FILE).read_text())
-        except (OSError, ValueError):
-            continue
-        if processExists(owner):
-            continue
-        try:
-            postmaster = int((candidate / "data" / "postmaster.pid").read_text().split("\n")[0])
-        except (OSError, ValueError):
-            postmaster = None
-        if postmaster is None or not processExists(postmaster):
-            shutil.rmtree(candidate, ignore_errors=True)
-
-
-def _initdb(
-    binaries: Path, clusterDirectory: Path, runAs: list[str], log: Path, timeout: float
-) -> None:
-    """
-    Run initdb into C{clusterDirectory/data} and add our settings.
-
-    initdb writes into data.new, renamed once complete, so an interrupted
-    initdb never leaves a directory that looks like a usable cluster.
-    """
-    incomplete = clusterDirectory / "data.new"
-    for locale in ("C.UTF-8", "C"):
-        shutil.rmtree(incomplete, ignore_errors=True)
-        command = [
-            *runAs,
-            str(binaries / "initdb"),
-            "-D",
-            str(incomplete),
-            "-U",
-            "postgres",
-            "--auth=trust",
-            "-E",
-            "UTF8",
-            f"--locale={locale}",
-            "--no-sync",
-        ]
-        with log.open("ab") as output:
-            result = subprocess.run(
-                command,
-                stdin=subprocess.DEVNULL,
-                stdout=output,
-                stderr=subprocess.STDOUT,
-                cwd=clusterDirectory,
-                timeout=timeout * 4,
-                check=False,
-            )
-        if result.returncode == 0:
-            break
-    else:
-        raise ServerError(f"initdb failed; the end of {log}:\n{logTail(log)}")
-    with (incomplete / "postgresql.conf").open("a") as conf:
-        conf.write(
-            "\n# Added by svcd.devkit.postgres: a private, disposable server.\n"
-            f"listen_addresses = '{LOOPBACK}'\n"
-            "fsync = off\n"
-            "synchronous_commit = off\n"
-            "full_page_writes = off\n"
-        )
-    incomplete.rename(clusterDirectory / "data")
