@@ -394,8 +394,9 @@ def databaseDSN(postgresServer: PostgresServer, request: pytest.FixtureRequest) 
 
     A test that asks for C{migratedDSN} too gets a copy of the migrated
     template instead (L{svcd.devkit.pgtemplate}), in which that fixture's
-    migrate finds nothing left to do: the same database, a quarter of the
-    CPU.
+    migrate finds nothing left to do: the same database for about a third
+    of the CPU (35 ms of PostgreSQL's and 5 of ours against 105 to 120 and
+    17, made, used once and dropped).
     """
     name = f"test_{secrets.token_hex(8)}"
     if "migratedDSN" in request.fixturenames:
