@@ -58,6 +58,11 @@ def makeTenant(
 
 @pytest.fixture
 def migratedDSN(databaseDSN: str) -> str:
+    """
+    C{databaseDSN}, migrated. Asked for, C{databaseDSN} is already a copy
+    of the migrated template (tests/conftest.py): migrate then checks that
+    nothing is left to do, as svcctl migrate does on every start.
+    """
     migrate(databaseDSN)
     return databaseDSN
 

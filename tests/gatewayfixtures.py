@@ -27,8 +27,8 @@ from authfixtures import Tenant, makeTenant
 
 from svcd.auth.store import Store
 from svcd.common.ids import parseUUID
-from svcd.common.migrations import migrate
 from svcd.devkit.daemons import Daemon, authEnvironment
+from svcd.devkit.pgtemplate import migratedDatabase
 from svcd.devkit.postgres import PostgresServer
 from svcd.devkit.redis import RedisServer
 from svcd.devkit.servers import freePort
@@ -171,8 +171,7 @@ def runningGateway(
         organizations).
     """
     name = f"e2e_{secrets.token_hex(6)}"
-    dsn = postgres.createDatabase(name)
-    migrate(dsn)
+    dsn = migratedDatabase(postgres, name)
     redis = RedisServer.create(workdir / "redis")
     redis.start()
     connection = psycopg.connect(dsn, autocommit=True)

@@ -35,8 +35,8 @@ from authfixtures import Tenant, makeTenant
 from gatewayfixtures import Answer, request
 
 from svcd.auth.store import Store
-from svcd.common.migrations import migrate
 from svcd.devkit.daemons import Daemon, authEnvironment
+from svcd.devkit.pgtemplate import migratedDatabase
 from svcd.devkit.postgres import PostgresServer
 from svcd.devkit.redis import RedisServer
 from svcd.devkit.servers import freePort
@@ -374,8 +374,7 @@ def runningStack(
     traceback.
     """
     name = f"{workdir.name}_{uuid.uuid4().hex[:12]}".replace("-", "_").lower()
-    dsn = postgresServer.createDatabase(name)
-    migrate(dsn)
+    dsn = migratedDatabase(postgresServer, name)
     redis = RedisServer.create(workdir / "redis")
     redis.start()
     upstream = ScriptedUpstream(workdir / "upstream").start()

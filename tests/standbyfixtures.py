@@ -67,7 +67,7 @@ def migratedPair(directory: Path) -> Iterator[MigratedPair]:
     server programs are not installed.
     """
     try:
-        pair = StreamingPair.start(directory)
+        pair = StreamingPair.start(directory, inMemory=True)
     except MissingBinaries as error:
         pytest.skip(f"a PostgreSQL standby needs the server programs: {error}")
     try:

@@ -37,9 +37,9 @@ from waiting import waitUntil
 
 from svcd.auth.authority import issueToken
 from svcd.auth.store import Store
-from svcd.common.migrations import migrate
 from svcd.devkit.daemons import Daemon, authEnvironment
 from svcd.devkit.flood import floodMadeUp, rssKiB
+from svcd.devkit.pgtemplate import migratedDatabase
 from svcd.devkit.postgres import PostgresServer
 from svcd.devkit.redis import RedisServer
 from svcd.devkit.servers import freePort
@@ -107,8 +107,7 @@ def feedDown(proxy: Daemon) -> bool:
 @contextlib.contextmanager
 def runningCluster(postgres: PostgresServer, workdir: Path) -> Iterator[Cluster]:
     name = f"cache_{secrets.token_hex(6)}"
-    dsn = postgres.createDatabase(name)
-    migrate(dsn)
+    dsn = migratedDatabase(postgres, name)
     redis = RedisServer.create(workdir / "redis")
     redis.start()
     connection = psycopg.connect(dsn, autocommit=True)

@@ -42,9 +42,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from svcd.auth.store import Store
-from svcd.common.migrations import migrate
 from svcd.common.permissions import Permission
 from svcd.devkit.daemons import Daemon, authEnvironment, memoryEnvironment
+from svcd.devkit.pgtemplate import migratedDatabase
 from svcd.devkit.postgres import PostgresServer
 from svcd.devkit.redis import RedisServer
 from svcd.devkit.servers import freePort
@@ -143,8 +143,7 @@ def stack(
 ) -> Iterator[Stack]:
     workdir = tmp_path_factory.mktemp("isolation")
     name = f"isolation_{uuid.uuid4().hex[:12]}"
-    dsn = postgresServer.createDatabase(name)
-    migrate(dsn)
+    dsn = migratedDatabase(postgresServer, name)
     redis = RedisServer.create(workdir / "redis")
     redis.start()
     upstream = ScriptedUpstream(workdir / "upstream").start()

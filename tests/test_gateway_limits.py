@@ -36,8 +36,8 @@ from authfixtures import Tenant, makeTenant
 from gatewayfixtures import Answer, chat, request
 
 from svcd.auth.store import Store
-from svcd.common.migrations import migrate
 from svcd.devkit.daemons import Daemon, authEnvironment
+from svcd.devkit.pgtemplate import migratedDatabase
 from svcd.devkit.postgres import PostgresServer
 from svcd.devkit.redis import RedisServer
 from svcd.devkit.servers import freePort
@@ -106,8 +106,7 @@ def stack(
 ) -> Iterator[Stack]:
     workdir = tmp_path_factory.mktemp("limits")
     name = f"limits_{uuid.uuid4().hex[:12]}"
-    dsn = postgresServer.createDatabase(name)
-    migrate(dsn)
+    dsn = migratedDatabase(postgresServer, name)
     redis = RedisServer.create(workdir / "redis")
     redis.start()
     upstream = ScriptedUpstream(workdir / "upstream").start()

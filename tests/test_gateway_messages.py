@@ -39,9 +39,9 @@ from authfixtures import Tenant, makeTenant
 from gatewayfixtures import request, waitFor
 
 from svcd.auth.store import Store
-from svcd.common.migrations import migrate
 from svcd.common.permissions import Permission
 from svcd.devkit.daemons import Daemon, authEnvironment, memoryEnvironment
+from svcd.devkit.pgtemplate import migratedDatabase
 from svcd.devkit.postgres import PostgresServer
 from svcd.devkit.redis import RedisServer
 from svcd.devkit.servers import freePort
@@ -224,8 +224,7 @@ def stack(
 ) -> Iterator[Stack]:
     workdir = tmp_path_factory.mktemp("messages")
     name = f"messages_{uuid.uuid4().hex[:12]}"
-    dsn = postgresServer.createDatabase(name)
-    migrate(dsn)
+    dsn = migratedDatabase(postgresServer, name)
     redis = RedisServer.create(workdir / "redis")
     redis.start()
     upstream = ScriptedUpstream(workdir / "upstream", apiKey=UPSTREAM_KEY).start()

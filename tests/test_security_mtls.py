@@ -39,8 +39,8 @@ from gatewayfixtures import assertEnvelope, chat, request
 from waiting import waitUntil
 
 from svcd.auth.store import Store
-from svcd.common.migrations import migrate
 from svcd.devkit.daemons import Daemon, authEnvironment, twistdCommand
+from svcd.devkit.pgtemplate import migratedDatabase
 from svcd.devkit.postgres import PostgresServer
 from svcd.devkit.redis import RedisServer
 from svcd.devkit.servers import freePort
@@ -169,8 +169,7 @@ def tlsAuth(
     workdir = tmp_path_factory.mktemp("mtls")
     pems = writePEMs(workdir)
     name = f"mtls_{secrets.token_hex(6)}"
-    dsn = postgresServer.createDatabase(name)
-    migrate(dsn)
+    dsn = migratedDatabase(postgresServer, name)
     connection = psycopg.connect(dsn, autocommit=True)
     owner = Store(lambda: contextlib.nullcontext(connection))
     tenant = makeTenant(owner, "tls")

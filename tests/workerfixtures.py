@@ -25,8 +25,8 @@ from authfixtures import Tenant, makeTenant
 from ledgerfixtures import ledgerRows
 
 from svcd.auth.store import Store
-from svcd.common.migrations import migrate
 from svcd.devkit.daemons import Daemon, authEnvironment, memoryEnvironment
+from svcd.devkit.pgtemplate import migratedDatabase
 from svcd.devkit.postgres import PostgresServer
 from svcd.devkit.redis import RedisServer
 from svcd.devkit.servers import freePort
@@ -255,8 +255,7 @@ def runningWorkerStack(postgres: PostgresServer, workdir: Path) -> Iterator[Work
     Redis) under C{workdir}; stopped afterwards.
     """
     workdir.mkdir(parents=True, exist_ok=True)
-    dsn = postgres.createDatabase(f"worker_{secrets.token_hex(6)}")
-    migrate(dsn)
+    dsn = migratedDatabase(postgres, f"worker_{secrets.token_hex(6)}")
     redis = RedisServer.create(workdir / "redis")
     redis.start()
     connection = psycopg.connect(dsn, autocommit=True)

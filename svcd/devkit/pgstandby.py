@@ -36,19 +36,26 @@ class StreamingPair:
 
     @classmethod
     def start(
-        cls, baseDirectory: Path, synchronous: bool = True, timeout: float = DEFAULT_TIMEOUT
+        cls,
+        baseDirectory: Path,
+        synchronous: bool = True,
+        timeout: float = DEFAULT_TIMEOUT,
+        inMemory: bool = False,
     ) -> StreamingPair:
         """
         Make both servers under C{baseDirectory} (C{primary/}, C{standby/})
         and return once the standby streams (and is the synchronous one,
-        when C{synchronous}).
+        when C{synchronous}). With C{inMemory}, both clusters' files are on
+        a tmpfs (L{PostgresServer.create}), as the tests want.
 
         @raise svcd.devkit.servers.MissingBinaries: PostgreSQL's server
             programs or pg_basebackup are not installed.
         @raise ServerError: a server did not start, or the standby did not
             stream within C{timeout}.
         """
-        primary = PostgresServer.create(baseDirectory / "primary", timeout=timeout)
+        primary = PostgresServer.create(
+            baseDirectory / "primary", timeout=timeout, inMemory=inMemory
+        )
         standby: PostgresServer | None = None
         try:
             primary.start(timeout)
