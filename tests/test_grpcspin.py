@@ -17,6 +17,7 @@ import grpc
 import pytest
 
 from svcd.common.grpcspin import holdChannelThread
+from svcd.devkit.servers import freePort
 
 _SERVICE = "svc.test.Echo"
 
@@ -119,3 +120,26 @@ def test_aChannelOfAnotherKindIsLeftAlone() -> None:
     without the private parts used) holds nothing, and fails nothing.
     """
     assert holdChannelThread(object()) is None
+
+
+def test_aServerDownFailsCallsAtOnceAsBefore() -> None:
+    """
+    With no server listening, calls still fail at once (UNAVAILABLE, as
+    without the held call: it asks the channel for no connection), and the
+    held call stays until the channel closes.
+    """
+    channel = grpc.insecure_channel(f"127.0.0.1:{freePort()}")
+    echo = channel.unary_unary(f"/{_SERVICE}/E")
+    try:
+        before = _channelThreads()
+        assert holdChannelThread(channel) is not None
+        for _ in range(3):
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as raised:
+                echo.future(b"x", timeout=5).result()
+            assert raised.value.code() is grpc.StatusCode.UNAVAILABLE
+            assert time.monotonic() - started < 4
+        assert _channelThreads() == before + 1
+    finally:
+        channel.close()
+    _waitUntil(lambda: _channelThreads() == before, "the thread never ended")
