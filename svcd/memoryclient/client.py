@@ -25,6 +25,7 @@ from twisted.internet.interfaces import IReactorFromThreads, IReactorTime
 from twisted.logger import Logger
 
 from svcd.common.grpcdefer import deferredFromFuture
+from svcd.common.grpcspin import HeldCall, holdChannelThread
 from svcd.common.tracing import traceMetadata
 from svcd.memoryclient.errors import MemoryUnavailable, failureOf
 from svcd.memoryclient.records import Embedding, Scope
@@ -108,6 +109,9 @@ class MemoryClient:
         proxy that sent them all would be refused rather than served a
         moment later. None: no bound here. Needs C{clock}.
     @param clock: measures the wait for a turn (the reactor).
+    @param holdThread: keep grpcio's channel thread running between calls
+        (L{svcd.common.grpcspin}): a quiet proxy's recall would otherwise
+        start it again for its one Search, and wait for it.
     """
 
     log = Logger()
@@ -119,6 +123,7 @@ class MemoryClient:
         timeout: float = DEFAULT_TIMEOUT,
         maxInFlight: int | None = None,
         clock: IReactorTime | None = None,
+        holdThread: bool = True,
     ) -> None:
         if maxInFlight is not None and clock is None:
             raise ValueError("a bound on calls in flight needs a clock")
@@ -130,6 +135,8 @@ class MemoryClient:
         self._channel: Any = None
         self._methods: dict[str, Any] = {}
         self._closed = False
+        self._holdThread = holdThread
+        self._held: HeldCall | None = None
 
     def start(self) -> None:
         """
@@ -144,6 +151,9 @@ class MemoryClient:
         Close the channel; calls in flight end CANCELLED.
         """
         self._closed = True
+        held, self._held = self._held, None
+        if held is not None:
+            held.release()
         if self._channel is not None:
             self._channel.close()
             self._channel = None
@@ -154,6 +164,8 @@ class MemoryClient:
         if self._channel is not None:
             return
         channel = self._channel = self._channelFactory()
+        if self._holdThread:
+            self._held = holdChannelThread(channel)
         service = memory_pb2.DESCRIPTOR.services_by_name["MemoryService"]
         for method in service.methods:
             requestType = getattr(memory_pb2, method.input_type.name)
