@@ -194,3 +194,27 @@ def test_noReferenceKeptToAnItem() -> None:
             assert reference() is None
     finally:
         pool.shutdown()
+
+
+def test_threadThatCannotStart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """
+    When no thread can be started, submit raises (as ThreadPoolExecutor
+    does) and the pool's count of threads is as before: a later submit
+    starts one.
+    """
+    pool = StackedThreadPool(2, "test")
+    try:
+        started = threading.Thread.start
+
+        def refuse(self: threading.Thread) -> None:
+            raise RuntimeError("can't start new thread")
+
+        monkeypatch.setattr(threading.Thread, "start", refuse)
+        with pytest.raises(RuntimeError):
+            pool.submit(lambda: None)
+        assert pool._threads == []
+        monkeypatch.setattr(threading.Thread, "start", started)
+        assert pool.submit(lambda: "ran").result(WAIT) == "ran"
+        assert len(pool._threads) == 1
+    finally:
+        pool.shutdown()

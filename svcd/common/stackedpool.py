@@ -77,7 +77,8 @@ class StackedThreadPool(Executor):
                 worker = self._idle.pop()
                 worker.item = item
                 worker.wake.release()
-            elif len(self._threads) < self._maxWorkers:
+                return future
+            if len(self._threads) < self._maxWorkers:
                 # The item goes in the mailbox, not in the thread's
                 # arguments: a Thread keeps those until it ends, and grpcio's
                 # call would then live (and hold its HTTP/2 stream, counted
@@ -91,7 +92,13 @@ class StackedThreadPool(Executor):
                     daemon=True,
                 )
                 self._threads.append(thread)
-                thread.start()
+                try:
+                    thread.start()
+                except BaseException:
+                    # Its place given back; the caller learns it, as with
+                    # ThreadPoolExecutor.
+                    self._threads.remove(thread)
+                    raise
             else:
                 self._waiting.append(item)
         return future
