@@ -7,7 +7,7 @@ Search (a scope of --memories memories of 64 dimensions, k 5), one call
 at a time, as at one connection.
 
     python bench/search_cost.py [--memories 1000] [--searches 2000] [--rounds 3]
-        [--tree DIR] [--memory-env NAME=VALUE] ...
+        [--tree DIR] [--memory-env NAME=VALUE] [--health] [--threads] [--in-flight N]
 
 One svc-memory per --tree (its code, by PYTHONPATH, as bench/compare.py
 runs a revision; default: this work tree), every one on one PostgreSQL and
@@ -105,14 +105,22 @@ def fill(address: str, orgID: str, agentID: str, memories: int) -> None:
 
 
 def searches(
-    daemon: Daemon, orgID: str, agentID: str, count: int, warmup: int = 200, health: bool = False
+    daemon: Daemon,
+    orgID: str,
+    agentID: str,
+    count: int,
+    warmup: int = 200,
+    health: bool = False,
+    inFlight: int = 1,
 ) -> tuple[float, float, float, dict[str, float]]:
     """
     C{count} Searches one after another, each with an unsampled parent's
     C{traceparent} as svc-proxy sends 99% of them: µs of CPU, context
     switches and p50 ms per Search, and µs of CPU and context switches per
     Search by thread id. With C{health}, health checks on the same server
-    instead: the floor of a call that does nothing.
+    instead: the floor of a call that does nothing. With C{inFlight}
+    above 1, that many client threads on the one channel, each making its
+    share one after another.
     """
     assert daemon.process is not None
     pid = daemon.process.pid
@@ -143,11 +151,16 @@ def searches(
         for each in made[:warmup]:
             call(each)
         cpu0, switches0, names0 = processTimes(pid)
-        latencies = []
-        for each in made[warmup:]:
-            started = time.perf_counter()
-            call(each)
-            latencies.append(time.perf_counter() - started)
+        latencies: list[float] = []
+
+        def share(number: int) -> None:
+            for each in made[warmup + number :: inFlight]:
+                started = time.perf_counter()
+                call(each)
+                latencies.append(time.perf_counter() - started)
+
+        with ThreadPoolExecutor(inFlight) as clients:
+            list(clients.map(share, range(inFlight)))
         cpu1, switches1, names1 = processTimes(pid)
     names1.subtract(names0)
     perThread = {
@@ -174,6 +187,9 @@ def main() -> int:
         "--health", action="store_true", help="also time health checks (the floor) each round"
     )
     parser.add_argument("--threads", action="store_true", help="print each thread's share")
+    parser.add_argument(
+        "--in-flight", type=int, default=1, help="client threads, each one call at a time"
+    )
     arguments = parser.parse_args()
     memoryEnv = dict(each.split("=", 1) for each in arguments.memory_env)
     trees = arguments.tree or [str(ROOT)]
@@ -222,7 +238,12 @@ def main() -> int:
                     label = f"{spec} health" if health else spec
                     load = os.getloadavg()[0]
                     cpu, switches, p50, perThread = searches(
-                        daemon, str(orgID), str(agentID), arguments.searches, health=health
+                        daemon,
+                        str(orgID),
+                        str(agentID),
+                        arguments.searches,
+                        health=health,
+                        inFlight=arguments.in_flight,
                     )
                     results.setdefault(label, []).append((cpu, switches, p50))
                     threads = ", ".join(f"{name} {value:.1f}" for name, value in perThread.items())

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Callable, Mapping, Sequence
+from concurrent import futures
 from typing import Any
 
 import attrs
@@ -36,7 +37,6 @@ from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 
 from svcd.common.lifecycle import StartupError
-from svcd.common.stackedpool import StackedThreadPool
 
 
 @attrs.frozen
@@ -117,7 +117,7 @@ def buildGrpcServer(
     @raise GrpcBindError: when the address cannot be bound.
     """
     server = grpc.server(
-        StackedThreadPool(threads, threadNamePrefix),
+        futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=threadNamePrefix),
         interceptors=[ComposedInterceptors((admission, *interceptors))],
         maximum_concurrent_rpcs=threads,
         options=[("grpc.max_concurrent_streams", streamsPerConnection), *_OPTIONS, *options],
