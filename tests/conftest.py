@@ -110,13 +110,15 @@ settings.load_profile("svc")
 # The check that keeps the e2e marker honest (first: it must wrap
 # twistdCommand before any module imports it by name); fixtures of svc-auth
 # (migrated databases, tenants, a running AuthService), of the scripted
-# OpenAI-compatible upstream, and of the session's forwarding gateway.
+# OpenAI-compatible upstream, and of the session's forwarding gateway; the
+# daemons forked from a preloaded server (forkedtwistd.py).
 pytest_plugins = [
     "e2eguard",
     "authfixtures",
     "upstreamfixtures",
     "forwardingfixtures",
     "memoryfixtures",
+    "forkedtwistd",
 ]
 
 
