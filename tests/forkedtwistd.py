@@ -168,12 +168,26 @@ def monitor(connection):
     finally:
         os._exit(0)
 
+def reap():
+    # Ended monitors are reaped here, so that their daemons' CPU time is in
+    # this process's RUSAGE_CHILDREN, and so in the pytest process's.
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                return
+        except ChildProcessError:
+            return
+
 def main():
     listener = socket.socket(fileno=int(sys.argv[1]))
     client = int(sys.argv[2])
     address = sys.argv[3]
     for name in sys.argv[4:]:
-        __import__(name)
+        try:
+            __import__(name)
+        except ImportError:
+            # Not in this environment (an older Twisted): not preloaded.
+            pass
     assert "twisted.internet.reactor" not in sys.modules, "reactor preloaded"
     assert not [name for name in sys.modules if name.split(".")[0] == "svcd"], "svcd preloaded"
     assert threading.active_count() == 1, threading.enumerate()
@@ -181,17 +195,11 @@ def main():
     selector.register(listener, selectors.EVENT_READ)
     selector.register(client, selectors.EVENT_READ)
     while True:
-        # Ended monitors reaped here, so that their daemons' CPU time is in
-        # this process's RUSAGE_CHILDREN, and so in the pytest process's.
-        while True:
-            try:
-                if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                    break
-            except ChildProcessError:
-                break
+        reap()
         for key, _ in selector.select(1.0):
             if key.fileobj == client:
                 # The pytest process is gone: take the address away.
+                reap()
                 os.unlink(address)
                 os.rmdir(os.path.dirname(address))
                 os._exit(0)
@@ -205,7 +213,7 @@ def main():
 
 _request = main()
 _code = _request["code"]
-del json, os, selectors, signal, socket, sys, threading, daemon, monitor, main, _request
+del json, os, selectors, signal, socket, sys, threading, daemon, monitor, reap, main, _request
 exec(compile(_code, "<string>", "exec"))
 """
 
