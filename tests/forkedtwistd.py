@@ -406,9 +406,39 @@ def launch(
     the fork server when it can be, else a new process.
     """
     server = None if _fresh or command[:2] != [sys.executable, "-c"] else _serverFor(environment)
+    with _lock:
+        _starts["forked" if server is not None else "new"] += 1
     if server is None:
         return popen(command, environment, output, cwd)
     return server.fork(command, environment, output, cwd)
+
+
+# How many daemons this process started each way: the run's closing
+# summary says how many twistd the suite starts (Daemon.start) and how.
+_starts = {"forked": 0, "new": 0}
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # An xdist worker hands its counts to the controller.
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["forkedtwistd"] = json.dumps(_starts)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    counts = json.loads(getattr(node, "workeroutput", {}).get("forkedtwistd", "{}"))
+    with _lock:
+        for way, count in counts.items():
+            _starts[way] += count
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _starts["forked"] or _starts["new"]:
+        terminalreporter.write_line(
+            f"forkedtwistd: {_starts['forked']} daemons forked from the preloaded server, "
+            f"{_starts['new']} started as new interpreters (Daemon.start)"
+        )
 
 
 @pytest.hookimpl(hookwrapper=True)
