@@ -351,8 +351,15 @@ class _Server:
             connection.connect(self.address)
             socket.send_fds(connection, [json.dumps(request).encode()], [0, output.fileno()])
             return ForkedProcess(connection, command)
-        except BaseException:
+        except BaseException as error:
             connection.close()
+            status = self.process.poll()
+            if status is not None:
+                # Its traceback (a preloaded library that now installs the
+                # reactor or starts a thread) is on this process's stderr.
+                raise RuntimeError(
+                    f"the fork server of tests/forkedtwistd.py exited with {status}"
+                ) from error
             raise
 
 
