@@ -58,7 +58,9 @@ from typing import BinaryIO
 import pytest
 
 import svcd.devkit.daemons
+import svcd.devkit.upstream.client
 from svcd.devkit.daemons import DaemonProcess, popen
+from svcd.devkit.upstream.client import popen as upstreamPopen
 
 # What the four daemons import from outside the standard library and svcd
 # (python -X importtime), minus what installs the reactor when imported
@@ -121,9 +123,9 @@ _SERVER = r"""
 import json, os, selectors, signal, socket, sys, threading
 
 def daemon(request, streams):
-    for target, fd in zip((0, 1, 2), (streams[0], streams[1], streams[1])):
+    for target, fd in enumerate(streams):
         os.dup2(fd, target)
-    for fd in set(streams):
+    for fd in streams:
         os.close(fd)
     # Dispositions as exec leaves them from the pytest process (an ignored
     # signal stays ignored, subprocess.Popen sets SIGPIPE and SIGXFSZ back
@@ -143,12 +145,23 @@ def daemon(request, streams):
         signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.clear()
     os.environ.update(request["env"])
+    import faulthandler
+    if os.environ.get("PYTHONFAULTHANDLER"):
+        faulthandler.enable(all_threads=True)
+    else:
+        faulthandler.disable()
     os.chdir(request["cwd"])
-    sys.argv = ["-c", *request["arguments"]]
+    if "module" in request:
+        # As python -m: the working directory first on the path, the
+        # module's file as argv[0] (run_module's alter_sys).
+        sys.path[0] = os.getcwd()
+        sys.argv = ["-m", *request["arguments"]]
+    else:
+        sys.argv = ["-c", *request["arguments"]]
 
 def monitor(connection):
-    message, streams, _, _ = socket.recv_fds(connection, 1 << 22, 2)
-    assert len(streams) == 2, streams
+    message, streams, _, _ = socket.recv_fds(connection, 1 << 22, 3)
+    assert len(streams) == 3, streams
     request = json.loads(message)
     pid = os.fork()
     if pid == 0:
@@ -212,9 +225,13 @@ def main():
             connection.close()
 
 _request = main()
-_code = _request["code"]
+_code = _request.get("code")
+_module = _request.get("module")
 del json, os, selectors, signal, socket, sys, threading, daemon, monitor, reap, main, _request
-exec(compile(_code, "<string>", "exec"))
+if _module is None:
+    exec(compile(_code, "<string>", "exec"))
+else:
+    __import__("runpy").run_module(_module, run_name="__main__", alter_sys=True)
 """
 
 # Variables that the interpreter reads when it starts, or that a preloaded
@@ -332,15 +349,24 @@ class _Server:
         self.process.wait(10)
 
     def fork(
-        self, command: list[str], environment: dict[str, str], output: BinaryIO, cwd: Path
+        self,
+        command: list[str],
+        environment: dict[str, str],
+        streams: tuple[int, int, int],
+        cwd: Path,
     ) -> ForkedProcess:
+        """
+        C{command} (C{python -c CODE ...} or C{python -m MODULE ...}) forked
+        with C{environment}, C{streams} as its stdin, stdout and stderr,
+        in C{cwd}.
+        """
         ignored = [
             number
             for number in signal.valid_signals()
             if signal.getsignal(number) == signal.SIG_IGN
         ]
         request = {
-            "code": command[2],
+            "code" if command[1] == "-c" else "module": command[2],
             "arguments": command[3:],
             "env": environment,
             "cwd": str(cwd),
@@ -349,7 +375,7 @@ class _Server:
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             connection.connect(self.address)
-            socket.send_fds(connection, [json.dumps(request).encode()], [0, output.fileno()])
+            socket.send_fds(connection, [json.dumps(request).encode()], list(streams))
             return ForkedProcess(connection, command)
         except BaseException as error:
             connection.close()
@@ -386,17 +412,23 @@ def cpuSeconds() -> float:
 
 
 def _atStart(environment: Mapping[str, str]) -> dict[str, str]:
-    return {name: value for name, value in environment.items() if _readAtStart(name)}
+    # The fault handler is set in each forked process (as its environment
+    # says), not at the server's start.
+    return {
+        name: value
+        for name, value in environment.items()
+        if _readAtStart(name) and name != "PYTHONFAULTHANDLER"
+    }
 
 
 def _serverFor(environment: dict[str, str]) -> _Server | None:
     """
     This process's fork server, started if need be; None unless
-    C{environment} has, in the variables read at start, what L{Daemon.start}
-    gives every daemon: this process's, and C{PYTHONFAULTHANDLER}.
+    C{environment} has this process's values of the variables read at
+    start.
     """
     global _server
-    if _atStart(environment) != _atStart({"PYTHONFAULTHANDLER": "1", **os.environ}):
+    if _atStart(environment) != _atStart(os.environ):
         return None
     with _lock:
         if _server is None or _server.pid != os.getpid() or _server.process.poll() is not None:
@@ -417,7 +449,21 @@ def launch(
         _starts["forked" if server is not None else "new"] += 1
     if server is None:
         return popen(command, environment, output, cwd)
-    return server.fork(command, environment, output, cwd)
+    return server.fork(command, environment, (0, output.fileno(), output.fileno()), cwd)
+
+
+def launchUpstream(command: list[str], log: BinaryIO, cwd: Path) -> DaemonProcess:
+    """
+    L{svcd.devkit.upstream.client.launcher} for the suite: the scripted
+    upstream (C{python -m svcd.devkit.upstream ...}, this process's
+    environment, stdin and stdout /dev/null) forked when it can be.
+    """
+    environment = dict(os.environ)
+    server = None if command[:2] != [sys.executable, "-m"] else _serverFor(environment)
+    if server is None:
+        return upstreamPopen(command, log, cwd)
+    with open(os.devnull, "r+b") as null:
+        return server.fork(command, environment, (null.fileno(), null.fileno(), log.fileno()), cwd)
 
 
 # How many daemons this process started each way: the run's closing
@@ -459,3 +505,4 @@ def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
 
 
 svcd.devkit.daemons.launcher = launch
+svcd.devkit.upstream.client.launcher = launchUpstream
