@@ -460,6 +460,8 @@ def launchUpstream(command: list[str], log: BinaryIO, cwd: Path) -> DaemonProces
     """
     environment = dict(os.environ)
     server = None if command[:2] != [sys.executable, "-m"] else _serverFor(environment)
+    with _lock:
+        _starts["upstreams forked" if server is not None else "upstreams new"] += 1
     if server is None:
         return upstreamPopen(command, log, cwd)
     with open(os.devnull, "r+b") as null:
@@ -468,7 +470,7 @@ def launchUpstream(command: list[str], log: BinaryIO, cwd: Path) -> DaemonProces
 
 # How many daemons this process started each way: the run's closing
 # summary says how many twistd the suite starts (Daemon.start) and how.
-_starts = {"forked": 0, "new": 0}
+_starts = {"forked": 0, "new": 0, "upstreams forked": 0, "upstreams new": 0}
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -487,10 +489,11 @@ def pytest_testnodedown(node: object, error: object) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if _starts["forked"] or _starts["new"]:
+    if any(_starts.values()):
         terminalreporter.write_line(
             f"forkedtwistd: {_starts['forked']} daemons forked from the preloaded server, "
-            f"{_starts['new']} started as new interpreters (Daemon.start)"
+            f"{_starts['new']} started as new interpreters (Daemon.start); scripted "
+            f"upstreams: {_starts['upstreams forked']} forked, {_starts['upstreams new']} new"
         )
 
 

@@ -24,8 +24,9 @@ pytestmark = pytest.mark.e2e
 
 # What a forked process tells of itself, as JSON on its stdout.
 _REPORT = """
-import json, os, signal, sys, threading
+import faulthandler, json, os, signal, sys, threading
 print(json.dumps({
+    "faulthandler": faulthandler.is_enabled(),
     "argv": sys.argv,
     "cwd": os.getcwd(),
     "variable": os.environ.get("FORKED_VARIABLE"),
@@ -73,6 +74,7 @@ def test_forkedAsANewInterpreter(tmp_path: Path) -> None:
     assert report["sigterm"] == repr(signal.SIG_DFL)
     assert report["sigpipe"] == repr(signal.SIG_IGN)
     assert report["threads"] == 1
+    assert report["faulthandler"] is True
     assert report["pid"] == process.pid and report["ppid"] != os.getpid()
 
 
@@ -88,6 +90,39 @@ def test_ignoredSigintStaysIgnored(tmp_path: Path) -> None:
         signal.signal(signal.SIGINT, inherited)
     assert process.wait(60) == 0
     assert json.loads(log.read_text().splitlines()[0])["sigint"] == repr(signal.SIG_IGN)
+
+
+def test_faultHandlerAsTheEnvironmentSays(tmp_path: Path) -> None:
+    """
+    Without PYTHONFAULTHANDLER, the fault handler is off, as in a new
+    interpreter.
+    """
+    log = tmp_path / "out.log"
+    environment = {k: v for k, v in os.environ.items() if k != "PYTHONFAULTHANDLER"}
+    with log.open("ab") as output:
+        process = forkedtwistd.launch(
+            [sys.executable, "-c", _REPORT], environment, output, tmp_path
+        )
+    assert isinstance(process, forkedtwistd.ForkedProcess)
+    assert process.wait(60) == 0
+    assert json.loads(log.read_text().splitlines()[0])["faulthandler"] is False
+
+
+def test_moduleAsPythonDashM(tmp_path: Path) -> None:
+    """
+    C{python -m MODULE ...} (the scripted upstream's way): the module runs
+    as __main__ with its arguments; stdout is /dev/null, stderr the log.
+    """
+    log = tmp_path / "err.log"
+    missing = tmp_path / "missing.json"
+    with log.open("ab") as output:
+        process = forkedtwistd.launchUpstream(
+            [sys.executable, "-m", "json.tool", str(missing)], output, tmp_path
+        )
+    assert isinstance(process, forkedtwistd.ForkedProcess)
+    assert process.wait(60) == 2
+    text = log.read_text()
+    assert "usage: python -m json.tool" in text and "missing.json" in text
 
 
 @pytest.mark.parametrize(
