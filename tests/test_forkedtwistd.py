@@ -70,12 +70,30 @@ def test_forkedAsANewInterpreter(tmp_path: Path) -> None:
     assert report["cwd"] == str(tmp_path)
     assert report["variable"] == "given"
     assert report["svcd"] == [] and report["reactor"] is False
-    assert report["sigint"] == repr(signal.default_int_handler)
+    # As exec from this process leaves it: an xdist worker ignores SIGINT.
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    assert report["sigint"] == repr(signal.SIG_IGN if ignored else signal.default_int_handler)
     assert report["sigterm"] == repr(signal.SIG_DFL)
     assert report["sigpipe"] == repr(signal.SIG_IGN)
     assert report["threads"] == 1
     assert report["faulthandler"] is True
     assert report["pid"] == process.pid and report["ppid"] != os.getpid()
+
+
+def test_handledSigintIsTheInterpreters(tmp_path: Path) -> None:
+    """
+    A signal this process handles is the interpreter's default in the
+    daemon (exec resets it; the interpreter then installs
+    default_int_handler for SIGINT).
+    """
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        process, log = _start(_REPORT, tmp_path)
+    finally:
+        signal.signal(signal.SIGINT, inherited)
+    assert process.wait(60) == 0
+    report = json.loads(log.read_text().splitlines()[0])
+    assert report["sigint"] == repr(signal.default_int_handler)
 
 
 def test_ignoredSigintStaysIgnored(tmp_path: Path) -> None:
