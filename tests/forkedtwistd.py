@@ -4,14 +4,17 @@ third-party libraries once, instead of each a new interpreter importing
 them again.
 
 The suite starts some three hundred daemons (L{svcd.devkit.daemons.Daemon}),
-each of which spent about 0.7 s of CPU before it answered /health, more
-than half of it importing Twisted, grpcio, protobuf, OpenTelemetry,
-cryptography, psycopg, numpy and prometheus_client: a large part of the
-suite's CPU on a 2-core machine. This plugin sets
-L{svcd.devkit.daemons.launcher} so that L{Daemon.start} asks this pytest
-process's fork server (started at its first daemon) for the daemon: the
-server, a fresh interpreter that imported L{PRELOADED}, forks a monitor,
-which forks the daemon's process and reports its pid, then its exit status.
+each of which spent 0.65 s of CPU before it answered /health, two thirds
+of it importing Twisted, grpcio, protobuf, OpenTelemetry, cryptography,
+psycopg, numpy and prometheus_client (forked: 0.21 s), and some hundred
+scripted upstreams (0.26 s to listen; forked: 0.02 s): a large part of
+the suite's CPU on a 2-core machine. This plugin sets
+L{svcd.devkit.daemons.launcher} (and the scripted upstream's,
+L{svcd.devkit.upstream.client.launcher}) so that L{Daemon.start} asks
+this pytest process's fork server (started at its first daemon) for the
+daemon: the server, a fresh interpreter that imported L{PRELOADED}, forks
+a monitor, which forks the daemon's process and reports its pid, then its
+exit status.
 
 What stays as it was: each daemon is a process of its own, with its own
 pid (signalled directly: SIGTERM, SIGINT, SIGKILL, SIGSTOP and SIGCONT),
@@ -31,12 +34,12 @@ server exists); numpy's OpenBLAS threads are stopped by OpenBLAS itself
 before a fork and started again when needed.
 
 A daemon runs as a real subprocess, as before, when its environment
-differs from what L{Daemon.start} gives every daemon in a variable that
-the interpreter or a preloaded library reads when it starts or is
-imported (L{_readAtStart}: a sitecustomize on PYTHONPATH, say), when its
-command is not C{python -c CODE ...}, and in the tests marked
-C{freshinterpreter}: those about twistd's own start (test_proxy_daemon,
-test_auth_daemon, test_memory_daemon, the refusals to start).
+differs from this process's in a variable that the interpreter or a
+preloaded library reads when it starts or is imported (L{_readAtStart}:
+a sitecustomize on PYTHONPATH, say), when its command is not C{python -c
+CODE ...} (the upstream's, C{python -m MODULE ...}), and in the tests
+marked C{freshinterpreter}: those about twistd's own start
+(test_proxy_daemon, test_auth_daemon, test_memory_daemon).
 """
 
 from __future__ import annotations
