@@ -119,9 +119,10 @@ PRELOADED = (
 
 # The server. It imports PRELOADED, then forks a monitor for each
 # connection (and reaps it once ended); the monitor receives the daemon's
-# request and its stdin and output, forks the daemon and reports its pid,
-# then its exit status and CPU time. main() returns only in a daemon's process, which then becomes
-# what `python -c CODE` would have been.
+# request and its three standard streams, forks the daemon and reports its
+# pid, then its exit status and CPU time. main() returns only in a
+# daemon's process, which then becomes what `python -c CODE` (or `python
+# -m MODULE`) would have been.
 _SERVER = r"""
 import json, os, selectors, signal, socket, sys, threading
 
