@@ -26,7 +26,8 @@ from svcd.devkit.daemons import Daemon, memoryEnvironment, twistdCommand
 from svcd.pb.memory.v1 import memory_pb2, memory_pb2_grpc
 
 # Starts real daemons (conftest.py, pytest.ini): left out of a quick run.
-pytestmark = pytest.mark.e2e
+# About twistd's own start: its daemons are new interpreters (forkedtwistd.py).
+pytestmark = [pytest.mark.e2e, pytest.mark.freshinterpreter]
 
 
 @pytest.fixture

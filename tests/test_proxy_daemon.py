@@ -28,7 +28,8 @@ from svcd.pb.auth.v1 import auth_pb2_grpc
 
 # Starts real daemons or processes (conftest.py, pytest.ini): left out of a
 # quick run, dev/test -m "not e2e".
-pytestmark = pytest.mark.e2e
+# About twistd's own start: its daemons are new interpreters (forkedtwistd.py).
+pytestmark = [pytest.mark.e2e, pytest.mark.freshinterpreter]
 
 
 def proxyEnvironment(**overrides: str) -> dict[str, str]:

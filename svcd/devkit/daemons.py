@@ -15,8 +15,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import BinaryIO, Protocol
 
 from svcd.devkit.servers import freePort
 
@@ -37,6 +38,48 @@ def twistdCommand(plugin: str) -> list[str]:
     ]
 
 
+class DaemonProcess(Protocol):
+    """
+    What L{Daemon} and the tests use of a daemon's process: the part of
+    C{subprocess.Popen} that a process started some other way can offer.
+    """
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+def popen(
+    command: list[str], environment: dict[str, str], output: BinaryIO, cwd: Path
+) -> DaemonProcess:
+    """
+    Start C{command} as a new process, its stdout and stderr both on
+    C{output}: how a daemon starts unless L{launcher} says otherwise.
+    """
+    return subprocess.Popen(
+        command, env=environment, stdout=output, stderr=subprocess.STDOUT, cwd=cwd
+    )
+
+
+# How Daemon.start starts a process. The test suite replaces it
+# (tests/forkedtwistd.py) to fork its daemons from a process that imported
+# the third-party libraries once, instead of paying for a new interpreter
+# and those imports at each of its hundreds of starts.
+launcher: Callable[[list[str], dict[str, str], BinaryIO, Path], DaemonProcess] = popen
+
+
 class Daemon:
     """
     One twistd process; its combined output goes to C{logFile}.
@@ -46,7 +89,7 @@ class Daemon:
         self.plugin = plugin
         self.environment = dict(environment)
         self.logFile = logFile
-        self.process: subprocess.Popen[bytes] | None = None
+        self.process: DaemonProcess | None = None
         self.httpPort = int(self.environment["SVC_PORT"])
 
     def start(self) -> "Daemon":
@@ -54,12 +97,8 @@ class Daemon:
         # where, in its log, instead of vanishing silently.
         environment = {"PYTHONFAULTHANDLER": "1", **os.environ, **self.environment}
         with self.logFile.open("ab") as output:
-            self.process = subprocess.Popen(
-                twistdCommand(self.plugin),
-                env=environment,
-                stdout=output,
-                stderr=subprocess.STDOUT,
-                cwd=self.logFile.parent,
+            self.process = launcher(
+                twistdCommand(self.plugin), environment, output, self.logFile.parent
             )
         return self
 
@@ -166,8 +205,8 @@ class Daemon:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.process.kill()
-                self.process.wait()
-        return self.process.returncode
+        # Already over: its status, at once.
+        return self.process.wait()
 
 
 def _allThreadsStopped(pid: int) -> bool:

@@ -22,10 +22,11 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import attrs
 
+from svcd.devkit.daemons import DaemonProcess
 from svcd.devkit.upstream import LOOPBACK
 
 # How long ScriptedUpstream waits for the process to listen, and to stop.
@@ -90,6 +91,22 @@ class UpstreamError(Exception):
     """
 
 
+def popen(command: list[str], log: BinaryIO, cwd: Path) -> DaemonProcess:
+    """
+    Start the server's C{command} as a new process, its stderr on C{log}:
+    how L{ScriptedUpstream.start} starts it unless L{launcher} says
+    otherwise.
+    """
+    return subprocess.Popen(
+        command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log, cwd=cwd
+    )
+
+
+# How ScriptedUpstream.start starts the server. The test suite replaces it
+# (tests/forkedtwistd.py) to fork it from a process that imported Twisted
+# once, as it does its daemons.
+launcher: Callable[[list[str], BinaryIO, Path], DaemonProcess] = popen
+
 # Scripted upstreams started and not yet stopped, for the exit handler.
 _running: set[ScriptedUpstream] = set()
 
@@ -140,7 +157,7 @@ class ScriptedUpstream:
             baseDirectory = Path(tempfile.mkdtemp(prefix="scripted-upstream-"))
         self.baseDirectory = Path(os.path.abspath(baseDirectory))
         self.apiKey = apiKey
-        self._process: subprocess.Popen[bytes] | None = None
+        self._process: DaemonProcess | None = None
         self._port: int | None = None
         self._controlPort: int | None = None
 
@@ -222,13 +239,7 @@ class ScriptedUpstream:
         if self.embeddingDimensions is not None:
             command += ["--embedding-dimensions", str(self.embeddingDimensions)]
         with self.logFile.open("ab") as log:
-            self._process = subprocess.Popen(
-                command,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=log,
-                cwd=self.baseDirectory,
-            )
+            self._process = launcher(command, log, self.baseDirectory)
         _running.add(self)
         process = self._process
         deadline = time.monotonic() + timeout
