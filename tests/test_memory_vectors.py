@@ -159,6 +159,17 @@ def test_minScoreLeavesOutWorseMemories() -> None:
     st.lists(st.integers(0, 39), max_size=40),
     st.one_of(st.none(), st.integers(-4, 4).map(lambda each: each / 4)),
 )
+# More than 16 rows removed: the scope compacts its arrays.
+@example(
+    (
+        [[1.0, float(each % 5)] for each in range(24)],
+        [each % 3 for each in range(24)],
+        [1.0, 1.0],
+        6,
+    ),
+    list(range(0, 34, 2)),
+    None,
+)
 def test_theRankingIsTheOrderOfEveryLiveRow(
     case: tuple[list[list[float]], list[int], list[float], int],
     removed: list[int],
@@ -175,11 +186,15 @@ def test_theRankingIsTheOrderOfEveryLiveRow(
     vectors, created, query, k = case
     rows, ids = rowsOf(vectors, created)
     scope = ScopeVectors.fromRows(len(query), rows)
+    unit = normalised(vectorBytes(query))
+    # Every row's score read before the removal: removing more than 16
+    # rows compacts the scope's arrays, after which their rows are no
+    # longer the rows given (Hypothesis found such a case).
+    matrix = scope._view.matrix[: scope._view.count].astype(numpy.float64)
+    assert len(matrix) == len(vectors)
+    scores = (matrix * unit.astype(numpy.float64)).sum(axis=1).tolist()
     gone = {ids[each] for each in removed if each < len(ids)}
     scope.remove(gone)
-    unit = normalised(vectorBytes(query))
-    matrix = scope._view.matrix[: scope._view.count].astype(numpy.float64)
-    scores = (matrix * unit.astype(numpy.float64)).sum(axis=1).tolist()
     live = [
         (scores[row], moment, memoryID.int)
         for row, (moment, memoryID) in enumerate(zip(created, ids, strict=True))
