@@ -162,12 +162,12 @@ def test_minScoreLeavesOutWorseMemories() -> None:
 # More than 16 rows removed: the scope compacts its arrays.
 @example(
     (
-        [[1.0, float(each % 5)] for each in range(24)],
-        [each % 3 for each in range(24)],
+        [[1.0, float(each % 5)] for each in range(40)],
+        [each % 3 for each in range(40)],
         [1.0, 1.0],
         6,
     ),
-    list(range(0, 34, 2)),
+    list(range(0, 40, 2)),
     None,
 )
 def test_theRankingIsTheOrderOfEveryLiveRow(
