@@ -92,6 +92,24 @@ def removeAbandoned(directory: Path) -> None:
             shutil.rmtree(candidate, ignore_errors=True)
 
 
+def runLogged(command: list[str], log: Path, timeout: float, cwd: Path | None = None) -> int:
+    """
+    Run one of PostgreSQL's programs (initdb, pg_basebackup, a copy) with
+    no input and its output appended to C{log}, which the error raised on
+    its failure quotes; its exit status.
+    """
+    with log.open("ab") as output:
+        return subprocess.run(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+            timeout=timeout,
+            check=False,
+        ).returncode
+
+
 def initdb(
     binaries: Path, clusterDirectory: Path, runAs: list[str], log: Path, timeout: float
 ) -> None:
@@ -117,17 +135,7 @@ def initdb(
             f"--locale={locale}",
             "--no-sync",
         ]
-        with log.open("ab") as output:
-            result = subprocess.run(
-                command,
-                stdin=subprocess.DEVNULL,
-                stdout=output,
-                stderr=subprocess.STDOUT,
-                cwd=clusterDirectory,
-                timeout=timeout * 4,
-                check=False,
-            )
-        if result.returncode == 0:
+        if runLogged(command, log, timeout * 4, cwd=clusterDirectory) == 0:
             break
     else:
         raise ServerError(f"initdb failed; the end of {log}:\n{logTail(log)}")
@@ -173,16 +181,7 @@ def copyInitdb(
         finally:
             shutil.rmtree(building, ignore_errors=True)
     incomplete = clusterDirectory / "data.new"
-    with log.open("ab") as output:
-        result = subprocess.run(
-            [*runAs, "cp", "-a", str(kept / "data"), str(incomplete)],
-            stdin=subprocess.DEVNULL,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            timeout=timeout,
-            check=False,
-        )
-    if result.returncode != 0:
+    if runLogged([*runAs, "cp", "-a", str(kept / "data"), str(incomplete)], log, timeout) != 0:
         raise ServerError(f"copying {kept} failed; the end of {log}:\n{logTail(log)}")
     incomplete.rename(clusterDirectory / "data")
 

@@ -38,6 +38,7 @@ from svcd.devkit.pgfiles import (
     hasRoom,
     initdb,
     removeAbandoned,
+    runLogged,
 )
 from svcd.devkit.servers import (
     DEFAULT_TIMEOUT,
@@ -557,17 +558,7 @@ class PostgresServer:
             "fast",
             "--no-sync",
         ]
-        with log.open("ab") as output:
-            result = subprocess.run(
-                command,
-                stdin=subprocess.DEVNULL,
-                stdout=output,
-                stderr=subprocess.STDOUT,
-                cwd=clusterDirectory,
-                timeout=timeout * 4,
-                check=False,
-            )
-        if result.returncode != 0:
+        if runLogged(command, log, timeout * 4, cwd=clusterDirectory) != 0:
             _removeCluster(baseDirectory / "cluster")
             raise ServerError(f"pg_basebackup failed; the end of {log}:\n{logTail(log)}")
         return PostgresServer(
