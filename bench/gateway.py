@@ -584,7 +584,7 @@ recall_mode = "{recallMode}"
     return path
 
 
-def _remember(
+def remember(
     address: str, orgID: str, agentID: str, memories: int = RECALL_MEMORIES, tied: bool = False
 ) -> None:
     """
@@ -593,6 +593,7 @@ def _remember(
     embedding), under the [memory] model's name; with C{tied}, one vector
     for all of them (the tie path of issue 44: every memory scores the
     same). Added by eight calls at a time, so that 10,000 take seconds.
+    bench/search_cost.py fills its scope with it too.
     """
     generator = random.Random(13)
     shared = [generator.gauss(0, 1) for _ in range(64)]
@@ -796,7 +797,7 @@ def runningStack(
             memory.waitForReady()
             memoryAddress = f"127.0.0.1:{memory.environment['SVC_GRPC_PORT']}"
             # The forward-recall row's scope.
-            _remember(
+            remember(
                 memoryAddress,
                 str(recallOrgID),
                 str(recallAgent.agentID),

@@ -40,6 +40,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from gateway import remember  # noqa: E402
+
 from svcd.auth.store import Store  # noqa: E402
 from svcd.common.migrations import migrate  # noqa: E402
 from svcd.devkit.daemons import Daemon, memoryEnvironment  # noqa: E402
@@ -80,28 +82,11 @@ def processTimes(pid: int) -> tuple[float, int, Counter[str]]:
 
 
 def fill(address: str, orgID: str, agentID: str, memories: int) -> None:
-    generator = random.Random(13)
-    vectors = []
-    for _ in range(memories):
-        values = [generator.gauss(0, 1) for _ in range(64)]
-        norm = sum(value * value for value in values) ** 0.5
-        vectors.append(struct.pack("<64f", *(value / norm for value in values)))
-    with grpc.insecure_channel(address) as channel:
-        stub = memory_pb2_grpc.MemoryServiceStub(channel)
-
-        def add(index: int) -> None:
-            stub.AddMemory(
-                memory_pb2.AddMemoryRequest(
-                    scope=memory_pb2.Scope(org_id=orgID, agent_id=agentID),
-                    content=f"memory {index}: the user mentioned a preference worth keeping",
-                    source="api",
-                    embedding=memory_pb2.Embedding(model=MODEL, vector=vectors[index]),
-                ),
-                timeout=30,
-            )
-
-        with ThreadPoolExecutor(8) as pool:
-            list(pool.map(add, range(memories)))
+    """
+    The scope the forward-recall row of bench/gateway.py searches: the
+    same memories and vectors, stored the same way.
+    """
+    remember(address, orgID, agentID, memories)
 
 
 def searches(
