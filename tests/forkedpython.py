@@ -35,11 +35,11 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from pathlib import Path
+
+from forkserver import ForkServer
 
 # The libraries svcctl imports, the bulk of its start (python -X importtime).
 PRELOADED = (
@@ -160,45 +160,13 @@ def _interpreterVariable(name: str) -> bool:
     return name.startswith(("PYTHON", "LC_")) or name in ("LANG", "LANGUAGE")
 
 
-class _Server:
+class _Server(ForkServer):
     """
     The fork server of this process, started at its first command.
     """
 
     def __init__(self) -> None:
-        self.address = str(Path(tempfile.mkdtemp(prefix="forkedpython-")) / "server")
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        listener.bind(self.address)
-        listener.listen(64)
-        # The server leaves once this end is closed, with this process.
-        gone, self._alive = os.pipe()
-        self.environment = dict(os.environ)
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                _SERVER,
-                str(listener.fileno()),
-                str(gone),
-                self.address,
-                *PRELOADED,
-            ],
-            pass_fds=(listener.fileno(), gone),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            env=self.environment,
-        )
-        listener.close()
-        os.close(gone)
-        self.pid = os.getpid()
-
-    def close(self) -> None:
-        """
-        Stop the server (it leaves when this end of its pipe closes, and
-        removes its address).
-        """
-        os.close(self._alive)
-        self.process.wait(10)
+        super().__init__("forkedpython-", _SERVER, PRELOADED, dict(os.environ))
 
     def run(
         self, module: str, arguments: Sequence[str], environment: Mapping[str, str], timeout: float
@@ -206,9 +174,8 @@ class _Server:
         command = [sys.executable, "-m", module, *arguments]
         outRead, outWrite = os.pipe()
         errRead, errWrite = os.pipe()
-        connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            connection.connect(self.address)
+            connection = self.connection()
             request = {
                 "module": module,
                 "arguments": list(arguments),
@@ -320,7 +287,7 @@ def _serverFor(environment: Mapping[str, str]) -> _Server | None:
     """
     global _server
     with _lock:
-        if _server is None or _server.pid != os.getpid() or _server.process.poll() is not None:
+        if _server is None or not _server.usable():
             _server = _Server()
             atexit.register(_server.close)
         server = _server

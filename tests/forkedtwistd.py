@@ -52,13 +52,13 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Generator, Mapping
 from pathlib import Path
 from typing import BinaryIO
 
 import pytest
+from forkserver import ForkServer
 
 import svcd.devkit.daemons
 import svcd.devkit.upstream.client
@@ -316,41 +316,13 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
-class _Server:
+class _Server(ForkServer):
     """
     The fork server of this process, started at its first daemon.
     """
 
     def __init__(self, environment: dict[str, str]) -> None:
-        self.address = str(Path(tempfile.mkdtemp(prefix="forkedtwistd-")) / "server")
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        listener.bind(self.address)
-        listener.listen(64)
-        # The server leaves once this end is closed, with this process.
-        gone, self._alive = os.pipe()
-        self.environment = environment
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                _SERVER,
-                str(listener.fileno()),
-                str(gone),
-                self.address,
-                *PRELOADED,
-            ],
-            pass_fds=(listener.fileno(), gone),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            env=environment,
-        )
-        listener.close()
-        os.close(gone)
-        self.pid = os.getpid()
-
-    def close(self) -> None:
-        os.close(self._alive)
-        self.process.wait(10)
+        super().__init__("forkedtwistd-", _SERVER, PRELOADED, environment)
 
     def fork(
         self,
@@ -376,13 +348,14 @@ class _Server:
             "cwd": str(cwd),
             "ignored": [int(number) for number in ignored],
         }
-        connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        connection: socket.socket | None = None
         try:
-            connection.connect(self.address)
+            connection = self.connection()
             socket.send_fds(connection, [json.dumps(request).encode()], list(streams))
             return ForkedProcess(connection, command)
         except BaseException as error:
-            connection.close()
+            if connection is not None:
+                connection.close()
             status = self.process.poll()
             if status is not None:
                 # Its traceback (a preloaded library that now installs the
@@ -435,7 +408,7 @@ def _serverFor(environment: dict[str, str]) -> _Server | None:
     if _atStart(environment) != _atStart(os.environ):
         return None
     with _lock:
-        if _server is None or _server.pid != os.getpid() or _server.process.poll() is not None:
+        if _server is None or not _server.usable():
             _server = _Server(environment)
             atexit.register(_server.close)
         return _server
