@@ -19,10 +19,9 @@ from pathlib import Path
 
 from svcd.devkit.servers import (
     DEFAULT_TIMEOUT,
-    INSTALL_HINT,
     LOOPBACK,
-    MissingBinaries,
     ServerError,
+    findProgram,
     freePort,
     logTail,
     running,
@@ -41,17 +40,7 @@ def findRedisServer() -> Path:
 
     @raise MissingBinaries: when Redis is not installed.
     """
-    found = shutil.which("redis-server")
-    if found is None:
-        for candidate in REDIS_SERVER_CANDIDATES:
-            if os.access(candidate, os.X_OK):
-                found = candidate
-                break
-    if found is None:
-        raise MissingBinaries(
-            "redis-server was not found on PATH. " + INSTALL_HINT.format(package="redis-server")
-        )
-    return Path(found)
+    return findProgram("redis-server", REDIS_SERVER_CANDIDATES, "redis-server")
 
 
 class RedisServer:

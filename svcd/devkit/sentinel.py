@@ -24,10 +24,9 @@ from pathlib import Path
 from svcd.devkit.redis import RedisServer
 from svcd.devkit.servers import (
     DEFAULT_TIMEOUT,
-    INSTALL_HINT,
     LOOPBACK,
-    MissingBinaries,
     ServerError,
+    findProgram,
     freePort,
     logTail,
     running,
@@ -46,17 +45,7 @@ def findRedisSentinel() -> Path:
 
     @raise MissingBinaries: when it is not installed.
     """
-    found = shutil.which("redis-sentinel")
-    if found is None:
-        for candidate in SENTINEL_CANDIDATES:
-            if os.access(candidate, os.X_OK):
-                found = candidate
-                break
-    if found is None:
-        raise MissingBinaries(
-            "redis-sentinel was not found on PATH. " + INSTALL_HINT.format(package="redis-sentinel")
-        )
-    return Path(found)
+    return findProgram("redis-sentinel", SENTINEL_CANDIDATES, "redis-sentinel")
 
 
 def command(port: int, *words: str, timeout: float = 2.0, password: str | None = None) -> Reply:

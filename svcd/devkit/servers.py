@@ -24,6 +24,7 @@ import atexit
 import contextlib
 import fcntl
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -57,6 +58,25 @@ class MissingBinaries(ServerError):
     """
     The server programs are not installed on this machine.
     """
+
+
+def findProgram(name: str, candidates: tuple[str, ...], package: str) -> Path:
+    """
+    The program C{name}: on PATH, or else the first of C{candidates} that
+    may be run (sudo's secure_path and cron's PATH lack /usr/sbin on some
+    systems).
+
+    @raise MissingBinaries: when it is not installed, naming the Debian
+        C{package} that has it.
+    """
+    found = shutil.which(name)
+    if found is None:
+        found = next((each for each in candidates if os.access(each, os.X_OK)), None)
+    if found is None:
+        raise MissingBinaries(
+            f"{name} was not found on PATH. " + INSTALL_HINT.format(package=package)
+        )
+    return Path(found)
 
 
 def freePort() -> int:
