@@ -24,7 +24,7 @@ Redis server, its own temporary directories (pytest gives each worker a
 base directory), its own reactor. What they share is the machine, and so:
 
   - Ports. Servers and daemons listen on ports from
-    L{svcd.devkit.servers.freePort}, which the kernel picks free; another
+    L{svcd.devkit.servers.freePort}, free when it is picked; another
     worker's next call could be handed the same port before the first one's
     daemon has bound it. freePort reserves each port it hands out, machine
     wide, for as long as the process that took it lives, and passes over

@@ -40,7 +40,7 @@ def test_theDefaultIsSetWhenNoneIsNamed() -> None:
 
 
 def test_anOperatorsValueIsKept() -> None:
-    for theirs in ("", "-event_engine_client", "event_engine_dns"):
+    for theirs in ("", "-event_engine_listener", "event_engine_dns"):
         environ = {GRPC_EXPERIMENTS: theirs}
         settleGrpcTransport(environ)
         assert environ == {GRPC_EXPERIMENTS: theirs}

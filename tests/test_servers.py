@@ -92,6 +92,66 @@ def test_freePortTakesOverReservationsOfEndedProcesses(
     assert not (directory / "40003").exists()
 
 
+def test_freePortIsBelowTheEphemeralRange() -> None:
+    """
+    With the kernel's ephemeral range where Linux puts it, freePort's ports
+    come from below it, where no connect() takes a local port and no bind
+    of port 0 lands: only an explicit bind could take one before its owner
+    does.
+    """
+    start = servers._ephemeralStart()
+    assert start is not None
+    if start - servers._BAND_START < servers._LEAST_BAND:
+        pytest.fail(f"this machine's ephemeral range starts at {start}: no band below it")
+    ports = [freePort() for _ in range(20)]
+    assert all(servers._BAND_START <= port < start for port in ports), ports
+    assert len(set(ports)) == len(ports)
+
+
+def test_aTakenPortOfTheBandIsPassedOver(monkeypatch: pytest.MonkeyPatch) -> None:
+    """
+    A port of the band that someone has bound is not offered; the next draw
+    is.
+    """
+    with socket.socket() as holder, socket.socket() as other:
+        holder.bind(("127.0.0.1", 0))
+        other.bind(("127.0.0.1", 0))
+        taken, free = holder.getsockname()[1], other.getsockname()[1]
+        other.close()
+        draws = iter([taken, taken, free])
+        monkeypatch.setattr(
+            servers, "_random", type("Drawn", (), {"randrange": lambda *_: next(draws)})()
+        )
+        monkeypatch.setattr(servers, "_BAND_START", min(taken, free))
+        monkeypatch.setattr(servers, "_LEAST_BAND", 0)
+        monkeypatch.setattr(servers, "_ephemeralStart", lambda: max(taken, free) + 1)
+        assert servers._unusedPort() == free
+
+
+def test_noBandMeansTheKernelsPick(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """
+    An ephemeral range that leaves too narrow a band below it (or none that
+    can be read) leaves the choice to the kernel, as before.
+    """
+    drawn: list[int] = []
+
+    class Recording:
+        def randrange(self, low: int, high: int) -> int:
+            drawn.append(low)
+            return low
+
+    monkeypatch.setattr(servers, "_random", Recording())
+    narrow = tmp_path / "ip_local_port_range"
+    narrow.write_text(f"{servers._BAND_START + 100}\t60999\n")
+    monkeypatch.setattr(servers, "_PORT_RANGE", narrow)
+    assert servers._ephemeralStart() == servers._BAND_START + 100
+    assert 0 < servers._unusedPort() < 65536
+    monkeypatch.setattr(servers, "_PORT_RANGE", tmp_path / "missing")
+    assert servers._ephemeralStart() is None
+    assert 0 < servers._unusedPort() < 65536
+    assert drawn == []
+
+
 def test_postgresStartQueryStopStart(privatePostgres: PostgresServer) -> None:
     """
     A started server answers queries; once stopped it refuses connections;

@@ -6,19 +6,18 @@ module loads: a value set later changes nothing).
 grpcio 1.85 moves each connection's bytes on its EventEngine's own threads
 by default: a message that arrives is read by one of those threads, handed
 to another, then signalled through an eventfd to the thread that polls the
-completion queue (svc-auth's and svc-memory's server poller, a channel's
-completion thread in svc-proxy), which only then hands it to Python: three
-thread wake-ups before a handler or a done-callback runs, each a futex and
-on a virtual machine an exit to the hypervisor. Turned off (the four
-C{-event_engine_...} experiments below), the thread that polls the queue
-reads the socket itself, as grpcio did before EventEngine.
+completion queue (svc-auth's and svc-memory's server poller), which only
+then hands it to Python: three thread wake-ups before a handler runs, each
+a futex and on a virtual machine an exit to the hypervisor. Turned off for
+the servers' side (the three C{-event_engine_...} experiments below), the
+thread that polls the queue reads the socket itself, as grpcio did before
+EventEngine.
 
-Measured on the shared 2-core machine (bench/README.rst, "Twenty-seventh
-round"): one unary call at a time against a local server, 0.89 -> 0.74 ms
-p50 and 441 -> 372 µs of the client's CPU a call; a recall's Search
-(C{bench/gateway.py}'s forward-recall row at one connection) 1,615 -> 1,092
-µs of svc-memory's CPU, and the row's share of forward's requests a second
-28.2% -> 40.5%.
+Measured on the shared 2-core machine (C{bench/search_cost.py --tree
+.@GRPC_EXPERIMENTS= --tree .}, four rounds alternating, bench/README.rst,
+"Twenty-seventh round"): svc-memory's CPU a recall's Search 758 -> 700 µs,
+its context switches 17.7 -> 5.7 a Search; the p50 a client sees the same
+(0.955 against 0.943 ms).
 
 C{GRPC_EXPERIMENTS} is gRPC's documented variable for this
 (doc/environment_variables.md in grpc/grpc); an operator's own value is
@@ -35,11 +34,16 @@ from collections.abc import MutableMapping
 
 GRPC_EXPERIMENTS = "GRPC_EXPERIMENTS"
 
-# The EventEngine's endpoints (client, listener and the rest) and its
-# completion-queue callbacks, each turned off.
+# The EventEngine's endpoints of accepted connections (the listener's)
+# and of the rest, and its completion-queue callbacks, each turned off. Not
+# its client (C{event_engine_client}): turned off too, it made one call at
+# a time cheaper still (0.90 -> 0.71 ms p50 against the default's 0.95),
+# but grpcio's older client then reconnected to a restarted svc-auth some
+# 2 s after it was back instead of 0.03 s (test_faults_gateway's
+# test_authKilledFrozenAndRestartedMidLoad, whose promise is 5 s: under
+# load it broke it).
 POLLING_THREAD_READS = ",".join(
     (
-        "-event_engine_client",
         "-event_engine_listener",
         "-event_engine_for_all_other_endpoints",
         "-event_engine_callback_cq",

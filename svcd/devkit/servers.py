@@ -24,6 +24,7 @@ import atexit
 import contextlib
 import fcntl
 import os
+import random
 import shutil
 import signal
 import socket
@@ -85,17 +86,21 @@ def freePort() -> int:
     and that no other call of C{freePort} on this machine (in this process
     or another, for as long as that process lives) has handed out.
 
-    The kernel picks it, so it is free at this instant; but the caller binds
-    it only later (a daemon takes a second or more to start), and the kernel
-    may pick the same port again for the next caller in between. Tests run
+    It is free at this instant; but the caller binds it only later (a
+    daemon takes a second or more to start), and the same port may be
+    picked again for the next caller in between. Tests run
     in parallel (pytest-xdist workers, other developers' runs) would then
     start two servers on one port, and one of them fails. So each port
-    handed out is reserved in L{_PortReservations}, and a port the kernel
-    offers again while its reservation holds is passed over.
+    handed out is reserved in L{_PortReservations}, and a port offered
+    again while its reservation holds is passed over.
 
-    A process that binds port 0 itself (grpcio, tests/tcprelay.py) can
-    still take a reserved port before its owner binds it; the servers pick
-    a new one and retry when their first start finds the port taken.
+    The port comes from below the kernel's range of ephemeral ports
+    (L{_unusedPort}) when that leaves room: no C{connect()} takes a local
+    port there, nor anyone's bind of port 0 (grpcio, tests/tcprelay.py),
+    so between this call and its owner's bind only another explicit bind
+    of that port could take it. Otherwise it is the kernel's own pick, and
+    any of those can take it first; the servers pick a new one and retry
+    when their first start finds the port taken.
     """
     for _ in range(_PORT_ATTEMPTS):
         port = _unusedPort()
@@ -110,15 +115,53 @@ def freePort() -> int:
 # reservation (a few are passed over at most, even with thousands held).
 _PORT_ATTEMPTS = 50
 
+# The band freePort draws from: from here up to the first ephemeral port
+# (32768 by Linux's default; 10,000 ports and more), above the registered
+# ports of the servers a developer's machine may run (PostgreSQL's 5432,
+# Redis's 6379, 8080 and its kin). A band of fewer than _LEAST_BAND ports
+# (an ip_local_port_range lowered by the operator) is not used.
+_BAND_START = 20000
+_LEAST_BAND = 2000
+_BAND_ATTEMPTS = 20
+_PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def _ephemeralStart() -> int | None:
+    """
+    The first port of the kernel's ephemeral range; None when it cannot
+    be read (not Linux).
+    """
+    try:
+        return int(_PORT_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
 
 def _unusedPort() -> int:
     """
-    A loopback TCP port nobody has bound right now, as the kernel picks it.
+    A loopback TCP port nobody has bound right now: one drawn at random
+    below the ephemeral range that a bind shows free, else (no such band,
+    or every draw taken) the kernel's pick.
     """
+    start = _ephemeralStart()
+    if start is not None and start - _BAND_START >= _LEAST_BAND:
+        for _ in range(_BAND_ATTEMPTS):
+            port = _random.randrange(_BAND_START, start)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                try:
+                    probe.bind((LOOPBACK, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((LOOPBACK, 0))
-        port: int = probe.getsockname()[1]
-        return port
+        kernels: int = probe.getsockname()[1]
+        return kernels
+
+
+# Seeded by the system, not by the tests' random seeds: two workers seeded
+# alike would draw the same ports in the same order.
+_random = random.SystemRandom()
 
 
 class _PortReservations:
