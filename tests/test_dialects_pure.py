@@ -3,8 +3,8 @@ svcd.dialects is pure code over parsed JSON: importing every module of it
 loads no Twisted, no gRPC, nothing of the proxy or of the providers'
 client, so that the routes, the scripted upstream and the benchmarks can
 all use it (besides svcd.common.grpcruntime, which svcd's own __init__
-runs: a dictionary's default, importing nothing). In a fresh interpreter, since this test process has long
-imported the rest.
+runs: a dictionary's default, importing nothing). In a fresh interpreter,
+since this test process has long imported the rest.
 """
 
 from __future__ import annotations
