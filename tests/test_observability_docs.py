@@ -30,7 +30,7 @@ from svcd.proxy.observe import ObservationOutboxMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
 OPERATIONS = (ROOT / "docs" / "operations.rst").read_text()
-_VARIABLE = re.compile(r"\b((?:SVC|OTEL|POSTGRES|REDIS)_[A-Z0-9_]*[A-Z0-9])\b")
+_VARIABLE = re.compile(r"\b((?:SVC|OTEL|POSTGRES|REDIS|GRPC)_[A-Z0-9_]*[A-Z0-9])\b")
 # Names in the source that are not environment variables.
 _NOT_VARIABLES = {"SVC_ENV_VALUES"}
 
@@ -66,7 +66,7 @@ def readBySDK() -> set[str]:
 
 def test_everyVariableIsDocumented() -> None:
     """
-    Each SVC_, OTEL_, POSTGRES_ and REDIS_ variable named in svcd is in a
+    Each SVC_, OTEL_, POSTGRES_, REDIS_ and GRPC_ variable named in svcd is in a
     configuration table of docs/operations.rst (or, for those the
     OpenTelemetry SDK reads itself, in their section).
     """
