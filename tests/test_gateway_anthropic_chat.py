@@ -140,7 +140,7 @@ def test_chatCompletion(stack: Stack) -> None:
     the cache's reads in prompt_tokens_details.
     """
     requestID = str(uuid.uuid4())
-    completion = stack.client().chat.completions.create(
+    raw = stack.client().chat.completions.with_raw_response.create(
         model="claude-cached",
         messages=[
             {"role": "system", "content": "You are terse."},
@@ -149,6 +149,9 @@ def test_chatCompletion(stack: Stack) -> None:
         temperature=0.5,
         extra_headers={"X-Request-ID": requestID},
     )
+    completion = raw.parse()
+    # OpenAI's dialect: its own header alone, not Anthropic's request-id.
+    assert raw.headers["x-request-id"] == requestID and "request-id" not in raw.headers
     sent = stack.sent(requestID)
     assert sent.path == "/v1/messages"
     assert sent.header("x-api-key") == KEY and sent.header("authorization") is None

@@ -329,6 +329,9 @@ def test_createToAnthropicProviderRelayedAsGiven(stack: Stack) -> None:
     assert raw.headers["x-svc-upstream-model"] == "claude"
     requestID = raw.headers["x-request-id"]
     message = raw.parse()
+    # The id where Anthropic's API puts it, once, as the SDK reads it.
+    assert raw.headers.get_list("request-id") == [requestID]
+    assert message._request_id == requestID
     (received,) = stack.received(requestID)
     assert (received.method, received.path) == ("POST", "/v1/messages")
     assert received.body == {
@@ -414,6 +417,7 @@ def test_streamTextDeltasAndFinalMessage(stack: Stack, model: str) -> None:
         deltas = list(stream.text_stream)
         final = stream.get_final_message()
         requestID = stream.response.headers["x-request-id"]
+        assert stream.response.headers.get_list("request-id") == [requestID]
         assert stream.response.headers["content-type"].startswith("text/event-stream")
     assert len(deltas) > 3
     assert "".join(deltas) == final.content[0].text  # type: ignore[union-attr]
@@ -552,6 +556,7 @@ def test_authenticationError(stack: Stack) -> None:
     inner = errorBody(raised.value)
     assert (inner["type"], inner["code"]) == ("authentication_error", "INVALID_TOKEN")
     assert stack.receivedNothing(raised.value.response.headers["x-request-id"])
+    assert raised.value.request_id == raised.value.response.headers["x-request-id"]
     tenant = stack.tenants["main"]
     headers = {"Authorization": f"Bearer {bogus}"}
     with pytest.raises(anthropic.AuthenticationError) as raised:

@@ -90,6 +90,10 @@ _CLIENT_CLOSED = 499
 _SPAN_ERROR = Status(StatusCode.ERROR)
 
 
+# The header of Anthropic's API that carries its request id.
+_ANTHROPIC_REQUEST_ID = b"request-id"
+
+
 class ProxyEdge:
     """
     The routes of spec 4.1 and 4.2 with their middleware.
@@ -505,7 +509,8 @@ class ProxyEdge:
     async def responseHeaders(self, ctx: RequestContext, inner: Handler) -> Reply:
         """
         X-Request-ID, X-Trace-ID and X-Response-Time on every answer, plus
-        what the steps added (X-RateLimit-*).
+        what the steps added (X-RateLimit-*); on the Messages routes the
+        request id in C{request-id} too (decisions D14).
         """
         reply = await inner(ctx)
         if not reply.streamed:
@@ -515,7 +520,12 @@ class ProxyEdge:
     def _addStandardHeaders(self, ctx: RequestContext, reply: Reply) -> None:
         headers = reply.headers
         headers.extend(ctx.responseHeaders)
-        headers.append((self._requestIDHeader, ctx.requestID.encode("ascii")))
+        requestID = ctx.requestID.encode("ascii")
+        headers.append((self._requestIDHeader, requestID))
+        if ctx.dialect == ANTHROPIC and self._requestIDHeader.lower() != _ANTHROPIC_REQUEST_ID:
+            # Where Anthropic's API puts it, and its SDKs read it (a
+            # message's _request_id, an error's request_id): the same id.
+            headers.append((_ANTHROPIC_REQUEST_ID, requestID))
         if ctx.traceID:
             headers.append((self._traceIDHeader, ctx.traceID.encode("ascii")))
         elapsed = (self._clock.seconds() - ctx.started) * 1000
