@@ -12,7 +12,6 @@ from typing import Any
 import grpc
 
 from svcd.common.config import GrpcTLS
-from svcd.common.grpcruntime import keepConnecting
 
 # grpcio's default reconnect backoff grows to two minutes: after svc-auth
 # has been away for a while, the proxy would keep failing closed long after
@@ -68,10 +67,10 @@ def authChannel(address: str, tls: GrpcTLS | None = None) -> Any:
     and, for mutual TLS, its client certificate.
     """
     if tls is None:
-        return keepConnecting(grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     credentials = grpc.ssl_channel_credentials(
         root_certificates=tls.rootCertificates,
         private_key=tls.privateKey,
         certificate_chain=tls.certificateChain,
     )
-    return keepConnecting(grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS))
+    return grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)

@@ -6,26 +6,18 @@ module loads: a value set later changes nothing).
 grpcio 1.85 moves each connection's bytes on its EventEngine's own threads
 by default: a message that arrives is read by one of those threads, handed
 to another, then signalled through an eventfd to the thread that polls the
-completion queue (a server's poller in svc-auth and svc-memory, a
-channel's completion thread in svc-proxy and svc-worker), which only then
-hands it to Python: three thread wake-ups before a handler or a
-done-callback runs, each a futex and on a virtual machine an exit to the
-hypervisor. Turned off (the four C{-event_engine_...} experiments below),
-the thread that polls the queue reads the socket itself, as grpcio did
-before EventEngine.
+completion queue (svc-auth's and svc-memory's server poller), which only
+then hands it to Python: three thread wake-ups before a handler runs, each
+a futex and on a virtual machine an exit to the hypervisor. Turned off for
+the servers' side (the three C{-event_engine_...} experiments below), the
+thread that polls the queue reads the socket itself, as grpcio did before
+EventEngine.
 
-That older client notices a connection attempt's end only while a thread
-polls the channel, and calls that fail at once while it is down poll
-nothing: it found a restarted server one to four seconds after it was back
-(each attempt "timed out" after a second). L{keepConnecting} watches every
-channel svc makes, as grpcio's own C{channel_ready_future} does while it
-waits, so that it finds it within a third of a second, as EventEngine's
-client does.
-
-Measured on the shared 2-core machine (bench/README.rst, "Twenty-seventh
-round"): one unary call at a time against a local server, 0.95 -> 0.71 ms
-p50 and 480 -> 370 µs of the client's CPU a call; svc-memory's CPU a
-recall's Search 990 -> 888 µs, its context switches 17.8 -> 12.5.
+Measured on the shared 2-core machine (C{bench/search_cost.py --tree
+.@GRPC_EXPERIMENTS= --tree .}, four rounds alternating, bench/README.rst,
+"Twenty-seventh round"): svc-memory's CPU a recall's Search 758 -> 700 µs,
+its context switches 17.7 -> 5.7 a Search; the p50 a client sees the same
+(0.955 against 0.943 ms).
 
 C{GRPC_EXPERIMENTS} is gRPC's documented variable for this
 (doc/environment_variables.md in grpc/grpc); an operator's own value is
@@ -39,17 +31,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import MutableMapping
-from typing import Any, TypeVar
-
-_Channel = TypeVar("_Channel")
 
 GRPC_EXPERIMENTS = "GRPC_EXPERIMENTS"
 
-# The EventEngine's endpoints (a channel's, a listener's, the rest) and
-# its completion-queue callbacks, each turned off.
+# The EventEngine's endpoints of accepted connections (the listener's)
+# and of the rest, and its completion-queue callbacks, each turned off. Not
+# its client (C{event_engine_client}): turned off too, it made one call at
+# a time cheaper still (0.90 -> 0.71 ms p50 against the default's 0.95),
+# but grpcio's older client then reconnected to a restarted svc-auth some
+# 2 s after it was back instead of 0.03 s (test_faults_gateway's
+# test_authKilledFrozenAndRestartedMidLoad, whose promise is 5 s: under
+# load it broke it).
 POLLING_THREAD_READS = ",".join(
     (
-        "-event_engine_client",
         "-event_engine_listener",
         "-event_engine_for_all_other_endpoints",
         "-event_engine_callback_cq",
@@ -64,21 +58,3 @@ def settleGrpcTransport(environ: MutableMapping[str, str] = os.environ) -> None:
     C{__init__}, so that it runs before any svc module imports grpcio.
     """
     environ.setdefault(GRPC_EXPERIMENTS, POLLING_THREAD_READS)
-
-
-def _connectivityChanged(state: Any) -> None:
-    # Nothing to do: the watch itself is what keeps the channel polled.
-    pass
-
-
-def keepConnecting(channel: _Channel) -> _Channel:
-    """
-    C{channel}, watched for as long as it lives (grpcio's C{subscribe}
-    with C{try_to_connect}: a thread of grpcio's that waits on the
-    channel's state a fifth of a second at a time, polling it meanwhile,
-    and ends when the channel closes), so that a connection attempt is
-    noticed as soon as it ends, and a restarted server found within a
-    third of a second, with or without EventEngine's client.
-    """
-    channel.subscribe(_connectivityChanged, try_to_connect=True)  # type: ignore[attr-defined]
-    return channel

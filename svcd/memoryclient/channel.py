@@ -10,8 +10,6 @@ from typing import Any
 import attrs
 import grpc
 
-from svcd.common.grpcruntime import keepConnecting
-
 # As the proxy's channel to svc-auth: reconnect within a second of
 # svc-memory's return, notice a dead host between calls, and fail a call
 # made while the channel is down at once (no wait_for_ready).
@@ -45,10 +43,10 @@ def memoryChannel(address: str, tls: ClientTLS | None = None) -> Any:
     as C{host:port} or C{ipv4:a:port,b:port}): plaintext without C{tls}.
     """
     if tls is None:
-        return keepConnecting(grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     credentials = grpc.ssl_channel_credentials(
         root_certificates=tls.rootCertificates,
         private_key=tls.privateKey,
         certificate_chain=tls.certificateChain,
     )
-    return keepConnecting(grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS))
+    return grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
