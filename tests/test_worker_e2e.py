@@ -148,6 +148,26 @@ def test_twoWorkersNeverProcessAnObservationTwice(stack: WorkerStack, tmp_path: 
         assert sum(done) == 40 and all(done), done
 
 
+def setDailyBudget(rig: WorkerRig, usd: str) -> None:
+    """
+    The rig's organization's budget for a day, C{usd} dollars, set with
+    svcctl as an operator does.
+    """
+    document(
+        svcctl(
+            rig.dsn,
+            "budget",
+            "set",
+            "--org",
+            str(rig.tenant.orgID),
+            "--usd",
+            usd,
+            "--period",
+            "day",
+        )
+    )
+
+
 def test_aBudgetsRefusalWaitsUnchargedAndUncounted(stack: WorkerStack, tmp_path: Path) -> None:
     """
     An organization whose day's budget cannot hold the extraction's worst
@@ -158,19 +178,7 @@ def test_aBudgetsRefusalWaitsUnchargedAndUncounted(stack: WorkerStack, tmp_path:
     """
 
     def tinyBudget(rig: WorkerRig) -> None:
-        document(
-            svcctl(
-                rig.dsn,
-                "budget",
-                "set",
-                "--org",
-                str(rig.tenant.orgID),
-                "--usd",
-                "0.000001",
-                "--period",
-                "day",
-            )
-        )
+        setDailyBudget(rig, "0.000001")
 
     with stack.rig(tmp_path, prepare=tinyBudget) as rig:
         worker = rig.startWorker()
@@ -189,19 +197,7 @@ def test_aBudgetsRefusalWaitsUnchargedAndUncounted(stack: WorkerStack, tmp_path:
         )
         assert 0 < wait <= min(300, (midnight - row["now"]).total_seconds() + 1)
         assert rig.ledger() == [] and rig.memories() == []
-        document(
-            svcctl(
-                rig.dsn,
-                "budget",
-                "set",
-                "--org",
-                str(rig.tenant.orgID),
-                "--usd",
-                "100",
-                "--period",
-                "day",
-            )
-        )
+        setDailyBudget(rig, "100")
         # The feed carries the new budget to the worker within a second: the
         # job is made due again until a claim finds the budget raised.
         retryUntilProcessed(rig, worker)
