@@ -145,6 +145,8 @@ class ProxyEdge:
         self._clock = clock
         self._docsBase = config.errorDocsBase
         self._requestIDHeader = config.requestIDHeader.encode("ascii")
+        # Unless the operator named that header already (decisions D14).
+        self._anthropicRequestID = self._requestIDHeader.lower() != _ANTHROPIC_REQUEST_ID
         self._traceIDHeader = config.traceIDHeader.encode("ascii")
 
         # The route families, each with what its routes read.
@@ -522,7 +524,7 @@ class ProxyEdge:
         headers.extend(ctx.responseHeaders)
         requestID = ctx.requestID.encode("ascii")
         headers.append((self._requestIDHeader, requestID))
-        if ctx.dialect == ANTHROPIC and self._requestIDHeader.lower() != _ANTHROPIC_REQUEST_ID:
+        if ctx.dialect == ANTHROPIC and self._anthropicRequestID:
             # Where Anthropic's API puts it, and its SDKs read it (a
             # message's _request_id, an error's request_id): the same id.
             headers.append((_ANTHROPIC_REQUEST_ID, requestID))
